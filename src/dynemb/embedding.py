@@ -1,0 +1,226 @@
+"""DynamicEmbedding: the user's embedding variable over a growable, evicting hash table."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .table import EvictionPolicy, KeyValueTable, Rows
+from .table.checks import check_keys, check_rows_like
+from .table.initializers import InitializerSpec
+from .table.table import EvictHook
+
+__all__ = ["DynamicEmbedding"]
+
+_FORMAT = 1
+
+
+class DynamicEmbedding(nn.Module):
+    """An embedding keyed by arbitrary int32/int64 ids, growing as ids arrive and evicting under a bound.
+
+    Args:
+        dim: embedding width ``D``.
+        key_dtype: ``torch.int64`` (default) or ``torch.int32``. Every value of the dtype is a valid key.
+        dtype: float32, float16 or bfloat16.
+        initializer: ``"uniform"`` (±0.05, default), ``"normal"``, ``"truncated_normal"`` (std 0.05),
+            ``"zeros"``, a float constant, an :class:`dynemb.table.Initializer`, or a callable
+            ``(n, dim) -> Tensor``. Built-in initializers give each key the same row on any device or rank.
+        device: device of the table (default CPU).
+        init_capacity: rows allocated up front.
+        max_capacity: most rows kept; beyond it the lowest-score rows are evicted. ``None``: unbounded.
+        eviction: ``"lru"`` (default), ``"lfu"``, ``"epoch_lru"``, ``"epoch_lfu"`` or ``"custom"``; defines
+            the scores used by eviction and :meth:`restrict`.
+        on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows.
+        seed: initializer seed; ``None`` draws one from torch's global RNG (so ``torch.manual_seed`` fixes it).
+
+    Shape:
+        ``forward(ids)``: ids of any shape ``S`` -> ``S + (D,)``.
+
+    Example:
+        >>> emb = DynamicEmbedding(4, initializer="zeros")
+        >>> emb(torch.tensor([[1, 2**40], [-1, 1]])).shape
+        torch.Size([2, 2, 4])
+        >>> len(emb)
+        3
+        >>> emb.eval()(torch.tensor([7])).sum().item(), len(emb)  # eval inserts nothing
+        (0.0, 3)
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        key_dtype: torch.dtype = torch.int64,
+        dtype: torch.dtype = torch.float32,
+        initializer: InitializerSpec = "uniform",
+        device: torch.device | str | None = None,
+        init_capacity: int = 8192,
+        max_capacity: int | None = None,
+        eviction: EvictionPolicy | str | None = None,
+        on_evict: EvictHook | None = None,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.table = KeyValueTable(
+            dim,
+            key_dtype=key_dtype,
+            dtype=dtype,
+            device=device,
+            init_capacity=init_capacity,
+            max_capacity=max_capacity,
+            eviction=eviction,
+            initializer=initializer,
+            seed=seed,
+            on_evict=on_evict,
+        )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def dim(self) -> int:
+        return self.table.dim
+
+    @property
+    def key_dtype(self) -> torch.dtype:
+        return self.table.key_dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.table.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    # ------------------------------------------------------------------ lookups
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for ``ids`` (any shape ``S``) as ``S + (D,)``. Training: missing ids are inserted.
+        Eval: missing ids read their initializer row and nothing is inserted."""
+        from .functional import embedding_lookup
+
+        return embedding_lookup(self, ids)
+
+    def lookup(self, keys: torch.Tensor, return_exists: bool = False):
+        """Read rows without inserting. Missing keys get their initializer row.
+
+        Returns ``values`` ``S + (D,)``, and ``exists`` ``S`` bool when ``return_exists``.
+        """
+        values, found = self.table.find(keys)
+        return (values, found) if return_exists else values
+
+    def contains(self, keys: torch.Tensor) -> torch.Tensor:
+        """Bool ``S``: whether each key is stored."""
+        return self.table.contains(keys)
+
+    # ------------------------------------------------------------------ updates
+    def upsert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Insert or overwrite rows (``keys`` ``S``, ``values`` ``S + (D,)``); the last duplicate wins."""
+        self.table.insert_or_assign(keys, values)
+
+    def assign(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """SOK's ``assign``: the same as :meth:`upsert`."""
+        self.table.insert_or_assign(keys, values)
+
+    def accum(self, keys, old_values, new_values, exists) -> None:
+        """TFRA's ``accum``; see :meth:`dynemb.table.KeyValueTable.accum`."""
+        self.table.accum(keys, old_values, new_values, exists)
+
+    def remove(self, keys: torch.Tensor) -> int:
+        """Remove keys (missing keys are ignored); returns how many were removed."""
+        return self.table.erase(keys)
+
+    def clear(self) -> None:
+        """Remove every key."""
+        self.table.clear()
+
+    def restrict(self, num_reserved: int, trigger: int | None = None) -> Rows:
+        """Keep the ``num_reserved`` highest-score rows when ``size > trigger``; returns the evicted rows."""
+        return self.table.restrict(num_reserved, trigger)
+
+    def export(self, with_scores: bool = False):
+        """``(keys [N], values [N, D])``, plus ``scores [N]`` int64 when ``with_scores``. Copies."""
+        rows = self.table.export()
+        return (rows.keys, rows.values, rows.scores) if with_scores else (rows.keys, rows.values)
+
+    def size(self) -> int:
+        return self.table.size()
+
+    def __len__(self) -> int:
+        return self.table.size()
+
+    def extra_repr(self) -> str:
+        t = self.table
+        return (
+            f"dim={t.dim}, key_dtype={t.key_dtype}, dtype={t.dtype}, size={t.size()}, "
+            f"max_capacity={t.max_capacity}, eviction={t.policy.value!r}, device={t.device}"
+        )
+
+    # ------------------------------------------------------------------ state dict
+    def config(self) -> dict:
+        t = self.table
+        return {
+            "format": _FORMAT,
+            "dim": t.dim,
+            "key_dtype": str(t.key_dtype),
+            "dtype": str(t.dtype),
+            "max_capacity": t.max_capacity,
+            "eviction": t.policy.value,
+            "initializer": t.initializer.describe(),
+            "seed": t.seed,
+            "slots": {name: list(t.slot(name).shape[1:]) for name in t.slot_names},
+        }
+
+    def _counters(self) -> dict:
+        t = self.table
+        return {k: getattr(t, k) for k in ("clock", "epoch", "inserted", "removed", "evicted", "_init_calls")}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        rows = self.table.export()
+        destination[prefix + "keys"] = rows.keys
+        destination[prefix + "values"] = rows.values
+        destination[prefix + "scores"] = rows.scores
+        for name, tensor in rows.slots.items():
+            destination[prefix + "slot." + name] = tensor
+        destination[prefix + "_extra_state"] = {"config": self.config(), "counters": self._counters()}
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
+        t = self.table
+        names = ["keys", "values", "scores", "_extra_state"] + ["slot." + n for n in t.slot_names]
+        absent = [prefix + n for n in names if prefix + n not in state_dict]
+        if absent:
+            missing_keys.extend(absent)
+            return
+        extra = state_dict[prefix + "_extra_state"]
+        config = extra["config"]
+        for field in ("dim", "key_dtype", "dtype"):
+            if config[field] != self.config()[field]:
+                errors.append(
+                    f"{prefix}: {field} is {config[field]} in the state dict but {self.config()[field]} in this "
+                    f"DynamicEmbedding"
+                )
+                return
+        for key in state_dict:
+            if key.startswith(prefix + "slot.") and key[len(prefix) + 5 :] not in t.slot_names:
+                unexpected_keys.append(key)
+        keys = state_dict[prefix + "keys"].to(t.device)
+        try:
+            check_keys(keys, t.key_dtype, t.device, prefix + "keys")
+            values = check_rows_like(
+                state_dict[prefix + "values"].to(t.device), keys.numel(), t.dim, t.dtype, t.device,
+                prefix + "values", keys.shape,
+            )
+            slots = {n: state_dict[prefix + "slot." + n] for n in t.slot_names}
+            t.replace(Rows(keys, values, state_dict[prefix + "scores"], slots))
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+            return
+        for name, value in extra.get("counters", {}).items():
+            setattr(t, name, int(value))
+
+    def _apply(self, fn, recurse=True):
+        # .to(device) / .cuda() / .cpu() move the table; dtype casts (.half()) leave the table's dtype alone.
+        moved = fn(torch.empty(0, device=self.table.device))
+        if moved.device != self.table.device:
+            self.table.to(moved.device)
+        return super()._apply(fn, recurse)

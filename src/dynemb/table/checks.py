@@ -1,0 +1,57 @@
+"""Argument checks for public entry points. Messages name the argument, the expected form and what came in."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_keys", "check_rows_like", "check_positive_int", "check_dtype", "KEY_DTYPES", "VALUE_DTYPES"]
+
+KEY_DTYPES = (torch.int32, torch.int64)
+VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def check_keys(keys, key_dtype: torch.dtype, device: torch.device, name: str = "keys") -> torch.Tensor:
+    """Validate keys of any shape and return them flattened to ``[N]``."""
+    if not isinstance(keys, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of dtype {key_dtype}, got {type(keys).__name__}")
+    if keys.dtype != key_dtype:
+        raise TypeError(f"{name} must have dtype {key_dtype} (the table's key_dtype), got {_describe(keys)}")
+    if keys.device != device:
+        raise ValueError(f"{name} must be on the table's device {device}, got {_describe(keys)}")
+    return keys.reshape(-1)
+
+
+def check_rows_like(
+    values, n: int, dim: int, dtype: torch.dtype, device: torch.device, name: str, key_shape: tuple
+) -> torch.Tensor:
+    """Validate ``values`` of shape ``key_shape + (dim,)`` and return them as ``[N, dim]``."""
+    expected = tuple(key_shape) + (dim,)
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {expected}, got {type(values).__name__}")
+    if values.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype} (the table's dtype), got {_describe(values)}")
+    if tuple(values.shape) != expected:
+        raise ValueError(f"{name} must have shape {expected} (keys.shape + (dim,)), got {_describe(values)}")
+    if values.device != device:
+        raise ValueError(f"{name} must be on the table's device {device}, got {_describe(values)}")
+    return values.reshape(n, dim)
+
+
+def check_positive_int(value, name: str, *, allow_none: bool = False, minimum: int = 1) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "None or " if allow_none else ""
+        raise ValueError(f"{name} must be {kind}an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_dtype(value, allowed: tuple, name: str) -> torch.dtype:
+    if value not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        raise TypeError(f"{name} must be one of {names}, got {value!r}")
+    return value

@@ -1,0 +1,553 @@
+"""KeyValueTable: the storage engine. Keys map to dense rows of values, optimizer slots and a score.
+
+Rows are kept compact: live rows are ``0 .. size-1`` of every column, so export is a slice and memory tracks the
+number of keys. Evicted rows are reused in place by the keys that displaced them; ``erase`` and ``restrict`` fill
+the holes they leave with rows from the end. Every row-aligned tensor (keys, values, scores, each optimizer slot)
+is a *column* in one dict, so growth, compaction, eviction and export move them together by construction.
+
+Invariant, after every call: ``size == inserted - removed - evicted``. Keys never vanish silently: automatic
+eviction under ``max_capacity`` reports each evicted key to ``on_evict`` and counts it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from .checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like
+from .index import HashIndex
+from .initializers import CallableInitializer, InitializerSpec, resolve_initializer
+from .ops import gather_rows
+from .policy import EvictionPolicy, touch_scores
+
+__all__ = ["KeyValueTable", "Rows", "EvictHook"]
+
+_INT32_MAX = 2**31 - 1
+
+
+class Rows(NamedTuple):
+    """A set of rows taken out of a table (evicted or exported). ``slots`` maps slot name to ``[E, d]``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    scores: torch.Tensor
+    slots: dict
+
+
+EvictHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class KeyValueTable:
+    """A growable hash table from int32/int64 keys to rows of ``dim`` values, with optional row-wise slots.
+
+    Args:
+        dim: number of values per row (``D``).
+        key_dtype: ``torch.int32`` or ``torch.int64``. Every value of the dtype is a valid key.
+        dtype: value dtype: float32, float16 or bfloat16.
+        device: where rows and the index live (default: CPU).
+        init_capacity: rows to allocate up front; the table grows past it.
+        max_capacity: bound on the number of rows; past it the lowest-score rows are evicted. ``None``: unbounded.
+        eviction: an :class:`EvictionPolicy` (or its name) defining scores; default ``lru``.
+        initializer: how new rows are filled (see :mod:`dynemb.table.initializers`).
+        seed: seed of the initializer.
+        on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows.
+
+    Example:
+        >>> t = KeyValueTable(4, initializer="zeros")
+        >>> rows, found = t.find_or_insert(torch.tensor([3, -1, 3]))
+        >>> found.tolist(), t.size()
+        ([False, False, False], 2)
+        >>> t.insert_or_assign(torch.tensor([-1]), torch.ones(1, 4))
+        >>> t.find(torch.tensor([-1, 9]))[1].tolist()
+        [True, False]
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        key_dtype: torch.dtype = torch.int64,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        init_capacity: int = 8192,
+        max_capacity: int | None = None,
+        eviction: EvictionPolicy | str | None = None,
+        initializer: InitializerSpec = "uniform",
+        seed: int = 0,
+        on_evict: EvictHook | None = None,
+    ) -> None:
+        self.dim = check_positive_int(dim, "dim")
+        self.key_dtype = check_dtype(key_dtype, KEY_DTYPES, "key_dtype")
+        self.dtype = check_dtype(dtype, VALUE_DTYPES, "dtype")
+        self.device = torch.device(device if device is not None else "cpu")
+        check_positive_int(init_capacity, "init_capacity")
+        self.max_capacity = check_positive_int(max_capacity, "max_capacity", allow_none=True)
+        if self.max_capacity is not None and self.max_capacity > _INT32_MAX:
+            raise ValueError(f"max_capacity must be <= {_INT32_MAX} rows per table, got {max_capacity}")
+        self.policy = EvictionPolicy.parse(eviction)
+        self.initializer = resolve_initializer(initializer)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if on_evict is not None and not callable(on_evict):
+            raise TypeError(f"on_evict must be a callable (keys, values, scores) or None, got {on_evict!r}")
+        self.seed = seed
+        self.on_evict = on_evict
+        capacity = min(init_capacity, self.max_capacity or init_capacity)
+        self.index = HashIndex(self.key_dtype, self.device, capacity)
+        self._slot_init: dict[str, float] = {}
+        self._cols: dict[str, torch.Tensor] = {
+            "key": torch.empty(capacity, dtype=self.key_dtype, device=self.device),
+            "value": torch.empty(capacity, self.dim, dtype=self.dtype, device=self.device),
+            "score": torch.zeros(capacity, dtype=torch.int64, device=self.device),
+        }
+        self._size = 0
+        self.clock = 0
+        self.epoch = 0
+        self.inserted = 0
+        self.removed = 0
+        self.evicted = 0
+        self._init_calls = 0
+
+    # ------------------------------------------------------------------ columns
+    @property
+    def values(self) -> torch.Tensor:
+        """Value storage ``[capacity, D]``; rows ``0 .. size-1`` are live. Reallocated on growth: don't keep it."""
+        return self._cols["value"]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """Score storage ``[capacity]`` int64."""
+        return self._cols["score"]
+
+    @property
+    def row_keys(self) -> torch.Tensor:
+        """Key of each row ``[capacity]``."""
+        return self._cols["key"]
+
+    def slot(self, name: str) -> torch.Tensor:
+        """Storage ``[capacity, d]`` of optimizer slot ``name``."""
+        return self._cols[f"slot:{name}"]
+
+    @property
+    def slot_names(self) -> list[str]:
+        return list(self._slot_init)
+
+    def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
+        """Add an optimizer-state column of width ``dim``; existing and future rows start at ``init``.
+
+        Adding a slot that already exists with the same width keeps its contents.
+        """
+        check_positive_int(dim, "dim")
+        key = f"slot:{name}"
+        if key in self._cols:
+            if self._cols[key].shape[1] != dim or self._cols[key].dtype != dtype:
+                raise ValueError(f"slot {name!r} already exists with shape {tuple(self._cols[key].shape[1:])}")
+            return
+        self._cols[key] = torch.full((self.capacity, dim), init, dtype=dtype, device=self.device)
+        self._slot_init[name] = init
+
+    @property
+    def capacity(self) -> int:
+        """Rows allocated now (grows on demand)."""
+        return self._cols["key"].shape[0]
+
+    def size(self) -> int:
+        """Number of keys stored."""
+        return self._size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def nbytes(self) -> int:
+        """Bytes held by the index and every column (allocated capacity, not just live rows)."""
+        return self.index.nbytes() + sum(t.numel() * t.element_size() for t in self._cols.values())
+
+    # ------------------------------------------------------------------ queries
+    def find_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """Row id of each key. Hit: its row; miss: -1. Changes nothing.
+
+        Shape: ``keys`` any shape -> same shape, int64.
+        """
+        flat = check_keys(keys, self.key_dtype, self.device)
+        return self.index.find(flat).view(keys.shape)
+
+    def contains(self, keys: torch.Tensor) -> torch.Tensor:
+        """Bool tensor of ``keys.shape``: whether each key is stored."""
+        return self.find_rows(keys) >= 0
+
+    def find(
+        self, keys: torch.Tensor, *, out: torch.Tensor | None = None, update_scores: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read rows. Hit: the stored row. Miss: the initializer's row for that key, nothing inserted.
+
+        Args:
+            keys: any shape ``S``, dtype ``key_dtype``.
+            out: optional preallocated ``S + (D,)`` output of the table's dtype.
+            update_scores: count this read as an access for eviction (e.g. a serving cache).
+
+        Returns:
+            ``(values [*S, D], found [*S] bool)``.
+        """
+        flat = check_keys(keys, self.key_dtype, self.device)
+        if out is not None:
+            out = check_rows_like(out, flat.numel(), self.dim, self.dtype, self.device, "out", keys.shape)
+        rows = self.index.find(flat)
+        found = rows >= 0
+        values = gather_rows(self.values, rows.clamp(min=0), out=out)
+        if not bool(found.all()):
+            miss = (~found).nonzero().squeeze(1)
+            values.index_copy_(0, miss, self._initial(flat.index_select(0, miss)))
+        if update_scores:
+            self.clock += 1
+            self._touch(rows[found])
+        return values.view(*keys.shape, self.dim), found.view(keys.shape)
+
+    # ------------------------------------------------------------------ inserts
+    def find_or_insert(
+        self, keys: torch.Tensor, scores: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for ``keys``, inserting missing keys with initializer rows.
+
+        Hit: the key's row, score updated. Miss: a new row, initialized. Full (``max_capacity``): the
+        lowest-score rows not used by this call are evicted (reported to ``on_evict``) and reused. If one call
+        brings more new keys than ``max_capacity`` can hold, the excess new keys are reported as evicted at once
+        and get row ``-1``.
+
+        Args:
+            keys: ``[N]`` (or any shape), dtype ``key_dtype``; duplicates allowed.
+            scores: ``custom`` policy only: ``[N]`` int64 scores to set.
+
+        Returns:
+            ``(rows [N] int64, found [N] bool)`` shaped like ``keys``; ``found`` is whether the key was present.
+        """
+        flat = check_keys(keys, self.key_dtype, self.device)
+        custom = self._check_scores(scores, keys)
+        rows = self.index.find(flat)
+        found = rows >= 0
+        self.clock += 1
+        if not bool(found.all()):
+            miss = (~found).nonzero().squeeze(1)
+            new_keys, inverse = torch.unique(flat.index_select(0, miss), return_inverse=True)
+            new_rows = self._insert_missing(new_keys, pinned=rows[found])
+            rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
+        self._touch_valid(rows, custom)
+        return rows.view(keys.shape), found.view(keys.shape)
+
+    def insert_or_assign(
+        self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None = None
+    ) -> None:
+        """Write rows. Hit: value replaced (slots kept). Miss: inserted (slots at their init). Full: as
+        :meth:`find_or_insert`. Duplicate keys: the last occurrence wins.
+
+        Shape: ``keys`` ``S``; ``values`` ``S + (D,)``; ``scores`` ``S`` int64 (``custom`` policy).
+        """
+        flat = check_keys(keys, self.key_dtype, self.device)
+        vals = check_rows_like(values, flat.numel(), self.dim, self.dtype, self.device, "values", keys.shape)
+        custom = self._check_scores(scores, keys)
+        if flat.numel() == 0:
+            return
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        last = _last_position(inverse, unique.numel())
+        unique_vals = vals.index_select(0, last)
+        rows = self.index.find(unique)
+        found = rows >= 0
+        self.clock += 1
+        if bool(found.any()):
+            self.values.index_copy_(0, rows[found], unique_vals[found])
+        if not bool(found.all()):
+            new = (~found).nonzero().squeeze(1)
+            rows[new] = self._insert_missing(unique[new], pinned=rows[found], values=unique_vals[new])
+        self._touch_valid(rows.index_select(0, inverse), custom)
+
+    def accum(
+        self, keys: torch.Tensor, old_values: torch.Tensor, new_values: torch.Tensor, exists: torch.Tensor
+    ) -> None:
+        """Apply deltas read earlier (TFRA ``accum``), safe against concurrent removal.
+
+        Present now: ``new - old`` is added (duplicates add all their deltas). Absent now and ``exists`` False
+        for every occurrence: inserted with ``new`` of the first occurrence plus the deltas of the others.
+        Absent now but ``exists`` True for some occurrence: the key was removed meanwhile; it is not revived.
+
+        Shape: ``keys`` ``S``; ``old_values``/``new_values`` ``S + (D,)``; ``exists`` ``S`` bool.
+        """
+        flat = check_keys(keys, self.key_dtype, self.device)
+        n = flat.numel()
+        old = check_rows_like(old_values, n, self.dim, self.dtype, self.device, "old_values", keys.shape)
+        new = check_rows_like(new_values, n, self.dim, self.dtype, self.device, "new_values", keys.shape)
+        if not isinstance(exists, torch.Tensor) or exists.dtype != torch.bool or exists.shape != keys.shape:
+            got = f"{exists.dtype} {tuple(exists.shape)}" if isinstance(exists, torch.Tensor) else type(exists)
+            raise TypeError(f"exists must be a bool tensor of shape {tuple(keys.shape)}, got {got}")
+        if n == 0:
+            return
+        exists = exists.reshape(-1).to(self.device)
+        delta = new - old
+        rows = self.index.find(flat)
+        present = rows >= 0
+        self.clock += 1
+        if bool(present.any()):
+            self.values.index_add_(0, rows[present], delta[present])
+        absent = (~present).nonzero().squeeze(1)
+        if absent.numel():
+            unique, inverse = torch.unique(flat.index_select(0, absent), return_inverse=True)
+            m = unique.numel()
+            first = torch.full((m,), n, dtype=torch.int64, device=self.device)
+            first.scatter_reduce_(0, inverse, absent, "amin")
+            seen_before = torch.zeros(m, dtype=torch.int64, device=self.device)
+            removed_meanwhile = seen_before.index_add_(0, inverse, exists.index_select(0, absent).long()) > 0
+            total = torch.zeros(m, self.dim, dtype=self.dtype, device=self.device)
+            total.index_add_(0, inverse, delta.index_select(0, absent))
+            value = old.index_select(0, first) + total
+            keep = (~removed_meanwhile).nonzero().squeeze(1)
+            new_rows = torch.full((m,), -1, dtype=torch.int64, device=self.device)
+            if keep.numel():
+                new_rows[keep] = self._insert_missing(unique[keep], pinned=rows[present], values=value[keep])
+            rows.index_copy_(0, absent, new_rows.index_select(0, inverse))
+        self._touch_valid(rows, None)
+
+    # ------------------------------------------------------------------ removal
+    def erase(self, keys: torch.Tensor) -> int:
+        """Remove keys. Hit: row removed with its slots. Miss: ignored. Returns the number removed."""
+        flat = check_keys(keys, self.key_dtype, self.device)
+        if flat.numel() == 0:
+            return 0
+        slots = self.index.find_slots(torch.unique(flat))
+        slots = slots[slots >= 0]
+        if slots.numel() == 0:
+            return 0
+        rows = self.index.rows_at(slots)
+        self.index.remove(slots)
+        self._compact(rows)
+        self.removed += rows.numel()
+        return rows.numel()
+
+    def evict(self, n: int) -> Rows:
+        """Evict the ``n`` lowest-score rows (all rows if fewer); reports them to ``on_evict`` and returns them."""
+        check_positive_int(n, "n", minimum=0)
+        n = min(n, self._size)
+        if n == 0:
+            return self._take(torch.empty(0, dtype=torch.int64, device=self.device))
+        victims = torch.topk(self.scores[: self._size], n, largest=False).indices
+        return self._evict_rows(victims)
+
+    def restrict(self, num_reserved: int, trigger: int | None = None) -> Rows:
+        """Keep the ``num_reserved`` highest-score rows when ``size > trigger`` (default ``num_reserved``).
+
+        Removed rows count as evicted and go to ``on_evict``. Returns them.
+        """
+        check_positive_int(num_reserved, "num_reserved", minimum=0)
+        trigger = num_reserved if trigger is None else check_positive_int(trigger, "trigger", minimum=0)
+        if trigger < num_reserved:
+            raise ValueError(f"trigger must be >= num_reserved ({num_reserved}), got {trigger}")
+        excess = self._size - num_reserved if self._size > trigger else 0
+        return self.evict(excess)
+
+    def clear(self) -> None:
+        """Remove every key (counted as removed). Capacity is kept."""
+        self.removed += self._size
+        self._size = 0
+        self.index.clear()
+
+    # ------------------------------------------------------------------ bulk
+    def export(self) -> Rows:
+        """Copies of all live rows: keys ``[N]``, values ``[N, D]``, scores ``[N]``, slots ``{name: [N, d]}``."""
+        return self._take(torch.arange(self._size, device=self.device))
+
+    def replace(self, rows: Rows) -> None:
+        """Make the table hold exactly ``rows`` (unique keys), dropping what it held. Counters restart."""
+        keys = check_keys(rows.keys, self.key_dtype, self.device, "keys")
+        n = keys.numel()
+        values = check_rows_like(rows.values, n, self.dim, self.dtype, self.device, "values", keys.shape)
+        if self.max_capacity is not None and n > self.max_capacity:
+            raise ValueError(f"cannot load {n} rows into a table with max_capacity={self.max_capacity}")
+        if n and torch.unique(keys).numel() != n:
+            raise ValueError("keys must be unique to load a table")
+        unknown = set(rows.slots) - set(self._slot_init)
+        if unknown:
+            raise ValueError(f"slots {sorted(unknown)} are not defined on this table (has {self.slot_names})")
+        self.index.clear()
+        self._size = 0
+        self._reserve(n)
+        new = torch.arange(n, device=self.device)
+        self.index.insert(keys, new)
+        self._cols["key"][:n] = keys
+        self._cols["value"][:n] = values
+        self._cols["score"][:n] = rows.scores.to(self.device) if rows.scores is not None else 0
+        for name, init in self._slot_init.items():
+            given = rows.slots.get(name)
+            self.slot(name)[:n] = given.to(self.device) if given is not None else init
+        self._size = n
+        self.inserted, self.removed, self.evicted = n, 0, 0
+
+    def to(self, device: torch.device | str) -> "KeyValueTable":
+        """Move storage and index to ``device`` in place; returns self."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        self._cols = {k: v.to(device) for k, v in self._cols.items()}
+        self.device = device
+        self.index = HashIndex(self.key_dtype, device, self.capacity)
+        self.index.insert(self.row_keys[: self._size], torch.arange(self._size, device=device))
+        return self
+
+    def stats(self) -> dict:
+        """Counters and sizes, for logs and dashboards."""
+        return {
+            "size": self._size,
+            "capacity": self.capacity,
+            "max_capacity": self.max_capacity,
+            "inserted": self.inserted,
+            "removed": self.removed,
+            "evicted": self.evicted,
+            "index_load": self._size / self.index.slots,
+            "bytes": self.nbytes(),
+        }
+
+    # ------------------------------------------------------------------ internals
+    def _check_scores(self, scores, keys: torch.Tensor) -> torch.Tensor | None:
+        if scores is None:
+            return None
+        if self.policy is not EvictionPolicy.CUSTOM:
+            raise ValueError(f"scores can only be given with eviction='custom', this table uses {self.policy.value!r}")
+        if not isinstance(scores, torch.Tensor) or scores.dtype != torch.int64 or scores.shape != keys.shape:
+            got = f"{scores.dtype} {tuple(scores.shape)}" if isinstance(scores, torch.Tensor) else type(scores)
+            raise TypeError(f"scores must be an int64 tensor of shape {tuple(keys.shape)}, got {got}")
+        return scores.reshape(-1).to(self.device)
+
+    def _initial(self, keys: torch.Tensor) -> torch.Tensor:
+        seed = self.seed
+        if isinstance(self.initializer, CallableInitializer):
+            self._init_calls += 1
+            seed = self.seed * 1_000_003 + self._init_calls
+        return self.initializer(keys, self.dim, self.dtype, seed)
+
+    def _touch_valid(self, rows: torch.Tensor, custom: torch.Tensor | None) -> None:
+        valid = rows >= 0
+        if bool(valid.all()):
+            self._touch(rows, custom)
+        else:
+            self._touch(rows[valid], custom[valid] if custom is not None else None)
+
+    def _touch(self, rows: torch.Tensor, custom: torch.Tensor | None = None) -> None:
+        touch_scores(self.policy, self.scores, rows, clock=self.clock, epoch=self.epoch, custom=custom)
+
+    def _reserve(self, n: int) -> None:
+        """Make room for ``n`` live rows (columns and index) before anything is mutated."""
+        capacity = self.capacity
+        if n > capacity:
+            grown = int(capacity * (2.0 if capacity < 65536 else 1.25))
+            new_cap = max(n, grown)
+            if self.max_capacity is not None:
+                new_cap = min(new_cap, self.max_capacity)
+            size = self._size
+            for name, col in self._cols.items():
+                fresh = col.new_empty((new_cap,) + tuple(col.shape[1:]))
+                fresh[:size] = col[:size]
+                self._cols[name] = fresh
+        if self.index.needs_rehash(n):
+            target = 2 * n if self.max_capacity is None else min(2 * n, self.max_capacity)
+            self.index.rehash(self.row_keys[: self._size], torch.arange(self._size, device=self.device), target)
+
+    def _insert_missing(self, keys: torch.Tensor, pinned: torch.Tensor, values: torch.Tensor | None = None):
+        """Give rows to absent unique ``keys`` ``[M]``; rows in ``pinned`` are never evicted for them.
+
+        Returns rows ``[M]`` int64; -1 for keys that could not be stored (reported as evicted).
+        """
+        m = keys.numel()
+        victims = torch.empty(0, dtype=torch.int64, device=self.device)
+        stored = m
+        if self.max_capacity is not None and self._size + m > self.max_capacity:
+            need = self._size + m - self.max_capacity
+            victims = self._pick_victims(need, pinned)
+            stored = m - (need - victims.numel())
+        n_append = stored - victims.numel()
+        self._reserve(self._size + n_append)
+        evicted = self._take(victims)
+        if victims.numel():
+            self.index.remove(self.index.find_slots(evicted.keys))
+        rows = torch.cat([victims, torch.arange(self._size, self._size + n_append, device=self.device)])
+        keep = keys[:stored]
+        init = values[:stored] if values is not None else self._initial(keep)
+        self.index.insert(keep, rows)
+        self._cols["key"][rows] = keep
+        self._cols["value"][rows] = init
+        self._cols["score"][rows] = 0
+        for name, value in self._slot_init.items():
+            self.slot(name)[rows] = value
+        self._size += n_append
+        self.inserted += m
+        if stored < m:
+            dropped = keys[stored:]
+            dropped_values = values[stored:] if values is not None else self._initial(dropped)
+            evicted = _concat_rows(evicted, self._fresh_rows(dropped, dropped_values))
+        self._report(evicted)
+        return torch.cat([rows, torch.full((m - stored,), -1, dtype=torch.int64, device=self.device)])
+
+    def _pick_victims(self, need: int, pinned: torch.Tensor) -> torch.Tensor:
+        size = self._size
+        if size == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        unpinned = torch.ones(size, dtype=torch.bool, device=self.device)
+        unpinned[pinned] = False
+        candidates = unpinned.nonzero().squeeze(1)
+        k = min(need, candidates.numel())
+        if k == 0:
+            return candidates[:0]
+        lowest = torch.topk(self.scores.index_select(0, candidates), k, largest=False).indices
+        return candidates.index_select(0, lowest)
+
+    def _take(self, rows: torch.Tensor) -> Rows:
+        cols = {name: gather_rows(col, rows) for name, col in self._cols.items()}
+        slots = {name: cols[f"slot:{name}"] for name in self._slot_init}
+        return Rows(cols["key"], cols["value"], cols["score"], slots)
+
+    def _fresh_rows(self, keys: torch.Tensor, values: torch.Tensor) -> Rows:
+        n = keys.numel()
+        slots = {
+            name: torch.full((n, self.slot(name).shape[1]), init, dtype=self.slot(name).dtype, device=self.device)
+            for name, init in self._slot_init.items()
+        }
+        return Rows(keys, values, torch.zeros(n, dtype=torch.int64, device=self.device), slots)
+
+    def _evict_rows(self, rows: torch.Tensor) -> Rows:
+        evicted = self._take(rows)
+        self.index.remove(self.index.find_slots(evicted.keys))
+        self._compact(rows)
+        self._report(evicted)
+        return evicted
+
+    def _report(self, evicted: Rows) -> None:
+        if evicted.keys.numel() == 0:
+            return
+        self.evicted += evicted.keys.numel()
+        if self.on_evict is not None:
+            self.on_evict(evicted.keys, evicted.values, evicted.scores)
+
+    def _compact(self, dead: torch.Tensor) -> None:
+        """Fill the holes left by ``dead`` rows (unique, already out of the index) with the last live rows."""
+        size, k = self._size, dead.numel()
+        new_size = size - k
+        tail_alive = torch.ones(k, dtype=torch.bool, device=self.device)
+        tail_alive[dead[dead >= new_size] - new_size] = False
+        movers = torch.arange(new_size, size, device=self.device)[tail_alive]
+        holes = dead[dead < new_size]
+        if holes.numel():
+            for col in self._cols.values():
+                col[holes] = gather_rows(col, movers)
+            moved_keys = self.row_keys.index_select(0, holes)
+            self.index.set_rows(self.index.find_slots(moved_keys), holes)
+        self._size = new_size
+
+
+def _last_position(inverse: torch.Tensor, m: int) -> torch.Tensor:
+    position = torch.arange(inverse.numel(), device=inverse.device)
+    return torch.full((m,), -1, dtype=torch.int64, device=inverse.device).scatter_reduce_(0, inverse, position, "amax")
+
+
+def _concat_rows(a: Rows, b: Rows) -> Rows:
+    return Rows(
+        torch.cat([a.keys, b.keys]),
+        torch.cat([a.values, b.values]),
+        torch.cat([a.scores, b.scores]),
+        {name: torch.cat([a.slots[name], b.slots[name]]) for name in a.slots},
+    )
