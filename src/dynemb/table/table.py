@@ -100,6 +100,7 @@ class KeyValueTable:
             "key": torch.empty(capacity, dtype=self.key_dtype, device=self.device),
             "value": torch.empty(capacity, self.dim, dtype=self.dtype, device=self.device),
             "score": torch.zeros(capacity, dtype=torch.int64, device=self.device),
+            "version": torch.zeros(capacity, dtype=torch.int64, device=self.device),
         }
         self._size = 0
         self.clock = 0
@@ -108,6 +109,7 @@ class KeyValueTable:
         self.removed = 0
         self.evicted = 0
         self._init_calls = 0
+        self._deleted: list[tuple[int, torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ columns
     @property
@@ -255,6 +257,7 @@ class KeyValueTable:
         self.clock += 1
         if bool(found.any()):
             self.values.index_copy_(0, rows[found], unique_vals[found])
+            self.mark_updated(rows[found])
         if not bool(found.all()):
             new = (~found).nonzero().squeeze(1)
             rows[new] = self._insert_missing(unique[new], pinned=rows[found], values=unique_vals[new])
@@ -287,6 +290,7 @@ class KeyValueTable:
         self.clock += 1
         if bool(present.any()):
             self.values.index_add_(0, rows[present], delta[present])
+            self.mark_updated(rows[present])
         absent = (~present).nonzero().squeeze(1)
         if absent.numel():
             unique, inverse = torch.unique(flat.index_select(0, absent), return_inverse=True)
@@ -316,6 +320,8 @@ class KeyValueTable:
         if slots.numel() == 0:
             return 0
         rows = self.index.rows_at(slots)
+        self.clock += 1
+        self._log_deleted(self.row_keys.index_select(0, rows))
         self.index.remove(slots)
         self._compact(rows)
         self.removed += rows.numel()
@@ -344,6 +350,8 @@ class KeyValueTable:
 
     def clear(self) -> None:
         """Remove every key (counted as removed). Capacity is kept."""
+        self.clock += 1
+        self._log_deleted(self.row_keys[: self._size].clone())
         self.removed += self._size
         self._size = 0
         self.index.clear()
@@ -373,6 +381,7 @@ class KeyValueTable:
         self._cols["key"][:n] = keys
         self._cols["value"][:n] = values
         self._cols["score"][:n] = rows.scores.to(self.device) if rows.scores is not None else 0
+        self._cols["version"][:n] = self.clock
         for name, init in self._slot_init.items():
             given = rows.slots.get(name)
             self.slot(name)[:n] = given.to(self.device) if given is not None else init
@@ -389,6 +398,35 @@ class KeyValueTable:
         self.index = HashIndex(self.key_dtype, device, self.capacity)
         self.index.insert(self.row_keys[: self._size], torch.arange(self._size, device=device))
         return self
+
+    # ------------------------------------------------------------------ change tracking
+    def mark_updated(self, rows: torch.Tensor) -> None:
+        """Stamp rows as written now (optimizers call this after updating values or slots in place)."""
+        self._cols["version"].index_fill_(0, rows, self.clock)
+
+    def track_deletions(self, enabled: bool = True) -> None:
+        """Keep a log of deleted keys (erase, evict, restrict, clear) for :meth:`changes_since`."""
+        self._deleted = [] if enabled else None
+
+    def changes_since(self, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows [R] int64 written after clock ``version``, keys [K] deleted after it)``.
+
+        Applying the deletions first and then the rows reproduces the table. Deleted keys need
+        :meth:`track_deletions`; without it the second tensor is empty.
+        """
+        rows = (self._cols["version"][: self._size] > version).nonzero().squeeze(1)
+        deleted = [keys for stamp, keys in (self._deleted or []) if stamp > version]
+        keys = torch.cat(deleted) if deleted else torch.empty(0, dtype=self.key_dtype, device=self.device)
+        return rows, keys
+
+    def forget_deletions(self, version: int) -> None:
+        """Drop logged deletions at or before clock ``version`` (after a save consumed them)."""
+        if self._deleted is not None:
+            self._deleted = [(stamp, keys) for stamp, keys in self._deleted if stamp > version]
+
+    def _log_deleted(self, keys: torch.Tensor) -> None:
+        if self._deleted is not None and keys.numel():
+            self._deleted.append((self.clock, keys))
 
     def stats(self) -> dict:
         """Counters and sizes, for logs and dashboards."""
@@ -472,6 +510,7 @@ class KeyValueTable:
         self._cols["key"][rows] = keep
         self._cols["value"][rows] = init
         self._cols["score"][rows] = 0
+        self._cols["version"][rows] = self.clock
         for name, value in self._slot_init.items():
             self.slot(name)[rows] = value
         self._size += n_append
@@ -510,6 +549,7 @@ class KeyValueTable:
         return Rows(keys, values, torch.zeros(n, dtype=torch.int64, device=self.device), slots)
 
     def _evict_rows(self, rows: torch.Tensor) -> Rows:
+        self.clock += 1
         evicted = self._take(rows)
         self.index.remove(self.index.find_slots(evicted.keys))
         self._compact(rows)
@@ -519,6 +559,7 @@ class KeyValueTable:
     def _report(self, evicted: Rows) -> None:
         if evicted.keys.numel() == 0:
             return
+        self._log_deleted(evicted.keys)
         self.evicted += evicted.keys.numel()
         if self.on_evict is not None:
             self.on_evict(evicted.keys, evicted.values, evicted.scores)
