@@ -1,9 +1,19 @@
 """dynemb: dynamic, sharded, trainable embedding tables for PyTorch recommenders."""
 
-from . import functional, table
+from . import functional, optim, table
 from .embedding import DynamicEmbedding
+from .optim import OptimizerWrapper
 from .table import EvictionPolicy, KeyValueTable
 
 __version__ = "0.1.0"
 
-__all__ = ["DynamicEmbedding", "KeyValueTable", "EvictionPolicy", "functional", "table", "__version__"]
+__all__ = [
+    "DynamicEmbedding",
+    "KeyValueTable",
+    "EvictionPolicy",
+    "OptimizerWrapper",
+    "functional",
+    "optim",
+    "table",
+    "__version__",
+]

@@ -1,31 +1,257 @@
-"""Functional lookups over dynamic tables."""
+"""Functional lookups over dynamic tables, with autograd.
+
+Every lookup deduplicates its ids first (``unique -> find/insert -> gather -> expand``): a repeated id costs one row
+read and produces one gradient row. The table's gradient is sparse, ``[U, D]`` for the ``U`` unique keys of the
+call; nothing of table size is ever built. In backward the gradient goes to the table's optimizer: applied at
+once when it is fused, otherwise kept until ``optimizer.step()``.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .table import KeyValueTable
 from .table.ops import gather_rows
 
-__all__ = ["embedding_lookup"]
+__all__ = ["embedding_lookup", "embedding_lookup_sparse", "SparseGrad", "COMBINERS"]
+
+COMBINERS = ("sum", "mean", "sqrtn")
 
 
 def _table_of(embedding) -> KeyValueTable:
-    return embedding if isinstance(embedding, KeyValueTable) else embedding.table
+    return embedding if isinstance(embedding, KeyValueTable) or getattr(embedding, "is_dynemb_table", False) \
+        else embedding.table
 
 
-def embedding_lookup(embedding, ids: torch.Tensor) -> torch.Tensor:
-    """Rows for ``ids`` (any shape ``S``) as ``S + (D,)``.
+class SparseGrad:
+    """Gradients recorded for one table between ``zero_grad`` and ``step``: ``(keys, rows, grad)`` batches."""
 
-    In training mode (``embedding.training``) missing ids are inserted; in eval they read their initializer row.
+    def __init__(self) -> None:
+        self._parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        self._parts.append((keys, rows, grad.float()))
+
+    def empty(self) -> bool:
+        return not self._parts
+
+    def clear(self) -> None:
+        self._parts.clear()
+
+    def coalesce(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys [U], grad [U, D])`` with each key once and its gradients summed."""
+        keys = torch.cat([p[0] for p in self._parts])
+        grad = torch.cat([p[2] for p in self._parts])
+        if len(self._parts) > 1:
+            keys, inverse = torch.unique(keys, return_inverse=True)
+            grad = torch.zeros(keys.numel(), grad.shape[1], device=grad.device).index_add_(0, inverse, grad)
+            self._parts = [(keys, torch.full_like(keys, -1, dtype=torch.int64), grad)]
+        return keys, grad
+
+
+def current_rows(table, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` re-checked against the table: rows moved or reused since they were read are looked up again."""
+    valid = (rows >= 0) & (rows < table.size())
+    stale = ~valid
+    valid_pos = valid.nonzero().squeeze(1)
+    moved = gather_rows(table.row_keys, rows.index_select(0, valid_pos)) != keys.index_select(0, valid_pos)
+    stale[valid_pos[moved]] = True
+    if bool(stale.any()):
+        rows = rows.clone()
+        rows[stale] = table.index.find(keys[stale])
+    return rows
+
+
+def _deliver(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
+    rows = current_rows(table, keys, rows)
+    kept = rows >= 0  # keys not stored (admission, eviction) have no trainable row: their gradient is dropped
+    if not bool(kept.all()):
+        keys, rows, grad = keys[kept], rows[kept], grad[kept]
+    optimizer = getattr(table, "sparse_optimizer", None)
+    if optimizer is not None and optimizer.fused:
+        optimizer.apply_gradient(table, rows, grad)
+        return
+    if getattr(table, "sparse_grad", None) is None:
+        table.sparse_grad = SparseGrad()
+    table.sparse_grad.add(keys, rows, grad)
+
+
+class _TableRows(torch.autograd.Function):
+    """Rows of unique keys as a differentiable ``[U, D]`` tensor; backward hands the gradient to the table."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, keys, rows):
+        ctx.table = table
+        ctx.save_for_backward(keys, rows)
+        return _read_rows(table, keys, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        keys, rows = ctx.saved_tensors
+        _deliver(ctx.table, keys, rows, grad)
+        return None, None, None, None
+
+
+def _read_rows(table, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    values = gather_rows(table.values, rows.clamp(min=0))
+    missing = (rows < 0).nonzero().squeeze(1)
+    if missing.numel():
+        values.index_copy_(0, missing, table._initial(keys.index_select(0, missing)))
+    return values
+
+
+def unique_rows(embedding, ids: torch.Tensor, max_norm: float | None = None):
+    """Deduplicate ``ids`` and read their rows: ``(values [U, D], inverse [N])`` with ``values[inverse]`` the rows
+    of ``ids.reshape(-1)``. Inserts missing ids in training mode; differentiable when grad is enabled."""
+    table = _table_of(embedding)
+    training = getattr(embedding, "training", True)
+    flat = ids.reshape(-1)
+    if hasattr(table, "check_ids"):
+        flat = table.check_ids(flat)
+    unique, inverse = torch.unique(flat, return_inverse=True)
+    if training:
+        rows, _ = table.find_or_insert(unique)
+    else:
+        rows = table.find_rows(unique)
+    if training and torch.is_grad_enabled():
+        anchor = torch.empty(0, requires_grad=True)
+        values = _TableRows.apply(anchor, table, unique, rows)
+    else:
+        values = _read_rows(table, unique, rows)
+    if max_norm is not None:
+        values = _clip(values, max_norm)
+    return values, inverse
+
+
+def _clip(values: torch.Tensor, max_norm: float) -> torch.Tensor:
+    # tf.clip_by_norm semantics (as TF/HPS embedding lookups): v * max_norm / max(||v||, max_norm).
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm <= 0:
+        raise ValueError(f"max_norm must be a float > 0 or None, got {max_norm!r}")
+    norm = values.float().norm(dim=1, keepdim=True)
+    return (values * (max_norm / norm.clamp(min=max_norm))).to(values.dtype)
+
+
+def embedding_lookup(embedding, ids: torch.Tensor, max_norm: float | None = None) -> torch.Tensor:
+    """Rows for ``ids``: any shape ``S`` -> ``S + (D,)``.
+
+    Training mode (``embedding.training``): missing ids are inserted; eval: they read their initializer row and
+    nothing is inserted. ``max_norm`` clips each vector's L2 norm (``tf.clip_by_norm``).
+
+    Example:
+        >>> import dynemb
+        >>> emb = dynemb.DynamicEmbedding(3, initializer=1.0)
+        >>> embedding_lookup(emb, torch.tensor([[4, 4]]), max_norm=1.0).shape
+        torch.Size([1, 2, 3])
     """
     table = _table_of(embedding)
-    if not getattr(embedding, "training", True):
-        return table.find(ids)[0]
-    rows, _ = table.find_or_insert(ids)
-    flat = rows.reshape(-1)
-    values = gather_rows(table.values, flat.clamp(min=0))
-    dropped = (flat < 0).nonzero().squeeze(1)
-    if dropped.numel():
-        values.index_copy_(0, dropped, table._initial(ids.reshape(-1).index_select(0, dropped)))
-    return values.view(*ids.shape, table.dim)
+    values, inverse = unique_rows(embedding, ids, max_norm)
+    return F.embedding(inverse, values).view(*ids.shape, table.dim)
+
+
+def _check_combiner(combiner: str) -> str:
+    if combiner not in COMBINERS:
+        raise ValueError(f"combiner must be one of {COMBINERS}, got {combiner!r}")
+    return combiner
+
+
+def to_bags(ids, offsets=None, weights=None, *, padding_value=None, include_last_offset=False):
+    """Normalize bag inputs to ``(ids [N], offsets [B] starts, weights [N] or None, B)``.
+
+    Accepted forms: 1-D ``ids`` with ``offsets`` (``nn.EmbeddingBag``); a 2-D sparse COO tensor ``[B, M]`` whose
+    values are ids (``tf.SparseTensor``; ``weights`` a COO tensor of the same pattern or ``[N]``); a dense
+    ``[B, M]`` tensor, where entries equal to ``padding_value`` are skipped (``None``: every entry is an id).
+    """
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.is_sparse:
+        if ids.dim() != 2:
+            raise ValueError(f"sparse ids must be a 2-D COO tensor [B, M], got {ids.dim()}-D")
+        if offsets is not None:
+            raise ValueError("offsets must be None when ids is a sparse tensor")
+        ids = ids.coalesce()
+        bag = ids.indices()[0]
+        b = ids.shape[0]
+        if weights is not None and weights.is_sparse:
+            weights = weights.coalesce()
+            if not torch.equal(weights.indices(), ids.indices()):
+                raise ValueError("sparse weights must have the same indices as sparse ids")
+            weights = weights.values()
+        counts = torch.bincount(bag, minlength=b)
+        return ids.values(), counts.cumsum(0) - counts, weights, b
+    if ids.dim() == 2:
+        if offsets is not None:
+            raise ValueError(f"offsets must be None for 2-D ids {tuple(ids.shape)}; bags are rows")
+        if weights is not None and tuple(weights.shape) != tuple(ids.shape):
+            raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got {tuple(weights.shape)}")
+        mask = ids != padding_value if padding_value is not None else torch.ones_like(ids, dtype=torch.bool)
+        counts = mask.sum(1)
+        return ids[mask], counts.cumsum(0) - counts, (weights[mask] if weights is not None else None), ids.shape[0]
+    if ids.dim() != 1 or offsets is None:
+        raise ValueError(f"ids must be 1-D with offsets, 2-D dense [B, M], or 2-D sparse; got shape "
+                         f"{tuple(ids.shape)} with offsets={'given' if offsets is not None else None}")
+    if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"offsets must be a 1-D int32/int64 tensor, got {offsets.dtype} {tuple(offsets.shape)}")
+    offsets = offsets.to(torch.int64)
+    if include_last_offset:
+        offsets = offsets[:-1]
+    if weights is not None and tuple(weights.shape) != tuple(ids.shape):
+        raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got {tuple(weights.shape)}")
+    return ids, offsets, weights, offsets.numel()
+
+
+def pool(values, inverse, offsets, weights, num_bags: int, combiner: str) -> torch.Tensor:
+    """Pool rows ``values[inverse]`` per bag: ``[B, D]``; empty bags give zeros."""
+    n = inverse.numel()
+    if weights is not None:
+        weights = weights.to(values.dtype)
+    summed = F.embedding_bag(inverse, values, offsets, mode="sum", per_sample_weights=weights)
+    if combiner == "sum":
+        return summed
+    ends = torch.cat([offsets[1:], offsets.new_tensor([n])])
+    counts = ends - offsets
+    if weights is None:
+        denom = counts.to(values.dtype)
+        denom = denom if combiner == "mean" else denom.sqrt()
+    else:
+        bag = torch.repeat_interleave(torch.arange(num_bags, device=offsets.device), counts)
+        w = weights if combiner == "mean" else weights * weights
+        denom = torch.zeros(num_bags, dtype=values.dtype, device=values.device).index_add_(0, bag, w)
+        denom = denom if combiner == "mean" else denom.sqrt()
+    denom = torch.where(denom == 0, torch.ones_like(denom), denom)
+    return summed / denom.unsqueeze(1)
+
+
+def embedding_lookup_sparse(
+    embedding,
+    ids: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    combiner: str = "mean",
+    max_norm: float | None = None,
+    *,
+    padding_value: int | None = None,
+    include_last_offset: bool = False,
+) -> torch.Tensor:
+    """Pooled lookup: one ``[D]`` vector per bag, ``[B, D]`` in all.
+
+    Args:
+        embedding: a DynamicEmbedding (or table).
+        ids: bags in one of the forms of :func:`to_bags`.
+        offsets: ``[B]`` bag starts for 1-D ids (``include_last_offset``: ``[B+1]``).
+        weights: per-id weights, same layout as ``ids``.
+        combiner: ``"sum"``, ``"mean"`` (weighted sum / sum of weights) or ``"sqrtn"`` (weighted sum /
+            sqrt(sum of squared weights)).
+        max_norm: clip each vector's L2 norm before combining (TF semantics).
+
+    Example:
+        >>> import dynemb
+        >>> emb = dynemb.DynamicEmbedding(2, initializer=1.0)
+        >>> embedding_lookup_sparse(emb, torch.tensor([1, 2, 3]), torch.tensor([0, 2]), combiner="sum").tolist()
+        [[2.0, 2.0], [1.0, 1.0]]
+    """
+    _check_combiner(combiner)
+    flat, offsets, weights, num_bags = to_bags(ids, offsets, weights, padding_value=padding_value,
+                                                include_last_offset=include_last_offset)
+    values, inverse = unique_rows(embedding, flat, max_norm)
+    return pool(values, inverse, offsets, weights, num_bags, combiner)

@@ -1,0 +1,7 @@
+"""Sparse optimizers whose state lives in the table's slot rows."""
+
+from .algorithms import FTRL, SGD, Adagrad, Adam, RowWiseAdagrad
+from .base import SparseOptimizer
+from .wrapper import OptimizerWrapper
+
+__all__ = ["SparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "FTRL", "OptimizerWrapper"]
