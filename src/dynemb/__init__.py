@@ -1,7 +1,8 @@
 """dynemb: dynamic, sharded, trainable embedding tables for PyTorch recommenders."""
 
 from . import functional, optim, table
-from .embedding import DynamicEmbedding
+from .collection import EmbeddingCollection, FeatureConfig, TableConfig
+from .embedding import DynamicEmbedding, StaticEmbedding
 from .optim import OptimizerWrapper
 from .table import EvictionPolicy, KeyValueTable
 
@@ -9,6 +10,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DynamicEmbedding",
+    "StaticEmbedding",
+    "EmbeddingCollection",
+    "TableConfig",
+    "FeatureConfig",
     "KeyValueTable",
     "EvictionPolicy",
     "OptimizerWrapper",

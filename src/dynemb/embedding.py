@@ -6,11 +6,13 @@ import torch
 from torch import nn
 
 from .table import EvictionPolicy, KeyValueTable, Rows
+from .table.admission import FrequencyAdmission
+from .table.static import StaticTable
 from .table.checks import check_keys, check_rows_like
 from .table.initializers import InitializerSpec
 from .table.table import EvictHook
 
-__all__ = ["DynamicEmbedding"]
+__all__ = ["DynamicEmbedding", "StaticEmbedding"]
 
 _FORMAT = 1
 
@@ -32,6 +34,8 @@ class DynamicEmbedding(nn.Module):
             the scores used by eviction and :meth:`restrict`.
         on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows.
         seed: initializer seed; ``None`` draws one from torch's global RNG (so ``torch.manual_seed`` fixes it).
+        admission: an int threshold or :class:`dynemb.table.FrequencyAdmission`: a new id is stored and trained
+            only from its ``threshold``-th sighting; before that it reads its initializer row.
 
     Shape:
         ``forward(ids)``: ids of any shape ``S`` -> ``S + (D,)``.
@@ -59,6 +63,7 @@ class DynamicEmbedding(nn.Module):
         eviction: EvictionPolicy | str | None = None,
         on_evict: EvictHook | None = None,
         seed: int | None = None,
+        admission: FrequencyAdmission | int | None = None,
     ) -> None:
         super().__init__()
         if seed is None:
@@ -74,6 +79,7 @@ class DynamicEmbedding(nn.Module):
             initializer=initializer,
             seed=seed,
             on_evict=on_evict,
+            admission=admission,
         )
 
     # ------------------------------------------------------------------ properties
@@ -220,6 +226,59 @@ class DynamicEmbedding(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # .to(device) / .cuda() / .cpu() move the table; dtype casts (.half()) leave the table's dtype alone.
+        moved = fn(torch.empty(0, device=self.table.device))
+        if moved.device != self.table.device:
+            self.table.to(moved.device)
+        return super()._apply(fn, recurse)
+
+
+class StaticEmbedding(nn.Module):
+    """A dense table for ids in ``[0, num_embeddings)`` with the interface (lookups, optimizers, export) of
+    :class:`DynamicEmbedding`. Out-of-range ids are an error.
+
+    Example:
+        >>> emb = StaticEmbedding(10, 4, initializer="zeros")
+        >>> emb(torch.tensor([[0, 9]])).shape
+        torch.Size([1, 2, 4])
+    """
+
+    def __init__(self, num_embeddings: int, dim: int, *, dtype: torch.dtype = torch.float32,
+                 initializer: InitializerSpec = "uniform", device=None, seed: int | None = None) -> None:
+        super().__init__()
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.table = StaticTable(num_embeddings, dim, dtype=dtype, device=device, initializer=initializer, seed=seed)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from .functional import embedding_lookup
+
+        return embedding_lookup(self, ids)
+
+    def export(self):
+        rows = self.table.export()
+        return rows.keys, rows.values
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "values"] = self.table.values.detach().clone()
+        for name in self.table.slot_names:
+            destination[prefix + "slot." + name] = self.table.slot(name).clone()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
+        names = ["values"] + ["slot." + n for n in self.table.slot_names]
+        absent = [prefix + n for n in names if prefix + n not in state_dict]
+        if absent:
+            missing_keys.extend(absent)
+            return
+        values = state_dict[prefix + "values"]
+        if tuple(values.shape) != tuple(self.table.values.shape) or values.dtype != self.table.dtype:
+            errors.append(f"{prefix}values: expected {self.table.dtype} {tuple(self.table.values.shape)}, got "
+                          f"{values.dtype} {tuple(values.shape)}")
+            return
+        self.table.values.copy_(values)
+        for name in self.table.slot_names:
+            self.table.slot(name).copy_(state_dict[prefix + "slot." + name])
+
+    def _apply(self, fn, recurse=True):
         moved = fn(torch.empty(0, device=self.table.device))
         if moved.device != self.table.device:
             self.table.to(moved.device)

@@ -106,6 +106,8 @@ def unique_rows(embedding, ids: torch.Tensor, max_norm: float | None = None):
     of ``ids.reshape(-1)``. Inserts missing ids in training mode; differentiable when grad is enabled."""
     table = _table_of(embedding)
     training = getattr(embedding, "training", True)
+    if max_norm is not None:
+        _check_max_norm(max_norm)
     flat = ids.reshape(-1)
     if hasattr(table, "check_ids"):
         flat = table.check_ids(flat)
@@ -126,10 +128,14 @@ def unique_rows(embedding, ids: torch.Tensor, max_norm: float | None = None):
 
 def _clip(values: torch.Tensor, max_norm: float) -> torch.Tensor:
     # tf.clip_by_norm semantics (as TF/HPS embedding lookups): v * max_norm / max(||v||, max_norm).
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm <= 0:
-        raise ValueError(f"max_norm must be a float > 0 or None, got {max_norm!r}")
+    _check_max_norm(max_norm)
     norm = values.float().norm(dim=1, keepdim=True)
     return (values * (max_norm / norm.clamp(min=max_norm))).to(values.dtype)
+
+
+def _check_max_norm(max_norm) -> None:
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm <= 0:
+        raise ValueError(f"max_norm must be a float > 0 or None, got {max_norm!r}")
 
 
 def embedding_lookup(embedding, ids: torch.Tensor, max_norm: float | None = None) -> torch.Tensor:

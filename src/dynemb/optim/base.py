@@ -28,8 +28,9 @@ def tables_of(obj) -> list:
         return [obj]
     if hasattr(obj, "dynemb_tables"):
         return list(obj.dynemb_tables())
-    if hasattr(obj, "table") and isinstance(getattr(obj, "table"), KeyValueTable):
-        return [obj.table]
+    table = getattr(obj, "table", None)
+    if isinstance(table, KeyValueTable) or getattr(table, "is_dynemb_table", False):
+        return [table]
     if isinstance(obj, Iterable) and not isinstance(obj, torch.Tensor):
         return [t for item in obj for t in tables_of(item)]
     raise TypeError(

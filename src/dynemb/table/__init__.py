@@ -1,5 +1,6 @@
 """The storage engine: int keys -> rows. No autograd, no distribution, no I/O."""
 
+from .admission import FrequencyAdmission
 from .index import HashIndex
 from .initializers import Constant, Initializer, Normal, TruncatedNormal, Uniform, resolve_initializer
 from .policy import EvictionPolicy
@@ -7,6 +8,7 @@ from .table import KeyValueTable, Rows
 
 __all__ = [
     "HashIndex",
+    "FrequencyAdmission",
     "KeyValueTable",
     "Rows",
     "EvictionPolicy",

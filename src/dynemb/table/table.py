@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like
+from .admission import FrequencyAdmission
 from .index import HashIndex
 from .initializers import CallableInitializer, InitializerSpec, resolve_initializer
 from .ops import gather_rows
@@ -52,6 +53,8 @@ class KeyValueTable:
         initializer: how new rows are filled (see :mod:`dynemb.table.initializers`).
         seed: seed of the initializer.
         on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows.
+        admission: a :class:`FrequencyAdmission` (or an int threshold): ``find_or_insert`` stores a new key only
+            from its ``threshold``-th sighting; before that it gets row -1 and its initializer row is read.
 
     Example:
         >>> t = KeyValueTable(4, initializer="zeros")
@@ -76,6 +79,7 @@ class KeyValueTable:
         initializer: InitializerSpec = "uniform",
         seed: int = 0,
         on_evict: EvictHook | None = None,
+        admission: "FrequencyAdmission | int | None" = None,
     ) -> None:
         self.dim = check_positive_int(dim, "dim")
         self.key_dtype = check_dtype(key_dtype, KEY_DTYPES, "key_dtype")
@@ -93,6 +97,11 @@ class KeyValueTable:
             raise TypeError(f"on_evict must be a callable (keys, values, scores) or None, got {on_evict!r}")
         self.seed = seed
         self.on_evict = on_evict
+        if isinstance(admission, int) and not isinstance(admission, bool):
+            admission = FrequencyAdmission(admission)
+        if admission is not None and not isinstance(admission, FrequencyAdmission):
+            raise TypeError(f"admission must be an int threshold, a FrequencyAdmission or None, got {admission!r}")
+        self.admission = admission
         capacity = min(init_capacity, self.max_capacity or init_capacity)
         self.index = HashIndex(self.key_dtype, self.device, capacity)
         self._slot_init: dict[str, float] = {}
@@ -230,8 +239,14 @@ class KeyValueTable:
         self.clock += 1
         if not bool(found.all()):
             miss = (~found).nonzero().squeeze(1)
-            new_keys, inverse = torch.unique(flat.index_select(0, miss), return_inverse=True)
-            new_rows = self._insert_missing(new_keys, pinned=rows[found])
+            missed = flat.index_select(0, miss)
+            new_keys, inverse = torch.unique(missed, return_inverse=True)
+            if self.admission is None:
+                new_rows = self._insert_missing(new_keys, pinned=rows[found])
+            else:
+                admitted = self.admission.admit(missed, new_keys)
+                new_rows = torch.full_like(new_keys, -1, dtype=torch.int64)
+                new_rows[admitted] = self._insert_missing(new_keys[admitted], pinned=rows[found])
             rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
         self._touch_valid(rows, custom)
         return rows.view(keys.shape), found.view(keys.shape)

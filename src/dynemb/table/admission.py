@@ -1,0 +1,63 @@
+"""Admission: a new key gets a stored, trained row only after it has been seen ``threshold`` times.
+
+Counts are exact and memory-bounded: candidates are counted in a small LFU :class:`KeyValueTable` of at most
+``max_tracked`` keys (16 bytes of index and ~28 bytes of row state per key). When more candidates are pending, the
+least-seen ones are forgotten and start over, so admission can come later than ``threshold``, never earlier. A
+count-min sketch would over-count under collisions and could admit a key too early. Once admitted, a key's
+counter is dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FrequencyAdmission"]
+
+
+class FrequencyAdmission:
+    """Admit a key on its ``threshold``-th sighting (each occurrence in a batch counts).
+
+    Args:
+        threshold: sightings needed; 1 admits every key.
+        max_tracked: most candidate keys counted at once.
+
+    Example:
+        >>> from dynemb.table import KeyValueTable
+        >>> t = KeyValueTable(2, admission=FrequencyAdmission(2))
+        >>> _ = t.find_or_insert(torch.tensor([5, 6, 6]))
+        >>> t.contains(torch.tensor([5, 6])).tolist()
+        [False, True]
+    """
+
+    def __init__(self, threshold: int, max_tracked: int = 1 << 20) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+            raise ValueError(f"threshold must be an int >= 1, got {threshold!r}")
+        if isinstance(max_tracked, bool) or not isinstance(max_tracked, int) or max_tracked < 1:
+            raise ValueError(f"max_tracked must be an int >= 1, got {max_tracked!r}")
+        self.threshold = threshold
+        self.max_tracked = max_tracked
+        self._counts = None
+
+    def admit(self, keys: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
+        """Count ``keys`` (``[N]``, every occurrence of absent keys) and say which of ``unique`` are admitted."""
+        if self.threshold == 1:
+            return torch.ones(unique.numel(), dtype=torch.bool, device=unique.device)
+        counts = self._counter(keys)
+        counts.find_or_insert(keys)
+        rows = counts.find_rows(unique)
+        seen = torch.where(rows >= 0, counts.scores.index_select(0, rows.clamp(min=0)), 0)
+        admitted = seen >= self.threshold
+        counts.erase(unique[admitted])
+        return admitted
+
+    def _counter(self, keys: torch.Tensor):
+        if self._counts is None:
+            from .table import KeyValueTable
+
+            self._counts = KeyValueTable(1, key_dtype=keys.dtype, device=keys.device, eviction="lfu",
+                                         initializer="zeros", max_capacity=self.max_tracked,
+                                         init_capacity=min(self.max_tracked, 8192))
+        return self._counts
+
+    def describe(self) -> dict:
+        return {"type": "frequency", "threshold": self.threshold, "max_tracked": self.max_tracked}

@@ -1,0 +1,125 @@
+"""StaticTable: a dense ``[V, D]`` table for ids in ``[0, V)``, with the row interface of KeyValueTable.
+
+Id ``i`` is row ``i``: no hashing and no insertion, so lookups are plain gathers. Optimizers, lookups and exports
+use the same code as for dynamic tables. Initial rows come from the same counter-based initializers, so a static
+and a dynamic table with the same seed start with identical rows for the same ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like
+from .initializers import InitializerSpec, resolve_initializer
+from .table import Rows
+
+__all__ = ["StaticTable"]
+
+
+class StaticTable:
+    """Dense rows for ids ``0 .. num_rows-1``.
+
+    Example:
+        >>> t = StaticTable(3, 2, initializer="zeros")
+        >>> t.find_or_insert(torch.tensor([2, 0]))[0].tolist()
+        [2, 0]
+    """
+
+    is_dynemb_table = True
+
+    def __init__(self, num_rows: int, dim: int, *, key_dtype: torch.dtype = torch.int64,
+                 dtype: torch.dtype = torch.float32, device=None, initializer: InitializerSpec = "uniform",
+                 seed: int = 0) -> None:
+        self.num_rows = check_positive_int(num_rows, "vocabulary_size")
+        self.dim = check_positive_int(dim, "dim")
+        self.key_dtype = check_dtype(key_dtype, KEY_DTYPES, "key_dtype")
+        self.dtype = check_dtype(dtype, VALUE_DTYPES, "dtype")
+        self.device = torch.device(device if device is not None else "cpu")
+        self.initializer = resolve_initializer(initializer)
+        self.seed = seed
+        self.max_capacity = num_rows
+        self.clock = 0
+        self._ids = torch.arange(num_rows, dtype=self.key_dtype, device=self.device)
+        self._slot_init: dict[str, float] = {}
+        self._cols = {"value": self.initializer(self._ids, dim, self.dtype, seed),
+                      "score": torch.zeros(num_rows, dtype=torch.int64, device=self.device)}
+        self.index = self  # ``index.find`` is the identity on valid ids
+
+    # ------------------------------------------------------------------ row interface
+    @property
+    def values(self) -> torch.Tensor:
+        return self._cols["value"]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        return self._cols["score"]
+
+    @property
+    def row_keys(self) -> torch.Tensor:
+        return self._ids
+
+    def slot(self, name: str) -> torch.Tensor:
+        return self._cols[f"slot:{name}"]
+
+    @property
+    def slot_names(self) -> list[str]:
+        return list(self._slot_init)
+
+    def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
+        if f"slot:{name}" not in self._cols:
+            self._cols[f"slot:{name}"] = torch.full((self.num_rows, dim), init, dtype=dtype, device=self.device)
+            self._slot_init[name] = init
+
+    def size(self) -> int:
+        return self.num_rows
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._cols.values())
+
+    def check_ids(self, ids: torch.Tensor, name: str = "ids") -> torch.Tensor:
+        """Validate ids (dtype, device, range ``[0, V)``); returns them flattened."""
+        flat = check_keys(ids, self.key_dtype, self.device, name)
+        if flat.numel():
+            low, high = int(flat.min()), int(flat.max())
+            if low < 0 or high >= self.num_rows:
+                bad = low if low < 0 else high
+                raise ValueError(f"{name} must be in [0, {self.num_rows}) for this static table, got {bad}")
+        return flat
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        return keys.to(torch.int64)
+
+    def find_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.check_ids(keys).to(torch.int64).view(keys.shape)
+
+    def find_or_insert(self, keys: torch.Tensor, scores=None):
+        rows = self.find_rows(keys)
+        self.clock += 1
+        return rows, torch.ones_like(rows, dtype=torch.bool)
+
+    def mark_updated(self, rows: torch.Tensor) -> None:
+        pass
+
+    def _initial(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.initializer(keys, self.dim, self.dtype, self.seed)
+
+    def export(self) -> Rows:
+        slots = {n: self.slot(n).clone() for n in self._slot_init}
+        return Rows(self._ids.clone(), self.values.clone(), self.scores.clone(), slots)
+
+    def replace(self, rows: Rows) -> None:
+        keys = self.check_ids(rows.keys, "keys")
+        values = check_rows_like(rows.values, keys.numel(), self.dim, self.dtype, self.device, "values",
+                                 rows.keys.shape)
+        self.values[keys.long()] = values
+        for name, tensor in rows.slots.items():
+            self.slot(name)[keys.long()] = tensor.to(self.device)
+
+    def to(self, device) -> "StaticTable":
+        self.device = torch.device(device)
+        self._cols = {k: v.to(self.device) for k, v in self._cols.items()}
+        self._ids = self._ids.to(self.device)
+        return self

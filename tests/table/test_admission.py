@@ -1,0 +1,48 @@
+import pytest
+import torch
+
+import dynemb
+from dynemb.table import FrequencyAdmission, KeyValueTable
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 3, 5])
+def test_key_is_stored_exactly_at_threshold(threshold):
+    emb = dynemb.DynamicEmbedding(4, seed=0, admission=threshold)
+    opt = dynemb.optim.SGD([emb], lr=1.0)
+    key = torch.tensor([-(2**63)])
+    for seen in range(1, threshold + 2):
+        before = emb.lookup(key)
+        emb(key).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        stored = bool(emb.contains(key))
+        assert stored == (seen >= threshold)
+        after = emb.lookup(key)
+        if seen < threshold:
+            assert torch.equal(after, before)  # reads the initializer row; gradient dropped
+        else:
+            assert torch.allclose(after, before - 1.0 if seen > threshold else emb.table._initial(key) - 1.0)
+
+
+def test_duplicates_in_one_batch_count():
+    t = KeyValueTable(2, admission=FrequencyAdmission(3))
+    rows, _ = t.find_or_insert(torch.tensor([9, 9, 9, 8, 8]))
+    assert t.contains(torch.tensor([9, 8])).tolist() == [True, False]
+    assert (rows[:3] >= 0).all() and (rows[3:] == -1).all()
+    assert t.inserted == 1 and t.size() == 1
+
+
+def test_counting_is_bounded_and_never_admits_early():
+    adm = FrequencyAdmission(2, max_tracked=4)
+    t = KeyValueTable(2, admission=adm)
+    t.find_or_insert(torch.arange(100))  # 100 candidates, 4 tracked
+    assert adm._counts.size() <= 4
+    t.find_or_insert(torch.arange(100))
+    assert t.size() <= 4  # the forgotten ones start over instead of being admitted
+
+
+def test_bad_threshold():
+    with pytest.raises(ValueError, match="threshold"):
+        FrequencyAdmission(0)
+    with pytest.raises(TypeError, match="admission"):
+        KeyValueTable(2, admission="often")

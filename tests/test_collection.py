@@ -1,0 +1,88 @@
+import pytest
+import torch
+
+import dynemb
+from dynemb import EmbeddingCollection, FeatureConfig, TableConfig, optim
+
+
+def build(stacking, static=False, key_dtype=torch.int32, opt=None):
+    opt = opt or optim.Adagrad(lr=0.1)
+    vocab = 50 if static else None
+    tables = [TableConfig(name="user", dim=4, vocabulary_size=vocab, key_dtype=key_dtype, optimizer=opt, seed=1),
+              TableConfig(name="item", dim=4, vocabulary_size=vocab, key_dtype=key_dtype, optimizer=opt, seed=2,
+                          combiner="sum", initializer="normal")]
+    features = [FeatureConfig(name="uid", table="user"), FeatureConfig(name="clicked", table="item"),
+                FeatureConfig(name="viewed", table="item", combiner="sqrtn")]
+    return EmbeddingCollection(tables, features, table_stacking=stacking)
+
+
+def batch(step, dtype):
+    g = torch.Generator().manual_seed(step)
+    ids = lambda *shape: torch.randint(0, 50, shape, generator=g).to(dtype)  # noqa: E731
+    return {"uid": ids(8), "clicked": (ids(20), torch.tensor([0, 3, 3, 7, 10, 12, 15, 19])),
+            "viewed": ids(8, 3)}
+
+
+def train(ec, dtype, steps=5):
+    for step in range(steps):
+        out = ec(batch(step, dtype))
+        loss = sum((o * (i + 1)).sum() for i, o in enumerate(out.values()))
+        loss.backward()
+        ec.optimizer.step()
+        ec.optimizer.zero_grad()
+    return {t: ec.export(t) for t in ("user", "item")}
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic_int32", "static"])
+def test_stacking_gives_identical_results(static):
+    dtype = torch.int64 if static else torch.int32
+    stacked, apart = build("auto", static), build(None, static)
+    assert len(stacked.embeddings) == 1 and len(apart.embeddings) == 2
+    a, b = train(stacked, dtype), train(apart, dtype)
+    for name in ("user", "item"):
+        ka, va = a[name]
+        kb, vb = b[name]
+        oa, ob = ka.argsort(), kb.argsort()
+        assert torch.equal(ka[oa], kb[ob])
+        assert torch.equal(va[oa], vb[ob])
+
+
+def test_int64_dynamic_tables_are_not_stacked():
+    ec = build("auto", key_dtype=torch.int64)
+    assert len(ec.embeddings) == 2
+
+
+def test_shapes_and_sequence_outputs():
+    tables = [TableConfig(name="t", dim=3, seed=0)]
+    features = [FeatureConfig(name="hist", table="t", combiner="none"), FeatureConfig(name="one", table="t")]
+    ec = EmbeddingCollection(tables, features)
+    out = ec({"hist": torch.tensor([[1, 2, 3], [4, 5, 6]]), "one": torch.tensor([1, 9])})
+    assert out["hist"].shape == (2, 3, 3) and out["one"].shape == (2, 3)
+    assert torch.equal(out["hist"][0, 0], out["one"][0])
+    jag = ec({"hist": (torch.tensor([1, 2, 3]), torch.tensor([0, 1]))})["hist"]
+    assert jag.values.shape == (3, 3) and torch.equal(jag.offsets, torch.tensor([0, 1]))
+
+
+def test_static_matches_dynamic_initial_rows():
+    d = EmbeddingCollection([TableConfig(name="t", dim=4, seed=5)], [FeatureConfig(name="f", table="t")])
+    s = EmbeddingCollection([TableConfig(name="t", dim=4, seed=5, vocabulary_size=10)],
+                            [FeatureConfig(name="f", table="t")])
+    ids = torch.tensor([0, 3, 9])
+    assert torch.equal(d({"f": ids})["f"], s({"f": ids})["f"])
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="dim"):
+        TableConfig(name="t", dim=0)
+    with pytest.raises(ValueError, match="combiner"):
+        TableConfig(name="t", dim=2, combiner="max")
+    with pytest.raises(ValueError, match="unbound"):
+        emb = dynemb.DynamicEmbedding(2)
+        TableConfig(name="t", dim=2, optimizer=optim.SGD([emb], lr=0.1))
+    with pytest.raises(ValueError, match="not in tables"):
+        EmbeddingCollection([TableConfig(name="t", dim=2)], [FeatureConfig(name="f", table="u")])
+    ec = EmbeddingCollection([TableConfig(name="t", dim=2, vocabulary_size=5)], [FeatureConfig(name="f", table="t")])
+    with pytest.raises(ValueError, match=r"\[0, 5\)"):
+        ec({"f": torch.tensor([5])})
+    with pytest.raises(ValueError, match="not configured"):
+        ec({"g": torch.tensor([1])})

@@ -1,0 +1,127 @@
+"""Pooled and plain lookups against torch's embedding_bag and a NumPy port of TF's embedding_lookup_sparse."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dynemb
+from dynemb.functional import embedding_lookup, embedding_lookup_sparse
+
+D = 5
+KEYS = torch.tensor([0, -1, 2**63 - 1, -(2**63), 11, 12, 13, 2**33], dtype=torch.int64)
+
+
+def make():
+    emb = dynemb.DynamicEmbedding(D, seed=3, initializer="normal")
+    weight = emb.lookup(KEYS)  # same rows the table will create
+    return emb, weight
+
+
+def tf_lookup_sparse_np(weight, bags, bag_weights, combiner, max_norm):
+    """NumPy port of tf.nn.embedding_lookup_sparse (+ clip_by_norm of each row when max_norm is set)."""
+    out = np.zeros((len(bags), weight.shape[1]), dtype=np.float64)
+    for b, (idx, w) in enumerate(zip(bags, bag_weights)):
+        if not idx:
+            continue
+        rows = weight[idx].astype(np.float64)
+        if max_norm is not None:
+            norms = np.linalg.norm(rows, axis=1, keepdims=True)
+            rows = rows * max_norm / np.maximum(norms, max_norm)
+        w = np.asarray(w, dtype=np.float64)[:, None]
+        total = (rows * w).sum(0)
+        if combiner == "sum":
+            out[b] = total
+        elif combiner == "mean":
+            out[b] = total / w.sum()
+        else:
+            out[b] = total / np.sqrt((w**2).sum())
+    return out
+
+
+bag_strategy = st.lists(st.lists(st.integers(0, len(KEYS) - 1), min_size=0, max_size=6), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(bags=bag_strategy, combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
+       max_norm=st.sampled_from([None, 0.1, 10.0]), weighted=st.booleans(), data=st.data())
+def test_matches_tf_reference(bags, combiner, max_norm, weighted, data):
+    emb, weight = make()
+    flat = [i for bag in bags for i in bag]
+    w = [data.draw(st.floats(0.1, 2.0)) for _ in flat] if weighted else [1.0] * len(flat)
+    offsets = torch.tensor(np.cumsum([0] + [len(b) for b in bags[:-1]]), dtype=torch.int64)
+    got = embedding_lookup_sparse(emb, KEYS[torch.tensor(flat, dtype=torch.int64)], offsets,
+                                  torch.tensor(w) if weighted else None, combiner=combiner, max_norm=max_norm)
+    bag_w, pos = [], 0
+    for bag in bags:
+        bag_w.append(w[pos: pos + len(bag)])
+        pos += len(bag)
+    want = tf_lookup_sparse_np(weight.numpy(), bags, bag_w, combiner, max_norm)
+    np.testing.assert_allclose(got.detach().numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_matches_torch_embedding_bag_with_empty_bags(mode, weighted):
+    emb, weight = make()
+    idx = torch.tensor([1, 2, 2, 5, 7, 0, 0, 3])
+    offsets = torch.tensor([0, 3, 3, 6, 8])  # bags 1 and 4 are empty
+    w = torch.rand(idx.numel()) + 0.5 if weighted else None
+    got = embedding_lookup_sparse(emb, KEYS[idx], offsets, w, combiner=mode)
+    if mode == "sum" or not weighted:
+        want = F.embedding_bag(idx, weight, offsets, mode=mode, per_sample_weights=w)
+    else:  # torch has no weighted mean: weighted sum / sum of weights
+        s = F.embedding_bag(idx, weight, offsets, mode="sum", per_sample_weights=w)
+        cnt = F.embedding_bag(idx, torch.ones(len(KEYS), 1), offsets, mode="sum", per_sample_weights=w)
+        want = s / cnt.clamp(min=1e-30)
+    torch.testing.assert_close(got.detach(), want, rtol=1e-6, atol=1e-7)
+    assert torch.equal(got[1], torch.zeros(D)) and torch.equal(got[4], torch.zeros(D))
+
+
+def test_input_forms_agree():
+    emb, _ = make()
+    dense = KEYS[torch.tensor([[1, 2, 0], [3, 4, 4]])]
+    pad = torch.tensor([[1, 2, -7], [3, -7, -7]])
+    by_offsets = embedding_lookup_sparse(emb, KEYS[torch.tensor([1, 2, 0, 3, 4, 4])], torch.tensor([0, 3]))
+    assert torch.allclose(embedding_lookup_sparse(emb, dense), by_offsets)
+    rows, cols = torch.meshgrid(torch.arange(2), torch.arange(3), indexing="ij")
+    coo = torch.sparse_coo_tensor(torch.stack([rows.reshape(-1), cols.reshape(-1)]), dense.reshape(-1), (2, 3))
+    assert torch.allclose(embedding_lookup_sparse(emb, coo), by_offsets)
+    padded = embedding_lookup_sparse(emb, torch.where(pad == -7, pad, KEYS[pad.clamp(min=0)]), padding_value=-7)
+    manual = embedding_lookup_sparse(emb, KEYS[torch.tensor([1, 2, 3])], torch.tensor([0, 2]))
+    assert torch.allclose(padded, manual)
+
+
+def test_gradient_is_sparse_and_deduplicated():
+    emb, _ = make()
+    out = embedding_lookup(emb, KEYS[torch.tensor([1, 1, 1, 2])])
+    out.sum().backward()
+    keys, grad = emb.table.sparse_grad.coalesce()
+    assert grad.shape == (2, D)
+    assert torch.equal(grad[keys == KEYS[1]], torch.full((1, D), 3.0))
+
+
+def test_eval_inserts_nothing_and_no_grad_path():
+    emb, weight = make()
+    emb.eval()
+    out = embedding_lookup(emb, KEYS)
+    assert len(emb) == 0 and torch.equal(out, weight)
+    emb.train()
+    with torch.no_grad():
+        embedding_lookup(emb, KEYS[:2])
+    assert len(emb) == 2
+
+
+def test_bad_inputs_name_the_argument():
+    emb, _ = make()
+    with pytest.raises(ValueError, match="combiner"):
+        embedding_lookup_sparse(emb, KEYS[:2], torch.tensor([0]), combiner="max")
+    with pytest.raises(ValueError, match="max_norm"):
+        embedding_lookup(emb, KEYS[:2], max_norm=-1.0)
+    with pytest.raises(TypeError, match="keys must have dtype torch.int64"):
+        embedding_lookup(emb, torch.tensor([1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="offsets"):
+        embedding_lookup_sparse(emb, KEYS[:2])
+    assert len(emb) == 0
