@@ -197,16 +197,7 @@ class EmbeddingCollection(nn.Module):
         super().__init__()
         if table_stacking not in ("auto", None):
             raise ValueError(f"table_stacking must be 'auto' or None, got {table_stacking!r}")
-        self.table_configs = {t.name: t for t in tables}
-        if len(self.table_configs) != len(tables):
-            raise ValueError(f"table names must be unique, got {[t.name for t in tables]}")
-        self.feature_configs = {f.name: f for f in features}
-        if len(self.feature_configs) != len(features):
-            raise ValueError(f"feature names must be unique, got {[f.name for f in features]}")
-        for f in features:
-            if f.table_name not in self.table_configs:
-                raise ValueError(f"feature {f.name!r} uses table {f.table_name!r}, which is not in tables "
-                                 f"{sorted(self.table_configs)}")
+        self._validate(tables, features)
         seeds = {t.name: t.seed if t.seed is not None else int(torch.randint(0, 2**31, (1,)).item()) for t in tables}
         self.embeddings = nn.ModuleDict()
         self.routes: dict[str, _Route] = {}
@@ -222,6 +213,25 @@ class EmbeddingCollection(nn.Module):
             if spec is not None:
                 optimizers.append(spec.bind([module]))
         self.optimizer = CombinedOptimizer(optimizers)
+
+    def _validate(self, tables: list[TableConfig], features: list[FeatureConfig]) -> None:
+        self.table_configs = {t.name: t for t in tables}
+        if len(self.table_configs) != len(tables):
+            raise ValueError(f"table names must be unique, got {[t.name for t in tables]}")
+        self.feature_configs = {f.name: f for f in features}
+        if len(self.feature_configs) != len(features):
+            raise ValueError(f"feature names must be unique, got {[f.name for f in features]}")
+        for f in features:
+            if f.table_name not in self.table_configs:
+                raise ValueError(f"feature {f.name!r} uses table {f.table_name!r}, which is not in tables "
+                                 f"{sorted(self.table_configs)}")
+
+    @staticmethod
+    def _check_static_range(fname: str, tcfg: TableConfig, ids: torch.Tensor) -> None:
+        if tcfg.is_static and ids.numel():
+            limit = tcfg.vocabulary_size
+            if int(ids.min()) < 0 or int(ids.max()) >= limit:
+                raise ValueError(f"ids of feature {fname!r} must be in [0, {limit}) for static table {tcfg.name!r}")
 
     def _build(self, members: list[TableConfig], seeds: dict, device) -> None:
         if not hasattr(self, "_physical_optimizer"):
@@ -279,12 +289,7 @@ class EmbeddingCollection(nn.Module):
             route = self.routes[tcfg.name]
             module = self.embeddings[route.physical]
             prepared = self._prepare(fname, fcfg, tcfg, value, weights.get(fname))
-            if tcfg.is_static:
-                limit = tcfg.vocabulary_size
-                flat = prepared["ids"]
-                if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= limit):
-                    raise ValueError(f"ids of feature {fname!r} must be in [0, {limit}) for static table "
-                                     f"{tcfg.name!r}")
+            self._check_static_range(fname, tcfg, prepared["ids"])
             prepared["ids"] = self._physical_ids(route, prepared["ids"], module.table)
             by_table.setdefault(route.physical, []).append(prepared)
         out = {}

@@ -1,0 +1,93 @@
+"""Sharding plans: which rank owns which rows of each table.
+
+========  =====================================================================================================
+kind      meaning
+========  =====================================================================================================
+row       rows spread over all ranks by a partitioner ``(keys, world_size) -> owner``; default ``key % world``
+table     the whole table on one rank (``owner``); ranks are balanced by table bytes in the automatic plan
+data      replicated on every rank; each step's keys and gradients are all-gathered so replicas stay identical
+========  =====================================================================================================
+
+Write a plan by hand as ``{"user": "row", "country": "data", "item": ("table", 1)}``; :func:`auto_plan` fills in
+what is missing: dynamic tables go row-wise, small static tables are replicated, large static ones go whole to
+the least loaded rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["Sharding", "auto_plan", "mod_partitioner", "resolve_plan"]
+
+Partitioner = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def mod_partitioner(keys: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``key mod world_size`` as a non-negative owner (negative keys included), like SOK's ``key % world``."""
+    return torch.remainder(keys.to(torch.int64), world_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """How one table is sharded. ``partitioner`` applies to ``row``; ``owner`` to ``table``."""
+
+    kind: str
+    owner: Optional[int] = None
+    partitioner: Partitioner = mod_partitioner
+
+    def __post_init__(self):
+        if self.kind not in ("row", "table", "data"):
+            raise ValueError(f"sharding kind must be 'row', 'table' or 'data', got {self.kind!r}")
+        if self.kind == "table" and (not isinstance(self.owner, int) or self.owner < 0):
+            raise ValueError(f"a 'table' sharding needs an owner rank >= 0, got {self.owner!r}")
+
+    def owners(self, keys: torch.Tensor, world_size: int) -> torch.Tensor:
+        if self.kind == "table":
+            return torch.full(keys.shape, self.owner, dtype=torch.int64, device=keys.device)
+        owners = self.partitioner(keys, world_size)
+        if owners.shape != keys.shape:
+            raise ValueError(f"partitioner returned shape {tuple(owners.shape)} for keys {tuple(keys.shape)}")
+        return owners.to(torch.int64)
+
+    def describe(self) -> dict:
+        name = getattr(self.partitioner, "__qualname__", repr(self.partitioner))
+        return {"kind": self.kind, "owner": self.owner, "partitioner": name if self.kind == "row" else None}
+
+
+def auto_plan(tables, world_size: int, data_max_bytes: int = 16 << 20) -> dict[str, Sharding]:
+    """A plan by size: dynamic -> row; static <= ``data_max_bytes`` -> data; larger static -> table, balanced."""
+    plan, load = {}, [0] * world_size
+    for cfg in sorted(tables, key=lambda t: -(t.vocabulary_size or 0) * t.dim):
+        if not cfg.is_static:
+            plan[cfg.name] = Sharding("row")
+            continue
+        size = cfg.vocabulary_size * cfg.dim * 4
+        if size <= data_max_bytes:
+            plan[cfg.name] = Sharding("data")
+        else:
+            owner = min(range(world_size), key=lambda r: load[r])
+            load[owner] += size
+            plan[cfg.name] = Sharding("table", owner)
+    return plan
+
+
+def resolve_plan(tables, world_size: int, plan: Optional[dict] = None) -> dict[str, Sharding]:
+    """The automatic plan with the explicit entries of ``plan`` (a str kind, ``("table", rank)`` or Sharding)."""
+    result = auto_plan(tables, world_size)
+    names = {t.name for t in tables}
+    for name, entry in (plan or {}).items():
+        if name not in names:
+            raise ValueError(f"plan names table {name!r}, which is not in tables {sorted(names)}")
+        if isinstance(entry, str):
+            entry = Sharding(entry, owner=0 if entry == "table" else None)
+        elif isinstance(entry, tuple):
+            entry = Sharding(*entry)
+        if not isinstance(entry, Sharding):
+            raise TypeError(f"plan[{name!r}] must be 'row', 'data', ('table', rank) or a Sharding, got {entry!r}")
+        if entry.kind == "table" and entry.owner >= world_size:
+            raise ValueError(f"plan[{name!r}] owner {entry.owner} is not a rank of a world of size {world_size}")
+        result[name] = entry
+    return result

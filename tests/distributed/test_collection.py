@@ -1,0 +1,190 @@
+"""Sharded training on 2 and 4 gloo processes equals single-process training on the same global batch."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import dynemb
+from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+from dynemb.distributed import All2AllDenseEmbedding, DistributedEmbeddingCollection, DistributedError
+
+from .harness import run
+
+STEPS = 5
+SPLITS = {2: [16, 8], 4: [10, 0, 8, 6]}  # uneven batches; a rank with no samples at all
+
+
+def configs(opt_name):
+    opt = {"sgd": dynemb.optim.SGD(lr=0.5), "adam": dynemb.optim.Adam(lr=0.05)}[opt_name]
+    tables = [
+        TableConfig(name="user", dim=4, optimizer=opt, seed=1),  # dynamic, row
+        TableConfig(name="item", dim=6, optimizer=opt, seed=2, combiner="sum"),  # dynamic, table plan
+        TableConfig(name="cat", dim=4, vocabulary_size=13, optimizer=opt, seed=3),  # static, data
+        TableConfig(name="geo", dim=3, vocabulary_size=40, optimizer=opt, seed=4),  # static, row
+    ]
+    features = [FeatureConfig(name="uid", table="user"), FeatureConfig(name="hist", table="item"),
+                FeatureConfig(name="clicks", table="item", combiner="mean"),
+                FeatureConfig(name="cat", table="cat"), FeatureConfig(name="geo", table="geo")]
+    plan = {"user": "row", "item": ("table", 1), "cat": "data", "geo": "row"}
+    return tables, features, plan
+
+
+def global_batch(step, n=24):
+    g = torch.Generator().manual_seed(100 + step)
+    uid = torch.randint(-(2**63), 2**63 - 1, (6,), generator=g)[torch.randint(0, 6, (n,), generator=g)]
+    hist_len = torch.randint(0, 4, (n,), generator=g)
+    hist = torch.randint(-50, 50, (int(hist_len.sum()),), generator=g)
+    return {"uid": uid, "hist": (hist, hist_len), "clicks": torch.randint(0, 2**40, (n, 3), generator=g),
+            "cat": torch.randint(0, 13, (n,), generator=g), "geo": torch.randint(0, 40, (n,), generator=g),
+            "r": torch.randn(n, 4 + 6 + 6 + 4 + 3, generator=g)}
+
+
+def slice_batch(batch, lo, hi):
+    hist, lens = batch["hist"]
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    ids = hist[starts[lo]: starts[hi]]
+    offsets = lens[lo:hi].cumsum(0) - lens[lo:hi]
+    out = {k: batch[k][lo:hi] for k in ("uid", "clicks", "cat", "geo", "r")}
+    out["hist"] = (ids, offsets)
+    return out
+
+
+def loss_of(out, r):
+    parts = [out["uid"], out["hist"], out["clicks"], out["cat"], out["geo"]]
+    return (torch.cat(parts, 1) * r).sum()
+
+
+def train(ec, lo_hi, steps=STEPS):
+    for step in range(steps):
+        b = global_batch(step)
+        b = slice_batch(b, *(lo_hi or (0, b["uid"].numel())))
+        r = b.pop("r")
+        loss_of(ec(b), r).backward()
+        ec.optimizer.step()
+        ec.optimizer.zero_grad()
+
+
+def _sharded(rank, world, opt_name, fused):
+    tables, features, plan = configs(opt_name)
+    if fused:
+        tables = [TableConfig(**{**t.__dict__, "optimizer": type(t.optimizer)(**t.optimizer.defaults, fused=True)})
+                  for t in tables]
+    ec = DistributedEmbeddingCollection(tables, features, plan=plan, timeout=60)
+    splits = SPLITS[world]
+    lo = sum(splits[:rank])
+    train(ec, (lo, lo + splits[rank]))
+    result = {}
+    for t in tables:
+        keys, values = ec.gather_export(t.name)
+        result[t.name + ".keys"], result[t.name + ".values"] = keys.numpy(), values.numpy()
+    return result if rank == 0 else None
+
+
+def _single(opt_name):
+    tables, features, _ = configs(opt_name)
+    ec = EmbeddingCollection(tables, features, table_stacking=None)
+    train(ec, None)
+    return {t.name: ec.export(t.name) for t in tables}
+
+
+def _sorted(keys, values):
+    order = np.argsort(keys, kind="stable")
+    return keys[order], values[order]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("opt_name,fused", [("sgd", False), ("adam", False), ("adam", True)])
+def test_sharded_training_equals_single_process(tmp_path, world, opt_name, fused):
+    got = run(_sharded, world, tmp_path, opt_name, fused)
+    assert got is not None, [p.read_text() for p in tmp_path.glob("*.err")]
+    want = _single(opt_name)
+    for name, (keys, values) in want.items():
+        gk, gv = _sorted(got[name + ".keys"], got[name + ".values"])
+        wk, wv = _sorted(keys.numpy(), values.numpy())
+        np.testing.assert_array_equal(gk, wk)
+        assert np.linalg.norm(gv - wv) <= 1e-5 * np.linalg.norm(wv), name
+
+
+def _sok(rank, world, use_hashtable, dynamic_input):
+    layer = All2AllDenseEmbedding(8, 4, slot_num=2, nnz_per_slot=3, dynamic_input=dynamic_input,
+                                  use_hashtable=use_hashtable, seed=9, timeout=60)
+    g = torch.Generator().manual_seed(rank)
+    high = 8 * world if not use_hashtable else 2**62
+    ids = torch.randint(0, high, (5 * rank, 2, 3) if not dynamic_input else (7 + rank,), generator=g)
+    out = layer(ids)
+    table = TableConfig(name="sok", dim=4, vocabulary_size=None if use_hashtable else 8 * world, seed=9)
+    ref = EmbeddingCollection([table], [FeatureConfig(name="ids", table="sok", combiner="none")])
+    want = ref({"ids": ids})["ids"]
+    assert out.shape == ids.shape + (4,)
+    return {"max_err": np.array(float((out - want).abs().max()) if out.numel() else 0.0)}
+
+
+@pytest.mark.parametrize("use_hashtable", [True, False])
+@pytest.mark.parametrize("dynamic_input", [False, True])
+def test_all2all_dense_embedding_matches_single_process(tmp_path, use_hashtable, dynamic_input):
+    got = run(_sok, 2, tmp_path, use_hashtable, dynamic_input)
+    assert got is not None, [p.read_text() for p in tmp_path.glob("*.err")]
+    assert float(got["max_err"]) == 0.0
+
+
+def _out_of_range(rank, world):
+    layer = All2AllDenseEmbedding(4, 2, use_hashtable=False, dynamic_input=True, timeout=60)
+    try:
+        layer(torch.tensor([8 * world]))
+    except ValueError as e:
+        return {"msg": np.array(str(e))}
+    return {"msg": np.array("no error")}
+
+
+def test_static_sok_rejects_out_of_range_keys(tmp_path):
+    got = run(_out_of_range, 2, tmp_path)
+    assert "[0, 8)" in str(got["msg"])
+
+
+def _mismatch(rank, world):
+    dim = 4 if rank == 0 else 5
+    try:
+        DistributedEmbeddingCollection([TableConfig(name="t", dim=dim)], [FeatureConfig(name="f", table="t")],
+                                       timeout=30)
+    except DistributedError as e:
+        return {"msg": np.array(str(e))}
+    return {"msg": np.array("no error")}
+
+
+def test_mismatched_config_is_a_clear_error(tmp_path):
+    got = run(_mismatch, 2, tmp_path)
+    assert "tables[0].dim" in str(got["msg"])
+
+
+def _dies(rank, world, out_dir):
+    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1))],
+                                        [FeatureConfig(name="f", table="t")], timeout=10)
+    for step in range(10):
+        if rank == 1 and step == 2:
+            os._exit(17)  # dies mid-training, without a word to the others
+        start = time.monotonic()
+        try:
+            ec({"f": torch.arange(4) + step})["f"].sum().backward()
+        except DistributedError as e:
+            with open(os.path.join(out_dir, "survivor.txt"), "w") as f:
+                f.write(f"{time.monotonic() - start:.1f}\n{e}")
+            return None
+    return None
+
+
+def test_dead_rank_gives_clear_error_within_timeout(tmp_path):
+    ctx = run(_dies, 2, tmp_path, str(tmp_path), join=False)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (tmp_path / "survivor.txt").exists():
+        time.sleep(0.5)  # not ctx.join(): it would terminate the survivor as soon as rank 1 exits
+    for p in ctx.processes:
+        p.join(timeout=20)
+        if p.is_alive():
+            p.kill()
+    text = (tmp_path / "survivor.txt").read_text()
+    elapsed, message = text.split("\n", 1)
+    assert float(elapsed) <= 10 + 5
+    assert "peer rank died or the collective timed out" in message
