@@ -18,6 +18,7 @@ equals 1-rank training.
 from __future__ import annotations
 
 import dataclasses
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -93,6 +94,7 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
                     optimizers.append(cfg.optimizer.bind([module]))
             self.shards[cfg.name] = _Shard(cfg, self.plan[cfg.name], module, self.world)
         self.optimizer = CombinedOptimizer(optimizers)
+        self.comm_stats = {"bytes_sent": 0, "seconds": 0.0, "calls": 0, "keys_received": 0}
 
     # ------------------------------------------------------------------ construction
     def _signature(self, tables, features) -> dict:
@@ -178,6 +180,16 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
         return by_table
 
     # ------------------------------------------------------------------ exchange
+    def _a2a(self, send: torch.Tensor, send_counts: list, recv_counts: list, what: str) -> torch.Tensor:
+        """all-to-all with accounting: bytes this rank hands to the collective, and seconds spent in it."""
+        start = time.perf_counter()
+        out = send if self.world == 1 else all_to_all_known(send, send_counts, recv_counts, self.group, what)
+        stats = self.comm_stats
+        stats["bytes_sent"] += send.numel() * send.element_size()
+        stats["seconds"] += time.perf_counter() - start
+        stats["calls"] += 1
+        return out
+
     def _exchange(self, keys: list[torch.Tensor]):
         """Rows for each table's unique keys; returns ``(values per table, saved state for backward)``."""
         names = list(self.shards)
@@ -216,9 +228,10 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
         sort_key = torch.cat(owners) * tables + table_id
         perm = torch.sort(sort_key, stable=True).indices
         sent = torch.bincount(sort_key, minlength=world * tables).view(world, tables)
-        recv = all_to_all_known(sent, [1] * world, [1] * world, self.group, "all-to-all of key counts")
-        recv_keys = all_to_all_known(torch.cat(keys).index_select(0, perm), sent.sum(1).tolist(),
-                                     recv.sum(1).tolist(), self.group, "all-to-all of keys")
+        recv = self._a2a(sent, [1] * world, [1] * world, "all-to-all of key counts")
+        recv_keys = self._a2a(torch.cat(keys).index_select(0, perm), sent.sum(1).tolist(), recv.sum(1).tolist(),
+                              "all-to-all of keys")
+        self.comm_stats["keys_received"] += recv_keys.numel()
         recv_table = torch.repeat_interleave(torch.arange(tables, device=device).repeat(world), recv.reshape(-1))
         owned, blocks = [], []
         for t, name in enumerate(names):
@@ -232,9 +245,8 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
             owned.append((unique, rows, inverse))
             blocks.append(vals)
         send_rows = _interleave(blocks, recv, dims)
-        got = all_to_all_known(send_rows, (recv * torch.tensor(dims, device=device)).sum(1).tolist(),
-                               (sent * torch.tensor(dims, device=device)).sum(1).tolist(), self.group,
-                               "all-to-all of rows")
+        got = self._a2a(send_rows, (recv * torch.tensor(dims, device=device)).sum(1).tolist(),
+                        (sent * torch.tensor(dims, device=device)).sum(1).tolist(), "all-to-all of rows")
         per_table = _deinterleave(got, sent, dims)
         offsets = [0]
         for s in sizes:
@@ -257,9 +269,8 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
         device = sent.device
         blocks = [g.float().index_select(0, idx) for g, idx in zip(grads, state["order"])]
         send = _interleave(blocks, sent, dims)
-        got = all_to_all_known(send, (sent * torch.tensor(dims, device=device)).sum(1).tolist(),
-                               (recv * torch.tensor(dims, device=device)).sum(1).tolist(), self.group,
-                               "all-to-all of gradients")
+        got = self._a2a(send, (sent * torch.tensor(dims, device=device)).sum(1).tolist(),
+                        (recv * torch.tensor(dims, device=device)).sum(1).tolist(), "all-to-all of gradients")
         for t, (name, grad) in enumerate(zip(names, _deinterleave(got, recv, dims))):
             if state["owned"][t] is None:
                 continue

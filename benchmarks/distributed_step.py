@@ -1,0 +1,103 @@
+"""Distributed training step on gloo: steps/s at world 1 and 2, bytes on the wire against the floor, dedup ratio.
+
+    python benchmarks/distributed_step.py [--quick] [--json PATH]
+
+Each rank trains 4 row-sharded dynamic tables (dim 64, pooling factor 10, power-law ids, fused Adagrad) on its
+own batch of the same size, so world 2 does twice the global work of world 1. The wire floor per rank and step is
+``unique keys x 8 + rows served x dim x 4 + unique keys x dim x 4`` (keys out, rows back to requesters, gradients
+back to owners): only deduplicated keys and rows may cross.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import machine_info, parser, print_table, write_json  # noqa: E402
+
+import dynemb  # noqa: E402
+from dynemb import FeatureConfig, TableConfig  # noqa: E402
+from dynemb.distributed import DistributedEmbeddingCollection  # noqa: E402
+from dynemb.distributed.launch import spawn  # noqa: E402
+
+TABLES, DIM, POOL, VOCAB, ALPHA = 4, 64, 10, 1_000_000, 1.05
+
+
+def zipf_ids(n: int, g: torch.Generator) -> torch.Tensor:
+    """Power-law ranks over VOCAB, spread over int64 by an odd multiplier (a bijection)."""
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    ranks = ((VOCAB ** (1 - ALPHA) - 1) * u + 1) ** (1 / (1 - ALPHA))
+    return ranks.long().clamp(max=VOCAB) * -7046029254386353131
+
+
+def _rank_main(rank: int, world: int, batch: int, steps: int, warmup: int, out: str) -> None:
+    tables = [TableConfig(name=f"t{i}", dim=DIM, seed=i, optimizer=dynemb.optim.Adagrad(lr=0.05, fused=True))
+              for i in range(TABLES)]
+    features = [FeatureConfig(name=f"f{i}", table=f"t{i}") for i in range(TABLES)]
+    ec = DistributedEmbeddingCollection(tables, features, timeout=120)
+    g = torch.Generator().manual_seed(rank)
+    offsets = torch.arange(batch) * POOL
+    times, comm, sent, floor, ids_total, unique_total = [], [], [], [], 0, 0
+    for step in range(warmup + steps):
+        batch_ids = {f"f{i}": (zipf_ids(batch * POOL, g), offsets) for i in range(TABLES)}
+        uniques = sum(torch.unique(v[0]).numel() for v in batch_ids.values())
+        before = dict(ec.comm_stats)
+        dist.barrier()
+        start = time.perf_counter()
+        pooled = ec(batch_ids)
+        torch.cat(list(pooled.values()), 1).sum().backward()
+        elapsed = time.perf_counter() - start
+        if step < warmup:
+            continue
+        times.append(elapsed)
+        comm.append(ec.comm_stats["seconds"] - before["seconds"])
+        sent.append(ec.comm_stats["bytes_sent"] - before["bytes_sent"])
+        served = ec.comm_stats["keys_received"] - before["keys_received"]  # rows this rank serves as owner
+        floor.append(uniques * 8 + served * DIM * 4 + uniques * DIM * 4)
+        ids_total += batch * POOL * TABLES
+        unique_total += uniques
+    stats = torch.tensor([statistics.median(times), statistics.median(comm), sum(sent) / steps,
+                          sum(floor) / steps, ids_total / unique_total], dtype=torch.float64)
+    dist.all_reduce(stats, group=ec.group)  # mean over ranks
+    if rank == 0:
+        keys = ["step_s", "comm_s", "bytes_sent", "floor_bytes", "dedup_ratio"]
+        with open(out, "w") as f:
+            json.dump(dict(zip(keys, (stats / world).tolist())), f)
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    batch, steps, warmup = (512, 5, 2) if args.quick else (2048, args.repeat or 15, 3)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (1, 2):
+            path = os.path.join(tmp, f"w{world}.json")
+            spawn(_rank_main, world, batch, steps, warmup, path, threads=1)
+            with open(path) as f:
+                r = json.load(f)
+            rows.append({"world": world, "batch/rank": batch, "steps/s": round(1 / r["step_s"], 2),
+                         "step ms": round(r["step_s"] * 1e3, 1), "comm ms": round(r["comm_s"] * 1e3, 1),
+                         "compute ms": round((r["step_s"] - r["comm_s"]) * 1e3, 1),
+                         "MB sent/step/rank": round(r["bytes_sent"] / 1e6, 3),
+                         "wire/floor": round(r["bytes_sent"] / r["floor_bytes"], 3),
+                         "dedup ratio": round(r["dedup_ratio"], 2)})
+    w1, w2 = rows
+    ratio = (w2["step ms"] - w2["comm ms"]) / w1["step ms"]
+    print_table(rows, list(rows[0]))
+    print(f"\nworld-2 step beyond its transfer time / world-1 step: {ratio:.2f}x (target <= 1.5x); "
+          f"wire/floor {w2['wire/floor']:.3f} (target <= 1.1)")
+    if args.json:
+        write_json(args.json, {"machine": machine_info(), "rows": rows, "w2_compute_over_w1": ratio,
+                               "date": time.strftime("%Y-%m-%d")})
+
+
+if __name__ == "__main__":
+    main()
