@@ -1,0 +1,124 @@
+"""Arrow columns to numpy arrays under the readers' rules for ids, dense values, labels and nulls.
+
+Every function takes ``where`` (the file and column, for messages) and raises ``ValueError`` naming it.
+
+Categorical ids:
+    - integer columns are taken as they are (uint64 values ``>= 2**63`` are reinterpreted as signed int64,
+      a bijection); bool columns give 0/1;
+    - string and binary columns (plain or dictionary-encoded) are hashed by :func:`dynemb.data.hash_strings`;
+    - text read from CSV has no type, so each value decides for itself: a canonical decimal integer in the
+      int64 range (``0``, ``-12``, ``9223372036854775807``; no sign ``+``, no leading zeros) is taken as that
+      integer, and any other text (``"007"``, ``"12.0"``, ``"abc"``) is hashed;
+    - a null gets :func:`dynemb.data.null_key` of the column name.
+Dense values: any numeric or bool column, or text that parses as a number, as float32; null and NaN give 0.0.
+Labels: numeric, bool or text equal to 0 or 1; a null or any other value is an error.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .hashing import hash_strings, null_key
+
+__all__ = ["categorical_ids", "dense_values", "label_values", "first_line"]
+
+_DECIMAL = r"^(0|-?[1-9][0-9]{0,18})$"
+_INT64_MAX_TEXT = "9223372036854775807"
+_INT64_MIN_TEXT = "-9223372036854775808"
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message: Arrow's messages can run over several lines."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_bytes(t: pa.DataType) -> bool:
+    return _is_text(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def _decoded(column: pa.Array) -> pa.Array:
+    """Dictionary columns of strings stay encoded (hashing dedups through them); others are decoded."""
+    if pa.types.is_dictionary(column.type) and not _is_bytes(column.type.value_type):
+        return column.dictionary_decode()
+    return column
+
+
+def _decimal_int64(text: pa.Array) -> np.ndarray:
+    """Mask of the canonical decimal integers that fit in int64 (string comparison is exact at equal length)."""
+    negative = pc.starts_with(text, "-")
+    short = pc.less(pc.utf8_length(text), pc.if_else(negative, 20, 19))
+    in_range = pc.if_else(negative, pc.less_equal(text, _INT64_MIN_TEXT), pc.less_equal(text, _INT64_MAX_TEXT))
+    fits = pc.and_(pc.match_substring_regex(text, _DECIMAL), pc.or_(short, in_range))
+    return fits.to_numpy(zero_copy_only=False)
+
+
+def _text_ids(text: pa.Array) -> np.ndarray:
+    is_int = _decimal_int64(text)
+    out = np.empty(len(text), dtype=np.int64)
+    out[is_int] = pc.cast(text.filter(is_int), pa.int64()).to_numpy()
+    out[~is_int] = hash_strings(text.filter(~is_int)).numpy()
+    return out
+
+
+def _valid_ids(column: pa.Array, where: str, decimal_text: bool) -> np.ndarray:
+    """Ids of a null-free column."""
+    t = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
+    if pa.types.is_uint64(t):
+        return column.to_numpy().view(np.int64)
+    if pa.types.is_integer(t) or pa.types.is_boolean(t):
+        return pc.cast(column, pa.int64()).to_numpy(zero_copy_only=False)
+    if decimal_text and _is_text(t) and not pa.types.is_dictionary(column.type):
+        return _text_ids(column)
+    if _is_bytes(t):
+        return hash_strings(column).numpy()
+    raise ValueError(f"{where} has type {column.type}; categorical ids must be integers or strings")
+
+
+def categorical_ids(column: pa.Array, name: str, where: str, decimal_text: bool = False) -> np.ndarray:
+    """int64 ids of a categorical column (see the module docstring); ``decimal_text`` for CSV text."""
+    column = _decoded(column)
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    out = np.full(len(column), null_key(name), dtype=np.int64)
+    if valid.any():
+        out[valid] = _valid_ids(column.filter(valid), where, decimal_text)
+    return out
+
+
+def _as_float64(column: pa.Array, where: str, what: str) -> pa.Array:
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    t = column.type
+    numeric = pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+    if not (numeric or pa.types.is_decimal(t) or pa.types.is_null(t) or _is_text(t)):
+        raise ValueError(f"{where} has type {t}; {what}")
+    try:
+        return pc.cast(column, pa.float64())
+    except pa.ArrowException as exc:
+        raise ValueError(f"{where}: {what} ({first_line(exc)})") from None
+
+
+def dense_values(column: pa.Array, where: str) -> np.ndarray:
+    """float32 values of a dense column; null and NaN give 0.0."""
+    values = _as_float64(column, where, "dense values must be numbers")
+    values = pc.fill_null(values, 0.0).to_numpy(zero_copy_only=False)
+    return np.where(np.isnan(values), 0.0, values).astype(np.float32)
+
+
+def label_values(column: pa.Array, where: str, first_row: int) -> np.ndarray:
+    """float32 0/1 labels; ``first_row`` is the file row of ``column[0]``, for messages."""
+    values = _as_float64(column, where, "labels must be 0 or 1")
+    valid = values.is_valid().to_numpy(zero_copy_only=False)
+    y = values.to_numpy(zero_copy_only=False)
+    bad = ~valid | ((y != 0.0) & (y != 1.0))
+    if bad.any():
+        i = int(bad.argmax())
+        got = column[i].as_py()
+        raise ValueError(f"{where}: labels must be 0 or 1, got {got!r} at row {first_row + i}")
+    return y.astype(np.float32)

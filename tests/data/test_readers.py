@@ -1,0 +1,207 @@
+import gzip
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dynemb.data import FileReader, hash_strings, null_key
+
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+
+
+def _read_all(reader):
+    batches = list(reader)
+    return batches, {
+        "labels": torch.cat([b.labels for b in batches]).tolist(),
+        "dense": torch.cat([b.dense for b in batches]).tolist(),
+        **{c: torch.cat([b.sparse[c] for b in batches]).tolist() for c in reader.categorical},
+    }
+
+
+@pytest.fixture
+def parquet_file(tmp_path):
+    table = pa.table(
+        {
+            "click": pa.array([0, 1, 1, 0, 1], pa.int8()),
+            "user": ["u1", None, "u1", "é", "u2"],
+            "item": pa.array([I64_MIN, -1, 0, I64_MAX, None], pa.int64()),
+            "big": pa.array([2**64 - 1, 2**63, 0, 5, 6], pa.uint64()),
+            "price": [1.5, None, float("nan"), -2.0, 3.0],
+            "age": pa.array([30, 40, None, 50, 60], pa.int32()),
+            "unused": ["x"] * 5,
+        }
+    )
+    path = tmp_path / "clicks.parquet"
+    pq.write_table(table, path, row_group_size=2)
+    return path
+
+
+def test_parquet_round_trip(parquet_file):
+    reader = FileReader(
+        parquet_file, label="click", categorical=["user", "item", "big"], dense=["price", "age"], batch_size=2
+    )
+    batches, got = _read_all(reader)
+    assert [len(b) for b in batches] == [2, 2, 1]
+    assert got["labels"] == [0.0, 1.0, 1.0, 0.0, 1.0]
+    assert got["dense"] == [[1.5, 30.0], [0.0, 40.0], [0.0, 0.0], [-2.0, 50.0], [3.0, 60.0]]
+    u1, e, u2 = hash_strings(["u1", "é", "u2"]).tolist()
+    assert got["user"] == [u1, null_key("user"), u1, e, u2]
+    assert got["item"] == [I64_MIN, -1, 0, I64_MAX, null_key("item")]
+    assert got["big"] == [-1, I64_MIN, 0, 5, 6]
+    assert all(ids.dtype == torch.int64 for b in batches for ids in b.sparse.values())
+
+
+def test_batches_regroup_across_row_groups_and_epochs(parquet_file):
+    reader = FileReader(parquet_file, label="click", categorical=["user"], batch_size=3, drop_last=True)
+    first, second = list(reader), list(reader)
+    assert [len(b) for b in first] == [3]
+    assert torch.equal(first[0].sparse["user"], second[0].sparse["user"])
+    assert first[0].dense.shape == (3, 0)
+
+
+def test_dictionary_strings_hash_like_plain_strings(tmp_path):
+    plain = pa.array(["a", "b", None, "a"])
+    pq.write_table(pa.table({"y": [0, 1, 0, 1], "s": plain, "d": plain.dictionary_encode()}), tmp_path / "d.parquet")
+    _, got = _read_all(FileReader(tmp_path / "d.parquet", label="y", categorical=["s", "d"]))
+    assert got["d"][:2] == got["s"][:2] == hash_strings(["a", "b"]).tolist()
+    assert got["d"][2] == null_key("d") and got["s"][2] == null_key("s")
+
+
+CSV_TEXT = (
+    "label,id,price,note\n"
+    "1,123,1.5,x\n"
+    "0,-9223372036854775808,,x\n"
+    "1,9223372036854775807,2,x\n"
+    "0,9223372036854775808,nan,x\n"
+    "1,007,3,x\n"
+    "0,abc,4,x\n"
+    "1,,5,x\n"
+    '0,"",6,x\n'
+)
+
+
+def test_csv_round_trip_with_text_ids(tmp_path):
+    path = tmp_path / "clicks.csv"
+    path.write_text(CSV_TEXT)
+    _, got = _read_all(FileReader(path, label="label", categorical=["id"], dense=["price"], batch_size=3))
+    assert got["labels"] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert [row[0] for row in got["dense"]] == [1.5, 0.0, 2.0, 0.0, 3.0, 4.0, 5.0, 6.0]
+    hashed = hash_strings(["9223372036854775808", "007", "abc"]).tolist()
+    assert got["id"] == [123, I64_MIN, I64_MAX, *hashed, null_key("id"), null_key("id")]
+
+
+def test_compressed_tsv_and_a_directory_of_parts(tmp_path):
+    with gzip.open(tmp_path / "part-0.tsv.gz", "wt") as f:
+        f.write("y\tc\n1\tq\n0\t-5\n")
+    _, got = _read_all(FileReader(tmp_path / "part-0.tsv.gz", label="y", categorical=["c"]))
+    assert got["c"] == [hash_strings(["q"]).item(), -5]
+
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for i in range(3):
+        pq.write_table(pa.table({"y": [i % 2, 1], "c": [10 * i, 10 * i + 1]}), parts / f"part-{i}.parquet")
+    (parts / "_SUCCESS").write_text("")
+    batches, got = _read_all(FileReader(parts, label="y", categorical=["c"], batch_size=4))
+    assert [len(b) for b in batches] == [4, 2]
+    assert got["c"] == [0, 1, 10, 11, 20, 21]
+
+
+def test_parquet_and_csv_agree(tmp_path):
+    rows = {"y": [0, 1, 1], "n": [-3, 2**40, 0], "s": ["a", "b", "a"]}
+    pq.write_table(pa.table(rows), tmp_path / "t.parquet")
+    (tmp_path / "t.csv").write_text("y,n,s\n0,-3,a\n1,1099511627776,b\n1,0,a\n")
+    kw = dict(label="y", categorical=["n", "s"])
+    _, from_parquet = _read_all(FileReader(tmp_path / "t.parquet", **kw))
+    _, from_csv = _read_all(FileReader(tmp_path / "t.csv", **kw))
+    assert from_parquet == from_csv
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ValueError, match=r"nope\.parquet: no such file or directory"):
+        FileReader(tmp_path / "nope.parquet", label="y", categorical=["c"])
+
+
+def test_unreadable_files(tmp_path):
+    bad = _write(tmp_path, "bad.parquet", "this is not parquet")
+    with pytest.raises(ValueError, match=r"bad\.parquet: cannot read it as parquet \(.*\)$"):
+        FileReader(bad, label="y", categorical=["c"])
+    with pytest.raises(ValueError, match=r"data\.json: unknown file type"):
+        FileReader(_write(tmp_path, "data.json", "{}"), label="y", categorical=["c"])
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(ValueError, match=r"empty_dir: the directory holds no \.parquet or \.csv files"):
+        FileReader(tmp_path / "empty_dir", label="y", categorical=["c"])
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "csv"])
+def test_missing_column(tmp_path, suffix):
+    path = tmp_path / f"t.{suffix}"
+    if suffix == "parquet":
+        pq.write_table(pa.table({"y": [1], "c": [2]}), path)
+    else:
+        path.write_text("y,c\n1,2\n")
+    with pytest.raises(ValueError, match=rf"t\.{suffix}: missing column 'price' \(the file has: y, c\)"):
+        FileReader(path, label="y", categorical=["c"], dense=["price"])
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [("y,c\n0,1\n2,1\n", "'2' at row 1"), ("y,c\n0,1\n,1\n", "None at row 1"), ("y,c\nyes,1\n", "'yes'")],
+)
+def test_label_not_0_1_in_csv(tmp_path, text, shown):
+    path = _write(tmp_path, "t.csv", text)
+    reader = FileReader(path, label="y", categorical=["c"])
+    with pytest.raises(ValueError, match=rf"t\.csv: column 'y'.*labels must be 0 or 1.*{shown}"):
+        list(reader)
+
+
+def test_label_not_0_1_in_parquet_names_the_row(tmp_path):
+    pq.write_table(pa.table({"y": [0.0, 1.0, 0.5], "c": [1, 2, 3]}), tmp_path / "t.parquet", row_group_size=2)
+    with pytest.raises(ValueError, match=r"t\.parquet: column 'y': labels must be 0 or 1, got 0\.5 at row 2$"):
+        list(FileReader(tmp_path / "t.parquet", label="y", categorical=["c"], batch_size=2))
+
+
+@pytest.mark.parametrize("name, content", [("t.csv", ""), ("h.csv", "y,c\n"), ("e.parquet", None)])
+def test_empty_dataset(tmp_path, name, content):
+    path = tmp_path / name
+    if content is None:
+        pq.write_table(pa.table({"y": pa.array([], pa.int64()), "c": pa.array([], pa.int64())}), path)
+    else:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=rf"{name}: .*empty"):
+        FileReader(path, label="y", categorical=["c"])
+
+
+def test_bad_values(tmp_path):
+    pq.write_table(pa.table({"y": [1], "f": [1.5], "s": ["x"]}), tmp_path / "t.parquet")
+    with pytest.raises(ValueError, match=r"column 'f' has type double; categorical ids must be integers or strings"):
+        list(FileReader(tmp_path / "t.parquet", label="y", categorical=["f"]))
+    path = _write(tmp_path, "t.csv", "y,c,x\n1,2,abc\n")
+    with pytest.raises(ValueError, match=r"t\.csv: column 'x': dense values must be numbers \(.*'abc'.*\)$"):
+        list(FileReader(path, label="y", categorical=["c"], dense=["x"]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"categorical": "c"}, TypeError, "categorical must be a list of column names"),
+        ({"categorical": []}, ValueError, "categorical must name at least one column"),
+        ({"categorical": ["c", "c"]}, ValueError, "column 'c' is named twice"),
+        ({"categorical": ["y"]}, ValueError, "column 'y' is named twice"),
+        ({"label": None}, TypeError, "label must be a non-empty column name"),
+        ({"format": "orc"}, ValueError, "format must be"),
+        ({"delimiter": ",,"}, ValueError, "delimiter must be"),
+        ({"batch_size": 0}, ValueError, "batch_size"),
+    ],
+)
+def test_bad_arguments(tmp_path, kwargs, error, message):
+    path = _write(tmp_path, "t.csv", "y,c\n1,2\n")
+    with pytest.raises(error, match=message):
+        FileReader(path, **{"label": "y", "categorical": ["c"], **kwargs})
