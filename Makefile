@@ -2,19 +2,24 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dynemb-installed
 
-.PHONY: install demo test bench clean
+.PHONY: install sysdeps demo test bench clean
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
 	touch $(STAMP)
+
+# redis-server for the serving tests (apt-get; a no-op when it is already installed).
+sysdeps:
+	bash scripts/install_system_deps.sh
 
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m dynemb demo
 
-test: $(STAMP)
-	$(PY) -m pytest
+# One torch thread per process: on small shared machines two threads stall each other badly.
+test: $(STAMP) sysdeps
+	OMP_NUM_THREADS=1 $(PY) -m pytest
 
 bench: $(STAMP)
 	$(PY) benchmarks/table_ops.py --quick

@@ -1,0 +1,7 @@
+"""Serving: a hierarchical parameter server (device cache -> memory/Redis -> RocksDB/LMDB) and lookup layers."""
+
+from .config import ModelConfig, ServerConfig
+from .layers import LookupLayer, SparseLookupLayer
+from .ps import ParameterServer, read_export
+
+__all__ = ["ParameterServer", "ServerConfig", "ModelConfig", "LookupLayer", "SparseLookupLayer", "read_export"]

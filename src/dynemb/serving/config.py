@@ -1,0 +1,129 @@
+"""The parameter server's JSON config (HPS-style field names), validated with errors that name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Mapping, Optional, Union
+
+__all__ = ["ModelConfig", "ServerConfig"]
+
+
+def _check_fields(cls, data: Mapping, where: str) -> None:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{where} must be a JSON object, got {type(data).__name__}")
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; allowed fields are {allowed}")
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in data]
+    if missing:
+        raise ValueError(f"{where}: missing required field(s) {missing}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """One served model.
+
+    Attributes:
+        model: its name.
+        sparse_files: serving-export roots (``dynemb export`` / ``export_for_serving`` output), one per table, or
+            a single root holding every table.
+        embedding_table_names: the tables to serve (names in the export).
+        embedding_vecsize_per_table: their dims, checked against the export.
+        default_value_for_each_table: the row of a key found in no tier: a float fills the row, ``"initializer"``
+            returns the row training would have created for the key (the export records initializer and seed).
+        cache_fraction: device cache size as a fraction of each table's rows (HPS ``gpucacheper``); tables of
+            up to 4096 rows are cached whole.
+        hit_rate_threshold: below it, rows found in lower tiers are written to the cache before a lookup returns;
+            above it, in the background.
+        max_batch_size: most keys per lookup call.
+        device: device of the cache (``"cpu"`` or ``"cuda[:i]"``).
+    """
+
+    model: str
+    sparse_files: list
+    embedding_table_names: list
+    embedding_vecsize_per_table: list
+    default_value_for_each_table: list = dataclasses.field(default_factory=list)
+    cache_fraction: float = 0.2
+    hit_rate_threshold: float = 0.9
+    max_batch_size: int = 65536
+    device: str = "cpu"
+
+    def __post_init__(self):
+        where = f"models[{self.model!r}]"
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        n = len(self.embedding_table_names)
+        if n == 0:
+            raise ValueError(f"{where}.embedding_table_names must list at least one table")
+        if len(self.embedding_vecsize_per_table) != n:
+            raise ValueError(f"{where}.embedding_vecsize_per_table has {len(self.embedding_vecsize_per_table)} "
+                             f"entries for {n} tables")
+        if self.default_value_for_each_table and len(self.default_value_for_each_table) != n:
+            raise ValueError(f"{where}.default_value_for_each_table has {len(self.default_value_for_each_table)} "
+                             f"entries for {n} tables")
+        for d in self.default_value_for_each_table:
+            if d != "initializer" and (isinstance(d, bool) or not isinstance(d, (int, float))):
+                raise ValueError(f"{where}.default_value_for_each_table entries must be floats or 'initializer', "
+                                 f"got {d!r}")
+        if len(self.sparse_files) not in (1, n):
+            raise ValueError(f"{where}.sparse_files must have 1 entry or one per table ({n}), "
+                             f"got {len(self.sparse_files)}")
+        if not 0.0 < self.cache_fraction <= 1.0:
+            raise ValueError(f"{where}.cache_fraction must be in (0, 1], got {self.cache_fraction!r}")
+        if not 0.0 <= self.hit_rate_threshold <= 1.0:
+            raise ValueError(f"{where}.hit_rate_threshold must be in [0, 1], got {self.hit_rate_threshold!r}")
+        if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ValueError(f"{where}.max_batch_size must be an int >= 1, got {self.max_batch_size!r}")
+
+    def default_for(self, i: int):
+        return self.default_value_for_each_table[i] if self.default_value_for_each_table else 0.0
+
+    def export_root(self, i: int) -> Path:
+        return Path(self.sparse_files[i if len(self.sparse_files) > 1 else 0])
+
+    @classmethod
+    def from_dict(cls, data: Mapping, where: str) -> "ModelConfig":
+        _check_fields(cls, data, where)
+        return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """``{"models": [...], "volatile_db": {...}, "persistent_db": {...} | null}``.
+
+    ``volatile_db`` defaults to the in-process store ``{"type": "memory"}``; ``persistent_db`` (``rocksdb`` or
+    ``lmdb`` with a ``path``) is optional. Store fields are those of :func:`dynemb.serving.stores.make_store`.
+    """
+
+    models: tuple
+    volatile_db: dict = dataclasses.field(default_factory=lambda: {"type": "memory"})
+    persistent_db: Optional[dict] = None
+
+    @classmethod
+    def load(cls, source: Union[str, Path, Mapping]) -> "ServerConfig":
+        """From a JSON file path or a dict."""
+        if isinstance(source, (str, Path)):
+            path = Path(source)
+            try:
+                data = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise FileNotFoundError(f"parameter server config {path} does not exist") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"parameter server config {path} is not valid JSON: {e}") from None
+        else:
+            data = source
+        _check_fields(cls, data, "parameter server config")
+        models = data["models"]
+        if not isinstance(models, list) or not models:
+            raise ValueError("parameter server config: models must be a non-empty list")
+        parsed = tuple(ModelConfig.from_dict(m, f"models[{i}]") for i, m in enumerate(models))
+        names = [m.model for m in parsed]
+        if len(set(names)) != len(names):
+            raise ValueError(f"parameter server config: model names must be unique, got {names}")
+        return cls(models=parsed, volatile_db=dict(data.get("volatile_db") or {"type": "memory"}),
+                   persistent_db=data.get("persistent_db"))

@@ -1,0 +1,333 @@
+"""The row-store interface shared by every storage tier of the serving parameter server.
+
+A *row store* maps ``(table, key)`` to one row of ``D`` values of the table's dtype. Keys are int64 and every
+value is a valid key. Rows travel as raw little-endian bytes, so a row written by one store type reads back
+bit-exact from any other. All operations are batched: one call moves ``N`` keys with a bounded number of round
+trips, never one per key.
+
+Errors. Bad arguments raise ``TypeError``/``ValueError`` before anything changes. Failures of the backend raise a
+:class:`StoreError`; the parameter server catches it to fall through to the next tier:
+
+=========================  ==================================================================================
+error                      meaning
+=========================  ==================================================================================
+StoreError                 base class: any failure of the backend (catch this to fall through)
+StoreUnavailableError      the server cannot be reached or timed out; also a ``ConnectionError``
+StoreFullError             a put would exceed ``max_rows_per_table`` under ``overflow="refuse"``; nothing written
+StoreReadOnlyError         a write on a store opened ``read_only``; also a ``PermissionError``
+StoreCorruptError          a stored row has the wrong byte length for its table's schema
+=========================  ==================================================================================
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import threading
+from typing import Mapping
+
+import torch
+
+from dynemb.table.checks import VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like
+
+__all__ = [
+    "RowStore",
+    "TableSchema",
+    "StoreConfig",
+    "OverflowPolicy",
+    "StoreError",
+    "StoreUnavailableError",
+    "StoreFullError",
+    "StoreReadOnlyError",
+    "StoreCorruptError",
+]
+
+_CPU = torch.device("cpu")
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class StoreError(Exception):
+    """A storage backend failed; the caller may fall through to the next tier."""
+
+
+class StoreUnavailableError(StoreError, ConnectionError):
+    """The backend server cannot be reached (at construction or during a call) or did not answer in time."""
+
+
+class StoreFullError(StoreError):
+    """A put would exceed the store's row bound under ``overflow="refuse"``. Nothing was written."""
+
+
+class StoreReadOnlyError(StoreError, PermissionError):
+    """A write was attempted on a store opened read-only. Nothing was written."""
+
+
+class StoreCorruptError(StoreError):
+    """A stored row does not have the byte length of its table's schema."""
+
+
+class OverflowPolicy(str, enum.Enum):
+    """What a bounded store does when a put brings more rows than ``max_rows_per_table`` allows.
+
+    ``evict``: the put succeeds and the lowest-score rows are dropped (memory: the ``eviction`` policy, lru or
+    lfu; Redis: oldest write first). ``refuse``: the put raises :class:`StoreFullError` and writes nothing.
+    """
+
+    EVICT = "evict"
+    REFUSE = "refuse"
+
+    @classmethod
+    def parse(cls, value, name: str = "overflow") -> "OverflowPolicy":
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(p.value) for p in cls)
+            raise ValueError(f"{name} must be one of {choices}, got {value!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSchema:
+    """Shape of one table's rows.
+
+    Args:
+        dim: values per row (``D``), >= 1.
+        dtype: value dtype: float32, float16 or bfloat16.
+    """
+
+    dim: int
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.dim, "dim")
+        check_dtype(self.dtype, VALUE_DTYPES, "dtype")
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one stored row."""
+        return self.dim * self.dtype.itemsize
+
+    def to_dict(self) -> dict:
+        """JSON-ready form, as stored by the out-of-process stores."""
+        return {"dim": self.dim, "dtype": _DTYPE_NAMES[self.dtype]}
+
+    @classmethod
+    def from_dict(cls, record: Mapping) -> "TableSchema":
+        """Inverse of :meth:`to_dict`; other fields of ``record`` are ignored."""
+        return cls(dim=record["dim"], dtype=getattr(torch, record["dtype"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    """Base of the per-store config dataclasses; adds construction from a JSON-style dict."""
+
+    @classmethod
+    def from_dict(cls, config: Mapping, where: str = "store config") -> "StoreConfig":
+        """Build the config from ``config``. Unknown or missing fields raise ``ValueError`` naming them; bad values
+        raise the field's own TypeError/ValueError, prefixed with ``where``."""
+        if not isinstance(config, Mapping):
+            raise TypeError(f"{where} must be a dict, got {type(config).__name__}")
+        fields = dataclasses.fields(cls)
+        allowed = [f.name for f in fields]
+        unknown = sorted(set(config) - set(allowed))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; allowed fields are {allowed}")
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in config]
+        if missing:
+            raise ValueError(f"{where}: missing required field(s) {missing}")
+        try:
+            return cls(**config)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{where}: {error}") from None
+
+
+def check_table_name(table) -> str:
+    """Table names are non-empty strings without NUL or braces, at most 255 UTF-8 bytes: they form Redis hash tags
+    and key prefixes (LMDB keys are at most 511 bytes)."""
+    if not isinstance(table, str):
+        raise TypeError(f"table must be a str, got {type(table).__name__}")
+    if not table or any(c in table for c in "\x00{}") or len(table.encode()) > 255:
+        raise ValueError(f"table must be a non-empty str of <= 255 bytes without NUL, '{{' or '}}', got {table!r}")
+    return table
+
+
+def dedupe_last(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique keys with the value of each key's last occurrence. Keys come out sorted, the order in which B-tree
+    and LSM stores write a batch fastest."""
+    unique, inverse = torch.unique(keys, return_inverse=True)
+    position = torch.arange(keys.numel())
+    last = torch.full((unique.numel(),), -1, dtype=torch.int64).scatter_reduce_(0, inverse, position, "amax")
+    return unique, values.index_select(0, last)
+
+
+class RowStore(abc.ABC):
+    """A batched key -> row store holding several named tables. Subclasses implement the ``_`` hooks.
+
+    The public methods own the invariants: argument checks, the empty batch, read-only and closed stores, and
+    de-duplication of written keys (the last occurrence wins). Hooks see CPU int64 keys ``[N]`` (unique for
+    ``_put``/``_delete``), and values already checked against the table's schema.
+
+    Example:
+        >>> from dynemb.serving.stores import make_store
+        >>> store = make_store({"type": "memory"})
+        >>> store.create_table("user", dim=2)
+        TableSchema(dim=2, dtype=torch.float32)
+        >>> store.put("user", torch.tensor([-1, 7]), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        >>> values, found = store.get("user", torch.tensor([7, 5]))
+        >>> values.tolist(), found.tolist()
+        ([[3.0, 4.0], [0.0, 0.0]], [True, False])
+        >>> store.delete("user", torch.tensor([7, 7, 8])), store.size("user")
+        (1, 1)
+    """
+
+    def __init__(self, *, read_only: bool = False) -> None:
+        self.read_only = read_only
+        self._schemas: dict[str, TableSchema] = {}
+        self._schema_lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+    def create_table(self, table: str, dim: int, dtype: torch.dtype = torch.float32) -> TableSchema:
+        """Declare ``table`` with rows of ``dim`` values of ``dtype``. Idempotent for the same schema.
+
+        Returns:
+            The table's :class:`TableSchema`.
+
+        Raises:
+            ValueError: the table exists with another schema. StoreReadOnlyError: a new table on a read-only store.
+        """
+        check_table_name(table)
+        wanted = TableSchema(dim=dim, dtype=dtype)
+        self._check_open()
+        existing = self._find_schema(table)
+        if existing is None:
+            if self.read_only:
+                raise StoreReadOnlyError(f"cannot create table {table!r}: {self} is read-only")
+            with self._schema_lock:
+                existing = self._create(table, wanted)
+                self._schemas[table] = existing
+        if existing != wanted:
+            raise ValueError(f"table {table!r} already exists with {existing}, asked for {wanted}")
+        return existing
+
+    def schema(self, table: str) -> TableSchema:
+        """The schema of ``table``. Raises ValueError if it was never created."""
+        check_table_name(table)
+        self._check_open()
+        schema = self._find_schema(table)
+        if schema is None:
+            raise ValueError(f"table {table!r} does not exist in {self}; create it with create_table(table, dim)")
+        return schema
+
+    def get(self, table: str, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read rows. Hit: the stored row. Miss: a zero row and ``found`` False. Duplicates are allowed.
+
+        Args:
+            table: a created table.
+            keys: ``[N]`` int64 CPU tensor.
+
+        Returns:
+            ``(values [N, D] of the table's dtype, found [N] bool)``.
+
+        Raises:
+            TypeError/ValueError: bad arguments. StoreError: the backend failed (see the module docstring).
+        """
+        schema = self.schema(table)
+        keys = self._check_keys(keys)
+        if keys.numel() == 0:
+            return torch.empty(0, schema.dim, dtype=schema.dtype), torch.empty(0, dtype=torch.bool)
+        return self._get(table, schema, keys)
+
+    def put(self, table: str, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write rows. Hit: replaced. Miss: inserted. Duplicate keys: the last occurrence wins. Each row is
+        replaced atomically (no reader sees a torn row). Bounded stores apply their overflow policy.
+
+        Shape: ``keys`` ``[N]`` int64; ``values`` ``[N, D]`` of the table's dtype, on the CPU.
+
+        Raises:
+            TypeError/ValueError: bad arguments. StoreReadOnlyError, StoreFullError, StoreError.
+        """
+        schema = self.schema(table)
+        keys = self._check_keys(keys)
+        values = check_rows_like(values, keys.numel(), schema.dim, schema.dtype, _CPU, "values", tuple(keys.shape))
+        self._check_writable()
+        if keys.numel():
+            self._put(table, schema, *dedupe_last(keys, values.contiguous()))
+
+    def delete(self, table: str, keys: torch.Tensor) -> int:
+        """Remove keys. Hit: removed. Miss: ignored. Returns the number of rows removed."""
+        schema = self.schema(table)
+        keys = self._check_keys(keys)
+        self._check_writable()
+        return self._delete(table, schema, torch.unique(keys)) if keys.numel() else 0
+
+    def size(self, table: str) -> int:
+        """Number of rows stored in ``table``."""
+        return self._size(table, self.schema(table))
+
+    def tables(self) -> list[str]:
+        """Names of the created tables, sorted."""
+        self._check_open()
+        return sorted(self._tables())
+
+    def close(self) -> None:
+        """Release connections and files. Idempotent; any later call raises StoreError."""
+        if not self._closed:
+            self._closed = True
+            self._close()
+
+    def __enter__(self) -> "RowStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ hooks
+    @abc.abstractmethod
+    def _create(self, table: str, schema: TableSchema) -> TableSchema:
+        """Record ``schema`` for a new table; return the schema stored (another writer may have won a race)."""
+
+    @abc.abstractmethod
+    def _load_schema(self, table: str) -> TableSchema | None:
+        """The stored schema of ``table``, or None."""
+
+    @abc.abstractmethod
+    def _get(self, table: str, schema: TableSchema, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abc.abstractmethod
+    def _put(self, table: str, schema: TableSchema, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def _delete(self, table: str, schema: TableSchema, keys: torch.Tensor) -> int: ...
+
+    @abc.abstractmethod
+    def _size(self, table: str, schema: TableSchema) -> int: ...
+
+    @abc.abstractmethod
+    def _tables(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    def _close(self) -> None: ...
+
+    # ------------------------------------------------------------------ helpers
+    def _find_schema(self, table: str) -> TableSchema | None:
+        schema = self._schemas.get(table)
+        if schema is None:
+            schema = self._load_schema(table)
+            if schema is not None:
+                self._schemas[table] = schema
+        return schema
+
+    def _check_keys(self, keys) -> torch.Tensor:
+        self._check_open()
+        if isinstance(keys, torch.Tensor) and keys.dim() != 1:
+            raise ValueError(f"keys must be 1-D [N], got shape {tuple(keys.shape)}")
+        return check_keys(keys, torch.int64, _CPU)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"{self} is closed")
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise StoreReadOnlyError(f"{self} is read-only")

@@ -1,0 +1,130 @@
+"""The in-process volatile store: one :class:`~dynemb.table.KeyValueTable` per table, on the CPU.
+
+Memory per row is the table's columns (key 8 B, value ``D * itemsize``, score 8 B, version 8 B) plus its hash
+index (12 B per index slot, 2-8 slots per row) and growth slack. For ``D = 64`` float32 that is about 1.2x the raw
+``8 + 4 D`` bytes when the store is bounded and full, and up to about 1.5x while an unbounded table grows
+(``tests/serving/test_memory.py`` measures it). :meth:`MemoryStore.nbytes` reports the bytes held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from dynemb.table import EvictionPolicy, KeyValueTable
+from dynemb.table.checks import check_positive_int
+from .base import OverflowPolicy, RowStore, StoreConfig, StoreFullError, TableSchema
+
+__all__ = ["MemoryStore", "MemoryStoreConfig"]
+
+# A small first allocation keeps many small tables cheap; tables grow on demand.
+_INIT_CAPACITY = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStoreConfig(StoreConfig):
+    """Config of :class:`MemoryStore`.
+
+    Args:
+        max_rows_per_table: bound on rows per table; ``None`` for unbounded.
+        overflow: ``"evict"`` (drop the lowest-score rows) or ``"refuse"`` (raise StoreFullError) when a put
+            would exceed the bound.
+        eviction: score used by ``overflow="evict"``: ``"lru"`` (last access) or ``"lfu"`` (access count).
+            Reads count as accesses.
+    """
+
+    max_rows_per_table: int | None = None
+    overflow: str = "evict"
+    eviction: str = "lru"
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.max_rows_per_table, "max_rows_per_table", allow_none=True)
+        OverflowPolicy.parse(self.overflow)
+        if self.eviction not in ("lru", "lfu"):
+            raise ValueError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
+
+
+class MemoryStore(RowStore):
+    """Volatile rows in this process's memory; thread-safe (one lock per store).
+
+    Args:
+        config: a :class:`MemoryStoreConfig` (default: unbounded).
+
+    Example:
+        >>> import torch
+        >>> store = MemoryStore(MemoryStoreConfig(max_rows_per_table=2, overflow="refuse"))
+        >>> _ = store.create_table("t", dim=1)
+        >>> store.put("t", torch.tensor([1, 2]), torch.zeros(2, 1))
+        >>> try:
+        ...     store.put("t", torch.tensor([3]), torch.zeros(1, 1))
+        ... except StoreFullError as error:
+        ...     print(error)
+        table 't' holds 2 rows; 1 new would exceed max_rows_per_table=2
+    """
+
+    def __init__(self, config: MemoryStoreConfig | None = None) -> None:
+        super().__init__()
+        self.config = config if config is not None else MemoryStoreConfig()
+        self.overflow = OverflowPolicy.parse(self.config.overflow)
+        self._tables_by_name: dict[str, KeyValueTable] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"MemoryStore(max_rows_per_table={self.config.max_rows_per_table}, overflow={self.overflow.value!r})"
+
+    def nbytes(self) -> int:
+        """Bytes held by every table (allocated storage and index)."""
+        with self._lock:
+            return sum(t.nbytes() for t in self._tables_by_name.values())
+
+    def evicted(self, table: str) -> int:
+        """Rows of ``table`` dropped by ``overflow="evict"`` so far."""
+        self.schema(table)
+        return self._tables_by_name[table].evicted
+
+    # ------------------------------------------------------------------ hooks
+    def _create(self, table: str, schema: TableSchema) -> TableSchema:
+        with self._lock:
+            bound = self.config.max_rows_per_table
+            self._tables_by_name[table] = KeyValueTable(
+                schema.dim,
+                dtype=schema.dtype,
+                init_capacity=min(_INIT_CAPACITY, bound or _INIT_CAPACITY),
+                max_capacity=bound,
+                eviction=EvictionPolicy.parse(self.config.eviction),
+                initializer="zeros",
+            )
+        return schema
+
+    def _load_schema(self, table: str) -> TableSchema | None:
+        return None  # every schema this store knows was created through it, so it is already cached
+
+    def _get(self, table, schema, keys):
+        with self._lock:
+            return self._tables_by_name[table].find(keys, update_scores=True)
+
+    def _put(self, table, schema, keys, values) -> None:
+        with self._lock:
+            kv = self._tables_by_name[table]
+            if self.overflow is OverflowPolicy.REFUSE:
+                new = keys.numel() - int(kv.contains(keys).sum())
+                bound = self.config.max_rows_per_table
+                if bound is not None and kv.size() + new > bound:
+                    raise StoreFullError(
+                        f"table {table!r} holds {kv.size()} rows; {new} new would exceed max_rows_per_table={bound}"
+                    )
+            kv.insert_or_assign(keys, values)
+
+    def _delete(self, table, schema, keys) -> int:
+        with self._lock:
+            return self._tables_by_name[table].erase(keys)
+
+    def _size(self, table, schema) -> int:
+        return self._tables_by_name[table].size()
+
+    def _tables(self) -> list[str]:
+        return list(self._tables_by_name)
+
+    def _close(self) -> None:
+        with self._lock:
+            self._tables_by_name.clear()

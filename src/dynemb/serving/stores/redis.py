@@ -1,0 +1,336 @@
+"""The Redis volatile store: binary rows moved with pipelined ``MGET``/``MSET`` through redis-py.
+
+Key layout (Redis-Cluster-safe: every multi-key command touches one hash tag, so one slot):
+
+=====================================  =====================================================================
+key                                    holds
+=====================================  =====================================================================
+``{<table>:<shard>}`` + 8-byte key     the row: ``D`` little-endian values of the table's dtype
+``{<table>:<shard>}#z``                sorted set of the shard's 8-byte keys, scored by write time (µs);
+                                       gives ``size`` (``ZCARD``) and the eviction order (oldest write first)
+``dynemb:tables``                      hash: table name -> JSON ``{"dim", "dtype", "shards"}``
+=====================================  =====================================================================
+
+The 8-byte key is big-endian with the sign bit flipped; ``shard = splitmix64(key) mod shards``, zero-padded to a
+fixed width. The shard count is stored with the table, so reopening with another ``shards`` keeps the layout.
+
+Failures. Construction pings the server and raises :class:`StoreUnavailableError` (a ``ConnectionError``)
+naming the address when it cannot be reached or rejects the password. During calls a lost or timed-out
+connection raises :class:`StoreUnavailableError` and any other Redis error :class:`StoreError`; the parameter
+server catches ``StoreError`` to fall through to the next tier. Each call retries once at once (to replace a
+pooled connection broken by a server restart) and never blocks longer than about ``2 * timeout_s`` per round
+trip. Backoff between failing calls is the caller's job. In standalone mode each write runs in one
+``MULTI``/``EXEC``, so a failed write changes nothing; a Redis Cluster has no cross-slot transactions, so there a
+write is atomic per row and per shard only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import time
+
+import numpy as np
+import redis
+import redis.cluster
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from dynemb.table.checks import check_positive_int
+from dynemb.table.hashing import mix64
+
+from .base import OverflowPolicy, RowStore, StoreConfig, StoreError, StoreFullError, StoreUnavailableError, TableSchema
+from .codec import decode_keys, decode_rows, encode_keys, encode_rows, unsort
+
+__all__ = ["RedisStore", "RedisStoreConfig", "parse_address"]
+
+SCHEMA_KEY = b"dynemb:tables"
+_UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterError)
+_UNAVAILABLE += (redis.exceptions.RedisClusterException,)
+_NO_PREFIX = np.empty(0, dtype=np.uint8)
+_MAX_SHARDS = 16384
+
+
+def parse_address(address) -> tuple[str, int]:
+    """Split ``"host:port"`` (or ``"[ipv6]:port"``) into ``(host, port)``; ValueError on any other form."""
+    if not isinstance(address, str):
+        raise TypeError(f"address must be a 'host:port' str, got {type(address).__name__}")
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"address must be 'host:port' with a port in 1..65535, got {address!r}")
+    return host, int(port)
+
+
+@dataclasses.dataclass(frozen=True)
+class RedisStoreConfig(StoreConfig):
+    """Config of :class:`RedisStore`.
+
+    Args:
+        address: ``"host:port"`` of the server (of any cluster node when ``cluster``).
+        password: the server's ``requirepass``, or None.
+        cluster: connect with ``redis.cluster.RedisCluster`` instead of a single server.
+        shards: hash-tag groups per table; more shards spread a table over more cluster nodes.
+        max_rows_per_table: bound on rows per table; ``None`` for unbounded.
+        overflow: ``"evict"`` or ``"refuse"`` (raise StoreFullError) when a put would exceed the bound. ``evict``
+            drops the oldest-written rows of the fullest shards, which keeps shards balanced; with keys hashed
+            evenly over shards that is close to the table's oldest writes.
+        chunk_size: keys per ``MGET``/``MSET`` command; a pipeline carries all chunks of a call.
+        timeout_s: connect and socket timeout in seconds.
+    """
+
+    address: str = "127.0.0.1:6379"
+    password: str | None = None
+    cluster: bool = False
+    shards: int = 16
+    max_rows_per_table: int | None = None
+    overflow: str = "evict"
+    chunk_size: int = 4096
+    timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        parse_address(self.address)
+        if self.password is not None and not isinstance(self.password, str):
+            raise TypeError(f"password must be a str or None, got {type(self.password).__name__}")
+        if not isinstance(self.cluster, bool):
+            raise TypeError(f"cluster must be a bool, got {self.cluster!r}")
+        check_positive_int(self.shards, "shards")
+        if self.shards > _MAX_SHARDS:
+            raise ValueError(f"shards must be <= {_MAX_SHARDS} (the hash slots of a Redis Cluster), got {self.shards}")
+        check_positive_int(self.max_rows_per_table, "max_rows_per_table", allow_none=True)
+        OverflowPolicy.parse(self.overflow)
+        check_positive_int(self.chunk_size, "chunk_size")
+        timeout = self.timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout_s must be a number > 0, got {timeout!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """One table's keys: ``prefixes[s]`` is ``{table:s}`` as uint8, ``index_keys[s]`` the shard's sorted set and
+    ``record`` the table's entry in ``dynemb:tables``."""
+
+    shards: int
+    prefixes: np.ndarray
+    index_keys: list
+    record: bytes
+
+    @classmethod
+    def build(cls, table: str, record: bytes) -> "_Layout":
+        shards = json.loads(record)["shards"]
+        width = len(str(shards - 1))
+        tags = [f"{{{table}:{s:0{width}d}}}".encode() for s in range(shards)]
+        prefixes = np.frombuffer(b"".join(tags), dtype=np.uint8).reshape(shards, -1)
+        return cls(shards, prefixes, [tag + b"#z" for tag in tags], record)
+
+
+@dataclasses.dataclass
+class _Batch:
+    """Keys of one call sorted by shard: ``order`` maps back to the caller's positions."""
+
+    order: torch.Tensor
+    keys: torch.Tensor
+    shard_of: np.ndarray
+    bounds: list
+
+
+def _translated(method):
+    """Raise redis-py failures as StoreUnavailableError / StoreError naming the server."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except _UNAVAILABLE as error:
+            raise StoreUnavailableError(f"Redis at {self.config.address} is unavailable: {error}") from error
+        except redis.exceptions.RedisError as error:
+            raise StoreError(f"Redis at {self.config.address} failed: {error}") from error
+
+    return wrapper
+
+
+class RedisStore(RowStore):
+    """Rows in a Redis server or cluster. Thread-safe (redis-py pools connections).
+
+    Args:
+        config: a :class:`RedisStoreConfig`.
+
+    Raises:
+        StoreUnavailableError: the server cannot be reached, times out, or rejects the password.
+
+    Example (needs a server, so not run as a doctest)::
+
+        store = make_store({"type": "redis", "address": "127.0.0.1:6379", "max_rows_per_table": 10_000_000})
+        store.create_table("user", dim=64)
+        store.put("user", keys, rows)
+        try:
+            values, found = store.get("user", keys)
+        except StoreError:
+            ...  # fall through to the persistent tier
+    """
+
+    def __init__(self, config: RedisStoreConfig) -> None:
+        super().__init__()
+        if not isinstance(config, RedisStoreConfig):
+            raise TypeError(f"config must be a RedisStoreConfig, got {type(config).__name__}")
+        self.config = config
+        self.overflow = OverflowPolicy.parse(config.overflow)
+        self._layouts: dict[str, _Layout] = {}
+        self._client = self._connect()
+
+    def __repr__(self) -> str:
+        return f"RedisStore(address={self.config.address!r}, cluster={self.config.cluster})"
+
+    def _connect(self):
+        host, port = parse_address(self.config.address)
+        timeout = self.config.timeout_s
+        # One immediate retry replaces a pooled connection that a server restart broke; backoff is the caller's.
+        options = dict(password=self.config.password, socket_timeout=timeout, socket_connect_timeout=timeout)
+        options.update(host=host, port=port, retry=Retry(NoBackoff(), 1))
+        try:
+            client = (redis.cluster.RedisCluster if self.config.cluster else redis.Redis)(**options)
+            client.ping()
+        except redis.exceptions.AuthenticationError as error:
+            raise StoreUnavailableError(f"Redis at {self.config.address} rejected the password: {error}") from error
+        except (*_UNAVAILABLE, redis.exceptions.ResponseError) as error:
+            raise StoreUnavailableError(f"cannot reach Redis at {self.config.address}: {error}") from error
+        return client
+
+    # ------------------------------------------------------------------ schema
+    def _remember(self, table: str, record: bytes) -> TableSchema:
+        self._layouts[table] = _Layout.build(table, record)
+        return TableSchema.from_dict(json.loads(record))
+
+    @_translated
+    def _create(self, table: str, schema: TableSchema) -> TableSchema:
+        record = json.dumps({**schema.to_dict(), "shards": self.config.shards}, sort_keys=True)
+        self._client.hsetnx(SCHEMA_KEY, table, record)  # a concurrent creator may win: read back what is stored
+        return self._remember(table, self._client.hget(SCHEMA_KEY, table))
+
+    @_translated
+    def _load_schema(self, table: str) -> TableSchema | None:
+        raw = self._client.hget(SCHEMA_KEY, table)
+        return None if raw is None else self._remember(table, raw)
+
+    @_translated
+    def _tables(self) -> list[str]:
+        return [name.decode() for name in self._client.hkeys(SCHEMA_KEY)]
+
+    # ------------------------------------------------------------------ rows
+    def _batch(self, layout: _Layout, keys) -> _Batch:
+        shard = mix64(keys).remainder(layout.shards).numpy().astype(np.int16)
+        order = np.argsort(shard, kind="stable")  # a radix sort for int16
+        shard_of = shard[order]
+        ends = np.cumsum(np.bincount(shard_of, minlength=layout.shards)).tolist()
+        step = self.config.chunk_size
+        bounds = [
+            (s, lo, min(lo + step, hi)) for s, (start, hi) in enumerate(zip([0] + ends[:-1], ends))
+            for lo in range(start, hi, step)
+        ]
+        order = torch.from_numpy(order)
+        return _Batch(order, keys.index_select(0, order), shard_of, bounds)
+
+    def _pipeline(self, write: bool):
+        # MULTI/EXEC makes a standalone write all-or-nothing; cluster pipelines cannot span slots in a transaction.
+        return self._client.pipeline(transaction=write and not self.config.cluster)
+
+    @_translated
+    def _get(self, table, schema, keys):
+        layout = self._layouts[table]
+        batch = self._batch(layout, keys)
+        names = encode_keys(batch.keys, layout.prefixes, batch.shard_of)
+        pipe = self._pipeline(write=False)
+        for _, lo, hi in batch.bounds:
+            pipe.execute_command("MGET", *names[lo:hi])
+        blobs = list(itertools.chain.from_iterable(pipe.execute()))
+        values, found = decode_rows(blobs, schema, names)
+        return unsort(values, batch.order), unsort(found, batch.order)
+
+    @_translated
+    def _put(self, table, schema, keys, values) -> None:
+        layout = self._layouts[table]
+        batch = self._batch(layout, keys)
+        members = encode_keys(batch.keys, _NO_PREFIX)
+        bound = self.config.max_rows_per_table
+        if bound is not None and self.overflow is OverflowPolicy.REFUSE:
+            self._check_room(table, layout, batch, members, bound)
+        names = encode_keys(batch.keys, layout.prefixes, batch.shard_of)
+        rows = encode_rows(values.index_select(0, batch.order))
+        stamp = time.time_ns() // 1000
+        pipe = self._pipeline(write=True)
+        pipe.hsetnx(SCHEMA_KEY, table, layout.record)  # re-registers the table if the server restarted empty
+        for shard, lo, hi in batch.bounds:
+            pipe.execute_command("MSET", *_interleave(names[lo:hi], rows[lo:hi]))
+            pipe.execute_command("ZADD", layout.index_keys[shard], *_interleave([stamp] * (hi - lo), members[lo:hi]))
+        pipe.execute()
+        if bound is not None and self.overflow is OverflowPolicy.EVICT:
+            self._evict_oldest(table, schema, layout, bound)
+
+    def _check_room(self, table: str, layout: _Layout, batch: _Batch, members: list, bound: int) -> None:
+        pipe = self._pipeline(write=False)
+        for shard, lo, hi in batch.bounds:
+            pipe.execute_command("ZMSCORE", layout.index_keys[shard], *members[lo:hi])
+        new = list(itertools.chain.from_iterable(pipe.execute())).count(None)
+        held = sum(self._counts(layout))
+        if held + new > bound:
+            message = f"table {table!r} holds {held} rows; {new} new would exceed max_rows_per_table={bound}"
+            raise StoreFullError(message)
+
+    def _evict_oldest(self, table, schema, layout: _Layout, bound: int) -> None:
+        counts = np.array(self._counts(layout), dtype=np.int64)
+        excess = int(counts.sum()) - bound
+        if excess <= 0:
+            return
+        pipe = self._pipeline(write=False)
+        for shard, n in enumerate(_spread(counts, excess).tolist()):
+            if n:
+                pipe.execute_command("ZRANGE", layout.index_keys[shard], 0, n - 1)
+        self._delete(table, schema, decode_keys(list(itertools.chain.from_iterable(pipe.execute()))))
+
+    @_translated
+    def _delete(self, table, schema, keys) -> int:
+        layout = self._layouts[table]
+        batch = self._batch(layout, keys)
+        names = encode_keys(batch.keys, layout.prefixes, batch.shard_of)
+        members = encode_keys(batch.keys, _NO_PREFIX)
+        pipe = self._pipeline(write=True)
+        for shard, lo, hi in batch.bounds:
+            pipe.execute_command("DEL", *names[lo:hi])
+            pipe.execute_command("ZREM", layout.index_keys[shard], *members[lo:hi])
+        return sum(pipe.execute()[0::2])
+
+    @_translated
+    def _size(self, table, schema) -> int:
+        return sum(self._counts(self._layouts[table]))
+
+    def _counts(self, layout: _Layout) -> list:
+        pipe = self._pipeline(write=False)
+        for key in layout.index_keys:
+            pipe.zcard(key)
+        return pipe.execute()
+
+    def _close(self) -> None:
+        self._client.close()
+
+
+def _interleave(a: list, b: list) -> list:
+    """``[a0, b0, a1, b1, ...]`` with C-level slice assignment."""
+    out = [None] * (2 * len(a))
+    out[0::2], out[1::2] = a, b
+    return out
+
+
+def _spread(counts: np.ndarray, excess: int) -> np.ndarray:
+    """Rows to evict per shard, ``excess`` in all, taken from the fullest shards first (water-filling)."""
+    lo, hi = 0, int(counts.max())
+    while lo < hi:  # smallest level whose overflow fits in `excess`
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if np.maximum(counts - mid, 0).sum() <= excess else (mid + 1, hi)
+    take = np.maximum(counts - lo, 0)
+    short = excess - int(take.sum())
+    at_level = np.flatnonzero(counts - take >= lo)[:short] if short else np.empty(0, dtype=np.int64)
+    take[at_level] += 1
+    return take

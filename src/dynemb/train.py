@@ -1,0 +1,220 @@
+"""Training a DLRM on click logs: the loop behind ``dynemb train`` and ``dynemb demo``.
+
+One loop serves one process and ``torchrun``: under torch.distributed the tables are sharded by
+DistributedEmbeddingCollection, the dense MLPs are wrapped in DistributedDataParallel, and each rank reads its own
+slice of the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from typing import Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import optim
+from .collection import EmbeddingCollection
+from .data.batch import Batch
+from .data.metrics import auc
+from .models import DLRM, dlrm_tables
+
+__all__ = ["TrainConfig", "Trainer", "History", "SPARSE_OPTIMIZERS", "build_dlrm"]
+
+SPARSE_OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad,
+                     "adam": optim.Adam, "ftrl": optim.FTRL}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Training settings.
+
+    Attributes:
+        steps: most training steps.
+        seconds: stop after this much training time as well (``None``: no time limit).
+        dim: embedding width.
+        optimizer: sparse optimizer of the tables: one of :data:`SPARSE_OPTIMIZERS`.
+        lr: its learning rate; ``dense_lr`` is Adam's for the MLPs.
+        max_capacity: rows per table (per rank when sharded); ``None``: unbounded.
+        eviction: eviction policy of bounded tables.
+        admission: a new id gets a row from its ``admission``-th sighting (``None``: at once).
+        eval_every: evaluate AUC every this many steps (and at the end).
+        checkpoint_dir: save checkpoints there every ``checkpoint_every`` steps and at the end.
+        resume: continue from the newest checkpoint in ``checkpoint_dir``.
+    """
+
+    steps: int = 1000
+    seconds: Optional[float] = None
+    dim: int = 16
+    optimizer: str = "adagrad"
+    lr: float = 0.05
+    dense_lr: float = 1e-3
+    max_capacity: Optional[int] = None
+    eviction: Optional[str] = None
+    admission: Optional[int] = None
+    eval_every: int = 100
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    resume: bool = False
+
+    def __post_init__(self):
+        if self.optimizer not in SPARSE_OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {sorted(SPARSE_OPTIMIZERS)}, got {self.optimizer!r}")
+        for name in ("steps", "dim", "eval_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume=True needs checkpoint_dir")
+
+
+def build_dlrm(num_dense: int, features: Iterable[str], cfg: TrainConfig) -> DLRM:
+    """A DLRM with one dynamic table per feature, sharded when torch.distributed is initialized."""
+    spec = SPARSE_OPTIMIZERS[cfg.optimizer](lr=cfg.lr, fused=True)
+    tables, feats = dlrm_tables(list(features), cfg.dim, optimizer=spec, max_capacity=cfg.max_capacity,
+                                eviction=cfg.eviction, admission=cfg.admission)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from .distributed import DistributedEmbeddingCollection
+
+        embeddings = DistributedEmbeddingCollection(tables, feats)
+    else:
+        embeddings = EmbeddingCollection(tables, feats)
+    return DLRM(num_dense, embeddings, cfg.dim)
+
+
+class _Optimizers:
+    """The sparse (table) and dense optimizers as one checkpointable object."""
+
+    def __init__(self, sparse, dense: torch.optim.Optimizer) -> None:
+        self.sparse, self.dense = sparse, dense
+
+    def step(self) -> None:
+        self.sparse.step()
+        self.dense.step()
+
+    def zero_grad(self) -> None:
+        self.sparse.zero_grad()
+        self.dense.zero_grad()
+
+    def state_dict(self) -> dict:
+        return {"sparse": self.sparse.state_dict(), "dense": self.dense.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sparse.load_state_dict(state["sparse"])
+        self.dense.load_state_dict(state["dense"])
+
+
+@dataclasses.dataclass
+class History:
+    """What the loop measured: per-step rows and per-evaluation rows, ready for plots and reports."""
+
+    steps: list = dataclasses.field(default_factory=list)
+    evals: list = dataclasses.field(default_factory=list)
+
+    @property
+    def last_auc(self) -> float:
+        return self.evals[-1]["auc"] if self.evals else float("nan")
+
+
+class Trainer:
+    """Trains a DLRM with BCE loss; dense MLPs use Adam, tables their fused sparse optimizer.
+
+    Example:
+        >>> from dynemb.data import SyntheticClickLog
+        >>> data = SyntheticClickLog(num_categorical=2, num_dense=2, batch_size=64)
+        >>> cfg = TrainConfig(steps=3, dim=4, eval_every=3)
+        >>> trainer = Trainer(build_dlrm(2, data.categorical_names, cfg), cfg)
+        >>> history = trainer.fit(data.batches("train"), [data.batch(0, "eval")], progress=False)
+        >>> len(history.steps), 0.0 <= history.last_auc <= 1.0
+        (3, True)
+    """
+
+    def __init__(self, model: DLRM, cfg: TrainConfig) -> None:
+        self.model, self.cfg = model, cfg
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.distributed else 0
+        dense = [p for n, p in model.named_parameters()]
+        self._dense_model = model
+        if self.distributed:
+            self.model.bottom = nn.parallel.DistributedDataParallel(model.bottom)
+            self.model.top = nn.parallel.DistributedDataParallel(model.top)
+        self.optimizer = _Optimizers(model.embeddings.optimizer, torch.optim.Adam(dense, lr=cfg.dense_lr))
+        self.step = 0
+        self.history = History()
+        self.loss_fn = nn.BCEWithLogitsLoss()
+
+    # ------------------------------------------------------------------ checkpoints
+    def resume(self) -> int:
+        """Load the newest checkpoint of ``checkpoint_dir``; returns the step to continue from."""
+        from .checkpoint import load
+
+        manifest = load(self.cfg.checkpoint_dir, self.model, self.optimizer)
+        self.step = int(manifest["step"])
+        return self.step
+
+    def save(self) -> None:
+        from .checkpoint import save
+
+        save(self.cfg.checkpoint_dir, self.model, self.optimizer, step=self.step, keep_last=3,
+             extra={"config": dataclasses.asdict(self.cfg)})
+
+    # ------------------------------------------------------------------ loop
+    def fit(self, batches: Iterator[Batch], eval_batches: list[Batch], progress: bool = True) -> History:
+        """Train until ``steps`` or ``seconds``; ``batches`` must start at the current step (see resume)."""
+        cfg, model = self.cfg, self.model
+        model.train()
+        bar = _progress(None if cfg.seconds else cfg.steps, self.step, progress and self.rank == 0)
+        start, samples = time.perf_counter(), 0
+        for batch in itertools.islice(batches, max(cfg.steps - self.step, 0)):
+            loss = self.loss_fn(model(batch), batch.labels)
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.step += 1
+            samples += len(batch)
+            elapsed = time.perf_counter() - start
+            row = {"step": self.step, "loss": loss.item(), "samples_per_s": samples / max(elapsed, 1e-9),
+                   **self.table_stats()}
+            self.history.steps.append(row)
+            if self.step % cfg.eval_every == 0:
+                self.evaluate(eval_batches)
+            if cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self.save()
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", auc=f"{self.history.last_auc:.4f}",
+                            rows=row["rows"], evicted=row["evicted"], sps=f"{row['samples_per_s']:.0f}")
+            if cfg.seconds is not None and elapsed >= cfg.seconds:
+                break
+        bar.close()
+        if not self.history.evals or self.history.evals[-1]["step"] != self.step:
+            self.evaluate(eval_batches)
+        if cfg.checkpoint_dir:
+            self.save()
+        return self.history
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch]) -> dict:
+        """AUC and log loss on ``batches`` (no rows are inserted: eval mode)."""
+        self.model.eval()
+        logits = torch.cat([self.model(b) for b in batches])
+        labels = torch.cat([b.labels for b in batches])
+        self.model.train()
+        row = {"step": self.step, "auc": float(auc(logits, labels)), "loss": float(self.loss_fn(logits, labels))}
+        self.history.evals.append(row)
+        return row
+
+    def table_stats(self) -> dict:
+        tables = self.model.embeddings.dynemb_tables()
+        return {"rows": sum(t.size() for t in tables), "evicted": sum(getattr(t, "evicted", 0) for t in tables),
+                "table_bytes": sum(t.nbytes() for t in tables)}
+
+
+def _progress(total: Optional[int], initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True,
+                mininterval=0.5 if enabled else math.inf)

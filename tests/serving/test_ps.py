@@ -1,0 +1,163 @@
+"""ParameterServer and lookup layers against the training-side lookups, with real Redis/LMDB/RocksDB tiers."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+import dynemb
+from dynemb.checkpoint import export_for_serving
+from dynemb.functional import embedding_lookup, embedding_lookup_sparse
+from dynemb.serving import LookupLayer, ParameterServer, SparseLookupLayer
+
+D = 8
+KEYS = torch.tensor([0, -1, 2**63 - 1, -(2**63)] + list(range(10, 410)), dtype=torch.int64)
+
+
+def trained_table(seed=0):
+    emb = dynemb.DynamicEmbedding(D, seed=seed, initializer="normal")
+    emb(KEYS)
+    emb.upsert(KEYS[:50], torch.randn(50, D) * 2)  # some rows with norms above max_norm
+    return emb.eval()
+
+
+def server(root, volatile=None, persistent=None, **model_fields):
+    model = {"model": "ctr", "sparse_files": [str(root)], "embedding_table_names": ["embedding"],
+             "embedding_vecsize_per_table": [D], **model_fields}
+    config = {"models": [model], "volatile_db": volatile or {"type": "memory"}, "persistent_db": persistent}
+    ps = ParameterServer.from_config(config)
+    ps.load("ctr", progress=False)
+    return ps
+
+
+@pytest.fixture
+def exported(tmp_path):
+    emb = trained_table()
+    export_for_serving(tmp_path / "export", emb)
+    return emb, tmp_path / "export"
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("max_norm", [None, 0.1, 10.0])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_layers_equal_training_lookups(exported, combiner, max_norm, weighted):
+    emb, root = exported
+    ps = server(root, cache_fraction=0.1)
+    g = torch.Generator().manual_seed(0)
+    ids = KEYS[torch.randint(0, len(KEYS), (60,), generator=g)]
+    offsets = torch.tensor([0, 5, 5, 17, 30, 59])
+    weights = torch.rand(60, generator=g) + 0.1 if weighted else None
+    for _ in range(2):  # cold cache, then warm
+        got = SparseLookupLayer("ctr", "embedding", ps=ps)(ids, offsets, weights, combiner=combiner,
+                                                           max_norm=max_norm)
+        want = embedding_lookup_sparse(emb, ids, offsets, weights, combiner=combiner, max_norm=max_norm)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    plain = LookupLayer("ctr", "embedding", ps=ps)(ids.view(6, 10), max_norm=max_norm)
+    torch.testing.assert_close(plain, embedding_lookup(emb, ids.view(6, 10), max_norm=max_norm))
+    ps.close()
+
+
+def test_missing_keys_get_the_default_row(exported):
+    emb, root = exported
+    unknown = torch.tensor([123456789, -5])
+    ps = server(root, default_value_for_each_table=[0.25])
+    assert torch.equal(ps.lookup("ctr", "embedding", unknown), torch.full((2, D), 0.25))
+    ps.close()
+    ps = server(root, default_value_for_each_table=["initializer"])
+    assert torch.equal(ps.lookup("ctr", "embedding", unknown), emb.lookup(unknown))  # what eval training reads
+    ps.close()
+
+
+@pytest.mark.parametrize("persistent", ["lmdb", "rocksdb"])
+def test_tiers_fill_the_cache_and_hit_rate_grows(exported, tmp_path, redis_address, persistent):
+    emb, root = exported
+    ps = server(root, volatile={"type": "redis", "address": redis_address},
+                persistent={"type": persistent, "path": str(tmp_path / persistent)}, cache_fraction=0.2,
+                hit_rate_threshold=1.0)
+    hot = KEYS[:40]
+    for _ in range(20):
+        assert torch.equal(ps.lookup("ctr", "embedding", hot), emb.lookup(hot))
+    stats = ps.stats("ctr")["tables"]["embedding"]
+    assert stats["volatile"] == 40 and stats["lookups"] == 800 and stats["hit_rate"] > 0.9 and stats["cache_rows"] <= stats["cache_capacity"]
+    ps.close()
+
+
+def test_lookups_survive_redis_going_away(exported, tmp_path, redis_server, redis_address):
+    emb, root = exported
+    ps = server(root, volatile={"type": "redis", "address": redis_address, "timeout_s": 0.5},
+                persistent={"type": "lmdb", "path": str(tmp_path / "lmdb")}, cache_fraction=0.05)
+    g = torch.Generator().manual_seed(1)
+    answered = 0
+    for step in range(60):
+        if step == 20:
+            redis_server.kill()
+        keys = KEYS[torch.randint(0, len(KEYS), (32,), generator=g)]
+        start = time.monotonic()
+        assert torch.equal(ps.lookup("ctr", "embedding", keys), emb.lookup(keys))  # from cache or LMDB
+        assert time.monotonic() - start < 5
+        answered += 1
+    assert answered == 60 and ps.stats("ctr")["errors"]["volatile"] >= 1
+    redis_server.start()
+    ps.close()
+
+
+def test_concurrent_updates_never_tear_rows(tmp_path):
+    emb = dynemb.DynamicEmbedding(D, seed=0, initializer=0.0)
+    emb.upsert(KEYS, torch.zeros(len(KEYS), D))
+    root = tmp_path / "export"
+    export_for_serving(root, emb)
+    ps = server(root, cache_fraction=0.5)
+    torn, stop = [], threading.Event()
+
+    def reader(seed):
+        g = torch.Generator().manual_seed(seed)
+        while not stop.is_set():
+            rows = ps.lookup("ctr", "embedding", KEYS[torch.randint(0, len(KEYS), (64,), generator=g)])
+            mixed = (rows != rows[:, :1]).any(1)  # every version writes rows of one repeated value
+            if bool(mixed.any()):
+                torn.append(rows[mixed])
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for version in range(1, 9):
+        emb.upsert(KEYS, torch.full((len(KEYS), D), float(version)))
+        ps.apply_update(export_for_serving(root, emb, incremental=True))
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not torn
+    assert torch.equal(ps.lookup("ctr", "embedding", KEYS), torch.full((len(KEYS), D), 8.0))
+    assert ps.stats("ctr")["version"] == 9
+    ps.close()
+
+
+def test_delta_removes_deleted_keys(exported):
+    emb, root = exported
+    ps = server(root)
+    ps.lookup("ctr", "embedding", KEYS[:10])  # cached
+    emb.remove(KEYS[:5])
+    ps.apply_update(export_for_serving(root, emb, incremental=True))
+    assert torch.equal(ps.lookup("ctr", "embedding", KEYS[:5]), torch.zeros(5, D))
+    ps.close()
+
+
+def test_config_errors_name_the_problem(exported, tmp_path):
+    _, root = exported
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['gpucache'\]"):
+        ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [str(root)], "gpucache": True,
+                                                 "embedding_table_names": ["embedding"],
+                                                 "embedding_vecsize_per_table": [D]}]})
+    with pytest.raises(ValueError, match="has dim 8"):
+        server(root, embedding_vecsize_per_table=[16])
+    with pytest.raises(ConnectionError, match="127.0.0.1:1"):
+        server(root, volatile={"type": "redis", "address": "127.0.0.1:1"})
+    path = tmp_path / "ps.json"
+    path.write_text(json.dumps({"models": [{"model": "m", "sparse_files": [str(root)],
+                                            "embedding_table_names": ["nope"], "embedding_vecsize_per_table": [D]}]}))
+    ps = ParameterServer.from_config(path)
+    with pytest.raises(ValueError, match="'nope' is not in the export"):
+        ps.load("m", progress=False)
+    ps.close()

@@ -1,0 +1,128 @@
+"""The RowStore contract, run against every store type (memory, Redis, RocksDB, LMDB) on real backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynemb.serving.stores import StoreError, TableSchema, make_store
+
+EXTREME = torch.tensor([-(2**63), 2**63 - 1, -1, 0, 1, -(2**63) + 1, 2**63 - 2, 0x5851F42D])
+
+
+def rows(n: int, dim: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_extreme_keys_bit_exact(store, dtype):
+    store.create_table("t", dim=5, dtype=dtype)
+    values = rows(len(EXTREME), 5, dtype)
+    store.put("t", EXTREME, values)
+    got, found = store.get("t", EXTREME.flip(0))
+    assert found.all()
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), values.flip(0).contiguous().view(torch.uint8))
+    assert store.size("t") == len(EXTREME)
+
+
+def test_missing_keys_are_zero_and_not_found(store):
+    store.create_table("t", dim=3)
+    store.put("t", torch.tensor([5]), torch.ones(1, 3))
+    got, found = store.get("t", torch.tensor([-1, 5, 2**63 - 1, 5]))
+    assert found.tolist() == [False, True, False, True]
+    assert torch.equal(got, torch.tensor([[0.0] * 3, [1.0] * 3, [0.0] * 3, [1.0] * 3]))
+
+
+def test_overwrite_and_duplicate_keys_last_wins(store):
+    store.create_table("t", dim=2)
+    store.put("t", torch.tensor([1, 2]), torch.tensor([[1.0, 1.0], [2.0, 2.0]]))
+    store.put("t", torch.tensor([2, 3, 2]), torch.tensor([[5.0, 5.0], [3.0, 3.0], [7.0, 7.0]]))
+    got, _ = store.get("t", torch.tensor([1, 2, 3]))
+    assert got.tolist() == [[1.0, 1.0], [7.0, 7.0], [3.0, 3.0]]
+    assert store.size("t") == 3
+
+
+def test_delete_counts_and_removes(store):
+    store.create_table("t", dim=2)
+    store.put("t", EXTREME, rows(len(EXTREME), 2))
+    assert store.delete("t", torch.tensor([-(2**63), -(2**63), 12345, 0])) == 2
+    found = store.get("t", EXTREME)[1]
+    assert found.tolist() == [False, True, True, False, True, True, True, True]
+    assert store.size("t") == len(EXTREME) - 2
+    assert store.delete("t", torch.empty(0, dtype=torch.int64)) == 0
+
+
+def test_tables_are_separate(store):
+    store.create_table("a", dim=2)
+    store.create_table("ab", dim=3)
+    store.put("a", torch.tensor([1]), torch.ones(1, 2))
+    store.put("ab", torch.tensor([1, 2]), torch.full((2, 3), 2.0))
+    assert store.tables() == ["a", "ab"]
+    assert (store.size("a"), store.size("ab")) == (1, 2)
+    assert store.get("a", torch.tensor([1, 2]))[0].tolist() == [[1.0, 1.0], [0.0, 0.0]]
+    assert store.create_table("a", dim=2) == TableSchema(dim=2)
+
+
+def test_bulk_100k_rows(store):
+    keys = torch.randperm(200_000)[:100_000] * 92_233_720_368_547 - 2**62
+    values = rows(100_000, 4)
+    store.create_table("bulk", dim=4)
+    store.put("bulk", keys, values)
+    assert store.size("bulk") == 100_000
+    got, found = store.get("bulk", torch.cat([keys.flip(0), keys[:1000] + 1]))
+    assert found[:100_000].all() and not found[100_000:].any()
+    assert torch.equal(got[:100_000], values.flip(0))
+
+
+def test_empty_batch(store):
+    store.create_table("t", dim=4)
+    store.put("t", torch.empty(0, dtype=torch.int64), torch.empty(0, 4))
+    got, found = store.get("t", torch.empty(0, dtype=torch.int64))
+    assert got.shape == (0, 4) and found.shape == (0,)
+
+
+def test_bad_arguments_raise_and_change_nothing(store):
+    store.create_table("t", dim=2)
+    keys = torch.tensor([1, 2])
+    with pytest.raises(TypeError, match="keys must have dtype torch.int64"):
+        store.get("t", keys.int())
+    with pytest.raises(TypeError, match="keys must be a torch.Tensor"):
+        store.get("t", [1, 2])
+    with pytest.raises(ValueError, match=r"keys must be 1-D \[N\], got shape \(1, 2\)"):
+        store.get("t", keys.view(1, 2))
+    with pytest.raises(TypeError, match="values must have dtype torch.float32"):
+        store.put("t", keys, torch.ones(2, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"values must have shape \(2, 2\)"):
+        store.put("t", keys, torch.ones(2, 3))
+    with pytest.raises(ValueError, match="table 'nope' does not exist"):
+        store.get("nope", keys)
+    with pytest.raises(ValueError, match="already exists with TableSchema"):
+        store.create_table("t", dim=3)
+    with pytest.raises(ValueError, match="table must be a non-empty str"):
+        store.create_table("{x}", dim=3)
+    with pytest.raises(TypeError, match="table must be a str"):
+        store.create_table(3, dim=3)
+    with pytest.raises(ValueError, match="dim must be an int >= 1"):
+        store.create_table("u", dim=0)
+    assert store.size("t") == 0 and store.tables() == ["t"]
+
+
+def test_closed_store_raises(store):
+    store.create_table("t", dim=2)
+    store.close()
+    store.close()
+    with pytest.raises(StoreError, match="is closed"):
+        store.get("t", torch.tensor([1]))
+
+
+@pytest.mark.parametrize("kind", ["redis", "rocksdb", "lmdb"])
+def test_reopen_sees_tables_and_rows(store_config, kind):
+    config = store_config(kind)
+    with make_store(config) as first:
+        first.create_table("t", dim=3, dtype=torch.float16)
+        first.put("t", EXTREME, rows(len(EXTREME), 3, torch.float16))
+    with make_store(config) as second:
+        assert second.tables() == ["t"]
+        assert second.schema("t") == TableSchema(dim=3, dtype=torch.float16)
+        assert second.size("t") == len(EXTREME)
+        assert torch.equal(second.get("t", EXTREME)[0], rows(len(EXTREME), 3, torch.float16))

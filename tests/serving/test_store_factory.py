@@ -1,0 +1,48 @@
+"""make_store: config validation names the bad field and value."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynemb.serving.stores import LMDBStore, MemoryStore, RedisStore, RocksDBStore, make_store
+
+
+@pytest.mark.parametrize(
+    "config, error, message",
+    [
+        ([("type", "memory")], TypeError, "store config must be a dict"),
+        ({}, ValueError, r"'type' must be one of \['lmdb', 'memory', 'redis', 'rocksdb'\], got None"),
+        ({"type": "mongo"}, ValueError, "got 'mongo'"),
+        ({"type": "memory", "max_rows": 3}, ValueError, r"unknown field\(s\) \['max_rows'\]; allowed fields are"),
+        ({"type": "memory", "max_rows_per_table": 0}, ValueError, "max_rows_per_table must be None or an int >= 1"),
+        ({"type": "memory", "overflow": "drop"}, ValueError, "overflow must be one of 'evict', 'refuse', got 'drop'"),
+        ({"type": "memory", "eviction": "fifo"}, ValueError, "eviction must be 'lru' or 'lfu', got 'fifo'"),
+        ({"type": "redis", "address": "localhost"}, ValueError, "address must be 'host:port'.*got 'localhost'"),
+        ({"type": "redis", "address": "127.0.0.1:70000"}, ValueError, "port in 1..65535, got '127.0.0.1:70000'"),
+        ({"type": "redis", "address": 6379}, TypeError, "address must be a 'host:port' str, got int"),
+        ({"type": "redis", "cluster": "no"}, TypeError, "cluster must be a bool, got 'no'"),
+        ({"type": "redis", "password": 123}, TypeError, "password must be a str or None, got int"),
+        ({"type": "redis", "shards": 20000}, ValueError, "shards must be <= 16384"),
+        ({"type": "redis", "timeout_s": 0}, ValueError, "timeout_s must be a number > 0, got 0"),
+        ({"type": "redis", "chunk_size": -1}, ValueError, "chunk_size must be an int >= 1, got -1"),
+        ({"type": "rocksdb"}, ValueError, r"store config \(type 'rocksdb'\): missing required field\(s\) \['path'\]"),
+        ({"type": "lmdb", "path": ""}, TypeError, "path must be a non-empty str"),
+        ({"type": "lmdb", "path": "/x", "read_only": "yes"}, TypeError, "read_only must be a bool, got 'yes'"),
+        ({"type": "lmdb", "path": "/x", "map_size": 10}, ValueError, "map_size must be an int >= 1048576, got 10"),
+    ],
+)
+def test_validation_errors_name_field_and_value(config, error, message):
+    with pytest.raises(error, match=message):
+        make_store(config)
+
+
+def test_name_appears_in_errors():
+    with pytest.raises(ValueError, match=r"volatile_db \(type 'memory'\): unknown field\(s\) \['adress'\]"):
+        make_store({"type": "memory", "adress": "x"}, name="volatile_db")
+
+
+def test_builds_each_type(store_config):
+    expected = {"memory": MemoryStore, "redis": RedisStore, "rocksdb": RocksDBStore, "lmdb": LMDBStore}
+    for kind, store_type in expected.items():
+        with make_store(store_config(kind, **({"cluster": False, "password": None} if kind == "redis" else {}))) as s:
+            assert type(s) is store_type

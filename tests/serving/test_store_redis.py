@@ -1,0 +1,135 @@
+"""The Redis store against a real redis-server: key layout, bounded memory, failures and recovery."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from redis.cluster import key_slot
+
+from dynemb.serving.stores import (
+    RedisStore,
+    RedisStoreConfig,
+    StoreCorruptError,
+    StoreError,
+    StoreFullError,
+    StoreUnavailableError,
+    make_store,
+)
+from dynemb.serving.stores.redis import SCHEMA_KEY
+
+from redis_process import RedisServer, free_port
+
+
+def redis_store(address: str, **fields) -> RedisStore:
+    store = RedisStore(RedisStoreConfig(address=address, **fields))
+    store.create_table("t", dim=4)
+    return store
+
+
+def test_unreachable_at_construction_names_the_address():
+    address = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailableError, match=f"cannot reach Redis at {address}") as info:
+        make_store({"type": "redis", "address": address, "timeout_s": 0.5})
+    assert isinstance(info.value, ConnectionError)
+    assert time.monotonic() - start < 3
+
+
+def test_key_layout_is_cluster_safe_and_binary(redis_server, redis_address):
+    store = redis_store(redis_address, shards=12)
+    keys = torch.tensor([-(2**63), -1, 0, 2**63 - 1])
+    values = torch.randn(4, 4)
+    store.put("t", keys, values)
+    client = redis_server.client()
+    names = [name for name in client.keys("{t:*") if not name.endswith(b"#z")]
+    assert len(names) == 4 and all(len(name) == len(b"{t:00}") + 8 for name in names)
+    for name in names:  # a row and its shard's index share one hash slot
+        assert key_slot(name) == key_slot(name[: name.index(b"}") + 1] + b"#z")
+    row = values[keys.tolist().index(0)].numpy().tobytes()
+    assert client.get(next(n for n in names if n.endswith(b"\x80" + bytes(7)))) == row
+    assert len({name[:6] for name in names}) > 1  # keys spread over shards
+
+
+def test_reopen_keeps_the_stored_shard_count(redis_address):
+    first = redis_store(redis_address, shards=3)
+    first.put("t", torch.arange(50), torch.ones(50, 4))
+    second = redis_store(redis_address, shards=7)
+    assert second.get("t", torch.arange(50))[1].all()
+    assert second.size("t") == 50
+
+
+def test_evict_drops_oldest_writes(redis_address):
+    store = redis_store(redis_address, max_rows_per_table=100, shards=4)
+    store.put("t", torch.arange(100), torch.ones(100, 4))
+    time.sleep(0.002)
+    store.put("t", torch.arange(1000, 1040), torch.ones(40, 4))
+    assert store.size("t") == 100
+    assert store.get("t", torch.arange(1000, 1040))[1].all()
+    assert int(store.get("t", torch.arange(100))[1].sum()) == 60
+
+
+def test_refuse_raises_and_writes_nothing(redis_address):
+    store = redis_store(redis_address, max_rows_per_table=10, overflow="refuse")
+    store.put("t", torch.arange(8), torch.ones(8, 4))
+    with pytest.raises(StoreFullError, match="holds 8 rows; 3 new would exceed max_rows_per_table=10"):
+        store.put("t", torch.arange(5, 11), torch.zeros(6, 4))
+    assert store.size("t") == 8 and not store.get("t", torch.tensor([8, 9, 10]))[1].any()
+    assert store.get("t", torch.tensor([5]))[0].tolist() == [[1.0] * 4]
+
+
+def test_killed_server_raises_typed_error_then_recovers(redis_server, redis_address):
+    store = redis_store(redis_address, timeout_s=0.5)
+    store.put("t", torch.tensor([1]), torch.ones(1, 4))
+    redis_server.kill()
+    for call in (lambda: store.get("t", torch.tensor([1])), lambda: store.put("t", torch.tensor([2]), torch.ones(1, 4))):
+        with pytest.raises(StoreUnavailableError, match=f"Redis at {redis_address} is unavailable"):
+            call()
+    redis_server.start()
+    assert not store.get("t", torch.tensor([1]))[1].any()  # a restart without persistence loses the rows
+    store.put("t", torch.tensor([2]), torch.ones(1, 4))
+    assert store.get("t", torch.tensor([2]))[1].all()
+    assert RedisStore(RedisStoreConfig(address=redis_address)).tables() == ["t"]  # the table was re-registered
+
+
+def test_frozen_server_times_out(redis_server, redis_address):
+    store = redis_store(redis_address, timeout_s=0.3)
+    redis_server.pause()
+    start = time.monotonic()
+    try:
+        with pytest.raises(StoreUnavailableError):
+            store.get("t", torch.arange(10))
+    finally:
+        redis_server.resume()
+    assert time.monotonic() - start < 2
+
+
+def test_corrupt_row_names_the_key(redis_server, redis_address):
+    store = redis_store(redis_address, shards=1)
+    redis_server.client().set(b"{t:0}" + (2**63 + 5).to_bytes(8, "big"), b"short")
+    with pytest.raises(StoreCorruptError, match="stored row for key 5 has 5 bytes"):
+        store.get("t", torch.tensor([4, 5]))
+
+
+def test_other_redis_errors_are_store_errors(redis_server, redis_address):
+    store = redis_store(redis_address, shards=1)
+    redis_server.client().set(b"{t:0}#z", b"not a sorted set")
+    with pytest.raises(StoreError, match="WRONGTYPE"):
+        store.size("t")
+
+
+def test_password(tmp_path):
+    server = RedisServer(str(tmp_path), password="s3cret")
+    server.start()
+    try:
+        with pytest.raises(StoreUnavailableError, match=f"Redis at {server.address}"):
+            RedisStore(RedisStoreConfig(address=server.address))
+        with pytest.raises(StoreUnavailableError, match="rejected the password"):
+            RedisStore(RedisStoreConfig(address=server.address, password="wrong"))
+        store = redis_store(server.address, password="s3cret")
+        store.put("t", torch.tensor([3]), torch.ones(1, 4))
+        assert store.get("t", torch.tensor([3]))[1].all()
+        assert server.client().hexists(SCHEMA_KEY, "t")
+    finally:
+        server.kill()
