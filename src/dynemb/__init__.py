@@ -1,6 +1,6 @@
 """dynemb: dynamic, sharded, trainable embedding tables for PyTorch recommenders."""
 
-from . import functional, optim, table
+from . import checkpoint, functional, optim, table
 from .collection import EmbeddingCollection, FeatureConfig, TableConfig
 from .embedding import DynamicEmbedding, StaticEmbedding
 from .optim import OptimizerWrapper
@@ -17,6 +17,7 @@ __all__ = [
     "KeyValueTable",
     "EvictionPolicy",
     "OptimizerWrapper",
+    "checkpoint",
     "functional",
     "optim",
     "table",

@@ -105,6 +105,7 @@ class DynamicEmbedding(nn.Module):
         Eval: missing ids read their initializer row and nothing is inserted."""
         from .functional import embedding_lookup
 
+        check_keys(ids, self.key_dtype, self.device, "ids")
         return embedding_lookup(self, ids)
 
     def lookup(self, keys: torch.Tensor, return_exists: bool = False):
@@ -221,6 +222,8 @@ class DynamicEmbedding(nn.Module):
         except (TypeError, ValueError) as e:
             errors.append(str(e))
             return
+        # The seed is state, like the counters: with it, keys first seen after the load get the same rows.
+        t.seed = int(config["seed"])
         for name, value in extra.get("counters", {}).items():
             setattr(t, name, int(value))
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_keys", "check_rows_like", "check_positive_int", "check_dtype", "KEY_DTYPES", "VALUE_DTYPES"]
+__all__ = [
+    "check_keys",
+    "check_rows_like",
+    "check_scores",
+    "check_positive_int",
+    "check_dtype",
+    "resolve_device",
+    "KEY_DTYPES",
+    "VALUE_DTYPES",
+]
 
 KEY_DTYPES = (torch.int32, torch.int64)
 VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -39,6 +48,20 @@ def check_rows_like(
     if values.device != device:
         raise ValueError(f"{name} must be on the table's device {device}, got {_describe(values)}")
     return values.reshape(n, dim)
+
+
+def check_scores(scores, shape: tuple, name: str = "scores") -> torch.Tensor:
+    """Validate an int64 score tensor of ``shape`` and return it flattened to ``[N]``."""
+    if not isinstance(scores, torch.Tensor) or scores.dtype != torch.int64 or tuple(scores.shape) != tuple(shape):
+        got = _describe(scores) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise TypeError(f"{name} must be an int64 tensor of shape {tuple(shape)}, got {got}")
+    return scores.reshape(-1)
+
+
+def resolve_device(device) -> torch.device:
+    """The device tensors created on ``device`` report: ``"cuda"`` becomes ``cuda:<current>``, so that the
+    device checks above compare equal for the table's own tensors."""
+    return torch.empty(0, device=device if device is not None else "cpu").device
 
 
 def check_positive_int(value, name: str, *, allow_none: bool = False, minimum: int = 1) -> int | None:

@@ -9,9 +9,11 @@ hash therefore deduplicates keys *and* groups them by bucket in one pass.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-__all__ = ["mix64", "key_hash", "GOLDEN"]
+__all__ = ["mix64", "key_hash", "unique_by_hash", "UniqueKeys", "GOLDEN"]
 
 
 def _signed(c: int) -> int:
@@ -40,3 +42,30 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
 def key_hash(keys: torch.Tensor) -> torch.Tensor:
     """Hash int32/int64 keys to int64 words; injective on the key values (int32 keys are sign-extended)."""
     return mix64(keys.to(torch.int64))
+
+
+class UniqueKeys(NamedTuple):
+    """The distinct keys of a batch in hash order (which is the index's bucket order)."""
+
+    keys: torch.Tensor  # [U] distinct keys, by ascending hash
+    hashes: torch.Tensor  # [U] key_hash of each, ascending
+    last: torch.Tensor  # [U] int64: position in the batch of each key's last occurrence
+    inverse: torch.Tensor  # [N] int64: index into ``keys`` of each batch key
+
+
+def unique_by_hash(keys: torch.Tensor) -> UniqueKeys:
+    """Deduplicate ``[N]`` keys with one sort of their hashes (injective, so equal hashes mean equal keys).
+
+    Example:
+        >>> u = unique_by_hash(torch.tensor([5, -1, 5]))
+        >>> sorted(u.keys.tolist()), u.keys[u.inverse].tolist(), u.last[u.keys == 5].tolist()
+        ([-1, 5], [5, -1, 5], [2])
+    """
+    hashes, order = key_hash(keys).sort(stable=True)
+    ends = torch.ones_like(hashes, dtype=torch.bool)  # last of a run of equal hashes; stable: last occurrence
+    ends[:-1] = hashes[1:] != hashes[:-1]
+    at = ends.nonzero().squeeze(1)
+    group = ends.cumsum(0) - ends.long()  # runs that ended before each position = its unique index
+    last = order.index_select(0, at)
+    inverse = torch.empty_like(order).index_copy_(0, order, group)
+    return UniqueKeys(keys.index_select(0, last), hashes.index_select(0, at), last, inverse)

@@ -7,24 +7,40 @@ full bucket gets a sticky *overflow* flag. A lookup stops at the first bucket th
 flag, so deleting a key simply frees its slot: there are no tombstones. Flags are cleared by a rehash, which the
 table triggers when too many accumulate.
 
+A bucket's 8 keys and 8 row ids sit side by side in one row of a single int32 tensor (96 bytes for int64 keys), so
+a lookup costs one random memory access per probed bucket, not one for the key and another for the row. Slot
+``s`` is position ``s % W`` of bucket ``s // W``.
+
 All operations are batched: one round handles every pending key with a few gathers, and only the rare keys that
-spill to a neighbour bucket go round again. No Python loop runs over keys.
+spill to a neighbour bucket go round again. No Python loop runs over keys. This torch code is the one
+implementation for every device; on CPU, when numba is installed, lookups and placement of new keys run the
+equivalent kernels of :mod:`dynemb.table.kernels` instead (identical results and layout, fewer passes over memory).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import torch
 
 from .hashing import key_hash
 from .ops import gather_rows
 
-__all__ = ["HashIndex"]
+__all__ = ["HashIndex", "USE_NUMBA"]
+
+# A CPU index looks up and places keys with the numba kernels in kernels.py when numba is installed (identical
+# results, several times faster); DYNEMB_NUMBA=0 keeps it on the torch path, as does setting this to False.
+USE_NUMBA = os.environ.get("DYNEMB_NUMBA", "1") != "0" and importlib.util.find_spec("numba") is not None
+
+_BYTES = 0x0101010101010101  # one in every byte: multiplying by it sums bytes into the higher bytes
+_HIGH_BITS = -0x7F7F7F7F7F7F7F80  # 0x8080808080808080: the top bit of every byte
 
 # Free slots carry this key so that a plain key comparison rarely needs the row-id check; keys equal to it take a
 # slower (still vectorized) path that also checks the row id.
 _FILL = 0x5851F42D
+_FULL = "HashIndex is full; the table must rehash before inserting"  # unreachable when callers keep the contract
 
 
 class HashIndex:
@@ -49,6 +65,8 @@ class HashIndex:
     def __init__(self, key_dtype: torch.dtype, device: torch.device | str, capacity: int) -> None:
         self.key_dtype = key_dtype
         self.device = torch.device(device)
+        # int32 columns per bucket taken by the keys; the row ids follow them.
+        self._key_cols = self.WIDTH * torch.iinfo(key_dtype).bits // 32
         self._alloc(self.buckets_for(capacity))
 
     # ---------------------------------------------------------------- sizing
@@ -61,115 +79,203 @@ class HashIndex:
     def _alloc(self, num_buckets: int) -> None:
         self.num_buckets = num_buckets
         self._shift = 64 - (num_buckets.bit_length() - 1)
-        self.bucket_keys = torch.full((num_buckets, self.WIDTH), _FILL, dtype=self.key_dtype, device=self.device)
-        self.bucket_rows = torch.full((num_buckets, self.WIDTH), -1, dtype=torch.int32, device=self.device)
+        self._buckets = torch.empty(num_buckets, self._key_cols + self.WIDTH, dtype=torch.int32, device=self.device)
         self.overflow = torch.zeros(num_buckets, dtype=torch.bool, device=self.device)
+        self.clear()
+
+    @property
+    def bucket_keys(self) -> torch.Tensor:
+        """``[B, W]`` view of the keys (free slots hold the fill key)."""
+        return self._buckets[:, : self._key_cols].view(self.key_dtype)
+
+    @property
+    def bucket_rows(self) -> torch.Tensor:
+        """``[B, W]`` int32 view of the row ids (``-1``: free slot)."""
+        return self._buckets[:, self._key_cols :]
 
     @property
     def slots(self) -> int:
         return self.num_buckets * self.WIDTH
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.bucket_keys, self.bucket_rows, self.overflow))
+        return sum(t.numel() * t.element_size() for t in (self._buckets, self.overflow))
 
     def needs_rehash(self, num_keys: int) -> bool:
         """True when ``num_keys`` would exceed the load limit, or stale overflow flags slow lookups down."""
         if num_keys > self.MAX_LOAD * self.slots:
             return True
-        return int(self.overflow.sum()) > self.MAX_OVERFLOW_FRACTION * self.num_buckets
+        return int(self.overflow.count_nonzero()) > self.MAX_OVERFLOW_FRACTION * self.num_buckets
 
     def rehash(self, keys: torch.Tensor, rows: torch.Tensor, capacity: int) -> None:
         """Rebuild from scratch holding ``keys -> rows`` (unique keys), sized for ``capacity`` keys."""
         self._alloc(self.buckets_for(max(capacity, keys.numel())))
         self.insert(keys, rows)
 
-    # ---------------------------------------------------------------- hashing
+    def _kernels(self):
+        """The numba kernels module when it serves this index, else None: the one place choosing the path."""
+        if USE_NUMBA and self.device.type == "cpu":
+            from . import kernels  # imported on first use: numba takes a while to load
+
+            return kernels
+        return None
+
+    # ---------------------------------------------------------------- addressing
     def _home(self, hashes: torch.Tensor) -> torch.Tensor:
         # Arithmetic shift keeps bucket order equal to signed hash order: sorting hashes groups keys by bucket.
         return (hashes >> self._shift) + self.num_buckets // 2
 
+    def _key_pos(self, slots: torch.Tensor) -> torch.Tensor:
+        """Flat positions of slots' keys in ``_buckets`` viewed as a 1-D key tensor."""
+        stride = self._buckets.shape[1] * 32 // torch.iinfo(self.key_dtype).bits
+        return (slots >> 3) * stride + (slots & 7)  # W = 8: shifts, as integer division is slow
+
+    def _row_pos(self, slots: torch.Tensor) -> torch.Tensor:
+        """Flat positions of slots' row ids in ``_buckets`` viewed as 1-D."""
+        return (slots >> 3) * self._buckets.shape[1] + ((slots & 7) + self._key_cols)
+
+    def _flat_keys(self) -> torch.Tensor:
+        return self._buckets.view(-1).view(self.key_dtype)
+
     # ---------------------------------------------------------------- queries
-    def find_slots(self, keys: torch.Tensor) -> torch.Tensor:
-        """Flat slot position of each key, or -1 where absent. ``keys``: ``[N]`` -> ``[N]`` int64."""
-        n = keys.numel()
-        out = torch.full((n,), -1, dtype=torch.int64, device=self.device)
-        if n == 0:
-            return out
-        width, mask = self.WIDTH, self.num_buckets - 1
-        bucket = self._home(key_hash(keys))
-        pending = None  # positions into `out` still probing; None means all of them
-        for _ in range(self.num_buckets):
-            stored = gather_rows(self.bucket_keys, bucket)
-            eq = stored == keys.unsqueeze(1)
-            special = keys == _FILL
-            if bool(special.any()):
-                eq &= ~special.unsqueeze(1) | (gather_rows(self.bucket_rows, bucket) >= 0)
-            pos = eq.view(torch.uint8).argmax(1)
-            hit = eq.gather(1, pos.unsqueeze(1)).squeeze(1)
-            slot = torch.where(hit, bucket * width + pos, -1)
-            if pending is None:
-                out = slot
-            else:
-                out.index_copy_(0, pending, slot)
-            more = ~hit & self.overflow.index_select(0, bucket)
+    def find_slots(self, keys: torch.Tensor, hashes: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat slot position of each key, or -1 where absent. ``keys``: ``[N]`` -> ``[N]`` int64.
+
+        ``hashes`` (``key_hash(keys)``) may be passed when the caller has them already.
+        """
+        return self._probe(keys, hashes)[0]
+
+    def find(self, keys: torch.Tensor, hashes: torch.Tensor | None = None) -> torch.Tensor:
+        """Row id of each key, or -1 where absent. ``keys``: ``[N]`` -> ``[N]`` int64."""
+        return self._probe(keys, hashes)[1].to(torch.int64)
+
+    def lookup(self, keys: torch.Tensor, hashes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots, rows)`` of each key, both ``[N]`` int64 and -1 where absent: ``find_slots`` and ``find`` in one
+        pass.
+
+        Example:
+            >>> idx = HashIndex(torch.int32, "cpu", capacity=16)
+            >>> idx.insert(torch.tensor([4], dtype=torch.int32), torch.tensor([9]))
+            >>> slots, rows = idx.lookup(torch.tensor([4, 5], dtype=torch.int32))
+            >>> (slots >= 0).tolist(), rows.tolist()
+            ([True, False], [9, -1])
+        """
+        slots, rows = self._probe(keys, hashes)
+        return slots, rows.to(torch.int64)
+
+    def rows_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """Row id at each flat slot (``slots >= 0``), as int64."""
+        return gather_rows(self._buckets.view(-1), self._row_pos(slots)).to(torch.int64)
+
+    def _probe(self, keys: torch.Tensor, hashes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots int64, rows int32)`` of ``[N]`` keys, -1 where absent."""
+        if keys.numel() == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device), torch.empty_like(keys, dtype=torch.int32)
+        kernels = self._kernels()
+        if kernels is not None:
+            return kernels.probe(self._buckets.view(self.key_dtype), self._key_cols, self.overflow, keys, self._shift)
+        bucket = self._home(key_hash(keys) if hashes is None else hashes)
+        # Only a key equal to the fill value can match a free slot; one check per call keeps the common case lean.
+        check_rows = bool((keys == _FILL).any())
+        slots, rows = self._match(keys, bucket, check_rows)
+        pending, slot = None, slots  # pending: positions into the outputs of keys still probing
+        for _ in range(self.num_buckets - 1):
+            more = self.overflow.index_select(0, bucket) & slot.lt(0)
             if not bool(more.any()):
                 break
             sel = more.nonzero().squeeze(1)
             pending = sel if pending is None else pending.index_select(0, sel)
-            keys, bucket = keys.index_select(0, sel), (bucket.index_select(0, sel) + 1) & mask
-        return out
+            keys, bucket = keys.index_select(0, sel), (bucket.index_select(0, sel) + 1) & (self.num_buckets - 1)
+            slot, row = self._match(keys, bucket, check_rows)
+            slots.index_copy_(0, pending, slot)
+            rows.index_copy_(0, pending, row)
+        return slots, rows
 
-    def rows_at(self, slots: torch.Tensor) -> torch.Tensor:
-        """Row id at each flat slot (``slots >= 0``), as int64."""
-        return gather_rows(self.bucket_rows.view(-1), slots).to(torch.int64)
-
-    def find(self, keys: torch.Tensor) -> torch.Tensor:
-        """Row id of each key, or -1 where absent. ``keys``: ``[N]`` -> ``[N]`` int64."""
-        slots = self.find_slots(keys)
-        return torch.where(slots >= 0, self.rows_at(slots.clamp(min=0)), -1)
+    def _match(self, keys: torch.Tensor, bucket: torch.Tensor, check_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slot, row)`` of each key within its current bucket, ``-1`` where it is not there."""
+        tile = gather_rows(self._buckets, bucket)  # [N, key columns + W]: one random access per key
+        rows = tile[:, self._key_cols :]
+        eq = tile[:, : self._key_cols].view(self.key_dtype) == keys.unsqueeze(1)
+        if check_rows:
+            eq &= rows >= 0
+        # The W = 8 match flags of a key are the 8 bytes of one int64 word, so word ops replace reductions over a
+        # tiny dimension (slow on CPU). The lowest set byte is read off the float exponent of its isolated bit:
+        # 2**(8 * p) has exponent field 127 + 8 * p, so ``field >> 3 == 15 + p``; a zero word gives 0.
+        word = eq.contiguous().view(torch.uint8).view(torch.int64).squeeze(1)
+        pos = ((word & -word).to(torch.float32).view(torch.int32) >> 26) - 15
+        miss = pos >> 31  # -1 where no slot matched, else 0
+        row = rows.gather(1, (pos & (self.WIDTH - 1)).unsqueeze(1).long()).squeeze(1) | miss
+        return (bucket * self.WIDTH + pos) | miss, row
 
     # ---------------------------------------------------------------- updates
-    def insert(self, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        """Add unique keys that are known to be absent. The caller guarantees room (see ``needs_rehash``)."""
+    def insert(self, keys: torch.Tensor, rows: torch.Tensor, hashes: torch.Tensor | None = None) -> None:
+        """Add unique keys that are known to be absent. The caller guarantees room (see ``needs_rehash``).
+
+        ``hashes`` (``key_hash(keys)``) may be passed; keys already in hash order skip the sort.
+        """
         if keys.numel() == 0:
             return
-        hashes, order = key_hash(keys).sort()
-        self._place(self._home(hashes), keys.index_select(0, order), rows.index_select(0, order))
+        hashes = key_hash(keys) if hashes is None else hashes
+        if not bool((hashes[1:] >= hashes[:-1]).all()):
+            hashes, order = hashes.sort()
+            keys, rows = keys.index_select(0, order), rows.index_select(0, order)
+        self._place(self._home(hashes), keys, rows)
 
     def _place(self, bucket: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        kernels = self._kernels()
+        if kernels is not None:
+            if not kernels.place(self._buckets.view(self.key_dtype), self._key_cols, self.overflow, bucket, keys, rows):
+                raise RuntimeError(_FULL)
+            return
         # `bucket` is sorted (up to one wrap-around), so keys sharing a bucket are contiguous; each takes the
         # rank-th free slot of its bucket, and keys beyond the free count spill to the next bucket together.
-        width, mask = self.WIDTH, self.num_buckets - 1
-        flat_keys, flat_rows = self.bucket_keys.view(-1), self.bucket_rows.view(-1)
         for _ in range(self.num_buckets + 1):
-            n = bucket.numel()
-            position = torch.arange(n, device=self.device)
-            starts = torch.ones(n, dtype=torch.bool, device=self.device)
-            starts[1:] = bucket[1:] != bucket[:-1]
-            rank = position - torch.where(starts, position, 0).cummax(0).values
-            free_so_far = (gather_rows(self.bucket_rows, bucket) < 0).cumsum(1)
-            fits = rank < free_so_far[:, -1]
-            pos = (free_so_far <= rank.unsqueeze(1)).sum(1)
-            slot = (bucket * width + pos)[fits]
-            flat_keys[slot] = keys[fits]
-            flat_rows[slot] = rows[fits].to(torch.int32)
-            if bool(fits.all()):
+            tile = gather_rows(self._buckets, bucket)
+            free = (tile[:, self._key_cols :] < 0).contiguous().view(torch.uint8).view(torch.int64).squeeze(1)
+            pos, fits = _nth_set_byte(free, _rank_in_run(bucket))
+            take = fits.nonzero().squeeze(1)
+            slot = bucket.index_select(0, take) * self.WIDTH + pos.index_select(0, take)
+            self._flat_keys().index_copy_(0, self._key_pos(slot), keys.index_select(0, take))
+            self._buckets.view(-1).index_copy_(0, self._row_pos(slot), rows.index_select(0, take).to(torch.int32))
+            if take.numel() == bucket.numel():
                 return
-            spill = ~fits
-            self.overflow[bucket[spill]] = True
-            bucket, keys, rows = (bucket[spill] + 1) & mask, keys[spill], rows[spill]
-        raise RuntimeError("HashIndex is full; the table must rehash before inserting")  # unreachable by contract
+            spill = (~fits).nonzero().squeeze(1)
+            bucket, keys, rows = bucket.index_select(0, spill), keys.index_select(0, spill), rows.index_select(0, spill)
+            self.overflow.index_fill_(0, bucket, True)
+            bucket = (bucket + 1) & (self.num_buckets - 1)
+        raise RuntimeError(_FULL)
 
     def remove(self, slots: torch.Tensor) -> None:
         """Free flat slots (``slots >= 0``, unique)."""
-        self.bucket_keys.view(-1)[slots] = _FILL
-        self.bucket_rows.view(-1)[slots] = -1
+        self._flat_keys().index_fill_(0, self._key_pos(slots), _FILL)
+        self._buckets.view(-1).index_fill_(0, self._row_pos(slots), -1)
 
     def set_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Point flat slots at new row ids (rows moved by compaction)."""
-        self.bucket_rows.view(-1)[slots] = rows.to(torch.int32)
+        self._buckets.view(-1).index_copy_(0, self._row_pos(slots), rows.to(torch.int32))
 
     def clear(self) -> None:
         self.bucket_keys.fill_(_FILL)
         self.bucket_rows.fill_(-1)
         self.overflow.zero_()
+
+
+def _rank_in_run(sorted_values: torch.Tensor) -> torch.Tensor:
+    """Position of each element within its run of equal neighbours (``[3, 3, 5, 5, 5] -> [0, 1, 0, 1, 2]``)."""
+    position = torch.arange(sorted_values.numel(), device=sorted_values.device)
+    starts = torch.ones_like(sorted_values, dtype=torch.bool)
+    starts[1:] = sorted_values[1:] != sorted_values[:-1]
+    return position - torch.where(starts, position, 0).cummax(0).values
+
+
+def _nth_set_byte(flags: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Byte position of the ``n``-th (0-based) nonzero byte of each word, and whether it exists.
+
+    ``flags`` holds 0/1 bytes. Multiplying by ``_BYTES`` turns them into running counts (each <= 8, so no byte
+    carries into the next); the position is then the number of running counts <= n, counted with one add per word.
+    """
+    n = n.clamp(max=8)  # keeps 0x7F - n a positive byte; n >= 8 never fits anyway
+    counts = flags * _BYTES
+    total = (counts >> 56) & 0xFF
+    above = ((counts + (0x7F - n) * _BYTES) & _HIGH_BITS) >> 7 & _BYTES  # 1 in each byte whose count > n
+    pos = 8 - ((above * _BYTES) >> 56 & 0xFF)
+    return pos, n < total

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["gather_rows"]
+__all__ = ["gather_rows", "copy_rows"]
+
+# Rows gathered per step by copy_rows on CPU: a cache-sized temporary instead of one [N, D] tensor, whose fresh
+# pages cost more to fault in than the copy itself.
+_CPU_CHUNK_ELEMENTS = 1 << 18
 
 # torch's index_select has a vectorized copy path for floating dtypes only; integer rows are gathered through a
 # same-width float view, which copies the bits unchanged and runs several times faster on CPU.
@@ -20,3 +26,19 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None
         torch.index_select(src.view(view), 0, index, out=out.view(view))
         return out
     return src.view(view).index_select(0, index).view(src.dtype)
+
+
+def copy_rows(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src_index: torch.Tensor) -> None:
+    """``dst[dst_index] = src[src_index]`` row-wise; ``dst_index`` unique. ``src`` may be ``dst`` if the two index
+    sets are disjoint. On CPU the rows move in cache-sized chunks (one step elsewhere).
+
+    Example:
+        >>> dst = torch.zeros(3, 2)
+        >>> copy_rows(dst, torch.tensor([2, 0]), torch.ones(4, 2).cumsum(0), torch.tensor([3, 1]))
+        >>> dst.tolist()
+        [[2.0, 2.0], [0.0, 0.0], [4.0, 4.0]]
+    """
+    n = dst_index.numel()
+    step = max(1, n if dst.device.type != "cpu" else _CPU_CHUNK_ELEMENTS // max(1, math.prod(src.shape[1:])))
+    for start in range(0, n, step):
+        dst.index_copy_(0, dst_index[start : start + step], gather_rows(src, src_index[start : start + step]))

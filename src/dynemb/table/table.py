@@ -15,16 +15,27 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like
+from .checks import (
+    KEY_DTYPES,
+    VALUE_DTYPES,
+    check_dtype,
+    check_keys,
+    check_positive_int,
+    check_rows_like,
+    check_scores,
+    resolve_device,
+)
 from .admission import FrequencyAdmission
+from .hashing import unique_by_hash
 from .index import HashIndex
 from .initializers import CallableInitializer, InitializerSpec, resolve_initializer
-from .ops import gather_rows
+from .ops import copy_rows, gather_rows
 from .policy import EvictionPolicy, touch_scores
 
 __all__ = ["KeyValueTable", "Rows", "EvictHook"]
 
 _INT32_MAX = 2**31 - 1
+_INIT_CHUNK = 1 << 17  # elements per initializer call on CPU
 
 
 class Rows(NamedTuple):
@@ -84,7 +95,7 @@ class KeyValueTable:
         self.dim = check_positive_int(dim, "dim")
         self.key_dtype = check_dtype(key_dtype, KEY_DTYPES, "key_dtype")
         self.dtype = check_dtype(dtype, VALUE_DTYPES, "dtype")
-        self.device = torch.device(device if device is not None else "cpu")
+        self.device = resolve_device(device)
         check_positive_int(init_capacity, "init_capacity")
         self.max_capacity = check_positive_int(max_capacity, "max_capacity", allow_none=True)
         if self.max_capacity is not None and self.max_capacity > _INT32_MAX:
@@ -240,13 +251,15 @@ class KeyValueTable:
         if not bool(found.all()):
             miss = (~found).nonzero().squeeze(1)
             missed = flat.index_select(0, miss)
-            new_keys, inverse = torch.unique(missed, return_inverse=True)
+            new_keys, hashes, _, inverse = unique_by_hash(missed)
             if self.admission is None:
-                new_rows = self._insert_missing(new_keys, pinned=rows[found])
+                new_rows = self._insert_missing(new_keys, pinned=rows[found], hashes=hashes)
             else:
                 admitted = self.admission.admit(missed, new_keys)
                 new_rows = torch.full_like(new_keys, -1, dtype=torch.int64)
-                new_rows[admitted] = self._insert_missing(new_keys[admitted], pinned=rows[found])
+                new_rows[admitted] = self._insert_missing(
+                    new_keys[admitted], pinned=rows[found], hashes=hashes[admitted]
+                )
             rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
         self._touch_valid(rows, custom)
         return rows.view(keys.shape), found.view(keys.shape)
@@ -264,18 +277,27 @@ class KeyValueTable:
         custom = self._check_scores(scores, keys)
         if flat.numel() == 0:
             return
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        last = _last_position(inverse, unique.numel())
-        unique_vals = vals.index_select(0, last)
-        rows = self.index.find(unique)
+        unique, hashes, last, inverse = unique_by_hash(flat)
+        rows = self.index.find(unique, hashes)
         found = rows >= 0
         self.clock += 1
-        if bool(found.any()):
-            self.values.index_copy_(0, rows[found], unique_vals[found])
-            self.mark_updated(rows[found])
-        if not bool(found.all()):
+        hit = found.nonzero().squeeze(1)
+        hit_rows = rows.index_select(0, hit)
+        if hit.numel() == flat.numel():  # every key present, once: copy the batch in place, no gather
+            self.values.index_copy_(0, rows.index_select(0, inverse), vals)
+        elif hit.numel():
+            copy_rows(self.values, hit_rows, vals, last.index_select(0, hit))
+        if hit.numel():
+            self.mark_updated(hit_rows)
+        if hit.numel() < unique.numel():
             new = (~found).nonzero().squeeze(1)
-            rows[new] = self._insert_missing(unique[new], pinned=rows[found], values=unique_vals[new])
+            new_rows = self._insert_missing(
+                unique.index_select(0, new),
+                pinned=hit_rows,
+                values=(vals, last.index_select(0, new)),
+                hashes=hashes.index_select(0, new),
+            )
+            rows.index_copy_(0, new, new_rows)
         self._touch_valid(rows.index_select(0, inverse), custom)
 
     def accum(
@@ -330,13 +352,14 @@ class KeyValueTable:
         flat = check_keys(keys, self.key_dtype, self.device)
         if flat.numel() == 0:
             return 0
-        slots = self.index.find_slots(torch.unique(flat))
-        slots = slots[slots >= 0]
-        if slots.numel() == 0:
+        unique, hashes, _, _ = unique_by_hash(flat)
+        slots, rows = self.index.lookup(unique, hashes)
+        hit = (slots >= 0).nonzero().squeeze(1)
+        if hit.numel() == 0:
             return 0
-        rows = self.index.rows_at(slots)
+        slots, rows = slots.index_select(0, hit), rows.index_select(0, hit)
         self.clock += 1
-        self._log_deleted(self.row_keys.index_select(0, rows))
+        self._log_deleted(unique.index_select(0, hit))
         self.index.remove(slots)
         self._compact(rows)
         self.removed += rows.numel()
@@ -388,6 +411,13 @@ class KeyValueTable:
         unknown = set(rows.slots) - set(self._slot_init)
         if unknown:
             raise ValueError(f"slots {sorted(unknown)} are not defined on this table (has {self.slot_names})")
+        scores = None if rows.scores is None else check_scores(rows.scores, (n,)).to(self.device)
+        slots = {}
+        for name, given in rows.slots.items():
+            if given is not None:
+                slot = self.slot(name)
+                given = given.to(self.device) if isinstance(given, torch.Tensor) else given
+                slots[name] = check_rows_like(given, n, slot.shape[1], slot.dtype, self.device, f"slot {name!r}", (n,))
         self.index.clear()
         self._size = 0
         self._reserve(n)
@@ -395,17 +425,16 @@ class KeyValueTable:
         self.index.insert(keys, new)
         self._cols["key"][:n] = keys
         self._cols["value"][:n] = values
-        self._cols["score"][:n] = rows.scores.to(self.device) if rows.scores is not None else 0
+        self._cols["score"][:n] = scores if scores is not None else 0
         self._cols["version"][:n] = self.clock
         for name, init in self._slot_init.items():
-            given = rows.slots.get(name)
-            self.slot(name)[:n] = given.to(self.device) if given is not None else init
+            self.slot(name)[:n] = slots.get(name, init)
         self._size = n
         self.inserted, self.removed, self.evicted = n, 0, 0
 
     def to(self, device: torch.device | str) -> "KeyValueTable":
         """Move storage and index to ``device`` in place; returns self."""
-        device = torch.device(device)
+        device = resolve_device(device)
         if device == self.device:
             return self
         self._cols = {k: v.to(device) for k, v in self._cols.items()}
@@ -462,17 +491,22 @@ class KeyValueTable:
             return None
         if self.policy is not EvictionPolicy.CUSTOM:
             raise ValueError(f"scores can only be given with eviction='custom', this table uses {self.policy.value!r}")
-        if not isinstance(scores, torch.Tensor) or scores.dtype != torch.int64 or scores.shape != keys.shape:
-            got = f"{scores.dtype} {tuple(scores.shape)}" if isinstance(scores, torch.Tensor) else type(scores)
-            raise TypeError(f"scores must be an int64 tensor of shape {tuple(keys.shape)}, got {got}")
-        return scores.reshape(-1).to(self.device)
+        return check_scores(scores, keys.shape).to(self.device)
 
     def _initial(self, keys: torch.Tensor) -> torch.Tensor:
-        seed = self.seed
         if isinstance(self.initializer, CallableInitializer):
             self._init_calls += 1
-            seed = self.seed * 1_000_003 + self._init_calls
-        return self.initializer(keys, self.dim, self.dtype, seed)
+            return self.initializer(keys, self.dim, self.dtype, self.seed * 1_000_003 + self._init_calls)
+        # Built-in initializers are pure functions of (seed, key, column), so chunks give the same rows. On CPU,
+        # chunks keep their int64 temporaries cache-sized: one [N, D] pass costs ~10x more (measured, dim 64).
+        n = keys.numel()
+        step = n if keys.device.type != "cpu" else max(1, _INIT_CHUNK // self.dim)
+        if n <= step:
+            return self.initializer(keys, self.dim, self.dtype, self.seed)
+        out = torch.empty(n, self.dim, dtype=self.dtype, device=self.device)
+        for start in range(0, n, step):
+            out[start : start + step] = self.initializer(keys[start : start + step], self.dim, self.dtype, self.seed)
+        return out
 
     def _touch_valid(self, rows: torch.Tensor, custom: torch.Tensor | None) -> None:
         valid = rows >= 0
@@ -498,12 +532,22 @@ class KeyValueTable:
                 fresh[:size] = col[:size]
                 self._cols[name] = fresh
         if self.index.needs_rehash(n):
-            target = 2 * n if self.max_capacity is None else min(2 * n, self.max_capacity)
-            self.index.rehash(self.row_keys[: self._size], torch.arange(self._size, device=self.device), target)
+            # Sized for n: bucket counts are powers of two, so this at least doubles the index (load just over
+            # MAX_LOAD / 2 after a rehash for growth) without over-allocating it.
+            self.index.rehash(self.row_keys[: self._size], torch.arange(self._size, device=self.device), n)
 
-    def _insert_missing(self, keys: torch.Tensor, pinned: torch.Tensor, values: torch.Tensor | None = None):
+    def _insert_missing(
+        self,
+        keys: torch.Tensor,
+        pinned: torch.Tensor,
+        values: torch.Tensor | None = None,
+        hashes: torch.Tensor | None = None,
+    ):
         """Give rows to absent unique ``keys`` ``[M]``; rows in ``pinned`` are never evicted for them.
 
+        ``values``: ``[M, D]`` rows, ``(source, index)`` to copy ``source[index]`` without an ``[M, D]`` temporary,
+        or None for initializer rows. ``hashes``: ``key_hash(keys)`` if the caller has it (keys in hash order then
+        skip the index's sort).
         Returns rows ``[M]`` int64; -1 for keys that could not be stored (reported as evicted).
         """
         m = keys.numel()
@@ -514,28 +558,49 @@ class KeyValueTable:
             victims = self._pick_victims(need, pinned)
             stored = m - (need - victims.numel())
         n_append = stored - victims.numel()
+        keep, dropped = keys[:stored], keys[stored:]
+        # New rows come first: a user initializer that fails must leave the table as it was.
+        init = _head(values, stored) if values is not None else self._initial(keep)
+        if stored < m:
+            dropped_values = _tail(values, stored) if values is not None else self._initial(dropped)
         self._reserve(self._size + n_append)
         evicted = self._take(victims)
         if victims.numel():
             self.index.remove(self.index.find_slots(evicted.keys))
         rows = torch.cat([victims, torch.arange(self._size, self._size + n_append, device=self.device)])
-        keep = keys[:stored]
-        init = values[:stored] if values is not None else self._initial(keep)
-        self.index.insert(keep, rows)
-        self._cols["key"][rows] = keep
-        self._cols["value"][rows] = init
-        self._cols["score"][rows] = 0
-        self._cols["version"][rows] = self.clock
-        for name, value in self._slot_init.items():
-            self.slot(name)[rows] = value
+        self.index.insert(keep, rows, None if hashes is None else hashes[:stored])
+        slots = {f"slot:{name}": value for name, value in self._slot_init.items()}
+        columns = {"key": keep, "value": init, "score": 0, "version": self.clock, **slots}
+        self._write_rows(rows, victims.numel(), columns)
         self._size += n_append
         self.inserted += m
         if stored < m:
-            dropped = keys[stored:]
-            dropped_values = values[stored:] if values is not None else self._initial(dropped)
             evicted = _concat_rows(evicted, self._fresh_rows(dropped, dropped_values))
         self._report(evicted)
         return torch.cat([rows, torch.full((m - stored,), -1, dtype=torch.int64, device=self.device)])
+
+    def _write_rows(self, rows: torch.Tensor, k: int, columns: dict) -> None:
+        """Fill new ``rows``: the first ``k`` reuse evicted rows, the rest follow ``size`` (plain slice copies).
+
+        ``columns`` maps a column to a scalar, to ``[len(rows), ...]`` values, or to ``(source, index)`` to copy
+        ``source[index]`` without materializing it.
+        """
+        appended = slice(self._size, self._size + rows.numel() - k)
+        for name, src in columns.items():
+            col = self._cols[name]
+            if isinstance(src, tuple):
+                source, index = src
+                gather_rows(source, index[k:], out=col[appended])
+                if k:
+                    copy_rows(col, rows[:k], source, index[:k])
+            elif isinstance(src, torch.Tensor):
+                col[appended] = src[k:]
+                if k:
+                    col.index_copy_(0, rows[:k], src[:k])
+            else:
+                col[appended] = src
+                if k:
+                    col.index_fill_(0, rows[:k], src)
 
     def _pick_victims(self, need: int, pinned: torch.Tensor) -> torch.Tensor:
         size = self._size
@@ -589,15 +654,20 @@ class KeyValueTable:
         holes = dead[dead < new_size]
         if holes.numel():
             for col in self._cols.values():
-                col[holes] = gather_rows(col, movers)
+                copy_rows(col, holes, col, movers)
             moved_keys = self.row_keys.index_select(0, holes)
             self.index.set_rows(self.index.find_slots(moved_keys), holes)
         self._size = new_size
 
 
-def _last_position(inverse: torch.Tensor, m: int) -> torch.Tensor:
-    position = torch.arange(inverse.numel(), device=inverse.device)
-    return torch.full((m,), -1, dtype=torch.int64, device=inverse.device).scatter_reduce_(0, inverse, position, "amax")
+def _head(values, n: int):
+    """The first ``n`` of new rows given as a tensor or as ``(source, index)``."""
+    return (values[0], values[1][:n]) if isinstance(values, tuple) else values[:n]
+
+
+def _tail(values, n: int) -> torch.Tensor:
+    """The rows after the first ``n`` of new rows given as a tensor or as ``(source, index)``, as a tensor."""
+    return gather_rows(values[0], values[1][n:]) if isinstance(values, tuple) else values[n:]
 
 
 def _concat_rows(a: Rows, b: Rows) -> Rows:

@@ -1,0 +1,45 @@
+"""The dense part of a model: every state_dict entry that does not belong to a DynamicEmbedding.
+
+``model.state_dict()`` would make each DynamicEmbedding export (copy) its whole table, so the dense state is
+collected module by module instead, skipping the DynamicEmbeddings, with the same names ``state_dict`` uses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from ..embedding import DynamicEmbedding
+from .errors import CheckpointError
+
+__all__ = ["dense_state", "check_dense"]
+
+
+def dense_state(model: nn.Module, keep_vars: bool = False) -> dict:
+    """Parameters, persistent buffers and extra state of every module except DynamicEmbeddings (no copies)."""
+    state: dict = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if not isinstance(module, DynamicEmbedding):
+            module._save_to_state_dict(state, f"{prefix}." if prefix else "", keep_vars)
+    return state
+
+
+def check_dense(model: nn.Module, state: dict, strict: bool, source: Path) -> dict:
+    """The entries of ``state`` to load into ``model``, after checking names (when ``strict``) and shapes.
+
+    Raises:
+        CheckpointError: names differ under ``strict``, or a tensor's shape differs; the message names ``source``.
+    """
+    expected = dense_state(model, keep_vars=True)
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"{source}: dense state does not match the model (strict=True): missing {missing}, "
+                              f"unexpected {unexpected}")
+    for name, value in state.items():
+        mine = expected.get(name)
+        if hasattr(mine, "shape") and hasattr(value, "shape") and tuple(mine.shape) != tuple(value.shape):
+            raise CheckpointError(f"{source}: {name!r} has shape {tuple(value.shape)} in the checkpoint but "
+                                  f"{tuple(mine.shape)} in the model")
+    return {k: v for k, v in state.items() if k in expected}

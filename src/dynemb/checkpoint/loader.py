@@ -1,0 +1,193 @@
+"""``load``: verify a checkpoint (and its incremental chain) completely, then restore the model from it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torch import nn
+
+from . import lineage
+from .codec import read_state
+from .dense import check_dense
+from .errors import CheckpointError
+from .manifest import MANIFEST, chain, file_record, resolve
+from .progress import logger, transfer
+from .saver import STREAM, WORLD_SIZE
+from .tables import KEYS, apply_delta, check_shard, find_embeddings, restore, table_config
+from .tensorfile import read_tensors
+
+__all__ = ["load"]
+
+_ALWAYS_MATCH = ("dim", "dtype", "key_dtype")
+_STRICT_MATCH = ("eviction",)  # scores mean something else under another policy
+
+
+def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
+    """Restore ``model`` (and ``optimizer``) from a checkpoint written by :func:`~dynemb.checkpoint.save`.
+
+    Every file is read and its sha256 checked, and every config compared, before anything in the model changes;
+    tables are then *replaced* (not merged) with the saved rows, in the saved row order, with their counters,
+    clock and seed, so training continues bit-identically. An incremental checkpoint is applied on top of its
+    full checkpoint and the deltas between.
+
+    Args:
+        path: a checkpoint root (its ``latest`` pointer is followed) or one checkpoint directory.
+        model: the model to restore; its DynamicEmbeddings are matched to saved tables by module name.
+        optimizer: restored with ``load_state_dict`` from the saved optimizer state.
+        strict: require the same tables, slots and eviction policies, the same dense state_dict keys, and saved
+            optimizer state when ``optimizer`` is given. When False, what is absent on either side is skipped (with
+            a warning). Dim, dtype and key dtype must match in any case.
+
+    Returns:
+        The manifest of the loaded checkpoint (``step``, ``extra``, table configs, ...), plus ``path``.
+
+    Raises:
+        CheckpointError: (a ValueError) a checksum mismatch, a missing file, or a config that does not match;
+            the message names the file and the field.
+
+    Example:
+        >>> import tempfile, torch, dynemb
+        >>> from dynemb.checkpoint import load, save
+        >>> tmp, emb = tempfile.TemporaryDirectory(), dynemb.DynamicEmbedding(2, seed=0)
+        >>> _ = emb(torch.tensor([5, -1]))
+        >>> _ = save(tmp.name, emb, step=1, extra={"epoch": 3})
+        >>> fresh = dynemb.DynamicEmbedding(2, seed=1)
+        >>> load(tmp.name, fresh)["extra"], fresh.contains(torch.tensor([5, -1])).tolist()
+        ({'epoch': 3}, [True, True])
+        >>> tmp.cleanup()
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {strict!r}")
+    embeddings = find_embeddings(model)
+    directory = resolve(path)
+    links = chain(directory)
+    manifest = links[-1][1]
+    names = _matching_tables(manifest, directory, embeddings, strict)
+    plan = _plan(links, names)
+    dense_file = _state_file(manifest, directory, "dense")
+    opt_file = _optimizer_file(manifest, directory, optimizer, strict)
+    total = sum(record.bytes for steps in plan.values() for _, _, record, _ in steps)
+    total += sum(record.bytes for _, record in filter(None, (dense_file, opt_file)))
+    with transfer(f"loaded {directory}", total) as progress:
+        configs = {name: manifest["tables"][name]["config"] for name in plan}
+        shards = {name: _read_shard(steps, configs[name], progress) for name, steps in plan.items()}
+        dense = check_dense(model, read_state(*dense_file, progress), strict, dense_file[0])
+        opt_state = read_state(*opt_file, progress) if opt_file is not None else None
+        # Everything is read and checked: from here on the model changes.
+        if opt_state is not None:
+            optimizer.load_state_dict(opt_state)
+        model.load_state_dict(dense, strict=False)
+        for name, cols in shards.items():
+            table = manifest["tables"][name]
+            restore(embeddings[name], cols, table["shards"][0]["counters"], table["config"]["seed"])
+    lineage.record([embeddings[n].table for n in shards], STREAM, os.path.realpath(directory.parent),
+                   directory.name, reset=True)
+    return {**manifest, "path": str(directory)}
+
+
+def _matching_tables(manifest: dict, directory: Path, embeddings: dict, strict: bool) -> list[str]:
+    """Names of the tables to load, after comparing configs with the model's."""
+    file = directory / MANIFEST
+    if manifest.get("world_size") != WORLD_SIZE:
+        raise CheckpointError(f"{file}: saved by world_size={manifest.get('world_size')} ranks; loading it into "
+                              "one process needs resharding, which is not implemented yet")
+    saved = manifest.get("tables", {})
+    only_saved, only_model = sorted(set(saved) - set(embeddings)), sorted(set(embeddings) - set(saved))
+    if only_saved or only_model:
+        message = f"{file}: tables only in the checkpoint: {only_saved}; only in the model: {only_model}"
+        if strict:
+            raise CheckpointError(message + " (strict=True)")
+        logger.warning("%s; skipping them", message)
+    names = [n for n in embeddings if n in saved]
+    for name in names:
+        _check_config(saved[name], embeddings[name], directory, name, strict)
+    return names
+
+
+def _check_config(saved: dict, emb, directory: Path, name: str, strict: bool) -> None:
+    config, mine = saved["config"], table_config(emb)
+    where = f"{directory / saved['shards'][0]['file']}: table {name!r}"
+    fields = _ALWAYS_MATCH + (_STRICT_MATCH if strict else ())
+    for field in fields:
+        if config.get(field) != mine[field]:
+            raise CheckpointError(f"{where}: {field} is {config.get(field)!r} in the checkpoint but {mine[field]!r} "
+                                  "in the model")
+    if config.get("initializer") != mine["initializer"]:
+        # The seed is restored from the checkpoint, the initializer cannot be: new keys will start differently.
+        logger.warning("%s: initializer %s in the checkpoint, %s in the model; new keys use the model's", where,
+                       config.get("initializer"), mine["initializer"])
+    slots, my_slots = config.get("slots", {}), mine["slots"]
+    for slot in sorted(set(slots) | set(my_slots)):
+        if slot in slots and slot in my_slots and slots[slot] != my_slots[slot]:
+            raise CheckpointError(f"{where}: slot {slot!r} is {slots[slot]} in the checkpoint but {my_slots[slot]} "
+                                  "in the model")
+        if (slot in slots) != (slot in my_slots):
+            message = f"{where}: slot {slot!r} is only in the {'checkpoint' if slot in slots else 'model'}"
+            if strict:
+                raise CheckpointError(message + " (strict=True; create the optimizer before loading)")
+            logger.warning("%s; %s", message, "skipped" if slot in slots else "it starts at its initial value")
+    rows, capacity = saved["shards"][0]["rows"], emb.table.max_capacity
+    if capacity is not None and rows > capacity:
+        raise CheckpointError(f"{where}: {rows} rows do not fit max_capacity={capacity} of the model's table")
+
+
+def _plan(links: list, names: list[str]) -> dict[str, list]:
+    """Per table, ``(path, is_delta, record, manifest entry)`` of each shard to read, oldest first; every file is
+    checked to exist before any is read."""
+    plan = {}
+    for name in names:
+        steps = []
+        for directory, manifest in links:
+            entry = manifest.get("tables", {}).get(name)
+            if entry is None:
+                raise CheckpointError(f"{directory / MANIFEST}: table {name!r} is missing from this checkpoint of "
+                                      "the chain")
+            shards = entry.get("shards", [])
+            if [s.get("rank") for s in shards] != list(range(WORLD_SIZE)):
+                raise CheckpointError(f"{directory / MANIFEST}: table {name!r} lists shards of ranks "
+                                      f"{[s.get('rank') for s in shards]}, expected {list(range(WORLD_SIZE))}")
+            rel = shards[0]["file"]
+            if not (directory / rel).is_file():
+                raise CheckpointError(f"{directory / rel}: shard file of table {name!r} rank 0 is missing")
+            record = file_record(manifest, directory, rel)
+            steps.append((directory / rel, manifest["kind"] != "full", record, shards[0]))
+        plan[name] = steps
+    return plan
+
+
+def _read_shard(steps: list, config: dict, progress) -> dict:
+    cols = None
+    for file, is_delta, record, entry in steps:
+        tensors, _ = read_tensors(file, record, progress)
+        check_shard(tensors, config, file, delta=is_delta)
+        cols = tensors if cols is None else apply_delta(cols, tensors, file)
+        if cols[KEYS].numel() != entry["rows"]:
+            raise CheckpointError(f"{file}: the table has {cols[KEYS].numel()} rows here, the manifest says "
+                                  f"{entry['rows']}")
+    return cols
+
+
+def _state_file(manifest: dict, directory: Path, field: str) -> tuple:
+    rel = manifest.get(field)
+    if not isinstance(rel, str):
+        raise CheckpointError(f"{directory / MANIFEST}: {field!r} must name a file, got {rel!r}")
+    if not (directory / rel).is_file():
+        raise CheckpointError(f"{directory / rel}: {field} state file is missing")
+    return directory / rel, file_record(manifest, directory, rel)
+
+
+def _optimizer_file(manifest: dict, directory: Path, optimizer, strict: bool) -> tuple | None:
+    if optimizer is None:
+        return None
+    if not callable(getattr(optimizer, "load_state_dict", None)):
+        raise TypeError(f"optimizer must have load_state_dict(), got {type(optimizer).__name__}")
+    if manifest.get("optimizer") is not None:
+        return _state_file(manifest, directory, "optimizer")
+    message = f"{directory / MANIFEST}: no optimizer state was saved, but an optimizer was given"
+    if strict:
+        raise CheckpointError(message + " (strict=True)")
+    logger.warning("%s; the optimizer is left as it is", message)
+    return None

@@ -1,0 +1,82 @@
+"""Manifests: naming, reading and validating them, and following incremental chains."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import CheckpointError
+from .fsutil import LATEST, TMP_PREFIX, read_json, read_pointer
+from .tensorfile import FileRecord
+
+__all__ = ["FORMAT", "SERVING_FORMAT", "FORMAT_VERSION", "MANIFEST", "checkpoint_name", "resolve", "read_manifest",
+           "chain", "complete", "file_record"]
+
+FORMAT = "dynemb.checkpoint"
+SERVING_FORMAT = "dynemb.serving"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def resolve(path) -> Path:
+    """The checkpoint directory ``path`` names: itself if it holds a manifest, else what ``path/latest`` says."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    name = read_pointer(path)
+    if name is None:
+        raise CheckpointError(f"{path}: no checkpoint here (neither a {MANIFEST} nor a '{LATEST}' pointer)")
+    return path / name
+
+
+def read_manifest(directory: Path, fmt: str = FORMAT) -> dict:
+    """Read ``directory/manifest.json`` and check its format and version."""
+    file = directory / MANIFEST
+    manifest = read_json(file)
+    if manifest.get("format") != fmt:
+        raise CheckpointError(f"{file}: 'format' is {manifest.get('format')!r}, expected {fmt!r}")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+        raise CheckpointError(f"{file}: 'format_version' is {version!r}; this dynemb reads versions 1 to "
+                              f"{FORMAT_VERSION} (a newer dynemb wrote it?)")
+    return manifest
+
+
+def chain(directory: Path, fmt: str = FORMAT) -> list[tuple[Path, dict]]:
+    """``(directory, manifest)`` of the full checkpoint and every delta up to ``directory``, oldest first."""
+    links = []
+    while True:
+        manifest = read_manifest(directory, fmt)
+        links.append((directory, manifest))
+        if manifest.get("kind") == "full":
+            return links[::-1]
+        parent = manifest.get("parent")
+        if not isinstance(parent, str) or not parent or "/" in parent or parent.startswith("."):
+            raise CheckpointError(f"{directory / MANIFEST}: an incremental checkpoint needs a 'parent' directory "
+                                  f"name, got {parent!r}")
+        if any(d.name == parent for d, _ in links):
+            raise CheckpointError(f"{directory / MANIFEST}: parent {parent!r} makes the chain a cycle")
+        directory = directory.parent / parent
+        if not (directory / MANIFEST).is_file():
+            raise CheckpointError(f"{links[-1][0] / MANIFEST}: its parent checkpoint {directory} is missing; an "
+                                  "incremental checkpoint needs its whole chain")
+
+
+def complete(root: Path, fmt: str = FORMAT) -> dict[str, dict]:
+    """Manifests of the complete directories in ``root`` by name (temp directories are ignored)."""
+    if not root.is_dir():
+        return {}
+    return {d.name: read_manifest(d, fmt) for d in sorted(root.iterdir())
+            if not d.name.startswith(TMP_PREFIX) and (d / MANIFEST).is_file()}
+
+
+def file_record(manifest: dict, directory: Path, rel: str) -> FileRecord:
+    """The checksum record the manifest keeps for file ``rel``."""
+    entry = manifest.get("files", {}).get(rel)
+    entry = entry if isinstance(entry, dict) else {}
+    if not isinstance(entry.get("sha256"), str) or not isinstance(entry.get("bytes"), int):
+        raise CheckpointError(f"{directory / MANIFEST}: no sha256/bytes record for file {rel!r}")
+    return FileRecord(entry["sha256"], entry["bytes"])

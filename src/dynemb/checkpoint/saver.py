@@ -1,0 +1,202 @@
+"""``save``: write a full or incremental checkpoint of a model (and optimizer) atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from torch import nn
+
+from ..table.checks import check_positive_int
+from . import lineage
+from .codec import encode
+from .dense import dense_state
+from .errors import CheckpointError
+from .fsutil import TMP_PREFIX, remove_dir, staging, write_json, write_pointer
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, checkpoint_name, complete, read_manifest
+from .progress import logger, transfer
+from .tables import columns, counters, delta_columns, find_embeddings, shard_file, table_config
+from .tensorfile import write_tensors
+
+__all__ = ["save", "write_payloads", "incremental_parent"]
+
+DENSE_FILE = "dense.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+#: Placeholders until multi-rank saving: this process is rank 0 of 1, rows are owned by ``key % world_size``.
+RANK, WORLD_SIZE, PARTITIONER = 0, 1, "mod"
+STREAM = "checkpoint"
+
+
+def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incremental: bool = False,
+         keep_last: int | None = None) -> Path:
+    """Save every DynamicEmbedding table of ``model``, its dense state and the optimizer's state, atomically.
+
+    Writes ``path/step-<step>/`` (one safetensors shard per table per rank, ``dense.safetensors``,
+    ``optimizer.safetensors`` and ``manifest.json`` last) through a temp directory that is fsynced and renamed,
+    then points ``path/latest`` at it. A crash at any moment leaves ``latest`` at the previous complete checkpoint.
+
+    Args:
+        path: the checkpoint root directory (created if needed).
+        model: an ``nn.Module``; every DynamicEmbedding in it (or the model itself) is saved as a table, everything
+            else through its state_dict entries.
+        optimizer: optional object with ``state_dict()``/``load_state_dict()`` (a torch.optim optimizer, a dynemb
+            sparse optimizer); its state must be tensors, numbers, strings, None, lists, tuples and dicts. Per-row
+            optimizer state lives in table slots and is saved with the tables.
+        step: training step (int >= 0); names the directory.
+        extra: JSON-serializable user data kept in the manifest.
+        incremental: write only the rows changed (and keys deleted) since the previous save or load of these
+            tables under ``path``; falls back to a full save (with a warning) when there is none.
+        keep_last: keep the ``keep_last`` most recent checkpoints (plus every checkpoint their incremental chains
+            need) and delete the others; ``None`` keeps all.
+
+    Returns:
+        The new checkpoint directory.
+
+    Raises:
+        TypeError/ValueError: a bad argument, a state that is not serializable, or an existing ``step``.
+
+    Example:
+        >>> import tempfile, torch, dynemb
+        >>> from dynemb.checkpoint import save, load
+        >>> emb = dynemb.DynamicEmbedding(4, seed=0)
+        >>> _ = emb(torch.tensor([1, 2, 3]))
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> save(tmp.name, emb, step=7).name
+        'step-00000007'
+        >>> fresh = dynemb.DynamicEmbedding(4, seed=0)
+        >>> load(tmp.name, fresh)["step"], len(fresh)
+        (7, 3)
+        >>> tmp.cleanup()
+    """
+    _check_args(model, optimizer, step, extra, incremental, keep_last)
+    root = Path(path)
+    root_key = os.path.realpath(root)
+    embeddings = find_embeddings(model)
+    tables = [emb.table for emb in embeddings.values()]
+    parent = None
+    if incremental:
+        current = {name: {"config": table_config(emb)} for name, emb in embeddings.items()}
+        parent = incremental_parent(root, root_key, embeddings, STREAM, FORMAT, current, f"save of step {step}")
+    name = checkpoint_name(step)
+    with lineage.tick(tables):
+        payloads, entries = _table_payloads(embeddings, parent)
+        payloads[DENSE_FILE] = encode(dense_state(model), "the model's dense state")
+        if optimizer is not None:
+            payloads[OPTIMIZER_FILE] = encode(optimizer.state_dict(), "optimizer.state_dict()")
+        with staging(root, name) as tmp:
+            files = write_payloads(tmp, payloads, f"saved {root / name}")
+            write_json(tmp / MANIFEST, {
+                "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "incremental" if parent else "full",
+                "parent": parent, "step": step, "created_unix": time.time(), "dynemb_version": _version(),
+                "world_size": WORLD_SIZE, "partitioner": PARTITIONER, "tables": entries, "dense": DENSE_FILE,
+                "optimizer": OPTIMIZER_FILE if optimizer is not None else None, "files": files, "extra": extra,
+            })
+        write_pointer(root, name, step=step)
+        lineage.record(tables, STREAM, root_key, name)
+    if keep_last is not None:
+        _prune(root, keep_last, name)
+    return root / name
+
+
+def _table_payloads(embeddings: dict, parent: str | None) -> tuple[dict, dict]:
+    """Shard tensors (views of the live rows, or a delta against ``parent``) and manifest entries per table."""
+    payloads, entries = {}, {}
+    for i, (name, emb) in enumerate(embeddings.items()):
+        rel = shard_file(i, name, RANK, WORLD_SIZE)
+        t = emb.table
+        cols = columns(t) if parent is None else delta_columns(t, lineage.since(t, STREAM))
+        payloads[rel] = (cols, None)
+        entry = {"rank": RANK, "file": rel, "rows": t.size(), "counters": counters(emb)}
+        if parent is not None:
+            entry.update(changed_rows=int(cols["keys"].numel()), deleted=int(cols["deleted_keys"].numel()))
+        entries[name] = {"config": table_config(emb), "shards": [entry]}
+    return payloads, entries
+
+
+def write_payloads(directory: Path, payloads: dict, what: str) -> dict:
+    """Write ``{relative path: (tensors, metadata)}`` under ``directory``; returns the manifest's file records."""
+    total = sum(t.numel() * t.element_size() for tensors, _ in payloads.values() for t in tensors.values())
+    files = {}
+    with transfer(what, total) as progress:
+        for rel, (tensors, metadata) in payloads.items():
+            (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+            record = write_tensors(directory / rel, tensors, metadata, progress)
+            files[rel] = {"sha256": record.sha256, "bytes": record.bytes}
+    return files
+
+
+def incremental_parent(root: Path, root_key: str, embeddings: dict, stream: str, fmt: str, current: dict,
+                       what: str) -> str | None:
+    """The directory an incremental write can build on, or None (the reason logged) to write a full one.
+
+    ``current`` maps each table name to the manifest fields that must equal the parent's (configs, dtypes).
+    """
+    parent = lineage.parent([e.table for e in embeddings.values()], stream, root_key)
+    reason = None
+    if parent is None:
+        reason = "these tables were not written to (or loaded from) this path before"
+    else:
+        try:
+            saved = read_manifest(root / parent, fmt)["tables"]
+        except CheckpointError as e:
+            saved, reason = {}, f"its parent is unreadable ({e})"
+        fields = {name: {k: entry.get(k) for k in current.get(name, {})} for name, entry in saved.items()}
+        if reason is None and fields != current:
+            reason = f"the tables or their configs (e.g. slots, dtype) changed since {parent}"
+    if reason is not None:
+        logger.warning("incremental %s: %s; writing a full one", what, reason)
+    return parent if reason is None else None
+
+
+def _prune(root: Path, keep_last: int, current: str) -> None:
+    """Delete all but the ``keep_last`` most recent checkpoints and what their chains need, and stale temp files."""
+    try:
+        manifests = complete(root)
+    except CheckpointError as e:
+        logger.warning("not pruning %s: %s", root, e)
+        return
+    created = {name: (m.get("created_unix", 0.0), m.get("step", -1)) for name, m in manifests.items()}
+    recent = sorted(manifests, key=created.__getitem__, reverse=True)
+    needed: set[str] = set()
+    for name in [current, *recent[:keep_last]]:
+        while name in manifests and name not in needed:
+            needed.add(name)
+            name = manifests[name].get("parent")
+    for name in sorted(set(manifests) - needed):
+        remove_dir(root / name)
+    # Leftovers of crashed writes are older than every checkpoint kept; newer ones may belong to a live writer.
+    oldest = min(created[n][0] for n in needed)
+    for stale in root.glob(TMP_PREFIX + "*"):
+        if stale.stat().st_mtime >= oldest:
+            continue
+        if stale.is_dir():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink()
+
+
+def _check_args(model, optimizer, step, extra, incremental, keep_last) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not (callable(getattr(optimizer, "state_dict", None))
+                                      and callable(getattr(optimizer, "load_state_dict", None))):
+        raise TypeError(f"optimizer must have state_dict() and load_state_dict(), got {type(optimizer).__name__}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if not isinstance(incremental, bool):
+        raise TypeError(f"incremental must be a bool, got {incremental!r}")
+    check_positive_int(keep_last, "keep_last", allow_none=True)
+    try:
+        json.dumps(extra, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"extra must be JSON-serializable (dicts with str keys, lists, str, finite numbers, bool, "
+                        f"None), got {type(extra).__name__}: {e}") from None
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__

@@ -1,0 +1,81 @@
+"""``export_for_serving``: full exports of keys and values, and deltas that turn one export into the next."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+import pytest
+import safetensors.torch
+import torch
+from ckpt_util import train_step, trained_model
+
+from dynemb.checkpoint import export_for_serving, save
+
+
+def _read(directory) -> tuple[dict, dict]:
+    """``(manifest, {table: (keys, values, deleted_keys)})`` of one export, checking each file's sha256."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    tables = {}
+    for name, entry in manifest["tables"].items():
+        raw = (directory / entry["file"]).read_bytes()
+        assert hashlib.sha256(raw).hexdigest() == entry["sha256"] == manifest["files"][entry["file"]]["sha256"]
+        t = safetensors.torch.load(raw)
+        tables[name] = (t["keys"], t["values"], t.get("deleted_keys"))
+    return manifest, tables
+
+
+def _as_dict(keys, values) -> dict:
+    return dict(zip(keys.tolist(), values.tolist()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_full_export_has_keys_and_values_only(tmp_path, dtype):
+    model = trained_model()
+    directory = export_for_serving(tmp_path, model, dtype=dtype)
+    manifest, tables = _read(directory)
+    assert manifest["format"] == "dynemb.serving" and manifest["version"] == 1 and manifest["kind"] == "full"
+    assert json.loads((tmp_path / "latest").read_text())["name"] == "version-00000001"
+    user = manifest["tables"]["user"]
+    assert (user["dim"], user["dtype"], user["key_dtype"]) == (8, str(dtype), "torch.int64")
+    assert user["rows"] == user["size"] == len(model.user)
+    assert user["seed"] == model.user.table.seed and user["initializer"]["type"] == "Uniform"
+    keys, values, deleted = tables["user"]
+    rows = model.user.table.export()
+    assert torch.equal(keys, rows.keys) and torch.equal(values, rows.values.to(dtype)) and deleted is None
+    assert tables["item"][0].dtype == torch.int32
+
+
+def test_delta_exports_replay_to_the_current_table(tmp_path):
+    model = trained_model()
+    _, tables = _read(export_for_serving(tmp_path, model))
+    served = {name: _as_dict(k, v) for name, (k, v, _) in tables.items()}
+    for step in (6, 7, 8):
+        train_step(model, step)
+        save(tmp_path / "ckpt", model, step=step)  # a checkpoint in between must not eat the export's deletions
+        manifest, tables = _read(export_for_serving(tmp_path, model, incremental=True))
+        assert manifest["kind"] == "delta" and manifest["version"] == step - 4
+        for name, (keys, values, deleted) in tables.items():
+            for key in deleted.tolist():
+                served[name].pop(key, None)
+            served[name].update(_as_dict(keys, values))
+            assert manifest["tables"][name]["rows"] < manifest["tables"][name]["size"]
+    for name, emb in (("user", model.user), ("item", model.item)):
+        keys, values = emb.export()
+        assert served[name] == _as_dict(keys, values)
+
+
+def test_first_delta_export_is_full(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="dynemb.checkpoint"):
+        directory = export_for_serving(tmp_path, trained_model(), incremental=True)
+    assert json.loads((directory / "manifest.json").read_text())["kind"] == "full"
+    assert "writing a full one" in caplog.text
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        export_for_serving(tmp_path, trained_model(), dtype=torch.int8)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        export_for_serving(tmp_path, {})
+    assert list(tmp_path.iterdir()) == []

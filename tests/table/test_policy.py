@@ -1,0 +1,194 @@
+"""Eviction policies: what each score means, what updates it, and which rows eviction takes first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynemb.table import EvictionPolicy, KeyValueTable
+from dynemb.table.policy import touch_scores
+
+LOW32 = 0xFFFFFFFF
+
+
+def _table(policy, key_dtype, device, **kw) -> KeyValueTable:
+    return KeyValueTable(2, key_dtype=key_dtype, device=device, eviction=policy, init_capacity=4, **kw)
+
+
+def _k(values, key_dtype, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=key_dtype, device=device)
+
+
+def _scores(t: KeyValueTable, keys) -> list[int]:
+    rows = t.export()
+    by_key = dict(zip(rows.keys.tolist(), rows.scores.tolist()))
+    return [by_key[k] for k in keys]
+
+
+# ------------------------------------------------------------------------------------------------------------- parsing
+@pytest.mark.parametrize("name", ["lru", "lfu", "epoch_lru", "epoch_lfu", "custom"])
+def test_parse_names_and_members(name):
+    assert EvictionPolicy.parse(name) is EvictionPolicy(name)
+    assert EvictionPolicy.parse(EvictionPolicy(name)) is EvictionPolicy(name)
+
+
+def test_parse_default_and_errors():
+    assert EvictionPolicy.parse(None) is EvictionPolicy.LRU
+    with pytest.raises(ValueError, match=r"eviction must be one of 'lru', 'lfu'.*got 'LRU'"):
+        EvictionPolicy.parse("LRU")
+    with pytest.raises(ValueError, match="policy must be one of .*got 3"):
+        EvictionPolicy.parse(3, name="policy")
+
+
+# -------------------------------------------------------------------------------------------------------- touch_scores
+@pytest.mark.parametrize(
+    "policy,before,expected",
+    [
+        (EvictionPolicy.LRU, [5, 5, 5, 5], [5, 9, 9, 5]),
+        (EvictionPolicy.LFU, [5, 5, 5, 5], [5, 7, 6, 5]),
+        (EvictionPolicy.EPOCH_LRU, [5, 5, 5, 5], [5, (3 << 32) | 9, (3 << 32) | 9, 5]),
+        # Counts from an older epoch restart; counts of the current epoch go on.
+        (EvictionPolicy.EPOCH_LFU, [5, (3 << 32) | 4, 7, 5], [5, (3 << 32) | 6, (3 << 32) | 1, 5]),
+        (EvictionPolicy.CUSTOM, [5, 5, 5, 5], [5, -2, 40, 5]),
+    ],
+)
+def test_touch_scores(policy, before, expected, device):
+    scores = torch.tensor(before, device=device)
+    rows = torch.tensor([1, 2, 1], device=device)
+    custom = torch.tensor([10, 40, -2], device=device)  # duplicates: the last occurrence wins
+    touch_scores(policy, scores, rows, clock=9, epoch=3, custom=custom)
+    assert scores.tolist() == expected
+
+
+def test_touch_scores_custom_without_scores_changes_nothing(device):
+    scores = torch.tensor([1, 2], device=device)
+    touch_scores(EvictionPolicy.CUSTOM, scores, torch.tensor([0, 1], device=device), clock=3, epoch=0)
+    assert scores.tolist() == [1, 2]
+
+
+# ----------------------------------------------------------------------------------------------------------------- lru
+def test_lru_score_is_clock_of_last_access(key_dtype, device):
+    t = _table("lru", key_dtype, device)
+    t.find_or_insert(_k([1, 2], key_dtype, device))
+    first = t.clock
+    assert _scores(t, [1, 2]) == [first, first]
+    t.find_or_insert(_k([2], key_dtype, device))
+    assert t.clock > first and _scores(t, [1, 2]) == [first, t.clock]
+    t.find(_k([1], key_dtype, device))  # a plain read is not an access
+    assert _scores(t, [1]) == [first]
+    t.find(_k([1], key_dtype, device), update_scores=True)
+    assert _scores(t, [1]) == [t.clock]
+    t.insert_or_assign(_k([2], key_dtype, device), torch.zeros(1, 2, device=device))
+    assert _scores(t, [2]) == [t.clock]
+    old, exists = t.find(_k([1], key_dtype, device))
+    t.accum(_k([1], key_dtype, device), old, old + 1, exists)
+    assert _scores(t, [1]) == [t.clock]
+
+
+def test_lru_evicts_least_recent(key_dtype, device):
+    got = []
+    t = _table("lru", key_dtype, device, max_capacity=3, on_evict=lambda k, v, s: got.extend(k.tolist()))
+    for key in (1, 2, 3):
+        t.find_or_insert(_k([key], key_dtype, device))
+    t.find_or_insert(_k([1], key_dtype, device))
+    t.find_or_insert(_k([4], key_dtype, device))
+    t.find_or_insert(_k([5], key_dtype, device))
+    assert got == [2, 3]
+    assert sorted(t.export().keys.tolist()) == [1, 4, 5]
+
+
+# ----------------------------------------------------------------------------------------------------------------- lfu
+def test_lfu_counts_every_occurrence(key_dtype, device):
+    t = _table("lfu", key_dtype, device)
+    t.find_or_insert(_k([1, 1, 2], key_dtype, device))
+    assert _scores(t, [1, 2]) == [2, 1]
+    t.insert_or_assign(_k([2, 2, 3], key_dtype, device), torch.zeros(3, 2, device=device))
+    assert _scores(t, [1, 2, 3]) == [2, 3, 1]
+    t.find(_k([3, 3], key_dtype, device))
+    assert _scores(t, [3]) == [1]
+    t.find(_k([3, 3, 9], key_dtype, device), update_scores=True)
+    assert _scores(t, [3]) == [3] and not t.contains(_k([9], key_dtype, device)).item()
+    vals = torch.zeros(2, 2, device=device)
+    t.accum(_k([1, 4], key_dtype, device), vals, vals, torch.tensor([True, False], device=device))
+    assert _scores(t, [1, 4]) == [3, 1]
+
+
+def test_lfu_evicts_least_frequent(key_dtype, device):
+    t = _table("lfu", key_dtype, device, max_capacity=3)
+    t.find_or_insert(_k([1, 1, 1, 2, 3, 3], key_dtype, device))
+    t.find_or_insert(_k([4], key_dtype, device))
+    assert sorted(t.export().keys.tolist()) == [1, 3, 4]
+    out = t.restrict(1)
+    assert sorted(out.keys.tolist()) == [3, 4] and t.export().keys.tolist() == [1]
+
+
+# -------------------------------------------------------------------------------------------------------------- epochs
+def test_epoch_lru_orders_by_epoch_then_clock(key_dtype, device):
+    t = _table("epoch_lru", key_dtype, device)
+    t.find_or_insert(_k([1, 2], key_dtype, device))
+    t.find_or_insert(_k([2], key_dtype, device))
+    t.epoch = 1
+    t.find_or_insert(_k([3], key_dtype, device))
+    s1, s2, s3 = _scores(t, [1, 2, 3])
+    assert s3 >> 32 == 1 and s3 & LOW32 == t.clock
+    assert s1 >> 32 == 0 and s1 < s2 < s3
+    assert sorted(t.restrict(1).keys.tolist()) == [1, 2]
+
+
+def test_epoch_lfu_counts_restart_in_a_new_epoch(key_dtype, device):
+    t = _table("epoch_lfu", key_dtype, device)
+    t.find_or_insert(_k([1, 1, 1, 1, 2], key_dtype, device))
+    assert _scores(t, [1, 2]) == [4, 1]
+    t.epoch = 2
+    t.find_or_insert(_k([2, 3, 3], key_dtype, device))
+    assert _scores(t, [1, 2, 3]) == [4, (2 << 32) | 1, (2 << 32) | 2]
+    t.find_or_insert(_k([2], key_dtype, device))
+    assert _scores(t, [2]) == [(2 << 32) | 2]
+    # Key 1 was used most, but only in the old epoch: it goes first.
+    assert t.evict(1).keys.tolist() == [1]
+
+
+# -------------------------------------------------------------------------------------------------------------- custom
+def test_custom_scores_come_from_the_caller(key_dtype, device):
+    t = _table("custom", key_dtype, device)
+    t.find_or_insert(_k([1, 2, 1], key_dtype, device), scores=torch.tensor([10, 20, 30], device=device))
+    assert _scores(t, [1, 2]) == [30, 20]  # duplicates: the last occurrence wins
+    t.find_or_insert(_k([1, 3], key_dtype, device))  # no scores: kept, and new keys start at 0
+    assert _scores(t, [1, 2, 3]) == [30, 20, 0]
+    t.find(_k([2], key_dtype, device), update_scores=True)
+    assert _scores(t, [2]) == [20]
+    extremes = torch.tensor([-(2**63), 2**63 - 1], device=device)
+    t.insert_or_assign(_k([2, 3], key_dtype, device), torch.zeros(2, 2, device=device), scores=extremes)
+    assert _scores(t, [2, 3]) == [-(2**63), 2**63 - 1]
+    assert sorted(t.restrict(2).keys.tolist()) == [2]
+
+
+def test_custom_bounded_keeps_highest_scores(key_dtype, device):
+    t = _table("custom", key_dtype, device, max_capacity=2)
+    t.find_or_insert(_k([1, 2], key_dtype, device), scores=torch.tensor([5, 1], device=device))
+    t.find_or_insert(_k([3], key_dtype, device), scores=torch.tensor([3], device=device))
+    assert sorted(t.export().keys.tolist()) == [1, 3]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu", "custom"])
+def test_every_policy_evicts_the_lowest_score(policy, key_dtype, device):
+    got = []
+    t = _table(policy, key_dtype, device, max_capacity=8, on_evict=lambda k, v, s: got.append((k.cpu(), s.cpu())))
+    gen = torch.Generator().manual_seed(0)
+    for step in range(30):
+        keys = torch.randint(0, 20, (5,), generator=gen).to(key_dtype).to(device)
+        scores = torch.randint(-5, 5, (5,), generator=gen).to(device) if policy == "custom" else None
+        t.epoch = step // 10
+        before = t.export()
+        before_scores = dict(zip(before.keys.tolist(), before.scores.tolist()))
+        got.clear()
+        t.find_or_insert(keys, scores=scores)
+        pinned = set(keys.tolist())
+        survivors = [s for k, s in before_scores.items() if k not in pinned and t.contains(_k([k], key_dtype, device))]
+        for k, s in got:
+            for key, score in zip(k.tolist(), s.tolist()):
+                if key in before_scores:
+                    assert key not in pinned
+                    assert score == before_scores[key]
+                    assert all(score <= other for other in survivors)
+        assert t.size() <= 8 and t.size() == t.inserted - t.evicted

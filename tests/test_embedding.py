@@ -1,0 +1,300 @@
+"""DynamicEmbedding: the user's module. Forward in train and eval, the TFRA/SOK methods, state dicts, devices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynemb import DynamicEmbedding
+
+
+def _emb(key_dtype, device, dim=4, **kw) -> DynamicEmbedding:
+    kw.setdefault("seed", 11)
+    kw.setdefault("init_capacity", 4)
+    return DynamicEmbedding(dim, key_dtype=key_dtype, device=device, **kw)
+
+
+def _k(values, key_dtype, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=key_dtype, device=device)
+
+
+# ------------------------------------------------------------------------------------------------------------- forward
+def test_forward_train_inserts_and_keeps_shape(key_dtype, device, extreme_keys):
+    emb = _emb(key_dtype, device)
+    ids = extreme_keys.to(device).view(2, 4)
+    out = emb(ids)
+    assert out.shape == (2, 4, 4) and out.dtype == torch.float32 and out.device.type == device.type
+    assert len(emb) == emb.size() == 8
+    assert torch.equal(emb(ids), out)  # the same rows on the next call
+    assert torch.equal(out.view(8, 4), emb.lookup(ids.view(-1)))
+
+
+def test_forward_duplicates_share_a_row(key_dtype, device):
+    emb = _emb(key_dtype, device)
+    out = emb(_k([[3, 3], [-1, 3]], key_dtype, device))
+    assert torch.equal(out[0, 0], out[0, 1]) and torch.equal(out[0, 0], out[1, 1])
+    assert len(emb) == 2
+
+
+def test_forward_eval_inserts_nothing_and_returns_initial_rows(key_dtype, device):
+    emb = _emb(key_dtype, device)
+    emb.upsert(_k([1], key_dtype, device), torch.ones(1, 4, device=device))
+    emb.eval()
+    ids = _k([1, 2, 2**20], key_dtype, device)
+    out = emb(ids)
+    assert len(emb) == 1 and not emb.training
+    assert torch.equal(out[0], torch.ones(4, device=device))
+    emb.train()
+    created = emb(ids)
+    assert torch.equal(created[1:], out[1:])  # an unseen id reads the row it will be created with
+    assert len(emb) == 3
+
+
+def test_forward_beyond_max_capacity_still_returns_rows(key_dtype, device):
+    got = []
+    emb = _emb(key_dtype, device, max_capacity=2, on_evict=lambda k, v, s: got.append(k))
+    ids = _k([1, 2, 3, 4], key_dtype, device)
+    out = emb(ids)
+    assert len(emb) == 2 and torch.cat(got).numel() == 2
+    assert torch.equal(out, emb.eval()(ids))  # stored and dropped ids alike read their initializer rows
+
+
+def test_forward_rejects_bad_ids(key_dtype, device, fails_cleanly):
+    emb = _emb(key_dtype, device)
+    emb(_k([1], key_dtype, device))
+    other = torch.int64 if key_dtype == torch.int32 else torch.int32
+    for mode in (True, False):
+        emb.train(mode)
+        with fails_cleanly(emb, TypeError, rf"ids must have dtype {key_dtype}.*got {other}"):
+            emb(torch.tensor([1, 2], dtype=other, device=device))
+        with fails_cleanly(emb, TypeError, "ids must be a torch.Tensor.*got list"):
+            emb([1, 2])
+        with fails_cleanly(emb, TypeError, "ids must have dtype.*got torch.float32"):
+            emb(torch.tensor([1.0], device=device))
+
+
+# ------------------------------------------------------------------------------------------------------------- methods
+def test_lookup_with_and_without_exists(key_dtype, device):
+    emb = _emb(key_dtype, device)
+    emb.upsert(_k([5], key_dtype, device), torch.full((1, 4), 2.0, device=device))
+    keys = _k([[5, 6]], key_dtype, device)
+    values = emb.lookup(keys)
+    values2, exists = emb.lookup(keys, return_exists=True)
+    assert values.shape == (1, 2, 4) and exists.shape == (1, 2)
+    assert exists.tolist() == [[True, False]]
+    assert torch.equal(values, values2) and values[0, 0].eq(2.0).all()
+    assert len(emb) == 1
+
+
+@pytest.mark.parametrize("method", ["upsert", "assign"])
+def test_upsert_and_assign(method, key_dtype, device, value_dtype):
+    emb = _emb(key_dtype, device, dtype=value_dtype)
+    keys = _k([1, 2, 1], key_dtype, device)
+    vals = torch.arange(12, device=device).view(3, 4).to(value_dtype)
+    getattr(emb, method)(keys, vals)
+    assert len(emb) == 2
+    assert torch.equal(emb.lookup(_k([1, 2], key_dtype, device)), vals[[2, 1]])  # the last duplicate wins
+    getattr(emb, method)(_k([2], key_dtype, device), torch.zeros(1, 4, dtype=value_dtype, device=device))
+    assert emb.lookup(_k([2], key_dtype, device)).eq(0).all()
+
+
+def test_accum_tfra_flow(key_dtype, device):
+    emb = _emb(key_dtype, device, initializer="zeros")
+    emb.upsert(_k([1, 2], key_dtype, device), torch.ones(2, 4, device=device))
+    keys = _k([1, 2, 3], key_dtype, device)
+    old, exists = emb.lookup(keys, return_exists=True)
+    emb.remove(_k([2], key_dtype, device))  # removed by someone else in between
+    emb.accum(keys, old, old + 0.5, exists)
+    values, exists = emb.lookup(keys, return_exists=True)
+    assert exists.tolist() == [True, False, True]
+    assert values[0].eq(1.5).all() and values[2].eq(0.5).all()
+
+
+def test_remove_contains_size_clear(key_dtype, device, extreme_keys):
+    emb = _emb(key_dtype, device)
+    keys = extreme_keys.to(device)
+    emb(keys)
+    assert emb.contains(keys).all()
+    assert emb.remove(torch.cat([keys[:3], keys[:3], _k([77], key_dtype, device)])) == 3
+    assert emb.contains(keys).tolist() == [False] * 3 + [True] * 5
+    assert emb.size() == len(emb) == 5
+    emb.clear()
+    assert len(emb) == 0 and not emb.contains(keys).any()
+
+
+def test_export_with_and_without_scores(key_dtype, device):
+    emb = _emb(key_dtype, device, eviction="lfu")
+    keys = _k([4, 9], key_dtype, device)
+    emb.upsert(torch.cat([keys, keys[:1]]), torch.ones(3, 4, device=device))
+    k, v = emb.export()
+    k2, v2, s = emb.export(with_scores=True)
+    assert torch.equal(k, k2) and torch.equal(v, v2) and v.eq(1).all()
+    assert dict(zip(k.tolist(), s.tolist())) == {4: 2, 9: 1}
+    assert s.dtype == torch.int64
+
+
+def test_restrict_with_and_without_trigger(key_dtype, device):
+    emb = _emb(key_dtype, device, eviction="lfu")
+    emb.upsert(_k([1, 1, 1, 2, 2, 3], key_dtype, device), torch.zeros(6, 4, device=device))
+    assert emb.restrict(2, trigger=3).keys.numel() == 0 and len(emb) == 3
+    assert emb.restrict(2).keys.tolist() == [3]
+    assert sorted(emb.export()[0].tolist()) == [1, 2]
+
+
+def test_repr_names_the_config(key_dtype, device):
+    text = repr(_emb(key_dtype, device, max_capacity=10, eviction="lfu"))
+    for part in ("dim=4", f"key_dtype={key_dtype}", "max_capacity=10", "eviction='lfu'", "size=0"):
+        assert part in text
+
+
+def test_seed_none_follows_torch_manual_seed(key_dtype, device):
+    keys = _k([1, 2], key_dtype, device)
+    rows = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        rows.append(DynamicEmbedding(4, key_dtype=key_dtype, device=device)(keys))
+    assert torch.equal(rows[0], rows[1])
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"dim": 0}, ValueError, "dim"),
+        ({"key_dtype": torch.float32}, TypeError, "key_dtype"),
+        ({"dtype": torch.float64}, TypeError, "dtype"),
+        ({"initializer": "xavier"}, ValueError, "initializer"),
+        ({"eviction": "random"}, ValueError, "eviction"),
+        ({"max_capacity": -1}, ValueError, "max_capacity"),
+        ({"init_capacity": 0}, ValueError, "init_capacity"),
+        ({"seed": 1.5}, TypeError, "seed"),
+        ({"on_evict": "print"}, TypeError, "on_evict"),
+    ],
+)
+def test_constructor_errors(kwargs, exc, match):
+    args = {"dim": 4, **kwargs}
+    with pytest.raises(exc, match=match):
+        DynamicEmbedding(args.pop("dim"), **args)
+
+
+def test_method_errors_change_nothing(key_dtype, device, fails_cleanly):
+    emb = _emb(key_dtype, device)
+    emb(_k([1, 2], key_dtype, device))
+    keys = _k([1, 3], key_dtype, device)
+    with fails_cleanly(emb, ValueError, r"values must have shape \(2, 4\)"):
+        emb.upsert(keys, torch.zeros(2, 5, device=device))
+    with fails_cleanly(emb, TypeError, "values must have dtype torch.float32"):
+        emb.assign(keys, torch.zeros(2, 4, dtype=torch.float16, device=device))
+    with fails_cleanly(emb, TypeError, "keys must have dtype"):
+        emb.remove(torch.tensor([1.0], device=device))
+    with fails_cleanly(emb, TypeError, "keys must have dtype"):
+        emb.lookup(torch.tensor([1.0], device=device))
+    with fails_cleanly(emb, TypeError, "exists must be a bool tensor"):
+        emb.accum(keys, torch.zeros(2, 4, device=device), torch.zeros(2, 4, device=device), [True, False])
+    with fails_cleanly(emb, ValueError, "num_reserved"):
+        emb.restrict(-2)
+
+
+# ---------------------------------------------------------------------------------------------------------- state dict
+def _populated(key_dtype, device, **kw) -> DynamicEmbedding:
+    emb = _emb(key_dtype, device, eviction="lfu", **kw)
+    emb.table.add_slot("acc", 2, init=0.1)
+    info = torch.iinfo(key_dtype)
+    emb(_k([info.min, info.max, -1, 0, 0x5851F42D, 7, 7], key_dtype, device))
+    emb.upsert(_k([9, 7], key_dtype, device), torch.full((2, 4), 3.0, device=device))
+    emb.remove(_k([0], key_dtype, device))
+    emb.table.epoch = 3
+    return emb
+
+
+def _assert_same(a: DynamicEmbedding, b: DynamicEmbedding) -> None:
+    ka, va, sa = a.export(with_scores=True)
+    kb, vb, sb = b.export(with_scores=True)
+    assert torch.equal(ka, kb) and torch.equal(va, vb) and torch.equal(sa, sb)
+    assert torch.equal(a.table.export().slots["acc"], b.table.export().slots["acc"])
+    assert a._counters() == b._counters()
+    assert a.config() == b.config()
+
+
+def test_state_dict_round_trip_is_exact(key_dtype, device):
+    src = _populated(key_dtype, device, max_capacity=100)
+    state = src.state_dict()
+    assert set(state) >= {"keys", "values", "scores", "slot.acc", "_extra_state"}
+    dst = DynamicEmbedding(4, key_dtype=key_dtype, device=device, eviction="lfu", max_capacity=100)  # seed drawn
+    dst.table.add_slot("acc", 2, init=0.1)
+    dst(_k([1234], key_dtype, device))  # whatever it held is replaced
+    assert dst.load_state_dict(state) is not None
+    _assert_same(src, dst)
+    assert not dst.contains(_k([1234], key_dtype, device)).item()
+    # The loaded module carries on exactly like the original, new keys included.
+    ids = _k([7, 9, 55, -1, 56], key_dtype, device)
+    assert torch.equal(src(ids), dst(ids))
+    _assert_same(src, dst)
+
+
+def test_state_dict_into_module_with_wrong_dim_or_dtype(key_dtype, device, fails_cleanly):
+    state = _populated(key_dtype, device).state_dict()
+    other_key = torch.int64 if key_dtype == torch.int32 else torch.int32
+    cases = [
+        (DynamicEmbedding(8, key_dtype=key_dtype, device=device, eviction="lfu"), "dim is 4 in the state dict but 8"),
+        (
+            DynamicEmbedding(4, key_dtype=key_dtype, dtype=torch.float16, device=device, eviction="lfu"),
+            "dtype is torch.float32 in the state dict but torch.float16",
+        ),
+        (
+            DynamicEmbedding(4, key_dtype=other_key, device=device, eviction="lfu"),
+            f"key_dtype is {key_dtype} in the state dict but {other_key}",
+        ),
+    ]
+    for dst, message in cases:
+        dst.table.add_slot("acc", 2, init=0.1)
+        dst(torch.tensor([1], dtype=dst.key_dtype, device=device))
+        with fails_cleanly(dst, RuntimeError, message):
+            dst.load_state_dict(state)
+
+
+def test_state_dict_with_corrupt_scores_fails_cleanly(key_dtype, device, fails_cleanly):
+    state = _populated(key_dtype, device).state_dict()
+    dst = _populated(key_dtype, device)
+    dst(_k([555], key_dtype, device))
+    state["scores"] = state["scores"][:-1]
+    with fails_cleanly(dst, RuntimeError, "scores must be an int64 tensor of shape"):
+        dst.load_state_dict(state)
+
+
+def test_state_dict_missing_entries(key_dtype, device):
+    state = _populated(key_dtype, device).state_dict()
+    del state["scores"]
+    dst = _emb(key_dtype, device, eviction="lfu")
+    dst.table.add_slot("acc", 2, init=0.1)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        dst.load_state_dict(state)
+    result = dst.load_state_dict(state, strict=False)
+    assert "scores" in result.missing_keys and len(dst) == 0
+
+
+# ------------------------------------------------------------------------------------------------------------- devices
+def test_to_and_dtype_casts_keep_the_table(key_dtype):
+    emb = _emb(key_dtype, "cpu")
+    emb(_k([1, 2], key_dtype, "cpu"))
+    before = emb.export()
+    assert emb.to("cpu") is emb and emb.half() is emb
+    assert emb.dtype == torch.float32 and emb.table.values.dtype == torch.float32  # casts leave the table alone
+    assert torch.equal(emb.export()[1], before[1])
+
+
+def test_to_cuda_and_back(key_dtype, cuda_device):
+    src = _populated(key_dtype, "cpu")
+    emb = _populated(key_dtype, "cpu").to(cuda_device)
+    assert emb.device.type == "cuda" and emb.export()[1].is_cuda
+    ids = _k([7, 9, 55], key_dtype, "cuda")
+    assert torch.equal(emb(ids).cpu(), src(ids.cpu()))
+    emb.cpu()
+    _assert_same(src, emb)
+
+
+def test_cuda_module_accepts_tensors_on_the_default_cuda_device(key_dtype, cuda_device):
+    emb = DynamicEmbedding(4, key_dtype=key_dtype, device="cuda", seed=0)
+    ids = _k([1, 2], key_dtype, "cuda:0")
+    assert emb(ids).device == ids.device
+    emb.upsert(ids, torch.ones(2, 4, device="cuda:0"))
+    assert emb.contains(ids).all()
