@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from .embedding import DynamicEmbedding, StaticEmbedding
-from .functional import COMBINERS, pool, to_bags, unique_rows
+from .functional import COMBINERS, pool, pool_many, pooled_lookup, to_bags, unique_rows
 from .optim.base import SparseOptimizer
+from .optim.combined import CombinedOptimizer
 from .table.checks import KEY_DTYPES, VALUE_DTYPES
 from .table.initializers import Initializer, InitializerSpec, resolve_initializer
 
@@ -207,12 +208,9 @@ class EmbeddingCollection(nn.Module):
             groups.setdefault(key if key is not None else ("alone", cfg.name), []).append(cfg)
         for members in groups.values():
             self._build(members, seeds, device)
-        optimizers = []
-        for name, module in self.embeddings.items():
-            spec = self._physical_optimizer[name]
-            if spec is not None:
-                optimizers.append(spec.bind([module]))
-        self.optimizer = CombinedOptimizer(optimizers)
+        self.optimizer = CombinedOptimizer({name: self._physical_optimizer[name].bind([module])
+                                            for name, module in self.embeddings.items()
+                                            if self._physical_optimizer[name] is not None})
 
     def _validate(self, tables: list[TableConfig], features: list[FeatureConfig]) -> None:
         self.table_configs = {t.name: t for t in tables}
@@ -294,13 +292,24 @@ class EmbeddingCollection(nn.Module):
             by_table.setdefault(route.physical, []).append(prepared)
         out = {}
         for physical, parts in by_table.items():
-            module = self.embeddings[physical]
-            values, inverse = unique_rows(module, torch.cat([p["ids"] for p in parts]))
-            start = 0
-            for p in parts:
-                inv = inverse[start: start + p["ids"].numel()]
-                start += p["ids"].numel()
-                out[p["name"]] = self._finish(p, values, inv)
+            out.update(self._lookup(self.embeddings[physical], parts))
+        return {name: out[name] for name in features}
+
+    def _lookup(self, module, parts: list[dict]) -> dict:
+        """Outputs of the features ``parts`` of one physical table: one dedup, one find and one pooling op for all
+        plain pooled features (no ``max_norm``), which pool straight from the table when they are all there is."""
+        ids = torch.cat([p["ids"] for p in parts])
+        plain = [p for p in parts if p["seq"] is None and p["max_norm"] is None]
+        bag_sets = [(p["ids"].numel(), p["offsets"], p["weights"], p["bags"], p["combiner"]) for p in plain]
+        if len(plain) == len(parts):
+            return {p["name"]: pooled for p, pooled in zip(parts, pooled_lookup(module, ids, bag_sets))}
+        values, inverse = unique_rows(module, ids)
+        inverses = dict(zip([p["name"] for p in parts], inverse.split([p["ids"].numel() for p in parts])))
+        plain_inverse = torch.cat([inverses[p["name"]] for p in plain]) if plain else inverse[:0]
+        out = {p["name"]: pooled for p, pooled in zip(plain, pool_many(values, plain_inverse, bag_sets))}
+        for p in parts:
+            if p["name"] not in out:
+                out[p["name"]] = self._finish(p, values, inverses[p["name"]])
         return out
 
     def _prepare(self, fname, fcfg: FeatureConfig, tcfg: TableConfig, value, weight) -> dict:
@@ -346,27 +355,3 @@ class EmbeddingCollection(nn.Module):
             return keys[sel] - route.tag, values[sel]
         sel = (keys >> 32) == route.tag
         return (keys[sel] & 0xFFFFFFFF).to(torch.int32), values[sel]
-
-
-class CombinedOptimizer:
-    """Steps several sparse optimizers as one (the collection's per-table optimizers)."""
-
-    def __init__(self, optimizers: list[SparseOptimizer]) -> None:
-        self.optimizers = optimizers
-
-    def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad()
-
-    def state_dict(self) -> dict:
-        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
-
-    def load_state_dict(self, state: dict) -> None:
-        if len(state["optimizers"]) != len(self.optimizers):
-            raise ValueError(f"state has {len(state['optimizers'])} optimizers, this has {len(self.optimizers)}")
-        for opt, s in zip(self.optimizers, state["optimizers"]):
-            opt.load_state_dict(s)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import optim
+from .optim.combined import CombinedOptimizer
 from .collection import EmbeddingCollection
 from .data.batch import Batch
 from .data.metrics import auc
@@ -86,28 +87,6 @@ def build_dlrm(num_dense: int, features: Iterable[str], cfg: TrainConfig) -> DLR
     return DLRM(num_dense, embeddings, cfg.dim)
 
 
-class _Optimizers:
-    """The sparse (table) and dense optimizers as one checkpointable object."""
-
-    def __init__(self, sparse, dense: torch.optim.Optimizer) -> None:
-        self.sparse, self.dense = sparse, dense
-
-    def step(self) -> None:
-        self.sparse.step()
-        self.dense.step()
-
-    def zero_grad(self) -> None:
-        self.sparse.zero_grad()
-        self.dense.zero_grad()
-
-    def state_dict(self) -> dict:
-        return {"sparse": self.sparse.state_dict(), "dense": self.dense.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sparse.load_state_dict(state["sparse"])
-        self.dense.load_state_dict(state["dense"])
-
-
 @dataclasses.dataclass
 class History:
     """What the loop measured: per-step rows and per-evaluation rows, ready for plots and reports."""
@@ -142,7 +121,8 @@ class Trainer:
         if self.distributed:
             self.model.bottom = nn.parallel.DistributedDataParallel(model.bottom)
             self.model.top = nn.parallel.DistributedDataParallel(model.top)
-        self.optimizer = _Optimizers(model.embeddings.optimizer, torch.optim.Adam(dense, lr=cfg.dense_lr))
+        self.optimizer = CombinedOptimizer({"sparse": model.embeddings.optimizer,
+                                            "dense": torch.optim.Adam(dense, lr=cfg.dense_lr)})
         self.step = 0
         self.history = History()
         self.loss_fn = nn.BCEWithLogitsLoss()

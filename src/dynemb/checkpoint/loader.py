@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from . import lineage
@@ -13,7 +14,8 @@ from .dense import check_dense
 from .errors import CheckpointError
 from .manifest import MANIFEST, chain, file_record, resolve
 from .progress import logger, transfer
-from .saver import STREAM, WORLD_SIZE
+from .ranks import RankContext, merge_states, rank_context
+from .saver import STREAM
 from .tables import KEYS, apply_delta, check_shard, find_embeddings, restore, table_config
 from .tensorfile import read_tensors
 
@@ -61,41 +63,41 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {strict!r}")
+    ctx = rank_context(model)
     embeddings = find_embeddings(model)
     directory = resolve(path)
     links = chain(directory)
     manifest = links[-1][1]
-    names = _matching_tables(manifest, directory, embeddings, strict)
-    plan = _plan(links, names)
+    names = _matching_tables(manifest, directory, embeddings, strict, ctx)
+    plan = {name: _sources(links, name, ctx) for name in names}
     dense_file = _state_file(manifest, directory, "dense")
-    opt_file = _optimizer_file(manifest, directory, optimizer, strict)
-    total = sum(record.bytes for steps in plan.values() for _, _, record, _ in steps)
-    total += sum(record.bytes for _, record in filter(None, (dense_file, opt_file)))
+    opt_files = _optimizer_files(manifest, directory, optimizer, strict, ctx)
+    total = sum(record.bytes for sources, _ in plan.values() for steps in sources.values() for _, _, record, _ in steps)
+    total += sum(record.bytes for _, record in [dense_file, *opt_files])
     with transfer(f"loaded {directory}", total) as progress:
         configs = {name: manifest["tables"][name]["config"] for name in plan}
-        shards = {name: _read_shard(steps, configs[name], progress) for name, steps in plan.items()}
+        shards = {name: _read_sources(name, sources, reshard, configs[name], ctx, progress)
+                  for name, (sources, reshard) in plan.items()}
         dense = check_dense(model, read_state(*dense_file, progress), strict, dense_file[0])
-        opt_state = read_state(*opt_file, progress) if opt_file is not None else None
+        opt_state = merge_states([read_state(*f, progress) for f in opt_files]) if opt_files else None
         # Everything is read and checked: from here on the model changes.
         if opt_state is not None:
             optimizer.load_state_dict(opt_state)
         model.load_state_dict(dense, strict=False)
-        for name, cols in shards.items():
-            table = manifest["tables"][name]
-            restore(embeddings[name], cols, table["shards"][0]["counters"], table["config"]["seed"])
+        for name, (cols, saved_counters) in shards.items():
+            restore(embeddings[name], cols, saved_counters, manifest["tables"][name]["config"]["seed"])
     lineage.record([embeddings[n].table for n in shards], STREAM, os.path.realpath(directory.parent),
                    directory.name, reset=True)
     return {**manifest, "path": str(directory)}
 
 
-def _matching_tables(manifest: dict, directory: Path, embeddings: dict, strict: bool) -> list[str]:
+def _matching_tables(manifest: dict, directory: Path, embeddings: dict, strict: bool, ctx: RankContext) -> list[str]:
     """Names of the tables to load, after comparing configs with the model's."""
     file = directory / MANIFEST
-    if manifest.get("world_size") != WORLD_SIZE:
-        raise CheckpointError(f"{file}: saved by world_size={manifest.get('world_size')} ranks; loading it into "
-                              "one process needs resharding, which is not implemented yet")
     saved = manifest.get("tables", {})
     only_saved, only_model = sorted(set(saved) - set(embeddings)), sorted(set(embeddings) - set(saved))
+    if ctx.distributed:  # tables held by other ranks are expected to be absent here
+        only_saved = [n for n in only_saved if n not in ctx.shardings]
     if only_saved or only_model:
         message = f"{file}: tables only in the checkpoint: {only_saved}; only in the model: {only_model}"
         if strict:
@@ -134,28 +136,60 @@ def _check_config(saved: dict, emb, directory: Path, name: str, strict: bool) ->
         raise CheckpointError(f"{where}: {rows} rows do not fit max_capacity={capacity} of the model's table")
 
 
-def _plan(links: list, names: list[str]) -> dict[str, list]:
-    """Per table, ``(path, is_delta, record, manifest entry)`` of each shard to read, oldest first; every file is
-    checked to exist before any is read."""
-    plan = {}
-    for name in names:
+def _sources(links: list, name: str, ctx: RankContext) -> tuple[dict, bool]:
+    """``({saved rank: steps}, reshard)`` for one table: each step is ``(path, is_delta, record, shard entry)``,
+    oldest first, and every file is checked to exist before any is read.
+
+    With the same world size and sharding, a rank reads only its own shard (exact resume); otherwise it reads every
+    saved rank's shard and keeps the rows it owns now (``reshard``).
+    """
+    last_dir, last = links[-1]
+    shards = last["tables"][name].get("shards", [])
+    ranks = [s.get("rank") for s in shards]
+    world = last.get("world_size")
+    if not isinstance(world, int) or world < 1 or sorted(ranks) != ranks or not set(ranks) <= set(range(world)):
+        raise CheckpointError(f"{last_dir / MANIFEST}: table {name!r} lists shards of ranks {ranks} for "
+                              f"world_size={world!r}")
+    sharding = ctx.shardings.get(name)
+    current = sharding[0].describe() if sharding else None
+    mine = [s for s in shards if s["rank"] == ctx.rank]
+    if world == ctx.world and mine and mine[0].get("sharding") == current:
+        wanted, reshard = [ctx.rank], False
+    elif ranks == [0] and (sharding is None or sharding[0].kind == "data"):
+        wanted, reshard = [0], False  # one copy of a replicated (or unsharded) table
+    else:
+        wanted, reshard = ranks, True
+    sources = {}
+    for rank in wanted:
         steps = []
         for directory, manifest in links:
             entry = manifest.get("tables", {}).get(name)
             if entry is None:
                 raise CheckpointError(f"{directory / MANIFEST}: table {name!r} is missing from this checkpoint of "
                                       "the chain")
-            shards = entry.get("shards", [])
-            if [s.get("rank") for s in shards] != list(range(WORLD_SIZE)):
-                raise CheckpointError(f"{directory / MANIFEST}: table {name!r} lists shards of ranks "
-                                      f"{[s.get('rank') for s in shards]}, expected {list(range(WORLD_SIZE))}")
-            rel = shards[0]["file"]
+            shard = next((s for s in entry.get("shards", []) if s.get("rank") == rank), None)
+            if shard is None:
+                raise CheckpointError(f"{directory / MANIFEST}: table {name!r} has no shard of rank {rank}")
+            rel = shard["file"]
             if not (directory / rel).is_file():
-                raise CheckpointError(f"{directory / rel}: shard file of table {name!r} rank 0 is missing")
-            record = file_record(manifest, directory, rel)
-            steps.append((directory / rel, manifest["kind"] != "full", record, shards[0]))
-        plan[name] = steps
-    return plan
+                raise CheckpointError(f"{directory / rel}: shard file of table {name!r} rank {rank} is missing")
+            steps.append((directory / rel, manifest["kind"] != "full", file_record(manifest, directory, rel), shard))
+        sources[rank] = steps
+    return sources, reshard
+
+
+def _read_sources(name: str, sources: dict, reshard: bool, config: dict, ctx: RankContext, progress):
+    """``(columns, counters)`` of this rank's part of table ``name``."""
+    parts = {rank: _read_shard(steps, config, progress) for rank, steps in sources.items()}
+    if not reshard:
+        (rank, cols), = parts.items()
+        return cols, sources[rank][-1][3]["counters"]
+    cols = {col: torch.cat([p[col] for p in parts.values()]) for col in next(iter(parts.values()))}
+    kept = ctx.owned(name, cols[KEYS]).nonzero().squeeze(1)
+    cols = {col: t.index_select(0, kept) for col, t in cols.items()}
+    saved = [steps[-1][3]["counters"] for steps in sources.values()]
+    merged = {key: max(c[key] for c in saved) for key in ("clock", "epoch", "_init_calls") if key in saved[0]}
+    return cols, {**merged, "inserted": int(kept.numel()), "removed": 0, "evicted": 0}
 
 
 def _read_shard(steps: list, config: dict, progress) -> dict:
@@ -179,15 +213,20 @@ def _state_file(manifest: dict, directory: Path, field: str) -> tuple:
     return directory / rel, file_record(manifest, directory, rel)
 
 
-def _optimizer_file(manifest: dict, directory: Path, optimizer, strict: bool) -> tuple | None:
+def _optimizer_files(manifest: dict, directory: Path, optimizer, strict: bool, ctx: RankContext) -> list:
+    """The optimizer state files to read: this rank's own (same world size), or every rank's, to merge."""
     if optimizer is None:
-        return None
+        return []
     if not callable(getattr(optimizer, "load_state_dict", None)):
         raise TypeError(f"optimizer must have load_state_dict(), got {type(optimizer).__name__}")
-    if manifest.get("optimizer") is not None:
-        return _state_file(manifest, directory, "optimizer")
+    entry = manifest.get("optimizer")
+    if isinstance(entry, list):
+        wanted = [entry[ctx.rank]] if len(entry) == ctx.world else entry
+        return [_state_file({**manifest, "optimizer": rel}, directory, "optimizer") for rel in wanted]
+    if entry is not None:
+        return [_state_file(manifest, directory, "optimizer")]
     message = f"{directory / MANIFEST}: no optimizer state was saved, but an optimizer was given"
     if strict:
         raise CheckpointError(message + " (strict=True)")
     logger.warning("%s; the optimizer is left as it is", message)
-    return None
+    return []

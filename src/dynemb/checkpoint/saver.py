@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from .errors import CheckpointError
 from .fsutil import TMP_PREFIX, remove_dir, staging, write_json, write_pointer
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, checkpoint_name, complete, read_manifest
 from .progress import logger, transfer
+from .ranks import RankContext, rank_context
 from .tables import columns, counters, delta_columns, find_embeddings, shard_file, table_config
 from .tensorfile import write_tensors
 
@@ -25,9 +27,13 @@ __all__ = ["save", "write_payloads", "incremental_parent"]
 
 DENSE_FILE = "dense.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
-#: Placeholders until multi-rank saving: this process is rank 0 of 1, rows are owned by ``key % world_size``.
+#: A single process is rank 0 of 1; rows of row-sharded tables are owned by ``key % world_size`` by default.
 RANK, WORLD_SIZE, PARTITIONER = 0, 1, "mod"
 STREAM = "checkpoint"
+
+
+def optimizer_file(ctx: RankContext) -> str:
+    return OPTIMIZER_FILE if not ctx.distributed else f"optimizer.rank-{ctx.rank:05d}-of-{ctx.world:05d}.safetensors"
 
 
 def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incremental: bool = False,
@@ -74,42 +80,78 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
     _check_args(model, optimizer, step, extra, incremental, keep_last)
     root = Path(path)
     root_key = os.path.realpath(root)
-    embeddings = find_embeddings(model)
-    tables = [emb.table for emb in embeddings.values()]
+    ctx = rank_context(model)
+    local = find_embeddings(model)
+    embeddings = {name: emb for name, emb in local.items() if ctx.writes(name)}
+    tables = [emb.table for emb in local.values()]  # replicas tick too, so they stay identical
+    index = {n: i for i, n in enumerate(sorted({n for names in ctx.gather(sorted(embeddings)) for n in names}))}
     parent = None
     if incremental:
         current = {name: {"config": table_config(emb)} for name, emb in embeddings.items()}
         parent = incremental_parent(root, root_key, embeddings, STREAM, FORMAT, current, f"save of step {step}")
+        parents = ctx.gather(parent)
+        parent = parent if all(p == parents[0] for p in parents) else None  # full unless every rank can chain
     name = checkpoint_name(step)
     with lineage.tick(tables):
-        payloads, entries = _table_payloads(embeddings, parent)
-        payloads[DENSE_FILE] = encode(dense_state(model), "the model's dense state")
+        payloads, entries = _table_payloads(embeddings, parent, index, ctx)
+        if ctx.rank == 0:
+            payloads[DENSE_FILE] = encode(dense_state(model), "the model's dense state")
         if optimizer is not None:
-            payloads[OPTIMIZER_FILE] = encode(optimizer.state_dict(), "optimizer.state_dict()")
-        with staging(root, name) as tmp:
+            payloads[optimizer_file(ctx)] = encode(optimizer.state_dict(), "optimizer.state_dict()")
+        with contextlib.ExitStack() as stack:
+            # Rank 0 owns the staging directory; every rank writes its files into it, rank 0 publishes it.
+            tmp = stack.enter_context(staging(root, name)) if ctx.rank == 0 else None
+            tmp = Path(ctx.gather(str(tmp) if tmp is not None else None)[0])
             files = write_payloads(tmp, payloads, f"saved {root / name}")
-            write_json(tmp / MANIFEST, {
-                "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "incremental" if parent else "full",
-                "parent": parent, "step": step, "created_unix": time.time(), "dynemb_version": _version(),
-                "world_size": WORLD_SIZE, "partitioner": PARTITIONER, "tables": entries, "dense": DENSE_FILE,
-                "optimizer": OPTIMIZER_FILE if optimizer is not None else None, "files": files, "extra": extra,
-            })
-        write_pointer(root, name, step=step)
+            parts = ctx.gather({"files": files, "entries": entries})
+            if ctx.rank == 0:
+                write_json(tmp / MANIFEST, {
+                    "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "incremental" if parent else "full",
+                    "parent": parent, "step": step, "created_unix": time.time(), "dynemb_version": _version(),
+                    "world_size": ctx.world, "partitioner": PARTITIONER, "tables": _merge_entries(parts),
+                    "dense": DENSE_FILE, "optimizer": _optimizer_entry(optimizer, ctx),
+                    "files": {rel: rec for part in parts for rel, rec in part["files"].items()}, "extra": extra,
+                })
+        if ctx.rank == 0:
+            write_pointer(root, name, step=step)
+        ctx.barrier()
         lineage.record(tables, STREAM, root_key, name)
-    if keep_last is not None:
+    if keep_last is not None and ctx.rank == 0:
         _prune(root, keep_last, name)
+    ctx.barrier()
     return root / name
 
 
-def _table_payloads(embeddings: dict, parent: str | None) -> tuple[dict, dict]:
+def _optimizer_entry(optimizer, ctx: RankContext):
+    if optimizer is None:
+        return None
+    if not ctx.distributed:
+        return OPTIMIZER_FILE
+    return [optimizer_file(RankContext(rank, ctx.world)) for rank in range(ctx.world)]
+
+
+def _merge_entries(parts: list) -> dict:
+    """One manifest entry per table with the shards of every rank, in rank order."""
+    merged: dict = {}
+    for part in parts:
+        for name, entry in part["entries"].items():
+            merged.setdefault(name, {**entry, "shards": []})["shards"].extend(entry["shards"])
+    for entry in merged.values():
+        entry["shards"].sort(key=lambda shard: shard["rank"])
+    return merged
+
+
+def _table_payloads(embeddings: dict, parent: str | None, index: dict, ctx: RankContext) -> tuple[dict, dict]:
     """Shard tensors (views of the live rows, or a delta against ``parent``) and manifest entries per table."""
     payloads, entries = {}, {}
-    for i, (name, emb) in enumerate(embeddings.items()):
-        rel = shard_file(i, name, RANK, WORLD_SIZE)
+    for name, emb in embeddings.items():
+        rel = shard_file(index[name], name, ctx.rank, ctx.world)
         t = emb.table
         cols = columns(t) if parent is None else delta_columns(t, lineage.since(t, STREAM))
         payloads[rel] = (cols, None)
-        entry = {"rank": RANK, "file": rel, "rows": t.size(), "counters": counters(emb)}
+        sharding = ctx.shardings.get(name)
+        entry = {"rank": ctx.rank, "file": rel, "rows": t.size(), "counters": counters(emb),
+                 "sharding": sharding[0].describe() if sharding else None}
         if parent is not None:
             entry.update(changed_rows=int(cols["keys"].numel()), deleted=int(cols["deleted_keys"].numel()))
         entries[name] = {"config": table_config(emb), "shards": [entry]}

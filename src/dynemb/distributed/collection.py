@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collection import CombinedOptimizer, EmbeddingCollection, FeatureConfig, TableConfig
+from ..collection import EmbeddingCollection, FeatureConfig, TableConfig
+from ..optim.combined import CombinedOptimizer
 from ..embedding import DynamicEmbedding, StaticEmbedding
 from ..functional import _deliver, _read_rows
 from .comm import all_gather_varsize, all_to_all_known, check_agreement
@@ -85,13 +86,13 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
         seeds = self._agree_on_seeds(seeds)
         self.embeddings = nn.ModuleDict()
         self.shards: dict[str, _Shard] = {}
-        optimizers = []
+        optimizers = {}
         for cfg in tables:
             module = self._build_shard(cfg, self.plan[cfg.name], seeds[cfg.name], device)
             if module is not None:
                 self.embeddings[cfg.name] = module
                 if cfg.optimizer is not None:
-                    optimizers.append(cfg.optimizer.bind([module]))
+                    optimizers[cfg.name] = cfg.optimizer.bind([module])
             self.shards[cfg.name] = _Shard(cfg, self.plan[cfg.name], module, self.world)
         self.optimizer = CombinedOptimizer(optimizers)
         self.comm_stats = {"bytes_sent": 0, "seconds": 0.0, "calls": 0, "keys_received": 0}

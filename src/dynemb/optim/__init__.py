@@ -2,6 +2,7 @@
 
 from .algorithms import FTRL, SGD, Adagrad, Adam, RowWiseAdagrad
 from .base import SparseOptimizer
+from .combined import CombinedOptimizer
 from .wrapper import OptimizerWrapper
 
-__all__ = ["SparseOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "FTRL", "OptimizerWrapper"]
+__all__ = ["SparseOptimizer", "CombinedOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "FTRL", "OptimizerWrapper"]

@@ -1,0 +1,97 @@
+"""Which rank writes what, and which saved rows a rank takes back: multi-rank saves and resharding loads.
+
+A model holding a :class:`~dynemb.distributed.DistributedEmbeddingCollection` is saved collectively: every rank
+writes the shards it owns (row- and table-sharded tables; replicated ``data`` tables and the dense state by rank 0
+only) into one staging directory, rank 0 gathers the file records, writes the manifest last and publishes the
+directory. Loading reads, for each table, the delta chain of every saved rank's shard and keeps the rows the
+*current* plan gives this rank, so any saved world size loads into any current one. When the world size is
+unchanged each rank reads exactly its own shard, and resume is bit-exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["RankContext", "rank_context", "merge_states"]
+
+
+@dataclasses.dataclass
+class RankContext:
+    rank: int = 0
+    world: int = 1
+    group: Optional[object] = None
+    shardings: dict = dataclasses.field(default_factory=dict)  # module name -> (Sharding, key dtype) of a table
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    def writes(self, name: str) -> bool:
+        """Whether this rank writes table module ``name`` (a replica is written by rank 0 only)."""
+        sharding = self.shardings.get(name)
+        if sharding is None or sharding[0].kind == "data":
+            return self.rank == 0
+        return True
+
+    def owned(self, name: str, keys: torch.Tensor) -> torch.Tensor:
+        """Bool mask of the saved ``keys`` of table ``name`` this rank holds under the current plan."""
+        sharding = self.shardings.get(name)
+        if sharding is None or sharding[0].kind == "data":
+            return torch.ones_like(keys, dtype=torch.bool)
+        return sharding[0].owners(keys.to(torch.int64), self.world) == self.rank
+
+    def gather(self, obj) -> list:
+        """Every rank's JSON-able ``obj``, in rank order (JSON bytes over the group, never pickle)."""
+        if not self.distributed:
+            return [obj]
+        from ..distributed.comm import all_gather_varsize
+
+        blob = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else None
+        parts = all_gather_varsize(blob.to(device) if device else blob, self.group, "checkpoint metadata exchange")
+        return [json.loads(bytes(p.cpu().tolist()).decode()) for p in parts]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+
+def rank_context(model: nn.Module) -> RankContext:
+    """The rank layout of ``model``: from its DistributedEmbeddingCollection, else the process group, else one."""
+    from ..distributed.collection import DistributedEmbeddingCollection
+
+    collections = [(path, m) for path, m in model.named_modules() if isinstance(m, DistributedEmbeddingCollection)]
+    if collections:
+        group = collections[0][1].group
+        ctx = RankContext(dist.get_rank(group), dist.get_world_size(group), group)
+        for path, collection in collections:
+            for table, shard in collection.shards.items():
+                name = f"{path}.embeddings.{table}" if path else f"embeddings.{table}"
+                ctx.shardings[name] = (shard.sharding, shard.cfg.key_dtype)
+        return ctx
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # Plain data parallelism: every rank holds the same model, rank 0 writes it.
+        return RankContext(dist.get_rank(), dist.get_world_size(), None)
+    return RankContext()
+
+
+def merge_states(states: list):
+    """Union of per-rank optimizer states: dict entries from every rank (the first rank's value wins on overlap).
+
+    Sparse optimizer state is per table (keyed by table name), so after resharding each rank finds the scalar state
+    (step counts) of the tables it now holds in whichever rank saved it.
+    """
+    first = states[0]
+    if not isinstance(first, dict):
+        return first
+    merged = {}
+    for state in states:
+        for key, value in state.items():
+            merged[key] = merge_states([merged[key], value]) if key in merged else value
+    return merged

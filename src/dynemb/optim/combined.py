@@ -1,0 +1,57 @@
+"""CombinedOptimizer: several optimizers (sparse table optimizers, torch optimizers) stepped and saved as one."""
+
+from __future__ import annotations
+
+from typing import Mapping, Union
+
+__all__ = ["CombinedOptimizer"]
+
+
+class CombinedOptimizer:
+    """Step, zero and checkpoint named optimizers together.
+
+    Args:
+        optimizers: ``{name: optimizer}`` (or a list, named ``"0"``, ``"1"``, ...). Anything with ``step()``,
+            ``zero_grad()``, ``state_dict()`` and ``load_state_dict()`` works, e.g. a ``dynemb.optim.Adagrad`` over
+            tables and a ``torch.optim.Adam`` over the dense parameters.
+
+    Its state is keyed by name, so state saved by one process layout (say, per-table optimizers of 4 ranks) can be
+    merged and loaded into another.
+
+    Example:
+        >>> import torch, dynemb
+        >>> emb, mlp = dynemb.DynamicEmbedding(4), torch.nn.Linear(4, 1)
+        >>> opt = CombinedOptimizer({"sparse": dynemb.optim.Adagrad([emb], lr=0.1),
+        ...                          "dense": torch.optim.Adam(mlp.parameters())})
+        >>> mlp(emb(torch.tensor([1, 2]))).sum().backward(); opt.step(); opt.zero_grad()
+        >>> sorted(opt.state_dict()["optimizers"])
+        ['dense', 'sparse']
+    """
+
+    def __init__(self, optimizers: Union[Mapping, list]) -> None:
+        if not isinstance(optimizers, Mapping):
+            optimizers = {str(i): opt for i, opt in enumerate(optimizers)}
+        for name, opt in optimizers.items():
+            missing = [m for m in ("step", "zero_grad", "state_dict", "load_state_dict") if not hasattr(opt, m)]
+            if missing:
+                raise TypeError(f"optimizers[{name!r}] lacks {missing}; got {type(opt).__name__}")
+        self.optimizers = dict(optimizers)
+
+    def step(self) -> None:
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad()
+
+    def state_dict(self) -> dict:
+        return {"optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state["optimizers"]
+        missing = sorted(set(self.optimizers) - set(saved))
+        if missing:
+            raise ValueError(f"optimizer state has no entry for {missing}; it has {sorted(saved)}")
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(saved[name])
