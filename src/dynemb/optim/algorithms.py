@@ -39,15 +39,14 @@ class SGD(SparseOptimizer):
 
     def _update(self, table, rows, grad, scalars):
         d = self.defaults
-        w = self._gather(table, None, rows)
         if d["weight_decay"]:
-            grad = grad.add(w, alpha=d["weight_decay"])
+            grad = grad.add(self._gather(table, None, rows), alpha=d["weight_decay"])
         if d["momentum"]:
             key = self.slot_key("momentum_buffer")
             buf = self._gather(table, key, rows).mul_(d["momentum"]).add_(grad)
             self._scatter(table, key, rows, buf)
             grad = grad.add(buf, alpha=d["momentum"]) if d["nesterov"] else buf
-        self._scatter(table, None, rows, w.add_(grad, alpha=-d["lr"]))
+        self._add(table, None, rows, grad.mul(-d["lr"]))
 
 
 class Adagrad(SparseOptimizer):
@@ -65,14 +64,13 @@ class Adagrad(SparseOptimizer):
 
     def _update(self, table, rows, grad, scalars):
         d = self.defaults
-        w = self._gather(table, None, rows)
         if d["weight_decay"]:
-            grad = grad.add(w, alpha=d["weight_decay"])
+            grad = grad.add(self._gather(table, None, rows), alpha=d["weight_decay"])
         clr = d["lr"] / (1 + (scalars["step"] - 1) * d["lr_decay"])
         key = self.slot_key("sum")
         state = self._gather(table, key, rows).addcmul_(grad, grad, value=1)
         self._scatter(table, key, rows, state)
-        self._scatter(table, None, rows, w.addcdiv_(grad, state.sqrt().add_(d["eps"]), value=-clr))
+        self._add(table, None, rows, torch.div(grad, state.sqrt_().add_(d["eps"])).mul_(-clr))
 
 
 class RowWiseAdagrad(SparseOptimizer):
@@ -93,13 +91,14 @@ class RowWiseAdagrad(SparseOptimizer):
 
     def _update(self, table, rows, grad, scalars):
         d = self.defaults
-        w = self._gather(table, None, rows)
         if d["weight_decay"]:
-            grad = grad.add(w, alpha=d["weight_decay"])
+            grad = grad.add(self._gather(table, None, rows), alpha=d["weight_decay"])
         key = self.slot_key("sum")
-        state = self._gather(table, key, rows).add_(grad.square().mean(1, keepdim=True))
+        # Row reductions and a per-row scale keep this to two passes over the [U, D] gradient.
+        mean_square = torch.linalg.vector_norm(grad, dim=1, keepdim=True).square_().div_(grad.shape[1])
+        state = self._gather(table, key, rows).add_(mean_square)
         self._scatter(table, key, rows, state)
-        self._scatter(table, None, rows, w.addcdiv_(grad, state.sqrt().add_(d["eps"]), value=-d["lr"]))
+        self._add(table, None, rows, grad * state.sqrt_().add_(d["eps"]).reciprocal_().mul_(-d["lr"]))
 
 
 class Adam(SparseOptimizer):
@@ -128,8 +127,7 @@ class Adam(SparseOptimizer):
         self._scatter(table, k2, rows, v)
         step = scalars["step"]
         step_size = d["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        w = self._gather(table, None, rows)
-        self._scatter(table, None, rows, w.add_(m.div_(v.sqrt_().add_(d["eps"])).mul_(-step_size)))
+        self._add(table, None, rows, m.div_(v.sqrt_().add_(d["eps"])).mul_(-step_size))
 
 
 class FTRL(SparseOptimizer):

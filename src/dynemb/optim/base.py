@@ -17,6 +17,7 @@ from typing import Iterable
 
 import torch
 
+from ..functional import current_rows
 from ..table import KeyValueTable
 
 __all__ = ["SparseOptimizer", "tables_of"]
@@ -134,10 +135,12 @@ class SparseOptimizer:
             pending = getattr(table, "sparse_grad", None)
             if pending is None or pending.empty():
                 continue
-            keys, grad = pending.coalesce()
-            rows = table.find_rows(keys)
+            keys, rows, grad = pending.coalesce(with_rows=True)
+            rows = current_rows(table, keys, rows)  # cheaper than a new find when rows are still current
             kept = rows >= 0  # keys evicted since forward lose their gradient, like any evicted row
-            self.apply_gradient(table, rows[kept], grad[kept])
+            if not bool(kept.all()):
+                rows, grad = rows[kept], grad[kept]
+            self.apply_gradient(table, rows, grad)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for table in self.tables:
@@ -155,6 +158,17 @@ class SparseOptimizer:
     def _scatter(table, name: str | None, rows: torch.Tensor, value: torch.Tensor) -> None:
         target = table.values if name is None else table.slot(name)
         target.index_copy_(0, rows, value.to(target.dtype))
+
+    @staticmethod
+    def _add(table, name: str | None, rows: torch.Tensor, delta: torch.Tensor) -> None:
+        """``target[rows] += delta`` for unique ``rows``. On float32 storage this is one read-modify-write pass
+        (``index_add_``) instead of a gather and a scatter, each a random access per row. (Scale ``delta``
+        beforehand: ``index_add_(..., alpha=)`` is several times slower on CPU.)"""
+        target = table.values if name is None else table.slot(name)
+        if target.dtype == torch.float32:
+            target.index_add_(0, rows, delta)
+        else:
+            SparseOptimizer._scatter(table, name, rows, SparseOptimizer._gather(table, name, rows).add_(delta))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
