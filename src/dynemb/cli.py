@@ -177,24 +177,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dynemb", description="Dynamic embedding tables for PyTorch: train, "
                                      "checkpoint, export and serve CTR models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    # Also accepted after the command (`dynemb train ... --debug`); SUPPRESS keeps a flag given before it.
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="train on synthetic data, export, serve, and write demo-report/")
+    demo = sub.add_parser("demo", parents=[debug],
+                          help="train on synthetic data, export, serve, and write demo-report/")
     demo.add_argument("--seconds", type=float, default=120.0, help="training time budget")
     demo.add_argument("--out", default="demo-report", help="report directory")
     demo.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     demo.set_defaults(func=cmd_demo)
 
-    train = sub.add_parser("train", help="train a DLRM on click logs (synthetic, Parquet or CSV)")
+    train = sub.add_parser("train", parents=[debug],
+                           help="train a DLRM on click logs (synthetic, Parquet or CSV)")
     _add_train_args(train)
     train.set_defaults(func=cmd_train)
 
-    export = sub.add_parser("export", help="turn a training checkpoint into a serving export")
+    export = sub.add_parser("export", parents=[debug],
+                            help="turn a training checkpoint into a serving export")
     export.add_argument("--checkpoint-dir", required=True)
     export.add_argument("--out", required=True)
     export.set_defaults(func=cmd_export)
 
-    bench = sub.add_parser("serve-bench", help="load a serving export into a parameter server and time lookups")
+    bench = sub.add_parser("serve-bench", parents=[debug],
+                           help="load a serving export into a parameter server and time lookups")
     bench.add_argument("--export", required=True, help="a directory written by `dynemb export`")
     bench.add_argument("--volatile", default="memory", choices=["memory", "redis"])
     bench.add_argument("--redis-address", default="127.0.0.1:6379")

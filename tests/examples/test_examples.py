@@ -1,12 +1,54 @@
-"""Each example in examples/ runs to completion."""
+"""Each example in examples/ runs to completion, and every Python snippet of the docs and the README runs."""
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dynemb.distributed.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+
+# Example script -> lines its output must contain.
+SCRIPTS = {
+    "quickstart.py": ["loss: first 20 steps", "table: 2000 rows (max 2000)", "serving export written to"],
+    "collection.py": ["stack:tag_a+tag_b", "history   -> Jagged(", "tag_b export: 10 ids torch.int32"],
+    "checkpoint_resume.py": ["resumed run equals uninterrupted run: True",
+                             "resume from the incremental checkpoint equals it too: True"],
+    "serve.py": ["equal to training lookups", "served rows equal the newly trained ones"],
+}
+TORCHRUN = {"train_distributed.py"}
+
+
+def test_every_example_has_a_test():
+    assert {p.name for p in (ROOT / "examples").glob("*.py")} == set(SCRIPTS) | TORCHRUN
+
+
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory):
+    """Start every example script at once (one torch thread each); most of each run is Python start-up."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {script: subprocess.Popen([sys.executable, str(ROOT / "examples" / script)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env,
+                                      cwd=tmp_path_factory.mktemp(script.removesuffix(".py")))
+             for script in SCRIPTS}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_example_runs(script, example_runs):
+    proc = example_runs[script]
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr[-3000:]
+    for expected in SCRIPTS[script]:
+        assert expected in stdout, stdout
 
 
 def test_train_distributed_under_torchrun_world_2():
@@ -16,3 +58,26 @@ def test_train_distributed_under_torchrun_world_2():
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step")]
     assert len(losses) >= 2 and losses[-1] < losses[0]
+
+
+# ---------------------------------------------------------------------------------------------- docs
+# A ```python block runs, in order, in one namespace per file. A block right after the comment
+# <!-- not run: REASON --> is skipped (code that needs torchrun); the reason must say how it is checked instead.
+_BLOCK = re.compile(r"(<!-- not run: [^>]+-->\s*)?```python\n(.*?)```", re.S)
+DOCS = sorted(p.relative_to(ROOT).as_posix() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+
+
+def test_docs_exist():
+    names = {Path(d).name for d in DOCS}
+    assert {"tables.md", "training.md", "distributed.md", "checkpoint.md", "serving.md", "architecture.md"} <= names
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_doc_snippets_run(doc, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # snippets that write files write them here
+    namespace = {"__name__": "__doc_snippet__"}
+    for i, match in enumerate(_BLOCK.finditer((ROOT / doc).read_text())):
+        if match.group(1):
+            continue
+        code = compile(match.group(2), f"{doc} python block {i + 1}", "exec")
+        exec(code, namespace)  # noqa: S102 - our own docs

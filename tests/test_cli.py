@@ -1,0 +1,175 @@
+"""The ``dynemb`` command on user files: train, resume and export end to end, and one-line errors for bad input.
+
+Runs that must show the real process boundary (exit status, what reaches stderr) use ``python -m dynemb`` in a
+subprocess. The error matrix calls :func:`dynemb.cli.main` in-process, which is what ``python -m dynemb`` runs
+(``raise SystemExit(main())``): the returned status is the exit code, and with ``--debug`` the exception escapes,
+which is what prints a traceback. Every run is tiny (3-6 steps of 64 samples, dim 4).
+"""
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pytest
+import safetensors.torch
+import torch
+
+from dynemb.cli import main
+from dynemb.data import hash_strings
+from dynemb.serving import read_export
+
+TINY = ["--steps", "3", "--batch-size", "64", "--dim", "4", "--eval-batches", "1", "--no-progress"]
+ROWS = 256
+
+
+def clicks(id_kind: str) -> pa.Table:
+    """``ROWS`` samples whose label depends on the user, so training has a signal; ids as strings or int64."""
+    g = torch.Generator().manual_seed(0)
+    user = torch.randint(0, 40, (ROWS,), generator=g)
+    item = torch.randint(0, 60, (ROWS,), generator=g)
+    label = ((user * 7 + item) % 3 == 0).long()
+    if id_kind == "string":
+        users, items = [f"user-{u}" for u in user.tolist()], [f"item/{i}" for i in item.tolist()]
+    else:  # extreme int64 values are ordinary ids
+        users = [(u - 20) * (2**57) - (u == 0) for u in user.tolist()]
+        items = [2**63 - 1 - i for i in item.tolist()]
+    return pa.table({"click": label.tolist(), "user": users, "item": items,
+                     "price": torch.rand(ROWS, generator=g).tolist()})
+
+
+def run_cli(*args, cwd) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dynemb", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=cwd)
+
+
+def train_args(path, *extra):
+    return ["train", "--data", path, "--label", "click", "--categorical", "user,item", "--dense", "price", *TINY,
+            *extra]
+
+
+def summary(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def exported_keys(export_root, feature: str) -> set:
+    manifest, tables = read_export(export_root)
+    (name,) = [n for n in manifest["tables"] if n.endswith("." + feature)]
+    return set(tables[name]["keys"].tolist())
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """In-process runs set torch's thread count (``--threads``); give the rest of the session its own back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+def test_parquet_with_string_ids_trains_resumes_and_exports(tmp_path):
+    table = clicks("string")
+    pq.write_table(table, tmp_path / "clicks.parquet")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "export"
+
+    first = summary(run_cli(*train_args("clicks.parquet", "--checkpoint-dir", ckpt), cwd=tmp_path))
+    assert first["step"] == 3 and first["rows"] > 0 and 0.0 <= first["auc"] <= 1.0
+
+    resumed = run_cli(*train_args("clicks.parquet", "--checkpoint-dir", ckpt, "--resume"), "--steps", "6",
+                      cwd=tmp_path)
+    assert f"resumed from {ckpt} at step 3" in resumed.stdout
+    assert summary(resumed)["step"] == 6
+    assert json.loads((ckpt / "latest").read_text())["step"] == 6
+
+    exported = run_cli("export", "--checkpoint-dir", ckpt, "--out", out, cwd=tmp_path)
+    assert exported.returncode == 0 and "exported to" in exported.stdout, exported.stderr[-3000:]
+    # 6 steps x 64 samples cover all 256 rows: every user string is a trained row, under its documented hash.
+    users = table.column("user").to_pylist()
+    assert exported_keys(out, "user") == set(hash_strings(users).tolist())
+
+
+def test_csv_with_int64_ids_trains(tmp_path):
+    table = clicks("int")
+    pcsv.write_csv(table, tmp_path / "clicks.csv")
+    ckpt = tmp_path / "ckpt"
+    assert summary(run_cli(*train_args("clicks.csv", "--checkpoint-dir", ckpt), cwd=tmp_path))["step"] == 3
+    (shard,) = (ckpt / "step-00000003" / "tables").glob("*.item.rank-*.safetensors")
+    keys = set(safetensors.torch.load_file(shard)["keys"].tolist())
+    assert keys == set(table.column("item").to_pylist()[: 3 * 64])  # 3 steps of 64 rows; the eval batch inserts none
+    assert 2**63 - 1 in keys  # integer ids are taken as they are
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _bad_file(tmp_path, fmt):
+    path = tmp_path / f"clicks.{fmt}"
+    path.write_bytes(b"PAR1 not really parquet" if fmt == "parquet" else b"click,user,item,price\n1,a\n0,b,c,1,9\n")
+    return path
+
+
+def _missing_column(tmp_path, fmt):
+    return _write(tmp_path, fmt, clicks("string").drop_columns(["item"]))
+
+
+def _label_not_0_1(tmp_path, fmt):
+    """A directory of two parts; the bad label is in the second, so it surfaces inside the training loop."""
+    table = clicks("string")
+    labels = table.column("click").to_pylist()
+    labels[200] = 2
+    table = table.set_column(0, "click", pa.array(labels))
+    (tmp_path / "clicks").mkdir()
+    _write(tmp_path / "clicks", fmt, table.slice(0, 128), "part-0")
+    _write(tmp_path / "clicks", fmt, table.slice(128), "part-1")
+    return tmp_path / "clicks"
+
+
+def _empty(tmp_path, fmt):
+    return _write(tmp_path, fmt, clicks("string").slice(0, 0))
+
+
+def _write(tmp_path, fmt, table, name="clicks"):
+    path = tmp_path / f"{name}.{fmt}"
+    (pq.write_table if fmt == "parquet" else pcsv.write_csv)(table, path)
+    return path
+
+
+ERRORS = {
+    "bad_file": (_bad_file, {"parquet": "cannot read it as parquet", "csv": "cannot read it as csv"}),
+    "missing_column": (_missing_column, "missing column 'item' (the file has: click, user, price)"),
+    "label_not_0_1": (_label_not_0_1, {fmt: f"part-1.{fmt}: column 'click': labels must be 0 or 1, got "
+                                       for fmt in ("parquet", "csv")}),
+    "empty_dataset": (_empty, "the data set is empty"),
+}
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv"])
+@pytest.mark.parametrize("error", list(ERRORS))
+def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, capsys, error, fmt):
+    make, expected = ERRORS[error]
+    expected = expected[fmt] if isinstance(expected, dict) else expected
+    path = make(tmp_path, fmt)
+    code = main(train_args(str(path), "--steps", "6"))
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"dynemb train: error: {path}") and expected in lines[0], lines[0]
+
+    with pytest.raises(ValueError, match="labels must be 0 or 1" if error == "label_not_0_1" else None) as info:
+        main(train_args(str(path), "--steps", "6", "--debug"))  # escapes: Python prints its traceback
+    assert str(info.value) == lines[0].removeprefix("dynemb train: error: ")
+
+
+def test_process_exit_status_and_traceback_only_with_debug(tmp_path):
+    path = _bad_file(tmp_path, "parquet")
+    quiet, debug = (subprocess.Popen([sys.executable, "-m", "dynemb", *train_args(str(path)), *flag],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                    for flag in ([], ["--debug"]))
+    quiet_err, debug_err = quiet.communicate(timeout=180)[1], debug.communicate(timeout=180)[1]
+    assert quiet.returncode == 2
+    (line,) = quiet_err.strip().splitlines()
+    assert line.startswith(f"dynemb train: error: {path}: cannot read it as parquet (") and "Traceback" not in line
+    assert debug.returncode != 0
+    assert "Traceback (most recent call last)" in debug_err and "cannot read it as parquet" in debug_err
