@@ -76,6 +76,9 @@ def _init_distributed() -> None:
 def cmd_train(args) -> int:
     import torch
 
+    if args.resume and not args.checkpoint_dir:
+        raise CliError("--resume needs --checkpoint-dir")
+
     from .train import Trainer, build_dlrm
 
     torch.set_num_threads(args.threads)
@@ -88,6 +91,8 @@ def cmd_train(args) -> int:
         trainer.resume()
         print(f"resumed from {cfg.checkpoint_dir} at step {trainer.step}")
     history = trainer.fit(batches(trainer.step), evals, progress=not args.no_progress)
+    if trainer.rank != 0:  # under torchrun, rank 0 reports and writes the model card
+        return 0
     last = history.steps[-1] if history.steps else {}
     print(json.dumps({"step": trainer.step, "auc": round(history.last_auc, 4), "rows": last.get("rows"),
                       "evicted": last.get("evicted")}))

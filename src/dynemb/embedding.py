@@ -261,6 +261,11 @@ class StaticEmbedding(nn.Module):
         rows = self.table.export()
         return rows.keys, rows.values
 
+    def config(self) -> dict:
+        t = self.table
+        return {"format": _FORMAT, "dim": t.dim, "key_dtype": str(t.key_dtype), "dtype": str(t.dtype),
+                "vocabulary_size": t.num_rows, "initializer": t.initializer.describe(), "seed": t.seed}
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "values"] = self.table.values.detach().clone()
         for name in self.table.slot_names:

@@ -161,3 +161,18 @@ def test_config_errors_name_the_problem(exported, tmp_path):
     with pytest.raises(ValueError, match="'nope' is not in the export"):
         ps.load("m", progress=False)
     ps.close()
+
+
+def test_static_tables_are_exported_and_served(tmp_path):
+    ec = dynemb.EmbeddingCollection(
+        [dynemb.TableConfig(name="s", dim=D, vocabulary_size=10, seed=1), dynemb.TableConfig(name="d", dim=D, seed=2)],
+        [dynemb.FeatureConfig(name="s", table="s"), dynemb.FeatureConfig(name="d", table="d")])
+    ec({"s": torch.tensor([1, 2]), "d": torch.tensor([5, 6])})
+    export_for_serving(tmp_path, ec)
+    ps = ParameterServer.from_config({"models": [{
+        "model": "m", "sparse_files": [str(tmp_path)], "embedding_table_names": ["embeddings.s", "embeddings.d"],
+        "embedding_vecsize_per_table": [D, D]}]})
+    ps.load("m", progress=False)
+    assert torch.equal(ps.lookup("m", "embeddings.s", torch.arange(10)), ec.embeddings["s"].table.values)
+    assert torch.equal(ps.lookup("m", "embeddings.d", torch.tensor([6])), ec.embeddings["d"].lookup(torch.tensor([6])))
+    ps.close()

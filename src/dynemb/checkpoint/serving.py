@@ -14,7 +14,7 @@ from . import lineage
 from .fsutil import staging, write_json, write_pointer
 from .manifest import FORMAT_VERSION, MANIFEST, SERVING_FORMAT, complete
 from .saver import RANK, WORLD_SIZE, incremental_parent, write_payloads
-from .tables import DELETED, KEYS, VALUES, columns, delta_columns, find_embeddings, shard_file
+from .tables import DELETED, KEYS, VALUES, columns, delta_columns, find_served, shard_file
 
 __all__ = ["export_for_serving"]
 
@@ -22,7 +22,7 @@ STREAM = "serving"
 
 
 def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float32, incremental: bool = False) -> Path:
-    """Export the keys and values (no slots, no scores) of every DynamicEmbedding of ``model`` for serving.
+    """Export the keys and values (no slots, no scores) of every Dynamic/StaticEmbedding of ``model`` for serving.
 
     Writes ``path/version-<n>/`` atomically (``n`` one above the newest export there) with one safetensors file
     per table per rank holding ``keys [N]`` and ``values [N, D]`` (cast to ``dtype``), and a ``manifest.json``
@@ -65,7 +65,7 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
         raise TypeError(f"incremental must be a bool, got {incremental!r}")
     root = Path(path)
     root_key = os.path.realpath(root)
-    embeddings = find_embeddings(model)
+    embeddings = find_served(model)
     version = 1 + max((m["version"] for m in complete(root, SERVING_FORMAT).values()), default=0)
     parent = None
     if incremental:

@@ -17,7 +17,7 @@ from ..table import Rows
 from ..table.ops import gather_rows
 from .errors import CheckpointError
 
-__all__ = ["find_embeddings", "table_config", "counters", "columns", "delta_columns", "check_shard",
+__all__ = ["find_embeddings", "find_served", "table_config", "counters", "columns", "delta_columns", "check_shard",
            "apply_delta", "restore", "shard_file", "ROOT_NAME"]
 
 #: Table name used when the model itself is a DynamicEmbedding (its module name is empty).
@@ -30,6 +30,16 @@ def find_embeddings(model: nn.Module) -> dict[str, DynamicEmbedding]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     return {name or ROOT_NAME: m for name, m in model.named_modules() if isinstance(m, DynamicEmbedding)}
+
+
+def find_served(model: nn.Module) -> dict:
+    """Every table a serving export holds: the DynamicEmbeddings and the StaticEmbeddings (ids ``0 .. V-1``)."""
+    from ..embedding import StaticEmbedding
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return {name or ROOT_NAME: m for name, m in model.named_modules()
+            if isinstance(m, (DynamicEmbedding, StaticEmbedding))}
 
 
 def shard_file(index: int, name: str, rank: int, world_size: int, suffix: str = "") -> str:

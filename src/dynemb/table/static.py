@@ -103,6 +103,16 @@ class StaticTable:
     def mark_updated(self, rows: torch.Tensor) -> None:
         pass
 
+    def track_deletions(self, enabled: bool = True) -> None:
+        pass  # rows of a static table are never deleted
+
+    def forget_deletions(self, version: int) -> None:
+        pass
+
+    def changes_since(self, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row (a static table keeps no version stamps), and no deleted keys: deltas carry it whole."""
+        return torch.arange(self.num_rows, device=self.device), self._ids[:0]
+
     def _initial(self, keys: torch.Tensor) -> torch.Tensor:
         return self.initializer(keys, self.dim, self.dtype, self.seed)
 
