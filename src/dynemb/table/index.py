@@ -31,7 +31,7 @@ from .ops import gather_rows
 __all__ = ["HashIndex", "USE_NUMBA"]
 
 # A CPU index looks up and places keys with the numba kernels in kernels.py when numba is installed (identical
-# results, several times faster); DYNEMB_NUMBA=0 keeps it on the torch path, as does setting this to False.
+# results, 2-3x faster); DYNEMB_NUMBA=0 keeps it on the torch path, as does setting this to False.
 USE_NUMBA = os.environ.get("DYNEMB_NUMBA", "1") != "0" and importlib.util.find_spec("numba") is not None
 
 _BYTES = 0x0101010101010101  # one in every byte: multiplying by it sums bytes into the higher bytes

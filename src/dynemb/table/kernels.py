@@ -5,7 +5,7 @@ On CPU that path spends most of its time in dozens of elementwise passes over th
 matching or the n-th free slot, follow overflow flags), each a separate trip through memory. These kernels do the
 same work in one pass per cache-sized chunk of keys, with identical results (slots, rows and the bucket layout; the
 tests run both paths). Measured at 1 thread with 1M keys and batches of 65,536: lookups take about half the time of
-the torch path and placing new keys about a fifth (numbers in BENCHMARKS.md).
+the torch path and placing new keys about a third (numbers in BENCHMARKS.md).
 
 ``HashIndex._kernels`` decides whether they are used (see ``USE_NUMBA`` in :mod:`dynemb.table.index`).
 """
