@@ -31,8 +31,13 @@ class SparseGrad:
     def __init__(self) -> None:
         self._parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
+    #: parts kept before they are summed into one, so that backward passes without a step stay bounded in memory
+    MAX_PARTS = 8
+
     def add(self, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
         self._parts.append((keys, rows, grad.float()))
+        if len(self._parts) > self.MAX_PARTS:
+            self.coalesce()
 
     def empty(self) -> bool:
         return not self._parts
@@ -116,6 +121,11 @@ def unique_rows(embedding, ids: torch.Tensor, max_norm: float | None = None):
     return values, inverse
 
 
+def counts_occurrences(table) -> bool:
+    """Whether ``table`` needs each key's number of occurrences on insert: lfu scores and admission count them."""
+    return isinstance(table, KeyValueTable) and (table.admission is not None or table.policy.value.endswith("lfu"))
+
+
 def _find_unique(embedding, ids: torch.Tensor):
     """``(table, unique, rows, inverse, trains)``: ``ids`` deduplicated and looked up (inserted in training mode);
     ``trains`` says whether gradients flow to the table."""
@@ -124,10 +134,15 @@ def _find_unique(embedding, ids: torch.Tensor):
     flat = ids.reshape(-1)
     if hasattr(table, "check_ids"):
         flat = table.check_ids(flat)
-    unique, inverse = torch.unique(flat, return_inverse=True)
-    if training:
+    if training and counts_occurrences(table):
+        # lfu scores and admission count every occurrence, not every distinct id of the call
+        unique, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
+        rows, _ = table.find_or_insert(unique, counts=counts)
+    elif training:
+        unique, inverse = torch.unique(flat, return_inverse=True)
         rows, _ = table.find_or_insert(unique)
     else:
+        unique, inverse = torch.unique(flat, return_inverse=True)
         rows = table.find_rows(unique)
     trains = training and torch.is_grad_enabled()
     if trains and isinstance(table, KeyValueTable):

@@ -17,11 +17,13 @@ STEPS = 5
 SPLITS = {2: [16, 8], 4: [10, 0, 8, 6]}  # uneven batches; a rank with no samples at all
 
 
-def configs(opt_name):
+def configs(opt_name, policy=None):
     opt = {"sgd": dynemb.optim.SGD(lr=0.5), "adam": dynemb.optim.Adam(lr=0.05)}[opt_name]
+    # lfu with admission: occurrence counts must reach the owners for N ranks to equal one process
+    bounded = {"eviction": policy, "admission": 2} if policy else {}  # max_capacity is per rank: not comparable
     tables = [
-        TableConfig(name="user", dim=4, optimizer=opt, seed=1),  # dynamic, row
-        TableConfig(name="item", dim=6, optimizer=opt, seed=2, combiner="sum"),  # dynamic, table plan
+        TableConfig(name="user", dim=4, optimizer=opt, seed=1, **bounded),  # dynamic, row
+        TableConfig(name="item", dim=6, optimizer=opt, seed=2, combiner="sum", **bounded),  # dynamic, table plan
         TableConfig(name="cat", dim=4, vocabulary_size=13, optimizer=opt, seed=3),  # static, data
         TableConfig(name="geo", dim=3, vocabulary_size=40, optimizer=opt, seed=4),  # static, row
     ]
@@ -67,8 +69,8 @@ def train(ec, lo_hi, steps=STEPS):
         ec.optimizer.zero_grad()
 
 
-def _sharded(rank, world, opt_name, fused):
-    tables, features, plan = configs(opt_name)
+def _sharded(rank, world, opt_name, fused, policy=None):
+    tables, features, plan = configs(opt_name, policy)
     if fused:
         tables = [TableConfig(**{**t.__dict__, "optimizer": type(t.optimizer)(**t.optimizer.defaults, fused=True)})
                   for t in tables]
@@ -83,8 +85,8 @@ def _sharded(rank, world, opt_name, fused):
     return result if rank == 0 else None
 
 
-def _single(opt_name):
-    tables, features, _ = configs(opt_name)
+def _single(opt_name, policy=None):
+    tables, features, _ = configs(opt_name, policy)
     ec = EmbeddingCollection(tables, features, table_stacking=None)
     train(ec, None)
     return {t.name: ec.export(t.name) for t in tables}
@@ -96,11 +98,12 @@ def _sorted(keys, values):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("opt_name,fused", [("sgd", False), ("adam", False), ("adam", True)])
-def test_sharded_training_equals_single_process(tmp_path, world, opt_name, fused):
-    got = run(_sharded, world, tmp_path, opt_name, fused)
+@pytest.mark.parametrize("opt_name,fused,policy", [("sgd", False, None), ("adam", False, None), ("adam", True, None),
+                                                   ("sgd", False, "lfu")])
+def test_sharded_training_equals_single_process(tmp_path, world, opt_name, fused, policy):
+    got = run(_sharded, world, tmp_path, opt_name, fused, policy)
     assert got is not None, [p.read_text() for p in tmp_path.glob("*.err")]
-    want = _single(opt_name)
+    want = _single(opt_name, policy)
     for name, (keys, values) in want.items():
         gk, gv = _sorted(got[name + ".keys"], got[name + ".values"])
         wk, wv = _sorted(keys.numpy(), values.numpy())

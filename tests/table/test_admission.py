@@ -46,3 +46,13 @@ def test_bad_threshold():
         FrequencyAdmission(0)
     with pytest.raises(TypeError, match="admission"):
         KeyValueTable(2, admission="often")
+
+
+def test_counts_stand_for_occurrences_in_lfu_and_admission():
+    t = KeyValueTable(2, eviction="lfu", admission=FrequencyAdmission(3))
+    t.find_or_insert(torch.tensor([4, 5]), counts=torch.tensor([3, 2]))
+    assert t.contains(torch.tensor([4, 5])).tolist() == [True, False]
+    rows = t.find_rows(torch.tensor([4]))
+    assert int(t.scores[rows]) == 3
+    with pytest.raises(TypeError, match="counts must be an int64 tensor"):
+        t.find_or_insert(torch.tensor([4]), counts=torch.tensor([1.0]))

@@ -29,7 +29,7 @@ from torch import nn
 from ..collection import EmbeddingCollection, FeatureConfig, TableConfig
 from ..optim.combined import CombinedOptimizer
 from ..embedding import DynamicEmbedding, StaticEmbedding
-from ..functional import _deliver, _read_rows
+from ..functional import _deliver, _read_rows, counts_occurrences
 from .comm import all_gather_varsize, all_to_all_known, check_agreement
 from .plan import Sharding, resolve_plan
 
@@ -53,6 +53,11 @@ class _Shard:
         if self.cfg.is_static and self.sharding.kind == "row":
             return keys.to(torch.int64) * self.world + rank
         return keys
+
+
+def _counts_occurrences(cfg: TableConfig) -> bool:
+    """The config-level twin of ``functional.counts_occurrences`` (identical on every rank)."""
+    return not cfg.is_static and (cfg.admission is not None or (cfg.eviction or "lru").endswith("lfu"))
 
 
 class DistributedEmbeddingCollection(EmbeddingCollection):
@@ -145,19 +150,20 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
         prepared = self._prepare_all(features, weights or {})
         names = list(self.shards)
         device = next((p["ids"].device for parts in prepared.values() for p in parts), None)
-        keys, inverses = [], []
+        keys, inverses, counts = [], [], []
         for name in names:
             cfg = self.shards[name].cfg
             parts = prepared.get(name, [])
             flat = torch.cat([p["ids"] for p in parts]) if parts else torch.empty(0, dtype=cfg.key_dtype,
                                                                                    device=device)
-            unique, inverse = torch.unique(flat.to(torch.int64), return_inverse=True)
+            unique, inverse, count = torch.unique(flat.to(torch.int64), return_inverse=True, return_counts=True)
             keys.append(unique)
             inverses.append(inverse)
+            counts.append(count)
         if self.training and torch.is_grad_enabled():
-            values = _ShardedLookup.apply(torch.empty(0, requires_grad=True), self, keys)
+            values = _ShardedLookup.apply(torch.empty(0, requires_grad=True), self, keys, counts)
         else:
-            values, _ = self._exchange(keys)
+            values, _ = self._exchange(keys, counts)
         out = {}
         for name, vals, inverse in zip(names, values, inverses):
             start = 0
@@ -191,33 +197,42 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
         stats["calls"] += 1
         return out
 
-    def _exchange(self, keys: list[torch.Tensor]):
-        """Rows for each table's unique keys; returns ``(values per table, saved state for backward)``."""
+    def _exchange(self, keys: list[torch.Tensor], counts: list[torch.Tensor]):
+        """Rows for each table's unique keys (``counts``: their occurrences); returns ``(values per table, saved
+        state for backward)``."""
         names = list(self.shards)
         row = [i for i, n in enumerate(names) if self.shards[n].sharding.kind != "data"]
         data = [i for i, n in enumerate(names) if self.shards[n].sharding.kind == "data"]
         values: list = [None] * len(names)
-        saved = {"row": self._row_forward([names[i] for i in row], [keys[i] for i in row]), "data": []}
+        saved = {"row": self._row_forward([names[i] for i in row], [keys[i] for i in row], [counts[i] for i in row]),
+                 "data": []}
         for i, v in zip(row, saved["row"]["values"]):
             values[i] = v
         for i in data:
-            values[i], state = self._data_forward(names[i], keys[i])
+            values[i], state = self._data_forward(names[i], keys[i], counts[i])
             saved["data"].append(state)
         saved["row_index"], saved["data_index"] = row, data
         return values, saved
 
-    def _lookup(self, shard: _Shard, keys: torch.Tensor):
+    def _insert(self, table, unique: torch.Tensor, inverse: torch.Tensor, counts: Optional[torch.Tensor]):
+        """find_or_insert of ``unique``, with occurrence counts summed from every requester when the table uses them."""
+        if counts is None or not counts_occurrences(table):
+            return table.find_or_insert(unique)[0]
+        total = torch.zeros(unique.numel(), dtype=torch.int64, device=unique.device).index_add_(0, inverse, counts)
+        return table.find_or_insert(unique, counts=total)[0]
+
+    def _lookup(self, shard: _Shard, keys: torch.Tensor, counts: Optional[torch.Tensor]):
         """Owner side: unique, find/insert, read. Returns (unique local keys, rows, inverse, rows per key)."""
         local = shard.local_keys(keys)
         unique, inverse = torch.unique(local, return_inverse=True)
         table = shard.module.table
         if self.training:
-            rows, _ = table.find_or_insert(unique)
+            rows = self._insert(table, unique, inverse, counts)
         else:
             rows = table.find_rows(unique)
         return unique, rows, inverse, _read_rows(table, unique, rows).float().index_select(0, inverse)
 
-    def _row_forward(self, names: list[str], keys: list[torch.Tensor]) -> dict:
+    def _row_forward(self, names: list[str], keys: list[torch.Tensor], counts: list[torch.Tensor]) -> dict:
         world, tables = self.world, len(names)
         device = keys[0].device if keys else torch.device("cpu")
         dims = [self.shards[n].cfg.dim for n in names]
@@ -233,6 +248,11 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
         recv_keys = self._a2a(torch.cat(keys).index_select(0, perm), sent.sum(1).tolist(), recv.sum(1).tolist(),
                               "all-to-all of keys")
         self.comm_stats["keys_received"] += recv_keys.numel()
+        recv_counts = None
+        if any(_counts_occurrences(self.shards[n].cfg) for n in names):  # from configs: every rank agrees
+            # lfu/admission tables count occurrences: the counts travel with the keys (8 more bytes per key)
+            recv_counts = self._a2a(torch.cat(counts).index_select(0, perm), sent.sum(1).tolist(),
+                                    recv.sum(1).tolist(), "all-to-all of key counts per key")
         recv_table = torch.repeat_interleave(torch.arange(tables, device=device).repeat(world), recv.reshape(-1))
         owned, blocks = [], []
         for t, name in enumerate(names):
@@ -242,7 +262,8 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
                 owned.append(None)
                 blocks.append(torch.empty(0, dims[t], device=device))
                 continue
-            unique, rows, inverse, vals = self._lookup(shard, mine)
+            mine_counts = recv_counts[recv_table == t] if recv_counts is not None else None
+            unique, rows, inverse, vals = self._lookup(shard, mine, mine_counts)
             owned.append((unique, rows, inverse))
             blocks.append(vals)
         send_rows = _interleave(blocks, recv, dims)
@@ -279,13 +300,16 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
             total = torch.zeros(unique.numel(), dims[t], device=device).index_add_(0, inverse, grad)
             _deliver(self.shards[name].module.table, unique, rows, total)
 
-    def _data_forward(self, name: str, keys: torch.Tensor):
+    def _data_forward(self, name: str, keys: torch.Tensor, counts: torch.Tensor):
         shard = self.shards[name]
         parts = all_gather_varsize(keys, self.group, f"all-gather of keys of {name!r}")
-        union = torch.unique(torch.cat(parts))
+        union, where = torch.unique(torch.cat(parts), return_inverse=True)
         table = shard.module.table
         local = shard.local_keys(union)
-        rows = table.find_or_insert(local)[0] if self.training else table.find_rows(local)
+        every_count = None
+        if self.training and _counts_occurrences(shard.cfg):
+            every_count = torch.cat(all_gather_varsize(counts, self.group, f"all-gather of counts of {name!r}"))
+        rows = self._insert(table, local, where, every_count) if self.training else table.find_rows(local)
         values = _read_rows(table, local, rows)
         pos = torch.searchsorted(union, keys)
         return values.index_select(0, pos), {"name": name, "union": union, "local": local, "rows": rows,
@@ -321,8 +345,8 @@ class _ShardedLookup(torch.autograd.Function):
     """All tables' exchanges as one autograd node, so backward runs its collectives in one fixed order."""
 
     @staticmethod
-    def forward(ctx, anchor, collection, keys):
-        values, saved = collection._exchange(keys)
+    def forward(ctx, anchor, collection, keys, counts):
+        values, saved = collection._exchange(keys, counts)
         ctx.collection, ctx.saved = collection, saved
         ctx.shapes = [(v.shape, v.dtype, v.device) for v in values]
         return tuple(values)
@@ -335,7 +359,7 @@ class _ShardedLookup(torch.autograd.Function):
         collection._row_backward(saved["row"], [grads[i] for i in saved["row_index"]])
         for i, state in zip(saved["data_index"], saved["data"]):
             collection._data_backward(state, grads[i])
-        return None, None, None
+        return None, None, None, None
 
 
 def _interleave(blocks: list[torch.Tensor], counts: torch.Tensor, dims: list[int]) -> torch.Tensor:

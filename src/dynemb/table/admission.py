@@ -38,12 +38,13 @@ class FrequencyAdmission:
         self.max_tracked = max_tracked
         self._counts = None
 
-    def admit(self, keys: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
-        """Count ``keys`` (``[N]``, every occurrence of absent keys) and say which of ``unique`` are admitted."""
+    def admit(self, keys: torch.Tensor, unique: torch.Tensor, occurrences: torch.Tensor | None = None) -> torch.Tensor:
+        """Count ``keys`` (``[N]``, every occurrence of absent keys, or each standing for ``occurrences``) and say
+        which of ``unique`` are admitted."""
         if self.threshold == 1:
             return torch.ones(unique.numel(), dtype=torch.bool, device=unique.device)
         counts = self._counter(keys)
-        counts.find_or_insert(keys)
+        counts.find_or_insert(keys, counts=occurrences)
         rows = counts.find_rows(unique)
         seen = torch.where(rows >= 0, counts.scores.index_select(0, rows.clamp(min=0)), 0)
         admitted = seen >= self.threshold

@@ -55,24 +55,26 @@ def touch_scores(
     clock: int,
     epoch: int,
     custom: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> None:
     """Apply one access of ``rows`` (``[N]`` int64, duplicates allowed, all >= 0) to ``scores`` in place.
 
     ``custom`` (``[N]`` int64) is used by the ``custom`` policy only; duplicates take the last occurrence.
+    ``counts`` (``[N]`` int64) is how many accesses each entry stands for under the lfu policies (default 1).
     """
     if rows.numel() == 0:
         return
     if policy is EvictionPolicy.LRU:
         scores.index_fill_(0, rows, clock)
     elif policy is EvictionPolicy.LFU:
-        scores.index_add_(0, rows, torch.ones_like(rows))
+        scores.index_add_(0, rows, torch.ones_like(rows) if counts is None else counts)
     elif policy is EvictionPolicy.EPOCH_LRU:
         scores.index_fill_(0, rows, (epoch << 32) | (clock & _LOW32))
     elif policy is EvictionPolicy.EPOCH_LFU:
         current = scores.index_select(0, rows)
         fresh = torch.where((current >> 32) == epoch, current, epoch << 32)
         scores.index_copy_(0, rows, fresh)
-        scores.index_add_(0, rows, torch.ones_like(rows))
+        scores.index_add_(0, rows, torch.ones_like(rows) if counts is None else counts)
     elif custom is not None:
         scores.index_copy_(0, *_last_occurrence(rows, custom))
 

@@ -227,7 +227,7 @@ class KeyValueTable:
 
     # ------------------------------------------------------------------ inserts
     def find_or_insert(
-        self, keys: torch.Tensor, scores: torch.Tensor | None = None
+        self, keys: torch.Tensor, scores: torch.Tensor | None = None, counts: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows for ``keys``, inserting missing keys with initializer rows.
 
@@ -239,12 +239,19 @@ class KeyValueTable:
         Args:
             keys: ``[N]`` (or any shape), dtype ``key_dtype``; duplicates allowed.
             scores: ``custom`` policy only: ``[N]`` int64 scores to set.
+            counts: ``[N]`` int64 >= 1, how many occurrences each key stands for (a caller that deduplicated its
+                ids passes their counts), so lfu scores and admission count every occurrence. Default: 1 each.
 
         Returns:
             ``(rows [N] int64, found [N] bool)`` shaped like ``keys``; ``found`` is whether the key was present.
         """
         flat = check_keys(keys, self.key_dtype, self.device)
         custom = self._check_scores(scores, keys)
+        if counts is not None:
+            if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 or counts.shape != keys.shape:
+                got = f"{counts.dtype} {tuple(counts.shape)}" if isinstance(counts, torch.Tensor) else type(counts)
+                raise TypeError(f"counts must be an int64 tensor of shape {tuple(keys.shape)}, got {got}")
+            counts = counts.reshape(-1).to(self.device)
         rows = self.index.find(flat)
         found = rows >= 0
         self.clock += 1
@@ -255,13 +262,14 @@ class KeyValueTable:
             if self.admission is None:
                 new_rows = self._insert_missing(new_keys, pinned=rows[found], hashes=hashes)
             else:
-                admitted = self.admission.admit(missed, new_keys)
+                missed_counts = counts.index_select(0, miss) if counts is not None else None
+                admitted = self.admission.admit(missed, new_keys, missed_counts)
                 new_rows = torch.full_like(new_keys, -1, dtype=torch.int64)
                 new_rows[admitted] = self._insert_missing(
                     new_keys[admitted], pinned=rows[found], hashes=hashes[admitted]
                 )
             rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
-        self._touch_valid(rows, custom)
+        self._touch_valid(rows, custom, counts)
         return rows.view(keys.shape), found.view(keys.shape)
 
     def insert_or_assign(
@@ -508,15 +516,18 @@ class KeyValueTable:
             out[start : start + step] = self.initializer(keys[start : start + step], self.dim, self.dtype, self.seed)
         return out
 
-    def _touch_valid(self, rows: torch.Tensor, custom: torch.Tensor | None) -> None:
+    def _touch_valid(self, rows: torch.Tensor, custom: torch.Tensor | None, counts: torch.Tensor | None = None) -> None:
         valid = rows >= 0
         if bool(valid.all()):
-            self._touch(rows, custom)
+            self._touch(rows, custom, counts)
         else:
-            self._touch(rows[valid], custom[valid] if custom is not None else None)
+            keep = lambda t: t[valid] if t is not None else None  # noqa: E731
+            self._touch(rows[valid], keep(custom), keep(counts))
 
-    def _touch(self, rows: torch.Tensor, custom: torch.Tensor | None = None) -> None:
-        touch_scores(self.policy, self.scores, rows, clock=self.clock, epoch=self.epoch, custom=custom)
+    def _touch(self, rows: torch.Tensor, custom: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
+        touch_scores(self.policy, self.scores, rows, clock=self.clock, epoch=self.epoch, custom=custom, counts=counts)
+        # A score change is a change: incremental checkpoints must carry it for eviction order to resume exactly.
+        self._cols["version"].index_fill_(0, rows, self.clock)
 
     def _reserve(self, n: int) -> None:
         """Make room for ``n`` live rows (columns and index) before anything is mutated."""
