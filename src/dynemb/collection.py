@@ -276,7 +276,20 @@ class EmbeddingCollection(nn.Module):
 
     def forward(self, features: dict, weights: Optional[dict] = None) -> dict:
         """Look up every feature given; see the class docstring for shapes."""
-        weights = weights or {}
+        by_table: dict[str, list] = {}
+        for table, parts in self._prepare_all(features, weights or {}).items():
+            route = self.routes[table]
+            module = self.embeddings[route.physical]
+            for prepared in parts:
+                prepared["ids"] = self._physical_ids(route, prepared["ids"], module.table)
+            by_table.setdefault(route.physical, []).extend(parts)
+        out = {}
+        for physical, parts in by_table.items():
+            out.update(self._lookup(self.embeddings[physical], parts))
+        return {name: out[name] for name in features}
+
+    def _prepare_all(self, features: dict, weights: dict) -> dict:
+        """Validated, normalized features grouped by (logical) table name."""
         unknown = set(features) - set(self.feature_configs)
         if unknown:
             raise ValueError(f"features {sorted(unknown)} are not configured; known: {sorted(self.feature_configs)}")
@@ -284,16 +297,10 @@ class EmbeddingCollection(nn.Module):
         for fname, value in features.items():
             fcfg = self.feature_configs[fname]
             tcfg = self.table_configs[fcfg.table_name]
-            route = self.routes[tcfg.name]
-            module = self.embeddings[route.physical]
             prepared = self._prepare(fname, fcfg, tcfg, value, weights.get(fname))
             self._check_static_range(fname, tcfg, prepared["ids"])
-            prepared["ids"] = self._physical_ids(route, prepared["ids"], module.table)
-            by_table.setdefault(route.physical, []).append(prepared)
-        out = {}
-        for physical, parts in by_table.items():
-            out.update(self._lookup(self.embeddings[physical], parts))
-        return {name: out[name] for name in features}
+            by_table.setdefault(tcfg.name, []).append(prepared)
+        return by_table
 
     def _lookup(self, module, parts: list[dict]) -> dict:
         """Outputs of the features ``parts`` of one physical table: one dedup, one find and one pooling op for all

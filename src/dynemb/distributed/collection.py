@@ -173,18 +173,6 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
                 start += n
         return out
 
-    def _prepare_all(self, features: dict, weights: dict) -> dict:
-        unknown = set(features) - set(self.feature_configs)
-        if unknown:
-            raise ValueError(f"features {sorted(unknown)} are not configured; known: {sorted(self.feature_configs)}")
-        by_table: dict[str, list] = {}
-        for fname, value in features.items():
-            fcfg = self.feature_configs[fname]
-            tcfg = self.table_configs[fcfg.table_name]
-            p = self._prepare(fname, fcfg, tcfg, value, weights.get(fname))
-            self._check_static_range(fname, tcfg, p["ids"])
-            by_table.setdefault(tcfg.name, []).append(p)
-        return by_table
 
     # ------------------------------------------------------------------ exchange
     def _a2a(self, send: torch.Tensor, send_counts: list, recv_counts: list, what: str) -> torch.Tensor:

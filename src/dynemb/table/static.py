@@ -10,13 +10,14 @@ from __future__ import annotations
 import torch
 
 from .checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like
+from .columns import RowColumns
 from .initializers import InitializerSpec, resolve_initializer
 from .table import Rows
 
 __all__ = ["StaticTable"]
 
 
-class StaticTable:
+class StaticTable(RowColumns):
     """Dense rows for ids ``0 .. num_rows-1``.
 
     Example:
@@ -46,24 +47,10 @@ class StaticTable:
         self.index = self  # ``index.find`` is the identity on valid ids
 
     # ------------------------------------------------------------------ row interface
-    @property
-    def values(self) -> torch.Tensor:
-        return self._cols["value"]
-
-    @property
-    def scores(self) -> torch.Tensor:
-        return self._cols["score"]
 
     @property
     def row_keys(self) -> torch.Tensor:
         return self._ids
-
-    def slot(self, name: str) -> torch.Tensor:
-        return self._cols[f"slot:{name}"]
-
-    @property
-    def slot_names(self) -> list[str]:
-        return list(self._slot_init)
 
     def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
         if f"slot:{name}" not in self._cols:

@@ -26,6 +26,7 @@ from .checks import (
     resolve_device,
 )
 from .admission import FrequencyAdmission
+from .columns import RowColumns
 from .hashing import unique_by_hash
 from .index import HashIndex
 from .initializers import CallableInitializer, InitializerSpec, resolve_initializer
@@ -50,7 +51,7 @@ class Rows(NamedTuple):
 EvictHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-class KeyValueTable:
+class KeyValueTable(RowColumns):
     """A growable hash table from int32/int64 keys to rows of ``dim`` values, with optional row-wise slots.
 
     Args:
@@ -132,28 +133,11 @@ class KeyValueTable:
         self._deleted: list[tuple[int, torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ columns
-    @property
-    def values(self) -> torch.Tensor:
-        """Value storage ``[capacity, D]``; rows ``0 .. size-1`` are live. Reallocated on growth: don't keep it."""
-        return self._cols["value"]
-
-    @property
-    def scores(self) -> torch.Tensor:
-        """Score storage ``[capacity]`` int64."""
-        return self._cols["score"]
 
     @property
     def row_keys(self) -> torch.Tensor:
         """Key of each row ``[capacity]``."""
         return self._cols["key"]
-
-    def slot(self, name: str) -> torch.Tensor:
-        """Storage ``[capacity, d]`` of optimizer slot ``name``."""
-        return self._cols[f"slot:{name}"]
-
-    @property
-    def slot_names(self) -> list[str]:
-        return list(self._slot_init)
 
     def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
         """Add an optimizer-state column of width ``dim``; existing and future rows start at ``init``.
