@@ -87,7 +87,8 @@ def test_input_forms_agree():
     by_offsets = embedding_lookup_sparse(emb, KEYS[torch.tensor([1, 2, 0, 3, 4, 4])], torch.tensor([0, 3]))
     assert torch.allclose(embedding_lookup_sparse(emb, dense), by_offsets)
     rows, cols = torch.meshgrid(torch.arange(2), torch.arange(3), indexing="ij")
-    coo = torch.sparse_coo_tensor(torch.stack([rows.reshape(-1), cols.reshape(-1)]), dense.reshape(-1), (2, 3))
+    coo = torch.sparse_coo_tensor(torch.stack([rows.reshape(-1), cols.reshape(-1)]), dense.reshape(-1), (2, 3),
+                                  check_invariants=True)
     assert torch.allclose(embedding_lookup_sparse(emb, coo), by_offsets)
     padded = embedding_lookup_sparse(emb, torch.where(pad == -7, pad, KEYS[pad.clamp(min=0)]), padding_value=-7)
     manual = embedding_lookup_sparse(emb, KEYS[torch.tensor([1, 2, 3])], torch.tensor([0, 2]))
