@@ -119,10 +119,12 @@ def _plots(out: Path, history, serving: dict) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r["rows"] for r in history.steps], label="rows in all tables")
-    ax.plot(steps, [r["evicted"] for r in history.steps], label="rows evicted (cumulative)")
     ax.set_xlabel("step")
-    ax.set_ylabel("rows")
-    ax.legend()
+    ax.set_ylabel("rows held")
+    ax2 = ax.twinx()  # evictions grow without bound while rows stay capped: separate axes keep both readable
+    ax2.plot(steps, [r["evicted"] for r in history.steps], color="tab:orange", label="rows evicted (cumulative)")
+    ax2.set_ylabel("rows evicted")
+    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.88), ncol=2)
     ax.set_title("Table growth and eviction (max 50k rows per table, LFU)")
     fig.tight_layout()
     fig.savefig(out / "tables.png", dpi=110)
