@@ -5,16 +5,19 @@ Used by ``dynemb serve-bench``, the demo and ``benchmarks/serving.py``.
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Mapping, Optional
 
 import torch
 
 from .ps import ParameterServer, read_export
 
-__all__ = ["serve_bench", "zipf_ranks", "traffic"]
+__all__ = ["serve_bench", "zipf_ranks", "traffic", "warm_up", "hit_rate"]
+
+WARMUP_GROUP = 16  # requests sent as one lookup per table while warming up: same keys, fewer calls
 
 
 def zipf_ranks(n: int, size: int, alpha: float, generator: torch.Generator) -> torch.Tensor:
@@ -36,18 +39,62 @@ def traffic(keys: torch.Tensor, batch_size: int, alpha: float, seed: int = 0):
         yield order.index_select(0, zipf_ranks(order.numel(), batch_size, alpha, g))
 
 
+def warm_up(ps: ParameterServer, model: str, streams: Mapping[str, Iterator[torch.Tensor]], batch_size: int,
+            max_requests: int = 20_000, tolerance: float = 2e-4) -> int:
+    """Send traffic until the caches of ``model`` are warm, then flush write-backs and reset the statistics.
+
+    Requests go in windows of about one turnover of the largest cache (its rows over ``batch_size`` requests),
+    ``WARMUP_GROUP`` requests per lookup (``max_batch_size`` must allow ``WARMUP_GROUP * batch_size`` ids). Warm
+    means every cache is full (an LRU cache's hit rate is steady from then on), or the hit rate of a window rose
+    by less than ``tolerance`` over the previous one (tables cached whole may never see every key).
+
+    Args:
+        ps: a server with ``model`` loaded.
+        model: the model to warm up.
+        streams: per table, the batches its traffic will send (see :func:`traffic`).
+        batch_size: ids per batch of the streams.
+        max_requests: stop after this many requests in any case.
+        tolerance: the hit-rate rise per window below which the caches count as warm.
+
+    Returns:
+        The number of requests sent.
+    """
+    largest = max(t["cache_capacity"] for t in ps.stats(model)["tables"].values())
+    lookups = max(1, math.ceil(largest / (batch_size * WARMUP_GROUP)))  # grouped lookups per table and window
+    sent, previous = 0, None
+    while sent < max_requests:
+        ps.reset_stats(model)
+        for _ in range(lookups):
+            ps.lookup_many(model, {name: torch.cat([next(stream) for _ in range(WARMUP_GROUP)])
+                                   for name, stream in streams.items()})
+        sent += lookups * WARMUP_GROUP
+        stats = ps.stats(model)
+        rate = hit_rate(stats)
+        if all(t["cache_rows"] >= t["cache_capacity"] for t in stats["tables"].values()) or (
+                previous is not None and rate - previous < tolerance):
+            break
+        previous = rate
+    ps.flush()
+    ps.reset_stats(model)
+    return sent
+
+
 def serve_bench(export, *, volatile: str = "memory", redis_address: str = "127.0.0.1:6379",
                 persistent: str = "lmdb", persistent_path: Optional[str] = None, cache_fraction: float = 0.2,
                 batch_size: int = 1024, batches: int = 200, alpha: float = 1.2, warmup: Optional[int] = None,
                 tables: Optional[list] = None, progress: bool = False) -> dict:
-    """Load ``export`` into a ParameterServer and time requests of ``batch_size`` ids per table.
+    """Load ``export`` into a ParameterServer and time requests of ``batch_size`` ids per table (one
+    :meth:`~ParameterServer.lookup_many` over every table per request).
 
     Returns p50/p99 request latency (ms), requests/s, keys/s and the cache hit rate after ``warmup`` requests
-    (default: a quarter of ``batches``), plus the hit rate after each request in ``hit_rate_curve``.
+    (default: :func:`warm_up`, until the caches are warm), plus the hit rate after each request in
+    ``hit_rate_curve`` and the number of warm-up requests in ``warmup_requests``.
     """
     manifest, payload = read_export(export)
     names = tables or sorted(manifest["tables"])
     dims = [manifest["tables"][n]["dim"] for n in names]
+    keys = {n: payload[n]["keys"].to(torch.int64) for n in names}
+    del payload  # the values are read again by the server; holding them twice would double peak memory
     with tempfile.TemporaryDirectory(prefix="dynemb-serve-bench-") as tmp:
         volatile_db = {"type": "memory"} if volatile == "memory" else {"type": "redis", "address": redis_address}
         persistent_db = None
@@ -56,25 +103,25 @@ def serve_bench(export, *, volatile: str = "memory", redis_address: str = "127.0
         ps = ParameterServer.from_config({
             "models": [{"model": "bench", "sparse_files": [str(export)], "embedding_table_names": names,
                         "embedding_vecsize_per_table": dims, "cache_fraction": cache_fraction,
-                        "max_batch_size": max(batch_size, 1)}],
+                        "max_batch_size": max(batch_size, 1) * WARMUP_GROUP}],
             "volatile_db": volatile_db, "persistent_db": persistent_db})
         try:
             ps.load("bench", progress=progress)
-            streams = [traffic(payload[n]["keys"].to(torch.int64), batch_size, alpha, seed=i)
-                       for i, n in enumerate(names)]
-            warmup = batches // 4 if warmup is None else warmup
+            streams = {n: traffic(keys[n], batch_size, alpha, seed=i) for i, n in enumerate(names)}
+            if warmup is None:
+                warmup = warm_up(ps, "bench", streams, batch_size)
+            else:
+                for _ in range(warmup):
+                    ps.lookup_many("bench", {name: next(stream) for name, stream in streams.items()})
+                ps.flush()
+                ps.reset_stats("bench")
             latencies, curve = [], []
-            for i in range(warmup + batches):
-                if i == warmup:
-                    ps.flush()
-                    ps.reset_stats("bench")
-                requests = [next(s) for s in streams]
+            for _ in range(batches):
+                request = {name: next(stream) for name, stream in streams.items()}
                 start = time.perf_counter()
-                for name, keys in zip(names, requests):
-                    ps.lookup("bench", name, keys)
-                if i >= warmup:
-                    latencies.append(time.perf_counter() - start)
-                    curve.append(_hit_rate(ps.stats("bench")))
+                ps.lookup_many("bench", request)
+                latencies.append(time.perf_counter() - start)
+                curve.append(hit_rate(ps.stats("bench")))
             stats = ps.stats("bench")
         finally:
             ps.close()
@@ -84,9 +131,11 @@ def serve_bench(export, *, volatile: str = "memory", redis_address: str = "127.0
             "cache_fraction": cache_fraction, "volatile": volatile, "persistent": persistent,
             "p50_ms": float(lat.quantile(0.5)) * 1e3, "p99_ms": float(lat.quantile(0.99)) * 1e3,
             "qps": len(latencies) / total, "keys_per_s": len(latencies) * batch_size * len(names) / total,
-            "hit_rate": _hit_rate(stats), "hit_rate_curve": curve, "errors": stats["errors"]}
+            "hit_rate": hit_rate(stats), "hit_rate_curve": curve, "warmup_requests": warmup,
+            "errors": stats["errors"]}
 
 
-def _hit_rate(stats: dict) -> float:
+def hit_rate(stats: dict) -> float:
+    """The cache hit rate over every table of ``ParameterServer.stats(model)``, weighted by traffic."""
     tables = stats["tables"].values()
     return sum(t["cache"] for t in tables) / max(sum(t["lookups"] for t in tables), 1)

@@ -1,20 +1,29 @@
 """ParameterServer: hierarchical embedding lookups for inference.
 
-Lookup order for each table: unique keys -> device cache (a bounded LRU :class:`KeyValueTable`) -> volatile store
-(in-process memory or Redis) -> persistent store (RocksDB or LMDB) -> the default row. Rows found below the cache
-are written back up: synchronously while the cache's hit rate is under ``hit_rate_threshold``, by a background
-thread above it. A tier that fails (Redis went away) is skipped for a back-off period that doubles on each failure
-(up to 30 s) and retried after; its errors are counted, and lookups keep answering from the other tiers.
+Lookup order for each table: device cache (a bounded LRU :class:`KeyValueTable`) -> volatile store (in-process
+memory or Redis) -> persistent store (RocksDB or LMDB) -> the default row. :meth:`ParameterServer.lookup_many` takes
+every table of a request at once, as HPS does: each lower tier then answers the misses of all tables in one call
+(one Redis round trip per request). Rows found below the cache are written back up. As in HPS, the hit rate of the
+lookup itself decides how: under ``hit_rate_threshold`` (a cold cache) before the lookup returns; above it, by a
+background thread, in batches of up to 4096 rows per table (sizes vary at random, so that the tables of a request do
+not all insert at once): an insert into a full cache pays a fixed cost (it scans the cache for eviction victims)
+that outweighs the per-row cost of hundreds of rows. While that thread inserts into a table's cache, lookups of the
+table read the lower tiers instead of waiting for it. A tier that fails (Redis went away) is skipped for a back-off
+period that doubles on each failure (up to 30 s) and retried after; its errors are counted, and lookups keep
+answering from the other tiers.
 
-Thread safety: any number of threads may call :meth:`lookup`. Reads and writes of a model's cache take that
-model's lock, and :meth:`apply_update` replaces each row under it, so no reader sees half of an old row and half of
-a new one. The stores are row-atomic themselves (one value per key in Redis, transactions in LMDB/RocksDB).
+Thread safety: any number of threads may call :meth:`~ParameterServer.lookup`. Reads and writes of a table's cache
+take the table's cache lock, and :meth:`~ParameterServer.apply_update` replaces each row under it, so no reader sees
+half of an old row and half of a new one. Statistics and pending write-backs have a lock of their own. An update
+also moves the table's epoch on, which drops write-backs of rows read before it. The stores are row-atomic
+themselves (one value per key in Redis, transactions in LMDB/RocksDB).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import queue
+import random
 import threading
 import time
 from pathlib import Path
@@ -34,6 +43,11 @@ __all__ = ["ParameterServer", "read_export"]
 
 _FLUSH = object()
 _SMALL_TABLE_ROWS = 4096
+_WRITEBACK_ROWS = 4096  # most rows per background write-back: a larger one keeps lookups off the cache longer
+# Each write-back takes a random 50-100% of a table's batch size. With one size, tables that miss at the same rate
+# (the features of one request) would all fill their batches in the same request, and the inserts would come in
+# bursts that slow a run of requests down together.
+_JITTER = random.Random(0)
 _INITIALIZERS = {"Uniform": Uniform, "Normal": Normal, "TruncatedNormal": TruncatedNormal, "Constant": Constant}
 
 
@@ -85,8 +99,17 @@ class _Table:
     cache: KeyValueTable
     default: Union[float, Initializer]
     seed: int
+    writeback_rows: int
     stats: dict = dataclasses.field(default_factory=lambda: {"lookups": 0, "cache": 0, "volatile": 0,
                                                              "persistent": 0, "default": 0})
+    cache_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # Guards stats and pending, so that counting a lookup never waits for an insert into the cache.
+    stats_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    epoch: int = 0  # moved on by each update, under both locks; write-backs of rows read before are dropped
+    pending: list = dataclasses.field(default_factory=list)  # (keys, rows) chunks waiting for a background fill
+    pending_rows: int = 0
+    flush_at: int = 0  # pending rows that make a write-back job
+    filling: bool = False  # a background write-back is inserting into the cache (or about to)
 
     def default_rows(self, keys: torch.Tensor) -> torch.Tensor:
         if isinstance(self.default, Initializer):
@@ -96,6 +119,71 @@ class _Table:
     @property
     def hit_rate(self) -> float:
         return self.stats["cache"] / max(self.stats["lookups"], 1)
+
+    def __post_init__(self) -> None:
+        self.clear_pending()
+
+    def clear_pending(self) -> None:
+        self.pending, self.pending_rows = [], 0
+        self.flush_at = max(1, round(self.writeback_rows * _JITTER.uniform(0.5, 1.0)))
+
+    def take_pending(self) -> Optional[tuple]:
+        """The pending write-backs as one job (call under ``stats_lock``), or None."""
+        if not self.pending:
+            return None
+        keys, rows = zip(*self.pending)
+        self.clear_pending()
+        return self, torch.cat(keys), torch.cat(rows), self.epoch
+
+
+@dataclasses.dataclass
+class _Lookup:
+    """One table's part of a lookup: the cache's answer, and its misses as the lower tiers fill them in."""
+
+    t: _Table
+    values: torch.Tensor  # [N, D] on the cache's device: the answer
+    at: torch.Tensor  # [K] positions in `values` that the cache missed
+    keys: torch.Tensor  # [M] the missed keys, unique, on the CPU
+    inverse: torch.Tensor  # [K] index in `keys` of each missed position
+    weights: torch.Tensor  # [M] times each missed key was requested
+    epoch: int
+    served: dict  # ids served per tier, counted per request (the statistics)
+    cache_skipped: bool  # the cache was busy with a write-back: the stores were asked first
+    rows: Optional[torch.Tensor] = None  # [M, D] rows of `keys`, allocated when a second source fills them
+    todo: torch.Tensor = None  # indices in `keys` that no tier has answered yet
+    fetched: list = dataclasses.field(default_factory=list)  # indices in `keys` found in a store
+
+    def __post_init__(self) -> None:
+        self.todo = torch.arange(self.keys.numel())
+
+    def take(self, tier: str, values: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
+        """Keep the rows a tier found for ``keys[todo]``; returns their indices in ``keys``."""
+        values = values.to(self.t.dtype)
+        if bool(found.all()):  # the usual case: the tier has every row it was asked for
+            where, self.todo = self.todo, self.todo[:0]
+        else:
+            hit = found.nonzero().squeeze(1)
+            where, values, self.todo = self.todo.index_select(0, hit), values.index_select(0, hit), self.todo[~found]
+        self.served[tier] = int(self.put(where, values, self.weights))
+        if where.numel():
+            self.fetched.append(where)
+        return where
+
+    def put(self, where: torch.Tensor, values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Rows ``values`` for ``keys[where]``; returns how often they were requested (``weights[where]``)."""
+        if where.numel() == self.keys.numel():  # one source answers every key: its rows are the rows, no copy
+            self.rows = values
+            return weights.sum()
+        if self.rows is None:
+            self.rows = torch.empty(self.keys.numel(), self.t.dim, dtype=self.t.dtype)
+        self.rows.index_copy_(0, where, values)
+        return weights.index_select(0, where).sum()
+
+    def picked(self, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys[where], rows[where])``."""
+        if where.numel() == self.keys.numel():
+            return self.keys, self.rows
+        return self.keys.index_select(0, where), self.rows.index_select(0, where)
 
 
 class ParameterServer:
@@ -125,7 +213,7 @@ class ParameterServer:
         self._tables: dict[str, dict[str, _Table]] = {}
         self._locks = {name: threading.RLock() for name in self.models}
         self.versions: dict[str, dict] = {}
-        self._writeback: queue.Queue = queue.Queue(maxsize=256)
+        self._writeback: queue.Queue = queue.Queue(maxsize=64)
         self.writeback_errors = 0
         self._worker = threading.Thread(target=self._drain, name="dynemb-ps-writeback", daemon=True)
         self._worker.start()
@@ -186,7 +274,9 @@ class ParameterServer:
         for tier in (self.volatile, self.persistent):
             if tier.store is not None and not getattr(tier.store, "read_only", False):
                 tier.store.create_table(store_name, dim, dtype)
-        return _Table(name, dim, dtype, store_name, cache, default, int(entry.get("seed") or 0))
+        # A batch of 1/16 of the cache keeps rows fetched in one batch from evicting each other.
+        writeback_rows = max(1, min(_WRITEBACK_ROWS, capacity // 16))
+        return _Table(name, dim, dtype, store_name, cache, default, int(entry.get("seed") or 0), writeback_rows)
 
     def _write_stores(self, table: _Table, keys: torch.Tensor, values: torch.Tensor) -> None:
         for tier in (self.persistent, self.volatile):
@@ -198,63 +288,137 @@ class ParameterServer:
     # ------------------------------------------------------------------ lookups
     def lookup(self, model: str, table: str, keys: torch.Tensor) -> torch.Tensor:
         """Rows of ``keys`` (int64, any shape ``S``) as ``S + (D,)`` on the model's device."""
-        t = self._table(model, table)
-        cfg = self.models[model]
-        flat = check_keys(keys, torch.int64, keys.device).to("cpu")
-        if flat.numel() > cfg.max_batch_size:
-            raise ValueError(f"keys has {flat.numel()} entries, more than models[{model!r}].max_batch_size "
-                             f"({cfg.max_batch_size})")
-        unique, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
-        rows = self._lookup_unique(model, t, unique, counts)
-        return rows.index_select(0, inverse.to(rows.device)).view(*keys.shape, t.dim)
+        return self.lookup_many(model, {table: keys})[table]
 
-    def _lookup_unique(self, model: str, t: _Table, keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def lookup_many(self, model: str, keys_per_table: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rows from several tables of ``model`` in one call, as HPS looks up every table of a request at once.
+
+        Each lower tier answers the cache misses of all the tables in one call: one round trip to Redis per
+        request instead of one per table.
+
+        Args:
+            model: a loaded model.
+            keys_per_table: ``{table: keys}``, keys int64 of any shape ``S`` with at most ``max_batch_size``
+                entries.
+
+        Returns:
+            ``{table: rows}``, rows ``S + (D,)`` on the model's device.
+
+        Raises:
+            TypeError/ValueError: an unknown model or table, or bad keys; nothing is looked up then.
+
+        Example:
+            >>> import tempfile, torch, dynemb
+            >>> from dynemb.checkpoint import export_for_serving
+            >>> tables = torch.nn.ModuleDict({"user": dynemb.DynamicEmbedding(4), "item": dynemb.DynamicEmbedding(8)})
+            >>> _ = tables["user"](torch.tensor([1, 2])), tables["item"](torch.tensor([7]))
+            >>> root = tempfile.mkdtemp()
+            >>> _ = export_for_serving(root, tables)
+            >>> ps = ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [root],
+            ...     "embedding_table_names": ["user", "item"], "embedding_vecsize_per_table": [4, 8]}]})
+            >>> ps.load("m", progress=False)
+            >>> rows = ps.lookup_many("m", {"user": torch.tensor([[2, 1]]), "item": torch.tensor([7, 7, 7])})
+            >>> rows["user"].shape, rows["item"].shape
+            (torch.Size([1, 2, 4]), torch.Size([3, 8]))
+            >>> ps.close()
+        """
+        cfg = self._model(model)
+        if not isinstance(keys_per_table, Mapping):
+            raise TypeError(f"keys_per_table must be a dict {{table: keys}}, got {type(keys_per_table).__name__}")
+        batches = {name: (self._table(model, name), self._check_batch(cfg, keys))
+                   for name, keys in keys_per_table.items()}
+        lookups = [self._read_cache(t, flat) for t, flat in batches.values()]
+        for tier in (self.volatile, self.persistent):
+            self._read_tier(tier, lookups)
+        for lookup in lookups:
+            self._finish(cfg, lookup)
+        return {name: lookup.values.view(*keys_per_table[name].shape, lookup.t.dim)
+                for name, lookup in zip(batches, lookups)}
+
+    @staticmethod
+    def _check_batch(cfg: ModelConfig, keys) -> torch.Tensor:
+        flat = check_keys(keys, torch.int64, getattr(keys, "device", None))
+        if flat.numel() > cfg.max_batch_size:
+            raise ValueError(f"keys has {flat.numel()} entries, more than models[{cfg.model!r}].max_batch_size "
+                             f"({cfg.max_batch_size})")
+        return flat
+
+    @staticmethod
+    def _read_cache(t: _Table, flat: torch.Tensor) -> _Lookup:
+        # The cache reads the batch as it is: de-duplicating first costs a sort and a second gather, and under
+        # power-law traffic the duplicates are hot rows that hit anyway. Only the misses are de-duplicated.
+        ids = flat.to(t.cache.device)
+        busy = t.filling  # a background insert holds the cache for milliseconds: read the lower tiers meanwhile
+        if busy:
+            values = torch.empty(ids.numel(), t.dim, dtype=t.dtype, device=ids.device)
+            found, epoch = torch.zeros_like(ids, dtype=torch.bool), t.epoch
+        else:
+            with t.cache_lock:
+                values, found = t.cache.find(ids, update_scores=True)
+                epoch = t.epoch
+        at = (~found).nonzero().squeeze(1)
+        keys, inverse, weights = torch.unique(ids.index_select(0, at).cpu(), return_inverse=True, return_counts=True)
         # Statistics count every requested id (a key asked for 5 times in a batch is 5 lookups), as a cache's
         # hit rate is usually meant: the share of traffic it absorbs.
-        with self._locks[model]:
-            values, found = t.cache.find(keys.to(t.cache.device), update_scores=True)
-            t.stats["lookups"] += int(counts.sum())
-            t.stats["cache"] += int(counts[found.cpu()].sum())
-            hit_rate = t.hit_rate
-        missing = (~found).nonzero().squeeze(1).cpu()
-        if missing.numel() == 0:
-            return values
-        fetched_keys, fetched_rows = [], []
-        for tier in (self.volatile, self.persistent):
-            if missing.numel() == 0 or not tier.available:
-                continue
-            got = tier.call(tier.store.get, t.store_name, keys.index_select(0, missing))
-            if got is None:
-                continue
-            rows, hit = got
-            t.stats[tier.name] += int(counts.index_select(0, missing)[hit].sum())
-            where = missing[hit]
-            values.index_copy_(0, where.to(values.device), rows[hit].to(values.device, t.dtype))
-            fetched_keys.append(keys.index_select(0, where))
-            fetched_rows.append(rows[hit].to(t.dtype))
-            if tier is self.persistent and self.volatile.available:
-                self.volatile.call(self.volatile.store.put, t.store_name, fetched_keys[-1], fetched_rows[-1])
-            missing = missing[~hit]
-        if missing.numel():
-            t.stats["default"] += int(counts.index_select(0, missing).sum())
-            values.index_copy_(0, missing.to(values.device), t.default_rows(keys.index_select(0, missing))
-                               .to(values.device))
-        if fetched_keys:
-            job = (model, t, torch.cat(fetched_keys), torch.cat(fetched_rows))
-            if hit_rate < self.models[model].hit_rate_threshold:
-                self._fill_cache(*job)
-            else:
-                try:
-                    self._writeback.put_nowait(job)
-                except queue.Full:  # the cache is warm; dropping a write-back only costs a later miss
-                    pass
-        return values
+        served = {"lookups": ids.numel(), "cache": ids.numel() - at.numel()}
+        return _Lookup(t, values, at, keys, inverse, weights, epoch, served, cache_skipped=busy)
 
-    def _fill_cache(self, model: str, t: _Table, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        with self._locks[model]:
-            fresh = ~t.cache.contains(keys.to(t.cache.device))  # never overwrite a row an update just wrote
-            if bool(fresh.any()):
-                t.cache.insert_or_assign(keys[fresh.cpu()].to(t.cache.device), rows[fresh.cpu()].to(t.cache.device))
+    def _read_tier(self, tier: _Tier, lookups: list) -> None:
+        waiting = [lookup for lookup in lookups if lookup.todo.numel()]
+        if not waiting or not tier.available:
+            return
+        got = tier.call(tier.store.get_many, {m.t.store_name: m.keys.index_select(0, m.todo) for m in waiting})
+        if got is None:
+            return
+        for m in waiting:
+            where = m.take(tier.name, *got[m.t.store_name])
+            if tier is self.persistent and where.numel() and self.volatile.available:
+                self.volatile.call(self.volatile.store.put, m.t.store_name, *m.picked(where))
+
+    def _finish(self, cfg: ModelConfig, m: _Lookup) -> None:
+        """Default rows for keys no tier has, the misses' rows into the answer, statistics and write-back."""
+        t = m.t
+        if m.todo.numel() and m.cache_skipped:  # keys the stores lack (Redis restarted empty) may be cached
+            with t.cache_lock:
+                values, found = t.cache.find(m.keys.index_select(0, m.todo).to(t.cache.device), update_scores=True)
+            m.take("cache", values.cpu(), found.cpu())
+        if m.todo.numel():
+            m.served["default"] = int(m.put(m.todo, t.default_rows(m.keys.index_select(0, m.todo)), m.weights))
+        if m.at.numel():
+            m.values.index_copy_(0, m.at, m.rows.index_select(0, m.inverse).to(m.values.device))
+        with t.stats_lock:
+            for tier, n in m.served.items():
+                t.stats[tier] += n
+        if m.fetched and not m.cache_skipped:  # after a skipped cache, most of these rows are in it already
+            where = m.fetched[0] if len(m.fetched) == 1 else torch.cat(m.fetched)
+            cold = m.served["cache"] < cfg.hit_rate_threshold * m.served["lookups"]
+            (self._fill_cache if cold else self._defer_fill)(t, *m.picked(where), m.epoch)
+
+    def _defer_fill(self, t: _Table, keys: torch.Tensor, rows: torch.Tensor, epoch: int) -> None:
+        with t.stats_lock:
+            if epoch != t.epoch:
+                return
+            t.pending.append((keys, rows))
+            t.pending_rows += keys.numel()
+            job = t.take_pending() if t.pending_rows >= t.flush_at else None
+        if job is not None:
+            try:
+                self._writeback.put_nowait(job)
+            except queue.Full:  # the cache is warm; dropping a write-back only costs later misses
+                pass
+
+    def _fill_cache(self, t: _Table, keys: torch.Tensor, rows: torch.Tensor, epoch: int) -> None:
+        with t.cache_lock:
+            if epoch == t.epoch:  # otherwise an update came after these rows were read: they may be stale
+                t.cache.insert_or_assign(keys.to(t.cache.device), rows.to(t.cache.device))
+
+    def _fill_in_background(self, t: _Table, keys: torch.Tensor, rows: torch.Tensor, epoch: int) -> None:
+        # Raised before taking the lock, so that readers go around the cache instead of queueing behind the insert.
+        t.filling = True
+        try:
+            self._fill_cache(t, keys, rows, epoch)
+        finally:
+            t.filling = False
 
     def _drain(self) -> None:
         while True:
@@ -265,7 +429,7 @@ class ParameterServer:
                 job[1].set()
                 continue
             try:
-                self._fill_cache(*job)
+                self._fill_in_background(*job)
             except Exception:  # a failed write-back only costs a later cache miss; keep the worker alive
                 self.writeback_errors += 1
 
@@ -292,7 +456,10 @@ class ParameterServer:
                         if tier.store is not None and not getattr(tier.store, "read_only", False):
                             tier.call(tier.store.delete, t.store_name, deleted.to(torch.int64))
                 self._write_stores(t, keys, values)
-                with self._locks[model]:
+                with t.cache_lock:
+                    with t.stats_lock:
+                        t.epoch += 1
+                        t.clear_pending()
                     if deleted is not None and deleted.numel():
                         t.cache.erase(deleted.to(torch.int64).to(t.cache.device))
                     present = t.cache.contains(keys.to(t.cache.device)).cpu()
@@ -307,7 +474,7 @@ class ParameterServer:
     def stats(self, model: str) -> dict:
         """Per-table counts of keys served by each tier, cache hit rate and size, and tier error counts."""
         tables = {name: {**t.stats, "hit_rate": t.hit_rate, "cache_rows": t.cache.size(),
-                         "cache_capacity": t.cache.max_capacity}
+                         "cache_capacity": t.cache.max_capacity, "cache_bytes": t.cache.nbytes()}
                   for name, t in self._model_tables(model).items()}
         return {"tables": tables, "errors": {"volatile": self.volatile.errors, "persistent": self.persistent.errors},
                 **self.versions.get(model, {})}
@@ -318,7 +485,13 @@ class ParameterServer:
                 t.stats[k] = 0
 
     def flush(self) -> None:
-        """Wait until background cache write-backs are done."""
+        """Write every pending write-back to the caches and wait until that is done."""
+        for tables in list(self._tables.values()):
+            for t in tables.values():
+                with t.stats_lock:
+                    job = t.take_pending()
+                if job is not None:
+                    self._writeback.put(job)
         done = threading.Event()
         self._writeback.put((_FLUSH, done))
         done.wait(timeout=30)

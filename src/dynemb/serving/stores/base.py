@@ -141,6 +141,10 @@ class StoreConfig:
             raise type(error)(f"{where}: {error}") from None
 
 
+def _no_rows(schema: TableSchema) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(0, schema.dim, dtype=schema.dtype), torch.empty(0, dtype=torch.bool)
+
+
 def check_table_name(table) -> str:
     """Table names are non-empty strings without NUL or braces, at most 255 UTF-8 bytes: they form Redis hash tags
     and key prefixes (LMDB keys are at most 511 bytes)."""
@@ -235,8 +239,36 @@ class RowStore(abc.ABC):
         schema = self.schema(table)
         keys = self._check_keys(keys)
         if keys.numel() == 0:
-            return torch.empty(0, schema.dim, dtype=schema.dtype), torch.empty(0, dtype=torch.bool)
+            return _no_rows(schema)
         return self._get(table, schema, keys)
+
+    def get_many(self, keys_per_table: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`get` from several tables in one call; Redis answers all of them in one round trip.
+
+        Args:
+            keys_per_table: ``{table: keys [N_t] int64 CPU}``.
+
+        Returns:
+            ``{table: (values [N_t, D_t], found [N_t] bool)}``.
+
+        Raises:
+            TypeError/ValueError: bad arguments (nothing is read). StoreError: the backend failed.
+
+        Example:
+            >>> from dynemb.serving.stores import make_store
+            >>> store = make_store({"type": "memory"})
+            >>> for name in ("a", "b"):
+            ...     _ = store.create_table(name, dim=1)
+            >>> store.put("b", torch.tensor([4]), torch.ones(1, 1))
+            >>> got = store.get_many({"a": torch.tensor([4]), "b": torch.tensor([4])})
+            >>> got["a"][1].tolist(), got["b"][1].tolist()
+            ([False], [True])
+        """
+        if not isinstance(keys_per_table, Mapping):
+            raise TypeError(f"keys_per_table must be a dict {{table: keys}}, got {type(keys_per_table).__name__}")
+        checked = [(table, self.schema(table), self._check_keys(keys)) for table, keys in keys_per_table.items()]
+        got = self._get_many([request for request in checked if request[2].numel()])
+        return {table: got[table] if keys.numel() else _no_rows(schema) for table, schema, keys in checked}
 
     def put(self, table: str, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write rows. Hit: replaced. Miss: inserted. Duplicate keys: the last occurrence wins. Each row is
@@ -293,6 +325,10 @@ class RowStore(abc.ABC):
 
     @abc.abstractmethod
     def _get(self, table: str, schema: TableSchema, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def _get_many(self, requests: list) -> dict:
+        """``_get`` of each ``(table, schema, keys)``; stores with round trips override it to send one."""
+        return {table: self._get(table, schema, keys) for table, schema, keys in requests}
 
     @abc.abstractmethod
     def _put(self, table: str, schema: TableSchema, keys: torch.Tensor, values: torch.Tensor) -> None: ...

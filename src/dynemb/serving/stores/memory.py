@@ -100,8 +100,9 @@ class MemoryStore(RowStore):
         return None  # every schema this store knows was created through it, so it is already cached
 
     def _get(self, table, schema, keys):
+        # Scores only order evictions, and an unbounded store never evicts: skip their update.
         with self._lock:
-            return self._tables_by_name[table].find(keys, update_scores=True)
+            return self._tables_by_name[table].find(keys, update_scores=self.config.max_rows_per_table is not None)
 
     def _put(self, table, schema, keys, values) -> None:
         with self._lock:
