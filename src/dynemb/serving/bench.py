@@ -40,13 +40,13 @@ def traffic(keys: torch.Tensor, batch_size: int, alpha: float, seed: int = 0):
 
 
 def warm_up(ps: ParameterServer, model: str, streams: Mapping[str, Iterator[torch.Tensor]], batch_size: int,
-            max_requests: int = 20_000, tolerance: float = 2e-4) -> int:
+            max_requests: int = 20_000, tolerance: float = 1e-3) -> int:
     """Send traffic until the caches of ``model`` are warm, then flush write-backs and reset the statistics.
 
     Requests go in windows of about one turnover of the largest cache (its rows over ``batch_size`` requests),
     ``WARMUP_GROUP`` requests per lookup (``max_batch_size`` must allow ``WARMUP_GROUP * batch_size`` ids). Warm
-    means every cache is full (an LRU cache's hit rate is steady from then on), or the hit rate of a window rose
-    by less than ``tolerance`` over the previous one (tables cached whole may never see every key).
+    means every cache is full (an LRU cache's hit rate is steady from then on), or no window of the last three beat
+    the hit rate of the windows before by ``tolerance`` (tables cached whole may never see every key).
 
     Args:
         ps: a server with ``model`` loaded.
@@ -54,14 +54,14 @@ def warm_up(ps: ParameterServer, model: str, streams: Mapping[str, Iterator[torc
         streams: per table, the batches its traffic will send (see :func:`traffic`).
         batch_size: ids per batch of the streams.
         max_requests: stop after this many requests in any case.
-        tolerance: the hit-rate rise per window below which the caches count as warm.
+        tolerance: the hit-rate rise over three windows below which the caches count as warm.
 
     Returns:
         The number of requests sent.
     """
     largest = max(t["cache_capacity"] for t in ps.stats(model)["tables"].values())
     lookups = max(1, math.ceil(largest / (batch_size * WARMUP_GROUP)))  # grouped lookups per table and window
-    sent, previous = 0, None
+    sent, rates = 0, []
     while sent < max_requests:
         ps.reset_stats(model)
         for _ in range(lookups):
@@ -69,11 +69,10 @@ def warm_up(ps: ParameterServer, model: str, streams: Mapping[str, Iterator[torc
                                    for name, stream in streams.items()})
         sent += lookups * WARMUP_GROUP
         stats = ps.stats(model)
-        rate = hit_rate(stats)
-        if all(t["cache_rows"] >= t["cache_capacity"] for t in stats["tables"].values()) or (
-                previous is not None and rate - previous < tolerance):
+        rates.append(hit_rate(stats))
+        stalled = len(rates) > 3 and max(rates[-3:]) < max(rates[:-3]) + tolerance
+        if stalled or all(t["cache_rows"] >= t["cache_capacity"] for t in stats["tables"].values()):
             break
-        previous = rate
     ps.flush()
     ps.reset_stats(model)
     return sent
