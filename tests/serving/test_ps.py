@@ -176,3 +176,27 @@ def test_static_tables_are_exported_and_served(tmp_path):
     assert torch.equal(ps.lookup("m", "embeddings.s", torch.arange(10)), ec.embeddings["s"].table.values)
     assert torch.equal(ps.lookup("m", "embeddings.d", torch.tensor([6])), ec.embeddings["d"].lookup(torch.tensor([6])))
     ps.close()
+
+
+@pytest.mark.parametrize("volatile", ["memory", "redis"])
+def test_lookup_many_equals_per_table_and_training_lookups(tmp_path, request, volatile):
+    tables = {name: dynemb.DynamicEmbedding(D, seed=i, initializer="normal") for i, name in enumerate(["a", "b"])}
+    model = torch.nn.ModuleDict(tables)
+    for emb in tables.values():
+        emb(KEYS)
+    export_for_serving(tmp_path, model)
+    store = {"type": "memory"} if volatile == "memory" else {
+        "type": "redis", "address": request.getfixturevalue("redis_address")}
+    ps = ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [str(tmp_path)],
+                                                  "embedding_table_names": ["a", "b"],
+                                                  "embedding_vecsize_per_table": [D, D], "cache_fraction": 0.05}],
+                                      "volatile_db": store})
+    ps.load("m", progress=False)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        ids = {name: KEYS[torch.randint(0, len(KEYS), (4, 16), generator=g)] for name in tables}
+        got = ps.lookup_many("m", ids)
+        for name, emb in tables.items():
+            assert torch.equal(got[name], emb.eval().lookup(ids[name]))
+            assert torch.equal(got[name], ps.lookup("m", name, ids[name]))
+    ps.close()
