@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["gather_rows", "copy_rows"]
+__all__ = ["gather_rows", "last_occurrence", "copy_rows"]
 
 # Rows gathered per step by copy_rows on CPU: a cache-sized temporary instead of one [N, D] tensor, whose fresh
 # pages cost more to fault in than the copy itself.
@@ -42,3 +42,11 @@ def copy_rows(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src
     step = max(1, n if dst.device.type != "cpu" else _CPU_CHUNK_ELEMENTS // max(1, math.prod(src.shape[1:])))
     for start in range(0, n, step):
         dst.index_copy_(0, dst_index[start : start + step], gather_rows(src, src_index[start : start + step]))
+
+
+def last_occurrence(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique ``keys`` (sorted) with the value of each key's last occurrence; deterministic on every device."""
+    unique, inverse = torch.unique(keys, return_inverse=True)
+    position = torch.arange(keys.numel(), device=keys.device)
+    last = torch.full_like(unique, -1, dtype=torch.int64).scatter_reduce_(0, inverse, position, "amax")
+    return unique, values.index_select(0, last)

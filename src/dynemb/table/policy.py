@@ -22,6 +22,8 @@ import enum
 
 import torch
 
+from .ops import last_occurrence
+
 __all__ = ["EvictionPolicy", "touch_scores"]
 
 _LOW32 = 0xFFFFFFFF
@@ -76,12 +78,4 @@ def touch_scores(
         scores.index_copy_(0, rows, fresh)
         scores.index_add_(0, rows, torch.ones_like(rows) if counts is None else counts)
     elif custom is not None:
-        scores.index_copy_(0, *_last_occurrence(rows, custom))
-
-
-def _last_occurrence(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deduplicate ``rows`` keeping the value of each row's last occurrence (deterministic on every device)."""
-    unique, inverse = torch.unique(rows, return_inverse=True)
-    position = torch.arange(rows.numel(), device=rows.device)
-    last = torch.full_like(unique, -1).scatter_reduce_(0, inverse, position, "amax")
-    return unique, values.index_select(0, last)
+        scores.index_copy_(0, *last_occurrence(rows, custom))

@@ -29,6 +29,7 @@ from typing import Mapping
 
 import torch
 
+from dynemb.table.ops import last_occurrence
 from dynemb.table.checks import VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like
 
 __all__ = [
@@ -158,10 +159,7 @@ def check_table_name(table) -> str:
 def dedupe_last(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unique keys with the value of each key's last occurrence. Keys come out sorted, the order in which B-tree
     and LSM stores write a batch fastest."""
-    unique, inverse = torch.unique(keys, return_inverse=True)
-    position = torch.arange(keys.numel())
-    last = torch.full((unique.numel(),), -1, dtype=torch.int64).scatter_reduce_(0, inverse, position, "amax")
-    return unique, values.index_select(0, last)
+    return last_occurrence(keys, values)
 
 
 class RowStore(abc.ABC):
