@@ -7,8 +7,8 @@ Tables:
              items (a multi-hot bag, mean-pooled) and the watch history (a sequence, not pooled);
     user     dynamic, bounded to 300 rows with LRU eviction;
     country  static table of 50 rows (ids 0..49);
-    tag_a,   two int32 dynamic tables of the same dim and optimizer: ``table_stacking="auto"`` stores them in
-    tag_b    one physical table (key ``table << 32 | id``), with results identical to separate tables.
+    tag_a,   two int32 dynamic tables of the same dim and optimizer; each keeps its own int32 ids, rows, seed
+    tag_b    and optimizer step count, so it trains exactly as it would alone.
 """
 
 import torch
@@ -64,14 +64,14 @@ def batch(g: torch.Generator):
 def main() -> None:
     torch.manual_seed(0)
     ec = build()
-    print("physical tables:", {name: type(m).__name__ for name, m in ec.embeddings.items()})
+    print("tables:", {name: type(m).__name__ for name, m in ec.embeddings.items()})
     pooled = ["candidate", "clicked", "user", "country", "tag_a", "tag_b"]
     top = nn.Sequential(nn.Linear((len(pooled) + 1) * D, 32), nn.ReLU(), nn.Linear(32, 1))
     dense_opt = torch.optim.Adam(top.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
     for step in range(60):
         inputs, labels = batch(g)
-        out = ec(inputs)  # one dedup + find/insert + gather per physical table, however many features use it
+        out = ec(inputs)  # one dedup + find/insert + gather per table, however many features use it
         if step == 0:
             for name, value in out.items():
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else \
@@ -92,8 +92,8 @@ def main() -> None:
         if step % 20 == 0 or step == 59:
             print(f"step {step:2d}  loss {loss.item():.4f}")
     sizes = {name: len(m.table) for name, m in ec.embeddings.items()}
-    print("rows per physical table:", sizes)
-    ids, values = ec.export("tag_b")  # a logical table, unstacked: its own int32 ids
+    print("rows per table:", sizes)
+    ids, values = ec.export("tag_b")  # the table the user configured: its own int32 ids
     print(f"tag_b export: {ids.numel()} ids {ids.dtype} in [{int(ids.min())}, {int(ids.max())}]")
 
 

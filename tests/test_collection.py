@@ -5,51 +5,55 @@ import dynemb
 from dynemb import EmbeddingCollection, FeatureConfig, TableConfig, optim
 
 
-def build(stacking, static=False, key_dtype=torch.int32, opt=None):
+def build(static=False, key_dtype=torch.int32, opt=None, names=("user", "item")):
     opt = opt or optim.Adagrad(lr=0.1)
     vocab = 50 if static else None
+    key_dtype = torch.int64 if static else key_dtype
     tables = [TableConfig(name="user", dim=4, vocabulary_size=vocab, key_dtype=key_dtype, optimizer=opt, seed=1),
               TableConfig(name="item", dim=4, vocabulary_size=vocab, key_dtype=key_dtype, optimizer=opt, seed=2,
                           combiner="sum", initializer="normal")]
     features = [FeatureConfig(name="uid", table="user"), FeatureConfig(name="clicked", table="item"),
                 FeatureConfig(name="viewed", table="item", combiner="sqrtn")]
-    return EmbeddingCollection(tables, features, table_stacking=stacking)
+    tables = [t for t in tables if t.name in names]
+    return EmbeddingCollection(tables, [f for f in features if f.table_name in names])
 
 
-def batch(step, dtype):
+WEIGHT = {"uid": 1.0, "clicked": 2.0, "viewed": 3.0}
+
+
+def batch(step, dtype, names=("user", "item")):
     g = torch.Generator().manual_seed(step)
     ids = lambda *shape: torch.randint(0, 50, shape, generator=g).to(dtype)  # noqa: E731
-    return {"uid": ids(8), "clicked": (ids(20), torch.tensor([0, 3, 3, 7, 10, 12, 15, 19])),
-            "viewed": ids(8, 3)}
+    out = {"uid": ids(8), "clicked": (ids(20), torch.tensor([0, 3, 3, 7, 10, 12, 15, 19])), "viewed": ids(8, 3)}
+    return {f: v for f, v in out.items() if (f == "uid") == ("user" in names) or (f != "uid" and "item" in names)}
 
 
-def train(ec, dtype, steps=5):
+def train(ec, dtype, steps=5, names=("user", "item")):
     for step in range(steps):
-        out = ec(batch(step, dtype))
-        loss = sum((o * (i + 1)).sum() for i, o in enumerate(out.values()))
+        out = ec(batch(step, dtype, names))
+        loss = sum((o * weight).sum() for o, weight in zip(out.values(), (WEIGHT[f] for f in out)))
         loss.backward()
         ec.optimizer.step()
         ec.optimizer.zero_grad()
-    return {t: ec.export(t) for t in ("user", "item")}
+    return {t: ec.export(t) for t in names}
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic_int32", "static"])
-def test_stacking_gives_identical_results(static):
+def test_a_table_trains_the_same_beside_other_tables(static):
     dtype = torch.int64 if static else torch.int32
-    stacked, apart = build("auto", static), build(None, static)
-    assert len(stacked.embeddings) == 1 and len(apart.embeddings) == 2
-    a, b = train(stacked, dtype), train(apart, dtype)
+    together = train(build(static), dtype)
     for name in ("user", "item"):
-        ka, va = a[name]
-        kb, vb = b[name]
+        alone = train(build(static, names=(name,)), dtype, names=(name,))
+        ka, va = together[name]
+        kb, vb = alone[name]
         oa, ob = ka.argsort(), kb.argsort()
-        assert torch.equal(ka[oa], kb[ob])
+        assert ka.dtype == dtype and torch.equal(ka[oa], kb[ob])
         assert torch.equal(va[oa], vb[ob])
 
 
-def test_int64_dynamic_tables_are_not_stacked():
-    ec = build("auto", key_dtype=torch.int64)
-    assert len(ec.embeddings) == 2
+def test_each_table_has_its_own_module():
+    ec = build(key_dtype=torch.int32)
+    assert sorted(ec.embeddings) == ["item", "user"]
 
 
 def test_shapes_and_sequence_outputs():

@@ -211,7 +211,7 @@ def _assert_same(a: DynamicEmbedding, b: DynamicEmbedding) -> None:
     kb, vb, sb = b.export(with_scores=True)
     assert torch.equal(ka, kb) and torch.equal(va, vb) and torch.equal(sa, sb)
     assert torch.equal(a.table.export().slots["acc"], b.table.export().slots["acc"])
-    assert a._counters() == b._counters()
+    assert a.counters() == b.counters()
     assert a.config() == b.config()
 
 

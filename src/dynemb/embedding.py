@@ -178,7 +178,8 @@ class DynamicEmbedding(nn.Module):
             "slots": {name: list(t.slot(name).shape[1:]) for name in t.slot_names},
         }
 
-    def _counters(self) -> dict:
+    def counters(self) -> dict:
+        """The table's counters (clock, epoch, inserted/removed/evicted counts, initializer calls)."""
         t = self.table
         return {k: getattr(t, k) for k in ("clock", "epoch", "inserted", "removed", "evicted", "_init_calls")}
 
@@ -189,7 +190,7 @@ class DynamicEmbedding(nn.Module):
         destination[prefix + "scores"] = rows.scores
         for name, tensor in rows.slots.items():
             destination[prefix + "slot." + name] = tensor
-        destination[prefix + "_extra_state"] = {"config": self.config(), "counters": self._counters()}
+        destination[prefix + "_extra_state"] = {"config": self.config(), "counters": self.counters()}
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors):
         t = self.table
@@ -246,11 +247,13 @@ class StaticEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, dim: int, *, dtype: torch.dtype = torch.float32,
-                 initializer: InitializerSpec = "uniform", device=None, seed: int | None = None) -> None:
+                 key_dtype: torch.dtype = torch.int64, initializer: InitializerSpec = "uniform", device=None,
+                 seed: int | None = None) -> None:
         super().__init__()
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
-        self.table = StaticTable(num_embeddings, dim, dtype=dtype, device=device, initializer=initializer, seed=seed)
+        self.table = StaticTable(num_embeddings, dim, key_dtype=key_dtype, dtype=dtype, device=device,
+                                 initializer=initializer, seed=seed)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from .functional import embedding_lookup

@@ -8,6 +8,8 @@ once when it is fused, otherwise kept until ``optimizer.step()``.
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -15,9 +17,22 @@ from .table import KeyValueTable
 from .table.ops import gather_rows
 from .table.static import StaticTable
 
-__all__ = ["embedding_lookup", "embedding_lookup_sparse", "SparseGrad", "COMBINERS"]
+__all__ = ["embedding_lookup", "embedding_lookup_sparse", "SparseGrad", "COMBINERS", "BagSet", "to_bags", "pool",
+           "pool_many", "pooled_lookup", "unique_rows", "read_rows", "deliver_gradient", "current_rows",
+           "clip_rows", "check_combiner", "counts_occurrences"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
+
+
+class BagSet(NamedTuple):
+    """Bags of one feature over a slice of concatenated ids: ``num_ids`` ids in ``num_bags`` bags starting at
+    ``offsets [B]`` (relative to the slice), optional ``weights [num_ids]``, pooled by ``combiner``."""
+
+    num_ids: int
+    offsets: torch.Tensor
+    weights: Optional[torch.Tensor]
+    num_bags: int
+    combiner: str
 
 
 def _table_of(embedding) -> KeyValueTable:
@@ -71,7 +86,9 @@ def current_rows(table, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def _deliver(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
+def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
+    """Hand the gradient ``grad [U, D]`` of ``keys [U]`` (read from ``rows [U]``) to the table's optimizer: applied
+    at once when it is fused, else kept until ``step()``. Keys without a stored row lose their gradient."""
     rows = current_rows(table, keys, rows)
     kept = rows >= 0  # keys not stored (admission, eviction) have no trainable row: their gradient is dropped
     if not bool(kept.all()):
@@ -92,32 +109,35 @@ class _TableRows(torch.autograd.Function):
     def forward(ctx, anchor, table, keys, rows):
         ctx.table = table
         ctx.save_for_backward(keys, rows)
-        return _read_rows(table, keys, rows)
+        return read_rows(table, keys, rows)
 
     @staticmethod
     def backward(ctx, grad):
         keys, rows = ctx.saved_tensors
-        _deliver(ctx.table, keys, rows, grad)
+        deliver_gradient(ctx.table, keys, rows, grad)
         return None, None, None, None
 
 
-def _read_rows(table, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def read_rows(table, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[U, D]`` rows of ``keys`` read from ``rows``; keys without a row (-1) get their initializer row."""
     values = gather_rows(table.values, rows.clamp(min=0))
     missing = (rows < 0).nonzero().squeeze(1)
     if missing.numel():
-        values.index_copy_(0, missing, table._initial(keys.index_select(0, missing)))
+        values.index_copy_(0, missing, table.initial_rows(keys.index_select(0, missing)))
     return values
 
 
-def unique_rows(embedding, ids: torch.Tensor, max_norm: float | None = None):
+def unique_rows(embedding, ids: torch.Tensor, max_norm: float | None = None, *, training: bool | None = None,
+                checked: bool = False):
     """Deduplicate ``ids`` and read their rows: ``(values [U, D], inverse [N])`` with ``values[inverse]`` the rows
-    of ``ids.reshape(-1)``. Inserts missing ids in training mode; differentiable when grad is enabled."""
+    of ``ids.reshape(-1)``. Inserts missing ids in training mode; differentiable when grad is enabled.
+    ``training`` overrides the module's mode; ``checked`` says the ids were validated already."""
     if max_norm is not None:
         _check_max_norm(max_norm)
-    table, unique, rows, inverse, grad = _find_unique(embedding, ids)
+    table, unique, rows, inverse, grad = _find_unique(embedding, ids, training, checked)
     values = _rows_tensor(table, unique, rows, grad)
     if max_norm is not None:
-        values = _clip(values, max_norm)
+        values = clip_rows(values, max_norm)
     return values, inverse
 
 
@@ -126,13 +146,14 @@ def counts_occurrences(table) -> bool:
     return isinstance(table, KeyValueTable) and (table.admission is not None or table.policy.value.endswith("lfu"))
 
 
-def _find_unique(embedding, ids: torch.Tensor):
+def _find_unique(embedding, ids: torch.Tensor, training: bool | None = None, checked: bool = False):
     """``(table, unique, rows, inverse, trains)``: ``ids`` deduplicated and looked up (inserted in training mode);
     ``trains`` says whether gradients flow to the table."""
     table = _table_of(embedding)
-    training = getattr(embedding, "training", True)
+    if training is None:
+        training = getattr(embedding, "training", True)
     flat = ids.reshape(-1)
-    if hasattr(table, "check_ids"):
+    if not checked and isinstance(table, StaticTable):
         flat = table.check_ids(flat)
     if training and counts_occurrences(table):
         # lfu scores and admission count every occurrence, not every distinct id of the call
@@ -153,7 +174,7 @@ def _find_unique(embedding, ids: torch.Tensor):
 def _rows_tensor(table, unique: torch.Tensor, rows: torch.Tensor, trains: bool) -> torch.Tensor:
     if trains:
         return _TableRows.apply(torch.empty(0, requires_grad=True), table, unique, rows)
-    return _read_rows(table, unique, rows)
+    return read_rows(table, unique, rows)
 
 
 def _in_row_order(unique: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor):
@@ -165,7 +186,7 @@ def _in_row_order(unique: torch.Tensor, rows: torch.Tensor, inverse: torch.Tenso
     return unique.index_select(0, order), rows, position.index_select(0, inverse)
 
 
-def _clip(values: torch.Tensor, max_norm: float) -> torch.Tensor:
+def clip_rows(values: torch.Tensor, max_norm: float) -> torch.Tensor:
     # tf.clip_by_norm semantics (as TF/HPS embedding lookups): v * max_norm / max(||v||, max_norm).
     _check_max_norm(max_norm)
     norm = values.float().norm(dim=1, keepdim=True)
@@ -194,7 +215,7 @@ def embedding_lookup(embedding, ids: torch.Tensor, max_norm: float | None = None
     return F.embedding(inverse, values).view(*ids.shape, table.dim)
 
 
-def _check_combiner(combiner: str) -> str:
+def check_combiner(combiner: str) -> str:
     if combiner not in COMBINERS:
         raise ValueError(f"combiner must be one of {COMBINERS}, got {combiner!r}")
     return combiner
@@ -286,7 +307,7 @@ class _TablePool(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         keys, rows, inverse, offsets, weights = ctx.saved_tensors
-        _deliver(ctx.table, keys, rows, _bag_sum_grad(grad.contiguous(), inverse, offsets, weights, keys.numel()))
+        deliver_gradient(ctx.table, keys, rows, _bag_sum_grad(grad.contiguous(), inverse, offsets, weights, keys.numel()))
         return (None,) * 7
 
 
@@ -312,12 +333,12 @@ def _bag_sum_grad(grad, inverse, offsets, weights, num_rows: int) -> torch.Tenso
 
 def pool(values, inverse, offsets, weights, num_bags: int, combiner: str) -> torch.Tensor:
     """Pool rows ``values[inverse]`` per bag: ``[B, D]``; empty bags give zeros."""
-    return pool_many(values, inverse, [(inverse.numel(), offsets, weights, num_bags, combiner)])[0]
+    return pool_many(values, inverse, [BagSet(inverse.numel(), offsets, weights, num_bags, combiner)])[0]
 
 
-def pool_many(values, inverse, bag_sets: list) -> list[torch.Tensor]:
+def pool_many(values, inverse, bag_sets: list[BagSet]) -> list[torch.Tensor]:
     """Pool several bag sets over the same rows ``values``: ``inverse`` is the concatenation of the sets' row
-    indices and each set is ``(num_ids, offsets, weights, num_bags, combiner)``.
+    indices.
 
     One sum-pooling op serves all the sets, so backward builds a single ``[U, D]`` gradient instead of one per set
     (features sharing a table would otherwise each produce, and sum, a gradient the size of all the rows).
@@ -328,14 +349,15 @@ def pool_many(values, inverse, bag_sets: list) -> list[torch.Tensor]:
     return _split_combine(_BagSum.apply(values, inverse, offsets, weights), bag_sets)
 
 
-def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list) -> list[torch.Tensor]:
+def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, training: bool | None = None,
+                  checked: bool = False) -> list[torch.Tensor]:
     """Pooled lookups of several bag sets in one table with one dedup and one find: ``ids`` is the concatenation
-    of the sets' ids and each set is ``(num_ids, offsets, weights, num_bags, combiner)``.
+    of the sets' ids. ``training`` overrides the module's mode; ``checked`` says the ids were validated already.
 
     When every id has a stored row (always in training, unless admission or eviction says otherwise) the bags are
     pooled straight from the table; otherwise the unique rows are read first (initializer rows for the others).
     """
-    table, unique, rows, inverse, trains = _find_unique(embedding, ids)
+    table, unique, rows, inverse, trains = _find_unique(embedding, ids, training, checked)
     offsets, weights = _concat_bags(bag_sets, table.dtype, table.device)
     if (weights is not None and weights.requires_grad) or not bool((rows >= 0).all()):
         summed = _BagSum.apply(_rows_tensor(table, unique, rows, trains), inverse, offsets, weights)
@@ -347,21 +369,21 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list) -> list[torch.Te
     return _split_combine(summed, bag_sets)
 
 
-def _concat_bags(bag_sets: list, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _concat_bags(bag_sets: list[BagSet], dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Offsets (shifted to the concatenated ids) and weights (ones for unweighted sets) of all the bag sets."""
     starts = [0]
     for s in bag_sets[:-1]:
-        starts.append(starts[-1] + s[0])
-    offsets = torch.cat([s[1] + start for s, start in zip(bag_sets, starts)])
-    if all(s[2] is None for s in bag_sets):
+        starts.append(starts[-1] + s.num_ids)
+    offsets = torch.cat([s.offsets + start for s, start in zip(bag_sets, starts)])
+    if all(s.weights is None for s in bag_sets):
         return offsets, None
-    weights = torch.cat([s[2].to(dtype) if s[2] is not None else torch.ones(s[0], dtype=dtype, device=device)
-                         for s in bag_sets])
+    weights = torch.cat([s.weights.to(dtype) if s.weights is not None
+                         else torch.ones(s.num_ids, dtype=dtype, device=device) for s in bag_sets])
     return offsets, weights
 
 
-def _split_combine(summed: torch.Tensor, bag_sets: list) -> list[torch.Tensor]:
-    return [_combine(part, *s) for part, s in zip(summed.split([s[3] for s in bag_sets]), bag_sets)]
+def _split_combine(summed: torch.Tensor, bag_sets: list[BagSet]) -> list[torch.Tensor]:
+    return [_combine(part, *s) for part, s in zip(summed.split([s.num_bags for s in bag_sets]), bag_sets)]
 
 
 def _combine(summed, n: int, offsets, weights, num_bags: int, combiner: str) -> torch.Tensor:
@@ -411,10 +433,10 @@ def embedding_lookup_sparse(
         >>> embedding_lookup_sparse(emb, torch.tensor([1, 2, 3]), torch.tensor([0, 2]), combiner="sum").tolist()
         [[2.0, 2.0], [1.0, 1.0]]
     """
-    _check_combiner(combiner)
+    check_combiner(combiner)
     flat, offsets, weights, num_bags = to_bags(ids, offsets, weights, padding_value=padding_value,
                                                 include_last_offset=include_last_offset)
     if max_norm is None:
-        return pooled_lookup(embedding, flat, [(flat.numel(), offsets, weights, num_bags, combiner)])[0]
+        return pooled_lookup(embedding, flat, [BagSet(flat.numel(), offsets, weights, num_bags, combiner)])[0]
     values, inverse = unique_rows(embedding, flat, max_norm)
     return pool(values, inverse, offsets, weights, num_bags, combiner)

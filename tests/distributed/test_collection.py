@@ -87,7 +87,7 @@ def _sharded(rank, world, opt_name, fused, policy=None):
 
 def _single(opt_name, policy=None):
     tables, features, _ = configs(opt_name, policy)
-    ec = EmbeddingCollection(tables, features, table_stacking=None)
+    ec = EmbeddingCollection(tables, features)
     train(ec, None)
     return {t.name: ec.export(t.name) for t in tables}
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Example script -> lines its output must contain.
 SCRIPTS = {
     "quickstart.py": ["loss: first 20 steps", "table: 2000 rows (max 2000)", "serving export written to"],
-    "collection.py": ["stack:tag_a+tag_b", "history   -> Jagged(", "tag_b export: 10 ids torch.int32"],
+    "collection.py": ["'tag_b': 'DynamicEmbedding'", "history   -> Jagged(", "tag_b export: 10 ids torch.int32"],
     "checkpoint_resume.py": ["resumed run equals uninterrupted run: True",
                              "resume from the incremental checkpoint equals it too: True"],
     "serve.py": ["equal to training lookups", "served rows equal the newly trained ones"],

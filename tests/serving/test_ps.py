@@ -170,11 +170,11 @@ def test_static_tables_are_exported_and_served(tmp_path):
     ec({"s": torch.tensor([1, 2]), "d": torch.tensor([5, 6])})
     export_for_serving(tmp_path, ec)
     ps = ParameterServer.from_config({"models": [{
-        "model": "m", "sparse_files": [str(tmp_path)], "embedding_table_names": ["embeddings.s", "embeddings.d"],
+        "model": "m", "sparse_files": [str(tmp_path)], "embedding_table_names": ["s", "d"],
         "embedding_vecsize_per_table": [D, D]}]})
     ps.load("m", progress=False)
-    assert torch.equal(ps.lookup("m", "embeddings.s", torch.arange(10)), ec.embeddings["s"].table.values)
-    assert torch.equal(ps.lookup("m", "embeddings.d", torch.tensor([6])), ec.embeddings["d"].lookup(torch.tensor([6])))
+    assert torch.equal(ps.lookup("m", "s", torch.arange(10)), ec.embeddings["s"].table.values)
+    assert torch.equal(ps.lookup("m", "d", torch.tensor([6])), ec.embeddings["d"].lookup(torch.tensor([6])))
     ps.close()
 
 

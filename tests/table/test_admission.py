@@ -21,7 +21,7 @@ def test_key_is_stored_exactly_at_threshold(threshold):
         if seen < threshold:
             assert torch.equal(after, before)  # reads the initializer row; gradient dropped
         else:
-            assert torch.allclose(after, before - 1.0 if seen > threshold else emb.table._initial(key) - 1.0)
+            assert torch.allclose(after, before - 1.0 if seen > threshold else emb.table.initial_rows(key) - 1.0)
 
 
 def test_duplicates_in_one_batch_count():

@@ -1,7 +1,8 @@
-"""The dense part of a model: every state_dict entry that does not belong to a DynamicEmbedding.
+"""The dense part of a model: every state_dict entry that does not belong to a table.
 
-``model.state_dict()`` would make each DynamicEmbedding export (copy) its whole table, so the dense state is
-collected module by module instead, skipping the DynamicEmbeddings, with the same names ``state_dict`` uses.
+``model.state_dict()`` would make each table export (copy) its rows, so the dense state is collected module by
+module instead, skipping the tables (standalone Dynamic/StaticEmbeddings, and the tables of collections), with the
+same names ``state_dict`` uses.
 """
 
 from __future__ import annotations
@@ -10,18 +11,22 @@ from pathlib import Path
 
 from torch import nn
 
-from ..embedding import DynamicEmbedding
+from ..embedding import DynamicEmbedding, StaticEmbedding
 from .errors import CheckpointError
 
 __all__ = ["dense_state", "check_dense"]
 
 
 def dense_state(model: nn.Module, keep_vars: bool = False) -> dict:
-    """Parameters, persistent buffers and extra state of every module except DynamicEmbeddings (no copies)."""
+    """Parameters, persistent buffers and extra state of every module except the tables (no copies)."""
     state: dict = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
-        if not isinstance(module, DynamicEmbedding):
-            module._save_to_state_dict(state, f"{prefix}." if prefix else "", keep_vars)
+        if isinstance(module, (DynamicEmbedding, StaticEmbedding)):
+            continue
+        # A collection's own _save_to_state_dict adds its tables: take only what nn.Module itself would.
+        save = nn.Module._save_to_state_dict if callable(getattr(module, "logical_tables", None)) \
+            else type(module)._save_to_state_dict
+        save(module, state, f"{prefix}." if prefix else "", keep_vars)
     return state
 
 

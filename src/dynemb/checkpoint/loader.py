@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..distributed.plan import ShardingKind
 from . import lineage
 from .codec import read_state
 from .dense import check_dense
@@ -16,12 +17,13 @@ from .manifest import MANIFEST, chain, file_record, resolve
 from .progress import logger, transfer
 from .ranks import RankContext, merge_states, rank_context
 from .saver import STREAM
-from .tables import KEYS, apply_delta, check_shard, find_embeddings, restore, table_config
+from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, apply_delta, check_shard, find_tables, restore, \
+    table_config
 from .tensorfile import read_tensors
 
 __all__ = ["load"]
 
-_ALWAYS_MATCH = ("dim", "dtype", "key_dtype")
+_ALWAYS_MATCH = ("dim", "dtype", "key_dtype", "vocabulary_size")
 _STRICT_MATCH = ("eviction",)  # scores mean something else under another policy
 
 
@@ -35,11 +37,14 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
 
     Args:
         path: a checkpoint root (its ``latest`` pointer is followed) or one checkpoint directory.
-        model: the model to restore; its DynamicEmbeddings are matched to saved tables by module name.
+        model: the model to restore; its tables are matched to saved tables by name (a collection's tables by
+            their TableConfig names, a standalone embedding by module path), whatever layout either side used, and
+            each table's own optimizer (``TableConfig.optimizer``) is restored with it.
         optimizer: restored with ``load_state_dict`` from the saved optimizer state.
         strict: require the same tables, slots and eviction policies, the same dense state_dict keys, and saved
-            optimizer state when ``optimizer`` is given. When False, what is absent on either side is skipped (with
-            a warning). Dim, dtype and key dtype must match in any case.
+            state for every optimizer the model owns and for ``optimizer`` when given. When False, a table absent
+            on either side is skipped (each one named in a warning); the rows of a table on both sides are always
+            loaded. Dim, dtype, key dtype and vocabulary size must match in any case.
 
     Returns:
         The manifest of the loaded checkpoint (``step``, ``extra``, table configs, ...), plus ``path``.
@@ -64,19 +69,21 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {strict!r}")
     ctx = rank_context(model)
-    embeddings = find_embeddings(model)
+    tables = find_tables(model)
     directory = resolve(path)
     links = chain(directory)
     manifest = links[-1][1]
-    names = _matching_tables(manifest, directory, embeddings, strict, ctx)
-    plan = {name: _sources(links, name, ctx) for name in names}
+    names = _matching_tables(manifest, directory, tables, strict)
+    plan = {name: _sources(links, name, tables[name], ctx) for name in names}
+    table_optimizers = {name: _optimizer_state(manifest, directory, name, tables[name], plan[name][0], strict, ctx)
+                        for name in names}
     dense_file = _state_file(manifest, directory, "dense")
     opt_files = _optimizer_files(manifest, directory, optimizer, strict, ctx)
     total = sum(record.bytes for sources, _ in plan.values() for steps in sources.values() for _, _, record, _ in steps)
     total += sum(record.bytes for _, record in [dense_file, *opt_files])
     with transfer(f"loaded {directory}", total) as progress:
         configs = {name: manifest["tables"][name]["config"] for name in plan}
-        shards = {name: _read_sources(name, sources, reshard, configs[name], ctx, progress)
+        shards = {name: _read_sources(sources, reshard, configs[name], tables[name], progress)
                   for name, (sources, reshard) in plan.items()}
         dense = check_dense(model, read_state(*dense_file, progress), strict, dense_file[0])
         opt_state = merge_states([read_state(*f, progress) for f in opt_files]) if opt_files else None
@@ -85,32 +92,32 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
             optimizer.load_state_dict(opt_state)
         model.load_state_dict(dense, strict=False)
         for name, (cols, saved_counters) in shards.items():
-            restore(embeddings[name], cols, saved_counters, manifest["tables"][name]["config"]["seed"])
-    lineage.record([embeddings[n].table for n in shards], STREAM, os.path.realpath(directory.parent),
+            restore(tables[name], cols, {**saved_counters, "seed": configs[name]["seed"]})
+            if table_optimizers[name] is not None:
+                tables[name].optimizer.load_state_dict(table_optimizers[name])
+    lineage.record([tables[n].table for n in shards], STREAM, os.path.realpath(directory.parent),
                    directory.name, reset=True)
     return {**manifest, "path": str(directory)}
 
 
-def _matching_tables(manifest: dict, directory: Path, embeddings: dict, strict: bool, ctx: RankContext) -> list[str]:
-    """Names of the tables to load, after comparing configs with the model's."""
+def _matching_tables(manifest: dict, directory: Path, tables: dict, strict: bool) -> list[str]:
+    """Names of the tables to load on this rank, after comparing configs with the model's."""
     file = directory / MANIFEST
     saved = manifest.get("tables", {})
-    only_saved, only_model = sorted(set(saved) - set(embeddings)), sorted(set(embeddings) - set(saved))
-    if ctx.distributed:  # tables held by other ranks are expected to be absent here
-        only_saved = [n for n in only_saved if n not in ctx.shardings]
+    only_saved, only_model = sorted(set(saved) - set(tables)), sorted(set(tables) - set(saved))
     if only_saved or only_model:
         message = f"{file}: tables only in the checkpoint: {only_saved}; only in the model: {only_model}"
         if strict:
             raise CheckpointError(message + " (strict=True)")
         logger.warning("%s; skipping them", message)
-    names = [n for n in embeddings if n in saved]
+    names = [n for n, shard in tables.items() if n in saved and shard.module is not None]
     for name in names:
-        _check_config(saved[name], embeddings[name], directory, name, strict)
+        _check_config(saved[name], tables[name], directory, name, strict)
     return names
 
 
-def _check_config(saved: dict, emb, directory: Path, name: str, strict: bool) -> None:
-    config, mine = saved["config"], table_config(emb)
+def _check_config(saved: dict, shard, directory: Path, name: str, strict: bool) -> None:
+    config, mine = saved["config"], table_config(shard)
     where = f"{directory / saved['shards'][0]['file']}: table {name!r}"
     fields = _ALWAYS_MATCH + (_STRICT_MATCH if strict else ())
     for field in fields:
@@ -131,12 +138,12 @@ def _check_config(saved: dict, emb, directory: Path, name: str, strict: bool) ->
             if strict:
                 raise CheckpointError(message + " (strict=True; create the optimizer before loading)")
             logger.warning("%s; %s", message, "skipped" if slot in slots else "it starts at its initial value")
-    rows, capacity = saved["shards"][0]["rows"], emb.table.max_capacity
+    rows, capacity = saved["shards"][0]["rows"], shard.table.max_capacity
     if capacity is not None and rows > capacity:
         raise CheckpointError(f"{where}: {rows} rows do not fit max_capacity={capacity} of the model's table")
 
 
-def _sources(links: list, name: str, ctx: RankContext) -> tuple[dict, bool]:
+def _sources(links: list, name: str, shard, ctx: RankContext) -> tuple[dict, bool]:
     """``({saved rank: steps}, reshard)`` for one table: each step is ``(path, is_delta, record, shard entry)``,
     oldest first, and every file is checked to exist before any is read.
 
@@ -150,13 +157,11 @@ def _sources(links: list, name: str, ctx: RankContext) -> tuple[dict, bool]:
     if not isinstance(world, int) or world < 1 or sorted(ranks) != ranks or not set(ranks) <= set(range(world)):
         raise CheckpointError(f"{last_dir / MANIFEST}: table {name!r} lists shards of ranks {ranks} for "
                               f"world_size={world!r}")
-    sharding = ctx.shardings.get(name)
-    current = sharding[0].describe() if sharding else None
     mine = [s for s in shards if s["rank"] == ctx.rank]
-    if world == ctx.world and mine and mine[0].get("sharding") == current:
+    if world == ctx.world and mine and mine[0].get("sharding") == shard.describe_sharding():
         wanted, reshard = [ctx.rank], False
-    elif ranks == [0] and (sharding is None or sharding[0].kind == "data"):
-        wanted, reshard = [0], False  # one copy of a replicated (or unsharded) table
+    elif ranks == [0] and (shard.sharding is None or shard.sharding.kind == ShardingKind.DATA):
+        wanted, reshard = [0], False  # one copy of a replicated (or whole) table
     else:
         wanted, reshard = ranks, True
     sources = {}
@@ -167,26 +172,49 @@ def _sources(links: list, name: str, ctx: RankContext) -> tuple[dict, bool]:
             if entry is None:
                 raise CheckpointError(f"{directory / MANIFEST}: table {name!r} is missing from this checkpoint of "
                                       "the chain")
-            shard = next((s for s in entry.get("shards", []) if s.get("rank") == rank), None)
-            if shard is None:
+            record = next((s for s in entry.get("shards", []) if s.get("rank") == rank), None)
+            if record is None:
                 raise CheckpointError(f"{directory / MANIFEST}: table {name!r} has no shard of rank {rank}")
-            rel = shard["file"]
+            rel = record["file"]
             if not (directory / rel).is_file():
                 raise CheckpointError(f"{directory / rel}: shard file of table {name!r} rank {rank} is missing")
-            steps.append((directory / rel, manifest["kind"] != "full", file_record(manifest, directory, rel), shard))
+            steps.append((directory / rel, manifest["kind"] != "full", file_record(manifest, directory, rel), record))
         sources[rank] = steps
     return sources, reshard
 
 
-def _read_sources(name: str, sources: dict, reshard: bool, config: dict, ctx: RankContext, progress):
-    """``(columns, counters)`` of this rank's part of table ``name``."""
+def _optimizer_state(manifest: dict, directory: Path, name: str, shard, sources: dict, strict: bool,
+                     ctx: RankContext):
+    """The saved state of the table's own optimizer (this rank's shard's, else the first saved one's), or None."""
+    if shard.optimizer is None:
+        return None
+    entries = manifest["tables"][name].get("shards", [])
+    saved = [e["optimizer"] for e in entries if isinstance(e.get("optimizer"), dict)]
+    own = [e["optimizer"] for e in entries if e.get("rank") in sources and isinstance(e.get("optimizer"), dict)]
+    if saved:
+        return own[0] if own else saved[0]
+    message = f"{directory / MANIFEST}: table {name!r} has no saved state of its optimizer {shard.optimizer!r}"
+    if strict:
+        raise CheckpointError(message + " (strict=True; a checkpoint of the tables alone loads with strict=False)")
+    logger.warning("%s; it starts fresh", message)
+    return None
+
+
+def _read_sources(sources: dict, reshard: bool, config: dict, shard, progress):
+    """``(columns, counters)`` of this rank's part of the table."""
     parts = {rank: _read_shard(steps, config, progress) for rank, steps in sources.items()}
     if not reshard:
         (rank, cols), = parts.items()
         return cols, sources[rank][-1][3]["counters"]
-    cols = {col: torch.cat([p[col] for p in parts.values()]) for col in next(iter(parts.values()))}
-    kept = ctx.owned(name, cols[KEYS]).nonzero().squeeze(1)
+    admission = {col: torch.cat([p[col] for p in parts.values()]) for col in (ADMISSION_KEYS, ADMISSION_COUNTS)
+                 if all(col in p for p in parts.values())}
+    cols = {col: torch.cat([p[col] for p in parts.values()]) for col in next(iter(parts.values()))
+            if col not in admission}
+    kept = shard.owned(cols[KEYS]).nonzero().squeeze(1)
     cols = {col: t.index_select(0, kept) for col, t in cols.items()}
+    if admission:
+        pending = shard.owned(admission[ADMISSION_KEYS]).nonzero().squeeze(1)
+        cols.update({col: t.index_select(0, pending) for col, t in admission.items()})
     saved = [steps[-1][3]["counters"] for steps in sources.values()]
     merged = {key: max(c[key] for c in saved) for key in ("clock", "epoch", "_init_calls") if key in saved[0]}
     return cols, {**merged, "inserted": int(kept.numel()), "removed": 0, "evicted": 0}

@@ -13,7 +13,9 @@ __all__ = ["FORMAT", "SERVING_FORMAT", "FORMAT_VERSION", "MANIFEST", "checkpoint
 
 FORMAT = "dynemb.checkpoint"
 SERVING_FORMAT = "dynemb.serving"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Version 1 named tables by module path (and merged stacked tables); version 2 names the user's tables.
+MIN_FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
 
@@ -39,9 +41,10 @@ def read_manifest(directory: Path, fmt: str = FORMAT) -> dict:
     if manifest.get("format") != fmt:
         raise CheckpointError(f"{file}: 'format' is {manifest.get('format')!r}, expected {fmt!r}")
     version = manifest.get("format_version")
-    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
-        raise CheckpointError(f"{file}: 'format_version' is {version!r}; this dynemb reads versions 1 to "
-                              f"{FORMAT_VERSION} (a newer dynemb wrote it?)")
+    if not isinstance(version, int) or not MIN_FORMAT_VERSION <= version <= FORMAT_VERSION:
+        raise CheckpointError(f"{file}: 'format_version' is {version!r}; this dynemb reads versions "
+                              f"{MIN_FORMAT_VERSION} to {FORMAT_VERSION} (version 1, of dynemb 0.1, named tables "
+                              "by their storage layout; a newer version was written by a newer dynemb)")
     return manifest
 
 

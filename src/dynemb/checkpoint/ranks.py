@@ -23,28 +23,15 @@ __all__ = ["RankContext", "rank_context", "merge_states"]
 
 @dataclasses.dataclass
 class RankContext:
+    """This process in the group that saves or loads together (rank 0 of 1 without one)."""
+
     rank: int = 0
     world: int = 1
     group: Optional[object] = None
-    shardings: dict = dataclasses.field(default_factory=dict)  # module name -> (Sharding, key dtype) of a table
 
     @property
     def distributed(self) -> bool:
         return self.world > 1
-
-    def writes(self, name: str) -> bool:
-        """Whether this rank writes table module ``name`` (a replica is written by rank 0 only)."""
-        sharding = self.shardings.get(name)
-        if sharding is None or sharding[0].kind == "data":
-            return self.rank == 0
-        return True
-
-    def owned(self, name: str, keys: torch.Tensor) -> torch.Tensor:
-        """Bool mask of the saved ``keys`` of table ``name`` this rank holds under the current plan."""
-        sharding = self.shardings.get(name)
-        if sharding is None or sharding[0].kind == "data":
-            return torch.ones_like(keys, dtype=torch.bool)
-        return sharding[0].owners(keys.to(torch.int64), self.world) == self.rank
 
     def gather(self, obj) -> list:
         """Every rank's JSON-able ``obj``, in rank order (JSON bytes over the group, never pickle)."""
@@ -57,24 +44,25 @@ class RankContext:
         parts = all_gather_varsize(blob.to(device) if device else blob, self.group, "checkpoint metadata exchange")
         return [json.loads(bytes(p.cpu().tolist()).decode()) for p in parts]
 
+    def gather_tensor(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (first dimensions may differ), in rank order."""
+        if not self.distributed:
+            return [tensor]
+        from ..distributed.comm import all_gather_varsize
+
+        return [p.to(tensor.dtype) for p in all_gather_varsize(tensor, self.group, what)]
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)
 
 
 def rank_context(model: nn.Module) -> RankContext:
-    """The rank layout of ``model``: from its DistributedEmbeddingCollection, else the process group, else one."""
-    from ..distributed.collection import DistributedEmbeddingCollection
-
-    collections = [(path, m) for path, m in model.named_modules() if isinstance(m, DistributedEmbeddingCollection)]
-    if collections:
-        group = collections[0][1].group
-        ctx = RankContext(dist.get_rank(group), dist.get_world_size(group), group)
-        for path, collection in collections:
-            for table, shard in collection.shards.items():
-                name = f"{path}.embeddings.{table}" if path else f"embeddings.{table}"
-                ctx.shardings[name] = (shard.sharding, shard.cfg.key_dtype)
-        return ctx
+    """The rank layout of ``model``: from its sharded collection, else the process group, else one process."""
+    for _, module in model.named_modules():
+        if getattr(module, "sharded", False) is True and getattr(module, "group", None) is not None:
+            group = module.group
+            return RankContext(dist.get_rank(group), dist.get_world_size(group), group)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         # Plain data parallelism: every rank holds the same model, rank 0 writes it.
         return RankContext(dist.get_rank(), dist.get_world_size(), None)

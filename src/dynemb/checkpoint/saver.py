@@ -11,6 +11,9 @@ from pathlib import Path
 
 from torch import nn
 
+from ..collection.plan import TableShard
+from ..distributed.plan import ShardingKind
+
 from ..table.checks import check_positive_int
 from . import lineage
 from .codec import encode
@@ -20,15 +23,15 @@ from .fsutil import TMP_PREFIX, remove_dir, staging, write_json, write_pointer
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, checkpoint_name, complete, read_manifest
 from .progress import logger, transfer
 from .ranks import RankContext, rank_context
-from .tables import columns, counters, delta_columns, find_embeddings, shard_file, table_config
+from .tables import columns, counters, delta_columns, find_tables, shard_file, table_config
 from .tensorfile import write_tensors
 
-__all__ = ["save", "write_payloads", "incremental_parent"]
+__all__ = ["save", "write_payloads", "incremental_parent", "writes"]
 
 DENSE_FILE = "dense.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
-#: A single process is rank 0 of 1; rows of row-sharded tables are owned by ``key % world_size`` by default.
-RANK, WORLD_SIZE, PARTITIONER = 0, 1, "mod"
+#: Rows of row-sharded tables are owned by ``key % world_size`` by default.
+PARTITIONER = "mod"
 STREAM = "checkpoint"
 
 
@@ -38,7 +41,7 @@ def optimizer_file(ctx: RankContext) -> str:
 
 def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incremental: bool = False,
          keep_last: int | None = None) -> Path:
-    """Save every DynamicEmbedding table of ``model``, its dense state and the optimizer's state, atomically.
+    """Save every table of ``model`` (with the optimizers it owns), its dense state and ``optimizer``, atomically.
 
     Writes ``path/step-<step>/`` (one safetensors shard per table per rank, ``dense.safetensors``,
     ``optimizer.safetensors`` and ``manifest.json`` last) through a temp directory that is fsynced and renamed,
@@ -46,10 +49,14 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
 
     Args:
         path: the checkpoint root directory (created if needed).
-        model: an ``nn.Module``; every DynamicEmbedding in it (or the model itself) is saved as a table, everything
-            else through its state_dict entries.
-        optimizer: optional object with ``state_dict()``/``load_state_dict()`` (a torch.optim optimizer, a dynemb
-            sparse optimizer); its state must be tensors, numbers, strings, None, lists, tuples and dicts. Per-row
+        model: an ``nn.Module``. Its logical tables are saved by name (see
+            :func:`~dynemb.checkpoint.tables.find_tables`): an EmbeddingCollection's tables by their TableConfig
+            names, with the state of each table's own optimizer (``TableConfig.optimizer``: step counts and
+            hyper-parameters); a standalone Dynamic/StaticEmbedding by its module path. Everything else is saved
+            through its state_dict entries.
+        optimizer: optional object with ``state_dict()``/``load_state_dict()`` (a torch.optim optimizer for the
+            dense part, a dynemb sparse optimizer built by the user); its state must be tensors, numbers, strings,
+            None, lists, tuples and dicts. Per-row
             optimizer state lives in table slots and is saved with the tables.
         step: training step (int >= 0); names the directory.
         extra: JSON-serializable user data kept in the manifest.
@@ -81,13 +88,13 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
     root = Path(path)
     root_key = os.path.realpath(root)
     ctx = rank_context(model)
-    local = find_embeddings(model)
-    embeddings = {name: emb for name, emb in local.items() if ctx.writes(name)}
-    tables = [emb.table for emb in local.values()]  # replicas tick too, so they stay identical
+    local = {name: shard for name, shard in find_tables(model).items() if shard.module is not None}
+    embeddings = {name: shard for name, shard in local.items() if writes(shard, ctx)}
+    tables = [shard.table for shard in local.values()]  # replicas tick too, so they stay identical
     index = {n: i for i, n in enumerate(sorted({n for names in ctx.gather(sorted(embeddings)) for n in names}))}
     parent = None
     if incremental:
-        current = {name: {"config": table_config(emb)} for name, emb in embeddings.items()}
+        current = {name: {"config": table_config(shard)} for name, shard in embeddings.items()}
         parent = incremental_parent(root, root_key, embeddings, STREAM, FORMAT, current, f"save of step {step}")
         parents = ctx.gather(parent)
         parent = parent if all(p == parents[0] for p in parents) else None  # full unless every rank can chain
@@ -141,20 +148,29 @@ def _merge_entries(parts: list) -> dict:
     return merged
 
 
-def _table_payloads(embeddings: dict, parent: str | None, index: dict, ctx: RankContext) -> tuple[dict, dict]:
+def writes(shard: TableShard, ctx: RankContext) -> bool:
+    """Whether this rank writes ``shard``: its own part of a sharded table, or rank 0 the one copy of a whole or
+    replicated table."""
+    if shard.sharding is None or shard.sharding.kind == ShardingKind.DATA:
+        return ctx.rank == 0
+    return True
+
+
+def _table_payloads(shards: dict, parent: str | None, index: dict, ctx: RankContext) -> tuple[dict, dict]:
     """Shard tensors (views of the live rows, or a delta against ``parent``) and manifest entries per table."""
     payloads, entries = {}, {}
-    for name, emb in embeddings.items():
+    for name, shard in shards.items():
         rel = shard_file(index[name], name, ctx.rank, ctx.world)
-        t = emb.table
-        cols = columns(t) if parent is None else delta_columns(t, lineage.since(t, STREAM))
+        t = shard.table
+        cols = columns(shard) if parent is None else delta_columns(shard, lineage.since(t, STREAM))
         payloads[rel] = (cols, None)
-        sharding = ctx.shardings.get(name)
-        entry = {"rank": ctx.rank, "file": rel, "rows": t.size(), "counters": counters(emb),
-                 "sharding": sharding[0].describe() if sharding else None}
+        entry = {"rank": ctx.rank, "file": rel, "rows": t.size(), "counters": counters(t),
+                 "sharding": shard.describe_sharding()}
+        if shard.optimizer is not None:
+            entry["optimizer"] = shard.optimizer.state_dict()
         if parent is not None:
             entry.update(changed_rows=int(cols["keys"].numel()), deleted=int(cols["deleted_keys"].numel()))
-        entries[name] = {"config": table_config(emb), "shards": [entry]}
+        entries[name] = {"config": table_config(shard), "shards": [entry]}
     return payloads, entries
 
 
@@ -170,13 +186,13 @@ def write_payloads(directory: Path, payloads: dict, what: str) -> dict:
     return files
 
 
-def incremental_parent(root: Path, root_key: str, embeddings: dict, stream: str, fmt: str, current: dict,
+def incremental_parent(root: Path, root_key: str, embeddings: dict[str, TableShard], stream: str, fmt: str, current: dict,
                        what: str) -> str | None:
     """The directory an incremental write can build on, or None (the reason logged) to write a full one.
 
     ``current`` maps each table name to the manifest fields that must equal the parent's (configs, dtypes).
     """
-    parent = lineage.parent([e.table for e in embeddings.values()], stream, root_key)
+    parent = lineage.parent([shard.table for shard in embeddings.values()], stream, root_key)
     reason = None
     if parent is None:
         reason = "these tables were not written to (or loaded from) this path before"

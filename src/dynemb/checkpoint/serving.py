@@ -9,12 +9,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..distributed.plan import ShardingKind
 from ..table.checks import VALUE_DTYPES, check_dtype
+from ..table.initializers import resolve_initializer
 from . import lineage
 from .fsutil import staging, write_json, write_pointer
 from .manifest import FORMAT_VERSION, MANIFEST, SERVING_FORMAT, complete
-from .saver import RANK, WORLD_SIZE, incremental_parent, write_payloads
-from .tables import DELETED, KEYS, VALUES, columns, delta_columns, find_served, shard_file
+from .ranks import rank_context
+from .saver import incremental_parent, write_payloads, writes as _writes
+from .tables import DELETED, KEYS, VALUES, columns, delta_columns, find_tables, shard_file
 
 __all__ = ["export_for_serving"]
 
@@ -22,13 +25,17 @@ STREAM = "serving"
 
 
 def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float32, incremental: bool = False) -> Path:
-    """Export the keys and values (no slots, no scores) of every Dynamic/StaticEmbedding of ``model`` for serving.
+    """Export the keys and values (no slots, no scores) of every table of ``model`` for serving.
 
     Writes ``path/version-<n>/`` atomically (``n`` one above the newest export there) with one safetensors file
-    per table per rank holding ``keys [N]`` and ``values [N, D]`` (cast to ``dtype``), and a ``manifest.json``
-    the parameter server reads: per table (named by module name) the file, ``dim``, ``dtype``, ``key_dtype``,
-    ``rows``, ``size``, ``sha256``, ``initializer`` and ``seed`` (for the default rows of unknown keys), plus
-    ``version``, ``kind``, ``parent`` and ``created_unix``. Then ``path/latest`` points at it.
+    per table holding ``keys [N]`` (the user's keys, in the table's key dtype) and ``values [N, D]`` (cast to
+    ``dtype``), and a ``manifest.json`` the parameter server reads: per table (named as the user named it: a
+    collection's TableConfig name, or a standalone embedding's module path) the file, ``dim``, ``dtype``,
+    ``key_dtype``, ``rows``, ``size``, ``sha256``, ``initializer`` and ``seed`` (for the default rows of unknown
+    keys), plus ``version``, ``kind``, ``parent`` and ``created_unix``. Then ``path/latest`` points at it.
+
+    With a sharded collection this is a collective call: every rank calls it, the rows of every rank are gathered
+    and rank 0 writes the one export. Nothing in it depends on the world size or the sharding plan.
 
     A delta export (``incremental=True``) holds the rows written since the previous export of these tables to
     ``path`` and ``deleted_keys [K]``; a reader deletes those keys first, then upserts the rows. Without a
@@ -65,49 +72,73 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
         raise TypeError(f"incremental must be a bool, got {incremental!r}")
     root = Path(path)
     root_key = os.path.realpath(root)
-    embeddings = find_served(model)
-    version = 1 + max((m["version"] for m in complete(root, SERVING_FORMAT).values()), default=0)
+    ctx = rank_context(model)
+    shards = find_tables(model)
+    local = {name: shard for name, shard in shards.items() if shard.module is not None}
+    version = 1 + max((m["version"] for m in complete(root, SERVING_FORMAT).values()), default=0) \
+        if ctx.rank == 0 else 0
+    version = ctx.gather(version)[0]
     parent = None
     if incremental:
-        current = {name: _fields(emb, dtype) for name, emb in embeddings.items()}
-        parent = incremental_parent(root, root_key, embeddings, STREAM, SERVING_FORMAT, current,
+        current = {name: _fields(shard.config, dtype) for name, shard in shards.items()}
+        parent = incremental_parent(root, root_key, local, STREAM, SERVING_FORMAT, current,
                                     f"serving export {version}")
+        parents = ctx.gather(parent)
+        parent = parent if all(p == parents[0] for p in parents) else None  # full unless every rank can chain
     name = f"version-{version:08d}"
-    tables = [emb.table for emb in embeddings.values()]
+    tables = [shard.table for shard in local.values()]
     with lineage.tick(tables):
-        payloads, entries = _table_payloads(embeddings, parent, dtype)
-        with staging(root, name) as tmp:
-            files = write_payloads(tmp, payloads, f"exported {root / name}")
-            for entry in entries.values():
-                entry["sha256"] = files[entry["file"]]["sha256"]
-            write_json(tmp / MANIFEST, {
-                "format": SERVING_FORMAT, "format_version": FORMAT_VERSION, "version": version,
-                "kind": "delta" if parent else "full", "parent": parent, "created_unix": time.time(),
-                "world_size": WORLD_SIZE, "tables": entries, "files": files,
-            })
-        write_pointer(root, name, version=version)
+        payloads, entries = _table_payloads(shards, parent, dtype, ctx)
+        if ctx.rank == 0:
+            with staging(root, name) as tmp:
+                files = write_payloads(tmp, payloads, f"exported {root / name}")
+                for entry in entries.values():
+                    entry["sha256"] = files[entry["file"]]["sha256"]
+                write_json(tmp / MANIFEST, {
+                    "format": SERVING_FORMAT, "format_version": FORMAT_VERSION, "version": version,
+                    "kind": "delta" if parent else "full", "parent": parent, "created_unix": time.time(),
+                    "tables": entries, "files": files,
+                })
+            write_pointer(root, name, version=version)
+        ctx.barrier()
         lineage.record(tables, STREAM, root_key, name)
     return root / name
 
 
-def _table_payloads(embeddings: dict, parent: str | None, dtype: torch.dtype) -> tuple[dict, dict]:
+def _table_payloads(shards: dict, parent: str | None, dtype: torch.dtype, ctx) -> tuple[dict, dict]:
+    """Every table's rows in the user's keys, gathered from every rank to rank 0 (which alone writes them)."""
     payloads, entries = {}, {}
-    for i, (name, emb) in enumerate(embeddings.items()):
-        t = emb.table
-        if parent is None:
-            cols = columns(t, state=False)
-        else:
-            cols = delta_columns(t, lineage.since(t, STREAM), state=False)
+    for i, (name, shard) in enumerate(shards.items()):
+        cfg = shard.config
+        cols = _local_columns(shard, parent, ctx)
+        if ctx.distributed and shard.sharding is not None and shard.sharding.kind != ShardingKind.DATA:
+            cols = {col: torch.cat(ctx.gather_tensor(t, f"gathering {col} of table {name!r} for serving"))
+                    for col, t in cols.items()}
+        size = sum(ctx.gather(shard.table.size() if shard.module is not None and _writes(shard, ctx) else 0))
+        if ctx.rank != 0:
+            continue
         cols[VALUES] = cols[VALUES].to(dtype)
-        rel = shard_file(i, name, RANK, WORLD_SIZE)
+        rel = shard_file(i, name, 0, 1)
         payloads[rel] = (cols, None)
-        config = emb.config()
-        entries[name] = {**_fields(emb, dtype), "file": rel, "rows": int(cols[KEYS].numel()), "size": t.size(),
+        entries[name] = {**_fields(cfg, dtype), "file": rel, "rows": int(cols[KEYS].numel()), "size": size,
                          "deleted": int(cols[DELETED].numel()) if DELETED in cols else 0,
-                         "initializer": config["initializer"], "seed": config["seed"]}
+                         "initializer": resolve_initializer(cfg.initializer).describe(), "seed": shard.seed}
     return payloads, entries
 
 
-def _fields(emb, dtype: torch.dtype) -> dict:
-    t = emb.table
-    return {"dim": t.dim, "dtype": str(dtype), "key_dtype": str(t.key_dtype)}
+def _local_columns(shard, parent: str | None, ctx) -> dict:
+    """This rank's keys and values of ``shard`` (empty where another rank writes them)."""
+    cfg = shard.config
+    if shard.module is None or not _writes(shard, ctx):
+        cols = {KEYS: torch.empty(0, dtype=cfg.key_dtype), VALUES: torch.empty(0, cfg.dim, dtype=cfg.dtype)}
+        if parent is not None:
+            cols[DELETED] = torch.empty(0, dtype=cfg.key_dtype)
+        device = shard.table.device if shard.module is not None else None
+        return {k: v.to(device) if device is not None else v for k, v in cols.items()}
+    if parent is None:
+        return columns(shard, state=False)
+    return delta_columns(shard, lineage.since(shard.table, STREAM), state=False)
+
+
+def _fields(cfg, dtype: torch.dtype) -> dict:
+    return {"dim": cfg.dim, "dtype": str(dtype), "key_dtype": str(cfg.key_dtype)}

@@ -1,8 +1,13 @@
-"""How the tables of a model become shard tensors, and shard tensors become tables again.
+"""How the user's logical tables become shard tensors, and shard tensors become tables again.
+
+Tables are found by :func:`find_tables`: the tables of every :class:`~dynemb.EmbeddingCollection` by their
+``TableConfig`` name, and every standalone Dynamic/StaticEmbedding by its module path. Nothing of the layout
+(grouping, sharding, world size) appears in a name or a key: keys are the user's keys.
 
 A shard is a dict of *columns* named as in the files: ``keys [N]``, ``values [N, D]``, ``scores [N]`` and
 ``slot.<name> [N, d]``, row-aligned; a delta shard adds ``deleted_keys [K]`` and, when rows were deleted,
-``order [N']``, the key of every live row in row order.
+``order [N']``, the key of every live row in row order. A table with admission adds the pending candidates'
+``admission.keys [M]`` and ``admission.counts [M]`` (whole in every file, full or delta).
 """
 
 from __future__ import annotations
@@ -12,34 +17,48 @@ import re
 import torch
 from torch import nn
 
-from ..embedding import DynamicEmbedding
+from ..collection.plan import TableShard, whole_table
+from ..embedding import DynamicEmbedding, StaticEmbedding
 from ..table import Rows
 from ..table.ops import gather_rows
 from .errors import CheckpointError
 
-__all__ = ["find_embeddings", "find_served", "table_config", "counters", "columns", "delta_columns", "check_shard",
-           "apply_delta", "restore", "shard_file", "ROOT_NAME"]
+__all__ = ["find_tables", "table_config", "counters", "columns", "delta_columns", "check_shard", "apply_delta",
+           "restore", "shard_file", "ROOT_NAME", "COUNTERS"]
 
 #: Table name used when the model itself is a DynamicEmbedding (its module name is empty).
 ROOT_NAME = "embedding"
 KEYS, VALUES, SCORES, DELETED, ORDER, SLOT = "keys", "values", "scores", "deleted_keys", "order", "slot."
+ADMISSION_KEYS, ADMISSION_COUNTS = "admission.keys", "admission.counts"
+#: Table counters a bit-exact resume needs (the ones a table has).
+COUNTERS = ("clock", "epoch", "inserted", "removed", "evicted", "_init_calls")
 
 
-def find_embeddings(model: nn.Module) -> dict[str, DynamicEmbedding]:
-    """Every DynamicEmbedding in ``model`` (itself included) by module name; a shared one appears once."""
+def find_tables(model: nn.Module) -> dict[str, TableShard]:
+    """Every logical table of ``model`` on this rank, by name: each collection's tables by their config names,
+    and each standalone Dynamic/StaticEmbedding by its module path (``"embedding"`` for the model itself).
+
+    Raises:
+        TypeError: ``model`` is not a module.
+        ValueError: two tables have the same name (say, two collections with a table ``"user"``).
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return {name or ROOT_NAME: m for name, m in model.named_modules() if isinstance(m, DynamicEmbedding)}
-
-
-def find_served(model: nn.Module) -> dict:
-    """Every table a serving export holds: the DynamicEmbeddings and the StaticEmbeddings (ids ``0 .. V-1``)."""
-    from ..embedding import StaticEmbedding
-
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return {name or ROOT_NAME: m for name, m in model.named_modules()
-            if isinstance(m, (DynamicEmbedding, StaticEmbedding))}
+    found: dict[str, TableShard] = {}
+    where: dict[str, str] = {}
+    for path, module in model.named_modules():
+        if callable(getattr(module, "logical_tables", None)):
+            tables = module.logical_tables()
+        elif isinstance(module, (DynamicEmbedding, StaticEmbedding)):
+            tables = {path or ROOT_NAME: whole_table(path or ROOT_NAME, module)}
+        else:
+            continue
+        for name, shard in tables.items():
+            if name in found:
+                raise ValueError(f"two tables are named {name!r} (in {where[name] or 'the model'} and in "
+                                 f"{path or 'the model'}); table names must be unique within a model")
+            found[name], where[name] = shard, path
+    return found
 
 
 def shard_file(index: int, name: str, rank: int, world_size: int, suffix: str = "") -> str:
@@ -48,38 +67,55 @@ def shard_file(index: int, name: str, rank: int, world_size: int, suffix: str = 
     return f"tables/{index:03d}-{safe}{suffix}.rank-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-def table_config(emb: DynamicEmbedding) -> dict:
-    """The embedding's config (dim, dtypes, policy, initializer, seed) with each slot's width and dtype."""
-    t = emb.table
-    config = emb.config()
-    config["slots"] = {n: {"dim": t.slot(n).shape[1], "dtype": str(t.slot(n).dtype)} for n in t.slot_names}
+def table_config(shard: TableShard) -> dict:
+    """The table's config as saved: dim, dtypes, vocabulary, policy, initializer, seed, slots, admission."""
+    cfg, t = shard.config, shard.table
+    config = {"dim": cfg.dim, "key_dtype": str(cfg.key_dtype), "dtype": str(cfg.dtype),
+              "vocabulary_size": cfg.vocabulary_size, "max_capacity": cfg.max_capacity,
+              "eviction": t.policy.value if cfg.vocabulary_size is None else None,
+              "initializer": t.initializer.describe(), "seed": shard.seed,
+              "slots": {n: {"dim": t.slot(n).shape[1], "dtype": str(t.slot(n).dtype)} for n in t.slot_names}}
     if getattr(t, "admission", None) is not None:
         config["admission"] = t.admission.describe()
     return config
 
 
-def counters(emb: DynamicEmbedding) -> dict:
+def counters(table) -> dict:
     """The table counters a bit-exact resume needs (clock, epoch, insert/remove/evict counts, init calls)."""
-    return {k: int(v) for k, v in emb._counters().items()}
+    return {k: int(getattr(table, k)) for k in COUNTERS if hasattr(table, k)}
 
 
-def columns(table, *, state: bool = True) -> dict[str, torch.Tensor]:
-    """Views (no copies) of the live rows of every column; with ``state=False`` keys and values only (serving)."""
+def columns(shard: TableShard, *, state: bool = True) -> dict[str, torch.Tensor]:
+    """The live rows of every column, keys in the user's keys (views where no key transform is needed); with
+    ``state=False`` keys and values only (serving)."""
+    table = shard.table
     n = table.size()
-    cols = {KEYS: table.row_keys[:n], VALUES: table.values[:n]}
+    cols = {KEYS: shard.user_keys(table.row_keys[:n]), VALUES: table.values[:n]}
     if state:
         cols[SCORES] = table.scores[:n]
         cols.update({SLOT + s: table.slot(s)[:n] for s in table.slot_names})
+        cols.update(admission_columns(table))
     return cols
 
 
-def delta_columns(table, since: int, *, state: bool = True) -> dict[str, torch.Tensor]:
+def admission_columns(table) -> dict[str, torch.Tensor]:
+    """The admission candidates' keys and counts, when the table has pending ones."""
+    counts = getattr(getattr(table, "admission", None), "counter", None)
+    if counts is None:
+        return {}
+    n = counts.size()
+    return {ADMISSION_KEYS: counts.row_keys[:n], ADMISSION_COUNTS: counts.scores[:n]}
+
+
+def delta_columns(shard: TableShard, since: int, *, state: bool = True) -> dict[str, torch.Tensor]:
     """Rows written after clock ``since`` (in row order) and the keys deleted after it; with ``state``, every
     column and, when rows were deleted, the key order."""
-    rows, deleted = table.changes_since(since)
-    cols = columns(table, state=state)
+    rows, deleted = shard.table.changes_since(since)
+    cols = columns(shard, state=state)
+    admission = {k: cols.pop(k) for k in (ADMISSION_KEYS, ADMISSION_COUNTS) if k in cols}
     delta = {name: gather_rows(col, rows) for name, col in cols.items()}
-    delta[DELETED] = deleted
+    delta.update(admission)
+    delta[DELETED] = shard.user_keys(deleted)
     if state and deleted.numel():
         # erase/evict fill holes with the last rows, which keep their stamps: only the full key order lets a
         # loader put every row back in its position (positions break eviction ties, so exact resume needs them).
@@ -99,6 +135,9 @@ def check_shard(cols: dict, config: dict, file, *, delta: bool) -> int:
     expected = {KEYS: (config["key_dtype"], [n]), VALUES: (config["dtype"], [n, config["dim"]]),
                 SCORES: ("torch.int64", [n])}
     expected.update({SLOT + s: (spec["dtype"], [n, spec["dim"]]) for s, spec in config["slots"].items()})
+    if ADMISSION_KEYS in cols or ADMISSION_COUNTS in cols:
+        m = len(cols.get(ADMISSION_KEYS, ()))
+        expected.update({ADMISSION_KEYS: (config["key_dtype"], [m]), ADMISSION_COUNTS: ("torch.int64", [m])})
     if delta:
         expected[DELETED] = (config["key_dtype"], [len(cols.get(DELETED, ()))])
         if ORDER in cols:
@@ -116,6 +155,9 @@ def check_shard(cols: dict, config: dict, file, *, delta: bool) -> int:
 
 def apply_delta(base: dict, delta: dict, file) -> dict:
     """The shard after ``delta``: deleted keys dropped, changed rows replaced or added, rows in table order."""
+    admission = {k: delta[k] for k in (ADMISSION_KEYS, ADMISSION_COUNTS) if k in delta}
+    base = {k: v for k, v in base.items() if k not in (ADMISSION_KEYS, ADMISSION_COUNTS)}
+    delta = {k: v for k, v in delta.items() if k not in admission}
     changed = delta[KEYS]
     order = delta.get(ORDER)
     if order is None:  # nothing was deleted, so old rows kept their positions and new rows were appended in order
@@ -128,14 +170,16 @@ def apply_delta(base: dict, delta: dict, file) -> dict:
         raise CheckpointError(f"{file}: 'order' lists keys found neither in this delta nor in the checkpoints "
                               "before it")
     rows = perm[at]
-    return {name: gather_rows(col, rows) for name, col in pool.items()}
+    return {**{name: gather_rows(col, rows) for name, col in pool.items()}, **admission}
 
 
-def restore(emb: DynamicEmbedding, cols: dict, saved: dict, seed: int) -> None:
+def restore(shard: TableShard, cols: dict, saved: dict) -> None:
     """Make the table hold exactly ``cols``, with the saved counters and seed, so training continues bit-exactly."""
-    t = emb.table
-    slots = {s: cols[SLOT + s].to(t.device) for s in t.slot_names if SLOT + s in cols}
-    rows = Rows(cols[KEYS].to(t.device), cols[VALUES].to(t.device), cols[SCORES].to(t.device), slots)
+    t = shard.table
+    device = t.device
+    slots = {s: cols[SLOT + s].to(device) for s in t.slot_names if SLOT + s in cols}
+    keys = shard.shard_keys(cols[KEYS].to(device))
+    rows = Rows(keys, cols[VALUES].to(device), cols[SCORES].to(device), slots)
     previous = t.clock
     # replace() stamps every row with the current clock; the save closed its tick, so one below the saved clock
     # is what the rows carried right after that save (see lineage), and a later delta skips them.
@@ -145,7 +189,11 @@ def restore(emb: DynamicEmbedding, cols: dict, saved: dict, seed: int) -> None:
     except (TypeError, ValueError):
         t.clock = previous
         raise
-    for name in counters(emb):  # only known counter names: the manifest never sets arbitrary attributes
+    for name in counters(t):  # only known counter names: the manifest never sets arbitrary attributes
         if name in saved:
             setattr(t, name, int(saved[name]))
-    t.seed = seed
+    t.seed = shard.seed = int(saved.get("seed", shard.seed))
+    admission = getattr(t, "admission", None)
+    if admission is not None:
+        admission.restore(cols.get(ADMISSION_KEYS, keys[:0]).to(device),
+                          cols.get(ADMISSION_COUNTS, keys[:0].long()).to(device))

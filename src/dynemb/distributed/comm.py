@@ -12,7 +12,7 @@ import json
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedError", "all_to_all", "all_gather_varsize", "check_agreement"]
+__all__ = ["DistributedError", "all_to_all_known", "all_gather_varsize", "check_agreement"]
 
 
 class DistributedError(RuntimeError):
@@ -27,20 +27,6 @@ def _run(what: str, fn):
     except RuntimeError as e:  # gloo/NCCL report peer death and timeouts as RuntimeError
         raise DistributedError(f"{what} failed on rank {dist.get_rank()}: a peer rank died or the collective "
                                f"timed out ({type(e).__name__}: {e})") from e
-
-
-def all_to_all(send: torch.Tensor, send_counts: torch.Tensor, group=None, what: str = "all-to-all"):
-    """Send rows ``send[offset_r : offset_r + send_counts[r]]`` to rank ``r``; returns ``(recv, recv_counts)``.
-
-    Shape: ``send`` ``[N, ...]`` ordered by destination; ``send_counts`` ``[W]`` int64 (CPU or device).
-    """
-    counts = send_counts.to(device=send.device, dtype=torch.int64)
-    recv_counts = torch.empty_like(counts)
-    _run(f"{what} (sizes)", lambda: dist.all_to_all_single(recv_counts, counts, group=group))
-    out_split, in_split = recv_counts.tolist(), counts.tolist()
-    recv = send.new_empty((sum(out_split),) + tuple(send.shape[1:]))
-    _run(what, lambda: dist.all_to_all_single(recv, send.contiguous(), out_split, in_split, group=group))
-    return recv, recv_counts
 
 
 def all_to_all_known(send: torch.Tensor, send_counts: list, recv_counts: list, group=None, what="all-to-all"):

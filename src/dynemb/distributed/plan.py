@@ -16,11 +16,12 @@ the least loaded rank.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Sharding", "auto_plan", "mod_partitioner", "resolve_plan"]
+__all__ = ["Sharding", "ShardingKind", "auto_plan", "mod_partitioner", "resolve_plan"]
 
 Partitioner = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -30,22 +31,33 @@ def mod_partitioner(keys: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.remainder(keys.to(torch.int64), world_size)
 
 
+class ShardingKind(str, enum.Enum):
+    """How a table's rows are spread over ranks; see the module docstring."""
+
+    ROW = "row"
+    TABLE = "table"
+    DATA = "data"
+
+
 @dataclasses.dataclass(frozen=True)
 class Sharding:
     """How one table is sharded. ``partitioner`` applies to ``row``; ``owner`` to ``table``."""
 
-    kind: str
+    kind: ShardingKind
     owner: Optional[int] = None
     partitioner: Partitioner = mod_partitioner
 
     def __post_init__(self):
-        if self.kind not in ("row", "table", "data"):
-            raise ValueError(f"sharding kind must be 'row', 'table' or 'data', got {self.kind!r}")
-        if self.kind == "table" and (not isinstance(self.owner, int) or self.owner < 0):
+        try:
+            object.__setattr__(self, "kind", ShardingKind(self.kind))
+        except ValueError:
+            raise ValueError(f"sharding kind must be 'row', 'table' or 'data', got {self.kind!r}") from None
+        if self.kind == ShardingKind.TABLE and (isinstance(self.owner, bool) or not isinstance(self.owner, int)
+                                                or self.owner < 0):
             raise ValueError(f"a 'table' sharding needs an owner rank >= 0, got {self.owner!r}")
 
     def owners(self, keys: torch.Tensor, world_size: int) -> torch.Tensor:
-        if self.kind == "table":
+        if self.kind == ShardingKind.TABLE:
             return torch.full(keys.shape, self.owner, dtype=torch.int64, device=keys.device)
         owners = self.partitioner(keys, world_size)
         if owners.shape != keys.shape:
@@ -54,7 +66,8 @@ class Sharding:
 
     def describe(self) -> dict:
         name = getattr(self.partitioner, "__qualname__", repr(self.partitioner))
-        return {"kind": self.kind, "owner": self.owner, "partitioner": name if self.kind == "row" else None}
+        return {"kind": self.kind.value, "owner": self.owner,
+                "partitioner": name if self.kind == ShardingKind.ROW else None}
 
 
 def auto_plan(tables, world_size: int, data_max_bytes: int = 16 << 20) -> dict[str, Sharding]:

@@ -181,5 +181,7 @@ class SparseOptimizer:
             raise ValueError(f"state is for optimizer {state.get('type')!r}, not {type(self).__name__!r}")
         if len(state["tables"]) != len(self.tables):
             raise ValueError(f"state has {len(state['tables'])} tables, this optimizer has {len(self.tables)}")
-        self.defaults.update(state["defaults"])
+        # JSON (checkpoint manifests) turns tuples such as Adam's betas into lists
+        self.defaults.update({k: tuple(v) if isinstance(self.defaults.get(k), tuple) else v
+                              for k, v in state["defaults"].items()})
         self._scalars = [dict(s) for s in state["tables"]]

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..functional import _check_combiner, _clip, pool, to_bags
+from ..functional import check_combiner, clip_rows, pool, to_bags
 from .ps import ParameterServer
 
 __all__ = ["LookupLayer", "SparseLookupLayer"]
@@ -24,7 +24,7 @@ class _ServedTable(nn.Module):
     def _unique_rows(self, ids: torch.Tensor, max_norm: Optional[float]):
         unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
         rows = self.ps.lookup(self.model_name, self.table_name, unique)
-        return (_clip(rows, max_norm) if max_norm is not None else rows), inverse
+        return (clip_rows(rows, max_norm) if max_norm is not None else rows), inverse
 
     def extra_repr(self) -> str:
         return f"model={self.model_name!r}, table={self.table_name!r}"
@@ -48,7 +48,7 @@ class SparseLookupLayer(_ServedTable):
     def forward(self, ids: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 weights: Optional[torch.Tensor] = None, combiner: str = "mean", max_norm: Optional[float] = None,
                 padding_value: Optional[int] = None) -> torch.Tensor:
-        _check_combiner(combiner)
+        check_combiner(combiner)
         flat, offsets, weights, bags = to_bags(ids, offsets, weights, padding_value=padding_value)
         rows, inverse = self._unique_rows(flat, max_norm)
         return pool(rows, inverse, offsets, weights, bags, combiner)

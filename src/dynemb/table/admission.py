@@ -60,5 +60,20 @@ class FrequencyAdmission:
                                          init_capacity=min(self.max_tracked, 8192))
         return self._counts
 
+    @property
+    def counter(self):
+        """The table counting pending candidates (keys and their counts as LFU scores), or None before any."""
+        return self._counts
+
+    def restore(self, keys: torch.Tensor, counts: torch.Tensor) -> None:
+        """Make the pending candidates exactly ``keys [M]`` with ``counts [M]`` (int64), in that row order."""
+        from .table import Rows
+
+        if self._counts is None and keys.numel() == 0:
+            return
+        table = self._counter(keys)
+        values = torch.zeros(keys.numel(), 1, dtype=table.dtype, device=keys.device)
+        table.replace(Rows(keys, values, counts, {}))
+
     def describe(self) -> dict:
         return {"type": "frequency", "threshold": self.threshold, "max_tracked": self.max_tracked}

@@ -100,7 +100,7 @@ class StaticTable(RowColumns):
         """Every row (a static table keeps no version stamps), and no deleted keys: deltas carry it whole."""
         return torch.arange(self.num_rows, device=self.device), self._ids[:0]
 
-    def _initial(self, keys: torch.Tensor) -> torch.Tensor:
+    def initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
         return self.initializer(keys, self.dim, self.dtype, self.seed)
 
     def export(self) -> Rows:

@@ -203,7 +203,7 @@ class KeyValueTable(RowColumns):
         values = gather_rows(self.values, rows.clamp(min=0), out=out)
         if not bool(found.all()):
             miss = (~found).nonzero().squeeze(1)
-            values.index_copy_(0, miss, self._initial(flat.index_select(0, miss)))
+            values.index_copy_(0, miss, self.initial_rows(flat.index_select(0, miss)))
         if update_scores:
             self.clock += 1
             self._touch(rows[found])
@@ -485,7 +485,7 @@ class KeyValueTable(RowColumns):
             raise ValueError(f"scores can only be given with eviction='custom', this table uses {self.policy.value!r}")
         return check_scores(scores, keys.shape).to(self.device)
 
-    def _initial(self, keys: torch.Tensor) -> torch.Tensor:
+    def initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
         if isinstance(self.initializer, CallableInitializer):
             self._init_calls += 1
             return self.initializer(keys, self.dim, self.dtype, self.seed * 1_000_003 + self._init_calls)
@@ -555,9 +555,9 @@ class KeyValueTable(RowColumns):
         n_append = stored - victims.numel()
         keep, dropped = keys[:stored], keys[stored:]
         # New rows come first: a user initializer that fails must leave the table as it was.
-        init = _head(values, stored) if values is not None else self._initial(keep)
+        init = _head(values, stored) if values is not None else self.initial_rows(keep)
         if stored < m:
-            dropped_values = _tail(values, stored) if values is not None else self._initial(dropped)
+            dropped_values = _tail(values, stored) if values is not None else self.initial_rows(dropped)
         self._reserve(self._size + n_append)
         evicted = self._take(victims)
         if victims.numel():

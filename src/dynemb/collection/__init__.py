@@ -1,0 +1,20 @@
+"""The user's model (TableConfig, FeatureConfig) and EmbeddingCollection, with the execution plan behind it.
+
+======================  ============================================================================
+module                  job
+======================  ============================================================================
+``config``              TableConfig, FeatureConfig: every field validated when the config is built
+``features``            a batch's features validated and normalized (PreparedFeature, BagSet)
+``plan``                ExecutionPlan: each logical table's shard on this rank; builds the tables
+``local``, ``sharded``  the two executors: whole tables here, or input_dist -> compute -> output_dist
+``collection``          EmbeddingCollection, the module users hold
+======================  ============================================================================
+"""
+
+from .collection import EmbeddingCollection
+from .config import FeatureConfig, TableConfig
+from .features import Jagged, PreparedFeature
+from .plan import ExecutionPlan, TableShard
+
+__all__ = ["EmbeddingCollection", "TableConfig", "FeatureConfig", "Jagged", "PreparedFeature", "ExecutionPlan",
+           "TableShard"]

@@ -1,0 +1,254 @@
+"""EmbeddingCollection: many features over the user's tables, run locally or sharded over ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+from types import MappingProxyType
+from typing import Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed.comm import check_agreement
+from ..distributed.plan import Sharding, resolve_plan
+from ..embedding import DynamicEmbedding
+from ..optim.combined import CombinedOptimizer
+from .config import FeatureConfig, TableConfig
+from .features import prepare_features
+from .local import LocalExecutor
+from .plan import ExecutionPlan, TableShard, draw_seeds
+from .sharded import ShardedExecutor
+
+__all__ = ["EmbeddingCollection"]
+
+PlanSpec = Union[str, Mapping[str, Union[str, tuple, Sharding]]]
+_TABLES = "tables."  # state_dict keys: tables.<table name>.<column>
+
+
+class EmbeddingCollection(nn.Module):
+    """Embeddings for many features over the user's tables, on one process or sharded over ranks.
+
+    Each table is looked up once per forward with the ids of all its features concatenated: one dedup, one
+    find/insert, one gather and one (fused) optimizer update per table and step. Each table keeps its own rows,
+    seed, optimizer state and step count; what is saved, exported and named in errors is the table by its name,
+    whatever the layout.
+
+    Args:
+        tables: the :class:`TableConfig` s (names unique).
+        features: the :class:`FeatureConfig` s; several may share a table.
+        plan: ``None`` keeps every table whole on this process. Otherwise the tables are sharded over
+            ``process_group``: ``"auto"`` (dynamic tables row-wise, small static tables replicated, large ones
+            whole on one rank), or ``{table: "row" | "data" | ("table", rank) | Sharding}`` with the rest
+            automatic. Every rank must then call ``forward`` and ``backward`` each step (batches may differ).
+        process_group: the group to shard over (default: the world); only with ``plan``.
+        timeout: seconds before a collective gives up with :class:`~dynemb.distributed.DistributedError`.
+        device: where the tables live (``cuda`` for NCCL).
+
+    Shape:
+        ``forward({name: ids})`` -> ``{name: [B, D]}`` for pooled features; sequence features give
+        ``ids.shape + (D,)`` for dense ids and :class:`Jagged` for ``(ids, offsets)``.
+
+    Example:
+        >>> import dynemb
+        >>> tables = [TableConfig(name="item", dim=4, optimizer=dynemb.optim.Adagrad(lr=0.1))]
+        >>> features = [FeatureConfig(name="clicked", table="item"), FeatureConfig(name="viewed", table="item")]
+        >>> ec = EmbeddingCollection(tables, features)
+        >>> out = ec({"clicked": torch.tensor([[1, 2], [3, 3]]), "viewed": torch.tensor([7, 1])})
+        >>> out["clicked"].shape, out["viewed"].shape
+        (torch.Size([2, 4]), torch.Size([2, 4]))
+        >>> sum(o.sum() for o in out.values()).backward(); ec.optimizer.step()
+        >>> sorted(ec.state_dict())[:2]
+        ['tables.item._extra_state', 'tables.item.keys']
+    """
+
+    def __init__(self, tables: list[TableConfig], features: list[FeatureConfig], *, plan: Optional[PlanSpec] = None,
+                 process_group=None, timeout: float = 300.0, device=None) -> None:
+        super().__init__()
+        self.table_configs, self.feature_configs = _index_configs(tables, features)
+        if plan is None and process_group is not None:
+            raise ValueError("process_group is given but plan is None: pass plan='auto' (or a dict) to shard")
+        if plan is None:
+            self.group = None
+            self.plan = ExecutionPlan(tables, draw_seeds(tables), device=device)
+            self.executor = LocalExecutor(self.plan)
+        else:
+            self.group = _sharding_group(process_group, timeout)
+            world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+            shardings = resolve_plan(tables, world, None if plan == "auto" else _check_plan_spec(plan))
+            check_agreement(_signature(tables, features, world, shardings), self.group,
+                            "EmbeddingCollection config")
+            seeds = draw_seeds(tables, agree=self._agree_on_seeds)
+            self.plan = ExecutionPlan(tables, seeds, shardings=shardings, rank=rank, world=world, device=device)
+            self.executor = ShardedExecutor(self.plan, self.group)
+        self.optimizer = CombinedOptimizer(self.plan.optimizers())
+
+    # ------------------------------------------------------------------ what the user configured
+    @property
+    def embeddings(self) -> Mapping[str, nn.Module]:
+        """Each table's module on this rank by table name (read-only; absent: held by another rank)."""
+        return MappingProxyType(self.plan.modules())
+
+    def logical_tables(self) -> dict[str, TableShard]:
+        """Every table's part on this rank, by the user's table name (used by checkpoints and exports)."""
+        return dict(self.plan.shards)
+
+    @property
+    def sharded(self) -> bool:
+        return self.plan.sharded
+
+    @property
+    def world(self) -> int:
+        return self.plan.world
+
+    @property
+    def rank(self) -> int:
+        return self.plan.rank
+
+    @property
+    def comm_stats(self) -> dict:
+        """Bytes, calls and seconds of this rank's collectives (sharded collections)."""
+        return getattr(self.executor, "comm_stats", {})
+
+    def dynemb_tables(self) -> list:
+        """The physical tables on this rank (for optimizers)."""
+        return [m.table for m in self.plan.modules().values()]
+
+    # ------------------------------------------------------------------ lookups
+    def forward(self, features: dict, weights: Optional[dict] = None) -> dict:
+        """Look up every feature given; see the class docstring for shapes. Every feature is validated before
+        any table changes. Sharded: a collective call that every rank makes."""
+        device = next(iter(self.plan.modules().values())).table.device if self.plan.modules() else None
+        prepared = prepare_features(features, weights or {}, self.feature_configs, self.table_configs, device)
+        out = self.executor.forward(prepared, self.training)
+        return {name: out[name] for name in features}
+
+    def export(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys [N], values [N, D])`` of ``table`` on this rank, in the user's keys."""
+        shard = self._shard(table)
+        if shard.module is None:
+            cfg = shard.config
+            return torch.empty(0, dtype=cfg.key_dtype), torch.empty(0, cfg.dim, dtype=cfg.dtype)
+        rows = shard.table.export()
+        return shard.user_keys(rows.keys), rows.values
+
+    def gather_export(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's rows of ``table``, concatenated (a collective when sharded; a replica is one copy)."""
+        keys, values = self.export(table)
+        if not self.sharded:
+            return keys, values
+        return self.executor.gather(self._shard(table), keys, values)
+
+    def _shard(self, table: str) -> TableShard:
+        if table not in self.plan.shards:
+            raise KeyError(f"no table {table!r}; tables: {list(self.plan.shards)}")
+        return self.plan[table]
+
+    # ------------------------------------------------------------------ sharding set-up
+    def _agree_on_seeds(self, seeds: dict) -> dict:
+        """Rank 0's seeds win, so seed=None tables initialize identically on every rank."""
+        names = sorted(seeds)
+        values = torch.tensor([seeds[n] for n in names], dtype=torch.int64)
+        if dist.get_backend(self.group) == "nccl":
+            values = values.cuda()
+        dist.broadcast(values, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return dict(zip(names, values.tolist()))
+
+    # ------------------------------------------------------------------ nn.Module plumbing
+    def _apply(self, fn, recurse=True):
+        for module in self.plan.modules().values():  # .to(device) moves the tables; dtype casts leave them
+            module._apply(fn, recurse)
+        return super()._apply(fn, recurse)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, shard in self.plan.shards.items():
+            if shard.module is None:
+                continue
+            shard.module._save_to_state_dict(destination, f"{prefix}{_TABLES}{name}.", keep_vars)
+            if shard.optimizer is not None:
+                destination[f"{prefix}{_TABLES}{name}.optimizer"] = shard.optimizer.state_dict()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        expected = set()
+        for name, shard in self.plan.shards.items():
+            if shard.module is None:
+                continue
+            table_prefix = f"{prefix}{_TABLES}{name}."
+            names = _state_names(shard)
+            expected.update(table_prefix + n for n in names)
+            before = len(missing_keys) + len(error_msgs)
+            shard.module._load_from_state_dict(state_dict, table_prefix, local_metadata, strict, missing_keys,
+                                               [], error_msgs)
+            if shard.optimizer is not None and len(missing_keys) + len(error_msgs) == before:
+                state = state_dict.get(table_prefix + "optimizer")
+                if state is None:
+                    missing_keys.append(table_prefix + "optimizer")
+                else:
+                    try:
+                        shard.optimizer.load_state_dict(state)
+                    except (TypeError, ValueError, KeyError) as e:
+                        error_msgs.append(f"table {name!r}: optimizer state: {e}")
+        own = {k: v for k, v in state_dict.items() if not k.startswith(prefix + _TABLES)}
+        super()._load_from_state_dict(own, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix + _TABLES) and k not in expected)
+
+
+def _state_names(shard: TableShard) -> list[str]:
+    """The state_dict entries of one table (relative to ``tables.<name>.``)."""
+    table = shard.table
+    names = ["values"] + ["slot." + s for s in table.slot_names]
+    if isinstance(shard.module, DynamicEmbedding):
+        names += ["keys", "scores", "_extra_state"]
+    if shard.optimizer is not None:
+        names.append("optimizer")
+    return names
+
+
+def _index_configs(tables: list[TableConfig], features: list[FeatureConfig]):
+    if not isinstance(tables, (list, tuple)) or not all(isinstance(t, TableConfig) for t in tables):
+        raise TypeError(f"tables must be a list of TableConfig, got {tables!r}")
+    if not isinstance(features, (list, tuple)) or not all(isinstance(f, FeatureConfig) for f in features):
+        raise TypeError(f"features must be a list of FeatureConfig, got {features!r}")
+    table_configs = {t.name: t for t in tables}
+    if len(table_configs) != len(tables):
+        raise ValueError(f"table names must be unique, got {[t.name for t in tables]}")
+    feature_configs = {f.name: f for f in features}
+    if len(feature_configs) != len(features):
+        raise ValueError(f"feature names must be unique, got {[f.name for f in features]}")
+    for f in features:
+        if f.table_name not in table_configs:
+            raise ValueError(f"feature {f.name!r} uses table {f.table_name!r}, which is not in tables "
+                             f"{sorted(table_configs)}")
+        if not isinstance(f.table, str) and f.table != table_configs[f.table_name]:
+            raise ValueError(f"feature {f.name!r} names table {f.table_name!r} with a TableConfig that differs "
+                             "from the one in tables")
+    return table_configs, feature_configs
+
+
+def _check_plan_spec(plan) -> dict:
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"plan must be None, 'auto' or a dict {{table: sharding}}, got {plan!r}")
+    return dict(plan)
+
+
+def _sharding_group(process_group, timeout: float):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("a sharded EmbeddingCollection (plan given) needs torch.distributed: call "
+                           "dist.init_process_group first (or launch with torchrun)")
+    backend = dist.get_backend(process_group)
+    ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+    return dist.new_group(ranks=ranks, backend=backend, timeout=timedelta(seconds=timeout))
+
+
+def _signature(tables, features, world: int, shardings: dict) -> dict:
+    def table(cfg):
+        d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "seed"}
+        return {k: (repr(v) if not isinstance(v, (int, float, str, type(None))) else v) for k, v in d.items()}
+
+    return {"world": world, "tables": [table(t) for t in tables], "features": [repr(f) for f in features],
+            "plan": {k: v.describe() for k, v in shardings.items()}}

@@ -1,0 +1,163 @@
+"""TableConfig and FeatureConfig: the user's model, validated when it is built.
+
+A table's ``name`` is the name of everything the user sees: checkpoint entries, serving tables, ``state_dict``
+keys and error messages. Any non-empty string without control characters works (``"items"``, ``"user.id"``,
+``"stack:a+b"``, unicode), because no internal name shares the namespace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+
+from ..functional import COMBINERS
+from ..optim.base import SparseOptimizer
+from ..table.admission import FrequencyAdmission
+from ..table.checks import KEY_DTYPES, VALUE_DTYPES, check_positive_int
+from ..table.initializers import InitializerSpec, resolve_initializer
+from ..table.policy import EvictionPolicy
+
+__all__ = ["TableConfig", "FeatureConfig", "check_name"]
+
+_MAX_NAME = 200  # bytes of UTF-8: names become parts of file names and JSON keys
+
+
+def check_name(name, what: str) -> str:
+    """A table or feature name: a non-empty str of printable characters, at most 200 bytes of UTF-8."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what} must be a non-empty str, got {name!r}")
+    if not name.isprintable():
+        raise ValueError(f"{what} must not hold control characters (newline, tab, NUL, ...), got {name!r}")
+    if len(name.encode("utf-8", "surrogatepass")) > _MAX_NAME:
+        raise ValueError(f"{what} must be at most {_MAX_NAME} bytes of UTF-8, got {name!r}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} must be valid unicode (no lone surrogates), got {name!r}") from None
+    return name
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableConfig:
+    """One embedding table.
+
+    Attributes:
+        name: unique table name (see the module docstring).
+        dim: embedding width ``D``.
+        vocabulary_size: ``None`` for a dynamic (hash) table; an int ``V`` for a static dense table of ids
+            ``[0, V)``.
+        initializer: as for :class:`~dynemb.DynamicEmbedding`.
+        optimizer: an unbound sparse optimizer spec, e.g. ``dynemb.optim.Adagrad(lr=0.1)``; each table gets its
+            own bound copy, with its own step count.
+        combiner: default pooling of the table's features: ``"sum"``, ``"mean"`` or ``"sqrtn"``.
+        dtype: value dtype (float32, float16, bfloat16).
+        key_dtype: id dtype (int32 or int64); every value of the dtype is a valid id of a dynamic table.
+        max_capacity: dynamic tables: most rows kept (per rank for row-sharded tables); ``None``: unbounded.
+        eviction: dynamic tables: an :class:`~dynemb.EvictionPolicy` or its name; ``None`` means lru.
+        admission: dynamic tables: a threshold (int >= 1) or :class:`~dynemb.table.FrequencyAdmission`.
+        init_capacity: rows allocated up front (dynamic tables).
+        seed: initializer seed (int >= 0); ``None`` draws one from torch's RNG when the collection is built.
+
+    Example:
+        >>> TableConfig(name="user", dim=8, eviction="lfu", max_capacity=1000).eviction
+        <EvictionPolicy.LFU: 'lfu'>
+        >>> TableConfig(name="user", dim=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: TableConfig('user').dim must be an int >= 1, got 0
+    """
+
+    name: str
+    dim: int
+    vocabulary_size: Optional[int] = None
+    initializer: InitializerSpec = "uniform"
+    optimizer: Optional[SparseOptimizer] = None
+    combiner: str = "mean"
+    dtype: torch.dtype = torch.float32
+    key_dtype: torch.dtype = torch.int64
+    max_capacity: Optional[int] = None
+    eviction: Optional[Union[EvictionPolicy, str]] = None
+    admission: Optional[Union[int, FrequencyAdmission]] = None
+    init_capacity: int = 8192
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        check_name(self.name, "TableConfig.name")
+        where = f"TableConfig({self.name!r})"
+        check_positive_int(self.dim, f"{where}.dim")
+        check_positive_int(self.vocabulary_size, f"{where}.vocabulary_size", allow_none=True)
+        check_positive_int(self.max_capacity, f"{where}.max_capacity", allow_none=True)
+        check_positive_int(self.init_capacity, f"{where}.init_capacity")
+        check_positive_int(self.seed, f"{where}.seed", allow_none=True, minimum=0)
+        if self.combiner not in COMBINERS:
+            raise ValueError(f"{where}.combiner must be one of {COMBINERS}, got {self.combiner!r}")
+        if self.dtype not in VALUE_DTYPES:
+            raise TypeError(f"{where}.dtype must be one of {VALUE_DTYPES}, got {self.dtype!r}")
+        if self.key_dtype not in KEY_DTYPES:
+            raise TypeError(f"{where}.key_dtype must be int32 or int64, got {self.key_dtype!r}")
+        if self.optimizer is not None and not isinstance(self.optimizer, SparseOptimizer):
+            raise TypeError(f"{where}.optimizer must be a dynemb.optim optimizer spec, got {self.optimizer!r}")
+        if self.optimizer is not None and self.optimizer.tables:
+            raise ValueError(f"{where}.optimizer must be unbound (built without tables)")
+        if self.eviction is not None:
+            try:
+                object.__setattr__(self, "eviction", EvictionPolicy(self.eviction))
+            except ValueError:
+                raise ValueError(f"{where}.eviction must be None or one of "
+                                 f"{[p.value for p in EvictionPolicy]}, got {self.eviction!r}") from None
+        if self.admission is not None and not isinstance(self.admission, FrequencyAdmission):
+            check_positive_int(self.admission, f"{where}.admission (a threshold)")
+        if self.is_static and (self.max_capacity, self.eviction, self.admission) != (None,) * 3:
+            raise ValueError(f"{where}: max_capacity/eviction/admission apply to dynamic tables only "
+                             "(vocabulary_size=None)")
+        resolve_initializer(self.initializer, f"{where}.initializer")
+
+    @property
+    def is_static(self) -> bool:
+        return self.vocabulary_size is not None
+
+    @property
+    def counts_occurrences(self) -> bool:
+        """Whether inserts need each key's number of occurrences (lfu scores and admission count them)."""
+        policy = self.eviction or EvictionPolicy.LRU
+        return not self.is_static and (self.admission is not None or policy.value.endswith("lfu"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FeatureConfig:
+    """One input feature looked up in ``table`` (a table name or its TableConfig).
+
+    Attributes:
+        name: the feature's key in the input dict.
+        table: the table it reads.
+        combiner: ``None`` pools with the table's combiner; ``"sum"``/``"mean"``/``"sqrtn"`` override it;
+            ``"none"`` returns the sequence of rows without pooling.
+        padding_value: for dense ``[B, M]`` inputs, entries equal to it are skipped.
+        max_norm: clip each row's L2 norm before combining (float > 0).
+    """
+
+    name: str
+    table: Union[str, TableConfig]
+    combiner: Optional[str] = None
+    padding_value: Optional[int] = None
+    max_norm: Optional[float] = None
+
+    def __post_init__(self):
+        check_name(self.name, "FeatureConfig.name")
+        where = f"FeatureConfig({self.name!r})"
+        if not isinstance(self.table, (str, TableConfig)):
+            raise TypeError(f"{where}.table must be a table name or a TableConfig, got {self.table!r}")
+        if self.combiner is not None and self.combiner not in COMBINERS + ("none",):
+            raise ValueError(f"{where}.combiner must be None, 'none' or one of {COMBINERS}, got {self.combiner!r}")
+        if self.padding_value is not None and (isinstance(self.padding_value, bool)
+                                               or not isinstance(self.padding_value, int)):
+            raise TypeError(f"{where}.padding_value must be None or an int id, got {self.padding_value!r}")
+        if self.max_norm is not None and (isinstance(self.max_norm, bool)
+                                          or not isinstance(self.max_norm, (int, float)) or not self.max_norm > 0):
+            raise ValueError(f"{where}.max_norm must be None or a float > 0, got {self.max_norm!r}")
+
+    @property
+    def table_name(self) -> str:
+        return self.table if isinstance(self.table, str) else self.table.name

@@ -1,0 +1,43 @@
+"""The local executor: every table whole on this process; one dedup, one find and one pooling op per table."""
+
+from __future__ import annotations
+
+import torch
+
+from ..functional import pool_many, pooled_lookup, unique_rows
+from .features import PreparedFeature, finish
+from .plan import ExecutionPlan
+
+__all__ = ["LocalExecutor", "lookup_table"]
+
+
+class LocalExecutor:
+    """Runs lookups of prepared features against the plan's whole tables."""
+
+    def __init__(self, plan: ExecutionPlan) -> None:
+        self.plan = plan
+
+    def forward(self, prepared: dict[str, list[PreparedFeature]], training: bool) -> dict:
+        out = {}
+        for name, parts in prepared.items():
+            out.update(lookup_table(self.plan[name].module, parts, training))
+        return out
+
+
+def lookup_table(module, parts: list[PreparedFeature], training: bool) -> dict:
+    """Outputs of the features ``parts`` of one table: one dedup, one find and one pooling op for all plain pooled
+    features, which pool straight from the table when they are all there is."""
+    ids = parts[0].ids if len(parts) == 1 else torch.cat([p.ids for p in parts])
+    plain = [p for p in parts if p.plain]
+    if len(plain) == len(parts):
+        pooled = pooled_lookup(module, ids, [p.bags for p in plain], training=training, checked=True)
+        return {p.name: out for p, out in zip(parts, pooled)}
+    values, inverse = unique_rows(module, ids, training=training, checked=True)
+    inverses = dict(zip([p.name for p in parts], inverse.split([p.ids.numel() for p in parts])))
+    plain_inverse = torch.cat([inverses[p.name] for p in plain]) if plain else inverse[:0]
+    out = {p.name: pooled for p, pooled in zip(plain, pool_many(values, plain_inverse, [p.bags for p in plain]))}
+    for p in parts:
+        if p.name not in out:
+            out[p.name] = finish(p, values, inverses[p.name])
+    return out
+

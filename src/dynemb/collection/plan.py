@@ -1,0 +1,172 @@
+"""The execution plan: how the user's logical tables are laid out on this process.
+
+The plan is the one place that builds physical tables. For each logical table (a :class:`TableConfig`) it holds a
+:class:`TableShard`: the table's rows that live on this rank (all of them without sharding), the key transform
+between the user's keys and the shard's keys, and the optimizer bound to that shard. Everything that saves,
+loads or serves state asks the plan for logical tables and speaks the user's names and keys; only the executors
+know about ranks.
+
+==================  ========================================================================================
+sharding            rows on this rank, and their keys
+==================  ========================================================================================
+``None``            the whole table; shard keys are the user's keys (one process)
+``row``             keys with ``partitioner(key, W) == rank``; a static table's id ``i`` is row ``i // W``
+``table``           the whole table on its owner rank; nothing elsewhere
+``data``            a replica of the whole table on every rank
+==================  ========================================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Union
+
+import torch
+
+from ..distributed.plan import Sharding, ShardingKind
+from ..embedding import DynamicEmbedding, StaticEmbedding
+from ..optim.base import SparseOptimizer
+from .config import TableConfig
+
+__all__ = ["TableShard", "ExecutionPlan", "draw_seeds", "whole_table"]
+
+Module = Union[DynamicEmbedding, StaticEmbedding]
+
+
+@dataclasses.dataclass
+class TableShard:
+    """One logical table's part on this rank.
+
+    Attributes:
+        config: the user's table.
+        seed: the initializer seed every rank uses.
+        sharding: how the table is spread over ranks (``None``: not sharded).
+        rank, world: this process in the sharding group.
+        module: the physical table's module (``None`` on a rank that holds none of a table-sharded table).
+        optimizer: the table's own bound sparse optimizer (``None`` without one or without a module).
+    """
+
+    config: TableConfig
+    seed: int
+    sharding: Optional[Sharding] = None
+    rank: int = 0
+    world: int = 1
+    module: Optional[Module] = None
+    optimizer: Optional[SparseOptimizer] = None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def table(self):
+        """The physical table (``KeyValueTable`` or ``StaticTable``), or None."""
+        return self.module.table if self.module is not None else None
+
+    @property
+    def _row_static(self) -> bool:
+        return self.config.is_static and self.sharding is not None and self.sharding.kind == ShardingKind.ROW
+
+    def shard_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """The user's keys (owned by this rank) -> this shard's keys, in the table's key dtype."""
+        if self._row_static:
+            keys = torch.div(keys.to(torch.int64), self.world, rounding_mode="floor")
+        return keys.to(self.config.key_dtype)
+
+    def user_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`shard_keys`."""
+        if self._row_static:
+            return (keys.to(torch.int64) * self.world + self.rank).to(self.config.key_dtype)
+        return keys
+
+    def owned(self, keys: torch.Tensor) -> torch.Tensor:
+        """Bool mask of the user's ``keys`` that belong on this rank."""
+        if self.sharding is None or self.sharding.kind == ShardingKind.DATA:
+            return torch.ones_like(keys, dtype=torch.bool)
+        return self.sharding.owners(keys.to(torch.int64), self.world) == self.rank
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes the shard in a checkpoint (one copy of a replicated table)."""
+        if self.module is None:
+            return False
+        return self.rank == 0 if self.sharding is None or self.sharding.kind == ShardingKind.DATA else True
+
+    def describe_sharding(self) -> Optional[dict]:
+        return self.sharding.describe() if self.sharding is not None else None
+
+
+def whole_table(name: str, module: Module) -> TableShard:
+    """A standalone Dynamic/StaticEmbedding as a logical table ``name`` (its config read from the module)."""
+    t = module.table
+    static = isinstance(module, StaticEmbedding)
+    config = TableConfig(name=name, dim=t.dim, vocabulary_size=t.num_rows if static else None, dtype=t.dtype,
+                         key_dtype=t.key_dtype, initializer=t.initializer,
+                         max_capacity=None if static else t.max_capacity, eviction=None if static else t.policy,
+                         admission=None if static else t.admission, seed=t.seed)
+    return TableShard(config, t.seed, module=module)
+
+
+def draw_seeds(tables: list[TableConfig], agree: Optional[Callable[[dict], dict]] = None) -> dict[str, int]:
+    """Each table's seed: its config's, else one drawn from torch's RNG (``agree`` makes ranks use rank 0's)."""
+    seeds = {t.name: t.seed if t.seed is not None else int(torch.randint(0, 2**31, (1,)).item()) for t in tables}
+    return agree(seeds) if agree is not None else seeds
+
+
+class ExecutionPlan:
+    """Every logical table's :class:`TableShard` on this rank, in config order.
+
+    Args:
+        tables: the user's tables.
+        seeds: ``{name: seed}`` (see :func:`draw_seeds`).
+        shardings: ``{name: Sharding}`` for a sharded collection; ``None`` keeps every table whole here.
+        rank, world: this process in the sharding group.
+        device: where the physical tables live.
+    """
+
+    def __init__(self, tables: list[TableConfig], seeds: dict[str, int], *,
+                 shardings: Optional[dict[str, Sharding]] = None, rank: int = 0, world: int = 1,
+                 device=None) -> None:
+        self.rank, self.world = rank, world
+        self.sharded = shardings is not None
+        self.shards: dict[str, TableShard] = {}
+        for cfg in tables:
+            sharding = shardings[cfg.name] if shardings is not None else None
+            shard = TableShard(cfg, seeds[cfg.name], sharding, rank, world)
+            shard.module = self._build(shard, device)
+            if shard.module is not None and cfg.optimizer is not None:
+                shard.optimizer = cfg.optimizer.bind([shard.module])
+            self.shards[cfg.name] = shard
+
+    def __getitem__(self, name: str) -> TableShard:
+        return self.shards[name]
+
+    def __iter__(self):
+        return iter(self.shards.values())
+
+    def _build(self, shard: TableShard, device) -> Optional[Module]:
+        """The physical table of ``shard`` on this rank (the only place one is built)."""
+        cfg, sharding = shard.config, shard.sharding
+        if sharding is not None and sharding.kind == ShardingKind.TABLE and sharding.owner != self.rank:
+            return None
+        if cfg.is_static:
+            rows = cfg.vocabulary_size
+            if shard._row_static:  # this rank owns ids r, r + W, r + 2W, ...
+                rows = max(1, (cfg.vocabulary_size - self.rank + self.world - 1) // self.world)
+            module = StaticEmbedding(rows, cfg.dim, dtype=cfg.dtype, key_dtype=cfg.key_dtype, device=device,
+                                     initializer=cfg.initializer, seed=shard.seed)
+            if shard._row_static:  # rows start as the user's ids would: a shard equals its part of the whole
+                ids = shard.user_keys(module.table.row_keys)
+                module.table.values.copy_(module.table.initial_rows(ids))
+            return module
+        return DynamicEmbedding(cfg.dim, key_dtype=cfg.key_dtype, dtype=cfg.dtype, initializer=cfg.initializer,
+                                device=device, init_capacity=cfg.init_capacity, max_capacity=cfg.max_capacity,
+                                eviction=cfg.eviction, admission=cfg.admission, seed=shard.seed)
+
+    def modules(self) -> dict[str, Module]:
+        """The physical modules on this rank by table name."""
+        return {name: s.module for name, s in self.shards.items() if s.module is not None}
+
+    def optimizers(self) -> dict[str, SparseOptimizer]:
+        """The tables' own bound optimizers by table name."""
+        return {name: s.optimizer for name, s in self.shards.items() if s.optimizer is not None}
