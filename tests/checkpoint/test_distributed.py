@@ -39,9 +39,9 @@ def gathered(ec) -> dict:
         module = ec.embeddings[name] if name in ec.embeddings else None
         rows = module.table.export() if module is not None else None
         cols = {"keys": rows.keys if rows else torch.empty(0, dtype=torch.int64),
-                "values": rows.values if rows else torch.empty(0, ec.shards[name].cfg.dim)}
+                "values": rows.values if rows else torch.empty(0, ec.logical_tables()[name].config.dim)}
         for slot in ("adam.exp_avg", "adam.exp_avg_sq"):
-            cols[slot] = rows.slots[slot] if rows else torch.empty(0, ec.shards[name].cfg.dim)
+            cols[slot] = rows.slots[slot] if rows else torch.empty(0, ec.logical_tables()[name].config.dim)
         parts = {k: torch.cat(all_gather_varsize(v, ec.group)) for k, v in cols.items()}
         order = parts["keys"].argsort()
         result.update({f"{name}.{k}": v[order].numpy() for k, v in parts.items()})

@@ -85,6 +85,11 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
         configs = {name: manifest["tables"][name]["config"] for name in plan}
         shards = {name: _read_sources(sources, reshard, configs[name], tables[name], progress)
                   for name, (sources, reshard) in plan.items()}
+        for name, (cols, _) in shards.items():
+            rows, capacity = cols[KEYS].numel(), tables[name].config.max_capacity
+            if capacity is not None and rows > capacity:
+                raise CheckpointError(f"{directory}: table {name!r}: {rows} rows do not fit max_capacity={capacity} "
+                                      "of the model's table")
         dense = check_dense(model, read_state(*dense_file, progress), strict, dense_file[0])
         opt_state = merge_states([read_state(*f, progress) for f in opt_files]) if opt_files else None
         # Everything is read and checked: from here on the model changes.
@@ -138,9 +143,6 @@ def _check_config(saved: dict, shard, directory: Path, name: str, strict: bool) 
             if strict:
                 raise CheckpointError(message + " (strict=True; create the optimizer before loading)")
             logger.warning("%s; %s", message, "skipped" if slot in slots else "it starts at its initial value")
-    rows, capacity = saved["shards"][0]["rows"], shard.table.max_capacity
-    if capacity is not None and rows > capacity:
-        raise CheckpointError(f"{where}: {rows} rows do not fit max_capacity={capacity} of the model's table")
 
 
 def _sources(links: list, name: str, shard, ctx: RankContext) -> tuple[dict, bool]:
