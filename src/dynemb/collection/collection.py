@@ -15,6 +15,7 @@ from ..distributed.comm import check_agreement
 from ..distributed.plan import Sharding, resolve_plan
 from ..embedding import DynamicEmbedding
 from ..optim.combined import CombinedOptimizer
+from ..table.checks import resolve_device
 from .config import FeatureConfig, TableConfig
 from .features import prepare_features
 from .local import LocalExecutor
@@ -45,6 +46,10 @@ class EmbeddingCollection(nn.Module):
         process_group: the group to shard over (default: the world); only with ``plan``.
         timeout: seconds before a collective gives up with :class:`~dynemb.distributed.DistributedError`.
         device: where the tables live (``cuda`` for NCCL).
+        validate: check that a static table's ids are in ``[0, V)`` on every forward. The check reads the ids'
+            min and max, a device sync on CUDA, so ``None`` (default) checks on CPU only; ``True`` checks
+            everywhere (debugging a CUDA job: an out-of-range id there is a device-side assert, not an error),
+            ``False`` nowhere. Dtypes, devices and shapes are always checked.
 
     Shape:
         ``forward({name: ids})`` -> ``{name: [B, D]}`` for pooled features; sequence features give
@@ -64,8 +69,12 @@ class EmbeddingCollection(nn.Module):
     """
 
     def __init__(self, tables: list[TableConfig], features: list[FeatureConfig], *, plan: Optional[PlanSpec] = None,
-                 process_group=None, timeout: float = 300.0, device=None) -> None:
+                 process_group=None, timeout: float = 300.0, device=None, validate: Optional[bool] = None) -> None:
         super().__init__()
+        if validate is not None and not isinstance(validate, bool):
+            raise TypeError(f"validate must be None, True or False, got {validate!r}")
+        self.validate = validate
+        self._device = resolve_device(device)
         self.table_configs, self.feature_configs = _index_configs(tables, features)
         if plan is None and process_group is not None:
             raise ValueError("process_group is given but plan is None: pass plan='auto' (or a dict) to shard")
@@ -119,8 +128,10 @@ class EmbeddingCollection(nn.Module):
     def forward(self, features: dict, weights: Optional[dict] = None) -> dict:
         """Look up every feature given; see the class docstring for shapes. Every feature is validated before
         any table changes. Sharded: a collective call that every rank makes."""
-        device = next(iter(self.plan.modules().values())).table.device if self.plan.modules() else None
-        prepared = prepare_features(features, weights or {}, self.feature_configs, self.table_configs, device)
+        device = self._device
+        check = self.validate if self.validate is not None else device.type == "cpu"
+        prepared = prepare_features(features, weights or {}, self.feature_configs, self.table_configs, device,
+                                    check_ranges=check)
         out = self.executor.forward(prepared, self.training)
         return {name: out[name] for name in features}
 
@@ -159,6 +170,7 @@ class EmbeddingCollection(nn.Module):
     def _apply(self, fn, recurse=True):
         for module in self.plan.modules().values():  # .to(device) moves the tables; dtype casts leave them
             module._apply(fn, recurse)
+        self._device = fn(torch.empty(0, device=self._device)).device
         return super()._apply(fn, recurse)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

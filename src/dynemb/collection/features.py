@@ -51,8 +51,12 @@ class PreparedFeature:
 
 
 def prepare_features(features: dict, weights: dict, feature_configs: dict[str, FeatureConfig],
-                     table_configs: dict[str, TableConfig], device) -> dict[str, list[PreparedFeature]]:
+                     table_configs: dict[str, TableConfig], device, *,
+                     check_ranges: bool = True) -> dict[str, list[PreparedFeature]]:
     """Validate every feature of a batch and group them by table name (tables in config order).
+
+    Dtypes, devices and shapes are always checked. ``check_ranges`` also checks that a static table's ids are in
+    ``[0, V)``, which reads the ids' min and max (a device sync on CUDA).
 
     Raises:
         ValueError/TypeError: naming the feature and its table; nothing has been looked up yet.
@@ -70,22 +74,23 @@ def prepare_features(features: dict, weights: dict, feature_configs: dict[str, F
         fcfg = feature_configs[fname]
         tcfg = table_configs[fcfg.table_name]
         try:
-            prepared = _prepare(fname, fcfg, tcfg, value, weights.get(fname), device)
+            prepared = _prepare(fname, fcfg, tcfg, value, weights.get(fname), device, check_ranges)
         except (TypeError, ValueError) as e:
             raise type(e)(f"feature {fname!r} (table {tcfg.name!r}): {e}") from None
         by_table[tcfg.name].append(prepared)
     return {name: parts for name, parts in by_table.items() if parts}
 
 
-def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, device) -> PreparedFeature:
+def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, device,
+             check_ranges: bool) -> PreparedFeature:
     combiner = fcfg.combiner or tcfg.combiner
     if combiner == "none":
         if isinstance(value, (tuple, list)):
             ids, offsets = value
-            out = PreparedFeature(fname, tcfg.name, _check_ids(ids, tcfg, device), fcfg.max_norm,
+            out = PreparedFeature(fname, tcfg.name, _check_ids(ids, tcfg, device, check_ranges), fcfg.max_norm,
                                   jagged_offsets=offsets)
         else:
-            out = PreparedFeature(fname, tcfg.name, _check_ids(value, tcfg, device), fcfg.max_norm,
+            out = PreparedFeature(fname, tcfg.name, _check_ids(value, tcfg, device, check_ranges), fcfg.max_norm,
                                   shape=tuple(value.shape))
         return out
     if isinstance(value, (tuple, list)):
@@ -95,14 +100,14 @@ def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, 
     else:
         ids, offsets = value, None
     flat, offsets, w, num_bags = to_bags(ids, offsets, weight, padding_value=fcfg.padding_value)
-    flat = _check_ids(flat, tcfg, device)
+    flat = _check_ids(flat, tcfg, device, check_ranges)
     return PreparedFeature(fname, tcfg.name, flat, fcfg.max_norm,
                            bags=BagSet(flat.numel(), offsets, w, num_bags, combiner))
 
 
-def _check_ids(ids, tcfg: TableConfig, device) -> torch.Tensor:
+def _check_ids(ids, tcfg: TableConfig, device, check_ranges: bool) -> torch.Tensor:
     flat = check_keys(ids, tcfg.key_dtype, device, "ids")
-    if tcfg.is_static and flat.numel():
+    if check_ranges and tcfg.is_static and flat.numel():
         low, high = torch.aminmax(flat)  # one device sync per static feature
         if int(low) < 0 or int(high) >= tcfg.vocabulary_size:
             bad = int(low) if int(low) < 0 else int(high)

@@ -22,6 +22,6 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
     """
 
     def __init__(self, tables: list[TableConfig], features: list[FeatureConfig], *, plan: Optional[PlanSpec] = None,
-                 process_group=None, timeout: float = 300.0, device=None) -> None:
+                 process_group=None, timeout: float = 300.0, device=None, validate: Optional[bool] = None) -> None:
         super().__init__(tables, features, plan=plan if plan is not None else "auto", process_group=process_group,
-                         timeout=timeout, device=device)
+                         timeout=timeout, device=device, validate=validate)

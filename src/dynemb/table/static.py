@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like
+from .checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like, \
+    resolve_device
 from .columns import RowColumns
 from .initializers import InitializerSpec, resolve_initializer
 from .table import Rows
@@ -35,7 +36,7 @@ class StaticTable(RowColumns):
         self.dim = check_positive_int(dim, "dim")
         self.key_dtype = check_dtype(key_dtype, KEY_DTYPES, "key_dtype")
         self.dtype = check_dtype(dtype, VALUE_DTYPES, "dtype")
-        self.device = torch.device(device if device is not None else "cpu")
+        self.device = resolve_device(device)
         self.initializer = resolve_initializer(initializer)
         self.seed = seed
         self.max_capacity = num_rows
@@ -116,7 +117,7 @@ class StaticTable(RowColumns):
             self.slot(name)[keys.long()] = tensor.to(self.device)
 
     def to(self, device) -> "StaticTable":
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self._cols = {k: v.to(self.device) for k, v in self._cols.items()}
         self._ids = self._ids.to(self.device)
         return self
