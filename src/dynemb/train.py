@@ -117,7 +117,6 @@ class Trainer:
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.distributed else 0
         dense = [p for n, p in model.named_parameters()]
-        self._dense_model = model
         if self.distributed:
             self.model.bottom = nn.parallel.DistributedDataParallel(model.bottom)
             self.model.top = nn.parallel.DistributedDataParallel(model.top)

@@ -156,12 +156,6 @@ def check_table_name(table) -> str:
     return table
 
 
-def dedupe_last(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unique keys with the value of each key's last occurrence. Keys come out sorted, the order in which B-tree
-    and LSM stores write a batch fastest."""
-    return last_occurrence(keys, values)
-
-
 class RowStore(abc.ABC):
     """A batched key -> row store holding several named tables. Subclasses implement the ``_`` hooks.
 
@@ -282,7 +276,8 @@ class RowStore(abc.ABC):
         values = check_rows_like(values, keys.numel(), schema.dim, schema.dtype, _CPU, "values", tuple(keys.shape))
         self._check_writable()
         if keys.numel():
-            self._put(table, schema, *dedupe_last(keys, values.contiguous()))
+            # the last occurrence of each key wins; keys come out sorted, the order B-tree and LSM stores write fastest
+            self._put(table, schema, *last_occurrence(keys, values.contiguous()))
 
     def delete(self, table: str, keys: torch.Tensor) -> int:
         """Remove keys. Hit: removed. Miss: ignored. Returns the number of rows removed."""
