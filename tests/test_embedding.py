@@ -183,7 +183,7 @@ def test_method_errors_change_nothing(key_dtype, device, fails_cleanly):
     with fails_cleanly(emb, ValueError, r"values must have shape \(2, 4\)"):
         emb.upsert(keys, torch.zeros(2, 5, device=device))
     with fails_cleanly(emb, TypeError, "values must have dtype torch.float32"):
-        emb.assign(keys, torch.zeros(2, 4, dtype=torch.float16, device=device))
+        emb.upsert(keys, torch.zeros(2, 4, dtype=torch.float16, device=device))
     with fails_cleanly(emb, TypeError, "keys must have dtype"):
         emb.remove(torch.tensor([1.0], device=device))
     with fails_cleanly(emb, TypeError, "keys must have dtype"):

@@ -125,10 +125,6 @@ class DynamicEmbedding(nn.Module):
         """Insert or overwrite rows (``keys`` ``S``, ``values`` ``S + (D,)``); the last duplicate wins."""
         self.table.insert_or_assign(keys, values)
 
-    def assign(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """SOK's ``assign``: the same as :meth:`upsert`."""
-        self.table.insert_or_assign(keys, values)
-
     def accum(self, keys, old_values, new_values, exists) -> None:
         """TFRA's ``accum``; see :meth:`dynemb.table.KeyValueTable.accum`."""
         self.table.accum(keys, old_values, new_values, exists)
