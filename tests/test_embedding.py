@@ -86,8 +86,8 @@ def test_lookup_with_and_without_exists(key_dtype, device):
     assert len(emb) == 1
 
 
-@pytest.mark.parametrize("method", ["upsert", "assign"])
-def test_upsert_and_assign(method, key_dtype, device, value_dtype):
+@pytest.mark.parametrize("method", ["upsert"])
+def test_upsert(method, key_dtype, device, value_dtype):
     emb = _emb(key_dtype, device, dtype=value_dtype)
     keys = _k([1, 2, 1], key_dtype, device)
     vals = torch.arange(12, device=device).view(3, 4).to(value_dtype)
