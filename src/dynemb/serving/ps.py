@@ -31,15 +31,14 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from ..checkpoint.manifest import SERVING_FORMAT, file_record, read_manifest, resolve
-from ..checkpoint.tensorfile import read_tensors
 from ..table import KeyValueTable
 from ..table.checks import check_keys
 from ..table.initializers import Constant, Initializer, Normal, TruncatedNormal, Uniform
 from .config import ModelConfig, ServerConfig
+from .export_reader import read_export
 from .stores import RowStore, StoreError, make_store
 
-__all__ = ["ParameterServer", "read_export"]
+__all__ = ["ParameterServer"]
 
 _FLUSH = object()
 _SMALL_TABLE_ROWS = 4096
@@ -49,21 +48,6 @@ _WRITEBACK_ROWS = 4096  # most rows per background write-back: a larger one keep
 # bursts that slow a run of requests down together.
 _JITTER = random.Random(0)
 _INITIALIZERS = {"Uniform": Uniform, "Normal": Normal, "TruncatedNormal": TruncatedNormal, "Constant": Constant}
-
-
-def read_export(path) -> tuple[dict, dict]:
-    """Read a serving export (its ``latest`` version, or the version directory given) with checksums verified.
-
-    Returns ``(manifest, {table: {"keys": [N], "values": [N, D], "deleted_keys": [K] (deltas)}})``.
-    """
-    directory = resolve(path)
-    manifest = read_manifest(directory, SERVING_FORMAT)
-    tables = {}
-    for name, entry in manifest["tables"].items():
-        tensors, _ = read_tensors(directory / entry["file"], file_record(manifest, directory, entry["file"]))
-        tables[name] = tensors
-    manifest["path"] = str(directory)
-    return manifest, tables
 
 
 class _Tier:
