@@ -17,7 +17,7 @@ from ...table.checks import check_keys
 from ...table.initializers import Constant, Initializer, Normal, TruncatedNormal, Uniform
 from ..config import ModelConfig, ServerConfig
 from ..export_reader import read_export
-from ..stores import RowStore, StoreError, make_store
+from .tiers import Tier, Tiers
 
 __all__ = ["ParameterServer"]
 
@@ -29,30 +29,6 @@ _WRITEBACK_ROWS = 4096  # most rows per background write-back: a larger one keep
 # bursts that slow a run of requests down together.
 _JITTER = random.Random(0)
 _INITIALIZERS = {"Uniform": Uniform, "Normal": Normal, "TruncatedNormal": TruncatedNormal, "Constant": Constant}
-
-
-class _Tier:
-    """A store with failure accounting and exponential back-off."""
-
-    def __init__(self, name: str, store: Optional[RowStore]) -> None:
-        self.name, self.store = name, store
-        self.errors, self._down_until, self._backoff = 0, 0.0, 0.5
-
-    @property
-    def available(self) -> bool:
-        return self.store is not None and time.monotonic() >= self._down_until
-
-    def call(self, fn, *args):
-        """Run ``fn(*args)``; on a store failure count it, back off, and return None."""
-        try:
-            result = fn(*args)
-        except StoreError:
-            self.errors += 1
-            self._down_until = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, 30.0)
-            return None
-        self._backoff = 0.5
-        return result
 
 
 @dataclasses.dataclass
@@ -172,9 +148,7 @@ class ParameterServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.models = {m.model: m for m in config.models}
-        self.volatile = _Tier("volatile", make_store(config.volatile_db, name="volatile_db"))
-        persistent = make_store(config.persistent_db, name="persistent_db") if config.persistent_db else None
-        self.persistent = _Tier("persistent", persistent)
+        self.tiers = Tiers(config)
         self._tables: dict[str, dict[str, _Table]] = {}
         self._locks = {name: threading.RLock() for name in self.models}
         self.versions: dict[str, dict] = {}
@@ -187,6 +161,16 @@ class ParameterServer:
     def from_config(cls, source: Union[str, Path, Mapping]) -> "ParameterServer":
         """Build from a JSON file or a dict (see :class:`ServerConfig` and :class:`ModelConfig`)."""
         return cls(ServerConfig.load(source))
+
+    @property
+    def volatile(self) -> Tier:
+        """The volatile tier (memory or Redis)."""
+        return self.tiers.volatile
+
+    @property
+    def persistent(self) -> Tier:
+        """The persistent tier (RocksDB or LMDB, or none)."""
+        return self.tiers.persistent
 
     # ------------------------------------------------------------------ loading
     def load(self, model: str, progress: bool = True) -> None:
@@ -214,7 +198,8 @@ class ParameterServer:
                                  "with apply_update")
             dtype = getattr(torch, entry["dtype"].replace("torch.", ""))
             table = self._new_table(cfg, i, name, dim, dtype, entry, len(payload[name]["keys"]))
-            self._write_stores(table, payload[name]["keys"].to(torch.int64), payload[name]["values"].to(dtype))
+            keys, values = payload[name]["keys"].to(torch.int64), payload[name]["values"].to(dtype)
+            self.tiers.put(table.store_name, keys, values)
             tables[name] = table
             bar.update(1)
         bar.close()
@@ -236,19 +221,10 @@ class ParameterServer:
         cache = KeyValueTable(dim, dtype=dtype, device=cfg.device, max_capacity=capacity,
                               init_capacity=min(capacity, 1 << 16), eviction="lru", initializer="zeros")
         store_name = f"{cfg.model}.{name}"
-        for tier in (self.volatile, self.persistent):
-            if tier.store is not None and not getattr(tier.store, "read_only", False):
-                tier.store.create_table(store_name, dim, dtype)
+        self.tiers.create_table(store_name, dim, dtype)
         # A batch of 1/16 of the cache keeps rows fetched in one batch from evicting each other.
         writeback_rows = max(1, min(_WRITEBACK_ROWS, capacity // 16))
         return _Table(name, dim, dtype, store_name, cache, default, int(entry.get("seed") or 0), writeback_rows)
-
-    def _write_stores(self, table: _Table, keys: torch.Tensor, values: torch.Tensor) -> None:
-        for tier in (self.persistent, self.volatile):
-            if tier.store is not None and not getattr(tier.store, "read_only", False):
-                for start in range(0, keys.numel(), 1 << 18):
-                    tier.call(tier.store.put, table.store_name, keys[start: start + (1 << 18)],
-                              values[start: start + (1 << 18)])
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, model: str, table: str, keys: torch.Tensor) -> torch.Tensor:
@@ -293,7 +269,7 @@ class ParameterServer:
         batches = {name: (self._table(model, name), self._check_batch(cfg, keys))
                    for name, keys in keys_per_table.items()}
         lookups = [self._read_cache(t, flat) for t, flat in batches.values()]
-        for tier in (self.volatile, self.persistent):
+        for tier in (self.tiers.volatile, self.tiers.persistent):
             self._read_tier(tier, lookups)
         for lookup in lookups:
             self._finish(cfg, lookup)
@@ -328,7 +304,7 @@ class ParameterServer:
         served = {"lookups": ids.numel(), "cache": ids.numel() - at.numel()}
         return _Lookup(t, values, at, keys, inverse, weights, epoch, served, cache_skipped=busy)
 
-    def _read_tier(self, tier: _Tier, lookups: list) -> None:
+    def _read_tier(self, tier: Tier, lookups: list) -> None:
         waiting = [lookup for lookup in lookups if lookup.todo.numel()]
         if not waiting or not tier.available:
             return
@@ -337,8 +313,9 @@ class ParameterServer:
             return
         for m in waiting:
             where = m.take(tier.name, *got[m.t.store_name])
-            if tier is self.persistent and where.numel() and self.volatile.available:
-                self.volatile.call(self.volatile.store.put, m.t.store_name, *m.picked(where))
+            volatile = self.tiers.volatile
+            if tier is self.tiers.persistent and where.numel() and volatile.available:
+                volatile.call(volatile.store.put, m.t.store_name, *m.picked(where))
 
     def _finish(self, cfg: ModelConfig, m: _Lookup) -> None:
         """Default rows for keys no tier has, the misses' rows into the answer, statistics and write-back."""
@@ -417,10 +394,8 @@ class ParameterServer:
                 if values.shape[1:] != (t.dim,):
                     raise ValueError(f"{manifest['path']}: table {name!r} has dim {values.shape[1]}, served as {t.dim}")
                 if deleted is not None and deleted.numel():
-                    for tier in (self.volatile, self.persistent):
-                        if tier.store is not None and not getattr(tier.store, "read_only", False):
-                            tier.call(tier.store.delete, t.store_name, deleted.to(torch.int64))
-                self._write_stores(t, keys, values)
+                    self.tiers.delete(t.store_name, deleted.to(torch.int64))
+                self.tiers.put(t.store_name, keys, values)
                 with t.cache_lock:
                     with t.stats_lock:
                         t.epoch += 1
@@ -441,7 +416,7 @@ class ParameterServer:
         tables = {name: {**t.stats, "hit_rate": t.hit_rate, "cache_rows": t.cache.size(),
                          "cache_capacity": t.cache.max_capacity, "cache_bytes": t.cache.nbytes()}
                   for name, t in self._model_tables(model).items()}
-        return {"tables": tables, "errors": {"volatile": self.volatile.errors, "persistent": self.persistent.errors},
+        return {"tables": tables, "errors": self.tiers.errors,
                 **self.versions.get(model, {})}
 
     def reset_stats(self, model: str) -> None:
@@ -464,9 +439,7 @@ class ParameterServer:
     def close(self) -> None:
         self._writeback.put(None)
         self._worker.join(timeout=5)
-        for tier in (self.volatile, self.persistent):
-            if tier.store is not None:
-                tier.store.close()
+        self.tiers.close()
 
     def _model(self, model: str) -> ModelConfig:
         if model not in self.models:
