@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import queue
 import random
 import threading
 import time
@@ -12,76 +11,23 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from ...table import KeyValueTable
 from ...table.checks import check_keys
-from ...table.initializers import Constant, Initializer, Normal, TruncatedNormal, Uniform
 from ..config import ModelConfig, ServerConfig
 from ..export_reader import read_export
+from .cache import TableState, new_table
 from .tiers import Tier, Tiers
+from .writeback import WriteBack
 
 __all__ = ["ParameterServer"]
 
-_FLUSH = object()
-_SMALL_TABLE_ROWS = 4096
-_WRITEBACK_ROWS = 4096  # most rows per background write-back: a larger one keeps lookups off the cache longer
-# Each write-back takes a random 50-100% of a table's batch size. With one size, tables that miss at the same rate
-# (the features of one request) would all fill their batches in the same request, and the inserts would come in
-# bursts that slow a run of requests down together.
-_JITTER = random.Random(0)
-_INITIALIZERS = {"Uniform": Uniform, "Normal": Normal, "TruncatedNormal": TruncatedNormal, "Constant": Constant}
-
-
-@dataclasses.dataclass
-class _Table:
-    name: str
-    dim: int
-    dtype: torch.dtype
-    store_name: str
-    cache: KeyValueTable
-    default: Union[float, Initializer]
-    seed: int
-    writeback_rows: int
-    stats: dict = dataclasses.field(default_factory=lambda: {"lookups": 0, "cache": 0, "volatile": 0,
-                                                             "persistent": 0, "default": 0})
-    cache_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    # Guards stats and pending, so that counting a lookup never waits for an insert into the cache.
-    stats_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    epoch: int = 0  # moved on by each update, under both locks; write-backs of rows read before are dropped
-    pending: list = dataclasses.field(default_factory=list)  # (keys, rows) chunks waiting for a background fill
-    pending_rows: int = 0
-    flush_at: int = 0  # pending rows that make a write-back job
-    filling: bool = False  # a background write-back is inserting into the cache (or about to)
-
-    def default_rows(self, keys: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.default, Initializer):
-            return self.default(keys, self.dim, self.dtype, self.seed)
-        return torch.full((keys.numel(), self.dim), float(self.default), dtype=self.dtype)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.stats["cache"] / max(self.stats["lookups"], 1)
-
-    def __post_init__(self) -> None:
-        self.clear_pending()
-
-    def clear_pending(self) -> None:
-        self.pending, self.pending_rows = [], 0
-        self.flush_at = max(1, round(self.writeback_rows * _JITTER.uniform(0.5, 1.0)))
-
-    def take_pending(self) -> Optional[tuple]:
-        """The pending write-backs as one job (call under ``stats_lock``), or None."""
-        if not self.pending:
-            return None
-        keys, rows = zip(*self.pending)
-        self.clear_pending()
-        return self, torch.cat(keys), torch.cat(rows), self.epoch
+_JITTER = random.Random(0)  # draws the batch sizes of write-backs (see PendingRows)
 
 
 @dataclasses.dataclass
 class _Lookup:
     """One table's part of a lookup: the cache's answer, and its misses as the lower tiers fill them in."""
 
-    t: _Table
+    t: TableState
     values: torch.Tensor  # [N, D] on the cache's device: the answer
     at: torch.Tensor  # [K] positions in `values` that the cache missed
     keys: torch.Tensor  # [M] the missed keys, unique, on the CPU
@@ -149,13 +95,10 @@ class ParameterServer:
         self.config = config
         self.models = {m.model: m for m in config.models}
         self.tiers = Tiers(config)
-        self._tables: dict[str, dict[str, _Table]] = {}
+        self._tables: dict[str, dict[str, TableState]] = {}
         self._locks = {name: threading.RLock() for name in self.models}
         self.versions: dict[str, dict] = {}
-        self._writeback: queue.Queue = queue.Queue(maxsize=64)
-        self.writeback_errors = 0
-        self._worker = threading.Thread(target=self._drain, name="dynemb-ps-writeback", daemon=True)
-        self._worker.start()
+        self._writeback = WriteBack()
 
     @classmethod
     def from_config(cls, source: Union[str, Path, Mapping]) -> "ParameterServer":
@@ -172,11 +115,16 @@ class ParameterServer:
         """The persistent tier (RocksDB or LMDB, or none)."""
         return self.tiers.persistent
 
+    @property
+    def writeback_errors(self) -> int:
+        """Background write-backs that failed (each only costs later cache misses)."""
+        return self._writeback.errors
+
     # ------------------------------------------------------------------ loading
     def load(self, model: str, progress: bool = True) -> None:
         """Load ``model``'s tables from its serving exports into the stores, and size its caches."""
         cfg = self._model(model)
-        tables: dict[str, _Table] = {}
+        tables: dict[str, TableState] = {}
         exports: dict[Path, tuple] = {}
         from tqdm.auto import tqdm
 
@@ -197,7 +145,8 @@ class ParameterServer:
                 raise ValueError(f"{manifest['path']} is a delta export; load a full export and apply deltas "
                                  "with apply_update")
             dtype = getattr(torch, entry["dtype"].replace("torch.", ""))
-            table = self._new_table(cfg, i, name, dim, dtype, entry, len(payload[name]["keys"]))
+            table = new_table(cfg, i, name, dim, dtype, entry, len(payload[name]["keys"]), _JITTER)
+            self.tiers.create_table(table.store_name, dim, dtype)
             keys, values = payload[name]["keys"].to(torch.int64), payload[name]["values"].to(dtype)
             self.tiers.put(table.store_name, keys, values)
             tables[name] = table
@@ -207,24 +156,6 @@ class ParameterServer:
             self._tables[model] = tables
             self.versions[model] = {"version": max(m["version"] for m, _ in exports.values()),
                                     "loaded_unix": time.time()}
-
-    def _new_table(self, cfg: ModelConfig, i: int, name: str, dim: int, dtype, entry: dict, rows: int) -> _Table:
-        default = cfg.default_for(i)
-        if default == "initializer":
-            spec = dict(entry["initializer"])
-            kind = spec.pop("type")
-            if kind not in _INITIALIZERS:
-                raise ValueError(f"table {name!r}: its initializer {kind!r} cannot be rebuilt for default rows")
-            default = _INITIALIZERS[kind](**spec)
-        # Small tables are cached whole: a fraction of a 10-row table would only cost misses.
-        capacity = max(1, int(rows * cfg.cache_fraction), min(rows, _SMALL_TABLE_ROWS))
-        cache = KeyValueTable(dim, dtype=dtype, device=cfg.device, max_capacity=capacity,
-                              init_capacity=min(capacity, 1 << 16), eviction="lru", initializer="zeros")
-        store_name = f"{cfg.model}.{name}"
-        self.tiers.create_table(store_name, dim, dtype)
-        # A batch of 1/16 of the cache keeps rows fetched in one batch from evicting each other.
-        writeback_rows = max(1, min(_WRITEBACK_ROWS, capacity // 16))
-        return _Table(name, dim, dtype, store_name, cache, default, int(entry.get("seed") or 0), writeback_rows)
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, model: str, table: str, keys: torch.Tensor) -> torch.Tensor:
@@ -285,7 +216,7 @@ class ParameterServer:
         return flat
 
     @staticmethod
-    def _read_cache(t: _Table, flat: torch.Tensor) -> _Lookup:
+    def _read_cache(t: TableState, flat: torch.Tensor) -> _Lookup:
         # The cache reads the batch as it is: de-duplicating first costs a sort and a second gather, and under
         # power-law traffic the duplicates are hot rows that hit anyway. Only the misses are de-duplicated.
         ids = flat.to(t.cache.device)
@@ -334,46 +265,11 @@ class ParameterServer:
         if m.fetched and not m.cache_skipped:  # after a skipped cache, most of these rows are in it already
             where = m.fetched[0] if len(m.fetched) == 1 else torch.cat(m.fetched)
             cold = m.served["cache"] < cfg.hit_rate_threshold * m.served["lookups"]
-            (self._fill_cache if cold else self._defer_fill)(t, *m.picked(where), m.epoch)
-
-    def _defer_fill(self, t: _Table, keys: torch.Tensor, rows: torch.Tensor, epoch: int) -> None:
-        with t.stats_lock:
-            if epoch != t.epoch:
-                return
-            t.pending.append((keys, rows))
-            t.pending_rows += keys.numel()
-            job = t.take_pending() if t.pending_rows >= t.flush_at else None
-        if job is not None:
-            try:
-                self._writeback.put_nowait(job)
-            except queue.Full:  # the cache is warm; dropping a write-back only costs later misses
-                pass
-
-    def _fill_cache(self, t: _Table, keys: torch.Tensor, rows: torch.Tensor, epoch: int) -> None:
-        with t.cache_lock:
-            if epoch == t.epoch:  # otherwise an update came after these rows were read: they may be stale
-                t.cache.insert_or_assign(keys.to(t.cache.device), rows.to(t.cache.device))
-
-    def _fill_in_background(self, t: _Table, keys: torch.Tensor, rows: torch.Tensor, epoch: int) -> None:
-        # Raised before taking the lock, so that readers go around the cache instead of queueing behind the insert.
-        t.filling = True
-        try:
-            self._fill_cache(t, keys, rows, epoch)
-        finally:
-            t.filling = False
-
-    def _drain(self) -> None:
-        while True:
-            job = self._writeback.get()
-            if job is None:
-                return
-            if job[0] is _FLUSH:
-                job[1].set()
-                continue
-            try:
-                self._fill_in_background(*job)
-            except Exception:  # a failed write-back only costs a later cache miss; keep the worker alive
-                self.writeback_errors += 1
+            keys, rows = m.picked(where)
+            if cold:
+                t.insert_if_current(keys, rows, m.epoch)
+            else:
+                self._writeback.defer(t, keys, rows, m.epoch)
 
     # ------------------------------------------------------------------ online updates
     def apply_update(self, export_dir) -> dict:
@@ -399,7 +295,7 @@ class ParameterServer:
                 with t.cache_lock:
                     with t.stats_lock:
                         t.epoch += 1
-                        t.clear_pending()
+                        t.pending.clear()
                     if deleted is not None and deleted.numel():
                         t.cache.erase(deleted.to(torch.int64).to(t.cache.device))
                     present = t.cache.contains(keys.to(t.cache.device)).cpu()
@@ -426,19 +322,10 @@ class ParameterServer:
 
     def flush(self) -> None:
         """Write every pending write-back to the caches and wait until that is done."""
-        for tables in list(self._tables.values()):
-            for t in tables.values():
-                with t.stats_lock:
-                    job = t.take_pending()
-                if job is not None:
-                    self._writeback.put(job)
-        done = threading.Event()
-        self._writeback.put((_FLUSH, done))
-        done.wait(timeout=30)
+        self._writeback.flush([t for tables in list(self._tables.values()) for t in tables.values()])
 
     def close(self) -> None:
-        self._writeback.put(None)
-        self._worker.join(timeout=5)
+        self._writeback.close()
         self.tiers.close()
 
     def _model(self, model: str) -> ModelConfig:
@@ -452,7 +339,7 @@ class ParameterServer:
             raise ValueError(f"model {model!r} is not loaded; call ps.load({model!r}) first")
         return self._tables[model]
 
-    def _table(self, model: str, table: str) -> _Table:
+    def _table(self, model: str, table: str) -> TableState:
         tables = self._model_tables(model)
         if table not in tables:
             raise ValueError(f"table {table!r} is not served by model {model!r}; tables: {sorted(tables)}")
