@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import threading
 import time
@@ -15,62 +14,13 @@ from ...table.checks import check_keys
 from ..config import ModelConfig, ServerConfig
 from ..export_reader import read_export
 from .cache import TableState, new_table
+from .lookup import Lookup, read_tiers
 from .tiers import Tier, Tiers
 from .writeback import WriteBack
 
 __all__ = ["ParameterServer"]
 
 _JITTER = random.Random(0)  # draws the batch sizes of write-backs (see PendingRows)
-
-
-@dataclasses.dataclass
-class _Lookup:
-    """One table's part of a lookup: the cache's answer, and its misses as the lower tiers fill them in."""
-
-    t: TableState
-    values: torch.Tensor  # [N, D] on the cache's device: the answer
-    at: torch.Tensor  # [K] positions in `values` that the cache missed
-    keys: torch.Tensor  # [M] the missed keys, unique, on the CPU
-    inverse: torch.Tensor  # [K] index in `keys` of each missed position
-    weights: torch.Tensor  # [M] times each missed key was requested
-    epoch: int
-    served: dict  # ids served per tier, counted per request (the statistics)
-    cache_skipped: bool  # the cache was busy with a write-back: the stores were asked first
-    rows: Optional[torch.Tensor] = None  # [M, D] rows of `keys`, allocated when a second source fills them
-    todo: torch.Tensor = None  # indices in `keys` that no tier has answered yet
-    fetched: list = dataclasses.field(default_factory=list)  # indices in `keys` found in a store
-
-    def __post_init__(self) -> None:
-        self.todo = torch.arange(self.keys.numel())
-
-    def take(self, tier: str, values: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
-        """Keep the rows a tier found for ``keys[todo]``; returns their indices in ``keys``."""
-        values = values.to(self.t.dtype)
-        if bool(found.all()):  # the usual case: the tier has every row it was asked for
-            where, self.todo = self.todo, self.todo[:0]
-        else:
-            hit = found.nonzero().squeeze(1)
-            where, values, self.todo = self.todo.index_select(0, hit), values.index_select(0, hit), self.todo[~found]
-        self.served[tier] = int(self.put(where, values, self.weights))
-        if where.numel():
-            self.fetched.append(where)
-        return where
-
-    def put(self, where: torch.Tensor, values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Rows ``values`` for ``keys[where]``; returns how often they were requested (``weights[where]``)."""
-        if where.numel() == self.keys.numel():  # one source answers every key: its rows are the rows, no copy
-            self.rows = values
-            return weights.sum()
-        if self.rows is None:
-            self.rows = torch.empty(self.keys.numel(), self.t.dim, dtype=self.t.dtype)
-        self.rows.index_copy_(0, where, values)
-        return weights.index_select(0, where).sum()
-
-    def picked(self, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(keys[where], rows[where])``."""
-        if where.numel() == self.keys.numel():
-            return self.keys, self.rows
-        return self.keys.index_select(0, where), self.rows.index_select(0, where)
 
 
 class ParameterServer:
@@ -199,11 +149,10 @@ class ParameterServer:
             raise TypeError(f"keys_per_table must be a dict {{table: keys}}, got {type(keys_per_table).__name__}")
         batches = {name: (self._table(model, name), self._check_batch(cfg, keys))
                    for name, keys in keys_per_table.items()}
-        lookups = [self._read_cache(t, flat) for t, flat in batches.values()]
-        for tier in (self.tiers.volatile, self.tiers.persistent):
-            self._read_tier(tier, lookups)
+        lookups = [Lookup.from_cache(t, flat) for t, flat in batches.values()]
+        read_tiers(self.tiers, lookups)
         for lookup in lookups:
-            self._finish(cfg, lookup)
+            self._write_back(cfg, lookup, lookup.finish())
         return {name: lookup.values.view(*keys_per_table[name].shape, lookup.t.dim)
                 for name, lookup in zip(batches, lookups)}
 
@@ -215,61 +164,14 @@ class ParameterServer:
                              f"({cfg.max_batch_size})")
         return flat
 
-    @staticmethod
-    def _read_cache(t: TableState, flat: torch.Tensor) -> _Lookup:
-        # The cache reads the batch as it is: de-duplicating first costs a sort and a second gather, and under
-        # power-law traffic the duplicates are hot rows that hit anyway. Only the misses are de-duplicated.
-        ids = flat.to(t.cache.device)
-        busy = t.filling  # a background insert holds the cache for milliseconds: read the lower tiers meanwhile
-        if busy:
-            values = torch.empty(ids.numel(), t.dim, dtype=t.dtype, device=ids.device)
-            found, epoch = torch.zeros_like(ids, dtype=torch.bool), t.epoch
+    def _write_back(self, cfg: ModelConfig, m: Lookup, fetched: Optional[tuple]) -> None:
+        """Rows ``fetched`` from the stores into the cache: now while it is cold, else in the background."""
+        if fetched is None:
+            return
+        if m.served["cache"] < cfg.hit_rate_threshold * m.served["lookups"]:
+            m.t.insert_if_current(*fetched, m.epoch)
         else:
-            with t.cache_lock:
-                values, found = t.cache.find(ids, update_scores=True)
-                epoch = t.epoch
-        at = (~found).nonzero().squeeze(1)
-        keys, inverse, weights = torch.unique(ids.index_select(0, at).cpu(), return_inverse=True, return_counts=True)
-        # Statistics count every requested id (a key asked for 5 times in a batch is 5 lookups), as a cache's
-        # hit rate is usually meant: the share of traffic it absorbs.
-        served = {"lookups": ids.numel(), "cache": ids.numel() - at.numel()}
-        return _Lookup(t, values, at, keys, inverse, weights, epoch, served, cache_skipped=busy)
-
-    def _read_tier(self, tier: Tier, lookups: list) -> None:
-        waiting = [lookup for lookup in lookups if lookup.todo.numel()]
-        if not waiting or not tier.available:
-            return
-        got = tier.call(tier.store.get_many, {m.t.store_name: m.keys.index_select(0, m.todo) for m in waiting})
-        if got is None:
-            return
-        for m in waiting:
-            where = m.take(tier.name, *got[m.t.store_name])
-            volatile = self.tiers.volatile
-            if tier is self.tiers.persistent and where.numel() and volatile.available:
-                volatile.call(volatile.store.put, m.t.store_name, *m.picked(where))
-
-    def _finish(self, cfg: ModelConfig, m: _Lookup) -> None:
-        """Default rows for keys no tier has, the misses' rows into the answer, statistics and write-back."""
-        t = m.t
-        if m.todo.numel() and m.cache_skipped:  # keys the stores lack (Redis restarted empty) may be cached
-            with t.cache_lock:
-                values, found = t.cache.find(m.keys.index_select(0, m.todo).to(t.cache.device), update_scores=True)
-            m.take("cache", values.cpu(), found.cpu())
-        if m.todo.numel():
-            m.served["default"] = int(m.put(m.todo, t.default_rows(m.keys.index_select(0, m.todo)), m.weights))
-        if m.at.numel():
-            m.values.index_copy_(0, m.at, m.rows.index_select(0, m.inverse).to(m.values.device))
-        with t.stats_lock:
-            for tier, n in m.served.items():
-                t.stats[tier] += n
-        if m.fetched and not m.cache_skipped:  # after a skipped cache, most of these rows are in it already
-            where = m.fetched[0] if len(m.fetched) == 1 else torch.cat(m.fetched)
-            cold = m.served["cache"] < cfg.hit_rate_threshold * m.served["lookups"]
-            keys, rows = m.picked(where)
-            if cold:
-                t.insert_if_current(keys, rows, m.epoch)
-            else:
-                self._writeback.defer(t, keys, rows, m.epoch)
+            self._writeback.defer(m.t, *fetched, m.epoch)
 
     # ------------------------------------------------------------------ online updates
     def apply_update(self, export_dir) -> dict:
