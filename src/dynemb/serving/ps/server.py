@@ -13,6 +13,7 @@ import torch
 from ...table.checks import check_keys
 from ..config import ModelConfig, ServerConfig
 from ..export_reader import read_export
+from . import updates
 from .cache import TableState, new_table
 from .lookup import Lookup, read_tiers
 from .tiers import Tier, Tiers
@@ -178,34 +179,11 @@ class ParameterServer:
         """Apply a serving export (a delta, or a full one) to every loaded model that serves its tables.
 
         Deleted keys leave every tier first, then rows are written to the stores and replaced in the caches, each
-        under the model's lock (no torn rows). Returns ``{model: {"version", "updated_unix"}}``.
+        under its table's cache lock (no torn rows; see :mod:`.updates`). Returns
+        ``{model: {"version", "updated_unix"}}``.
         """
-        manifest, payload = read_export(export_dir)
-        touched = {}
-        for model, tables in self._tables.items():
-            for name, t in tables.items():
-                if name not in payload:
-                    continue
-                cols = payload[name]
-                deleted = cols.get("deleted_keys")
-                keys, values = cols["keys"].to(torch.int64), cols["values"].to(t.dtype)
-                if values.shape[1:] != (t.dim,):
-                    raise ValueError(f"{manifest['path']}: table {name!r} has dim {values.shape[1]}, served as {t.dim}")
-                if deleted is not None and deleted.numel():
-                    self.tiers.delete(t.store_name, deleted.to(torch.int64))
-                self.tiers.put(t.store_name, keys, values)
-                with t.cache_lock:
-                    with t.stats_lock:
-                        t.epoch += 1
-                        t.pending.clear()
-                    if deleted is not None and deleted.numel():
-                        t.cache.erase(deleted.to(torch.int64).to(t.cache.device))
-                    present = t.cache.contains(keys.to(t.cache.device)).cpu()
-                    if bool(present.any()):
-                        t.cache.insert_or_assign(keys[present].to(t.cache.device), values[present].to(t.cache.device))
-                touched[model] = {"version": manifest["version"], "updated_unix": time.time()}
-        for model, info in touched.items():
-            self.versions[model] = info
+        touched = updates.apply_update(export_dir, self._tables, self.tiers)
+        self.versions.update(touched)
         return touched
 
     # ------------------------------------------------------------------ stats and lifecycle
