@@ -10,7 +10,7 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from ...table.checks import check_keys
+from ...table.checks import check_keys, check_positive_int
 from ..config import ModelConfig, ServerConfig
 from ..export_reader import read_export
 from . import updates
@@ -21,11 +21,18 @@ from .writeback import WriteBack
 
 __all__ = ["ParameterServer"]
 
-_JITTER = random.Random(0)  # draws the batch sizes of write-backs (see PendingRows)
-
 
 class ParameterServer:
     """Serves the tables of one or more models from a hierarchy of stores.
+
+    Args:
+        config: the models and their stores (see :class:`ServerConfig`).
+        seed: seeds this server's random generator, which draws the sizes of its background write-backs (see
+            :class:`~dynemb.serving.ps.writeback.PendingRows`). Each server has its own generator, so servers in one
+            process do not change each other's draws.
+
+    Raises:
+        ValueError: ``seed`` is not an int >= 0.
 
     Example:
         >>> import tempfile, torch, dynemb
@@ -42,7 +49,8 @@ class ParameterServer:
         >>> ps.close()
     """
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, *, seed: int = 0) -> None:
+        self._jitter = random.Random(check_positive_int(seed, "seed", minimum=0))
         self.config = config
         self.models = {m.model: m for m in config.models}
         self.tiers = Tiers(config)
@@ -52,9 +60,9 @@ class ParameterServer:
         self._writeback = WriteBack()
 
     @classmethod
-    def from_config(cls, source: Union[str, Path, Mapping]) -> "ParameterServer":
-        """Build from a JSON file or a dict (see :class:`ServerConfig` and :class:`ModelConfig`)."""
-        return cls(ServerConfig.load(source))
+    def from_config(cls, source: Union[str, Path, Mapping], *, seed: int = 0) -> "ParameterServer":
+        """Build from a JSON file or a dict (see :class:`ServerConfig` and :class:`ModelConfig`) and ``seed``."""
+        return cls(ServerConfig.load(source), seed=seed)
 
     @property
     def volatile(self) -> Tier:
@@ -96,7 +104,7 @@ class ParameterServer:
                 raise ValueError(f"{manifest['path']} is a delta export; load a full export and apply deltas "
                                  "with apply_update")
             dtype = getattr(torch, entry["dtype"].replace("torch.", ""))
-            table = new_table(cfg, i, name, dim, dtype, entry, len(payload[name]["keys"]), _JITTER)
+            table = new_table(cfg, i, name, dim, dtype, entry, len(payload[name]["keys"]), self._jitter)
             self.tiers.create_table(table.store_name, dim, dtype)
             keys, values = payload[name]["keys"].to(torch.int64), payload[name]["values"].to(dtype)
             self.tiers.put(table.store_name, keys, values)
