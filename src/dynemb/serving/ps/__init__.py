@@ -17,6 +17,10 @@ take the table's cache lock, and :meth:`~ParameterServer.apply_update` replaces 
 half of an old row and half of a new one. Statistics and pending write-backs have a lock of their own. An update
 also moves the table's epoch on, which drops write-backs of rows read before it. The stores are row-atomic
 themselves (one value per key in Redis, transactions in LMDB/RocksDB).
+
+Modules: :mod:`.server` (:class:`ParameterServer`: config, loading, lookups, statistics), :mod:`.tiers` (the stores,
+with back-off), :mod:`.cache` (the state of each served table), :mod:`.lookup` (one table's part of a lookup, down
+the tiers), :mod:`.writeback` (pending rows and the background thread) and :mod:`.updates` (online updates).
 """
 
 from .server import ParameterServer
