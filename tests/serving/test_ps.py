@@ -23,11 +23,11 @@ def trained_table(seed=0):
     return emb.eval()
 
 
-def server(root, volatile=None, persistent=None, **model_fields):
+def server(root, volatile=None, persistent=None, seed=0, **model_fields):
     model = {"model": "ctr", "sparse_files": [str(root)], "embedding_table_names": ["embedding"],
              "embedding_vecsize_per_table": [D], **model_fields}
     config = {"models": [model], "volatile_db": volatile or {"type": "memory"}, "persistent_db": persistent}
-    ps = ParameterServer.from_config(config)
+    ps = ParameterServer.from_config(config, seed=seed)
     ps.load("ctr", progress=False)
     return ps
 
@@ -200,3 +200,22 @@ def test_lookup_many_equals_per_table_and_training_lookups(tmp_path, request, vo
             assert torch.equal(got[name], emb.eval().lookup(ids[name]))
             assert torch.equal(got[name], ps.lookup("m", name, ids[name]))
     ps.close()
+
+
+def test_servers_draw_write_back_sizes_from_their_own_generators(exported):
+    # Write-back batch sizes are drawn at random. Two servers of one seed draw the same sizes, however their draws
+    # interleave; a shared generator would hand them alternate draws.
+    _, root = exported
+    servers = [server(root), server(root), server(root, seed=1)]
+    pending = [ps._tables["ctr"]["embedding"].pending for ps in servers]
+    drawn = []
+    for _ in range(8):
+        drawn.append(tuple(p.flush_at for p in pending))
+        for p in pending:
+            p.clear()
+    assert all(a == b for a, b, _ in drawn) and len({a for a, _, _ in drawn}) > 1
+    assert any(a != c for a, _, c in drawn)  # another seed, other sizes
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        server(root, seed=-1)
+    for ps in servers:
+        ps.close()

@@ -2,6 +2,7 @@
 
 from .config import ModelConfig, ServerConfig
 from .layers import LookupLayer, SparseLookupLayer
-from .ps import ParameterServer, read_export
+from .export_reader import read_export
+from .ps import ParameterServer
 
 __all__ = ["ParameterServer", "ServerConfig", "ModelConfig", "LookupLayer", "SparseLookupLayer", "read_export"]

@@ -13,7 +13,8 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
-from .ps import ParameterServer, read_export
+from .export_reader import read_export
+from .ps import ParameterServer
 
 __all__ = ["serve_bench", "zipf_ranks", "traffic", "warm_up", "hit_rate"]
 

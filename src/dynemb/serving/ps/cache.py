@@ -1,0 +1,74 @@
+"""The parameter server's state per served table: the device cache and its locks, statistics and default rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+from typing import Union
+
+import torch
+
+from ...table import KeyValueTable
+from ...table.initializers import Constant, Initializer, Normal, TruncatedNormal, Uniform
+from ..config import ModelConfig
+from .writeback import PendingRows, batch_rows
+
+__all__ = ["TableState", "new_table"]
+
+_SMALL_TABLE_ROWS = 4096
+_INITIALIZERS = {"Uniform": Uniform, "Normal": Normal, "TruncatedNormal": TruncatedNormal, "Constant": Constant}
+
+
+@dataclasses.dataclass
+class TableState:
+    """One served table. Its cache is read and written under ``cache_lock``; ``stats`` and ``pending`` are guarded
+    by ``stats_lock``, so that counting a lookup never waits for an insert into the cache."""
+
+    name: str
+    dim: int
+    dtype: torch.dtype
+    store_name: str  # the table's name in the stores: "<model>.<table>"
+    cache: KeyValueTable
+    default: Union[float, Initializer]
+    seed: int
+    pending: PendingRows  # rows waiting for a background write-back into the cache
+    stats: dict = dataclasses.field(default_factory=lambda: {"lookups": 0, "cache": 0, "volatile": 0,
+                                                             "persistent": 0, "default": 0})
+    cache_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    stats_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    epoch: int = 0  # moved on by each update, under both locks; write-backs of rows read before are dropped
+    filling: bool = False  # a background write-back is inserting into the cache (or about to)
+
+    def default_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.default, Initializer):
+            return self.default(keys, self.dim, self.dtype, self.seed)
+        return torch.full((keys.numel(), self.dim), float(self.default), dtype=self.dtype)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.stats["cache"] / max(self.stats["lookups"], 1)
+
+    def insert_if_current(self, keys: torch.Tensor, rows: torch.Tensor, epoch: int) -> None:
+        """Insert rows read at ``epoch`` into the cache, unless an update came since (they may be stale then)."""
+        with self.cache_lock:
+            if epoch == self.epoch:
+                self.cache.insert_or_assign(keys.to(self.cache.device), rows.to(self.cache.device))
+
+
+def new_table(cfg: ModelConfig, i: int, name: str, dim: int, dtype: torch.dtype, entry: dict, rows: int,
+              jitter: random.Random) -> TableState:
+    """The state of table ``i`` of ``cfg``, ``name`` with ``rows`` rows, from its export manifest ``entry``."""
+    default = cfg.default_for(i)
+    if default == "initializer":
+        spec = dict(entry["initializer"])
+        kind = spec.pop("type")
+        if kind not in _INITIALIZERS:
+            raise ValueError(f"table {name!r}: its initializer {kind!r} cannot be rebuilt for default rows")
+        default = _INITIALIZERS[kind](**spec)
+    # Small tables are cached whole: a fraction of a 10-row table would only cost misses.
+    capacity = max(1, int(rows * cfg.cache_fraction), min(rows, _SMALL_TABLE_ROWS))
+    cache = KeyValueTable(dim, dtype=dtype, device=cfg.device, max_capacity=capacity,
+                          init_capacity=min(capacity, 1 << 16), eviction="lru", initializer="zeros")
+    return TableState(name, dim, dtype, f"{cfg.model}.{name}", cache, default, int(entry.get("seed") or 0),
+                      PendingRows(batch_rows(capacity), jitter))

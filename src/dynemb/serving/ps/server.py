@@ -1,0 +1,234 @@
+"""ParameterServer: the config, loading, lookups, online updates and lifecycle of the parameter server."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Mapping, Optional, Union
+
+import torch
+
+from ...table.checks import check_keys, check_positive_int
+from ..config import ModelConfig, ServerConfig
+from ..export_reader import read_export
+from . import updates
+from .cache import TableState, new_table
+from .lookup import Lookup, read_tiers
+from .tiers import Tier, Tiers
+from .writeback import WriteBack
+
+__all__ = ["ParameterServer"]
+
+
+class ParameterServer:
+    """Serves the tables of one or more models from a hierarchy of stores.
+
+    Args:
+        config: the models and their stores (see :class:`ServerConfig`).
+        seed: seeds this server's random generator, which draws the sizes of its background write-backs (see
+            :class:`~dynemb.serving.ps.writeback.PendingRows`). Each server has its own generator, so servers in one
+            process do not change each other's draws.
+
+    Raises:
+        ValueError: ``seed`` is not an int >= 0.
+
+    Example:
+        >>> import tempfile, torch, dynemb
+        >>> from dynemb.checkpoint import export_for_serving
+        >>> emb = dynemb.DynamicEmbedding(4, seed=0)
+        >>> _ = emb(torch.tensor([1, 2, 3]))
+        >>> root = tempfile.mkdtemp()
+        >>> _ = export_for_serving(root, emb)
+        >>> ps = ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [root],
+        ...     "embedding_table_names": ["embedding"], "embedding_vecsize_per_table": [4]}]})
+        >>> ps.load("m", progress=False)
+        >>> torch.equal(ps.lookup("m", "embedding", torch.tensor([3, 1])), emb.lookup(torch.tensor([3, 1])))
+        True
+        >>> ps.close()
+    """
+
+    def __init__(self, config: ServerConfig, *, seed: int = 0) -> None:
+        self._jitter = random.Random(check_positive_int(seed, "seed", minimum=0))
+        self.config = config
+        self.models = {m.model: m for m in config.models}
+        self.tiers = Tiers(config)
+        self._tables: dict[str, dict[str, TableState]] = {}
+        self._locks = {name: threading.RLock() for name in self.models}
+        self.versions: dict[str, dict] = {}
+        self._writeback = WriteBack()
+
+    @classmethod
+    def from_config(cls, source: Union[str, Path, Mapping], *, seed: int = 0) -> "ParameterServer":
+        """Build from a JSON file or a dict (see :class:`ServerConfig` and :class:`ModelConfig`) and ``seed``."""
+        return cls(ServerConfig.load(source), seed=seed)
+
+    @property
+    def volatile(self) -> Tier:
+        """The volatile tier (memory or Redis)."""
+        return self.tiers.volatile
+
+    @property
+    def persistent(self) -> Tier:
+        """The persistent tier (RocksDB or LMDB, or none)."""
+        return self.tiers.persistent
+
+    @property
+    def writeback_errors(self) -> int:
+        """Background write-backs that failed (each only costs later cache misses)."""
+        return self._writeback.errors
+
+    # ------------------------------------------------------------------ loading
+    def load(self, model: str, progress: bool = True) -> None:
+        """Load ``model``'s tables from its serving exports into the stores, and size its caches."""
+        cfg = self._model(model)
+        tables: dict[str, TableState] = {}
+        exports: dict[Path, tuple] = {}
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(cfg.embedding_table_names), desc=f"loading {model}", unit="table", disable=not progress)
+        for i, (name, dim) in enumerate(zip(cfg.embedding_table_names, cfg.embedding_vecsize_per_table)):
+            root = cfg.export_root(i)
+            if root not in exports:
+                exports[root] = read_export(root)
+            manifest, payload = exports[root]
+            if name not in manifest["tables"]:
+                raise ValueError(f"models[{model!r}]: table {name!r} is not in the export {manifest['path']} "
+                                 f"(it has {sorted(manifest['tables'])})")
+            entry = manifest["tables"][name]
+            if entry["dim"] != dim:
+                raise ValueError(f"models[{model!r}].embedding_vecsize_per_table[{i}] is {dim} but table {name!r} "
+                                 f"in {manifest['path']} has dim {entry['dim']}")
+            if manifest.get("kind") != "full":
+                raise ValueError(f"{manifest['path']} is a delta export; load a full export and apply deltas "
+                                 "with apply_update")
+            dtype = getattr(torch, entry["dtype"].replace("torch.", ""))
+            table = new_table(cfg, i, name, dim, dtype, entry, len(payload[name]["keys"]), self._jitter)
+            self.tiers.create_table(table.store_name, dim, dtype)
+            keys, values = payload[name]["keys"].to(torch.int64), payload[name]["values"].to(dtype)
+            self.tiers.put(table.store_name, keys, values)
+            tables[name] = table
+            bar.update(1)
+        bar.close()
+        with self._locks[model]:
+            self._tables[model] = tables
+            self.versions[model] = {"version": max(m["version"] for m, _ in exports.values()),
+                                    "loaded_unix": time.time()}
+
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, model: str, table: str, keys: torch.Tensor) -> torch.Tensor:
+        """Rows of ``keys`` (int64, any shape ``S``) as ``S + (D,)`` on the model's device."""
+        return self.lookup_many(model, {table: keys})[table]
+
+    def lookup_many(self, model: str, keys_per_table: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rows from several tables of ``model`` in one call, as HPS looks up every table of a request at once.
+
+        Each lower tier answers the cache misses of all the tables in one call: one round trip to Redis per
+        request instead of one per table.
+
+        Args:
+            model: a loaded model.
+            keys_per_table: ``{table: keys}``, keys int64 of any shape ``S`` with at most ``max_batch_size``
+                entries.
+
+        Returns:
+            ``{table: rows}``, rows ``S + (D,)`` on the model's device.
+
+        Raises:
+            TypeError/ValueError: an unknown model or table, or bad keys; nothing is looked up then.
+
+        Example:
+            >>> import tempfile, torch, dynemb
+            >>> from dynemb.checkpoint import export_for_serving
+            >>> tables = torch.nn.ModuleDict({"user": dynemb.DynamicEmbedding(4), "item": dynemb.DynamicEmbedding(8)})
+            >>> _ = tables["user"](torch.tensor([1, 2])), tables["item"](torch.tensor([7]))
+            >>> root = tempfile.mkdtemp()
+            >>> _ = export_for_serving(root, tables)
+            >>> ps = ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [root],
+            ...     "embedding_table_names": ["user", "item"], "embedding_vecsize_per_table": [4, 8]}]})
+            >>> ps.load("m", progress=False)
+            >>> rows = ps.lookup_many("m", {"user": torch.tensor([[2, 1]]), "item": torch.tensor([7, 7, 7])})
+            >>> rows["user"].shape, rows["item"].shape
+            (torch.Size([1, 2, 4]), torch.Size([3, 8]))
+            >>> ps.close()
+        """
+        cfg = self._model(model)
+        if not isinstance(keys_per_table, Mapping):
+            raise TypeError(f"keys_per_table must be a dict {{table: keys}}, got {type(keys_per_table).__name__}")
+        batches = {name: (self._table(model, name), self._check_batch(cfg, keys))
+                   for name, keys in keys_per_table.items()}
+        lookups = [Lookup.from_cache(t, flat) for t, flat in batches.values()]
+        read_tiers(self.tiers, lookups)
+        for lookup in lookups:
+            self._write_back(cfg, lookup, lookup.finish())
+        return {name: lookup.values.view(*keys_per_table[name].shape, lookup.t.dim)
+                for name, lookup in zip(batches, lookups)}
+
+    @staticmethod
+    def _check_batch(cfg: ModelConfig, keys) -> torch.Tensor:
+        flat = check_keys(keys, torch.int64, getattr(keys, "device", None))
+        if flat.numel() > cfg.max_batch_size:
+            raise ValueError(f"keys has {flat.numel()} entries, more than models[{cfg.model!r}].max_batch_size "
+                             f"({cfg.max_batch_size})")
+        return flat
+
+    def _write_back(self, cfg: ModelConfig, m: Lookup, fetched: Optional[tuple]) -> None:
+        """Rows ``fetched`` from the stores into the cache: now while it is cold, else in the background."""
+        if fetched is None:
+            return
+        if m.served["cache"] < cfg.hit_rate_threshold * m.served["lookups"]:
+            m.t.insert_if_current(*fetched, m.epoch)
+        else:
+            self._writeback.defer(m.t, *fetched, m.epoch)
+
+    # ------------------------------------------------------------------ online updates
+    def apply_update(self, export_dir) -> dict:
+        """Apply a serving export (a delta, or a full one) to every loaded model that serves its tables.
+
+        Deleted keys leave every tier first, then rows are written to the stores and replaced in the caches, each
+        under its table's cache lock (no torn rows; see :mod:`.updates`). Returns
+        ``{model: {"version", "updated_unix"}}``.
+        """
+        touched = updates.apply_update(export_dir, self._tables, self.tiers)
+        self.versions.update(touched)
+        return touched
+
+    # ------------------------------------------------------------------ stats and lifecycle
+    def stats(self, model: str) -> dict:
+        """Per-table counts of keys served by each tier, cache hit rate and size, and tier error counts."""
+        tables = {name: {**t.stats, "hit_rate": t.hit_rate, "cache_rows": t.cache.size(),
+                         "cache_capacity": t.cache.max_capacity, "cache_bytes": t.cache.nbytes()}
+                  for name, t in self._model_tables(model).items()}
+        return {"tables": tables, "errors": self.tiers.errors,
+                **self.versions.get(model, {})}
+
+    def reset_stats(self, model: str) -> None:
+        for t in self._model_tables(model).values():
+            for k in t.stats:
+                t.stats[k] = 0
+
+    def flush(self) -> None:
+        """Write every pending write-back to the caches and wait until that is done."""
+        self._writeback.flush([t for tables in list(self._tables.values()) for t in tables.values()])
+
+    def close(self) -> None:
+        self._writeback.close()
+        self.tiers.close()
+
+    def _model(self, model: str) -> ModelConfig:
+        if model not in self.models:
+            raise ValueError(f"model {model!r} is not configured; configured models: {sorted(self.models)}")
+        return self.models[model]
+
+    def _model_tables(self, model: str) -> dict:
+        self._model(model)
+        if model not in self._tables:
+            raise ValueError(f"model {model!r} is not loaded; call ps.load({model!r}) first")
+        return self._tables[model]
+
+    def _table(self, model: str, table: str) -> TableState:
+        tables = self._model_tables(model)
+        if table not in tables:
+            raise ValueError(f"table {table!r} is not served by model {model!r}; tables: {sorted(tables)}")
+        return tables[table]
