@@ -219,3 +219,30 @@ def test_servers_draw_write_back_sizes_from_their_own_generators(exported):
         server(root, seed=-1)
     for ps in servers:
         ps.close()
+
+
+@pytest.mark.parametrize("volatile", ["memory", "redis"])
+def test_tables_are_served_by_the_users_names_and_keys(tmp_path, volatile, request):
+    """Two int32 tables of one dim and optimizer (version 0.1 stacked them into one) each serve their own rows for
+    their own int32 ids; names that stores cannot hold as they are (braces, 200 bytes) are served too."""
+    names = ["tag_a", "tag_b", "a{b}c", "x" * 200]
+    tables = [dynemb.TableConfig(name=n, dim=D, key_dtype=torch.int32, seed=i,
+                                 optimizer=dynemb.optim.Adagrad(lr=0.1)) for i, n in enumerate(names)]
+    ec = dynemb.EmbeddingCollection(tables, [dynemb.FeatureConfig(name=n, table=n) for n in names])
+    ids = torch.tensor([-1, 0, 5, 2**31 - 1, -(2**31)], dtype=torch.int32)
+    sum(o.sum() for o in ec({n: ids for n in names}).values()).backward()
+    ec.optimizer.step()
+    export_for_serving(tmp_path, ec)
+    store = {"type": "memory"} if volatile == "memory" else \
+        {"type": "redis", "address": request.getfixturevalue("redis_address")}
+    ps = ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [str(tmp_path)],
+                                                  "embedding_table_names": names,
+                                                  "embedding_vecsize_per_table": [D] * len(names)}],
+                                      "volatile_db": store})
+    ps.load("m", progress=False)
+    for name in names:
+        want = ec.embeddings[name].lookup(ids)
+        assert torch.equal(ps.lookup("m", name, ids), want), name  # int32 ids
+        assert torch.equal(ps.lookup("m", name, ids.to(torch.int64)), want), name  # int64 ids, as HPS passes
+    assert not torch.equal(ps.lookup("m", "tag_a", ids), ps.lookup("m", "tag_b", ids))
+    ps.close()

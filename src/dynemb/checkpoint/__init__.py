@@ -24,6 +24,6 @@ from .errors import CheckpointError
 from .loader import load
 from .manifest import FORMAT_VERSION
 from .saver import save
-from .serving import export_for_serving
+from .export_format import export_for_serving, read_export
 
-__all__ = ["save", "load", "export_for_serving", "CheckpointError", "FORMAT_VERSION"]
+__all__ = ["save", "load", "export_for_serving", "read_export", "CheckpointError", "FORMAT_VERSION"]

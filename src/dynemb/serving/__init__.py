@@ -2,7 +2,7 @@
 
 from .config import ModelConfig, ServerConfig
 from .layers import LookupLayer, SparseLookupLayer
-from .export_reader import read_export
+from ..checkpoint.export_format import read_export
 from .ps import ParameterServer
 
 __all__ = ["ParameterServer", "ServerConfig", "ModelConfig", "LookupLayer", "SparseLookupLayer", "read_export"]

@@ -13,7 +13,7 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
-from .export_reader import read_export
+from ..checkpoint.export_format import read_export
 from .ps import ParameterServer
 
 __all__ = ["serve_bench", "zipf_ranks", "traffic", "warm_up", "hit_rate"]

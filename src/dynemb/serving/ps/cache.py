@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 import threading
 from typing import Union
@@ -70,5 +71,15 @@ def new_table(cfg: ModelConfig, i: int, name: str, dim: int, dtype: torch.dtype,
     capacity = max(1, int(rows * cfg.cache_fraction), min(rows, _SMALL_TABLE_ROWS))
     cache = KeyValueTable(dim, dtype=dtype, device=cfg.device, max_capacity=capacity,
                           init_capacity=min(capacity, 1 << 16), eviction="lru", initializer="zeros")
-    return TableState(name, dim, dtype, f"{cfg.model}.{name}", cache, default, int(entry.get("seed") or 0),
+    return TableState(name, dim, dtype, store_name(cfg.model, name), cache, default, int(entry.get("seed") or 0),
                       PendingRows(batch_rows(capacity), jitter))
+
+
+def store_name(model: str, table: str) -> str:
+    """The table's name in the row stores: ``<model>.<table>``, with the characters stores cannot hold in a name
+    (Redis hash-tag braces) percent-encoded, so every table name the user can give is served. A name too long for
+    the stores' 255 bytes becomes a digest of itself."""
+    name = f"{model}.{table.replace('%', '%25').replace('{', '%7B').replace('}', '%7D').replace('~', '%7E')}"
+    if len(name.encode()) > 255:
+        name = f"{model[:180]}.~{hashlib.sha256(f'{model}.{table}'.encode()).hexdigest()[:40]}"
+    return name

@@ -12,7 +12,7 @@ import torch
 
 from ...table.checks import check_keys, check_positive_int
 from ..config import ModelConfig, ServerConfig
-from ..export_reader import read_export
+from ...checkpoint.export_format import read_export
 from . import updates
 from .cache import TableState, new_table
 from .lookup import Lookup, read_tiers
@@ -118,7 +118,7 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, model: str, table: str, keys: torch.Tensor) -> torch.Tensor:
-        """Rows of ``keys`` (int64, any shape ``S``) as ``S + (D,)`` on the model's device."""
+        """Rows of ``keys`` (int64 or int32, any shape ``S``) as ``S + (D,)`` on the model's device."""
         return self.lookup_many(model, {table: keys})[table]
 
     def lookup_many(self, model: str, keys_per_table: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -167,7 +167,9 @@ class ParameterServer:
 
     @staticmethod
     def _check_batch(cfg: ModelConfig, keys) -> torch.Tensor:
-        flat = check_keys(keys, torch.int64, getattr(keys, "device", None))
+        # An int32 table takes int32 ids and int64 ones (HPS habit); stores and caches key by the int64 value.
+        dtype = keys.dtype if isinstance(keys, torch.Tensor) and keys.dtype == torch.int32 else torch.int64
+        flat = check_keys(keys, dtype, getattr(keys, "device", None)).to(torch.int64)
         if flat.numel() > cfg.max_batch_size:
             raise ValueError(f"keys has {flat.numel()} entries, more than models[{cfg.model!r}].max_batch_size "
                              f"({cfg.max_batch_size})")

@@ -12,7 +12,7 @@ from typing import Mapping
 
 import torch
 
-from ..export_reader import read_export
+from ...checkpoint.export_format import read_export
 from .cache import TableState
 from .tiers import Tiers
 

@@ -1,4 +1,6 @@
-"""``export_for_serving``: keys and values of every table for the parameter server, in full or as a delta."""
+"""The serving export format, written and read in one place: :func:`export_for_serving` writes the keys and values
+of every logical table for the parameter server, in full or as a delta; :func:`read_export` reads one back with its
+checksums verified."""
 
 from __future__ import annotations
 
@@ -14,12 +16,13 @@ from ..table.checks import VALUE_DTYPES, check_dtype
 from ..table.initializers import resolve_initializer
 from . import lineage
 from .fsutil import staging, write_json, write_pointer
-from .manifest import FORMAT_VERSION, MANIFEST, SERVING_FORMAT, complete
+from .manifest import FORMAT_VERSION, MANIFEST, SERVING_FORMAT, complete, file_record, read_manifest, resolve
 from .ranks import rank_context
 from .saver import incremental_parent, write_payloads, writes as _writes
 from .tables import DELETED, KEYS, VALUES, columns, delta_columns, find_tables, shard_file
+from .tensorfile import read_tensors
 
-__all__ = ["export_for_serving"]
+__all__ = ["export_for_serving", "read_export"]
 
 STREAM = "serving"
 
@@ -142,3 +145,19 @@ def _local_columns(shard, parent: str | None, ctx) -> dict:
 
 def _fields(cfg, dtype: torch.dtype) -> dict:
     return {"dim": cfg.dim, "dtype": str(dtype), "key_dtype": str(cfg.key_dtype)}
+
+
+def read_export(path) -> tuple[dict, dict]:
+    """Read a serving export (its ``latest`` version, or the version directory given) with checksums verified.
+
+    Returns ``(manifest, {table: {"keys": [N], "values": [N, D], "deleted_keys": [K] (deltas)}})``, tables named
+    as the user named them and keys in each table's key dtype.
+    """
+    directory = resolve(path)
+    manifest = read_manifest(directory, SERVING_FORMAT)
+    tables = {}
+    for name, entry in manifest["tables"].items():
+        tensors, _ = read_tensors(directory / entry["file"], file_record(manifest, directory, entry["file"]))
+        tables[name] = tensors
+    manifest["path"] = str(directory)
+    return manifest, tables
