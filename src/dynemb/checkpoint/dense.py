@@ -11,6 +11,7 @@ from pathlib import Path
 
 from torch import nn
 
+from ..collection import EmbeddingCollection
 from ..embedding import DynamicEmbedding, StaticEmbedding
 from .errors import CheckpointError
 
@@ -24,7 +25,7 @@ def dense_state(model: nn.Module, keep_vars: bool = False) -> dict:
         if isinstance(module, (DynamicEmbedding, StaticEmbedding)):
             continue
         # A collection's own _save_to_state_dict adds its tables: take only what nn.Module itself would.
-        save = nn.Module._save_to_state_dict if callable(getattr(module, "logical_tables", None)) \
+        save = nn.Module._save_to_state_dict if isinstance(module, EmbeddingCollection) \
             else type(module)._save_to_state_dict
         save(module, state, f"{prefix}." if prefix else "", keep_vars)
     return state

@@ -18,6 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..collection import EmbeddingCollection
+from ..distributed.comm import all_gather_varsize
+
 __all__ = ["RankContext", "rank_context", "merge_states"]
 
 
@@ -37,8 +40,6 @@ class RankContext:
         """Every rank's JSON-able ``obj``, in rank order (JSON bytes over the group, never pickle)."""
         if not self.distributed:
             return [obj]
-        from ..distributed.comm import all_gather_varsize
-
         blob = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else None
         parts = all_gather_varsize(blob.to(device) if device else blob, self.group, "checkpoint metadata exchange")
@@ -48,8 +49,6 @@ class RankContext:
         """Every rank's ``tensor`` (first dimensions may differ), in rank order."""
         if not self.distributed:
             return [tensor]
-        from ..distributed.comm import all_gather_varsize
-
         return [p.to(tensor.dtype) for p in all_gather_varsize(tensor, self.group, what)]
 
     def barrier(self) -> None:
@@ -60,7 +59,7 @@ class RankContext:
 def rank_context(model: nn.Module) -> RankContext:
     """The rank layout of ``model``: from its sharded collection, else the process group, else one process."""
     for _, module in model.named_modules():
-        if getattr(module, "sharded", False) is True and getattr(module, "group", None) is not None:
+        if isinstance(module, EmbeddingCollection) and module.sharded:
             group = module.group
             return RankContext(dist.get_rank(group), dist.get_world_size(group), group)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

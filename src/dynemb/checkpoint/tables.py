@@ -17,6 +17,7 @@ import re
 import torch
 from torch import nn
 
+from ..collection import EmbeddingCollection
 from ..collection.plan import TableShard, whole_table
 from ..embedding import DynamicEmbedding, StaticEmbedding
 from ..table import Rows
@@ -47,7 +48,7 @@ def find_tables(model: nn.Module) -> dict[str, TableShard]:
     found: dict[str, TableShard] = {}
     where: dict[str, str] = {}
     for path, module in model.named_modules():
-        if callable(getattr(module, "logical_tables", None)):
+        if isinstance(module, EmbeddingCollection):
             tables = module.logical_tables()
         elif isinstance(module, (DynamicEmbedding, StaticEmbedding)):
             tables = {path or ROOT_NAME: whole_table(path or ROOT_NAME, module)}
