@@ -356,7 +356,12 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
 
     When every id has a stored row (always in training, unless admission or eviction says otherwise) the bags are
     pooled straight from the table; otherwise the unique rows are read first (initializer rows for the others).
+    A static table's id is its row, so it pools straight from the ids and sorts them once, in backward.
     """
+    table = _table_of(embedding)
+    if isinstance(table, StaticTable) and not (bag_sets and any(s.weights is not None and s.weights.requires_grad
+                                                                for s in bag_sets)):
+        return _static_pooled_lookup(embedding, table, ids, bag_sets, training, checked)
     table, unique, rows, inverse, trains = _find_unique(embedding, ids, training, checked)
     offsets, weights = _concat_bags(bag_sets, table.dtype, table.device)
     if (weights is not None and weights.requires_grad) or not bool((rows >= 0).all()):
@@ -367,6 +372,43 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
     else:
         summed = _pool_rows(table, rows, inverse, offsets, weights)
     return _split_combine(summed, bag_sets)
+
+
+def _static_pooled_lookup(embedding, table: StaticTable, ids: torch.Tensor, bag_sets: list[BagSet],
+                          training: bool | None, checked: bool) -> list[torch.Tensor]:
+    flat = ids.reshape(-1) if checked else table.check_ids(ids)
+    offsets, weights = _concat_bags(bag_sets, table.dtype, table.device)
+    if training is None:
+        training = getattr(embedding, "training", True)
+    if training and torch.is_grad_enabled():
+        summed = _StaticPool.apply(torch.empty(0, requires_grad=True), table, flat, offsets, weights)
+    else:
+        summed = F.embedding_bag(flat, table.values, offsets, mode="sum", per_sample_weights=weights)
+    return _split_combine(summed, bag_sets)
+
+
+class _StaticPool(torch.autograd.Function):
+    """Sum-pooling of a static table's rows straight from the ids (row ``i`` is id ``i``: no dedup in forward).
+    Backward sorts the ids once (stably, so each row sums its ids in input order, as the dynamic path does) and
+    reduces the pooled gradient to one ``[U, D]`` row gradient for the table's optimizer."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, ids, offsets, weights):
+        ctx.table = table
+        ctx.save_for_backward(ids, offsets, weights)
+        return F.embedding_bag(ids, table.values, offsets, mode="sum", per_sample_weights=weights)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        ids, offsets, weights = ctx.saved_tensors
+        ordered, order = torch.sort(ids.to(torch.int64), stable=True)
+        rows, per_row = torch.unique_consecutive(ordered, return_counts=True)
+        bags = _bag_of(offsets, ids.numel()).index_select(0, order)
+        row_grad = F.embedding_bag(bags, grad.contiguous(), per_row.cumsum(0) - per_row, mode="sum",
+                                   per_sample_weights=None if weights is None else weights.index_select(0, order))
+        deliver_gradient(ctx.table, rows.to(ids.dtype), rows, row_grad)
+        return (None,) * 5
 
 
 def _concat_bags(bag_sets: list[BagSet], dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
