@@ -1,7 +1,7 @@
 """Model-based property test: random call sequences on KeyValueTable against a plain-dict reference.
 
 The reference keeps ``key -> (values, score)`` in Python and derives every expected result from the documented
-semantics (see ``dynemb/table/table.py`` and ``policy.py``). After every step the whole table is exported and
+semantics (see ``dynemb/table/kv.py`` and ``policy.py``). After every step the whole table is exported and
 compared exactly: keys, values, scores, counters, and the index's key -> row mapping.
 
 Values are small integers (exact in float32 whatever the summation order), so accum is compared exactly too.

@@ -53,7 +53,7 @@ class FrequencyAdmission:
 
     def _counter(self, keys: torch.Tensor):
         if self._counts is None:
-            from .table import KeyValueTable
+            from .kv import KeyValueTable
 
             self._counts = KeyValueTable(1, key_dtype=keys.dtype, device=keys.device, eviction="lfu",
                                          initializer="zeros", max_capacity=self.max_tracked,
@@ -67,7 +67,7 @@ class FrequencyAdmission:
 
     def restore(self, keys: torch.Tensor, counts: torch.Tensor) -> None:
         """Make the pending candidates exactly ``keys [M]`` with ``counts [M]`` (int64), in that row order."""
-        from .table import Rows
+        from .rows import Rows
 
         if self._counts is None and keys.numel() == 0:
             return

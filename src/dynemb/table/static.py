@@ -13,7 +13,7 @@ from .checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_keys, check_pos
     resolve_device
 from .columns import RowColumns
 from .initializers import InitializerSpec, resolve_initializer
-from .table import Rows
+from .rows import Rows
 
 __all__ = ["StaticTable"]
 
