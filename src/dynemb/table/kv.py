@@ -106,6 +106,8 @@ class KeyValueTable(RowStore):
         self.evicted = 0
         self._deleted: list[tuple[int, torch.Tensor]] | None = None
         self._init_storage(capacity)
+        if admission is not None:
+            admission.attach(self._new_counter)
 
     # ------------------------------------------------------------------ queries
     def find_rows(self, keys: torch.Tensor) -> torch.Tensor:
@@ -352,6 +354,11 @@ class KeyValueTable(RowStore):
         self.inserted, self.removed, self.evicted = n, 0, 0
 
     # ------------------------------------------------------------------ internals
+    def _new_counter(self, max_tracked: int) -> "KeyValueTable":
+        """The table an admission filter counts candidates in: lfu scores are the counts, values are unused."""
+        return KeyValueTable(1, key_dtype=self.key_dtype, device=self.device, eviction="lfu", initializer="zeros",
+                             max_capacity=max_tracked, init_capacity=min(max_tracked, 8192))
+
     def _check_scores(self, scores, keys: torch.Tensor) -> torch.Tensor | None:
         if scores is None:
             return None
