@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.dispatch import Backend
 from .admission import FrequencyAdmission
 from .checks import (
     KEY_DTYPES,
@@ -51,6 +52,8 @@ class KeyValueTable(RowStore):
         on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows.
         admission: a :class:`FrequencyAdmission` (or an int threshold): ``find_or_insert`` stores a new key only
             from its ``threshold``-th sighting; before that it gets row -1 and its initializer row is read.
+        backend: the index's implementation, a :class:`~dynemb.kernels.Backend` or its name (see
+            :mod:`dynemb.kernels.dispatch`); ``None`` follows the process default at each call.
 
     Example:
         >>> t = KeyValueTable(4, initializer="zeros")
@@ -76,6 +79,7 @@ class KeyValueTable(RowStore):
         seed: int = 0,
         on_evict: EvictHook | None = None,
         admission: "FrequencyAdmission | int | None" = None,
+        backend: Backend | str | None = None,
     ) -> None:
         self.dim = check_positive_int(dim, "dim")
         self.key_dtype = check_dtype(key_dtype, KEY_DTYPES, "key_dtype")
@@ -98,6 +102,7 @@ class KeyValueTable(RowStore):
         if admission is not None and not isinstance(admission, FrequencyAdmission):
             raise TypeError(f"admission must be an int threshold, a FrequencyAdmission or None, got {admission!r}")
         self.admission = admission
+        self.backend = None if backend is None else Backend.parse(backend)
         capacity = min(init_capacity, self.max_capacity or init_capacity)
         self.clock = 0
         self.epoch = 0
@@ -357,7 +362,7 @@ class KeyValueTable(RowStore):
     def _new_counter(self, max_tracked: int) -> "KeyValueTable":
         """The table an admission filter counts candidates in: lfu scores are the counts, values are unused."""
         return KeyValueTable(1, key_dtype=self.key_dtype, device=self.device, eviction="lfu", initializer="zeros",
-                             max_capacity=max_tracked, init_capacity=min(max_tracked, 8192))
+                             max_capacity=max_tracked, init_capacity=min(max_tracked, 8192), backend=self.backend)
 
     def _check_scores(self, scores, keys: torch.Tensor) -> torch.Tensor | None:
         if scores is None:

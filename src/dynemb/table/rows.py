@@ -41,13 +41,13 @@ class RowStore(ChangeLog, RowColumns):
     """The storage half of a :class:`~dynemb.table.kv.KeyValueTable`: an index, the columns and their upkeep.
 
     The table's constructor sets the configuration read here (``dim``, ``dtype``, ``key_dtype``, ``device``,
-    ``max_capacity``, ``initializer``, ``seed``, ``on_evict``) and the counters (``clock``, ``inserted``,
-    ``removed``, ``evicted``), then calls :meth:`_init_storage`. Methods here keep the columns, the
+    ``backend``, ``max_capacity``, ``initializer``, ``seed``, ``on_evict``) and the counters (``clock``,
+    ``inserted``, ``removed``, ``evicted``), then calls :meth:`_init_storage`. Methods here keep the columns, the
     index and ``size`` consistent; the public operations decide what to store.
     """
 
     def _init_storage(self, capacity: int) -> None:
-        self.index = HashIndex(self.key_dtype, self.device, capacity)
+        self.index = HashIndex(self.key_dtype, self.device, capacity, backend=self.backend)
         self._slot_init: dict[str, float] = {}
         self._cols: dict[str, torch.Tensor] = {
             "key": torch.empty(capacity, dtype=self.key_dtype, device=self.device),
@@ -112,9 +112,10 @@ class RowStore(ChangeLog, RowColumns):
         device = resolve_device(device)
         if device == self.device:
             return self
+        index = HashIndex(self.key_dtype, device, self.capacity, backend=self.backend)  # fails before anything moves
         self._cols = {k: v.to(device) for k, v in self._cols.items()}
         self.device = device
-        self.index = HashIndex(self.key_dtype, device, self.capacity)
+        self.index = index
         self.index.insert(self.row_keys[: self._size], torch.arange(self._size, device=device))
         return self
 
