@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from .checks import check_int
 from .rows import Rows
 
 __all__ = ["FrequencyAdmission"]
@@ -37,12 +38,8 @@ class FrequencyAdmission:
     """
 
     def __init__(self, threshold: int, max_tracked: int = 1 << 20) -> None:
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
-            raise ValueError(f"threshold must be an int >= 1, got {threshold!r}")
-        if isinstance(max_tracked, bool) or not isinstance(max_tracked, int) or max_tracked < 1:
-            raise ValueError(f"max_tracked must be an int >= 1, got {max_tracked!r}")
-        self.threshold = threshold
-        self.max_tracked = max_tracked
+        self.threshold = check_int(threshold, "threshold", minimum=1)
+        self.max_tracked = check_int(max_tracked, "max_tracked", minimum=1)
         self._counts = None
         self._new_counter: Callable[[int], Any] | None = None
 

@@ -19,10 +19,11 @@ from .checks import (
     KEY_DTYPES,
     VALUE_DTYPES,
     check_dtype,
+    check_int,
     check_keys,
-    check_positive_int,
     check_rows_like,
     check_scores,
+    is_int,
     resolve_device,
 )
 from .hashing import unique_by_hash
@@ -33,7 +34,7 @@ from .rows import EvictHook, Rows, RowStore
 
 __all__ = ["KeyValueTable"]
 
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = 2**31 - 1  # rows per table: the index stores int32 row ids
 
 
 class KeyValueTable(RowStore):
@@ -81,23 +82,20 @@ class KeyValueTable(RowStore):
         admission: "FrequencyAdmission | int | None" = None,
         backend: Backend | str | None = None,
     ) -> None:
-        self.dim = check_positive_int(dim, "dim")
+        self.dim = check_int(dim, "dim", minimum=1)
         self.key_dtype = check_dtype(key_dtype, KEY_DTYPES, "key_dtype")
         self.dtype = check_dtype(dtype, VALUE_DTYPES, "dtype")
         self.device = resolve_device(device)
-        check_positive_int(init_capacity, "init_capacity")
-        self.max_capacity = check_positive_int(max_capacity, "max_capacity", allow_none=True)
-        if self.max_capacity is not None and self.max_capacity > _INT32_MAX:
-            raise ValueError(f"max_capacity must be <= {_INT32_MAX} rows per table, got {max_capacity}")
+        check_int(init_capacity, "init_capacity", minimum=1)
+        self.max_capacity = check_int(max_capacity, "max_capacity", minimum=1, maximum=_INT32_MAX, allow_none=True)
         self.policy = EvictionPolicy.parse(eviction)
         self.initializer = resolve_initializer(initializer)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        check_int(seed, "seed")
         if on_evict is not None and not callable(on_evict):
             raise TypeError(f"on_evict must be a callable (keys, values, scores) or None, got {on_evict!r}")
         self.seed = seed
         self.on_evict = on_evict
-        if isinstance(admission, int) and not isinstance(admission, bool):
+        if is_int(admission):
             admission = FrequencyAdmission(admission)
         if admission is not None and not isinstance(admission, FrequencyAdmission):
             raise TypeError(f"admission must be an int threshold, a FrequencyAdmission or None, got {admission!r}")
@@ -304,7 +302,7 @@ class KeyValueTable(RowStore):
 
     def evict(self, n: int) -> Rows:
         """Evict the ``n`` lowest-score rows (all rows if fewer); reports them to ``on_evict`` and returns them."""
-        check_positive_int(n, "n", minimum=0)
+        check_int(n, "n", minimum=0)
         n = min(n, self._size)
         if n == 0:
             return self._take(torch.empty(0, dtype=torch.int64, device=self.device))
@@ -316,8 +314,8 @@ class KeyValueTable(RowStore):
 
         Removed rows count as evicted and go to ``on_evict``. Returns them.
         """
-        check_positive_int(num_reserved, "num_reserved", minimum=0)
-        trigger = num_reserved if trigger is None else check_positive_int(trigger, "trigger", minimum=0)
+        check_int(num_reserved, "num_reserved", minimum=0)
+        trigger = num_reserved if trigger is None else check_int(trigger, "trigger", minimum=0)
         if trigger < num_reserved:
             raise ValueError(f"trigger must be >= num_reserved ({num_reserved}), got {trigger}")
         excess = self._size - num_reserved if self._size > trigger else 0

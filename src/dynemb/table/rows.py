@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .changes import ChangeLog
-from .checks import check_positive_int, resolve_device
+from .checks import check_int, resolve_device
 from .columns import RowColumns
 from .index import HashIndex
 from .initializers import CallableInitializer
@@ -69,7 +69,7 @@ class RowStore(ChangeLog, RowColumns):
 
         Adding a slot that already exists with the same width keeps its contents.
         """
-        check_positive_int(dim, "dim")
+        check_int(dim, "dim", minimum=1)
         key = f"slot:{name}"
         if key in self._cols:
             if self._cols[key].shape[1] != dim or self._cols[key].dtype != dtype:
