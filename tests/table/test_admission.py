@@ -36,7 +36,7 @@ def test_counting_is_bounded_and_never_admits_early():
     adm = FrequencyAdmission(2, max_tracked=4)
     t = KeyValueTable(2, admission=adm)
     t.find_or_insert(torch.arange(100))  # 100 candidates, 4 tracked
-    assert adm._counts.size() <= 4
+    assert adm.counter.size() <= 4
     t.find_or_insert(torch.arange(100))
     assert t.size() <= 4  # the forgotten ones start over instead of being admitted
 
