@@ -7,8 +7,8 @@ created with ``init_capacity=N``, so its index is at its maximum load), timed ro
   of any lookup) and ``dense.index_copy_`` for upsert;
 - dict: a Python dict from key to row of a dense value tensor (conversions to and from lists included);
 - tf: ``tf.lookup.experimental.MutableHashTable``, when tensorflow is importable;
-- torch path: the same table with its index kept off the numba kernels (``USE_NUMBA = False``): what runs on CUDA
-  or without numba. Only measured when the kernels are in use.
+- torch path: the same table with its index kept off the numba kernels (``use_backend("torch")``): what runs on
+  CUDA or without numba. Only measured when the kernels are in use.
 
 "insert" inserts the batch into the table minus that batch (removed untimed before each run), so the table
 neither grows nor rehashes while timed: ``insert_or_assign`` with given values, ``find_or_insert`` with the
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import CLOCKS, Case, fmt_rate, machine_info, median_times, parser, print_table, rss_bytes  # noqa: E402
 from _common import thread_settings, using_threads, write_json  # noqa: E402
 
-import dynemb.table.index as index_module  # noqa: E402
+from dynemb.kernels import Backend, resolve_backend, use_backend  # noqa: E402
 from dynemb.table import KeyValueTable  # noqa: E402
 from dynemb.table.hashing import mix64  # noqa: E402
 
@@ -78,11 +78,8 @@ def on_torch_path(case: Case | Callable[[], object]) -> Case:
     case = case if isinstance(case, Case) else Case(case)
 
     def run() -> None:
-        saved, index_module.USE_NUMBA = index_module.USE_NUMBA, False
-        try:
+        with use_backend("torch"):
             case.run()
-        finally:
-            index_module.USE_NUMBA = saved
 
     return case._replace(run=run)
 
@@ -152,7 +149,7 @@ def measure(n: int, dim: int, batch: int, repeat: int, clock: Callable[[], float
     table = filled_table(keys, dim, batch, init_capacity=n, device=device)
     dense = torch.randn(n, dim, generator=gen).to(device)
     impls = {"dynemb": dynemb_cases(table, batch_keys, vals, buf), "dense": dense_cases(dense, pick, vals, buf)}
-    if device.type == "cpu" and index_module.USE_NUMBA:
+    if resolve_backend(None, device) is Backend.NUMBA:
         impls["torch path"] = {op: on_torch_path(case) for op, case in impls["dynemb"].items()}
     if device.type == "cpu":
         impls["tf"] = tf_cases(keys, batch_keys, vals, dim)

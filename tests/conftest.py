@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
 import pytest
 import torch
+
+from dynemb.kernels import numba_available, use_backend
 
 _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -17,9 +18,9 @@ VALUE_DTYPES = [
     pytest.param(torch.float16, id="float16"),
     pytest.param(torch.bfloat16, id="bfloat16"),
 ]
-# HashIndex lookups of CPU keys have two implementations: batched torch ops (the reference, and the CUDA path) and
-# a numba kernel used when numba is installed. Index-level tests run both.
-PROBE_PATHS = ["torch"] + (["numba"] if importlib.util.find_spec("numba") is not None else [])
+# HashIndex lookups of CPU keys have two implementations (kernel backends): batched torch ops (the reference, and
+# the CUDA path) and numba kernels, used when numba is installed. Index-level tests run both.
+PROBE_PATHS = ["torch"] + (["numba"] if numba_available() else [])
 
 
 @pytest.fixture(params=DEVICES)
@@ -34,12 +35,12 @@ def probe_paths() -> list[str]:
 
 
 @pytest.fixture(params=PROBE_PATHS)
-def probe_path(request, monkeypatch) -> str:
-    """Select the HashIndex lookup implementation for CPU keys for the duration of a test."""
-    import dynemb.table.index as index
-
-    monkeypatch.setattr(index, "USE_NUMBA", request.param == "numba")
-    return request.param
+def probe_path(request) -> str:
+    """Make this backend the process default (``use_backend``) for the duration of a test. numba kernels run on CPU
+    only, so a test on another ``device`` runs the torch path under either param."""
+    device = request.getfixturevalue("device") if "device" in request.fixturenames else torch.device("cpu")
+    with use_backend(request.param if device.type == "cpu" else "torch"):
+        yield request.param
 
 
 @pytest.fixture(params=KEY_DTYPES)
@@ -69,7 +70,8 @@ def _colliding(key_dtype: torch.dtype, bucket: int, count: int, num_buckets: int
     Homes are taken from the index itself, so the pool follows any change of hash function. With power-of-two
     bucket counts, keys sharing the first or last bucket of a large index share it in every smaller one too.
     """
-    from dynemb.table.index import HashIndex, key_hash
+    from dynemb.table.hashing import key_hash
+    from dynemb.table.index import HashIndex
 
     info = torch.iinfo(key_dtype)
     gen = torch.Generator().manual_seed(bucket * 7919 + info.bits)

@@ -172,3 +172,17 @@ def test_process_exit_status_and_traceback_only_with_debug(tmp_path):
     assert line.startswith(f"dynemb train: error: {path}: cannot read it as parquet (") and "Traceback" not in line
     assert debug.returncode != 0
     assert "Traceback (most recent call last)" in debug_err and "cannot read it as parquet" in debug_err
+
+
+@pytest.mark.parametrize("value,expected", [("0", "torch"), ("1", "auto"), (None, "auto")])
+def test_dynemb_numba_0_selects_the_torch_kernels(monkeypatch, value, expected):
+    from dynemb import cli
+    from dynemb.kernels import get_default_backend, use_backend
+
+    if value is None:
+        monkeypatch.delenv("DYNEMB_NUMBA", raising=False)
+    else:
+        monkeypatch.setenv("DYNEMB_NUMBA", value)
+    with use_backend("auto"):  # restores the process default afterwards
+        cli._kernels_from_environment()
+        assert get_default_backend().value == expected

@@ -1,6 +1,10 @@
 """The ``dynemb`` command: ``demo``, ``train``, ``export`` and ``serve-bench``.
 
 Errors print one line naming the problem and exit with status 2; ``--debug`` shows the traceback.
+
+Environment, read here and nowhere else in the library: ``DYNEMB_NUMBA=0`` runs every table index on the torch
+reference path instead of the numba CPU kernels (``dynemb.kernels.set_default_backend("torch")`` at startup);
+``DYNEMB_BACKEND=nccl`` makes a torchrun-launched command use NCCL instead of gloo.
 """
 
 from __future__ import annotations
@@ -220,8 +224,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _kernels_from_environment() -> None:
+    """``DYNEMB_NUMBA=0``: table indexes run the torch path (the library itself reads no environment variable)."""
+    import os
+
+    if os.environ.get("DYNEMB_NUMBA") == "0":
+        from .kernels import set_default_backend
+
+        set_default_backend("torch")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _kernels_from_environment()
     try:
         return args.func(args)
     except KeyboardInterrupt:

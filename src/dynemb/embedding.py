@@ -10,7 +10,7 @@ from .table.admission import FrequencyAdmission
 from .table.static import StaticTable
 from .table.checks import check_keys, check_rows_like
 from .table.initializers import InitializerSpec
-from .table.table import EvictHook
+from .table import EvictHook
 
 __all__ = ["DynamicEmbedding", "StaticEmbedding"]
 

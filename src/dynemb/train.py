@@ -23,6 +23,7 @@ from .collection import EmbeddingCollection
 from .data.batch import Batch
 from .data.metrics import auc
 from .models import DLRM, dlrm_tables
+from .table.checks import check_int
 
 __all__ = ["TrainConfig", "Trainer", "History", "SPARSE_OPTIMIZERS", "build_dlrm"]
 
@@ -66,9 +67,7 @@ class TrainConfig:
         if self.optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {sorted(SPARSE_OPTIMIZERS)}, got {self.optimizer!r}")
         for name in ("steps", "dim", "eval_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(getattr(self, name), name, minimum=1)
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume=True needs checkpoint_dir")
 

@@ -36,7 +36,7 @@ def test_counting_is_bounded_and_never_admits_early():
     adm = FrequencyAdmission(2, max_tracked=4)
     t = KeyValueTable(2, admission=adm)
     t.find_or_insert(torch.arange(100))  # 100 candidates, 4 tracked
-    assert adm._counts.size() <= 4
+    assert adm.counter.size() <= 4
     t.find_or_insert(torch.arange(100))
     assert t.size() <= 4  # the forgotten ones start over instead of being admitted
 
@@ -56,3 +56,13 @@ def test_counts_stand_for_occurrences_in_lfu_and_admission():
     assert int(t.scores[rows]) == 3
     with pytest.raises(TypeError, match="counts must be an int64 tensor"):
         t.find_or_insert(torch.tensor([4]), counts=torch.tensor([1.0]))
+
+
+def test_the_owning_table_builds_the_counter(device):
+    adm = FrequencyAdmission(2, max_tracked=16)
+    t = KeyValueTable(2, key_dtype=torch.int32, device=device, admission=adm)
+    t.find_or_insert(torch.tensor([7, 8, 8], dtype=torch.int32, device=device))
+    assert adm.counter.key_dtype == torch.int32 and adm.counter.device == t.device
+    assert adm.counter.max_capacity == 16 and adm.counter.policy.value == "lfu"
+    with pytest.raises(RuntimeError, match="until a table owns it"):
+        FrequencyAdmission(2).admit(torch.tensor([1]), torch.tensor([1]))

@@ -1,7 +1,7 @@
 """Model-based property test: random call sequences on KeyValueTable against a plain-dict reference.
 
 The reference keeps ``key -> (values, score)`` in Python and derives every expected result from the documented
-semantics (see ``dynemb/table/table.py`` and ``policy.py``). After every step the whole table is exported and
+semantics (see ``dynemb/table/kv.py`` and ``policy.py``). After every step the whole table is exported and
 compared exactly: keys, values, scores, counters, and the index's key -> row mapping.
 
 Values are small integers (exact in float32 whatever the summation order), so accum is compared exactly too.
@@ -20,7 +20,6 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-import dynemb.table.index as index_module
 from dynemb.table import Initializer, KeyValueTable
 
 MAX_EXAMPLES = 200
@@ -49,7 +48,6 @@ class TableModel(RuleBasedStateMachine):
     def __init__(self, key_dtype: torch.dtype, device: torch.device, pools: list[int], paths: list[str]) -> None:
         super().__init__()
         self.key_dtype, self.device, self.paths = key_dtype, device, paths
-        self.saved_path = index_module.USE_NUMBA
         info = torch.iinfo(key_dtype)
         self.info = info
         self.key = st.one_of(
@@ -71,7 +69,7 @@ class TableModel(RuleBasedStateMachine):
     )
     def build(self, policy, dim, init_capacity, max_capacity, seed, data):
         # Each example picks one CPU lookup implementation of the index (see PROBE_PATHS in conftest).
-        index_module.USE_NUMBA = data.draw(st.sampled_from(self.paths), label="probe path") == "numba"
+        path = data.draw(st.sampled_from(self.paths), label="probe path")
         self.policy, self.dim, self.max_capacity, self.seed = policy, dim, max_capacity, seed
         self.reported: list[tuple[list, torch.Tensor, list]] = []
         self.table = KeyValueTable(
@@ -84,14 +82,12 @@ class TableModel(RuleBasedStateMachine):
             initializer=KeyInit(),
             seed=seed,
             on_evict=self._on_evict,
+            backend=path if self.device.type == "cpu" else "torch",
         )
         self.values: dict[int, tuple] = {}
         self.scores: dict[int, int] = {}
         self.inserted = self.removed = self.evicted = 0
         self.clock = self.table.clock
-
-    def teardown(self):
-        index_module.USE_NUMBA = self.saved_path
 
     def _on_evict(self, keys, values, scores):
         assert keys.dtype == self.key_dtype and scores.dtype == torch.int64

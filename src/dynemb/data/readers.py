@@ -22,7 +22,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import torch
 
-from ..table.checks import check_positive_int
+from ..table.checks import check_int
 from .batch import Batch
 from .columns import categorical_ids, dense_values, first_line, label_values
 
@@ -102,7 +102,7 @@ class FileReader:
         self.categorical = _check_names(categorical, "categorical", allow_empty=False)
         self.dense = _check_names(dense, "dense", allow_empty=True)
         _check_distinct(self.label, self.categorical, self.dense)
-        self.batch_size = check_positive_int(batch_size, "batch_size")
+        self.batch_size = check_int(batch_size, "batch_size", minimum=1)
         if format is not None and format not in FORMATS:
             raise ValueError(f"format must be None or one of {FORMATS}, got {format!r}")
         if delimiter is not None and (not isinstance(delimiter, str) or len(delimiter) != 1):

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..table.checks import check_positive_int
+from ..table.checks import check_int, is_int
 from ..table.hashing import GOLDEN, mix64
 from ..table.initializers import Normal
 from .batch import Batch
@@ -109,10 +109,10 @@ class SyntheticClickLog:
     _bias: float = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        check_positive_int(self.num_categorical, "num_categorical", minimum=1)
-        check_positive_int(self.num_dense, "num_dense", minimum=0)
-        check_positive_int(self.batch_size, "batch_size")
-        check_positive_int(self.ids_per_feature, "ids_per_feature")
+        check_int(self.num_categorical, "num_categorical", minimum=1)
+        check_int(self.num_dense, "num_dense", minimum=0)
+        check_int(self.batch_size, "batch_size", minimum=1)
+        check_int(self.ids_per_feature, "ids_per_feature", minimum=1)
         if self.num_categorical >= 2 ** (63 - _RANK_BITS):
             raise ValueError(f"num_categorical must be < {2 ** (63 - _RANK_BITS)}, got {self.num_categorical}")
         object.__setattr__(self, "vocab_sizes", self._normalized_vocab())
@@ -120,8 +120,7 @@ class SyntheticClickLog:
         _check_range("ctr", self.ctr, 0.0, 1.0, closed=False)
         _check_range("signal", self.signal, 0.0, math.inf)
         _check_range("dense_share", self.dense_share, 0.0, 1.0)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < _SEED_LIMIT:
-            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        check_int(self.seed, "seed", minimum=0, maximum=_SEED_LIMIT - 1)
         self._init_hidden_model()
 
     # ------------------------------------------------------------------ public
@@ -137,7 +136,7 @@ class SyntheticClickLog:
 
     def batch(self, index: int, split: str = "train") -> Batch:
         """Batch number ``index`` (``>= 0``) of ``split`` (``"train"`` or the held-out ``"eval"``)."""
-        check_positive_int(index, "index", minimum=0)
+        check_int(index, "index", minimum=0)
         gen = torch.Generator().manual_seed(_derive(self.seed, 5, _split_id(split), index))
         return self._sample(self.batch_size, gen)
 
@@ -149,9 +148,9 @@ class SyntheticClickLog:
         ``start`` resumes a stream; ``start=rank, step=world_size`` gives each rank a disjoint shard.
         """
         _split_id(split)
-        check_positive_int(num_batches, "num_batches", allow_none=True, minimum=0)
-        check_positive_int(start, "start", minimum=0)
-        check_positive_int(step, "step")
+        check_int(num_batches, "num_batches", minimum=0, allow_none=True)
+        check_int(start, "start", minimum=0)
+        check_int(step, "step", minimum=1)
         indices = itertools.count(start, step)
         if num_batches is not None:
             indices = itertools.islice(indices, num_batches)
@@ -176,10 +175,10 @@ class SyntheticClickLog:
         vocab = self.vocab_sizes
         if vocab is None:
             vocab = CRITEO_VOCAB_SIZES if self.num_categorical == len(CRITEO_VOCAB_SIZES) else 100_000
-        if isinstance(vocab, int) and not isinstance(vocab, bool):
+        if is_int(vocab):
             vocab = (vocab,) * self.num_categorical
         vocab = tuple(vocab)
-        bad = [v for v in vocab if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 2**_RANK_BITS]
+        bad = [v for v in vocab if not is_int(v) or not 1 <= v <= 2**_RANK_BITS]
         if len(vocab) != self.num_categorical or bad:
             raise ValueError(
                 f"vocab_sizes must be an int or {self.num_categorical} ints (one per feature), each in "

@@ -4,13 +4,15 @@ from .admission import FrequencyAdmission
 from .index import HashIndex
 from .initializers import Constant, Initializer, Normal, TruncatedNormal, Uniform, resolve_initializer
 from .policy import EvictionPolicy
-from .table import KeyValueTable, Rows
+from .kv import KeyValueTable
+from .rows import EvictHook, Rows
 
 __all__ = [
     "HashIndex",
     "FrequencyAdmission",
     "KeyValueTable",
     "Rows",
+    "EvictHook",
     "EvictionPolicy",
     "Initializer",
     "Uniform",

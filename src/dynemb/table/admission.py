@@ -5,11 +5,19 @@ Counts are exact and memory-bounded: candidates are counted in a small LFU :clas
 least-seen ones are forgotten and start over, so admission can come later than ``threshold``, never earlier. A
 count-min sketch would over-count under collisions and could admit a key too early. Once admitted, a key's
 counter is dropped.
+
+The table that owns an admission filter builds that counting table (:meth:`FrequencyAdmission.attach`), so this
+module imports no table class and the table module imports this one without a cycle.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
+
+from .checks import check_int
+from .rows import Rows
 
 __all__ = ["FrequencyAdmission"]
 
@@ -30,20 +38,22 @@ class FrequencyAdmission:
     """
 
     def __init__(self, threshold: int, max_tracked: int = 1 << 20) -> None:
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
-            raise ValueError(f"threshold must be an int >= 1, got {threshold!r}")
-        if isinstance(max_tracked, bool) or not isinstance(max_tracked, int) or max_tracked < 1:
-            raise ValueError(f"max_tracked must be an int >= 1, got {max_tracked!r}")
-        self.threshold = threshold
-        self.max_tracked = max_tracked
+        self.threshold = check_int(threshold, "threshold", minimum=1)
+        self.max_tracked = check_int(max_tracked, "max_tracked", minimum=1)
         self._counts = None
+        self._new_counter: Callable[[int], Any] | None = None
+
+    def attach(self, new_counter: Callable[[int], Any]) -> None:
+        """Called by the table that owns this filter: ``new_counter(max_tracked)`` builds the empty LFU table
+        (its own key dtype and device, one value per key) in which candidates are counted, on first need."""
+        self._new_counter = new_counter
 
     def admit(self, keys: torch.Tensor, unique: torch.Tensor, occurrences: torch.Tensor | None = None) -> torch.Tensor:
         """Count ``keys`` (``[N]``, every occurrence of absent keys, or each standing for ``occurrences``) and say
         which of ``unique`` are admitted."""
         if self.threshold == 1:
             return torch.ones(unique.numel(), dtype=torch.bool, device=unique.device)
-        counts = self._counter(keys)
+        counts = self._counter()
         counts.find_or_insert(keys, counts=occurrences)
         rows = counts.find_rows(unique)
         seen = torch.where(rows >= 0, counts.scores.index_select(0, rows.clamp(min=0)), 0)
@@ -51,13 +61,11 @@ class FrequencyAdmission:
         counts.erase(unique[admitted])
         return admitted
 
-    def _counter(self, keys: torch.Tensor):
+    def _counter(self):
         if self._counts is None:
-            from .table import KeyValueTable
-
-            self._counts = KeyValueTable(1, key_dtype=keys.dtype, device=keys.device, eviction="lfu",
-                                         initializer="zeros", max_capacity=self.max_tracked,
-                                         init_capacity=min(self.max_tracked, 8192))
+            if self._new_counter is None:
+                raise RuntimeError("this FrequencyAdmission counts nothing until a table owns it (admission=...)")
+            self._counts = self._new_counter(self.max_tracked)
         return self._counts
 
     @property
@@ -67,11 +75,9 @@ class FrequencyAdmission:
 
     def restore(self, keys: torch.Tensor, counts: torch.Tensor) -> None:
         """Make the pending candidates exactly ``keys [M]`` with ``counts [M]`` (int64), in that row order."""
-        from .table import Rows
-
         if self._counts is None and keys.numel() == 0:
             return
-        table = self._counter(keys)
+        table = self._counter()
         values = torch.zeros(keys.numel(), 1, dtype=table.dtype, device=keys.device)
         table.replace(Rows(keys, values, counts, {}))
 

@@ -8,7 +8,9 @@ __all__ = [
     "check_keys",
     "check_rows_like",
     "check_scores",
+    "check_int",
     "check_positive_int",
+    "is_int",
     "check_dtype",
     "resolve_device",
     "KEY_DTYPES",
@@ -64,13 +66,48 @@ def resolve_device(device) -> torch.device:
     return torch.empty(0, device=device if device is not None else "cpu").device
 
 
-def check_positive_int(value, name: str, *, allow_none: bool = False, minimum: int = 1) -> int | None:
+def is_int(value) -> bool:
+    """Whether ``value`` is a Python int and not a bool (``True`` is an int to Python, never a size or a seed)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(
+    value, name: str, *, minimum: int | None = None, maximum: int | None = None, allow_none: bool = False
+) -> int | None:
+    """Return ``value`` if it is an int (not a bool) in ``[minimum, maximum]`` (either bound optional), or None
+    if it is None and ``allow_none``. The message names ``name``, the expected form and what came in.
+
+    Raises:
+        TypeError: ``value`` is not an int and no bound is given ("seed must be an int, got '1'").
+        ValueError: a bound is given and ``value`` is not an int within it ("dim must be an int >= 1, got 2.0").
+
+    Example:
+        >>> check_int(8, "dim", minimum=1)
+        8
+        >>> check_int(True, "dim", minimum=1)
+        Traceback (most recent call last):
+            ...
+        ValueError: dim must be an int >= 1, got True
+    """
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "None or " if allow_none else ""
-        raise ValueError(f"{name} must be {kind}an int >= {minimum}, got {value!r}")
-    return value
+    if is_int(value) and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value
+    if minimum is None and maximum is None:
+        form, error = "an int", TypeError
+    elif maximum is None:
+        form, error = f"an int >= {minimum}", ValueError
+    elif minimum is None:
+        form, error = f"an int <= {maximum}", ValueError
+    else:
+        form, error = f"an int in [{minimum}, {maximum}]", ValueError
+    raise error(f"{name} must be {'None or ' if allow_none else ''}{form}, got {value!r}")
+
+
+def check_positive_int(value, name: str, *, allow_none: bool = False, minimum: int = 1) -> int | None:
+    """:func:`check_int` with ``minimum=1`` unless given: the spelling that collection/, checkpoint/ and serving/
+    still call. New code calls :func:`check_int`."""
+    return check_int(value, name, minimum=minimum, allow_none=allow_none)
 
 
 def check_dtype(value, allowed: tuple, name: str) -> torch.dtype:

@@ -13,26 +13,22 @@ a lookup costs one random memory access per probed bucket, not one for the key a
 
 All operations are batched: one round handles every pending key with a few gathers, and only the rare keys that
 spill to a neighbour bucket go round again. No Python loop runs over keys. This torch code is the one
-implementation for every device; on CPU, when numba is installed, lookups and placement of new keys run the
-equivalent kernels of :mod:`dynemb.table.kernels` instead (identical results and layout, fewer passes over memory).
+implementation for every device (the reference). Lookups and placement of new keys may run the equivalent kernels
+of :mod:`dynemb.kernels.numba_index` instead on CPU (identical results and layout, fewer passes over memory, 2-3x
+faster): the ``backend`` of the index decides, through :mod:`dynemb.kernels.dispatch`, once per call.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 
 import torch
 
+from ..kernels.dispatch import Backend, index_kernels, resolve_backend
 from .hashing import key_hash
 from .ops import gather_rows
 
-__all__ = ["HashIndex", "USE_NUMBA"]
-
-# A CPU index looks up and places keys with the numba kernels in kernels.py when numba is installed (identical
-# results, 2-3x faster); DYNEMB_NUMBA=0 keeps it on the torch path, as does setting this to False.
-USE_NUMBA = os.environ.get("DYNEMB_NUMBA", "1") != "0" and importlib.util.find_spec("numba") is not None
+__all__ = ["HashIndex"]
 
 _BYTES = 0x0101010101010101  # one in every byte: multiplying by it sums bytes into the higher bytes
 _HIGH_BITS = -0x7F7F7F7F7F7F7F80  # 0x8080808080808080: the top bit of every byte
@@ -50,6 +46,8 @@ class HashIndex:
         key_dtype: ``torch.int32`` or ``torch.int64``.
         device: where the index lives.
         capacity: number of keys to size for without a rehash.
+        backend: which implementation probes and places keys (see :mod:`dynemb.kernels.dispatch`); ``None``
+            follows the process default at each call.
 
     Example:
         >>> idx = HashIndex(torch.int64, "cpu", capacity=16)
@@ -62,9 +60,15 @@ class HashIndex:
     MAX_LOAD = 0.5
     MAX_OVERFLOW_FRACTION = 0.25
 
-    def __init__(self, key_dtype: torch.dtype, device: torch.device | str, capacity: int) -> None:
+    def __init__(
+        self, key_dtype: torch.dtype, device: torch.device | str, capacity: int, *, backend: Backend | str | None = None
+    ) -> None:
         self.key_dtype = key_dtype
         self.device = torch.device(device)
+        if backend is not None:
+            backend = Backend.parse(backend)
+            resolve_backend(backend, self.device)  # a backend this device cannot run fails here, not at a call
+        self.backend = backend
         # int32 columns per bucket taken by the keys; the row ids follow them.
         self._key_cols = self.WIDTH * torch.iinfo(key_dtype).bits // 32
         self._alloc(self.buckets_for(capacity))
@@ -112,12 +116,9 @@ class HashIndex:
         self.insert(keys, rows)
 
     def _kernels(self):
-        """The numba kernels module when it serves this index, else None: the one place choosing the path."""
-        if USE_NUMBA and self.device.type == "cpu":
-            from . import kernels  # imported on first use: numba takes a while to load
-
-            return kernels
-        return None
+        """The kernels serving this call (see :func:`~dynemb.kernels.dispatch.index_kernels`), or None for the
+        torch code below."""
+        return index_kernels(self.backend, self.device)
 
     # ---------------------------------------------------------------- addressing
     def _home(self, hashes: torch.Tensor) -> torch.Tensor:

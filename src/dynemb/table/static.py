@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like, \
-    resolve_device
+from .checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_int, check_keys, check_rows_like, resolve_device
 from .columns import RowColumns
 from .initializers import InitializerSpec, resolve_initializer
-from .table import Rows
+from .rows import Rows
 
 __all__ = ["StaticTable"]
 
@@ -32,8 +31,8 @@ class StaticTable(RowColumns):
     def __init__(self, num_rows: int, dim: int, *, key_dtype: torch.dtype = torch.int64,
                  dtype: torch.dtype = torch.float32, device=None, initializer: InitializerSpec = "uniform",
                  seed: int = 0) -> None:
-        self.num_rows = check_positive_int(num_rows, "vocabulary_size")
-        self.dim = check_positive_int(dim, "dim")
+        self.num_rows = check_int(num_rows, "vocabulary_size", minimum=1)
+        self.dim = check_int(dim, "dim", minimum=1)
         self.key_dtype = check_dtype(key_dtype, KEY_DTYPES, "key_dtype")
         self.dtype = check_dtype(dtype, VALUE_DTYPES, "dtype")
         self.device = resolve_device(device)

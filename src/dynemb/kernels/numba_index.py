@@ -1,4 +1,4 @@
-"""Numba kernels for the hash index on CPU (optional: imported only when numba is installed).
+"""Numba kernels for the hash index on CPU (imported on first use, and only when numba is installed).
 
 :class:`~dynemb.table.index.HashIndex` has one code path in batched torch ops for every device; it is the reference.
 On CPU that path spends most of its time in dozens of elementwise passes over the batch (hash, compare, pick the
@@ -7,7 +7,8 @@ same work in one pass per cache-sized chunk of keys, with identical results (slo
 tests run both paths). Measured at 1 thread with 1M keys and batches of 65,536: lookups take about half the time of
 the torch path and placing new keys about a third (numbers in BENCHMARKS.md).
 
-``HashIndex._kernels`` decides whether they are used (see ``USE_NUMBA`` in :mod:`dynemb.table.index`).
+:func:`dynemb.kernels.dispatch.index_kernels` decides, call by call, whether they run (backend ``numba``, or
+``auto`` on CPU).
 """
 
 from __future__ import annotations

@@ -5,41 +5,42 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dynemb.table.index as index_module
+from dynemb.kernels import use_backend
 from dynemb.table import HashIndex
 
 pytest.importorskip("numba")  # the kernel is optional; without numba the torch path is the only one
 
 
-def _both_paths(idx: HashIndex, keys: torch.Tensor, monkeypatch) -> tuple[list, list]:
-    monkeypatch.setattr(index_module, "USE_NUMBA", True)
-    kernel = [t.tolist() for t in idx.lookup(keys)]
-    monkeypatch.setattr(index_module, "USE_NUMBA", False)
-    reference = [t.tolist() for t in idx.lookup(keys)]
+def _both_paths(idx: HashIndex, keys: torch.Tensor) -> tuple[list, list]:
+    """Look ``keys`` up in the same index under each backend (the index follows the process default)."""
+    with use_backend("numba"):
+        kernel = [t.tolist() for t in idx.lookup(keys)]
+    with use_backend("torch"):
+        reference = [t.tolist() for t in idx.lookup(keys)]
     return kernel, reference
 
 
-def test_extreme_fill_and_absent_keys(key_dtype, extreme_keys, monkeypatch):
+def test_extreme_fill_and_absent_keys(key_dtype, extreme_keys):
     idx = HashIndex(key_dtype, "cpu", capacity=64)
     idx.insert(extreme_keys[::2], torch.arange(0, extreme_keys.numel(), 2))
     query = torch.cat([extreme_keys, extreme_keys.flip(0), torch.tensor([7, -7, 7], dtype=key_dtype)])
-    kernel, reference = _both_paths(idx, query, monkeypatch)
+    kernel, reference = _both_paths(idx, query)
     assert kernel == reference
     assert kernel[1][: extreme_keys.numel()] == [i if i % 2 == 0 else -1 for i in range(extreme_keys.numel())]
 
 
 @pytest.mark.parametrize("where", ["first", "last"])
-def test_spill_chains_and_holes(key_dtype, colliding_keys, where, monkeypatch):
+def test_spill_chains_and_holes(key_dtype, colliding_keys, where):
     keys = colliding_keys(key_dtype, where, 24)
     idx = HashIndex(key_dtype, "cpu", capacity=64)
     idx.insert(keys, torch.arange(24))
     idx.remove(idx.find_slots(keys[1::4]))  # holes inside the chain; keys behind them stay reachable
-    kernel, reference = _both_paths(idx, keys, monkeypatch)
+    kernel, reference = _both_paths(idx, keys)
     assert kernel == reference
     assert sum(row >= 0 for row in kernel[1]) == 24 - keys[1::4].numel()
 
 
-def test_random_batches_after_growth_and_removal(key_dtype, monkeypatch):
+def test_random_batches_after_growth_and_removal(key_dtype):
     gen = torch.Generator().manual_seed(3)
     info = torch.iinfo(key_dtype)
     keys = torch.unique(torch.randint(info.min, info.max, (6000,), generator=gen, dtype=torch.int64).to(key_dtype))
@@ -48,11 +49,11 @@ def test_random_batches_after_growth_and_removal(key_dtype, monkeypatch):
     idx.insert(keys[2000:], torch.arange(2000, keys.numel()))
     idx.remove(idx.find_slots(keys[::5]))
     query = torch.cat([keys, torch.randint(info.min, info.max, (500,), generator=gen, dtype=torch.int64).to(key_dtype)])
-    kernel, reference = _both_paths(idx, query[torch.randperm(query.numel(), generator=gen)], monkeypatch)
+    kernel, reference = _both_paths(idx, query[torch.randperm(query.numel(), generator=gen)])
     assert kernel == reference
 
 
-def test_insert_builds_the_same_layout(key_dtype, colliding_keys, monkeypatch):
+def test_insert_builds_the_same_layout(key_dtype, colliding_keys):
     # One batch where bucket 255 overflows, wraps around, and meets keys whose home is bucket 0: placement order
     # across rounds decides who gets which slot, and both paths must agree on every slot and overflow flag.
     gen = torch.Generator().manual_seed(5)
@@ -61,9 +62,8 @@ def test_insert_builds_the_same_layout(key_dtype, colliding_keys, monkeypatch):
     spread = torch.randint(info.min, info.max, (300,), generator=gen, dtype=torch.int64).to(key_dtype)
     spread = torch.unique(spread[~torch.isin(spread, crowded)])
     layouts = []
-    for use_numba in (True, False):
-        monkeypatch.setattr(index_module, "USE_NUMBA", use_numba)
-        idx = HashIndex(key_dtype, "cpu", capacity=1024)
+    for backend in ("numba", "torch"):
+        idx = HashIndex(key_dtype, "cpu", capacity=1024, backend=backend)
         idx.insert(crowded, torch.arange(crowded.numel()))
         idx.insert(spread, torch.arange(spread.numel()) + 100)
         idx.remove(idx.find_slots(crowded[::5]))

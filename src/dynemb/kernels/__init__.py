@@ -1,0 +1,12 @@
+"""Kernels: the one dispatch point for hot operations and their optional implementations.
+
+The batched-torch code is the reference and runs on every device; it lives beside the data structure it serves
+(:class:`~dynemb.table.HashIndex`). Optional kernels live here, :mod:`~dynemb.kernels.numba_index` for CPU, and
+:mod:`~dynemb.kernels.dispatch` decides, from an explicit backend and the device, which one runs.
+"""
+
+from . import dispatch
+from .dispatch import Backend, get_default_backend, index_kernels, numba_available, resolve_backend
+from .dispatch import set_default_backend, use_backend
+
+__all__ = list(dispatch.__all__)

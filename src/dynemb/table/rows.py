@@ -1,0 +1,315 @@
+"""Row storage under :class:`~dynemb.table.kv.KeyValueTable`: growth, placement of new rows, eviction, compaction.
+
+Rows are kept compact: live rows are ``0 .. size-1`` of every column, so export is a slice and memory tracks the
+number of keys. Evicted rows are reused in place by the keys that displaced them; ``erase`` and ``restrict`` fill
+the holes they leave with rows from the end. Every row-aligned tensor (keys, values, scores, version stamps, each
+optimizer slot) is a *column* in one dict, so growth, compaction, eviction and export move them together by
+construction.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from .changes import ChangeLog
+from .checks import check_int, resolve_device
+from .columns import RowColumns
+from .index import HashIndex
+from .initializers import CallableInitializer
+from .ops import copy_rows, gather_rows
+
+__all__ = ["Rows", "EvictHook", "RowStore"]
+
+_INIT_CHUNK = 1 << 17  # elements per initializer call on CPU
+
+
+class Rows(NamedTuple):
+    """A set of rows taken out of a table (evicted or exported). ``slots`` maps slot name to ``[E, d]``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    scores: torch.Tensor
+    slots: dict
+
+
+EvictHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class RowStore(ChangeLog, RowColumns):
+    """The storage half of a :class:`~dynemb.table.kv.KeyValueTable`: an index, the columns and their upkeep.
+
+    The table's constructor sets the configuration read here (``dim``, ``dtype``, ``key_dtype``, ``device``,
+    ``backend``, ``max_capacity``, ``initializer``, ``seed``, ``on_evict``) and the counters (``clock``,
+    ``inserted``, ``removed``, ``evicted``), then calls :meth:`_init_storage`. Methods here keep the columns, the
+    index and ``size`` consistent; the public operations decide what to store.
+    """
+
+    def _init_storage(self, capacity: int) -> None:
+        self.index = HashIndex(self.key_dtype, self.device, capacity, backend=self.backend)
+        self._slot_init: dict[str, float] = {}
+        self._cols: dict[str, torch.Tensor] = {
+            "key": torch.empty(capacity, dtype=self.key_dtype, device=self.device),
+            "value": torch.empty(capacity, self.dim, dtype=self.dtype, device=self.device),
+            "score": torch.zeros(capacity, dtype=torch.int64, device=self.device),
+            "version": torch.zeros(capacity, dtype=torch.int64, device=self.device),
+        }
+        self._size = 0
+        self._init_calls = 0
+
+    # ------------------------------------------------------------------ columns
+    @property
+    def row_keys(self) -> torch.Tensor:
+        """Key of each row ``[capacity]``."""
+        return self._cols["key"]
+
+    def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
+        """Add an optimizer-state column of width ``dim``; existing and future rows start at ``init``.
+
+        Adding a slot that already exists with the same width keeps its contents.
+        """
+        check_int(dim, "dim", minimum=1)
+        key = f"slot:{name}"
+        if key in self._cols:
+            if self._cols[key].shape[1] != dim or self._cols[key].dtype != dtype:
+                raise ValueError(f"slot {name!r} already exists with shape {tuple(self._cols[key].shape[1:])}")
+            return
+        self._cols[key] = torch.full((self.capacity, dim), init, dtype=dtype, device=self.device)
+        self._slot_init[name] = init
+
+    @property
+    def capacity(self) -> int:
+        """Rows allocated now (grows on demand)."""
+        return self._cols["key"].shape[0]
+
+    def size(self) -> int:
+        """Number of keys stored."""
+        return self._size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def nbytes(self) -> int:
+        """Bytes held by the index and every column (allocated capacity, not just live rows)."""
+        return self.index.nbytes() + sum(t.numel() * t.element_size() for t in self._cols.values())
+
+    def stats(self) -> dict:
+        """Counters and sizes, for logs and dashboards."""
+        return {
+            "size": self._size,
+            "capacity": self.capacity,
+            "max_capacity": self.max_capacity,
+            "inserted": self.inserted,
+            "removed": self.removed,
+            "evicted": self.evicted,
+            "index_load": self._size / self.index.slots,
+            "bytes": self.nbytes(),
+        }
+
+    def to(self, device: torch.device | str) -> "RowStore":
+        """Move storage and index to ``device`` in place; returns self."""
+        device = resolve_device(device)
+        if device == self.device:
+            return self
+        index = HashIndex(self.key_dtype, device, self.capacity, backend=self.backend)  # fails before anything moves
+        self._cols = {k: v.to(device) for k, v in self._cols.items()}
+        self.device = device
+        self.index = index
+        self.index.insert(self.row_keys[: self._size], torch.arange(self._size, device=device))
+        return self
+
+    def initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """The initializer's rows ``[N, D]`` for ``keys [N]`` (what a missing key reads and a new key starts at)."""
+        if isinstance(self.initializer, CallableInitializer):
+            self._init_calls += 1
+            return self.initializer(keys, self.dim, self.dtype, self.seed * 1_000_003 + self._init_calls)
+        # Built-in initializers are pure functions of (seed, key, column), so chunks give the same rows. On CPU,
+        # chunks keep their int64 temporaries cache-sized: one [N, D] pass costs ~10x more (measured, dim 64).
+        n = keys.numel()
+        step = n if keys.device.type != "cpu" else max(1, _INIT_CHUNK // self.dim)
+        if n <= step:
+            return self.initializer(keys, self.dim, self.dtype, self.seed)
+        out = torch.empty(n, self.dim, dtype=self.dtype, device=self.device)
+        for start in range(0, n, step):
+            out[start : start + step] = self.initializer(keys[start : start + step], self.dim, self.dtype, self.seed)
+        return out
+
+    # ------------------------------------------------------------------ growth
+    def _reserve(self, n: int) -> None:
+        """Make room for ``n`` live rows (columns and index) before anything is mutated."""
+        capacity = self.capacity
+        if n > capacity:
+            grown = int(capacity * (2.0 if capacity < 65536 else 1.25))
+            new_cap = max(n, grown)
+            if self.max_capacity is not None:
+                new_cap = min(new_cap, self.max_capacity)
+            size = self._size
+            for name, col in self._cols.items():
+                fresh = col.new_empty((new_cap,) + tuple(col.shape[1:]))
+                fresh[:size] = col[:size]
+                self._cols[name] = fresh
+        if self.index.needs_rehash(n):
+            # Sized for n: bucket counts are powers of two, so this at least doubles the index (load just over
+            # MAX_LOAD / 2 after a rehash for growth) without over-allocating it.
+            self.index.rehash(self.row_keys[: self._size], torch.arange(self._size, device=self.device), n)
+
+    def _load(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, slots: dict) -> None:
+        """Hold exactly ``keys [N]`` (unique, checked) with their columns, in that row order."""
+        n = keys.numel()
+        self.index.clear()
+        self._size = 0
+        self._reserve(n)
+        self.index.insert(keys, torch.arange(n, device=self.device))
+        self._cols["key"][:n] = keys
+        self._cols["value"][:n] = values
+        self._cols["score"][:n] = scores if scores is not None else 0
+        self._cols["version"][:n] = self.clock
+        for name, init in self._slot_init.items():
+            self.slot(name)[:n] = slots.get(name, init)
+        self._size = n
+
+    # ------------------------------------------------------------------ placement
+    def _insert_missing(
+        self,
+        keys: torch.Tensor,
+        pinned: torch.Tensor,
+        values: torch.Tensor | None = None,
+        hashes: torch.Tensor | None = None,
+    ):
+        """Give rows to absent unique ``keys`` ``[M]``; rows in ``pinned`` are never evicted for them.
+
+        ``values``: ``[M, D]`` rows, ``(source, index)`` to copy ``source[index]`` without an ``[M, D]`` temporary,
+        or None for initializer rows. ``hashes``: ``key_hash(keys)`` if the caller has it (keys in hash order then
+        skip the index's sort).
+        Returns rows ``[M]`` int64; -1 for keys that could not be stored (reported as evicted).
+        """
+        m = keys.numel()
+        victims = torch.empty(0, dtype=torch.int64, device=self.device)
+        stored = m
+        if self.max_capacity is not None and self._size + m > self.max_capacity:
+            need = self._size + m - self.max_capacity
+            victims = self._pick_victims(need, pinned)
+            stored = m - (need - victims.numel())
+        n_append = stored - victims.numel()
+        keep, dropped = keys[:stored], keys[stored:]
+        # New rows come first: a user initializer that fails must leave the table as it was.
+        init = _head(values, stored) if values is not None else self.initial_rows(keep)
+        if stored < m:
+            dropped_values = _tail(values, stored) if values is not None else self.initial_rows(dropped)
+        self._reserve(self._size + n_append)
+        evicted = self._take(victims)
+        if victims.numel():
+            self.index.remove(self.index.find_slots(evicted.keys))
+        rows = torch.cat([victims, torch.arange(self._size, self._size + n_append, device=self.device)])
+        self.index.insert(keep, rows, None if hashes is None else hashes[:stored])
+        slots = {f"slot:{name}": value for name, value in self._slot_init.items()}
+        columns = {"key": keep, "value": init, "score": 0, "version": self.clock, **slots}
+        self._write_rows(rows, victims.numel(), columns)
+        self._size += n_append
+        self.inserted += m
+        if stored < m:
+            evicted = _concat_rows(evicted, self._fresh_rows(dropped, dropped_values))
+        self._report(evicted)
+        return torch.cat([rows, torch.full((m - stored,), -1, dtype=torch.int64, device=self.device)])
+
+    def _write_rows(self, rows: torch.Tensor, k: int, columns: dict) -> None:
+        """Fill new ``rows``: the first ``k`` reuse evicted rows, the rest follow ``size`` (plain slice copies).
+
+        ``columns`` maps a column to a scalar, to ``[len(rows), ...]`` values, or to ``(source, index)`` to copy
+        ``source[index]`` without materializing it.
+        """
+        appended = slice(self._size, self._size + rows.numel() - k)
+        for name, src in columns.items():
+            col = self._cols[name]
+            if isinstance(src, tuple):
+                source, index = src
+                gather_rows(source, index[k:], out=col[appended])
+                if k:
+                    copy_rows(col, rows[:k], source, index[:k])
+            elif isinstance(src, torch.Tensor):
+                col[appended] = src[k:]
+                if k:
+                    col.index_copy_(0, rows[:k], src[:k])
+            else:
+                col[appended] = src
+                if k:
+                    col.index_fill_(0, rows[:k], src)
+
+    # ------------------------------------------------------------------ eviction
+    def _pick_victims(self, need: int, pinned: torch.Tensor) -> torch.Tensor:
+        size = self._size
+        if size == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        unpinned = torch.ones(size, dtype=torch.bool, device=self.device)
+        unpinned[pinned] = False
+        candidates = unpinned.nonzero().squeeze(1)
+        k = min(need, candidates.numel())
+        if k == 0:
+            return candidates[:0]
+        lowest = torch.topk(self.scores.index_select(0, candidates), k, largest=False).indices
+        return candidates.index_select(0, lowest)
+
+    def _take(self, rows: torch.Tensor) -> Rows:
+        cols = {name: gather_rows(col, rows) for name, col in self._cols.items()}
+        slots = {name: cols[f"slot:{name}"] for name in self._slot_init}
+        return Rows(cols["key"], cols["value"], cols["score"], slots)
+
+    def _fresh_rows(self, keys: torch.Tensor, values: torch.Tensor) -> Rows:
+        n = keys.numel()
+        slots = {
+            name: torch.full((n, self.slot(name).shape[1]), init, dtype=self.slot(name).dtype, device=self.device)
+            for name, init in self._slot_init.items()
+        }
+        return Rows(keys, values, torch.zeros(n, dtype=torch.int64, device=self.device), slots)
+
+    def _evict_rows(self, rows: torch.Tensor) -> Rows:
+        self.clock += 1
+        evicted = self._take(rows)
+        self.index.remove(self.index.find_slots(evicted.keys))
+        self._compact(rows)
+        self._report(evicted)
+        return evicted
+
+    def _report(self, evicted: Rows) -> None:
+        if evicted.keys.numel() == 0:
+            return
+        self._log_deleted(evicted.keys)
+        self.evicted += evicted.keys.numel()
+        if self.on_evict is not None:
+            self.on_evict(evicted.keys, evicted.values, evicted.scores)
+
+    # ------------------------------------------------------------------ compaction
+    def _compact(self, dead: torch.Tensor) -> None:
+        """Fill the holes left by ``dead`` rows (unique, already out of the index) with the last live rows."""
+        size, k = self._size, dead.numel()
+        new_size = size - k
+        tail_alive = torch.ones(k, dtype=torch.bool, device=self.device)
+        tail_alive[dead[dead >= new_size] - new_size] = False
+        movers = torch.arange(new_size, size, device=self.device)[tail_alive]
+        holes = dead[dead < new_size]
+        if holes.numel():
+            for col in self._cols.values():
+                copy_rows(col, holes, col, movers)
+            moved_keys = self.row_keys.index_select(0, holes)
+            self.index.set_rows(self.index.find_slots(moved_keys), holes)
+        self._size = new_size
+
+
+def _head(values, n: int):
+    """The first ``n`` of new rows given as a tensor or as ``(source, index)``."""
+    return (values[0], values[1][:n]) if isinstance(values, tuple) else values[:n]
+
+
+def _tail(values, n: int) -> torch.Tensor:
+    """The rows after the first ``n`` of new rows given as a tensor or as ``(source, index)``, as a tensor."""
+    return gather_rows(values[0], values[1][n:]) if isinstance(values, tuple) else values[n:]
+
+
+def _concat_rows(a: Rows, b: Rows) -> Rows:
+    return Rows(
+        torch.cat([a.keys, b.keys]),
+        torch.cat([a.values, b.values]),
+        torch.cat([a.scores, b.scores]),
+        {name: torch.cat([a.slots[name], b.slots[name]]) for name in a.slots},
+    )

@@ -1,0 +1,104 @@
+"""The kernel switch: explicit backends, the process default, and what each resolves to per device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynemb.kernels import (
+    Backend,
+    dispatch,
+    get_default_backend,
+    index_kernels,
+    numba_available,
+    resolve_backend,
+    set_default_backend,
+    use_backend,
+)
+from dynemb.table import HashIndex, KeyValueTable
+
+NUMBA = pytest.mark.skipif(not numba_available(), reason="numba is an optional kernel backend")
+
+
+def test_auto_picks_numba_on_cpu_only_when_installed(monkeypatch):
+    assert resolve_backend("auto", "cuda") is Backend.TORCH
+    assert resolve_backend(Backend.AUTO, torch.device("cpu")) is (Backend.NUMBA if numba_available() else Backend.TORCH)
+    monkeypatch.setattr(dispatch, "numba_available", lambda: False)
+    assert resolve_backend("auto", "cpu") is Backend.TORCH
+    with pytest.raises(ValueError, match="needs the numba package"):
+        resolve_backend("numba", "cpu")
+    with pytest.raises(ValueError, match="needs the numba package"):
+        set_default_backend("numba")
+
+
+def test_torch_runs_everywhere():
+    for device in ("cpu", "cuda", torch.device("cuda", 1), None):
+        assert resolve_backend("torch", device) is Backend.TORCH
+
+
+@NUMBA
+def test_numba_is_cpu_only():
+    assert resolve_backend("numba", None) is Backend.NUMBA
+    with pytest.raises(ValueError, match="runs on CPU only, got device cuda"):
+        resolve_backend("numba", "cuda")
+    with pytest.raises(ValueError, match="CPU only"):
+        HashIndex(torch.int64, "cuda", capacity=8, backend="numba")  # refused before any CUDA memory is touched
+    assert index_kernels("numba", "cpu").__name__ == "dynemb.kernels.numba_index"
+    assert index_kernels("torch", "cpu") is None
+
+
+def test_bad_names_are_value_errors():
+    with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'torch', 'numba' or a Backend, got 'cuda'"):
+        resolve_backend("cuda", "cpu")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        KeyValueTable(2, backend="triton")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        set_default_backend(None)
+
+
+def test_default_is_auto_and_set_only_explicitly():
+    assert get_default_backend() is Backend.AUTO
+    previous = set_default_backend("torch")
+    try:
+        assert previous is Backend.AUTO and get_default_backend() is Backend.TORCH
+        assert resolve_backend(None, "cpu") is Backend.TORCH
+    finally:
+        set_default_backend(previous)
+    assert get_default_backend() is Backend.AUTO
+
+
+def test_use_backend_restores_the_default_even_on_error():
+    with pytest.raises(RuntimeError, match="boom"):
+        with use_backend("torch") as chosen:
+            assert chosen is Backend.TORCH and get_default_backend() is Backend.TORCH
+            raise RuntimeError("boom")
+    assert get_default_backend() is Backend.AUTO
+
+
+@NUMBA
+def test_none_follows_the_default_at_each_call_and_explicit_wins(monkeypatch):
+    calls = []
+    from dynemb.kernels import numba_index
+
+    real_probe = numba_index.probe
+    monkeypatch.setattr(numba_index, "probe", lambda *a: calls.append(1) or real_probe(*a))
+    follows = KeyValueTable(2)
+    pinned = KeyValueTable(2, backend="torch")
+    keys = torch.tensor([1, 2, 3])
+    for table in (follows, pinned):
+        table.find_or_insert(keys)
+    assert calls and pinned.index.backend is Backend.TORCH and follows.index.backend is None
+    calls.clear()
+    with use_backend("torch"):
+        follows.find(keys)
+    pinned.find(keys)
+    assert not calls
+    follows.find(keys)
+    assert calls
+
+
+def test_a_table_keeps_its_backend_through_growth_moves_and_admission():
+    t = KeyValueTable(2, init_capacity=2, backend="torch", admission=2)
+    t.find_or_insert(torch.arange(100).repeat(2))  # grows and rehashes; the admission counter is built
+    assert t.index.backend is Backend.TORCH and t.admission.counter.index.backend is Backend.TORCH
+    assert t.to("cpu").index.backend is Backend.TORCH
