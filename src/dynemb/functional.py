@@ -36,8 +36,7 @@ class BagSet(NamedTuple):
 
 
 def _table_of(embedding) -> KeyValueTable:
-    return embedding if isinstance(embedding, KeyValueTable) or getattr(embedding, "is_dynemb_table", False) \
-        else embedding.table
+    return embedding if isinstance(embedding, (KeyValueTable, StaticTable)) else embedding.table
 
 
 class SparseGrad:
@@ -93,11 +92,11 @@ def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.
     kept = rows >= 0  # keys not stored (admission, eviction) have no trainable row: their gradient is dropped
     if not bool(kept.all()):
         keys, rows, grad = keys[kept], rows[kept], grad[kept]
-    optimizer = getattr(table, "sparse_optimizer", None)
+    optimizer = table.sparse_optimizer
     if optimizer is not None and optimizer.fused:
         optimizer.apply_gradient(table, rows, grad)
         return
-    if getattr(table, "sparse_grad", None) is None:
+    if table.sparse_grad is None:
         table.sparse_grad = SparseGrad()
     table.sparse_grad.add(keys, rows, grad)
 
@@ -153,8 +152,11 @@ def _find_unique(embedding, ids: torch.Tensor, training: bool | None = None, che
     if training is None:
         training = getattr(embedding, "training", True)
     flat = ids.reshape(-1)
-    if not checked and isinstance(table, StaticTable):
-        flat = table.check_ids(flat)
+    trains = training and torch.is_grad_enabled()
+    if isinstance(table, StaticTable):  # id i is row i: nothing to find or insert
+        flat = flat if checked else table.check_ids(flat)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        return table, unique, unique.to(torch.int64), inverse, trains
     if training and counts_occurrences(table):
         # lfu scores and admission count every occurrence, not every distinct id of the call
         unique, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
@@ -165,8 +167,7 @@ def _find_unique(embedding, ids: torch.Tensor, training: bool | None = None, che
     else:
         unique, inverse = torch.unique(flat, return_inverse=True)
         rows = table.find_rows(unique)
-    trains = training and torch.is_grad_enabled()
-    if trains and isinstance(table, KeyValueTable):
+    if trains:
         unique, rows, inverse = _in_row_order(unique, rows, inverse)
     return table, unique, rows, inverse, trains
 

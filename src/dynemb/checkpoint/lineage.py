@@ -7,13 +7,15 @@ saved counters include it): an optimizer stamps the rows it updates with the *cu
 carry the save's own stamp and be missed by the next delta. A loaded table gets its rows stamped one below the
 saved clock, which makes it look exactly like the table right after that save.
 
-The deletion log is trimmed to what the oldest stream still needs.
+The deletion log is trimmed to what the oldest stream still needs. The marks are kept by each table
+(``table.write_marks``), not in a process-wide registry: they live and die with the table, and two models in one
+process never see each other's. The directory they name is checked when it is used: an incremental write builds on
+it only if its manifest is readable and lists the same tables and configs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
@@ -24,9 +26,6 @@ class _Mark(NamedTuple):
     root: str
     name: str
     clock: int
-
-
-_marks: weakref.WeakKeyDictionary[object, dict[str, _Mark]] = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -44,7 +43,7 @@ def tick(tables: list) -> Iterator[None]:
 
 def parent(tables: Iterable, stream: str, root: str) -> str | None:
     """The directory all ``tables`` were last written to (or loaded from) under ``root``, or None if they differ."""
-    marks = [_marks.get(t, {}).get(stream) for t in tables]
+    marks = [t.write_marks.get(stream) for t in tables]
     if not marks or any(m is None or m.root != root for m in marks):
         return None
     names = {m.name for m in marks}
@@ -53,7 +52,7 @@ def parent(tables: Iterable, stream: str, root: str) -> str | None:
 
 def since(table, stream: str) -> int:
     """Clock to pass to ``changes_since``: what is stamped after it changed since the last write of ``stream``."""
-    return _marks[table][stream].clock
+    return table.write_marks[stream].clock
 
 
 def record(tables: Iterable, stream: str, root: str, name: str, *, reset: bool = False) -> None:
@@ -62,7 +61,7 @@ def record(tables: Iterable, stream: str, root: str, name: str, *, reset: bool =
     Call it after :func:`tick` (or a load): the directory covers every stamp below the current clock.
     """
     for table in tables:
-        marks = _marks.setdefault(table, {})
+        marks = table.write_marks
         if reset or not marks:
             marks.clear()
             table.track_deletions()  # a fresh log: earlier deletions are in (or before) this directory

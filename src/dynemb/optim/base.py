@@ -19,18 +19,19 @@ import torch
 
 from ..functional import current_rows
 from ..table import KeyValueTable
+from ..table.static import StaticTable
 
 __all__ = ["SparseOptimizer", "tables_of"]
 
 
 def tables_of(obj) -> list:
     """The tables behind a DynamicEmbedding, an EmbeddingCollection, a table, or a list of those."""
-    if isinstance(obj, KeyValueTable) or getattr(obj, "is_dynemb_table", False):
+    if isinstance(obj, (KeyValueTable, StaticTable)):
         return [obj]
     if hasattr(obj, "dynemb_tables"):
         return list(obj.dynemb_tables())
     table = getattr(obj, "table", None)
-    if isinstance(table, KeyValueTable) or getattr(table, "is_dynemb_table", False):
+    if isinstance(table, (KeyValueTable, StaticTable)):
         return [table]
     if isinstance(obj, Iterable) and not isinstance(obj, torch.Tensor):
         return [t for item in obj for t in tables_of(item)]
@@ -97,7 +98,7 @@ class SparseOptimizer:
         for table in tables_of(tables):
             if any(t is table for t in self.tables):
                 continue
-            owner = getattr(table, "sparse_optimizer", None)
+            owner = table.sparse_optimizer
             if owner is not None and owner is not self:
                 raise ValueError(f"table is already bound to {owner!r}; one optimizer per table")
             for slot, (width, init) in self.slot_widths(table.dim).items():
@@ -132,7 +133,7 @@ class SparseOptimizer:
         if self.fused:
             return
         for table in self.tables:
-            pending = getattr(table, "sparse_grad", None)
+            pending = table.sparse_grad
             if pending is None or pending.empty():
                 continue
             keys, rows, grad = pending.coalesce(with_rows=True)
@@ -144,7 +145,7 @@ class SparseOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for table in self.tables:
-            pending = getattr(table, "sparse_grad", None)
+            pending = table.sparse_grad
             if pending is not None:
                 pending.clear()
 

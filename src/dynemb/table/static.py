@@ -26,8 +26,6 @@ class StaticTable(RowColumns):
         [2, 0]
     """
 
-    is_dynemb_table = True
-
     def __init__(self, num_rows: int, dim: int, *, key_dtype: torch.dtype = torch.int64,
                  dtype: torch.dtype = torch.float32, device=None, initializer: InitializerSpec = "uniform",
                  seed: int = 0) -> None:
@@ -44,7 +42,6 @@ class StaticTable(RowColumns):
         self._slot_init: dict[str, float] = {}
         self._cols = {"value": self.initializer(self._ids, dim, self.dtype, seed),
                       "score": torch.zeros(num_rows, dtype=torch.int64, device=self.device)}
-        self.index = self  # ``index.find`` is the identity on valid ids
 
     # ------------------------------------------------------------------ row interface
 
