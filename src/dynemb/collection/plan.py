@@ -85,13 +85,6 @@ class TableShard:
             return torch.ones_like(keys, dtype=torch.bool)
         return self.sharding.owners(keys.to(torch.int64), self.world) == self.rank
 
-    @property
-    def writes(self) -> bool:
-        """Whether this rank writes the shard in a checkpoint (one copy of a replicated table)."""
-        if self.module is None:
-            return False
-        return self.rank == 0 if self.sharding is None or self.sharding.kind == ShardingKind.DATA else True
-
     def describe_sharding(self) -> Optional[dict]:
         return self.sharding.describe() if self.sharding is not None else None
 
