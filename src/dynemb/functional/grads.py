@@ -1,0 +1,100 @@
+"""Where a table's gradient goes: straight into a fused optimizer, or kept (``SparseGrad``) until ``step()``."""
+
+from __future__ import annotations
+
+import torch
+
+from ..table.ops import gather_rows
+from ..table.static import StaticTable
+
+__all__ = ["SparseGrad", "current_rows", "deliver_gradient", "read_rows", "TableRows"]
+
+class SparseGrad:
+    """Gradients recorded for one table between ``zero_grad`` and ``step``: ``(keys, rows, grad)`` batches."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    #: parts kept before they are summed into one, so that backward passes without a step stay bounded in memory
+    MAX_PARTS = 8
+
+    def add(self, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        self._parts.append((keys, rows, grad.float()))
+        if len(self._parts) > self.MAX_PARTS:
+            self.coalesce()
+
+    def empty(self) -> bool:
+        return not self._parts
+
+    def clear(self) -> None:
+        self._parts.clear()
+
+    def coalesce(self, with_rows: bool = False):
+        """``(keys [U], grad [U, D])`` with each key once and its gradients summed; with ``with_rows``,
+        ``(keys, rows, grad)`` where ``rows`` are the rows read in forward (-1 where batches were merged)."""
+        if len(self._parts) > 1:
+            keys, inverse = torch.unique(torch.cat([p[0] for p in self._parts]), return_inverse=True)
+            grad = torch.cat([p[2] for p in self._parts])
+            grad = torch.zeros(keys.numel(), grad.shape[1], device=grad.device).index_add_(0, inverse, grad)
+            self._parts = [(keys, torch.full_like(keys, -1, dtype=torch.int64), grad)]
+        keys, rows, grad = self._parts[0]
+        return (keys, rows, grad) if with_rows else (keys, grad)
+
+
+
+def current_rows(table, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` re-checked against the table: rows moved or reused since they were read are looked up again.
+    (A static table's rows never move.)"""
+    if isinstance(table, StaticTable):
+        return rows
+    size = table.size()
+    stale = (rows < 0) | (rows >= size)
+    stale |= gather_rows(table.row_keys, rows.clamp(0, max(size - 1, 0))) != keys
+    if bool(stale.any()):
+        rows = rows.clone()
+        rows[stale] = table.index.find(keys[stale])
+    return rows
+
+
+
+def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
+    """Hand the gradient ``grad [U, D]`` of ``keys [U]`` (read from ``rows [U]``) to the table's optimizer: applied
+    at once when it is fused, else kept until ``step()``. Keys without a stored row lose their gradient."""
+    rows = current_rows(table, keys, rows)
+    kept = rows >= 0  # keys not stored (admission, eviction) have no trainable row: their gradient is dropped
+    if not bool(kept.all()):
+        keys, rows, grad = keys[kept], rows[kept], grad[kept]
+    optimizer = table.sparse_optimizer
+    if optimizer is not None and optimizer.fused:
+        optimizer.apply_gradient(table, rows, grad)
+        return
+    if table.sparse_grad is None:
+        table.sparse_grad = SparseGrad()
+    table.sparse_grad.add(keys, rows, grad)
+
+
+
+def read_rows(table, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[U, D]`` rows of ``keys`` read from ``rows``; keys without a row (-1) get their initializer row."""
+    values = gather_rows(table.values, rows.clamp(min=0))
+    missing = (rows < 0).nonzero().squeeze(1)
+    if missing.numel():
+        values.index_copy_(0, missing, table.initial_rows(keys.index_select(0, missing)))
+    return values
+
+
+
+class TableRows(torch.autograd.Function):
+    """Rows of unique keys as a differentiable ``[U, D]`` tensor; backward hands the gradient to the table."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, keys, rows):
+        ctx.table = table
+        ctx.save_for_backward(keys, rows)
+        return read_rows(table, keys, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        keys, rows = ctx.saved_tensors
+        deliver_gradient(ctx.table, keys, rows, grad)
+        return None, None, None, None

@@ -1,0 +1,248 @@
+"""Lookups with autograd: dedup, find (or insert), gather or pool straight from the table, ``max_norm``.
+
+Every lookup deduplicates its ids first (``unique -> find/insert -> gather -> expand``): a repeated id costs one row
+read and produces one gradient row. The table's gradient is sparse, ``[U, D]`` for the ``U`` unique keys of the
+call; nothing of table size is ever built. A static table's id is its row, so it pools straight from the ids.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..table import KeyValueTable
+from ..table.static import StaticTable
+from .grads import TableRows, deliver_gradient, read_rows
+from .pooling import BagSet, BagSum, bag_of, bag_sum_grad, check_combiner, concat_bags, pool, split_combine, to_bags
+
+__all__ = ["embedding_lookup", "embedding_lookup_sparse", "pooled_lookup", "unique_rows", "counts_occurrences",
+           "clip_rows"]
+
+def _table_of(embedding) -> KeyValueTable:
+    return embedding if isinstance(embedding, (KeyValueTable, StaticTable)) else embedding.table
+
+
+
+def unique_rows(embedding, ids: torch.Tensor, max_norm: float | None = None, *, training: bool | None = None,
+                checked: bool = False):
+    """Deduplicate ``ids`` and read their rows: ``(values [U, D], inverse [N])`` with ``values[inverse]`` the rows
+    of ``ids.reshape(-1)``. Inserts missing ids in training mode; differentiable when grad is enabled.
+    ``training`` overrides the module's mode; ``checked`` says the ids were validated already."""
+    if max_norm is not None:
+        _check_max_norm(max_norm)
+    table, unique, rows, inverse, grad = _find_unique(embedding, ids, training, checked)
+    values = _rows_tensor(table, unique, rows, grad)
+    if max_norm is not None:
+        values = clip_rows(values, max_norm)
+    return values, inverse
+
+
+
+def counts_occurrences(table) -> bool:
+    """Whether ``table`` needs each key's number of occurrences on insert: lfu scores and admission count them."""
+    return isinstance(table, KeyValueTable) and (table.admission is not None or table.policy.value.endswith("lfu"))
+
+
+
+def _find_unique(embedding, ids: torch.Tensor, training: bool | None = None, checked: bool = False):
+    """``(table, unique, rows, inverse, trains)``: ``ids`` deduplicated and looked up (inserted in training mode);
+    ``trains`` says whether gradients flow to the table."""
+    table = _table_of(embedding)
+    if training is None:
+        training = getattr(embedding, "training", True)
+    flat = ids.reshape(-1)
+    trains = training and torch.is_grad_enabled()
+    if isinstance(table, StaticTable):  # id i is row i: nothing to find or insert
+        flat = flat if checked else table.check_ids(flat)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        return table, unique, unique.to(torch.int64), inverse, trains
+    if training and counts_occurrences(table):
+        # lfu scores and admission count every occurrence, not every distinct id of the call
+        unique, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
+        rows, _ = table.find_or_insert(unique, counts=counts)
+    elif training:
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        rows, _ = table.find_or_insert(unique)
+    else:
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        rows = table.find_rows(unique)
+    if trains:
+        unique, rows, inverse = _in_row_order(unique, rows, inverse)
+    return table, unique, rows, inverse, trains
+
+
+
+def _rows_tensor(table, unique: torch.Tensor, rows: torch.Tensor, trains: bool) -> torch.Tensor:
+    if trains:
+        return TableRows.apply(torch.empty(0, requires_grad=True), table, unique, rows)
+    return read_rows(table, unique, rows)
+
+
+
+def _in_row_order(unique: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor):
+    """``unique`` and ``rows`` sorted by row, ``inverse`` remapped. A dynamic table places keys in arbitrary rows;
+    visiting them in storage order makes the optimizer's ``index_add_``/``index_copy_`` about twice as fast on CPU."""
+    rows, order = rows.sort()
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)
+    return unique.index_select(0, order), rows, position.index_select(0, inverse)
+
+
+
+def clip_rows(values: torch.Tensor, max_norm: float) -> torch.Tensor:
+    # tf.clip_by_norm semantics (as TF/HPS embedding lookups): v * max_norm / max(||v||, max_norm).
+    _check_max_norm(max_norm)
+    norm = values.float().norm(dim=1, keepdim=True)
+    return (values * (max_norm / norm.clamp(min=max_norm))).to(values.dtype)
+
+
+
+def _check_max_norm(max_norm) -> None:
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm <= 0:
+        raise ValueError(f"max_norm must be a float > 0 or None, got {max_norm!r}")
+
+
+
+def embedding_lookup(embedding, ids: torch.Tensor, max_norm: float | None = None) -> torch.Tensor:
+    """Rows for ``ids``: any shape ``S`` -> ``S + (D,)``.
+
+    Training mode (``embedding.training``): missing ids are inserted; eval: they read their initializer row and
+    nothing is inserted. ``max_norm`` clips each vector's L2 norm (``tf.clip_by_norm``).
+
+    Example:
+        >>> import dynemb
+        >>> emb = dynemb.DynamicEmbedding(3, initializer=1.0)
+        >>> embedding_lookup(emb, torch.tensor([[4, 4]]), max_norm=1.0).shape
+        torch.Size([1, 2, 3])
+    """
+    table = _table_of(embedding)
+    values, inverse = unique_rows(embedding, ids, max_norm)
+    return F.embedding(inverse, values).view(*ids.shape, table.dim)
+
+
+
+class _TablePool(torch.autograd.Function):
+    """Sum-pooling straight from the table's stored rows (every row >= 0), without a ``[U, D]`` copy of them;
+    backward hands the ``[U, D]`` row gradient to the table, as :class:`TableRows` does."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, keys, rows, inverse, offsets, weights):
+        ctx.table = table
+        ctx.save_for_backward(keys, rows, inverse, offsets, weights)
+        return _pool_rows(table, rows, inverse, offsets, weights)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        keys, rows, inverse, offsets, weights = ctx.saved_tensors
+        deliver_gradient(ctx.table, keys, rows, bag_sum_grad(grad.contiguous(), inverse, offsets, weights, keys.numel()))
+        return (None,) * 7
+
+
+
+def _pool_rows(table, rows, inverse, offsets, weights) -> torch.Tensor:
+    return F.embedding_bag(rows.index_select(0, inverse), table.values, offsets, mode="sum",
+                           per_sample_weights=weights)
+
+
+
+def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, training: bool | None = None,
+                  checked: bool = False) -> list[torch.Tensor]:
+    """Pooled lookups of several bag sets in one table with one dedup and one find: ``ids`` is the concatenation
+    of the sets' ids. ``training`` overrides the module's mode; ``checked`` says the ids were validated already.
+
+    When every id has a stored row (always in training, unless admission or eviction says otherwise) the bags are
+    pooled straight from the table; otherwise the unique rows are read first (initializer rows for the others).
+    A static table's id is its row, so it pools straight from the ids and sorts them once, in backward.
+    """
+    table = _table_of(embedding)
+    if isinstance(table, StaticTable) and not (bag_sets and any(s.weights is not None and s.weights.requires_grad
+                                                                for s in bag_sets)):
+        return _static_pooled_lookup(embedding, table, ids, bag_sets, training, checked)
+    table, unique, rows, inverse, trains = _find_unique(embedding, ids, training, checked)
+    offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
+    if (weights is not None and weights.requires_grad) or not bool((rows >= 0).all()):
+        summed = BagSum.apply(_rows_tensor(table, unique, rows, trains), inverse, offsets, weights)
+    elif trains:
+        anchor = torch.empty(0, requires_grad=True)
+        summed = _TablePool.apply(anchor, table, unique, rows, inverse, offsets, weights)
+    else:
+        summed = _pool_rows(table, rows, inverse, offsets, weights)
+    return split_combine(summed, bag_sets)
+
+
+
+def _static_pooled_lookup(embedding, table: StaticTable, ids: torch.Tensor, bag_sets: list[BagSet],
+                          training: bool | None, checked: bool) -> list[torch.Tensor]:
+    flat = ids.reshape(-1) if checked else table.check_ids(ids)
+    offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
+    if training is None:
+        training = getattr(embedding, "training", True)
+    if training and torch.is_grad_enabled():
+        summed = _StaticPool.apply(torch.empty(0, requires_grad=True), table, flat, offsets, weights)
+    else:
+        summed = F.embedding_bag(flat, table.values, offsets, mode="sum", per_sample_weights=weights)
+    return split_combine(summed, bag_sets)
+
+
+
+class _StaticPool(torch.autograd.Function):
+    """Sum-pooling of a static table's rows straight from the ids (row ``i`` is id ``i``: no dedup in forward).
+    Backward sorts the ids once (stably, so each row sums its ids in input order, as the dynamic path does) and
+    reduces the pooled gradient to one ``[U, D]`` row gradient for the table's optimizer."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, ids, offsets, weights):
+        ctx.table = table
+        ctx.save_for_backward(ids, offsets, weights)
+        return F.embedding_bag(ids, table.values, offsets, mode="sum", per_sample_weights=weights)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        ids, offsets, weights = ctx.saved_tensors
+        ordered, order = torch.sort(ids.to(torch.int64), stable=True)
+        rows, per_row = torch.unique_consecutive(ordered, return_counts=True)
+        bags = bag_of(offsets, ids.numel()).index_select(0, order)
+        row_grad = F.embedding_bag(bags, grad.contiguous(), per_row.cumsum(0) - per_row, mode="sum",
+                                   per_sample_weights=None if weights is None else weights.index_select(0, order))
+        deliver_gradient(ctx.table, rows.to(ids.dtype), rows, row_grad)
+        return (None,) * 5
+
+
+
+def embedding_lookup_sparse(
+    embedding,
+    ids: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    combiner: str = "mean",
+    max_norm: float | None = None,
+    *,
+    padding_value: int | None = None,
+    include_last_offset: bool = False,
+) -> torch.Tensor:
+    """Pooled lookup: one ``[D]`` vector per bag, ``[B, D]`` in all.
+
+    Args:
+        embedding: a DynamicEmbedding (or table).
+        ids: bags in one of the forms of :func:`to_bags`.
+        offsets: ``[B]`` bag starts for 1-D ids (``include_last_offset``: ``[B+1]``).
+        weights: per-id weights, same layout as ``ids``.
+        combiner: ``"sum"``, ``"mean"`` (weighted sum / sum of weights) or ``"sqrtn"`` (weighted sum /
+            sqrt(sum of squared weights)).
+        max_norm: clip each vector's L2 norm before combining (TF semantics).
+
+    Example:
+        >>> import dynemb
+        >>> emb = dynemb.DynamicEmbedding(2, initializer=1.0)
+        >>> embedding_lookup_sparse(emb, torch.tensor([1, 2, 3]), torch.tensor([0, 2]), combiner="sum").tolist()
+        [[2.0, 2.0], [1.0, 1.0]]
+    """
+    check_combiner(combiner)
+    flat, offsets, weights, num_bags = to_bags(ids, offsets, weights, padding_value=padding_value,
+                                                include_last_offset=include_last_offset)
+    if max_norm is None:
+        return pooled_lookup(embedding, flat, [BagSet(flat.numel(), offsets, weights, num_bags, combiner)])[0]
+    values, inverse = unique_rows(embedding, flat, max_norm)
+    return pool(values, inverse, offsets, weights, num_bags, combiner)

@@ -1,0 +1,183 @@
+"""Pooling of looked-up rows into bags: the input forms (``to_bags``), the combiners, and a sum-pooling whose
+backward builds one ``[U, D]`` row gradient. Shared by training lookups and the serving layers."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["COMBINERS", "BagSet", "check_combiner", "to_bags", "pool", "pool_many", "bag_of", "bag_sum_grad",
+           "BagSum", "concat_bags", "split_combine"]
+
+COMBINERS = ("sum", "mean", "sqrtn")
+
+
+
+class BagSet(NamedTuple):
+    """Bags of one feature over a slice of concatenated ids: ``num_ids`` ids in ``num_bags`` bags starting at
+    ``offsets [B]`` (relative to the slice), optional ``weights [num_ids]``, pooled by ``combiner``."""
+
+    num_ids: int
+    offsets: torch.Tensor
+    weights: Optional[torch.Tensor]
+    num_bags: int
+    combiner: str
+
+
+
+def check_combiner(combiner: str) -> str:
+    if combiner not in COMBINERS:
+        raise ValueError(f"combiner must be one of {COMBINERS}, got {combiner!r}")
+    return combiner
+
+
+
+def to_bags(ids, offsets=None, weights=None, *, padding_value=None, include_last_offset=False):
+    """Normalize bag inputs to ``(ids [N], offsets [B] starts, weights [N] or None, B)``.
+
+    Accepted forms: 1-D ``ids`` with ``offsets`` (``nn.EmbeddingBag``); a 2-D sparse COO tensor ``[B, M]`` whose
+    values are ids (``tf.SparseTensor``; ``weights`` a COO tensor of the same pattern or ``[N]``); a dense
+    ``[B, M]`` tensor, where entries equal to ``padding_value`` are skipped (``None``: every entry is an id).
+    """
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.is_sparse:
+        if ids.dim() != 2:
+            raise ValueError(f"sparse ids must be a 2-D COO tensor [B, M], got {ids.dim()}-D")
+        if offsets is not None:
+            raise ValueError("offsets must be None when ids is a sparse tensor")
+        ids = ids.coalesce()
+        bag = ids.indices()[0]
+        b = ids.shape[0]
+        if weights is not None and weights.is_sparse:
+            weights = weights.coalesce()
+            if not torch.equal(weights.indices(), ids.indices()):
+                raise ValueError("sparse weights must have the same indices as sparse ids")
+            weights = weights.values()
+        counts = torch.bincount(bag, minlength=b)
+        return ids.values(), counts.cumsum(0) - counts, weights, b
+    if ids.dim() == 2:
+        if offsets is not None:
+            raise ValueError(f"offsets must be None for 2-D ids {tuple(ids.shape)}; bags are rows")
+        if weights is not None and tuple(weights.shape) != tuple(ids.shape):
+            raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got {tuple(weights.shape)}")
+        mask = ids != padding_value if padding_value is not None else torch.ones_like(ids, dtype=torch.bool)
+        counts = mask.sum(1)
+        return ids[mask], counts.cumsum(0) - counts, (weights[mask] if weights is not None else None), ids.shape[0]
+    if ids.dim() != 1 or offsets is None:
+        raise ValueError(f"ids must be 1-D with offsets, 2-D dense [B, M], or 2-D sparse; got shape "
+                         f"{tuple(ids.shape)} with offsets={'given' if offsets is not None else None}")
+    if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"offsets must be a 1-D int32/int64 tensor, got {offsets.dtype} {tuple(offsets.shape)}")
+    offsets = offsets.to(torch.int64)
+    if include_last_offset:
+        offsets = offsets[:-1]
+    if weights is not None and tuple(weights.shape) != tuple(ids.shape):
+        raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got {tuple(weights.shape)}")
+    return ids, offsets, weights, offsets.numel()
+
+
+
+class BagSum(torch.autograd.Function):
+    """``F.embedding_bag(inverse, values, offsets, mode="sum")`` with a faster backward for ``[U, D]`` rows.
+
+    torch's dense embedding_bag backward accumulates into ``values`` one id at a time (tens of ms per 100k ids on
+    CPU). Here the ids are ordered by row once and the row gradient is itself a sum-pooling of the output
+    gradient: row ``u`` gets the sum of ``weight * grad[bag]`` over its ids.
+    """
+
+    @staticmethod
+    def forward(ctx, values, inverse, offsets, weights):
+        ctx.save_for_backward(values, inverse, offsets, weights)
+        return F.embedding_bag(inverse, values, offsets, mode="sum", per_sample_weights=weights)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        values, inverse, offsets, weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_values = grad_weights = None
+        if ctx.needs_input_grad[0]:
+            grad_values = bag_sum_grad(grad, inverse, offsets, weights, values.shape[0])
+        if ctx.needs_input_grad[3]:
+            grad_weights = (grad.index_select(0, bag_of(offsets, inverse.numel())) * values.index_select(0, inverse)
+                            ).sum(1)
+        return grad_values, None, None, grad_weights
+
+
+
+def bag_of(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    counts = torch.diff(offsets, append=offsets.new_tensor([n]))
+    return torch.repeat_interleave(torch.arange(offsets.numel(), device=offsets.device), counts, output_size=n)
+
+
+
+def bag_sum_grad(grad, inverse, offsets, weights, num_rows: int) -> torch.Tensor:
+    """``[U, D]`` gradient of a sum-pooling of rows ``inverse`` by bags ``offsets``: row ``u`` gets the sum of
+    ``weight * grad[bag]`` over its ids, itself computed as a sum-pooling with the ids ordered by row."""
+    order = inverse.argsort(stable=True)
+    per_row = torch.bincount(inverse, minlength=num_rows)
+    ordered_weights = None if weights is None else weights.index_select(0, order)
+    return F.embedding_bag(bag_of(offsets, inverse.numel()).index_select(0, order), grad, per_row.cumsum(0) - per_row,
+                           mode="sum", per_sample_weights=ordered_weights)
+
+
+
+def pool(values, inverse, offsets, weights, num_bags: int, combiner: str) -> torch.Tensor:
+    """Pool rows ``values[inverse]`` per bag: ``[B, D]``; empty bags give zeros."""
+    return pool_many(values, inverse, [BagSet(inverse.numel(), offsets, weights, num_bags, combiner)])[0]
+
+
+
+def pool_many(values, inverse, bag_sets: list[BagSet]) -> list[torch.Tensor]:
+    """Pool several bag sets over the same rows ``values``: ``inverse`` is the concatenation of the sets' row
+    indices.
+
+    One sum-pooling op serves all the sets, so backward builds a single ``[U, D]`` gradient instead of one per set
+    (features sharing a table would otherwise each produce, and sum, a gradient the size of all the rows).
+    """
+    if not bag_sets:
+        return []
+    offsets, weights = concat_bags(bag_sets, values.dtype, values.device)
+    return split_combine(BagSum.apply(values, inverse, offsets, weights), bag_sets)
+
+
+
+def concat_bags(bag_sets: list[BagSet], dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Offsets (shifted to the concatenated ids) and weights (ones for unweighted sets) of all the bag sets."""
+    starts = [0]
+    for s in bag_sets[:-1]:
+        starts.append(starts[-1] + s.num_ids)
+    offsets = torch.cat([s.offsets + start for s, start in zip(bag_sets, starts)])
+    if all(s.weights is None for s in bag_sets):
+        return offsets, None
+    weights = torch.cat([s.weights.to(dtype) if s.weights is not None
+                         else torch.ones(s.num_ids, dtype=dtype, device=device) for s in bag_sets])
+    return offsets, weights
+
+
+
+def split_combine(summed: torch.Tensor, bag_sets: list[BagSet]) -> list[torch.Tensor]:
+    return [_combine(part, *s) for part, s in zip(summed.split([s.num_bags for s in bag_sets]), bag_sets)]
+
+
+
+def _combine(summed, n: int, offsets, weights, num_bags: int, combiner: str) -> torch.Tensor:
+    """Divide bag sums by the bag's weight (``mean``) or root of squared weights (``sqrtn``)."""
+    if combiner == "sum":
+        return summed
+    ends = torch.cat([offsets[1:], offsets.new_tensor([n])])
+    counts = ends - offsets
+    if weights is None:
+        denom = counts.to(summed.dtype)
+        denom = denom if combiner == "mean" else denom.sqrt()
+    else:
+        weights = weights.to(summed.dtype)
+        bag = torch.repeat_interleave(torch.arange(num_bags, device=offsets.device), counts)
+        w = weights if combiner == "mean" else weights * weights
+        denom = torch.zeros(num_bags, dtype=summed.dtype, device=summed.device).index_add_(0, bag, w)
+        denom = denom if combiner == "mean" else denom.sqrt()
+    denom = torch.where(denom == 0, torch.ones_like(denom), denom)
+    return summed / denom.unsqueeze(1)
