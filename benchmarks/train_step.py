@@ -125,8 +125,8 @@ class Dynemb(Trainer):
 
     def _prewarm(self, w: Workload) -> None:
         ids = torch.randperm(w.vocab, generator=torch.Generator().manual_seed(7))
-        with torch.no_grad():  # training mode inserts; no_grad keeps the optimizer out of it
-            self.ec({f: (ids, torch.arange(w.vocab)) for f in self.features})
+        for module in self.ec.embeddings.values():  # insert every id, without a training step
+            module.table.find_or_insert(ids)
 
     def pooled(self, batch):
         out = self.ec(batch)

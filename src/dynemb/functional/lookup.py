@@ -45,8 +45,9 @@ def counts_occurrences(table) -> bool:
 
 
 def _find_unique(embedding, ids: torch.Tensor, training: bool | None = None, checked: bool = False):
-    """``(table, unique, rows, inverse, trains)``: ``ids`` deduplicated and looked up (inserted in training mode);
-    ``trains`` says whether gradients flow to the table."""
+    """``(table, unique, rows, inverse, trains)``: ``ids`` deduplicated and looked up. A table inserts, evicts and
+    counts only when training *and* grad mode is on (``trains``, which also says gradients flow to it); under
+    ``eval()`` or ``torch.no_grad()`` it is read-only and unseen keys read their initializer row."""
     table = _table_of(embedding)
     if training is None:
         training = getattr(embedding, "training", True)
@@ -56,11 +57,11 @@ def _find_unique(embedding, ids: torch.Tensor, training: bool | None = None, che
         flat = flat if checked else table.check_ids(flat)
         unique, inverse = torch.unique(flat, return_inverse=True)
         return table, unique, unique.to(torch.int64), inverse, trains
-    if training and counts_occurrences(table):
+    if trains and counts_occurrences(table):
         # lfu scores and admission count every occurrence, not every distinct id of the call
         unique, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
         rows, _ = table.find_or_insert(unique, counts=counts)
-    elif training:
+    elif trains:
         unique, inverse = torch.unique(flat, return_inverse=True)
         rows, _ = table.find_or_insert(unique)
     else:
