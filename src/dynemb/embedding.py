@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .functional.ops import register_table
 from .table import EvictionPolicy, KeyValueTable, Rows
 from .table.admission import FrequencyAdmission
 from .table.static import StaticTable
@@ -81,6 +82,7 @@ class DynamicEmbedding(nn.Module):
             on_evict=on_evict,
             admission=admission,
         )
+        register_table(self.table)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -250,6 +252,7 @@ class StaticEmbedding(nn.Module):
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.table = StaticTable(num_embeddings, dim, key_dtype=key_dtype, dtype=dtype, device=device,
                                  initializer=initializer, seed=seed)
+        register_table(self.table)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from .functional import embedding_lookup

@@ -189,7 +189,7 @@ def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, 
 
 def _check_ids(ids, tcfg: TableConfig, device, check_ranges: bool) -> torch.Tensor:
     flat = check_keys(ids, tcfg.key_dtype, device, "ids")
-    if check_ranges and tcfg.is_static and flat.numel():
+    if check_ranges and tcfg.is_static and not torch.compiler.is_compiling() and flat.numel():
         low, high = torch.aminmax(flat)  # one device sync per static feature
         if int(low) < 0 or int(high) >= tcfg.vocabulary_size:
             bad = int(low) if int(low) < 0 else int(high)

@@ -88,31 +88,38 @@ def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None
         if weights is not None and tuple(getattr(weights, "shape", ())) != tuple(ids.shape):
             raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got "
                              f"{_describe(weights)}")
-        mask = ids != padding_value if padding_value is not None else torch.ones_like(ids, dtype=torch.bool)
-        counts = mask.sum(1)
         weights = _check_weights(weights, ids)
+        if padding_value is None:  # every entry is an id: no mask, so shapes stay static (compiled code)
+            b, m = ids.shape
+            offsets = torch.arange(0, b * m, m, device=ids.device) if m else torch.zeros(b, dtype=torch.int64,
+                                                                                        device=ids.device)
+            return ids.reshape(-1), offsets, (weights.reshape(-1) if weights is not None else None), b
+        mask = ids != padding_value
+        counts = mask.sum(1)
         return ids[mask], counts.cumsum(0) - counts, (weights[mask] if weights is not None else None), ids.shape[0]
     if ids.dim() != 1 or (offsets is None and lengths is None):
         raise ValueError(f"ids must be 1-D with offsets or lengths, 2-D dense [B, M], or 2-D sparse; got shape "
                          f"{tuple(ids.shape)} with {'offsets' if offsets is not None else 'no offsets or lengths'}")
     n = ids.numel()
+    # Value checks read the tensors (a sync). Compiled code cannot: there the lookup op checks offsets at run time.
+    check_values = not torch.compiler.is_compiling()
     if lengths is not None:
         lengths = _check_index_tensor(lengths, "lengths", ids)
-        if bool(((lengths < 0).any() | (lengths.sum() != n)).item()):
+        if check_values and bool(((lengths < 0).any() | (lengths.sum() != n)).item()):
             raise ValueError(f"lengths must be >= 0 and sum to the number of ids ({n}), got "
                              f"{_preview(lengths)} (sum {int(lengths.sum())})")
         offsets = lengths.cumsum(0) - lengths
     else:
         offsets = _check_index_tensor(offsets, "offsets", ids)
         if include_last_offset:
-            if offsets.numel() == 0 or bool((offsets[-1] != n).item()):
+            if offsets.numel() == 0 or (check_values and bool((offsets[-1] != n).item())):
                 raise ValueError(f"with include_last_offset=True, offsets [B+1] must end with the number of ids "
                                  f"({n}), got {_preview(offsets)}")
             offsets = offsets[:-1]
-        if offsets.numel() and bool(((offsets[0] != 0) | (offsets[1:] < offsets[:-1]).any()).item()):
+        if check_values and offsets.numel() and bool(((offsets[0] != 0) | (offsets[1:] < offsets[:-1]).any()).item()):
             raise ValueError(f"offsets must start at 0 and never decrease (bag starts, nn.EmbeddingBag style), got "
                              f"{_preview(offsets)}")
-        if offsets.numel() and bool((offsets[-1] > n).item()):
+        if check_values and offsets.numel() and bool((offsets[-1] > n).item()):
             raise ValueError(f"offsets must be <= the number of ids ({n}), got {_preview(offsets)}; lengths "
                              "passed as offsets? use lengths=")
     return ids, offsets, _check_weights(weights, ids), offsets.numel()

@@ -17,6 +17,8 @@ class RowColumns:
     sparse_optimizer = None
     #: gradients recorded in backward and waiting for ``step()`` (step mode), a ``functional.SparseGrad``
     sparse_grad = None
+    #: how compiled lookups (``dynemb.functional.ops``) name this table; set when a module registers it
+    op_handle = None
 
     @property
     def write_marks(self) -> dict:
