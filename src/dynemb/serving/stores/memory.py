@@ -123,6 +123,11 @@ class MemoryStore(RowStore):
     def _size(self, table, schema) -> int:
         return self._tables_by_name[table].size()
 
+    def _keys(self, table, schema) -> torch.Tensor:
+        with self._lock:
+            kv = self._tables_by_name[table]
+            return kv.row_keys[: kv.size()].clone()
+
     def _tables(self) -> list[str]:
         return list(self._tables_by_name)
 
