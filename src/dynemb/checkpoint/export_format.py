@@ -27,7 +27,7 @@ from .saver import incremental_parent, write_payloads, writes as _writes
 from .tables import DELETED, KEYS, VALUES, columns, delta_columns, find_tables, shard_file
 from .tensorfile import read_tensors
 
-__all__ = ["export_for_serving", "read_export", "read_chain", "manifest_digest"]
+__all__ = ["export_for_serving", "read_export", "read_chain", "manifest_digest", "version_name"]
 
 STREAM = "serving"
 MODEL_FILE = "model.json"  # in the export root: {"model": id}, written by its first export
@@ -108,7 +108,7 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
                                     f"serving export {version}")
         parents = ctx.gather(parent)
         parent = parent if all(p == parents[0] for p in parents) else None  # full unless every rank can chain
-    name = f"version-{version:08d}"
+    name = version_name(version)
     tables = [shard.table for shard in local.values()]
     with lineage.tick(tables):
         payloads, entries = _table_payloads(shards, parent, dtype, ctx)
@@ -163,6 +163,11 @@ def _local_columns(shard, parent: str | None, ctx) -> dict:
     if parent is None:
         return columns(shard, state=False)
     return delta_columns(shard, lineage.since(shard.table, STREAM), state=False)
+
+
+def version_name(version: int) -> str:
+    """The directory name of export ``version`` in its root: ``version-<n>``."""
+    return f"version-{version:08d}"
 
 
 def _model_id(root: Path, model_name: str | None) -> str:

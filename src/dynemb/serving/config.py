@@ -84,7 +84,12 @@ class ModelConfig:
         return self.default_value_for_each_table[i] if self.default_value_for_each_table else 0.0
 
     def export_root(self, i: int) -> Path:
+        """The export root of table ``i``."""
         return Path(self.sparse_files[i if len(self.sparse_files) > 1 else 0])
+
+    def export_roots(self) -> list[Path]:
+        """Every export root of the model, once each."""
+        return list(dict.fromkeys(Path(f) for f in self.sparse_files))
 
     @classmethod
     def from_dict(cls, data: Mapping, where: str) -> "ModelConfig":

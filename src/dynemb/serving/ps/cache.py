@@ -6,13 +6,14 @@ import dataclasses
 import hashlib
 import random
 import threading
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
 from ...table import KeyValueTable
 from ...table.initializers import Constant, Initializer, Normal, TruncatedNormal, Uniform
 from ..config import ModelConfig
+from .lineage import Lineage
 from .writeback import PendingRows, batch_rows
 
 __all__ = ["TableState", "new_table"]
@@ -40,6 +41,7 @@ class TableState:
     stats_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     epoch: int = 0  # moved on by each update, under both locks; write-backs of rows read before are dropped
     filling: bool = False  # a background write-back is inserting into the cache (or about to)
+    lineage: Optional[Lineage] = None  # the export the table holds; replaced by each update, under the model's lock
 
     def default_rows(self, keys: torch.Tensor) -> torch.Tensor:
         if isinstance(self.default, Initializer):
