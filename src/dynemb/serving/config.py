@@ -34,7 +34,9 @@ class ModelConfig:
         embedding_table_names: the tables to serve (names in the export).
         embedding_vecsize_per_table: their dims, checked against the export.
         default_value_for_each_table: the row of a key found in no tier: a float fills the row, ``"initializer"``
-            returns the row training would have created for the key (the export records initializer and seed).
+            returns the row training would have created for the key (the export records initializer and seed),
+            which is what the trained model's eval lookup returns. Default: ``"initializer"`` for every table (zeros,
+            with a warning, for a table whose initializer is a Python callable).
         cache_fraction: device cache size as a fraction of each table's rows (HPS ``gpucacheper``); tables of
             up to 4096 rows are cached whole.
         hit_rate_threshold: below it, rows found in lower tiers are written to the cache before a lookup returns;
@@ -81,7 +83,8 @@ class ModelConfig:
             raise ValueError(f"{where}.max_batch_size must be an int >= 1, got {self.max_batch_size!r}")
 
     def default_for(self, i: int):
-        return self.default_value_for_each_table[i] if self.default_value_for_each_table else 0.0
+        """Table ``i``'s default row: a float or ``"initializer"``."""
+        return self.default_value_for_each_table[i] if self.default_value_for_each_table else "initializer"
 
     def export_root(self, i: int) -> Path:
         """The export root of table ``i``."""

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import random
 import threading
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -64,17 +65,27 @@ def new_table(cfg: ModelConfig, i: int, name: str, dim: int, dtype: torch.dtype,
     """The state of table ``i`` of ``cfg``, ``name`` with ``rows`` rows, from its export manifest ``entry``."""
     default = cfg.default_for(i)
     if default == "initializer":
-        spec = dict(entry["initializer"])
-        kind = spec.pop("type")
-        if kind not in _INITIALIZERS:
-            raise ValueError(f"table {name!r}: its initializer {kind!r} cannot be rebuilt for default rows")
-        default = _INITIALIZERS[kind](**spec)
+        default = _initializer(name, entry, explicit=bool(cfg.default_value_for_each_table))
     # Small tables are cached whole: a fraction of a 10-row table would only cost misses.
     capacity = max(1, int(rows * cfg.cache_fraction), min(rows, _SMALL_TABLE_ROWS))
     cache = KeyValueTable(dim, dtype=dtype, device=cfg.device, max_capacity=capacity,
                           init_capacity=min(capacity, 1 << 16), eviction="lru", initializer="zeros")
     return TableState(name, dim, dtype, store_name(cfg.model, name), cache, default, int(entry.get("seed") or 0),
                       PendingRows(batch_rows(capacity), jitter))
+
+
+def _initializer(name: str, entry: dict, explicit: bool) -> Union[float, Initializer]:
+    """The initializer of the export ``entry``, rebuilt for default rows. One that cannot be rebuilt (a Python
+    callable) is an error when ``"initializer"`` was asked for, and zero rows with a warning by default."""
+    spec = dict(entry["initializer"])
+    kind = spec.pop("type")
+    if kind in _INITIALIZERS:
+        return _INITIALIZERS[kind](**spec)
+    if explicit:
+        raise ValueError(f"table {name!r}: its initializer {kind!r} cannot be rebuilt for default rows")
+    warnings.warn(f"table {name!r}: its initializer {kind!r} cannot be rebuilt for default rows; unseen ids get "
+                  "zero rows (set default_value_for_each_table to choose)", stacklevel=5)
+    return 0.0
 
 
 def store_name(model: str, table: str) -> str:

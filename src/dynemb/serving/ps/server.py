@@ -29,13 +29,15 @@ class ParameterServer:
     """Serves the tables of one or more models from a hierarchy of stores.
 
     Args:
-        config: the models and their stores (see :class:`ServerConfig`).
+        config: the models and their stores: a :class:`ServerConfig`, or what :meth:`ServerConfig.load` reads (a
+            dict, or the path of a JSON file).
         seed: seeds this server's random generator, which draws the sizes of its background write-backs (see
             :class:`~dynemb.serving.ps.writeback.PendingRows`). Each server has its own generator, so servers in one
             process do not change each other's draws.
 
     Raises:
-        ValueError: ``seed`` is not an int >= 0.
+        ValueError: ``seed`` is not an int >= 0, or a bad config (the message names the field).
+        TypeError: ``config`` is none of these.
 
     Example:
         >>> import tempfile, torch, dynemb
@@ -52,8 +54,9 @@ class ParameterServer:
         >>> ps.close()
     """
 
-    def __init__(self, config: ServerConfig, *, seed: int = 0) -> None:
+    def __init__(self, config: Union[ServerConfig, Mapping, str, Path], *, seed: int = 0) -> None:
         self._jitter = random.Random(check_positive_int(seed, "seed", minimum=0))
+        config = config if isinstance(config, ServerConfig) else ServerConfig.load(config)
         self.config = config
         self.models = {m.model: m for m in config.models}
         self.tiers = Tiers(config)
@@ -64,8 +67,9 @@ class ParameterServer:
 
     @classmethod
     def from_config(cls, source: Union[str, Path, Mapping], *, seed: int = 0) -> "ParameterServer":
-        """Build from a JSON file or a dict (see :class:`ServerConfig` and :class:`ModelConfig`) and ``seed``."""
-        return cls(ServerConfig.load(source), seed=seed)
+        """Build from a JSON file or a dict (see :class:`ServerConfig` and :class:`ModelConfig`) and ``seed``: the
+        same as ``ParameterServer(source, seed=seed)``."""
+        return cls(source, seed=seed)
 
     @property
     def volatile(self) -> Tier:
