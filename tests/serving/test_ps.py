@@ -182,8 +182,8 @@ def test_the_server_takes_a_dict_a_server_config_or_a_path(exported, tmp_path):
 
 def test_config_errors_name_the_problem(exported, tmp_path):
     _, root = exported
-    with pytest.raises(ValueError, match=r"unknown field\(s\) \['gpucache'\]"):
-        ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [str(root)], "gpucache": True,
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['gpu_cache'\]"):
+        ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [str(root)], "gpu_cache": True,
                                                  "embedding_table_names": ["embedding"],
                                                  "embedding_vecsize_per_table": [D]}]})
     with pytest.raises(ValueError, match="has dim 8"):
