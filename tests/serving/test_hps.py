@@ -2,6 +2,7 @@
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 import dynemb
 from dynemb.checkpoint import export_for_serving
 from dynemb.serving import ParameterServer, ServerConfig
+from dynemb.serving import hps
 from dynemb.serving.hps import translate
 
 
@@ -76,3 +78,12 @@ def test_values_that_cannot_be_honoured_or_disagree_are_errors():
     with pytest.raises(ValueError, match=r"models\['m'\].cache_fraction must be a number, got '0.5'"):
         ServerConfig.load({"models": [{"model": "m", "sparse_files": ["x"], "embedding_table_names": ["t"],
                                        "embedding_vecsize_per_table": [4], "gpucacheper": "0.5"}]})
+
+
+def test_every_hps_field_is_in_the_docs_table():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    table = doc[doc.index("## HPS fields"):]
+    fields = [*hps.TOP_LEVEL, *hps.MODEL, *hps.VOLATILE_DB, *hps.PERSISTENT_DB, *hps.VOLATILE_TYPES,
+              *hps.PERSISTENT_TYPES]
+    assert [f for f in fields if f"`{f}`" not in table and f"`volatile_db.{f}`" not in table
+            and f"`persistent_db.{f}`" not in table] == []
