@@ -39,6 +39,11 @@ class Field:
     refused: tuple = ()
 
 
+def _ignored(reason: str, *names: str, silent: tuple = ()) -> dict:
+    """``{name: Field}`` for HPS fields dropped for one reason."""
+    return dict.fromkeys(names, Field(reason=reason, silent=silent))
+
+
 _KEYS = "ids may be int32 or int64 for any table; each table's key dtype comes from its export"
 _DENSE = "only the embedding tables are served here, not the dense model"
 _POOLS = "lookups run on the callers' threads, with no buffer pools"
@@ -46,72 +51,59 @@ _REFRESH = "rows reach the cache by write-backs of the rows looked up, not by pe
 _CACHE = "the cache is always a bounded LRU table on the model's device"
 _NO_KNOB = "there is no such setting here"
 _OVERFLOW = "HPS bounds each partition; here set max_rows_per_table, overflow and eviction"
+_TLS = "TLS is not supported"
+_SHARED = "the memory store lives in the server's process"
+_LOADED = "load writes every row of the export to the stores"
+_FILTERS = "updates go to every table of the export they name"
 
 TOP_LEVEL = {
-    "supportlonglong": Field(reason=_KEYS),
-    "fuse_embedding_table": Field(reason="tables are served by their own names, never fused", silent=_FALSE),
-    "use_multi_worker": Field(reason=_POOLS),
-    "update_source": Field(reason="updates come through ParameterServer.apply_update, not a message queue"),
+    **_ignored(_KEYS, "supportlonglong"),
+    **_ignored("tables are served by their own names, never fused", "fuse_embedding_table", silent=_FALSE),
+    **_ignored(_POOLS, "use_multi_worker"),
+    **_ignored("updates come through ParameterServer.apply_update, not a message queue", "update_source"),
 }
 
 MODEL = {
     "gpucacheper": Field(rename="cache_fraction"),
-    "gpucache": Field(reason="the cache cannot be turned off (cache_fraction sizes it)", silent=_TRUE),
-    "deployed_device_list": Field(reason="a server caches on one device: set device (e.g. 'cuda:0')"),
-    "i64_input_key": Field(reason=_KEYS),
-    "num_of_worker_buffer_in_pool": Field(reason=_POOLS),
-    "num_of_refresher_buffer_in_pool": Field(reason=_POOLS),
-    "thread_pool_size": Field(reason=_POOLS),
-    "cache_refresh_percentage_per_iteration": Field(reason=_REFRESH),
-    "refresh_delay": Field(reason=_REFRESH),
-    "refresh_interval": Field(reason=_REFRESH),
-    "maxnum_catfeature_query_per_table_per_sample": Field(reason="lookups are bounded by max_batch_size alone"),
-    "maxnum_des_feature_per_sample": Field(reason=_DENSE),
-    "dense_file": Field(reason=_DENSE),
-    "network_file": Field(reason=_DENSE),
-    "non_trainable_params_file": Field(reason=_DENSE),
-    "label_dim": Field(reason=_DENSE),
-    "slot_num": Field(reason=_DENSE),
-    "use_static_table": Field(reason=_CACHE, silent=_FALSE),
-    "embedding_cache_type": Field(reason=_CACHE, silent=("dynamic",)),
-    "use_hctr_cache_implementation": Field(reason=_CACHE),
-    "use_context_stream": Field(reason=_NO_KNOB),
-    "use_mixed_precision": Field(reason="rows are served in the dtype of their export"),
-    "scaler": Field(reason=_DENSE),
-    "use_algorithm_search": Field(reason=_DENSE),
-    "use_cuda_graph": Field(reason=_DENSE),
+    **_ignored("the cache cannot be turned off (cache_fraction sizes it)", "gpucache", silent=_TRUE),
+    **_ignored("a server caches on one device: set device (e.g. 'cuda:0')", "deployed_device_list"),
+    **_ignored(_KEYS, "i64_input_key"),
+    **_ignored(_POOLS, "num_of_worker_buffer_in_pool", "num_of_refresher_buffer_in_pool", "thread_pool_size"),
+    **_ignored(_REFRESH, "cache_refresh_percentage_per_iteration", "refresh_delay", "refresh_interval"),
+    **_ignored("lookups are bounded by max_batch_size alone", "maxnum_catfeature_query_per_table_per_sample"),
+    **_ignored(_DENSE, "maxnum_des_feature_per_sample", "dense_file", "network_file", "non_trainable_params_file",
+               "label_dim", "slot_num", "scaler", "use_algorithm_search", "use_cuda_graph"),
+    **_ignored(_CACHE, "use_static_table", silent=_FALSE),
+    **_ignored(_CACHE, "embedding_cache_type", silent=("dynamic",)),
+    **_ignored(_CACHE, "use_hctr_cache_implementation"),
+    **_ignored(_NO_KNOB, "use_context_stream"),
+    **_ignored("rows are served in the dtype of their export", "use_mixed_precision"),
 }
 
 VOLATILE_DB = {
     "num_partitions": Field(rename="shards", stores=("redis",), reason="the memory store is not partitioned"),
     "max_batch_size": Field(rename="chunk_size", stores=("redis",), reason="the memory store takes any batch"),
-    "user_name": Field(reason="Redis is reached with a password only (no ACL user)"),
-    "enable_tls": Field(reason="TLS is not supported", silent=_FALSE, refused=_TRUE),
-    "tls_ca_certificate": Field(reason="TLS is not supported"),
-    "tls_client_certificate": Field(reason="TLS is not supported"),
-    "tls_client_key": Field(reason="TLS is not supported"),
-    "tls_server_name_identification": Field(reason="TLS is not supported"),
-    "overflow_margin": Field(reason=_OVERFLOW),
-    "overflow_policy": Field(reason=_OVERFLOW),
-    "overflow_resolution_target": Field(reason=_OVERFLOW),
-    "allocation_rate": Field(reason=_NO_KNOB),
-    "shared_memory_size": Field(reason="the memory store lives in the server's process"),
-    "shared_memory_name": Field(reason="the memory store lives in the server's process"),
-    "shared_memory_auto_remove": Field(reason="the memory store lives in the server's process"),
-    "num_node_connections": Field(reason="redis-py pools connections itself"),
-    "initial_cache_rate": Field(reason="load writes every row of the export to the stores"),
-    "initialize_after_startup": Field(reason="load writes every row of the export to the stores", silent=_TRUE),
-    "cache_missed_embeddings": Field(reason="rows found below the volatile store are always copied into it",
-                                     silent=_TRUE),
-    "refresh_time_after_fetch": Field(reason=_REFRESH),
-    "update_filters": Field(reason="updates go to every table of the export they name"),
+    "enable_tls": Field(reason=_TLS, silent=_FALSE, refused=_TRUE),
+    **_ignored("Redis is reached with a password only (no ACL user)", "user_name"),
+    **_ignored(_TLS, "tls_ca_certificate", "tls_client_certificate", "tls_client_key",
+               "tls_server_name_identification"),
+    **_ignored(_OVERFLOW, "overflow_margin", "overflow_policy", "overflow_resolution_target"),
+    **_ignored(_NO_KNOB, "allocation_rate"),
+    **_ignored(_SHARED, "shared_memory_size", "shared_memory_name", "shared_memory_auto_remove"),
+    **_ignored("redis-py pools connections itself", "num_node_connections"),
+    **_ignored(_LOADED, "initial_cache_rate"),
+    **_ignored(_LOADED, "initialize_after_startup", silent=_TRUE),
+    **_ignored("rows found below the volatile store are always copied into it", "cache_missed_embeddings",
+               silent=_TRUE),
+    **_ignored(_REFRESH, "refresh_time_after_fetch"),
+    **_ignored(_FILTERS, "update_filters"),
 }
 
 PERSISTENT_DB = {
-    "num_threads": Field(reason="reads run on the callers' threads"),
-    "max_batch_size": Field(reason="the persistent stores take any batch"),
-    "initialize_after_startup": Field(reason="load writes every row of the export to the stores", silent=_TRUE),
-    "update_filters": Field(reason="updates go to every table of the export they name"),
+    **_ignored("reads run on the callers' threads", "num_threads"),
+    **_ignored("the persistent stores take any batch", "max_batch_size"),
+    **_ignored(_LOADED, "initialize_after_startup", silent=_TRUE),
+    **_ignored(_FILTERS, "update_filters"),
 }
 
 # HPS store types -> ours (fields added); None: no store. Our own type names pass through unchanged.
@@ -157,13 +149,18 @@ def _fields(data: Mapping, table: Mapping[str, Field], where: str, store_type: O
     out = {k: v for k, v in data.items() if k not in table}
     for name in (k for k in data if k in table):
         field, value = table[name], data[name]
-        if any(value == v and type(value) is type(v) for v in field.refused):
+        if _among(value, field.refused):
             raise ValueError(f"{where}.{name}={value!r} cannot be honoured here: {field.reason}")
         if field.rename and (not field.stores or store_type in field.stores):
             if field.rename in data and data[field.rename] != value:
                 raise ValueError(f"{where}: {name}={value!r} (HPS) and {field.rename}={data[field.rename]!r} "
                                  f"disagree; they mean the same, give one")
             out[field.rename] = value
-        elif not any(value == v and type(value) is type(v) for v in field.silent):
+        elif not _among(value, field.silent):
             warnings.warn(f"{where}.{name} is ignored: {field.reason}", stacklevel=4)
     return out
+
+
+def _among(value, values: tuple) -> bool:
+    """``value`` is one of ``values``, type and all (``1`` is not ``True``)."""
+    return any(value == v and type(value) is type(v) for v in values)
