@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import torch
+
 from dynemb.table import EvictionPolicy, KeyValueTable
 from dynemb.table.checks import check_positive_int
 from .base import OverflowPolicy, RowStore, StoreConfig, StoreFullError, TableSchema
