@@ -128,7 +128,14 @@ class DynamicEmbedding(nn.Module):
         self.table.insert_or_assign(keys, values)
 
     def accum(self, keys, old_values, new_values, exists) -> None:
-        """TFRA's ``accum``; see :meth:`dynemb.table.KeyValueTable.accum`."""
+        """TFRA's ``accum``: apply updates made to rows read earlier with ``lookup(keys, return_exists=True)``.
+
+        By ``exists`` (when read) and whether the key is present now: both -> ``new - old`` is added; read
+        but removed since -> nothing; not read but inserted since -> nothing (that insert wins); neither -> inserted
+        with ``new``. Duplicates apply in order; see :meth:`dynemb.table.KeyValueTable.accum`.
+
+        Shape: ``keys`` ``S``; ``old_values``/``new_values`` ``S + (D,)``; ``exists`` ``S`` bool.
+        """
         self.table.accum(keys, old_values, new_values, exists)
 
     def remove(self, keys: torch.Tensor) -> int:

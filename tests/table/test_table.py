@@ -156,25 +156,60 @@ def test_accum_present_absent_and_removed_meanwhile(key_dtype, device):
     assert t.size() == 2 and t.inserted == 3 and t.removed == 1
 
 
-def test_accum_duplicates(key_dtype, device):
+# TFRA's accum, one row per (exists when read, present now); see KeyValueTable.accum.
+ACCUM_TRUTH_TABLE = {
+    "read_present_now_present": (True, True, "added"),
+    "read_present_now_absent": (True, False, "unchanged"),  # removed meanwhile: not revived
+    "read_absent_now_present": (False, True, "unchanged"),  # inserted meanwhile: that insert wins
+    "read_absent_now_absent": (False, False, "inserted"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ACCUM_TRUTH_TABLE))
+def test_accum_truth_table(case, key_dtype, device, extreme_keys, leaves_unchanged):
+    exists_then, present_now, outcome = ACCUM_TRUTH_TABLE[case]
+    t = _table(key_dtype, device, dim=2, initializer="zeros")
+    keys = extreme_keys.to(device)[:3]  # min, max and -1
+    stored = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], device=device)
+    if present_now:
+        t.insert_or_assign(keys, stored)
+    # Old values far from the new ones: old + (new - old) rounds to another float32 than new.
+    old = torch.full((3, 2), 1e8, device=device)
+    new = torch.tensor([[1.0, 0.5], [-2.0, 0.25], [3.0, 7.0]], device=device)
+    exists = torch.full((3,), exists_then, device=device)
+    if outcome == "unchanged":
+        with leaves_unchanged(t, clock=False):
+            t.accum(keys, old, new, exists)
+        return
+    t.accum(keys, old, new, exists)
+    values, found = t.find(keys)
+    if outcome == "added":
+        assert torch.equal(values, stored + (new - old))
+        assert t.size() == 3 and t.inserted == 3
+    else:
+        assert found.all() and torch.equal(values, new)  # exactly new_values, as TFRA inserts them
+        assert t.size() == 3 and t.inserted == 3
+    _check_consistent(t)
+
+
+def test_accum_applies_duplicates_in_order(key_dtype, device):
+    """Occurrences of a key apply one after the other, each by the truth table against the table as the earlier
+    occurrences left it (TFRA's table does them one at a time)."""
     t = _table(key_dtype, device, dim=1, initializer="zeros")
     t.insert_or_assign(_k([7], key_dtype, device), torch.tensor([[10.0]], device=device))
-    keys = _k([7, 7, 8, 8, 8], key_dtype, device)
-    old = torch.tensor([[10.0], [10.0], [0.0], [1.0], [2.0]], device=device)
-    new = torch.tensor([[11.0], [12.0], [5.0], [3.0], [2.5]], device=device)
-    exists = torch.tensor([True, True, False, False, False], device=device)
+    keys = _k([7, 7, 8, 8, 8, 9, 9, 6], key_dtype, device)
+    old = torch.tensor([[10.0], [10.0], [0.0], [1.0], [2.0], [0.0], [0.0], [0.0]], device=device)
+    new = torch.tensor([[11.0], [12.0], [5.0], [3.0], [2.5], [4.0], [6.0], [1.0]], device=device)
+    exists = torch.tensor([False, True, True, False, True, False, False, True], device=device)
     t.accum(keys, old, new, exists)
-    values = t.find(_k([7, 8], key_dtype, device))[0]
-    # 7: every delta adds. 8: the first occurrence's new value plus the later deltas.
-    assert values.view(-1).tolist() == [13.0, 5.0 + 2.0 + 0.5]
-
-
-def test_accum_does_not_revive_when_any_occurrence_existed(key_dtype, device):
-    t = _table(key_dtype, device, dim=1)
-    keys = _k([3, 3], key_dtype, device)
-    vals = torch.ones(2, 1, device=device)
-    t.accum(keys, vals, vals + 1, torch.tensor([False, True], device=device))
-    assert t.size() == 0 and t.inserted == 0
+    values, found = t.find(_k([7, 8, 9, 6], key_dtype, device))
+    # 7: present; only the occurrence read as existing adds (+2). 8: absent; the first (exists) is ignored, the
+    # second inserts its new value 3, the third then adds 0.5. 9: the first inserts 4, the second (read as
+    # absent) finds it present and is ignored. 6: read as existing, absent now: not revived.
+    assert found.tolist() == [True, True, True, False]
+    assert values.view(-1).tolist()[:3] == [12.0, 3.5, 4.0]
+    assert t.size() == 3 and t.inserted == 3
+    _check_consistent(t)
 
 
 # --------------------------------------------------------------------------------------------------------------- erase
