@@ -33,7 +33,8 @@ class DynamicEmbedding(nn.Module):
         max_capacity: most rows kept; beyond it the lowest-score rows are evicted. ``None``: unbounded.
         eviction: ``"lru"`` (default), ``"lfu"``, ``"epoch_lru"``, ``"epoch_lfu"`` or ``"custom"``; defines
             the scores used by eviction and :meth:`restrict`.
-        on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows.
+        on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows, before the table changes:
+            if it raises, the call leaves the table as it was and the exception propagates.
         seed: initializer seed; ``None`` draws one from torch's global RNG (so ``torch.manual_seed`` fixes it).
         admission: an int threshold or :class:`dynemb.table.FrequencyAdmission`: a new id is stored and trained
             only from its ``threshold``-th sighting; before that it reads its initializer row.

@@ -304,6 +304,52 @@ def test_bounded_table_evicts_lowest_and_never_pinned(key_dtype, device):
     _check_consistent(t)
 
 
+class HookError(Exception):
+    pass
+
+
+def _raise_on_evict(keys, values, scores):
+    raise HookError(f"on_evict saw {keys.numel()} keys")
+
+
+# Every call that can evict, on a full table (max_capacity 4, keys 1..4 stored): what it is given, and that it evicts.
+EVICTING_CALLS = {
+    "find_or_insert": lambda t, k: t.find_or_insert(k([1, 5, 6])),
+    "find_or_insert_over_capacity": lambda t, k: t.find_or_insert(k([5, 6, 7, 8, 9, 10])),
+    "insert_or_assign": lambda t, k: t.insert_or_assign(k([2, 5]), torch.full((2, 2), 9.0, device=t.device)),
+    "accum": lambda t, k: t.accum(k([1, 5, 1]), torch.zeros(3, 2, device=t.device), torch.ones(3, 2, device=t.device),
+                                  torch.tensor([True, False, True], device=t.device)),
+    "evict": lambda t, k: t.evict(2),
+    "restrict": lambda t, k: t.restrict(1),
+}
+
+
+@pytest.mark.parametrize("call", sorted(EVICTING_CALLS))
+@pytest.mark.parametrize("initializer", ["normal", "callable"])
+def test_on_evict_that_raises_leaves_the_table_as_it_was(call, initializer, key_dtype, device, fails_cleanly):
+    init = (lambda n, dim: torch.randn(n, dim)) if initializer == "callable" else initializer
+    t = _table(key_dtype, device, dim=2, max_capacity=4, initializer=init, eviction="lfu")
+    t.find_or_insert(_k([1, 1, 2, 3, 4, 4, 4], key_dtype, device))
+    t.add_slot("opt.m", 2, init=0.5)
+    t.slot("opt.m")[:4] = torch.arange(8.0, device=device).view(4, 2)
+    t.track_deletions()
+    t.erase(_k([3], key_dtype, device))
+    t.insert_or_assign(_k([3], key_dtype, device), torch.ones(1, 2, device=device))
+    clock = t.clock
+    before = (t.changes_since(clock - 2), t._init_calls)
+    t.on_evict = _raise_on_evict
+    with fails_cleanly(t, HookError, "on_evict saw"):
+        EVICTING_CALLS[call](t, lambda keys: _k(keys, key_dtype, device))
+    rows, deleted = t.changes_since(clock - 2)
+    assert torch.equal(rows, before[0][0]) and torch.equal(deleted, before[0][1])  # versions and deletion log
+    assert t._init_calls == before[1]
+    _check_consistent(t)
+    t.on_evict = None  # the same call then succeeds and evicts
+    EVICTING_CALLS[call](t, lambda keys: _k(keys, key_dtype, device))
+    assert t.evicted > 0
+    _check_consistent(t)
+
+
 def test_call_with_more_new_keys_than_max_capacity(key_dtype, device):
     got: list = []
     t = _table(key_dtype, device, dim=2, max_capacity=3, on_evict=_evictions(got))

@@ -50,7 +50,10 @@ class KeyValueTable(RowStore):
         eviction: an :class:`EvictionPolicy` (or its name) defining scores; default ``lru``.
         initializer: how new rows are filled (see :mod:`dynemb.table.initializers`).
         seed: seed of the initializer.
-        on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows.
+        on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows (copies), before the table
+            changes: if it raises, the call that evicts leaves the table as it was (rows, scores, slots, counters,
+            clock) and the exception propagates. (An admission filter keeps the sightings such a call counted and
+            forgets the keys it admitted; admission can then come later, never earlier.)
         admission: a :class:`FrequencyAdmission` (or an int threshold): ``find_or_insert`` stores a new key only
             from its ``threshold``-th sighting; before that it gets row -1 and its initializer row is read.
         backend: the index's implementation, a :class:`~dynemb.kernels.Backend` or its name (see
@@ -181,21 +184,22 @@ class KeyValueTable(RowStore):
             counts = counts.reshape(-1).to(self.device)
         rows = self.index.find(flat)
         found = rows >= 0
-        self.clock += 1
-        if not bool(found.all()):
-            miss = (~found).nonzero().squeeze(1)
-            missed = flat.index_select(0, miss)
-            new_keys, hashes, _, inverse = unique_by_hash(missed)
-            if self.admission is None:
-                new_rows = self._insert_missing(new_keys, pinned=rows[found], hashes=hashes)
-            else:
-                missed_counts = counts.index_select(0, miss) if counts is not None else None
-                admitted = self.admission.admit(missed, new_keys, missed_counts)
-                new_rows = torch.full_like(new_keys, -1, dtype=torch.int64)
-                new_rows[admitted] = self._insert_missing(
-                    new_keys[admitted], pinned=rows[found], hashes=hashes[admitted]
-                )
-            rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
+        with self._restored_on_error():
+            self.clock += 1
+            if not bool(found.all()):
+                miss = (~found).nonzero().squeeze(1)
+                missed = flat.index_select(0, miss)
+                new_keys, hashes, _, inverse = unique_by_hash(missed)
+                if self.admission is None:
+                    new_rows = self._insert_missing(new_keys, pinned=rows[found], hashes=hashes)
+                else:
+                    missed_counts = counts.index_select(0, miss) if counts is not None else None
+                    admitted = self.admission.admit(missed, new_keys, missed_counts)
+                    new_rows = torch.full_like(new_keys, -1, dtype=torch.int64)
+                    new_rows[admitted] = self._insert_missing(
+                        new_keys[admitted], pinned=rows[found], hashes=hashes[admitted]
+                    )
+                rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
         self._touch_valid(rows, custom, counts)
         return rows.view(keys.shape), found.view(keys.shape)
 
@@ -215,24 +219,25 @@ class KeyValueTable(RowStore):
         unique, hashes, last, inverse = unique_by_hash(flat)
         rows = self.index.find(unique, hashes)
         found = rows >= 0
-        self.clock += 1
         hit = found.nonzero().squeeze(1)
         hit_rows = rows.index_select(0, hit)
+        with self._restored_on_error():
+            self.clock += 1
+            if hit.numel() < unique.numel():  # new keys first: hits are written once on_evict has returned
+                new = (~found).nonzero().squeeze(1)
+                new_rows = self._insert_missing(
+                    unique.index_select(0, new),
+                    pinned=hit_rows,
+                    values=(vals, last.index_select(0, new)),
+                    hashes=hashes.index_select(0, new),
+                )
+                rows.index_copy_(0, new, new_rows)
         if hit.numel() == flat.numel():  # every key present, once: copy the batch in place, no gather
             self.values.index_copy_(0, rows.index_select(0, inverse), vals)
         elif hit.numel():
             copy_rows(self.values, hit_rows, vals, last.index_select(0, hit))
         if hit.numel():
             self.mark_updated(hit_rows)
-        if hit.numel() < unique.numel():
-            new = (~found).nonzero().squeeze(1)
-            new_rows = self._insert_missing(
-                unique.index_select(0, new),
-                pinned=hit_rows,
-                values=(vals, last.index_select(0, new)),
-                hashes=hashes.index_select(0, new),
-            )
-            rows.index_copy_(0, new, new_rows)
         self._touch_valid(rows.index_select(0, inverse), custom)
 
     def accum(
@@ -281,9 +286,10 @@ class KeyValueTable(RowStore):
         rows = self.index.find(flat)
         adds = (rows >= 0) & exists  # occurrences that add their delta
         inserts = torch.zeros_like(adds)  # occurrences that insert their key
-        self.clock += 1
-        if not bool((rows >= 0).all()):
-            self._accum_inserts(flat, new, exists, rows, adds, inserts)
+        with self._restored_on_error():  # inserts first: deltas are added once on_evict has returned
+            self.clock += 1
+            if not bool((rows >= 0).all()):
+                self._accum_inserts(flat, new, exists, rows, adds, inserts)
         if bool(adds.any()):
             self.values.index_add_(0, rows[adds], (new - old)[adds])
         self._touch_valid(rows[adds | inserts], None)
