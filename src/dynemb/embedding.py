@@ -9,7 +9,7 @@ from .functional.ops import register_table
 from .table import EvictionPolicy, KeyValueTable, Rows
 from .table.admission import FrequencyAdmission
 from .table.static import StaticTable
-from .table.checks import check_keys, check_rows_like
+from .table.checks import VALUE_DTYPES, check_keys, check_rows_like
 from .table.initializers import InitializerSpec
 from .table import EvictHook
 
@@ -18,7 +18,44 @@ __all__ = ["DynamicEmbedding", "StaticEmbedding"]
 _FORMAT = 1
 
 
-class DynamicEmbedding(nn.Module):
+class _TableModule(nn.Module):
+    """What ``nn.Module`` does to its Parameters, done to the module's table (which is not a Parameter)."""
+
+    table: KeyValueTable | StaticTable
+
+    def _apply(self, fn, recurse=True):
+        # .to(device)/.cuda()/.cpu() move the table; floating casts (.half(), .to(torch.bfloat16), .float())
+        # convert its value rows. Optimizer slots stay float32, like torch.optim state under an AMP model.
+        t = self.table
+        probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+        dtype = probe.dtype if probe.dtype.is_floating_point else t.dtype
+        if dtype not in VALUE_DTYPES:
+            raise TypeError(f"{type(self).__name__} rows can be {', '.join(map(str, VALUE_DTYPES))}; cannot cast "
+                            f"them to {dtype}")
+        if probe.device != t.device:
+            t.to(probe.device)
+        t.cast(dtype)
+        return super()._apply(fn, recurse)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "_TableModule":
+        """Freeze (``False``) or unfreeze the table, as ``nn.Module.requires_grad_`` does its Parameters.
+
+        A frozen table still answers lookups, but passes no gradient, so its optimizer never changes it. Its mode
+        still decides whether a training lookup inserts new keys. ``requires_grad_`` on a parent module reaches
+        only Parameters: call it on this module (``ec.embeddings[name]`` inside an ``EmbeddingCollection``).
+
+        Example:
+            >>> emb = DynamicEmbedding(2, seed=0).requires_grad_(False)
+            >>> emb(torch.tensor([1, 2])).requires_grad
+            False
+        """
+        if not isinstance(requires_grad, bool):
+            raise TypeError(f"requires_grad must be a bool, got {requires_grad!r}")
+        self.table.requires_grad = requires_grad
+        return super().requires_grad_(requires_grad)
+
+
+class DynamicEmbedding(_TableModule):
     """An embedding keyed by arbitrary int32/int64 ids, growing as ids arrive and evicting under a bound.
 
     Args:
@@ -234,15 +271,8 @@ class DynamicEmbedding(nn.Module):
         for name, value in extra.get("counters", {}).items():
             setattr(t, name, int(value))
 
-    def _apply(self, fn, recurse=True):
-        # .to(device) / .cuda() / .cpu() move the table; dtype casts (.half()) leave the table's dtype alone.
-        moved = fn(torch.empty(0, device=self.table.device))
-        if moved.device != self.table.device:
-            self.table.to(moved.device)
-        return super()._apply(fn, recurse)
 
-
-class StaticEmbedding(nn.Module):
+class StaticEmbedding(_TableModule):
     """A dense table for ids in ``[0, num_embeddings)`` with the interface (lookups, optimizers, export) of
     :class:`DynamicEmbedding`. Out-of-range ids are an error.
 
@@ -295,9 +325,3 @@ class StaticEmbedding(nn.Module):
         self.table.values.copy_(values)
         for name in self.table.slot_names:
             self.table.slot(name).copy_(state_dict[prefix + "slot." + name])
-
-    def _apply(self, fn, recurse=True):
-        moved = fn(torch.empty(0, device=self.table.device))
-        if moved.device != self.table.device:
-            self.table.to(moved.device)
-        return super()._apply(fn, recurse)
