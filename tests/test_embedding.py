@@ -366,8 +366,10 @@ def test_requires_grad_false_freezes_the_table(kind, via_collection, fused, key_
     assert frozen.table.sparse_grad is None or frozen.table.sparse_grad.empty()  # no gradient reached it
     sparse.step()
     sparse.zero_grad()
-    after = frozen.table.export()  # rows and optimizer slots as they were (a training lookup still counts as an access)
+    forward(_k([7, 8], key_dtype, "cpu"))  # read-only, as under no_grad: unseen keys are not inserted
+    after = frozen.table.export()  # rows, scores and optimizer slots as they were
     assert torch.equal(after.keys, before.keys) and torch.equal(after.values, before.values)
+    assert torch.equal(after.scores, before.scores)
     assert all(torch.equal(after.slots[n], slot) for n, slot in before.slots.items())
     assert dense.weight.grad is not None
     if other is not None:

@@ -40,9 +40,10 @@ class _TableModule(nn.Module):
     def requires_grad_(self, requires_grad: bool = True) -> "_TableModule":
         """Freeze (``False``) or unfreeze the table, as ``nn.Module.requires_grad_`` does its Parameters.
 
-        A frozen table still answers lookups, but passes no gradient, so its optimizer never changes it. Its mode
-        still decides whether a training lookup inserts new keys. ``requires_grad_`` on a parent module reaches
-        only Parameters: call it on this module (``ec.embeddings[name]`` inside an ``EmbeddingCollection``).
+        A frozen table still answers lookups, but passes no gradient, so its optimizer never changes it; like a
+        table under ``torch.no_grad()`` it is read-only (no insert, eviction or count). ``requires_grad_`` on a
+        parent module reaches only Parameters: call it on this module (``ec.embeddings[name]`` inside an
+        ``EmbeddingCollection``).
 
         Example:
             >>> emb = DynamicEmbedding(2, seed=0).requires_grad_(False)
