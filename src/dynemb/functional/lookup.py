@@ -191,7 +191,7 @@ def _compiled_pooled_lookup(embedding, table, ids: torch.Tensor, bag_sets: list[
     """The pooled lookup as one custom op (see :mod:`dynemb.functional.ops`): what ``torch.compile`` traces."""
     if training is None:
         training = getattr(embedding, "training", True)
-    trains = bool(training) and torch.is_grad_enabled()
+    trains = bool(training) and torch.is_grad_enabled() and table.requires_grad
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
     if table.op_handle is None:
         raise RuntimeError("dynemb: a table used in compiled code must belong to a DynamicEmbedding, StaticEmbedding "
