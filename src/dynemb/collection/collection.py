@@ -175,7 +175,7 @@ class EmbeddingCollection(nn.Module):
 
     # ------------------------------------------------------------------ nn.Module plumbing
     def _apply(self, fn, recurse=True):
-        for module in self.plan.modules().values():  # .to(device) moves the tables; dtype casts leave them
+        for module in self.plan.modules().values():  # .to(device) moves the tables; .half() etc. convert their rows
             module._apply(fn, recurse)
         self._device = fn(torch.empty(0, device=self._device)).device
         return super()._apply(fn, recurse)

@@ -53,7 +53,7 @@ def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, chec
     if training is None:
         training = getattr(embedding, "training", True)
     flat = ids.reshape(-1)
-    trains = training and torch.is_grad_enabled()
+    trains = training and torch.is_grad_enabled() and table.requires_grad
     if isinstance(table, StaticTable):  # id i is row i: nothing to find or insert
         flat = flat if checked else table.check_ids(flat)
         unique, inverse = torch.unique(flat, return_inverse=True)
@@ -191,7 +191,7 @@ def _compiled_pooled_lookup(embedding, table, ids: torch.Tensor, bag_sets: list[
     """The pooled lookup as one custom op (see :mod:`dynemb.functional.ops`): what ``torch.compile`` traces."""
     if training is None:
         training = getattr(embedding, "training", True)
-    trains = bool(training) and torch.is_grad_enabled()
+    trains = bool(training) and torch.is_grad_enabled() and table.requires_grad
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
     if table.op_handle is None:
         raise RuntimeError("dynemb: a table used in compiled code must belong to a DynamicEmbedding, StaticEmbedding "
@@ -207,7 +207,7 @@ def _static_pooled_lookup(embedding, table: StaticTable, ids: torch.Tensor, bag_
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
     if training is None:
         training = getattr(embedding, "training", True)
-    if training and torch.is_grad_enabled():
+    if training and torch.is_grad_enabled() and table.requires_grad:
         summed = _StaticPool.apply(torch.empty(0, requires_grad=True), table, flat, offsets, weights)
     else:
         summed = F.embedding_bag(flat, table.values, offsets, mode="sum", per_sample_weights=weights)
