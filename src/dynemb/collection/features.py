@@ -179,7 +179,8 @@ def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, 
         flat, offsets, w, num_bags = to_bags(value.ids, value.offsets, value.weights if weight is None else weight,
                                              lengths=value.lengths, include_last_offset=value.include_last_offset)
     elif not value.is_sparse and value.dim() == 1:  # one id per sample
-        flat, offsets, w, num_bags = to_bags(value, torch.arange(value.numel(), device=value.device), weight)
+        column = weight.reshape(-1, 1) if isinstance(weight, torch.Tensor) and weight.dim() == 1 else weight
+        flat, offsets, w, num_bags = to_bags(value.reshape(-1, 1), None, column)  # [B, 1]: offsets need no check
     else:
         flat, offsets, w, num_bags = to_bags(value, None, weight, padding_value=fcfg.padding_value)
     flat = _check_ids(flat, tcfg, device, check_ranges)
@@ -190,9 +191,9 @@ def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, 
 def _check_ids(ids, tcfg: TableConfig, device, check_ranges: bool) -> torch.Tensor:
     flat = check_keys(ids, tcfg.key_dtype, device, "ids")
     if check_ranges and tcfg.is_static and not torch.compiler.is_compiling() and flat.numel():
-        low, high = torch.aminmax(flat)  # one device sync per static feature
-        if int(low) < 0 or int(high) >= tcfg.vocabulary_size:
-            bad = int(low) if int(low) < 0 else int(high)
+        low, high = torch.stack(torch.aminmax(flat)).tolist()  # one device sync per static feature
+        if low < 0 or high >= tcfg.vocabulary_size:
+            bad = low if low < 0 else high
             raise ValueError(f"ids must be in [0, {tcfg.vocabulary_size}) for static table {tcfg.name!r}, got {bad}")
     return flat
 

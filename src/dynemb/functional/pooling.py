@@ -116,10 +116,12 @@ def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None
                 raise ValueError(f"with include_last_offset=True, offsets [B+1] must end with the number of ids "
                                  f"({n}), got {_preview(offsets)}")
             offsets = offsets[:-1]
-        if check_values and offsets.numel() and bool(((offsets[0] != 0) | (offsets[1:] < offsets[:-1]).any()).item()):
-            raise ValueError(f"offsets must start at 0 and never decrease (bag starts, nn.EmbeddingBag style), got "
-                             f"{_preview(offsets)}")
-        if check_values and offsets.numel() and bool((offsets[-1] > n).item()):
+        # one read of the offsets for all three rules; the message then says which one failed
+        if check_values and offsets.numel() and bool(((offsets[0] != 0) | (offsets[1:] < offsets[:-1]).any()
+                                                      | (offsets[-1] > n)).item()):
+            if int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()):
+                raise ValueError(f"offsets must start at 0 and never decrease (bag starts, nn.EmbeddingBag style), "
+                                 f"got {_preview(offsets)}")
             raise ValueError(f"offsets must be <= the number of ids ({n}), got {_preview(offsets)}; lengths "
                              "passed as offsets? use lengths=")
     return ids, offsets, _check_weights(weights, ids), offsets.numel()
