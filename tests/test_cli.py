@@ -1,5 +1,7 @@
 """The ``dynemb`` command on user files: train, resume and export end to end, and one-line errors for bad input.
 
+(eval, predict, the held-out split and the output of ``train`` are in ``tests/job/``.)
+
 Runs that must show the real process boundary (exit status, what reaches stderr) use ``python -m dynemb`` in a
 subprocess. The error matrix calls :func:`dynemb.cli.main` in-process, which is what ``python -m dynemb`` runs
 (``raise SystemExit(main())``): the returned status is the exit code, and with ``--debug`` the exception escapes,
@@ -19,9 +21,11 @@ import torch
 
 from dynemb.cli import main
 from dynemb.data import hash_strings
+from dynemb.data.stream import held_out
 from dynemb.serving import read_export
 
 TINY = ["--steps", "3", "--batch-size", "64", "--dim", "4", "--eval-batches", "1", "--no-progress"]
+EPOCH = ["--epochs", "1", "--batch-size", "64", "--dim", "4", "--eval-batches", "1", "--no-progress"]
 ROWS = 256
 
 
@@ -45,8 +49,8 @@ def run_cli(*args, cwd) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=cwd)
 
 
-def train_args(path, *extra):
-    return ["train", "--data", path, "--label", "click", "--categorical", "user,item", "--dense", "price", *TINY,
+def train_args(path, *extra, stop=TINY):
+    return ["train", "--data", path, "--label", "click", "--categorical", "user,item", "--dense", "price", *stop,
             *extra]
 
 
@@ -72,32 +76,35 @@ def _restore_threads():
 def test_parquet_with_string_ids_trains_resumes_and_exports(tmp_path):
     table = clicks("string")
     pq.write_table(table, tmp_path / "clicks.parquet")
-    ckpt, out = tmp_path / "ckpt", tmp_path / "export"
+    run, out = tmp_path / "run", tmp_path / "export"
 
-    first = summary(run_cli(*train_args("clicks.parquet", "--checkpoint-dir", ckpt), cwd=tmp_path))
-    assert first["step"] == 3 and first["rows"] > 0 and 0.0 <= first["auc"] <= 1.0
+    first = summary(run_cli(*train_args("clicks.parquet", "--out", run), cwd=tmp_path))
+    assert first["step"] == 3 and first["table_rows"] > 0 and 0.0 <= first["auc"] <= 1.0
 
-    resumed = run_cli(*train_args("clicks.parquet", "--checkpoint-dir", ckpt, "--resume"), "--steps", "6",
-                      cwd=tmp_path)
-    assert f"resumed from {ckpt} at step 3" in resumed.stdout
+    resumed = run_cli(*train_args("clicks.parquet", "--out", run, "--resume"), "--steps", "6", cwd=tmp_path)
+    assert f"resumed from {run} at step 3" in resumed.stdout
     assert summary(resumed)["step"] == 6
-    assert json.loads((ckpt / "latest").read_text())["step"] == 6
+    assert json.loads((run / "checkpoint" / "latest").read_text())["step"] == 6
 
-    exported = run_cli("export", "--checkpoint-dir", ckpt, "--out", out, cwd=tmp_path)
+    exported = run_cli("export", "--model", run, "--out", out, cwd=tmp_path)
     assert exported.returncode == 0 and "exported to" in exported.stdout, exported.stderr[-3000:]
-    # 6 steps x 64 samples cover all 256 rows: every user string is a trained row, under its documented hash.
+    # 6 steps x 64 samples cover all 243 training rows: every training user is a row, under its documented hash.
     users = table.column("user").to_pylist()
-    assert exported_keys(out, "user") == set(hash_strings(users).tolist())
+    trained = [u for u, held in zip(users, held_out(torch.arange(ROWS), 0.05, 0).tolist()) if not held]
+    assert set(hash_strings(trained).tolist()) <= exported_keys(out, "user") <= set(hash_strings(users).tolist())
 
 
-def test_csv_with_int64_ids_trains(tmp_path):
+def test_csv_with_int64_ids_trains_on_the_training_rows_only(tmp_path):
     table = clicks("int")
     pcsv.write_csv(table, tmp_path / "clicks.csv")
-    ckpt = tmp_path / "ckpt"
-    assert summary(run_cli(*train_args("clicks.csv", "--checkpoint-dir", ckpt), cwd=tmp_path))["step"] == 3
-    (shard,) = (ckpt / "step-00000003" / "tables").glob("*-item.rank-*.safetensors")
+    run = tmp_path / "run"
+    result = summary(run_cli(*train_args("clicks.csv", "--out", run, stop=EPOCH), cwd=tmp_path))
+    held = held_out(torch.arange(ROWS), 0.05, 0)
+    assert result["rows"] == int(held.sum()) and result["samples"] == ROWS - result["rows"]  # one epoch: each once
+    (shard,) = (run / "checkpoint" / "step-00000004" / "tables").glob("*-item.rank-*.safetensors")
     keys = set(safetensors.torch.load_file(shard)["keys"].tolist())
-    assert keys == set(table.column("item").to_pylist()[: 3 * 64])  # 3 steps of 64 rows; the eval batch inserts none
+    items = table.column("item").to_pylist()
+    assert keys == {i for i, h in zip(items, held.tolist()) if not h}  # evaluation inserts no held-out id
     assert 2**63 - 1 in keys  # integer ids are taken as they are
 
 

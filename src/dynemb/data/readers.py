@@ -29,7 +29,7 @@ from .columns import categorical_ids, dense_values, first_line, label_values, mu
 from .formats import CRITEO_COLUMNS, FORMATS, delimiter_of, list_files, open_text
 from .stream import rebatch
 
-__all__ = ["FileReader", "FORMATS"]
+__all__ = ["FileReader", "FORMATS", "column_names"]
 
 # Arrow reads in large chunks that rebatch cuts to size: per-chunk costs (Parquet page decoding, the per-distinct-id
 # hash calls) shrink as chunks grow, since more ids repeat within a chunk.
@@ -150,7 +150,7 @@ class FileReader:
     def _check_files(self) -> None:
         has_rows = False
         for file in self.files:
-            names, rows = self._guarded(file, self._peek, file)
+            names, rows = self._guarded(file, _peek, file, self.format, self.delimiter)
             if not names:  # a 0-byte text file: nothing to check, and nothing to read
                 continue
             missing = [c for c in self.columns if c not in names]
@@ -163,34 +163,6 @@ class FileReader:
         if not has_rows:
             raise ValueError(f"{self.path}: the data set is empty (no data rows)")
 
-    def _peek(self, file: Path) -> tuple[list[str], bool]:
-        """Column names of ``file`` and whether it has a data row, reading at most one block."""
-        if self.format == "parquet":
-            meta = pq.ParquetFile(file)
-            return meta.schema_arrow.names, meta.metadata.num_rows > 0
-        try:
-            reader = self._open_csv(file, None, _PEEK_BLOCK_BYTES)
-        except pa.ArrowInvalid as exc:
-            if "Empty CSV file" in str(exc):
-                return [], False
-            raise
-        first = next(iter(reader), None)
-        return reader.schema.names, first is not None and first.num_rows > 0
-
-    def _criteo_names(self, file: Path) -> list[str]:
-        """Criteo files have no header: 40 fields with the label, 39 without (read from the first line)."""
-        with open_text(file) as stream:
-            line = stream.read(_PEEK_BLOCK_BYTES).split(b"\n", 1)[0]
-        fields = line.count(b"\t") + 1 if line else len(CRITEO_COLUMNS)
-        return list(CRITEO_COLUMNS[1:] if fields == len(CRITEO_COLUMNS) - 1 else CRITEO_COLUMNS)
-
-    def _open_csv(self, file: Path, convert: pcsv.ConvertOptions | None, block_bytes: int):
-        names = self._criteo_names(file) if self.format == "criteo" else None
-        read = pcsv.ReadOptions(block_size=block_bytes, column_names=names)
-        parse = pcsv.ParseOptions(delimiter=self.delimiter or delimiter_of(file, self.format),
-                                  quote_char=False if self.format == "criteo" else '"')
-        return pcsv.open_csv(open_text(file), read_options=read, parse_options=parse, convert_options=convert)
-
     def _record_batches(self, file: Path) -> Iterator[pa.RecordBatch]:
         if self.format == "parquet":
             rows = max(self.batch_size, _PARQUET_ROWS)
@@ -201,7 +173,7 @@ class FileReader:
             null_values=[""],
             strings_can_be_null=True,
         )
-        return iter(self._open_csv(file, convert, _CSV_BLOCK_BYTES))
+        return iter(_open_csv(file, self.format, self.delimiter, convert, _CSV_BLOCK_BYTES))
 
     def _guarded(self, file: Path, fn, *args):
         """``fn(*args)``, with any read failure turned into a one-line ValueError naming ``file``."""
@@ -232,6 +204,50 @@ class FileReader:
         dense = [dense_values(record.column(c), where(c)) for c in self.dense]
         matrix = np.stack(dense, axis=1) if dense else np.zeros((record.num_rows, 0), dtype=np.float32)
         return Batch(torch.from_numpy(matrix), sparse, torch.from_numpy(labels), offsets)
+
+
+def column_names(path: str | os.PathLike, format: str | None = None, delimiter: str | None = None) -> list[str]:
+    """The column names of the first file of ``path`` (for a Criteo file: with the label when it has one).
+
+    Raises:
+        ValueError: as :class:`FileReader` for a missing or unreadable file.
+    """
+    files, fmt = list_files(Path(path), format)
+    try:
+        return _peek(files[0], fmt, delimiter)[0]
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"{files[0]}: cannot read it as {fmt} ({first_line(exc)})") from None
+
+
+def _peek(file: Path, fmt: str, delimiter: str | None) -> tuple[list[str], bool]:
+    """Column names of ``file`` and whether it has a data row, reading at most one block."""
+    if fmt == "parquet":
+        meta = pq.ParquetFile(file)
+        return meta.schema_arrow.names, meta.metadata.num_rows > 0
+    try:
+        reader = _open_csv(file, fmt, delimiter, None, _PEEK_BLOCK_BYTES)
+    except pa.ArrowInvalid as exc:
+        if "Empty CSV file" in str(exc):
+            return [], False
+        raise
+    first = next(iter(reader), None)
+    return reader.schema.names, first is not None and first.num_rows > 0
+
+
+def _criteo_names(file: Path) -> list[str]:
+    """Criteo files have no header: 40 fields with the label, 39 without (read from the first line)."""
+    with open_text(file) as stream:
+        line = stream.read(_PEEK_BLOCK_BYTES).split(b"\n", 1)[0]
+    fields = line.count(b"\t") + 1 if line else len(CRITEO_COLUMNS)
+    return list(CRITEO_COLUMNS[1:] if fields == len(CRITEO_COLUMNS) - 1 else CRITEO_COLUMNS)
+
+
+def _open_csv(file: Path, fmt: str, delimiter: str | None, convert: pcsv.ConvertOptions | None, block_bytes: int):
+    names = _criteo_names(file) if fmt == "criteo" else None
+    read = pcsv.ReadOptions(block_size=block_bytes, column_names=names)
+    quote = False if fmt == "criteo" else '"'
+    parse = pcsv.ParseOptions(delimiter=delimiter or delimiter_of(file, fmt), quote_char=quote)
+    return pcsv.open_csv(open_text(file), read_options=read, parse_options=parse, convert_options=convert)
 
 
 def _check_name(name, arg: str) -> str:
