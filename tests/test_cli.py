@@ -8,6 +8,7 @@ subprocess. The error matrix calls :func:`dynemb.cli.main` in-process, which is 
 which is what prints a traceback. Every run is tiny (3-6 steps of 64 samples, dim 4).
 """
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -193,3 +194,72 @@ def test_dynemb_numba_0_selects_the_torch_kernels(monkeypatch, value, expected):
     with use_backend("auto"):  # restores the process default afterwards
         cli._kernels_from_environment()
         assert get_default_backend().value == expected
+
+
+# ---------------------------------------------------------------------------------------------- hygiene
+def test_piped_output_stays_short(tmp_path):
+    """Not a terminal: no progress bar, a progress line every --log-every seconds, the JSON summary last."""
+    pq.write_table(clicks("string"), tmp_path / "clicks.parquet")
+    args = train_args("clicks.parquet", "--out", "run", "--log-every", "1", stop=["--steps", "400", "--batch-size",
+                                                                                   "16", "--dim", "4"])
+    proc = run_cli(*args, cwd=tmp_path)
+    result = summary(proc)
+    assert result["step"] == 400
+    assert "\r" not in proc.stderr and "it/s" not in proc.stderr  # no tqdm
+    lines = (proc.stdout + proc.stderr).splitlines()
+    progress = [line for line in lines if line.startswith("step ")]
+    assert 0 < len(progress) <= result["seconds"] + 1  # at most one a second, however many steps
+    assert len(lines) <= len(progress) + 3 and max(map(len, lines)) < 400, lines
+
+
+def test_help_shows_every_option_with_its_meaning_and_default():
+    from dynemb.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert {"train", "eval", "predict", "export", "serve-bench", "demo"} <= set(commands)
+    for name, command in commands.items():
+        text = " ".join(command.format_help().split())  # unwrapped
+        for action in command._actions:
+            if not action.option_strings or action.dest in ("help", "debug"):
+                continue
+            assert action.help, f"dynemb {name} {action.option_strings[0]} has no help"
+            if action.default is not None and action.default is not False:
+                assert f"(default: {action.default})" in text, f"dynemb {name} {action.option_strings[0]}"
+            elif not action.required and action.nargs != 0:  # no value by default: the help says what that means
+                assert "default" in action.help, f"dynemb {name} {action.option_strings[0]}"
+    assert "(default: 0.05)" in " ".join(commands["train"].format_help().split())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--eviction", "lfu"], "--eviction needs --max-capacity"),
+    (["--epochs", "2", "--steps", "3"], "argument --steps: not allowed with argument --epochs"),
+    (["--resume"], "--resume needs --out RUN_DIR"),
+    (["--eval-data", "x.parquet", "--eval-fraction", "0.1"], "--eval-fraction splits --data"),
+    (["--optimizer", "adamw"], "argument --optimizer: invalid choice: 'adamw'"),
+    (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+])
+def test_inconsistent_options_are_one_line_and_exit_2(tmp_path, capsys, args, message):
+    pq.write_table(clicks("string"), tmp_path / "clicks.parquet")
+    with pytest.raises(SystemExit) if "argument" in message else contextlib.nullcontext() as raised:
+        code = main(train_args(str(tmp_path / "clicks.parquet"), *args, stop=[]))
+    code = raised.value.code if raised else code
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and line.startswith("dynemb train: error: ") and message in line, line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_serve_bench_prints_a_short_table_or_json(tmp_path, capsys):
+    import dynemb
+    from dynemb.checkpoint import export_for_serving
+
+    emb = dynemb.DynamicEmbedding(4, seed=0)
+    emb(torch.arange(500))
+    export_for_serving(tmp_path / "export", emb)
+    common = ["serve-bench", "--export", str(tmp_path / "export"), "--batches", "5", "--batch-size", "64",
+              "--persistent", "none"]
+    assert main(common) == 0
+    table = capsys.readouterr().out.strip().splitlines()
+    assert len(table) <= 10 and any(line.startswith("latency p50 / p99") for line in table)
+    assert main([*common, "--json"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(line)["requests"] == 5

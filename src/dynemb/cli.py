@@ -38,7 +38,7 @@ class _Help(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        shown = action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
+        shown = action.option_strings and all(action.default is not v for v in (None, False, argparse.SUPPRESS))
         if shown and "default" not in text:
             text += " (default: %(default)s)"
         return text
@@ -185,7 +185,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                       "training, chosen by a seeded hash of the row number (default: 0.05)")
     data.add_argument("--format", choices=("parquet", "csv", "criteo"), help="format of the files (default: from "
                       "the suffix: .parquet, .csv/.tsv, .criteo/.txt, each optionally compressed)")
-    data.add_argument("--label", help="label column, values 0/1 (a Criteo file: default 'label')")
+    data.add_argument("--label", help="label column, values 0/1 (default for a Criteo file: 'label')")
     data.add_argument("--categorical", metavar="C1,C2", help="categorical columns: string or integer ids, one "
                       "table each (a Criteo file: default C1..C26)")
     data.add_argument("--multi-hot", metavar="M1,M2", help="list columns (list<string>, list<int>; in CSV, ids "
@@ -204,8 +204,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     stop = run.add_mutually_exclusive_group()
     stop.add_argument("--epochs", type=int, metavar="N", help="passes over the training rows (default: 1 for "
                       "--data; 500 steps of synthetic data)")
-    stop.add_argument("--steps", type=int, metavar="N", help="stop after N steps, over as many epochs as needed")
-    stop.add_argument("--seconds", type=float, metavar="S", help="stop after S seconds of training")
+    stop.add_argument("--steps", type=int, metavar="N", help="stop after N steps, over as many epochs as needed "
+                      "(default: see --epochs)")
+    stop.add_argument("--seconds", type=float, metavar="S", help="stop after S seconds of training (default: no time limit)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     run.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also checkpoint every N steps "
                      "(0: only the final checkpoint; the 3 newest are kept)")

@@ -107,3 +107,20 @@ def test_compressed_csv(tmp_path, codec, suffix):
         out.write(b"y,c\n1,5\n0,6\n")
     batch = next(iter(FileReader(path, label="y", categorical=["c"])))
     assert batch.sparse["c"].tolist() == [5, 6] and batch.labels.tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("name", ["synthetic.criteo", "synthetic.criteo.zst"])
+def test_synthetic_criteo_files_read_back(tmp_path, name):
+    from dynemb.data import SyntheticClickLog
+    from dynemb.data.writers import write_synthetic
+
+    log = SyntheticClickLog(num_categorical=26, num_dense=13, batch_size=64, seed=3)
+    path = write_synthetic(log, tmp_path / name, 2, format="criteo")
+    batches = list(FileReader(path, label="label", categorical=list(CRITEO_CATEGORICAL), dense=list(CRITEO_DENSE),
+                              batch_size=64))
+    for i, batch in enumerate(batches):
+        source = log.batch(i)
+        assert torch.equal(batch.labels, source.labels)
+        assert torch.equal(batch.dense, torch.round(source.dense * 10))
+        hex_ids = [f"{v & 0xFFFFFFFF:08x}" for v in source.sparse["C7"].tolist()]
+        assert batch.sparse["C7"].tolist() == hash_strings(hex_ids).tolist()

@@ -12,7 +12,8 @@ Categorical ids:
     - a null gets :func:`dynemb.data.null_key` of the column name.
 Multi-hot ids: a list column (``list<string>``, ``list<int64>``, large or fixed-size lists) gives one bag per row,
 its elements read by the rules above; a null element gets the null key, a null list is the bag ``[null key]``
-and an empty list an empty bag. CSV text is split at a separator first (``"a|b|c"``).
+and an empty list an empty bag. CSV text is split at a separator first (``"a|b|c"``); an empty CSV field is a
+null (CSV cannot tell an empty list from a missing one), so it gives the bag ``[null key]``.
 Dense values: any numeric or bool column, or text that parses as a number, as float32; null and NaN give 0.0.
 Labels: numeric, bool or text equal to 0 or 1; a null or any other value is an error.
 """

@@ -17,7 +17,8 @@ Text formats (``csv``, ``criteo``) are decompressed on the fly when the name end
 ``.bz2``, ``.zst``/``.zstd``, ``.lz4`` or ``.br``/``.brotli``.
 
 **Criteo TSV**: no header; tab-separated fields ``label, I1 .. I13, C1 .. C26``: a 0/1 label, 13 integer
-counts and 26 categorical ids written as 8 hex digits; any field but the label may be empty (a null). Files without
+counts and 26 categorical ids written as 8 hex digits (hashed as text, like any string id; a CSV id that reads as a
+decimal integer would be taken as that integer); any field but the label may be empty (a null). Files without
 the label column (39 fields, as Kaggle's ``test.txt``) are recognized by their field count.
 """
 
@@ -28,7 +29,7 @@ from pathlib import Path
 import pyarrow as pa
 
 __all__ = ["FORMATS", "CRITEO_LABEL", "CRITEO_DENSE", "CRITEO_CATEGORICAL", "CRITEO_COLUMNS", "file_format",
-           "list_files", "open_text", "delimiter_of"]
+           "list_files", "open_text", "create_text", "delimiter_of"]
 
 FORMATS = ("parquet", "csv", "criteo")
 CRITEO_LABEL = "label"
@@ -88,8 +89,13 @@ def list_files(path: Path, format: str | None) -> tuple[list[Path], str]:
 def open_text(path: Path) -> pa.NativeFile:
     """A stream of the text in ``path``, decompressed by its compression suffix."""
     codec = _TEXT_CODECS.get(_suffixes(path)[1] or "")
-    raw = pa.OSFile(str(path))
-    return pa.CompressedInputStream(raw, codec) if codec else raw
+    return pa.CompressedInputStream(str(path), codec) if codec else pa.OSFile(str(path))
+
+
+def create_text(path: Path) -> pa.NativeFile:
+    """A new file at ``path`` to write text into, compressed by its compression suffix."""
+    codec = _TEXT_CODECS.get(_suffixes(path)[1] or "")
+    return pa.CompressedOutputStream(str(path), codec) if codec else pa.OSFile(str(path), "wb")
 
 
 def delimiter_of(path: Path, format: str) -> str:

@@ -188,7 +188,7 @@ class FileReader:
         def where(column: str) -> str:
             return f"{file}: column {column!r}"
 
-        text = self.format != "parquet"
+        text = self.format == "csv"  # CSV ids may be decimal integers; Criteo ids are hex text, always hashed
         if self.label is None:
             labels = np.full(record.num_rows, np.nan, dtype=np.float32)
         else:
@@ -199,7 +199,8 @@ class FileReader:
         }
         offsets = {}
         for c in self.multi_hot:
-            ids, bounds = multi_hot_ids(record.column(c), c, where(c), self.list_separator if text else None)
+            separator = None if self.format == "parquet" else self.list_separator
+            ids, bounds = multi_hot_ids(record.column(c), c, where(c), separator)
             sparse[c], offsets[c] = torch.from_numpy(ids), torch.from_numpy(bounds)
         dense = [dense_values(record.column(c), where(c)) for c in self.dense]
         matrix = np.stack(dense, axis=1) if dense else np.zeros((record.num_rows, 0), dtype=np.float32)
