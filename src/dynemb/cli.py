@@ -53,14 +53,14 @@ def cmd_train(args) -> int:
     import torch
 
     from .job import RunSpec, train_run
-    from .job.fit import DEFAULT_EPOCHS, SYNTHETIC_STEPS
+    from .job.fit import SYNTHETIC_STEPS
     from .train import TrainConfig
 
     _check_train_options(args)
     torch.set_num_threads(args.threads)
     _init_distributed()
     stop_given = args.epochs or args.steps or args.seconds
-    epochs = args.epochs if stop_given else (DEFAULT_EPOCHS if args.data else None)
+    epochs = args.epochs if stop_given else ("auto" if args.data else None)
     steps = args.steps if stop_given else (None if args.data else SYNTHETIC_STEPS)
     out = args.out or _timestamped(Path("runs"))
     spec = RunSpec(out=str(out), data=args.data, eval_data=args.eval_data, format=args.format, label=args.label,
@@ -146,25 +146,14 @@ def cmd_export(args) -> int:
 
 
 def cmd_serve_bench(args) -> int:
-    from .serving.bench import serve_bench
+    from .serving.bench import serve_bench, summary_table
 
     result = serve_bench(args.export, volatile=args.volatile, redis_address=args.redis_address,
                          persistent=args.persistent, persistent_path=args.persistent_path,
                          cache_fraction=args.cache_fraction, batch_size=args.batch_size, batches=args.batches,
                          alpha=args.alpha)
-    print(json.dumps(result) if args.json else _bench_table(result))
+    print(json.dumps(result) if args.json else summary_table(result))
     return 0
-
-
-def _bench_table(r: dict) -> str:
-    rows = [("requests", f"{r['requests']} x {r['tables']} tables x {r['batch_size']} ids "
-                         f"(after {r['warmup_requests']} warm-up)"),
-            ("stores", f"cache {r['cache_fraction']:.0%} -> {r['volatile']} -> {r['persistent']}"),
-            ("latency p50 / p99", f"{r['p50_ms']:.2f} ms / {r['p99_ms']:.2f} ms"),
-            ("requests/s", f"{r['qps']:,.1f}"), ("keys/s", f"{r['keys_per_s']:,.0f}"),
-            ("cache hit rate", f"{r['hit_rate']:.2%}"), ("errors", str(r["errors"]))]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def cmd_demo(args) -> int:
@@ -202,8 +191,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--out", metavar="RUN_DIR", help="run directory: final checkpoint, model.json, "
                      "metrics.jsonl, loss_auc.png (default: runs/<UTC timestamp>)")
     stop = run.add_mutually_exclusive_group()
-    stop.add_argument("--epochs", type=int, metavar="N", help="passes over the training rows (default: 1 for "
-                      "--data; 500 steps of synthetic data)")
+    stop.add_argument("--epochs", type=int, metavar="N", help="passes over the training rows (default: whole "
+                      "epochs for at least 1000 steps, at most 10, one pass of a data set over 1M rows; 500 steps "
+                      "of synthetic data)")
     stop.add_argument("--steps", type=int, metavar="N", help="stop after N steps, over as many epochs as needed "
                       "(default: see --epochs)")
     stop.add_argument("--seconds", type=float, metavar="S", help="stop after S seconds of training (default: no time limit)")
@@ -220,7 +210,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                      "between progress lines on stderr (a terminal gets a progress bar)")
     run.add_argument("--no-progress", action="store_true", help="neither a progress bar nor progress lines")
     model = p.add_argument_group("model")
-    model.add_argument("--batch-size", type=int, default=2048, help="samples per step")
+    model.add_argument("--batch-size", type=int, default=512, help="samples per step")
     model.add_argument("--dim", type=int, default=16, help="embedding width")
     model.add_argument("--optimizer", default="adagrad", choices=OPTIMIZERS, help="sparse optimizer of the tables")
     model.add_argument("--lr", type=float, default=0.05, help="learning rate of the tables (the MLPs use Adam, 1e-3)")
@@ -287,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = command("demo", "synthetic data -> train -> eval -> predict -> export -> serve-bench, with a report",
                    cmd_demo)
-    demo.add_argument("--seconds", type=float, default=90.0, help="training time budget")
+    demo.add_argument("--seconds", type=float, default=75.0, help="training time budget")
     demo.add_argument("--out", default="demo-report", help="report directory")
     demo.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     return parser

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,10 +29,10 @@ from .report import MetricsLog, plot_run
 from .score import evaluate
 from .sources import FileSource, SyntheticSource, epochs, every_nth
 
-__all__ = ["RunSpec", "train_run", "DEFAULT_EPOCHS", "SYNTHETIC_STEPS"]
+__all__ = ["RunSpec", "train_run", "auto_epochs", "AUTO_STEPS", "AUTO_MAX_EPOCHS", "SYNTHETIC_STEPS"]
 
-DEFAULT_EPOCHS = 1  # files, when none of epochs, steps and seconds is given
-SYNTHETIC_STEPS = 500  # synthetic data, likewise
+AUTO_STEPS, AUTO_MAX_EPOCHS = 1000, 10  # epochs="auto": whole epochs for at least 1,000 steps, at most 10
+SYNTHETIC_STEPS = 500  # synthetic data, when none of epochs, steps and seconds is given
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,7 +49,8 @@ class RunSpec:
         list_separator: separator of the ids in a multi-hot CSV field.
         eval_fraction: the held-out share of ``data`` when there is no ``eval_data``, in ``(0, 1)``.
         seed: the seed of the split, the shuffles and the synthetic data.
-        epochs: passes over the training rows; ``None`` for a run bounded by ``steps`` or ``seconds``.
+        epochs: passes over the training rows; ``"auto"`` for :func:`auto_epochs`; ``None`` for a run bounded
+            by ``steps`` or ``seconds``.
         batch_size: samples per step.
         shuffle_buffer: rows of the shuffle window (files larger than twice this are shuffled within it).
         eval_batches: held-out batches of each periodic evaluation (the final one uses every held-out row).
@@ -71,7 +73,7 @@ class RunSpec:
     list_separator: str = "|"
     eval_fraction: float = 0.05
     seed: int = 0
-    epochs: Optional[int] = None
+    epochs: Union[int, str, None] = None
     batch_size: int = 2048
     shuffle_buffer: int = 1_000_000
     eval_batches: int = 4
@@ -80,7 +82,8 @@ class RunSpec:
     resume: bool = False
 
     def __post_init__(self) -> None:
-        check_int(self.epochs, "epochs", minimum=1, allow_none=True)
+        if self.epochs != "auto":
+            check_int(self.epochs, "epochs", minimum=1, allow_none=True)
         for name in ("batch_size", "shuffle_buffer", "eval_batches", "stats_rows"):
             check_int(getattr(self, name), name, minimum=1)
         if not (isinstance(self.eval_fraction, float) and 0.0 < self.eval_fraction < 1.0):
@@ -125,7 +128,7 @@ def train_run(spec: RunSpec, cfg: TrainConfig, *, progress: Optional[bool] = Non
     if not periodic:
         raise ValueError(f"{spec.data}: no held-out rows (eval_fraction {spec.eval_fraction} of the rows is none); "
                          "raise --eval-fraction or pass --eval-data")
-    stream = itertools.islice(epochs(source, spec.epochs), trainer.step * world, None)
+    stream = itertools.islice(epochs(source, data["epochs"]), trainer.step * world, None)
     samples = 0
 
     def counted(batches):
@@ -171,17 +174,35 @@ def _source(spec: RunSpec, run: Path, resume: bool):
                             shuffle_buffer=spec.shuffle_buffer)
         data = {"train": str(spec.data), "eval": spec.eval_data, "format": fmt, "split_seed": spec.seed,
                 "eval_fraction": None if spec.eval_data else spec.eval_fraction, "batch_size": spec.batch_size,
-                "epochs": spec.epochs, "shuffle_buffer": spec.shuffle_buffer}
+                "shuffle_buffer": spec.shuffle_buffer}
     if resume:
         prep = read_card(run).preprocessing
         saved = dict(label=prep.label, categorical=prep.categorical, multi_hot=prep.multi_hot, dense=prep.dense)
         if saved != {k: (v if k == "label" else tuple(v)) for k, v in columns.items()}:
             raise ValueError(f"{run}: the run was trained on columns {saved}; --resume needs the same columns")
-        return source, prep, read_card(run).data
-    mean, std, rows = dense_statistics(source.training_rows(), spec.stats_rows) if columns["dense"] else ([], [], 0)
+        saved = read_card(run).data
+        return source, prep, {**saved, "epochs": saved["epochs"] if spec.epochs == "auto" else spec.epochs}
+    mean, std, rows = dense_statistics(source.training_rows(), spec.stats_rows)  # also counts the rows
     prep = Preprocessing(**columns, dense_mean=mean, dense_std=std, dense_rows=rows,
                          list_separator=spec.list_separator)
+    counted = rows < spec.stats_rows and spec.data is not None  # the pass reached the end of the data
+    data["train_rows"] = rows if counted else None
+    data["epochs"] = auto_epochs(data["train_rows"], spec.batch_size) if spec.epochs == "auto" else spec.epochs
     return source, prep, data
+
+
+def auto_epochs(train_rows: Optional[int], batch_size: int) -> int:
+    """Whole epochs that make at least :data:`AUTO_STEPS` steps, at most :data:`AUTO_MAX_EPOCHS`; 1 when the
+    training rows were not counted (more than ``stats_rows``: a large data set gets one pass).
+
+    Example:
+        >>> auto_epochs(46_000, 512), auto_epochs(800_000, 512), auto_epochs(None, 512)
+        (10, 1, 1)
+    """
+    if not train_rows:
+        return 1
+    per_epoch = math.ceil(train_rows / batch_size)
+    return max(1, min(AUTO_MAX_EPOCHS, math.ceil(AUTO_STEPS / per_epoch)))
 
 
 def _columns(spec: RunSpec) -> tuple[dict, str]:
