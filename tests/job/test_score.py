@@ -110,3 +110,19 @@ def test_eval_and_predict_errors_are_one_line(trained, capsys):
                  "--out", str(trained / "x.parquet")]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "missing column 'price'" in line and not (trained / "x.parquet").exists()
+
+
+def test_train_eval_predict_on_each_device(tmp_path, dynemb, device):
+    pq.write_table(clicks(0, rows=600), tmp_path / "train.parquet")
+    run = tmp_path / "run"
+    common = ["--device", str(device)]
+    dynemb("train", "--data", tmp_path / "train.parquet", "--label", "click", "--categorical", "user,item",
+           "--multi-hot", "tags", "--dense", "price", "--out", run, "--epochs", "2", "--batch-size", "64",
+           "--no-progress", *common)
+    scored = dynemb("predict", "--model", run, "--data", tmp_path / "train.parquet", "--out", tmp_path / "p.parquet",
+                    *common)
+    probs = torch.tensor(pq.read_table(tmp_path / "p.parquet").column("probability").to_pylist())
+    assert scored["rows"] == 600 and ((probs > 0) & (probs < 1)).all()
+    cpu_probs, _ = forward(run, tmp_path / "train.parquet")  # the same checkpoint, on the CPU
+    assert torch.allclose(probs, cpu_probs, atol=1e-4)
+    assert dynemb("eval", "--model", run, "--data", tmp_path / "train.parquet", *common)["rows"] == 600
