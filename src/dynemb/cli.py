@@ -228,7 +228,7 @@ def _add_scoring_args(p: argparse.ArgumentParser, out_help: str | None) -> None:
         p.add_argument("--out", required=True, metavar="PREDS.parquet", help=out_help)
     p.add_argument("--format", choices=("parquet", "csv", "criteo"), help="format of the files (default: from "
                    "the suffix)")
-    p.add_argument("--batch-size", type=int, default=16384, help="rows per forward pass")
+    p.add_argument("--batch-size", type=int, default=65536, help="rows per forward pass")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
 

@@ -95,3 +95,11 @@ def test_criteo_file_with_its_default_columns(tmp_path, dynemb):
     prep = read_card(tmp_path / "run").preprocessing
     assert len(prep.categorical) == 26 and len(prep.dense) == 13 and prep.label == "label"
     assert result["rows"] + result["samples"] == 400
+
+
+def test_no_held_out_row_is_an_error_that_leaves_nothing(tmp_path, capsys):
+    data = random_labels(tmp_path / "random.parquet", rows=3)
+    args = ["train", "--data", str(data), "--label", "y", "--categorical", "id", "--out", str(tmp_path / "run"),
+            "--eval-fraction", "0.01", *SMALL]
+    assert main(args) == 2
+    assert "no held-out rows" in capsys.readouterr().err and not (tmp_path / "run").exists()

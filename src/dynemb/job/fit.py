@@ -107,19 +107,12 @@ def train_run(spec: RunSpec, cfg: TrainConfig, *, progress: Optional[bool] = Non
     run = Path(spec.out)
     cfg = dataclasses.replace(cfg, checkpoint_dir=str(run / CHECKPOINT), resume=spec.resume)
     _check_run_dir(run, cfg.resume)
-    source, prep, data = _source(spec, run, cfg.resume)
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    card = ModelCard(preprocessing=prep, config=dataclasses.replace(cfg, resume=False, checkpoint_dir=None),
-                     data=data)
-    if rank == 0 and not cfg.resume:
-        write_card(run, card)
+    if distributed:
+        dist.barrier()  # every rank has checked the directory before rank 0 writes into it
+    source, prep, data = _source(spec, run, cfg.resume)
     device = torch.device(spec.device)
-    model = build_dlrm(len(prep.dense), prep.features, cfg).to(device)
-    trainer = Trainer(model, cfg)
-    if cfg.resume:
-        trainer.resume()
-        echo(f"resumed from {run} at step {trainer.step}")
 
     def ready(batch):
         return prep.normalize(batch.to(device))
@@ -128,6 +121,15 @@ def train_run(spec: RunSpec, cfg: TrainConfig, *, progress: Optional[bool] = Non
     if not periodic:
         raise ValueError(f"{spec.data}: no held-out rows (eval_fraction {spec.eval_fraction} of the rows is none); "
                          "raise --eval-fraction or pass --eval-data")
+    card = ModelCard(preprocessing=prep, config=dataclasses.replace(cfg, resume=False, checkpoint_dir=None),
+                     data=data)
+    if rank == 0 and not cfg.resume:
+        write_card(run, card)
+    model = build_dlrm(len(prep.dense), prep.features, cfg).to(device)
+    trainer = Trainer(model, cfg)
+    if cfg.resume:
+        trainer.resume()
+        echo(f"resumed from {run} at step {trainer.step}")
     stream = itertools.islice(epochs(source, data["epochs"]), trainer.step * world, None)
     samples = 0
 

@@ -56,7 +56,7 @@ def _reader(card: ModelCard, data: str, format: Optional[str], batch_size: int, 
                       list_separator=prep.list_separator)
 
 
-def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_size: int = 16384,
+def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_size: int = 65536,
                   device: str = "cpu") -> dict:
     """``{"auc", "logloss", "rows"}`` of run ``run``'s model on every row of ``data`` (which needs the label)."""
     model, card = load_model(Path(run), device)
@@ -66,7 +66,7 @@ def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_si
 
 
 @torch.no_grad()
-def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None, batch_size: int = 16384,
+def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None, batch_size: int = 65536,
                  device: str = "cpu") -> dict:
     """Write ``out``, a Parquet file with a float32 column ``probability`` for each row of ``data`` in input
     order, and the label column (int8) when ``data`` has one. The file appears whole or not at all.
