@@ -185,7 +185,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                       "CSV field")
     data.add_argument("--seed", type=int, default=0, help="seed of the held-out split, the shuffles and the "
                       "synthetic data")
-    data.add_argument("--shuffle-buffer", type=int, default=1_000_000, metavar="ROWS", help="each epoch is "
+    data.add_argument("--shuffle-buffer", type=int, default=500_000, metavar="ROWS", help="each epoch is "
                       "shuffled within a window of twice this many rows (the whole data when it fits)")
     run = p.add_argument_group("run")
     run.add_argument("--out", metavar="RUN_DIR", help="run directory: final checkpoint, model.json, "

@@ -75,10 +75,13 @@ def shuffled(batches: Iterable[Batch], buffer_rows: int, seed: int, epoch: int =
         count += len(batch)
         if count >= 2 * buffer_rows:
             merged = concat_batches(pending)
+            pending = []  # peak: the chunks and their concatenation, then it and its two halves
             order = torch.randperm(count, generator=gen)
             out = count - buffer_rows
-            yield take_rows(merged, order[:out])
-            pending, count = [take_rows(merged, order[out:])], buffer_rows
+            sent, kept = take_rows(merged, order[:out]), take_rows(merged, order[out:])
+            del merged
+            pending, count = [kept], buffer_rows
+            yield sent
     if count:
         yield take_rows(concat_batches(pending), torch.randperm(count, generator=gen))
 

@@ -75,7 +75,7 @@ class RunSpec:
     seed: int = 0
     epochs: Union[int, str, None] = None
     batch_size: int = 2048
-    shuffle_buffer: int = 1_000_000
+    shuffle_buffer: int = 500_000
     eval_batches: int = 4
     stats_rows: int = 1_000_000
     device: str = "cpu"
