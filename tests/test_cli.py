@@ -263,3 +263,11 @@ def test_serve_bench_prints_a_short_table_or_json(tmp_path, capsys):
     assert main([*common, "--json"]) == 0
     (line,) = capsys.readouterr().out.strip().splitlines()
     assert json.loads(line)["requests"] == 5
+
+
+def test_synthetic_training_for_smoke_runs(tmp_path, capsys):
+    assert main(["train", "--synthetic", "--steps", "3", "--batch-size", "64", "--dim", "4", "--eval-batches", "1",
+                 "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["step"] == 3 and result["rows"] == 64  # the generator's separate eval split
+    assert (tmp_path / "run" / "model.json").is_file()

@@ -85,6 +85,8 @@ def _check_train_options(args) -> None:
         raise CliError("--resume needs --out RUN_DIR, the run to continue")
     if args.eval_fraction is not None and args.eval_data:
         raise CliError("--eval-fraction splits --data; it cannot be combined with --eval-data")
+    if args.synthetic and args.data:
+        raise CliError("--synthetic and --data exclude each other")
     if args.data is None and (args.eval_data or args.epochs or args.format):
         raise CliError("--eval-data, --epochs and --format need --data (synthetic data is an endless stream)")
 
@@ -168,6 +170,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     data = p.add_argument_group("data")
     data.add_argument("--data", metavar="PATH", help="training data: a Parquet, CSV or Criteo TSV file, or a "
                       "directory of them (default: synthetic click logs)")
+    data.add_argument("--synthetic", action="store_true", help="train on synthetic click logs (what no --data "
+                      "means; for torchrun smoke runs)")
     data.add_argument("--eval-data", metavar="PATH", help="held-out data (default: hold out --eval-fraction of "
                       "--data)")
     data.add_argument("--eval-fraction", type=float, metavar="F", help="share of --data's rows held out from "
