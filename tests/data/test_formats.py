@@ -124,3 +124,17 @@ def test_synthetic_criteo_files_read_back(tmp_path, name):
         assert torch.equal(batch.dense, torch.round(source.dense * 10))
         hex_ids = [f"{v & 0xFFFFFFFF:08x}" for v in source.sparse["C7"].tolist()]
         assert batch.sparse["C7"].tolist() == hash_strings(hex_ids).tolist()
+
+
+def test_a_directory_of_criteo_days_without_suffixes(tmp_path):
+    days = tmp_path / "days"
+    days.mkdir()
+    for day in range(2):
+        (days / f"day_{day}").write_text("\n".join(criteo_lines(10)) + "\n")
+    (days / "_SUCCESS").write_text("")
+    (days / "day_2.csv").write_text("y,c\n1,2\n")  # another format: not read
+    with pytest.raises(ValueError, match=r"day_2\.csv: missing column 'label'"):  # no format: only suffixes count
+        FileReader(days, label="label", categorical=["C1"])
+    reader = FileReader(days, label="label", categorical=["C1"], format="criteo")
+    assert [p.name for p in reader.files] == ["day_0", "day_1"]
+    assert sum(len(b) for b in reader) == 20

@@ -64,6 +64,9 @@ def file_format(path: Path) -> str | None:
 def list_files(path: Path, format: str | None) -> tuple[list[Path], str]:
     """The files to read (one file, or a directory's files of one format, in name order) and their format.
 
+    In a directory, names starting with ``.`` or ``_`` (``_SUCCESS``) are skipped; with ``format``, files without
+    a format suffix are read too.
+
     Raises:
         ValueError: ``path`` does not exist, has an unknown suffix (and no ``format``), or is a directory with no
             readable file or with files of two formats (and no ``format``).
@@ -76,10 +79,12 @@ def list_files(path: Path, format: str | None) -> tuple[list[Path], str]:
             raise ValueError(f"{path}: unknown file type; use a .parquet, .csv or .criteo suffix, or pass format= "
                              f"(--format)")
         return [path], fmt
-    found = sorted(p for p in path.iterdir() if p.is_file() and file_format(p) is not None)
-    if format is not None:
-        found = [p for p in found if file_format(p) == format]
-    kinds = {file_format(p) for p in found}
+    found = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith((".", "_")))
+    if format is None:
+        found = [p for p in found if file_format(p) is not None]
+    else:  # files of that format, and files with no format suffix (Criteo's day_0 .. day_23)
+        found = [p for p in found if file_format(p) in (format, None)]
+    kinds = {format or file_format(p) for p in found}
     if len(kinds) != 1:
         what = "no .parquet, .csv or .criteo files" if not kinds else "files of several formats; pass format="
         raise ValueError(f"{path}: the directory holds {what}")
