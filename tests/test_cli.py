@@ -1,11 +1,14 @@
 """The ``dynemb`` command on user files: train, resume and export end to end, and one-line errors for bad input.
 
+(eval, predict, the held-out split and the output of ``train`` are in ``tests/job/``.)
+
 Runs that must show the real process boundary (exit status, what reaches stderr) use ``python -m dynemb`` in a
 subprocess. The error matrix calls :func:`dynemb.cli.main` in-process, which is what ``python -m dynemb`` runs
 (``raise SystemExit(main())``): the returned status is the exit code, and with ``--debug`` the exception escapes,
 which is what prints a traceback. Every run is tiny (3-6 steps of 64 samples, dim 4).
 """
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -19,9 +22,11 @@ import torch
 
 from dynemb.cli import main
 from dynemb.data import hash_strings
+from dynemb.data.stream import held_out
 from dynemb.serving import read_export
 
 TINY = ["--steps", "3", "--batch-size", "64", "--dim", "4", "--eval-batches", "1", "--no-progress"]
+EPOCH = ["--epochs", "1", "--batch-size", "64", "--dim", "4", "--eval-batches", "1", "--no-progress"]
 ROWS = 256
 
 
@@ -45,8 +50,8 @@ def run_cli(*args, cwd) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=cwd)
 
 
-def train_args(path, *extra):
-    return ["train", "--data", path, "--label", "click", "--categorical", "user,item", "--dense", "price", *TINY,
+def train_args(path, *extra, stop=TINY):
+    return ["train", "--data", path, "--label", "click", "--categorical", "user,item", "--dense", "price", *stop,
             *extra]
 
 
@@ -72,32 +77,35 @@ def _restore_threads():
 def test_parquet_with_string_ids_trains_resumes_and_exports(tmp_path):
     table = clicks("string")
     pq.write_table(table, tmp_path / "clicks.parquet")
-    ckpt, out = tmp_path / "ckpt", tmp_path / "export"
+    run, out = tmp_path / "run", tmp_path / "export"
 
-    first = summary(run_cli(*train_args("clicks.parquet", "--checkpoint-dir", ckpt), cwd=tmp_path))
-    assert first["step"] == 3 and first["rows"] > 0 and 0.0 <= first["auc"] <= 1.0
+    first = summary(run_cli(*train_args("clicks.parquet", "--out", run), cwd=tmp_path))
+    assert first["step"] == 3 and first["table_rows"] > 0 and 0.0 <= first["auc"] <= 1.0
 
-    resumed = run_cli(*train_args("clicks.parquet", "--checkpoint-dir", ckpt, "--resume"), "--steps", "6",
-                      cwd=tmp_path)
-    assert f"resumed from {ckpt} at step 3" in resumed.stdout
+    resumed = run_cli(*train_args("clicks.parquet", "--out", run, "--resume"), "--steps", "6", cwd=tmp_path)
+    assert f"resumed from {run} at step 3" in resumed.stdout
     assert summary(resumed)["step"] == 6
-    assert json.loads((ckpt / "latest").read_text())["step"] == 6
+    assert json.loads((run / "checkpoint" / "latest").read_text())["step"] == 6
 
-    exported = run_cli("export", "--checkpoint-dir", ckpt, "--out", out, cwd=tmp_path)
+    exported = run_cli("export", "--model", run, "--out", out, cwd=tmp_path)
     assert exported.returncode == 0 and "exported to" in exported.stdout, exported.stderr[-3000:]
-    # 6 steps x 64 samples cover all 256 rows: every user string is a trained row, under its documented hash.
+    # 6 steps x 64 samples cover all 243 training rows: every training user is a row, under its documented hash.
     users = table.column("user").to_pylist()
-    assert exported_keys(out, "user") == set(hash_strings(users).tolist())
+    trained = [u for u, held in zip(users, held_out(torch.arange(ROWS), 0.05, 0).tolist()) if not held]
+    assert set(hash_strings(trained).tolist()) <= exported_keys(out, "user") <= set(hash_strings(users).tolist())
 
 
-def test_csv_with_int64_ids_trains(tmp_path):
+def test_csv_with_int64_ids_trains_on_the_training_rows_only(tmp_path):
     table = clicks("int")
     pcsv.write_csv(table, tmp_path / "clicks.csv")
-    ckpt = tmp_path / "ckpt"
-    assert summary(run_cli(*train_args("clicks.csv", "--checkpoint-dir", ckpt), cwd=tmp_path))["step"] == 3
-    (shard,) = (ckpt / "step-00000003" / "tables").glob("*-item.rank-*.safetensors")
+    run = tmp_path / "run"
+    result = summary(run_cli(*train_args("clicks.csv", "--out", run, stop=EPOCH), cwd=tmp_path))
+    held = held_out(torch.arange(ROWS), 0.05, 0)
+    assert result["rows"] == int(held.sum()) and result["samples"] == ROWS - result["rows"]  # one epoch: each once
+    (shard,) = (run / "checkpoint" / "step-00000004" / "tables").glob("*-item.rank-*.safetensors")
     keys = set(safetensors.torch.load_file(shard)["keys"].tolist())
-    assert keys == set(table.column("item").to_pylist()[: 3 * 64])  # 3 steps of 64 rows; the eval batch inserts none
+    items = table.column("item").to_pylist()
+    assert keys == {i for i, h in zip(items, held.tolist()) if not h}  # evaluation inserts no held-out id
     assert 2**63 - 1 in keys  # integer ids are taken as they are
 
 
@@ -186,3 +194,80 @@ def test_dynemb_numba_0_selects_the_torch_kernels(monkeypatch, value, expected):
     with use_backend("auto"):  # restores the process default afterwards
         cli._kernels_from_environment()
         assert get_default_backend().value == expected
+
+
+# ---------------------------------------------------------------------------------------------- hygiene
+def test_piped_output_stays_short(tmp_path):
+    """Not a terminal: no progress bar, a progress line every --log-every seconds, the JSON summary last."""
+    pq.write_table(clicks("string"), tmp_path / "clicks.parquet")
+    args = train_args("clicks.parquet", "--out", "run", "--log-every", "1", stop=["--steps", "400", "--batch-size",
+                                                                                   "16", "--dim", "4"])
+    proc = run_cli(*args, cwd=tmp_path)
+    result = summary(proc)
+    assert result["step"] == 400
+    assert "\r" not in proc.stderr and "it/s" not in proc.stderr  # no tqdm
+    lines = (proc.stdout + proc.stderr).splitlines()
+    progress = [line for line in lines if line.startswith("step ")]
+    assert 0 < len(progress) <= result["seconds"] + 1  # at most one a second, however many steps
+    assert len(lines) <= len(progress) + 3 and max(map(len, lines)) < 400, lines
+
+
+def test_help_shows_every_option_with_its_meaning_and_default():
+    from dynemb.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert {"train", "eval", "predict", "export", "serve-bench", "demo"} <= set(commands)
+    for name, command in commands.items():
+        text = " ".join(command.format_help().split())  # unwrapped
+        for action in command._actions:
+            if not action.option_strings or action.dest in ("help", "debug"):
+                continue
+            assert action.help, f"dynemb {name} {action.option_strings[0]} has no help"
+            if action.default is not None and action.default is not False:
+                assert f"(default: {action.default})" in text, f"dynemb {name} {action.option_strings[0]}"
+            elif not action.required and action.nargs != 0:  # no value by default: the help says what that means
+                assert "default" in action.help, f"dynemb {name} {action.option_strings[0]}"
+    assert "(default: 0.05)" in " ".join(commands["train"].format_help().split())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--eviction", "lfu"], "--eviction needs --max-capacity"),
+    (["--epochs", "2", "--steps", "3"], "argument --steps: not allowed with argument --epochs"),
+    (["--resume"], "--resume needs --out RUN_DIR"),
+    (["--eval-data", "x.parquet", "--eval-fraction", "0.1"], "--eval-fraction splits --data"),
+    (["--optimizer", "adamw"], "argument --optimizer: invalid choice: 'adamw'"),
+    (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+])
+def test_inconsistent_options_are_one_line_and_exit_2(tmp_path, capsys, args, message):
+    pq.write_table(clicks("string"), tmp_path / "clicks.parquet")
+    with pytest.raises(SystemExit) if "argument" in message else contextlib.nullcontext() as raised:
+        code = main(train_args(str(tmp_path / "clicks.parquet"), *args, stop=[]))
+    code = raised.value.code if raised else code
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and line.startswith("dynemb train: error: ") and message in line, line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_serve_bench_prints_a_short_table_or_json(tmp_path, capsys):
+    import dynemb
+    from dynemb.checkpoint import export_for_serving
+
+    emb = dynemb.DynamicEmbedding(4, seed=0)
+    emb(torch.arange(500))
+    export_for_serving(tmp_path / "export", emb)
+    common = ["serve-bench", "--export", str(tmp_path / "export"), "--batches", "5", "--batch-size", "64",
+              "--persistent", "none"]
+    assert main(common) == 0
+    table = capsys.readouterr().out.strip().splitlines()
+    assert len(table) <= 10 and any(line.startswith("latency p50 / p99") for line in table)
+    assert main([*common, "--json"]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(line)["requests"] == 5
+
+
+def test_synthetic_training_for_smoke_runs(tmp_path, capsys):
+    assert main(["train", "--synthetic", "--steps", "3", "--batch-size", "64", "--dim", "4", "--eval-batches", "1",
+                 "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["step"] == 3 and result["rows"] == 64  # the generator's separate eval split
+    assert (tmp_path / "run" / "model.json").is_file()

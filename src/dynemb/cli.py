@@ -1,6 +1,7 @@
-"""The ``dynemb`` command: ``demo``, ``train``, ``export`` and ``serve-bench``.
+"""The ``dynemb`` command: ``train``, ``eval``, ``predict``, ``export``, ``serve-bench`` and ``demo``.
 
-Errors print one line naming the problem and exit with status 2; ``--debug`` shows the traceback.
+Errors, in the options or in the data, print one line naming the problem and exit with status 2; ``--debug``
+shows the traceback. ``--help`` on each command lists every option with its default.
 
 Environment, read here and nowhere else in the library: ``DYNEMB_NUMBA=0`` runs every table index on the torch
 reference path instead of the numba CPU kernels (``dynemb.kernels.set_default_backend("torch")`` at startup);
@@ -12,59 +13,91 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 __all__ = ["main", "build_parser"]
+
+EVICTIONS = ("lru", "lfu", "epoch_lru", "epoch_lfu")
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
 
 
 class CliError(Exception):
     """A problem with the user's input, reported as one line."""
 
 
-# ---------------------------------------------------------------------------------------------- data sources
-def _csv(value: str | None) -> list[str]:
-    return [v for v in (value or "").split(",") if v]
+class _Parser(argparse.ArgumentParser):
+    """Option errors as one line (``dynemb train: error: ...``) and exit status 2, like data errors."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _data_source(args, batch_size: int):
-    """``(train batches factory, eval batches, categorical names, num_dense)`` from --synthetic or --data."""
-    if args.data is None:
-        from .data import SyntheticClickLog
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Each option's help ends with its default, unless the help already says it."""
 
-        log = SyntheticClickLog(batch_size=batch_size, seed=args.seed)
-        evals = [log.batch(i, "eval") for i in range(args.eval_batches)]
-        return (lambda start: log.batches("train", start=start)), evals, list(log.categorical_names), log.num_dense
-    from .data import FileReader
-
-    if not args.label or not args.categorical:
-        raise CliError("--data needs --label and --categorical (and usually --dense)")
-    reader = FileReader(args.data, label=args.label, categorical=_csv(args.categorical), dense=_csv(args.dense),
-                        batch_size=batch_size)
-    first = list(_take(iter(reader), args.eval_batches))
-    if not first:
-        raise CliError(f"{args.data}: the dataset is empty")
-
-    def train_batches(start: int):
-        import itertools
-
-        forever = itertools.chain.from_iterable(iter(reader) for _ in itertools.count())
-        return itertools.islice(forever, start, None)
-
-    return train_batches, first, _csv(args.categorical), len(_csv(args.dense))
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.option_strings and all(action.default is not v for v in (None, False, argparse.SUPPRESS))
+        if shown and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
-def _take(it, n):
-    for _, item in zip(range(n), it):
-        yield item
+def _csv(value: str | None) -> tuple[str, ...]:
+    return tuple(v for v in (value or "").split(",") if v)
 
 
-def _train_config(args):
+# ---------------------------------------------------------------------------------------------- commands
+def cmd_train(args) -> int:
+    import torch
+
+    from .job import RunSpec, train_run
+    from .job.fit import SYNTHETIC_STEPS
     from .train import TrainConfig
 
-    return TrainConfig(steps=args.steps, seconds=args.seconds, dim=args.dim, optimizer=args.optimizer, lr=args.lr,
-                       max_capacity=args.max_capacity, eviction=args.eviction, admission=args.admission,
-                       eval_every=args.eval_every, checkpoint_dir=args.checkpoint_dir,
-                       checkpoint_every=args.checkpoint_every, resume=args.resume)
+    _check_train_options(args)
+    torch.set_num_threads(args.threads)
+    _init_distributed()
+    stop_given = args.epochs or args.steps or args.seconds
+    epochs = args.epochs if stop_given else ("auto" if args.data else None)
+    steps = args.steps if stop_given else (None if args.data else SYNTHETIC_STEPS)
+    out = args.out or _timestamped(Path("runs"))
+    spec = RunSpec(out=str(out), data=args.data, eval_data=args.eval_data, format=args.format, label=args.label,
+                   categorical=_csv(args.categorical), multi_hot=_csv(args.multi_hot), dense=_csv(args.dense),
+                   list_separator=args.list_separator, eval_fraction=args.eval_fraction or 0.05, seed=args.seed,
+                   epochs=epochs, batch_size=args.batch_size, shuffle_buffer=args.shuffle_buffer,
+                   eval_batches=args.eval_batches, device=args.device, resume=args.resume)
+    cfg = TrainConfig(steps=steps, seconds=args.seconds, dim=args.dim, optimizer=args.optimizer, lr=args.lr,
+                      max_capacity=args.max_capacity, eviction=args.eviction, admission=args.admission,
+                      eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
+    summary = train_run(spec, cfg, progress=False if args.no_progress else None, log_every=args.log_every)
+    if not (_distributed_rank() or 0):
+        print(json.dumps(summary))
+    return 0
+
+
+def _check_train_options(args) -> None:
+    """Inconsistent options, as one-line errors (argparse checks each option alone)."""
+    if args.eviction and not args.max_capacity:
+        raise CliError("--eviction needs --max-capacity: only a bounded table evicts")
+    if args.resume and not args.out:
+        raise CliError("--resume needs --out RUN_DIR, the run to continue")
+    if args.eval_fraction is not None and args.eval_data:
+        raise CliError("--eval-fraction splits --data; it cannot be combined with --eval-data")
+    if args.synthetic and args.data:
+        raise CliError("--synthetic and --data exclude each other")
+    if args.data is None and (args.eval_data or args.epochs or args.format):
+        raise CliError("--eval-data, --epochs and --format need --data (synthetic data is an endless stream)")
+
+
+def _timestamped(root: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path, n = root / stamp, 1
+    while path.exists():
+        n += 1
+        path = root / f"{stamp}-{n}"
+    return path
 
 
 def _init_distributed() -> None:
@@ -76,75 +109,52 @@ def _init_distributed() -> None:
         dist.init_process_group("nccl" if os.environ.get("DYNEMB_BACKEND") == "nccl" else "gloo")
 
 
-# ---------------------------------------------------------------------------------------------- commands
-def cmd_train(args) -> int:
+def _distributed_rank() -> int | None:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
+def cmd_eval(args) -> int:
     import torch
 
-    if args.resume and not args.checkpoint_dir:
-        raise CliError("--resume needs --checkpoint-dir")
-
-    from .train import Trainer, build_dlrm
+    from .job import evaluate_file
 
     torch.set_num_threads(args.threads)
-    _init_distributed()
-    cfg = _train_config(args)
-    batches, evals, features, num_dense = _data_source(args, args.batch_size)
-    model = build_dlrm(num_dense, features, cfg)
-    trainer = Trainer(model, cfg)
-    if cfg.resume:
-        trainer.resume()
-        print(f"resumed from {cfg.checkpoint_dir} at step {trainer.step}")
-    history = trainer.fit(batches(trainer.step), evals, progress=not args.no_progress)
-    if trainer.rank != 0:  # under torchrun, rank 0 reports and writes the model card
-        return 0
-    last = history.steps[-1] if history.steps else {}
-    print(json.dumps({"step": trainer.step, "auc": round(history.last_auc, 4), "rows": last.get("rows"),
-                      "evicted": last.get("evicted")}))
-    if cfg.checkpoint_dir:
-        _write_model_card(Path(cfg.checkpoint_dir), features, num_dense, cfg)
+    print(json.dumps(evaluate_file(args.model, args.data, format=args.format, batch_size=args.batch_size,
+                                   device=args.device)))
     return 0
 
 
-def _write_model_card(root: Path, features, num_dense: int, cfg) -> None:
-    import dataclasses
+def cmd_predict(args) -> int:
+    import torch
 
-    from .checkpoint.fsutil import write_json
+    from .job import predict_file
 
-    write_json(root / "model.json", {"model": "dlrm", "features": list(features), "num_dense": num_dense,
-                                     "config": dataclasses.asdict(cfg)}, atomic=True)
-
-
-def _model_from_checkpoint(checkpoint_dir: Path):
-    from .checkpoint import load
-    from .train import TrainConfig, build_dlrm
-
-    card_path = checkpoint_dir / "model.json"
-    if not card_path.exists():
-        raise CliError(f"{checkpoint_dir}: no model.json; is this a `dynemb train --checkpoint-dir` directory?")
-    card = json.loads(card_path.read_text())
-    cfg = TrainConfig(**{**card["config"], "resume": False, "checkpoint_dir": None})
-    model = build_dlrm(card["num_dense"], card["features"], cfg)
-    load(checkpoint_dir, model, strict=False)
-    return model
+    torch.set_num_threads(args.threads)
+    print(json.dumps(predict_file(args.model, args.data, args.out, format=args.format, batch_size=args.batch_size,
+                                  device=args.device)))
+    return 0
 
 
 def cmd_export(args) -> int:
     from .checkpoint import export_for_serving
+    from .job import load_model
 
-    model = _model_from_checkpoint(Path(args.checkpoint_dir))
+    model, _ = load_model(Path(args.model))
     out = export_for_serving(args.out, model)
     print(f"exported to {out}")
     return 0
 
 
 def cmd_serve_bench(args) -> int:
-    from .serving.bench import serve_bench
+    from .serving.bench import serve_bench, summary_table
 
     result = serve_bench(args.export, volatile=args.volatile, redis_address=args.redis_address,
                          persistent=args.persistent, persistent_path=args.persistent_path,
                          cache_fraction=args.cache_fraction, batch_size=args.batch_size, batches=args.batches,
                          alpha=args.alpha)
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result) if args.json else summary_table(result))
     return 0
 
 
@@ -157,70 +167,123 @@ def cmd_demo(args) -> int:
 
 # ---------------------------------------------------------------------------------------------- parser
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    src = p.add_argument_group("data")
-    src.add_argument("--data", help="Parquet/CSV file or directory (default: --synthetic)")
-    src.add_argument("--synthetic", action="store_true", help="train on synthetic click logs (the default)")
-    src.add_argument("--label", help="label column (0/1)")
-    src.add_argument("--categorical", help="comma-separated categorical columns (string or int ids)")
-    src.add_argument("--dense", help="comma-separated dense columns")
-    src.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--seconds", type=float, default=None, help="stop after this many seconds of training")
-    p.add_argument("--batch-size", type=int, default=2048)
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--optimizer", default="adagrad", help="sgd, adagrad, rowwise_adagrad, adam or ftrl")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--max-capacity", type=int, default=None, help="rows per table; evicts beyond it")
-    p.add_argument("--eviction", default=None, help="lru (default), lfu, epoch_lru, epoch_lfu")
-    p.add_argument("--admission", type=int, default=None, help="store an id from its N-th sighting")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=4)
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    data = p.add_argument_group("data")
+    data.add_argument("--data", metavar="PATH", help="training data: a Parquet, CSV or Criteo TSV file, or a "
+                      "directory of them (default: synthetic click logs)")
+    data.add_argument("--synthetic", action="store_true", help="train on synthetic click logs (what no --data "
+                      "means; for torchrun smoke runs)")
+    data.add_argument("--eval-data", metavar="PATH", help="held-out data (default: hold out --eval-fraction of "
+                      "--data)")
+    data.add_argument("--eval-fraction", type=float, metavar="F", help="share of --data's rows held out from "
+                      "training, chosen by a seeded hash of the row number (default: 0.05)")
+    data.add_argument("--format", choices=("parquet", "csv", "criteo"), help="format of the files (default: from "
+                      "the suffix: .parquet, .csv/.tsv, .criteo/.txt, each optionally compressed)")
+    data.add_argument("--label", help="label column, values 0/1 (default for a Criteo file: 'label')")
+    data.add_argument("--categorical", metavar="C1,C2", help="categorical columns: string or integer ids, one "
+                      "table each (a Criteo file: default C1..C26)")
+    data.add_argument("--multi-hot", metavar="M1,M2", help="list columns (list<string>, list<int>; in CSV, ids "
+                      "separated by --list-separator), mean-pooled per row (default: none)")
+    data.add_argument("--dense", metavar="D1,D2", help="dense numeric columns, normalized by sign(x)*log1p(|x|) "
+                      "then standardized over the training rows (a Criteo file: default I1..I13; else none)")
+    data.add_argument("--list-separator", default="|", metavar="C", help="separator of the ids of a multi-hot "
+                      "CSV field")
+    data.add_argument("--seed", type=int, default=0, help="seed of the held-out split, the shuffles and the "
+                      "synthetic data")
+    data.add_argument("--shuffle-buffer", type=int, default=500_000, metavar="ROWS", help="each epoch is "
+                      "shuffled within a window of twice this many rows (the whole data when it fits)")
+    run = p.add_argument_group("run")
+    run.add_argument("--out", metavar="RUN_DIR", help="run directory: final checkpoint, model.json, "
+                     "metrics.jsonl, loss_auc.png (default: runs/<UTC timestamp>)")
+    stop = run.add_mutually_exclusive_group()
+    stop.add_argument("--epochs", type=int, metavar="N", help="passes over the training rows (default: whole "
+                      "epochs for at least 1000 steps, at most 10, one pass of a data set over 1M rows; 500 steps "
+                      "of synthetic data)")
+    stop.add_argument("--steps", type=int, metavar="N", help="stop after N steps, over as many epochs as needed "
+                      "(default: see --epochs)")
+    stop.add_argument("--seconds", type=float, metavar="S", help="stop after S seconds of training (default: no time limit)")
+    run.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    run.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also checkpoint every N steps "
+                     "(0: only the final checkpoint; the 3 newest are kept)")
+    run.add_argument("--eval-every", type=int, default=100, metavar="N", help="evaluate --eval-batches held-out "
+                     "batches every N steps (and every held-out row at the end)")
+    run.add_argument("--eval-batches", type=int, default=4, metavar="N", help="held-out batches of each periodic "
+                     "evaluation")
+    run.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    run.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    run.add_argument("--log-every", type=float, default=10.0, metavar="S", help="without a terminal: seconds "
+                     "between progress lines on stderr (a terminal gets a progress bar)")
+    run.add_argument("--no-progress", action="store_true", help="neither a progress bar nor progress lines")
+    model = p.add_argument_group("model")
+    model.add_argument("--batch-size", type=int, default=512, help="samples per step")
+    model.add_argument("--dim", type=int, default=16, help="embedding width")
+    model.add_argument("--optimizer", default="adagrad", choices=OPTIMIZERS, help="sparse optimizer of the tables")
+    model.add_argument("--lr", type=float, default=0.05, help="learning rate of the tables (the MLPs use Adam, 1e-3)")
+    model.add_argument("--max-capacity", type=int, metavar="ROWS", help="rows per table; evicts beyond it "
+                       "(default: unbounded)")
+    model.add_argument("--eviction", choices=EVICTIONS, help="eviction policy; needs --max-capacity (default: lru)")
+    model.add_argument("--admission", type=int, metavar="N", help="store an id from its N-th sighting (default: "
+                       "at once)")
+
+
+def _add_scoring_args(p: argparse.ArgumentParser, out_help: str | None) -> None:
+    p.add_argument("--model", required=True, metavar="RUN_DIR", help="a `dynemb train` run directory")
+    p.add_argument("--data", required=True, metavar="PATH", help="a file or directory with the model's columns")
+    if out_help:
+        p.add_argument("--out", required=True, metavar="PREDS.parquet", help=out_help)
+    p.add_argument("--format", choices=("parquet", "csv", "criteo"), help="format of the files (default: from "
+                   "the suffix)")
+    p.add_argument("--batch-size", type=int, default=65536, help="rows per forward pass")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--no-progress", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dynemb", description="Dynamic embedding tables for PyTorch: train, "
-                                     "checkpoint, export and serve CTR models.")
+    parser = _Parser(prog="dynemb", description="Dynamic embedding tables for PyTorch: train, evaluate, score, "
+                     "export and serve CTR models.", formatter_class=_Help)
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     # Also accepted after the command (`dynemb train ... --debug`); SUPPRESS keeps a flag given before it.
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    demo = sub.add_parser("demo", parents=[debug],
-                          help="train on synthetic data, export, serve, and write demo-report/")
-    demo.add_argument("--seconds", type=float, default=120.0, help="training time budget")
+    def command(name: str, help: str, func, description: str | None = None) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[debug], help=help, description=description or help, formatter_class=_Help)
+        p.set_defaults(func=func)
+        return p
+
+    train = command("train", "train a DLRM on a file (or synthetic click logs) into a run directory", cmd_train,
+                    "Train a DLRM into a run directory and print the held-out metrics as the last line (JSON).\n"
+                    "Held-out rows never reach training.")
+    _add_train_args(train)
+    _add_scoring_args(command("eval", "held-out metrics of a trained run on a file: JSON {auc, logloss, rows}",
+                              cmd_eval), None)
+    _add_scoring_args(command("predict", "score every row of a file into a Parquet file of probabilities",
+                              cmd_predict), "output Parquet file: a float32 'probability' column per input row, "
+                      "in input order, and the label column when the input has one")
+
+    export = command("export", "turn a run's final model into a serving export", cmd_export)
+    export.add_argument("--model", required=True, metavar="RUN_DIR", help="a `dynemb train` run directory")
+    export.add_argument("--out", required=True, metavar="EXPORT_DIR", help="export root (version-N/ is added)")
+
+    bench = command("serve-bench", "load a serving export into a parameter server and time lookups",
+                    cmd_serve_bench)
+    bench.add_argument("--export", required=True, help="a directory written by `dynemb export`")
+    bench.add_argument("--volatile", default="memory", choices=["memory", "redis"], help="volatile store")
+    bench.add_argument("--redis-address", default="127.0.0.1:6379", help="host:port of the redis store")
+    bench.add_argument("--persistent", default="lmdb", choices=["lmdb", "rocksdb", "none"], help="persistent store")
+    bench.add_argument("--persistent-path", help="where the persistent store lives (default: a temp dir)")
+    bench.add_argument("--cache-fraction", type=float, default=0.2, help="share of each table's rows cached")
+    bench.add_argument("--batch-size", type=int, default=1024, help="ids per table per request")
+    bench.add_argument("--batches", type=int, default=200, help="timed requests")
+    bench.add_argument("--alpha", type=float, default=1.2, help="power-law exponent of the lookup traffic")
+    bench.add_argument("--json", action="store_true", help="print the full result as one JSON line instead of a "
+                       "table")
+
+    demo = command("demo", "synthetic data -> train -> eval -> predict -> export -> serve-bench, with a report",
+                   cmd_demo)
+    demo.add_argument("--seconds", type=float, default=75.0, help="training time budget")
     demo.add_argument("--out", default="demo-report", help="report directory")
     demo.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    demo.set_defaults(func=cmd_demo)
-
-    train = sub.add_parser("train", parents=[debug],
-                           help="train a DLRM on click logs (synthetic, Parquet or CSV)")
-    _add_train_args(train)
-    train.set_defaults(func=cmd_train)
-
-    export = sub.add_parser("export", parents=[debug],
-                            help="turn a training checkpoint into a serving export")
-    export.add_argument("--checkpoint-dir", required=True)
-    export.add_argument("--out", required=True)
-    export.set_defaults(func=cmd_export)
-
-    bench = sub.add_parser("serve-bench", parents=[debug],
-                           help="load a serving export into a parameter server and time lookups")
-    bench.add_argument("--export", required=True, help="a directory written by `dynemb export`")
-    bench.add_argument("--volatile", default="memory", choices=["memory", "redis"])
-    bench.add_argument("--redis-address", default="127.0.0.1:6379")
-    bench.add_argument("--persistent", default="lmdb", choices=["lmdb", "rocksdb", "none"])
-    bench.add_argument("--persistent-path", default=None)
-    bench.add_argument("--cache-fraction", type=float, default=0.2)
-    bench.add_argument("--batch-size", type=int, default=1024)
-    bench.add_argument("--batches", type=int, default=200)
-    bench.add_argument("--alpha", type=float, default=1.2, help="power-law exponent of the lookup traffic")
-    bench.set_defaults(func=cmd_serve_bench)
     return parser
 
 

@@ -1,11 +1,20 @@
-"""``dynemb demo``: train a DLRM on synthetic click logs, checkpoint, export, serve, and report.
+"""``dynemb demo``: the main job end to end on synthetic files, through the same commands a user runs.
 
-Writes ``demo-report/``: PNG plots (loss and AUC, table growth and evictions, cache hit rate), ``summary.json``
-and ``summary.md``; the checkpoint, the serving export and the LMDB store live there too.
+1. write a synthetic, Criteo-shaped click log (26 categorical, 13 dense columns, labels from a hidden model) as
+   ``data/train.parquet`` and, from a separate split, ``data/eval.parquet``;
+2. ``dynemb train`` on the training file (5% of its rows held out) into ``run/``;
+3. ``dynemb eval`` on the separate file, next to the hidden model's AUC on it (the ceiling);
+4. ``dynemb predict`` on it into ``predictions.parquet``;
+5. ``dynemb export`` and ``dynemb serve-bench`` (memory + LMDB, 20% cache, power-law traffic).
+
+Each command is printed before it runs, as a user would type it. The report directory gets ``summary.json``,
+``summary.md`` and plots: ``run/loss_auc.png``, ``tables.png`` (rows held by step) and ``cache_hit_rate.png``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import time
@@ -13,119 +22,114 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import export_for_serving, save
 from .data import SyntheticClickLog, auc
-from .serving.bench import serve_bench
-from .train import Trainer, TrainConfig, build_dlrm
+from .data.writers import write_synthetic
+from .serving.bench import summary_table
 
-__all__ = ["run_demo"]
+__all__ = ["run_demo", "DEMO_LOG", "TRAIN_BATCHES", "EVAL_BATCHES"]
 
-# Embedded defaults: a Criteo-shaped stream, tables bounded so that eviction shows within two minutes.
-BATCH_SIZE = 2048
-TRAIN = TrainConfig(steps=100_000, dim=16, optimizer="adagrad", lr=0.05, max_capacity=50_000, eviction="lfu",
-                    eval_every=25)
+# Embedded defaults: Criteo's shape (26 categorical, 13 dense columns), 500 ids per feature under a power law.
+DEMO_LOG = SyntheticClickLog(batch_size=8192, vocab_sizes=500, seed=0)
+TRAIN_BATCHES, EVAL_BATCHES = 100, 4  # 819,200 training rows, 32,768 evaluation rows
 
 
-def run_demo(seconds: float = 120.0, out_dir: str | Path = "demo-report", threads: int = 1) -> dict:
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
+def run_demo(seconds: float = 75.0, out_dir: str | Path = "demo-report", threads: int = 1,
+             train_batches: int = TRAIN_BATCHES) -> dict:
+    """Run the steps of the module docstring; returns (and writes) the summary."""
     out = Path(out_dir)
-    for sub in ("checkpoint", "export"):
-        shutil.rmtree(out / sub, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    data = SyntheticClickLog(batch_size=BATCH_SIZE, seed=0)
-    cfg = TrainConfig(**{**TRAIN.__dict__, "seconds": seconds})
-    print(f"1/4 training a DLRM (26 dynamic tables, dim {cfg.dim}, <= {cfg.max_capacity:,} rows each, "
-          f"{cfg.eviction} eviction) for {seconds:.0f} s")
-    trainer = Trainer(build_dlrm(data.num_dense, data.categorical_names, cfg), cfg)
-    evals = [data.batch(i, "eval") for i in range(8)]
+    for sub in ("data", "run", "export", "lmdb", "predictions.parquet"):
+        path = out / sub
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    (out / "data").mkdir(parents=True)
+    log = DEMO_LOG
     started = time.perf_counter()
-    history = trainer.fit(data.batches("train"), evals)
-    train_seconds = time.perf_counter() - started
+    print(f"1/5 writing synthetic click logs: {out / 'data/train.parquet'} ({train_batches * log.batch_size:,} rows)"
+          f" and {out / 'data/eval.parquet'} ({EVAL_BATCHES * log.batch_size:,} rows of a separate split)")
+    train_file = write_synthetic(log, out / "data/train.parquet", train_batches)
+    eval_file = write_synthetic(log, out / "data/eval.parquet", EVAL_BATCHES, split="eval")
+    evals = [log.batch(i, "eval") for i in range(EVAL_BATCHES)]
+    ceiling = auc(torch.cat([log.logits(b) for b in evals]), torch.cat([b.labels for b in evals]))
 
-    print("2/4 saving a checkpoint and exporting for serving")
-    started = time.perf_counter()
-    save(out / "checkpoint", trainer.model, trainer.optimizer, step=trainer.step)
-    export = export_for_serving(out / "export", trainer.model)
-    io_seconds = time.perf_counter() - started
-
-    print("3/4 serving: in-process memory store + LMDB, 20% cache, power-law lookups (alpha 1.2)")
-    serving = serve_bench(export, volatile="memory", persistent="lmdb", persistent_path=str(out / "lmdb"),
-                          cache_fraction=0.2, batch_size=1024, batches=120, alpha=1.2, progress=True)
+    threads_arg = ["--threads", str(threads)]
+    trained = _dynemb("2/5", "train", "--data", train_file, "--label", "label", "--categorical",
+                      ",".join(log.categorical_names), "--dense", ",".join(log.dense_names), "--out", out / "run",
+                      "--seconds", seconds, *threads_arg)
+    evaluated = _dynemb("3/5", "eval", "--model", out / "run", "--data", eval_file, *threads_arg)
+    predicted = _dynemb("4/5", "predict", "--model", out / "run", "--data", eval_file, "--out",
+                        out / "predictions.parquet", *threads_arg)
+    _dynemb("5/5", "export", "--model", out / "run", "--out", out / "export", parse=False)
+    serving = _dynemb("   ", "serve-bench", "--export", out / "export", "--persistent-path", out / "lmdb",
+                      "--batches", "120", "--json", echo=summary_table)
     shutil.rmtree(out / "lmdb", ignore_errors=True)
 
-    tables = trainer.model.embeddings.dynemb_tables()
-    last = history.steps[-1]
-    ceiling = auc(torch.cat([data.logits(b) for b in evals]), torch.cat([b.labels for b in evals]))
     summary = {
-        "auc": round(history.last_auc, 4),
-        "auc_ceiling": round(float(ceiling), 4),
-        "steps": trainer.step,
-        "train_samples_per_s": round(trainer.step * BATCH_SIZE / train_seconds),
-        "rows_total": sum(t.size() for t in tables),
-        "rows_largest_table": max(t.size() for t in tables),
-        "evicted_total": last["evicted"],
-        "table_memory_mb": round(last["table_bytes"] / 2**20, 1),
-        "checkpoint_and_export_s": round(io_seconds, 2),
-        "serving_p50_ms": round(serving["p50_ms"], 2),
-        "serving_p99_ms": round(serving["p99_ms"], 2),
-        "serving_qps": round(serving["qps"], 1),
-        "cache_hit_rate": round(serving["hit_rate"], 4),
+        "held_out_auc": trained["auc"], "eval_file_auc": evaluated["auc"], "auc_ceiling": round(float(ceiling), 4),
+        "eval_file_logloss": evaluated["logloss"], "train_steps": trained["step"],
+        "train_samples_per_s": round(trained["samples"] / max(trained["seconds"], 1e-9)),
+        "table_rows": trained["table_rows"], "predict_rows_per_s": predicted["rows_per_s"],
+        "serving_p50_ms": round(serving["p50_ms"], 2), "serving_p99_ms": round(serving["p99_ms"], 2),
+        "serving_qps": round(serving["qps"], 1), "cache_hit_rate": round(serving["hit_rate"], 4),
+        "total_seconds": round(time.perf_counter() - started, 1),
     }
-    print("4/4 writing the report to", out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.md").write_text(_markdown(summary))
-    _plots(out, history, serving)
+    _plots(out, serving)
+    print(f"report in {out}:")
     print(_markdown(summary))
     return summary
 
 
+def _dynemb(step: str, *args, parse: bool = True, echo=None):
+    """Print ``$ dynemb ARGS``, run it in this process, echo its output (through ``echo(result)`` when given);
+    returns the last line as JSON when ``parse``."""
+    from .cli import main  # the command itself, as a user runs it (cli imports this module when asked to)
+
+    argv = [str(a) for a in args]
+    print(f"{step} $ dynemb {' '.join(argv)}", flush=True)
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        code = main(argv)
+    text = captured.getvalue().strip()
+    if code != 0:
+        raise RuntimeError(f"dynemb {argv[0]} failed with status {code}")
+    result = json.loads(text.splitlines()[-1]) if parse else text
+    shown = echo(result) if echo else text
+    print("\n".join("      " + line for line in shown.splitlines()), flush=True)
+    return result
+
+
+_LABELS = {
+    "held_out_auc": "held-out AUC (5% of the training file)", "eval_file_auc": "AUC on the separate eval file",
+    "auc_ceiling": "AUC of the hidden model on that file (ceiling)", "eval_file_logloss": "log loss on it",
+    "train_steps": "training steps (batch 512)", "train_samples_per_s": "train throughput (samples/s)",
+    "table_rows": "rows in all tables", "predict_rows_per_s": "predict: rows/s (read, score, write)",
+    "serving_p50_ms": "serving p50 (ms / 26x1024 ids)", "serving_p99_ms": "serving p99 (ms)",
+    "serving_qps": "serving requests/s", "cache_hit_rate": "cache hit rate", "total_seconds": "wall time (s)",
+}
+
+
 def _markdown(summary: dict) -> str:
-    labels = {
-        "auc": "held-out AUC", "auc_ceiling": "AUC of the hidden ground-truth model (ceiling)", "steps": "training steps", "train_samples_per_s": "train throughput (samples/s)",
-        "rows_total": "rows in all tables", "rows_largest_table": "rows in the largest table",
-        "evicted_total": "rows evicted", "table_memory_mb": "table memory (MiB)",
-        "checkpoint_and_export_s": "checkpoint + export (s)", "serving_p50_ms": "serving p50 (ms / 26x1024 ids)",
-        "serving_p99_ms": "serving p99 (ms)", "serving_qps": "serving requests/s", "cache_hit_rate": "cache hit rate",
-    }
-    width = max(len(v) for v in labels.values())
-    lines = ["| metric | value |", "|---|---|"] + [f"| {labels[k]:<{width}} | {v} |" for k, v in summary.items()]
+    width = max(len(v) for v in _LABELS.values())
+    lines = ["| metric | value |", "|---|---|"] + [f"| {_LABELS[k]:<{width}} | {v} |" for k, v in summary.items()]
     return "\n".join(lines) + "\n"
 
 
-def _plots(out: Path, history, serving: dict) -> None:
-    import matplotlib
-
+def _plots(out: Path, serving: dict) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in history.steps]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    window = 20
-    loss = torch.tensor([r["loss"] for r in history.steps])
-    smooth = loss.unfold(0, window, 1).mean(1).tolist() if len(loss) >= window else loss.tolist()
-    ax.plot(steps[len(steps) - len(smooth):], smooth, label=f"train loss ({window}-step mean)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("BCE loss")
-    ax2 = ax.twinx()
-    ax2.plot([e["step"] for e in history.evals], [e["auc"] for e in history.evals], "o-", color="tab:orange",
-             label="held-out AUC")
-    ax2.set_ylabel("AUC")
-    fig.legend(loc="lower center", ncol=2)
-    fig.suptitle("Training")
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(out / "loss_auc.png", dpi=110)
-    plt.close(fig)
+    from .job.report import read_metrics
 
+    train = [r for r in read_metrics(out / "run" / "metrics.jsonl") if r["kind"] == "train"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["rows"] for r in history.steps], label="rows in all tables")
+    ax.plot([r["step"] for r in train], [r["table_rows"] if "table_rows" in r else r["rows"] for r in train])
     ax.set_xlabel("step")
-    ax.set_ylabel("rows held")
-    ax2 = ax.twinx()  # evictions grow without bound while rows stay capped: separate axes keep both readable
-    ax2.plot(steps, [r["evicted"] for r in history.steps], color="tab:orange", label="rows evicted (cumulative)")
-    ax2.set_ylabel("rows evicted")
-    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.88), ncol=2)
-    ax.set_title("Table growth and eviction (max 50k rows per table, LFU)")
+    ax.set_ylabel("rows in all tables")
+    ax.set_title("Table growth (26 dynamic tables)")
     fig.tight_layout()
     fig.savefig(out / "tables.png", dpi=110)
     plt.close(fig)

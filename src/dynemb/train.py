@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
+import sys
 import time
-from typing import Iterable, Iterator, Optional
+import warnings
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ class TrainConfig:
     """Training settings.
 
     Attributes:
-        steps: most training steps.
+        steps: most training steps (``None``: until the batches run out).
         seconds: stop after this much training time as well (``None``: no time limit).
         dim: embedding width.
         optimizer: sparse optimizer of the tables: one of :data:`SPARSE_OPTIMIZERS`.
@@ -45,11 +46,12 @@ class TrainConfig:
         eviction: eviction policy of bounded tables.
         admission: a new id gets a row from its ``admission``-th sighting (``None``: at once).
         eval_every: evaluate AUC every this many steps (and at the end).
-        checkpoint_dir: save checkpoints there every ``checkpoint_every`` steps and at the end.
+        checkpoint_dir: save checkpoints there every ``checkpoint_every`` steps and at the end (once: a final
+            step that is a multiple of ``checkpoint_every`` is saved once).
         resume: continue from the newest checkpoint in ``checkpoint_dir``.
     """
 
-    steps: int = 1000
+    steps: Optional[int] = 1000
     seconds: Optional[float] = None
     dim: int = 16
     optimizer: str = "adagrad"
@@ -66,8 +68,10 @@ class TrainConfig:
     def __post_init__(self):
         if self.optimizer not in SPARSE_OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {sorted(SPARSE_OPTIMIZERS)}, got {self.optimizer!r}")
-        for name in ("steps", "dim", "eval_every"):
+        check_int(self.steps, "steps", minimum=1, allow_none=True)
+        for name in ("dim", "eval_every"):
             check_int(getattr(self, name), name, minimum=1)
+        check_int(self.checkpoint_every, "checkpoint_every", minimum=0)
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume=True needs checkpoint_dir")
 
@@ -83,7 +87,9 @@ def build_dlrm(num_dense: int, features: Iterable[str], cfg: TrainConfig) -> DLR
         embeddings = DistributedEmbeddingCollection(tables, feats)
     else:
         embeddings = EmbeddingCollection(tables, feats)
-    return DLRM(num_dense, embeddings, cfg.dim)
+    with warnings.catch_warnings():  # no dense columns: the bottom MLP's first layer is empty, which is fine
+        warnings.filterwarnings("ignore", "Initializing zero-element tensors")
+        return DLRM(num_dense, embeddings, cfg.dim)
 
 
 @dataclasses.dataclass
@@ -122,6 +128,7 @@ class Trainer:
         self.optimizer = CombinedOptimizer({"sparse": model.embeddings.optimizer,
                                             "dense": torch.optim.Adam(dense, lr=cfg.dense_lr)})
         self.step = 0
+        self._saved_step: Optional[int] = None
         self.history = History()
         self.loss_fn = nn.BCEWithLogitsLoss()
 
@@ -131,23 +138,42 @@ class Trainer:
         from .checkpoint import load
 
         manifest = load(self.cfg.checkpoint_dir, self.model, self.optimizer)
-        self.step = int(manifest["step"])
+        self.step = self._saved_step = int(manifest["step"])
         return self.step
 
     def save(self) -> None:
+        """Checkpoint the current step into ``checkpoint_dir`` (nothing if this step is saved already)."""
         from .checkpoint import save
 
+        if self._saved_step == self.step:
+            return
         save(self.cfg.checkpoint_dir, self.model, self.optimizer, step=self.step, keep_last=3,
              extra={"config": dataclasses.asdict(self.cfg)})
+        self._saved_step = self.step
 
     # ------------------------------------------------------------------ loop
-    def fit(self, batches: Iterator[Batch], eval_batches: list[Batch], progress: bool = True) -> History:
-        """Train until ``steps`` or ``seconds``; ``batches`` must start at the current step (see resume)."""
+    def fit(self, batches: Iterator[Batch], eval_batches: list[Batch], progress: Optional[bool] = None,
+            on_metrics: Optional[Callable[[str, dict], None]] = None, log_every: float = 10.0) -> History:
+        """Train until ``steps``, ``seconds`` or the end of ``batches``, which must start at the current step
+        (see :meth:`resume`).
+
+        Args:
+            batches: training batches.
+            eval_batches: evaluated every ``eval_every`` steps and at the end.
+            progress: a progress bar (``True``), a log line to stderr every ``log_every`` seconds (``False``), or
+                (``None``) a bar when stderr is a terminal and log lines otherwise. Only rank 0 reports.
+            on_metrics: called with ``("train", row)`` after each step and ``("eval", row)`` after each
+                evaluation (the rows of :class:`History`).
+            log_every: seconds between log lines.
+        """
         cfg, model = self.cfg, self.model
         model.train()
-        bar = _progress(None if cfg.seconds else cfg.steps, self.step, progress and self.rank == 0)
+        report = on_metrics or (lambda kind, row: None)
+        bar = _progress(None if cfg.seconds or cfg.steps is None else cfg.steps, self.step, progress,
+                        self.rank == 0, log_every)
         start, samples = time.perf_counter(), 0
-        for batch in itertools.islice(batches, max(cfg.steps - self.step, 0)):
+        remaining = None if cfg.steps is None else max(cfg.steps - self.step, 0)
+        for batch in itertools.islice(batches, remaining):
             loss = self.loss_fn(model(batch), batch.labels)
             loss.backward()
             self.optimizer.step()
@@ -158,18 +184,20 @@ class Trainer:
             row = {"step": self.step, "loss": loss.item(), "samples_per_s": samples / max(elapsed, 1e-9),
                    **self.table_stats()}
             self.history.steps.append(row)
+            report("train", row)
             if self.step % cfg.eval_every == 0:
-                self.evaluate(eval_batches)
+                report("eval", self.evaluate(eval_batches))
             if cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.save()
-            bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", auc=f"{self.history.last_auc:.4f}",
-                            rows=row["rows"], evicted=row["evicted"], sps=f"{row['samples_per_s']:.0f}")
+                            rows=row["rows"], evicted=row["evicted"], sps=f"{row['samples_per_s']:.0f}",
+                            refresh=False)
+            bar.update(1)
             if cfg.seconds is not None and elapsed >= cfg.seconds:
                 break
         bar.close()
         if not self.history.evals or self.history.evals[-1]["step"] != self.step:
-            self.evaluate(eval_batches)
+            report("eval", self.evaluate(eval_batches))
         if cfg.checkpoint_dir:
             self.save()
         return self.history
@@ -191,8 +219,33 @@ class Trainer:
                 "table_bytes": sum(t.nbytes() for t in tables)}
 
 
-def _progress(total: Optional[int], initial: int, enabled: bool):
-    from tqdm.auto import tqdm
+def _progress(total: Optional[int], initial: int, progress: Optional[bool], enabled: bool, log_every: float):
+    """A tqdm bar on a terminal (or when ``progress``), else a :class:`LogLines` reporter."""
+    if enabled and (progress or (progress is None and sys.stderr.isatty())):
+        from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True,
-                mininterval=0.5 if enabled else math.inf)
+        return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=0.5)
+    return LogLines(initial, log_every if enabled else None)
+
+
+class LogLines:
+    """The progress bar's interface for logs and pipes: one short line to stderr every ``every`` seconds (none
+    when ``every`` is ``None``), e.g. ``step 1200  loss 0.4512  auc 0.7710  rows 123,456  8,210 samples/s``."""
+
+    def __init__(self, initial: int, every: Optional[float]) -> None:
+        self.step, self.every = initial, every
+        self.last = time.monotonic()
+        self.postfix: dict = {}
+
+    def update(self, n: int = 1) -> None:
+        self.step += n
+        if self.every is not None and time.monotonic() - self.last >= self.every:
+            self.last = time.monotonic()
+            fields = "  ".join(f"{k} {v}" for k, v in self.postfix.items())
+            print(f"step {self.step}  {fields}", file=sys.stderr, flush=True)
+
+    def set_postfix(self, refresh: bool = True, **fields) -> None:
+        self.postfix = fields
+
+    def close(self) -> None:
+        pass

@@ -136,7 +136,7 @@ def test_unreadable_files(tmp_path):
     with pytest.raises(ValueError, match=r"data\.json: unknown file type"):
         FileReader(_write(tmp_path, "data.json", "{}"), label="y", categorical=["c"])
     (tmp_path / "empty_dir").mkdir()
-    with pytest.raises(ValueError, match=r"empty_dir: the directory holds no \.parquet or \.csv files"):
+    with pytest.raises(ValueError, match=r"empty_dir: the directory holds no \.parquet, \.csv or \.criteo files"):
         FileReader(tmp_path / "empty_dir", label="y", categorical=["c"])
 
 
@@ -192,10 +192,12 @@ def test_bad_values(tmp_path):
     "kwargs, error, message",
     [
         ({"categorical": "c"}, TypeError, "categorical must be a list of column names"),
-        ({"categorical": []}, ValueError, "categorical must name at least one column"),
+        ({"categorical": []}, ValueError, "categorical must name at least one column \\(or multi_hot\\)"),
         ({"categorical": ["c", "c"]}, ValueError, "column 'c' is named twice"),
         ({"categorical": ["y"]}, ValueError, "column 'y' is named twice"),
-        ({"label": None}, TypeError, "label must be a non-empty column name"),
+        ({"label": ""}, TypeError, "label must be a non-empty column name"),
+        ({"multi_hot": ["c"]}, ValueError, "column 'c' is named twice"),
+        ({"list_separator": "||"}, ValueError, "list_separator must be one character"),
         ({"format": "orc"}, ValueError, "format must be"),
         ({"delimiter": ",,"}, ValueError, "delimiter must be"),
         ({"batch_size": 0}, ValueError, "batch_size"),

@@ -1,4 +1,5 @@
-"""The mini-batch type shared by the synthetic generator and the file readers."""
+"""The mini-batch type shared by the synthetic generator and the file readers, and the row operations on it
+(concatenate, slice, gather) that keep multi-hot bags whole."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["Batch"]
+__all__ = ["Batch", "concat_batches", "slice_rows", "take_rows"]
 
 
 def _describe(t) -> str:
@@ -84,3 +85,67 @@ class Batch:
             self.labels.to(device, non_blocking=non_blocking),
             move(self.offsets),
         )
+
+
+def concat_batches(batches) -> Batch:
+    """The samples of ``batches`` (a non-empty sequence with the same features) in order, as one batch.
+
+    Shape:
+        ``B_1, B_2, ...`` samples -> ``sum(B_i)`` samples; a multi-hot feature's ids are concatenated and its
+        offsets rebased.
+    """
+    batches = list(batches)
+    if len(batches) == 1:
+        return batches[0]
+    first = batches[0]
+    offsets = {}
+    for name in first.offsets:
+        parts = [b.offsets[name] for b in batches]
+        ends = torch.stack([p[-1] for p in parts])
+        shifts = torch.cumsum(ends, 0) - ends
+        offsets[name] = torch.cat([p[:-1] + s for p, s in zip(parts, shifts)] + [ends.sum().reshape(1)])
+    return Batch(
+        torch.cat([b.dense for b in batches]),
+        {name: torch.cat([b.sparse[name] for b in batches]) for name in first.sparse},
+        torch.cat([b.labels for b in batches]),
+        offsets,
+    )
+
+
+def slice_rows(batch: Batch, start: int, stop: int) -> Batch:
+    """Samples ``start:stop`` of ``batch`` (views, no copy)."""
+    sparse, offsets = {}, {}
+    for name, ids in batch.sparse.items():
+        if name in batch.offsets:
+            bounds = batch.offsets[name][start : stop + 1]
+            sparse[name] = ids[int(bounds[0]) : int(bounds[-1])]
+            offsets[name] = bounds - bounds[0]
+        else:
+            sparse[name] = ids[start:stop]
+    return Batch(batch.dense[start:stop], sparse, batch.labels[start:stop], offsets)
+
+
+def take_rows(batch: Batch, index: torch.Tensor) -> Batch:
+    """The samples of ``batch`` at ``index`` (int64, any order, repeats allowed), as a new batch.
+
+    Shape:
+        ``index``: ``[K]`` -> a batch of ``K`` samples; a multi-hot sample keeps its whole bag.
+    """
+    sparse, offsets = {}, {}
+    for name, ids in batch.sparse.items():
+        if name in batch.offsets:
+            sparse[name], offsets[name] = _take_bags(ids, batch.offsets[name], index)
+        else:
+            sparse[name] = ids.index_select(0, index)
+    return Batch(batch.dense.index_select(0, index), sparse, batch.labels.index_select(0, index), offsets)
+
+
+def _take_bags(ids: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = offsets[:-1].index_select(0, index)
+    lengths = offsets[1:].index_select(0, index) - starts
+    new = torch.zeros(index.numel() + 1, dtype=torch.int64, device=offsets.device)
+    torch.cumsum(lengths, 0, out=new[1:])
+    total = int(new[-1])
+    positions = torch.repeat_interleave(starts - new[:-1], lengths, output_size=total)
+    positions += torch.arange(total, device=ids.device)
+    return ids.index_select(0, positions), new

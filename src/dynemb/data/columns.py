@@ -10,6 +10,10 @@ Categorical ids:
       int64 range (``0``, ``-12``, ``9223372036854775807``; no sign ``+``, no leading zeros) is taken as that
       integer, and any other text (``"007"``, ``"12.0"``, ``"abc"``) is hashed;
     - a null gets :func:`dynemb.data.null_key` of the column name.
+Multi-hot ids: a list column (``list<string>``, ``list<int64>``, large or fixed-size lists) gives one bag per row,
+its elements read by the rules above; a null element gets the null key, a null list is the bag ``[null key]``
+and an empty list an empty bag. CSV text is split at a separator first (``"a|b|c"``); an empty CSV field is a
+null (CSV cannot tell an empty list from a missing one), so it gives the bag ``[null key]``.
 Dense values: any numeric or bool column, or text that parses as a number, as float32; null and NaN give 0.0.
 Labels: numeric, bool or text equal to 0 or 1; a null or any other value is an error.
 """
@@ -22,7 +26,7 @@ import pyarrow.compute as pc
 
 from .hashing import hash_strings, null_key
 
-__all__ = ["categorical_ids", "dense_values", "label_values", "first_line"]
+__all__ = ["categorical_ids", "multi_hot_ids", "dense_values", "label_values", "first_line"]
 
 _DECIMAL = r"^(0|-?[1-9][0-9]{0,18})$"
 _INT64_MAX_TEXT = "9223372036854775807"
@@ -89,6 +93,36 @@ def categorical_ids(column: pa.Array, name: str, where: str, decimal_text: bool 
     if valid.any():
         out[valid] = _valid_ids(column.filter(valid), where, decimal_text)
     return out
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def multi_hot_ids(column: pa.Array, name: str, where: str, separator: str | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ids and bag offsets of a multi-hot column (see the module docstring).
+
+    ``separator`` splits text columns (CSV) into lists; their elements then follow the CSV text rule.
+
+    Shape:
+        ``B`` rows -> ids ``[N]`` and offsets ``[B + 1]`` (bag ``i`` is ``ids[offsets[i]:offsets[i + 1]]``).
+    """
+    text = separator is not None and _is_text(column.type)
+    if text:
+        column = pc.split_pattern(column, separator)
+    if not _is_list(column.type):
+        raise ValueError(f"{where} has type {column.type}; multi-hot columns must be lists (list<string>, "
+                         f"list<int64>, ...)" + (f" or text separated by {separator!r}" if separator else ""))
+    null_list = column.is_null().to_numpy(zero_copy_only=False)
+    lengths = pc.fill_null(pc.list_value_length(column), 1).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = np.zeros(len(column) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = np.full(int(offsets[-1]), null_key(name), dtype=np.int64)
+    slots = np.ones(len(ids), dtype=bool)
+    slots[offsets[:-1][null_list]] = False  # a null list holds one null key; every other slot is an element
+    ids[slots] = categorical_ids(column.flatten(), name, where, decimal_text=text)
+    return ids, offsets
 
 
 def _as_float64(column: pa.Array, where: str, what: str) -> pa.Array:

@@ -1,13 +1,14 @@
-"""Stream batches (:class:`~dynemb.data.Batch`) from the user's Parquet or CSV files.
+"""Stream batches (:class:`~dynemb.data.Batch`) from the user's Parquet, CSV or Criteo TSV files.
 
-The user names the label column, the categorical columns and the dense columns; other columns are not read. How
-values become ids, dense values and labels, and what a null becomes, is in :mod:`dynemb.data.columns`. In short:
-integer ids are taken as they are, string ids are hashed with XXH64 (:func:`dynemb.data.hash_strings`), a null id
-becomes :func:`dynemb.data.null_key` of its column, a null or NaN dense value becomes 0.0, and labels must be 0/1.
+The user names the label column, the categorical columns, the multi-hot (list) columns and the dense columns;
+other columns are not read. How values become ids, bags, dense values and labels, and what a null becomes, is in
+:mod:`dynemb.data.columns`. In short: integer ids are taken as they are, string ids are hashed with XXH64
+(:func:`dynemb.data.hash_strings`), a null id becomes :func:`dynemb.data.null_key` of its column, a null or NaN
+dense value becomes 0.0, and labels must be 0/1.
 
-CSV files need a header row and UTF-8 text; an empty field is a null. ``.csv`` files are comma-separated and
-``.tsv`` tab-separated unless ``delimiter`` says otherwise; a compression suffix (``.gz``, ``.bz2``, ``.zst``,
-``.lz4``) is decompressed on the fly. Rows in error messages count a file's data rows from 0.
+Formats and suffixes are in :mod:`dynemb.data.formats`. CSV files need a header row and UTF-8 text; an empty
+field is a null, and a multi-hot CSV field lists its ids separated by ``list_separator`` (``"a|b|c"``). Rows in
+error messages count a file's data rows from 0.
 """
 
 from __future__ import annotations
@@ -24,61 +25,59 @@ import torch
 
 from ..table.checks import check_int
 from .batch import Batch
-from .columns import categorical_ids, dense_values, first_line, label_values
+from .columns import categorical_ids, dense_values, first_line, label_values, multi_hot_ids
+from .formats import CRITEO_COLUMNS, FORMATS, delimiter_of, list_files, open_text
+from .stream import rebatch
 
-__all__ = ["FileReader", "FORMATS"]
+__all__ = ["FileReader", "FORMATS", "column_names"]
 
-FORMATS = ("parquet", "csv")
-_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv"}
-_COMPRESSION = {".gz", ".bz2", ".zst", ".lz4"}
-# Arrow reads in large chunks that _rebatch cuts to size: per-chunk costs (Parquet page decoding, the per-distinct-id
+# Arrow reads in large chunks that rebatch cuts to size: per-chunk costs (Parquet page decoding, the per-distinct-id
 # hash calls) shrink as chunks grow, since more ids repeat within a chunk.
 _PARQUET_ROWS = 1 << 16
 _CSV_BLOCK_BYTES = 16 << 20
 _PEEK_BLOCK_BYTES = 1 << 20
 
 
-def _suffix(path: Path) -> str:
-    suffixes = [s.lower() for s in path.suffixes]
-    if len(suffixes) >= 2 and suffixes[-1] in _COMPRESSION:
-        return suffixes[-2]
-    return suffixes[-1] if suffixes else ""
-
-
 class FileReader:
-    """Batches of user data from a Parquet or CSV file, or from a directory of them (read in name order).
+    """Batches of user data from a Parquet, CSV or Criteo TSV file, or from a directory of them (in name order).
 
     Each iteration reads the files again from the start, so a reader serves several epochs. Files are checked
     when the reader is made: they exist, they can be opened, they hold every named column and some rows. Values
     are checked as they stream, so a bad label far into a file raises when its batch is reached.
 
     Args:
-        path: a ``.parquet``/``.pq``/``.csv``/``.tsv`` file (optionally compressed), or a directory of them.
-        label: the label column (values 0/1).
-        categorical: the categorical columns; each becomes a feature of ``Batch.sparse`` under its own name.
+        path: a file (see :mod:`dynemb.data.formats` for suffixes and compression), or a directory of them.
+        label: the label column (values 0/1); ``None`` reads no label and gives NaN labels (for scoring).
+        categorical: the one-id-per-row categorical columns; each becomes a feature of ``Batch.sparse``.
         dense: the dense columns, stacked in this order into ``Batch.dense``.
+        multi_hot: list columns; each becomes a feature of ``Batch.sparse`` with its bags in ``Batch.offsets``.
         batch_size: samples per batch ``B``; batches span file boundaries, and the last one may be smaller.
-        format: ``"parquet"`` or ``"csv"``; ``None`` infers it from the file suffix.
-        delimiter: CSV field separator; ``None`` means tab for ``.tsv`` and comma otherwise.
+        format: ``"parquet"``, ``"csv"`` or ``"criteo"``; ``None`` infers it from the file suffix.
+        delimiter: CSV field separator; ``None`` means tab for ``.tsv`` and Criteo files and comma otherwise.
+        list_separator: separator of the ids in a multi-hot CSV field.
         drop_last: drop the last batch when it has fewer than ``B`` samples.
 
     Raises:
         TypeError: a column argument is not a string or a sequence of strings.
         ValueError: one line naming the file and the problem: no such file, a file that cannot be read, a
             missing column, an empty data set, a bad argument; while iterating, a label that is not 0/1, a dense
-            value that is not a number, or a categorical column that is neither integer nor string.
+            value that is not a number, a categorical column that is neither integer nor string, or a multi-hot
+            column that is not a list.
 
     Shape:
-        Each batch: ``dense`` ``[B, len(dense)]`` float32, ``sparse[name]`` ``[B]`` int64, ``labels`` ``[B]``.
+        Each batch: ``dense`` ``[B, len(dense)]`` float32, ``sparse[name]`` ``[B]`` int64 (``[N]`` with
+        ``offsets[name]`` ``[B + 1]`` for a multi-hot column), ``labels`` ``[B]`` float32.
 
     Example:
         >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
         >>> tmp = tempfile.TemporaryDirectory()
         >>> path = tmp.name + "/clicks.parquet"
-        >>> pq.write_table(pa.table({"y": [0, 1, 1], "user": ["a", None, "a"], "age": [31.0, None, 40.0]}), path)
-        >>> batch = next(iter(FileReader(path, label="y", categorical=["user"], dense=["age"], batch_size=8)))
-        >>> batch.labels.tolist(), batch.dense[:, 0].tolist()
-        ([0.0, 1.0, 1.0], [31.0, 0.0, 40.0])
+        >>> pq.write_table(pa.table({"y": [0, 1, 1], "user": ["a", None, "a"], "age": [31.0, None, 40.0],
+        ...                          "tags": [["x", "y"], [], None]}), path)
+        >>> reader = FileReader(path, label="y", categorical=["user"], dense=["age"], multi_hot=["tags"])
+        >>> batch = next(iter(reader))
+        >>> batch.labels.tolist(), batch.dense[:, 0].tolist(), batch.offsets["tags"].tolist()
+        ([0.0, 1.0, 1.0], [31.0, 0.0, 40.0], [0, 2, 2, 3])
         >>> from dynemb.data import null_key
         >>> ids = batch.sparse["user"]
         >>> bool(ids[0] == ids[2] != ids[1]), ids[1].item() == null_key("user")
@@ -90,66 +89,79 @@ class FileReader:
         self,
         path: str | os.PathLike,
         *,
-        label: str,
+        label: str | None,
         categorical: Sequence[str],
         dense: Sequence[str] = (),
+        multi_hot: Sequence[str] = (),
         batch_size: int = 4096,
         format: str | None = None,
         delimiter: str | None = None,
+        list_separator: str = "|",
         drop_last: bool = False,
     ) -> None:
-        self.label = _check_name(label, "label")
-        self.categorical = _check_names(categorical, "categorical", allow_empty=False)
-        self.dense = _check_names(dense, "dense", allow_empty=True)
-        _check_distinct(self.label, self.categorical, self.dense)
+        self.label = None if label is None else _check_name(label, "label")
+        self.categorical = _check_names(categorical, "categorical")
+        self.multi_hot = _check_names(multi_hot, "multi_hot")
+        if not self.categorical and not self.multi_hot:
+            raise ValueError("categorical must name at least one column (or multi_hot), got an empty list")
+        self.dense = _check_names(dense, "dense")
+        _check_distinct(self.columns)
         self.batch_size = check_int(batch_size, "batch_size", minimum=1)
         if format is not None and format not in FORMATS:
             raise ValueError(f"format must be None or one of {FORMATS}, got {format!r}")
-        if delimiter is not None and (not isinstance(delimiter, str) or len(delimiter) != 1):
-            raise ValueError(f"delimiter must be None or one character, got {delimiter!r}")
+        for name, value in (("delimiter", delimiter), ("list_separator", list_separator)):
+            if value is not None and (not isinstance(value, str) or len(value) != 1):
+                raise ValueError(f"{name} must be {'None or ' if name == 'delimiter' else ''}one character, "
+                                 f"got {value!r}")
         self.path = Path(path)
-        self.files, self.format = _list_files(self.path, format)
+        self.files, self.format = list_files(self.path, format)
         self.delimiter = delimiter
+        self.list_separator = list_separator
         self.drop_last = bool(drop_last)
         self._check_files()
 
     @property
     def columns(self) -> list[str]:
-        """Every column read: the label, the categorical columns, then the dense columns."""
-        return [self.label, *self.categorical, *self.dense]
+        """Every column read: the label (if any), the categorical, multi-hot and dense columns."""
+        return [*([self.label] if self.label else []), *self.categorical, *self.multi_hot, *self.dense]
 
     def __iter__(self) -> Iterator[Batch]:
-        return _rebatch(self._chunks(), self.batch_size, self.drop_last)
+        return rebatch((batch for _, batch in self.chunks()), self.batch_size, self.drop_last)
+
+    def chunks(self) -> Iterator[tuple[int, Batch]]:
+        """The data as read, in chunks of any size: ``(number of the chunk's first row, batch)`` pairs.
+
+        Rows are numbered from 0 over all files, in order; see :func:`dynemb.data.stream.split`.
+        """
+        first = 0
+        for file in self.files:
+            batches = self._guarded(file, self._record_batches, file)
+            row = 0
+            while True:
+                record = self._guarded(file, next, batches, None)
+                if record is None:
+                    break
+                if record.num_rows:
+                    yield first + row, self._convert(record, file, row)
+                row += record.num_rows
+            first += row
 
     # ------------------------------------------------------------------ files
     def _check_files(self) -> None:
         has_rows = False
         for file in self.files:
-            names, rows = self._guarded(file, self._peek, file)
-            if not names:  # a 0-byte CSV file: nothing to check, and nothing to read
+            names, rows = self._guarded(file, _peek, file, self.format, self.delimiter)
+            if not names:  # a 0-byte text file: nothing to check, and nothing to read
                 continue
             missing = [c for c in self.columns if c not in names]
             if missing:
                 shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
-                raise ValueError(f"{file}: missing column {missing[0]!r} (the file has: {shown or 'no columns'})")
+                hint = " (read as Criteo TSV: pass --format csv for a CSV file)" if self.format == "criteo" else ""
+                raise ValueError(f"{file}: missing column {missing[0]!r} (the file has: {shown or 'no columns'})"
+                                 f"{hint}")
             has_rows = has_rows or rows
         if not has_rows:
             raise ValueError(f"{self.path}: the data set is empty (no data rows)")
-
-    def _peek(self, file: Path) -> tuple[list[str], bool]:
-        """Column names of ``file`` and whether it has a data row, reading at most one block."""
-        if self.format == "parquet":
-            meta = pq.ParquetFile(file)
-            return meta.schema_arrow.names, meta.metadata.num_rows > 0
-        try:
-            peek = pcsv.ReadOptions(block_size=_PEEK_BLOCK_BYTES)
-            reader = pcsv.open_csv(file, read_options=peek, parse_options=self._csv_parse(file))
-        except pa.ArrowInvalid as exc:
-            if "Empty CSV file" in str(exc):
-                return [], False
-            raise
-        first = next(iter(reader), None)
-        return reader.schema.names, first is not None and first.num_rows > 0
 
     def _record_batches(self, file: Path) -> Iterator[pa.RecordBatch]:
         if self.format == "parquet":
@@ -161,18 +173,7 @@ class FileReader:
             null_values=[""],
             strings_can_be_null=True,
         )
-        return iter(
-            pcsv.open_csv(
-                file,
-                read_options=pcsv.ReadOptions(block_size=_CSV_BLOCK_BYTES),
-                parse_options=self._csv_parse(file),
-                convert_options=convert,
-            )
-        )
-
-    def _csv_parse(self, file: Path) -> pcsv.ParseOptions:
-        default = "\t" if _suffix(file) == ".tsv" else ","
-        return pcsv.ParseOptions(delimiter=self.delimiter or default)
+        return iter(_open_csv(file, self.format, self.delimiter, convert, _CSV_BLOCK_BYTES))
 
     def _guarded(self, file: Path, fn, *args):
         """``fn(*args)``, with any read failure turned into a one-line ValueError naming ``file``."""
@@ -183,31 +184,71 @@ class FileReader:
             raise ValueError(f"{file}: cannot read it as {self.format} ({reason})") from None
 
     # ------------------------------------------------------------------ conversion
-    def _chunks(self) -> Iterator[Batch]:
-        for file in self.files:
-            batches = self._guarded(file, self._record_batches, file)
-            row = 0
-            while True:
-                record = self._guarded(file, next, batches, None)
-                if record is None:
-                    break
-                if record.num_rows:
-                    yield self._convert(record, file, row)
-                row += record.num_rows
-
     def _convert(self, record: pa.RecordBatch, file: Path, first_row: int) -> Batch:
         def where(column: str) -> str:
             return f"{file}: column {column!r}"
 
-        text = self.format == "csv"
-        labels = label_values(record.column(self.label), where(self.label), first_row)
+        text = self.format == "csv"  # CSV ids may be decimal integers; Criteo ids are hex text, always hashed
+        if self.label is None:
+            labels = np.full(record.num_rows, np.nan, dtype=np.float32)
+        else:
+            labels = label_values(record.column(self.label), where(self.label), first_row)
         sparse = {
             c: torch.from_numpy(categorical_ids(record.column(c), c, where(c), decimal_text=text))
             for c in self.categorical
         }
+        offsets = {}
+        for c in self.multi_hot:
+            separator = None if self.format == "parquet" else self.list_separator
+            ids, bounds = multi_hot_ids(record.column(c), c, where(c), separator)
+            sparse[c], offsets[c] = torch.from_numpy(ids), torch.from_numpy(bounds)
         dense = [dense_values(record.column(c), where(c)) for c in self.dense]
         matrix = np.stack(dense, axis=1) if dense else np.zeros((record.num_rows, 0), dtype=np.float32)
-        return Batch(torch.from_numpy(matrix), sparse, torch.from_numpy(labels))
+        return Batch(torch.from_numpy(matrix), sparse, torch.from_numpy(labels), offsets)
+
+
+def column_names(path: str | os.PathLike, format: str | None = None, delimiter: str | None = None) -> list[str]:
+    """The column names of the first file of ``path`` (for a Criteo file: with the label when it has one).
+
+    Raises:
+        ValueError: as :class:`FileReader` for a missing or unreadable file.
+    """
+    files, fmt = list_files(Path(path), format)
+    try:
+        return _peek(files[0], fmt, delimiter)[0]
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"{files[0]}: cannot read it as {fmt} ({first_line(exc)})") from None
+
+
+def _peek(file: Path, fmt: str, delimiter: str | None) -> tuple[list[str], bool]:
+    """Column names of ``file`` and whether it has a data row, reading at most one block."""
+    if fmt == "parquet":
+        meta = pq.ParquetFile(file)
+        return meta.schema_arrow.names, meta.metadata.num_rows > 0
+    try:
+        reader = _open_csv(file, fmt, delimiter, None, _PEEK_BLOCK_BYTES)
+    except pa.ArrowInvalid as exc:
+        if "Empty CSV file" in str(exc):
+            return [], False
+        raise
+    first = next(iter(reader), None)
+    return reader.schema.names, first is not None and first.num_rows > 0
+
+
+def _criteo_names(file: Path) -> list[str]:
+    """Criteo files have no header: 40 fields with the label, 39 without (read from the first line)."""
+    with open_text(file) as stream:
+        line = stream.read(_PEEK_BLOCK_BYTES).split(b"\n", 1)[0]
+    fields = line.count(b"\t") + 1 if line else len(CRITEO_COLUMNS)
+    return list(CRITEO_COLUMNS[1:] if fields == len(CRITEO_COLUMNS) - 1 else CRITEO_COLUMNS)
+
+
+def _open_csv(file: Path, fmt: str, delimiter: str | None, convert: pcsv.ConvertOptions | None, block_bytes: int):
+    names = _criteo_names(file) if fmt == "criteo" else None
+    read = pcsv.ReadOptions(block_size=block_bytes, column_names=names)
+    quote = False if fmt == "criteo" else '"'
+    parse = pcsv.ParseOptions(delimiter=delimiter or delimiter_of(file, fmt), quote_char=quote)
+    return pcsv.open_csv(open_text(file), read_options=read, parse_options=parse, convert_options=convert)
 
 
 def _check_name(name, arg: str) -> str:
@@ -216,71 +257,15 @@ def _check_name(name, arg: str) -> str:
     return name
 
 
-def _check_names(names, arg: str, allow_empty: bool) -> tuple[str, ...]:
+def _check_names(names, arg: str) -> tuple[str, ...]:
     if isinstance(names, str) or not isinstance(names, Sequence):
         raise TypeError(f"{arg} must be a list of column names, got {type(names).__name__} {names!r}")
-    names = tuple(_check_name(n, f"every entry of {arg}") for n in names)
-    if not names and not allow_empty:
-        raise ValueError(f"{arg} must name at least one column, got an empty list")
-    return names
+    return tuple(_check_name(n, f"every entry of {arg}") for n in names)
 
 
-def _check_distinct(label: str, categorical: tuple[str, ...], dense: tuple[str, ...]) -> None:
+def _check_distinct(columns: list[str]) -> None:
     seen = set()
-    for name in (label, *categorical, *dense):
+    for name in columns:
         if name in seen:
-            raise ValueError(f"column {name!r} is named twice among label, categorical and dense")
+            raise ValueError(f"column {name!r} is named twice among label, categorical, multi_hot and dense")
         seen.add(name)
-
-
-def _list_files(path: Path, format: str | None) -> tuple[list[Path], str]:
-    if not path.exists():
-        raise ValueError(f"{path}: no such file or directory")
-    if not path.is_dir():
-        fmt = format or _SUFFIXES.get(_suffix(path))
-        if fmt is None:
-            raise ValueError(f"{path}: unknown file type; use a .parquet or .csv suffix, or pass format=")
-        return [path], fmt
-    found = sorted(p for p in path.iterdir() if p.is_file() and _suffix(p) in _SUFFIXES)
-    if format is not None:
-        found = [p for p in found if _SUFFIXES[_suffix(p)] == format]
-    kinds = {_SUFFIXES[_suffix(p)] for p in found}
-    if len(kinds) != 1:
-        what = "no .parquet or .csv files" if not kinds else "both Parquet and CSV files; pass format="
-        raise ValueError(f"{path}: the directory holds {what}")
-    return found, kinds.pop()
-
-
-def _rebatch(chunks: Iterator[Batch], size: int, drop_last: bool) -> Iterator[Batch]:
-    """Regroup one-id-per-sample batches of any sizes into batches of ``size`` samples."""
-    pending: list[Batch] = []
-    count = 0
-    for chunk in chunks:
-        pending.append(chunk)
-        count += len(chunk)
-        while count >= size:
-            merged = _concat(pending)
-            yield _slice(merged, 0, size)
-            pending = [_slice(merged, size, count)] if count > size else []
-            count -= size
-    if pending and not drop_last:
-        yield _concat(pending)
-
-
-def _concat(batches: list[Batch]) -> Batch:
-    if len(batches) == 1:
-        return batches[0]
-    names = batches[0].sparse
-    return Batch(
-        torch.cat([b.dense for b in batches]),
-        {n: torch.cat([b.sparse[n] for b in batches]) for n in names},
-        torch.cat([b.labels for b in batches]),
-    )
-
-
-def _slice(batch: Batch, start: int, stop: int) -> Batch:
-    return Batch(
-        batch.dense[start:stop],
-        {n: ids[start:stop] for n, ids in batch.sparse.items()},
-        batch.labels[start:stop],
-    )

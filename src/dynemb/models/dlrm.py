@@ -12,7 +12,12 @@ from torch import nn
 from ..collection import EmbeddingCollection, FeatureConfig, TableConfig
 from ..data.batch import Batch
 
-__all__ = ["DLRM", "mlp", "dlrm_tables"]
+__all__ = ["DLRM", "mlp", "dlrm_tables", "INTERACTION_ROWS"]
+
+INTERACTION_ROWS = 1024
+"""Samples per block of the interaction and the top MLP: a block's ``[rows, n, n]`` dots stay in cache, which on
+CPU runs that part of a large batch (scoring) about 3x as fast as one ``bmm`` over the whole batch (measured with
+the demo model, 26 tables); results are per sample, so blocks change nothing but speed."""
 
 
 def mlp(sizes: Sequence[int], last_activation: bool = True) -> nn.Sequential:
@@ -72,6 +77,12 @@ class DLRM(nn.Module):
     def forward(self, batch: Batch, pooled: Optional[dict] = None) -> torch.Tensor:
         dense = self.bottom(batch.dense)
         pooled = self.embeddings(self.sparse_inputs(batch)) if pooled is None else pooled
-        stacked = torch.stack([dense] + [pooled[f] for f in self.features], 1)  # [B, n, D]
+        vectors = [dense] + [pooled[f] for f in self.features]  # n x [B, D]
+        blocks = zip(*(v.split(INTERACTION_ROWS) for v in vectors))
+        return torch.cat([self._interact_and_top(list(block)) for block in blocks])
+
+    def _interact_and_top(self, vectors: list[torch.Tensor]) -> torch.Tensor:
+        """Logits ``[b]`` of ``b`` samples' ``n`` vectors ``[b, D]`` (dense first): pairwise dots, then the top MLP."""
+        stacked = torch.stack(vectors, 1)  # [b, n, D]
         dots = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1).index_select(1, self._pairs)
-        return self.top(torch.cat([dense, dots], 1)).squeeze(1)
+        return self.top(torch.cat([vectors[0], dots], 1)).squeeze(1)

@@ -17,7 +17,7 @@ from ..checkpoint.export_format import read_chain
 from .ps import ParameterServer
 from .ps.updates import replay
 
-__all__ = ["serve_bench", "zipf_ranks", "traffic", "warm_up", "hit_rate"]
+__all__ = ["serve_bench", "summary_table", "zipf_ranks", "traffic", "warm_up", "hit_rate"]
 
 WARMUP_GROUP = 16  # requests sent as one lookup per table while warming up: same keys, fewer calls
 
@@ -141,3 +141,15 @@ def hit_rate(stats: dict) -> float:
     """The cache hit rate over every table of ``ParameterServer.stats(model)``, weighted by traffic."""
     tables = stats["tables"].values()
     return sum(t["cache"] for t in tables) / max(sum(t["lookups"] for t in tables), 1)
+
+
+def summary_table(r: dict) -> str:
+    """A short table of a :func:`serve_bench` result, one line per figure."""
+    rows = [("requests", f"{r['requests']} x {r['tables']} tables x {r['batch_size']} ids "
+                         f"(after {r['warmup_requests']} warm-up)"),
+            ("stores", f"cache {r['cache_fraction']:.0%} -> {r['volatile']} -> {r['persistent']}"),
+            ("latency p50 / p99", f"{r['p50_ms']:.2f} ms / {r['p99_ms']:.2f} ms"),
+            ("requests/s", f"{r['qps']:,.1f}"), ("keys/s", f"{r['keys_per_s']:,.0f}"),
+            ("cache hit rate", f"{r['hit_rate']:.2%}"), ("errors", str(r["errors"]))]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

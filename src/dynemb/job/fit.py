@@ -1,0 +1,219 @@
+"""``dynemb train``: train a DLRM on the user's files into a run directory (see :mod:`dynemb.job.card`).
+
+The steps: read the columns' layout; hold out rows (a separate file, or a seeded ``eval_fraction`` of the rows,
+see :mod:`dynemb.data.stream`); compute the dense statistics over the training rows; write the model card; train
+for ``epochs`` (each a shuffled pass over every training row), ``steps`` or ``seconds``, evaluating a few held-out
+batches every ``eval_every`` steps; save the final checkpoint; evaluate on every held-out row; write the final
+metrics, the plot and return the summary that the command prints as its last line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ..data import FileReader, SyntheticClickLog
+from ..data.formats import CRITEO_CATEGORICAL, CRITEO_DENSE, CRITEO_LABEL, list_files
+from ..data.preprocess import Preprocessing, dense_statistics
+from ..table.checks import check_int
+from ..train import Trainer, TrainConfig, build_dlrm
+from .card import CHECKPOINT, CARD, METRICS, ModelCard, read_card, write_card
+from .report import MetricsLog, plot_run
+from .score import evaluate
+from .sources import FileSource, SyntheticSource, epochs, every_nth
+
+__all__ = ["RunSpec", "train_run", "auto_epochs", "AUTO_STEPS", "AUTO_MAX_EPOCHS", "SYNTHETIC_STEPS"]
+
+AUTO_STEPS, AUTO_MAX_EPOCHS = 1000, 10  # epochs="auto": whole epochs for at least 1,000 steps, at most 10
+SYNTHETIC_STEPS = 500  # synthetic data, when none of epochs, steps and seconds is given
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """The data and the run directory of a training run (the model's settings are a :class:`TrainConfig`).
+
+    Attributes:
+        out: the run directory.
+        data: the training file or directory; ``None`` trains on synthetic click logs.
+        eval_data: a held-out file or directory; ``None`` holds out ``eval_fraction`` of ``data``'s rows.
+        format: the files' format; ``None`` infers it from the suffixes.
+        label, categorical, multi_hot, dense: the columns. A Criteo file with none of them named reads all of
+            Criteo's columns.
+        list_separator: separator of the ids in a multi-hot CSV field.
+        eval_fraction: the held-out share of ``data`` when there is no ``eval_data``, in ``(0, 1)``.
+        seed: the seed of the split, the shuffles and the synthetic data.
+        epochs: passes over the training rows; ``"auto"`` for :func:`auto_epochs`; ``None`` for a run bounded
+            by ``steps`` or ``seconds``.
+        batch_size: samples per step.
+        shuffle_buffer: rows of the shuffle window (files larger than twice this are shuffled within it).
+        eval_batches: held-out batches of each periodic evaluation (the final one uses every held-out row).
+        stats_rows: the most training rows the dense statistics are computed from.
+        device: ``"cpu"`` or ``"cuda"`` (or ``"cuda:N"``).
+        resume: continue the run in ``out`` from its latest checkpoint (same columns, same preprocessing).
+
+    Raises:
+        ValueError: a field is out of range or the columns are missing (the message names the option).
+    """
+
+    out: str
+    data: Optional[str] = None
+    eval_data: Optional[str] = None
+    format: Optional[str] = None
+    label: Optional[str] = None
+    categorical: tuple[str, ...] = ()
+    multi_hot: tuple[str, ...] = ()
+    dense: tuple[str, ...] = ()
+    list_separator: str = "|"
+    eval_fraction: float = 0.05
+    seed: int = 0
+    epochs: Union[int, str, None] = None
+    batch_size: int = 2048
+    shuffle_buffer: int = 500_000
+    eval_batches: int = 4
+    stats_rows: int = 1_000_000
+    device: str = "cpu"
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.epochs != "auto":
+            check_int(self.epochs, "epochs", minimum=1, allow_none=True)
+        for name in ("batch_size", "shuffle_buffer", "eval_batches", "stats_rows"):
+            check_int(getattr(self, name), name, minimum=1)
+        if not (isinstance(self.eval_fraction, float) and 0.0 < self.eval_fraction < 1.0):
+            raise ValueError(f"eval_fraction must be a number in (0, 1), got {self.eval_fraction!r}")
+        if self.data is None and (self.eval_data or self.epochs):
+            raise ValueError("synthetic data is an endless stream: eval_data and epochs need data (--data)")
+
+
+def train_run(spec: RunSpec, cfg: TrainConfig, *, progress: Optional[bool] = None, log_every: float = 10.0,
+              echo=print) -> dict:
+    """Train into ``spec.out`` and return the summary: held-out ``auc``, ``logloss`` and ``rows``, plus the
+    ``step``, the training ``samples`` of this call, ``table_rows``, ``evicted``, ``seconds`` and ``run``.
+
+    ``cfg.checkpoint_dir`` and ``cfg.resume`` are replaced by ``out/checkpoint`` and ``spec.resume``. Under torchrun
+    every rank calls this; rank 0 writes the card and metrics.
+
+    Raises:
+        ValueError: bad data or options, ``out`` holding another run without ``resume``, or no held-out row.
+    """
+    started = time.perf_counter()
+    run = Path(spec.out)
+    cfg = dataclasses.replace(cfg, checkpoint_dir=str(run / CHECKPOINT), resume=spec.resume)
+    _check_run_dir(run, cfg.resume)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    if distributed:
+        dist.barrier()  # every rank has checked the directory before rank 0 writes into it
+    source, prep, data = _source(spec, run, cfg.resume)
+    device = torch.device(spec.device)
+
+    def ready(batch):
+        return prep.normalize(batch.to(device))
+
+    periodic = [ready(b) for b in itertools.islice(source.held_out(), spec.eval_batches)]
+    if not periodic:
+        raise ValueError(f"{spec.data}: no held-out rows (eval_fraction {spec.eval_fraction} of the rows is none); "
+                         "raise --eval-fraction or pass --eval-data")
+    card = ModelCard(preprocessing=prep, config=dataclasses.replace(cfg, resume=False, checkpoint_dir=None),
+                     data=data)
+    if rank == 0 and not cfg.resume:
+        write_card(run, card)
+    model = build_dlrm(len(prep.dense), prep.features, cfg).to(device)
+    trainer = Trainer(model, cfg)
+    if cfg.resume:
+        trainer.resume()
+        echo(f"resumed from {run} at step {trainer.step}")
+    stream = itertools.islice(epochs(source, data["epochs"]), trainer.step * world, None)
+    samples = 0
+
+    def counted(batches):
+        nonlocal samples
+        for batch in batches:
+            samples += len(batch)
+            yield ready(batch)
+
+    with MetricsLog(run / METRICS, enabled=rank == 0, after_step=trainer.step if cfg.resume else None) as log:
+        trainer.fit(counted(every_nth(stream, rank, world)), periodic, progress, on_metrics=log.write,
+                    log_every=log_every)
+        final = evaluate(model, map(ready, source.held_out()))
+        stats = trainer.table_stats()
+        summary = {**final, "step": trainer.step, "samples": samples, "table_rows": stats["rows"],
+                   "evicted": stats["evicted"], "seconds": round(time.perf_counter() - started, 2), "run": str(run)}
+        log.write("final", summary)
+    if rank == 0:
+        write_card(run, dataclasses.replace(card, metrics=final))
+        plot_run(run)
+    return summary
+
+
+def _check_run_dir(run: Path, resume: bool) -> None:
+    if resume and not (run / CARD).is_file():
+        raise ValueError(f"{run}: nothing to resume (no {CARD}); drop --resume to start a new run there")
+    if not resume and run.exists() and any(run.iterdir()):
+        raise ValueError(f"{run}: not empty; pass --resume to continue the run there, or choose another --out")
+
+
+def _source(spec: RunSpec, run: Path, resume: bool):
+    """``(source, preprocessing, data description)`` of a run."""
+    if spec.data is None:
+        log = SyntheticClickLog(batch_size=spec.batch_size, seed=spec.seed)
+        source = SyntheticSource(log, spec.eval_batches)
+        columns = dict(label="label", categorical=log.categorical_names, multi_hot=(), dense=log.dense_names)
+        data = {"synthetic": {"seed": spec.seed, "eval_batches": spec.eval_batches}, "batch_size": spec.batch_size}
+    else:
+        columns, fmt = _columns(spec)
+        reader = dict(columns, batch_size=spec.batch_size, format=fmt, list_separator=spec.list_separator)
+        train = FileReader(spec.data, **reader)
+        held = FileReader(spec.eval_data, **{**reader, "format": spec.format}) if spec.eval_data else None
+        source = FileSource(train=train, held=held, eval_fraction=spec.eval_fraction, seed=spec.seed,
+                            shuffle_buffer=spec.shuffle_buffer)
+        data = {"train": str(spec.data), "eval": spec.eval_data, "format": fmt, "split_seed": spec.seed,
+                "eval_fraction": None if spec.eval_data else spec.eval_fraction, "batch_size": spec.batch_size,
+                "shuffle_buffer": spec.shuffle_buffer}
+    if resume:
+        prep = read_card(run).preprocessing
+        saved = dict(label=prep.label, categorical=prep.categorical, multi_hot=prep.multi_hot, dense=prep.dense)
+        if saved != {k: (v if k == "label" else tuple(v)) for k, v in columns.items()}:
+            raise ValueError(f"{run}: the run was trained on columns {saved}; --resume needs the same columns")
+        saved = read_card(run).data
+        return source, prep, {**saved, "epochs": saved["epochs"] if spec.epochs == "auto" else spec.epochs}
+    mean, std, rows = dense_statistics(source.training_rows(), spec.stats_rows)  # also counts the rows
+    prep = Preprocessing(**columns, dense_mean=mean, dense_std=std, dense_rows=rows,
+                         list_separator=spec.list_separator)
+    counted = rows < spec.stats_rows and spec.data is not None  # the pass reached the end of the data
+    data["train_rows"] = rows if counted else None
+    data["epochs"] = auto_epochs(data["train_rows"], spec.batch_size) if spec.epochs == "auto" else spec.epochs
+    return source, prep, data
+
+
+def auto_epochs(train_rows: Optional[int], batch_size: int) -> int:
+    """Whole epochs that make at least :data:`AUTO_STEPS` steps, at most :data:`AUTO_MAX_EPOCHS`; 1 when the
+    training rows were not counted (more than ``stats_rows``: a large data set gets one pass).
+
+    Example:
+        >>> auto_epochs(46_000, 512), auto_epochs(800_000, 512), auto_epochs(None, 512)
+        (10, 1, 1)
+    """
+    if not train_rows:
+        return 1
+    per_epoch = math.ceil(train_rows / batch_size)
+    return max(1, min(AUTO_MAX_EPOCHS, math.ceil(AUTO_STEPS / per_epoch)))
+
+
+def _columns(spec: RunSpec) -> tuple[dict, str]:
+    """The columns to read (Criteo's when a Criteo file names none) and the training data's format."""
+    fmt = list_files(Path(spec.data), spec.format)[1]
+    named = spec.label or spec.categorical or spec.multi_hot or spec.dense
+    if fmt == "criteo" and not named:
+        return dict(label=CRITEO_LABEL, categorical=CRITEO_CATEGORICAL, multi_hot=(), dense=CRITEO_DENSE), fmt
+    if not spec.label or not (spec.categorical or spec.multi_hot):
+        raise ValueError("--data needs --label and --categorical (or --multi-hot) naming its columns")
+    return dict(label=spec.label, categorical=tuple(spec.categorical), multi_hot=tuple(spec.multi_hot),
+                dense=tuple(spec.dense)), fmt

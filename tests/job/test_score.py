@@ -1,0 +1,128 @@
+"""``dynemb eval`` and ``dynemb predict`` against the model's own forward pass; multi-hot pooling."""
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dynemb.cli import main
+from dynemb.data import FileReader
+from dynemb.data.metrics import auc
+from dynemb.job import load_model
+
+ROWS = 1500
+
+
+def clicks(seed: int = 0, rows: int = ROWS) -> pa.Table:
+    """Users, items, tags (multi-hot, with nulls and empty lists) and a price; the label depends on all of them."""
+    g = torch.Generator().manual_seed(seed)
+    user, item = torch.randint(0, 50, (rows,), generator=g), torch.randint(0, 80, (rows,), generator=g)
+    price = torch.rand(rows, generator=g) * 100
+    tags = [None if u % 11 == 0 else [f"t{(u * k) % 9}" for k in range(u % 4)] for u in user.tolist()]
+    logit = (user % 5 - 2).float() + (item % 3 - 1).float() + (user % 4 - 1.5).float() * 0.5 + price / 50 - 1
+    label = (torch.rand(rows, generator=g) < torch.sigmoid(logit)).long()
+    return pa.table({"click": label.tolist(), "user": [f"u{u}" for u in user.tolist()], "item": item.tolist(),
+                     "tags": tags, "price": price.tolist()})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run trained on one file, and a second file drawn from the same model."""
+    tmp = tmp_path_factory.mktemp("score")
+    pq.write_table(clicks(0), tmp / "train.parquet", row_group_size=500)
+    pq.write_table(clicks(1), tmp / "test.parquet")
+    code = main(["train", "--data", str(tmp / "train.parquet"), "--label", "click", "--categorical", "user,item",
+                 "--multi-hot", "tags", "--dense", "price", "--out", str(tmp / "run"), "--epochs", "4",
+                 "--batch-size", "128", "--dim", "8", "--no-progress"])
+    assert code == 0
+    return tmp
+
+
+def forward(run, path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities and labels of the model's own forward pass over ``path``, read the way training read it."""
+    model, card = load_model(run)
+    prep = card.preprocessing
+    reader = FileReader(path, label=prep.label, categorical=prep.categorical, multi_hot=prep.multi_hot,
+                        dense=prep.dense, batch_size=97)
+    with torch.no_grad():
+        probs = torch.cat([torch.sigmoid(model(prep.normalize(b))) for b in reader])
+    return probs, torch.cat([b.labels for b in reader])
+
+
+def test_predict_equals_the_forward_pass_in_input_order(trained, dynemb):
+    out = trained / "preds.parquet"
+    result = dynemb("predict", "--model", trained / "run", "--data", trained / "test.parquet", "--out", out)
+    table = pq.read_table(out)
+    assert result["rows"] == table.num_rows == ROWS
+    assert table.schema.names == ["probability", "click"] and table.schema.field("probability").type == pa.float32()
+    probs, labels = forward(trained / "run", trained / "test.parquet")
+    assert torch.allclose(torch.tensor(table.column("probability").to_pylist()), probs, atol=1e-6)
+    assert table.column("click").to_pylist() == clicks(1).column("click").to_pylist() == labels.long().tolist()
+
+
+def test_predict_a_csv_file_without_labels(trained, dynemb):
+    # An empty CSV field is a null (the bag [null key]): CSV has no empty list, so compare with nulls for both.
+    tags = [t or None for t in clicks(1).column("tags").to_pylist()]
+    same = clicks(1).drop_columns(["tags"]).append_column("tags", pa.array(tags, pa.list_(pa.string())))
+    pq.write_table(same, trained / "same.parquet")
+    text = pa.array(["|".join(t) if t else None for t in tags], pa.string())
+    pcsv.write_csv(same.drop_columns(["click", "tags"]).append_column("tags", text), trained / "unlabeled.csv")
+    out = trained / "unlabeled.parquet"
+    dynemb("predict", "--model", trained / "run", "--data", trained / "unlabeled.csv", "--out", out)
+    scored = pq.read_table(out)
+    assert scored.schema.names == ["probability"]
+    probs, _ = forward(trained / "run", trained / "same.parquet")  # the same rows, from Parquet with labels
+    assert torch.allclose(torch.tensor(scored.column("probability").to_pylist()), probs, atol=1e-6)
+
+
+def test_eval_reports_auc_logloss_rows(trained, dynemb):
+    result = dynemb("eval", "--model", trained / "run", "--data", trained / "test.parquet")
+    assert sorted(result) == ["auc", "logloss", "rows"] and result["rows"] == ROWS
+    probs, labels = forward(trained / "run", trained / "test.parquet")
+    assert result["auc"] == pytest.approx(auc(probs, labels), abs=1e-6) and result["auc"] > 0.75
+    expected = torch.nn.functional.binary_cross_entropy(probs.double(), labels.double())
+    assert result["logloss"] == pytest.approx(float(expected), abs=1e-5)
+
+
+def test_multi_hot_pooling_equals_embedding_bag(trained):
+    model, card = load_model(trained / "run")
+    batch = next(iter(FileReader(trained / "test.parquet", label="click", categorical=["user", "item"],
+                                 multi_hot=["tags"], batch_size=300)))
+    assert (batch.offsets["tags"].diff() == 0).any() and (batch.offsets["tags"].diff() > 1).any()
+    with torch.no_grad():
+        pooled = model.embeddings(model.sparse_inputs(batch))["tags"]
+    keys, values = model.embeddings.export("tags")
+    ids = batch.sparse["tags"]
+    assert set(ids.tolist()) <= set(keys.tolist())  # every tag of the test file was seen in training
+    index = {k: i for i, k in enumerate(keys.tolist())}
+    bag = torch.nn.EmbeddingBag.from_pretrained(values, mode="mean")
+    rows = torch.tensor([index[k] for k in ids.tolist()], dtype=torch.int64)
+    expected = bag(rows, batch.offsets["tags"][:-1])
+    assert torch.allclose(pooled, expected, atol=1e-6)
+
+
+def test_eval_and_predict_errors_are_one_line(trained, capsys):
+    assert main(["eval", "--model", str(trained), "--data", str(trained / "test.parquet")]) == 2
+    assert "no model.json; is this a `dynemb train --out` directory?" in capsys.readouterr().err
+    pq.write_table(clicks(1).drop_columns(["price"]), trained / "no_price.parquet")
+    assert main(["predict", "--model", str(trained / "run"), "--data", str(trained / "no_price.parquet"),
+                 "--out", str(trained / "x.parquet")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "missing column 'price'" in line and not (trained / "x.parquet").exists()
+
+
+def test_train_eval_predict_on_each_device(tmp_path, dynemb, device):
+    pq.write_table(clicks(0, rows=600), tmp_path / "train.parquet")
+    run = tmp_path / "run"
+    common = ["--device", str(device)]
+    dynemb("train", "--data", tmp_path / "train.parquet", "--label", "click", "--categorical", "user,item",
+           "--multi-hot", "tags", "--dense", "price", "--out", run, "--epochs", "2", "--batch-size", "64",
+           "--no-progress", *common)
+    scored = dynemb("predict", "--model", run, "--data", tmp_path / "train.parquet", "--out", tmp_path / "p.parquet",
+                    *common)
+    probs = torch.tensor(pq.read_table(tmp_path / "p.parquet").column("probability").to_pylist())
+    assert scored["rows"] == 600 and ((probs > 0) & (probs < 1)).all()
+    cpu_probs, _ = forward(run, tmp_path / "train.parquet")  # the same checkpoint, on the CPU
+    assert torch.allclose(probs, cpu_probs, atol=1e-4)
+    assert dynemb("eval", "--model", run, "--data", tmp_path / "train.parquet", *common)["rows"] == 600
