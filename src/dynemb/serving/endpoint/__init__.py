@@ -7,6 +7,7 @@ module                  job
 ``protocol``            the v2 tensors: metadata, request decoding and checks, responses
 ``app``                 the Starlette app: routes, bearer token, body limit, batching of requests
 ``server``              uvicorn, in the foreground or on a background thread
+``watch``               ``--watch``: new export versions applied in order while serving
 ``command``             the ``dynemb serve`` options
 ======================  ============================================================================
 

@@ -17,6 +17,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--name", default="dynemb", help="model name in the URL: /v2/models/NAME/infer")
     p.add_argument("--token", help="require `Authorization: Bearer TOKEN` on every route (default: none, no token asked)")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="poll the export every SECONDS and apply its new "
+                   "versions (full or delta) in order while serving; the dense part stays the run's (default: off)")
     p.add_argument("--max-batch-size", type=int, default=4096, help="most rows per request, and per forward pass "
                    "over concurrent requests")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get HTTP 400")
@@ -44,6 +46,7 @@ def cmd_serve(args) -> int:
     from .app import build_app
     from .model import ServedModel
     from .server import serve
+    from .watch import ExportWatcher
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
@@ -51,6 +54,7 @@ def cmd_serve(args) -> int:
     volatile, persistent = stores(args)
     model = ServedModel(args.model, export=args.export, name=args.name, volatile_db=volatile,
                         persistent_db=persistent, cache_fraction=args.cache_fraction, device=args.device)
+    watcher = ExportWatcher(model, args.watch).start() if args.watch is not None else None
     try:
         app = build_app(model, token=args.token, max_body_bytes=int(args.max_body_mb * (1 << 20)),
                         max_batch_size=args.max_batch_size)
@@ -58,5 +62,7 @@ def cmd_serve(args) -> int:
               f"http://{args.host}:{args.port}/v2/models/{args.name}/infer", flush=True)
         serve(app, args.host, args.port)
     finally:
+        if watcher is not None:
+            watcher.stop()
         model.close()
     return 0
