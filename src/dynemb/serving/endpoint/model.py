@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ...data.batch import Batch
-from ..layers import SparseLookupLayer
+from ...functional import clip_rows, pool, to_bags
 from ..ps import ParameterServer
 
 __all__ = ["ServedModel", "ensure_export"]
@@ -92,7 +92,6 @@ class ServedModel:
             fcfg, tcfg = collection.feature_configs[f], collection.table_configs[self._tables[f]]
             self._pooling[f] = dict(combiner=fcfg.combiner or tcfg.combiner, max_norm=fcfg.max_norm,
                                     padding_value=fcfg.padding_value)
-        self._layers = {f: SparseLookupLayer(name, self._tables[f], ps=self.ps) for f in self.features}
         self.device = torch.device(device)
         self._update_lock = threading.Lock()
 
@@ -110,11 +109,31 @@ class ServedModel:
     def predict(self, batch: Batch) -> torch.Tensor:
         """Probabilities of ``batch``'s rows (raw dense values: normalized here, as ``dynemb predict`` does)."""
         batch = self.preprocessing.normalize(batch.to(self.device))
+        bags = {f: self._bags(batch, f) for f in self.features}
+        ids = {f: torch.unique(bags[f][0], return_inverse=True) for f in self.features}
+        keys: dict[str, list] = {}
+        for f, (unique, _) in ids.items():
+            keys.setdefault(self._tables[f], []).append(unique)
+        found = self.ps.lookup_many(self.name, {t: torch.cat(parts) for t, parts in keys.items()})  # one call
+        split = {t: list(torch.split(found[t], [u.numel() for u in keys[t]])) for t in keys}
         pooled = {}
         for f in self.features:
-            offsets = batch.offsets[f][:-1] if f in batch.offsets else torch.arange(len(batch), device=self.device)
-            pooled[f] = self._layers[f](batch.sparse[f], offsets, **self._pooling[f])
+            rows, inverse = split[self._tables[f]].pop(0), ids[f][1]
+            if self._pooling[f]["max_norm"] is not None:
+                rows = clip_rows(rows, self._pooling[f]["max_norm"])
+            if bags[f][1] is None:
+                pooled[f] = rows.index_select(0, inverse)  # one id a row: every combiner gives the row itself
+            else:
+                pooled[f] = pool(rows, inverse, *bags[f][1:], self._pooling[f]["combiner"])
         return torch.sigmoid(self.model(batch, pooled=pooled).float()).cpu()
+
+    def _bags(self, batch: Batch, f: str) -> tuple:
+        """``(ids [N], offsets, weights, B)`` as the collection forms them; offsets ``None`` for one id a row."""
+        padding = self._pooling[f]["padding_value"]
+        if f not in batch.offsets and padding is None:
+            return batch.sparse[f], None
+        offsets = batch.offsets[f][:-1] if f in batch.offsets else torch.arange(len(batch), device=self.device)
+        return to_bags(batch.sparse[f], offsets, None, padding_value=padding)
 
     def apply_update(self, export_dir) -> int:
         """Apply a serving export version (full or delta) to the served tables; returns the version now served."""
