@@ -6,8 +6,8 @@ each table's rows cached), on a background uvicorn thread on a free loopback por
 a thread with its own keep-alive ``httpx.Client`` sending JSON infer requests of ``--rows`` rows (INT64 ids drawn
 from the ids training saw, with a few unseen ones; FP32 dense values), one after another. Requests are
 prebuilt, so the clients only send and parse. Latency is per request, from send to parsed reply; req/s is requests
-over the wall time of the timed phase, after 20 warm-up requests per client. Concurrent requests are batched
-into one forward pass by the server (``requests_per_forward``: requests answered per forward pass). Client and server share the
+over the wall time of the timed phase, after 20 warm-up requests per client. Concurrent requests are
+batched into one forward pass by the server (``requests_per_forward``: requests answered per forward pass). Client and server share the
 machine's cores, so the numbers are the whole loop on one box, not the server alone.
 
 Run: ``python benchmarks/serve_endpoint.py [--quick] [--json PATH] [--model RUN_DIR] [--rows N] [--requests N]``.

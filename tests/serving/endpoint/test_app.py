@@ -146,3 +146,32 @@ def test_the_token_guards_every_route(served):
             r = httpx.request(method, base + path, json=payload, headers={"Authorization": "Bearer s3cret"},
                               timeout=TIMEOUT)
             assert r.status_code == 200, (path, r.text)
+
+
+def test_waiting_requests_share_a_forward_pass_up_to_max_batch_size(run, served):
+    import asyncio
+
+    from dynemb.data import FileReader
+    from dynemb.data.batch import slice_rows
+    from dynemb.serving.endpoint.app import _Batcher
+
+    prep = served.preprocessing
+    batch = next(iter(FileReader(run / "test.parquet", label=None, categorical=prep.categorical,
+                                 multi_hot=prep.multi_hot, dense=prep.dense, batch_size=40)))
+    parts = [slice_rows(batch, i, i + 10) for i in range(0, 40, 10)]
+    expected = served.predict(batch)
+
+    async def score_all(max_rows):
+        batcher = _Batcher(served, max_rows)
+        try:
+            got = await asyncio.gather(*(batcher.score(p) for p in parts))
+        finally:
+            batcher.close()
+        return torch.cat(got), batcher.forward_passes
+
+    got, passes = asyncio.run(score_all(40))
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert passes == 1
+    got, passes = asyncio.run(score_all(20))
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert passes == 2

@@ -26,7 +26,8 @@ def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 120.0) -> None
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read()
         try:
-            if httpx.get(f"{url}/v2/health/ready", headers={"Authorization": "Bearer t0k"}, timeout=2).status_code == 200:
+            ready = httpx.get(f"{url}/v2/health/ready", headers={"Authorization": "Bearer t0k"}, timeout=2)
+            if ready.status_code == 200:
                 return
         except httpx.TransportError:
             pass

@@ -16,7 +16,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "model to the network")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--name", default="dynemb", help="model name in the URL: /v2/models/NAME/infer")
-    p.add_argument("--token", help="require `Authorization: Bearer TOKEN` on every route (default: none, no token asked)")
+    p.add_argument("--token", help="require `Authorization: Bearer TOKEN` on every route (default: none, no token "
+                   "asked)")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="poll the export every SECONDS and apply its new "
                    "versions (full or delta) in order while serving; the dense part stays the run's (default: off)")
     p.add_argument("--max-batch-size", type=int, default=4096, help="most rows per request, and per forward pass "
