@@ -93,9 +93,11 @@ class Trainer:
     def sparse_step(self) -> None:
         pass
 
+    def loss(self, batch: dict) -> torch.Tensor:
+        return self.head(self.pooled(batch)).sum()
+
     def step(self, batch: dict) -> None:
-        loss = self.head(self.pooled(batch)).sum()
-        loss.backward()
+        self.loss(batch).backward()
         self.sparse_step()
         self.head_opt.step()
         self.head_opt.zero_grad()
@@ -110,7 +112,7 @@ def dynemb_optimizer(opt: str, fused: bool):
 
 
 class Dynemb(Trainer):
-    def __init__(self, w: Workload, opt: str, *, static: bool, fused: bool) -> None:
+    def __init__(self, w: Workload, opt: str, *, static: bool, fused: bool, compiled: bool = False) -> None:
         super().__init__(w)
         tables = [TableConfig(name=f"t{t}", dim=w.dim, vocabulary_size=w.vocab if static else None,
                               optimizer=dynemb_optimizer(opt, fused), combiner="sum", seed=t,
@@ -122,11 +124,13 @@ class Dynemb(Trainer):
         self.features = w.features
         if not static:
             self._prewarm(w)
+        if compiled:  # the collection forward and the head as one graph (dynemb's lookups are custom ops)
+            self.loss = torch.compile(self.loss, fullgraph=True)
 
     def _prewarm(self, w: Workload) -> None:
         ids = torch.randperm(w.vocab, generator=torch.Generator().manual_seed(7))
-        with torch.no_grad():  # training mode inserts; no_grad keeps the optimizer out of it
-            self.ec({f: (ids, torch.arange(w.vocab)) for f in self.features})
+        for module in self.ec.embeddings.values():  # insert every id, without a training step
+            module.table.find_or_insert(ids)
 
     def pooled(self, batch):
         out = self.ec(batch)
@@ -219,11 +223,13 @@ class TorchRec(Trainer):
         return self.model(self._kjt(batch)).values()
 
 
-def build(w: Workload, opt: str, with_torchrec: bool) -> dict[str, Trainer]:
+def build(w: Workload, opt: str, with_torchrec: bool, compiled: bool = False) -> dict[str, Trainer]:
     impls: dict[str, Trainer] = {
         "dynemb-dyn-fused": Dynemb(w, opt, static=False, fused=True),
         "dynemb-dyn-step": Dynemb(w, opt, static=False, fused=False),
     }
+    if compiled:
+        impls["dynemb-dyn-compiled"] = Dynemb(w, opt, static=False, fused=True, compiled=True)
     if opt != "adam":  # no Adam target involves it, and Adam's two moment slots would add 3 GB at full size
         impls["dynemb-static"] = Dynemb(w, opt, static=True, fused=True)
     impls["torch-bag"] = TorchBag(w, opt)
@@ -288,7 +294,7 @@ def targets(rows: list[dict], clock: str) -> list[dict]:
     return out
 
 
-NAMES = ["dynemb-dyn-fused", "dynemb-dyn-step", "dynemb-static", "torch-bag", "torchrec"]
+NAMES = ["dynemb-dyn-fused", "dynemb-dyn-step", "dynemb-dyn-compiled", "dynemb-static", "torch-bag", "torchrec"]
 
 
 def report(rows: list[dict], checks: list[dict]) -> None:
@@ -307,6 +313,8 @@ def main(argv=None) -> None:
     p.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=None)
     p.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=None)
     p.add_argument("--no-torchrec", action="store_true", help="skip TorchRec even when it is installed")
+    p.add_argument("--compile", action="store_true",
+                   help="add dynemb-dyn-compiled: dyn-fused under torch.compile(fullgraph=True)")
     args = p.parse_args(argv)
     if args.quick:  # small tables, one optimizer, one distribution, one thread: a smoke run well under a minute
         w, repeat, warmup = Workload(4, 20_000, 64, 512, 20), args.repeat or 3, 1
@@ -322,7 +330,7 @@ def main(argv=None) -> None:
     rows = []
     for opt in optimizers:
         torch.manual_seed(0)
-        impls = build(w, opt, with_torchrec=why_not is None)
+        impls = build(w, opt, with_torchrec=why_not is None, compiled=args.compile)
         for n in threads:
             with using_threads(n):
                 for dist in dists:

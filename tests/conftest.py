@@ -144,6 +144,20 @@ def fails_cleanly():
 
 
 @pytest.fixture
+def leaves_unchanged():
+    """``with leaves_unchanged(table, clock=False): ...``: the block runs, and the table is as it was before it
+    (``clock=False``: but for the clock, as in :func:`fails_cleanly`)."""
+
+    @contextlib.contextmanager
+    def check(table, *, clock: bool = True):
+        before = table_state(table)
+        yield
+        assert_same_state(before, table_state(table), clock=clock)
+
+    return check
+
+
+@pytest.fixture
 def cuda_device() -> torch.device:
     """For tests about CUDA specifically (moves between devices); skipped without a GPU."""
     if not torch.cuda.is_available():

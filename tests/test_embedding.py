@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dynemb import DynamicEmbedding
+import dynemb
+from dynemb import DynamicEmbedding, EmbeddingCollection, FeatureConfig, StaticEmbedding, TableConfig
 
 
 def _emb(key_dtype, device, dim=4, **kw) -> DynamicEmbedding:
@@ -273,13 +274,110 @@ def test_state_dict_missing_entries(key_dtype, device):
 
 
 # ------------------------------------------------------------------------------------------------------------- devices
-def test_to_and_dtype_casts_keep_the_table(key_dtype):
+def _module(kind: str, key_dtype, **kw):
+    if kind == "static":
+        return StaticEmbedding(64, 4, key_dtype=key_dtype, seed=11, **kw)
+    return _emb(key_dtype, "cpu", **kw)
+
+
+CASTS = {
+    "half": (lambda m: m.half(), torch.float16),
+    "to_bfloat16": (lambda m: m.to(torch.bfloat16), torch.bfloat16),
+    "to_float16_cpu": (lambda m: m.to("cpu", torch.float16), torch.float16),
+}
+
+
+def _trained(kind, key_dtype, via_collection):
+    """A module (or a collection holding it as table "t") with rows and Adam slots, and a function to look up."""
+    if via_collection:
+        table = TableConfig(name="t", dim=4, vocabulary_size=64 if kind == "static" else None, seed=11,
+                            key_dtype=key_dtype, optimizer=dynemb.optim.Adam(lr=0.1))
+        ec = EmbeddingCollection([table], [FeatureConfig(name="f", table="t", combiner="none")])
+        owner, module, opt = ec, ec.embeddings["t"], ec.optimizer
+        lookup = lambda ids: ec({"f": ids})["f"]  # noqa: E731
+    else:
+        owner = module = _module(kind, key_dtype)
+        opt, lookup = dynemb.optim.Adam([module], lr=0.1), module
+    ids = _k([1, 2, 5], key_dtype, "cpu")
+    lookup(ids).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return owner, module, opt, lookup, ids
+
+
+def _rows_of(module, ids) -> torch.Tensor:
+    return module.table.values[module.table.find_rows(ids)].clone()
+
+
+@pytest.mark.parametrize("via_collection", [False, True], ids=["module", "collection"])
+@pytest.mark.parametrize("cast", sorted(CASTS))
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_dtype_casts_convert_the_rows_and_keep_slots_float32(kind, cast, via_collection, key_dtype):
+    owner, module, opt, lookup, ids = _trained(kind, key_dtype, via_collection)
+    before, looked_up = module.table.export(), _rows_of(module, ids)
+    apply, dtype = CASTS[cast]
+    assert apply(owner) is owner
+    rows = module.table.export()
+    assert module.table.dtype == dtype and module.config()["dtype"] == str(dtype)
+    assert rows.values.dtype == dtype and torch.equal(rows.values, before.values.to(dtype))
+    assert all(s.dtype == torch.float32 and torch.equal(s, before.slots[n]) for n, s in rows.slots.items())
+    out = lookup(ids)
+    assert out.dtype == dtype and torch.equal(out, looked_up.to(dtype))
+    out.float().sum().backward()  # training goes on in the new dtype
+    opt.step()
+    assert not torch.equal(module.table.export().values, rows.values)
+    owner.float()
+    assert module.table.dtype == torch.float32 and lookup(ids).dtype == torch.float32
+
+
+def test_dtype_casts_to_an_unsupported_dtype_fail_cleanly(key_dtype, fails_cleanly):
     emb = _emb(key_dtype, "cpu")
     emb(_k([1, 2], key_dtype, "cpu"))
-    before = emb.export()
-    assert emb.to("cpu") is emb and emb.half() is emb
-    assert emb.dtype == torch.float32 and emb.table.values.dtype == torch.float32  # casts leave the table alone
-    assert torch.equal(emb.export()[1], before[1])
+    with fails_cleanly(emb, TypeError, "cannot cast them to torch.float64"):
+        emb.double()
+    assert emb.to("cpu") is emb and emb.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["step", "fused"])
+@pytest.mark.parametrize("via_collection", [False, True], ids=["module", "collection"])
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_requires_grad_false_freezes_the_table(kind, via_collection, fused, key_dtype):
+    dense = torch.nn.Linear(4, 1)
+    if via_collection:
+        tables = [TableConfig(name=n, dim=4, vocabulary_size=64 if kind == "static" else None, seed=i,
+                              key_dtype=key_dtype, optimizer=dynemb.optim.Adagrad(lr=0.1, fused=fused))
+                  for i, n in enumerate(["frozen", "other"])]
+        ec = EmbeddingCollection(tables, [FeatureConfig(name=n, table=n) for n in ["frozen", "other"]])
+        frozen, other, sparse = ec.embeddings["frozen"], ec.embeddings["other"], ec.optimizer
+        forward = lambda ids: ec({"frozen": ids, "other": ids})  # noqa: E731
+    else:
+        frozen, other = _module(kind, key_dtype), None
+        sparse = dynemb.optim.Adagrad([frozen], lr=0.1, fused=fused)
+        forward = lambda ids: {"frozen": frozen(ids).sum(1) if ids.dim() > 1 else frozen(ids)}  # noqa: E731
+    ids = _k([1, 2, 5], key_dtype, "cpu")
+    forward(ids)  # a dynamic table holds its keys before it is frozen
+    assert frozen.requires_grad_(False) is frozen
+    expected, before = _rows_of(frozen, ids), frozen.table.export()
+    out = forward(ids)
+    assert torch.equal(out["frozen"], expected)  # lookups still work
+    assert not out["frozen"].requires_grad
+    loss = dense(out["frozen"]).sum() + (out["other"].sum() if other is not None else 0)
+    loss.backward()
+    assert frozen.table.sparse_grad is None or frozen.table.sparse_grad.empty()  # no gradient reached it
+    sparse.step()
+    sparse.zero_grad()
+    forward(_k([7, 8], key_dtype, "cpu"))  # read-only, as under no_grad: unseen keys are not inserted
+    after = frozen.table.export()  # rows, scores and optimizer slots as they were
+    assert torch.equal(after.keys, before.keys) and torch.equal(after.values, before.values)
+    assert torch.equal(after.scores, before.scores)
+    assert all(torch.equal(after.slots[n], slot) for n, slot in before.slots.items())
+    assert dense.weight.grad is not None
+    if other is not None:
+        assert other.table.export().slots["adagrad.sum"].abs().sum() > 0  # the other table trained
+    frozen.requires_grad_(True)
+    forward(ids)["frozen"].sum().backward()
+    sparse.step()
+    assert not torch.equal(_rows_of(frozen, ids), expected)
 
 
 def test_to_cuda_and_back(key_dtype, cuda_device):

@@ -110,8 +110,10 @@ def test_eval_inserts_nothing_and_no_grad_path():
     out = embedding_lookup(emb, KEYS)
     assert len(emb) == 0 and torch.equal(out, weight)
     emb.train()
-    with torch.no_grad():
-        embedding_lookup(emb, KEYS[:2])
+    with torch.no_grad():  # a validation loop without eval(): read-only all the same
+        assert torch.equal(embedding_lookup(emb, KEYS[:2]), weight[:2])
+    assert len(emb) == 0
+    embedding_lookup(emb, KEYS[:2])
     assert len(emb) == 2
 
 

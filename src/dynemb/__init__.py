@@ -1,7 +1,7 @@
 """dynemb: dynamic, sharded, trainable embedding tables for PyTorch recommenders."""
 
 from . import checkpoint, functional, optim, table
-from .collection import EmbeddingCollection, FeatureConfig, TableConfig
+from .collection import Bags, EmbeddingCollection, FeatureConfig, TableConfig
 from .embedding import DynamicEmbedding, StaticEmbedding
 from .optim import OptimizerWrapper
 from .table import EvictionPolicy, KeyValueTable
@@ -14,6 +14,7 @@ __all__ = [
     "EmbeddingCollection",
     "TableConfig",
     "FeatureConfig",
+    "Bags",
     "KeyValueTable",
     "EvictionPolicy",
     "OptimizerWrapper",

@@ -1,4 +1,4 @@
-"""The ``dynemb`` command: ``train``, ``eval``, ``predict``, ``export``, ``serve-bench`` and ``demo``.
+"""The ``dynemb`` command: ``train``, ``eval``, ``predict``, ``export``, ``serve``, ``serve-bench`` and ``demo``.
 
 Errors, in the options or in the data, print one line naming the problem and exit with status 2; ``--debug``
 shows the traceback. ``--help`` on each command lists every option with its default.
@@ -278,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--alpha", type=float, default=1.2, help="power-law exponent of the lookup traffic")
     bench.add_argument("--json", action="store_true", help="print the full result as one JSON line instead of a "
                        "table")
+
+    from .serving.endpoint.command import add_serve_args, cmd_serve
+
+    add_serve_args(command("serve", "serve a run over HTTP (Open Inference Protocol / KServe v2)", cmd_serve))
 
     demo = command("demo", "synthetic data -> train -> eval -> predict -> export -> serve-bench, with a report",
                    cmd_demo)

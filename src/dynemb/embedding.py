@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .functional.ops import register_table
 from .table import EvictionPolicy, KeyValueTable, Rows
 from .table.admission import FrequencyAdmission
 from .table.static import StaticTable
-from .table.checks import check_keys, check_rows_like
+from .table.checks import VALUE_DTYPES, check_keys, check_rows_like
 from .table.initializers import InitializerSpec
 from .table import EvictHook
 
@@ -17,7 +18,45 @@ __all__ = ["DynamicEmbedding", "StaticEmbedding"]
 _FORMAT = 1
 
 
-class DynamicEmbedding(nn.Module):
+class _TableModule(nn.Module):
+    """What ``nn.Module`` does to its Parameters, done to the module's table (which is not a Parameter)."""
+
+    table: KeyValueTable | StaticTable
+
+    def _apply(self, fn, recurse=True):
+        # .to(device)/.cuda()/.cpu() move the table; floating casts (.half(), .to(torch.bfloat16), .float())
+        # convert its value rows. Optimizer slots stay float32, like torch.optim state under an AMP model.
+        t = self.table
+        probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+        dtype = probe.dtype if probe.dtype.is_floating_point else t.dtype
+        if dtype not in VALUE_DTYPES:
+            raise TypeError(f"{type(self).__name__} rows can be {', '.join(map(str, VALUE_DTYPES))}; cannot cast "
+                            f"them to {dtype}")
+        if probe.device != t.device:
+            t.to(probe.device)
+        t.cast(dtype)
+        return super()._apply(fn, recurse)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "_TableModule":
+        """Freeze (``False``) or unfreeze the table, as ``nn.Module.requires_grad_`` does its Parameters.
+
+        A frozen table still answers lookups, but passes no gradient, so its optimizer never changes it; like a
+        table under ``torch.no_grad()`` it is read-only (no insert, eviction or count). ``requires_grad_`` on a
+        parent module reaches only Parameters: call it on this module (``ec.embeddings[name]`` inside an
+        ``EmbeddingCollection``).
+
+        Example:
+            >>> emb = DynamicEmbedding(2, seed=0).requires_grad_(False)
+            >>> emb(torch.tensor([1, 2])).requires_grad
+            False
+        """
+        if not isinstance(requires_grad, bool):
+            raise TypeError(f"requires_grad must be a bool, got {requires_grad!r}")
+        self.table.requires_grad = requires_grad
+        return super().requires_grad_(requires_grad)
+
+
+class DynamicEmbedding(_TableModule):
     """An embedding keyed by arbitrary int32/int64 ids, growing as ids arrive and evicting under a bound.
 
     Args:
@@ -32,7 +71,8 @@ class DynamicEmbedding(nn.Module):
         max_capacity: most rows kept; beyond it the lowest-score rows are evicted. ``None``: unbounded.
         eviction: ``"lru"`` (default), ``"lfu"``, ``"epoch_lru"``, ``"epoch_lfu"`` or ``"custom"``; defines
             the scores used by eviction and :meth:`restrict`.
-        on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows.
+        on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows, before the table changes:
+            if it raises, the call leaves the table as it was and the exception propagates.
         seed: initializer seed; ``None`` draws one from torch's global RNG (so ``torch.manual_seed`` fixes it).
         admission: an int threshold or :class:`dynemb.table.FrequencyAdmission`: a new id is stored and trained
             only from its ``threshold``-th sighting; before that it reads its initializer row.
@@ -81,6 +121,7 @@ class DynamicEmbedding(nn.Module):
             on_evict=on_evict,
             admission=admission,
         )
+        register_table(self.table)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -126,7 +167,14 @@ class DynamicEmbedding(nn.Module):
         self.table.insert_or_assign(keys, values)
 
     def accum(self, keys, old_values, new_values, exists) -> None:
-        """TFRA's ``accum``; see :meth:`dynemb.table.KeyValueTable.accum`."""
+        """TFRA's ``accum``: apply updates made to rows read earlier with ``lookup(keys, return_exists=True)``.
+
+        By ``exists`` (when read) and whether the key is present now: both -> ``new - old`` is added; read
+        but removed since -> nothing; not read but inserted since -> nothing (that insert wins); neither -> inserted
+        with ``new``. Duplicates apply in order; see :meth:`dynemb.table.KeyValueTable.accum`.
+
+        Shape: ``keys`` ``S``; ``old_values``/``new_values`` ``S + (D,)``; ``exists`` ``S`` bool.
+        """
         self.table.accum(keys, old_values, new_values, exists)
 
     def remove(self, keys: torch.Tensor) -> int:
@@ -224,15 +272,8 @@ class DynamicEmbedding(nn.Module):
         for name, value in extra.get("counters", {}).items():
             setattr(t, name, int(value))
 
-    def _apply(self, fn, recurse=True):
-        # .to(device) / .cuda() / .cpu() move the table; dtype casts (.half()) leave the table's dtype alone.
-        moved = fn(torch.empty(0, device=self.table.device))
-        if moved.device != self.table.device:
-            self.table.to(moved.device)
-        return super()._apply(fn, recurse)
 
-
-class StaticEmbedding(nn.Module):
+class StaticEmbedding(_TableModule):
     """A dense table for ids in ``[0, num_embeddings)`` with the interface (lookups, optimizers, export) of
     :class:`DynamicEmbedding`. Out-of-range ids are an error.
 
@@ -250,6 +291,7 @@ class StaticEmbedding(nn.Module):
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.table = StaticTable(num_embeddings, dim, key_dtype=key_dtype, dtype=dtype, device=device,
                                  initializer=initializer, seed=seed)
+        register_table(self.table)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from .functional import embedding_lookup
@@ -284,9 +326,3 @@ class StaticEmbedding(nn.Module):
         self.table.values.copy_(values)
         for name in self.table.slot_names:
             self.table.slot(name).copy_(state_dict[prefix + "slot." + name])
-
-    def _apply(self, fn, recurse=True):
-        moved = fn(torch.empty(0, device=self.table.device))
-        if moved.device != self.table.device:
-            self.table.to(moved.device)
-        return super()._apply(fn, recurse)

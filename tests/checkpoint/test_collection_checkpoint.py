@@ -53,3 +53,14 @@ def test_collection_resumes_exactly(tmp_path):
             assert torch.equal(module.table.values, other.table.values)
             assert all(torch.equal(module.table.slot(s), other.table.slot(s)) for s in module.table.slot_names)
     assert straight.optimizer.state_dict() == resumed.optimizer.state_dict()
+
+
+def test_a_half_cast_collection_round_trips(tmp_path):
+    ec = _collection(user_seed=0).half()  # the tables' rows become float16; their optimizer slots stay float32
+    _step(ec, 0)
+    save(tmp_path, ec, ec.optimizer, step=1)
+    resumed = _collection(user_seed=9).half()
+    load(tmp_path, resumed, resumed.optimizer)
+    for name, module in ec.embeddings.items():
+        assert resumed.embeddings[name].table.dtype == torch.float16
+        assert torch.equal(resumed.export(name)[1], ec.export(name)[1])

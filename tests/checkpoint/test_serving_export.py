@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 from ckpt_util import train_step, trained_model
 
-from dynemb.checkpoint import export_for_serving, save
+from dynemb.checkpoint import CheckpointError, export_for_serving, read_chain, read_export, save
 
 
 def _read(directory) -> tuple[dict, dict]:
@@ -79,3 +79,50 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         export_for_serving(tmp_path, {})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_every_export_names_its_model_version_parent_and_digest(tmp_path):
+    model = trained_model()
+    full = _read(export_for_serving(tmp_path, model))[0]
+    train_step(model, 6)
+    delta = _read(export_for_serving(tmp_path, model, incremental=True))[0]
+    again = _read(export_for_serving(tmp_path, model))[0]
+    stored = json.loads((tmp_path / "model.json").read_text())["model"]
+    assert stored.startswith(tmp_path.name) and full["model"] == delta["model"] == again["model"] == stored
+    assert (full["version"], full["parent_version"], full["parent_digest"]) == (1, None, None)
+    assert (delta["kind"], delta["parent_version"], delta["parent_digest"]) == ("delta", 1, full["digest"])
+    assert (again["kind"], again["parent_version"], again["parent_digest"]) == ("full", 2, delta["digest"])
+    for manifest in (full, delta, again):
+        body = {k: v for k, v in manifest.items() if k != "digest"}
+        assert manifest["digest"] == hashlib.sha256(
+            json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert len({full["digest"], delta["digest"], again["digest"]}) == 3
+
+
+def test_model_name_is_stored_by_the_first_export_and_checked_after(tmp_path):
+    model = trained_model()
+    assert _read(export_for_serving(tmp_path, model, model_name="ctr"))[0]["model"] == "ctr"
+    assert _read(export_for_serving(tmp_path, model))[0]["model"] == "ctr"  # the root's id, without model_name
+    with pytest.raises(ValueError, match="model_name is 'other' but .* holds exports of model 'ctr'"):
+        export_for_serving(tmp_path, model, model_name="other")
+    with pytest.raises(TypeError, match="model_name must be a non-empty str"):
+        export_for_serving(tmp_path, model, model_name="")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "model.json", "version-00000001",
+                                                          "version-00000002"]
+
+
+def test_read_export_refuses_a_changed_manifest_and_read_chain_follows_deltas(tmp_path):
+    model = trained_model()
+    export_for_serving(tmp_path, model)
+    train_step(model, 6)
+    export_for_serving(tmp_path, model, incremental=True)
+    train_step(model, 7)
+    last = export_for_serving(tmp_path, model, incremental=True)
+    chain = read_chain(tmp_path)
+    assert [(m["version"], m["kind"]) for m, _ in chain] == [(1, "full"), (2, "delta"), (3, "delta")]
+    assert [m["version"] for m, _ in read_chain(tmp_path / "version-00000002")] == [1, 2]
+    manifest = json.loads((last / "manifest.json").read_text())
+    manifest["parent_version"] = 1
+    (last / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="does not match its content"):
+        read_export(tmp_path)

@@ -57,6 +57,13 @@ def test_nulls_and_non_strings_are_rejected():
         hash_strings(["a", 1])
 
 
+@pytest.mark.parametrize("single", ["user_1", b"user_1", ""])
+def test_a_single_string_is_rejected(single):
+    # A str is a sequence of characters: hashing it would give one key per character, silently.
+    with pytest.raises(TypeError, match=r"a list of strings.*\[values\]"):
+        hash_strings(single)
+
+
 def test_null_key_per_column():
     h = xxhash.xxh64_intdigest(b"C1", seed=1)
     assert null_key("C1") == (h - 2**64 if h >= 2**63 else h)

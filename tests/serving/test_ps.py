@@ -10,7 +10,7 @@ import torch
 import dynemb
 from dynemb.checkpoint import export_for_serving
 from dynemb.functional import embedding_lookup, embedding_lookup_sparse
-from dynemb.serving import LookupLayer, ParameterServer, SparseLookupLayer
+from dynemb.serving import LookupLayer, ParameterServer, ServerConfig, SparseLookupLayer
 
 D = 8
 KEYS = torch.tensor([0, -1, 2**63 - 1, -(2**63)] + list(range(10, 410)), dtype=torch.int64)
@@ -140,14 +140,50 @@ def test_delta_removes_deleted_keys(exported):
     ps.lookup("ctr", "embedding", KEYS[:10])  # cached
     emb.remove(KEYS[:5])
     ps.apply_update(export_for_serving(root, emb, incremental=True))
-    assert torch.equal(ps.lookup("ctr", "embedding", KEYS[:5]), torch.zeros(5, D))
+    assert torch.equal(ps.lookup("ctr", "embedding", KEYS[:5]), emb.lookup(KEYS[:5]))  # the initializer rows
     ps.close()
+
+
+def test_unseen_ids_serve_the_initializer_row_by_default(exported):
+    emb, root = exported
+    unseen = torch.tensor([123456789, -5, 2**40])
+    ps = server(root)
+    assert torch.equal(ps.lookup("ctr", "embedding", unseen), emb(unseen))  # the trained model's eval lookup
+    assert ps.stats("ctr")["tables"]["embedding"]["default"] == 3
+    ps.close()
+
+
+def test_a_callable_initializer_serves_zero_rows_by_default_with_a_warning(tmp_path):
+    emb = dynemb.DynamicEmbedding(D, initializer=lambda n, dim: torch.ones(n, dim))
+    emb(KEYS[:3])
+    export_for_serving(tmp_path, emb)
+    with pytest.warns(UserWarning, match="cannot be rebuilt for default rows; unseen ids get zero rows"):
+        ps = server(tmp_path)
+    assert torch.equal(ps.lookup("ctr", "embedding", torch.tensor([99])), torch.zeros(1, D))
+    ps.close()
+    with pytest.raises(ValueError, match="cannot be rebuilt for default rows"):
+        server(tmp_path, default_value_for_each_table=["initializer"])
+
+
+def test_the_server_takes_a_dict_a_server_config_or_a_path(exported, tmp_path):
+    emb, root = exported
+    config = {"models": [{"model": "ctr", "sparse_files": [str(root)], "embedding_table_names": ["embedding"],
+                          "embedding_vecsize_per_table": [D]}]}
+    path = tmp_path / "ps.json"
+    path.write_text(json.dumps(config))
+    for source in (config, ServerConfig.load(config), path, str(path)):
+        ps = ParameterServer(source)
+        ps.load("ctr", progress=False)
+        assert torch.equal(ps.lookup("ctr", "embedding", KEYS[:4]), emb.lookup(KEYS[:4]))
+        ps.close()
+    with pytest.raises(TypeError, match="parameter server config must be a JSON object, got int"):
+        ParameterServer(3)
 
 
 def test_config_errors_name_the_problem(exported, tmp_path):
     _, root = exported
-    with pytest.raises(ValueError, match=r"unknown field\(s\) \['gpucache'\]"):
-        ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [str(root)], "gpucache": True,
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['gpu_cache'\]"):
+        ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [str(root)], "gpu_cache": True,
                                                  "embedding_table_names": ["embedding"],
                                                  "embedding_vecsize_per_table": [D]}]})
     with pytest.raises(ValueError, match="has dim 8"):

@@ -52,6 +52,18 @@ def test_delete_counts_and_removes(store):
     assert store.delete("t", torch.empty(0, dtype=torch.int64)) == 0
 
 
+def test_keys_lists_every_stored_key_of_the_table_only(store):
+    store.create_table("a", dim=2)
+    store.create_table("ab", dim=2)
+    assert store.keys("a").tolist() == []
+    store.put("a", EXTREME, rows(len(EXTREME), 2))
+    store.put("ab", torch.tensor([7, 8]), rows(2, 2))
+    store.delete("a", EXTREME[:2])
+    keys = store.keys("a")
+    assert keys.dtype == torch.int64 and sorted(keys.tolist()) == sorted(EXTREME[2:].tolist())
+    assert sorted(store.keys("ab").tolist()) == [7, 8]
+
+
 def test_tables_are_separate(store):
     store.create_table("a", dim=2)
     store.create_table("ab", dim=3)

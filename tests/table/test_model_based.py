@@ -260,18 +260,23 @@ class TableModel(RuleBasedStateMachine):
             self._values_tensor(new),
             torch.tensor(exists, dtype=torch.bool, device=self.device),
         )
-        inserted: dict[int, list] = {}
-        removed_meanwhile = {k for k, e in zip(keys, exists) if e and k not in present}
-        for key, o, n in zip(keys, old, new):
-            delta = [b - a for a, b in zip(o, n)]
-            if key in present:
+        # TFRA's truth table, one occurrence after the other: (read as existing, present) adds the delta; (read as
+        # absent, absent) inserts new; the other two change nothing.
+        firsts: dict[int, tuple] = {}
+        deltas, touched = [], []
+        for key, o, n, e in zip(keys, old, new, exists):
+            if key in present or key in firsts:
+                if e:
+                    deltas.append((key, [b - a for a, b in zip(o, n)]))
+                    touched.append(key)
+            elif not e:
+                firsts[key] = tuple(n)
+                touched.append(key)
+        dropped = self._apply_inserts(present & set(keys), firsts)
+        for key, delta in deltas:
+            if key not in dropped:
                 self.values[key] = tuple(v + d for v, d in zip(self.values[key], delta))
-            elif key not in removed_meanwhile:
-                # First occurrence: its new value; later ones add their deltas.
-                base = inserted.get(key)
-                inserted[key] = list(n) if base is None else [v + d for v, d in zip(base, delta)]
-        dropped = self._apply_inserts(present & set(keys), {k: tuple(v) for k, v in inserted.items()})
-        self._touch([k for k in keys if k in present or (k in inserted and k not in dropped)])
+        self._touch([k for k in touched if k not in dropped])
 
     @rule(data=st.data())
     def erase(self, data):

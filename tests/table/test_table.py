@@ -156,25 +156,60 @@ def test_accum_present_absent_and_removed_meanwhile(key_dtype, device):
     assert t.size() == 2 and t.inserted == 3 and t.removed == 1
 
 
-def test_accum_duplicates(key_dtype, device):
+# TFRA's accum, one row per (exists when read, present now); see KeyValueTable.accum.
+ACCUM_TRUTH_TABLE = {
+    "read_present_now_present": (True, True, "added"),
+    "read_present_now_absent": (True, False, "unchanged"),  # removed meanwhile: not revived
+    "read_absent_now_present": (False, True, "unchanged"),  # inserted meanwhile: that insert wins
+    "read_absent_now_absent": (False, False, "inserted"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ACCUM_TRUTH_TABLE))
+def test_accum_truth_table(case, key_dtype, device, extreme_keys, leaves_unchanged):
+    exists_then, present_now, outcome = ACCUM_TRUTH_TABLE[case]
+    t = _table(key_dtype, device, dim=2, initializer="zeros")
+    keys = extreme_keys.to(device)[:3]  # min, max and -1
+    stored = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], device=device)
+    if present_now:
+        t.insert_or_assign(keys, stored)
+    # Old values far from the new ones: old + (new - old) rounds to another float32 than new.
+    old = torch.full((3, 2), 1e8, device=device)
+    new = torch.tensor([[1.0, 0.5], [-2.0, 0.25], [3.0, 7.0]], device=device)
+    exists = torch.full((3,), exists_then, device=device)
+    if outcome == "unchanged":
+        with leaves_unchanged(t, clock=False):
+            t.accum(keys, old, new, exists)
+        return
+    t.accum(keys, old, new, exists)
+    values, found = t.find(keys)
+    if outcome == "added":
+        assert torch.equal(values, stored + (new - old))
+        assert t.size() == 3 and t.inserted == 3
+    else:
+        assert found.all() and torch.equal(values, new)  # exactly new_values, as TFRA inserts them
+        assert t.size() == 3 and t.inserted == 3
+    _check_consistent(t)
+
+
+def test_accum_applies_duplicates_in_order(key_dtype, device):
+    """Occurrences of a key apply one after the other, each by the truth table against the table as the earlier
+    occurrences left it (TFRA's table does them one at a time)."""
     t = _table(key_dtype, device, dim=1, initializer="zeros")
     t.insert_or_assign(_k([7], key_dtype, device), torch.tensor([[10.0]], device=device))
-    keys = _k([7, 7, 8, 8, 8], key_dtype, device)
-    old = torch.tensor([[10.0], [10.0], [0.0], [1.0], [2.0]], device=device)
-    new = torch.tensor([[11.0], [12.0], [5.0], [3.0], [2.5]], device=device)
-    exists = torch.tensor([True, True, False, False, False], device=device)
+    keys = _k([7, 7, 8, 8, 8, 9, 9, 6], key_dtype, device)
+    old = torch.tensor([[10.0], [10.0], [0.0], [1.0], [2.0], [0.0], [0.0], [0.0]], device=device)
+    new = torch.tensor([[11.0], [12.0], [5.0], [3.0], [2.5], [4.0], [6.0], [1.0]], device=device)
+    exists = torch.tensor([False, True, True, False, True, False, False, True], device=device)
     t.accum(keys, old, new, exists)
-    values = t.find(_k([7, 8], key_dtype, device))[0]
-    # 7: every delta adds. 8: the first occurrence's new value plus the later deltas.
-    assert values.view(-1).tolist() == [13.0, 5.0 + 2.0 + 0.5]
-
-
-def test_accum_does_not_revive_when_any_occurrence_existed(key_dtype, device):
-    t = _table(key_dtype, device, dim=1)
-    keys = _k([3, 3], key_dtype, device)
-    vals = torch.ones(2, 1, device=device)
-    t.accum(keys, vals, vals + 1, torch.tensor([False, True], device=device))
-    assert t.size() == 0 and t.inserted == 0
+    values, found = t.find(_k([7, 8, 9, 6], key_dtype, device))
+    # 7: present; only the occurrence read as existing adds (+2). 8: absent; the first (exists) is ignored, the
+    # second inserts its new value 3, the third then adds 0.5. 9: the first inserts 4, the second (read as
+    # absent) finds it present and is ignored. 6: read as existing, absent now: not revived.
+    assert found.tolist() == [True, True, True, False]
+    assert values.view(-1).tolist()[:3] == [12.0, 3.5, 4.0]
+    assert t.size() == 3 and t.inserted == 3
+    _check_consistent(t)
 
 
 # --------------------------------------------------------------------------------------------------------------- erase
@@ -266,6 +301,52 @@ def test_bounded_table_evicts_lowest_and_never_pinned(key_dtype, device):
     assert sorted(torch.cat([k for k, _, _ in got]).tolist()) == [2, 3]
     assert sorted(t.export().keys.tolist()) == [1, 4, 5, 6]
     assert (t.size(), t.inserted, t.evicted) == (4, 6, 2)
+    _check_consistent(t)
+
+
+class HookError(Exception):
+    pass
+
+
+def _raise_on_evict(keys, values, scores):
+    raise HookError(f"on_evict saw {keys.numel()} keys")
+
+
+# Every call that can evict, on a full table (max_capacity 4, keys 1..4 stored): what it is given, and that it evicts.
+EVICTING_CALLS = {
+    "find_or_insert": lambda t, k: t.find_or_insert(k([1, 5, 6])),
+    "find_or_insert_over_capacity": lambda t, k: t.find_or_insert(k([5, 6, 7, 8, 9, 10])),
+    "insert_or_assign": lambda t, k: t.insert_or_assign(k([2, 5]), torch.full((2, 2), 9.0, device=t.device)),
+    "accum": lambda t, k: t.accum(k([1, 5, 1]), torch.zeros(3, 2, device=t.device), torch.ones(3, 2, device=t.device),
+                                  torch.tensor([True, False, True], device=t.device)),
+    "evict": lambda t, k: t.evict(2),
+    "restrict": lambda t, k: t.restrict(1),
+}
+
+
+@pytest.mark.parametrize("call", sorted(EVICTING_CALLS))
+@pytest.mark.parametrize("initializer", ["normal", "callable"])
+def test_on_evict_that_raises_leaves_the_table_as_it_was(call, initializer, key_dtype, device, fails_cleanly):
+    init = (lambda n, dim: torch.randn(n, dim)) if initializer == "callable" else initializer
+    t = _table(key_dtype, device, dim=2, max_capacity=4, initializer=init, eviction="lfu")
+    t.find_or_insert(_k([1, 1, 2, 3, 4, 4, 4], key_dtype, device))
+    t.add_slot("opt.m", 2, init=0.5)
+    t.slot("opt.m")[:4] = torch.arange(8.0, device=device).view(4, 2)
+    t.track_deletions()
+    t.erase(_k([3], key_dtype, device))
+    t.insert_or_assign(_k([3], key_dtype, device), torch.ones(1, 2, device=device))
+    clock = t.clock
+    before = (t.changes_since(clock - 2), t._init_calls)
+    t.on_evict = _raise_on_evict
+    with fails_cleanly(t, HookError, "on_evict saw"):
+        EVICTING_CALLS[call](t, lambda keys: _k(keys, key_dtype, device))
+    rows, deleted = t.changes_since(clock - 2)
+    assert torch.equal(rows, before[0][0]) and torch.equal(deleted, before[0][1])  # versions and deletion log
+    assert t._init_calls == before[1]
+    _check_consistent(t)
+    t.on_evict = None  # the same call then succeeds and evicts
+    EVICTING_CALLS[call](t, lambda keys: _k(keys, key_dtype, device))
+    assert t.evicted > 0
     _check_consistent(t)
 
 

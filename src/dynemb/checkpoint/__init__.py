@@ -24,6 +24,6 @@ from .errors import CheckpointError
 from .loader import load
 from .manifest import FORMAT_VERSION
 from .saver import save
-from .export_format import export_for_serving, read_export
+from .export_format import export_for_serving, read_chain, read_export
 
-__all__ = ["save", "load", "export_for_serving", "read_export", "CheckpointError", "FORMAT_VERSION"]
+__all__ = ["save", "load", "export_for_serving", "read_export", "read_chain", "CheckpointError", "FORMAT_VERSION"]

@@ -1,11 +1,15 @@
 """The serving export format, written and read in one place: :func:`export_for_serving` writes the keys and values
-of every logical table for the parameter server, in full or as a delta; :func:`read_export` reads one back with its
-checksums verified."""
+of every logical table for the parameter server, in full or as a delta, with its lineage (model id, version, parent
+version, digest); :func:`read_export` reads one back with its checksums verified, :func:`read_chain` one with the
+exports it builds on."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -15,19 +19,22 @@ from ..distributed.plan import ShardingKind
 from ..table.checks import VALUE_DTYPES, check_dtype
 from ..table.initializers import resolve_initializer
 from . import lineage
-from .fsutil import staging, write_json, write_pointer
-from .manifest import FORMAT_VERSION, MANIFEST, SERVING_FORMAT, complete, file_record, read_manifest, resolve
+from .errors import CheckpointError
+from .fsutil import read_json, staging, write_json, write_pointer
+from .manifest import FORMAT_VERSION, MANIFEST, SERVING_FORMAT, chain, complete, file_record, read_manifest, resolve
 from .ranks import rank_context
 from .saver import incremental_parent, write_payloads, writes as _writes
 from .tables import DELETED, KEYS, VALUES, columns, delta_columns, find_tables, shard_file
 from .tensorfile import read_tensors
 
-__all__ = ["export_for_serving", "read_export"]
+__all__ = ["export_for_serving", "read_export", "read_chain", "manifest_digest", "version_name"]
 
 STREAM = "serving"
+MODEL_FILE = "model.json"  # in the export root: {"model": id}, written by its first export
 
 
-def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float32, incremental: bool = False) -> Path:
+def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float32, incremental: bool = False,
+                       model_name: str | None = None) -> Path:
     """Export the keys and values (no slots, no scores) of every table of ``model`` for serving.
 
     Writes ``path/version-<n>/`` atomically (``n`` one above the newest export there) with one safetensors file
@@ -36,6 +43,12 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     collection's TableConfig name, or a standalone embedding's module path) the file, ``dim``, ``dtype``,
     ``key_dtype``, ``rows``, ``size``, ``sha256``, ``initializer`` and ``seed`` (for the default rows of unknown
     keys), plus ``version``, ``kind``, ``parent`` and ``created_unix``. Then ``path/latest`` points at it.
+
+    Lineage: the manifest also names the ``model`` (the export root's model id, see ``model_name``), the
+    ``parent_version`` and ``parent_digest`` (a delta's base; for a full export, the newest export it follows, or
+    null) and its own ``digest``: the sha256 of the manifest without that field, which covers every file's sha256
+    and, through ``parent_digest``, the chain it builds on. A parameter server applies an export only on top of
+    the version it names (see :meth:`~dynemb.serving.ParameterServer.apply_update`).
 
     With a sharded collection this is a collective call: every rank calls it, the rows of every rank are gathered
     and rank 0 writes the one export. Nothing in it depends on the world size or the sharding plan.
@@ -49,12 +62,17 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
         model: an ``nn.Module`` holding DynamicEmbeddings (or one itself).
         dtype: value dtype of the export: float32, float16 or bfloat16.
         incremental: write a delta against the previous export.
+        model_name: the id of the model this root holds. The first export to ``path`` stores it in
+            ``path/model.json`` (without ``model_name``, a new id: the root's name and a random suffix), and every
+            later export to ``path`` names that id, so all exports of one training run share it.
 
     Returns:
         The new export directory.
 
     Raises:
-        TypeError: ``model`` is not a module, ``dtype`` is not a float dtype, ``incremental`` is not a bool.
+        TypeError: ``model`` is not a module, ``dtype`` is not a float dtype, ``incremental`` is not a bool,
+            ``model_name`` is not a non-empty str.
+        ValueError: ``model_name`` differs from the model id ``path`` already holds.
 
     Example:
         >>> import json, tempfile, torch, dynemb
@@ -73,14 +91,16 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     check_dtype(dtype, VALUE_DTYPES, "dtype")
     if not isinstance(incremental, bool):
         raise TypeError(f"incremental must be a bool, got {incremental!r}")
+    if model_name is not None and (not isinstance(model_name, str) or not model_name):
+        raise TypeError(f"model_name must be a non-empty str or None, got {model_name!r}")
     root = Path(path)
     root_key = os.path.realpath(root)
     ctx = rank_context(model)
     shards = find_tables(model)
     local = {name: shard for name, shard in shards.items() if shard.module is not None}
-    version = 1 + max((m["version"] for m in complete(root, SERVING_FORMAT).values()), default=0) \
-        if ctx.rank == 0 else 0
-    version = ctx.gather(version)[0]
+    previous = complete(root, SERVING_FORMAT) if ctx.rank == 0 else {}
+    model_id = _model_id(root, model_name) if ctx.rank == 0 else None
+    version = ctx.gather(1 + max((m["version"] for m in previous.values()), default=0))[0]
     parent = None
     if incremental:
         current = {name: _fields(shard.config, dtype) for name, shard in shards.items()}
@@ -88,7 +108,7 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
                                     f"serving export {version}")
         parents = ctx.gather(parent)
         parent = parent if all(p == parents[0] for p in parents) else None  # full unless every rank can chain
-    name = f"version-{version:08d}"
+    name = version_name(version)
     tables = [shard.table for shard in local.values()]
     with lineage.tick(tables):
         payloads, entries = _table_payloads(shards, parent, dtype, ctx)
@@ -97,11 +117,13 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
                 files = write_payloads(tmp, payloads, f"exported {root / name}")
                 for entry in entries.values():
                     entry["sha256"] = files[entry["file"]]["sha256"]
-                write_json(tmp / MANIFEST, {
-                    "format": SERVING_FORMAT, "format_version": FORMAT_VERSION, "version": version,
-                    "kind": "delta" if parent else "full", "parent": parent, "created_unix": time.time(),
-                    "tables": entries, "files": files,
-                })
+                manifest = {
+                    "format": SERVING_FORMAT, "format_version": FORMAT_VERSION, "model": model_id,
+                    "version": version, "kind": "delta" if parent else "full", "parent": parent,
+                    **_parent_lineage(previous, parent), "created_unix": time.time(), "tables": entries,
+                    "files": files,
+                }
+                write_json(tmp / MANIFEST, {**manifest, "digest": manifest_digest(manifest)})
             write_pointer(root, name, version=version)
         ctx.barrier()
         lineage.record(tables, STREAM, root_key, name)
@@ -143,6 +165,38 @@ def _local_columns(shard, parent: str | None, ctx) -> dict:
     return delta_columns(shard, lineage.since(shard.table, STREAM), state=False)
 
 
+def version_name(version: int) -> str:
+    """The directory name of export ``version`` in its root: ``version-<n>``."""
+    return f"version-{version:08d}"
+
+
+def _model_id(root: Path, model_name: str | None) -> str:
+    """The model id ``root`` holds (``root/model.json``), stored there by its first export."""
+    file = root / MODEL_FILE
+    stored = read_json(file).get("model") if file.is_file() else None
+    if stored is not None:
+        if model_name is not None and model_name != stored:
+            raise ValueError(f"model_name is {model_name!r} but {root} holds exports of model {stored!r} "
+                             f"({file}); export another model to another path")
+        return stored
+    stored = model_name if model_name is not None else f"{root.name}-{uuid.uuid4().hex[:12]}"
+    root.mkdir(parents=True, exist_ok=True)
+    write_json(file, {"model": stored}, atomic=True)
+    return stored
+
+
+def _parent_lineage(previous: dict, parent: str | None) -> dict:
+    """``parent_version`` and ``parent_digest``: of a delta's base, or of the newest export a full one follows."""
+    base = previous.get(parent) if parent else max(previous.values(), key=lambda m: m["version"], default=None)
+    return {"parent_version": base["version"] if base else None, "parent_digest": base.get("digest") if base else None}
+
+
+def manifest_digest(manifest: dict) -> str:
+    """The sha256 of ``manifest`` (its canonical JSON) without its ``digest`` field."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _fields(cfg, dtype: torch.dtype) -> dict:
     return {"dim": cfg.dim, "dtype": str(dtype), "key_dtype": str(cfg.key_dtype)}
 
@@ -151,13 +205,31 @@ def read_export(path) -> tuple[dict, dict]:
     """Read a serving export (its ``latest`` version, or the version directory given) with checksums verified.
 
     Returns ``(manifest, {table: {"keys": [N], "values": [N, D], "deleted_keys": [K] (deltas)}})``, tables named
-    as the user named them and keys in each table's key dtype.
+    as the user named them and keys in each table's key dtype; ``manifest["path"]`` is the version directory.
+
+    Raises:
+        CheckpointError: no export there, a file or the manifest's ``digest`` does not match its checksum.
     """
     directory = resolve(path)
     manifest = read_manifest(directory, SERVING_FORMAT)
+    if "digest" in manifest and manifest["digest"] != manifest_digest(manifest):
+        raise CheckpointError(f"{directory / MANIFEST}: its digest {manifest['digest']!r} does not match its "
+                              f"content ({manifest_digest(manifest)!r}); the manifest was changed after it was written")
     tables = {}
     for name, entry in manifest["tables"].items():
         tensors, _ = read_tensors(directory / entry["file"], file_record(manifest, directory, entry["file"]))
         tables[name] = tensors
     manifest["path"] = str(directory)
     return manifest, tables
+
+
+def read_chain(path) -> list[tuple[dict, dict]]:
+    """Read the serving export ``path`` names (its ``latest`` version, or a version directory) with the exports
+    it builds on: the last full export and every delta after it up to this one, oldest first, each as
+    :func:`read_export` returns it. Replaying them in order (each delta: delete, then upsert) gives the tables
+    as of this version.
+
+    Raises:
+        CheckpointError: an export of the chain is missing or does not match its checksums.
+    """
+    return [read_export(directory) for directory, _ in chain(resolve(path), SERVING_FORMAT)]

@@ -71,7 +71,7 @@ def shard_file(index: int, name: str, rank: int, world_size: int, suffix: str = 
 def table_config(shard: TableShard) -> dict:
     """The table's config as saved: dim, dtypes, vocabulary, policy, initializer, seed, slots, admission."""
     cfg, t = shard.config, shard.table
-    config = {"dim": cfg.dim, "key_dtype": str(cfg.key_dtype), "dtype": str(cfg.dtype),
+    config = {"dim": cfg.dim, "key_dtype": str(cfg.key_dtype), "dtype": str(t.dtype),  # .half() casts the table
               "vocabulary_size": cfg.vocabulary_size, "max_capacity": cfg.max_capacity,
               "eviction": t.policy.value if cfg.vocabulary_size is None else None,
               "initializer": t.initializer.describe(), "seed": shard.seed,

@@ -13,8 +13,8 @@ module                  job
 
 from .collection import EmbeddingCollection
 from .config import FeatureConfig, TableConfig
-from .features import Jagged, PreparedFeature
+from .features import Bags, Jagged, PreparedFeature
 from .plan import ExecutionPlan, TableShard
 
-__all__ = ["EmbeddingCollection", "TableConfig", "FeatureConfig", "Jagged", "PreparedFeature", "ExecutionPlan",
+__all__ = ["EmbeddingCollection", "TableConfig", "FeatureConfig", "Bags", "Jagged", "PreparedFeature", "ExecutionPlan",
            "TableShard"]

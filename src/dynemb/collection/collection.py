@@ -17,7 +17,7 @@ from ..embedding import DynamicEmbedding
 from ..optim.combined import CombinedOptimizer
 from ..table.checks import resolve_device
 from .config import FeatureConfig, TableConfig
-from .features import prepare_features
+from .features import as_feature_dict, prepare_features
 from .local import LocalExecutor
 from .plan import ExecutionPlan, TableShard, draw_seeds
 from .sharded import ShardedExecutor
@@ -125,9 +125,16 @@ class EmbeddingCollection(nn.Module):
         return [m.table for m in self.plan.modules().values()]
 
     # ------------------------------------------------------------------ lookups
-    def forward(self, features: dict, weights: Optional[dict] = None) -> dict:
-        """Look up every feature given; see the class docstring for shapes. Every feature is validated before
-        any table changes. Sharded: a collective call that every rank makes."""
+    def forward(self, features, weights: Optional[dict] = None) -> dict:
+        """Look up every feature given: ``features`` is ``{feature name: input}`` or a TorchRec
+        ``KeyedJaggedTensor``; each input is ids ``[B]`` (one per sample), dense ``[B, M]``, sparse COO,
+        ``(ids, offsets)``, ``(ids, offsets, weights)``, :class:`Bags` (offsets or lengths) or a ``JaggedTensor``.
+        ``weights`` optionally maps feature names to per-id weights. See the class docstring for shapes.
+
+        Every feature is validated before any table changes. Tables insert only in training mode with grad mode
+        on; under ``eval()`` or ``torch.no_grad()`` they are read-only. Sharded: a collective call that every
+        rank makes."""
+        features = as_feature_dict(features)
         device = self._device
         check = self.validate if self.validate is not None else device.type == "cpu"
         prepared = prepare_features(features, weights or {}, self.feature_configs, self.table_configs, device,
@@ -168,7 +175,7 @@ class EmbeddingCollection(nn.Module):
 
     # ------------------------------------------------------------------ nn.Module plumbing
     def _apply(self, fn, recurse=True):
-        for module in self.plan.modules().values():  # .to(device) moves the tables; dtype casts leave them
+        for module in self.plan.modules().values():  # .to(device) moves the tables; .half() etc. convert their rows
             module._apply(fn, recurse)
         self._device = fn(torch.empty(0, device=self._device)).device
         return super()._apply(fn, recurse)

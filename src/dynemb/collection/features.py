@@ -15,7 +15,28 @@ from ..functional import BagSet, clip_rows, pool_many, to_bags
 from ..table.checks import check_keys
 from .config import FeatureConfig, TableConfig
 
-__all__ = ["Jagged", "PreparedFeature", "prepare_features", "finish"]
+__all__ = ["Bags", "Jagged", "PreparedFeature", "prepare_features", "as_feature_dict", "finish"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bags:
+    """One feature's bags of ids, in any of the jagged forms: ``ids [N]`` with ``offsets [B]`` (bag starts, as
+    ``nn.EmbeddingBag``), ``offsets [B+1]`` with ``include_last_offset=True`` (as TorchRec), or ``lengths [B]``;
+    optional per-id ``weights [N]``.
+
+    A plain ``(ids, offsets)`` or ``(ids, offsets, weights)`` tuple, or a dict with these field names, means the
+    same; so does a TorchRec ``JaggedTensor`` (lengths, weights).
+
+    Example:
+        >>> Bags(torch.tensor([3, 4, 5]), lengths=torch.tensor([2, 1])).lengths.tolist()
+        [2, 1]
+    """
+
+    ids: torch.Tensor
+    offsets: Optional[torch.Tensor] = None
+    lengths: Optional[torch.Tensor] = None
+    weights: Optional[torch.Tensor] = None
+    include_last_offset: bool = False
 
 
 class Jagged(tuple):
@@ -43,6 +64,7 @@ class PreparedFeature:
     bags: Optional[BagSet] = None
     jagged_offsets: Optional[torch.Tensor] = None
     shape: Optional[tuple] = None
+    positions: Optional[torch.Tensor] = None  # dense sequences with padding: where in ``shape`` the ids sit
 
     @property
     def plain(self) -> bool:
@@ -61,8 +83,10 @@ def prepare_features(features: dict, weights: dict, feature_configs: dict[str, F
     Raises:
         ValueError/TypeError: naming the feature and its table; nothing has been looked up yet.
     """
+    features = as_feature_dict(features)
     if not isinstance(features, dict):
-        raise TypeError(f"features must be a dict {{feature name: ids}}, got {type(features).__name__}")
+        raise TypeError(f"features must be a dict {{feature name: ids}} or a TorchRec KeyedJaggedTensor, got "
+                        f"{type(features).__name__}")
     unknown = sorted(set(features) - set(feature_configs), key=str)
     if unknown:
         raise ValueError(f"features {unknown} are not configured; known: {sorted(feature_configs)}")
@@ -78,28 +102,87 @@ def prepare_features(features: dict, weights: dict, feature_configs: dict[str, F
         except (TypeError, ValueError) as e:
             raise type(e)(f"feature {fname!r} (table {tcfg.name!r}): {e}") from None
         by_table[tcfg.name].append(prepared)
+    _check_batch_sizes([p for parts in by_table.values() for p in parts])
     return {name: parts for name, parts in by_table.items() if parts}
+
+
+def _check_batch_sizes(prepared: list[PreparedFeature]) -> None:
+    """Pooled features of one batch give one row per sample: their bag counts must agree."""
+    sizes = {p.name: p.bags.num_bags for p in prepared if p.bags is not None}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"pooled features must have one bag per sample, but their bag counts differ: {sizes}. "
+                         "Offsets with B+1 entries (TorchRec style) need Bags(ids, offsets, include_last_offset=True), "
+                         "or pass lengths: Bags(ids, lengths=...)")
+
+
+def as_feature_dict(features):
+    """A TorchRec KeyedJaggedTensor as ``{feature: Bags}`` (torchrec itself stays optional); anything else as is."""
+    if isinstance(features, dict) or not (callable(getattr(features, "to_dict", None))
+                                          and callable(getattr(features, "keys", None))):
+        return features
+    return {key: _from_jagged(jt) for key, jt in features.to_dict().items()}
+
+
+def _from_jagged(value):
+    """A TorchRec JaggedTensor (values, lengths, weights) as Bags; anything else unchanged."""
+    if callable(getattr(value, "lengths", None)) and callable(getattr(value, "values", None)) \
+            and callable(getattr(value, "weights_or_none", None)):
+        return Bags(value.values(), lengths=value.lengths(), weights=value.weights_or_none())
+    return value
+
+
+_FORMS = ("ids [B] (one per sample), dense [B, M], sparse COO [B, M], (ids, offsets), (ids, offsets, weights), "
+          "Bags(ids, offsets=/lengths=, weights=), or a TorchRec JaggedTensor")
+
+
+def _as_bags(value):
+    """The feature's value as Bags when it is a jagged form, else the tensor; errors say which forms work."""
+    value = _from_jagged(value)
+    if isinstance(value, (Bags, torch.Tensor)):
+        return value
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(Bags)})
+        if unknown or "ids" not in value:
+            raise ValueError(f"a dict input needs 'ids' and any of offsets/lengths/weights/include_last_offset, got "
+                             f"keys {sorted(value)}")
+        return Bags(**value)
+    if isinstance(value, (tuple, list)) and len(value) in (2, 3) and all(isinstance(v, torch.Tensor) or v is None
+                                                                         for v in value):
+        return Bags(value[0], offsets=value[1], weights=value[2] if len(value) == 3 else None)
+    what = f"a {type(value).__name__} of {len(value)} {type(value[0]).__name__}" if isinstance(
+        value, (tuple, list)) and value else type(value).__name__
+    raise TypeError(f"must be one of {_FORMS}; got {what}")
 
 
 def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, device,
              check_ranges: bool) -> PreparedFeature:
+    value = _as_bags(value)
     combiner = fcfg.combiner or tcfg.combiner
     if combiner == "none":
-        if isinstance(value, (tuple, list)):
-            ids, offsets = value
-            out = PreparedFeature(fname, tcfg.name, _check_ids(ids, tcfg, device, check_ranges), fcfg.max_norm,
-                                  jagged_offsets=offsets)
-        else:
-            out = PreparedFeature(fname, tcfg.name, _check_ids(value, tcfg, device, check_ranges), fcfg.max_norm,
-                                  shape=tuple(value.shape))
-        return out
-    if isinstance(value, (tuple, list)):
-        ids, offsets = value
-    elif isinstance(value, torch.Tensor) and not value.is_sparse and value.dim() == 1:
-        ids, offsets = value, torch.arange(value.numel(), device=value.device)  # one id per sample
+        if weight is not None or (isinstance(value, Bags) and value.weights is not None):
+            raise ValueError("weights are for pooled features; this is a sequence feature (combiner='none')")
+        if isinstance(value, Bags):
+            ids, offsets, _, _ = to_bags(value.ids, value.offsets, lengths=value.lengths,
+                                         include_last_offset=value.include_last_offset)
+            return PreparedFeature(fname, tcfg.name, _check_ids(ids, tcfg, device, check_ranges), fcfg.max_norm,
+                                   jagged_offsets=offsets)
+        if fcfg.padding_value is not None and not value.is_sparse:
+            kept = (value.reshape(-1) != fcfg.padding_value).nonzero().squeeze(1)
+            ids = _check_ids(value, tcfg, device, check_ranges=False).index_select(0, kept)
+            return PreparedFeature(fname, tcfg.name, _check_ids(ids, tcfg, device, check_ranges), fcfg.max_norm,
+                                   shape=tuple(value.shape), positions=kept)
+        return PreparedFeature(fname, tcfg.name, _check_ids(value, tcfg, device, check_ranges), fcfg.max_norm,
+                               shape=tuple(value.shape))
+    if isinstance(value, Bags):
+        if weight is not None and value.weights is not None:
+            raise ValueError("weights are given twice: in the weights dict and in the feature's input")
+        flat, offsets, w, num_bags = to_bags(value.ids, value.offsets, value.weights if weight is None else weight,
+                                             lengths=value.lengths, include_last_offset=value.include_last_offset)
+    elif not value.is_sparse and value.dim() == 1:  # one id per sample
+        column = weight.reshape(-1, 1) if isinstance(weight, torch.Tensor) and weight.dim() == 1 else weight
+        flat, offsets, w, num_bags = to_bags(value.reshape(-1, 1), None, column)  # [B, 1]: offsets need no check
     else:
-        ids, offsets = value, None
-    flat, offsets, w, num_bags = to_bags(ids, offsets, weight, padding_value=fcfg.padding_value)
+        flat, offsets, w, num_bags = to_bags(value, None, weight, padding_value=fcfg.padding_value)
     flat = _check_ids(flat, tcfg, device, check_ranges)
     return PreparedFeature(fname, tcfg.name, flat, fcfg.max_norm,
                            bags=BagSet(flat.numel(), offsets, w, num_bags, combiner))
@@ -107,10 +190,10 @@ def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, 
 
 def _check_ids(ids, tcfg: TableConfig, device, check_ranges: bool) -> torch.Tensor:
     flat = check_keys(ids, tcfg.key_dtype, device, "ids")
-    if check_ranges and tcfg.is_static and flat.numel():
-        low, high = torch.aminmax(flat)  # one device sync per static feature
-        if int(low) < 0 or int(high) >= tcfg.vocabulary_size:
-            bad = int(low) if int(low) < 0 else int(high)
+    if check_ranges and tcfg.is_static and not torch.compiler.is_compiling() and flat.numel():
+        low, high = torch.stack(torch.aminmax(flat)).tolist()  # one device sync per static feature
+        if low < 0 or high >= tcfg.vocabulary_size:
+            bad = low if low < 0 else high
             raise ValueError(f"ids must be in [0, {tcfg.vocabulary_size}) for static table {tcfg.name!r}, got {bad}")
     return flat
 
@@ -125,4 +208,9 @@ def finish(p: PreparedFeature, values: torch.Tensor, inverse: torch.Tensor):
     rows = torch.nn.functional.embedding(inverse, values)
     if p.jagged_offsets is not None:
         return Jagged(rows, p.jagged_offsets)
+    if p.positions is not None:  # padded positions read zeros and train nothing, as nn.Embedding's padding_idx
+        total = 1
+        for size in p.shape:
+            total *= size
+        rows = values.new_zeros(total, values.shape[1]).index_copy(0, p.positions, rows)
     return rows.view(*p.shape, values.shape[1])

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..functional import pool_many, pooled_lookup, unique_rows
+from ..functional.lookup import clip_rows, id_rows
+from ..functional.pooling import split_combine
 from .features import PreparedFeature, finish
 from .plan import ExecutionPlan
 
@@ -29,6 +33,8 @@ def lookup_table(module, parts: list[PreparedFeature], training: bool) -> dict:
     features, which pool straight from the table when they are all there is."""
     ids = parts[0].ids if len(parts) == 1 else torch.cat([p.ids for p in parts])
     plain = [p for p in parts if p.plain]
+    if torch.compiler.is_compiling() and len(plain) != len(parts):
+        return _compiled_lookup_table(module, ids, parts, training)
     if len(plain) == len(parts):
         pooled = pooled_lookup(module, ids, [p.bags for p in plain], training=training, checked=True)
         return {p.name: out for p, out in zip(parts, pooled)}
@@ -41,3 +47,20 @@ def lookup_table(module, parts: list[PreparedFeature], training: bool) -> dict:
             out[p.name] = finish(p, values, inverses[p.name])
     return out
 
+
+
+def _compiled_lookup_table(module, ids: torch.Tensor, parts: list[PreparedFeature], training: bool) -> dict:
+    """What compiled code runs for a table with sequence or ``max_norm`` features: each id's row from the one
+    opaque lookup op, then clipping, pooling and shaping in plain torch ops the compiler can trace."""
+    out = {}
+    for p, rows in zip(parts, id_rows(module, ids, training).split([p.ids.numel() for p in parts])):
+        if p.max_norm is not None:
+            rows = clip_rows(rows, p.max_norm)
+        each = torch.arange(rows.shape[0], device=rows.device)
+        if p.bags is None:
+            out[p.name] = finish(dataclasses.replace(p, max_norm=None), rows, each)
+        else:
+            offsets, weights = p.bags.offsets, p.bags.weights
+            summed = torch.nn.functional.embedding_bag(each, rows, offsets, mode="sum", per_sample_weights=weights)
+            out[p.name] = split_combine(summed, [p.bags])[0]
+    return out

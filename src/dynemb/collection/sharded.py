@@ -42,7 +42,9 @@ class ShardedExecutor:
         self.training = True
 
     def forward(self, prepared: dict[str, list[PreparedFeature]], training: bool) -> dict:
-        self.training = training
+        # Tables insert, evict and count only when training with grad mode on; otherwise they are read-only.
+        # (Every rank must be in the same mode: the exchange below depends on it.)
+        training = self.training = training and torch.is_grad_enabled()
         names = list(self.plan.shards)
         device = next((p.ids.device for parts in prepared.values() for p in parts), None)
         keys, inverses, counts = [], [], []
@@ -54,7 +56,7 @@ class ShardedExecutor:
             keys.append(unique)
             inverses.append(inverse)
             counts.append(count)
-        if training and torch.is_grad_enabled():
+        if training:
             values = _ShardedLookup.apply(torch.empty(0, requires_grad=True), self, keys, counts)
         else:
             values, _ = self._exchange(keys, counts)

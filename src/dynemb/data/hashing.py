@@ -66,7 +66,8 @@ def hash_strings(values) -> torch.Tensor:
         A new int64 tensor of the keys; equal strings get equal keys in every call and on every platform.
 
     Raises:
-        TypeError: ``values`` are not strings or bytes.
+        TypeError: ``values`` are not strings or bytes, or are one ``str``/``bytes`` (which would otherwise be
+            hashed character by character): pass ``[value]``.
         ValueError: ``values`` contains a null (the message gives its position).
 
     Shape:
@@ -76,6 +77,9 @@ def hash_strings(values) -> torch.Tensor:
         >>> hash_strings(["user_42", "user_42", "", "é"]).tolist()
         [4815382341779711111, 4815382341779711111, -1205034819632174695, 1717938401253289848]
     """
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"values must be a list of strings or bytes, got a single {type(values).__name__} "
+                        f"{values[:40]!r}; pass [values] to hash one id")
     values = _as_binary_array(values)
     if len(values) == 0:
         return torch.zeros(0, dtype=torch.int64)

@@ -59,7 +59,10 @@ def current_rows(table, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
     """Hand the gradient ``grad [U, D]`` of ``keys [U]`` (read from ``rows [U]``) to the table's optimizer: applied
-    at once when it is fused, else kept until ``step()``. Keys without a stored row lose their gradient."""
+    at once when it is fused, else kept until ``step()``. Keys without a stored row lose their gradient, and a
+    frozen table (``requires_grad`` False) all of it."""
+    if not table.requires_grad:
+        return
     rows = current_rows(table, keys, rows)
     kept = rows >= 0  # keys not stored (admission, eviction) have no trainable row: their gradient is dropped
     if not bool(kept.all()):

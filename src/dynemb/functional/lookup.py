@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from ..table import KeyValueTable
 from ..table.static import StaticTable
 from .grads import TableRows, deliver_gradient, read_rows
+from .ops import anchor_of, pooled_lookup_op
 from .pooling import BagSet, BagSum, bag_of, bag_sum_grad, check_combiner, concat_bags, pool, split_combine, to_bags
 
 __all__ = ["embedding_lookup", "embedding_lookup_sparse", "pooled_lookup", "unique_rows", "counts_occurrences",
-           "clip_rows"]
+           "clip_rows", "find_unique", "id_rows"]
 
 def _table_of(embedding) -> KeyValueTable:
     return embedding if isinstance(embedding, (KeyValueTable, StaticTable)) else embedding.table
@@ -30,7 +31,7 @@ def unique_rows(embedding, ids: torch.Tensor, max_norm: float | None = None, *, 
     ``training`` overrides the module's mode; ``checked`` says the ids were validated already."""
     if max_norm is not None:
         _check_max_norm(max_norm)
-    table, unique, rows, inverse, grad = _find_unique(embedding, ids, training, checked)
+    table, unique, rows, inverse, grad = find_unique(embedding, ids, training, checked)
     values = _rows_tensor(table, unique, rows, grad)
     if max_norm is not None:
         values = clip_rows(values, max_norm)
@@ -44,23 +45,24 @@ def counts_occurrences(table) -> bool:
 
 
 
-def _find_unique(embedding, ids: torch.Tensor, training: bool | None = None, checked: bool = False):
-    """``(table, unique, rows, inverse, trains)``: ``ids`` deduplicated and looked up (inserted in training mode);
-    ``trains`` says whether gradients flow to the table."""
+def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, checked: bool = False):
+    """``(table, unique, rows, inverse, trains)``: ``ids`` deduplicated and looked up. A table inserts, evicts and
+    counts only when training *and* grad mode is on (``trains``, which also says gradients flow to it); under
+    ``eval()`` or ``torch.no_grad()`` it is read-only and unseen keys read their initializer row."""
     table = _table_of(embedding)
     if training is None:
         training = getattr(embedding, "training", True)
     flat = ids.reshape(-1)
-    trains = training and torch.is_grad_enabled()
+    trains = training and torch.is_grad_enabled() and table.requires_grad
     if isinstance(table, StaticTable):  # id i is row i: nothing to find or insert
         flat = flat if checked else table.check_ids(flat)
         unique, inverse = torch.unique(flat, return_inverse=True)
         return table, unique, unique.to(torch.int64), inverse, trains
-    if training and counts_occurrences(table):
+    if trains and counts_occurrences(table):
         # lfu scores and admission count every occurrence, not every distinct id of the call
         unique, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
         rows, _ = table.find_or_insert(unique, counts=counts)
-    elif training:
+    elif trains:
         unique, inverse = torch.unique(flat, return_inverse=True)
         rows, _ = table.find_or_insert(unique)
     else:
@@ -116,8 +118,18 @@ def embedding_lookup(embedding, ids: torch.Tensor, max_norm: float | None = None
         torch.Size([1, 2, 3])
     """
     table = _table_of(embedding)
+    if torch.compiler.is_compiling():
+        rows = id_rows(embedding, ids.reshape(-1))
+        return (clip_rows(rows, max_norm) if max_norm is not None else rows).view(*ids.shape, table.dim)
     values, inverse = unique_rows(embedding, ids, max_norm)
     return F.embedding(inverse, values).view(*ids.shape, table.dim)
+
+
+def id_rows(embedding, ids: torch.Tensor, training: bool | None = None) -> torch.Tensor:
+    """``[N, D]``: the row of each of ``ids [N]``, as the compiled pooled-lookup op with one id per bag (what
+    compiled code uses for unpooled lookups)."""
+    bags = BagSet(ids.numel(), torch.arange(ids.numel(), device=ids.device), None, ids.numel(), "sum")
+    return _compiled_pooled_lookup(embedding, _table_of(embedding), ids, [bags], training)[0]
 
 
 
@@ -156,10 +168,12 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
     A static table's id is its row, so it pools straight from the ids and sorts them once, in backward.
     """
     table = _table_of(embedding)
-    if isinstance(table, StaticTable) and not (bag_sets and any(s.weights is not None and s.weights.requires_grad
-                                                                for s in bag_sets)):
+    weights_train = any(s.weights is not None and s.weights.requires_grad for s in bag_sets)
+    if torch.compiler.is_compiling() and not weights_train:
+        return _compiled_pooled_lookup(embedding, table, ids, bag_sets, training)
+    if isinstance(table, StaticTable) and not weights_train:
         return _static_pooled_lookup(embedding, table, ids, bag_sets, training, checked)
-    table, unique, rows, inverse, trains = _find_unique(embedding, ids, training, checked)
+    table, unique, rows, inverse, trains = find_unique(embedding, ids, training, checked)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
     if (weights is not None and weights.requires_grad) or not bool((rows >= 0).all()):
         summed = BagSum.apply(_rows_tensor(table, unique, rows, trains), inverse, offsets, weights)
@@ -172,13 +186,28 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
 
 
 
+def _compiled_pooled_lookup(embedding, table, ids: torch.Tensor, bag_sets: list[BagSet],
+                            training: bool | None) -> list[torch.Tensor]:
+    """The pooled lookup as one custom op (see :mod:`dynemb.functional.ops`): what ``torch.compile`` traces."""
+    if training is None:
+        training = getattr(embedding, "training", True)
+    trains = bool(training) and torch.is_grad_enabled() and table.requires_grad
+    offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
+    if table.op_handle is None:
+        raise RuntimeError("dynemb: a table used in compiled code must belong to a DynamicEmbedding, StaticEmbedding "
+                           "or EmbeddingCollection (they register their tables for the compiled ops)")
+    anchor = anchor_of(table) if trains else anchor_of(table).detach()
+    summed = pooled_lookup_op(anchor, table.op_handle, ids.reshape(-1), offsets, weights, trains)[0]
+    return split_combine(summed, bag_sets)
+
+
 def _static_pooled_lookup(embedding, table: StaticTable, ids: torch.Tensor, bag_sets: list[BagSet],
                           training: bool | None, checked: bool) -> list[torch.Tensor]:
     flat = ids.reshape(-1) if checked else table.check_ids(ids)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
     if training is None:
         training = getattr(embedding, "training", True)
-    if training and torch.is_grad_enabled():
+    if training and torch.is_grad_enabled() and table.requires_grad:
         summed = _StaticPool.apply(torch.empty(0, requires_grad=True), table, flat, offsets, weights)
     else:
         summed = F.embedding_bag(flat, table.values, offsets, mode="sum", per_sample_weights=weights)

@@ -34,20 +34,44 @@ def check_combiner(combiner: str) -> str:
 
 
 
-def to_bags(ids, offsets=None, weights=None, *, padding_value=None, include_last_offset=False):
-    """Normalize bag inputs to ``(ids [N], offsets [B] starts, weights [N] or None, B)``.
+def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None, include_last_offset=False):
+    """Validate bag inputs and normalize them to ``(ids [N], offsets [B] starts, weights [N] or None, B)``.
 
-    Accepted forms: 1-D ``ids`` with ``offsets`` (``nn.EmbeddingBag``); a 2-D sparse COO tensor ``[B, M]`` whose
-    values are ids (``tf.SparseTensor``; ``weights`` a COO tensor of the same pattern or ``[N]``); a dense
-    ``[B, M]`` tensor, where entries equal to ``padding_value`` are skipped (``None``: every entry is an id).
+    Accepted forms:
+
+    - 1-D ``ids [N]`` with ``offsets [B]``, the start of each bag (``nn.EmbeddingBag``); with
+      ``include_last_offset=True``, ``offsets [B+1]`` ending with ``N`` (TorchRec's KeyedJaggedTensor offsets);
+    - 1-D ``ids [N]`` with ``lengths [B]``, the size of each bag (TorchRec's lengths);
+    - a 2-D sparse COO tensor ``[B, M]`` whose values are ids (``tf.SparseTensor``; ``weights`` a COO tensor of the
+      same pattern or ``[N]``);
+    - a dense ``[B, M]`` tensor, where entries equal to ``padding_value`` are skipped.
+
+    Offsets must start at 0, never decrease and stay within ``[0, N]``; lengths must be >= 0 and sum to ``N``;
+    weights are floating point, one per id, on the ids' device. Checking offsets and lengths reads their values
+    (one device sync on CUDA): nothing is ever read out of bounds.
+
+    Raises:
+        TypeError/ValueError: naming the argument, the expected form and what came in.
+
+    Example:
+        >>> to_bags(torch.tensor([4, 5, 6]), lengths=torch.tensor([2, 0, 1]))[1].tolist()
+        [0, 2, 2]
+        >>> to_bags(torch.tensor([4, 5, 6]), torch.tensor([0, 2, 1]))
+        Traceback (most recent call last):
+        ...
+        ValueError: offsets must start at 0 and never decrease (bag starts, nn.EmbeddingBag style), got [0, 2, 1]
     """
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
+    if not isinstance(include_last_offset, bool):
+        raise TypeError(f"include_last_offset must be a bool, got {include_last_offset!r}")
+    if offsets is not None and lengths is not None:
+        raise ValueError("give offsets or lengths, not both")
     if ids.is_sparse:
         if ids.dim() != 2:
             raise ValueError(f"sparse ids must be a 2-D COO tensor [B, M], got {ids.dim()}-D")
-        if offsets is not None:
-            raise ValueError("offsets must be None when ids is a sparse tensor")
+        if offsets is not None or lengths is not None:
+            raise ValueError("offsets and lengths must be None when ids is a sparse tensor")
         ids = ids.coalesce()
         bag = ids.indices()[0]
         b = ids.shape[0]
@@ -57,27 +81,80 @@ def to_bags(ids, offsets=None, weights=None, *, padding_value=None, include_last
                 raise ValueError("sparse weights must have the same indices as sparse ids")
             weights = weights.values()
         counts = torch.bincount(bag, minlength=b)
-        return ids.values(), counts.cumsum(0) - counts, weights, b
+        return ids.values(), counts.cumsum(0) - counts, _check_weights(weights, ids.values()), b
     if ids.dim() == 2:
-        if offsets is not None:
-            raise ValueError(f"offsets must be None for 2-D ids {tuple(ids.shape)}; bags are rows")
-        if weights is not None and tuple(weights.shape) != tuple(ids.shape):
-            raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got {tuple(weights.shape)}")
-        mask = ids != padding_value if padding_value is not None else torch.ones_like(ids, dtype=torch.bool)
+        if offsets is not None or lengths is not None:
+            raise ValueError(f"offsets and lengths must be None for 2-D ids {tuple(ids.shape)}; bags are rows")
+        if weights is not None and tuple(getattr(weights, "shape", ())) != tuple(ids.shape):
+            raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got "
+                             f"{_describe(weights)}")
+        weights = _check_weights(weights, ids)
+        if padding_value is None:  # every entry is an id: no mask, so shapes stay static (compiled code)
+            b, m = ids.shape
+            offsets = torch.arange(0, b * m, m, device=ids.device) if m else torch.zeros(b, dtype=torch.int64,
+                                                                                        device=ids.device)
+            return ids.reshape(-1), offsets, (weights.reshape(-1) if weights is not None else None), b
+        mask = ids != padding_value
         counts = mask.sum(1)
         return ids[mask], counts.cumsum(0) - counts, (weights[mask] if weights is not None else None), ids.shape[0]
-    if ids.dim() != 1 or offsets is None:
-        raise ValueError(f"ids must be 1-D with offsets, 2-D dense [B, M], or 2-D sparse; got shape "
-                         f"{tuple(ids.shape)} with offsets={'given' if offsets is not None else None}")
-    if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"offsets must be a 1-D int32/int64 tensor, got {offsets.dtype} {tuple(offsets.shape)}")
-    offsets = offsets.to(torch.int64)
-    if include_last_offset:
-        offsets = offsets[:-1]
-    if weights is not None and tuple(weights.shape) != tuple(ids.shape):
-        raise ValueError(f"weights must have the shape of ids {tuple(ids.shape)}, got {tuple(weights.shape)}")
-    return ids, offsets, weights, offsets.numel()
+    if ids.dim() != 1 or (offsets is None and lengths is None):
+        raise ValueError(f"ids must be 1-D with offsets or lengths, 2-D dense [B, M], or 2-D sparse; got shape "
+                         f"{tuple(ids.shape)} with {'offsets' if offsets is not None else 'no offsets or lengths'}")
+    n = ids.numel()
+    # Value checks read the tensors (a sync). Compiled code cannot: there the lookup op checks offsets at run time.
+    check_values = not torch.compiler.is_compiling()
+    if lengths is not None:
+        lengths = _check_index_tensor(lengths, "lengths", ids)
+        if check_values and bool(((lengths < 0).any() | (lengths.sum() != n)).item()):
+            raise ValueError(f"lengths must be >= 0 and sum to the number of ids ({n}), got "
+                             f"{_preview(lengths)} (sum {int(lengths.sum())})")
+        offsets = lengths.cumsum(0) - lengths
+    else:
+        offsets = _check_index_tensor(offsets, "offsets", ids)
+        if include_last_offset:
+            if offsets.numel() == 0 or (check_values and bool((offsets[-1] != n).item())):
+                raise ValueError(f"with include_last_offset=True, offsets [B+1] must end with the number of ids "
+                                 f"({n}), got {_preview(offsets)}")
+            offsets = offsets[:-1]
+        # one read of the offsets for all three rules; the message then says which one failed
+        if check_values and offsets.numel() and bool(((offsets[0] != 0) | (offsets[1:] < offsets[:-1]).any()
+                                                      | (offsets[-1] > n)).item()):
+            if int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()):
+                raise ValueError(f"offsets must start at 0 and never decrease (bag starts, nn.EmbeddingBag style), "
+                                 f"got {_preview(offsets)}")
+            raise ValueError(f"offsets must be <= the number of ids ({n}), got {_preview(offsets)}; lengths "
+                             "passed as offsets? use lengths=")
+    return ids, offsets, _check_weights(weights, ids), offsets.numel()
 
+
+def _check_index_tensor(t, name: str, ids: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be a 1-D int32/int64 tensor, got {_describe(t)}")
+    if t.device != ids.device:
+        raise ValueError(f"{name} must be on the ids' device {ids.device}, got {_describe(t)}")
+    return t.to(torch.int64)
+
+
+def _check_weights(weights, ids: torch.Tensor):
+    if weights is None:
+        return None
+    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+        raise TypeError(f"weights must be a floating-point tensor, one per id, got {_describe(weights)}")
+    if tuple(weights.shape) != tuple(ids.shape) or weights.device != ids.device:
+        raise ValueError(f"weights must have the shape {tuple(ids.shape)} and device {ids.device} of the ids, got "
+                         f"{_describe(weights)}")
+    return weights
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+    return type(t).__name__
+
+
+def _preview(t: torch.Tensor, most: int = 8) -> str:
+    values = t[:most].tolist()
+    return str(values) if t.numel() <= most else f"{str(values)[:-1]}, ...] ({t.numel()} entries)"
 
 
 class BagSum(torch.autograd.Function):

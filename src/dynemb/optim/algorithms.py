@@ -37,16 +37,15 @@ class SGD(SparseOptimizer):
         self.slots = {"momentum_buffer": (None, 0.0)} if momentum > 0 else {}
         super().__init__(tables, fused=fused, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
 
-    def _update(self, table, rows, grad, scalars):
-        d = self.defaults
-        if d["weight_decay"]:
-            grad = grad.add(self._gather(table, None, rows), alpha=d["weight_decay"])
-        if d["momentum"]:
+    def _update(self, table, rows, grad, group, scalars):
+        if group["weight_decay"]:
+            grad = grad.add(self._gather(table, None, rows), alpha=group["weight_decay"])
+        if group["momentum"]:
             key = self.slot_key("momentum_buffer")
-            buf = self._gather(table, key, rows).mul_(d["momentum"]).add_(grad)
+            buf = self._gather(table, key, rows).mul_(group["momentum"]).add_(grad)
             self._scatter(table, key, rows, buf)
-            grad = grad.add(buf, alpha=d["momentum"]) if d["nesterov"] else buf
-        self._add(table, None, rows, grad.mul(-d["lr"]))
+            grad = grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
+        self._add(table, None, rows, grad.mul(-group["lr"]))
 
 
 class Adagrad(SparseOptimizer):
@@ -62,15 +61,14 @@ class Adagrad(SparseOptimizer):
         super().__init__(tables, fused=fused, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                          initial_accumulator_value=initial_accumulator_value, eps=eps)
 
-    def _update(self, table, rows, grad, scalars):
-        d = self.defaults
-        if d["weight_decay"]:
-            grad = grad.add(self._gather(table, None, rows), alpha=d["weight_decay"])
-        clr = d["lr"] / (1 + (scalars["step"] - 1) * d["lr_decay"])
+    def _update(self, table, rows, grad, group, scalars):
+        if group["weight_decay"]:
+            grad = grad.add(self._gather(table, None, rows), alpha=group["weight_decay"])
+        clr = group["lr"] / (1 + (scalars["step"] - 1) * group["lr_decay"])
         key = self.slot_key("sum")
         state = self._gather(table, key, rows).addcmul_(grad, grad, value=1)
         self._scatter(table, key, rows, state)
-        self._add(table, None, rows, torch.div(grad, state.sqrt_().add_(d["eps"])).mul_(-clr))
+        self._add(table, None, rows, torch.div(grad, state.sqrt_().add_(group["eps"])).mul_(-clr))
 
 
 class RowWiseAdagrad(SparseOptimizer):
@@ -89,16 +87,15 @@ class RowWiseAdagrad(SparseOptimizer):
         super().__init__(tables, fused=fused, lr=lr, weight_decay=weight_decay,
                          initial_accumulator_value=initial_accumulator_value, eps=eps)
 
-    def _update(self, table, rows, grad, scalars):
-        d = self.defaults
-        if d["weight_decay"]:
-            grad = grad.add(self._gather(table, None, rows), alpha=d["weight_decay"])
+    def _update(self, table, rows, grad, group, scalars):
+        if group["weight_decay"]:
+            grad = grad.add(self._gather(table, None, rows), alpha=group["weight_decay"])
         key = self.slot_key("sum")
         # Row reductions and a per-row scale keep this to two passes over the [U, D] gradient.
         mean_square = torch.linalg.vector_norm(grad, dim=1, keepdim=True).square_().div_(grad.shape[1])
         state = self._gather(table, key, rows).add_(mean_square)
         self._scatter(table, key, rows, state)
-        self._add(table, None, rows, grad * state.sqrt_().add_(d["eps"]).reciprocal_().mul_(-d["lr"]))
+        self._add(table, None, rows, grad * state.sqrt_().add_(group["eps"]).reciprocal_().mul_(-group["lr"]))
 
 
 class Adam(SparseOptimizer):
@@ -116,9 +113,8 @@ class Adam(SparseOptimizer):
         _check_range("eps", eps, 0.0)
         super().__init__(tables, fused=fused, lr=lr, betas=tuple(betas), eps=eps)
 
-    def _update(self, table, rows, grad, scalars):
-        d = self.defaults
-        beta1, beta2 = d["betas"]
+    def _update(self, table, rows, grad, group, scalars):
+        beta1, beta2 = group["betas"]
         k1, k2 = self.slot_key("exp_avg"), self.slot_key("exp_avg_sq")
         m_old, v_old = self._gather(table, k1, rows), self._gather(table, k2, rows)
         m = grad.sub(m_old).mul_(1 - beta1).add_(m_old)
@@ -126,8 +122,8 @@ class Adam(SparseOptimizer):
         self._scatter(table, k1, rows, m)
         self._scatter(table, k2, rows, v)
         step = scalars["step"]
-        step_size = d["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        self._add(table, None, rows, m.div_(v.sqrt_().add_(d["eps"])).mul_(-step_size))
+        step_size = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        self._add(table, None, rows, m.div_(v.sqrt_().add_(group["eps"])).mul_(-step_size))
 
 
 class FTRL(SparseOptimizer):
@@ -148,17 +144,16 @@ class FTRL(SparseOptimizer):
         super().__init__(tables, fused=fused, lr=lr, learning_rate_power=learning_rate_power,
                          initial_accumulator_value=initial_accumulator_value, l1=l1, l2=l2)
 
-    def _update(self, table, rows, grad, scalars):
-        d = self.defaults
-        power = -d["learning_rate_power"]
+    def _update(self, table, rows, grad, group, scalars):
+        power = -group["learning_rate_power"]
         ka, kl = self.slot_key("accumulator"), self.slot_key("linear")
         w = self._gather(table, None, rows)
         acc = self._gather(table, ka, rows)
         new_acc = acc + grad.square()
-        sigma = (new_acc.pow(power) - acc.pow(power)) / d["lr"]
+        sigma = (new_acc.pow(power) - acc.pow(power)) / group["lr"]
         linear = self._gather(table, kl, rows).add_(grad).sub_(sigma * w)
-        quadratic = new_acc.pow(power) / d["lr"] + 2 * d["l2"]
-        w = torch.where(linear.abs() > d["l1"], (torch.sign(linear) * d["l1"] - linear) / quadratic, 0.0)
+        quadratic = new_acc.pow(power) / group["lr"] + 2 * group["l2"]
+        w = torch.where(linear.abs() > group["l1"], (torch.sign(linear) * group["l1"] - linear) / quadratic, 0.0)
         self._scatter(table, ka, rows, new_acc)
         self._scatter(table, kl, rows, linear)
         self._scatter(table, None, rows, w)

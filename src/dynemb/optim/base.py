@@ -4,6 +4,9 @@ An optimizer updates only the rows a step touched (lazy semantics, like ``torch.
 and slot rows are gathered, updated with batched torch ops and scattered back. Per-row state therefore moves with
 its row through eviction, export and checkpoints. Scalar state (step counters) is kept per table here.
 
+Each optimizer is a ``torch.optim.Optimizer`` with one param group per bound table, so torch's LR schedulers
+drive it: a group's ``lr`` (and every other hyper-parameter in it) is what that table's next update uses.
+
 Two modes:
 - ``fused=False`` (default): backward records ``(keys, grad)`` per table; :meth:`step` applies them.
 - ``fused=True``: backward applies the update at once and no gradient is kept (TorchRec/fbgemm style). With
@@ -21,7 +24,7 @@ from ..functional import current_rows
 from ..table import KeyValueTable
 from ..table.static import StaticTable
 
-__all__ = ["SparseOptimizer", "tables_of"]
+__all__ = ["SparseOptimizer", "GroupsOptimizer", "tables_of"]
 
 
 def tables_of(obj) -> list:
@@ -41,13 +44,48 @@ def tables_of(obj) -> list:
     )
 
 
-class SparseOptimizer:
+class GroupsOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose param groups hold no Parameters: a table's hyper-parameters, or the groups
+    of other optimizers. torch's LR schedulers need exactly this (an ``Optimizer`` with ``param_groups``); step
+    hooks and profiling work as for any torch optimizer. Copies and pickles keep every attribute (torch's own
+    ``__getstate__`` keeps only ``defaults``, ``state`` and ``param_groups``)."""
+
+    def _init_groups(self, defaults: dict) -> None:
+        """``torch.optim.Optimizer.__init__`` with no group yet (it insists on one: an empty one, dropped)."""
+        super().__init__([{"params": []}], defaults)
+        self.param_groups.clear()
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._patch_step_function()
+
+
+class SparseOptimizer(GroupsOptimizer):
     """Base class. Subclasses define ``slots`` and ``_update``.
 
     Args:
         tables: what to optimize (see :func:`tables_of`); ``None`` makes an unbound spec for a ``TableConfig``.
         fused: apply updates inside backward.
-        **hparams: algorithm hyper-parameters (``lr``, ...).
+        **hparams: algorithm hyper-parameters (``lr``, ...): the ``defaults``.
+
+    ``param_groups`` holds one group per table, in the order of ``tables``: a dict of the table's hyper-parameters,
+    ``defaults`` when it is bound, as torch builds a param group (its ``"params"`` is empty: a table is not a
+    Parameter). Each update reads its table's group, so a torch LR scheduler (``StepLR``, ``LambdaLR`` with one
+    function per table, ...) or an edit of ``group["lr"]`` sets the lr of the next update. :meth:`state_dict`
+    saves the groups (with the scheduler's ``initial_lr``); an unbound spec has none.
+
+    Example:
+        >>> import dynemb
+        >>> emb = dynemb.DynamicEmbedding(2, initializer="zeros")
+        >>> opt = dynemb.optim.SGD([emb], lr=1.0)
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        >>> for _ in range(2):
+        ...     emb(torch.tensor([7])).sum().backward(); opt.step(); opt.zero_grad(); sched.step()
+        >>> emb.lookup(torch.tensor([7])).tolist(), opt.param_groups[0]["lr"]  # steps of lr 1.0, then 0.5
+        ([[-1.5, -1.5]], 0.25)
     """
 
     #: slot name -> (width, initial value); width ``None`` means the table's ``dim``.
@@ -59,12 +97,16 @@ class SparseOptimizer:
             raise ValueError(f"lr must be a float >= 0, got {lr!r}")
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be a bool, got {fused!r}")
-        self.defaults = dict(hparams)
         self.fused = fused
-        self.tables: list = []
-        self._scalars: list[dict] = []
+        self._unbind(dict(hparams))
         if tables is not None:
             self.add_tables(tables)
+
+    def _unbind(self, defaults: dict) -> None:
+        """No tables, no groups, fresh torch optimizer state (hooks)."""
+        self._init_groups(defaults)
+        self.tables: list = []
+        self._scalars: list[dict] = []
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.defaults.items())
@@ -89,12 +131,12 @@ class SparseOptimizer:
     def bind(self, tables) -> "SparseOptimizer":
         """A copy of this spec bound to ``tables`` (used by ``TableConfig(optimizer=...)``)."""
         bound = copy.copy(self)
-        bound.defaults = dict(self.defaults)
-        bound.tables, bound._scalars = [], []
+        bound._unbind(dict(self.defaults))
         bound.add_tables(tables)
         return bound
 
     def add_tables(self, tables) -> None:
+        """Bind more tables: each gets its slots and a param group of the ``defaults``."""
         for table in tables_of(tables):
             if any(t is table for t in self.tables):
                 continue
@@ -106,6 +148,7 @@ class SparseOptimizer:
             table.sparse_optimizer = self
             self.tables.append(table)
             self._scalars.append(self._initial_scalars())
+            self.add_param_group({"params": []})
 
     def _slot_init(self, slot: str, init) -> float:
         return float(self.defaults[init]) if isinstance(init, str) else float(init)
@@ -115,23 +158,29 @@ class SparseOptimizer:
 
     # ------------------------------------------------------------------ stepping
     def apply_gradient(self, table, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        """Update ``rows`` (``[U]`` int64, unique, >= 0) of ``table`` with ``grad`` (``[U, D]``)."""
+        """Update ``rows`` (``[U]`` int64, unique, >= 0) of ``table`` with ``grad`` (``[U, D]``), with the
+        hyper-parameters of the table's param group."""
         i = next(i for i, t in enumerate(self.tables) if t is table)
         scalars = self._scalars[i]
         scalars["step"] += 1
         if rows.numel() == 0:
             return
         with torch.no_grad():
-            self._update(table, rows, grad.float(), scalars)
+            self._update(table, rows, grad.float(), self.param_groups[i], scalars)
         table.mark_updated(rows)
 
-    def _update(self, table, rows: torch.Tensor, grad: torch.Tensor, scalars: dict) -> None:
+    def _update(self, table, rows: torch.Tensor, grad: torch.Tensor, group: dict, scalars: dict) -> None:
         raise NotImplementedError
 
-    def step(self) -> None:
-        """Apply the gradients recorded since :meth:`zero_grad` (step mode; a no-op when fused)."""
+    def step(self, closure=None):
+        """Apply the gradients recorded since :meth:`zero_grad` (step mode; a no-op when fused). ``closure``, as
+        for torch optimizers, recomputes the loss first and is returned."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         if self.fused:
-            return
+            return loss
         for table in self.tables:
             pending = table.sparse_grad
             if pending is None or pending.empty():
@@ -142,6 +191,7 @@ class SparseOptimizer:
             if not bool(kept.all()):
                 rows, grad = rows[kept], grad[kept]
             self.apply_gradient(table, rows, grad)
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for table in self.tables:
@@ -173,16 +223,27 @@ class SparseOptimizer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """Hyper-parameters and per-table scalar state (JSON-able). Per-row state is in the tables' slots."""
+        """Hyper-parameters (``defaults`` and each table's param group) and per-table scalar state, JSON-able.
+        Per-row state is in the tables' slots."""
         return {"type": type(self).__name__, "defaults": dict(self.defaults), "fused": self.fused,
-                "tables": [dict(s) for s in self._scalars]}
+                "tables": [dict(s) for s in self._scalars],
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("type") != type(self).__name__:
             raise ValueError(f"state is for optimizer {state.get('type')!r}, not {type(self).__name__!r}")
         if len(state["tables"]) != len(self.tables):
             raise ValueError(f"state has {len(state['tables'])} tables, this optimizer has {len(self.tables)}")
-        # JSON (checkpoint manifests) turns tuples such as Adam's betas into lists
-        self.defaults.update({k: tuple(v) if isinstance(self.defaults.get(k), tuple) else v
-                              for k, v in state["defaults"].items()})
+        groups = state.get("param_groups", [state["defaults"]] * len(self.tables))  # saved before groups existed
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state has {len(groups)} param groups, this optimizer has {len(self.param_groups)}")
+        self.defaults.update(_as_before(self.defaults, state["defaults"]))
+        for group, saved in zip(self.param_groups, groups):
+            group.update(_as_before(group, saved))
         self._scalars = [dict(s) for s in state["tables"]]
+
+
+def _as_before(current: dict, saved: dict) -> dict:
+    """``saved`` with the tuples JSON made lists (checkpoint manifests) turned back into tuples, such as Adam's
+    betas."""
+    return {k: tuple(v) if isinstance(current.get(k), tuple) else v for k, v in saved.items() if k != "params"}

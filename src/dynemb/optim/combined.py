@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from typing import Mapping, Union
 
+import torch
+
+from .base import GroupsOptimizer
+
 __all__ = ["CombinedOptimizer"]
 
 
-class CombinedOptimizer:
+class CombinedOptimizer(GroupsOptimizer):
     """Step, zero and checkpoint named optimizers together.
 
     Args:
@@ -17,6 +21,9 @@ class CombinedOptimizer:
 
     Its state is keyed by name, so state saved by one process layout (say, per-table optimizers of 4 ranks) can be
     merged and loaded into another.
+
+    It is a ``torch.optim.Optimizer`` whose ``param_groups`` are those of its optimizers, in order (the same dicts,
+    as they were at construction), so one LR scheduler over it schedules all of them.
 
     Example:
         >>> import torch, dynemb
@@ -36,14 +43,21 @@ class CombinedOptimizer:
             if missing:
                 raise TypeError(f"optimizers[{name!r}] lacks {missing}; got {type(opt).__name__}")
         self.optimizers = dict(optimizers)
+        self._init_groups({})
+        self.param_groups.extend(g for opt in self.optimizers.values() for g in getattr(opt, "param_groups", []))
 
-    def step(self) -> None:
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for opt in self.optimizers.values():
             opt.step()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers.values():
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
         return {"optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()}}

@@ -2,7 +2,8 @@
 
 from .config import ModelConfig, ServerConfig
 from .layers import LookupLayer, SparseLookupLayer
-from ..checkpoint.export_format import read_export
-from .ps import ParameterServer
+from ..checkpoint.export_format import read_chain, read_export
+from .ps import LineageError, ParameterServer
 
-__all__ = ["ParameterServer", "ServerConfig", "ModelConfig", "LookupLayer", "SparseLookupLayer", "read_export"]
+__all__ = ["ParameterServer", "ServerConfig", "ModelConfig", "LookupLayer", "SparseLookupLayer", "LineageError",
+           "read_export", "read_chain"]

@@ -13,8 +13,9 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
-from ..checkpoint.export_format import read_export
+from ..checkpoint.export_format import read_chain
 from .ps import ParameterServer
+from .ps.updates import replay
 
 __all__ = ["serve_bench", "summary_table", "zipf_ranks", "traffic", "warm_up", "hit_rate"]
 
@@ -90,11 +91,12 @@ def serve_bench(export, *, volatile: str = "memory", redis_address: str = "127.0
     (default: :func:`warm_up`, until the caches are warm), plus the hit rate after each request in
     ``hit_rate_curve`` and the number of warm-up requests in ``warmup_requests``.
     """
-    manifest, payload = read_export(export)
+    chain = read_chain(export)  # the latest export and, when it is a delta, the ones it builds on
+    manifest = chain[-1][0]
     names = tables or sorted(manifest["tables"])
     dims = [manifest["tables"][n]["dim"] for n in names]
-    keys = {n: payload[n]["keys"].to(torch.int64) for n in names}
-    del payload  # the values are read again by the server; holding them twice would double peak memory
+    keys = {n: replay(chain, n)[0] for n in names}
+    del chain  # the values are read again by the server; holding them twice would double peak memory
     with tempfile.TemporaryDirectory(prefix="dynemb-serve-bench-") as tmp:
         volatile_db = {"type": "memory"} if volatile == "memory" else {"type": "redis", "address": redis_address}
         persistent_db = None

@@ -1,4 +1,5 @@
-"""The parameter server's JSON config (HPS-style field names), validated with errors that name the field."""
+"""The parameter server's JSON config (HPS-style field names; HPS-only fields in :mod:`.hps`), validated with errors that
+name the field."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 from typing import Mapping, Optional, Union
+
+from . import hps
 
 __all__ = ["ModelConfig", "ServerConfig"]
 
@@ -34,7 +37,9 @@ class ModelConfig:
         embedding_table_names: the tables to serve (names in the export).
         embedding_vecsize_per_table: their dims, checked against the export.
         default_value_for_each_table: the row of a key found in no tier: a float fills the row, ``"initializer"``
-            returns the row training would have created for the key (the export records initializer and seed).
+            returns the row training would have created for the key (the export records initializer and seed),
+            which is what the trained model's eval lookup returns. Default: ``"initializer"`` for every table (zeros,
+            with a warning, for a table whose initializer is a Python callable).
         cache_fraction: device cache size as a fraction of each table's rows (HPS ``gpucacheper``); tables of
             up to 4096 rows are cached whole.
         hit_rate_threshold: below it, rows found in lower tiers are written to the cache before a lookup returns;
@@ -73,6 +78,10 @@ class ModelConfig:
         if len(self.sparse_files) not in (1, n):
             raise ValueError(f"{where}.sparse_files must have 1 entry or one per table ({n}), "
                              f"got {len(self.sparse_files)}")
+        for name in ("cache_fraction", "hit_rate_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{where}.{name} must be a number, got {value!r}")
         if not 0.0 < self.cache_fraction <= 1.0:
             raise ValueError(f"{where}.cache_fraction must be in (0, 1], got {self.cache_fraction!r}")
         if not 0.0 <= self.hit_rate_threshold <= 1.0:
@@ -81,10 +90,16 @@ class ModelConfig:
             raise ValueError(f"{where}.max_batch_size must be an int >= 1, got {self.max_batch_size!r}")
 
     def default_for(self, i: int):
-        return self.default_value_for_each_table[i] if self.default_value_for_each_table else 0.0
+        """Table ``i``'s default row: a float or ``"initializer"``."""
+        return self.default_value_for_each_table[i] if self.default_value_for_each_table else "initializer"
 
     def export_root(self, i: int) -> Path:
+        """The export root of table ``i``."""
         return Path(self.sparse_files[i if len(self.sparse_files) > 1 else 0])
+
+    def export_roots(self) -> list[Path]:
+        """Every export root of the model, once each."""
+        return list(dict.fromkeys(Path(f) for f in self.sparse_files))
 
     @classmethod
     def from_dict(cls, data: Mapping, where: str) -> "ModelConfig":
@@ -98,6 +113,8 @@ class ServerConfig:
 
     ``volatile_db`` defaults to the in-process store ``{"type": "memory"}``; ``persistent_db`` (``rocksdb`` or
     ``lmdb`` with a ``path``) is optional. Store fields are those of :func:`dynemb.serving.stores.make_store`.
+    :meth:`load` also takes an HPS ``ps.json``: its fields are renamed where they map onto ours and dropped with a
+    warning where they mean nothing here (see :mod:`dynemb.serving.hps`).
     """
 
     models: tuple
@@ -106,7 +123,7 @@ class ServerConfig:
 
     @classmethod
     def load(cls, source: Union[str, Path, Mapping]) -> "ServerConfig":
-        """From a JSON file path or a dict."""
+        """From a JSON file path or a dict, HPS fields taken as :mod:`dynemb.serving.hps` says."""
         if isinstance(source, (str, Path)):
             path = Path(source)
             try:
@@ -117,6 +134,7 @@ class ServerConfig:
                 raise ValueError(f"parameter server config {path} is not valid JSON: {e}") from None
         else:
             data = source
+        data = hps.translate(data)
         _check_fields(cls, data, "parameter server config")
         models = data["models"]
         if not isinstance(models, list) or not models:

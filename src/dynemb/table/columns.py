@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .checks import VALUE_DTYPES, check_dtype
+
 __all__ = ["RowColumns"]
 
 
@@ -17,6 +19,10 @@ class RowColumns:
     sparse_optimizer = None
     #: gradients recorded in backward and waiting for ``step()`` (step mode), a ``functional.SparseGrad``
     sparse_grad = None
+    #: how compiled lookups (``dynemb.functional.ops``) name this table; set when a module registers it
+    op_handle = None
+    #: whether lookups with autograd pass gradients to this table; False freezes it (``requires_grad_(False)``)
+    requires_grad = True
 
     @property
     def write_marks(self) -> dict:
@@ -36,6 +42,18 @@ class RowColumns:
     def scores(self) -> torch.Tensor:
         """Score storage ``[capacity]`` int64."""
         return self._cols["score"]
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Convert the value rows to ``dtype`` (float32, float16 or bfloat16); new rows are made in it from then
+        on. Optimizer slots keep their dtype (float32).
+
+        Raises:
+            TypeError: ``dtype`` is not a value dtype; nothing changes.
+        """
+        check_dtype(dtype, VALUE_DTYPES, "dtype")
+        if dtype != self.dtype:
+            self._cols["value"] = self._cols["value"].to(dtype)
+            self.dtype = dtype
 
     def slot(self, name: str) -> torch.Tensor:
         """Storage ``[capacity, d]`` of optimizer slot ``name``."""

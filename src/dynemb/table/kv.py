@@ -50,7 +50,10 @@ class KeyValueTable(RowStore):
         eviction: an :class:`EvictionPolicy` (or its name) defining scores; default ``lru``.
         initializer: how new rows are filled (see :mod:`dynemb.table.initializers`).
         seed: seed of the initializer.
-        on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows.
+        on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows (copies), before the table
+            changes: if it raises, the call that evicts leaves the table as it was (rows, scores, slots, counters,
+            clock) and the exception propagates. (An admission filter keeps the sightings such a call counted and
+            forgets the keys it admitted; admission can then come later, never earlier.)
         admission: a :class:`FrequencyAdmission` (or an int threshold): ``find_or_insert`` stores a new key only
             from its ``threshold``-th sighting; before that it gets row -1 and its initializer row is read.
         backend: the index's implementation, a :class:`~dynemb.kernels.Backend` or its name (see
@@ -181,21 +184,22 @@ class KeyValueTable(RowStore):
             counts = counts.reshape(-1).to(self.device)
         rows = self.index.find(flat)
         found = rows >= 0
-        self.clock += 1
-        if not bool(found.all()):
-            miss = (~found).nonzero().squeeze(1)
-            missed = flat.index_select(0, miss)
-            new_keys, hashes, _, inverse = unique_by_hash(missed)
-            if self.admission is None:
-                new_rows = self._insert_missing(new_keys, pinned=rows[found], hashes=hashes)
-            else:
-                missed_counts = counts.index_select(0, miss) if counts is not None else None
-                admitted = self.admission.admit(missed, new_keys, missed_counts)
-                new_rows = torch.full_like(new_keys, -1, dtype=torch.int64)
-                new_rows[admitted] = self._insert_missing(
-                    new_keys[admitted], pinned=rows[found], hashes=hashes[admitted]
-                )
-            rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
+        with self._restored_on_error():
+            self.clock += 1
+            if not bool(found.all()):
+                miss = (~found).nonzero().squeeze(1)
+                missed = flat.index_select(0, miss)
+                new_keys, hashes, _, inverse = unique_by_hash(missed)
+                if self.admission is None:
+                    new_rows = self._insert_missing(new_keys, pinned=rows[found], hashes=hashes)
+                else:
+                    missed_counts = counts.index_select(0, miss) if counts is not None else None
+                    admitted = self.admission.admit(missed, new_keys, missed_counts)
+                    new_rows = torch.full_like(new_keys, -1, dtype=torch.int64)
+                    new_rows[admitted] = self._insert_missing(
+                        new_keys[admitted], pinned=rows[found], hashes=hashes[admitted]
+                    )
+                rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
         self._touch_valid(rows, custom, counts)
         return rows.view(keys.shape), found.view(keys.shape)
 
@@ -215,36 +219,59 @@ class KeyValueTable(RowStore):
         unique, hashes, last, inverse = unique_by_hash(flat)
         rows = self.index.find(unique, hashes)
         found = rows >= 0
-        self.clock += 1
         hit = found.nonzero().squeeze(1)
         hit_rows = rows.index_select(0, hit)
+        with self._restored_on_error():
+            self.clock += 1
+            if hit.numel() < unique.numel():  # new keys first: hits are written once on_evict has returned
+                new = (~found).nonzero().squeeze(1)
+                new_rows = self._insert_missing(
+                    unique.index_select(0, new),
+                    pinned=hit_rows,
+                    values=(vals, last.index_select(0, new)),
+                    hashes=hashes.index_select(0, new),
+                )
+                rows.index_copy_(0, new, new_rows)
         if hit.numel() == flat.numel():  # every key present, once: copy the batch in place, no gather
             self.values.index_copy_(0, rows.index_select(0, inverse), vals)
         elif hit.numel():
             copy_rows(self.values, hit_rows, vals, last.index_select(0, hit))
         if hit.numel():
             self.mark_updated(hit_rows)
-        if hit.numel() < unique.numel():
-            new = (~found).nonzero().squeeze(1)
-            new_rows = self._insert_missing(
-                unique.index_select(0, new),
-                pinned=hit_rows,
-                values=(vals, last.index_select(0, new)),
-                hashes=hashes.index_select(0, new),
-            )
-            rows.index_copy_(0, new, new_rows)
         self._touch_valid(rows.index_select(0, inverse), custom)
 
     def accum(
         self, keys: torch.Tensor, old_values: torch.Tensor, new_values: torch.Tensor, exists: torch.Tensor
     ) -> None:
-        """Apply deltas read earlier (TFRA ``accum``), safe against concurrent removal.
+        """Apply updates computed from values read earlier (TFRA ``accum``), safe against concurrent writers.
 
-        Present now: ``new - old`` is added (duplicates add all their deltas). Absent now and ``exists`` False
-        for every occurrence: inserted with ``new`` of the first occurrence plus the deltas of the others.
-        Absent now but ``exists`` True for some occurrence: the key was removed meanwhile; it is not revived.
+        ``old_values`` and ``exists`` are what a read (``find``) returned; ``new_values`` are the caller's updated
+        rows. Each occurrence is decided by whether its key existed when read and whether it is present now:
+
+        ==================  ===========  ==========================================================
+        ``exists`` (read)   present now  result
+        ==================  ===========  ==========================================================
+        True                True         ``new - old`` is added to the stored row
+        True                False        nothing: the key was removed meanwhile and is not revived
+        False               True         nothing: the key was inserted meanwhile and that insert wins
+        False               False        inserted with ``new`` (TFRA inserts ``new_values`` as they are)
+        ==================  ===========  ==========================================================
+
+        Duplicate keys apply in order, each against the table the earlier ones left: after a key's first
+        ``exists=False`` occurrence inserts it, its later ``exists=True`` occurrences add their deltas and its
+        later ``exists=False`` occurrences change nothing. Rows that change count as accessed (scores). Full: new
+        keys are placed as by :meth:`find_or_insert`.
 
         Shape: ``keys`` ``S``; ``old_values``/``new_values`` ``S + (D,)``; ``exists`` ``S`` bool.
+
+        Example:
+            >>> t = KeyValueTable(1, initializer="zeros")
+            >>> t.insert_or_assign(torch.tensor([1]), torch.tensor([[5.0]]))
+            >>> old, exists = t.find(torch.tensor([1, 2]))
+            >>> t.insert_or_assign(torch.tensor([2]), torch.tensor([[7.0]]))  # another writer inserts key 2
+            >>> t.accum(torch.tensor([1, 2]), old, old + 1, exists)
+            >>> t.find(torch.tensor([1, 2]))[0].view(-1).tolist()  # 1: 5 + 1; 2: the other writer's 7 stays
+            [6.0, 7.0]
         """
         flat = check_keys(keys, self.key_dtype, self.device)
         n = flat.numel()
@@ -256,30 +283,42 @@ class KeyValueTable(RowStore):
         if n == 0:
             return
         exists = exists.reshape(-1).to(self.device)
-        delta = new - old
         rows = self.index.find(flat)
-        present = rows >= 0
-        self.clock += 1
-        if bool(present.any()):
-            self.values.index_add_(0, rows[present], delta[present])
-            self.mark_updated(rows[present])
-        absent = (~present).nonzero().squeeze(1)
-        if absent.numel():
-            unique, inverse = torch.unique(flat.index_select(0, absent), return_inverse=True)
-            m = unique.numel()
-            first = torch.full((m,), n, dtype=torch.int64, device=self.device)
-            first.scatter_reduce_(0, inverse, absent, "amin")
-            seen_before = torch.zeros(m, dtype=torch.int64, device=self.device)
-            removed_meanwhile = seen_before.index_add_(0, inverse, exists.index_select(0, absent).long()) > 0
-            total = torch.zeros(m, self.dim, dtype=self.dtype, device=self.device)
-            total.index_add_(0, inverse, delta.index_select(0, absent))
-            value = old.index_select(0, first) + total
-            keep = (~removed_meanwhile).nonzero().squeeze(1)
-            new_rows = torch.full((m,), -1, dtype=torch.int64, device=self.device)
-            if keep.numel():
-                new_rows[keep] = self._insert_missing(unique[keep], pinned=rows[present], values=value[keep])
-            rows.index_copy_(0, absent, new_rows.index_select(0, inverse))
-        self._touch_valid(rows, None)
+        adds = (rows >= 0) & exists  # occurrences that add their delta
+        inserts = torch.zeros_like(adds)  # occurrences that insert their key
+        with self._restored_on_error():  # inserts first: deltas are added once on_evict has returned
+            self.clock += 1
+            if not bool((rows >= 0).all()):
+                self._accum_inserts(flat, new, exists, rows, adds, inserts)
+        if bool(adds.any()):
+            self.values.index_add_(0, rows[adds], (new - old)[adds])
+        self._touch_valid(rows[adds | inserts], None)
+
+    def _accum_inserts(self, flat, new, exists, rows, adds, inserts) -> None:
+        """:meth:`accum` for the keys absent now, updating ``rows``, ``adds`` and ``inserts`` (all ``[N]``) in place.
+
+        A key is inserted by its first occurrence read as absent, with that occurrence's ``new`` row; its later
+        occurrences read as existing then add their deltas. A key no occurrence read as absent stays out.
+        """
+        n = flat.numel()
+        absent = (rows < 0).nonzero().squeeze(1)
+        unique, inverse = torch.unique(flat.index_select(0, absent), return_inverse=True)
+        read_absent = ~exists.index_select(0, absent)
+        first = torch.full((unique.numel(),), n, dtype=torch.int64, device=self.device)
+        first.scatter_reduce_(0, inverse, torch.where(read_absent, absent, n), "amin")
+        inserting = (first < n).nonzero().squeeze(1)
+        if inserting.numel() == 0:
+            return
+        firsts = first.index_select(0, inserting)
+        new_rows = torch.full((unique.numel(),), -1, dtype=torch.int64, device=self.device)
+        new_rows[inserting] = self._insert_missing(unique.index_select(0, inserting), pinned=rows[rows >= 0],
+                                                   values=(new, firsts))
+        rows.index_copy_(0, absent, new_rows.index_select(0, inverse))
+        stored = rows >= 0  # a key that max_capacity could not hold was reported as evicted at once
+        inserts[firsts] = True
+        inserts &= stored
+        adds[absent] = ~read_absent & (absent > first.index_select(0, inverse))
+        adds &= stored
 
     # ------------------------------------------------------------------ removal
     def erase(self, keys: torch.Tensor) -> int:

@@ -24,6 +24,7 @@ class EmbeddingTable(Protocol):
         max_capacity: most rows kept (``None``: unbounded).
         sparse_optimizer: the optimizer bound to the table (one per table), or None.
         sparse_grad: gradients recorded in backward and waiting for ``step()`` (step mode), or None.
+        requires_grad: whether lookups with autograd pass gradients to the table (False: frozen).
     """
 
     dim: int
@@ -35,6 +36,7 @@ class EmbeddingTable(Protocol):
     max_capacity: Optional[int]
     sparse_optimizer: object
     sparse_grad: object
+    requires_grad: bool
 
     @property
     def values(self) -> torch.Tensor:
@@ -54,6 +56,9 @@ class EmbeddingTable(Protocol):
 
     def slot(self, name: str) -> torch.Tensor:
         """``[capacity, d]`` storage of optimizer slot ``name``."""
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Convert the value rows to ``dtype`` (slots keep theirs)."""
 
     def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
         """Add an optimizer slot column (rows start at ``init``)."""

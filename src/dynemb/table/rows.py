@@ -9,6 +9,7 @@ construction.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, NamedTuple
 
 import torch
@@ -193,14 +194,18 @@ class RowStore(ChangeLog, RowColumns):
             stored = m - (need - victims.numel())
         n_append = stored - victims.numel()
         keep, dropped = keys[:stored], keys[stored:]
-        # New rows come first: a user initializer that fails must leave the table as it was.
+        # User code runs before anything changes (the initializer, then on_evict): if it raises, the table is as
+        # it was.
         init = _head(values, stored) if values is not None else self.initial_rows(keep)
+        taken = self._take(victims)
+        evicted = taken
         if stored < m:
             dropped_values = _tail(values, stored) if values is not None else self.initial_rows(dropped)
+            evicted = _concat_rows(taken, self._fresh_rows(dropped, dropped_values))
+        self._notify_evicted(evicted)
         self._reserve(self._size + n_append)
-        evicted = self._take(victims)
         if victims.numel():
-            self.index.remove(self.index.find_slots(evicted.keys))
+            self.index.remove(self.index.find_slots(taken.keys))
         rows = torch.cat([victims, torch.arange(self._size, self._size + n_append, device=self.device)])
         self.index.insert(keep, rows, None if hashes is None else hashes[:stored])
         slots = {f"slot:{name}": value for name, value in self._slot_init.items()}
@@ -208,9 +213,7 @@ class RowStore(ChangeLog, RowColumns):
         self._write_rows(rows, victims.numel(), columns)
         self._size += n_append
         self.inserted += m
-        if stored < m:
-            evicted = _concat_rows(evicted, self._fresh_rows(dropped, dropped_values))
-        self._report(evicted)
+        self._count_evicted(evicted)
         return torch.cat([rows, torch.full((m - stored,), -1, dtype=torch.int64, device=self.device)])
 
     def _write_rows(self, rows: torch.Tensor, k: int, columns: dict) -> None:
@@ -264,20 +267,36 @@ class RowStore(ChangeLog, RowColumns):
         return Rows(keys, values, torch.zeros(n, dtype=torch.int64, device=self.device), slots)
 
     def _evict_rows(self, rows: torch.Tensor) -> Rows:
-        self.clock += 1
         evicted = self._take(rows)
+        self._notify_evicted(evicted)
+        self.clock += 1
         self.index.remove(self.index.find_slots(evicted.keys))
         self._compact(rows)
-        self._report(evicted)
+        self._count_evicted(evicted)
         return evicted
 
-    def _report(self, evicted: Rows) -> None:
-        if evicted.keys.numel() == 0:
-            return
-        self._log_deleted(evicted.keys)
-        self.evicted += evicted.keys.numel()
-        if self.on_evict is not None:
+    def _notify_evicted(self, evicted: Rows) -> None:
+        """Hand rows about to be evicted to ``on_evict``, before the table changes: if it raises, the call that
+        evicts changes nothing and the exception propagates."""
+        if evicted.keys.numel() and self.on_evict is not None:
             self.on_evict(evicted.keys, evicted.values, evicted.scores)
+
+    def _count_evicted(self, evicted: Rows) -> None:
+        if evicted.keys.numel():
+            self._log_deleted(evicted.keys)
+            self.evicted += evicted.keys.numel()
+
+    @contextlib.contextmanager
+    def _restored_on_error(self):
+        """For the body of a call whose user code (initializer, ``on_evict``) runs before it changes any row or
+        the index: if that code raises, the counters the call had advanced (the clock, initializer calls) are put
+        back, so that the table is exactly as it was and the same call can be retried."""
+        saved = self.clock, self._init_calls
+        try:
+            yield
+        except BaseException:
+            self.clock, self._init_calls = saved
+            raise
 
     # ------------------------------------------------------------------ compaction
     def _compact(self, dead: torch.Tensor) -> None:

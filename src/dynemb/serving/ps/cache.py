@@ -6,13 +6,15 @@ import dataclasses
 import hashlib
 import random
 import threading
-from typing import Union
+import warnings
+from typing import Optional, Union
 
 import torch
 
 from ...table import KeyValueTable
 from ...table.initializers import Constant, Initializer, Normal, TruncatedNormal, Uniform
 from ..config import ModelConfig
+from .lineage import Lineage
 from .writeback import PendingRows, batch_rows
 
 __all__ = ["TableState", "new_table"]
@@ -40,6 +42,7 @@ class TableState:
     stats_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     epoch: int = 0  # moved on by each update, under both locks; write-backs of rows read before are dropped
     filling: bool = False  # a background write-back is inserting into the cache (or about to)
+    lineage: Optional[Lineage] = None  # the export the table holds; replaced by each update, under the model's lock
 
     def default_rows(self, keys: torch.Tensor) -> torch.Tensor:
         if isinstance(self.default, Initializer):
@@ -62,17 +65,27 @@ def new_table(cfg: ModelConfig, i: int, name: str, dim: int, dtype: torch.dtype,
     """The state of table ``i`` of ``cfg``, ``name`` with ``rows`` rows, from its export manifest ``entry``."""
     default = cfg.default_for(i)
     if default == "initializer":
-        spec = dict(entry["initializer"])
-        kind = spec.pop("type")
-        if kind not in _INITIALIZERS:
-            raise ValueError(f"table {name!r}: its initializer {kind!r} cannot be rebuilt for default rows")
-        default = _INITIALIZERS[kind](**spec)
+        default = _initializer(name, entry, explicit=bool(cfg.default_value_for_each_table))
     # Small tables are cached whole: a fraction of a 10-row table would only cost misses.
     capacity = max(1, int(rows * cfg.cache_fraction), min(rows, _SMALL_TABLE_ROWS))
     cache = KeyValueTable(dim, dtype=dtype, device=cfg.device, max_capacity=capacity,
                           init_capacity=min(capacity, 1 << 16), eviction="lru", initializer="zeros")
     return TableState(name, dim, dtype, store_name(cfg.model, name), cache, default, int(entry.get("seed") or 0),
                       PendingRows(batch_rows(capacity), jitter))
+
+
+def _initializer(name: str, entry: dict, explicit: bool) -> Union[float, Initializer]:
+    """The initializer of the export ``entry``, rebuilt for default rows. One that cannot be rebuilt (a Python
+    callable) is an error when ``"initializer"`` was asked for, and zero rows with a warning by default."""
+    spec = dict(entry["initializer"])
+    kind = spec.pop("type")
+    if kind in _INITIALIZERS:
+        return _INITIALIZERS[kind](**spec)
+    if explicit:
+        raise ValueError(f"table {name!r}: its initializer {kind!r} cannot be rebuilt for default rows")
+    warnings.warn(f"table {name!r}: its initializer {kind!r} cannot be rebuilt for default rows; unseen ids get "
+                  "zero rows (set default_value_for_each_table to choose)", stacklevel=5)
+    return 0.0
 
 
 def store_name(model: str, table: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -12,9 +13,11 @@ import torch
 
 from ...table.checks import check_keys, check_positive_int
 from ..config import ModelConfig, ServerConfig
-from ...checkpoint.export_format import read_export
+from ...checkpoint.export_format import read_chain, read_export, version_name
+from ...checkpoint.manifest import SERVING_FORMAT, complete
 from . import updates
 from .cache import TableState, new_table
+from .lineage import Lineage, summary
 from .lookup import Lookup, read_tiers
 from .tiers import Tier, Tiers
 from .writeback import WriteBack
@@ -26,13 +29,15 @@ class ParameterServer:
     """Serves the tables of one or more models from a hierarchy of stores.
 
     Args:
-        config: the models and their stores (see :class:`ServerConfig`).
+        config: the models and their stores: a :class:`ServerConfig`, or what :meth:`ServerConfig.load` reads (a
+            dict, or the path of a JSON file).
         seed: seeds this server's random generator, which draws the sizes of its background write-backs (see
             :class:`~dynemb.serving.ps.writeback.PendingRows`). Each server has its own generator, so servers in one
             process do not change each other's draws.
 
     Raises:
-        ValueError: ``seed`` is not an int >= 0.
+        ValueError: ``seed`` is not an int >= 0, or a bad config (the message names the field).
+        TypeError: ``config`` is none of these.
 
     Example:
         >>> import tempfile, torch, dynemb
@@ -49,8 +54,9 @@ class ParameterServer:
         >>> ps.close()
     """
 
-    def __init__(self, config: ServerConfig, *, seed: int = 0) -> None:
+    def __init__(self, config: Union[ServerConfig, Mapping, str, Path], *, seed: int = 0) -> None:
         self._jitter = random.Random(check_positive_int(seed, "seed", minimum=0))
+        config = config if isinstance(config, ServerConfig) else ServerConfig.load(config)
         self.config = config
         self.models = {m.model: m for m in config.models}
         self.tiers = Tiers(config)
@@ -61,8 +67,9 @@ class ParameterServer:
 
     @classmethod
     def from_config(cls, source: Union[str, Path, Mapping], *, seed: int = 0) -> "ParameterServer":
-        """Build from a JSON file or a dict (see :class:`ServerConfig` and :class:`ModelConfig`) and ``seed``."""
-        return cls(ServerConfig.load(source), seed=seed)
+        """Build from a JSON file or a dict (see :class:`ServerConfig` and :class:`ModelConfig`) and ``seed``: the
+        same as ``ParameterServer(source, seed=seed)``."""
+        return cls(source, seed=seed)
 
     @property
     def volatile(self) -> Tier:
@@ -81,40 +88,79 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ loading
     def load(self, model: str, progress: bool = True) -> None:
-        """Load ``model``'s tables from its serving exports into the stores, and size its caches."""
+        """Load ``model``'s tables from its serving exports into the stores, and size its caches.
+
+        Each export root's ``latest`` version is loaded; when it is a delta, its chain (the last full export and
+        every delta after it) is replayed, so a restarted server serves what the newest export holds. The stores
+        then hold exactly those rows: keys they held beyond them (from an earlier run) are deleted.
+
+        Raises:
+            ValueError: a table is not in its export, or has another dim. CheckpointError: an export of the
+                chain is missing or does not match its checksums.
+        """
         cfg = self._model(model)
-        tables: dict[str, TableState] = {}
-        exports: dict[Path, tuple] = {}
+        chains = {root: read_chain(root) for root in cfg.export_roots()}
+        self._install(cfg, chains, progress)
+
+    def rollback(self, model: str, version: int, progress: bool = False) -> None:
+        """Serve the full export ``version`` of ``model``'s export roots again, in place of what is served.
+
+        Later updates then apply on top of ``version``: a delta written after it is a gap and is refused.
+
+        Raises:
+            ValueError: ``version`` is not kept in an export root of the model (the message lists the versions
+                kept), or it is a delta export (the message lists the full versions kept).
+        """
+        cfg = self._model(model)
+        check_positive_int(version, "version")
+        chains = {}
+        for root in cfg.export_roots():
+            kept = {m["version"]: m["kind"] for m in complete(root, SERVING_FORMAT).values()}
+            full = sorted(v for v, kind in kept.items() if kind == "full")
+            if version not in kept:
+                raise ValueError(f"cannot roll model {model!r} back to version {version}: {root} does not keep it "
+                                 f"(it keeps versions {sorted(kept)}, full ones {full})")
+            if kept[version] != "full":
+                raise ValueError(f"cannot roll model {model!r} back to version {version}: in {root} it is a delta "
+                                 f"export; roll back to a full one (kept: {full})")
+            chains[root] = [read_export(root / version_name(version))]
+        self._install(cfg, chains, progress)
+
+    def _install(self, cfg: ModelConfig, chains: Mapping[Path, list], progress: bool) -> None:
+        """Serve the tables of ``cfg`` as of the last export of each root's chain, with new caches."""
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(cfg.embedding_table_names), desc=f"loading {model}", unit="table", disable=not progress)
-        for i, (name, dim) in enumerate(zip(cfg.embedding_table_names, cfg.embedding_vecsize_per_table)):
-            root = cfg.export_root(i)
-            if root not in exports:
-                exports[root] = read_export(root)
-            manifest, payload = exports[root]
-            if name not in manifest["tables"]:
-                raise ValueError(f"models[{model!r}]: table {name!r} is not in the export {manifest['path']} "
-                                 f"(it has {sorted(manifest['tables'])})")
-            entry = manifest["tables"][name]
-            if entry["dim"] != dim:
-                raise ValueError(f"models[{model!r}].embedding_vecsize_per_table[{i}] is {dim} but table {name!r} "
-                                 f"in {manifest['path']} has dim {entry['dim']}")
-            if manifest.get("kind") != "full":
-                raise ValueError(f"{manifest['path']} is a delta export; load a full export and apply deltas "
-                                 "with apply_update")
-            dtype = getattr(torch, entry["dtype"].replace("torch.", ""))
-            table = new_table(cfg, i, name, dim, dtype, entry, len(payload[name]["keys"]), self._jitter)
-            self.tiers.create_table(table.store_name, dim, dtype)
-            keys, values = payload[name]["keys"].to(torch.int64), payload[name]["values"].to(dtype)
-            self.tiers.put(table.store_name, keys, values)
-            tables[name] = table
-            bar.update(1)
-        bar.close()
-        with self._locks[model]:
-            self._tables[model] = tables
-            self.versions[model] = {"version": max(m["version"] for m, _ in exports.values()),
-                                    "loaded_unix": time.time()}
+        tables: dict[str, TableState] = {}
+        names = cfg.embedding_table_names
+        with self._locks[cfg.model], tqdm(total=len(names), desc=f"loading {cfg.model}", unit="table",
+                                          disable=not progress) as bar:
+            for i, (name, dim) in enumerate(zip(names, cfg.embedding_vecsize_per_table)):
+                chain = chains[cfg.export_root(i)]
+                manifest = chain[-1][0]
+                entry = self._entry(cfg, i, manifest)
+                keys, values = updates.replay(chain, name)
+                dtype = getattr(torch, entry["dtype"].replace("torch.", ""))
+                table = new_table(cfg, i, name, dim, dtype, entry, keys.numel(), self._jitter)
+                table.lineage = Lineage.of(manifest)
+                self.tiers.create_table(table.store_name, dim, dtype)
+                self.tiers.replace(table.store_name, keys, values.to(dtype))
+                tables[name] = table
+                bar.update(1)
+            self._tables[cfg.model] = tables
+            self.versions[cfg.model] = {**summary(tables), "loaded_unix": time.time()}
+
+    @staticmethod
+    def _entry(cfg: ModelConfig, i: int, manifest: dict) -> dict:
+        """The manifest entry of table ``i`` of ``cfg``, checked against the config."""
+        name, dim = cfg.embedding_table_names[i], cfg.embedding_vecsize_per_table[i]
+        if name not in manifest["tables"]:
+            raise ValueError(f"models[{cfg.model!r}]: table {name!r} is not in the export {manifest['path']} "
+                             f"(it has {sorted(manifest['tables'])})")
+        entry = manifest["tables"][name]
+        if entry["dim"] != dim:
+            raise ValueError(f"models[{cfg.model!r}].embedding_vecsize_per_table[{i}] is {dim} but table {name!r} "
+                             f"in {manifest['path']} has dim {entry['dim']}")
+        return entry
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, model: str, table: str, keys: torch.Tensor) -> torch.Tensor:
@@ -188,13 +234,31 @@ class ParameterServer:
     def apply_update(self, export_dir) -> dict:
         """Apply a serving export (a delta, or a full one) to every loaded model that serves its tables.
 
-        Deleted keys leave every tier first, then rows are written to the stores and replaced in the caches, each
-        under its table's cache lock (no torn rows; see :mod:`.updates`). Returns
-        ``{model: {"version", "updated_unix"}}``.
+        It goes only onto tables holding an export of its own model, and only forward (see :mod:`.lineage`):
+        a full export newer than the version served replaces the tables (the keys it lacks leave every tier); a
+        delta of the version served deletes its deleted keys from every tier, then upserts its rows. Rows are
+        replaced in the caches under each table's cache lock (no torn rows; see :mod:`.updates`).
+
+        Args:
+            export_dir: an export root (its ``latest`` version) or a version directory.
+
+        Returns:
+            ``{model: {"version", "model_id", "digest", "updated_unix", ...}}`` for the models updated.
+
+        Raises:
+            LineageError: another model's export, a version not newer than the one served, or a delta whose
+                parent is not the version served (a gap); the message names both versions and model ids.
+            ValueError: a table has another dim than the one served. Nothing changes on any error.
         """
-        touched = updates.apply_update(export_dir, self._tables, self.tiers)
-        self.versions.update(touched)
-        return touched
+        manifest, payload = read_export(export_dir)
+        with contextlib.ExitStack() as stack:
+            for name in sorted(self._locks):
+                stack.enter_context(self._locks[name])
+            touched = updates.apply_update(manifest, payload, self._tables, self.tiers)
+            for model in touched:
+                self.versions[model] = {**self.versions[model], **summary(self._tables[model]),
+                                        "updated_unix": time.time()}
+            return {model: dict(self.versions[model]) for model in touched}
 
     # ------------------------------------------------------------------ stats and lifecycle
     def stats(self, model: str) -> dict:

@@ -67,9 +67,20 @@ class Tiers:
                 tier.call(tier.store.put, table, keys[start: start + _PUT_ROWS], values[start: start + _PUT_ROWS])
 
     def delete(self, table: str, keys: torch.Tensor) -> None:
-        """Delete keys from every writable store, the volatile one first. A store error is counted."""
-        for tier in self._writable(self.volatile, self.persistent):
+        """Delete keys from every writable store, the persistent one first (so that a lookup in between cannot copy
+        a deleted row from it back into the volatile one). A store error is counted."""
+        for tier in self._writable(self.persistent, self.volatile):
             tier.call(tier.store.delete, table, keys)
+
+    def replace(self, table: str, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Make every writable store hold exactly these rows of ``table``: the keys it holds beyond ``keys`` are
+        deleted (the persistent store first), then the rows are written. A store error is counted."""
+        for tier in self._writable(self.persistent, self.volatile):
+            held = tier.call(tier.store.keys, table)
+            stale = None if held is None else held[~torch.isin(held, keys)]
+            if stale is not None and stale.numel():
+                tier.call(tier.store.delete, table, stale)
+        self.put(table, keys, values)
 
     @staticmethod
     def _writable(*order: Tier) -> list[Tier]:

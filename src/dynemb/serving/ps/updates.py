@@ -1,58 +1,87 @@
-"""Online updates: a serving export (a delta, or a full one) applied to the tables being served.
+"""Online updates: a serving export (a delta, or a full one) applied to the tables being served, and the replay of
+an export chain into the rows of its last version.
 
-Deleted keys leave every tier first; then the rows are written to the stores, and replaced in the caches under each
+An update applies only on top of the version served (see :mod:`.lineage`); it is checked for every table before
+anything changes. A delta's deleted keys leave every tier first; a full export replaces the tables, so the keys it
+does not have leave every tier. Then the rows are written to the stores, and replaced in the caches under each
 table's cache lock, so that no lookup reads half of an old row and half of a new one. Each update moves the table's
 epoch on and drops its pending write-backs: rows read before the update may be stale.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Mapping
 
 import torch
 
-from ...checkpoint.export_format import read_export
 from .cache import TableState
+from .lineage import Lineage, update_targets
 from .tiers import Tiers
 
-__all__ = ["apply_update"]
+__all__ = ["apply_update", "replay"]
 
 
-def apply_update(export_dir, served: Mapping[str, Mapping[str, TableState]], tiers: Tiers) -> dict:
-    """Apply the export at ``export_dir`` to every table of ``served`` (``{model: {table: state}}``) it holds.
+def apply_update(manifest: dict, payload: Mapping[str, dict], served: Mapping[str, Mapping[str, TableState]],
+                 tiers: Tiers) -> dict[str, dict]:
+    """Apply an export (``manifest`` and ``payload`` as :func:`~dynemb.checkpoint.read_export` returns them) to
+    the tables of ``served`` (``{model: {table: state}}``) it updates (see :func:`.lineage.update_targets`).
 
     Returns:
-        ``{model: {"version", "updated_unix"}}`` for the models updated.
+        ``{model: {table: state}}``, the tables updated.
 
     Raises:
-        ValueError: a table of the export has another dim than the table served under its name.
+        LineageError: the export does not follow the version served. ValueError: a table of the export has
+        another dim than the table served under its name. Nothing was changed then.
     """
-    manifest, payload = read_export(export_dir)
-    touched = {}
-    for model, tables in served.items():
+    targets = update_targets(manifest, served)
+    for tables in targets.values():
         for name, t in tables.items():
-            if name not in payload:
-                continue
-            _update_table(t, payload[name], manifest["path"], tiers)
-            touched[model] = {"version": manifest["version"], "updated_unix": time.time()}
-    return touched
+            dim = payload[name]["values"].shape[1]
+            if dim != t.dim:
+                raise ValueError(f"{manifest['path']}: table {name!r} has dim {dim}, served as {t.dim} "
+                                 "(nothing was changed)")
+    full = manifest["kind"] == "full"
+    for tables in targets.values():
+        for name, t in tables.items():
+            _update_table(t, payload[name], full, tiers)
+            t.lineage = Lineage.of(manifest)
+    return targets
 
 
-def _update_table(t: TableState, cols: dict, path: str, tiers: Tiers) -> None:
-    deleted = cols.get("deleted_keys")
+def _update_table(t: TableState, cols: dict, full: bool, tiers: Tiers) -> None:
     keys, values = cols["keys"].to(torch.int64), cols["values"].to(t.dtype)
-    if values.shape[1:] != (t.dim,):
-        raise ValueError(f"{path}: table {t.name!r} has dim {values.shape[1]}, served as {t.dim}")
-    if deleted is not None and deleted.numel():
-        tiers.delete(t.store_name, deleted.to(torch.int64))
-    tiers.put(t.store_name, keys, values)
+    deleted = None if full else cols["deleted_keys"].to(torch.int64)
+    if full:
+        tiers.replace(t.store_name, keys, values)
+    else:
+        if deleted.numel():
+            tiers.delete(t.store_name, deleted)
+        tiers.put(t.store_name, keys, values)
+    device = t.cache.device
     with t.cache_lock:
         with t.stats_lock:
             t.epoch += 1
             t.pending.clear()
-        if deleted is not None and deleted.numel():
-            t.cache.erase(deleted.to(torch.int64).to(t.cache.device))
-        present = t.cache.contains(keys.to(t.cache.device)).cpu()
+        if full:  # the keys cached that the export no longer has
+            cached = t.cache.row_keys[: t.cache.size()]
+            deleted = cached[~torch.isin(cached, keys.to(device))]
+        if deleted.numel():
+            t.cache.erase(deleted.to(device))
+        present = t.cache.contains(keys.to(device)).cpu()
         if bool(present.any()):
-            t.cache.insert_or_assign(keys[present].to(t.cache.device), values[present].to(t.cache.device))
+            t.cache.insert_or_assign(keys[present].to(device), values[present].to(device))
+
+
+def replay(chain: list[tuple[dict, dict]], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys (int64 ``[N]``) and values (``[N, D]``) of table ``name`` after the exports of ``chain`` (a full
+    export, then deltas, as :func:`~dynemb.checkpoint.read_chain` returns them): each delta deletes its deleted
+    keys, then upserts its rows."""
+    keys = values = None
+    for manifest, payload in chain:
+        cols = payload[name]
+        if manifest["kind"] == "full":
+            keys, values = cols["keys"], cols["values"]
+            continue
+        keep = ~torch.isin(keys, torch.cat([cols["deleted_keys"], cols["keys"]]))
+        keys, values = torch.cat([keys[keep], cols["keys"]]), torch.cat([values[keep], cols["values"]])
+    return keys.to(torch.int64), values

@@ -1,8 +1,8 @@
 """Storage tiers of the serving parameter server: in-process memory, Redis, RocksDB and LMDB row stores.
 
-Every store implements :class:`RowStore` (``create_table``, ``get``, ``put``, ``delete``, ``size``, ``tables``,
-``close``) over int64 keys and binary rows; :func:`make_store` builds one from its JSON config. Backend failures
-raise :class:`StoreError` subclasses, which the parameter server catches to fall through to the next tier.
+Every store implements :class:`RowStore` (``create_table``, ``get``, ``put``, ``delete``, ``size``, ``keys``,
+``tables``, ``close``) over int64 keys and binary rows; :func:`make_store` builds one from its JSON config. Backend
+failures raise :class:`StoreError` subclasses, which the parameter server catches to fall through to the next tier.
 """
 
 from .base import (

@@ -290,6 +290,14 @@ class RowStore(abc.ABC):
         """Number of rows stored in ``table``."""
         return self._size(table, self.schema(table))
 
+    def keys(self, table: str) -> torch.Tensor:
+        """Every key stored in ``table``: ``[N]`` int64 on the CPU, in no particular order.
+
+        The parameter server reads them to delete the keys that a full export no longer has. Costs one scan of
+        the table (a few round trips for Redis).
+        """
+        return self._keys(table, self.schema(table))
+
     def tables(self) -> list[str]:
         """Names of the created tables, sorted."""
         self._check_open()
@@ -331,6 +339,9 @@ class RowStore(abc.ABC):
 
     @abc.abstractmethod
     def _size(self, table: str, schema: TableSchema) -> int: ...
+
+    @abc.abstractmethod
+    def _keys(self, table: str, schema: TableSchema) -> torch.Tensor: ...
 
     @abc.abstractmethod
     def _tables(self) -> list[str]: ...

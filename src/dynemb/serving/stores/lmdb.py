@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 
 import lmdb
 
@@ -67,6 +68,16 @@ class LMDBStore(PersistentStore):
                 return list(map(txn.get, keys))
         except lmdb.Error as error:
             raise StoreError(f"LMDB read from {self.path!r} failed: {error}") from error
+
+    def _scan(self, prefix: bytes) -> list:
+        try:
+            with self._env.begin(buffers=False) as txn:
+                cursor = txn.cursor()
+                if not cursor.set_range(prefix):
+                    return []
+                return list(itertools.takewhile(lambda key: key.startswith(prefix), cursor.iternext(values=False)))
+        except lmdb.Error as error:
+            raise StoreError(f"LMDB scan of {self.path!r} failed: {error}") from error
 
     def _commit(self, keys: list, values: list, deletes: list = ()) -> None:
         try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import torch
+
 from dynemb.table import EvictionPolicy, KeyValueTable
 from dynemb.table.checks import check_positive_int
 from .base import OverflowPolicy, RowStore, StoreConfig, StoreFullError, TableSchema
@@ -122,6 +124,11 @@ class MemoryStore(RowStore):
 
     def _size(self, table, schema) -> int:
         return self._tables_by_name[table].size()
+
+    def _keys(self, table, schema) -> torch.Tensor:
+        with self._lock:
+            kv = self._tables_by_name[table]
+            return kv.row_keys[: kv.size()].clone()
 
     def _tables(self) -> list[str]:
         return list(self._tables_by_name)

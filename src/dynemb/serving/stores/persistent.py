@@ -25,9 +25,10 @@ import os
 import threading
 
 import numpy as np
+import torch
 
 from .base import RowStore, StoreConfig, TableSchema
-from .codec import decode_rows, encode_keys, encode_rows, sort_keys, unsort
+from .codec import decode_keys, decode_rows, encode_keys, encode_rows, sort_keys, unsort
 
 __all__ = ["PersistentStore", "PersistentStoreConfig"]
 
@@ -72,6 +73,10 @@ class PersistentStore(RowStore):
     @abc.abstractmethod
     def _read(self, keys: list) -> list:
         """The value of each key (``bytes``), or None where absent."""
+
+    @abc.abstractmethod
+    def _scan(self, prefix: bytes) -> list:
+        """Every key (``bytes``) that starts with ``prefix``, in byte order."""
 
     @abc.abstractmethod
     def _commit(self, keys: list, values: list, deletes: list = ()) -> None:
@@ -122,6 +127,9 @@ class PersistentStore(RowStore):
     def _size(self, table, schema) -> int:
         raw = self._read([_count_key(table)])[0]
         return 0 if raw is None else int.from_bytes(raw, "little")
+
+    def _keys(self, table, schema) -> torch.Tensor:
+        return decode_keys([name[-8:] for name in self._scan(_prefix(table).tobytes())])
 
 
 def _prefix(table: str) -> np.ndarray:

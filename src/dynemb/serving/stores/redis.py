@@ -347,6 +347,13 @@ class RedisStore(RowStore):
     def _size(self, table, schema) -> int:
         return sum(self._counts(self._layouts[table]))
 
+    @_translated
+    def _keys(self, table, schema) -> torch.Tensor:
+        pipe = self._pipeline(write=False)
+        for key in self._layouts[table].index_keys:
+            pipe.execute_command("ZRANGE", key, 0, -1)
+        return decode_keys(list(itertools.chain.from_iterable(pipe.execute())))
+
     def _counts(self, layout: _Layout) -> list:
         pipe = self._pipeline(write=False)
         for key in layout.index_keys:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 
 import rocksdict
 
@@ -55,6 +56,12 @@ class RocksDBStore(PersistentStore):
             return self._db.get(keys)
         except Exception as error:
             raise StoreError(f"RocksDB read from {self.path!r} failed: {error}") from error
+
+    def _scan(self, prefix: bytes) -> list:
+        try:
+            return list(itertools.takewhile(lambda key: key.startswith(prefix), self._db.keys(from_key=prefix)))
+        except Exception as error:
+            raise StoreError(f"RocksDB scan of {self.path!r} failed: {error}") from error
 
     def _commit(self, keys: list, values: list, deletes: list = ()) -> None:
         batch = rocksdict.WriteBatch(raw_mode=True)

@@ -1,0 +1,26 @@
+"""``dynemb serve``: a trained run as an Open Inference Protocol (KServe v2) HTTP endpoint.
+
+======================  ============================================================================
+module                  job
+======================  ============================================================================
+``model``               the served model: the run's dense part, its tables in a ParameterServer
+``protocol``            the v2 tensors: metadata, request decoding and checks, responses
+``app``                 the Starlette app: routes, bearer token, body limit, batching of requests
+``server``              uvicorn, in the foreground or on a background thread
+``watch``               ``--watch``: new export versions applied in order while serving
+``command``             the ``dynemb serve`` options
+======================  ============================================================================
+
+Starlette and uvicorn are imported on first use, so ``dynemb --help`` works without them.
+"""
+
+import importlib
+
+__all__ = ["ServedModel", "build_app", "serve", "running", "RequestError"]
+_HOME = {"ServedModel": "model", "build_app": "app", "serve": "server", "running": "server", "RequestError": "protocol"}
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)

@@ -1,0 +1,177 @@
+"""The HTTP/REST endpoint (Open Inference Protocol, KServe v2) of a :class:`ServedModel`, on Starlette.
+
+Routes: ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2/models/{name}`` (metadata) and
+``POST /v2/models/{name}/infer``. A request the model cannot score (bad JSON, a missing, unknown or mistyped input,
+sizes that disagree, a body over ``max_body_bytes``, more than ``max_batch_size`` rows) is answered 400 with
+``{"error": "..."}`` naming the input; an unknown model is 404; with a token, a request without
+``Authorization: Bearer <token>`` is 401, on every route. Concurrent requests are scored together: a single
+worker runs one forward pass over all the requests waiting (up to ``max_batch_size`` rows), then splits the output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+try:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(f"dynemb serve needs starlette and uvicorn: pip install 'dynemb[serving]' ({exc})") from exc
+
+from ...data.batch import Batch, concat_batches
+from .model import ServedModel
+from .protocol import RequestError, decode_request, encode_response, model_metadata, parse_body
+
+__all__ = ["build_app", "MAX_BODY_BYTES", "MAX_BATCH_SIZE"]
+
+MAX_BODY_BYTES = 8 << 20
+MAX_BATCH_SIZE = 4096
+BINARY_HEADER = "inference-header-content-length"
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+class _Batcher:
+    """Scores the batches of concurrent requests together, one forward pass at a time, on one worker thread."""
+
+    def __init__(self, model: ServedModel, max_rows: int) -> None:
+        self.model, self.max_rows = model, max_rows
+        self._queue: Optional[asyncio.Queue] = None
+        self._worker: Optional[asyncio.Task] = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dynemb-serve")
+        self.forward_passes = 0
+
+    async def score(self, batch: Batch) -> torch.Tensor:
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._worker = asyncio.get_running_loop().create_task(self._run())
+        done = asyncio.get_running_loop().create_future()
+        await self._queue.put((batch, done))
+        return await done
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            waiting = [await self._queue.get()]
+            rows = len(waiting[0][0])
+            while not self._queue.empty() and rows + len(self._queue._queue[0][0]) <= self.max_rows:
+                waiting.append(self._queue.get_nowait())
+                rows += len(waiting[-1][0])
+            try:
+                probs = await loop.run_in_executor(self._pool, self._forward, [b for b, _ in waiting])
+            except Exception as exc:  # noqa: BLE001 - each waiting request gets the error, the worker goes on
+                for _, done in waiting:
+                    if not done.done():
+                        done.set_exception(exc)
+                continue
+            for (batch, done), p in zip(waiting, torch.split(probs, [len(b) for b, _ in waiting])):
+                if not done.done():
+                    done.set_result(p)
+
+    def _forward(self, batches: list) -> torch.Tensor:
+        self.forward_passes += 1
+        batch = concat_batches(batches)
+        return self.model.predict(batch) if len(batch) else torch.zeros(0)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _BearerToken:
+    """ASGI middleware: 401 unless ``Authorization: Bearer <token>`` (compared in constant time)."""
+
+    def __init__(self, app, token: str) -> None:
+        self.app, self.expected = app, f"Bearer {token}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = _error(401, "missing or wrong bearer token")
+                response.headers["WWW-Authenticate"] = "Bearer"
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"the request body has {int(declared)} bytes, more than the limit ({limit})")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestError(f"the request body is over the limit ({limit} bytes)")
+    return bytes(body)
+
+
+def build_app(model: ServedModel, *, token: Optional[str] = None, max_body_bytes: int = MAX_BODY_BYTES,
+              max_batch_size: int = MAX_BATCH_SIZE):
+    """The ASGI app serving ``model`` under its name (``model.name``).
+
+    Args:
+        model: the served model.
+        token: when given, every route wants ``Authorization: Bearer <token>``.
+        max_body_bytes: larger request bodies are refused (400).
+        max_batch_size: most rows of one request, and of one forward pass over concurrent requests.
+
+    Raises:
+        ValueError: ``max_body_bytes`` or ``max_batch_size`` is not positive, or ``token`` is empty.
+    """
+    if max_body_bytes < 1 or max_batch_size < 1:
+        raise ValueError(f"max_body_bytes and max_batch_size must be >= 1, got {max_body_bytes}, {max_batch_size}")
+    if token is not None and not token:
+        raise ValueError("token must not be empty")
+    batcher = _Batcher(model, max_batch_size)
+
+    def known(request: Request) -> Optional[Response]:
+        name = request.path_params["name"]
+        return None if name == model.name else _error(404, f"unknown model {name!r}; this server has {model.name!r}")
+
+    async def live(request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def ready(request: Request) -> Response:
+        return JSONResponse({"ready": True})
+
+    async def metadata(request: Request) -> Response:
+        return known(request) or JSONResponse(model_metadata(model.name, model.version, model.preprocessing))
+
+    async def infer(request: Request) -> Response:
+        if (missing := known(request)) is not None:
+            return missing
+        try:
+            body = await _read_body(request, max_body_bytes)
+            header = request.headers.get(BINARY_HEADER)
+            parsed = parse_body(body, int(header) if header and header.isdigit() else None)
+            batch = decode_request(parsed, model.preprocessing, max_batch_size)
+        except RequestError as exc:
+            return _error(400, str(exc))
+        try:
+            probs = await batcher.score(batch)
+        except (RequestError, ValueError, TypeError) as exc:
+            return _error(400, str(exc).splitlines()[0])
+        return JSONResponse(encode_response(model.name, model.version, parsed, probs))
+
+    routes = [Route("/v2/health/live", live), Route("/v2/health/ready", ready),
+              Route("/v2/models/{name}", metadata), Route("/v2/models/{name}/infer", infer, methods=["POST"])]
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        batcher.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.batcher = batcher
+    return _BearerToken(app, token) if token is not None else app

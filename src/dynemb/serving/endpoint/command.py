@@ -1,0 +1,69 @@
+"""The ``dynemb serve`` command's options and body (registered by :mod:`dynemb.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+__all__ = ["add_serve_args", "cmd_serve"]
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="RUN_DIR", help="a `dynemb train` run directory")
+    p.add_argument("--export", metavar="EXPORT_DIR", help="serving export of the run (default: RUN_DIR/export, "
+                   "written from the final checkpoint when missing)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; anything but loopback exposes the "
+                   "model to the network")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--name", default="dynemb", help="model name in the URL: /v2/models/NAME/infer")
+    p.add_argument("--token", help="require `Authorization: Bearer TOKEN` on every route (default: none, no token "
+                   "asked)")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="poll the export every SECONDS and apply its new "
+                   "versions (full or delta) in order while serving; the dense part stays the run's (default: off)")
+    p.add_argument("--max-batch-size", type=int, default=4096, help="most rows per request, and per forward pass "
+                   "over concurrent requests")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get HTTP 400")
+    p.add_argument("--volatile", default="memory", choices=["memory", "redis"], help="volatile store")
+    p.add_argument("--redis-address", default="127.0.0.1:6379", help="host:port of the redis store")
+    p.add_argument("--persistent", default="none", choices=["lmdb", "rocksdb", "none"], help="persistent store")
+    p.add_argument("--persistent-path", help="where the persistent store lives (default: a temp dir)")
+    p.add_argument("--cache-fraction", type=float, default=0.2, help="share of each table's rows cached")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+
+
+def stores(args) -> tuple[dict, dict | None]:
+    """The parameter server's volatile and persistent store configs from the options."""
+    volatile = {"type": "memory"} if args.volatile == "memory" else {"type": "redis", "address": args.redis_address}
+    if args.persistent == "none":
+        return volatile, None
+    path = args.persistent_path or tempfile.mkdtemp(prefix=f"dynemb-serve-{args.persistent}-")
+    return volatile, {"type": args.persistent, "path": path}
+
+
+def cmd_serve(args) -> int:
+    import torch
+
+    from .app import build_app
+    from .model import ServedModel
+    from .server import serve
+    from .watch import ExportWatcher
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    torch.set_num_threads(args.threads)
+    volatile, persistent = stores(args)
+    model = ServedModel(args.model, export=args.export, name=args.name, volatile_db=volatile,
+                        persistent_db=persistent, cache_fraction=args.cache_fraction, device=args.device)
+    watcher = ExportWatcher(model, args.watch).start() if args.watch is not None else None
+    try:
+        app = build_app(model, token=args.token, max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                        max_batch_size=args.max_batch_size)
+        print(f"serving {args.model} (export {model.export}, version {model.version}) as {args.name!r} on "
+              f"http://{args.host}:{args.port}/v2/models/{args.name}/infer", flush=True)
+        serve(app, args.host, args.port)
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        model.close()
+    return 0

@@ -1,0 +1,145 @@
+"""The served model: a run directory's DLRM with its tables read through a :class:`ParameterServer`.
+
+The dense part (bottom MLP, interactions, top MLP) and the preprocessing come from the run directory
+(:func:`dynemb.job.load_model`); the tables come from a serving export of the same run, loaded into the parameter
+server with ``"initializer"`` default rows, so an id training never saw reads the row the eval-mode model would
+(``dynemb predict`` runs the model in eval mode). Probabilities therefore equal ``dynemb predict`` on the same rows.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ...data.batch import Batch
+from ...functional import clip_rows, pool, to_bags
+from ..ps import ParameterServer
+
+__all__ = ["ServedModel", "ensure_export"]
+
+MAX_IDS_PER_TABLE = 1 << 22
+"""The parameter server's ``max_batch_size``: most ids of one table in one forward pass."""
+
+
+def ensure_export(run: Path, export: Optional[Path]) -> Path:
+    """The export root to serve: ``export`` if given, else ``run/export``, written from the run's final model
+    when it holds no export yet.
+
+    Raises:
+        ValueError: ``export`` was given but holds no serving export.
+    """
+    from ...checkpoint import export_for_serving
+    from ...job import load_model
+
+    if export is not None:
+        if not (Path(export) / "latest").is_file():
+            raise ValueError(f"--export {export}: no serving export there (no 'latest'); write one with dynemb export")
+        return Path(export)
+    root = Path(run) / "export"
+    if not (root / "latest").is_file():
+        model, _ = load_model(Path(run))
+        export_for_serving(root, model)
+    return root
+
+
+class ServedModel:
+    """Click probabilities of a trained run, its tables served by a parameter server.
+
+    Args:
+        run: a ``dynemb train --out`` run directory.
+        export: a serving export root of that run (``dynemb export``); default ``run/export``, written if missing.
+        name: the model's name in the parameter server and on the endpoint.
+        volatile_db: the parameter server's volatile store (``{"type": "memory"}`` or a Redis store).
+        persistent_db: its persistent store (LMDB or RocksDB), or ``None``.
+        cache_fraction: share of each table's rows in the parameter server's cache.
+        device: device of the dense part and of the cache.
+
+    Raises:
+        ValueError: the run directory or the export is missing or does not match the run's tables.
+
+    Shape:
+        ``predict(batch)``: a batch of ``B`` rows -> probabilities ``[B]`` (float32).
+    """
+
+    def __init__(self, run, *, export=None, name: str = "dynemb", volatile_db: Optional[dict] = None,
+                 persistent_db: Optional[dict] = None, cache_fraction: float = 0.2, device: str = "cpu") -> None:
+        from ...job import load_model
+
+        self.run, self.name = Path(run), name
+        self.export = ensure_export(self.run, None if export is None else Path(export))
+        model, self.card = load_model(self.run, device)
+        collection = model.embeddings
+        self.features = list(model.features)
+        self._tables = {f: collection.feature_configs[f].table_name for f in self.features}
+        table_names = list(dict.fromkeys(self._tables.values()))
+        dims = [collection.table_configs[t].dim for t in table_names]
+        model.embeddings = nn.Module()  # the tables live in the parameter server from here on; free the copies
+        self.model = model.eval()
+        config = {"models": [{"model": name, "sparse_files": [str(self.export)], "embedding_table_names": table_names,
+                              "embedding_vecsize_per_table": dims,
+                              "default_value_for_each_table": ["initializer"] * len(table_names),
+                              "cache_fraction": cache_fraction, "max_batch_size": MAX_IDS_PER_TABLE,
+                              "device": device}],
+                  "volatile_db": volatile_db or {"type": "memory"}, "persistent_db": persistent_db}
+        self.ps = ParameterServer.from_config(config)
+        self.ps.load(name, progress=False)
+        self._pooling = {}
+        for f in self.features:
+            fcfg, tcfg = collection.feature_configs[f], collection.table_configs[self._tables[f]]
+            self._pooling[f] = dict(combiner=fcfg.combiner or tcfg.combiner, max_norm=fcfg.max_norm,
+                                    padding_value=fcfg.padding_value)
+        self.device = torch.device(device)
+        self._update_lock = threading.Lock()
+
+    @property
+    def preprocessing(self):
+        """The run's :class:`~dynemb.data.preprocess.Preprocessing` (columns, dense statistics)."""
+        return self.card.preprocessing
+
+    @property
+    def version(self) -> int:
+        """The export version the parameter server serves."""
+        return int(self.ps.versions[self.name]["version"])
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> torch.Tensor:
+        """Probabilities of ``batch``'s rows (raw dense values: normalized here, as ``dynemb predict`` does)."""
+        batch = self.preprocessing.normalize(batch.to(self.device))
+        bags = {f: self._bags(batch, f) for f in self.features}
+        ids = {f: torch.unique(bags[f][0], return_inverse=True) for f in self.features}
+        keys: dict[str, list] = {}
+        for f, (unique, _) in ids.items():
+            keys.setdefault(self._tables[f], []).append(unique)
+        found = self.ps.lookup_many(self.name, {t: torch.cat(parts) for t, parts in keys.items()})  # one call
+        split = {t: list(torch.split(found[t], [u.numel() for u in keys[t]])) for t in keys}
+        pooled = {}
+        for f in self.features:
+            rows, inverse = split[self._tables[f]].pop(0), ids[f][1]
+            if self._pooling[f]["max_norm"] is not None:
+                rows = clip_rows(rows, self._pooling[f]["max_norm"])
+            if bags[f][1] is None:
+                pooled[f] = rows.index_select(0, inverse)  # one id a row: every combiner gives the row itself
+            else:
+                pooled[f] = pool(rows, inverse, *bags[f][1:], self._pooling[f]["combiner"])
+        return torch.sigmoid(self.model(batch, pooled=pooled).float()).cpu()
+
+    def _bags(self, batch: Batch, f: str) -> tuple:
+        """``(ids [N], offsets, weights, B)`` as the collection forms them; offsets ``None`` for one id a row."""
+        padding = self._pooling[f]["padding_value"]
+        if f not in batch.offsets and padding is None:
+            return batch.sparse[f], None
+        offsets = batch.offsets[f][:-1] if f in batch.offsets else torch.arange(len(batch), device=self.device)
+        return to_bags(batch.sparse[f], offsets, None, padding_value=padding)
+
+    def apply_update(self, export_dir) -> int:
+        """Apply a serving export version (full or delta) to the served tables; returns the version now served."""
+        with self._update_lock:
+            self.ps.apply_update(export_dir)
+            return self.version
+
+    def close(self) -> None:
+        self.ps.close()

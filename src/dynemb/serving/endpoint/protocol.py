@@ -1,0 +1,211 @@
+"""The Open Inference Protocol (KServe v2) tensors of a served model: metadata, request decoding, responses.
+
+Inputs, ``B`` rows per request:
+
+=======================  ================  ========  ====================================================
+tensor                   datatype          shape     holds
+=======================  ================  ========  ====================================================
+``{column}``             BYTES or INT64    ``[B]``   a categorical column: strings (hashed as the readers
+                                                     hash them) or integer ids; JSON ``null`` is a null id
+``{column}``             BYTES or INT64    ``[N]``   a multi-hot column: the ids of every row, concatenated
+``{column}__lengths``    INT32             ``[B]``   ... and how many of them each row has
+``{column}``             FP32              ``[B]``   a dense column, raw (normalized by the server)
+=======================  ================  ========  ====================================================
+
+Output: ``probability``, FP32 ``[B]``. Ids and dense values go through :mod:`dynemb.data.columns`, the code the
+file readers use, so a request scores exactly as the same rows read from a Parquet file.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from ...data.batch import Batch
+from ...data.columns import categorical_ids, dense_values
+from ...data.preprocess import Preprocessing
+
+__all__ = ["RequestError", "LENGTHS", "OUTPUT", "model_metadata", "parse_body", "decode_request", "encode_response"]
+
+LENGTHS = "__lengths"
+OUTPUT = "probability"
+ID_TYPES = ("BYTES", "INT64")
+
+
+class RequestError(ValueError):
+    """A request the model cannot score; the message names the input. Answered with HTTP 400."""
+
+
+_NUMPY = {"INT64": "<i8", "INT32": "<i4", "FP32": "<f4"}
+
+
+def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
+    """The request object of an infer body: JSON, or with the binary tensor extension (``json_length`` from the
+    ``Inference-Header-Content-Length`` header) JSON followed by the raw tensors, whose ``data`` is filled in here.
+
+    Raises:
+        RequestError: the body is not JSON, or a binary tensor does not fit the body.
+    """
+    head = body if json_length is None else body[:json_length]
+    try:
+        request = json.loads(head)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"the request body is not valid JSON ({exc})") from None
+    if json_length is None or not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
+        return request
+    at = json_length
+    for t in request["inputs"]:
+        size = (t.get("parameters") or {}).get("binary_data_size") if isinstance(t, dict) else None
+        if size is None:
+            continue
+        name = t.get("name")
+        if not isinstance(size, int) or size < 0 or at + size > len(body):
+            raise RequestError(f"input {name!r}: binary_data_size {size!r} does not fit the body")
+        raw, at = body[at:at + size], at + size
+        if t.get("datatype") == "BYTES":
+            t["data"] = _binary_strings(raw, name)
+        elif t.get("datatype") in _NUMPY and size % np.dtype(_NUMPY[t["datatype"]]).itemsize == 0:
+            t["data"] = np.frombuffer(raw, dtype=_NUMPY[t["datatype"]]).tolist()
+        else:
+            raise RequestError(f"input {name!r}: datatype {t.get('datatype')!r} with {size} binary bytes")
+    return request
+
+
+def _binary_strings(raw: bytes, name) -> list:
+    """BYTES elements of the binary extension: each a 4-byte little-endian length, then the bytes (UTF-8)."""
+    out, at = [], 0
+    while at < len(raw):
+        if at + 4 > len(raw):
+            raise RequestError(f"input {name!r}: truncated binary BYTES element")
+        n = int.from_bytes(raw[at:at + 4], "little")
+        if at + 4 + n > len(raw):
+            raise RequestError(f"input {name!r}: truncated binary BYTES element")
+        try:
+            out.append(raw[at + 4:at + 4 + n].decode("utf-8"))
+        except UnicodeDecodeError:
+            raise RequestError(f"input {name!r}: BYTES elements must be UTF-8 text") from None
+        at += 4 + n
+    return out
+
+
+def _tensor(name: str, datatype: str, shape: list) -> dict:
+    return {"name": name, "datatype": datatype, "shape": shape}
+
+
+def model_metadata(name: str, version: int, prep: Preprocessing) -> dict:
+    """The ``GET /v2/models/{name}`` object: inputs (``-1`` is a free size) and the output."""
+    inputs = [_tensor(c, "BYTES", [-1]) for c in prep.categorical]
+    for c in prep.multi_hot:
+        inputs += [_tensor(c, "BYTES", [-1]), _tensor(c + LENGTHS, "INT32", [-1])]
+    inputs += [_tensor(c, "FP32", [-1]) for c in prep.dense]
+    return {"name": name, "versions": [str(version)], "platform": "dynemb_dlrm", "inputs": inputs,
+            "outputs": [_tensor(OUTPUT, "FP32", [-1])]}
+
+
+def _inputs_by_name(request: Any) -> dict:
+    if not isinstance(request, dict):
+        raise RequestError(f"the request must be a JSON object, got {type(request).__name__}")
+    inputs = request.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise RequestError("the request must have a non-empty list 'inputs'")
+    by_name = {}
+    for i, t in enumerate(inputs):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise RequestError(f"inputs[{i}] must be an object with a string 'name'")
+        if t["name"] in by_name:
+            raise RequestError(f"input {t['name']!r} is given twice")
+        by_name[t["name"]] = t
+    return by_name
+
+
+def _data(t: dict, datatypes: tuple, rows: Optional[int]) -> list:
+    """The flat data of input ``t``, checked against ``datatypes``, its shape and (when given) ``rows``."""
+    name, datatype, shape, data = t["name"], t.get("datatype"), t.get("shape"), t.get("data")
+    if datatype not in datatypes:
+        raise RequestError(f"input {name!r}: datatype must be {' or '.join(datatypes)}, got {datatype!r}")
+    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] >= 0):
+        raise RequestError(f"input {name!r}: shape must be [n], one size, got {shape!r}")
+    if not isinstance(data, list):
+        raise RequestError(f"input {name!r}: 'data' must be a JSON list")
+    if len(data) != shape[0]:
+        raise RequestError(f"input {name!r}: shape {shape} but {len(data)} values")
+    if rows is not None and shape[0] != rows:
+        raise RequestError(f"input {name!r}: {shape[0]} rows, but the batch has {rows}")
+    return data
+
+
+def _ids(t: dict, column: str, rows: Optional[int]) -> np.ndarray:
+    data = _data(t, ID_TYPES, rows)
+    name = t["name"]
+    try:
+        if t["datatype"] == "INT64":
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in data if v is not None):
+                raise TypeError("INT64 values must be integers")
+            column_array = pa.array(data, pa.int64())
+        else:
+            if any(not isinstance(v, str) for v in data if v is not None):
+                raise TypeError("BYTES values must be strings")
+            column_array = pa.array(data, pa.string())
+        return categorical_ids(column_array, column, f"input {name!r}")
+    except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:
+        raise RequestError(f"input {name!r}: {str(exc).splitlines()[0]}") from None
+
+
+def _lengths(t: dict, rows: int, total: int, column: str) -> np.ndarray:
+    data = _data(t, ("INT32",), rows)
+    if any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31 for v in data):
+        raise RequestError(f"input {t['name']!r}: lengths must be integers >= 0")
+    lengths = np.asarray(data, dtype=np.int64)
+    if int(lengths.sum()) != total:
+        raise RequestError(f"input {t['name']!r}: lengths sum to {int(lengths.sum())}, but input {column!r} "
+                           f"has {total} ids")
+    return lengths
+
+
+def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
+    """The batch of rows an infer request holds (dense values raw, labels 0).
+
+    Raises:
+        RequestError: a missing, unknown, mistyped or mis-sized input, or more than ``max_rows`` rows; the
+            message names the input.
+    """
+    inputs = _inputs_by_name(request)
+    expected = [*prep.categorical, *prep.multi_hot, *(c + LENGTHS for c in prep.multi_hot), *prep.dense]
+    missing = [n for n in expected if n not in inputs]
+    if missing:
+        raise RequestError(f"input {missing[0]!r} is missing (the model reads {expected})")
+    unknown = sorted(set(inputs) - set(expected))
+    if unknown:
+        raise RequestError(f"input {unknown[0]!r} is not an input of this model (it reads {expected})")
+    first = inputs[(prep.categorical or [c + LENGTHS for c in prep.multi_hot] or prep.dense)[0]]
+    rows = len(_data(first, (first.get("datatype"),), None))
+    if rows > max_rows:
+        raise RequestError(f"input {first['name']!r}: {rows} rows, more than max_batch_size ({max_rows})")
+    sparse, offsets = {}, {}
+    for c in prep.categorical:
+        sparse[c] = torch.from_numpy(_ids(inputs[c], c, rows))
+    for c in prep.multi_hot:
+        ids = _ids(inputs[c], c, None)
+        lengths = _lengths(inputs[c + LENGTHS], rows, len(ids), c)
+        sparse[c] = torch.from_numpy(ids)
+        offsets[c] = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    dense = np.zeros((rows, len(prep.dense)), dtype=np.float32)
+    for j, c in enumerate(prep.dense):
+        data = _data(inputs[c], ("FP32",), rows)
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in data if v is not None):
+            raise RequestError(f"input {c!r}: FP32 values must be numbers")
+        dense[:, j] = dense_values(pa.array(data, pa.float64()), f"input {c!r}")
+    return Batch(torch.from_numpy(dense), sparse, torch.zeros(rows), offsets)
+
+
+def encode_response(name: str, version: int, request: dict, probabilities: torch.Tensor) -> dict:
+    """The infer response: ``probability`` FP32 ``[B]``, with the request's ``id`` when it had one."""
+    out = {"model_name": name, "model_version": str(version),
+           "outputs": [{**_tensor(OUTPUT, "FP32", [probabilities.numel()]), "data": probabilities.tolist()}]}
+    if isinstance(request, dict) and "id" in request:
+        out["id"] = request["id"]
+    return out

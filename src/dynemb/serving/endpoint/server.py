@@ -1,0 +1,67 @@
+"""Running the endpoint on uvicorn: in the foreground (``dynemb serve``) or on a thread (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from typing import Iterator
+
+try:
+    import uvicorn
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(f"dynemb serve needs starlette and uvicorn: pip install 'dynemb[serving]' ({exc})") from exc
+
+__all__ = ["serve", "running"]
+
+
+def _server(app, sock: socket.socket, log_level: str) -> uvicorn.Server:
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on")
+    return uvicorn.Server(config)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve ``app`` on ``host:port`` until interrupted (Ctrl-C, SIGTERM)."""
+    sock = _bind(host, port)
+    try:
+        _server(app, sock, log_level).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+@contextlib.contextmanager
+def running(app, host: str = "127.0.0.1", startup_timeout_s: float = 30.0) -> Iterator[str]:
+    """Serve ``app`` on a free port of ``host`` from a background thread; yields its base URL, then stops it.
+
+    Raises:
+        TimeoutError: the server did not start within ``startup_timeout_s``.
+    """
+    sock = _bind(host, 0)
+    server = _server(app, sock, "warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dynemb-endpoint", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise TimeoutError(f"the endpoint did not start within {startup_timeout_s} s")
+            time.sleep(0.01)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

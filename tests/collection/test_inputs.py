@@ -1,0 +1,151 @@
+"""Every input form of a feature against nn.EmbeddingBag, malformed inputs named and harmless, and the modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import dynemb
+from dynemb import Bags, EmbeddingCollection, FeatureConfig, TableConfig
+
+V, D = 30, 4
+
+
+def static_collection(combiner="sum") -> EmbeddingCollection:
+    return EmbeddingCollection([TableConfig(name="t", dim=D, vocabulary_size=V, seed=1, combiner=combiner)],
+                               [FeatureConfig(name="f", table="t"), FeatureConfig(name="g", table="t")])
+
+
+def reference(ec, ids, offsets, weights=None, mode="sum"):
+    bag = torch.nn.EmbeddingBag(V, D, mode=mode)
+    bag.weight.data.copy_(ec.embeddings["t"].table.values)
+    return bag(ids, offsets, per_sample_weights=weights)
+
+
+@st.composite
+def jagged(draw):
+    lengths = draw(st.lists(st.integers(0, 5), min_size=1, max_size=8))
+    ids = draw(st.lists(st.integers(0, V - 1), min_size=sum(lengths), max_size=sum(lengths)))
+    return torch.tensor(ids, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(jagged(), st.booleans())
+def test_every_jagged_form_equals_embedding_bag(bags, weighted):
+    ids, lengths = bags
+    offsets = lengths.cumsum(0) - lengths
+    weights = torch.rand(ids.numel()) if weighted else None
+    ec = static_collection().eval()
+    want = reference(ec, ids, offsets, weights)
+    forms = [(ids, offsets) if weights is None else (ids, offsets, weights),
+             Bags(ids, offsets=offsets, weights=weights),
+             Bags(ids, lengths=lengths, weights=weights),
+             Bags(ids, offsets=torch.cat([offsets, torch.tensor([ids.numel()])]), weights=weights,
+                  include_last_offset=True),
+             {"ids": ids, "lengths": lengths, "weights": weights}]
+    for form in forms:
+        torch.testing.assert_close(ec({"f": form})["f"], want, rtol=0, atol=1e-6)
+
+
+def test_dense_sparse_and_one_per_sample_forms():
+    ec = static_collection(combiner="mean").eval()
+    dense = torch.tensor([[1, 2, -1], [3, -1, -1]])
+    padded = EmbeddingCollection([TableConfig(name="t", dim=D, vocabulary_size=V, seed=1)],
+                                 [FeatureConfig(name="f", table="t", padding_value=-1)]).eval()
+    want = reference(ec, torch.tensor([1, 2, 3]), torch.tensor([0, 2]), mode="mean")
+    torch.testing.assert_close(padded({"f": dense})["f"], want)
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 0, 1], [0, 1, 0]]), torch.tensor([1, 2, 3]), (2, 3))
+    torch.testing.assert_close(ec({"f": sparse})["f"], want)
+    torch.testing.assert_close(ec({"f": torch.tensor([5, 6])})["f"], ec.embeddings["t"].table.values[[5, 6]])
+
+
+def dynamic_pair():
+    tables = [TableConfig(name="a", dim=D, seed=1, optimizer=dynemb.optim.SGD(lr=0.1)),
+              TableConfig(name="b", dim=D, seed=2, optimizer=dynemb.optim.SGD(lr=0.1))]
+    features = [FeatureConfig(name="fa", table="a"), FeatureConfig(name="fb", table="b"),
+                FeatureConfig(name="seq", table="b", combiner="none", padding_value=-1)]
+    return EmbeddingCollection(tables, features)
+
+
+IDS = torch.tensor([10, 11, 12, 13])
+MALFORMED = [
+    ((IDS, torch.tensor([2, 2, 0])), ValueError, r"offsets must start at 0 and never decrease"),  # lengths as offsets
+    ((IDS, torch.tensor([0, 3, 1])), ValueError, r"never decrease"),
+    ((IDS, torch.tensor([0, 2, 9])), ValueError, r"offsets must be <= the number of ids \(4\)"),
+    (Bags(IDS, offsets=torch.tensor([0, 2, 3]), include_last_offset=True), ValueError, r"must end with the number"),
+    (Bags(IDS, lengths=torch.tensor([2, 1, 0])), ValueError, r"lengths must be >= 0 and sum to the number of ids"),
+    (Bags(IDS, lengths=torch.tensor([5, -1, 0])), ValueError, r"lengths must be >= 0"),
+    (Bags(IDS, lengths=torch.tensor([2.0, 2.0, 0.0])), TypeError, r"lengths must be a 1-D int32/int64 tensor"),
+    ((IDS, torch.tensor([0, 2, 4]), torch.ones(3)), ValueError, r"weights must have the shape \(4,\)"),
+    ((IDS, torch.tensor([0, 2, 4]), torch.ones(4, dtype=torch.int64)), TypeError, r"floating-point"),
+    ([1, 2], TypeError, r"must be one of .*got a list of 2 int"),
+    ((IDS, torch.tensor([0, 1]), torch.ones(4), 3), TypeError, r"got a tuple of 4"),
+    ({"ids": IDS, "offset": torch.tensor([0])}, ValueError, r"dict input needs 'ids'"),
+    (IDS.to(torch.int32), TypeError, r"ids must have dtype torch.int64"),
+]
+
+
+@pytest.mark.parametrize("bad,error,match", MALFORMED)
+def test_malformed_inputs_are_named_and_change_nothing(bad, error, match):
+    ec = dynamic_pair()
+    ec({"fa": torch.tensor([1, 2, 3]), "fb": torch.tensor([4, 5, 6])})
+    before = {n: m.table.export() for n, m in ec.embeddings.items()}
+    # the good feature comes first: its table must not change either
+    with pytest.raises(error, match=rf"feature 'fb' \(table 'b'\): .*{match}"):
+        ec({"fa": torch.tensor([7, 8, 9]), "fb": bad})
+    for name, module in ec.embeddings.items():
+        after = module.table.export()
+        assert torch.equal(after.keys, before[name].keys) and torch.equal(after.values, before[name].values)
+
+
+def test_bag_counts_must_agree_across_pooled_features():
+    ec = dynamic_pair()
+    kjt_offsets = torch.tensor([0, 1, 2, 4])  # B + 1 entries, TorchRec style, passed as EmbeddingBag offsets
+    with pytest.raises(ValueError, match=r"bag counts differ: \{'fa': 3, 'fb': 4\}.*include_last_offset=True"):
+        ec({"fa": torch.tensor([1, 2, 3]), "fb": (IDS, kjt_offsets)})
+    assert len(ec.embeddings["a"]) == 0
+
+
+def test_weights_that_would_be_dropped_are_errors():
+    ec = dynamic_pair()
+    with pytest.raises(ValueError, match=r"weights given for features \['fb'\], which are not in this batch"):
+        ec({"fa": torch.tensor([1])}, {"fb": torch.ones(1)})
+    with pytest.raises(ValueError, match=r"feature 'seq' \(table 'b'\): weights are for pooled features"):
+        ec({"seq": torch.tensor([[1, 2]])}, {"seq": torch.ones(1, 2)})
+
+
+def test_no_grad_and_eval_are_read_only():
+    ec = dynamic_pair()
+    batch = {"fa": torch.tensor([1, 2, 3]), "fb": torch.tensor([4, 5, 6])}
+    with torch.no_grad():  # a validation loop that forgot eval()
+        out = ec(batch)
+    assert len(ec.embeddings["a"]) == 0 and len(ec.embeddings["b"]) == 0
+    ec.eval()
+    assert torch.equal(ec(batch)["fa"], out["fa"]) and len(ec.embeddings["a"]) == 0
+    ec.train()
+    ec(batch)["fa"].sum().backward()
+    assert len(ec.embeddings["a"]) == 3
+
+
+def test_padding_value_skips_ids_of_sequence_features():
+    ec = dynamic_pair()
+    out = ec({"seq": torch.tensor([[7, -1, 8], [-1, -1, 9]])})["seq"]
+    assert out.shape == (2, 3, D)
+    assert torch.equal(out[0, 1], torch.zeros(D)) and torch.equal(out[1, 0], torch.zeros(D))
+    out.sum().backward()
+    ec.optimizer.step()
+    assert sorted(ec.embeddings["b"].export()[0].tolist()) == [7, 8, 9]  # -1 was neither inserted nor trained
+
+
+def test_keyed_jagged_tensor():
+    kjt_module = pytest.importorskip("torchrec.sparse.jagged_tensor")
+    ec = static_collection().eval()
+    kjt = kjt_module.KeyedJaggedTensor.from_lengths_sync(
+        keys=["f", "g"], values=torch.tensor([1, 2, 3, 4, 5, 6]), lengths=torch.tensor([2, 1, 0, 3]),
+        weights=torch.tensor([1.0, 2.0, 3.0, 1.0, 1.0, 0.5]))
+    out = ec(kjt)
+    torch.testing.assert_close(out["f"], reference(ec, torch.tensor([1, 2, 3]), torch.tensor([0, 2]),
+                                                   torch.tensor([1.0, 2.0, 3.0])))
+    torch.testing.assert_close(out["g"], reference(ec, torch.tensor([4, 5, 6]), torch.tensor([0, 0]),
+                                                   torch.tensor([1.0, 1.0, 0.5])))

@@ -1,0 +1,177 @@
+"""``dynemb serve``'s endpoint against ``dynemb predict`` on the same rows; malformed requests; health,
+metadata and the bearer token. The client is ``tritonclient.http`` (the Triton/KServe v2 client), plus ``httpx``
+for requests a v2 client would never send."""
+
+import concurrent.futures
+
+import httpx
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dynemb.serving.endpoint import ServedModel, build_app, running
+
+tritonclient_http = pytest.importorskip("tritonclient.http")
+
+TIMEOUT = 30.0
+
+
+@pytest.fixture(scope="module")
+def served(run):
+    model = ServedModel(run / "run", name="ctr")
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    with running(build_app(served, max_batch_size=512)) as base:
+        yield base
+
+
+def triton_inputs(table: pa.Table, binary: bool) -> list:
+    d = table.to_pydict()
+    tags = d["tags"]
+    arrays = {"user": np.array(d["user"], dtype=object), "item": np.array(d["item"], dtype=np.int64),
+              "tags": np.array([t for bag in tags for t in bag], dtype=object),
+              "tags__lengths": np.array([len(bag) for bag in tags], dtype=np.int32),
+              "price": np.array(d["price"], dtype=np.float32)}
+    types = {"user": "BYTES", "item": "INT64", "tags": "BYTES", "tags__lengths": "INT32", "price": "FP32"}
+    inputs = []
+    for name, a in arrays.items():
+        t = tritonclient_http.InferInput(name, list(a.shape), types[name])
+        t.set_data_from_numpy(a, binary_data=binary)
+        inputs.append(t)
+    return inputs
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_probabilities_equal_dynemb_predict(run, url, binary):
+    client = tritonclient_http.InferenceServerClient(url.removeprefix("http://"), network_timeout=TIMEOUT)
+    try:
+        result = client.infer("ctr", triton_inputs(pq.read_table(run / "test.parquet"), binary))
+    finally:
+        client.close()
+    got = result.as_numpy("probability")
+    expected = np.asarray(pq.read_table(run / "preds.parquet").column("probability").to_pylist(), dtype=np.float32)
+    assert got.dtype == np.float32 and got.shape == expected.shape == (300,)
+    np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
+    assert np.ptp(expected) > 0.01  # the model is not constant, so equality means something
+
+
+def test_health_and_metadata(url):
+    client = tritonclient_http.InferenceServerClient(url.removeprefix("http://"), network_timeout=TIMEOUT)
+    try:
+        assert client.is_server_live() and client.is_server_ready()
+        meta = client.get_model_metadata("ctr")
+    finally:
+        client.close()
+    assert meta["name"] == "ctr" and meta["versions"] == ["1"]
+    assert [(t["name"], t["datatype"]) for t in meta["inputs"]] == [
+        ("user", "BYTES"), ("item", "BYTES"), ("tags", "BYTES"), ("tags__lengths", "INT32"), ("price", "FP32")]
+    assert meta["outputs"] == [{"name": "probability", "datatype": "FP32", "shape": [-1]}]
+    assert httpx.get(f"{url}/v2/models/other", timeout=TIMEOUT).status_code == 404
+
+
+def body(rows: int = 2, **replace) -> dict:
+    inputs = {"user": {"name": "user", "datatype": "BYTES", "shape": [rows], "data": ["u1"] * rows},
+              "item": {"name": "item", "datatype": "INT64", "shape": [rows], "data": [3] * rows},
+              "tags": {"name": "tags", "datatype": "BYTES", "shape": [rows], "data": ["t1"] * rows},
+              "tags__lengths": {"name": "tags__lengths", "datatype": "INT32", "shape": [rows], "data": [1] * rows},
+              "price": {"name": "price", "datatype": "FP32", "shape": [rows], "data": [1.5] * rows}}
+    for name, value in replace.items():
+        if value is None:
+            del inputs[name]
+        else:
+            inputs[name] = {**inputs[name], **value}
+    return {"inputs": list(inputs.values())}
+
+
+MALFORMED = {
+    "wrong datatype": (body(item={"datatype": "FP32"}), "'item'"),
+    "missing input": (body(price=None), "'price'"),
+    "lengths do not sum to the ids": (body(tags__lengths={"data": [1, 2]}), "'tags__lengths'"),
+    "rows disagree": (body(price={"shape": [3], "data": [1.0, 2.0, 3.0]}), "'price'"),
+    "shape disagrees with data": (body(user={"shape": [3]}), "'user'"),
+    "strings as INT64": (body(item={"data": ["a", "b"]}), "'item'"),
+    "unknown input": ({"inputs": body()["inputs"] + [{"name": "zzz", "datatype": "FP32", "shape": [2],
+                                                       "data": [0, 0]}]}, "'zzz'"),
+    "too many rows": (body(rows=513), "'user'"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_request_is_a_400_naming_the_input_and_the_server_stays_up(url, case):
+    payload, named = MALFORMED[case]
+    r = httpx.post(f"{url}/v2/models/ctr/infer", json=payload, timeout=TIMEOUT)
+    assert r.status_code == 400 and named in r.json()["error"], r.text
+    ok = httpx.post(f"{url}/v2/models/ctr/infer", json=body(), timeout=TIMEOUT)
+    assert ok.status_code == 200 and len(ok.json()["outputs"][0]["data"]) == 2
+
+
+def test_bad_json_and_a_10_mb_body_are_400s(url):
+    r = httpx.post(f"{url}/v2/models/ctr/infer", content=b"{not json", timeout=TIMEOUT)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]
+    big = b'{"inputs": [' + b" " * (10 << 20) + b"]}"
+    r = httpx.post(f"{url}/v2/models/ctr/infer", content=big, timeout=TIMEOUT)
+    assert r.status_code == 400 and "limit" in r.json()["error"]
+    assert httpx.get(f"{url}/v2/health/live", timeout=TIMEOUT).status_code == 200
+
+
+def test_concurrent_requests_get_their_own_rows(run, served, url):
+    table = pq.read_table(run / "test.parquet")
+    expected = np.asarray(pq.read_table(run / "preds.parquet").column("probability").to_pylist(), dtype=np.float32)
+
+    def one(i):
+        start = (i * 17) % (len(expected) - 20)
+        with tritonclient_http.InferenceServerClient(url.removeprefix("http://"), network_timeout=TIMEOUT) as c:
+            got = c.infer("ctr", triton_inputs(table.slice(start, 1 + i % 20), False)).as_numpy("probability")
+        return start, got
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for start, got in pool.map(one, range(32)):
+            np.testing.assert_allclose(got, expected[start:start + len(got)], atol=1e-6, rtol=0)
+
+
+def test_the_token_guards_every_route(served):
+    with running(build_app(served, token="s3cret")) as base:
+        for method, path in [("GET", "/v2/health/live"), ("GET", "/v2/health/ready"), ("GET", "/v2/models/ctr"),
+                             ("POST", "/v2/models/ctr/infer")]:
+            payload = body() if method == "POST" else None
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                r = httpx.request(method, base + path, json=payload, headers=headers, timeout=TIMEOUT)
+                assert r.status_code == 401, (path, headers)
+            r = httpx.request(method, base + path, json=payload, headers={"Authorization": "Bearer s3cret"},
+                              timeout=TIMEOUT)
+            assert r.status_code == 200, (path, r.text)
+
+
+def test_waiting_requests_share_a_forward_pass_up_to_max_batch_size(run, served):
+    import asyncio
+
+    from dynemb.data import FileReader
+    from dynemb.data.batch import slice_rows
+    from dynemb.serving.endpoint.app import _Batcher
+
+    prep = served.preprocessing
+    batch = next(iter(FileReader(run / "test.parquet", label=None, categorical=prep.categorical,
+                                 multi_hot=prep.multi_hot, dense=prep.dense, batch_size=40)))
+    parts = [slice_rows(batch, i, i + 10) for i in range(0, 40, 10)]
+    expected = served.predict(batch)
+
+    async def score_all(max_rows):
+        batcher = _Batcher(served, max_rows)
+        try:
+            got = await asyncio.gather(*(batcher.score(p) for p in parts))
+        finally:
+            batcher.close()
+        return torch.cat(got), batcher.forward_passes
+
+    got, passes = asyncio.run(score_all(40))
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert passes == 1
+    got, passes = asyncio.run(score_all(20))
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert passes == 2

@@ -1,0 +1,68 @@
+"""``dynemb serve`` as a process: it listens on loopback, answers like ``dynemb predict``, and stops on SIGTERM."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pyarrow.parquet as pq
+
+SRC = str(Path(__file__).resolve().parents[3] / "src")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            ready = httpx.get(f"{url}/v2/health/ready", headers={"Authorization": "Bearer t0k"}, timeout=2)
+            if ready.status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"dynemb serve did not come up within {seconds} s")
+
+
+def test_dynemb_serve_scores_like_predict_with_lmdb_and_a_token(run, tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run / "run"), "--port", str(port),
+                             "--name", "ctr", "--token", "t0k", "--persistent", "lmdb", "--persistent-path",
+                             str(tmp_path / "lmdb"), "--cache-fraction", "0.1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        d = pq.read_table(run / "test.parquet").slice(0, 50).to_pydict()
+        inputs = [{"name": "user", "datatype": "BYTES", "shape": [50], "data": d["user"]},
+                  {"name": "item", "datatype": "INT64", "shape": [50], "data": d["item"]},
+                  {"name": "tags", "datatype": "BYTES", "shape": [sum(map(len, d["tags"]))],
+                   "data": [t for bag in d["tags"] for t in bag]},
+                  {"name": "tags__lengths", "datatype": "INT32", "shape": [50], "data": list(map(len, d["tags"]))},
+                  {"name": "price", "datatype": "FP32", "shape": [50], "data": d["price"]}]
+        r = httpx.post(f"{url}/v2/models/ctr/infer", json={"id": "r1", "inputs": inputs},
+                       headers={"Authorization": "Bearer t0k"}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == "r1" and r.json()["outputs"][0]["name"] == "probability"
+        expected = pq.read_table(run / "preds.parquet").column("probability").to_pylist()[:50]
+        np.testing.assert_allclose(r.json()["outputs"][0]["data"], expected, atol=1e-6, rtol=0)
+        assert httpx.get(f"{url}/v2/health/live", timeout=5).status_code == 401
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM after a clean shutdown
+        finally:
+            if proc.poll() is None:
+                proc.kill()

@@ -1,0 +1,39 @@
+"""``dynemb serve --watch``: new export versions (full, then deltas) applied in order; the served model then scores
+like the updated training model."""
+
+import pyarrow.parquet as pq
+import torch
+
+from dynemb.checkpoint import export_for_serving
+from dynemb.data import FileReader
+from dynemb.job import load_model
+from dynemb.serving.endpoint import ServedModel
+from dynemb.serving.endpoint.watch import ExportWatcher, pending_versions
+
+
+def test_new_versions_are_applied_in_order_and_served(run, tmp_path):
+    model, card = load_model(run / "run")
+    export_for_serving(tmp_path / "exp", model)  # version 1
+    served = ServedModel(run / "run", export=tmp_path / "exp", name="ctr")
+    try:
+        watcher = ExportWatcher(served, interval_s=60)
+        assert watcher.poll() == [] and served.version == 1
+        user = model.embeddings.embeddings["user"]
+        model.train()
+        prep = card.preprocessing
+        batch = next(iter(FileReader(run / "test.parquet", label=prep.label, categorical=prep.categorical,
+                                     multi_hot=prep.multi_hot, dense=prep.dense, batch_size=64)))
+        users = batch.sparse["user"][:8]
+        user.upsert(users[:4], torch.full((4, 8), 0.5))
+        export_for_serving(tmp_path / "exp", model, incremental=True)  # version 2: a delta
+        user.upsert(users[4:8], torch.full((4, 8), -0.5))
+        user.remove(users[:2])
+        export_for_serving(tmp_path / "exp", model, incremental=True)  # version 3: a delta on top of 2
+        model.eval()
+        assert [p.name for p in pending_versions(tmp_path / "exp", 1)] == ["version-00000002", "version-00000003"]
+        assert watcher.poll() == [2, 3] and served.version == 3 and watcher.poll() == []
+        with torch.no_grad():
+            expected = torch.sigmoid(model(prep.normalize(batch)))
+        torch.testing.assert_close(served.predict(batch), expected, atol=1e-6, rtol=0)
+    finally:
+        served.close()
