@@ -189,7 +189,8 @@ class Trainer:
                 report("eval", self.evaluate(eval_batches))
             if cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.save()
-            bar.set_postfix(loss=f"{row['loss']:.4f}", auc=f"{self.history.last_auc:.4f}",
+            last_auc = self.history.last_auc
+            bar.set_postfix(loss=f"{row['loss']:.4f}", auc="-" if last_auc != last_auc else f"{last_auc:.4f}",
                             rows=row["rows"], evicted=row["evicted"], sps=f"{row['samples_per_s']:.0f}",
                             refresh=False)
             bar.update(1)
