@@ -45,15 +45,21 @@ def counts_occurrences(table) -> bool:
 
 
 
+def _trains(embedding, table, training: bool | None) -> bool:
+    """The mode rule, in one place: a lookup inserts and trains only when training (the module's mode unless
+    ``training`` overrides it), with grad mode on, and the table not frozen."""
+    if training is None:
+        training = getattr(embedding, "training", True)
+    return bool(training) and torch.is_grad_enabled() and table.requires_grad
+
+
 def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, checked: bool = False):
     """``(table, unique, rows, inverse, trains)``: ``ids`` deduplicated and looked up. A table inserts, evicts and
     counts only when training *and* grad mode is on (``trains``, which also says gradients flow to it); under
     ``eval()`` or ``torch.no_grad()`` it is read-only and unseen keys read their initializer row."""
     table = _table_of(embedding)
-    if training is None:
-        training = getattr(embedding, "training", True)
     flat = ids.reshape(-1)
-    trains = training and torch.is_grad_enabled() and table.requires_grad
+    trains = _trains(embedding, table, training)
     if isinstance(table, StaticTable):  # id i is row i: nothing to find or insert
         flat = flat if checked else table.check_ids(flat)
         unique, inverse = torch.unique(flat, return_inverse=True)
@@ -189,9 +195,7 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
 def _compiled_pooled_lookup(embedding, table, ids: torch.Tensor, bag_sets: list[BagSet],
                             training: bool | None) -> list[torch.Tensor]:
     """The pooled lookup as one custom op (see :mod:`dynemb.functional.ops`): what ``torch.compile`` traces."""
-    if training is None:
-        training = getattr(embedding, "training", True)
-    trains = bool(training) and torch.is_grad_enabled() and table.requires_grad
+    trains = _trains(embedding, table, training)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
     if table.op_handle is None:
         raise RuntimeError("dynemb: a table used in compiled code must belong to a DynamicEmbedding, StaticEmbedding "
@@ -205,9 +209,7 @@ def _static_pooled_lookup(embedding, table: StaticTable, ids: torch.Tensor, bag_
                           training: bool | None, checked: bool) -> list[torch.Tensor]:
     flat = ids.reshape(-1) if checked else table.check_ids(ids)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
-    if training is None:
-        training = getattr(embedding, "training", True)
-    if training and torch.is_grad_enabled() and table.requires_grad:
+    if _trains(embedding, table, training):
         summed = _StaticPool.apply(torch.empty(0, requires_grad=True), table, flat, offsets, weights)
     else:
         summed = F.embedding_bag(flat, table.values, offsets, mode="sum", per_sample_weights=weights)
