@@ -83,7 +83,6 @@ def prepare_features(features: dict, weights: dict, feature_configs: dict[str, F
     Raises:
         ValueError/TypeError: naming the feature and its table; nothing has been looked up yet.
     """
-    features = as_feature_dict(features)
     if not isinstance(features, dict):
         raise TypeError(f"features must be a dict {{feature name: ids}} or a TorchRec KeyedJaggedTensor, got "
                         f"{type(features).__name__}")
