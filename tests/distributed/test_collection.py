@@ -191,3 +191,32 @@ def test_dead_rank_gives_clear_error_within_timeout(tmp_path):
     elapsed, message = text.split("\n", 1)
     assert float(elapsed) <= 10 + 5
     assert "peer rank died or the collective timed out" in message
+
+
+def _frozen_and_half(rank, world):
+    tables, features, plan = configs("sgd")
+    ec = DistributedEmbeddingCollection(tables, features, plan=plan, timeout=60)
+    first = slice_batch(global_batch(0), rank * 12, rank * 12 + 12)
+    first.pop("r")
+    ec(first)  # the tables hold this batch's keys before "user" is frozen
+    if "user" in ec.embeddings:
+        ec.embeddings["user"].requires_grad_(False)
+    before = ec.gather_export("user")
+    batch = slice_batch(global_batch(1), rank * 12, rank * 12 + 12)
+    r = batch.pop("r")
+    loss_of(ec(batch), r).backward()  # unseen uids: read, not inserted, and no gradient reaches the frozen table
+    ec.optimizer.step()
+    after = ec.gather_export("user")
+    out = ec.half()(batch)
+    return {"before.keys": before[0].numpy(), "after.keys": after[0].numpy(),
+            "before.values": before[1].numpy(), "after.values": after[1].numpy(),
+            "half": np.array([str(v.dtype) == "torch.float16" for v in out.values()])}
+
+
+def test_frozen_sharded_table_is_read_only_and_half_outputs_half(tmp_path):
+    got = run(_frozen_and_half, 2, tmp_path)
+    assert got is not None, [p.read_text() for p in tmp_path.glob("*.err")]
+    np.testing.assert_array_equal(np.sort(got["after.keys"]), np.sort(got["before.keys"]))
+    np.testing.assert_array_equal(*_sorted(got["after.keys"], got["after.values"])[1:],
+                                  *_sorted(got["before.keys"], got["before.values"])[1:])
+    assert got["half"].all()

@@ -177,6 +177,8 @@ class EmbeddingCollection(nn.Module):
     def _apply(self, fn, recurse=True):
         for module in self.plan.modules().values():  # .to(device) moves the tables; .half() etc. convert their rows
             module._apply(fn, recurse)
+        for shard in self.plan:  # also where this rank holds none of the table: its outputs take the same dtype
+            shard.cast_dtype = fn(torch.empty(0, dtype=shard.dtype)).dtype
         self._device = fn(torch.empty(0, device=self._device)).device
         return super()._apply(fn, recurse)
 

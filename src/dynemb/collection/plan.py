@@ -53,10 +53,22 @@ class TableShard:
     world: int = 1
     module: Optional[Module] = None
     optimizer: Optional[SparseOptimizer] = None
+    #: the rows' dtype after a cast of the collection (``.half()``); ``None``: the config's
+    cast_dtype: Optional[torch.dtype] = None
 
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the table's rows, known on every rank (also one that holds none of it)."""
+        return self.cast_dtype or self.config.dtype
+
+    @property
+    def trains(self) -> bool:
+        """Whether the table takes inserts and gradients: False once frozen (``requires_grad_(False)``)."""
+        return self.module is None or bool(self.module.table.requires_grad)
 
     @property
     def table(self):

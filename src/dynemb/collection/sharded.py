@@ -109,7 +109,8 @@ class ShardedExecutor:
         local = shard.shard_keys(keys)
         unique, inverse = torch.unique(local, return_inverse=True)
         table = shard.table
-        rows = self._insert(table, unique, inverse, counts) if self.training else table.find_rows(unique)
+        inserts = self.training and shard.trains  # a frozen table is read-only, as under no_grad
+        rows = self._insert(table, unique, inverse, counts) if inserts else table.find_rows(unique)
         return unique, rows, inverse, read_rows(table, unique, rows).float().index_select(0, inverse)
 
     def _row_forward(self, shards: list[TableShard], keys: list[torch.Tensor], counts: list[torch.Tensor]) -> dict:
@@ -160,7 +161,7 @@ class ShardedExecutor:
             idx = perm[perm_table == t] - offsets[t]
             out = torch.empty(sizes[t], dims[t], device=device)
             out[idx] = per_table[t]
-            values.append(out.to(shard.config.dtype))
+            values.append(out.to(shard.dtype))
             order.append(idx)
         return {"values": values, "shards": shards, "sent": sent, "recv": recv, "order": order, "owned": owned,
                 "dims": dims}
@@ -185,7 +186,7 @@ class ShardedExecutor:
         union, where = torch.unique(torch.cat(parts), return_inverse=True)
         table = shard.table
         local = shard.shard_keys(union)
-        if self.training:
+        if self.training and shard.trains:
             every_count = None
             if shard.config.counts_occurrences:
                 every_count = torch.cat(all_gather_varsize(counts, self.group,
