@@ -28,6 +28,8 @@ def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn, arg
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        # Leave together: a rank that tears its group down while a peer still reads from it can abort that peer.
+        dist.barrier()
     finally:
         try:
             dist.destroy_process_group()
