@@ -18,7 +18,7 @@ from pathlib import Path
 
 __all__ = ["main", "build_parser"]
 
-EVICTIONS = ("lru", "lfu", "epoch_lru", "epoch_lfu")
+EVICTIONS = ("lru", "lfu", "epoch_lru", "epoch_lfu", "decayed_lfu")
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
 
 
