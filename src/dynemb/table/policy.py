@@ -43,7 +43,7 @@ _LOW32 = 0xFFFFFFFF
 _DECAY_SCALE = float(1 << 16)  # fixed point of the decayed_lfu score: 1/65536 of a doubling
 # Half-life of decayed_lfu in clock ticks (about one per training batch), chosen on drifting traces: see
 # docs/tables.md "Choosing an eviction policy".
-DEFAULT_HALF_LIFE = 256
+DEFAULT_HALF_LIFE = 16
 
 
 class EvictionPolicy(str, enum.Enum):
