@@ -37,7 +37,7 @@ import torch
 
 from .ops import last_occurrence
 
-__all__ = ["EvictionPolicy", "touch_scores", "DEFAULT_HALF_LIFE"]
+__all__ = ["EvictionPolicy", "touch_scores", "DEFAULT_HALF_LIFE", "DEFAULT_BOUNDED"]
 
 _LOW32 = 0xFFFFFFFF
 _DECAY_SCALE = float(1 << 16)  # fixed point of the decayed_lfu score: 1/65536 of a doubling
@@ -111,3 +111,8 @@ def _touch_decayed(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tenso
     current = scores.index_select(0, unique).double() / _DECAY_SCALE
     updated = torch.logaddexp2(current, torch.log2(n) + now)
     scores.index_copy_(0, unique, torch.round(updated * _DECAY_SCALE).to(torch.int64))
+
+
+# The policy a bounded TableConfig gets when it names none: the only one within 5 points of hit rate of the best
+# online policy on every trace measured (benchmarks/eviction.py; docs/tables.md "Choosing an eviction policy").
+DEFAULT_BOUNDED = EvictionPolicy.DECAYED_LFU

@@ -20,7 +20,17 @@ import torch
 
 from .kv import KeyValueTable
 
-__all__ = ["replay", "belady", "unique_accesses"]
+__all__ = ["replay", "belady", "unique_accesses", "compare", "policies"]
+
+
+def policies(epoch_every: int) -> dict[str, dict]:
+    """The online policies compared, as :func:`replay` keyword arguments by label. ``epoch_*`` move to a new
+    epoch every ``epoch_every`` batches (as a job would each day); the last one adds admission on a 2nd sighting."""
+    return {"lru": {"eviction": "lru"}, "lfu": {"eviction": "lfu"},
+            "epoch_lru": {"eviction": "epoch_lru", "epoch_every": epoch_every},
+            "epoch_lfu": {"eviction": "epoch_lfu", "epoch_every": epoch_every},
+            "decayed_lfu": {"eviction": "decayed_lfu"},
+            "decayed_lfu+admit2": {"eviction": "decayed_lfu", "admission": 2}}
 
 
 def unique_accesses(batches: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -29,7 +39,7 @@ def unique_accesses(batches: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor,
 
 
 def replay(accesses: list[tuple[torch.Tensor, torch.Tensor]], max_capacity: int, eviction=None, *,
-           warmup: int = 0, **table_kw) -> dict:
+           warmup: int = 0, epoch_every: int | None = None, **table_kw) -> dict:
     """Hit rate of a ``KeyValueTable(1, max_capacity=..., eviction=..., **table_kw)`` fed ``accesses``.
 
     Args:
@@ -37,6 +47,7 @@ def replay(accesses: list[tuple[torch.Tensor, torch.Tensor]], max_capacity: int,
         max_capacity: rows the table may hold.
         eviction: policy (name or :class:`~dynemb.table.EvictionPolicy`); ``None`` is the table's default.
         warmup: leading batches that fill the table and are not scored.
+        epoch_every: set ``table.epoch = i // epoch_every`` before batch ``i`` (for the ``epoch_*`` policies).
         table_kw: more table arguments (``half_life``, ``admission``, ...).
 
     Returns:
@@ -47,6 +58,7 @@ def replay(accesses: list[tuple[torch.Tensor, torch.Tensor]], max_capacity: int,
                           init_capacity=min(max_capacity, 1 << 16), **table_kw)
     hits = total = 0
     for i, (keys, counts) in enumerate(accesses):
+        table.epoch = i // epoch_every if epoch_every else 0
         _, found = table.find_or_insert(keys, counts=counts)
         if i >= warmup:
             hits += int(found.sum())
@@ -123,3 +135,26 @@ def _kernel():
 
 
 _COMPILED = None
+
+
+def compare(accesses: list[tuple[torch.Tensor, torch.Tensor]], fractions=(0.1, 0.3),
+            candidates: dict[str, dict] | None = None, warmup: int = 0) -> list[dict]:
+    """Belady and each candidate policy at capacities of ``fractions`` of the trace's distinct keys.
+
+    Returns one row per (fraction, policy): ``fraction``, ``capacity``, ``policy``, ``hit_rate``,
+    ``gap_to_belady`` (points of hit rate, >= 0) and ``evicted_per_row`` (absent for Belady).
+    """
+    candidates = policies(max(1, len(accesses) // 8)) if candidates is None else candidates
+    distinct = torch.unique(torch.cat([keys for keys, _ in accesses])).numel()
+    rows = []
+    for fraction in fractions:
+        capacity = max(1, round(fraction * distinct))
+        ceiling = belady(accesses, capacity, warmup=warmup)["hit_rate"]
+        rows.append({"fraction": fraction, "capacity": capacity, "policy": "belady", "hit_rate": ceiling,
+                     "gap_to_belady": 0.0})
+        for label, kw in candidates.items():
+            got = replay(accesses, capacity, warmup=warmup, **kw)
+            rows.append({"fraction": fraction, "capacity": capacity, "policy": label, "hit_rate": got["hit_rate"],
+                         "gap_to_belady": 100 * (ceiling - got["hit_rate"]),
+                         "evicted_per_row": got["evicted_per_row"]})
+    return rows

@@ -1,0 +1,135 @@
+"""Eviction: what a bounded table keeps, per policy: hit rate on drifting traces against Belady, and model AUC.
+
+Hit rate (``dynemb.table.replay``). Each trace is a :class:`dynemb.data.traces.DriftingTrace`: a power law
+(alpha 1.05) over ``--slots`` popularity slots whose ids are replaced by new ids after a lifetime (log-uniform in
+``[L/4, 4L]`` batches; 10% of the slots never turn over). Four drift speeds: ``L`` = 20, 100 and 1000 batches,
+and no drift. Each batch's distinct ids go through ``find_or_insert`` of a real ``KeyValueTable`` with
+``max_capacity`` = 10% and 30% of the trace's distinct ids; the first 10% of the batches fill the table and are
+not scored. Belady's offline optimum runs on the same accesses. ``epoch_*`` move to a new epoch every 1/8 of the
+trace. ``decayed_lfu+admit2`` adds ``admission=2``.
+
+AUC (``dynemb.train.Trainer``). A DLRM on ``SyntheticClickLog`` (8 categorical features, 20,000 ids each, alpha
+1.05, batch 1024, no drift), trained for ``--steps`` steps with each table bounded to 10% and 30% of the distinct
+ids it sees, and unbounded; AUC on 8 held-out batches. ``epoch_*`` are left out: the trainer never moves the
+epoch, so they equal lru and lfu. Same seeds everywhere: runs differ only by the policy.
+
+Run: ``python benchmarks/eviction.py [--quick] [--json PATH] [--no-auc]``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _common import machine_info, parser, print_table, write_json  # noqa: E402
+
+from dynemb.data import SyntheticClickLog  # noqa: E402
+from dynemb.data.traces import DriftingTrace  # noqa: E402
+from dynemb.table.policy import DEFAULT_BOUNDED  # noqa: E402
+from dynemb.table.replay import compare, unique_accesses  # noqa: E402
+from dynemb.train import Trainer, TrainConfig, build_dlrm  # noqa: E402
+
+LIFETIMES = {"fast drift (L=20)": 20.0, "drift (L=100)": 100.0, "slow drift (L=1000)": 1000.0, "no drift": 1e12}
+FRACTIONS = (0.1, 0.3)
+AUC_POLICIES = ("lru", "lfu", "decayed_lfu")
+
+
+def hit_rates(args) -> list[dict]:
+    rows = []
+    for label, lifetime in LIFETIMES.items():
+        trace = DriftingTrace(num_slots=args.slots, batch_size=args.batch, num_batches=args.batches,
+                              lifetime=lifetime, seed=0)
+        accesses = unique_accesses(trace.batches())
+        for row in compare(accesses, FRACTIONS, warmup=args.batches // 10):
+            rows.append({"trace": label, **row})
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per trace and capacity: the best online policy, and the default's distance to it and to Belady."""
+    out = []
+    default = DEFAULT_BOUNDED.value
+    for key in dict.fromkeys((r["trace"], r["fraction"]) for r in rows):
+        group = [r for r in rows if (r["trace"], r["fraction"]) == key]
+        online = [r for r in group if r["policy"] != "belady"]
+        best = max(online, key=lambda r: r["hit_rate"])
+        mine = next(r for r in group if r["policy"] == default)
+        out.append({"trace": key[0], "fraction": key[1], "best_online": best["policy"],
+                    "best_hit_rate": round(best["hit_rate"], 4), "default": default,
+                    "default_hit_rate": round(mine["hit_rate"], 4),
+                    "default_below_best_points": round(100 * (best["hit_rate"] - mine["hit_rate"]), 2),
+                    "default_below_belady_points": round(mine["gap_to_belady"], 2)})
+    return out
+
+
+def auc_runs(args) -> list[dict]:
+    log = SyntheticClickLog(num_categorical=8, num_dense=13, vocab_sizes=20_000, batch_size=1024, seed=0)
+    batches = [log.batch(i) for i in range(args.steps)]
+    evals = [log.batch(i, "eval") for i in range(8)]
+    distinct = sum(torch.unique(torch.cat([b.sparse[f] for b in batches])).numel() for f in log.categorical_names)
+    per_table = distinct / len(log.categorical_names)
+    runs = [(None, None)] + [(f, p) for f in (FRACTIONS[:1] if args.quick else FRACTIONS)
+                             for p in (("lru", "decayed_lfu") if args.quick else AUC_POLICIES)]
+    rows = []
+    for fraction, policy in runs:
+        capacity = None if fraction is None else round(fraction * per_table)
+        cfg = TrainConfig(steps=args.steps, dim=16, max_capacity=capacity, eviction=policy, eval_every=args.steps)
+        torch.manual_seed(0)
+        trainer = Trainer(build_dlrm(log.num_dense, log.categorical_names, cfg), cfg)
+        started = time.perf_counter()
+        history = trainer.fit(iter(batches), evals, progress=False, log_every=1e9)
+        stats = trainer.table_stats()
+        rows.append({"fraction": fraction, "policy": policy or "unbounded", "capacity_per_table": capacity,
+                     "auc": round(history.last_auc, 4), "rows": stats["rows"],
+                     "evicted_per_row": round(stats["evicted"] / max(stats["rows"], 1), 2),
+                     "seconds": round(time.perf_counter() - started, 1)})
+        print(f"  trained {rows[-1]}", file=sys.stderr, flush=True)
+    base = rows[0]["auc"]
+    for r in rows:
+        r["auc_below_unbounded"] = round(base - r["auc"], 4)
+    return rows
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--slots", type=int, default=None, help="popularity slots per trace (default 50000; quick 10000)")
+    p.add_argument("--batches", type=int, default=None, help="batches per trace (default 200; quick 60)")
+    p.add_argument("--batch", type=int, default=None, help="ids per batch (default 4096; quick 1024)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per AUC run (default 600; quick 60)")
+    p.add_argument("--no-auc", action="store_true", help="hit rates only")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    quick = args.quick
+    args.slots = args.slots or (10_000 if quick else 50_000)
+    args.batches = args.batches or (60 if quick else 200)
+    args.batch = args.batch or (1024 if quick else 4096)
+    args.steps = args.steps or (60 if quick else 600)
+
+    rows = hit_rates(args)
+    table = [{**r, "hit_rate": f"{r['hit_rate']:.3f}", "gap_to_belady": f"{r['gap_to_belady']:.1f}",
+              "evicted_per_row": f"{r['evicted_per_row']:.1f}" if "evicted_per_row" in r else "-"} for r in rows]
+    print("hit rate of distinct ids per batch (gap to Belady in points)")
+    print_table(table, ["trace", "fraction", "capacity", "policy", "hit_rate", "gap_to_belady", "evicted_per_row"])
+    summary = summarize(rows)
+    print()
+    print_table(summary, list(summary[0]))
+    worst = max(s["default_below_best_points"] for s in summary)
+    print(f"\ndefault {DEFAULT_BOUNDED.value}: at most {worst:.2f} points below the best online policy")
+    aucs = [] if args.no_auc else auc_runs(args)
+    if aucs:
+        print("\nAUC (8 held-out batches of 1024)")
+        print_table(aucs, list(aucs[0]))
+    if args.json:
+        write_json(args.json, {"benchmark": "eviction", "quick": quick, "machine": machine_info(),
+                               "params": {k: getattr(args, k) for k in ("slots", "batches", "batch", "steps")},
+                               "hit_rates": rows, "summary": summary, "default": DEFAULT_BOUNDED.value,
+                               "default_worst_points_below_best": worst, "auc": aucs})
+
+
+if __name__ == "__main__":
+    main()
