@@ -31,7 +31,7 @@ from _common import machine_info, parser, print_table, write_json  # noqa: E402
 from dynemb.data import SyntheticClickLog  # noqa: E402
 from dynemb.data.traces import DriftingTrace  # noqa: E402
 from dynemb.table.policy import DEFAULT_BOUNDED  # noqa: E402
-from dynemb.table.replay import compare, unique_accesses  # noqa: E402
+from dynemb.table.replay import compare, summarize, unique_accesses  # noqa: E402
 from dynemb.train import Trainer, TrainConfig, build_dlrm  # noqa: E402
 
 LIFETIMES = {"fast drift (L=20)": 20.0, "drift (L=100)": 100.0, "slow drift (L=1000)": 1000.0, "no drift": 1e12}
@@ -48,23 +48,6 @@ def hit_rates(args) -> list[dict]:
         for row in compare(accesses, FRACTIONS, warmup=args.batches // 10):
             rows.append({"trace": label, **row})
     return rows
-
-
-def summarize(rows: list[dict]) -> list[dict]:
-    """Per trace and capacity: the best online policy, and the default's distance to it and to Belady."""
-    out = []
-    default = DEFAULT_BOUNDED.value
-    for key in dict.fromkeys((r["trace"], r["fraction"]) for r in rows):
-        group = [r for r in rows if (r["trace"], r["fraction"]) == key]
-        online = [r for r in group if r["policy"] != "belady"]
-        best = max(online, key=lambda r: r["hit_rate"])
-        mine = next(r for r in group if r["policy"] == default)
-        out.append({"trace": key[0], "fraction": key[1], "best_online": best["policy"],
-                    "best_hit_rate": round(best["hit_rate"], 4), "default": default,
-                    "default_hit_rate": round(mine["hit_rate"], 4),
-                    "default_below_best_points": round(100 * (best["hit_rate"] - mine["hit_rate"]), 2),
-                    "default_below_belady_points": round(mine["gap_to_belady"], 2)})
-    return out
 
 
 def auc_runs(args) -> list[dict]:
@@ -115,7 +98,7 @@ def main() -> None:
               "evicted_per_row": f"{r['evicted_per_row']:.1f}" if "evicted_per_row" in r else "-"} for r in rows]
     print("hit rate of distinct ids per batch (gap to Belady in points)")
     print_table(table, ["trace", "fraction", "capacity", "policy", "hit_rate", "gap_to_belady", "evicted_per_row"])
-    summary = summarize(rows)
+    summary = summarize(rows, DEFAULT_BOUNDED.value)
     print()
     print_table(summary, list(summary[0]))
     worst = max(s["default_below_best_points"] for s in summary)
