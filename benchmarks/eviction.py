@@ -13,7 +13,7 @@ AUC (``dynemb.train.Trainer``). A DLRM on ``SyntheticClickLog`` (8 categorical f
 ids it sees, and unbounded; AUC on 8 held-out batches. ``epoch_*`` are left out: the trainer never moves the
 epoch, so they equal lru and lfu. Same seeds everywhere: runs differ only by the policy.
 
-Run: ``python benchmarks/eviction.py [--quick] [--json PATH] [--no-auc]``.
+Run: ``python benchmarks/eviction.py [--quick] [--json PATH] [--no-auc] [--plot PNG]``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from _common import machine_info, parser, print_table, write_json  # noqa: E402
 
 from dynemb.data import SyntheticClickLog  # noqa: E402
 from dynemb.data.traces import DriftingTrace  # noqa: E402
+from dynemb.demo import plot_policies  # noqa: E402
 from dynemb.table.policy import DEFAULT_BOUNDED  # noqa: E402
 from dynemb.table.replay import compare, summarize, unique_accesses  # noqa: E402
 from dynemb.train import Trainer, TrainConfig, build_dlrm  # noqa: E402
@@ -85,6 +86,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=None, help="ids per batch (default 4096; quick 1024)")
     p.add_argument("--steps", type=int, default=None, help="training steps per AUC run (default 600; quick 60)")
     p.add_argument("--no-auc", action="store_true", help="hit rates only")
+    p.add_argument("--plot", metavar="PNG", help="also plot the hit rates (bars per trace) to PNG")
     args = p.parse_args()
     torch.set_num_threads(1)
     quick = args.quick
@@ -103,6 +105,13 @@ def main() -> None:
     print_table(summary, list(summary[0]))
     worst = max(s["default_below_best_points"] for s in summary)
     print(f"\ndefault {DEFAULT_BOUNDED.value}: at most {worst:.2f} points below the best online policy")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        plot_policies(plt, rows, Path(args.plot))
     aucs = [] if args.no_auc else auc_runs(args)
     if aucs:
         print("\nAUC (8 held-out batches of 1024)")
