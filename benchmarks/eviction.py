@@ -13,6 +13,9 @@ AUC (``dynemb.train.Trainer``). A DLRM on ``SyntheticClickLog`` (8 categorical f
 ids it sees, and unbounded; AUC on 8 held-out batches. ``epoch_*`` are left out: the trainer never moves the
 epoch, so they equal lru and lfu. Same seeds everywhere: runs differ only by the policy.
 
+Cost: the median time of one score update (``touch_scores``) per policy on 13,312 and 131,072 distinct rows of a
+1M-row table, timed round-robin.
+
 Run: ``python benchmarks/eviction.py [--quick] [--json PATH] [--no-auc] [--plot PNG]``.
 """
 
@@ -26,12 +29,12 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import machine_info, parser, print_table, write_json  # noqa: E402
+from _common import machine_info, median_times, parser, print_table, write_json  # noqa: E402
 
 from dynemb.data import SyntheticClickLog  # noqa: E402
 from dynemb.data.traces import DriftingTrace  # noqa: E402
 from dynemb.demo import plot_policies  # noqa: E402
-from dynemb.table.policy import DEFAULT_BOUNDED  # noqa: E402
+from dynemb.table.policy import DEFAULT_BOUNDED, EvictionPolicy, touch_scores  # noqa: E402
 from dynemb.table.replay import compare, summarize, unique_accesses  # noqa: E402
 from dynemb.train import Trainer, TrainConfig, build_dlrm  # noqa: E402
 
@@ -48,6 +51,24 @@ def hit_rates(args) -> list[dict]:
         accesses = unique_accesses(trace.batches())
         for row in compare(accesses, FRACTIONS, warmup=args.batches // 10):
             rows.append({"trace": label, **row})
+    return rows
+
+
+def touch_cost(args) -> list[dict]:
+    """Median time of one score update per policy: ``rows`` distinct rows (with counts, as a training lookup
+    passes them) of a 1M-row table, timed round-robin."""
+    rows = []
+    for n in (13_312, 131_072):  # 26 tables x 512 ids; 10x that
+        g = torch.Generator().manual_seed(n)
+        scores = {p: torch.zeros(1 << 20, dtype=torch.int64) for p in ("lru", "lfu", "decayed_lfu")}
+        index = torch.randperm(1 << 20, generator=g)[:n]
+        counts = torch.randint(1, 4, (n,), generator=g)
+        tick = iter(range(1, 1 << 30))
+        cases = {p: (lambda p=p: touch_scores(EvictionPolicy(p), scores[p], index, clock=next(tick), epoch=0,
+                                              counts=counts)) for p in scores}
+        times = median_times(cases, repeat=args.repeat or (5 if args.quick else 30), warmup=2)
+        rows.append({"rows": n, **{f"{p}_ms": round(t * 1e3, 3) for p, t in times.items()},
+                     "decayed_vs_lfu": round(times["decayed_lfu"] / times["lfu"], 1)})
     return rows
 
 
@@ -112,6 +133,9 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         plot_policies(plt, rows, Path(args.plot))
+    costs = touch_cost(args)
+    print("\nscore update per lookup (median ms, round-robin)")
+    print_table(costs, list(costs[0]))
     aucs = [] if args.no_auc else auc_runs(args)
     if aucs:
         print("\nAUC (8 held-out batches of 1024)")
@@ -120,7 +144,7 @@ def main() -> None:
         write_json(args.json, {"benchmark": "eviction", "quick": quick, "machine": machine_info(),
                                "params": {k: getattr(args, k) for k in ("slots", "batches", "batch", "steps")},
                                "hit_rates": rows, "summary": summary, "default": DEFAULT_BOUNDED.value,
-                               "default_worst_points_below_best": worst, "auc": aucs})
+                               "default_worst_points_below_best": worst, "touch_cost": costs, "auc": aucs})
 
 
 if __name__ == "__main__":

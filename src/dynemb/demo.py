@@ -106,8 +106,9 @@ def _bounded_run(out: Path, columns: list, trained: dict, threads_arg: list) -> 
     capacity = max(1, round(BOUNDED_FRACTION * trained["table_rows"] / DEMO_LOG.num_categorical))
     run = _dynemb("   ", "train", *columns, "--out", out / "run-bounded", "--steps", steps, "--max-capacity",
                   capacity, "--eval-every", EVAL_EVERY, *threads_arg)
-    return {"bounded_capacity": capacity, "bounded_steps": steps, "unbounded_auc_at_step": _auc_at(out / "run", steps),
-            "bounded_auc_at_step": _auc_at(out / "run-bounded", steps),
+    unbounded, bounded = _auc_at(out / "run", steps), _auc_at(out / "run-bounded", steps)
+    return {"bounded_capacity": capacity, "bounded_steps": steps, "unbounded_auc_at_step": round(unbounded, 4),
+            "bounded_auc_at_step": round(bounded, 4), "bounded_auc_below": round(unbounded - bounded, 4),
             "bounded_evicted_per_row": round(run["evicted"] / max(run["table_rows"], 1), 2)}
 
 
@@ -156,6 +157,7 @@ _LABELS = {
     "bounded_capacity": f"bounded run: rows per table ({BOUNDED_FRACTION:.0%} of its ids)",
     "bounded_steps": "bounded run: steps (both runs evaluated there)",
     "unbounded_auc_at_step": "held-out AUC at that step, unbounded", "bounded_auc_at_step": "... bounded",
+    "bounded_auc_below": "bounded AUC below unbounded (target <= 0.005)",
     "bounded_evicted_per_row": "bounded run: evictions per stored row",
     "eviction_default": "default eviction policy (bounded tables)",
     "eviction_below_best_10": "trace, 10% capacity: default below best (points)",

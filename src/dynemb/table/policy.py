@@ -104,13 +104,23 @@ def touch_scores(
 
 
 def _touch_decayed(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor | None, now: float) -> None:
-    """``score = log2(2**score + n * 2**now)`` per distinct row (``n`` its accesses here), in fixed point."""
-    unique, inverse = torch.unique(rows, return_inverse=True)
-    n = torch.zeros(unique.numel(), dtype=torch.float64, device=rows.device)
-    n.index_add_(0, inverse, torch.ones_like(rows, dtype=torch.float64) if counts is None else counts.double())
-    current = scores.index_select(0, unique).double() / _DECAY_SCALE
-    updated = torch.logaddexp2(current, torch.log2(n) + now)
-    scores.index_copy_(0, unique, torch.round(updated * _DECAY_SCALE).to(torch.int64))
+    """``score = log2(2**score + n * 2**now)`` per distinct row (``n`` its accesses here), in fixed point.
+
+    Written as ``now + log2(2**(score - now) + n)``: the difference is small for live rows (float32 is exact to
+    the fixed point there) and a row far below ``now`` just becomes ``now + log2(n)``. Duplicates need no sort:
+    ``n`` is summed in ``scores`` itself, read back per occurrence, and every occurrence of a row writes the same
+    value.
+    """
+    now_fixed = round(now * _DECAY_SCALE)
+    old = scores.index_select(0, rows)
+    scores.index_fill_(0, rows, 0)
+    scores.index_add_(0, rows, torch.ones_like(rows) if counts is None else counts)
+    n = scores.index_select(0, rows)
+    d = (old - now_fixed).to(torch.float32) / _DECAY_SCALE
+    # Above 2**60 the n added is below the fixed point's resolution: the score stays.
+    added = torch.log2(torch.exp2(d.clamp(max=60.0)) + n.to(torch.float32))
+    new = torch.where(d > 60.0, old, now_fixed + torch.round(added * _DECAY_SCALE).to(torch.int64))
+    scores.index_copy_(0, rows, new)
 
 
 # The policy a bounded TableConfig gets when it names none: the only one within 5 points of hit rate of the best
