@@ -253,3 +253,17 @@ def test_every_policy_evicts_the_lowest_score(policy, key_dtype, device):
                     assert score == before_scores[key]
                     assert all(score <= other for other in survivors)
         assert t.size() <= 8 and t.size() == t.inserted - t.evicted
+
+
+# ------------------------------------------------------------------------------------------------------------ defaults
+def test_bounded_table_config_gets_the_measured_default():
+    from dynemb.cli import EVICTIONS
+    from dynemb.collection.config import TableConfig
+    from dynemb.table.policy import DEFAULT_BOUNDED
+
+    assert DEFAULT_BOUNDED is EvictionPolicy.DECAYED_LFU
+    assert TableConfig(name="t", dim=2, max_capacity=10).eviction is DEFAULT_BOUNDED
+    assert TableConfig(name="t", dim=2, max_capacity=10, eviction="lru").eviction is EvictionPolicy.LRU
+    assert TableConfig(name="t", dim=2).eviction is None  # unbounded: nothing is evicted, the table's lru
+    assert TableConfig(name="t", dim=2, vocabulary_size=5).eviction is None  # static tables have no policy
+    assert set(EVICTIONS) == {p.value for p in EvictionPolicy} - {"custom"}  # the CLI offers every policy
