@@ -35,7 +35,7 @@ from dynemb.data import SyntheticClickLog  # noqa: E402
 from dynemb.data.traces import DriftingTrace  # noqa: E402
 from dynemb.demo import plot_policies  # noqa: E402
 from dynemb.table.policy import DEFAULT_BOUNDED, EvictionPolicy, touch_scores  # noqa: E402
-from dynemb.table.replay import compare, summarize, unique_accesses  # noqa: E402
+from dynemb.table.replay import compare, policies, summarize, unique_accesses  # noqa: E402
 from dynemb.train import Trainer, TrainConfig, build_dlrm  # noqa: E402
 
 LIFETIMES = {"fast drift (L=20)": 20.0, "drift (L=100)": 100.0, "slow drift (L=1000)": 1000.0, "no drift": 1e12}
@@ -49,7 +49,9 @@ def hit_rates(args) -> list[dict]:
         trace = DriftingTrace(num_slots=args.slots, batch_size=args.batch, num_batches=args.batches,
                               lifetime=lifetime, seed=0)
         accesses = unique_accesses(trace.batches())
-        for row in compare(accesses, FRACTIONS, warmup=args.batches // 10):
+        candidates = policies(max(1, args.batches // 8))
+        candidates.update({f"decayed_lfu h={h}": {"eviction": "decayed_lfu", "half_life": h} for h in args.half_lives})
+        for row in compare(accesses, FRACTIONS, candidates, warmup=args.batches // 10):
             rows.append({"trace": label, **row})
     return rows
 
@@ -107,6 +109,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=None, help="ids per batch (default 4096; quick 1024)")
     p.add_argument("--steps", type=int, default=None, help="training steps per AUC run (default 600; quick 60)")
     p.add_argument("--no-auc", action="store_true", help="hit rates only")
+    p.add_argument("--half-lives", type=lambda v: [int(h) for h in v.split(",") if h], default=[],
+                   help="also replay decayed_lfu with these half-lives (comma-separated clock ticks)")
     p.add_argument("--plot", metavar="PNG", help="also plot the hit rates (bars per trace) to PNG")
     args = p.parse_args()
     torch.set_num_threads(1)
