@@ -24,7 +24,7 @@ per stored row). ``decayed_lfu`` counts accesses with exponential decay, written
 "Forward decay", 2009; LRFU, Lee et al. 2001): an access at clock ``t`` weighs ``2**(t / half_life)``, so recent
 accesses weigh more and no score ever needs aging. A new row scores like one access *now*, above every row whose
 decayed count has fallen below one, so it outlives stale rows; a row used often and lately outranks it. Ranks
-between rows are exact (the score is a monotone function of the decayed count); the log keeps it in int64 for
+between rows follow the decayed counts to the fixed point (1/65536 of a doubling); the log keeps it in int64 for
 ``2**47 * half_life`` ticks. A new row starts at score 0, an access at clock 0: the same for every row, which
 does not change their order. ``half_life=inf``-like values make it ``lfu``; small ones make it ``lru``.
 """
