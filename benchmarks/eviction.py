@@ -9,9 +9,11 @@ not scored. Belady's offline optimum runs on the same accesses. ``epoch_*`` move
 trace. ``decayed_lfu+admit2`` adds ``admission=2``.
 
 AUC (``dynemb.train.Trainer``). A DLRM on ``SyntheticClickLog`` (8 categorical features, 20,000 ids each, alpha
-1.05, batch 1024, no drift), trained for ``--steps`` steps with each table bounded to 10% and 30% of the distinct
-ids it sees, and unbounded; AUC on 8 held-out batches. ``epoch_*`` are left out: the trainer never moves the
-epoch, so they equal lru and lfu. Same seeds everywhere: runs differ only by the policy.
+1.05, batch 1024), trained for ``--steps`` steps with each table bounded to 10% and 30% of the distinct ids it
+sees, and unbounded; AUC on 8 held-out batches. Twice: without drift, and with each feature's ids drawn from a
+``DriftingTrace`` (20,000 slots, L = 100 batches), labels from the same hidden model, and the held-out batches
+taken right after the training ones. ``epoch_*`` are left out: the trainer never moves the epoch, so they equal
+lru and lfu. Same seeds everywhere: runs differ only by the policy.
 
 Cost: the median time of one score update (``touch_scores``) per policy on 13,312 and 131,072 distinct rows of a
 1M-row table, timed round-robin.
@@ -32,8 +34,10 @@ sys.path.insert(0, str(HERE))
 from _common import machine_info, median_times, parser, print_table, write_json  # noqa: E402
 
 from dynemb.data import SyntheticClickLog  # noqa: E402
+from dynemb.data.batch import Batch  # noqa: E402
 from dynemb.data.traces import DriftingTrace  # noqa: E402
 from dynemb.demo import plot_policies  # noqa: E402
+from dynemb.table.hashing import mix64  # noqa: E402
 from dynemb.table.policy import DEFAULT_BOUNDED, EvictionPolicy, touch_scores  # noqa: E402
 from dynemb.table.replay import compare, policies, summarize, unique_accesses  # noqa: E402
 from dynemb.train import Trainer, TrainConfig, build_dlrm  # noqa: E402
@@ -41,6 +45,7 @@ from dynemb.train import Trainer, TrainConfig, build_dlrm  # noqa: E402
 LIFETIMES = {"fast drift (L=20)": 20.0, "drift (L=100)": 100.0, "slow drift (L=1000)": 1000.0, "no drift": 1e12}
 FRACTIONS = (0.1, 0.3)
 AUC_POLICIES = ("lru", "lfu", "decayed_lfu")
+AUC_LIFETIME = 100.0  # batches: ids turn over ~6 times in 600 steps
 
 
 def hit_rates(args) -> list[dict]:
@@ -74,12 +79,30 @@ def touch_cost(args) -> list[dict]:
     return rows
 
 
-def auc_runs(args) -> list[dict]:
+def click_data(steps: int, lifetime: float | None) -> tuple[list[Batch], list[Batch]]:
+    """Training batches and 8 held-out batches of the AUC runs. With ``lifetime``, each feature's ids come from a
+    :class:`DriftingTrace` (20,000 slots, that lifetime) and labels are redrawn from the same hidden model
+    (``SyntheticClickLog.logits``); the held-out batches are the trace's next 8 batches: today's ids."""
     log = SyntheticClickLog(num_categorical=8, num_dense=13, vocab_sizes=20_000, batch_size=1024, seed=0)
-    batches = [log.batch(i) for i in range(args.steps)]
-    evals = [log.batch(i, "eval") for i in range(8)]
-    distinct = sum(torch.unique(torch.cat([b.sparse[f] for b in batches])).numel() for f in log.categorical_names)
-    per_table = distinct / len(log.categorical_names)
+    if lifetime is None:
+        return [log.batch(i) for i in range(steps)], [log.batch(i, "eval") for i in range(8)]
+    traces = [DriftingTrace(num_slots=20_000, batch_size=1024, lifetime=lifetime, seed=f) for f in range(8)]
+    salts = mix64(torch.arange(1, 9) * 7919)  # distinct ids per feature: the traces' id sets would coincide
+
+    def batch(i: int, split: str) -> Batch:
+        base = log.batch(i, split)
+        sparse = {name: t.batch(i) ^ salt for name, t, salt in zip(log.categorical_names, traces, salts)}
+        logits = log.logits(Batch(base.dense, sparse, base.labels, {}))
+        g = torch.Generator().manual_seed(i * 2 + (split == "eval"))
+        return Batch(base.dense, sparse, (torch.rand(len(logits), generator=g) < torch.sigmoid(logits)).float(), {})
+
+    return [batch(i, "train") for i in range(steps)], [batch(steps + i, "eval") for i in range(8)]
+
+
+def auc_runs(args, lifetime: float | None = None) -> list[dict]:
+    batches, evals = click_data(args.steps, lifetime)
+    names = list(batches[0].sparse)
+    per_table = sum(torch.unique(torch.cat([b.sparse[f] for b in batches])).numel() for f in names) / len(names)
     runs = [(None, None)] + [(f, p) for f in (FRACTIONS[:1] if args.quick else FRACTIONS)
                              for p in (("lru", "decayed_lfu") if args.quick else AUC_POLICIES)]
     rows = []
@@ -87,11 +110,12 @@ def auc_runs(args) -> list[dict]:
         capacity = None if fraction is None else round(fraction * per_table)
         cfg = TrainConfig(steps=args.steps, dim=16, max_capacity=capacity, eviction=policy, eval_every=args.steps)
         torch.manual_seed(0)
-        trainer = Trainer(build_dlrm(log.num_dense, log.categorical_names, cfg), cfg)
+        trainer = Trainer(build_dlrm(batches[0].dense.shape[1], names, cfg), cfg)
         started = time.perf_counter()
         history = trainer.fit(iter(batches), evals, progress=False, log_every=1e9)
         stats = trainer.table_stats()
-        rows.append({"fraction": fraction, "policy": policy or "unbounded", "capacity_per_table": capacity,
+        rows.append({"data": "no drift" if lifetime is None else f"drift (L={lifetime:g})", "fraction": fraction,
+                     "policy": policy or "unbounded", "capacity_per_table": capacity,
                      "auc": round(history.last_auc, 4), "rows": stats["rows"],
                      "evicted_per_row": round(stats["evicted"] / max(stats["rows"], 1), 2),
                      "seconds": round(time.perf_counter() - started, 1)})
@@ -140,7 +164,7 @@ def main() -> None:
     costs = touch_cost(args)
     print("\nscore update per lookup (median ms, round-robin)")
     print_table(costs, list(costs[0]))
-    aucs = [] if args.no_auc else auc_runs(args)
+    aucs = [] if args.no_auc else auc_runs(args) + auc_runs(args, AUC_LIFETIME)
     if aucs:
         print("\nAUC (8 held-out batches of 1024)")
         print_table(aucs, list(aucs[0]))
