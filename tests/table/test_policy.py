@@ -155,16 +155,19 @@ def test_epoch_lfu_counts_restart_in_a_new_epoch(key_dtype, device):
 # --------------------------------------------------------------------------------------------------------- decayed_lfu
 def _decayed(accesses, half_life) -> float:
     """Reference decayed_lfu score in doublings: log2 of the phantom access at clock 0 plus each (clock, n)."""
-    return math.log2(1 + sum(n * 2 ** (clock / half_life) for clock, n in accesses))
+    terms = [0.0] + [math.log2(n) + clock / half_life for clock, n in accesses]
+    top = max(terms)
+    return top + math.log2(sum(2 ** (x - top) for x in terms))
 
 
 @settings(max_examples=40, deadline=None)
 @given(batches=st.lists(st.lists(st.integers(-3, 3), min_size=1, max_size=6), min_size=1, max_size=12),
-       half_life=st.integers(1, 50), counted=st.booleans())
-def test_decayed_lfu_scores_match_the_float_reference(batches, half_life, counted):
+       half_life=st.integers(1, 50), counted=st.booleans(), start=st.sampled_from([0, 10**9]))
+def test_decayed_lfu_scores_match_the_float_reference(batches, half_life, counted, start):
     """Every row's score is ``2**16 * log2(1 + sum(n * 2**(t / half_life)))`` over its accesses, to rounding
-    (one unit per access at most), with duplicates and ``counts`` adding up; ``find`` without update is no access."""
+    (under two units per access), with duplicates and ``counts`` adding up; ``find`` without update is no access."""
     t = KeyValueTable(1, eviction="decayed_lfu", half_life=half_life, initializer="zeros")
+    t.clock = start  # a long-running table: scores far from 0
     model: dict[int, list] = {}
     for i, batch in enumerate(batches):
         keys = torch.tensor(batch)
@@ -177,7 +180,7 @@ def test_decayed_lfu_scores_match_the_float_reference(batches, half_life, counte
     got = t.export()
     for key, score in zip(got.keys.tolist(), got.scores.tolist()):
         expected = _decayed(model[key], half_life) * 65536
-        assert abs(score - expected) <= len(model[key]) + 1e-6 * expected
+        assert abs(score - expected) <= 2 * len(model[key])  # rounding: under 2 fixed-point units per access
 
 
 def test_decayed_lfu_lets_new_keys_replace_stale_frequent_ones(key_dtype, device):
