@@ -18,7 +18,7 @@ from pathlib import Path
 
 __all__ = ["main", "build_parser"]
 
-EVICTIONS = ("lru", "lfu", "epoch_lru", "epoch_lfu")
+EVICTIONS = ("lru", "lfu", "epoch_lru", "epoch_lfu", "decayed_lfu")
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
 
 
@@ -220,7 +220,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     model.add_argument("--lr", type=float, default=0.05, help="learning rate of the tables (the MLPs use Adam, 1e-3)")
     model.add_argument("--max-capacity", type=int, metavar="ROWS", help="rows per table; evicts beyond it "
                        "(default: unbounded)")
-    model.add_argument("--eviction", choices=EVICTIONS, help="eviction policy; needs --max-capacity (default: lru)")
+    model.add_argument("--eviction", choices=EVICTIONS, help="eviction policy; needs --max-capacity (default: decayed_lfu)")
     model.add_argument("--admission", type=int, metavar="N", help="store an id from its N-th sighting (default: "
                        "at once)")
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dynemb.table import EvictionPolicy, KeyValueTable
 from dynemb.table.policy import touch_scores
@@ -26,7 +30,7 @@ def _scores(t: KeyValueTable, keys) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------------------- parsing
-@pytest.mark.parametrize("name", ["lru", "lfu", "epoch_lru", "epoch_lfu", "custom"])
+@pytest.mark.parametrize("name", ["lru", "lfu", "epoch_lru", "epoch_lfu", "decayed_lfu", "custom"])
 def test_parse_names_and_members(name):
     assert EvictionPolicy.parse(name) is EvictionPolicy(name)
     assert EvictionPolicy.parse(EvictionPolicy(name)) is EvictionPolicy(name)
@@ -148,6 +152,66 @@ def test_epoch_lfu_counts_restart_in_a_new_epoch(key_dtype, device):
     assert t.evict(1).keys.tolist() == [1]
 
 
+# --------------------------------------------------------------------------------------------------------- decayed_lfu
+def _decayed(accesses, half_life) -> float:
+    """Reference decayed_lfu score in doublings: log2 of the phantom access at clock 0 plus each (clock, n)."""
+    terms = [0.0] + [math.log2(n) + clock / half_life for clock, n in accesses]
+    top = max(terms)
+    return top + math.log2(sum(2 ** (x - top) for x in terms))
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches=st.lists(st.lists(st.integers(-3, 3), min_size=1, max_size=6), min_size=1, max_size=12),
+       half_life=st.integers(1, 50), counted=st.booleans(), start=st.sampled_from([0, 10**9]))
+def test_decayed_lfu_scores_match_the_float_reference(batches, half_life, counted, start):
+    """Every row's score is ``2**16 * log2(1 + sum(n * 2**(t / half_life)))`` over its accesses, to rounding
+    (under two units per access), with duplicates and ``counts`` adding up; ``find`` without update is no access."""
+    t = KeyValueTable(1, eviction="decayed_lfu", half_life=half_life, initializer="zeros")
+    t.clock = start  # a long-running table: scores far from 0
+    model: dict[int, list] = {}
+    for i, batch in enumerate(batches):
+        keys = torch.tensor(batch)
+        counts = torch.arange(1, len(batch) + 1) if counted else None
+        t.find_or_insert(keys, counts=counts)
+        if i % 3 == 2:
+            t.find(keys)  # a plain read: no access, but the clock is unchanged and scores too
+        for j, k in enumerate(batch):
+            model.setdefault(k, []).append((t.clock, j + 1 if counted else 1))
+    got = t.export()
+    for key, score in zip(got.keys.tolist(), got.scores.tolist()):
+        expected = _decayed(model[key], half_life) * 65536
+        assert abs(score - expected) <= 2 * len(model[key])  # rounding: under 2 fixed-point units per access
+
+
+def test_decayed_lfu_lets_new_keys_replace_stale_frequent_ones(key_dtype, device):
+    """The churn lfu has: old keys with big counts stay forever and every new key is the next victim. Under
+    decayed_lfu the stale counts fade and the newest keys are kept."""
+    kept = {}
+    for policy in ("lfu", "decayed_lfu"):
+        t = _table(policy, key_dtype, device, max_capacity=4, half_life=2)
+        t.find_or_insert(_k([1, 2, 3, 4], key_dtype, device), counts=torch.full((4,), 10, device=device))
+        for key in range(100, 130):
+            t.find_or_insert(_k([key], key_dtype, device))
+        kept[policy] = sorted(t.export().keys.tolist())
+    assert len(set(kept["lfu"]) & {1, 2, 3, 4}) == 3  # lfu: three stale keys stay, new keys churn through one row
+    assert kept["decayed_lfu"] == [126, 127, 128, 129]
+
+
+def test_decayed_lfu_keeps_a_frequent_recent_row_over_a_newer_single_use(key_dtype, device):
+    t = _table("decayed_lfu", key_dtype, device, max_capacity=2, half_life=100)
+    t.find_or_insert(_k([1, 1, 1, 2], key_dtype, device))
+    t.find_or_insert(_k([2], key_dtype, device))  # 2: two accesses, the latest; 1: three, one tick older
+    t.find_or_insert(_k([3], key_dtype, device))
+    assert sorted(t.export().keys.tolist()) == [1, 3]  # lru would have evicted 1
+    t.find_or_insert(_k([4], key_dtype, device))
+    assert sorted(t.export().keys.tolist()) == [1, 4]  # 3 and 4 both seen once: the older goes
+
+
+def test_half_life_is_checked():
+    with pytest.raises(ValueError, match="half_life must be an int >= 1, got 0"):
+        KeyValueTable(2, eviction="decayed_lfu", half_life=0)
+
+
 # -------------------------------------------------------------------------------------------------------------- custom
 def test_custom_scores_come_from_the_caller(key_dtype, device):
     t = _table("custom", key_dtype, device)
@@ -170,7 +234,7 @@ def test_custom_bounded_keeps_highest_scores(key_dtype, device):
     assert sorted(t.export().keys.tolist()) == [1, 3]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu", "custom"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu", "decayed_lfu", "custom"])
 def test_every_policy_evicts_the_lowest_score(policy, key_dtype, device):
     got = []
     t = _table(policy, key_dtype, device, max_capacity=8, on_evict=lambda k, v, s: got.append((k.cpu(), s.cpu())))
@@ -192,3 +256,17 @@ def test_every_policy_evicts_the_lowest_score(policy, key_dtype, device):
                     assert score == before_scores[key]
                     assert all(score <= other for other in survivors)
         assert t.size() <= 8 and t.size() == t.inserted - t.evicted
+
+
+# ------------------------------------------------------------------------------------------------------------ defaults
+def test_bounded_table_config_gets_the_measured_default():
+    from dynemb.cli import EVICTIONS
+    from dynemb.collection.config import TableConfig
+    from dynemb.table.policy import DEFAULT_BOUNDED
+
+    assert DEFAULT_BOUNDED is EvictionPolicy.DECAYED_LFU
+    assert TableConfig(name="t", dim=2, max_capacity=10).eviction is DEFAULT_BOUNDED
+    assert TableConfig(name="t", dim=2, max_capacity=10, eviction="lru").eviction is EvictionPolicy.LRU
+    assert TableConfig(name="t", dim=2).eviction is None  # unbounded: nothing is evicted, the table's lru
+    assert TableConfig(name="t", dim=2, vocabulary_size=5).eviction is None  # static tables have no policy
+    assert set(EVICTIONS) == {p.value for p in EvictionPolicy} - {"custom"}  # the CLI offers every policy

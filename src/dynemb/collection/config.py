@@ -17,7 +17,7 @@ from ..optim.base import SparseOptimizer
 from ..table.admission import FrequencyAdmission
 from ..table.checks import KEY_DTYPES, VALUE_DTYPES, check_positive_int
 from ..table.initializers import InitializerSpec, resolve_initializer
-from ..table.policy import EvictionPolicy
+from ..table.policy import DEFAULT_BOUNDED, EvictionPolicy
 
 __all__ = ["TableConfig", "FeatureConfig", "check_name"]
 
@@ -55,7 +55,9 @@ class TableConfig:
         dtype: value dtype (float32, float16, bfloat16).
         key_dtype: id dtype (int32 or int64); every value of the dtype is a valid id of a dynamic table.
         max_capacity: dynamic tables: most rows kept (per rank for row-sharded tables); ``None``: unbounded.
-        eviction: dynamic tables: an :class:`~dynemb.EvictionPolicy` or its name; ``None`` means lru.
+        eviction: dynamic tables: an :class:`~dynemb.EvictionPolicy` or its name. ``None``: ``decayed_lfu``
+            when ``max_capacity`` is set (:data:`~dynemb.table.policy.DEFAULT_BOUNDED`, chosen by measurement:
+            see docs/tables.md), else lru (the scores then only order ``restrict``).
         admission: dynamic tables: a threshold (int >= 1) or :class:`~dynemb.table.FrequencyAdmission`.
         init_capacity: rows allocated up front (dynamic tables).
         seed: initializer seed (int >= 0); ``None`` draws one from torch's RNG when the collection is built.
@@ -63,6 +65,8 @@ class TableConfig:
     Example:
         >>> TableConfig(name="user", dim=8, eviction="lfu", max_capacity=1000).eviction
         <EvictionPolicy.LFU: 'lfu'>
+        >>> TableConfig(name="user", dim=8, max_capacity=1000).eviction  # the measured default
+        <EvictionPolicy.DECAYED_LFU: 'decayed_lfu'>
         >>> TableConfig(name="user", dim=0)
         Traceback (most recent call last):
         ...
@@ -101,6 +105,8 @@ class TableConfig:
             raise TypeError(f"{where}.optimizer must be a dynemb.optim optimizer spec, got {self.optimizer!r}")
         if self.optimizer is not None and self.optimizer.tables:
             raise ValueError(f"{where}.optimizer must be unbound (built without tables)")
+        if self.eviction is None and self.max_capacity is not None and not self.is_static:
+            object.__setattr__(self, "eviction", DEFAULT_BOUNDED)
         if self.eviction is not None:
             try:
                 object.__setattr__(self, "eviction", EvictionPolicy(self.eviction))

@@ -29,7 +29,7 @@ from .checks import (
 from .hashing import unique_by_hash
 from .initializers import InitializerSpec, resolve_initializer
 from .ops import copy_rows, gather_rows
-from .policy import EvictionPolicy, touch_scores
+from .policy import DEFAULT_HALF_LIFE, EvictionPolicy, touch_scores
 from .rows import EvictHook, Rows, RowStore
 
 __all__ = ["KeyValueTable"]
@@ -48,6 +48,8 @@ class KeyValueTable(RowStore):
         init_capacity: rows to allocate up front; the table grows past it.
         max_capacity: bound on the number of rows; past it the lowest-score rows are evicted. ``None``: unbounded.
         eviction: an :class:`EvictionPolicy` (or its name) defining scores; default ``lru``.
+        half_life: ``decayed_lfu`` only: clock ticks (about one per batch of lookups) in which an access's weight
+            halves; default :data:`~dynemb.table.policy.DEFAULT_HALF_LIFE`.
         initializer: how new rows are filled (see :mod:`dynemb.table.initializers`).
         seed: seed of the initializer.
         on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows (copies), before the table
@@ -79,6 +81,7 @@ class KeyValueTable(RowStore):
         init_capacity: int = 8192,
         max_capacity: int | None = None,
         eviction: EvictionPolicy | str | None = None,
+        half_life: int = DEFAULT_HALF_LIFE,
         initializer: InitializerSpec = "uniform",
         seed: int = 0,
         on_evict: EvictHook | None = None,
@@ -92,6 +95,7 @@ class KeyValueTable(RowStore):
         check_int(init_capacity, "init_capacity", minimum=1)
         self.max_capacity = check_int(max_capacity, "max_capacity", minimum=1, maximum=_INT32_MAX, allow_none=True)
         self.policy = EvictionPolicy.parse(eviction)
+        self.half_life = check_int(half_life, "half_life", minimum=1)
         self.initializer = resolve_initializer(initializer)
         check_int(seed, "seed")
         if on_evict is not None and not callable(on_evict):
@@ -417,6 +421,7 @@ class KeyValueTable(RowStore):
             self._touch(rows[valid], keep(custom), keep(counts))
 
     def _touch(self, rows: torch.Tensor, custom: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
-        touch_scores(self.policy, self.scores, rows, clock=self.clock, epoch=self.epoch, custom=custom, counts=counts)
+        touch_scores(self.policy, self.scores, rows, clock=self.clock, epoch=self.epoch, custom=custom, counts=counts,
+                     half_life=self.half_life)
         # A score change is a change: incremental checkpoints must carry it for eviction order to resume exactly.
         self.mark_updated(rows)
