@@ -1,7 +1,7 @@
 """Id traces with drift, for measuring what a bounded table keeps: ids appear, stay popular a while, and fade.
 
 The model. There are ``num_slots`` popularity slots; slot ``r`` (0 = most popular) is drawn with probability
-``~ (r + 1) ** -alpha`` (the power law of :func:`dynemb.serving.bench.zipf_ranks`). A slot is held by one id at a
+``~ (r + 1) ** -alpha`` (the power law of :func:`zipf_ranks`). A slot is held by one id at a
 time: after a *lifetime* its id disappears for good and a brand-new id takes the slot, as items, ads or queries
 come and go in a click log. Lifetimes are per slot, log-uniform in ``[lifetime / 4, 4 * lifetime]`` batches, so
 some ids are short fads and some are long-lived; each slot starts at a random phase so that turnover is spread
@@ -19,13 +19,23 @@ import math
 
 import torch
 
-from ..serving.bench import zipf_ranks
 from ..table.checks import check_int
 from ..table.hashing import mix64
 
-__all__ = ["DriftingTrace"]
+__all__ = ["DriftingTrace", "zipf_ranks"]
 
 _SLOT_BITS = 32  # id = mix64(generation << 32 | slot): distinct for every (slot, generation) pair
+
+
+def zipf_ranks(n: int, size: int, alpha: float, generator: torch.Generator) -> torch.Tensor:
+    """``size`` ranks in ``[0, n)`` with P(rank r) ~ (r + 1) ** -alpha (inverse-CDF of the continuous law)."""
+    u = torch.rand(size, generator=generator, dtype=torch.float64)
+    if abs(alpha - 1.0) < 1e-9:
+        ranks = torch.exp(u * torch.log(torch.tensor(float(n) + 1))) - 1
+    else:
+        a = 1.0 - alpha
+        ranks = ((float(n + 1) ** a - 1) * u + 1) ** (1 / a) - 1
+    return ranks.long().clamp_(0, n - 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

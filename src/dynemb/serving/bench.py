@@ -14,23 +14,13 @@ from typing import Iterator, Mapping, Optional
 import torch
 
 from ..checkpoint.export_format import read_chain
+from ..data.traces import zipf_ranks
 from .ps import ParameterServer
 from .ps.updates import replay
 
 __all__ = ["serve_bench", "summary_table", "zipf_ranks", "traffic", "warm_up", "hit_rate"]
 
 WARMUP_GROUP = 16  # requests sent as one lookup per table while warming up: same keys, fewer calls
-
-
-def zipf_ranks(n: int, size: int, alpha: float, generator: torch.Generator) -> torch.Tensor:
-    """``size`` ranks in ``[0, n)`` with P(rank r) ~ (r + 1) ** -alpha (inverse-CDF of the continuous law)."""
-    u = torch.rand(size, generator=generator, dtype=torch.float64)
-    if abs(alpha - 1.0) < 1e-9:
-        ranks = torch.exp(u * torch.log(torch.tensor(float(n) + 1))) - 1
-    else:
-        a = 1.0 - alpha
-        ranks = ((float(n + 1) ** a - 1) * u + 1) ** (1 / a) - 1
-    return ranks.long().clamp_(0, n - 1)
 
 
 def traffic(keys: torch.Tensor, batch_size: int, alpha: float, seed: int = 0):
