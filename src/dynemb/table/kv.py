@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.dispatch import Backend
+from . import budget
 from .admission import FrequencyAdmission
 from .checks import (
     KEY_DTYPES,
@@ -47,6 +48,9 @@ class KeyValueTable(RowStore):
         device: where rows and the index live (default: CPU).
         init_capacity: rows to allocate up front; the table grows past it.
         max_capacity: bound on the number of rows; past it the lowest-score rows are evicted. ``None``: unbounded.
+        max_bytes: bound in bytes instead of rows (not both): values, slots, scores, version stamps and the index
+            never take more (see :mod:`dynemb.table.budget`); the row bound it gives is ``max_capacity``, and is
+            recomputed when a slot is added or the values are cast.
         eviction: an :class:`EvictionPolicy` (or its name) defining scores; default ``lru``.
         initializer: how new rows are filled (see :mod:`dynemb.table.initializers`).
         seed: seed of the initializer.
@@ -78,6 +82,7 @@ class KeyValueTable(RowStore):
         device: torch.device | str | None = None,
         init_capacity: int = 8192,
         max_capacity: int | None = None,
+        max_bytes: int | None = None,
         eviction: EvictionPolicy | str | None = None,
         initializer: InitializerSpec = "uniform",
         seed: int = 0,
@@ -91,6 +96,12 @@ class KeyValueTable(RowStore):
         self.device = resolve_device(device)
         check_int(init_capacity, "init_capacity", minimum=1)
         self.max_capacity = check_int(max_capacity, "max_capacity", minimum=1, maximum=_INT32_MAX, allow_none=True)
+        self.max_bytes = check_int(max_bytes, "max_bytes", minimum=1, allow_none=True)
+        if max_bytes is not None:
+            if max_capacity is not None:
+                raise ValueError(f"give max_capacity or max_bytes, not both (got {max_capacity} and {max_bytes})")
+            per_row = budget.row_bytes(self.dim, self.dtype, self.key_dtype, {})
+            self.max_capacity = min(budget.rows_for_bytes(max_bytes, per_row, self.key_dtype), _INT32_MAX)
         self.policy = EvictionPolicy.parse(eviction)
         self.initializer = resolve_initializer(initializer)
         check_int(seed, "seed")
@@ -357,7 +368,7 @@ class KeyValueTable(RowStore):
         trigger = num_reserved if trigger is None else check_int(trigger, "trigger", minimum=0)
         if trigger < num_reserved:
             raise ValueError(f"trigger must be >= num_reserved ({num_reserved}), got {trigger}")
-        excess = self._size - num_reserved if self._size > trigger else 0
+        excess = self.size() - num_reserved if self.size() > trigger else 0
         return self.evict(excess)
 
     def clear(self) -> None:
@@ -396,6 +407,16 @@ class KeyValueTable(RowStore):
         self.inserted, self.removed, self.evicted = n, 0, 0
 
     # ------------------------------------------------------------------ internals
+    def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
+        super().add_slot(name, dim, init, dtype)
+        if self.max_bytes is not None:
+            budget.fit(self)
+
+    def cast(self, dtype: torch.dtype) -> None:
+        super().cast(dtype)
+        if self.max_bytes is not None:
+            budget.fit(self)
+
     def _new_counter(self, max_tracked: int) -> "KeyValueTable":
         """The table an admission filter counts candidates in: lfu scores are the counts, values are unused."""
         return KeyValueTable(1, key_dtype=self.key_dtype, device=self.device, eviction="lfu", initializer="zeros",

@@ -1,0 +1,163 @@
+"""The slow tier of a :class:`~dynemb.table.tiered.TieredTable`: rows that left the fast tier, with every column.
+
+A :class:`SlowStore` is a row store of its own (an index and row-aligned columns, as a table has) whose columns
+live either in host memory (pinned when the fast tier is on CUDA, so copies to the device can overlap) or in
+memory-mapped row files, one file per column, in a private directory under a path. The index stays in RAM: about
+24-48 bytes per row for int64 keys, against the row itself (a ``dim=64`` float32 row with one Adagrad slot is 536
+bytes).
+
+Memory-mapped files were measured against RocksDB (``rocksdict``) and LMDB for row-sized values
+(``benchmarks/slow_stores.py``, BENCHMARKS.md): moving a batch of rows is one gather or scatter over the mapped
+columns, with no per-key encoding, and ran far faster. The files are a cache, not a checkpoint: a store starts
+empty, its directory is removed when it is closed or collected, and a process that dies leaves nothing that a
+later run reads. Durability comes from checkpoints, which see the table as one (see ``TieredTable.export``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import weakref
+
+import torch
+
+from .checks import check_keys
+from .hashing import unique_by_hash
+from .rows import Rows, RowStore
+
+__all__ = ["SlowStore"]
+
+_VERSION = "version"
+
+
+class SlowStore(RowStore):
+    """Rows keyed like ``table``'s (same dim, dtypes and slots), on the host or in files under ``path``.
+
+    Args:
+        table: the fast tier whose row layout this store mirrors (slots added to it later are added with
+            :meth:`add_slot`).
+        where: ``"host"`` for host memory, or a directory under which a private subdirectory of row files is made.
+        pin: place host columns in pinned memory (for a CUDA fast tier).
+        init_capacity: rows allocated up front.
+
+    Example:
+        >>> from dynemb.table import KeyValueTable
+        >>> t = KeyValueTable(2, initializer="zeros")
+        >>> s = SlowStore(t, "host")
+        >>> s.put(Rows(torch.tensor([5, -1]), torch.ones(2, 2), torch.tensor([3, 4]), {}), torch.tensor([1, 1]))
+        >>> s.find(torch.tensor([-1, 7])).tolist()
+        [1, -1]
+        >>> s.take(torch.tensor([-1]))[0].scores.tolist(), s.size()
+        ([4], 1)
+    """
+
+    def __init__(self, table, where: str | os.PathLike = "host", *, pin: bool = False,
+                 init_capacity: int = 1024) -> None:
+        self.dim, self.dtype, self.key_dtype = table.dim, table.dtype, table.key_dtype
+        self.device = torch.device("cpu")
+        self.backend = table.backend
+        self.max_capacity = None
+        self.initializer, self.seed, self.on_evict = None, 0, None
+        self.clock = 0
+        self._deleted = None
+        self.pin = bool(pin)
+        self.directory = None
+        if where != "host":
+            os.makedirs(where, exist_ok=True)
+            self.directory = tempfile.mkdtemp(prefix="dynemb-slow-", dir=os.fspath(where))
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self.directory, True)
+        self._files = 0
+        self._init_storage(init_capacity)
+        for name in table.slot_names:
+            self.add_slot(name, table.slot(name).shape[1], table._slot_init[name], table.slot(name).dtype)
+        self._cols = {name: self._placed(name, col) for name, col in self._cols.items()}
+
+    # ------------------------------------------------------------------ placement of columns
+    def _placed(self, name: str, col: torch.Tensor) -> torch.Tensor:
+        """``col`` moved to where this store keeps columns (a new file, or pinned memory)."""
+        fresh = self._new_column(name, col, col.shape[0])
+        fresh.copy_(col)
+        return fresh
+
+    def _new_column(self, name: str, col: torch.Tensor, capacity: int) -> torch.Tensor:
+        shape = (capacity,) + tuple(col.shape[1:])
+        if self.directory is None:
+            return torch.empty(shape, dtype=col.dtype, pin_memory=self.pin)
+        # A new file per allocation: the old mapping stays valid while rows are copied over, then is unlinked.
+        self._files += 1
+        path = os.path.join(self.directory, f"{self._files:06d}.{name.replace(':', '_')}.rows")
+        fresh = torch.from_file(path, shared=True, size=math.prod(shape), dtype=col.dtype).view(shape)
+        old = getattr(col, "_dynemb_path", None)
+        if old is not None:
+            os.unlink(old)  # Linux keeps the pages mapped until the old tensor goes
+        fresh._dynemb_path = path
+        return fresh
+
+    def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
+        super().add_slot(name, dim, init, dtype)
+        key = f"slot:{name}"
+        self._cols[key] = self._placed(key, self._cols[key])
+
+    def cast(self, dtype: torch.dtype) -> None:
+        super().cast(dtype)
+        self._cols["value"] = self._placed("value", self._cols["value"])
+
+    def close(self) -> None:
+        """Drop every row and remove the store's files."""
+        self._cols = {}
+        if self.directory is not None:
+            self._finalizer()
+
+    # ------------------------------------------------------------------ rows
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        """Row of each key ``[N]`` in this store, ``-1`` where absent."""
+        return self.index.find(keys.to(self.device))
+
+    def put(self, rows: Rows, versions: torch.Tensor) -> None:
+        """Store ``rows`` (keys unique and absent here) with their version stamps ``[N]``."""
+        n = rows.keys.numel()
+        if n == 0:
+            return
+        self._reserve(self._size + n)
+        at = torch.arange(self._size, self._size + n)
+        self.index.insert(rows.keys.to(self.device), at)
+        cols = {"key": rows.keys, "value": rows.values, "score": rows.scores, _VERSION: versions,
+                **{f"slot:{name}": rows.slots[name] for name in self._slot_init}}
+        for name, src in cols.items():
+            self._cols[name][self._size : self._size + n] = src.to(self.device)
+        self._size += n
+
+    def take(self, keys: torch.Tensor) -> tuple[Rows, torch.Tensor]:
+        """Remove ``keys`` (unique, all present) and return their rows and version stamps."""
+        rows = self.index.find(keys.to(self.device))
+        taken, versions = self.rows(rows)
+        self._drop(rows)
+        return taken, versions
+
+    def rows(self, rows: torch.Tensor) -> tuple[Rows, torch.Tensor]:
+        """Copies of ``rows`` ``[N]`` and their version stamps."""
+        return self._take(rows), self._cols[_VERSION].index_select(0, rows)
+
+    def erase(self, keys: torch.Tensor) -> torch.Tensor:
+        """Remove the ``keys`` found here; returns those keys (unique)."""
+        flat = check_keys(keys, self.key_dtype, self.device)
+        unique = unique_by_hash(flat)[0]
+        rows = self.index.find(unique)
+        hit = rows >= 0
+        self._drop(rows[hit])
+        return unique[hit]
+
+    def export(self) -> tuple[Rows, torch.Tensor]:
+        """Copies of every row (in row order) and their version stamps."""
+        return self.rows(torch.arange(self._size))
+
+    def clear(self) -> None:
+        self._size = 0
+        self.index.clear()
+
+    def _drop(self, rows: torch.Tensor) -> None:
+        if rows.numel():
+            self.index.remove(self.index.find_slots(self.row_keys.index_select(0, rows)))
+            self._compact(rows)

@@ -1,0 +1,301 @@
+"""TieredTable: a fast tier (device memory or RAM) caching a slow tier (host memory or row files on disk).
+
+The fast tier is the table's own rows, index and columns (a :class:`KeyValueTable` with no row bound); the slow
+tier is a :class:`~dynemb.table.slow.SlowStore`. Before each operation the keys it names are made resident: keys
+found in the slow tier move up with their values, optimizer slots, score and version stamp (never re-initialized),
+and when the fast tier would pass its budget the lowest-score rows not named by the call move down. Then the
+ordinary operation runs on the fast tier. Moving rows between tiers changes no value, slot, score, counter or the
+clock, so results equal those of one untiered table, bit for bit; only ``export``'s row order differs.
+
+The fast tier's budget is soft in one way: the rows of a single call all stay resident (an optimizer updates them
+in place afterwards), so a call with more distinct keys than the budget leaves the fast tier over it until the next
+call. When it is over, rows move down in chunks (to ``1 - SLACK`` of the budget) so that the score scan that picks
+them runs once per many calls, not once per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional, Union
+
+import torch
+
+from . import budget
+from .checks import check_keys, check_int
+from .hashing import unique_by_hash
+from .kv import KeyValueTable
+from .rows import Rows
+from .slow import SlowStore
+
+__all__ = ["Tiers", "TieredTable"]
+
+#: fraction of the fast tier freed at once when it is over budget
+SLACK = 1 / 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tiers:
+    """Where a tiered table keeps its rows: a fast tier of bounded size over an unbounded slow tier.
+
+    Attributes:
+        fast_capacity: rows kept in the fast tier (the table's device); exclusive with ``fast_bytes``.
+        fast_bytes: the fast tier's budget in bytes instead (values, slots, scores, version stamps and index,
+            see :mod:`dynemb.table.budget`).
+        slow: ``"host"``: host memory (pinned when the fast tier is on CUDA); or a directory where the slow tier
+            keeps memory-mapped row files (a private subdirectory, removed with the table).
+
+    Example:
+        >>> Tiers(fast_capacity=1000, slow="host").slow
+        'host'
+        >>> Tiers(slow="host")
+        Traceback (most recent call last):
+        ...
+        ValueError: Tiers needs fast_capacity (rows) or fast_bytes, got neither
+    """
+
+    fast_capacity: Optional[int] = None
+    fast_bytes: Optional[int] = None
+    slow: Union[str, os.PathLike] = "host"
+
+    def __post_init__(self):
+        check_int(self.fast_capacity, "Tiers.fast_capacity", minimum=1, allow_none=True)
+        check_int(self.fast_bytes, "Tiers.fast_bytes", minimum=1, allow_none=True)
+        if (self.fast_capacity is None) == (self.fast_bytes is None):
+            got = "both" if self.fast_capacity is not None else "neither"
+            raise ValueError(f"Tiers needs fast_capacity (rows) or fast_bytes, got {got}")
+        if not isinstance(self.slow, (str, os.PathLike)) or self.slow == "":
+            raise ValueError(f"Tiers.slow must be 'host' or a directory path, got {self.slow!r}")
+
+
+class TieredTable(KeyValueTable):
+    """A :class:`KeyValueTable` whose rows beyond a fast-tier budget live in a slow tier, invisibly.
+
+    Every operation (find, find_or_insert, insert_or_assign, accum, erase, export, replace) sees one table of
+    ``size()`` rows; the row ids it returns are fast-tier rows, valid until the next call. Unlike a bounded table
+    it drops nothing: ``max_capacity`` is ``None`` and only ``erase``/``clear``/``evict``/``restrict`` remove rows.
+
+    Args:
+        dim: as for :class:`KeyValueTable`, like every other keyword except ``max_capacity``/``max_bytes``.
+        tiers: a :class:`Tiers`: the fast tier's budget and where the slow tier lives.
+
+    Example:
+        >>> t = TieredTable(2, tiers=Tiers(fast_capacity=2), initializer="zeros")
+        >>> t.insert_or_assign(torch.tensor([0, 1]), torch.tensor([[0.0, 1.0], [2.0, 3.0]]))
+        >>> t.insert_or_assign(torch.tensor([2, 3]), torch.ones(2, 2))  # 0 and 1 move down to make room
+        >>> t.stats()["tiers"]["fast"]["rows"], t.stats()["tiers"]["slow"]["rows"], t.size()
+        (2, 2, 4)
+        >>> t.find(torch.tensor([0, 9]))[0].tolist()  # key 0 comes back from the slow tier
+        [[0.0, 1.0], [0.0, 0.0]]
+    """
+
+    def __init__(self, dim: int, *, tiers: Tiers, **kwargs) -> None:
+        if not isinstance(tiers, Tiers):
+            raise TypeError(f"tiers must be a dynemb.table.Tiers, got {tiers!r}")
+        for bound in ("max_capacity", "max_bytes"):
+            if kwargs.get(bound) is not None:
+                raise ValueError(f"a tiered table keeps every row: give the fast tier's budget in tiers, not "
+                                 f"{bound}={kwargs[bound]}")
+        self.tiers = tiers
+        self.fast_capacity = tiers.fast_capacity or 1
+        # The fast tier is allocated at its budget once (doubling growth would overshoot a byte budget).
+        super().__init__(dim, **{**kwargs, "init_capacity": self.fast_capacity})
+        self._fit_fast()
+        self.slow = SlowStore(self, tiers.slow, pin=self.device.type == "cuda")
+        self.hits = {"fast": 0, "slow": 0, "miss": 0}
+
+    # ------------------------------------------------------------------ one table
+    def size(self) -> int:
+        """Rows in both tiers."""
+        return self._size + self.slow.size()
+
+    def __len__(self) -> int:
+        return self.size()
+
+    def find_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """As :meth:`KeyValueTable.find_rows`, after bringing ``keys`` found in the slow tier up."""
+        self._resident(keys, new_ok=False)
+        return super().find_rows(keys)
+
+    def find(self, keys, *, out=None, update_scores=False):
+        self._resident(keys, new_ok=False)
+        return super().find(keys, out=out, update_scores=update_scores)
+
+    def find_or_insert(self, keys, scores=None, counts=None):
+        self._resident(keys)
+        return super().find_or_insert(keys, scores, counts)
+
+    def insert_or_assign(self, keys, values, scores=None) -> None:
+        self._resident(keys)
+        super().insert_or_assign(keys, values, scores)
+
+    def accum(self, keys, old_values, new_values, exists) -> None:
+        self._resident(keys)
+        super().accum(keys, old_values, new_values, exists)
+
+    def erase(self, keys: torch.Tensor) -> int:
+        """Remove keys from both tiers; returns the number removed (as one table: one clock tick if any)."""
+        n_fast = super().erase(keys)
+        gone = self.slow.erase(keys)
+        if gone.numel():
+            if n_fast == 0:
+                self.clock += 1
+            self._log_deleted(gone)
+            self.removed += gone.numel()
+        return n_fast + gone.numel()
+
+    def evict(self, n: int) -> Rows:
+        """Evict the ``n`` lowest-score rows of the whole table (both tiers); reported to ``on_evict``."""
+        check_int(n, "n", minimum=0)
+        n = min(n, self.size())
+        if self.slow.size() and n:  # the n lowest of both tiers come up (pinned there); then the fast tier's n go
+            m = self.slow.size()
+            scores = torch.cat([self.scores[: self._size], self.slow.scores[:m].to(self.device)])
+            keys = torch.cat([self.row_keys[: self._size], self.slow.row_keys[:m].to(self.device)])
+            self._resident(keys.index_select(0, torch.topk(scores, n, largest=False).indices), new_ok=False)
+        return super().evict(n)
+
+    def clear(self) -> None:
+        super().clear()
+        n = self.slow.size()
+        self._log_deleted(self.slow.row_keys[:n].clone())
+        self.removed += n
+        self.slow.clear()
+
+    def export(self) -> Rows:
+        """Copies of every row: the fast tier's, then the slow tier's (see :meth:`changes_since`)."""
+        fast = super().export()
+        slow, _ = self.slow.export()
+        return _concat(fast, slow)
+
+    def changes_since(self, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`KeyValueTable.changes_since`, rows counted in :meth:`export`'s order (fast, then slow)."""
+        rows, deleted = super().changes_since(version)
+        n = self.slow.size()
+        slow_rows = (self.slow._cols["version"][:n] > version).nonzero().squeeze(1).to(rows.device)
+        return torch.cat([rows, slow_rows + self._size]), deleted
+
+    def replace(self, rows: Rows) -> None:
+        """Hold exactly ``rows``; the lowest-score ones past the fast tier's budget then move to the slow tier.
+        (All of them pass through the fast tier's memory once.)"""
+        super().replace(rows)  # checks every argument's form before anything changes
+        self.slow.clear()
+        if self._size > self.fast_capacity:
+            self._demote(self._size - self.fast_capacity, torch.empty(0, dtype=torch.int64, device=self.device))
+
+    # ------------------------------------------------------------------ layout changes reach both tiers
+    def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
+        super().add_slot(name, dim, init, dtype)
+        if getattr(self, "slow", None) is not None:
+            self.slow.add_slot(name, dim, init, dtype)
+            self._fit_fast()
+
+    def cast(self, dtype: torch.dtype) -> None:
+        super().cast(dtype)
+        self.slow.cast(dtype)
+        self._fit_fast()
+
+    def to(self, device):
+        super().to(device)
+        if self.slow.pin != (self.device.type == "cuda"):
+            self.slow.pin = self.device.type == "cuda"
+            self.slow._cols = {n: self.slow._placed(n, c) for n, c in self.slow._cols.items()}
+        return self
+
+    # ------------------------------------------------------------------ stats
+    def nbytes(self) -> int:
+        """Bytes of both tiers (see ``stats()["tiers"]`` for each)."""
+        return super().nbytes() + self.slow.nbytes()
+
+    def stats(self) -> dict:
+        """As :meth:`KeyValueTable.stats` (``size`` counts both tiers), plus ``tiers``: per tier ``rows``,
+        ``bytes`` and ``hit_rate`` (the share of distinct keys looked up that were found there), and ``where``."""
+        stats = super().stats()
+        looked = max(1, sum(self.hits.values()))
+        fast_bytes = super().nbytes()
+        stats.update(size=self.size(), bytes=fast_bytes + self.slow.nbytes(), tiers={
+            "fast": {"rows": self._size, "bytes": fast_bytes, "capacity": self.fast_capacity,
+                     "hit_rate": self.hits["fast"] / looked, "where": str(self.device)},
+            "slow": {"rows": self.slow.size(), "bytes": self.slow.nbytes(), "hit_rate": self.hits["slow"] / looked,
+                     "where": "host" if self.slow.directory is None else self.slow.directory},
+            "miss_rate": self.hits["miss"] / looked})
+        return stats
+
+    # ------------------------------------------------------------------ moving rows
+    def _fit_fast(self) -> None:
+        """Derive the fast tier's row budget from ``Tiers.fast_bytes`` and the columns it has now, move rows past
+        it down and size the columns and index to it exactly."""
+        if self.tiers.fast_bytes is None:
+            return
+        slots = {n: (self.slot(n).shape[1], self.slot(n).dtype) for n in self.slot_names}
+        per_row = budget.row_bytes(self.dim, self.dtype, self.key_dtype, slots)
+        cap = self.fast_capacity = budget.rows_for_bytes(self.tiers.fast_bytes, per_row, self.key_dtype,
+                                                         "Tiers.fast_bytes")
+        if getattr(self, "slow", None) is not None and self._size > cap:
+            self._demote(self._size - cap, torch.empty(0, dtype=torch.int64, device=self.device))
+        n = self._size
+        if self.capacity != max(cap, n):
+            self._cols = {name: _resized(col, max(cap, n), n) for name, col in self._cols.items()}
+        if self.index.num_buckets != self.index.buckets_for(max(cap, n)):
+            self.index.rehash(self.row_keys[:n], torch.arange(n, device=self.device), max(cap, n))
+
+    def _resident(self, keys: torch.Tensor, new_ok: bool = True) -> None:
+        """Bring the rows of ``keys`` found in the slow tier up, first moving other rows down if the fast tier
+        would pass its budget (``new_ok``: counting room for the keys found in neither tier, which the call may
+        insert)."""
+        flat = check_keys(keys, self.key_dtype, self.device)
+        if flat.numel() == 0:
+            return
+        unique = unique_by_hash(flat)[0] if flat.numel() > 1 else flat
+        rows = self.index.find(unique)
+        hit = rows >= 0
+        absent = unique[~hit]
+        in_slow = self.slow.find(absent) if absent.numel() else absent.new_empty(0, dtype=torch.int64)
+        up = absent[(in_slow >= 0).to(absent.device)]
+        new = absent.numel() - up.numel() if new_ok else 0
+        n_hit = unique.numel() - absent.numel()
+        self.hits["fast"] += n_hit
+        self.hits["slow"] += up.numel()
+        self.hits["miss"] += absent.numel() - up.numel()
+        over = self._size + up.numel() + new - self.fast_capacity
+        if over > 0 and self._size > n_hit:
+            slack = int(self.fast_capacity * SLACK)
+            self._demote(min(over + slack, self._size - n_hit), rows[hit])
+        if up.numel():
+            self._promote(up)
+
+    def _demote(self, n: int, pinned: torch.Tensor) -> None:
+        """Move the ``n`` lowest-score fast rows not in ``pinned`` to the slow tier."""
+        victims = self._pick_victims(n, pinned)
+        if victims.numel() == 0:
+            return
+        taken = self._take(victims)
+        self.slow.put(taken, self._cols["version"].index_select(0, victims))
+        self.index.remove(self.index.find_slots(taken.keys))
+        self._compact(victims)
+
+    def _promote(self, keys: torch.Tensor) -> None:
+        """Move ``keys`` (unique, all in the slow tier) to the fast tier with every column."""
+        rows, versions = self.slow.take(keys)
+        n, size = keys.numel(), self._size
+        self._reserve(size + n)
+        at = torch.arange(size, size + n, device=self.device)
+        self.index.insert(rows.keys.to(self.device), at)
+        cols = {"key": rows.keys, "value": rows.values, "score": rows.scores, "version": versions,
+                **{f"slot:{name}": rows.slots[name] for name in self.slot_names}}
+        for name, src in cols.items():
+            self._cols[name][size : size + n] = src.to(self.device, non_blocking=True)
+        self._size += n
+
+
+def _resized(col: torch.Tensor, capacity: int, live: int) -> torch.Tensor:
+    fresh = col.new_empty((capacity,) + tuple(col.shape[1:]))
+    fresh[:live] = col[:live]
+    return fresh
+
+
+def _concat(a: Rows, b: Rows) -> Rows:
+    dev = a.keys.device
+    return Rows(torch.cat([a.keys, b.keys.to(dev)]), torch.cat([a.values, b.values.to(dev)]),
+                torch.cat([a.scores, b.scores.to(dev)]), {n: torch.cat([a.slots[n], b.slots[n].to(dev)])
+                                                          for n in a.slots})
