@@ -183,6 +183,15 @@ class TieredTable(KeyValueTable):
         if self._size > self.fast_capacity:
             self._demote(self._size - self.fast_capacity, torch.empty(0, dtype=torch.int64, device=self.device))
 
+    def prefetch(self, keys: torch.Tensor) -> None:
+        """Bring the rows of ``keys`` (the next batch's, say) up from the slow tier now, making room for the keys
+        stored in neither tier as well, so that the call that names them next finds them in the fast tier. Changes
+        no row, score, counter or the clock, and is not counted in the hit rates.
+
+        Shape: ``keys`` any shape, dtype ``key_dtype``.
+        """
+        self._resident(keys, count=False)
+
     # ------------------------------------------------------------------ layout changes reach both tiers
     def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
         super().add_slot(name, dim, init, dtype)
@@ -239,7 +248,7 @@ class TieredTable(KeyValueTable):
         if self.index.num_buckets != self.index.buckets_for(max(cap, n)):
             self.index.rehash(self.row_keys[:n], torch.arange(n, device=self.device), max(cap, n))
 
-    def _resident(self, keys: torch.Tensor, new_ok: bool = True) -> None:
+    def _resident(self, keys: torch.Tensor, new_ok: bool = True, count: bool = True) -> None:
         """Bring the rows of ``keys`` found in the slow tier up, first moving other rows down if the fast tier
         would pass its budget (``new_ok``: counting room for the keys found in neither tier, which the call may
         insert)."""
@@ -254,9 +263,10 @@ class TieredTable(KeyValueTable):
         up = absent[(in_slow >= 0).to(absent.device)]
         new = absent.numel() - up.numel() if new_ok else 0
         n_hit = unique.numel() - absent.numel()
-        self.hits["fast"] += n_hit
-        self.hits["slow"] += up.numel()
-        self.hits["miss"] += absent.numel() - up.numel()
+        if count:
+            self.hits["fast"] += n_hit
+            self.hits["slow"] += up.numel()
+            self.hits["miss"] += absent.numel() - up.numel()
         over = self._size + up.numel() + new - self.fast_capacity
         if over > 0 and self._size > n_hit:
             slack = int(self.fast_capacity * SLACK)
