@@ -91,6 +91,11 @@ class RowStore(ChangeLog, RowColumns):
     def __len__(self) -> int:
         return self._size
 
+    def live_rows(self) -> int:
+        """Rows ``0 .. live_rows()-1`` of the columns hold keys: ``size()``, unless some rows live elsewhere (a
+        tiered table's slow tier)."""
+        return self._size
+
     def nbytes(self) -> int:
         """Bytes held by the index and every column (allocated capacity, not just live rows)."""
         return self.index.nbytes() + sum(t.numel() * t.element_size() for t in self._cols.values())

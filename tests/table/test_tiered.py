@@ -1,0 +1,239 @@
+"""TieredTable through the layers above it: training through EmbeddingCollection and sparse optimizers equals
+training with every row in the fast tier, bit for bit; checkpoints move rows between tiered and untiered tables;
+stats, budgets, prefetch and errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dynemb
+from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+from dynemb.checkpoint import load, save
+from dynemb.table import TieredTable, Tiers
+from dynemb.table.budget import index_bytes
+
+STEPS = 20
+
+
+def _where(slow: str, tmp_path) -> str:
+    return "host" if slow == "host" else str(tmp_path / "slow")
+
+
+def _collection(tiered: bool, where: str = "host", optimizer=None) -> EmbeddingCollection:
+    """Two tables: int64 keys under lru with a fast tier of 40 rows, and int32 keys under lfu with a fast tier
+    given in bytes."""
+    opt = optimizer or dynemb.optim.Adagrad(lr=0.1)
+    user = Tiers(fast_capacity=40, slow=where) if tiered else None
+    item = Tiers(fast_bytes=4000, slow=where) if tiered else None
+    tables = [TableConfig(name="user", dim=8, optimizer=opt, seed=1, tiers=user),
+              TableConfig(name="item", dim=4, key_dtype=torch.int32, eviction="lfu", seed=2, tiers=item,
+                          optimizer=dynemb.optim.Adam(lr=0.05))]
+    return EmbeddingCollection(tables, [FeatureConfig(name="user", table="user"),
+                                        FeatureConfig(name="item", table="item", combiner="sum")])
+
+
+def _batch(i: int) -> dict:
+    """Power-law ids (many repeats of a few hot ids, a long tail), so rows go cold and come back."""
+    g = torch.Generator().manual_seed(i)
+    hot = lambda n, top: (torch.rand(n, generator=g) ** 3 * top).long()  # noqa: E731
+    return {"user": hot(48, 300).view(12, 4) - 150, "item": hot(24, 120).to(torch.int32).view(12, 2)}
+
+
+def _step(ec: EmbeddingCollection, i: int) -> dict:
+    out = ec(_batch(i))
+    sum(o.square().sum() for o in out.values()).backward()
+    ec.optimizer.step()
+    ec.optimizer.zero_grad()
+    return out
+
+
+def _sorted_rows(table):
+    rows = table.export()
+    order = torch.argsort(rows.keys)
+    return (rows.keys[order], rows.values[order], rows.scores[order],
+            {name: slot[order] for name, slot in sorted(rows.slots.items())})
+
+
+def assert_same_table(a, b) -> None:
+    """Same keys, and bit-identical values, scores, slots and counters (row order aside)."""
+    ka, va, sa, slots_a = _sorted_rows(a)
+    kb, vb, sb, slots_b = _sorted_rows(b)
+    assert torch.equal(ka, kb) and torch.equal(va, vb) and torch.equal(sa, sb)
+    assert slots_a.keys() == slots_b.keys() and all(torch.equal(slots_a[n], slots_b[n]) for n in slots_a)
+    for counter in ("clock", "epoch", "inserted", "removed", "evicted", "_init_calls"):
+        assert getattr(a, counter) == getattr(b, counter), counter
+
+
+def assert_same_collections(a: EmbeddingCollection, b: EmbeddingCollection) -> None:
+    for name in ("user", "item"):
+        assert_same_table(a.embeddings[name].table, b.embeddings[name].table)
+
+
+@pytest.mark.parametrize("slow", ["host", "disk"])
+@pytest.mark.parametrize("optimizer", [dynemb.optim.Adagrad(lr=0.1), dynemb.optim.SGD(lr=0.1, momentum=0.9)],
+                         ids=["adagrad", "sgd-momentum"])
+def test_training_tiered_equals_all_in_fast_tier(slow, optimizer, tmp_path):
+    tiered, flat = _collection(True, _where(slow, tmp_path), optimizer), _collection(False, optimizer=optimizer)
+    for i in range(STEPS):
+        a, b = _step(tiered, i), _step(flat, i)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"step {i}"
+    assert_same_collections(tiered, flat)
+    user = tiered.embeddings["user"].table
+    stats = user.stats()["tiers"]
+    assert stats["slow"]["rows"] > 0 and stats["slow"]["hit_rate"] > 0, "the test must move rows between tiers"
+    assert stats["fast"]["rows"] <= 48  # a call's keys stay resident; then the budget of 40 holds
+    # eval reads cold rows where they are, inserting nothing
+    tiered.eval(), flat.eval()
+    cold = {"user": user.slow.row_keys[:12].clone().view(-1, 1), "item": _batch(0)["item"]}
+    with torch.no_grad():
+        a, b = tiered(cold), flat(cold)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_collections(tiered, flat)
+
+
+def test_prefetch_moves_rows_up_and_changes_no_result():
+    tiered, flat = _collection(True), _collection(False)
+    for i in range(STEPS):
+        tiered.prefetch(_batch(i))
+        _step(tiered, i), _step(flat, i)
+    assert_same_collections(tiered, flat)
+    user = tiered.embeddings["user"].table
+    nxt = _batch(STEPS)["user"].view(-1)
+    stored = (user.index.find(nxt) >= 0) | (user.slow.find(nxt) >= 0)
+    assert not bool((user.index.find(nxt) >= 0)[stored].all()), "the test must prefetch rows from the slow tier"
+    tiered.prefetch({"user": nxt.view(12, 4)})
+    assert bool((user.index.find(nxt) >= 0)[stored].all()), "prefetched keys must be in the fast tier"
+    hits = dict(user.hits)
+    user.prefetch(nxt)
+    assert user.hits == hits, "prefetch is not counted as a lookup"
+
+
+def test_checkpoint_moves_between_tiered_and_untiered(tmp_path):
+    tiered, flat = _collection(True), _collection(False)
+    for i in range(10):
+        _step(tiered, i), _step(flat, i)
+    save(tmp_path / "tiered", tiered, step=10)
+    save(tmp_path / "flat", flat, step=10)  # a save ticks the clock: both are saved to stay alike
+    loaded = _collection(False)
+    load(tmp_path / "tiered", loaded)
+    assert_same_collections(loaded, flat)
+    for i in range(10, 15):
+        _step(tiered, i), _step(flat, i)
+    save(tmp_path / "tiered", tiered, step=15, incremental=True)  # rows changed in either tier since step 10
+    save(tmp_path / "flat", flat, step=15, incremental=True)
+    again = _collection(False)
+    load(tmp_path / "tiered", again)
+    assert_same_collections(again, flat)
+    back = _collection(True)  # the untiered checkpoint goes into tiers: past the fast budget, rows go down
+    load(tmp_path / "flat", back)
+    assert_same_collections(back, flat)
+    assert back.embeddings["user"].table.slow.size() > 0
+    for i in range(15, 20):
+        _step(back, i), _step(flat, i), _step(again, i)
+    assert_same_collections(back, flat)
+    assert_same_collections(again, flat)
+
+
+def test_state_dict_shows_no_tiers():
+    tiered, flat = _collection(True), _collection(False)
+    for i in range(5):
+        _step(tiered, i), _step(flat, i)
+    a, b = tiered.state_dict(), flat.state_dict()
+    assert a.keys() == b.keys()
+    assert a["tables.user._extra_state"]["config"] == b["tables.user._extra_state"]["config"]
+
+
+def test_stats_report_rows_bytes_and_hit_rate_per_tier():
+    t = TieredTable(4, tiers=Tiers(fast_capacity=16), seed=0)
+    t.find_or_insert(torch.arange(64))  # 64 misses; one call's keys all stay in the fast tier
+    t.find_or_insert(torch.arange(64, 128))  # 64 misses; 0..63 move down
+    t.find_or_insert(torch.arange(8))  # come back from the slow tier
+    t.find_or_insert(torch.arange(8))  # fast hits
+    s = t.stats()
+    fast, slow = s["tiers"]["fast"], s["tiers"]["slow"]
+    assert fast["rows"] + slow["rows"] == s["size"] == 128
+    assert fast["rows"] <= 16 and slow["rows"] >= 112
+    assert (fast["hit_rate"], slow["hit_rate"], s["tiers"]["miss_rate"]) == (8 / 144, 8 / 144, 128 / 144)
+    assert fast["bytes"] > 0 and slow["bytes"] > 0 and s["bytes"] == fast["bytes"] + slow["bytes"] == t.nbytes()
+
+
+def test_fast_bytes_holds_the_fast_tier_in_budget():
+    budget = 50_000
+    t = TieredTable(16, tiers=Tiers(fast_bytes=budget), seed=0)
+    t.add_slot("sum", 16)  # the row bound shrinks to fit the slot
+    for start in range(0, 2000, 100):
+        t.find_or_insert(torch.arange(start, start + 100))
+    fast = t.stats()["tiers"]["fast"]
+    assert fast["bytes"] <= budget and fast["bytes"] >= 0.9 * budget
+    assert fast["rows"] <= fast["capacity"] and t.size() == 2000
+
+
+def test_slow_tier_files_live_in_a_private_directory_removed_on_close(tmp_path):
+    t = TieredTable(4, tiers=Tiers(fast_capacity=4, slow=str(tmp_path)), seed=0)
+    t.find_or_insert(torch.arange(100))
+    (directory,) = os.listdir(tmp_path)
+    assert any(name.endswith(".rows") for name in os.listdir(tmp_path / directory))
+    t.slow.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_rows_of_a_call_larger_than_the_fast_tier_all_stay_valid():
+    t = TieredTable(2, tiers=Tiers(fast_capacity=4), initializer="zeros")
+    keys = torch.arange(10)
+    t.insert_or_assign(keys, torch.arange(20.0).view(10, 2))
+    t.find_or_insert(torch.arange(100, 110))  # moves 0..9 down
+    rows, found = t.find_or_insert(keys)
+    assert bool(found.all()) and torch.equal(t.values[rows], torch.arange(20.0).view(10, 2))
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="fast_capacity .rows. or fast_bytes, got neither"):
+        Tiers()
+    with pytest.raises(ValueError, match="got both"):
+        Tiers(fast_capacity=1, fast_bytes=10)
+    with pytest.raises(ValueError, match="Tiers.fast_capacity"):
+        Tiers(fast_capacity=0)
+    with pytest.raises(ValueError, match="Tiers.slow"):
+        Tiers(fast_capacity=1, slow="")
+    with pytest.raises(TypeError, match="tiers must be a dynemb.table.Tiers"):
+        TieredTable(2, tiers={"fast_capacity": 1})
+    with pytest.raises(ValueError, match="not max_capacity=5"):
+        TieredTable(2, tiers=Tiers(fast_capacity=1), max_capacity=5)
+    with pytest.raises(ValueError, match="Tiers.fast_bytes=10 is too small for one row"):
+        TieredTable(2, tiers=Tiers(fast_bytes=10))
+    with pytest.raises(ValueError, match="at most one of max_capacity, max_bytes and tiers"):
+        TableConfig(name="t", dim=2, max_capacity=4, tiers=Tiers(fast_capacity=1))
+    with pytest.raises(ValueError, match="dynamic tables only"):
+        TableConfig(name="t", dim=2, vocabulary_size=4, tiers=Tiers(fast_capacity=1))
+    with pytest.raises(TypeError, match="tiers must be None or a dynemb.table.Tiers"):
+        TableConfig(name="t", dim=2, tiers=1)
+
+
+def test_index_bytes_matches_the_index():
+    for key_dtype in (torch.int32, torch.int64):
+        for capacity in (1, 7, 100, 5000):
+            index = dynemb.table.HashIndex(key_dtype, "cpu", capacity)
+            assert index.nbytes() == index_bytes(capacity, key_dtype)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gradients_reach_rows_moved_down_between_forward_and_backward(fused):
+    """Two lookups of one table in a forward: the second moves the first's rows down; backward and step bring
+    them back and update them, as an untiered table would."""
+    def run(tiers):
+        emb = dynemb.DynamicEmbedding(4, seed=3, tiers=tiers)
+        opt = dynemb.optim.Adagrad([emb], lr=0.5, fused=fused)
+        for i in range(6):
+            first, second = torch.arange(8) + 20 * i, torch.arange(100, 108) + 20 * i
+            loss = emb(first).sum() + 2 * emb(second).square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return emb.table
+
+    tiered = run(Tiers(fast_capacity=8))
+    assert tiered.slow.size() > 0
+    assert_same_table(tiered, run(None))
