@@ -181,12 +181,13 @@ class FeatureConfig:
 
 def split_max_bytes(tables: list[TableConfig], max_bytes: int) -> list[TableConfig]:
     """One byte budget for a collection: the dynamic tables with no bound of their own (no ``max_capacity``,
-    ``max_bytes`` or ``tiers``) share ``max_bytes`` in proportion to their bytes per row (values and the slots of
-    their optimizer), so that each can hold about the same number of rows. The others are returned unchanged.
+    ``max_bytes`` or ``tiers``) share ``max_bytes`` so that each can hold the same number of rows, counting values,
+    their optimizer's slots, scores and index (see :func:`dynemb.table.budget.split_bytes`). The others are
+    returned unchanged.
 
     Raises:
-        ValueError: ``max_bytes`` is not a positive int, no table is left to share it, or a share is too small
-            for one row (raised when the table is built).
+        ValueError: ``max_bytes`` is not a positive int, no table is left to share it, or it does not hold one row
+            of each.
 
     Example:
         >>> a, b = TableConfig(name="a", dim=4), TableConfig(name="b", dim=12)
@@ -200,5 +201,6 @@ def split_max_bytes(tables: list[TableConfig], max_bytes: int) -> list[TableConf
                          f"max_bytes={max_bytes}")
     slots = lambda t: {} if t.optimizer is None else {  # noqa: E731
         k: (w, torch.float32) for k, (w, _) in t.optimizer.slot_widths(t.dim).items()}
-    shares = split_bytes(max_bytes, {t.name: row_bytes(t.dim, t.dtype, t.key_dtype, slots(t)) for t in free})
+    shares = split_bytes(max_bytes, {t.name: (row_bytes(t.dim, t.dtype, t.key_dtype, slots(t)), t.key_dtype)
+                                     for t in free})
     return [dataclasses.replace(t, max_bytes=shares[t.name]) if t.name in shares else t for t in tables]

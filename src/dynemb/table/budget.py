@@ -59,19 +59,29 @@ def rows_for_bytes(max_bytes: int, per_row: int, key_dtype: torch.dtype, what: s
     return lo
 
 
-def split_bytes(max_bytes: int, weights: dict[str, int]) -> dict[str, int]:
-    """Split a collection's ``max_bytes`` across tables in proportion to ``weights`` (each table's bytes per row,
-    so that every table can hold about the same number of rows). Shares are floored; they never sum past the
-    budget.
+def split_bytes(max_bytes: int, tables: dict[str, tuple[int, torch.dtype]]) -> dict[str, int]:
+    """Split ``max_bytes`` across tables given as ``{name: (bytes per row, key dtype)}`` so that each can hold
+    the same number of rows ``R`` (the largest for which every table's :func:`table_bytes` fits together); what is
+    left over is shared in proportion to bytes per row. Shares never sum past the budget.
+
+    Raises:
+        ValueError: the budget does not hold one row of every table.
 
     Example:
-        >>> split_bytes(1000, {"a": 1, "b": 3})
-        {'a': 250, 'b': 750}
+        >>> shares = split_bytes(1 << 20, {"a": (40, torch.int64), "b": (200, torch.int64)})
+        >>> [rows_for_bytes(shares[n], per_row, torch.int64) for n, per_row in (("a", 40), ("b", 200))]
+        [3541, 3541]
     """
-    total = sum(weights.values())
-    if total <= 0:
-        raise ValueError(f"weights must be positive, got {weights}")
-    return {name: max_bytes * w // total for name, w in weights.items()}
+    total = lambda r: sum(table_bytes(r, per_row, kd) for per_row, kd in tables.values())  # noqa: E731
+    if not tables or total(1) > max_bytes:
+        raise ValueError(f"max_bytes={max_bytes} does not hold one row of each of the tables {sorted(tables)}")
+    lo, hi = 1, max_bytes // sum(per_row for per_row, _ in tables.values())
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if total(mid) <= max_bytes else (lo, mid - 1)
+    left = max_bytes - total(lo)
+    weight = sum(per_row for per_row, _ in tables.values())
+    return {name: table_bytes(lo, per_row, kd) + left * per_row // weight for name, (per_row, kd) in tables.items()}
 
 
 def budget_rows(table) -> int:
