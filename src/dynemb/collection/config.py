@@ -192,7 +192,7 @@ def split_max_bytes(tables: list[TableConfig], max_bytes: int) -> list[TableConf
     Example:
         >>> a, b = TableConfig(name="a", dim=4), TableConfig(name="b", dim=12)
         >>> [t.max_bytes for t in split_max_bytes([a, b], 1 << 20)]
-        [374491, 674084]
+        [431250, 617325]
     """
     check_positive_int(max_bytes, "max_bytes")
     free = [t for t in tables if not t.is_static and (t.max_capacity, t.max_bytes, t.tiers) == (None,) * 3]
