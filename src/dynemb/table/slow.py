@@ -9,14 +9,17 @@ bytes).
 Memory-mapped files were measured against RocksDB (``rocksdict``) and LMDB for row-sized values
 (``benchmarks/slow_stores.py``, BENCHMARKS.md): moving a batch of rows is one gather or scatter over the mapped
 columns, with no per-key encoding, and ran far faster. The files are a cache, not a checkpoint: a store starts
-empty, its directory is removed when it is closed or collected, and a process that dies leaves nothing that a
-later run reads. Durability comes from checkpoints, which see the table as one (see ``TieredTable.export``).
+empty, and its directory is removed when it is closed or collected; a process that dies leaves its directory, which
+no later run reads and the next store opened under the same path (on the same host) removes. Durability comes from
+checkpoints, which see the table as one (see ``TieredTable.export``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
+import socket
 import shutil
 import tempfile
 import weakref
@@ -30,6 +33,8 @@ from .rows import Rows, RowStore
 __all__ = ["SlowStore"]
 
 _VERSION = "version"
+_PREFIX = "dynemb-slow-"
+_HOST = socket.gethostname().replace("-", "_")
 
 
 class SlowStore(RowStore):
@@ -66,7 +71,8 @@ class SlowStore(RowStore):
         self.directory = None
         if where != "host":
             os.makedirs(where, exist_ok=True)
-            self.directory = tempfile.mkdtemp(prefix="dynemb-slow-", dir=os.fspath(where))
+            _remove_orphans(os.fspath(where))
+            self.directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{_HOST}-{os.getpid()}-", dir=os.fspath(where))
             self._finalizer = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self._files = 0
         self._init_storage(init_capacity)
@@ -161,3 +167,19 @@ class SlowStore(RowStore):
         if rows.numel():
             self.index.remove(self.index.find_slots(self.row_keys.index_select(0, rows)))
             self._compact(rows)
+
+
+def _remove_orphans(where: str) -> None:
+    """Remove the row-file directories under ``where`` left by processes of this host that died (killed, say)
+    without removing theirs. Directories of live processes and of other hosts are left alone."""
+    pattern = re.compile(re.escape(_PREFIX + _HOST) + r"-(\d+)-")
+    for name in os.listdir(where):
+        match = pattern.match(name)
+        if match is None or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(where, name), ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
