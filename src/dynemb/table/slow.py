@@ -30,7 +30,7 @@ from .checks import check_keys
 from .hashing import unique_by_hash
 from .rows import Rows, RowStore
 
-__all__ = ["SlowStore"]
+__all__ = ["SlowStore", "swap_rows"]
 
 _VERSION = "version"
 _PREFIX = "dynemb-slow-"
@@ -123,24 +123,19 @@ class SlowStore(RowStore):
 
     def put(self, rows: Rows, versions: torch.Tensor) -> None:
         """Store ``rows`` (keys unique and absent here) with their version stamps ``[N]``."""
-        n = rows.keys.numel()
-        if n == 0:
-            return
-        self._reserve(self._size + n)
-        at = torch.arange(self._size, self._size + n)
-        self.index.insert(rows.keys.to(self.device), at)
-        cols = {"key": rows.keys, "value": rows.values, "score": rows.scores, _VERSION: versions,
-                **{f"slot:{name}": rows.slots[name] for name in self._slot_init}}
-        for name, src in cols.items():
-            self._cols[name][self._size : self._size + n] = src.to(self.device)
-        self._size += n
+        self.exchange(rows.keys[:0], rows, versions)
 
     def take(self, keys: torch.Tensor) -> tuple[Rows, torch.Tensor]:
         """Remove ``keys`` (unique, all present) and return their rows and version stamps."""
-        rows = self.index.find(keys.to(self.device))
-        taken, versions = self.rows(rows)
-        self._drop(rows)
-        return taken, versions
+        return self.exchange(keys, None, None)
+
+    def exchange(self, keys: torch.Tensor, rows: Rows | None, versions: torch.Tensor | None):
+        """Take ``keys`` (unique, all present) out and put ``rows`` (keys unique, absent) in, the incoming rows
+        filling the rows the outgoing ones free. Returns the rows taken and their version stamps."""
+        at = self.index.find(keys.to(self.device))
+        taken = self.rows(at)
+        swap_rows(self, at, rows, versions)
+        return taken
 
     def rows(self, rows: torch.Tensor) -> tuple[Rows, torch.Tensor]:
         """Copies of ``rows`` ``[N]`` and their version stamps."""
@@ -152,7 +147,7 @@ class SlowStore(RowStore):
         unique = unique_by_hash(flat)[0]
         rows = self.index.find(unique)
         hit = rows >= 0
-        self._drop(rows[hit])
+        swap_rows(self, rows[hit], None, None)
         return unique[hit]
 
     def export(self) -> tuple[Rows, torch.Tensor]:
@@ -163,10 +158,25 @@ class SlowStore(RowStore):
         self._size = 0
         self.index.clear()
 
-    def _drop(self, rows: torch.Tensor) -> None:
-        if rows.numel():
-            self.index.remove(self.index.find_slots(self.row_keys.index_select(0, rows)))
-            self._compact(rows)
+
+def swap_rows(store: RowStore, freed: torch.Tensor, incoming: Rows | None, versions: torch.Tensor | None) -> None:
+    """Free the unique rows ``freed`` of ``store`` (their keys leave the index) and place ``incoming`` (keys
+    absent) with their ``versions``: first in the freed rows, then after the last live row. Freed rows left over
+    are filled from the end (``_compact``), so live rows stay ``0 .. size-1``. Both tiers move rows this way."""
+    n = 0 if incoming is None else incoming.keys.numel()
+    k = min(freed.numel(), n)
+    store._reserve(store._size + n - k)  # before the index forgets the freed keys: a rehash re-reads rows 0..size
+    if freed.numel():
+        store.index.remove(store.index.find_slots(store.row_keys.index_select(0, freed)))
+    if n:
+        dest = torch.cat([freed[:k], torch.arange(store._size, store._size + n - k, device=store.device)])
+        store.index.insert(incoming.keys.to(store.device), dest)
+        cols = {"key": incoming.keys, "value": incoming.values, "score": incoming.scores, _VERSION: versions,
+                **{f"slot:{name}": incoming.slots[name] for name in store._slot_init}}
+        store._write_rows(dest, k, {name: col.to(store.device) for name, col in cols.items()})
+        store._size += n - k
+    if freed.numel() > k:
+        store._compact(freed[k:])
 
 
 def _remove_orphans(where: str) -> None:

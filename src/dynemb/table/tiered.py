@@ -23,10 +23,9 @@ import torch
 
 from . import budget
 from .checks import check_keys, check_int
-from .hashing import unique_by_hash
 from .kv import KeyValueTable
 from .rows import Rows
-from .slow import SlowStore
+from .slow import SlowStore, swap_rows
 
 __all__ = ["Tiers", "TieredTable"]
 
@@ -249,53 +248,38 @@ class TieredTable(KeyValueTable):
             self.index.rehash(self.row_keys[:n], torch.arange(n, device=self.device), max(cap, n))
 
     def _resident(self, keys: torch.Tensor, new_ok: bool = True, count: bool = True) -> None:
-        """Bring the rows of ``keys`` found in the slow tier up, first moving other rows down if the fast tier
-        would pass its budget (``new_ok``: counting room for the keys found in neither tier, which the call may
-        insert)."""
+        """Bring the rows of ``keys`` found in the slow tier up, moving other rows down if the fast tier would pass
+        its budget (``new_ok``: counting room for the keys stored in neither tier, which the call may insert)."""
         flat = check_keys(keys, self.key_dtype, self.device)
         if flat.numel() == 0:
             return
-        unique = unique_by_hash(flat)[0] if flat.numel() > 1 else flat
-        rows = self.index.find(unique)
+        rows = self.index.find(flat)  # duplicates are harmless: only the keys coming up must be unique
         hit = rows >= 0
-        absent = unique[~hit]
-        in_slow = self.slow.find(absent) if absent.numel() else absent.new_empty(0, dtype=torch.int64)
-        up = absent[(in_slow >= 0).to(absent.device)]
-        new = absent.numel() - up.numel() if new_ok else 0
-        n_hit = unique.numel() - absent.numel()
+        absent = flat[~hit]
+        up = absent[(self.slow.find(absent) >= 0).to(self.device)] if absent.numel() else absent
+        if up.numel() > 1:
+            up = torch.unique(up)
+        new = absent.numel() - up.numel()  # an upper bound when keys repeat: at worst a little more room is made
         if count:
-            self.hits["fast"] += n_hit
+            self.hits["fast"] += flat.numel() - absent.numel()
             self.hits["slow"] += up.numel()
-            self.hits["miss"] += absent.numel() - up.numel()
-        over = self._size + up.numel() + new - self.fast_capacity
-        if over > 0 and self._size > n_hit:
-            slack = int(self.fast_capacity * SLACK)
-            self._demote(min(over + slack, self._size - n_hit), rows[hit])
-        if up.numel():
-            self._promote(up)
+            self.hits["miss"] += new
+        over = self._size + up.numel() + (new if new_ok else 0) - self.fast_capacity
+        victims = rows[:0]
+        if over > 0:
+            victims = self._pick_victims(over + int(self.fast_capacity * SLACK), rows[hit])
+        if up.numel() or victims.numel():
+            self._move(victims, up)
 
     def _demote(self, n: int, pinned: torch.Tensor) -> None:
         """Move the ``n`` lowest-score fast rows not in ``pinned`` to the slow tier."""
-        victims = self._pick_victims(n, pinned)
-        if victims.numel() == 0:
-            return
-        taken = self._take(victims)
-        self.slow.put(taken, self._cols["version"].index_select(0, victims))
-        self.index.remove(self.index.find_slots(taken.keys))
-        self._compact(victims)
+        self._move(self._pick_victims(n, pinned), torch.empty(0, dtype=self.key_dtype, device=self.device))
 
-    def _promote(self, keys: torch.Tensor) -> None:
-        """Move ``keys`` (unique, all in the slow tier) to the fast tier with every column."""
-        rows, versions = self.slow.take(keys)
-        n, size = keys.numel(), self._size
-        self._reserve(size + n)
-        at = torch.arange(size, size + n, device=self.device)
-        self.index.insert(rows.keys.to(self.device), at)
-        cols = {"key": rows.keys, "value": rows.values, "score": rows.scores, "version": versions,
-                **{f"slot:{name}": rows.slots[name] for name in self.slot_names}}
-        for name, src in cols.items():
-            self._cols[name][size : size + n] = src.to(self.device, non_blocking=True)
-        self._size += n
+    def _move(self, victims: torch.Tensor, up: torch.Tensor) -> None:
+        """Fast rows ``victims`` go down, slow-tier ``up`` keys (unique) come up into the rows they free."""
+        down = self._take(victims)
+        rows, versions = self.slow.exchange(up, down, self._cols["version"].index_select(0, victims))
+        swap_rows(self, victims, rows, versions)
 
 
 def _resized(col: torch.Tensor, capacity: int, live: int) -> torch.Tensor:
