@@ -44,6 +44,8 @@ def prewarm(ec: EmbeddingCollection, w: Workload) -> None:
     for module in ec.embeddings.values():
         for chunk in ids.split(max(1, int(w.vocab * FAST_SHARE / 10))):
             module.table.find_or_insert(chunk)
+        if hasattr(module.table, "hits"):  # hit rates count training steps only
+            module.table.hits = dict.fromkeys(module.table.hits, 0)
 
 
 class AllInRam(Dynemb):
@@ -110,7 +112,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.quick:
-        w, repeat, warmup = Workload(2, 100_000, 64, 512, 20), args.repeat or 15, 10
+        w, repeat, warmup = Workload(2, 100_000, 64, 512, 20), args.repeat or 25, 10
     else:
         w, repeat, warmup = Workload(4, 1_000_000, 64, 2048, 20), args.repeat or 30, 20
     batches = make_batches(w, "zipf", count=warmup + repeat + 1)
