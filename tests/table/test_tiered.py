@@ -237,3 +237,34 @@ def test_gradients_reach_rows_moved_down_between_forward_and_backward(fused):
     tiered = run(Tiers(fast_capacity=8))
     assert tiered.slow.size() > 0
     assert_same_table(tiered, run(None))
+
+
+def test_serving_export_of_a_tiered_table_equals_the_untiered_one(tmp_path):
+    from dynemb.checkpoint import export_for_serving, read_export
+
+    tiered, flat = _collection(True), _collection(False)
+    for i in range(8):
+        _step(tiered, i), _step(flat, i)
+    export_for_serving(tmp_path / "tiered", tiered)
+    export_for_serving(tmp_path / "flat", flat)
+    _, a = read_export(tmp_path / "tiered")
+    _, b = read_export(tmp_path / "flat")
+    assert tiered.embeddings["user"].table.slow.size() > 0
+    for name in ("user", "item"):
+        oa, ob = torch.argsort(a[name]["keys"]), torch.argsort(b[name]["keys"])
+        assert torch.equal(a[name]["keys"][oa], b[name]["keys"][ob])
+        assert torch.equal(a[name]["values"][oa], b[name]["values"][ob])
+
+
+def test_erase_and_clear_reach_both_tiers_and_log_deletions():
+    t = TieredTable(2, tiers=Tiers(fast_capacity=4), seed=0)
+    t.track_deletions()
+    t.find_or_insert(torch.arange(8))
+    t.find_or_insert(torch.arange(8, 16))  # 0..7 move down
+    clock = t.clock
+    assert t.erase(torch.tensor([0, 1, 15, 99])) == 3 and t.size() == 13
+    assert t.clock == clock + 1
+    assert sorted(t.changes_since(clock)[1].tolist()) == [0, 1, 15]
+    t.clear()
+    assert t.size() == 0 and t.removed == 16 and t.slow.size() == 0
+    assert sorted(t.changes_since(clock)[1].tolist()) == list(range(16))  # 3 erased, then 13 cleared (both tiers)

@@ -135,7 +135,7 @@ class TieredTable(KeyValueTable):
     def erase(self, keys: torch.Tensor) -> int:
         """Remove keys from both tiers; returns the number removed (as one table: one clock tick if any)."""
         n_fast = super().erase(keys)
-        gone = self.slow.erase(keys)
+        gone = self.slow.erase(keys.to(self.slow.device)).to(self.device)
         if gone.numel():
             if n_fast == 0:
                 self.clock += 1
@@ -157,7 +157,7 @@ class TieredTable(KeyValueTable):
     def clear(self) -> None:
         super().clear()
         n = self.slow.size()
-        self._log_deleted(self.slow.row_keys[:n].clone())
+        self._log_deleted(self.slow.row_keys[:n].to(self.device, copy=True))
         self.removed += n
         self.slow.clear()
 
