@@ -268,3 +268,15 @@ def test_erase_and_clear_reach_both_tiers_and_log_deletions():
     t.clear()
     assert t.size() == 0 and t.removed == 16 and t.slow.size() == 0
     assert sorted(t.changes_since(clock)[1].tolist()) == list(range(16))  # 3 erased, then 13 cleared (both tiers)
+
+
+def test_the_fast_tier_shrinks_back_to_its_budget():
+    t = TieredTable(8, tiers=Tiers(fast_capacity=100), seed=0)
+    budget_bytes = t.stats()["tiers"]["fast"]["bytes"]
+    t.find_or_insert(torch.arange(1000))  # one call's rows all stay up: the fast tier grows past its budget
+    assert t.capacity >= 1000
+    t.find_or_insert(torch.arange(5))
+    assert t.capacity == 100 and t.stats()["tiers"]["fast"]["bytes"] == budget_bytes
+    rows = t.export()
+    t.replace(rows)  # a checkpoint load passes every row through the fast tier, then shrinks it
+    assert t.capacity == 100 and t.size() == 1000 and t.stats()["tiers"]["fast"]["bytes"] == budget_bytes

@@ -179,8 +179,7 @@ class TieredTable(KeyValueTable):
         (All of them pass through the fast tier's memory once.)"""
         super().replace(rows)  # checks every argument's form before anything changes
         self.slow.clear()
-        if self._size > self.fast_capacity:
-            self._demote(self._size - self.fast_capacity, torch.empty(0, dtype=torch.int64, device=self.device))
+        self._fit_fast()
 
     def prefetch(self, keys: torch.Tensor) -> None:
         """Bring the rows of ``keys`` (the next batch's, say) up from the slow tier now, making room for the keys
@@ -231,14 +230,15 @@ class TieredTable(KeyValueTable):
 
     # ------------------------------------------------------------------ moving rows
     def _fit_fast(self) -> None:
-        """Derive the fast tier's row budget from ``Tiers.fast_bytes`` and the columns it has now, move rows past
-        it down and size the columns and index to it exactly."""
-        if self.tiers.fast_bytes is None:
-            return
-        slots = {n: (self.slot(n).shape[1], self.slot(n).dtype) for n in self.slot_names}
-        per_row = budget.row_bytes(self.dim, self.dtype, self.key_dtype, slots)
-        cap = self.fast_capacity = budget.rows_for_bytes(self.tiers.fast_bytes, per_row, self.key_dtype,
-                                                         "Tiers.fast_bytes")
+        """Derive the fast tier's row budget (from ``Tiers.fast_bytes`` and the columns it has now, if given in
+        bytes), move rows past it down, and size the columns and index to it exactly (a call larger than the budget
+        or a checkpoint load grows them past it)."""
+        if self.tiers.fast_bytes is not None:
+            slots = {n: (self.slot(n).shape[1], self.slot(n).dtype) for n in self.slot_names}
+            per_row = budget.row_bytes(self.dim, self.dtype, self.key_dtype, slots)
+            self.fast_capacity = budget.rows_for_bytes(self.tiers.fast_bytes, per_row, self.key_dtype,
+                                                       "Tiers.fast_bytes")
+        cap = self.fast_capacity
         if getattr(self, "slow", None) is not None and self._size > cap:
             self._demote(self._size - cap, torch.empty(0, dtype=torch.int64, device=self.device))
         n = self._size
@@ -270,6 +270,8 @@ class TieredTable(KeyValueTable):
             victims = self._pick_victims(over + int(self.fast_capacity * SLACK), rows[hit])
         if up.numel() or victims.numel():
             self._move(victims, up)
+        if self.capacity > self.fast_capacity >= self._size:  # grown by an earlier call larger than the budget
+            self._fit_fast()
 
     def _demote(self, n: int, pinned: torch.Tensor) -> None:
         """Move the ``n`` lowest-score fast rows not in ``pinned`` to the slow tier."""
