@@ -23,14 +23,14 @@ def _where(slow: str, tmp_path) -> str:
 
 
 def _collection(tiered: bool, where: str = "host", optimizer=None) -> EmbeddingCollection:
-    """Two tables: int64 keys under lru with a fast tier of 40 rows, and int32 keys under lfu with a fast tier
-    given in bytes."""
+    """Two tables: int64 keys under lru with a fast tier of 40 rows, and int32 keys under lfu with admission (from
+    the second sighting) and a fast tier given in bytes."""
     opt = optimizer or dynemb.optim.Adagrad(lr=0.1)
     user = Tiers(fast_capacity=40, slow=where) if tiered else None
     item = Tiers(fast_bytes=4000, slow=where) if tiered else None
     tables = [TableConfig(name="user", dim=8, optimizer=opt, seed=1, tiers=user),
               TableConfig(name="item", dim=4, key_dtype=torch.int32, eviction="lfu", seed=2, tiers=item,
-                          optimizer=dynemb.optim.Adam(lr=0.05))]
+                          optimizer=dynemb.optim.Adam(lr=0.05), admission=2)]
     return EmbeddingCollection(tables, [FeatureConfig(name="user", table="user"),
                                         FeatureConfig(name="item", table="item", combiner="sum")])
 
