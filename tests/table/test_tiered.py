@@ -280,3 +280,34 @@ def test_the_fast_tier_shrinks_back_to_its_budget():
     rows = t.export()
     t.replace(rows)  # a checkpoint load passes every row through the fast tier, then shrinks it
     assert t.capacity == 100 and t.size() == 1000 and t.stats()["tiers"]["fast"]["bytes"] == budget_bytes
+
+
+def test_the_training_loop_prefetches_the_next_batch_and_trains_as_untiered(monkeypatch):
+    import dynemb.train
+    from dynemb.data import SyntheticClickLog
+    from dynemb.models import DLRM, dlrm_tables
+    from dynemb.train import Trainer, TrainConfig
+
+    data = SyntheticClickLog(num_categorical=2, num_dense=2, batch_size=64, seed=0)
+    cfg = TrainConfig(steps=12, dim=4, eval_every=12)
+
+    def run(tiers):
+        torch.manual_seed(0)
+        tables, features = dlrm_tables(data.categorical_names, 4, optimizer=dynemb.optim.Adagrad(lr=0.1, fused=True),
+                                       tiers=tiers)
+        model = DLRM(2, EmbeddingCollection(tables, features), 4)
+        history = Trainer(model, cfg).fit(data.batches("train"), [data.batch(0, "eval")], progress=False)
+        return model, history
+
+    tiered, a = run(Tiers(fast_capacity=50))
+    flat, b = run(None)
+    with monkeypatch.context() as m:
+        m.setattr(dynemb.train, "_ahead", lambda batches, prefetch: batches)
+        unprefetched, _ = run(Tiers(fast_capacity=50))
+    assert [r["loss"] for r in a.steps] == [r["loss"] for r in b.steps] and a.last_auc == b.last_auc
+    for name in data.categorical_names:
+        table = tiered.embeddings.embeddings[name].table
+        assert_same_table(table, flat.embeddings.embeddings[name].table)
+        assert table.slow.size() > 0
+        # with prefetch, the slow-tier hits left are the final evaluation's
+        assert table.hits["slow"] < unprefetched.embeddings.embeddings[name].table.hits["slow"]
