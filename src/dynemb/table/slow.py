@@ -76,9 +76,9 @@ class SlowStore(RowStore):
             self._finalizer = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self._files = 0
         self._init_storage(init_capacity)
-        for name in table.slot_names:
-            self.add_slot(name, table.slot(name).shape[1], table._slot_init[name], table.slot(name).dtype)
         self._cols = {name: self._placed(name, col) for name, col in self._cols.items()}
+        for name in table.slot_names:  # placed as they are added
+            self.add_slot(name, table.slot(name).shape[1], table._slot_init[name], table.slot(name).dtype)
 
     # ------------------------------------------------------------------ placement of columns
     def _placed(self, name: str, col: torch.Tensor) -> torch.Tensor:

@@ -117,18 +117,23 @@ class TieredTable(KeyValueTable):
         return super().find_rows(keys)
 
     def find(self, keys, *, out=None, update_scores=False):
+        """As :meth:`KeyValueTable.find` (a miss reads the initializer's row); stored rows come up first."""
         self._resident(keys, new_ok=False)
         return super().find(keys, out=out, update_scores=update_scores)
 
     def find_or_insert(self, keys, scores=None, counts=None):
+        """As :meth:`KeyValueTable.find_or_insert`: ``found`` is True for keys stored in either tier, whose rows
+        come up with their slots and scores (never re-initialized); the rows returned are fast-tier rows."""
         self._resident(keys)
         return super().find_or_insert(keys, scores, counts)
 
     def insert_or_assign(self, keys, values, scores=None) -> None:
+        """As :meth:`KeyValueTable.insert_or_assign` (a key stored in the slow tier is a hit: its slots stay)."""
         self._resident(keys)
         super().insert_or_assign(keys, values, scores)
 
     def accum(self, keys, old_values, new_values, exists) -> None:
+        """As :meth:`KeyValueTable.accum`; a key stored in either tier counts as present."""
         self._resident(keys)
         super().accum(keys, old_values, new_values, exists)
 
@@ -204,7 +209,7 @@ class TieredTable(KeyValueTable):
 
     def to(self, device):
         super().to(device)
-        if self.slow.pin != (self.device.type == "cuda"):
+        if self.slow.directory is None and self.slow.pin != (self.device.type == "cuda"):
             self.slow.pin = self.device.type == "cuda"
             self.slow._cols = {n: self.slow._placed(n, c) for n, c in self.slow._cols.items()}
         return self
