@@ -58,7 +58,7 @@ class Tiers:
     slow: Union[str, os.PathLike] = "host"
 
     def __post_init__(self):
-        check_int(self.fast_capacity, "Tiers.fast_capacity", minimum=1, allow_none=True)
+        check_int(self.fast_capacity, "Tiers.fast_capacity", minimum=1, maximum=2**31 - 1, allow_none=True)
         check_int(self.fast_bytes, "Tiers.fast_bytes", minimum=1, allow_none=True)
         if (self.fast_capacity is None) == (self.fast_bytes is None):
             got = "both" if self.fast_capacity is not None else "neither"
@@ -75,7 +75,8 @@ class TieredTable(KeyValueTable):
     it drops nothing: ``max_capacity`` is ``None`` and only ``erase``/``clear``/``evict``/``restrict`` remove rows.
 
     Args:
-        dim: as for :class:`KeyValueTable`, like every other keyword except ``max_capacity``/``max_bytes``.
+        dim: as for :class:`KeyValueTable`, like every other keyword except ``max_capacity``/``max_bytes`` (not
+            allowed) and ``init_capacity`` (the fast tier is allocated at its budget).
         tiers: a :class:`Tiers`: the fast tier's budget and where the slow tier lives.
 
     Example:
