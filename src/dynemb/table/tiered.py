@@ -222,7 +222,8 @@ class TieredTable(KeyValueTable):
 
     def stats(self) -> dict:
         """As :meth:`KeyValueTable.stats` (``size`` counts both tiers), plus ``tiers``: per tier ``rows``,
-        ``bytes`` and ``hit_rate`` (the share of distinct keys looked up that were found there), and ``where``."""
+        ``bytes`` and ``hit_rate`` (the share of the keys calls looked up that were found there; lookups pass each id
+        once per batch), and ``where``; ``miss_rate``: keys stored in neither tier."""
         stats = super().stats()
         looked = max(1, sum(self.hits.values()))
         fast_bytes = super().nbytes()
