@@ -107,8 +107,12 @@ class SlowStore(RowStore):
         self._cols[key] = self._placed(key, self._cols[key])
 
     def cast(self, dtype: torch.dtype) -> None:
-        super().cast(dtype)
-        self._cols["value"] = self._placed("value", self._cols["value"])
+        before = self._cols["value"]
+        super().cast(dtype)  # checks dtype; a converted copy in RAM, placed again below
+        if self._cols["value"] is not before:
+            self._cols["value"] = self._placed("value", self._cols["value"])
+            if getattr(before, "_dynemb_path", None) is not None:
+                os.unlink(before._dynemb_path)
 
     def close(self) -> None:
         """Drop every row and remove the store's files."""
