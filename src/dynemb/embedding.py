@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .functional.ops import register_table
-from .table import EvictionPolicy, KeyValueTable, Rows
+from .table import EvictionPolicy, KeyValueTable, Rows, TieredTable, Tiers
 from .table.admission import FrequencyAdmission
 from .table.static import StaticTable
 from .table.checks import VALUE_DTYPES, check_keys, check_rows_like
@@ -69,6 +69,10 @@ class DynamicEmbedding(_TableModule):
         device: device of the table (default CPU).
         init_capacity: rows allocated up front.
         max_capacity: most rows kept; beyond it the lowest-score rows are evicted. ``None``: unbounded.
+        max_bytes: the same bound in bytes (values, slots, scores and index; see :mod:`dynemb.table.budget`);
+            exclusive with ``max_capacity``.
+        tiers: a :class:`dynemb.table.Tiers` to keep rows past a fast-tier budget in host memory or on disk
+            instead of evicting them (a :class:`dynemb.table.TieredTable`); exclusive with the two bounds above.
         eviction: ``"lru"`` (default), ``"lfu"``, ``"epoch_lru"``, ``"epoch_lfu"`` or ``"custom"``; defines
             the scores used by eviction and :meth:`restrict`.
         on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows, before the table changes:
@@ -104,23 +108,16 @@ class DynamicEmbedding(_TableModule):
         on_evict: EvictHook | None = None,
         seed: int | None = None,
         admission: FrequencyAdmission | int | None = None,
+        max_bytes: int | None = None,
+        tiers: Tiers | None = None,
     ) -> None:
         super().__init__()
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
-        self.table = KeyValueTable(
-            dim,
-            key_dtype=key_dtype,
-            dtype=dtype,
-            device=device,
-            init_capacity=init_capacity,
-            max_capacity=max_capacity,
-            eviction=eviction,
-            initializer=initializer,
-            seed=seed,
-            on_evict=on_evict,
-            admission=admission,
-        )
+        kwargs = dict(key_dtype=key_dtype, dtype=dtype, device=device, init_capacity=init_capacity,
+                      max_capacity=max_capacity, max_bytes=max_bytes, eviction=eviction, initializer=initializer,
+                      seed=seed, on_evict=on_evict, admission=admission)
+        self.table = KeyValueTable(dim, **kwargs) if tiers is None else TieredTable(dim, tiers=tiers, **kwargs)
         register_table(self.table)
 
     # ------------------------------------------------------------------ properties

@@ -173,7 +173,10 @@ class Trainer:
                         self.rank == 0, log_every)
         start, samples = time.perf_counter(), 0
         remaining = None if cfg.steps is None else max(cfg.steps - self.step, 0)
-        for batch in itertools.islice(batches, remaining):
+        batches = itertools.islice(batches, remaining)
+        if any(hasattr(t, "prefetch") for t in model.embeddings.dynemb_tables()):  # tiered tables
+            batches = _ahead(batches, lambda b: model.embeddings.prefetch(model.sparse_inputs(b)))
+        for batch in batches:
             loss = self.loss_fn(model(batch), batch.labels)
             loss.backward()
             self.optimizer.step()
@@ -218,6 +221,17 @@ class Trainer:
         tables = self.model.embeddings.dynemb_tables()
         return {"rows": sum(t.size() for t in tables), "evicted": sum(getattr(t, "evicted", 0) for t in tables),
                 "table_bytes": sum(t.nbytes() for t in tables)}
+
+
+def _ahead(batches: Iterator[Batch], prefetch: Callable[[Batch], None]) -> Iterator[Batch]:
+    """``batches``, reading one ahead: when a step is done, the next batch goes to ``prefetch`` before it is
+    yielded (tiered tables bring its rows up; no result changes)."""
+    upcoming = next(batches, None)
+    while upcoming is not None:
+        current, upcoming = upcoming, next(batches, None)
+        yield current
+        if upcoming is not None:
+            prefetch(upcoming)
 
 
 def _progress(total: Optional[int], initial: int, progress: Optional[bool], enabled: bool, log_every: float):

@@ -20,7 +20,7 @@ from torch import nn
 from ..collection import EmbeddingCollection
 from ..collection.plan import TableShard, whole_table
 from ..embedding import DynamicEmbedding, StaticEmbedding
-from ..table import Rows
+from ..table import Rows, TieredTable
 from ..table.ops import gather_rows
 from .errors import CheckpointError
 
@@ -90,13 +90,22 @@ def columns(shard: TableShard, *, state: bool = True) -> dict[str, torch.Tensor]
     """The live rows of every column, keys in the user's keys (views where no key transform is needed); with
     ``state=False`` keys and values only (serving)."""
     table = shard.table
-    n = table.size()
-    cols = {KEYS: shard.user_keys(table.row_keys[:n]), VALUES: table.values[:n]}
+    live = _live_rows(table)
+    cols = {KEYS: shard.user_keys(live.keys), VALUES: live.values}
     if state:
-        cols[SCORES] = table.scores[:n]
-        cols.update({SLOT + s: table.slot(s)[:n] for s in table.slot_names})
+        cols[SCORES] = live.scores
+        cols.update({SLOT + s: live.slots[s] for s in table.slot_names})
         cols.update(admission_columns(table))
     return cols
+
+
+def _live_rows(table) -> Rows:
+    """Views of the live rows; a tiered table's are copies of both tiers, in the row order its ``changes_since``
+    counts (the file shows one table either way)."""
+    if isinstance(table, TieredTable):
+        return table.export()
+    n = table.size()
+    return Rows(table.row_keys[:n], table.values[:n], table.scores[:n], {s: table.slot(s)[:n] for s in table.slot_names})
 
 
 def admission_columns(table) -> dict[str, torch.Tensor]:

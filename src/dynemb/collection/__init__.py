@@ -12,9 +12,9 @@ module                  job
 """
 
 from .collection import EmbeddingCollection
-from .config import FeatureConfig, TableConfig
+from .config import FeatureConfig, TableConfig, split_max_bytes
 from .features import Bags, Jagged, PreparedFeature
 from .plan import ExecutionPlan, TableShard
 
-__all__ = ["EmbeddingCollection", "TableConfig", "FeatureConfig", "Bags", "Jagged", "PreparedFeature", "ExecutionPlan",
+__all__ = ["EmbeddingCollection", "TableConfig", "FeatureConfig", "split_max_bytes", "Bags", "Jagged", "PreparedFeature", "ExecutionPlan",
            "TableShard"]

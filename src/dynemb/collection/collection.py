@@ -142,6 +142,26 @@ class EmbeddingCollection(nn.Module):
         out = self.executor.forward(prepared, self.training)
         return {name: out[name] for name in features}
 
+    def prefetch(self, features) -> None:
+        """Bring the rows that ``features`` (the next batch, in any form :meth:`forward` takes) will read into the
+        fast tier of every tiered table (``TableConfig.tiers``) on this rank, so that the forward that reads them
+        finds them there. Other tables ignore it. Nothing is inserted and no result changes. Sharded: each rank
+        prefetches the ids of its own batch that it owns (not a collective).
+
+        Example:
+            >>> from dynemb.table import Tiers
+            >>> ec = EmbeddingCollection([TableConfig(name="t", dim=2, tiers=Tiers(fast_capacity=8))],
+            ...                          [FeatureConfig(name="f", table="t")])
+            >>> ec.prefetch({"f": torch.tensor([[1, 2]])})
+        """
+        prepared = prepare_features(as_feature_dict(features), {}, self.feature_configs, self.table_configs,
+                                    self._device, check_ranges=False)
+        for name, parts in prepared.items():
+            shard = self.plan[name]
+            if shard.module is not None and hasattr(shard.table, "prefetch"):
+                keys = torch.cat([p.ids for p in parts])
+                shard.table.prefetch(shard.shard_keys(keys[shard.owned(keys)]))
+
     def export(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys [N], values [N, D])`` of ``table`` on this rank, in the user's keys."""
         shard = self._shard(table)

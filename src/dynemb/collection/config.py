@@ -18,8 +18,10 @@ from ..table.admission import FrequencyAdmission
 from ..table.checks import KEY_DTYPES, VALUE_DTYPES, check_positive_int
 from ..table.initializers import InitializerSpec, resolve_initializer
 from ..table.policy import DEFAULT_BOUNDED, EvictionPolicy
+from ..table.tiered import Tiers
+from ..table.budget import row_bytes, split_bytes
 
-__all__ = ["TableConfig", "FeatureConfig", "check_name"]
+__all__ = ["TableConfig", "FeatureConfig", "check_name", "split_max_bytes"]
 
 _MAX_NAME = 200  # bytes of UTF-8: names become parts of file names and JSON keys
 
@@ -55,9 +57,14 @@ class TableConfig:
         dtype: value dtype (float32, float16, bfloat16).
         key_dtype: id dtype (int32 or int64); every value of the dtype is a valid id of a dynamic table.
         max_capacity: dynamic tables: most rows kept (per rank for row-sharded tables); ``None``: unbounded.
+        max_bytes: dynamic tables: the bound in bytes instead (values, slots, scores and index, per rank); see
+            :mod:`dynemb.table.budget`, and :func:`split_max_bytes` to share one budget among a collection's tables.
+        tiers: dynamic tables: a :class:`dynemb.table.Tiers` (fast-tier budget and where the slow tier lives);
+            rows past the budget move to host memory or disk instead of being evicted. Not with the two above.
         eviction: dynamic tables: an :class:`~dynemb.EvictionPolicy` or its name. ``None``: ``decayed_lfu``
-            when ``max_capacity`` is set (:data:`~dynemb.table.policy.DEFAULT_BOUNDED`, chosen by measurement:
-            see docs/tables.md), else lru (the scores then only order ``restrict``).
+            when the table is bounded (``max_capacity`` or ``max_bytes``;
+            :data:`~dynemb.table.policy.DEFAULT_BOUNDED`, chosen by measurement: see docs/tables.md), else lru
+            (the scores then only order ``restrict`` and which rows a tiered table moves down).
         admission: dynamic tables: a threshold (int >= 1) or :class:`~dynemb.table.FrequencyAdmission`.
         init_capacity: rows allocated up front (dynamic tables).
         seed: initializer seed (int >= 0); ``None`` draws one from torch's RNG when the collection is built.
@@ -86,6 +93,8 @@ class TableConfig:
     admission: Optional[Union[int, FrequencyAdmission]] = None
     init_capacity: int = 8192
     seed: Optional[int] = None
+    max_bytes: Optional[int] = None
+    tiers: Optional[Tiers] = None
 
     def __post_init__(self):
         check_name(self.name, "TableConfig.name")
@@ -94,6 +103,13 @@ class TableConfig:
         check_positive_int(self.vocabulary_size, f"{where}.vocabulary_size", allow_none=True)
         check_positive_int(self.max_capacity, f"{where}.max_capacity", allow_none=True)
         check_positive_int(self.init_capacity, f"{where}.init_capacity")
+        check_positive_int(self.max_bytes, f"{where}.max_bytes", allow_none=True)
+        if self.tiers is not None and not isinstance(self.tiers, Tiers):
+            raise TypeError(f"{where}.tiers must be None or a dynemb.table.Tiers, got {self.tiers!r}")
+        bounds = {k: v for k, v in (("max_capacity", self.max_capacity), ("max_bytes", self.max_bytes),
+                                    ("tiers", self.tiers)) if v is not None}
+        if len(bounds) > 1:
+            raise ValueError(f"{where}: give at most one of max_capacity, max_bytes and tiers, got {bounds}")
         check_positive_int(self.seed, f"{where}.seed", allow_none=True, minimum=0)
         if self.combiner not in COMBINERS:
             raise ValueError(f"{where}.combiner must be one of {COMBINERS}, got {self.combiner!r}")
@@ -105,7 +121,8 @@ class TableConfig:
             raise TypeError(f"{where}.optimizer must be a dynemb.optim optimizer spec, got {self.optimizer!r}")
         if self.optimizer is not None and self.optimizer.tables:
             raise ValueError(f"{where}.optimizer must be unbound (built without tables)")
-        if self.eviction is None and self.max_capacity is not None and not self.is_static:
+        bounded = self.max_capacity is not None or self.max_bytes is not None
+        if self.eviction is None and bounded and not self.is_static:
             object.__setattr__(self, "eviction", DEFAULT_BOUNDED)
         if self.eviction is not None:
             try:
@@ -115,8 +132,9 @@ class TableConfig:
                                  f"{[p.value for p in EvictionPolicy]}, got {self.eviction!r}") from None
         if self.admission is not None and not isinstance(self.admission, FrequencyAdmission):
             check_positive_int(self.admission, f"{where}.admission (a threshold)")
-        if self.is_static and (self.max_capacity, self.eviction, self.admission) != (None,) * 3:
-            raise ValueError(f"{where}: max_capacity/eviction/admission apply to dynamic tables only "
+        if self.is_static and (self.max_capacity, self.eviction, self.admission, self.max_bytes,
+                               self.tiers) != (None,) * 5:
+            raise ValueError(f"{where}: max_capacity/max_bytes/tiers/eviction/admission apply to dynamic tables only "
                              "(vocabulary_size=None)")
         resolve_initializer(self.initializer, f"{where}.initializer")
 
@@ -167,3 +185,30 @@ class FeatureConfig:
     @property
     def table_name(self) -> str:
         return self.table if isinstance(self.table, str) else self.table.name
+
+
+def split_max_bytes(tables: list[TableConfig], max_bytes: int) -> list[TableConfig]:
+    """One byte budget for a collection: the dynamic tables with no bound of their own (no ``max_capacity``,
+    ``max_bytes`` or ``tiers``) share ``max_bytes`` so that each can hold the same number of rows, counting values,
+    their optimizer's slots, scores and index (see :func:`dynemb.table.budget.split_bytes`). The others are
+    returned unchanged.
+
+    Raises:
+        ValueError: ``max_bytes`` is not a positive int, no table is left to share it, or it does not hold one row
+            of each.
+
+    Example:
+        >>> a, b = TableConfig(name="a", dim=4), TableConfig(name="b", dim=12)
+        >>> [t.max_bytes for t in split_max_bytes([a, b], 1 << 20)]
+        [431250, 617325]
+    """
+    check_positive_int(max_bytes, "max_bytes")
+    free = [t for t in tables if not t.is_static and (t.max_capacity, t.max_bytes, t.tiers) == (None,) * 3]
+    if not free:
+        raise ValueError("split_max_bytes: every table is static or has its own bound; none is left to share "
+                         f"max_bytes={max_bytes}")
+    slots = lambda t: {} if t.optimizer is None else {  # noqa: E731
+        k: (w, torch.float32) for k, (w, _) in t.optimizer.slot_widths(t.dim).items()}
+    shares = split_bytes(max_bytes, {t.name: (row_bytes(t.dim, t.dtype, t.key_dtype, slots(t)), t.key_dtype)
+                                     for t in free})
+    return [dataclasses.replace(t, max_bytes=shares[t.name]) if t.name in shares else t for t in tables]

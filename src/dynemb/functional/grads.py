@@ -47,12 +47,11 @@ def current_rows(table, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     (A static table's rows never move.)"""
     if isinstance(table, StaticTable):
         return rows
-    size = table.size()
+    size = table.live_rows()
     stale = (rows < 0) | (rows >= size)
     stale |= gather_rows(table.row_keys, rows.clamp(0, max(size - 1, 0))) != keys
-    if bool(stale.any()):
-        rows = rows.clone()
-        rows[stale] = table.index.find(keys[stale])
+    if bool(stale.any()):  # all keys at once: a tiered table brings rows moved down since back up, pinning the rest
+        rows = table.find_rows(keys)
     return rows
 
 

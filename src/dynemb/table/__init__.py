@@ -5,12 +5,15 @@ from .index import HashIndex
 from .initializers import Constant, Initializer, Normal, TruncatedNormal, Uniform, resolve_initializer
 from .policy import EvictionPolicy
 from .kv import KeyValueTable
+from .tiered import TieredTable, Tiers
 from .rows import EvictHook, Rows
 
 __all__ = [
     "HashIndex",
     "FrequencyAdmission",
     "KeyValueTable",
+    "TieredTable",
+    "Tiers",
     "Rows",
     "EvictHook",
     "EvictionPolicy",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.dispatch import Backend
+from . import budget
 from .admission import FrequencyAdmission
 from .checks import (
     KEY_DTYPES,
@@ -47,6 +48,9 @@ class KeyValueTable(RowStore):
         device: where rows and the index live (default: CPU).
         init_capacity: rows to allocate up front; the table grows past it.
         max_capacity: bound on the number of rows; past it the lowest-score rows are evicted. ``None``: unbounded.
+        max_bytes: bound in bytes instead of rows (not both): values, slots, scores, version stamps and the index
+            never take more (see :mod:`dynemb.table.budget`); the row bound it gives is ``max_capacity``, and is
+            recomputed when a slot is added or the values are cast.
         eviction: an :class:`EvictionPolicy` (or its name) defining scores; default ``lru``.
         half_life: ``decayed_lfu`` only: clock ticks (about one per batch of lookups) in which an access's weight
             halves; default :data:`~dynemb.table.policy.DEFAULT_HALF_LIFE`.
@@ -80,6 +84,7 @@ class KeyValueTable(RowStore):
         device: torch.device | str | None = None,
         init_capacity: int = 8192,
         max_capacity: int | None = None,
+        max_bytes: int | None = None,
         eviction: EvictionPolicy | str | None = None,
         half_life: int = DEFAULT_HALF_LIFE,
         initializer: InitializerSpec = "uniform",
@@ -94,6 +99,12 @@ class KeyValueTable(RowStore):
         self.device = resolve_device(device)
         check_int(init_capacity, "init_capacity", minimum=1)
         self.max_capacity = check_int(max_capacity, "max_capacity", minimum=1, maximum=_INT32_MAX, allow_none=True)
+        self.max_bytes = check_int(max_bytes, "max_bytes", minimum=1, allow_none=True)
+        if max_bytes is not None:
+            if max_capacity is not None:
+                raise ValueError(f"give max_capacity or max_bytes, not both (got {max_capacity} and {max_bytes})")
+            per_row = budget.row_bytes(self.dim, self.dtype, self.key_dtype, {})
+            self.max_capacity = min(budget.rows_for_bytes(max_bytes, per_row, self.key_dtype), _INT32_MAX)
         self.policy = EvictionPolicy.parse(eviction)
         self.half_life = check_int(half_life, "half_life", minimum=1)
         self.initializer = resolve_initializer(initializer)
@@ -361,7 +372,7 @@ class KeyValueTable(RowStore):
         trigger = num_reserved if trigger is None else check_int(trigger, "trigger", minimum=0)
         if trigger < num_reserved:
             raise ValueError(f"trigger must be >= num_reserved ({num_reserved}), got {trigger}")
-        excess = self._size - num_reserved if self._size > trigger else 0
+        excess = self.size() - num_reserved if self.size() > trigger else 0
         return self.evict(excess)
 
     def clear(self) -> None:
@@ -400,6 +411,16 @@ class KeyValueTable(RowStore):
         self.inserted, self.removed, self.evicted = n, 0, 0
 
     # ------------------------------------------------------------------ internals
+    def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
+        super().add_slot(name, dim, init, dtype)
+        if self.max_bytes is not None:
+            budget.fit(self)
+
+    def cast(self, dtype: torch.dtype) -> None:
+        super().cast(dtype)
+        if self.max_bytes is not None:
+            budget.fit(self)
+
     def _new_counter(self, max_tracked: int) -> "KeyValueTable":
         """The table an admission filter counts candidates in: lfu scores are the counts, values are unused."""
         return KeyValueTable(1, key_dtype=self.key_dtype, device=self.device, eviction="lfu", initializer="zeros",

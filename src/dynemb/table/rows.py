@@ -91,6 +91,11 @@ class RowStore(ChangeLog, RowColumns):
     def __len__(self) -> int:
         return self._size
 
+    def live_rows(self) -> int:
+        """Rows ``0 .. live_rows()-1`` of the columns hold keys: ``size()``, unless some rows live elsewhere (a
+        tiered table's slow tier)."""
+        return self._size
+
     def nbytes(self) -> int:
         """Bytes held by the index and every column (allocated capacity, not just live rows)."""
         return self.index.nbytes() + sum(t.numel() * t.element_size() for t in self._cols.values())
@@ -147,13 +152,18 @@ class RowStore(ChangeLog, RowColumns):
                 new_cap = min(new_cap, self.max_capacity)
             size = self._size
             for name, col in self._cols.items():
-                fresh = col.new_empty((new_cap,) + tuple(col.shape[1:]))
+                fresh = self._new_column(name, col, new_cap)
                 fresh[:size] = col[:size]
                 self._cols[name] = fresh
         if self.index.needs_rehash(n):
             # Sized for n: bucket counts are powers of two, so this at least doubles the index (load just over
             # MAX_LOAD / 2 after a rehash for growth) without over-allocating it.
             self.index.rehash(self.row_keys[: self._size], torch.arange(self._size, device=self.device), n)
+
+    def _new_column(self, name: str, col: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Storage for column ``name`` grown to ``capacity`` rows (a slow tier places it in pinned memory or a
+        file)."""
+        return col.new_empty((capacity,) + tuple(col.shape[1:]))
 
     def _load(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, slots: dict) -> None:
         """Hold exactly ``keys [N]`` (unique, checked) with their columns, in that row order."""

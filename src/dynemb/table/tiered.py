@@ -1,0 +1,304 @@
+"""TieredTable: a fast tier (device memory or RAM) caching a slow tier (host memory or row files on disk).
+
+The fast tier is the table's own rows, index and columns (a :class:`KeyValueTable` with no row bound); the slow
+tier is a :class:`~dynemb.table.slow.SlowStore`. Before each operation the keys it names are made resident: keys
+found in the slow tier move up with their values, optimizer slots, score and version stamp (never re-initialized),
+and when the fast tier would pass its budget the lowest-score rows not named by the call move down. Then the
+ordinary operation runs on the fast tier. Moving rows between tiers changes no value, slot, score, counter or the
+clock, so results equal those of one untiered table, bit for bit; only ``export``'s row order differs.
+
+The fast tier's budget is soft in one way: the rows of a single call all stay resident (an optimizer updates them
+in place afterwards), so a call with more distinct keys than the budget leaves the fast tier over it until the next
+call. When it is over, rows move down in chunks (to ``1 - SLACK`` of the budget) so that the score scan that picks
+them runs once per many calls, not once per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional, Union
+
+import torch
+
+from . import budget
+from .checks import check_keys, check_int
+from .kv import KeyValueTable
+from .rows import Rows
+from .slow import SlowStore, swap_rows
+
+__all__ = ["Tiers", "TieredTable"]
+
+#: fraction of the fast tier freed at once when it is over budget
+SLACK = 1 / 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tiers:
+    """Where a tiered table keeps its rows: a fast tier of bounded size over an unbounded slow tier.
+
+    Attributes:
+        fast_capacity: rows kept in the fast tier (the table's device); exclusive with ``fast_bytes``.
+        fast_bytes: the fast tier's budget in bytes instead (values, slots, scores, version stamps and index,
+            see :mod:`dynemb.table.budget`).
+        slow: ``"host"``: host memory (pinned when the fast tier is on CUDA); or a directory where the slow tier
+            keeps memory-mapped row files (a private subdirectory, removed with the table).
+
+    Example:
+        >>> Tiers(fast_capacity=1000, slow="host").slow
+        'host'
+        >>> Tiers(slow="host")
+        Traceback (most recent call last):
+        ...
+        ValueError: Tiers needs fast_capacity (rows) or fast_bytes, got neither
+    """
+
+    fast_capacity: Optional[int] = None
+    fast_bytes: Optional[int] = None
+    slow: Union[str, os.PathLike] = "host"
+
+    def __post_init__(self):
+        check_int(self.fast_capacity, "Tiers.fast_capacity", minimum=1, maximum=2**31 - 1, allow_none=True)
+        check_int(self.fast_bytes, "Tiers.fast_bytes", minimum=1, allow_none=True)
+        if (self.fast_capacity is None) == (self.fast_bytes is None):
+            got = "both" if self.fast_capacity is not None else "neither"
+            raise ValueError(f"Tiers needs fast_capacity (rows) or fast_bytes, got {got}")
+        if not isinstance(self.slow, (str, os.PathLike)) or self.slow == "":
+            raise ValueError(f"Tiers.slow must be 'host' or a directory path, got {self.slow!r}")
+
+
+class TieredTable(KeyValueTable):
+    """A :class:`KeyValueTable` whose rows beyond a fast-tier budget live in a slow tier, invisibly.
+
+    Every operation (find, find_or_insert, insert_or_assign, accum, erase, export, replace) sees one table of
+    ``size()`` rows; the row ids it returns are fast-tier rows, valid until the next call. Unlike a bounded table
+    it drops nothing: ``max_capacity`` is ``None`` and only ``erase``/``clear``/``evict``/``restrict`` remove rows.
+
+    Args:
+        dim: as for :class:`KeyValueTable`, like every other keyword except ``max_capacity``/``max_bytes`` (not
+            allowed) and ``init_capacity`` (the fast tier is allocated at its budget).
+        tiers: a :class:`Tiers`: the fast tier's budget and where the slow tier lives.
+
+    Example:
+        >>> t = TieredTable(2, tiers=Tiers(fast_capacity=2), initializer="zeros")
+        >>> t.insert_or_assign(torch.tensor([0, 1]), torch.tensor([[0.0, 1.0], [2.0, 3.0]]))
+        >>> t.insert_or_assign(torch.tensor([2, 3]), torch.ones(2, 2))  # 0 and 1 move down to make room
+        >>> t.stats()["tiers"]["fast"]["rows"], t.stats()["tiers"]["slow"]["rows"], t.size()
+        (2, 2, 4)
+        >>> t.find(torch.tensor([0, 9]))[0].tolist()  # key 0 comes back from the slow tier
+        [[0.0, 1.0], [0.0, 0.0]]
+    """
+
+    def __init__(self, dim: int, *, tiers: Tiers, **kwargs) -> None:
+        if not isinstance(tiers, Tiers):
+            raise TypeError(f"tiers must be a dynemb.table.Tiers, got {tiers!r}")
+        for bound in ("max_capacity", "max_bytes"):
+            if kwargs.get(bound) is not None:
+                raise ValueError(f"a tiered table keeps every row: give the fast tier's budget in tiers, not "
+                                 f"{bound}={kwargs[bound]}")
+        self.tiers = tiers
+        self.fast_capacity = tiers.fast_capacity or 1
+        # The fast tier is allocated at its budget once (doubling growth would overshoot a byte budget).
+        super().__init__(dim, **{**kwargs, "init_capacity": self.fast_capacity})
+        self._fit_fast()
+        self.slow = SlowStore(self, tiers.slow, pin=self.device.type == "cuda")
+        self.hits = {"fast": 0, "slow": 0, "miss": 0}
+
+    # ------------------------------------------------------------------ one table
+    def size(self) -> int:
+        """Rows in both tiers."""
+        return self._size + self.slow.size()
+
+    def __len__(self) -> int:
+        return self.size()
+
+    def find_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """As :meth:`KeyValueTable.find_rows`, after bringing ``keys`` found in the slow tier up."""
+        self._resident(keys, new_ok=False)
+        return super().find_rows(keys)
+
+    def find(self, keys, *, out=None, update_scores=False):
+        """As :meth:`KeyValueTable.find` (a miss reads the initializer's row); stored rows come up first."""
+        self._resident(keys, new_ok=False)
+        return super().find(keys, out=out, update_scores=update_scores)
+
+    def find_or_insert(self, keys, scores=None, counts=None):
+        """As :meth:`KeyValueTable.find_or_insert`: ``found`` is True for keys stored in either tier, whose rows
+        come up with their slots and scores (never re-initialized); the rows returned are fast-tier rows."""
+        self._resident(keys)
+        return super().find_or_insert(keys, scores, counts)
+
+    def insert_or_assign(self, keys, values, scores=None) -> None:
+        """As :meth:`KeyValueTable.insert_or_assign` (a key stored in the slow tier is a hit: its slots stay)."""
+        self._resident(keys)
+        super().insert_or_assign(keys, values, scores)
+
+    def accum(self, keys, old_values, new_values, exists) -> None:
+        """As :meth:`KeyValueTable.accum`; a key stored in either tier counts as present."""
+        self._resident(keys)
+        super().accum(keys, old_values, new_values, exists)
+
+    def erase(self, keys: torch.Tensor) -> int:
+        """Remove keys from both tiers; returns the number removed (as one table: one clock tick if any)."""
+        n_fast = super().erase(keys)
+        gone = self.slow.erase(keys.to(self.slow.device)).to(self.device)
+        if gone.numel():
+            if n_fast == 0:
+                self.clock += 1
+            self._log_deleted(gone)
+            self.removed += gone.numel()
+        return n_fast + gone.numel()
+
+    def evict(self, n: int) -> Rows:
+        """Evict the ``n`` lowest-score rows of the whole table (both tiers); reported to ``on_evict``."""
+        check_int(n, "n", minimum=0)
+        n = min(n, self.size())
+        if self.slow.size() and n:  # the n lowest of both tiers come up (pinned there); then the fast tier's n go
+            m = self.slow.size()
+            scores = torch.cat([self.scores[: self._size], self.slow.scores[:m].to(self.device)])
+            keys = torch.cat([self.row_keys[: self._size], self.slow.row_keys[:m].to(self.device)])
+            self._resident(keys.index_select(0, torch.topk(scores, n, largest=False).indices), new_ok=False)
+        return super().evict(n)
+
+    def clear(self) -> None:
+        super().clear()
+        n = self.slow.size()
+        self._log_deleted(self.slow.row_keys[:n].to(self.device, copy=True))
+        self.removed += n
+        self.slow.clear()
+
+    def export(self) -> Rows:
+        """Copies of every row: the fast tier's, then the slow tier's (see :meth:`changes_since`)."""
+        fast = super().export()
+        slow, _ = self.slow.export()
+        return _concat(fast, slow)
+
+    def changes_since(self, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`KeyValueTable.changes_since`, rows counted in :meth:`export`'s order (fast, then slow)."""
+        rows, deleted = super().changes_since(version)
+        n = self.slow.size()
+        slow_rows = (self.slow._cols["version"][:n] > version).nonzero().squeeze(1).to(rows.device)
+        return torch.cat([rows, slow_rows + self._size]), deleted
+
+    def replace(self, rows: Rows) -> None:
+        """Hold exactly ``rows``; the lowest-score ones past the fast tier's budget then move to the slow tier.
+        (All of them pass through the fast tier's memory once.)"""
+        super().replace(rows)  # checks every argument's form before anything changes
+        self.slow.clear()
+        self._fit_fast()
+
+    def prefetch(self, keys: torch.Tensor) -> None:
+        """Bring the rows of ``keys`` (the next batch's, say) up from the slow tier now, making room for the keys
+        stored in neither tier as well, so that the call that names them next finds them in the fast tier. Changes
+        no row, score, counter or the clock, and is not counted in the hit rates.
+
+        Shape: ``keys`` any shape, dtype ``key_dtype``.
+        """
+        self._resident(keys, count=False)
+
+    # ------------------------------------------------------------------ layout changes reach both tiers
+    def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
+        super().add_slot(name, dim, init, dtype)
+        if getattr(self, "slow", None) is not None:
+            self.slow.add_slot(name, dim, init, dtype)
+            self._fit_fast()
+
+    def cast(self, dtype: torch.dtype) -> None:
+        super().cast(dtype)
+        self.slow.cast(dtype)
+        self._fit_fast()
+
+    def to(self, device):
+        super().to(device)
+        if self.slow.directory is None and self.slow.pin != (self.device.type == "cuda"):
+            self.slow.pin = self.device.type == "cuda"
+            self.slow._cols = {n: self.slow._placed(n, c) for n, c in self.slow._cols.items()}
+        return self
+
+    # ------------------------------------------------------------------ stats
+    def nbytes(self) -> int:
+        """Bytes of both tiers (see ``stats()["tiers"]`` for each)."""
+        return super().nbytes() + self.slow.nbytes()
+
+    def stats(self) -> dict:
+        """As :meth:`KeyValueTable.stats` (``size`` counts both tiers), plus ``tiers``: per tier ``rows``,
+        ``bytes`` and ``hit_rate`` (the share of the keys calls looked up that were found there; lookups pass each id
+        once per batch), and ``where``; ``miss_rate``: keys stored in neither tier."""
+        stats = super().stats()
+        looked = max(1, sum(self.hits.values()))
+        fast_bytes = super().nbytes()
+        stats.update(size=self.size(), bytes=fast_bytes + self.slow.nbytes(), tiers={
+            "fast": {"rows": self._size, "bytes": fast_bytes, "capacity": self.fast_capacity,
+                     "hit_rate": self.hits["fast"] / looked, "where": str(self.device)},
+            "slow": {"rows": self.slow.size(), "bytes": self.slow.nbytes(), "hit_rate": self.hits["slow"] / looked,
+                     "where": "host" if self.slow.directory is None else self.slow.directory},
+            "miss_rate": self.hits["miss"] / looked})
+        return stats
+
+    # ------------------------------------------------------------------ moving rows
+    def _fit_fast(self) -> None:
+        """Derive the fast tier's row budget (from ``Tiers.fast_bytes`` and the columns it has now, if given in
+        bytes), move rows past it down, and size the columns and index to it exactly (a call larger than the budget
+        or a checkpoint load grows them past it)."""
+        if self.tiers.fast_bytes is not None:
+            slots = {n: (self.slot(n).shape[1], self.slot(n).dtype) for n in self.slot_names}
+            per_row = budget.row_bytes(self.dim, self.dtype, self.key_dtype, slots)
+            self.fast_capacity = budget.rows_for_bytes(self.tiers.fast_bytes, per_row, self.key_dtype,
+                                                       "Tiers.fast_bytes")
+        cap = self.fast_capacity
+        if getattr(self, "slow", None) is not None and self._size > cap:
+            self._demote(self._size - cap, torch.empty(0, dtype=torch.int64, device=self.device))
+        n = self._size
+        if self.capacity != max(cap, n):
+            self._cols = {name: _resized(col, max(cap, n), n) for name, col in self._cols.items()}
+        if self.index.num_buckets != self.index.buckets_for(max(cap, n)):
+            self.index.rehash(self.row_keys[:n], torch.arange(n, device=self.device), max(cap, n))
+
+    def _resident(self, keys: torch.Tensor, new_ok: bool = True, count: bool = True) -> None:
+        """Bring the rows of ``keys`` found in the slow tier up, moving other rows down if the fast tier would pass
+        its budget (``new_ok``: counting room for the keys stored in neither tier, which the call may insert)."""
+        flat = check_keys(keys, self.key_dtype, self.device)
+        if flat.numel() == 0:
+            return
+        rows = self.index.find(flat)  # duplicates are harmless: only the keys coming up must be unique
+        hit = rows >= 0
+        absent = flat[~hit]
+        up = absent[(self.slow.find(absent) >= 0).to(self.device)] if absent.numel() else absent
+        if up.numel() > 1:
+            up = torch.unique(up)
+        new = absent.numel() - up.numel()  # an upper bound when keys repeat: at worst a little more room is made
+        if count:
+            self.hits["fast"] += flat.numel() - absent.numel()
+            self.hits["slow"] += up.numel()
+            self.hits["miss"] += new
+        over = self._size + up.numel() + (new if new_ok else 0) - self.fast_capacity
+        victims = rows[:0]
+        if over > 0:
+            victims = self._pick_victims(over + int(self.fast_capacity * SLACK), rows[hit])
+        if up.numel() or victims.numel():
+            self._move(victims, up)
+        if self.capacity > self.fast_capacity >= self._size:  # grown by an earlier call larger than the budget
+            self._fit_fast()
+
+    def _demote(self, n: int, pinned: torch.Tensor) -> None:
+        """Move the ``n`` lowest-score fast rows not in ``pinned`` to the slow tier."""
+        self._move(self._pick_victims(n, pinned), torch.empty(0, dtype=self.key_dtype, device=self.device))
+
+    def _move(self, victims: torch.Tensor, up: torch.Tensor) -> None:
+        """Fast rows ``victims`` go down, slow-tier ``up`` keys (unique) come up into the rows they free."""
+        down = self._take(victims)
+        rows, versions = self.slow.exchange(up, down, self._cols["version"].index_select(0, victims))
+        swap_rows(self, victims, rows, versions)
+
+
+def _resized(col: torch.Tensor, capacity: int, live: int) -> torch.Tensor:
+    fresh = col.new_empty((capacity,) + tuple(col.shape[1:]))
+    fresh[:live] = col[:live]
+    return fresh
+
+
+def _concat(a: Rows, b: Rows) -> Rows:
+    dev = a.keys.device
+    return Rows(torch.cat([a.keys, b.keys.to(dev)]), torch.cat([a.values, b.values.to(dev)]),
+                torch.cat([a.scores, b.scores.to(dev)]), {n: torch.cat([a.slots[n], b.slots[n].to(dev)])
+                                                          for n in a.slots})

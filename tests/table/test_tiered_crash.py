@@ -1,0 +1,94 @@
+"""A process training a tiered table (slow tier on disk) is SIGKILLed in the middle of a write-back to the slow
+tier; reloading its last checkpoint loses no row: the table equals an untiered run of the same steps, bit for bit.
+The dead process's row files are removed by the next table opened under the same path."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+import dynemb
+from dynemb.checkpoint import load, save
+from dynemb.table import Tiers
+
+CHECKPOINT_STEP = 8
+CHILD = r"""
+import os, sys, time
+import torch, dynemb
+from dynemb.checkpoint import save
+from dynemb.table import Tiers
+from dynemb.table.slow import SlowStore
+sys.path.insert(0, {here!r})
+from test_tiered_crash import build, step
+
+root, marker = sys.argv[1], sys.argv[2]
+emb, opt = build(Tiers(fast_capacity=32, slow=os.path.join(root, "slow")))
+for i in range({steps}):
+    step(emb, opt, i)
+save(os.path.join(root, "ckpt"), emb, step={steps})
+exchange = SlowStore.exchange
+def slow_exchange(self, keys, rows, versions):  # a write-back: write half the rows going down, then hang
+    if rows is not None and rows.keys.numel() > 1:
+        half = rows.keys.numel() // 2
+        exchange(self, keys[:0], type(rows)(rows.keys[:half], rows.values[:half], rows.scores[:half],
+                                            {{k: v[:half] for k, v in rows.slots.items()}}), versions[:half])
+        open(marker, "w").close()
+        time.sleep(120)
+    return exchange(self, keys, rows, versions)
+SlowStore.exchange = slow_exchange
+for i in range({steps}, 10 * {steps}):
+    step(emb, opt, i)
+"""
+
+
+def build(tiers):
+    emb = dynemb.DynamicEmbedding(8, seed=5, tiers=tiers)
+    return emb, dynemb.optim.Adagrad([emb], lr=0.2)
+
+
+def step(emb, opt, i: int) -> None:
+    g = torch.Generator().manual_seed(i)
+    emb((torch.rand(64, generator=g) ** 2 * 400).long()).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_a_process_killed_during_a_write_back_loses_no_row(tmp_path):
+    marker = tmp_path / "writing"
+    code = CHILD.format(here=os.path.dirname(__file__), steps=CHECKPOINT_STEP)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(marker)], env=env,
+                             stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert child.poll() is None, f"the child died first: {child.stderr.read().decode()}"
+            assert time.monotonic() < deadline, "the child never reached a write-back"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    (orphan,) = os.listdir(tmp_path / "slow")  # the dead process's row files are still there
+
+    reference, opt = build(None)
+    for i in range(CHECKPOINT_STEP):
+        step(reference, opt, i)
+    save(tmp_path / "reference", reference, step=CHECKPOINT_STEP)  # saving ticks the clock, as in the child
+
+    restored, _ = build(Tiers(fast_capacity=32, slow=str(tmp_path / "slow")))
+    assert orphan not in os.listdir(tmp_path / "slow"), "the next table removes a dead process's files"
+    load(tmp_path / "ckpt", restored)
+    assert restored.table.slow.size() > 0 and restored.table.size() == reference.table.size() > 32
+    a, b = restored.table.export(), reference.table.export()
+    oa, ob = torch.argsort(a.keys), torch.argsort(b.keys)
+    assert torch.equal(a.keys[oa], b.keys[ob]) and torch.equal(a.values[oa], b.values[ob])
+    assert torch.equal(a.scores[oa], b.scores[ob])
+    assert all(torch.equal(a.slots[n][oa], b.slots[n][ob]) for n in a.slots)
+    assert restored.table.clock == reference.table.clock
