@@ -12,6 +12,7 @@ from .table.static import StaticTable
 from .table.checks import VALUE_DTYPES, check_keys, check_rows_like
 from .table.initializers import InitializerSpec
 from .table import EvictHook
+from .table.policy import DEFAULT_HALF_LIFE
 
 __all__ = ["DynamicEmbedding", "StaticEmbedding"]
 
@@ -73,8 +74,10 @@ class DynamicEmbedding(_TableModule):
             exclusive with ``max_capacity``.
         tiers: a :class:`dynemb.table.Tiers` to keep rows past a fast-tier budget in host memory or on disk
             instead of evicting them (a :class:`dynemb.table.TieredTable`); exclusive with the two bounds above.
-        eviction: ``"lru"`` (default), ``"lfu"``, ``"epoch_lru"``, ``"epoch_lfu"`` or ``"custom"``; defines
-            the scores used by eviction and :meth:`restrict`.
+        eviction: ``"lru"`` (default), ``"lfu"``, ``"decayed_lfu"``, ``"epoch_lru"``, ``"epoch_lfu"`` or
+            ``"custom"``; defines the scores used by eviction and :meth:`restrict` (docs/tables.md compares them).
+        half_life: ``decayed_lfu`` only: clock ticks (about one per training step) in which an access's weight
+            halves.
         on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows, before the table changes:
             if it raises, the call leaves the table as it was and the exception propagates.
         seed: initializer seed; ``None`` draws one from torch's global RNG (so ``torch.manual_seed`` fixes it).
@@ -110,13 +113,14 @@ class DynamicEmbedding(_TableModule):
         admission: FrequencyAdmission | int | None = None,
         max_bytes: int | None = None,
         tiers: Tiers | None = None,
+        half_life: int = DEFAULT_HALF_LIFE,
     ) -> None:
         super().__init__()
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         kwargs = dict(key_dtype=key_dtype, dtype=dtype, device=device, init_capacity=init_capacity,
                       max_capacity=max_capacity, max_bytes=max_bytes, eviction=eviction, initializer=initializer,
-                      seed=seed, on_evict=on_evict, admission=admission)
+                      half_life=half_life, seed=seed, on_evict=on_evict, admission=admission)
         self.table = KeyValueTable(dim, **kwargs) if tiers is None else TieredTable(dim, tiers=tiers, **kwargs)
         register_table(self.table)
 
@@ -214,6 +218,7 @@ class DynamicEmbedding(_TableModule):
             "dtype": str(t.dtype),
             "max_capacity": t.max_capacity,
             "eviction": t.policy.value,
+            "half_life": t.half_life,
             "initializer": t.initializer.describe(),
             "seed": t.seed,
             "slots": {name: list(t.slot(name).shape[1:]) for name in t.slot_names},

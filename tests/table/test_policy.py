@@ -270,3 +270,16 @@ def test_bounded_table_config_gets_the_measured_default():
     assert TableConfig(name="t", dim=2).eviction is None  # unbounded: nothing is evicted, the table's lru
     assert TableConfig(name="t", dim=2, vocabulary_size=5).eviction is None  # static tables have no policy
     assert set(EVICTIONS) == {p.value for p in EvictionPolicy} - {"custom"}  # the CLI offers every policy
+
+
+def test_half_life_is_configured_through_table_config_and_module():
+    import dynemb
+    from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+
+    ec = EmbeddingCollection([TableConfig(name="u", dim=2, max_capacity=8, half_life=4)],
+                             [FeatureConfig(name="u", table="u")])
+    table = ec.embeddings["u"].table
+    assert (table.policy.value, table.half_life) == ("decayed_lfu", 4)
+    assert dynemb.DynamicEmbedding(2, eviction="decayed_lfu", half_life=3).config()["half_life"] == 3
+    with pytest.raises(ValueError, match="half_life"):
+        TableConfig(name="u", dim=2, half_life=0)

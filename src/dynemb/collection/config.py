@@ -17,7 +17,7 @@ from ..optim.base import SparseOptimizer
 from ..table.admission import FrequencyAdmission
 from ..table.checks import KEY_DTYPES, VALUE_DTYPES, check_positive_int
 from ..table.initializers import InitializerSpec, resolve_initializer
-from ..table.policy import DEFAULT_BOUNDED, EvictionPolicy
+from ..table.policy import DEFAULT_BOUNDED, DEFAULT_HALF_LIFE, EvictionPolicy
 from ..table.tiered import Tiers
 from ..table.budget import row_bytes, split_bytes
 
@@ -65,6 +65,8 @@ class TableConfig:
             when the table is bounded (``max_capacity`` or ``max_bytes``;
             :data:`~dynemb.table.policy.DEFAULT_BOUNDED`, chosen by measurement: see docs/tables.md), else lru
             (the scores then only order ``restrict`` and which rows a tiered table moves down).
+        half_life: ``decayed_lfu`` tables: clock ticks (about one per training step) in which an access's weight
+            halves (default 16, measured: see docs/tables.md).
         admission: dynamic tables: a threshold (int >= 1) or :class:`~dynemb.table.FrequencyAdmission`.
         init_capacity: rows allocated up front (dynamic tables).
         seed: initializer seed (int >= 0); ``None`` draws one from torch's RNG when the collection is built.
@@ -95,6 +97,7 @@ class TableConfig:
     seed: Optional[int] = None
     max_bytes: Optional[int] = None
     tiers: Optional[Tiers] = None
+    half_life: int = DEFAULT_HALF_LIFE
 
     def __post_init__(self):
         check_name(self.name, "TableConfig.name")
@@ -104,6 +107,7 @@ class TableConfig:
         check_positive_int(self.max_capacity, f"{where}.max_capacity", allow_none=True)
         check_positive_int(self.init_capacity, f"{where}.init_capacity")
         check_positive_int(self.max_bytes, f"{where}.max_bytes", allow_none=True)
+        check_positive_int(self.half_life, f"{where}.half_life")
         if self.tiers is not None and not isinstance(self.tiers, Tiers):
             raise TypeError(f"{where}.tiers must be None or a dynemb.table.Tiers, got {self.tiers!r}")
         bounds = {k: v for k, v in (("max_capacity", self.max_capacity), ("max_bytes", self.max_bytes),

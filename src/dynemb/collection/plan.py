@@ -26,6 +26,7 @@ import torch
 from ..distributed.plan import Sharding, ShardingKind
 from ..embedding import DynamicEmbedding, StaticEmbedding
 from ..optim.base import SparseOptimizer
+from ..table.policy import DEFAULT_HALF_LIFE
 from .config import TableConfig
 
 __all__ = ["TableShard", "ExecutionPlan", "draw_seeds", "whole_table"]
@@ -108,7 +109,8 @@ def whole_table(name: str, module: Module) -> TableShard:
     config = TableConfig(name=name, dim=t.dim, vocabulary_size=t.num_rows if static else None, dtype=t.dtype,
                          key_dtype=t.key_dtype, initializer=t.initializer,
                          max_capacity=None if static else t.max_capacity, eviction=None if static else t.policy,
-                         admission=None if static else t.admission, seed=t.seed)
+                         admission=None if static else t.admission, seed=t.seed,
+                         half_life=DEFAULT_HALF_LIFE if static else t.half_life)
     return TableShard(config, t.seed, module=module)
 
 
@@ -167,7 +169,7 @@ class ExecutionPlan:
         return DynamicEmbedding(cfg.dim, key_dtype=cfg.key_dtype, dtype=cfg.dtype, initializer=cfg.initializer,
                                 device=device, init_capacity=cfg.init_capacity, max_capacity=cfg.max_capacity,
                                 max_bytes=cfg.max_bytes, tiers=cfg.tiers,
-                                eviction=cfg.eviction, admission=cfg.admission, seed=shard.seed)
+                                eviction=cfg.eviction, half_life=cfg.half_life, admission=cfg.admission, seed=shard.seed)
 
     def modules(self) -> dict[str, Module]:
         """The physical modules on this rank by table name."""
