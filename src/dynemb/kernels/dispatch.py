@@ -15,7 +15,59 @@ call. The process default is ``auto`` until it is set explicitly, with :func:`se
 block of code (tests, benchmarks), :func:`use_backend`. Nothing in the library reads an environment variable for
 this: the ``dynemb`` command alone maps ``DYNEMB_NUMBA=0`` to ``set_default_backend("torch")`` at startup.
 
-A CUDA backend (``triton``) would be one more member of :class:`Backend` and one more branch here.
+A CUDA backend (``triton``) is one more member of :class:`Backend` and one more entry per family in
+``_MODULES`` below (and one more rule in :func:`resolve_backend`).
+
+Operation families
+------------------
+Each family has one function here, ``<family>_kernels(backend, device)``, that returns the module implementing
+the family for that call, or ``None`` for the torch reference (which lives beside the code it serves and stays the
+fallback). A module implements every function of its family with exactly the tensor contract below; the tests
+hold every module equal to the reference. Symbols: ``R`` rows of a table, ``D`` its dim, ``U`` unique rows of a
+call, ``N`` ids, ``B`` bags. All tensors are on the call's device and contiguous; int tensors are int64 unless
+said otherwise; ``values`` and slots are the table's own storage, updated in place.
+
+``index_kernels`` (:mod:`~dynemb.kernels.numba_index`): ``probe``, ``place`` of :class:`~dynemb.table.HashIndex`.
+
+``pool_kernels`` (:mod:`~dynemb.kernels.numba_pool`): pooled lookups straight from a table's rows.
+
+- ``pool(values [R, D], rows [U], inverse [N], offsets [B], weights [N] | None, scale [B] | None) -> [B, D]``
+  (dtype of ``values``): ``out[b] = scale[b] * sum(weights[j] * values[rows[inverse[j]]] for j in bag b)``, the
+  ids of bag ``b`` being ``offsets[b] <= j < offsets[b + 1]`` (``N`` for the last bag); ``offsets`` start at 0 and
+  never decrease; a missing ``weights``/``scale`` is all ones; an empty bag is zeros. Every ``rows[u] >= 0``.
+- ``row_grad(grad [B, D] float32, order [N], starts [U + 1], bag [N], weights [N] | None, scale [B] | None)
+  -> [U, D] float32``: the gradient of :func:`pool` for each unique row, ``g[u] = sum(weights[j] * scale[bag[j]]
+  * grad[bag[j]] for j in order[starts[u]:starts[u + 1]])``, summed in that order (``order`` lists the ids grouped
+  by unique row, in input order within a row: the one stable sort of the call, see
+  :class:`~dynemb.functional.lookup.SortedIds`; ``bag[j]`` is id ``j``'s bag).
+
+``optim_kernels`` (:mod:`~dynemb.kernels.numba_optim`): sparse optimizer updates applied in place.
+
+- ``sparse_update(kind: str, hparams: tuple[float, ...], values [R, D], slots: tuple[[R, d_i] float32, ...],
+  rows [U], grad [G, D] float32, order [M] | None, starts [U + 1] | None, bag [M] | None, weights [M] | None,
+  scale [G] | None) -> None``: updates ``values[rows[u]]`` and its slot rows with row ``u``'s gradient, in one pass,
+  with no ``[U, D]`` temporary. Row ``u``'s gradient is ``grad[u]`` when ``order`` is None (then ``G == U``), else
+  the sum of :func:`row_grad` (same arguments, ``bag`` None meaning ``bag[j] == j``). ``rows`` are unique and
+  ``>= 0``. ``kind``, ``hparams`` and ``slots`` come from ``SparseOptimizer.kernel_args`` (one line per kind):
+
+  ===================  ====================================================  ================================
+  kind                 hparams                                               slots
+  ===================  ====================================================  ================================
+  ``sgd``              lr, momentum, weight_decay, nesterov (0.0 or 1.0)     (momentum_buffer [R, D]) or ()
+  ``adagrad``          clr (lr after decay), weight_decay, eps               (sum [R, D],)
+  ``rowwise_adagrad``  lr, weight_decay, eps                                 (sum [R, 1],)
+  ``adam``             beta1, beta2, eps, step_size (bias-corrected lr)      (exp_avg, exp_avg_sq) [R, D]
+  ``ftrl``             lr, power (= -learning_rate_power), l1, l2            (accumulator, linear) [R, D]
+  ===================  ====================================================  ================================
+
+  The math of each kind is its optimizer's torch ``_update`` in :mod:`dynemb.optim.algorithms`.
+
+``init_kernels`` (:mod:`~dynemb.kernels.numba_init`): the built-in counter-based initializers.
+
+- ``initial_rows(kind: str, params: tuple[float, ...], keys [M] int32/int64, seed: int, out [M, D]) -> None``:
+  writes the rows ``Initializer(keys, D, out.dtype, seed)`` would return, bit for bit, into ``out`` (which may be
+  a slice of the table's values). ``kind, params`` come from ``Initializer.kernel_spec()``: ``("uniform", (low,
+  high))`` or ``("constant", (value,))``; an initializer without a spec always runs in torch.
 
 Example:
     >>> resolve_backend("auto", "cuda")
@@ -44,6 +96,9 @@ __all__ = [
     "use_backend",
     "numba_available",
     "index_kernels",
+    "pool_kernels",
+    "optim_kernels",
+    "init_kernels",
 ]
 
 
@@ -123,14 +178,41 @@ def index_kernels(backend: Backend | str | None, device: torch.device | str | No
     """The kernels that run :class:`~dynemb.table.HashIndex`'s probe and placement for one call on ``device``: a
     module with ``probe`` and ``place`` (:mod:`dynemb.kernels.numba_index`), or None for the index's own torch
     reference."""
-    return _numba_index() if resolve_backend(backend, device) is Backend.NUMBA else None
+    return _kernels("index", backend, device)
+
+
+def pool_kernels(backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
+    """The module with ``pool`` and ``row_grad`` (see the module's contract) for one call, or None for torch."""
+    return _kernels("pool", backend, device)
+
+
+def optim_kernels(backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
+    """The module with ``sparse_update`` (see the module's contract) for one call, or None for torch."""
+    return _kernels("optim", backend, device)
+
+
+def init_kernels(backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
+    """The module with ``initial_rows`` (see the module's contract) for one call, or None for torch."""
+    return _kernels("init", backend, device)
+
+
+#: (family, backend) -> the module implementing it, relative to this package; absent pairs run in torch.
+_MODULES = {
+    ("index", Backend.NUMBA): "numba_index",
+    ("pool", Backend.NUMBA): "numba_pool",
+    ("optim", Backend.NUMBA): "numba_optim",
+    ("init", Backend.NUMBA): "numba_init",
+}
+
+
+def _kernels(family: str, backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
+    name = _MODULES.get((family, resolve_backend(backend, device)))
+    return None if name is None else _module(name)
 
 
 @functools.cache
-def _numba_index() -> ModuleType:
-    from . import numba_index  # imported on first use: numba takes a while to load
-
-    return numba_index
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"{__package__}.{name}")  # on first use: numba (and triton) load slowly
 
 
 def _available(backend: Backend) -> Backend:
