@@ -1,0 +1,60 @@
+"""Shared pieces of the Triton kernels: the key hash, the counter-based uniform, launch sizes.
+
+Imported only by the other ``triton_*`` modules, which :mod:`dynemb.kernels.dispatch` imports on first use: the
+package itself imports without triton. Kernels take CUDA tensors; on CPU tensors they run only under Triton's
+interpreter (``TRITON_INTERPRET=1``, read by triton itself when it is imported), which the tests use.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..table.hashing import mix64
+
+__all__ = ["mix64_tl", "unit_uniform_tl", "seed_mix", "check_device", "block_d", "KEY_BLOCK"]
+
+KEY_BLOCK = 128  # keys per program of the index kernels: 128 x 8 slot tiles fill a CTA's registers on an H100
+_U24 = 2.0**-24
+
+
+@triton.jit
+def mix64_tl(x):
+    """:func:`dynemb.table.hashing.mix64` (splitmix64's finalizer) on int64 lanes, in uint64 arithmetic."""
+    x = x.to(tl.uint64, bitcast=True)
+    x ^= x >> 30
+    x *= 0xBF58476D1CE4E5B9
+    x ^= x >> 27
+    x *= 0x94D049BB133111EB
+    x ^= x >> 31
+    return x.to(tl.int64, bitcast=True)
+
+
+@triton.jit
+def unit_uniform_tl(keys, cols, seed_mixed):
+    """``[K] keys x [C] int64 columns (0-based) -> [K, C]`` float32 in (0, 1): the bits of
+    :func:`dynemb.table.initializers._unit_uniform` (``seed_mixed`` is :func:`seed_mix` of the seed)."""
+    row = mix64_tl(keys.to(tl.int64) ^ seed_mixed)
+    golden = ((cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15).to(tl.int64, bitcast=True)
+    bits = mix64_tl(row[:, None] + golden[None, :]).to(tl.uint64, bitcast=True)
+    return (((bits >> 40) & 0xFFFFFF).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24, exact
+
+
+def seed_mix(seed: int) -> int:
+    """``mix64(seed)`` as a Python int (a kernel argument): the per-table half of the initializer's counter."""
+    return int(mix64(torch.tensor(seed, dtype=torch.int64)))
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """Triton kernels need their tensors on one device and contiguous; say which argument is not."""
+    device = tensors[0].device
+    for i, t in enumerate(tensors):
+        if t is not None and (t.device != device or not t.is_contiguous()):
+            raise ValueError(f"triton kernel argument {i} must be contiguous on {device}, got {t.device} "
+                             f"contiguous={t.is_contiguous()}")
+
+
+def block_d(dim: int) -> int:
+    """Columns per program: the whole row up to 256 (one pass), else 256-wide column blocks."""
+    return min(triton.next_power_of_2(max(dim, 1)), 256)
