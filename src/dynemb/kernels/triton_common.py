@@ -13,10 +13,11 @@ import triton.language as tl
 
 from ..table.hashing import mix64
 
-__all__ = ["mix64_tl", "unit_uniform_tl", "seed_mix", "check_device", "block_d", "KEY_BLOCK"]
+__all__ = ["mix64_tl", "unit_uniform_tl", "init_values_tl", "init_args", "seed_mix", "check_device", "block_d",
+           "KEY_BLOCK", "INIT_KINDS"]
 
+INIT_KINDS = {"uniform": 1, "constant": 2}  # Initializer.kernel_spec() kinds -> the INIT code of the kernels
 KEY_BLOCK = 128  # keys per program of the index kernels: 128 x 8 slot tiles fill a CTA's registers on an H100
-_U24 = 2.0**-24
 
 
 @triton.jit
@@ -39,6 +40,29 @@ def unit_uniform_tl(keys, cols, seed_mixed):
     golden = ((cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15).to(tl.int64, bitcast=True)
     bits = mix64_tl(row[:, None] + golden[None, :]).to(tl.uint64, bitcast=True)
     return (((bits >> 40) & 0xFFFFFF).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24, exact
+
+
+@triton.jit
+def init_values_tl(keys, cols, seed_mixed, p0, p1, INIT: tl.constexpr):
+    """``[K, C]`` float32 initializer values (see :func:`init_args` for ``p0, p1``); launch with
+    ``enable_fp_fusion=False`` so that ``p0 + u * p1`` rounds twice, as torch's two ops do."""
+    if INIT == 1:
+        return p0 + unit_uniform_tl(keys, cols, seed_mixed) * p1
+    else:
+        return tl.zeros([keys.shape[0], cols.shape[0]], tl.float32) + p0
+
+
+def init_args(init: tuple[str, tuple] | None, dtype: torch.dtype, name: str = "kind") -> tuple[int, float, float]:
+    """``(INIT, p0, p1)`` kernel arguments: uniform passes ``low, high - low`` (rounded to float32 in the kernel,
+    as torch rounds its Python scalars), constant passes its value already rounded to ``dtype``."""
+    if init is None:
+        return 0, 0.0, 0.0
+    if init[0] not in INIT_KINDS:
+        raise ValueError(f"{name} must be one of {tuple(INIT_KINDS)} (an Initializer.kernel_spec()), got {init!r}")
+    if init[0] == "uniform":
+        low, high = init[1]
+        return 1, float(low), float(high - low)
+    return 2, float(torch.tensor(init[1][0], dtype=dtype).float()), 0.0
 
 
 def seed_mix(seed: int) -> int:

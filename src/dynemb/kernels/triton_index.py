@@ -26,12 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import KEY_BLOCK, block_d, check_device, mix64_tl, seed_mix, unit_uniform_tl
+from .triton_common import KEY_BLOCK, block_d, check_device, init_args, init_values_tl, mix64_tl, seed_mix
 
 __all__ = ["probe", "place", "find_or_insert", "erase", "find_gather"]
 
 _FILL = tl.constexpr(0x5851F42D)  # HashIndex's key of a free slot (any value would do: the row word decides)
-_INIT_KINDS = {"uniform": 1, "constant": 2}
 
 
 def _layout(table: torch.Tensor, key_cols: int) -> dict:
@@ -137,9 +136,7 @@ def find_gather(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, keys
     n, dim = keys.numel(), values.shape[1]
     rows = torch.empty(n, dtype=torch.int32, device=keys.device)
     out = torch.empty(n, dim, dtype=values.dtype, device=keys.device)
-    if init is not None and init[0] not in _INIT_KINDS:
-        raise ValueError(f"init must be None or a kernel spec of kind {tuple(_INIT_KINDS)}, got {init!r}")
-    kind, p0, p1 = _init_args(init, values.dtype)
+    kind, p0, p1 = init_args(init, values.dtype, "init")
     if n:
         nb = table.shape[0]
         _find_gather_kernel[(triton.cdiv(n, 32),)](
@@ -147,17 +144,6 @@ def find_gather(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, keys
             nb, seed_mix(seed), p0, p1, INIT=kind, BLOCK=32, BLOCK_D=block_d(dim),
             enable_fp_fusion=False, **_layout(table, key_cols))
     return rows, out
-
-
-def _init_args(init: tuple[str, tuple] | None, dtype: torch.dtype) -> tuple[int, float, float]:
-    """``(INIT, p0, p1)`` kernel arguments: uniform passes ``low, high - low`` (rounded to float32 in the kernel,
-    as torch rounds its Python scalars), constant passes its value already rounded to ``dtype``."""
-    if init is None:
-        return 0, 0.0, 0.0
-    if init[0] == "uniform":
-        low, high = init[1]
-        return 1, float(low), float(high - low)
-    return 2, float(torch.tensor(init[1][0], dtype=dtype).float()), 0.0
 
 
 # --------------------------------------------------------------------------------------------------- device code
@@ -323,10 +309,7 @@ def _find_gather_kernel(words, overflow, keys, rows_out, values, out, n, dim, sh
         cm = cols[None, :] < dim
         v = tl.load(values + row.to(tl.int64)[:, None] * dim + cols[None, :], mask=(live & hit)[:, None] & cm,
                     other=0.0)
-        if INIT == 1:  # Uniform(low=p0, high=p1): low + (high - low) * u, in float32 like the torch path
-            u = unit_uniform_tl(key, cols.to(tl.int64), seed_mixed)
-            miss = p0 + u * p1
+        if INIT != 0:
+            miss = init_values_tl(key, cols.to(tl.int64), seed_mixed, p0, p1, INIT)
             v = tl.where(hit[:, None], v, miss.to(v.dtype))
-        elif INIT == 2:
-            v = tl.where(hit[:, None], v, p0.to(v.dtype))
         tl.store(out + offs[:, None] * dim + cols[None, :], v, mask=live[:, None] & cm)
