@@ -4,9 +4,12 @@ environment.
 =========  ============================================================  ====================================
 backend    runs                                                          where
 =========  ============================================================  ====================================
-``auto``   numba on CPU when numba is importable, torch everywhere else  any device (the process default)
+``auto``   numba on CPU, triton on CUDA (each when importable), else     any device (the process default)
+           torch
 ``torch``  the batched-torch reference                                   any device
-``numba``  the numba kernels of :mod:`dynemb.kernels.numba_index`        CPU only, with numba installed
+``numba``  the numba kernels (``numba_*`` modules)                       CPU only, with numba installed
+``triton`` the Triton kernels (``triton_*`` modules)                     CUDA; CPU only under Triton's
+                                                                         interpreter (``TRITON_INTERPRET=1``)
 =========  ============================================================  ====================================
 
 Every backend gives identical results (the tests hold each kernel equal to the torch reference); they differ in
@@ -15,8 +18,9 @@ call. The process default is ``auto`` until it is set explicitly, with :func:`se
 block of code (tests, benchmarks), :func:`use_backend`. Nothing in the library reads an environment variable for
 this: the ``dynemb`` command alone maps ``DYNEMB_NUMBA=0`` to ``set_default_backend("torch")`` at startup.
 
-A CUDA backend (``triton``) is one more member of :class:`Backend` and one more entry per family in
-``_MODULES`` below (and one more rule in :func:`resolve_backend`).
+The CUDA backend (``triton``) is one member of :class:`Backend`, one entry per family in ``_MODULES`` below and
+one rule in :func:`resolve_backend`. Its modules implement the same contracts; ``triton_index`` adds the one-launch
+``find_or_insert``, ``erase`` and ``find_gather`` a GPU step uses (documented there).
 
 Operation families
 ------------------
@@ -70,7 +74,7 @@ said otherwise; ``values`` and slots are the table's own storage, updated in pla
   high))`` or ``("constant", (value,))``; an initializer without a spec always runs in torch.
 
 Example:
-    >>> resolve_backend("auto", "cuda")
+    >>> resolve_backend("torch", "cuda")
     <Backend.TORCH: 'torch'>
     >>> with use_backend("torch"):
     ...     resolve_backend(None, "cpu")
@@ -95,6 +99,7 @@ __all__ = [
     "set_default_backend",
     "use_backend",
     "numba_available",
+    "triton_available",
     "index_kernels",
     "pool_kernels",
     "optim_kernels",
@@ -108,6 +113,7 @@ class Backend(str, enum.Enum):
     AUTO = "auto"
     TORCH = "torch"
     NUMBA = "numba"
+    TRITON = "triton"
 
     @classmethod
     def parse(cls, value: "Backend | str", name: str = "backend") -> "Backend":
@@ -126,6 +132,12 @@ _default = Backend.AUTO
 def numba_available() -> bool:
     """Whether numba is installed (numba itself is imported only when a kernel first runs: it loads slowly)."""
     return importlib.util.find_spec("numba") is not None
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton is installed (imported only when a Triton kernel first runs)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def get_default_backend() -> Backend:
@@ -159,16 +171,23 @@ def use_backend(backend: Backend | str) -> Iterator[Backend]:
 def resolve_backend(backend: Backend | str | None, device: torch.device | str | None = None) -> Backend:
     """The backend that runs an operation on ``device`` (default CPU): never ``AUTO``.
 
-    ``None`` is the process default; ``auto`` picks numba on CPU when numba is installed, else torch.
+    ``None`` is the process default; ``auto`` picks numba on CPU when numba is installed, triton on CUDA when
+    triton is installed, else torch. ``triton`` on a CPU device is allowed: its kernels then run only under
+    Triton's interpreter (the tests' setting), which triton itself enables from ``TRITON_INTERPRET=1``.
 
     Raises:
         ValueError: ``backend`` is not a backend name; or it is ``numba`` and numba is not installed or ``device``
-            is not a CPU.
+            is not a CPU; or it is ``triton`` and triton is not installed or ``device`` is neither CUDA nor CPU.
     """
     requested = _default if backend is None else backend if isinstance(backend, Backend) else Backend.parse(backend)
-    on_cpu = (device.type if isinstance(device, torch.device) else torch.device(device or "cpu").type) == "cpu"
+    kind = device.type if isinstance(device, torch.device) else torch.device(device or "cpu").type
+    on_cpu = kind == "cpu"
     if requested is Backend.AUTO:
-        return Backend.NUMBA if on_cpu and numba_available() else Backend.TORCH
+        if on_cpu and numba_available():
+            return Backend.NUMBA
+        return Backend.TRITON if kind == "cuda" and triton_available() else Backend.TORCH
+    if requested is Backend.TRITON and kind not in ("cuda", "cpu"):
+        raise ValueError(f"backend 'triton' runs on CUDA (or CPU under Triton's interpreter), got device {device}")
     if requested is Backend.NUMBA and not on_cpu:
         raise ValueError(f"backend 'numba' runs on CPU only, got device {device}; use 'auto' or 'torch'")
     return _available(requested)
@@ -202,6 +221,10 @@ _MODULES = {
     ("pool", Backend.NUMBA): "numba_pool",
     ("optim", Backend.NUMBA): "numba_optim",
     ("init", Backend.NUMBA): "numba_init",
+    ("index", Backend.TRITON): "triton_index",
+    ("pool", Backend.TRITON): "triton_pool",
+    ("optim", Backend.TRITON): "triton_optim",
+    ("init", Backend.TRITON): "triton_init",
 }
 
 
@@ -218,4 +241,7 @@ def _module(name: str) -> ModuleType:
 def _available(backend: Backend) -> Backend:
     if backend is Backend.NUMBA and not numba_available():
         raise ValueError("backend 'numba' needs the numba package, which is not installed; use 'auto' or 'torch'")
+    if backend is Backend.TRITON and not triton_available():
+        raise ValueError("backend 'triton' needs the triton package (extra 'gpu'), which is not installed; use "
+                         "'auto' or 'torch'")
     return backend
