@@ -29,29 +29,32 @@ the family for that call, or ``None`` for the torch reference (which lives besid
 fallback). A module implements every function of its family with exactly the tensor contract below; the tests
 hold every module equal to the reference. Symbols: ``R`` rows of a table, ``D`` its dim, ``U`` unique rows of a
 call, ``N`` ids, ``B`` bags. All tensors are on the call's device and contiguous; int tensors are int64 unless
-said otherwise; ``values`` and slots are the table's own storage, updated in place.
+said otherwise; ``values`` and slots are the table's own storage, updated in place. Callers route only float32
+tables (and float32 weights and slots) to ``pool`` and ``optim`` kernels
+(:func:`~dynemb.functional.grads.table_kernels`); other dtypes run the torch reference.
 
 ``index_kernels`` (:mod:`~dynemb.kernels.numba_index`): ``probe``, ``place`` of :class:`~dynemb.table.HashIndex`.
 
 ``pool_kernels`` (:mod:`~dynemb.kernels.numba_pool`): pooled lookups straight from a table's rows.
 
-- ``pool(values [R, D], rows [U], inverse [N], offsets [B], weights [N] | None, scale [B] | None) -> [B, D]``
-  (dtype of ``values``): ``out[b] = scale[b] * sum(weights[j] * values[rows[inverse[j]]] for j in bag b)``, the
+- ``pool(values [R, D], rows [U], inverse [N], offsets [B], weights [N] | None, denom [B] | None) -> [B, D]``
+  (dtype of ``values``): ``out[b] = sum(weights[j] * values[rows[inverse[j]]] for j in bag b) / denom[b]``, the
   ids of bag ``b`` being ``offsets[b] <= j < offsets[b + 1]`` (``N`` for the last bag); ``offsets`` start at 0 and
-  never decrease; a missing ``weights``/``scale`` is all ones; an empty bag is zeros. Every ``rows[u] >= 0``.
-- ``row_grad(grad [B, D] float32, order [N], starts [U + 1], bag [N], weights [N] | None, scale [B] | None)
-  -> [U, D] float32``: the gradient of :func:`pool` for each unique row, ``g[u] = sum(weights[j] * scale[bag[j]]
-  * grad[bag[j]] for j in order[starts[u]:starts[u + 1]])``, summed in that order (``order`` lists the ids grouped
-  by unique row, in input order within a row: the one stable sort of the call, see
-  :class:`~dynemb.functional.lookup.SortedIds`; ``bag[j]`` is id ``j``'s bag).
+  never decrease; a missing ``weights``/``denom`` is all ones (``denom`` holds the ``mean``/``sqrtn`` combiners'
+  divisors, never 0); an empty bag is zeros. Every ``rows[u] >= 0``. Sums run in id order within a bag.
+- ``row_grad(grad [B, D] float32, order [N], starts [U + 1], bag [N], weights [N] | None) -> [U, D] float32``:
+  the gradient of a sum-pooling for each unique row, ``g[u] = sum(weights[j] * grad[bag[j]] for j in
+  order[starts[u]:starts[u + 1]])``, summed in that order (``order`` lists the ids grouped by unique row, in input
+  order within a row: the one stable sort of the call, :func:`~dynemb.functional.lookup.sort_ids`; ``bag[j]`` is
+  id ``j``'s bag). The caller has already divided ``grad`` by the combiner's ``denom``.
 
 ``optim_kernels`` (:mod:`~dynemb.kernels.numba_optim`): sparse optimizer updates applied in place.
 
 - ``sparse_update(kind: str, hparams: tuple[float, ...], values [R, D], slots: tuple[[R, d_i] float32, ...],
-  rows [U], grad [G, D] float32, order [M] | None, starts [U + 1] | None, bag [M] | None, weights [M] | None,
-  scale [G] | None) -> None``: updates ``values[rows[u]]`` and its slot rows with row ``u``'s gradient, in one pass,
+  rows [U], grad [G, D] float32, order [M] | None, starts [U + 1] | None, bag [M] | None, weights [M] | None)
+  -> None``: updates ``values[rows[u]]`` and its slot rows with row ``u``'s gradient, in one pass,
   with no ``[U, D]`` temporary. Row ``u``'s gradient is ``grad[u]`` when ``order`` is None (then ``G == U``), else
-  the sum of :func:`row_grad` (same arguments, ``bag`` None meaning ``bag[j] == j``). ``rows`` are unique and
+  its ``row_grad`` sum (same arguments; ``bag`` None means ``bag[j] == j``). ``rows`` are unique and
   ``>= 0``. ``kind``, ``hparams`` and ``slots`` come from ``SparseOptimizer.kernel_args`` (one line per kind):
 
   ===================  ====================================================  ================================
