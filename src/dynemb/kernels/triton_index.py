@@ -177,7 +177,7 @@ def _find(words, overflow, key, live, shift, half, nb, C: tl.constexpr, KEY_COLS
     bucket = tl.where(live, (mix64_tl(key.to(tl.int64)) >> shift) + half, 0)
     slot, row = _match(words, bucket, key, live, C, KEY_COLS, KEY64)
     pending = live & (slot < 0) & (tl.load(overflow + bucket, mask=live, other=0) != 0)
-    steps = 1
+    steps = tl.zeros_like(bucket) + 1  # a tensor: a Python int would change type inside the loop
     while tl.max(pending.to(tl.int32), axis=0) > 0:
         bucket = tl.where(pending, (bucket + 1) & (nb - 1), bucket)
         s2, r2 = _match(words, bucket, key, pending, C, KEY_COLS, KEY64)

@@ -26,7 +26,7 @@ _BLOCK_N = 16
 
 def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple, rows: torch.Tensor,
                   grad: torch.Tensor, order: torch.Tensor | None, starts: torch.Tensor | None,
-                  bag: torch.Tensor | None, weights: torch.Tensor | None, scale: torch.Tensor | None = None) -> None:
+                  bag: torch.Tensor | None, weights: torch.Tensor | None) -> None:
     """Update ``values[rows]`` and ``slots`` in place with each row's gradient: see the contract in
     :mod:`dynemb.kernels.dispatch` (``hparams`` and ``slots`` per ``kind`` are listed there).
 
@@ -44,7 +44,7 @@ def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple,
         raise ValueError(f"slots for {kind!r} with hparams {hparams!r} must be {nslots} tensors, got {len(slots)}")
     if kind == "adam":  # torch computes 1 - beta in double, then rounds: do the same here
         h[0], h[1] = 1.0 - h[0], 1.0 - h[1]
-    check_device(values, rows, grad, order, starts, bag, weights, scale, *slots)
+    check_device(values, rows, grad, order, starts, bag, weights, *slots)
     nrows, dim = rows.numel(), values.shape[1]
     if not nrows or not dim:
         return
@@ -53,10 +53,9 @@ def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple,
     has_order = order is not None
     _update_kernel[(nrows,)](
         values, s0, s1, rows, grad, order if has_order else rows, starts if has_order else rows,
-        bag if bag is not None else rows, weights if weights is not None else values,
-        scale if scale is not None else values, dim, *h,
+        bag if bag is not None else rows, weights if weights is not None else values, dim, *h,
         KIND=KINDS.index(kind), HAS_ORDER=has_order, HAS_BAG=bag is not None, HAS_W=weights is not None,
-        HAS_S=scale is not None, HAS_WD=kind in ("sgd", "adagrad", "rowwise_adagrad") and h[2 if kind == "sgd" else 1]
+        HAS_WD=kind in ("sgd", "adagrad", "rowwise_adagrad") and h[2 if kind == "sgd" else 1]
         != 0, HAS_MOM=kind == "sgd" and h[1] > 0, NESTEROV=kind == "sgd" and h[3] != 0, BLOCK_N=_BLOCK_N,
         BLOCK_D=triton.next_power_of_2(dim))
 
@@ -69,16 +68,15 @@ def _pow(x, p):
 
 
 @triton.jit
-def _update_kernel(values, s0, s1, rows, grad, order, starts, bag, weights, scale, dim, h0, h1, h2, h3,
+def _update_kernel(values, s0, s1, rows, grad, order, starts, bag, weights, dim, h0, h1, h2, h3,
                    KIND: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_BAG: tl.constexpr, HAS_W: tl.constexpr,
-                   HAS_S: tl.constexpr, HAS_WD: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr,
+                   HAS_WD: tl.constexpr, HAS_MOM: tl.constexpr, NESTEROV: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     u = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     cm = cols < dim
     if HAS_ORDER:
-        g = row_grad_tl(grad, order, starts, bag, weights, scale, u, cols, cm, dim, HAS_BAG, HAS_W, HAS_S, BLOCK_N,
-                        BLOCK_D)
+        g = row_grad_tl(grad, order, starts, bag, weights, u, cols, cm, dim, HAS_BAG, HAS_W, BLOCK_N, BLOCK_D)
     else:
         g = tl.load(grad + u.to(tl.int64) * dim + cols, mask=cm, other=0.0).to(tl.float32)
     row = tl.load(rows + u).to(tl.int64)

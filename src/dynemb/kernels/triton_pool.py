@@ -22,38 +22,37 @@ _BLOCK_N = 16  # ids per step of a bag: pooling factors are ~20, so most bags ta
 
 
 def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
-         weights: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
-    """``[B, D]``: ``out[b] = scale[b] * sum(weights[j] * values[rows[inverse[j]]] for j in bag b)``."""
-    check_device(values, rows, inverse, offsets, weights, scale)
+         weights: torch.Tensor | None, denom: torch.Tensor | None) -> torch.Tensor:
+    """``[B, D]``: ``out[b] = sum(weights[j] * values[rows[inverse[j]]] for j in bag b) / denom[b]``."""
+    check_device(values, rows, inverse, offsets, weights, denom)
     n, nbags, dim = inverse.numel(), offsets.numel(), values.shape[1]
     out = torch.empty(nbags, dim, dtype=values.dtype, device=values.device)
     if nbags and dim:
         bd = block_d(dim)
         _pool_kernel[(nbags, triton.cdiv(dim, bd))](
             values, rows, inverse, offsets, offsets if weights is None else weights,
-            offsets if scale is None else scale, out, n, nbags, dim,
-            HAS_W=weights is not None, HAS_S=scale is not None, BLOCK_N=_BLOCK_N, BLOCK_D=bd)
+            offsets if denom is None else denom, out, n, nbags, dim,
+            HAS_W=weights is not None, HAS_DENOM=denom is not None, BLOCK_N=_BLOCK_N, BLOCK_D=bd)
     return out
 
 
 def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag: torch.Tensor,
-             weights: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
-    """``[U, D]`` float32: ``g[u] = sum(weights[j] * scale[bag[j]] * grad[bag[j]] for j in order[starts[u]:
-    starts[u + 1]])``."""
-    check_device(grad, order, starts, bag, weights, scale)
+             weights: torch.Tensor | None) -> torch.Tensor:
+    """``[U, D]`` float32: ``g[u] = sum(weights[j] * grad[bag[j]] for j in order[starts[u]:starts[u + 1]])``."""
+    check_device(grad, order, starts, bag, weights)
     nrows, dim = starts.numel() - 1, grad.shape[1]
     out = torch.empty(nrows, dim, dtype=torch.float32, device=grad.device)
     if nrows and dim:
         bd = block_d(dim)
         _row_grad_kernel[(nrows, triton.cdiv(dim, bd))](
-            grad, order, starts, bag, order if weights is None else weights, order if scale is None else scale, out,
-            dim, HAS_W=weights is not None, HAS_S=scale is not None, BLOCK_N=_BLOCK_N, BLOCK_D=bd)
+            grad, order, starts, bag, order if weights is None else weights, out, dim, HAS_W=weights is not None,
+            BLOCK_N=_BLOCK_N, BLOCK_D=bd)
     return out
 
 
 @triton.jit
-def _pool_kernel(values, rows, inverse, offsets, weights, scale, out, n, nbags, dim, HAS_W: tl.constexpr,
-                 HAS_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _pool_kernel(values, rows, inverse, offsets, weights, denom, out, n, nbags, dim, HAS_W: tl.constexpr,
+                 HAS_DENOM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cm = cols < dim
@@ -69,14 +68,14 @@ def _pool_kernel(values, rows, inverse, offsets, weights, scale, out, n, nbags, 
         if HAS_W:
             v = v * tl.load(weights + j, mask=jm, other=0.0).to(tl.float32)[:, None]
         acc += tl.sum(v, axis=0)
-    if HAS_S:
-        acc = acc * tl.load(scale + b).to(tl.float32)
+    if HAS_DENOM:
+        acc = acc / tl.load(denom + b).to(tl.float32)
     tl.store(out + b.to(tl.int64) * dim + cols, acc.to(out.dtype.element_ty), mask=cm)
 
 
 @triton.jit
-def row_grad_tl(grad, order, starts, bag, weights, scale, u, cols, cm, dim, HAS_BAG: tl.constexpr,
-                HAS_W: tl.constexpr, HAS_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def row_grad_tl(grad, order, starts, bag, weights, u, cols, cm, dim, HAS_BAG: tl.constexpr, HAS_W: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Row ``u``'s gradient on columns ``cols`` (float32 ``[BLOCK_D]``): the sum over its ids, as ``row_grad``
     (``HAS_BAG`` False: ``bag[j] == j``). Shared with the fused optimizer update."""
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -92,18 +91,15 @@ def row_grad_tl(grad, order, starts, bag, weights, scale, u, cols, cm, dim, HAS_
         w = tl.where(km, 1.0, 0.0)
         if HAS_W:
             w = w * tl.load(weights + j, mask=km, other=0.0).to(tl.float32)
-        if HAS_S:
-            w = w * tl.load(scale + g_row, mask=km, other=0.0).to(tl.float32)
         acc += tl.sum(g.to(tl.float32) * w[:, None], axis=0)
     return acc
 
 
 @triton.jit
-def _row_grad_kernel(grad, order, starts, bag, weights, scale, out, dim, HAS_W: tl.constexpr, HAS_S: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _row_grad_kernel(grad, order, starts, bag, weights, out, dim, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
     u = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cm = cols < dim
-    acc = row_grad_tl(grad, order, starts, bag, weights, scale, u, cols, cm, dim, True, HAS_W, HAS_S, BLOCK_N,
-                      BLOCK_D)
+    acc = row_grad_tl(grad, order, starts, bag, weights, u, cols, cm, dim, True, HAS_W, BLOCK_N, BLOCK_D)
     tl.store(out + u.to(tl.int64) * dim + cols, acc, mask=cm)
