@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..table.hashing import mix64
 
-__all__ = ["mix64_tl", "unit_uniform_tl", "init_values_tl", "init_args", "seed_mix", "check_device", "block_d",
+__all__ = ["mix64_tl", "unit_uniform_tl", "init_values_tl", "round_to", "init_args", "seed_mix", "check_device", "block_d",
            "KEY_BLOCK", "INIT_KINDS"]
 
 INIT_KINDS = {"uniform": 1, "constant": 2}  # Initializer.kernel_spec() kinds -> the INIT code of the kernels
@@ -50,6 +50,18 @@ def init_values_tl(keys, cols, seed_mixed, p0, p1, INIT: tl.constexpr):
         return p0 + unit_uniform_tl(keys, cols, seed_mixed) * p1
     else:
         return tl.zeros([keys.shape[0], cols.shape[0]], tl.float32) + p0
+
+
+@triton.jit
+def round_to(v, dtype: tl.constexpr):
+    """float32 ``v`` rounded to ``dtype`` to nearest-even, as torch's ``.to(dtype)``. bfloat16 is rounded by hand:
+    Triton's interpreter truncates it (finite values only: initializer rows are)."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
 
 
 def init_args(init: tuple[str, tuple] | None, dtype: torch.dtype, name: str = "kind") -> tuple[int, float, float]:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import KEY_BLOCK, block_d, check_device, init_args, init_values_tl, mix64_tl, seed_mix
+from .triton_common import KEY_BLOCK, block_d, check_device, init_args, init_values_tl, mix64_tl, round_to, seed_mix
 
 __all__ = ["probe", "place", "find_or_insert", "erase", "find_gather"]
 
@@ -311,5 +311,5 @@ def _find_gather_kernel(words, overflow, keys, rows_out, values, out, n, dim, sh
                     other=0.0)
         if INIT != 0:
             miss = init_values_tl(key, cols.to(tl.int64), seed_mixed, p0, p1, INIT)
-            v = tl.where(hit[:, None], v, miss.to(v.dtype))
+            v = tl.where(hit[:, None], v, round_to(miss, v.dtype))
         tl.store(out + offs[:, None] * dim + cols[None, :], v, mask=live[:, None] & cm)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import block_d, check_device, init_args, init_values_tl, seed_mix
+from .triton_common import block_d, check_device, init_args, init_values_tl, round_to, seed_mix
 
 __all__ = ["initial_rows"]
 
@@ -52,5 +52,5 @@ def _init_kernel(keys, out, m, dim, stride, seed_mixed, p0, p1, INIT: tl.constex
     live = offs < m
     key = tl.load(keys + offs, mask=live, other=0)
     v = init_values_tl(key, cols.to(tl.int64), seed_mixed, p0, p1, INIT)
-    tl.store(out + offs[:, None] * stride + cols[None, :], v.to(out.dtype.element_ty),
+    tl.store(out + offs[:, None] * stride + cols[None, :], round_to(v, out.dtype.element_ty),
              mask=live[:, None] & (cols[None, :] < dim))
