@@ -31,7 +31,7 @@ def bags(draw):
     ids = torch.randint(-3, 4, (n,), generator=gen) * 1_000_003  # few distinct ids: repeats within and across bags
     lengths = torch.tensor(lengths)
     weighted, divided = draw(st.booleans()), draw(st.booleans())
-    return dict(values=torch.randn(num_rows + 5, dim, generator=gen), ids=ids, offsets=lengths.cumsum(0) - lengths,
+    return dict(values=torch.randn(num_rows + 7, dim, generator=gen), ids=ids, offsets=lengths.cumsum(0) - lengths,
                 weights=torch.rand(n, generator=gen) if weighted else None,
                 denom=torch.rand(lengths.numel(), generator=gen) + 0.5 if divided else None, num_rows=num_rows,
                 gen=gen)
