@@ -153,7 +153,12 @@ def main(argv=None) -> None:
     p.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
     p.add_argument("--contestants", nargs="+", choices=sorted(CONTESTANTS), default=DEFAULT_CONTESTANTS)
     p.add_argument("--vocab", type=int, default=None, help="ids per table (default 1,000,000; --quick 20,000)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU step of benchmarks/gpu_ops.py instead")
     args = p.parse_args(argv)
+    if args.device != "cpu":  # Triton kernels vs nn.EmbeddingBag on the GPU: see benchmarks/gpu_ops.py
+        import gpu_ops
+
+        return gpu_ops.from_train_step(args)
     w = Workload(4, args.vocab or (20_000 if args.quick else 1_000_000), 64, 512 if args.quick else 4096, 20)
     repeat, warmup = args.repeat or (5 if args.quick else 15), 2
     names = [n for n in args.contestants if n != "torchrec" or torchrec_available() is None]
