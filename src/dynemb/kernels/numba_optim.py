@@ -16,6 +16,8 @@ import numba
 import numpy as np
 import torch
 
+from .numba_math import fma
+
 __all__ = ["sparse_update", "KINDS"]
 
 KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
@@ -65,7 +67,7 @@ def _gradients(lo, hi, out, grad, order, starts, bag, weights, values, rows):
             if weights.shape[0] > 0:
                 w = weights[j]
                 for d in range(dim):
-                    o[d] += w * g[d]
+                    o[d] = fma(w, g[d], o[d])
             else:
                 for d in range(dim):
                     o[d] += g[d]
@@ -86,13 +88,13 @@ def _sgd(values, buf, unused, rows, grad, order, starts, bag, weights, h):
             g, v = chunk[u - lo], values[rows[u]]
             if decay != 0.0:
                 for d in range(g.shape[0]):
-                    g[d] = g[d] + decay * v[d]
+                    g[d] = fma(decay, v[d], g[d])
             if momentum != 0.0:
                 m = buf[rows[u]]
                 for d in range(g.shape[0]):
                     m[d] = m[d] * momentum + g[d]
                 for d in range(g.shape[0]):
-                    g[d] = g[d] + momentum * m[d] if nesterov else m[d]
+                    g[d] = fma(momentum, m[d], g[d]) if nesterov else m[d]
             for d in range(g.shape[0]):
                 v[d] += g[d] * neg_lr
     return touched
@@ -110,9 +112,9 @@ def _adagrad(values, state, unused, rows, grad, order, starts, bag, weights, h):
             g, v, s = chunk[u - lo], values[rows[u]], state[rows[u]]
             if decay != 0.0:
                 for d in range(g.shape[0]):
-                    g[d] = g[d] + decay * v[d]
+                    g[d] = fma(decay, v[d], g[d])
             for d in range(g.shape[0]):
-                s[d] = s[d] + g[d] * g[d]
+                s[d] = fma(g[d], g[d], s[d])  # torch's addcmul_, contracted
                 v[d] += (g[d] / (np.sqrt(s[d]) + eps)) * neg_lr
     return touched
 
@@ -131,7 +133,7 @@ def _rowwise_adagrad(values, state, unused, rows, grad, order, starts, bag, weig
             g, v = chunk[u - lo], values[r]
             if decay != 0.0:
                 for d in range(dim):
-                    g[d] = g[d] + decay * v[d]
+                    g[d] = fma(decay, v[d], g[d])
             square = np.float32(0.0)
             for d in range(dim):
                 square += g[d] * g[d]

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .numba_index import _mix64
+from .numba_math import fma
 
 __all__ = ["dedup", "pool", "row_grad"]
 
@@ -67,7 +68,7 @@ def _pool_kernel(values, rows, inverse, offsets, weights, denom, out):
             if weighted:
                 w = weights[j]
                 for d in range(dim):
-                    acc[d] += w * values[row, d]
+                    acc[d] = fma(w, values[row, d], acc[d])
             else:
                 for d in range(dim):
                     acc[d] += values[row, d]
@@ -91,7 +92,7 @@ def _row_grad_kernel(grad, order, starts, bag, weights, out):
             if weighted:
                 w = weights[j]
                 for d in range(dim):
-                    out[u, d] += w * grad[b, d]
+                    out[u, d] = fma(w, grad[b, d], out[u, d])
             else:
                 for d in range(dim):
                     out[u, d] += grad[b, d]
