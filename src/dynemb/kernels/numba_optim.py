@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import torch
 
-from .numba_math import fma
+from .numba_math import fma, prefetch_row
 
 __all__ = ["sparse_update", "KINDS"]
 
@@ -44,20 +44,22 @@ _CHUNK = 32  # rows whose gradients are summed, then applied: the [32, D] buffer
 
 
 @numba.njit(nogil=True, cache=True)
-def _gradients(lo, hi, out, grad, order, starts, bag, weights, values, rows):
+def _gradients(lo, hi, out, grad, order, starts, bag, weights, values, rows, slot1, slot2):
     """Rows ``lo..hi-1``'s gradients into ``out[:hi-lo]``: ``grad[u]``, or the sum over the row's ids (see the
-    contract). Each loop is branch-free inside, so that it vectorizes. Returns a value that depends on a load of
-    every row to update: those loads are issued together (many cache misses in flight) before the update reads
-    the rows."""
+    contract). Each loop is branch-free inside, so that it vectorizes. First it prefetches the rows (values and
+    slots) of the *next* chunk, which load while this one is summed and updated."""
     dim = out.shape[1]
-    touched = np.float32(0.0)
-    for u in range(lo, hi):
-        touched += values[rows[u], 0]
+    for u in range(hi if lo > 0 else 0, min(hi + (hi - lo), rows.shape[0])):  # the first chunk prefetches itself too
+        prefetch_row(values, rows[u])
+        if slot1.shape[0] > 0:
+            prefetch_row(slot1, rows[u])
+        if slot2.shape[0] > 0:
+            prefetch_row(slot2, rows[u])
     if order.shape[0] == 0:
         for u in range(lo, hi):
             for d in range(dim):
                 out[u - lo, d] = grad[u, d]
-        return touched
+        return
     for u in range(lo, hi):
         o = out[u - lo]
         o[:] = 0.0
@@ -71,7 +73,6 @@ def _gradients(lo, hi, out, grad, order, starts, bag, weights, values, rows):
             else:
                 for d in range(dim):
                     o[d] += g[d]
-    return touched
 
 
 @numba.njit(nogil=True, cache=True)
@@ -80,10 +81,9 @@ def _sgd(values, buf, unused, rows, grad, order, starts, bag, weights, h):
     momentum, decay = np.float32(h[1]), np.float32(h[2])
     nesterov, neg_lr = h[3] != 0.0, np.float32(-h[0])
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
-    touched = np.float32(0.0)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        touched += _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows)
+        _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows, buf, unused)
         for u in range(lo, hi):
             g, v = chunk[u - lo], values[rows[u]]
             if decay != 0.0:
@@ -97,17 +97,15 @@ def _sgd(values, buf, unused, rows, grad, order, starts, bag, weights, h):
                     g[d] = fma(momentum, m[d], g[d]) if nesterov else m[d]
             for d in range(g.shape[0]):
                 v[d] += g[d] * neg_lr
-    return touched
 
 
 @numba.njit(nogil=True, cache=True)
 def _adagrad(values, state, unused, rows, grad, order, starts, bag, weights, h):
     decay, eps, neg_lr = np.float32(h[1]), np.float32(h[2]), np.float32(-h[0])
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
-    touched = np.float32(0.0)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        touched += _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows)
+        _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows, state, unused)
         for u in range(lo, hi):
             g, v, s = chunk[u - lo], values[rows[u]], state[rows[u]]
             if decay != 0.0:
@@ -116,7 +114,6 @@ def _adagrad(values, state, unused, rows, grad, order, starts, bag, weights, h):
             for d in range(g.shape[0]):
                 s[d] = fma(g[d], g[d], s[d])  # torch's addcmul_, contracted
                 v[d] += (g[d] / (np.sqrt(s[d]) + eps)) * neg_lr
-    return touched
 
 
 @numba.njit(nogil=True, cache=True)
@@ -124,10 +121,9 @@ def _rowwise_adagrad(values, state, unused, rows, grad, order, starts, bag, weig
     decay, eps, neg_lr = np.float32(h[1]), np.float32(h[2]), np.float32(-h[0])
     dim = values.shape[1]
     chunk = np.empty((_CHUNK, dim), np.float32)
-    touched = np.float32(0.0)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        touched += _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows)
+        _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows, state, unused)
         for u in range(lo, hi):
             r = rows[u]
             g, v = chunk[u - lo], values[r]
@@ -143,7 +139,6 @@ def _rowwise_adagrad(values, state, unused, rows, grad, order, starts, bag, weig
             scale = (np.float32(1.0) / (np.sqrt(s) + eps)) * neg_lr
             for d in range(dim):
                 v[d] += g[d] * scale
-    return touched
 
 
 @numba.njit(nogil=True, cache=True)
@@ -151,10 +146,9 @@ def _adam(values, exp_avg, exp_avg_sq, rows, grad, order, starts, bag, weights, 
     one_b1, one_b2 = np.float32(1.0 - h[0]), np.float32(1.0 - h[1])
     eps, neg_step = np.float32(h[2]), np.float32(-h[3])
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
-    touched = np.float32(0.0)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        touched += _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows)
+        _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows, exp_avg, exp_avg_sq)
         for u in range(lo, hi):
             r = rows[u]
             g, v, m, q = chunk[u - lo], values[r], exp_avg[r], exp_avg_sq[r]
@@ -162,7 +156,6 @@ def _adam(values, exp_avg, exp_avg_sq, rows, grad, order, starts, bag, weights, 
                 m[d] = (g[d] - m[d]) * one_b1 + m[d]
                 q[d] = (g[d] * g[d] - q[d]) * one_b2 + q[d]
                 v[d] += (m[d] / (np.sqrt(q[d]) + eps)) * neg_step
-    return touched
 
 
 @numba.njit(inline="always")
@@ -180,10 +173,9 @@ def _ftrl(values, accumulator, linear, rows, grad, order, starts, bag, weights, 
     lr, power, l1 = np.float32(h[0]), np.float32(h[1]), np.float32(h[2])
     two_l2 = np.float32(2.0 * h[3])
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
-    touched = np.float32(0.0)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        touched += _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows)
+        _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows, accumulator, linear)
         for u in range(lo, hi):
             r = rows[u]
             for d in range(chunk.shape[1]):
@@ -200,7 +192,6 @@ def _ftrl(values, accumulator, linear, rows, grad, order, starts, bag, weights, 
                     values[r, d] = (sign * l1 - lin) / quadratic
                 else:
                     values[r, d] = 0.0
-    return touched
 
 
 _KERNELS = {"sgd": _sgd, "adagrad": _adagrad, "rowwise_adagrad": _rowwise_adagrad, "adam": _adam, "ftrl": _ftrl}

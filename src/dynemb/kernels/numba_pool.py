@@ -16,10 +16,11 @@ import numpy as np
 import torch
 
 from .numba_index import _mix64
-from .numba_math import fma
+from .numba_math import fma, prefetch_row
 
 __all__ = ["dedup", "pool", "row_grad"]
 
+_AHEAD = 16  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 _NONE_F = np.empty(0, np.float32)  # stands for an absent float tensor (numba needs one type per argument)
 
 
@@ -64,6 +65,8 @@ def _pool_kernel(values, rows, inverse, offsets, weights, denom, out):
         stop = offsets[b + 1] if b + 1 < num_bags else n
         acc[:] = 0.0
         for j in range(offsets[b], stop):
+            if j + _AHEAD < n:
+                prefetch_row(values, rows[inverse[j + _AHEAD]])
             row = rows[inverse[j]]
             if weighted:
                 w = weights[j]
