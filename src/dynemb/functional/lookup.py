@@ -59,7 +59,7 @@ def _trains(embedding, table, training: bool | None) -> bool:
 
 class SortedIds(NamedTuple):
     """One stable sort of a call's ids ``[N]``, shared by dedup, the forward and the backward: ``unique [U]``
-    (ascending), ``inverse [N]`` (``unique[inverse] == ids``), ``order [N]`` (the ids grouped by unique key, in
+    (ascending, or in order of first occurrence from a ``dedup`` kernel), ``inverse [N]`` (``unique[inverse] == ids``), ``order [N]`` (the ids grouped by unique key, in
     input order within a key) and ``starts [U + 1]`` (key ``u``'s ids are ``order[starts[u]:starts[u + 1]]``)."""
 
     unique: torch.Tensor
@@ -72,14 +72,18 @@ class SortedIds(NamedTuple):
         return torch.diff(self.starts)
 
 
-def sort_ids(flat: torch.Tensor) -> SortedIds:
-    """Sort ``flat [N]`` once (stably) and derive everything dedup and the backward need from it.
+def sort_ids(flat: torch.Tensor, kernels=None) -> SortedIds:
+    """Sort ``flat [N]`` once (stably) and derive everything dedup and the backward need from it; ``kernels``: a
+    ``pool`` kernel module (:mod:`dynemb.kernels.dispatch`) whose ``dedup`` does it instead, in one O(N) pass
+    (unique ids then come in order of first occurrence, not ascending).
 
     Example:
         >>> s = sort_ids(torch.tensor([5, -1, 5]))
         >>> s.unique.tolist(), s.inverse.tolist(), s.order.tolist(), s.starts.tolist()
         ([-1, 5], [1, 0, 1], [1, 0, 2], [0, 1, 3])
     """
+    if kernels is not None:
+        return SortedIds(*kernels.dedup(flat))
     ordered, order = torch.sort(flat, stable=True)
     first = torch.ones_like(ordered, dtype=torch.bool)
     torch.ne(ordered[1:], ordered[:-1], out=first[1:])
@@ -92,7 +96,7 @@ def sort_ids(flat: torch.Tensor) -> SortedIds:
 
 def _find_sorted(table, flat: torch.Tensor, trains: bool) -> tuple[SortedIds, torch.Tensor]:
     """``(sorted ids, rows [U])`` of a dynamic table: found, or inserted when ``trains`` (see :func:`find_unique`)."""
-    ids = sort_ids(flat)
+    ids = sort_ids(flat, table_kernels(pool_kernels, table))
     if trains and counts_occurrences(table):  # lfu scores and admission count every occurrence
         rows, _ = table.find_or_insert(ids.unique, counts=ids.counts)
     elif trains:
@@ -311,7 +315,7 @@ class _StaticPool(torch.autograd.Function):
     def backward(ctx, grad):
         ids, offsets, weights, denom = ctx.saved_tensors
         grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
-        s = sort_ids(ids)
+        s = sort_ids(ids, table_kernels(pool_kernels, ctx.table))
         pooled = PooledGrad(s.order, s.starts, bag_of(offsets, ids.numel()), weights)
         deliver_pooled_gradient(ctx.table, s.unique, s.unique.to(torch.int64), grad, pooled)
         return (None,) * 6

@@ -35,8 +35,12 @@ tables (and float32 weights and slots) to ``pool`` and ``optim`` kernels
 
 ``index_kernels`` (:mod:`~dynemb.kernels.numba_index`): ``probe``, ``place`` of :class:`~dynemb.table.HashIndex`.
 
-``pool_kernels`` (:mod:`~dynemb.kernels.numba_pool`): pooled lookups straight from a table's rows.
+``pool_kernels`` (:mod:`~dynemb.kernels.numba_pool`): dedup and pooled lookups straight from a table's rows.
 
+- ``dedup(ids [N] int32/int64) -> (unique [U] ids' dtype, inverse [N], order [N], starts [U + 1])``: the call's
+  one grouping of its ids (torch reference: :func:`~dynemb.functional.lookup.sort_ids`, a stable sort):
+  ``unique[inverse] == ids``; ``order`` lists the ids grouped by unique id, in input order within one; unique id
+  ``u``'s ids are ``order[starts[u]:starts[u + 1]]``. The order of ``unique`` is the module's choice.
 - ``pool(values [R, D], rows [U], inverse [N], offsets [B], weights [N] | None, denom [B] | None) -> [B, D]``
   (dtype of ``values``): ``out[b] = sum(weights[j] * values[rows[inverse[j]]] for j in bag b) / denom[b]``, the
   ids of bag ``b`` being ``offsets[b] <= j < offsets[b + 1]`` (``N`` for the last bag); ``offsets`` start at 0 and

@@ -15,8 +15,12 @@ import numba
 import numpy as np
 import torch
 
-__all__ = ["pool", "row_grad"]
+from .numba_index import _mix64
+from .numba_math import fma, prefetch_row
 
+__all__ = ["dedup", "pool", "row_grad"]
+
+_AHEAD = 16  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 _NONE_F = np.empty(0, np.float32)  # stands for an absent float tensor (numba needs one type per argument)
 
 
@@ -37,6 +41,17 @@ def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag:
     return out
 
 
+def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(unique [U], inverse [N], order [N], starts [U + 1])`` of ``ids [N]``: see the ``dedup`` contract. Unique
+    ids come in order of first occurrence: a hash table finds them and a counting sort groups the ids, O(N)."""
+    n = ids.numel()
+    unique = torch.empty(n, dtype=ids.dtype)
+    inverse, order = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    starts = torch.empty(n + 1, dtype=torch.int64)
+    u = _dedup_kernel(ids.contiguous().numpy(), unique.numpy(), inverse.numpy(), order.numpy(), starts.numpy())
+    return unique[:u], inverse, order, starts[: u + 1]
+
+
 def _opt(t: torch.Tensor | None) -> np.ndarray:
     return _NONE_F if t is None else t.numpy()
 
@@ -50,11 +65,13 @@ def _pool_kernel(values, rows, inverse, offsets, weights, denom, out):
         stop = offsets[b + 1] if b + 1 < num_bags else n
         acc[:] = 0.0
         for j in range(offsets[b], stop):
+            if j + _AHEAD < n:
+                prefetch_row(values, rows[inverse[j + _AHEAD]])
             row = rows[inverse[j]]
             if weighted:
                 w = weights[j]
                 for d in range(dim):
-                    acc[d] += w * values[row, d]
+                    acc[d] = fma(w, values[row, d], acc[d])
             else:
                 for d in range(dim):
                     acc[d] += values[row, d]
@@ -78,7 +95,44 @@ def _row_grad_kernel(grad, order, starts, bag, weights, out):
             if weighted:
                 w = weights[j]
                 for d in range(dim):
-                    out[u, d] += w * grad[b, d]
+                    out[u, d] = fma(w, grad[b, d], out[u, d])
             else:
                 for d in range(dim):
                     out[u, d] += grad[b, d]
+
+
+@numba.njit(nogil=True, cache=True)
+def _dedup_kernel(ids, unique, inverse, order, starts):
+    n = ids.shape[0]
+    bits = 1
+    while (1 << bits) < 2 * n:
+        bits += 1
+    shift = np.uint64(64 - bits)
+    slot_of = np.full(1 << bits, -1, np.int64)  # slot -> unique index; keys are read back from ``unique``
+    mask = (1 << bits) - 1
+    u = 0
+    starts[0] = 0
+    for j in range(n):
+        key = ids[j]
+        h = np.int64(np.uint64(_mix64(key)) >> shift)
+        while True:
+            k = slot_of[h]
+            if k < 0:
+                slot_of[h] = k = u
+                unique[u] = key
+                starts[u + 1] = 0
+                u += 1
+                break
+            if unique[k] == key:
+                break
+            h = (h + 1) & mask
+        inverse[j] = k
+        starts[k + 1] += 1
+    for k in range(u):  # counts -> starts
+        starts[k + 1] += starts[k]
+    fill = starts[:u].copy()
+    for j in range(n):  # counting sort: each key's ids in input order
+        k = inverse[j]
+        order[fill[k]] = j
+        fill[k] += 1
+    return u
