@@ -90,3 +90,13 @@ def test_initial_rows_into_a_slice_of_a_table_and_bad_arguments():
         triton_init.initial_rows("normal", (0.0, 1.0), keys, 0, values[:3])
     with pytest.raises(ValueError, match=r"out must be \[3, D\]"):
         triton_init.initial_rows("uniform", (0.0, 1.0), keys, 0, values[:2])
+
+
+@settings(max_examples=25, deadline=None)
+@given(ids=st.lists(st.sampled_from([0, -1, 1, 2**63 - 1, -(2**63), 5, 5 << 40]), max_size=60))
+def test_dedup_groups_ids_in_input_order(ids):
+    ids = torch.tensor(ids, dtype=torch.int64, device=DEVICE)
+    unique, inverse, order, starts = triton_pool.dedup(ids)
+    want = sort_ids(ids)  # the torch reference: one stable sort
+    for got, ref in zip((unique, inverse, order, starts), want):
+        assert torch.equal(got, ref)

@@ -16,9 +16,19 @@ import triton.language as tl
 
 from .triton_common import block_d, check_device
 
-__all__ = ["pool", "row_grad"]
+__all__ = ["dedup", "pool", "row_grad"]
 
 _BLOCK_N = 16  # ids per step of a bag: pooling factors are ~20, so most bags take one or two steps
+
+
+def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(unique [U], inverse [N], order [N], starts [U + 1])`` of ``ids [N]``: the ``dedup`` contract, by one
+    stable device sort (a radix sort on CUDA; a hash pass could not keep input order within an id without one).
+    ``unique`` is ascending. Its length is the step's one necessary host sync (the unique count)."""
+    ordered, order = torch.sort(ids, stable=True)
+    unique, grouped, counts = torch.unique_consecutive(ordered, return_inverse=True, return_counts=True)
+    inverse = torch.empty_like(order).scatter_(0, order, grouped)
+    return unique, inverse, order, torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
 def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
