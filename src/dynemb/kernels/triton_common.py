@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..table.hashing import mix64
 
-__all__ = ["mix64_tl", "unit_uniform_tl", "init_values_tl", "round_to", "init_args", "seed_mix", "check_device", "block_d",
+__all__ = ["mix64_tl", "unit_uniform_tl", "init_values_tl", "round_to", "init_args", "seed_mix", "check_device", "block_d", "row_warps",
            "KEY_BLOCK", "INIT_KINDS"]
 
 INIT_KINDS = {"uniform": 1, "constant": 2}  # Initializer.kernel_spec() kinds -> the INIT code of the kernels
@@ -89,6 +89,11 @@ def check_device(*tensors: torch.Tensor) -> None:
         if t is not None and (t.device != device or not t.is_contiguous()):
             raise ValueError(f"triton kernel argument {i} must be contiguous on {device}, got {t.device} "
                              f"contiguous={t.is_contiguous()}")
+
+
+def row_warps(block: int) -> int:
+    """Warps for a program that works on ``[*, block]`` row tiles: 4 warps (128 lanes) would idle on short rows."""
+    return 2 if block <= 128 else 4
 
 
 def block_d(dim: int) -> int:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import check_device
+from .triton_common import check_device, row_warps
 from .triton_pool import row_grad_tl
 
 __all__ = ["sparse_update", "KINDS"]
@@ -57,7 +57,7 @@ def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple,
         KIND=KINDS.index(kind), HAS_ORDER=has_order, HAS_BAG=bag is not None, HAS_W=weights is not None,
         HAS_WD=kind in ("sgd", "adagrad", "rowwise_adagrad") and h[2 if kind == "sgd" else 1]
         != 0, HAS_MOM=kind == "sgd" and h[1] > 0, NESTEROV=kind == "sgd" and h[3] != 0, BLOCK_N=_BLOCK_N,
-        BLOCK_D=triton.next_power_of_2(dim))
+        BLOCK_D=triton.next_power_of_2(dim), num_warps=row_warps(triton.next_power_of_2(dim)))
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import block_d, check_device
+from .triton_common import block_d, check_device, row_warps
 
 __all__ = ["dedup", "pool", "row_grad"]
 
@@ -42,7 +42,8 @@ def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, offset
         _pool_kernel[(nbags, triton.cdiv(dim, bd))](
             values, rows, inverse, offsets, offsets if weights is None else weights,
             offsets if denom is None else denom, out, n, nbags, dim,
-            HAS_W=weights is not None, HAS_DENOM=denom is not None, BLOCK_N=_BLOCK_N, BLOCK_D=bd)
+            HAS_W=weights is not None, HAS_DENOM=denom is not None, BLOCK_N=_BLOCK_N, BLOCK_D=bd,
+            num_warps=row_warps(bd))
     return out
 
 
@@ -56,7 +57,7 @@ def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag:
         bd = block_d(dim)
         _row_grad_kernel[(nrows, triton.cdiv(dim, bd))](
             grad, order, starts, bag, order if weights is None else weights, out, dim, HAS_W=weights is not None,
-            BLOCK_N=_BLOCK_N, BLOCK_D=bd)
+            BLOCK_N=_BLOCK_N, BLOCK_D=bd, num_warps=row_warps(bd))
     return out
 
 
