@@ -175,3 +175,21 @@ def test_bad_init_spec_is_a_value_error():
     with pytest.raises(ValueError, match="init must be one of"):
         ti.find_gather(idx._buckets.view(torch.int64), idx._key_cols, idx.overflow, torch.tensor([1], device=DEVICE),
                        idx._shift, torch.zeros(1, 4, device=DEVICE), ("normal", (0.0, 1.0)))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_a_table_on_the_triton_index_equals_one_on_torch(pools, data):
+    """KeyValueTable end to end (find_or_insert with duplicates, erase, growth by rehash) over each backend."""
+    from dynemb.table import KeyValueTable
+
+    pool = pools[torch.int64].to(DEVICE)
+    tables = [KeyValueTable(3, device=DEVICE, init_capacity=8, seed=1, backend=b) for b in ("torch", "triton")]
+    for _ in range(data.draw(st.integers(1, 4), "rounds")):
+        batch = pool[data.draw(_picks(pool.numel(), 50), "batch")]
+        gone = pool[data.draw(_picks(pool.numel(), 10), "gone")]
+        results = [(t.find_or_insert(batch), t.erase(gone)) for t in tables]
+        assert torch.equal(results[0][0][0], results[1][0][0]) and results[0][1] == results[1][1]
+    want, got = (t.find(pool) for t in tables)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
