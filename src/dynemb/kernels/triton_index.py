@@ -49,16 +49,7 @@ def probe(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, keys: torc
     ``table``: the index's buckets viewed in the key dtype, ``[B, W + row words]``; ``key_cols``: int32 words of
     keys per bucket. ``keys`` must have the index's key dtype.
     """
-    keys = keys.contiguous()
-    check_device(table, overflow, keys)
-    n = keys.numel()
-    slots = torch.empty(n, dtype=torch.int64, device=keys.device)
-    rows = torch.empty(n, dtype=torch.int32, device=keys.device)
-    if n:
-        nb = table.shape[0]
-        _probe_kernel[_grid(n)](table.view(torch.int32), overflow.view(torch.uint8), keys, slots, rows, n, shift,
-                                nb // 2, nb, BLOCK=KEY_BLOCK, **_layout(table, key_cols))
-    return slots, rows
+    return _probe(table, key_cols, overflow, keys, shift, erase=False)
 
 
 def place(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, bucket: torch.Tensor, keys: torch.Tensor,
@@ -110,6 +101,10 @@ def erase(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, keys: torc
           ) -> torch.Tensor:
     """Free the slots of ``[N]`` keys (absent keys are ignored; flags stay, as in ``HashIndex.remove``). Returns
     the freed slots (int64, -1 where absent), taken before the erase: repeated keys all report their slot."""
+    return _probe(table, key_cols, overflow, keys, shift, erase=True)[0]
+
+
+def _probe(table, key_cols: int, overflow, keys, shift: int, erase: bool) -> tuple[torch.Tensor, torch.Tensor]:
     keys = keys.contiguous()
     check_device(table, overflow, keys)
     n = keys.numel()
@@ -118,8 +113,8 @@ def erase(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, keys: torc
     if n:
         nb = table.shape[0]
         _probe_kernel[_grid(n)](table.view(torch.int32), overflow.view(torch.uint8), keys, slots, rows, n, shift,
-                                nb // 2, nb, BLOCK=KEY_BLOCK, ERASE=True, **_layout(table, key_cols))
-    return slots
+                                nb // 2, nb, BLOCK=KEY_BLOCK, ERASE=erase, **_layout(table, key_cols))
+    return slots, rows
 
 
 def find_gather(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, keys: torch.Tensor, shift: int,

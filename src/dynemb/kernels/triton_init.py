@@ -33,7 +33,7 @@ def initial_rows(kind: str, params: tuple, keys: torch.Tensor, seed: int, out: t
         raise ValueError(f"out must be [{keys.numel()}, D] with dense rows, got shape {tuple(out.shape)} strides "
                          f"{out.stride()}")
     keys = keys.contiguous()
-    check_device(keys, keys)
+    check_device(keys)
     if out.device != keys.device:
         raise ValueError(f"out must be on the keys' device {keys.device}, got {out.device}")
     m, dim = out.shape
