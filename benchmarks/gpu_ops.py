@@ -86,7 +86,8 @@ def index_ops(backends: list[str], n: int, batch: int, dim: int, repeat: int, de
         del idx
     t = median_times({"gather": lambda: values.index_select(0, rows_known)}, repeat=repeat, clock=_clock(device))
     gbs = _gather_bytes(batch, dim) / t["gather"]
-    out.append({"backend": "static index_select", "find+gather GB/s": f"{gbs / 1e9:.1f}", "roofline": f"{gbs / hbm:.2f}"})
+    out.append({"backend": "static index_select", "find+gather GB/s": f"{gbs / 1e9:.1f}",
+                "roofline": f"{gbs / hbm:.2f}"})
     return out
 
 

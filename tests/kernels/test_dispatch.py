@@ -63,6 +63,14 @@ def test_triton_is_cuda_or_the_interpreter_on_cpu(monkeypatch):
     assert resolve_backend("auto", "cpu") in (Backend.NUMBA, Backend.TORCH)  # triton is never picked for CPU
 
 
+def test_the_package_imports_without_loading_triton():
+    import subprocess
+    import sys
+
+    code = "import sys, dynemb, dynemb.kernels; sys.exit('triton' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
 def test_bad_names_are_value_errors():
     with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'torch', 'numba', 'triton' or a Backend, "
                                          r"got 'cuda'"):

@@ -1,7 +1,8 @@
 """Kernels: the one dispatch point for hot operations and their optional implementations.
 
 The batched-torch code is the reference and runs on every device; it lives beside the data structure it serves
-(:class:`~dynemb.table.HashIndex`). Optional kernels live here, :mod:`~dynemb.kernels.numba_index` for CPU, and
+(:class:`~dynemb.table.HashIndex`). Optional kernels live here, the ``numba_*`` modules for CPU and the
+``triton_*`` modules for CUDA (each imported on first use: the package imports without numba or triton), and
 :mod:`~dynemb.kernels.dispatch` decides, from an explicit backend and the device, which one runs.
 """
 

@@ -13,8 +13,8 @@ import triton.language as tl
 
 from ..table.hashing import mix64
 
-__all__ = ["mix64_tl", "unit_uniform_tl", "init_values_tl", "round_to", "init_args", "seed_mix", "check_device", "block_d", "row_warps",
-           "KEY_BLOCK", "INIT_KINDS"]
+__all__ = ["mix64_tl", "unit_uniform_tl", "init_values_tl", "round_to", "init_args", "seed_mix", "check_device",
+           "block_d", "row_warps", "KEY_BLOCK", "INIT_KINDS"]
 
 INIT_KINDS = {"uniform": 1, "constant": 2}  # Initializer.kernel_spec() kinds -> the INIT code of the kernels
 KEY_BLOCK = 128  # keys per program of the index kernels: 128 x 8 slot tiles fill a CTA's registers on an H100

@@ -249,6 +249,18 @@ def _find_or_insert_kernel(words, overflow, keys, slots_out, rows_out, inserted,
     key = tl.load(keys + offs, mask=live, other=0)
     # Phase 1: keys already present (possibly past a slot freed by an erase) are found along the flag chain.
     slot, row = _find(words, overflow, key, live, shift, half, nb, C, KEY_COLS, KEY64)
+    # A slot being filled by another program shows the free-slot key until its key store is visible, so a hit for
+    # that key value is confirmed after an acquiring read of the row word, and probed again if it was not real.
+    unsure = live & (row >= 0) & (key == _FILL)
+    while tl.max(unsure.to(tl.int32), axis=0) > 0:
+        kp, rp = _ptrs(words, slot >> 3, slot & 7, C, KEY_COLS, KEY64)
+        seen = tl.atomic_add(rp, tl.zeros_like(row), mask=unsure, sem="acquire")
+        real = (seen == row) & (tl.load(kp, mask=unsure, other=0, volatile=True) == key)
+        unsure = unsure & ~real
+        s2, r2 = _find(words, overflow, key, unsure, shift, half, nb, C, KEY_COLS, KEY64)
+        slot = tl.where(unsure, s2, slot)
+        row = tl.where(unsure, r2, row)
+        unsure = unsure & (r2 >= 0)
     # Phase 2: the rest walk from home and claim the first slot not held by another key: row word -1 -> -2 by
     # CAS, write the key, publish the row id. Slot states only move free -> claimed -> published here, so all
     # copies of one key stop at the same slot: one claims it, the others wait for the row and see their key.
