@@ -195,3 +195,19 @@ def test_a_table_on_the_triton_index_equals_one_on_torch(pools, data):
     want, got = (t.find(pool) for t in tables)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
+
+
+def test_copies_of_a_key_in_different_programs_get_one_row():
+    """1,000 new keys, each 4 times at random positions of a 4,000-key batch (about 32 programs)."""
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randint(-2**63, 2**63 - 1, (1000,), generator=gen, dtype=torch.int64).unique()
+    batch = keys.repeat(4)[torch.randperm(4 * keys.numel(), generator=gen)].to(DEVICE)
+    idx = HashIndex(torch.int64, DEVICE, capacity=keys.numel(), backend="triton")
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    slots, rows, new = ti.find_or_insert(idx._buckets.view(torch.int64), idx._key_cols, idx.overflow, batch,
+                                         idx._shift, counter)
+    assert int(counter) == keys.numel() and int(new.sum()) == keys.numel()
+    order = torch.argsort(batch, stable=True)
+    assert torch.equal(rows[order].view(-1, 4).amin(1), rows[order].view(-1, 4).amax(1))  # one row per key
+    assert torch.equal(slots[order].view(-1, 4).amin(1), slots[order].view(-1, 4).amax(1))
+    assert torch.equal(idx.find(batch), rows.long())
