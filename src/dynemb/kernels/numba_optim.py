@@ -33,6 +33,8 @@ def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple,
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     h = np.asarray(hparams, dtype=np.float64)
+    if order is None and _mutates_gradient(kind, h):  # the kernel works on the given rows in place then
+        grad = grad.clone()
     s = [t.numpy() for t in slots] + [_NONE_2D] * (2 - len(slots))
     args = (values.numpy(), s[0], s[1], rows.numpy(), grad.numpy(),
             _NONE_I if order is None else order.numpy(), _NONE_I if starts is None else starts.numpy(),
@@ -40,26 +42,24 @@ def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple,
     _KERNELS[kind](*args)
 
 
+def _mutates_gradient(kind: str, h: np.ndarray) -> bool:
+    """Whether the kernel of ``kind`` rewrites a row's gradient (weight decay, momentum) before it applies it."""
+    if kind == "sgd":
+        return bool(h[1] or h[2])
+    return kind in ("adagrad", "rowwise_adagrad") and bool(h[1])
+
+
 _CHUNK = 32  # rows whose gradients are summed, then applied: the [32, D] buffer stays in L1
+_AHEAD = 8  # rows between a row's prefetch and its update: enough misses in flight, not more than the CPU tracks
 
 
 @numba.njit(nogil=True, cache=True)
-def _gradients(lo, hi, out, grad, order, starts, bag, weights, values, rows, slot1, slot2):
+def _gradients(lo, hi, out, grad, order, starts, bag, weights):
     """Rows ``lo..hi-1``'s gradients into ``out[:hi-lo]``: ``grad[u]``, or the sum over the row's ids (see the
-    contract). Each loop is branch-free inside, so that it vectorizes. First it prefetches the rows (values and
-    slots) of the *next* chunk, which load while this one is summed and updated."""
+    contract). Each loop is branch-free inside, so that it vectorizes."""
     dim = out.shape[1]
-    for u in range(hi if lo > 0 else 0, min(hi + (hi - lo), rows.shape[0])):  # the first chunk prefetches itself too
-        prefetch_row(values, rows[u])
-        if slot1.shape[0] > 0:
-            prefetch_row(slot1, rows[u])
-        if slot2.shape[0] > 0:
-            prefetch_row(slot2, rows[u])
     if order.shape[0] == 0:
-        for u in range(lo, hi):
-            for d in range(dim):
-                out[u - lo, d] = grad[u, d]
-        return
+        return grad[lo:hi]  # already one row per row
     for u in range(lo, hi):
         o = out[u - lo]
         o[:] = 0.0
@@ -73,6 +73,16 @@ def _gradients(lo, hi, out, grad, order, starts, bag, weights, values, rows, slo
             else:
                 for d in range(dim):
                     o[d] += g[d]
+    return out
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"reassoc", "nsz"})
+def _sum_of_squares(g):
+    # Reassociation lets LLVM sum in vector lanes: a sequential float sum of D terms waits on each add in turn.
+    square = np.float32(0.0)
+    for d in range(g.shape[0]):
+        square += g[d] * g[d]
+    return square
 
 
 @numba.njit(nogil=True, cache=True)
@@ -83,9 +93,14 @@ def _sgd(values, buf, unused, rows, grad, order, starts, bag, weights, h):
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows, buf, unused)
+        rows_grad = _gradients(lo, hi, chunk, grad, order, starts, bag, weights)
         for u in range(lo, hi):
-            g, v = chunk[u - lo], values[rows[u]]
+            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + _AHEAD]
+                prefetch_row(values, ahead)
+                if buf.shape[0] > 0:
+                    prefetch_row(buf, ahead)
+            g, v = rows_grad[u - lo], values[rows[u]]
             if decay != 0.0:
                 for d in range(g.shape[0]):
                     g[d] = fma(decay, v[d], g[d])
@@ -105,9 +120,13 @@ def _adagrad(values, state, unused, rows, grad, order, starts, bag, weights, h):
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows, state, unused)
+        rows_grad = _gradients(lo, hi, chunk, grad, order, starts, bag, weights)
         for u in range(lo, hi):
-            g, v, s = chunk[u - lo], values[rows[u]], state[rows[u]]
+            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + _AHEAD]
+                prefetch_row(values, ahead)
+                prefetch_row(state, ahead)
+            g, v, s = rows_grad[u - lo], values[rows[u]], state[rows[u]]
             if decay != 0.0:
                 for d in range(g.shape[0]):
                     g[d] = fma(decay, v[d], g[d])
@@ -123,17 +142,18 @@ def _rowwise_adagrad(values, state, unused, rows, grad, order, starts, bag, weig
     chunk = np.empty((_CHUNK, dim), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows, state, unused)
+        rows_grad = _gradients(lo, hi, chunk, grad, order, starts, bag, weights)
         for u in range(lo, hi):
+            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + _AHEAD]
+                prefetch_row(values, ahead)
+                prefetch_row(state, ahead)
             r = rows[u]
-            g, v = chunk[u - lo], values[r]
+            g, v = rows_grad[u - lo], values[r]
             if decay != 0.0:
                 for d in range(dim):
                     g[d] = fma(decay, v[d], g[d])
-            square = np.float32(0.0)
-            for d in range(dim):
-                square += g[d] * g[d]
-            norm = np.sqrt(square)  # as the reference: ||g||, squared, over D
+            norm = np.sqrt(_sum_of_squares(g))  # as the reference: ||g||, squared, over D
             s = state[r, 0] + (norm * norm) / np.float32(dim)
             state[r, 0] = s
             scale = (np.float32(1.0) / (np.sqrt(s) + eps)) * neg_lr
@@ -148,10 +168,15 @@ def _adam(values, exp_avg, exp_avg_sq, rows, grad, order, starts, bag, weights, 
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows, exp_avg, exp_avg_sq)
+        rows_grad = _gradients(lo, hi, chunk, grad, order, starts, bag, weights)
         for u in range(lo, hi):
+            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + _AHEAD]
+                prefetch_row(values, ahead)
+                prefetch_row(exp_avg, ahead)
+                prefetch_row(exp_avg_sq, ahead)
             r = rows[u]
-            g, v, m, q = chunk[u - lo], values[r], exp_avg[r], exp_avg_sq[r]
+            g, v, m, q = rows_grad[u - lo], values[r], exp_avg[r], exp_avg_sq[r]
             for d in range(g.shape[0]):
                 m[d] = (g[d] - m[d]) * one_b1 + m[d]
                 q[d] = (g[d] * g[d] - q[d]) * one_b2 + q[d]
@@ -175,11 +200,16 @@ def _ftrl(values, accumulator, linear, rows, grad, order, starts, bag, weights, 
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        _gradients(lo, hi, chunk, grad, order, starts, bag, weights, values, rows, accumulator, linear)
+        rows_grad = _gradients(lo, hi, chunk, grad, order, starts, bag, weights)
         for u in range(lo, hi):
+            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + _AHEAD]
+                prefetch_row(values, ahead)
+                prefetch_row(accumulator, ahead)
+                prefetch_row(linear, ahead)
             r = rows[u]
-            for d in range(chunk.shape[1]):
-                x, w, acc = chunk[u - lo, d], values[r, d], accumulator[r, d]
+            for d in range(rows_grad.shape[1]):
+                x, w, acc = rows_grad[u - lo, d], values[r, d], accumulator[r, d]
                 new_acc = acc + x * x
                 new_pow = _pow(new_acc, power)
                 sigma = (new_pow - _pow(acc, power)) / lr

@@ -20,7 +20,7 @@ from .numba_math import fma, prefetch_row
 
 __all__ = ["dedup", "pool", "row_grad"]
 
-_AHEAD = 16  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
+_AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 _NONE_F = np.empty(0, np.float32)  # stands for an absent float tensor (numba needs one type per argument)
 
 
