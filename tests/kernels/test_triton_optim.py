@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 import dynemb  # noqa: E402
 from dynemb import optim  # noqa: E402
 from dynemb.functional import embedding_lookup_sparse  # noqa: E402
-from dynemb.kernels import triton_index, triton_optim, triton_pool, use_backend  # noqa: E402
+from dynemb.kernels import triton_index, triton_init, triton_optim, triton_pool, use_backend  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -52,7 +52,8 @@ def _train(backend: str, make_opt, fused: bool) -> dict:
             opt.zero_grad()
         table = emb.table
         rows = table.find_rows(KEYS.to(DEVICE))
-        return {"values": emb.lookup(KEYS.to(DEVICE)),
+        unseen = torch.tensor([123456789, -5], device=DEVICE)  # eval reads of absent keys: initializer rows
+        return {"values": emb.lookup(KEYS.to(DEVICE)), "initial": emb.lookup(unseen),
                 **{name: table.slot(name)[rows] for name in table.slot_names}}
 
 
@@ -60,17 +61,18 @@ def _train(backend: str, make_opt, fused: bool) -> dict:
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_training_under_triton_equals_torch(name, fused, monkeypatch):
     calls = set()
-    for module, fn in ((triton_optim, "sparse_update"), (triton_pool, "pool"), (triton_index, "probe"),
-                       (triton_index, "place")):
+    for module, fn in ((triton_optim, "sparse_update"), (triton_pool, "pool"), (triton_pool, "dedup"),
+                       (triton_index, "probe"), (triton_index, "place"), (triton_init, "initial_rows")):
         real = getattr(module, fn)
         monkeypatch.setattr(module, fn, lambda *a, _real=real, _fn=fn, **k: calls.add(_fn) or _real(*a, **k))
     want = _train("torch", OPTIMIZERS[name], fused)
     assert not calls
     got = _train("triton", OPTIMIZERS[name], fused)
-    assert calls == {"sparse_update", "pool", "probe", "place"}, "a triton kernel never ran"
+    assert calls == {"sparse_update", "pool", "dedup", "probe", "place", "initial_rows"}, "a kernel never ran"
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=2e-5, atol=2e-6, msg=f"{name} {key}")
+    assert torch.equal(got["initial"], want["initial"])  # new rows from the kernel, bit for bit
 
 
 def test_sparse_update_checks_its_arguments():
