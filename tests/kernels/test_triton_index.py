@@ -86,14 +86,14 @@ def test_place_and_probe_equal_the_torch_path(pools, data, key64):
 
 
 @SETTINGS
-@given(data=st.data())
-def test_erase_then_reinsert(pools, data):
-    pool = pools[torch.int64].to(DEVICE)
+@given(data=st.data(), key64=st.booleans())
+def test_erase_then_reinsert(pools, data, key64):
+    dtype, pool = _pool(pools, key64)
     keys = torch.unique(pool[data.draw(_picks(pool.numel(), 70))])
     gone = keys[data.draw(st.lists(st.integers(0, max(keys.numel() - 1, 0)), max_size=30))] if keys.numel() else keys
-    ref, kern = _pair(torch.int64)
+    ref, kern = _pair(dtype)
     _insert((ref, kern), keys)
-    freed = ti.erase(kern._buckets.view(torch.int64), kern._key_cols, kern.overflow, gone, kern._shift)
+    freed = ti.erase(kern._buckets.view(dtype), kern._key_cols, kern.overflow, gone, kern._shift)
     assert torch.equal(freed, ref.find_slots(gone))
     ref.remove(torch.unique(ref.find_slots(gone)))
     if DEVICE.type == "cpu":  # same layout under the interpreter (see above)
@@ -150,15 +150,16 @@ def test_full_index_is_reported():
 
 
 @pytest.mark.parametrize("init", [None, ("uniform", (-0.05, 0.05)), ("uniform", (-1.5, 0.25)), ("constant", (0.1,))])
-@pytest.mark.parametrize("dim,dtype", [(8, torch.float32), (300, torch.float32), (5, torch.float16)])
-def test_find_gather_reads_rows_or_initializer_rows(pools, init, dim, dtype):
-    keys = pools[torch.int64].to(DEVICE)
+@pytest.mark.parametrize("dim,dtype,key_dtype", [(8, torch.float32, torch.int64), (300, torch.float32, torch.int32),
+                                                 (5, torch.float16, torch.int64), (7, torch.bfloat16, torch.int32)])
+def test_find_gather_reads_rows_or_initializer_rows(pools, init, dim, dtype, key_dtype):
+    keys = pools[key_dtype].to(DEVICE)
     stored = keys[::2]
-    idx = HashIndex(torch.int64, DEVICE, capacity=64, backend="torch")
+    idx = HashIndex(key_dtype, DEVICE, capacity=64, backend="torch")
     idx.insert(stored, torch.arange(stored.numel(), device=DEVICE).flip(0))
     values = torch.randn(stored.numel(), dim, device=DEVICE).to(dtype)
     query = torch.cat([keys, keys[:9]])
-    rows, out = ti.find_gather(idx._buckets.view(torch.int64), idx._key_cols, idx.overflow, query, idx._shift,
+    rows, out = ti.find_gather(idx._buckets.view(key_dtype), idx._key_cols, idx.overflow, query, idx._shift,
                                values, init, seed=42)
     want_rows = idx.find(query)
     assert torch.equal(rows.long(), want_rows)
