@@ -11,12 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..table.hashing import mix64
-
 __all__ = ["mix64_tl", "unit_uniform_tl", "init_values_tl", "round_to", "init_args", "seed_mix", "check_device",
            "block_d", "row_warps", "KEY_BLOCK", "INIT_KINDS"]
 
 INIT_KINDS = {"uniform": 1, "constant": 2}  # Initializer.kernel_spec() kinds -> the INIT code of the kernels
+_MASK64 = (1 << 64) - 1
 KEY_BLOCK = 128  # keys per program of the index kernels: 128 x 8 slot tiles fill a CTA's registers on an H100
 
 
@@ -78,8 +77,15 @@ def init_args(init: tuple[str, tuple] | None, dtype: torch.dtype, name: str = "k
 
 
 def seed_mix(seed: int) -> int:
-    """``mix64(seed)`` as a Python int (a kernel argument): the per-table half of the initializer's counter."""
-    return int(mix64(torch.tensor(seed, dtype=torch.int64)))
+    """``mix64(seed)`` (:func:`dynemb.table.hashing.mix64` of an int64) as a Python int, a kernel argument: the
+    per-table half of the initializer's counter. Plain integer arithmetic: kernels sit below the table layer."""
+    x = seed & _MASK64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return x - (1 << 64) if x >> 63 else x
 
 
 def check_device(*tensors: torch.Tensor) -> None:
