@@ -1,7 +1,7 @@
 """The Triton hash-index kernels against HashIndex's torch path: probe, place, erase, find_or_insert (atomic CAS,
 duplicates in a batch) and find_gather, over extreme keys, keys sharing a bucket and repeated keys.
 
-Without a GPU they run under Triton's interpreter on CPU tensors (tests/kernels/conftest.py sets it up)."""
+Without a GPU they run under Triton's interpreter on CPU tensors (the repository's conftest.py sets it up)."""
 
 from __future__ import annotations
 
