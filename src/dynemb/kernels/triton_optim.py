@@ -22,6 +22,8 @@ __all__ = ["sparse_update", "KINDS"]
 
 KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
 _BLOCK_N = 16
+_ARITY = {"sgd": 4, "adagrad": 3, "rowwise_adagrad": 3, "adam": 4, "ftrl": 4}  # hparams per kind (the contract)
+_SLOTS = {"adagrad": 1, "rowwise_adagrad": 1, "adam": 2, "ftrl": 2}  # slot tensors per kind; sgd: 0 or 1
 
 
 def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple, rows: torch.Tensor,
@@ -35,29 +37,28 @@ def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple,
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    want = {"sgd": 4, "adagrad": 3, "rowwise_adagrad": 3, "adam": 4, "ftrl": 4}[kind]
-    if len(hparams) != want:
-        raise ValueError(f"hparams for {kind!r} must be {want} floats, got {hparams!r}")
-    h = [float(x) for x in hparams] + [0.0] * (4 - want)
-    nslots = {"sgd": len(slots), "adagrad": 1, "rowwise_adagrad": 1, "adam": 2, "ftrl": 2}[kind]
-    if len(slots) != nslots or (kind == "sgd" and len(slots) != (1 if h[1] > 0 else 0)):
+    if len(hparams) != _ARITY[kind]:
+        raise ValueError(f"hparams for {kind!r} must be {_ARITY[kind]} floats, got {hparams!r}")
+    h = [float(x) for x in hparams] + [0.0] * (4 - _ARITY[kind])
+    nslots = _SLOTS.get(kind, 1 if h[1] > 0 else 0)  # sgd: a momentum buffer only with momentum
+    if len(slots) != nslots:
         raise ValueError(f"slots for {kind!r} with hparams {hparams!r} must be {nslots} tensors, got {len(slots)}")
+    weight_decay = {"sgd": h[2], "adagrad": h[1], "rowwise_adagrad": h[1]}.get(kind, 0.0)
     if kind == "adam":  # torch computes 1 - beta in double, then rounds: do the same here
         h[0], h[1] = 1.0 - h[0], 1.0 - h[1]
     check_device(values, rows, grad, order, starts, bag, weights, *slots)
     nrows, dim = rows.numel(), values.shape[1]
     if not nrows or not dim:
         return
-    s0 = slots[0] if slots else values
+    s0 = slots[0] if slots else values  # unused pointers get any tensor of the call
     s1 = slots[1] if len(slots) > 1 else values
-    has_order = order is not None
+    block = triton.next_power_of_2(dim)  # the whole row in one tile: RowWiseAdagrad needs its full sum
     _update_kernel[(nrows,)](
-        values, s0, s1, rows, grad, order if has_order else rows, starts if has_order else rows,
-        bag if bag is not None else rows, weights if weights is not None else values, dim, *h,
-        KIND=KINDS.index(kind), HAS_ORDER=has_order, HAS_BAG=bag is not None, HAS_W=weights is not None,
-        HAS_WD=kind in ("sgd", "adagrad", "rowwise_adagrad") and h[2 if kind == "sgd" else 1]
-        != 0, HAS_MOM=kind == "sgd" and h[1] > 0, NESTEROV=kind == "sgd" and h[3] != 0, BLOCK_N=_BLOCK_N,
-        BLOCK_D=triton.next_power_of_2(dim), num_warps=row_warps(triton.next_power_of_2(dim)))
+        values, s0, s1, rows, grad, rows if order is None else order, rows if starts is None else starts,
+        rows if bag is None else bag, values if weights is None else weights, dim, *h,
+        KIND=KINDS.index(kind), HAS_ORDER=order is not None, HAS_BAG=bag is not None, HAS_W=weights is not None,
+        HAS_WD=weight_decay != 0, HAS_MOM=kind == "sgd" and nslots == 1, NESTEROV=kind == "sgd" and h[3] != 0,
+        BLOCK_N=_BLOCK_N, BLOCK_D=block, num_warps=row_warps(block))
 
 
 @triton.jit
