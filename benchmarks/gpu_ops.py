@@ -6,7 +6,7 @@ Measured (``--device cuda``: backends triton and torch; ``--device cpu``: auto (
 - ``find``: ``HashIndex.find`` of ``--batch`` stored keys in an index of ``--keys`` keys at load 0.5 (int64 keys,
   pointer only, HierarchicalKV's setting); keys/s;
 - ``insert``: ``HashIndex.insert`` of ``--batch`` new keys into the same index (the keys are erased, untimed,
-  after each run); keys/s;
+  after each run); keys/s; for triton also ``find_or_insert`` of those new keys in one launch (no hash sort);
 - ``find+gather``: rows of ``--batch`` keys from a ``[keys, 64]`` float32 table: ``find`` then ``index_select``
   (torch), ``triton_index.find_gather`` (one launch), and ``index_select`` of known rows (the floor); GB/s of
   bytes read and written and the fraction of ``--hbm-tbs`` (3.0 TB/s: the issue's H100 roofline);
@@ -78,8 +78,13 @@ def index_ops(backends: list[str], n: int, batch: int, dim: int, repeat: int, de
         if backend == "triton":
             from dynemb.kernels import triton_index
 
-            cases["find+gather"] = lambda idx=idx: triton_index.find_gather(
-                idx._buckets.view(torch.int64), idx._key_cols, idx.overflow, query, idx._shift, values)
+            table = (idx._buckets.view(torch.int64), idx._key_cols, idx.overflow)
+            counter = torch.zeros(1, dtype=torch.int32, device=device)
+            cases["find+gather"] = lambda table=table, idx=idx: triton_index.find_gather(*table, query, idx._shift,
+                                                                                         values)
+            cases["find_or_insert"] = Case(  # new keys, one launch, no host sync; erased again untimed
+                lambda table=table, idx=idx: triton_index.find_or_insert(*table, new, idx._shift, counter),
+                teardown=lambda table=table, idx=idx: triton_index.erase(*table, new, idx._shift))
         with use_backend(backend):
             t = median_times(cases, repeat=repeat, clock=_clock(device))
         out.append(_row(backend, t, batch, dim, load, hbm))
@@ -102,7 +107,8 @@ def _row(backend: str, t: dict, batch: int, dim: int, load: float, hbm: float) -
     return {"backend": backend, "load": f"{load:.2f}", "find keys/s": fmt_rate(batch / t["find"]),
             "insert keys/s": fmt_rate(batch / t["insert"]), "find+gather GB/s": f"{gbs / 1e9:.1f}",
             "roofline": f"{gbs / hbm:.2f}", "_find": batch / t["find"], "_insert": batch / t["insert"],
-            "_roofline": gbs / hbm}
+            "_roofline": gbs / hbm,
+            **({"find_or_insert keys/s": fmt_rate(batch / t["find_or_insert"])} if "find_or_insert" in t else {})}
 
 
 # ----------------------------------------------------------------------------------------------- training step
@@ -210,7 +216,8 @@ def main(argv=None, only: str | None = None) -> None:
         # find and insert return row ids only (HKV's pointer-only setting), so one table of dim 64 serves all three
         rows = index_ops(backends, n, batch, 64, repeat, device, args.hbm_tbs * 1e12)
         print(f"\nindex: {n} int64 keys, batch {batch}; find+gather at dim 64, float32")
-        print_table(rows, ["backend", "load", "find keys/s", "insert keys/s", "find+gather GB/s", "roofline"])
+        print_table(rows, ["backend", "load", "find keys/s", "insert keys/s", "find_or_insert keys/s",
+                           "find+gather GB/s", "roofline"])
         result["index"] = rows
     if args.only in (None, "train"):
         rows = train(backends, 4, vocab, tbatch, repeat, device)
