@@ -21,7 +21,7 @@ NUMBA = pytest.mark.skipif(not numba_available(), reason="numba is an optional k
 
 
 def test_auto_picks_numba_on_cpu_only_when_installed(monkeypatch):
-    assert resolve_backend("auto", "cuda") is Backend.TORCH
+    assert resolve_backend("auto", "cuda") is (Backend.TRITON if dispatch.triton_available() else Backend.TORCH)
     assert resolve_backend(Backend.AUTO, torch.device("cpu")) is (Backend.NUMBA if numba_available() else Backend.TORCH)
     monkeypatch.setattr(dispatch, "numba_available", lambda: False)
     assert resolve_backend("auto", "cpu") is Backend.TORCH
@@ -47,11 +47,36 @@ def test_numba_is_cpu_only():
     assert index_kernels("torch", "cpu") is None
 
 
+def test_triton_is_cuda_or_the_interpreter_on_cpu(monkeypatch):
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    assert resolve_backend("auto", "cuda") is Backend.TRITON
+    assert resolve_backend("triton", "cuda") is Backend.TRITON
+    assert resolve_backend("triton", "cpu") is Backend.TRITON  # runs under TRITON_INTERPRET=1 (the tests)
+    with pytest.raises(ValueError, match="backend 'triton' runs on CUDA"):
+        resolve_backend("triton", "meta")
+    expected = {"index": "triton_index", "pool": "triton_pool", "optim": "triton_optim", "init": "triton_init"}
+    assert {f: dispatch._MODULES[f, Backend.TRITON] for f in expected} == expected
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    assert resolve_backend("auto", "cuda") is Backend.TORCH
+    with pytest.raises(ValueError, match="needs the triton package"):
+        resolve_backend("triton", "cuda")
+    assert resolve_backend("auto", "cpu") in (Backend.NUMBA, Backend.TORCH)  # triton is never picked for CPU
+
+
+def test_the_package_imports_without_loading_triton():
+    import subprocess
+    import sys
+
+    code = "import sys, dynemb, dynemb.kernels; sys.exit('triton' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
 def test_bad_names_are_value_errors():
-    with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'torch', 'numba' or a Backend, got 'cuda'"):
+    with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'torch', 'numba', 'triton' or a Backend, "
+                                         r"got 'cuda'"):
         resolve_backend("cuda", "cpu")
     with pytest.raises(ValueError, match="backend must be one of"):
-        KeyValueTable(2, backend="triton")
+        KeyValueTable(2, backend="gpu")
     with pytest.raises(ValueError, match="backend must be one of"):
         set_default_backend(None)
 

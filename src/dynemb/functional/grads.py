@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
+from ..kernels.dispatch import pool_kernels
 from ..table.ops import gather_rows
 from ..table.static import StaticTable
+from .pooling import sorted_row_grad
 
-__all__ = ["SparseGrad", "current_rows", "deliver_gradient", "read_rows", "TableRows"]
+__all__ = ["SparseGrad", "PooledGrad", "current_rows", "deliver_gradient", "deliver_pooled_gradient", "read_rows",
+           "TableRows", "table_kernels"]
+
+
+class PooledGrad(NamedTuple):
+    """How the rows of one lookup sum a pooled gradient ``[B, D]``: row ``u`` sums ``weights[j] * grad[bag[j]]``
+    over ``j in order[starts[u]:starts[u + 1]]`` (``order`` ``[N]``: the ids grouped by unique row, from the call's
+    one sort; ``starts`` ``[U + 1]``; ``bag`` ``[N]``: each id's bag; ``weights`` ``[N]`` or None)."""
+
+    order: Optional[torch.Tensor]
+    starts: Optional[torch.Tensor]
+    bag: Optional[torch.Tensor]
+    weights: Optional[torch.Tensor]
+
+
+def table_kernels(family, table):
+    """The kernel module of ``family`` (a :mod:`dynemb.kernels.dispatch` function such as ``pool_kernels``) for
+    ``table``'s backend and device, or None for torch; float32 tables only."""
+    if table.dtype != torch.float32:
+        return None
+    return family(getattr(table, "backend", None), table.device)
 
 class SparseGrad:
     """Gradients recorded for one table between ``zero_grad`` and ``step``: ``(keys, rows, grad)`` batches."""
@@ -73,6 +97,26 @@ def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.
     if table.sparse_grad is None:
         table.sparse_grad = SparseGrad()
     table.sparse_grad.add(keys, rows, grad)
+
+
+
+def deliver_pooled_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor,
+                            pooled: PooledGrad) -> None:
+    """:func:`deliver_gradient` for a pooled gradient ``grad [B, D]`` (see :class:`PooledGrad`): a fused optimizer
+    applies it straight (no ``[U, D]`` tensor) when every row is still current; otherwise the row gradient is
+    built (by the ``row_grad`` kernel or torch) and delivered as usual."""
+    if not table.requires_grad:
+        return
+    optimizer = table.sparse_optimizer
+    if optimizer is not None and optimizer.fused and current_rows(table, keys, rows) is rows:
+        optimizer.apply_gradient(table, rows, grad, pooled)
+        return
+    kernels = table_kernels(pool_kernels, table)
+    if kernels is not None and grad.dtype == torch.float32:
+        row_grad = kernels.row_grad(grad, *pooled)
+    else:
+        row_grad = sorted_row_grad(grad, *pooled)
+    deliver_gradient(table, keys, rows, row_grad)
 
 
 

@@ -7,17 +7,21 @@ call; nothing of table size is ever built. A static table's id is its row, so it
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from ..table import KeyValueTable
 from ..table.static import StaticTable
-from .grads import TableRows, deliver_gradient, read_rows
+from ..kernels.dispatch import pool_kernels
+from .grads import PooledGrad, TableRows, deliver_gradient, deliver_pooled_gradient, read_rows, table_kernels
 from .ops import anchor_of, pooled_lookup_op
-from .pooling import BagSet, BagSum, bag_of, bag_sum_grad, check_combiner, concat_bags, pool, split_combine, to_bags
+from .pooling import (BagSet, BagSum, bag_of, bag_sum_grad, check_combiner, combine_denoms, concat_bags, pool,
+                      split_combine, to_bags)
 
 __all__ = ["embedding_lookup", "embedding_lookup_sparse", "pooled_lookup", "unique_rows", "counts_occurrences",
-           "clip_rows", "find_unique", "id_rows"]
+           "clip_rows", "find_unique", "id_rows", "SortedIds", "sort_ids"]
 
 def _table_of(embedding) -> KeyValueTable:
     return embedding if isinstance(embedding, (KeyValueTable, StaticTable)) else embedding.table
@@ -51,6 +55,55 @@ def _trains(embedding, table, training: bool | None) -> bool:
     if training is None:
         training = getattr(embedding, "training", True)
     return bool(training) and torch.is_grad_enabled() and table.requires_grad
+
+
+class SortedIds(NamedTuple):
+    """One stable sort of a call's ids ``[N]``, shared by dedup, the forward and the backward: ``unique [U]``
+    (ascending, or in order of first occurrence from a ``dedup`` kernel), ``inverse [N]`` (``unique[inverse] == ids``), ``order [N]`` (the ids grouped by unique key, in
+    input order within a key) and ``starts [U + 1]`` (key ``u``'s ids are ``order[starts[u]:starts[u + 1]]``)."""
+
+    unique: torch.Tensor
+    inverse: torch.Tensor
+    order: torch.Tensor
+    starts: torch.Tensor
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return torch.diff(self.starts)
+
+
+def sort_ids(flat: torch.Tensor, kernels=None) -> SortedIds:
+    """Sort ``flat [N]`` once (stably) and derive everything dedup and the backward need from it; ``kernels``: a
+    ``pool`` kernel module (:mod:`dynemb.kernels.dispatch`) whose ``dedup`` does it instead, in one O(N) pass
+    (unique ids then come in order of first occurrence, not ascending).
+
+    Example:
+        >>> s = sort_ids(torch.tensor([5, -1, 5]))
+        >>> s.unique.tolist(), s.inverse.tolist(), s.order.tolist(), s.starts.tolist()
+        ([-1, 5], [1, 0, 1], [1, 0, 2], [0, 1, 3])
+    """
+    if kernels is not None:
+        return SortedIds(*kernels.dedup(flat))
+    ordered, order = torch.sort(flat, stable=True)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    torch.ne(ordered[1:], ordered[:-1], out=first[1:])
+    starts = first.nonzero().squeeze(1)
+    inverse = torch.empty_like(order)
+    inverse[order] = first.cumsum(0) - 1
+    return SortedIds(ordered.index_select(0, starts), inverse, order,
+                     torch.cat([starts, starts.new_tensor([flat.numel()])]))
+
+
+def _find_sorted(table, flat: torch.Tensor, trains: bool) -> tuple[SortedIds, torch.Tensor]:
+    """``(sorted ids, rows [U])`` of a dynamic table: found, or inserted when ``trains`` (see :func:`find_unique`)."""
+    ids = sort_ids(flat, table_kernels(pool_kernels, table))
+    if trains and counts_occurrences(table):  # lfu scores and admission count every occurrence
+        rows, _ = table.find_or_insert(ids.unique, counts=ids.counts)
+    elif trains:
+        rows, _ = table.find_or_insert(ids.unique)
+    else:
+        rows = table.find_rows(ids.unique)
+    return ids, rows
 
 
 def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, checked: bool = False):
@@ -140,27 +193,36 @@ def id_rows(embedding, ids: torch.Tensor, training: bool | None = None) -> torch
 
 
 class _TablePool(torch.autograd.Function):
-    """Sum-pooling straight from the table's stored rows (every row >= 0), without a ``[U, D]`` copy of them;
-    backward hands the ``[U, D]`` row gradient to the table, as :class:`TableRows` does."""
+    """Pooling (and combining) straight from the table's stored rows (every row >= 0), without a ``[U, D]`` copy
+    of them; backward hands the pooled gradient to the table (:func:`deliver_pooled_gradient`), with the ids'
+    order from the forward's one sort."""
 
     @staticmethod
-    def forward(ctx, anchor, table, keys, rows, inverse, offsets, weights):
+    def forward(ctx, anchor, table, keys, rows, inverse, order, starts, offsets, weights, denom):
         ctx.table = table
-        ctx.save_for_backward(keys, rows, inverse, offsets, weights)
-        return _pool_rows(table, rows, inverse, offsets, weights)
+        ctx.save_for_backward(keys, rows, order, starts, offsets, weights, denom)
+        return _pool_rows(table, rows, inverse, offsets, weights, denom)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        keys, rows, inverse, offsets, weights = ctx.saved_tensors
-        deliver_gradient(ctx.table, keys, rows, bag_sum_grad(grad.contiguous(), inverse, offsets, weights, keys.numel()))
-        return (None,) * 7
+        keys, rows, order, starts, offsets, weights, denom = ctx.saved_tensors
+        grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
+        pooled = PooledGrad(order, starts, bag_of(offsets, order.numel()), weights)
+        deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled)
+        return (None,) * 10
 
 
 
-def _pool_rows(table, rows, inverse, offsets, weights) -> torch.Tensor:
-    return F.embedding_bag(rows.index_select(0, inverse), table.values, offsets, mode="sum",
-                           per_sample_weights=weights)
+def _pool_rows(table, rows, inverse, offsets, weights, denom=None) -> torch.Tensor:
+    """``[B, D]``: bag ``b`` is ``sum(weights[j] * values[rows[inverse[j]]]) / denom[b]`` (the ``pool`` kernel when
+    one serves the table, else ``F.embedding_bag``)."""
+    kernels = table_kernels(pool_kernels, table)
+    if kernels is not None and (weights is None or weights.dtype == torch.float32):
+        return kernels.pool(table.values, rows, inverse, offsets, weights, denom)
+    summed = F.embedding_bag(rows.index_select(0, inverse), table.values, offsets, mode="sum",
+                             per_sample_weights=weights)
+    return summed if denom is None else summed / denom.unsqueeze(1)
 
 
 
@@ -179,16 +241,26 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
         return _compiled_pooled_lookup(embedding, table, ids, bag_sets, training)
     if isinstance(table, StaticTable) and not weights_train:
         return _static_pooled_lookup(embedding, table, ids, bag_sets, training, checked)
-    table, unique, rows, inverse, trains = find_unique(embedding, ids, training, checked)
-    offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
-    if (weights is not None and weights.requires_grad) or not bool((rows >= 0).all()):
+    if weights_train or isinstance(table, StaticTable):
+        table, unique, rows, inverse, trains = find_unique(embedding, ids, training, checked)
+        offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
         summed = BagSum.apply(_rows_tensor(table, unique, rows, trains), inverse, offsets, weights)
-    elif trains:
-        anchor = torch.empty(0, requires_grad=True)
-        summed = _TablePool.apply(anchor, table, unique, rows, inverse, offsets, weights)
+        return split_combine(summed, bag_sets)
+    flat = ids.reshape(-1)  # find_or_insert / find_rows check it
+    trains = _trains(embedding, table, training)
+    sorted_ids, rows = _find_sorted(table, flat, trains)
+    offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
+    if not bool((rows >= 0).all()):  # keys without a stored row read their initializer row
+        summed = BagSum.apply(_rows_tensor(table, sorted_ids.unique, rows, trains), sorted_ids.inverse, offsets,
+                              weights)
+        return split_combine(summed, bag_sets)
+    denom = combine_denoms(bag_sets, table.dtype, table.device)
+    if trains:
+        pooled = _TablePool.apply(torch.empty(0, requires_grad=True), table, sorted_ids.unique, rows,
+                                  sorted_ids.inverse, sorted_ids.order, sorted_ids.starts, offsets, weights, denom)
     else:
-        summed = _pool_rows(table, rows, inverse, offsets, weights)
-    return split_combine(summed, bag_sets)
+        pooled = _pool_rows(table, rows, sorted_ids.inverse, offsets, weights, denom)
+    return list(pooled.split([s.num_bags for s in bag_sets]))
 
 
 
@@ -209,36 +281,44 @@ def _static_pooled_lookup(embedding, table: StaticTable, ids: torch.Tensor, bag_
                           training: bool | None, checked: bool) -> list[torch.Tensor]:
     flat = ids.reshape(-1) if checked else table.check_ids(ids)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
+    denom = combine_denoms(bag_sets, table.dtype, table.device)
     if _trains(embedding, table, training):
-        summed = _StaticPool.apply(torch.empty(0, requires_grad=True), table, flat, offsets, weights)
+        pooled = _StaticPool.apply(torch.empty(0, requires_grad=True), table, flat, offsets, weights, denom)
     else:
-        summed = F.embedding_bag(flat, table.values, offsets, mode="sum", per_sample_weights=weights)
-    return split_combine(summed, bag_sets)
+        pooled = _static_pool(table, flat, offsets, weights, denom)
+    return list(pooled.split([s.num_bags for s in bag_sets]))
+
+
+
+def _static_pool(table: StaticTable, ids: torch.Tensor, offsets, weights, denom) -> torch.Tensor:
+    if table_kernels(pool_kernels, table) is not None:  # id i is row i: each id is its own unique row
+        arange = torch.arange(ids.numel(), device=ids.device)
+        return _pool_rows(table, ids.to(torch.int64), arange, offsets, weights, denom)
+    summed = F.embedding_bag(ids, table.values, offsets, mode="sum", per_sample_weights=weights)
+    return summed if denom is None else summed / denom.unsqueeze(1)
 
 
 
 class _StaticPool(torch.autograd.Function):
-    """Sum-pooling of a static table's rows straight from the ids (row ``i`` is id ``i``: no dedup in forward).
+    """Pooling of a static table's rows straight from the ids (row ``i`` is id ``i``: no dedup in forward).
     Backward sorts the ids once (stably, so each row sums its ids in input order, as the dynamic path does) and
-    reduces the pooled gradient to one ``[U, D]`` row gradient for the table's optimizer."""
+    hands the pooled gradient to the table (:func:`deliver_pooled_gradient`)."""
 
     @staticmethod
-    def forward(ctx, anchor, table, ids, offsets, weights):
+    def forward(ctx, anchor, table, ids, offsets, weights, denom):
         ctx.table = table
-        ctx.save_for_backward(ids, offsets, weights)
-        return F.embedding_bag(ids, table.values, offsets, mode="sum", per_sample_weights=weights)
+        ctx.save_for_backward(ids, offsets, weights, denom)
+        return _static_pool(table, ids, offsets, weights, denom)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        ids, offsets, weights = ctx.saved_tensors
-        ordered, order = torch.sort(ids.to(torch.int64), stable=True)
-        rows, per_row = torch.unique_consecutive(ordered, return_counts=True)
-        bags = bag_of(offsets, ids.numel()).index_select(0, order)
-        row_grad = F.embedding_bag(bags, grad.contiguous(), per_row.cumsum(0) - per_row, mode="sum",
-                                   per_sample_weights=None if weights is None else weights.index_select(0, order))
-        deliver_gradient(ctx.table, rows.to(ids.dtype), rows, row_grad)
-        return (None,) * 5
+        ids, offsets, weights, denom = ctx.saved_tensors
+        grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
+        s = sort_ids(ids, table_kernels(pool_kernels, ctx.table))
+        pooled = PooledGrad(s.order, s.starts, bag_of(offsets, ids.numel()), weights)
+        deliver_pooled_gradient(ctx.table, s.unique, s.unique.to(torch.int64), grad, pooled)
+        return (None,) * 6
 
 
 

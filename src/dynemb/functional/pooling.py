@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["COMBINERS", "BagSet", "check_combiner", "to_bags", "pool", "pool_many", "bag_of", "bag_sum_grad",
-           "BagSum", "concat_bags", "split_combine"]
+           "BagSum", "concat_bags", "split_combine", "combine_denoms", "sorted_row_grad"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -196,9 +196,16 @@ def bag_sum_grad(grad, inverse, offsets, weights, num_rows: int) -> torch.Tensor
     ``weight * grad[bag]`` over its ids, itself computed as a sum-pooling with the ids ordered by row."""
     order = inverse.argsort(stable=True)
     per_row = torch.bincount(inverse, minlength=num_rows)
+    starts = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)])
+    return sorted_row_grad(grad, order, starts, bag_of(offsets, inverse.numel()), weights)
+
+
+def sorted_row_grad(grad, order, starts, bag, weights) -> torch.Tensor:
+    """The torch reference of the ``row_grad`` kernel (:mod:`dynemb.kernels.dispatch`): ``[U, D]``, row ``u``
+    summing ``weights[j] * grad[bag[j]]`` over ``j in order[starts[u]:starts[u + 1]]``."""
     ordered_weights = None if weights is None else weights.index_select(0, order)
-    return F.embedding_bag(bag_of(offsets, inverse.numel()).index_select(0, order), grad, per_row.cumsum(0) - per_row,
-                           mode="sum", per_sample_weights=ordered_weights)
+    return F.embedding_bag(bag.index_select(0, order), grad, starts[:-1], mode="sum",
+                           per_sample_weights=ordered_weights)
 
 
 
@@ -241,20 +248,32 @@ def split_combine(summed: torch.Tensor, bag_sets: list[BagSet]) -> list[torch.Te
 
 
 
+def combine_denoms(bag_sets: list[BagSet], dtype: torch.dtype, device) -> torch.Tensor | None:
+    """``[B]`` divisors of the concatenated bags (ones for ``sum`` sets), or None when every set sums."""
+    if all(s.combiner == "sum" for s in bag_sets):
+        return None
+    return torch.cat([_denom(*s, dtype=dtype, device=device) if s.combiner != "sum"
+                      else torch.ones(s.num_bags, dtype=dtype, device=device) for s in bag_sets])
+
+
 def _combine(summed, n: int, offsets, weights, num_bags: int, combiner: str) -> torch.Tensor:
     """Divide bag sums by the bag's weight (``mean``) or root of squared weights (``sqrtn``)."""
     if combiner == "sum":
         return summed
+    return summed / _denom(n, offsets, weights, num_bags, combiner, summed.dtype, summed.device).unsqueeze(1)
+
+
+def _denom(n: int, offsets, weights, num_bags: int, combiner: str, dtype, device) -> torch.Tensor:
+    """``[num_bags]`` divisors of one ``mean``/``sqrtn`` set; 1 for empty (or zero-weight) bags."""
     ends = torch.cat([offsets[1:], offsets.new_tensor([n])])
     counts = ends - offsets
     if weights is None:
-        denom = counts.to(summed.dtype)
+        denom = counts.to(dtype)
         denom = denom if combiner == "mean" else denom.sqrt()
     else:
-        weights = weights.to(summed.dtype)
+        weights = weights.to(dtype)
         bag = torch.repeat_interleave(torch.arange(num_bags, device=offsets.device), counts)
         w = weights if combiner == "mean" else weights * weights
-        denom = torch.zeros(num_bags, dtype=summed.dtype, device=summed.device).index_add_(0, bag, w)
+        denom = torch.zeros(num_bags, dtype=dtype, device=device).index_add_(0, bag, w)
         denom = denom if combiner == "mean" else denom.sqrt()
-    denom = torch.where(denom == 0, torch.ones_like(denom), denom)
-    return summed / denom.unsqueeze(1)
+    return torch.where(denom == 0, torch.ones_like(denom), denom)

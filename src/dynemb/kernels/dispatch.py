@@ -4,9 +4,12 @@ environment.
 =========  ============================================================  ====================================
 backend    runs                                                          where
 =========  ============================================================  ====================================
-``auto``   numba on CPU when numba is importable, torch everywhere else  any device (the process default)
+``auto``   numba on CPU, triton on CUDA (each when importable), else     any device (the process default)
+           torch
 ``torch``  the batched-torch reference                                   any device
-``numba``  the numba kernels of :mod:`dynemb.kernels.numba_index`        CPU only, with numba installed
+``numba``  the numba kernels (``numba_*`` modules)                       CPU only, with numba installed
+``triton`` the Triton kernels (``triton_*`` modules)                     CUDA; CPU only under Triton's
+                                                                         interpreter (``TRITON_INTERPRET=1``)
 =========  ============================================================  ====================================
 
 Every backend gives identical results (the tests hold each kernel equal to the torch reference); they differ in
@@ -15,10 +18,70 @@ call. The process default is ``auto`` until it is set explicitly, with :func:`se
 block of code (tests, benchmarks), :func:`use_backend`. Nothing in the library reads an environment variable for
 this: the ``dynemb`` command alone maps ``DYNEMB_NUMBA=0`` to ``set_default_backend("torch")`` at startup.
 
-A CUDA backend (``triton``) would be one more member of :class:`Backend` and one more branch here.
+The CUDA backend (``triton``) is one member of :class:`Backend`, one entry per family in ``_MODULES`` below and
+one rule in :func:`resolve_backend`. Its modules implement the same contracts; ``triton_index`` adds the one-launch
+``find_or_insert``, ``erase`` and ``find_gather`` a GPU step uses (documented there).
+
+Operation families
+------------------
+Each family has one function here, ``<family>_kernels(backend, device)``, that returns the module implementing
+the family for that call, or ``None`` for the torch reference (which lives beside the code it serves and stays the
+fallback). A module implements every function of its family with exactly the tensor contract below; the tests
+hold every module equal to the reference. Symbols: ``R`` rows of a table, ``D`` its dim, ``U`` unique rows of a
+call, ``N`` ids, ``B`` bags. All tensors are on the call's device and contiguous; int tensors are int64 unless
+said otherwise; ``values`` and slots are the table's own storage, updated in place. Callers route only float32
+tables (and float32 weights and slots) to ``pool`` and ``optim`` kernels
+(:func:`~dynemb.functional.grads.table_kernels`); other dtypes run the torch reference.
+
+``index_kernels`` (:mod:`~dynemb.kernels.numba_index`): ``probe``, ``place`` of :class:`~dynemb.table.HashIndex`.
+
+``pool_kernels`` (:mod:`~dynemb.kernels.numba_pool`): dedup and pooled lookups straight from a table's rows.
+
+- ``dedup(ids [N] int32/int64) -> (unique [U] ids' dtype, inverse [N], order [N], starts [U + 1])``: the call's
+  one grouping of its ids (torch reference: :func:`~dynemb.functional.lookup.sort_ids`, a stable sort):
+  ``unique[inverse] == ids``; ``order`` lists the ids grouped by unique id, in input order within one; unique id
+  ``u``'s ids are ``order[starts[u]:starts[u + 1]]``. The order of ``unique`` is the module's choice.
+- ``pool(values [R, D], rows [U], inverse [N], offsets [B], weights [N] | None, denom [B] | None) -> [B, D]``
+  (dtype of ``values``): ``out[b] = sum(weights[j] * values[rows[inverse[j]]] for j in bag b) / denom[b]``, the
+  ids of bag ``b`` being ``offsets[b] <= j < offsets[b + 1]`` (``N`` for the last bag); ``offsets`` start at 0 and
+  never decrease; a missing ``weights``/``denom`` is all ones (``denom`` holds the ``mean``/``sqrtn`` combiners'
+  divisors, never 0); an empty bag is zeros. Every ``rows[u] >= 0``. Sums run in id order within a bag.
+- ``row_grad(grad [B, D] float32, order [N], starts [U + 1], bag [N], weights [N] | None) -> [U, D] float32``:
+  the gradient of a sum-pooling for each unique row, ``g[u] = sum(weights[j] * grad[bag[j]] for j in
+  order[starts[u]:starts[u + 1]])``, summed in that order (``order`` lists the ids grouped by unique row, in input
+  order within a row: the one stable sort of the call, :func:`~dynemb.functional.lookup.sort_ids`; ``bag[j]`` is
+  id ``j``'s bag). The caller has already divided ``grad`` by the combiner's ``denom``.
+
+``optim_kernels`` (:mod:`~dynemb.kernels.numba_optim`): sparse optimizer updates applied in place.
+
+- ``sparse_update(kind: str, hparams: tuple[float, ...], values [R, D], slots: tuple[[R, d_i] float32, ...],
+  rows [U], grad [G, D] float32, order [M] | None, starts [U + 1] | None, bag [M] | None, weights [M] | None)
+  -> None``: updates ``values[rows[u]]`` and its slot rows with row ``u``'s gradient, in one pass,
+  with no ``[U, D]`` temporary. Row ``u``'s gradient is ``grad[u]`` when ``order`` is None (then ``G == U``), else
+  its ``row_grad`` sum (same arguments; ``bag`` None means ``bag[j] == j``). ``rows`` are unique and
+  ``>= 0``. ``kind``, ``hparams`` and ``slots`` come from ``SparseOptimizer.kernel_args`` (one line per kind):
+
+  ===================  ====================================================  ================================
+  kind                 hparams                                               slots
+  ===================  ====================================================  ================================
+  ``sgd``              lr, momentum, weight_decay, nesterov (0.0 or 1.0)     (momentum_buffer [R, D]) or ()
+  ``adagrad``          clr (lr after decay), weight_decay, eps               (sum [R, D],)
+  ``rowwise_adagrad``  lr, weight_decay, eps                                 (sum [R, 1],)
+  ``adam``             beta1, beta2, eps, step_size (bias-corrected lr)      (exp_avg, exp_avg_sq) [R, D]
+  ``ftrl``             lr, power (= -learning_rate_power), l1, l2            (accumulator, linear) [R, D]
+  ===================  ====================================================  ================================
+
+  The math of each kind is its optimizer's torch ``_update`` in :mod:`dynemb.optim.algorithms`.
+
+``init_kernels`` (:mod:`~dynemb.kernels.numba_init`): the built-in counter-based initializers.
+
+- ``initial_rows(kind: str, params: tuple[float, ...], keys [M] int32/int64, seed: int, out [M, D]) -> None``:
+  writes the rows ``Initializer(keys, D, out.dtype, seed)`` would return, bit for bit, into ``out`` (which may be
+  a slice of the table's values). ``kind, params`` come from ``Initializer.kernel_spec()``: ``("uniform", (low,
+  high))`` or ``("constant", (value,))``; an initializer without a spec always runs in torch.
 
 Example:
-    >>> resolve_backend("auto", "cuda")
+    >>> resolve_backend("torch", "cuda")
     <Backend.TORCH: 'torch'>
     >>> with use_backend("torch"):
     ...     resolve_backend(None, "cpu")
@@ -43,7 +106,11 @@ __all__ = [
     "set_default_backend",
     "use_backend",
     "numba_available",
+    "triton_available",
     "index_kernels",
+    "pool_kernels",
+    "optim_kernels",
+    "init_kernels",
 ]
 
 
@@ -53,6 +120,7 @@ class Backend(str, enum.Enum):
     AUTO = "auto"
     TORCH = "torch"
     NUMBA = "numba"
+    TRITON = "triton"
 
     @classmethod
     def parse(cls, value: "Backend | str", name: str = "backend") -> "Backend":
@@ -71,6 +139,12 @@ _default = Backend.AUTO
 def numba_available() -> bool:
     """Whether numba is installed (numba itself is imported only when a kernel first runs: it loads slowly)."""
     return importlib.util.find_spec("numba") is not None
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton is installed (imported only when a Triton kernel first runs)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def get_default_backend() -> Backend:
@@ -104,16 +178,23 @@ def use_backend(backend: Backend | str) -> Iterator[Backend]:
 def resolve_backend(backend: Backend | str | None, device: torch.device | str | None = None) -> Backend:
     """The backend that runs an operation on ``device`` (default CPU): never ``AUTO``.
 
-    ``None`` is the process default; ``auto`` picks numba on CPU when numba is installed, else torch.
+    ``None`` is the process default; ``auto`` picks numba on CPU when numba is installed, triton on CUDA when
+    triton is installed, else torch. ``triton`` on a CPU device is allowed: its kernels then run only under
+    Triton's interpreter (the tests' setting), which triton itself enables from ``TRITON_INTERPRET=1``.
 
     Raises:
         ValueError: ``backend`` is not a backend name; or it is ``numba`` and numba is not installed or ``device``
-            is not a CPU.
+            is not a CPU; or it is ``triton`` and triton is not installed or ``device`` is neither CUDA nor CPU.
     """
     requested = _default if backend is None else backend if isinstance(backend, Backend) else Backend.parse(backend)
-    on_cpu = (device.type if isinstance(device, torch.device) else torch.device(device or "cpu").type) == "cpu"
+    kind = device.type if isinstance(device, torch.device) else torch.device(device or "cpu").type
+    on_cpu = kind == "cpu"
     if requested is Backend.AUTO:
-        return Backend.NUMBA if on_cpu and numba_available() else Backend.TORCH
+        if on_cpu and numba_available():
+            return Backend.NUMBA
+        return Backend.TRITON if kind == "cuda" and triton_available() else Backend.TORCH
+    if requested is Backend.TRITON and kind not in ("cuda", "cpu"):
+        raise ValueError(f"backend 'triton' runs on CUDA (or CPU under Triton's interpreter), got device {device}")
     if requested is Backend.NUMBA and not on_cpu:
         raise ValueError(f"backend 'numba' runs on CPU only, got device {device}; use 'auto' or 'torch'")
     return _available(requested)
@@ -123,17 +204,51 @@ def index_kernels(backend: Backend | str | None, device: torch.device | str | No
     """The kernels that run :class:`~dynemb.table.HashIndex`'s probe and placement for one call on ``device``: a
     module with ``probe`` and ``place`` (:mod:`dynemb.kernels.numba_index`), or None for the index's own torch
     reference."""
-    return _numba_index() if resolve_backend(backend, device) is Backend.NUMBA else None
+    return _kernels("index", backend, device)
+
+
+def pool_kernels(backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
+    """The module with ``pool`` and ``row_grad`` (see the module's contract) for one call, or None for torch."""
+    return _kernels("pool", backend, device)
+
+
+def optim_kernels(backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
+    """The module with ``sparse_update`` (see the module's contract) for one call, or None for torch."""
+    return _kernels("optim", backend, device)
+
+
+def init_kernels(backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
+    """The module with ``initial_rows`` (see the module's contract) for one call, or None for torch."""
+    return _kernels("init", backend, device)
+
+
+#: (family, backend) -> the module implementing it, relative to this package; absent pairs run in torch.
+_MODULES = {
+    ("index", Backend.NUMBA): "numba_index",
+    ("pool", Backend.NUMBA): "numba_pool",
+    ("optim", Backend.NUMBA): "numba_optim",
+    ("init", Backend.NUMBA): "numba_init",
+    ("index", Backend.TRITON): "triton_index",
+    ("pool", Backend.TRITON): "triton_pool",
+    ("optim", Backend.TRITON): "triton_optim",
+    ("init", Backend.TRITON): "triton_init",
+}
+
+
+def _kernels(family: str, backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
+    name = _MODULES.get((family, resolve_backend(backend, device)))
+    return None if name is None else _module(name)
 
 
 @functools.cache
-def _numba_index() -> ModuleType:
-    from . import numba_index  # imported on first use: numba takes a while to load
-
-    return numba_index
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"{__package__}.{name}")  # on first use: numba (and triton) load slowly
 
 
 def _available(backend: Backend) -> Backend:
     if backend is Backend.NUMBA and not numba_available():
         raise ValueError("backend 'numba' needs the numba package, which is not installed; use 'auto' or 'torch'")
+    if backend is Backend.TRITON and not triton_available():
+        raise ValueError("backend 'triton' needs the triton package (extra 'gpu'), which is not installed; use "
+                         "'auto' or 'torch'")
     return backend

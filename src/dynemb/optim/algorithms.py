@@ -37,6 +37,10 @@ class SGD(SparseOptimizer):
         self.slots = {"momentum_buffer": (None, 0.0)} if momentum > 0 else {}
         super().__init__(tables, fused=fused, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
 
+    def kernel_args(self, group, scalars):
+        slots = ("momentum_buffer",) if group["momentum"] else ()
+        return "sgd", (group["lr"], group["momentum"], group["weight_decay"], float(group["nesterov"])), slots
+
     def _update(self, table, rows, grad, group, scalars):
         if group["weight_decay"]:
             grad = grad.add(self._gather(table, None, rows), alpha=group["weight_decay"])
@@ -60,6 +64,10 @@ class Adagrad(SparseOptimizer):
             _check_range(name, value, 0.0)
         super().__init__(tables, fused=fused, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                          initial_accumulator_value=initial_accumulator_value, eps=eps)
+
+    def kernel_args(self, group, scalars):
+        clr = group["lr"] / (1 + (scalars["step"] - 1) * group["lr_decay"])
+        return "adagrad", (clr, group["weight_decay"], group["eps"]), ("sum",)
 
     def _update(self, table, rows, grad, group, scalars):
         if group["weight_decay"]:
@@ -87,6 +95,9 @@ class RowWiseAdagrad(SparseOptimizer):
         super().__init__(tables, fused=fused, lr=lr, weight_decay=weight_decay,
                          initial_accumulator_value=initial_accumulator_value, eps=eps)
 
+    def kernel_args(self, group, scalars):
+        return "rowwise_adagrad", (group["lr"], group["weight_decay"], group["eps"]), ("sum",)
+
     def _update(self, table, rows, grad, group, scalars):
         if group["weight_decay"]:
             grad = grad.add(self._gather(table, None, rows), alpha=group["weight_decay"])
@@ -112,6 +123,11 @@ class Adam(SparseOptimizer):
         _check_range("betas[1]", betas[1], 0.0, 1.0)
         _check_range("eps", eps, 0.0)
         super().__init__(tables, fused=fused, lr=lr, betas=tuple(betas), eps=eps)
+
+    def kernel_args(self, group, scalars):
+        (beta1, beta2), step = group["betas"], scalars["step"]
+        step_size = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        return "adam", (beta1, beta2, group["eps"], step_size), ("exp_avg", "exp_avg_sq")
 
     def _update(self, table, rows, grad, group, scalars):
         beta1, beta2 = group["betas"]
@@ -143,6 +159,9 @@ class FTRL(SparseOptimizer):
             _check_range(name, value, 0.0)
         super().__init__(tables, fused=fused, lr=lr, learning_rate_power=learning_rate_power,
                          initial_accumulator_value=initial_accumulator_value, l1=l1, l2=l2)
+
+    def kernel_args(self, group, scalars):
+        return "ftrl", (group["lr"], -group["learning_rate_power"], group["l1"], group["l2"]), ("accumulator", "linear")
 
     def _update(self, table, rows, grad, group, scalars):
         power = -group["learning_rate_power"]

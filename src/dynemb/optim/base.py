@@ -21,6 +21,9 @@ from typing import Iterable
 import torch
 
 from ..functional import current_rows
+from ..functional.grads import PooledGrad, table_kernels
+from ..functional.pooling import sorted_row_grad
+from ..kernels.dispatch import optim_kernels
 from ..table import KeyValueTable
 from ..table.static import StaticTable
 
@@ -157,17 +160,36 @@ class SparseOptimizer(GroupsOptimizer):
         return {"step": 0}
 
     # ------------------------------------------------------------------ stepping
-    def apply_gradient(self, table, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        """Update ``rows`` (``[U]`` int64, unique, >= 0) of ``table`` with ``grad`` (``[U, D]``), with the
-        hyper-parameters of the table's param group."""
+    def apply_gradient(self, table, rows: torch.Tensor, grad: torch.Tensor, pooled: PooledGrad | None = None
+                       ) -> None:
+        """Update ``rows`` (``[U]`` int64, unique, >= 0) of ``table`` with the hyper-parameters of the table's param
+        group. The gradient is ``grad [U, D]``, or with ``pooled``, the pooled gradient ``grad [B, D]`` that each
+        row sums over its ids (see :class:`PooledGrad`): a kernel then applies it without a ``[U, D]`` tensor."""
         i = next(i for i, t in enumerate(self.tables) if t is table)
         scalars = self._scalars[i]
         scalars["step"] += 1
         if rows.numel() == 0:
             return
+        group = self.param_groups[i]
+        kernels = table_kernels(optim_kernels, table)
+        args = self.kernel_args(group, scalars) if kernels is not None else None
         with torch.no_grad():
-            self._update(table, rows, grad.float(), self.param_groups[i], scalars)
+            if args is not None and all(table.slot(self.slot_key(n)).dtype == torch.float32 for n in args[2]):
+                kind, hparams, slots = args
+                p = pooled if pooled is not None else PooledGrad(None, None, None, None)
+                kernels.sparse_update(kind, hparams, table.values, tuple(table.slot(self.slot_key(n)) for n in slots),
+                                      rows, grad.float().contiguous(), *p)
+            else:
+                if pooled is not None:
+                    grad = sorted_row_grad(grad, *pooled)
+                self._update(table, rows, grad.float(), group, scalars)
         table.mark_updated(rows)
+
+    def kernel_args(self, group: dict, scalars: dict) -> tuple[str, tuple, tuple] | None:
+        """``(kind, hparams, slot names)`` of the ``sparse_update`` kernel contract (:mod:`dynemb.kernels.dispatch`)
+        for the next update of a table with param group ``group`` and scalar state ``scalars`` (step counted), or
+        None when no kernel implements this optimizer (then :meth:`_update` runs)."""
+        return None
 
     def _update(self, table, rows: torch.Tensor, grad: torch.Tensor, group: dict, scalars: dict) -> None:
         raise NotImplementedError

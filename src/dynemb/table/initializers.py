@@ -44,6 +44,11 @@ class Initializer:
     def __call__(self, keys: torch.Tensor, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def kernel_spec(self) -> tuple[str, tuple] | None:
+        """``(kind, params)`` of the ``initial_rows`` kernel contract (:mod:`dynemb.kernels.dispatch`) that computes
+        the same rows, or None when only this class's torch code does."""
+        return None
+
     def describe(self) -> dict:
         """A JSON-able description, kept in state dicts and checkpoint manifests."""
         return {"type": type(self).__name__, **dataclasses.asdict(self)}
@@ -59,6 +64,9 @@ class Uniform(Initializer):
     def __call__(self, keys, dim, dtype, seed):
         u = _unit_uniform(keys, dim, seed)
         return (self.low + (self.high - self.low) * u).to(dtype)
+
+    def kernel_spec(self):
+        return "uniform", (self.low, self.high)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +102,9 @@ class Constant(Initializer):
 
     def __call__(self, keys, dim, dtype, seed):
         return torch.full((keys.numel(), dim), self.value, dtype=dtype, device=keys.device)
+
+    def kernel_spec(self):
+        return "constant", (self.value,)
 
 
 class CallableInitializer(Initializer):

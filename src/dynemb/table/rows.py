@@ -14,6 +14,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ..kernels.dispatch import init_kernels
 from .changes import ChangeLog
 from .checks import check_int, resolve_device
 from .columns import RowColumns
@@ -130,6 +131,12 @@ class RowStore(ChangeLog, RowColumns):
         if isinstance(self.initializer, CallableInitializer):
             self._init_calls += 1
             return self.initializer(keys, self.dim, self.dtype, self.seed * 1_000_003 + self._init_calls)
+        spec = self.initializer.kernel_spec()
+        kernels = init_kernels(self.backend, self.device) if spec is not None and self.dtype == torch.float32 else None
+        if kernels is not None:  # the same bits, computed in one pass (see dynemb.kernels.dispatch)
+            out = torch.empty(keys.numel(), self.dim, dtype=self.dtype, device=self.device)
+            kernels.initial_rows(*spec, keys, self.seed, out)
+            return out
         # Built-in initializers are pure functions of (seed, key, column), so chunks give the same rows. On CPU,
         # chunks keep their int64 temporaries cache-sized: one [N, D] pass costs ~10x more (measured, dim 64).
         n = keys.numel()

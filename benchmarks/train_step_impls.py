@@ -1,0 +1,207 @@
+"""The train-step contestants of ``benchmarks/train_step.py``: the workload, its data and one ``Trainer`` per
+implementation. Each contestant is built in its own process (see ``train_step.py``); everything here is
+deterministic in its seeds, so every process sees the same ids.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import dynemb
+from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+
+OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
+DISTRIBUTIONS = ("uniform", "zipf")
+LR = 0.01
+
+
+@dataclass(frozen=True)
+class Workload:
+    tables: int
+    vocab: int
+    dim: int
+    batch: int
+    pooling: int
+    alpha: float = 1.05
+
+    @property
+    def features(self) -> list[str]:
+        return [f"f{t}" for t in range(self.tables)]
+
+
+# ----------------------------------------------------------------------------------------------- data
+def draw_ids(w: Workload, dist: str, n: int, g: torch.Generator) -> torch.Tensor:
+    """``n`` ids in ``[0, V)``: uniform, or Zipf(alpha) ranks mapped to ids through a fixed permutation."""
+    if dist == "uniform":
+        return torch.randint(0, w.vocab, (n,), generator=g)
+    ranks = torch.arange(1, w.vocab + 1, dtype=torch.float64)
+    cdf = ranks.pow(-w.alpha).cumsum(0)
+    cdf /= cdf[-1].clone()
+    rank = torch.searchsorted(cdf, torch.rand(n, dtype=torch.float64, generator=g)).clamp_(max=w.vocab - 1)
+    perm = torch.randperm(w.vocab, generator=torch.Generator().manual_seed(1234))
+    return perm[rank]
+
+
+def make_batches(w: Workload, dist: str, count: int, seed: int = 0) -> list[dict]:
+    """``count`` batches: feature -> ``(ids [B*P] int64, offsets [B])``."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(0, w.batch * w.pooling, w.pooling)
+    return [{f: (draw_ids(w, dist, w.batch * w.pooling, g), offsets) for f in w.features} for _ in range(count)]
+
+
+# ----------------------------------------------------------------------------------------------- implementations
+class Trainer:
+    """One implementation: ``step(batch)`` runs forward, head, backward and both updates."""
+
+    def __init__(self, w: Workload) -> None:
+        self.head = nn.Linear(w.tables * w.dim, 1)
+        self.head_opt = torch.optim.SGD(self.head.parameters(), lr=LR)
+
+    def pooled(self, batch: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def sparse_step(self) -> None:
+        pass
+
+    def loss(self, batch: dict) -> torch.Tensor:
+        return self.head(self.pooled(batch)).sum()
+
+    def step(self, batch: dict) -> None:
+        self.loss(batch).backward()
+        self.sparse_step()
+        self.head_opt.step()
+        self.head_opt.zero_grad()
+
+
+def dynemb_optimizer(opt: str, fused: bool):
+    if opt == "sgd":
+        return dynemb.optim.SGD(lr=LR, fused=fused)
+    if opt == "rowwise_adagrad":
+        return dynemb.optim.RowWiseAdagrad(lr=LR, fused=fused)
+    return dynemb.optim.Adam(lr=LR, fused=fused)
+
+
+class Dynemb(Trainer):
+    def __init__(self, w: Workload, opt: str, *, static: bool, fused: bool, compiled: bool = False) -> None:
+        super().__init__(w)
+        tables = [TableConfig(name=f"t{t}", dim=w.dim, vocabulary_size=w.vocab if static else None,
+                              optimizer=dynemb_optimizer(opt, fused), combiner="sum", seed=t,
+                              init_capacity=w.vocab if not static else 8192)
+                  for t in range(w.tables)]
+        features = [FeatureConfig(name=f"f{t}", table=f"t{t}") for t in range(w.tables)]
+        self.ec = EmbeddingCollection(tables, features)
+        self.fused = fused
+        self.features = w.features
+        if not static:
+            self._prewarm(w)
+        if compiled:  # the collection forward and the head as one graph (dynemb's lookups are custom ops)
+            self.loss = torch.compile(self.loss, fullgraph=True)
+
+    def _prewarm(self, w: Workload) -> None:
+        ids = torch.randperm(w.vocab, generator=torch.Generator().manual_seed(7))
+        for module in self.ec.embeddings.values():  # insert every id, without a training step
+            module.table.find_or_insert(ids)
+
+    def pooled(self, batch):
+        out = self.ec(batch)
+        return torch.cat([out[f] for f in self.features], dim=1)
+
+    def sparse_step(self):
+        if not self.fused:
+            self.ec.optimizer.step()
+            self.ec.optimizer.zero_grad()
+
+
+class TorchBag(Trainer):
+    def __init__(self, w: Workload, opt: str) -> None:
+        super().__init__(w)
+        self.bags = nn.ModuleList(nn.EmbeddingBag(w.vocab, w.dim, mode="sum", sparse=True) for _ in w.features)
+        params = list(self.bags.parameters())
+        if opt == "sgd":
+            self.opt = torch.optim.SGD(params, lr=LR)
+        elif opt == "rowwise_adagrad":  # torch has no row-wise Adagrad; element-wise Adagrad takes sparse grads
+            self.opt = torch.optim.Adagrad(params, lr=LR)
+        else:
+            self.opt = torch.optim.SparseAdam(params, lr=LR)
+        self.features = w.features
+
+    def pooled(self, batch):
+        return torch.cat([bag(*batch[f]) for bag, f in zip(self.bags, self.features)], dim=1)
+
+    def sparse_step(self):
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def torchrec_available() -> str | None:
+    """``None`` when torchrec can be used, else why not."""
+    try:
+        import torchrec  # noqa: F401
+        from torchrec.distributed import DistributedModelParallel  # noqa: F401
+    except Exception as e:  # an import of fbgemm can fail with OSError/RuntimeError on a mismatched torch
+        return f"{type(e).__name__}: {e}".splitlines()[0][:120]
+    return None
+
+
+def _init_process_group() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TorchRec(Trainer):
+    def __init__(self, w: Workload, opt: str) -> None:
+        super().__init__(w)
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+        from torchrec.distributed import DistributedModelParallel
+        from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+        from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+        _init_process_group()
+        configs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=w.dim, num_embeddings=w.vocab,
+                                      feature_names=[f]) for t, f in enumerate(w.features)]
+        ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+        cls = {"sgd": torch.optim.SGD, "rowwise_adagrad": RowWiseAdagrad, "adam": torch.optim.Adam}[opt]
+        apply_optimizer_in_backward(cls, ebc.parameters(), {"lr": LR})
+        self.model = DistributedModelParallel(ebc, device=torch.device("cpu"))
+        self.kjt = KeyedJaggedTensor
+        self.features = w.features
+        self._cache: dict = {}
+
+    def _kjt(self, batch):
+        # Building the KeyedJaggedTensor is input preparation (a data loader's job), so it is cached per batch.
+        key = id(batch)
+        if key not in self._cache:
+            ids = torch.cat([batch[f][0] for f in self.features])
+            lengths = torch.cat([torch.diff(batch[f][1], append=torch.tensor([batch[f][0].numel()]))
+                                 for f in self.features])
+            self._cache[key] = self.kjt(keys=self.features, values=ids, lengths=lengths)
+        return self._cache[key]
+
+    def pooled(self, batch):
+        return self.model(self._kjt(batch)).values()
+
+
+CONTESTANTS = {
+    "dynemb-dyn-fused": lambda w, opt: Dynemb(w, opt, static=False, fused=True),
+    "dynemb-dyn-step": lambda w, opt: Dynemb(w, opt, static=False, fused=False),
+    "dynemb-dyn-compiled": lambda w, opt: Dynemb(w, opt, static=False, fused=True, compiled=True),
+    "dynemb-static": lambda w, opt: Dynemb(w, opt, static=True, fused=True),
+    "torch-bag": TorchBag,
+    "torchrec": TorchRec,
+}

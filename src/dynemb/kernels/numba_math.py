@@ -1,0 +1,54 @@
+"""Arithmetic helpers shared by the numba kernels."""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = ["fma", "prefetch_row"]
+
+
+@intrinsic
+def fma(typingctx, a, b, c):
+    """``a * b + c`` rounded once (LLVM's ``llvm.fma``), as torch's CPU kernels compute a weighted sum
+    (``embedding_bag`` with ``per_sample_weights``) and ``add(..., alpha=)``: using it keeps those results
+    bit-identical. All three arguments share one float type."""
+    if not (isinstance(a, types.Float) and a == b == c):
+        return None
+
+    def codegen(context, builder, signature, args):
+        t = args[0].type
+        name = "llvm.fma.f32" if t == ir.FloatType() else "llvm.fma.f64"
+        return builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t, t, t]), name), args)
+
+    return a(a, b, c), codegen
+
+
+@intrinsic
+def prefetch_row(typingctx, array, row):
+    """Ask the CPU to start loading every cache line of ``array[row]`` (a 2-D C-contiguous array) into cache,
+    without waiting for it (``llvm.prefetch``): issued a few rows ahead, many row misses overlap instead of one
+    at a time."""
+    if not (isinstance(array, types.Array) and array.ndim == 2 and isinstance(row, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        row_ = context.cast(builder, args[1], signature.args[1], types.intp)
+        base = cgutils.get_item_pointer(context, builder, aryty, ary, [row_, context.get_constant(types.intp, 0)],
+                                        wraparound=False)
+        i8 = ir.IntType(8)
+        byte = builder.bitcast(base, i8.as_pointer())
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte.type, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        width = cgutils.unpack_tuple(builder, ary.strides, 2)[0]  # bytes per row
+        line = context.get_constant(types.intp, 64)
+        with cgutils.for_range_slice(builder, context.get_constant(types.intp, 0), width, line) as (offset, _):
+            builder.call(fn, [builder.gep(byte, [offset]), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(array, row), codegen

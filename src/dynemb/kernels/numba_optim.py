@@ -1,0 +1,227 @@
+"""Numba kernels for sparse optimizer updates on CPU: the ``optim`` family of :mod:`dynemb.kernels.dispatch`.
+
+The torch path builds a ``[U, D]`` row gradient (a sum-pooling), then gathers values and slots, runs a handful of
+elementwise passes and scatters them back: each a trip through memory, and two random accesses per row.
+:func:`sparse_update` visits each touched row once: it sums the row's gradient from the pooled gradient into a
+``D``-wide buffer, then reads, updates and writes the row's values and slots while they are in cache.
+
+The arithmetic of each kind is its torch ``_update`` (:mod:`dynemb.optim.algorithms`) written out per element, in
+float32, in the same order of operations; reductions and ``pow`` may round differently (the tests say where
+results are bit-identical and where they are within a tolerance).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from .numba_math import fma, prefetch_row
+
+__all__ = ["sparse_update", "KINDS"]
+
+KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
+_NONE_F = np.empty(0, np.float32)
+_NONE_I = np.empty(0, np.int64)
+_NONE_2D = np.empty((0, 0), np.float32)
+
+
+def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple, rows: torch.Tensor,
+                  grad: torch.Tensor, order: torch.Tensor | None, starts: torch.Tensor | None,
+                  bag: torch.Tensor | None, weights: torch.Tensor | None) -> None:
+    """Update ``values[rows]`` and ``slots`` in place: see the ``sparse_update`` contract."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    h = np.asarray(hparams, dtype=np.float64)
+    if order is None and _mutates_gradient(kind, h):  # the kernel works on the given rows in place then
+        grad = grad.clone()
+    s = [t.numpy() for t in slots] + [_NONE_2D] * (2 - len(slots))
+    args = (values.numpy(), s[0], s[1], rows.numpy(), grad.numpy(),
+            _NONE_I if order is None else order.numpy(), _NONE_I if starts is None else starts.numpy(),
+            _NONE_I if bag is None else bag.numpy(), _NONE_F if weights is None else weights.numpy(), h)
+    _KERNELS[kind](*args)
+
+
+def _mutates_gradient(kind: str, h: np.ndarray) -> bool:
+    """Whether the kernel of ``kind`` rewrites a row's gradient (weight decay, momentum) before it applies it."""
+    if kind == "sgd":
+        return bool(h[1] or h[2])
+    return kind in ("adagrad", "rowwise_adagrad") and bool(h[1])
+
+
+_CHUNK = 32  # rows whose gradients are summed, then applied: the [32, D] buffer stays in L1
+_AHEAD = 8  # rows between a row's prefetch and its update: enough misses in flight, not more than the CPU tracks
+
+
+@numba.njit(nogil=True, cache=True)
+def _gradients(lo, hi, out, grad, order, starts, bag, weights):
+    """Rows ``lo..hi-1``'s gradients into ``out[:hi-lo]``: ``grad[u]``, or the sum over the row's ids (see the
+    contract). Each loop is branch-free inside, so that it vectorizes."""
+    dim = out.shape[1]
+    if order.shape[0] == 0:
+        return grad[lo:hi]  # already one row per row
+    for u in range(lo, hi):
+        o = out[u - lo]
+        o[:] = 0.0
+        for k in range(starts[u], starts[u + 1]):
+            j = order[k]
+            g = grad[bag[j] if bag.shape[0] > 0 else j]
+            if weights.shape[0] > 0:
+                w = weights[j]
+                for d in range(dim):
+                    o[d] = fma(w, g[d], o[d])
+            else:
+                for d in range(dim):
+                    o[d] += g[d]
+    return out
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"reassoc", "nsz"})
+def _sum_of_squares(g):
+    # Reassociation lets LLVM sum in vector lanes: a sequential float sum of D terms waits on each add in turn.
+    square = np.float32(0.0)
+    for d in range(g.shape[0]):
+        square += g[d] * g[d]
+    return square
+
+
+@numba.njit(nogil=True, cache=True)
+def _sgd(values, buf, unused, rows, grad, order, starts, bag, weights, h):
+    # Branches sit outside the loops over D, so that each of those loops vectorizes.
+    momentum, decay = np.float32(h[1]), np.float32(h[2])
+    nesterov, neg_lr = h[3] != 0.0, np.float32(-h[0])
+    chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
+    for lo in range(0, rows.shape[0], _CHUNK):
+        hi = min(lo + _CHUNK, rows.shape[0])
+        rows_grad = _gradients(lo, hi, chunk, grad, order, starts, bag, weights)
+        for u in range(lo, hi):
+            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + _AHEAD]
+                prefetch_row(values, ahead)
+                if buf.shape[0] > 0:
+                    prefetch_row(buf, ahead)
+            g, v = rows_grad[u - lo], values[rows[u]]
+            if decay != 0.0:
+                for d in range(g.shape[0]):
+                    g[d] = fma(decay, v[d], g[d])
+            if momentum != 0.0:
+                m = buf[rows[u]]
+                for d in range(g.shape[0]):
+                    m[d] = m[d] * momentum + g[d]
+                for d in range(g.shape[0]):
+                    g[d] = fma(momentum, m[d], g[d]) if nesterov else m[d]
+            for d in range(g.shape[0]):
+                v[d] += g[d] * neg_lr
+
+
+@numba.njit(nogil=True, cache=True)
+def _adagrad(values, state, unused, rows, grad, order, starts, bag, weights, h):
+    decay, eps, neg_lr = np.float32(h[1]), np.float32(h[2]), np.float32(-h[0])
+    chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
+    for lo in range(0, rows.shape[0], _CHUNK):
+        hi = min(lo + _CHUNK, rows.shape[0])
+        rows_grad = _gradients(lo, hi, chunk, grad, order, starts, bag, weights)
+        for u in range(lo, hi):
+            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + _AHEAD]
+                prefetch_row(values, ahead)
+                prefetch_row(state, ahead)
+            g, v, s = rows_grad[u - lo], values[rows[u]], state[rows[u]]
+            if decay != 0.0:
+                for d in range(g.shape[0]):
+                    g[d] = fma(decay, v[d], g[d])
+            for d in range(g.shape[0]):
+                s[d] = fma(g[d], g[d], s[d])  # torch's addcmul_, contracted
+                v[d] += (g[d] / (np.sqrt(s[d]) + eps)) * neg_lr
+
+
+@numba.njit(nogil=True, cache=True)
+def _rowwise_adagrad(values, state, unused, rows, grad, order, starts, bag, weights, h):
+    decay, eps, neg_lr = np.float32(h[1]), np.float32(h[2]), np.float32(-h[0])
+    dim = values.shape[1]
+    chunk = np.empty((_CHUNK, dim), np.float32)
+    for lo in range(0, rows.shape[0], _CHUNK):
+        hi = min(lo + _CHUNK, rows.shape[0])
+        rows_grad = _gradients(lo, hi, chunk, grad, order, starts, bag, weights)
+        for u in range(lo, hi):
+            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + _AHEAD]
+                prefetch_row(values, ahead)
+                prefetch_row(state, ahead)
+            r = rows[u]
+            g, v = rows_grad[u - lo], values[r]
+            if decay != 0.0:
+                for d in range(dim):
+                    g[d] = fma(decay, v[d], g[d])
+            norm = np.sqrt(_sum_of_squares(g))  # as the reference: ||g||, squared, over D
+            s = state[r, 0] + (norm * norm) / np.float32(dim)
+            state[r, 0] = s
+            scale = (np.float32(1.0) / (np.sqrt(s) + eps)) * neg_lr
+            for d in range(dim):
+                v[d] += g[d] * scale
+
+
+@numba.njit(nogil=True, cache=True)
+def _adam(values, exp_avg, exp_avg_sq, rows, grad, order, starts, bag, weights, h):
+    one_b1, one_b2 = np.float32(1.0 - h[0]), np.float32(1.0 - h[1])
+    eps, neg_step = np.float32(h[2]), np.float32(-h[3])
+    chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
+    for lo in range(0, rows.shape[0], _CHUNK):
+        hi = min(lo + _CHUNK, rows.shape[0])
+        rows_grad = _gradients(lo, hi, chunk, grad, order, starts, bag, weights)
+        for u in range(lo, hi):
+            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + _AHEAD]
+                prefetch_row(values, ahead)
+                prefetch_row(exp_avg, ahead)
+                prefetch_row(exp_avg_sq, ahead)
+            r = rows[u]
+            g, v, m, q = rows_grad[u - lo], values[r], exp_avg[r], exp_avg_sq[r]
+            for d in range(g.shape[0]):
+                m[d] = (g[d] - m[d]) * one_b1 + m[d]
+                q[d] = (g[d] * g[d] - q[d]) * one_b2 + q[d]
+                v[d] += (m[d] / (np.sqrt(q[d]) + eps)) * neg_step
+
+
+@numba.njit(inline="always")
+def _pow(x, power):
+    # torch's pow with a scalar exponent takes these shortcuts; the general case may round differently
+    if power == 0.5:
+        return np.sqrt(x)
+    if power == 1.0:
+        return x
+    return x ** power
+
+
+@numba.njit(nogil=True, cache=True)
+def _ftrl(values, accumulator, linear, rows, grad, order, starts, bag, weights, h):
+    lr, power, l1 = np.float32(h[0]), np.float32(h[1]), np.float32(h[2])
+    two_l2 = np.float32(2.0 * h[3])
+    chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
+    for lo in range(0, rows.shape[0], _CHUNK):
+        hi = min(lo + _CHUNK, rows.shape[0])
+        rows_grad = _gradients(lo, hi, chunk, grad, order, starts, bag, weights)
+        for u in range(lo, hi):
+            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + _AHEAD]
+                prefetch_row(values, ahead)
+                prefetch_row(accumulator, ahead)
+                prefetch_row(linear, ahead)
+            r = rows[u]
+            for d in range(rows_grad.shape[1]):
+                x, w, acc = rows_grad[u - lo, d], values[r, d], accumulator[r, d]
+                new_acc = acc + x * x
+                new_pow = _pow(new_acc, power)
+                sigma = (new_pow - _pow(acc, power)) / lr
+                lin = (linear[r, d] + x) - sigma * w
+                quadratic = new_pow / lr + two_l2
+                accumulator[r, d] = new_acc
+                linear[r, d] = lin
+                if abs(lin) > l1:
+                    sign = np.float32(1.0) if lin > 0 else (np.float32(-1.0) if lin < 0 else np.float32(0.0))
+                    values[r, d] = (sign * l1 - lin) / quadratic
+                else:
+                    values[r, d] = 0.0
+
+
+_KERNELS = {"sgd": _sgd, "adagrad": _adagrad, "rowwise_adagrad": _rowwise_adagrad, "adam": _adam, "ftrl": _ftrl}

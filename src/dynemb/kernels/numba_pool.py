@@ -1,0 +1,138 @@
+"""Numba kernels for pooled lookups on CPU: the ``pool`` family of :mod:`dynemb.kernels.dispatch` (its contract).
+
+The torch reference gathers the call's ids into an ``[N]`` row list and runs ``F.embedding_bag`` over the table,
+then divides by the combiner's denominators in another pass. :func:`pool` reads each id's row straight from the
+table and writes each bag once, already combined. :func:`row_grad` is the step-mode backward: each unique row sums
+its ids' bag gradients in the order of the call's one sort.
+
+Float32 tables only (the caller routes other dtypes to torch). Sums run in the reference's order (ids in input
+order within a bag, and within a row for the gradient).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from .numba_index import _mix64
+from .numba_math import fma, prefetch_row
+
+__all__ = ["dedup", "pool", "row_grad"]
+
+_AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
+_NONE_F = np.empty(0, np.float32)  # stands for an absent float tensor (numba needs one type per argument)
+
+
+def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
+         weights: torch.Tensor | None, denom: torch.Tensor | None) -> torch.Tensor:
+    """``[B, D]`` pooled rows: see the ``pool`` contract in :mod:`dynemb.kernels.dispatch`."""
+    out = torch.empty(offsets.numel(), values.shape[1], dtype=values.dtype)
+    _pool_kernel(values.numpy(), rows.numpy(), inverse.numpy(), offsets.numpy(), _opt(weights), _opt(denom),
+                 out.numpy())
+    return out
+
+
+def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag: torch.Tensor,
+             weights: torch.Tensor | None) -> torch.Tensor:
+    """``[U, D]`` float32 gradient of each unique row: see the ``row_grad`` contract."""
+    out = torch.empty(starts.numel() - 1, grad.shape[1], dtype=torch.float32)
+    _row_grad_kernel(grad.numpy(), order.numpy(), starts.numpy(), bag.numpy(), _opt(weights), out.numpy())
+    return out
+
+
+def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(unique [U], inverse [N], order [N], starts [U + 1])`` of ``ids [N]``: see the ``dedup`` contract. Unique
+    ids come in order of first occurrence: a hash table finds them and a counting sort groups the ids, O(N)."""
+    n = ids.numel()
+    unique = torch.empty(n, dtype=ids.dtype)
+    inverse, order = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    starts = torch.empty(n + 1, dtype=torch.int64)
+    u = _dedup_kernel(ids.contiguous().numpy(), unique.numpy(), inverse.numpy(), order.numpy(), starts.numpy())
+    return unique[:u], inverse, order, starts[: u + 1]
+
+
+def _opt(t: torch.Tensor | None) -> np.ndarray:
+    return _NONE_F if t is None else t.numpy()
+
+
+@numba.njit(nogil=True, cache=True)
+def _pool_kernel(values, rows, inverse, offsets, weights, denom, out):
+    n, dim, num_bags = inverse.shape[0], values.shape[1], offsets.shape[0]
+    weighted, divided = weights.shape[0] > 0, denom.shape[0] > 0
+    acc = np.empty(dim, np.float32)
+    for b in range(num_bags):
+        stop = offsets[b + 1] if b + 1 < num_bags else n
+        acc[:] = 0.0
+        for j in range(offsets[b], stop):
+            if j + _AHEAD < n:
+                prefetch_row(values, rows[inverse[j + _AHEAD]])
+            row = rows[inverse[j]]
+            if weighted:
+                w = weights[j]
+                for d in range(dim):
+                    acc[d] = fma(w, values[row, d], acc[d])
+            else:
+                for d in range(dim):
+                    acc[d] += values[row, d]
+        if divided:
+            den = denom[b]
+            for d in range(dim):
+                out[b, d] = acc[d] / den
+        else:
+            out[b, :] = acc
+
+
+@numba.njit(nogil=True, cache=True)
+def _row_grad_kernel(grad, order, starts, bag, weights, out):
+    dim = grad.shape[1]
+    weighted = weights.shape[0] > 0
+    for u in range(starts.shape[0] - 1):
+        out[u, :] = 0.0
+        for k in range(starts[u], starts[u + 1]):
+            j = order[k]
+            b = bag[j]
+            if weighted:
+                w = weights[j]
+                for d in range(dim):
+                    out[u, d] = fma(w, grad[b, d], out[u, d])
+            else:
+                for d in range(dim):
+                    out[u, d] += grad[b, d]
+
+
+@numba.njit(nogil=True, cache=True)
+def _dedup_kernel(ids, unique, inverse, order, starts):
+    n = ids.shape[0]
+    bits = 1
+    while (1 << bits) < 2 * n:
+        bits += 1
+    shift = np.uint64(64 - bits)
+    slot_of = np.full(1 << bits, -1, np.int64)  # slot -> unique index; keys are read back from ``unique``
+    mask = (1 << bits) - 1
+    u = 0
+    starts[0] = 0
+    for j in range(n):
+        key = ids[j]
+        h = np.int64(np.uint64(_mix64(key)) >> shift)
+        while True:
+            k = slot_of[h]
+            if k < 0:
+                slot_of[h] = k = u
+                unique[u] = key
+                starts[u + 1] = 0
+                u += 1
+                break
+            if unique[k] == key:
+                break
+            h = (h + 1) & mask
+        inverse[j] = k
+        starts[k + 1] += 1
+    for k in range(u):  # counts -> starts
+        starts[k + 1] += starts[k]
+    fill = starts[:u].copy()
+    for j in range(n):  # counting sort: each key's ids in input order
+        k = inverse[j]
+        order[fill[k]] = j
+        fill[k] += 1
+    return u
