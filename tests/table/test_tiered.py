@@ -311,3 +311,11 @@ def test_the_training_loop_prefetches_the_next_batch_and_trains_as_untiered(monk
         assert table.slow.size() > 0
         # with prefetch, the slow-tier hits left are the final evaluation's
         assert table.hits["slow"] < unprefetched.embeddings.embeddings[name].table.hits["slow"]
+
+
+def test_a_bare_word_for_the_slow_tier_is_an_error_not_a_new_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="'host' or a directory path, got 'disk'"):
+        Tiers(fast_capacity=8, slow="disk")
+    assert not (tmp_path / "disk").exists()
+    assert Tiers(fast_capacity=8, slow="./disk").slow == "./disk"

@@ -65,6 +65,11 @@ class Tiers:
             raise ValueError(f"Tiers needs fast_capacity (rows) or fast_bytes, got {got}")
         if not isinstance(self.slow, (str, os.PathLike)) or self.slow == "":
             raise ValueError(f"Tiers.slow must be 'host' or a directory path, got {self.slow!r}")
+        if isinstance(self.slow, str) and self.slow != "host" and os.sep not in self.slow \
+                and not os.path.isdir(self.slow):
+            # a bare word ("disk", "gpu", "ssd") is far likelier a guessed option than a directory meant to be made
+            raise ValueError(f"Tiers.slow must be 'host' or a directory path, got {self.slow!r}; for a directory "
+                             f"of that name here, pass './{self.slow}' or a pathlib.Path")
 
 
 class TieredTable(KeyValueTable):
