@@ -167,7 +167,8 @@ def test_waiting_requests_share_a_forward_pass_up_to_max_batch_size(run, served)
             got = await asyncio.gather(*(batcher.score(p) for p in parts))
         finally:
             batcher.close()
-        return torch.cat(got), batcher.forward_passes
+        assert {version for _, version in got} == {served.version}
+        return torch.cat([p for p, _ in got]), batcher.forward_passes
 
     got, passes = asyncio.run(score_all(40))
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)

@@ -51,7 +51,8 @@ class _Batcher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dynemb-serve")
         self.forward_passes = 0
 
-    async def score(self, batch: Batch) -> torch.Tensor:
+    async def score(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """``(probabilities [B], the version that scored them)`` of one request's rows."""
         if self._queue is None:
             self._queue = asyncio.Queue()
             self._worker = asyncio.get_running_loop().create_task(self._run())
@@ -68,7 +69,7 @@ class _Batcher:
                 waiting.append(self._queue.get_nowait())
                 rows += len(waiting[-1][0])
             try:
-                probs = await loop.run_in_executor(self._pool, self._forward, [b for b, _ in waiting])
+                probs, version = await loop.run_in_executor(self._pool, self._forward, [b for b, _ in waiting])
             except Exception as exc:  # noqa: BLE001 - each waiting request gets the error, the worker goes on
                 for _, done in waiting:
                     if not done.done():
@@ -76,12 +77,12 @@ class _Batcher:
                 continue
             for (batch, done), p in zip(waiting, torch.split(probs, [len(b) for b, _ in waiting])):
                 if not done.done():
-                    done.set_result(p)
+                    done.set_result((p, version))
 
-    def _forward(self, batches: list) -> torch.Tensor:
+    def _forward(self, batches: list) -> tuple[torch.Tensor, int]:
         self.forward_passes += 1
-        batch = concat_batches(batches)
-        return self.model.predict(batch) if len(batch) else torch.zeros(0)
+        batch = batches[0] if len(batches) == 1 else concat_batches(batches)
+        return self.model.predict_versioned(batch) if len(batch) else (torch.zeros(0), self.model.version)
 
     def close(self) -> None:
         if self._worker is not None:
@@ -160,10 +161,10 @@ def build_app(model: ServedModel, *, token: Optional[str] = None, max_body_bytes
         except RequestError as exc:
             return _error(400, str(exc))
         try:
-            probs = await batcher.score(batch)
+            probs, version = await batcher.score(batch)
         except (RequestError, ValueError, TypeError) as exc:
             return _error(400, str(exc).splitlines()[0])
-        return JSONResponse(encode_response(model.name, model.version, parsed, probs))
+        return JSONResponse(encode_response(model.name, version, parsed, probs))
 
     routes = [Route("/v2/health/live", live), Route("/v2/health/ready", ready),
               Route("/v2/models/{name}", metadata), Route("/v2/models/{name}/infer", infer, methods=["POST"])]
