@@ -103,10 +103,11 @@ class RunSpec:
 
 
 def train_run(spec: RunSpec, cfg: TrainConfig, *, progress: Optional[bool] = None, log_every: float = 10.0,
-              echo=print) -> dict:
+              echo=print, on_publish=None) -> dict:
     """Train into ``spec.out`` and return the summary: held-out ``auc``, ``logloss`` and ``rows``, plus the
     ``step``, the training ``samples`` of this call, ``table_rows``, ``evicted``, ``seconds`` and ``run`` (and
-    ``published``, the version directories written, with ``spec.publish_every``).
+    ``published``, the version directories written, with ``spec.publish_every``; ``on_publish`` is called after
+    each, see :class:`~dynemb.job.publish.Publisher`).
 
     ``cfg.checkpoint_dir`` and ``cfg.resume`` are replaced by ``out/checkpoint`` and ``spec.resume``. Under torchrun
     every rank calls this; rank 0 writes the card and metrics.
@@ -150,8 +151,9 @@ def train_run(spec: RunSpec, cfg: TrainConfig, *, progress: Optional[bool] = Non
             samples += len(batch)
             yield ready(batch)
 
-    publisher = Publisher(spec.publish_dir or run / EXPORT, model, spec.publish_every) if spec.publish_every \
-        else None
+    publisher = None
+    if spec.publish_every:
+        publisher = Publisher(spec.publish_dir or run / EXPORT, model, spec.publish_every, on_publish=on_publish)
 
     with MetricsLog(run / METRICS, enabled=rank == 0, after_step=trainer.step if cfg.resume else None) as log:
         def on_metrics(kind: str, row: dict) -> None:

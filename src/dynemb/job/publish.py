@@ -9,7 +9,7 @@ directory and renamed into place before ``latest`` points at it: a watcher never
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from torch import nn
 
@@ -30,15 +30,19 @@ class Publisher:
         model: the model being trained (a collective call under torchrun: every rank publishes).
         every: steps between versions, >= 1.
         model_name: the model id the root's exports carry (see ``export_for_serving``).
+        on_publish: called as ``on_publish(step, version_dir, model)`` after each version is in place (tests and
+            benchmarks pace training with it, or score the model of that version).
 
     Example:
         >>> # trainer.fit(..., on_metrics=publisher.after)  publishes at steps N, 2N, ...; then
         >>> # publisher.publish(trainer.step)                 publishes the final step (if not published yet)
     """
 
-    def __init__(self, root, model: nn.Module, every: int, model_name: Optional[str] = None) -> None:
+    def __init__(self, root, model: nn.Module, every: int, model_name: Optional[str] = None,
+                 on_publish: Optional[Callable[[int, Path, nn.Module], None]] = None) -> None:
         check_int(every, "publish_every", minimum=1)
         self.root, self.model, self.every, self.model_name = Path(root), model, every, model_name
+        self.on_publish = on_publish
         self.published: list[tuple[int, Path]] = []  # (training step, version directory)
 
     def after(self, kind: str, row: dict) -> None:
@@ -54,4 +58,6 @@ class Publisher:
         out = export_for_serving(self.root, self.model, incremental=bool(self.published), model_name=self.model_name,
                                  dense=True)
         self.published.append((step, out))
+        if self.on_publish is not None:
+            self.on_publish(step, out, self.model)
         return out
