@@ -69,6 +69,14 @@ def cmd_serve(args) -> int:
     volatile, persistent = stores(args)
     model = ServedModel(args.model, export=args.export, name=args.name, volatile_db=volatile,
                         persistent_db=persistent, cache_fraction=args.cache_fraction, device=args.device)
+    if args.watch is not None:  # "now serving version N" lines on stderr, next to uvicorn's
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        logger = logging.getLogger(ExportWatcher.__module__)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     watcher = ExportWatcher(model, args.watch).start() if args.watch is not None else None
     try:
         app = build_app(model, token=args.token, max_body_bytes=int(args.max_body_mb * (1 << 20)),

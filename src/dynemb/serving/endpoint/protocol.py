@@ -2,15 +2,17 @@
 
 Inputs, ``B`` rows per request:
 
-=======================  ================  ========  ====================================================
-tensor                   datatype          shape     holds
-=======================  ================  ========  ====================================================
-``{column}``             BYTES or INT64    ``[B]``   a categorical column: strings (hashed as the readers
-                                                     hash them) or integer ids; JSON ``null`` is a null id
-``{column}``             BYTES or INT64    ``[N]``   a multi-hot column: the ids of every row, concatenated
-``{column}__lengths``    INT32             ``[B]``   ... and how many of them each row has
-``{column}``             FP32              ``[B]``   a dense column, raw (normalized by the server)
-=======================  ================  ========  ====================================================
+=======================  ======================  ========  ==============================================
+tensor                   datatype                shape     holds
+=======================  ======================  ========  ==============================================
+``{column}``             BYTES, INT64 or INT32   ``[B]``   a categorical column: strings (hashed as the
+                                                           readers hash them) or integer ids; JSON ``null``
+                                                           is a null id
+``{column}``             BYTES, INT64 or INT32   ``[N]``   a multi-hot column: the ids of every row,
+                                                           concatenated
+``{column}__lengths``    INT32                   ``[B]``   ... and how many of them each row has
+``{column}``             FP32 (or FP64)          ``[B]``   a dense column, raw (normalized by the server)
+=======================  ======================  ========  ==============================================
 
 Output: ``probability``, FP32 ``[B]``. Ids and dense values go through :mod:`dynemb.data.columns`, the code the
 file readers use, so a request scores exactly as the same rows read from a Parquet file.
@@ -39,14 +41,15 @@ __all__ = ["RequestError", "LENGTHS", "OUTPUT", "model_metadata", "parse_body", 
 
 LENGTHS = "__lengths"
 OUTPUT = "probability"
-ID_TYPES = ("BYTES", "INT64")
+ID_TYPES = ("BYTES", "INT64", "INT32")
+DENSE_TYPES = ("FP32", "FP64")
 
 
 class RequestError(ValueError):
     """A request the model cannot score; the message names the input. Answered with HTTP 400."""
 
 
-_NUMPY = {"INT64": "<i8", "INT32": "<i4", "FP32": "<f4"}
+_NUMPY = {"INT64": "<i8", "INT32": "<i4", "FP32": "<f4", "FP64": "<f8"}
 
 
 def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
@@ -74,10 +77,14 @@ def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
         raw, at = body[at:at + size], at + size
         if t.get("datatype") == "BYTES":
             t["data"] = _binary_strings(raw, name)
-        elif t.get("datatype") in _NUMPY and size % np.dtype(_NUMPY[t["datatype"]]).itemsize == 0:
-            t["data"] = np.frombuffer(raw, dtype=_NUMPY[t["datatype"]])  # no Python objects per value
+        elif t.get("datatype") not in _NUMPY:
+            raise RequestError(f"input {name!r}: datatype {t.get('datatype')!r} is none this server reads "
+                               f"({', '.join(['BYTES', *_NUMPY])})")
+        elif size % np.dtype(_NUMPY[t["datatype"]]).itemsize:
+            raise RequestError(f"input {name!r}: binary_data_size {size} is not a whole number of "
+                               f"{t['datatype']} values")
         else:
-            raise RequestError(f"input {name!r}: datatype {t.get('datatype')!r} with {size} binary bytes")
+            t["data"] = np.frombuffer(raw, dtype=_NUMPY[t["datatype"]])  # no Python objects per value
     return request
 
 
@@ -148,6 +155,7 @@ def _data(t: dict, datatypes: tuple, rows: Optional[int]) -> list:
 # one C pass checks every value's JSON type, where a typed conversion would turn 1.5 into 1 and true into 1.0.
 _VALUES = {"INT64": ("integers", (pa.int64(),), pa.int64()), "BYTES": ("strings", (pa.string(),), pa.string()),
            "FP32": ("numbers", (pa.int64(), pa.float64(), pa.float32()), pa.float64()),
+           "FP64": ("numbers", (pa.int64(), pa.float64(), pa.float32()), pa.float64()),
            "INT32": ("integers", (pa.int32(), pa.int64()), pa.int64())}
 
 
@@ -163,8 +171,12 @@ def _array(t: dict, data) -> pa.Array:
     except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:
         raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what} "
                            f"({str(exc).splitlines()[0]})") from None
-    if array.type != pa.null() and array.type not in accepted:
-        raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what}, got {array.type} values")
+    # pyarrow reads a bool after a float as 1.0 / 0.0 (after an int, it refuses it): one C-speed look at the types
+    bad = array.type not in accepted or (array.type == pa.float64() and isinstance(data, list)
+                                          and bool in set(map(type, data)))
+    if array.type != pa.null() and bad:
+        got = "bool" if array.type in accepted else str(array.type)
+        raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what}, got {got} values")
     return array.cast(target)
 
 
@@ -218,7 +230,7 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
         offsets[c] = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
     dense = np.zeros((len(prep.dense), rows), dtype=np.float32)
     if prep.dense:
-        values = _joined([inputs[c] for c in prep.dense], [_data(inputs[c], ("FP32",), rows) for c in prep.dense])
+        values = _joined([inputs[c] for c in prep.dense], [_data(inputs[c], DENSE_TYPES, rows) for c in prep.dense])
         dense[:] = dense_values(values, f"input {prep.dense[0]!r}").reshape(len(prep.dense), rows)
     return Batch(torch.from_numpy(dense.T.copy()), sparse, torch.zeros(rows), offsets)
 
