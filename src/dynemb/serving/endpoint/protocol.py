@@ -139,7 +139,8 @@ def _data(t: dict, datatypes: tuple, rows: Optional[int]) -> list:
     """The flat data of input ``t``, checked against ``datatypes``, its shape and (when given) ``rows``."""
     name, datatype, shape, data = t["name"], t.get("datatype"), t.get("shape"), t.get("data")
     if datatype not in datatypes:
-        raise RequestError(f"input {name!r}: datatype must be {' or '.join(datatypes)}, got {datatype!r}")
+        allowed = " or ".join([", ".join(datatypes[:-1]), datatypes[-1]] if len(datatypes) > 1 else datatypes)
+        raise RequestError(f"input {name!r}: datatype must be {allowed}, got {datatype!r}")
     if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] >= 0):
         raise RequestError(f"input {name!r}: shape must be [n], one size, got {shape!r}")
     if not isinstance(data, (list, np.ndarray)):  # an ndarray: a binary tensor (parse_body)
