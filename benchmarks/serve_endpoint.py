@@ -10,7 +10,8 @@ uses. Bodies are encoded beforehand; a client sends one and parses the JSON repl
 parsed reply; req/s is requests over the wall time of the timed phase, after warm-up requests. ``inproc_p50_ms`` is
 ``ServedModel.predict`` on the same (already decoded) batches in this thread; ``added_p50_ms`` (1 client) the
 median of (request latency - in-process call) over pairs timed back to back, one pair per body, so that a busy
-machine slows both alike. Clients and server share the machine's cores and this process's GIL.
+machine slows both alike; ``added_cpu_ms`` the same in CPU time of this process (client, server and model threads:
+what the endpoint costs, unaffected by time spent descheduled). Clients and server share the machine's cores and this process's GIL.
 
 Freshness and updates under load: a second run trains while it publishes (``--publish-every 2``: a full export,
 then 20 deltas) into the export a server follows with ``--watch`` at its default interval, while 4 clients send
@@ -168,25 +169,29 @@ def paired(url: str, model: ServedModel, bodies: list[Body], count: int, binary:
     """One client, each request next to an in-process call on the same batch (interleaved: a busy machine slows
     both alike): the medians of both and of their differences."""
     c = Client(url)
-    http_ms, inproc_ms = [], []
+    wall = {True: [], False: []}  # in-process?: ms per call
+    cpu = {True: [], False: []}  # the same in CPU time of this process (client, server and model threads)
     try:
         for k in range(count + 10):
             body = bodies[k % len(bodies)]
             # Which goes first alternates: the first call of a pair warms the cache rows the second one reads.
-            for first in ((False, True) if k % 2 else (True, False)):
-                t0 = time.perf_counter()
-                if first:
+            for inproc in ((False, True) if k % 2 else (True, False)):
+                t0, c0 = time.perf_counter(), time.process_time()
+                if inproc:
                     model.predict(body.batch)
                 else:
                     status, reply = c.infer(body, binary)
                     if status != 200:
                         raise RuntimeError(f"a request failed: {reply}")
                 if k >= 10:  # warm-up
-                    (inproc_ms if first else http_ms).append(1e3 * (time.perf_counter() - t0))
+                    wall[inproc].append(1e3 * (time.perf_counter() - t0))
+                    cpu[inproc].append(1e3 * (time.process_time() - c0))
     finally:
         c.close()
-    return {"inproc_p50_ms": round(statistics.median(inproc_ms), 2),
-            "added_p50_ms": round(statistics.median(np.subtract(http_ms, inproc_ms)), 2)}
+    return {"inproc_p50_ms": round(statistics.median(wall[True]), 2),
+            "added_p50_ms": round(statistics.median(np.subtract(wall[False], wall[True])), 2),
+            "inproc_cpu_ms": round(statistics.median(cpu[True]), 2),
+            "added_cpu_ms": round(statistics.median(cpu[False]) - statistics.median(cpu[True]), 2)}
 
 
 def latency_rows(run: Path, tier: str, volatile: dict, rows: int, total: int) -> list[dict]:
@@ -317,7 +322,7 @@ def main() -> None:
         updates = updates_under_load(Path(tmp), args.rows)
     print(f"dynemb serve, {args.rows} rows per request, loopback, in-process uvicorn")
     print_table(results, ["tier", "encoding", "clients", "requests", "p50_ms", "p99_ms", "req_per_s",
-                          "inproc_p50_ms", "added_p50_ms", "requests_per_forward"])
+                          "inproc_p50_ms", "added_p50_ms", "inproc_cpu_ms", "added_cpu_ms", "requests_per_forward"])
     print(f"\nupdates under load ({UPDATE_CLIENTS} clients, a delta every 2 training steps, --watch "
           f"{WATCH_INTERVAL_S} s)")
     print_table([updates], list(updates))
