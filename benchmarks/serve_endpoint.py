@@ -3,7 +3,8 @@
 Model: a DLRM trained by ``dynemb train`` on synthetic click logs (26 categorical columns, 13 dense, dim 16), or
 the run given with ``--model``. Its tables are served by the parameter server (20% of each table's rows cached)
 with the in-process memory store or a real ``redis-server`` on a free loopback port, on a background uvicorn
-thread on 127.0.0.1, in this process. Clients are threads, each with its own keep-alive ``http.client`` connection,
+thread on 127.0.0.1, in this process. Clients are threads, each with its own keep-alive ``geventhttpclient``
+connection (the HTTP client under ``tritonclient.http``),
 sending infer requests of ``--rows`` rows (default 256: INT64 ids drawn from the ids training saw, 5% unseen; FP32
 dense values) one after another: JSON bodies, and (``binary``) the KServe binary tensor extension tritonclient
 uses. Bodies are encoded beforehand; a client sends one and parses the JSON reply. Latency is per request, send to
@@ -25,9 +26,7 @@ Run: ``python benchmarks/serve_endpoint.py [--quick] [--json PATH] [--model RUN_
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -36,7 +35,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import orjson
 import torch
+from geventhttpclient import HTTPClient
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -97,22 +98,19 @@ def make_bodies(model: ServedModel, rows: int, count: int, seed: int = 0) -> lis
 
 
 class Client:
-    """A keep-alive HTTP/1.1 connection (``http.client``: headers and body go out in one send)."""
+    """A keep-alive HTTP/1.1 connection: geventhttpclient's (what ``tritonclient.http`` sends with; C parser)."""
 
     def __init__(self, url: str) -> None:
         host, port = url.removeprefix("http://").split(":")
-        self.conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        self.conn.connect()
-        self.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.conn = HTTPClient(host, int(port), connection_timeout=60, network_timeout=60, concurrency=1)
 
     def infer(self, body: Body, binary: bool) -> tuple[int, dict]:
         headers = {"Content-Type": "application/json"}
         if binary:
             headers = {"Content-Type": "application/octet-stream",
                        "Inference-Header-Content-Length": str(body.header_length)}
-        self.conn.request("POST", INFER, body.binary if binary else body.json, headers)
-        response = self.conn.getresponse()
-        return response.status, json.loads(response.read())
+        response = self.conn.post(INFER, body.binary if binary else body.json, headers)
+        return response.status_code, orjson.loads(response.read())
 
     def close(self) -> None:
         self.conn.close()

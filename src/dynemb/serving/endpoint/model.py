@@ -98,6 +98,7 @@ class ServedModel:
                                     padding_value=fcfg.padding_value)
         self.device = torch.device(device)
         self._lock = threading.Lock()  # held by each forward pass and by each update
+        self._updating = False
 
     @property
     def preprocessing(self):
@@ -147,6 +148,10 @@ class ServedModel:
         offsets = batch.offsets[f][:-1] if f in batch.offsets else torch.arange(len(batch), device=self.device)
         return to_bags(batch.sparse[f], offsets, None, padding_value=padding)
 
+    def updating(self) -> bool:
+        """Whether an update is being swapped in now (a forward pass would wait for it)."""
+        return self._updating
+
     def apply_update(self, export_dir) -> int:
         """Apply a serving export version (full or delta) to the served tables, and its dense part when it has
         one; returns the version now served. The files are read and checked before the swap, which forward
@@ -161,10 +166,14 @@ class ServedModel:
         if dense is not None:
             dense = check_dense(self.model, dense, strict=True, source=Path(export[0]["path"]))
         with self._lock:
-            self.ps.apply_update(export_dir, export=export)
-            if dense is not None:
-                _copy_dense(self.model, dense)
-            return self.version
+            self._updating = True
+            try:
+                self.ps.apply_update(export_dir, export=export)
+                if dense is not None:
+                    _copy_dense(self.model, dense)
+                return self.version
+            finally:
+                self._updating = False
 
     def close(self) -> None:
         self.ps.close()

@@ -29,15 +29,19 @@ import pyarrow as pa
 import torch
 
 try:  # 3x faster than json on a request of a few hundred rows; the endpoint works without it
-    from orjson import loads as _loads
+    from orjson import dumps as dumps_json, loads as _loads
 except ImportError:  # pragma: no cover - depends on the environment
     _loads = json.loads
+
+    def dumps_json(obj) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
 
 from ...data.batch import Batch
 from ...data.columns import categorical_ids, dense_values
 from ...data.preprocess import Preprocessing
 
-__all__ = ["RequestError", "LENGTHS", "OUTPUT", "model_metadata", "parse_body", "decode_request", "encode_response"]
+__all__ = ["RequestError", "LENGTHS", "OUTPUT", "model_metadata", "parse_body", "decode_request", "encode_response",
+           "dumps_json"]
 
 LENGTHS = "__lengths"
 OUTPUT = "probability"
