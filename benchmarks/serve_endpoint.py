@@ -26,6 +26,7 @@ Run: ``python benchmarks/serve_endpoint.py [--quick] [--json PATH] [--model RUN_
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -198,6 +199,8 @@ def latency_rows(run: Path, tier: str, volatile: dict, rows: int, total: int) ->
     try:
         bodies = make_bodies(model, rows, 64)
         app = build_app(model)
+        gc.collect()
+        gc.freeze()  # as `dynemb serve` does after loading
         with running(app) as url:
             for encoding in ("json", "binary"):
                 for clients in CLIENTS:
