@@ -214,6 +214,7 @@ def latency_rows(run: Path, tier: str, volatile: dict, rows: int, total: int) ->
                         r["inproc_p50_ms"] = inprocess_p50(model, bodies, min(total, 200))
                     results.append({"tier": tier, "encoding": encoding, **r})
     finally:
+        gc.unfreeze()
         model.close()
     return results
 

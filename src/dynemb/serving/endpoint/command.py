@@ -90,6 +90,7 @@ def cmd_serve(args) -> int:
               f"http://{args.host}:{args.port}/v2/models/{args.name}/infer", flush=True)
         serve(app, args.host, args.port)
     finally:
+        gc.unfreeze()  # so that native extensions' objects are freed at exit, not reported as leaked
         if watcher is not None:
             watcher.stop()
         model.close()
