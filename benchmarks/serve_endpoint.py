@@ -301,16 +301,16 @@ def main() -> None:
     p.add_argument("--model", metavar="RUN_DIR", help="a `dynemb train` run (default: train one on synthetic data)")
     p.add_argument("--rows", type=int, default=256, help="rows per request")
     p.add_argument("--requests", type=int, default=None, help="timed requests per row of the table (default 600; "
-                   "--quick: 120)")
+                   "--quick: 60)")
     p.add_argument("--tiers", default="memory,redis", help="volatile stores to serve from")
     args = p.parse_args()
     torch.set_num_threads(1)
-    total = args.requests or (120 if args.quick else 600)
+    total = args.requests or (60 if args.quick else 600)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(args.model) if args.model else Path(tmp) / "run"
         if not args.model:
-            synthetic_run(run, 50 if args.quick else 300)
+            synthetic_run(run, 30 if args.quick else 300)
         for tier in args.tiers.split(","):
             if tier == "memory":
                 results += latency_rows(run, tier, {"type": "memory"}, args.rows, total)
