@@ -1,20 +1,33 @@
-"""The ``dynemb serve`` endpoint under closed-loop load: p50/p99 latency and requests/s for 1, 4 and 16 clients.
+"""The ``dynemb serve`` endpoint: latency under closed-loop load, freshness of published versions, updates under load.
 
 Model: a DLRM trained by ``dynemb train`` on synthetic click logs (26 categorical columns, 13 dense, dim 16), or
-the run given with ``--model``. Its tables are served by the parameter server (in-process memory store, 20% of
-each table's rows cached), on a background uvicorn thread on a free loopback port, in this process. Each client is
-a thread with its own keep-alive ``httpx.Client`` sending JSON infer requests of ``--rows`` rows (INT64 ids drawn
-from the ids training saw, with a few unseen ones; FP32 dense values), one after another. Requests are
-prebuilt, so the clients only send and parse. Latency is per request, from send to parsed reply; req/s is requests
-over the wall time of the timed phase, after 20 warm-up requests per client. Concurrent requests are
-batched into one forward pass by the server (``requests_per_forward``: requests answered per forward pass). Client and server share the
-machine's cores, so the numbers are the whole loop on one box, not the server alone.
+the run given with ``--model``. Its tables are served by the parameter server (20% of each table's rows cached)
+with the in-process memory store or a real ``redis-server`` on a free loopback port, on a background uvicorn
+thread on 127.0.0.1, in this process. Clients are threads, each with its own keep-alive ``geventhttpclient``
+connection (the HTTP client under ``tritonclient.http``),
+sending infer requests of ``--rows`` rows (default 256: INT64 ids drawn from the ids training saw, 5% unseen; FP32
+dense values) one after another: JSON bodies, and (``binary``) the KServe binary tensor extension tritonclient
+uses. Bodies are encoded beforehand; a client sends one and parses the JSON reply. Latency is per request, send to
+parsed reply; req/s is requests over the wall time of the timed phase, after warm-up requests. ``inproc_p50_ms`` is
+``ServedModel.predict`` on the same (already decoded) batches in this thread; ``added_p50_ms`` (1 client) the
+median of (request latency - in-process call) over pairs timed back to back, one pair per body, so that a busy
+machine slows both alike; ``added_cpu_ms`` the same in CPU time of this process (client, server and model threads:
+what the endpoint costs, unaffected by time spent descheduled). Clients and server share the machine's cores and this process's GIL.
+
+Freshness and updates under load: a second run trains while it publishes (``--publish-every 2``: a full export,
+then 20 deltas) into the export a server follows with ``--watch`` at its default interval, while 4 clients send
+requests without pause. Freshness is the time from a version's publish (its ``latest`` pointer in place) to the
+first response that carries it or a later version. Each response is checked against what the training model of
+the version it names predicts on its rows (atol 1e-5): a response of mixed versions would match none.
 
 Run: ``python benchmarks/serve_endpoint.py [--quick] [--json PATH] [--model RUN_DIR] [--rows N] [--requests N]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import json
 import statistics
 import sys
 import tempfile
@@ -23,66 +36,107 @@ import time
 from pathlib import Path
 
 import numpy as np
+import orjson
 import torch
+from geventhttpclient import HTTPClient
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "serving"))
 from _common import machine_info, parser, print_table, write_json  # noqa: E402
-
-import httpx  # noqa: E402
+from redis_process import RedisServer  # noqa: E402
 
 from dynemb.checkpoint.export_format import read_export  # noqa: E402
-from dynemb.cli import main as dynemb_main  # noqa: E402
+from dynemb.job import RunSpec, read_card, train_run  # noqa: E402
 from dynemb.serving.endpoint import ServedModel, build_app, running  # noqa: E402
+from dynemb.serving.endpoint.command import WATCH_INTERVAL_S  # noqa: E402
+from dynemb.serving.endpoint.protocol import decode_request, parse_body  # noqa: E402
+from dynemb.serving.endpoint.watch import ExportWatcher  # noqa: E402
+from dynemb.train import TrainConfig  # noqa: E402
 
-CLIENTS = (1, 4, 16)
-
-
-def train_run(out: Path, steps: int) -> Path:
-    code = dynemb_main(["train", "--out", str(out), "--steps", str(steps), "--no-progress", "--dim", "16"])
-    if code != 0:
-        raise SystemExit(f"dynemb train failed with status {code}")
-    return out
+CLIENTS, UPDATES, UPDATE_CLIENTS = (1, 4, 16), 20, 4
+NAME, INFER = "ctr", "/v2/models/ctr/infer"
 
 
-def requests(model: ServedModel, rows: int, count: int, seed: int = 0) -> list[dict]:
-    """``count`` infer bodies of ``rows`` rows: ids the tables hold (and 5% unseen), log-normal dense values."""
+@dataclasses.dataclass
+class Body:
+    """One request, encoded both ways, and its decoded batch (for the in-process reference)."""
+    json: bytes
+    binary: bytes
+    header_length: int
+    batch: object
+
+
+def synthetic_run(out: Path, steps: int, publish_every: int = 0, on_publish=None) -> dict:
+    spec = RunSpec(out=str(out), batch_size=512, publish_every=publish_every)
+    return train_run(spec, TrainConfig(steps=steps, dim=16, eval_every=10**6), progress=False,
+                     on_publish=on_publish, echo=lambda *a, **k: None)
+
+
+def make_bodies(model: ServedModel, rows: int, count: int, seed: int = 0) -> list[Body]:
+    """``count`` requests of ``rows`` rows: ids the tables hold (and 5% unseen), log-normal dense values."""
     g = np.random.default_rng(seed)
     prep = model.preprocessing
     _, payload = read_export(model.export)
     known = {f: payload[f]["keys"].numpy() for f in prep.categorical}  # DLRM runs: one table per column, same name
-    bodies = []
+    out = []
     for _ in range(count):
-        inputs = []
+        arrays = {}
         for f in prep.categorical:
             ids = g.choice(known[f], rows)
             ids[g.random(rows) < 0.05] = g.integers(2**40, 2**41, 1)
-            inputs.append({"name": f, "datatype": "INT64", "shape": [rows], "data": ids.tolist()})
+            arrays[f] = ("INT64", ids.astype("<i8"))
         for f in prep.dense:
-            inputs.append({"name": f, "datatype": "FP32", "shape": [rows],
-                           "data": np.round(g.lognormal(1.0, 1.5, rows), 3).tolist()})
-        bodies.append({"inputs": inputs})
-    return bodies
+            arrays[f] = ("FP32", np.round(g.lognormal(1.0, 1.5, rows), 3).astype("<f4"))
+        text = json.dumps({"inputs": [{"name": f, "datatype": d, "shape": [rows], "data": a.tolist()}
+                                      for f, (d, a) in arrays.items()]}).encode()
+        head = json.dumps({"inputs": [{"name": f, "datatype": d, "shape": [rows],
+                                       "parameters": {"binary_data_size": a.nbytes}}
+                                      for f, (d, a) in arrays.items()]}).encode()
+        binary = head + b"".join(a.tobytes() for _, a in arrays.values())
+        out.append(Body(text, binary, len(head), decode_request(parse_body(text), prep, 1 << 20)))
+    return out
 
 
-def load(url: str, name: str, bodies: list[dict], clients: int, per_client: int, warmup: int) -> dict:
+class Client:
+    """A keep-alive HTTP/1.1 connection: geventhttpclient's (what ``tritonclient.http`` sends with; C parser)."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.conn = HTTPClient(host, int(port), connection_timeout=60, network_timeout=60, concurrency=1)
+
+    def infer(self, body: Body, binary: bool) -> tuple[int, dict]:
+        headers = {"Content-Type": "application/json"}
+        if binary:
+            headers = {"Content-Type": "application/octet-stream",
+                       "Inference-Header-Content-Length": str(body.header_length)}
+        response = self.conn.post(INFER, body.binary if binary else body.json, headers)
+        return response.status_code, orjson.loads(response.read())
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def load(url: str, bodies: list[Body], clients: int, per_client: int, warmup: int, binary: bool) -> dict:
     latencies: list[list[float]] = [[] for _ in range(clients)]
     barrier = threading.Barrier(clients + 1)
     errors = []
 
     def client(i: int) -> None:
-        with httpx.Client(base_url=url, timeout=60) as c:
+        c = Client(url)
+        try:
             for k in range(warmup):
-                c.post(f"/v2/models/{name}/infer", json=bodies[(i * 7919 + k) % len(bodies)])
+                c.infer(bodies[(i * 7919 + k) % len(bodies)], binary)
             barrier.wait()
             for k in range(per_client):
                 t0 = time.perf_counter()
-                r = c.post(f"/v2/models/{name}/infer", json=bodies[(i * 104729 + k) % len(bodies)])
-                r.json()
+                status, reply = c.infer(bodies[(i * 104729 + k) % len(bodies)], binary)
                 latencies[i].append(time.perf_counter() - t0)
-                if r.status_code != 200:
-                    errors.append(r.text)
+                if status != 200:
+                    errors.append(reply)
             barrier.wait()
+        finally:
+            c.close()
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
@@ -101,37 +155,182 @@ def load(url: str, name: str, bodies: list[dict], clients: int, per_client: int,
             "req_per_s": round(len(flat) / wall, 1)}
 
 
+def inprocess_p50(model: ServedModel, bodies: list[Body], count: int) -> float:
+    times = []
+    for k in range(count):
+        t0 = time.perf_counter()
+        model.predict(bodies[k % len(bodies)].batch)
+        times.append(time.perf_counter() - t0)
+    return round(1e3 * statistics.median(times), 2)
+
+
+def paired(url: str, model: ServedModel, bodies: list[Body], count: int, binary: bool) -> dict:
+    """One client, each request next to an in-process call on the same batch (interleaved: a busy machine slows
+    both alike): the medians of both and of their differences."""
+    c = Client(url)
+    wall = {True: [], False: []}  # in-process?: ms per call
+    cpu = {True: [], False: []}  # the same in CPU time of this process (client, server and model threads)
+    try:
+        for k in range(count + 10):
+            body = bodies[k % len(bodies)]
+            # Which goes first alternates: the first call of a pair warms the cache rows the second one reads.
+            for inproc in ((False, True) if k % 2 else (True, False)):
+                t0, c0 = time.perf_counter(), time.process_time()
+                if inproc:
+                    model.predict(body.batch)
+                else:
+                    status, reply = c.infer(body, binary)
+                    if status != 200:
+                        raise RuntimeError(f"a request failed: {reply}")
+                if k >= 10:  # warm-up
+                    wall[inproc].append(1e3 * (time.perf_counter() - t0))
+                    cpu[inproc].append(1e3 * (time.process_time() - c0))
+    finally:
+        c.close()
+    return {"inproc_p50_ms": round(statistics.median(wall[True]), 2),
+            "added_p50_ms": round(statistics.median(np.subtract(wall[False], wall[True])), 2),
+            "inproc_cpu_ms": round(statistics.median(cpu[True]), 2),
+            "added_cpu_ms": round(statistics.median(cpu[False]) - statistics.median(cpu[True]), 2)}
+
+
+def latency_rows(run: Path, tier: str, volatile: dict, rows: int, total: int) -> list[dict]:
+    model = ServedModel(run, name=NAME, volatile_db=volatile)
+    results = []
+    try:
+        bodies = make_bodies(model, rows, 64)
+        app = build_app(model)
+        gc.collect()
+        gc.freeze()  # as `dynemb serve` does after loading
+        with running(app) as url:
+            for encoding in ("json", "binary"):
+                for clients in CLIENTS:
+                    before = app.state.batcher.forward_passes
+                    r = load(url, bodies, clients, max(1, total // clients), 10, encoding == "binary")
+                    passes = app.state.batcher.forward_passes - before
+                    r["requests_per_forward"] = round((r["requests"] + 10 * clients) / passes, 2)
+                    if clients == 1:
+                        r.update(paired(url, model, bodies, total, encoding == "binary"))
+                    else:
+                        r["inproc_p50_ms"] = inprocess_p50(model, bodies, min(total, 200))
+                    results.append({"tier": tier, "encoding": encoding, **r})
+    finally:
+        gc.unfreeze()
+        model.close()
+    return results
+
+
+def updates_under_load(tmp: Path, rows: int) -> dict:
+    """A run publishing a full export then ``UPDATES`` deltas while ``UPDATE_CLIENTS`` clients query a server
+    following it with the default watch interval (see the module docstring)."""
+    out = tmp / "live"
+    published, expected, state = {}, {}, {}
+    first, go = threading.Event(), threading.Event()
+
+    def on_publish(step, directory, model):
+        version = int(directory.name.rsplit("-", 1)[1])
+        published[version] = time.perf_counter()
+        if version == 1:
+            first.set()
+            go.wait(300)
+        model.eval()
+        with torch.no_grad():
+            expected[version] = [torch.sigmoid(model(state["prep"].normalize(b.batch))).float().numpy()
+                                 for b in state["bodies"]]
+        model.train()
+
+    result = {}
+    trainer = threading.Thread(target=lambda: result.update(synthetic_run(out, 2 * (UPDATES + 1), 2, on_publish)))
+    trainer.start()
+    first.wait(600)
+    state["prep"] = read_card(out).preprocessing
+    model = ServedModel(out, name=NAME)
+    watcher = ExportWatcher(model, WATCH_INTERVAL_S).start()
+    state["bodies"] = bodies = make_bodies(model, rows, 8, seed=1)
+    replies: list[list] = [[] for _ in range(UPDATE_CLIENTS)]
+    failed, stop = [0], threading.Event()
+
+    def client(i: int) -> None:
+        c = Client(url)
+        try:
+            k = 0
+            while not stop.is_set():
+                status, reply = c.infer(bodies[k % len(bodies)], False)
+                if status != 200:
+                    failed[0] += 1
+                else:
+                    replies[i].append((time.perf_counter(), k % len(bodies), int(reply["model_version"]),
+                                       np.asarray(reply["outputs"][0]["data"], np.float32)))
+                k += 1
+        finally:
+            c.close()
+
+    try:
+        with running(build_app(model)) as url:
+            clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(UPDATE_CLIENTS)]
+            for t in clients:
+                t.start()
+            go.set()
+            trainer.join()
+            last = max(published)
+            while model.version < last:
+                time.sleep(0.05)
+            time.sleep(2 * WATCH_INTERVAL_S)
+            stop.set()
+            for t in clients:
+                t.join()
+    finally:
+        stop.set()
+        watcher.stop()
+        model.close()
+    flat = sorted(r for rs in replies for r in rs)
+    mixed = sum(not np.allclose(p, expected[v][b], atol=1e-5, rtol=0) for _, b, v, p in flat)
+    fresh = []
+    for version, t_publish in sorted(published.items())[1:]:
+        served = next((t for t, _, v, _ in flat if v >= version and t >= t_publish), None)
+        fresh.append(None if served is None else served - t_publish)
+    seen = [x for x in fresh if x is not None]
+    return {"updates": len(published) - 1, "requests": len(flat), "failed": failed[0], "mixed_version": mixed,
+            "final_version": max(v for _, _, v, _ in flat), "last_published": max(published),
+            "versions_answered": len({v for _, _, v, _ in flat}), "watch_interval_s": WATCH_INTERVAL_S,
+            "freshness_p50_s": round(statistics.median(seen), 3), "freshness_max_s": round(max(seen), 3),
+            "freshness_missing": len(fresh) - len(seen)}
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--model", metavar="RUN_DIR", help="a `dynemb train` run (default: train one on synthetic data)")
-    p.add_argument("--rows", type=int, default=16, help="rows per request")
-    p.add_argument("--requests", type=int, default=None, help="timed requests per client count (default 2000; "
-                   "--quick: 300)")
+    p.add_argument("--rows", type=int, default=256, help="rows per request")
+    p.add_argument("--requests", type=int, default=None, help="timed requests per row of the table (default 600; "
+                   "--quick: 60)")
+    p.add_argument("--tiers", default="memory,redis", help="volatile stores to serve from")
     args = p.parse_args()
     torch.set_num_threads(1)
-    total = args.requests or (300 if args.quick else 2000)
+    total = args.requests or (60 if args.quick else 600)
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
-        run = Path(args.model) if args.model else train_run(Path(tmp) / "run", 50 if args.quick else 300)
-        model = ServedModel(run, name="ctr")
-        bodies = requests(model, args.rows, 256)
-        app = build_app(model)
-        results = []
-        try:
-            with running(app) as url:
-                for clients in CLIENTS:
-                    before = app.state.batcher.forward_passes
-                    r = load(url, "ctr", bodies, clients, max(1, total // clients), warmup=20)
-                    # warm-up requests included: requests answered per forward pass of the model
-                    passes = app.state.batcher.forward_passes - before
-                    r["requests_per_forward"] = round((r["requests"] + 20 * clients) / passes, 2)
-                    results.append(r)
-        finally:
-            model.close()
-    print(f"dynemb serve, {args.rows} rows per JSON request, loopback, in-process uvicorn")
-    print_table(results, ["clients", "requests", "p50_ms", "p99_ms", "req_per_s", "requests_per_forward"])
+        run = Path(args.model) if args.model else Path(tmp) / "run"
+        if not args.model:
+            synthetic_run(run, 30 if args.quick else 300)
+        for tier in args.tiers.split(","):
+            if tier == "memory":
+                results += latency_rows(run, tier, {"type": "memory"}, args.rows, total)
+                continue
+            redis = RedisServer(tmp)
+            redis.start()
+            try:
+                results += latency_rows(run, tier, {"type": "redis", "address": redis.address}, args.rows, total)
+            finally:
+                redis.kill()
+        updates = updates_under_load(Path(tmp), args.rows)
+    print(f"dynemb serve, {args.rows} rows per request, loopback, in-process uvicorn")
+    print_table(results, ["tier", "encoding", "clients", "requests", "p50_ms", "p99_ms", "req_per_s",
+                          "inproc_p50_ms", "added_p50_ms", "inproc_cpu_ms", "added_cpu_ms", "requests_per_forward"])
+    print(f"\nupdates under load ({UPDATE_CLIENTS} clients, a delta every 2 training steps, --watch "
+          f"{WATCH_INTERVAL_S} s)")
+    print_table([updates], list(updates))
     if args.json:
         write_json(args.json, {"benchmark": "serve_endpoint", "machine": machine_info(), "rows_per_request": args.rows,
-                               "results": results})
+                               "results": results, "updates_under_load": updates})
 
 
 if __name__ == "__main__":

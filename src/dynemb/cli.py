@@ -67,7 +67,8 @@ def cmd_train(args) -> int:
                    categorical=_csv(args.categorical), multi_hot=_csv(args.multi_hot), dense=_csv(args.dense),
                    list_separator=args.list_separator, eval_fraction=args.eval_fraction or 0.05, seed=args.seed,
                    epochs=epochs, batch_size=args.batch_size, shuffle_buffer=args.shuffle_buffer,
-                   eval_batches=args.eval_batches, device=args.device, resume=args.resume)
+                   eval_batches=args.eval_batches, device=args.device, resume=args.resume,
+                   publish_every=args.publish_every, publish_dir=args.publish_dir)
     cfg = TrainConfig(steps=steps, seconds=args.seconds, dim=args.dim, optimizer=args.optimizer, lr=args.lr,
                       max_capacity=args.max_capacity, eviction=args.eviction, admission=args.admission,
                       eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
@@ -87,6 +88,8 @@ def _check_train_options(args) -> None:
         raise CliError("--eval-fraction splits --data; it cannot be combined with --eval-data")
     if args.synthetic and args.data:
         raise CliError("--synthetic and --data exclude each other")
+    if args.publish_dir and not args.publish_every:
+        raise CliError("--publish-dir needs --publish-every N (steps between published versions)")
     if args.data is None and (args.eval_data or args.epochs or args.format):
         raise CliError("--eval-data, --epochs and --format need --data (synthetic data is an endless stream)")
 
@@ -208,6 +211,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                      "batches every N steps (and every held-out row at the end)")
     run.add_argument("--eval-batches", type=int, default=4, metavar="N", help="held-out batches of each periodic "
                      "evaluation")
+    run.add_argument("--publish-every", type=int, default=0, metavar="N", help="publish a serving version every N "
+                     "steps and after the last: a full export, then deltas, each with the MLPs, for `dynemb serve "
+                     "--model RUN_DIR --watch` (0: none)")
+    run.add_argument("--publish-dir", metavar="EXPORT_DIR", help="where --publish-every writes (default: "
+                     "RUN_DIR/export, what `dynemb serve --model RUN_DIR` serves; elsewhere, serve it with --export)")
     run.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     run.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     run.add_argument("--log-every", type=float, default=10.0, metavar="S", help="without a terminal: seconds "

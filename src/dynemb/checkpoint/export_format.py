@@ -19,6 +19,7 @@ from ..distributed.plan import ShardingKind
 from ..table.checks import VALUE_DTYPES, check_dtype
 from ..table.initializers import resolve_initializer
 from . import lineage
+from .dense import dense_state
 from .errors import CheckpointError
 from .fsutil import read_json, staging, write_json, write_pointer
 from .manifest import FORMAT_VERSION, MANIFEST, SERVING_FORMAT, chain, complete, file_record, read_manifest, resolve
@@ -27,14 +28,15 @@ from .saver import incremental_parent, write_payloads, writes as _writes
 from .tables import DELETED, KEYS, VALUES, columns, delta_columns, find_tables, shard_file
 from .tensorfile import read_tensors
 
-__all__ = ["export_for_serving", "read_export", "read_chain", "manifest_digest", "version_name"]
+__all__ = ["export_for_serving", "read_export", "read_chain", "read_dense", "manifest_digest", "version_name"]
 
 STREAM = "serving"
 MODEL_FILE = "model.json"  # in the export root: {"model": id}, written by its first export
+DENSE_FILE = "dense.safetensors"  # in a version directory: the dense part, when the export carries one
 
 
 def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float32, incremental: bool = False,
-                       model_name: str | None = None) -> Path:
+                       model_name: str | None = None, dense: bool = False) -> Path:
     """Export the keys and values (no slots, no scores) of every table of ``model`` for serving.
 
     Writes ``path/version-<n>/`` atomically (``n`` one above the newest export there) with one safetensors file
@@ -65,6 +67,10 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
         model_name: the id of the model this root holds. The first export to ``path`` stores it in
             ``path/model.json`` (without ``model_name``, a new id: the root's name and a random suffix), and every
             later export to ``path`` names that id, so all exports of one training run share it.
+        dense: also write the dense part (every parameter and buffer outside the tables, float32 as trained) to
+            ``dense.safetensors`` in the version directory, named in the manifest's ``dense`` field and covered by
+            its digest; :func:`read_dense` reads it back. A served model takes its MLPs from the newest version
+            that has one, so a server following a training run serves the tables and the MLPs of one step.
 
     Returns:
         The new export directory.
@@ -91,6 +97,8 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     check_dtype(dtype, VALUE_DTYPES, "dtype")
     if not isinstance(incremental, bool):
         raise TypeError(f"incremental must be a bool, got {incremental!r}")
+    if not isinstance(dense, bool):
+        raise TypeError(f"dense must be a bool, got {dense!r}")
     if model_name is not None and (not isinstance(model_name, str) or not model_name):
         raise TypeError(f"model_name must be a non-empty str or None, got {model_name!r}")
     root = Path(path)
@@ -112,6 +120,9 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     tables = [shard.table for shard in local.values()]
     with lineage.tick(tables):
         payloads, entries = _table_payloads(shards, parent, dtype, ctx)
+        if dense and ctx.rank == 0:
+            payloads[DENSE_FILE] = ({k: v.detach().cpu().contiguous() for k, v in dense_state(model).items()
+                                     if isinstance(v, torch.Tensor)}, None)
         if ctx.rank == 0:
             with staging(root, name) as tmp:
                 files = write_payloads(tmp, payloads, f"exported {root / name}")
@@ -121,7 +132,7 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
                     "format": SERVING_FORMAT, "format_version": FORMAT_VERSION, "model": model_id,
                     "version": version, "kind": "delta" if parent else "full", "parent": parent,
                     **_parent_lineage(previous, parent), "created_unix": time.time(), "tables": entries,
-                    "files": files,
+                    "dense": {"file": DENSE_FILE} if dense else None, "files": files,
                 }
                 write_json(tmp / MANIFEST, {**manifest, "digest": manifest_digest(manifest)})
             write_pointer(root, name, version=version)
@@ -211,16 +222,21 @@ def read_export(path) -> tuple[dict, dict]:
         CheckpointError: no export there, a file or the manifest's ``digest`` does not match its checksum.
     """
     directory = resolve(path)
-    manifest = read_manifest(directory, SERVING_FORMAT)
-    if "digest" in manifest and manifest["digest"] != manifest_digest(manifest):
-        raise CheckpointError(f"{directory / MANIFEST}: its digest {manifest['digest']!r} does not match its "
-                              f"content ({manifest_digest(manifest)!r}); the manifest was changed after it was written")
+    manifest = _checked_manifest(directory)
     tables = {}
     for name, entry in manifest["tables"].items():
         tensors, _ = read_tensors(directory / entry["file"], file_record(manifest, directory, entry["file"]))
         tables[name] = tensors
     manifest["path"] = str(directory)
     return manifest, tables
+
+
+def _checked_manifest(directory: Path) -> dict:
+    manifest = read_manifest(directory, SERVING_FORMAT)
+    if "digest" in manifest and manifest["digest"] != manifest_digest(manifest):
+        raise CheckpointError(f"{directory / MANIFEST}: its digest {manifest['digest']!r} does not match its "
+                              f"content ({manifest_digest(manifest)!r}); the manifest was changed after it was written")
+    return manifest
 
 
 def read_chain(path) -> list[tuple[dict, dict]]:
@@ -233,3 +249,19 @@ def read_chain(path) -> list[tuple[dict, dict]]:
         CheckpointError: an export of the chain is missing or does not match its checksums.
     """
     return [read_export(directory) for directory, _ in chain(resolve(path), SERVING_FORMAT)]
+
+
+def read_dense(version_dir) -> dict | None:
+    """The dense state an export version carries (see ``export_for_serving(dense=True)``), checksum verified, or
+    ``None`` when it has none.
+
+    Raises:
+        CheckpointError: the version's manifest or its dense file does not match its checksums.
+    """
+    directory = resolve(version_dir)
+    manifest = _checked_manifest(directory)
+    if not manifest.get("dense"):
+        return None
+    rel = manifest["dense"]["file"]
+    tensors, _ = read_tensors(directory / rel, file_record(manifest, directory, rel))
+    return tensors

@@ -25,6 +25,7 @@ from ..data.preprocess import Preprocessing, dense_statistics
 from ..table.checks import check_int
 from ..train import Trainer, TrainConfig, build_dlrm
 from .card import CHECKPOINT, CARD, METRICS, ModelCard, read_card, write_card
+from .publish import EXPORT, Publisher
 from .report import MetricsLog, plot_run
 from .score import evaluate
 from .sources import FileSource, SyntheticSource, epochs, every_nth
@@ -57,6 +58,10 @@ class RunSpec:
         stats_rows: the most training rows the dense statistics are computed from.
         device: ``"cpu"`` or ``"cuda"`` (or ``"cuda:N"``).
         resume: continue the run in ``out`` from its latest checkpoint (same columns, same preprocessing).
+        publish_every: write a serving version every this many steps and after the last one (0: none); see
+            :mod:`dynemb.job.publish`.
+        publish_dir: the export root of those versions (default ``out/export``, what ``dynemb serve --model out``
+            serves).
 
     Raises:
         ValueError: a field is out of range or the columns are missing (the message names the option).
@@ -80,12 +85,17 @@ class RunSpec:
     stats_rows: int = 1_000_000
     device: str = "cpu"
     resume: bool = False
+    publish_every: int = 0
+    publish_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.epochs != "auto":
             check_int(self.epochs, "epochs", minimum=1, allow_none=True)
         for name in ("batch_size", "shuffle_buffer", "eval_batches", "stats_rows"):
             check_int(getattr(self, name), name, minimum=1)
+        check_int(self.publish_every, "publish_every", minimum=0)
+        if self.publish_dir is not None and not self.publish_every:
+            raise ValueError("publish_dir needs publish_every (steps between published versions)")
         if not (isinstance(self.eval_fraction, float) and 0.0 < self.eval_fraction < 1.0):
             raise ValueError(f"eval_fraction must be a number in (0, 1), got {self.eval_fraction!r}")
         if self.data is None and (self.eval_data or self.epochs):
@@ -93,9 +103,11 @@ class RunSpec:
 
 
 def train_run(spec: RunSpec, cfg: TrainConfig, *, progress: Optional[bool] = None, log_every: float = 10.0,
-              echo=print) -> dict:
+              echo=print, on_publish=None) -> dict:
     """Train into ``spec.out`` and return the summary: held-out ``auc``, ``logloss`` and ``rows``, plus the
-    ``step``, the training ``samples`` of this call, ``table_rows``, ``evicted``, ``seconds`` and ``run``.
+    ``step``, the training ``samples`` of this call, ``table_rows``, ``evicted``, ``seconds`` and ``run`` (and
+    ``published``, the version directories written, with ``spec.publish_every``; ``on_publish`` is called after
+    each, see :class:`~dynemb.job.publish.Publisher`).
 
     ``cfg.checkpoint_dir`` and ``cfg.resume`` are replaced by ``out/checkpoint`` and ``spec.resume``. Under torchrun
     every rank calls this; rank 0 writes the card and metrics.
@@ -139,13 +151,26 @@ def train_run(spec: RunSpec, cfg: TrainConfig, *, progress: Optional[bool] = Non
             samples += len(batch)
             yield ready(batch)
 
+    publisher = None
+    if spec.publish_every:
+        publisher = Publisher(spec.publish_dir or run / EXPORT, model, spec.publish_every, on_publish=on_publish)
+
     with MetricsLog(run / METRICS, enabled=rank == 0, after_step=trainer.step if cfg.resume else None) as log:
-        trainer.fit(counted(every_nth(stream, rank, world)), periodic, progress, on_metrics=log.write,
+        def on_metrics(kind: str, row: dict) -> None:
+            log.write(kind, row)
+            if publisher is not None:
+                publisher.after(kind, row)
+
+        trainer.fit(counted(every_nth(stream, rank, world)), periodic, progress, on_metrics=on_metrics,
                     log_every=log_every)
+        if publisher is not None:
+            publisher.publish(trainer.step)  # the final model (fit's last step may fall between two versions)
         final = evaluate(model, map(ready, source.held_out()))
         stats = trainer.table_stats()
         summary = {**final, "step": trainer.step, "samples": samples, "table_rows": stats["rows"],
                    "evicted": stats["evicted"], "seconds": round(time.perf_counter() - started, 2), "run": str(run)}
+        if publisher is not None:
+            summary["published"] = [str(path) for _, path in publisher.published]
         log.write("final", summary)
     if rank == 0:
         write_card(run, dataclasses.replace(card, metrics=final))

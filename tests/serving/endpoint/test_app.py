@@ -31,14 +31,15 @@ def url(served):
         yield base
 
 
-def triton_inputs(table: pa.Table, binary: bool) -> list:
+def triton_inputs(table: pa.Table, binary: bool, item=np.int64, price=np.float32) -> list:
     d = table.to_pydict()
     tags = d["tags"]
-    arrays = {"user": np.array(d["user"], dtype=object), "item": np.array(d["item"], dtype=np.int64),
+    arrays = {"user": np.array(d["user"], dtype=object), "item": np.array(d["item"], dtype=item),
               "tags": np.array([t for bag in tags for t in bag], dtype=object),
               "tags__lengths": np.array([len(bag) for bag in tags], dtype=np.int32),
-              "price": np.array(d["price"], dtype=np.float32)}
-    types = {"user": "BYTES", "item": "INT64", "tags": "BYTES", "tags__lengths": "INT32", "price": "FP32"}
+              "price": np.array(d["price"], dtype=price)}
+    types = {"user": "BYTES", "item": "INT64" if item == np.int64 else "INT32", "tags": "BYTES",
+             "tags__lengths": "INT32", "price": "FP32" if price == np.float32 else "FP64"}
     inputs = []
     for name, a in arrays.items():
         t = tritonclient_http.InferInput(name, list(a.shape), types[name])
@@ -99,6 +100,11 @@ MALFORMED = {
     "unknown input": ({"inputs": body()["inputs"] + [{"name": "zzz", "datatype": "FP32", "shape": [2],
                                                        "data": [0, 0]}]}, "'zzz'"),
     "too many rows": (body(rows=513), "'user'"),
+    "a float as INT64": (body(item={"data": [3, 1.5]}), "'item'"),
+    "a bool as INT64": (body(item={"data": [3, True]}), "'item'"),
+    "a bool as FP32": (body(price={"data": [1.0, False]}), "'price'"),
+    "a negative length": (body(tags__lengths={"data": [-1, 3]}, tags={"shape": [2], "data": ["a", "b"]}),
+                          "'tags__lengths'"),
 }
 
 
@@ -167,11 +173,42 @@ def test_waiting_requests_share_a_forward_pass_up_to_max_batch_size(run, served)
             got = await asyncio.gather(*(batcher.score(p) for p in parts))
         finally:
             batcher.close()
-        return torch.cat(got), batcher.forward_passes
+        assert {version for _, version in got} == {served.version} and batcher.inline_passes == 0
+        return torch.cat([p for p, _ in got]), batcher.forward_passes
 
     got, passes = asyncio.run(score_all(40))
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     assert passes == 1
+
+    async def alone():  # a request alone is scored on the event loop's thread, no hand-off
+        batcher = _Batcher(served, 40)
+        try:
+            probs, version = await batcher.score(parts[0])
+        finally:
+            batcher.close()
+        return probs, batcher.inline_passes
+
+    probs, inline = asyncio.run(alone())
+    torch.testing.assert_close(probs, expected[:10], atol=1e-6, rtol=0)
+    assert inline == 1
     got, passes = asyncio.run(score_all(20))
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     assert passes == 2
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_int32_ids_and_fp64_dense_values_score_as_int64_and_fp32(run, url, binary):
+    """What a user's numpy arrays often are: int32 ids, float64 prices."""
+    table = pq.read_table(run / "test.parquet").slice(0, 40)
+    client = tritonclient_http.InferenceServerClient(url.removeprefix("http://"), network_timeout=TIMEOUT)
+    try:
+        plain = client.infer("ctr", triton_inputs(table, binary)).as_numpy("probability")
+        other = client.infer("ctr", triton_inputs(table, binary, np.int32, np.float64)).as_numpy("probability")
+        unknown = triton_inputs(table, binary)
+        unknown[-1] = tritonclient_http.InferInput("price", [40], "FP16")
+        unknown[-1].set_data_from_numpy(np.ones(40, np.float16), binary_data=True)
+        with pytest.raises(tritonclient_http.InferenceServerException, match="'price'.*FP16"):
+            client.infer("ctr", unknown)
+    finally:
+        client.close()
+    np.testing.assert_allclose(other, plain, atol=1e-6, rtol=0)

@@ -21,12 +21,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 120.0) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 120.0, token: str | None = "t0k") -> None:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stderr.read()
         try:
-            ready = httpx.get(f"{url}/v2/health/ready", headers={"Authorization": "Bearer t0k"}, timeout=2)
+            ready = httpx.get(f"{url}/v2/health/ready", headers=headers, timeout=2)
             if ready.status_code == 200:
                 return
         except httpx.TransportError:

@@ -28,7 +28,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ...data.batch import Batch, concat_batches
 from .model import ServedModel
-from .protocol import RequestError, decode_request, encode_response, model_metadata, parse_body
+from .protocol import RequestError, decode_request, dumps_json, encode_response, model_metadata, parse_body
 
 __all__ = ["build_app", "MAX_BODY_BYTES", "MAX_BATCH_SIZE"]
 
@@ -37,21 +37,44 @@ MAX_BATCH_SIZE = 4096
 BINARY_HEADER = "inference-header-content-length"
 
 
+class _JSON(JSONResponse):
+    def render(self, content) -> bytes:
+        return dumps_json(content)
+
+
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+    return _JSON({"error": message}, status_code=status)
 
 
 class _Batcher:
-    """Scores the batches of concurrent requests together, one forward pass at a time, on one worker thread."""
+    """Scores the batches of concurrent requests together, one forward pass at a time, on one worker thread.
 
-    def __init__(self, model: ServedModel, max_rows: int) -> None:
-        self.model, self.max_rows = model, max_rows
+    A request alone (after one turn of the event loop, no other request has come to be scored, no forward pass
+    runs or waits, no update is being swapped in) is scored on the event loop's thread instead: two thread
+    hand-offs less. Requests that arrive meanwhile wait in their sockets and are batched next.
+    """
+
+    def __init__(self, model: ServedModel, max_rows: int, inline: bool = True) -> None:
+        self.model, self.max_rows, self.inline = model, max_rows, inline
         self._queue: Optional[asyncio.Queue] = None
         self._worker: Optional[asyncio.Task] = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dynemb-serve")
-        self.forward_passes = 0
+        self._arrived = 0  # requests in score() that have not yet chosen where to run
+        self._running = False  # a forward pass on the worker thread
+        self.forward_passes = self.inline_passes = 0
 
-    async def score(self, batch: Batch) -> torch.Tensor:
+    async def score(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """``(probabilities [B], the version that scored them)`` of one request's rows."""
+        if self.inline:
+            self._arrived += 1
+            try:
+                await asyncio.sleep(0)  # the other requests ready now get here too
+                alone = self._arrived == 1 and not self._running and (self._queue is None or self._queue.empty())
+            finally:
+                self._arrived -= 1
+            if alone and not self.model.updating():
+                self.inline_passes += 1
+                return self._forward([batch])
         if self._queue is None:
             self._queue = asyncio.Queue()
             self._worker = asyncio.get_running_loop().create_task(self._run())
@@ -67,21 +90,24 @@ class _Batcher:
             while not self._queue.empty() and rows + len(self._queue._queue[0][0]) <= self.max_rows:
                 waiting.append(self._queue.get_nowait())
                 rows += len(waiting[-1][0])
+            self._running = True
             try:
-                probs = await loop.run_in_executor(self._pool, self._forward, [b for b, _ in waiting])
+                probs, version = await loop.run_in_executor(self._pool, self._forward, [b for b, _ in waiting])
             except Exception as exc:  # noqa: BLE001 - each waiting request gets the error, the worker goes on
                 for _, done in waiting:
                     if not done.done():
                         done.set_exception(exc)
                 continue
+            finally:
+                self._running = False
             for (batch, done), p in zip(waiting, torch.split(probs, [len(b) for b, _ in waiting])):
                 if not done.done():
-                    done.set_result(p)
+                    done.set_result((p, version))
 
-    def _forward(self, batches: list) -> torch.Tensor:
+    def _forward(self, batches: list) -> tuple[torch.Tensor, int]:
         self.forward_passes += 1
-        batch = concat_batches(batches)
-        return self.model.predict(batch) if len(batch) else torch.zeros(0)
+        batch = batches[0] if len(batches) == 1 else concat_batches(batches)
+        return self.model.predict_versioned(batch) if len(batch) else (torch.zeros(0), self.model.version)
 
     def close(self) -> None:
         if self._worker is not None:
@@ -141,13 +167,13 @@ def build_app(model: ServedModel, *, token: Optional[str] = None, max_body_bytes
         return None if name == model.name else _error(404, f"unknown model {name!r}; this server has {model.name!r}")
 
     async def live(request: Request) -> Response:
-        return JSONResponse({"live": True})
+        return _JSON({"live": True})
 
     async def ready(request: Request) -> Response:
-        return JSONResponse({"ready": True})
+        return _JSON({"ready": True})
 
     async def metadata(request: Request) -> Response:
-        return known(request) or JSONResponse(model_metadata(model.name, model.version, model.preprocessing))
+        return known(request) or _JSON(model_metadata(model.name, model.version, model.preprocessing))
 
     async def infer(request: Request) -> Response:
         if (missing := known(request)) is not None:
@@ -160,10 +186,10 @@ def build_app(model: ServedModel, *, token: Optional[str] = None, max_body_bytes
         except RequestError as exc:
             return _error(400, str(exc))
         try:
-            probs = await batcher.score(batch)
+            probs, version = await batcher.score(batch)
         except (RequestError, ValueError, TypeError) as exc:
             return _error(400, str(exc).splitlines()[0])
-        return JSONResponse(encode_response(model.name, model.version, parsed, probs))
+        return _JSON(encode_response(model.name, version, parsed, probs))
 
     routes = [Route("/v2/health/live", live), Route("/v2/health/ready", ready),
               Route("/v2/models/{name}", metadata), Route("/v2/models/{name}/infer", infer, methods=["POST"])]

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
+from pathlib import Path
 
-__all__ = ["add_serve_args", "cmd_serve"]
+__all__ = ["add_serve_args", "cmd_serve", "WATCH_INTERVAL_S"]
+
+WATCH_INTERVAL_S = 1.0
+"""``--watch`` without a value: a published version is served about a second (plus its apply time) after it lands."""
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -18,8 +23,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="dynemb", help="model name in the URL: /v2/models/NAME/infer")
     p.add_argument("--token", help="require `Authorization: Bearer TOKEN` on every route (default: none, no token "
                    "asked)")
-    p.add_argument("--watch", type=float, metavar="SECONDS", help="poll the export every SECONDS and apply its new "
-                   "versions (full or delta) in order while serving; the dense part stays the run's (default: off)")
+    p.add_argument("--watch", type=float, nargs="?", const=WATCH_INTERVAL_S, metavar="SECONDS", help="poll the "
+                   "export every SECONDS (--watch alone: %(const)s) and apply its new versions (full or delta, with "
+                   "their MLPs when published by `dynemb train --publish-every`) in order while serving; waits for "
+                   "the first version when the run has published none yet (default: off)")
     p.add_argument("--max-batch-size", type=int, default=4096, help="most rows per request, and per forward pass "
                    "over concurrent requests")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get HTTP 400")
@@ -47,22 +54,43 @@ def cmd_serve(args) -> int:
     from .app import build_app
     from .model import ServedModel
     from .server import serve
-    from .watch import ExportWatcher
+    from .watch import ExportWatcher, wait_for_export
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.watch is not None and not args.watch > 0:
+        raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
     torch.set_num_threads(args.threads)
+    if args.watch is not None:  # following a run that is still training: wait for its first published version
+        from ...job.card import CHECKPOINT
+        from ...job.publish import EXPORT
+
+        if not (Path(args.model) / CHECKPOINT / "latest").is_file():
+            wait_for_export(Path(args.export or Path(args.model) / EXPORT), args.watch)
     volatile, persistent = stores(args)
     model = ServedModel(args.model, export=args.export, name=args.name, volatile_db=volatile,
                         persistent_db=persistent, cache_fraction=args.cache_fraction, device=args.device)
+    if args.watch is not None:  # "now serving version N" lines on stderr, next to uvicorn's
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        logger = logging.getLogger(ExportWatcher.__module__)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     watcher = ExportWatcher(model, args.watch).start() if args.watch is not None else None
     try:
         app = build_app(model, token=args.token, max_body_bytes=int(args.max_body_mb * (1 << 20)),
                         max_batch_size=args.max_batch_size)
+        # The ~300k objects torch and the model keep alive would make every full collection a 200 ms stall of
+        # one request: keep them out of the collector, as latency-sensitive Python servers do.
+        gc.collect()
+        gc.freeze()
         print(f"serving {args.model} (export {model.export}, version {model.version}) as {args.name!r} on "
               f"http://{args.host}:{args.port}/v2/models/{args.name}/infer", flush=True)
         serve(app, args.host, args.port)
     finally:
+        gc.unfreeze()  # so that native extensions' objects are freed at exit, not reported as leaked
         if watcher is not None:
             watcher.stop()
         model.close()

@@ -1,9 +1,13 @@
 """The served model: a run directory's DLRM with its tables read through a :class:`ParameterServer`.
 
-The dense part (bottom MLP, interactions, top MLP) and the preprocessing come from the run directory
-(:func:`dynemb.job.load_model`); the tables come from a serving export of the same run, loaded into the parameter
-server with ``"initializer"`` default rows, so an id training never saw reads the row the eval-mode model would
-(``dynemb predict`` runs the model in eval mode). Probabilities therefore equal ``dynemb predict`` on the same rows.
+The preprocessing comes from the run directory's model card; the tables come from a serving export of the same
+run, loaded into the parameter server with ``"initializer"`` default rows, so an id training never saw reads the row
+the eval-mode model would (``dynemb predict`` runs the model in eval mode). Probabilities therefore equal ``dynemb
+predict`` on the same rows. The dense part (bottom MLP, interactions, top MLP) comes from the export when its version
+carries one (``dynemb train --publish-every``), else from the run's final checkpoint.
+
+A new version (:meth:`ServedModel.apply_update`) is read and checked first, then swapped in (tables and dense part)
+under the lock every forward pass holds: a forward pass sees exactly one version, the one it reports.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ...checkpoint.dense import check_dense, dense_state
+from ...checkpoint.export_format import read_dense, read_export
 from ...data.batch import Batch
 from ...functional import clip_rows, pool, to_bags
 from ..ps import ParameterServer
@@ -67,11 +73,9 @@ class ServedModel:
 
     def __init__(self, run, *, export=None, name: str = "dynemb", volatile_db: Optional[dict] = None,
                  persistent_db: Optional[dict] = None, cache_fraction: float = 0.2, device: str = "cpu") -> None:
-        from ...job import load_model
-
         self.run, self.name = Path(run), name
         self.export = ensure_export(self.run, None if export is None else Path(export))
-        model, self.card = load_model(self.run, device)
+        model, self.card = _dense_model(self.run, self.export, device)
         collection = model.embeddings
         self.features = list(model.features)
         self._tables = {f: collection.feature_configs[f].table_name for f in self.features}
@@ -93,7 +97,8 @@ class ServedModel:
             self._pooling[f] = dict(combiner=fcfg.combiner or tcfg.combiner, max_norm=fcfg.max_norm,
                                     padding_value=fcfg.padding_value)
         self.device = torch.device(device)
-        self._update_lock = threading.Lock()
+        self._lock = threading.Lock()  # held by each forward pass and by each update
+        self._updating = False
 
     @property
     def preprocessing(self):
@@ -105,10 +110,18 @@ class ServedModel:
         """The export version the parameter server serves."""
         return int(self.ps.versions[self.name]["version"])
 
-    @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
-        """Probabilities of ``batch``'s rows (raw dense values: normalized here, as ``dynemb predict`` does)."""
+        """Probabilities ``[B]`` of ``batch``'s rows (raw dense values: normalized here, as ``dynemb predict`` does)."""
+        return self.predict_versioned(batch)[0]
+
+    @torch.no_grad()
+    def predict_versioned(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """``(probabilities [B], the export version that scored them)``: the whole pass runs on one version."""
         batch = self.preprocessing.normalize(batch.to(self.device))
+        with self._lock:
+            return self._scores(batch), self.version
+
+    def _scores(self, batch: Batch) -> torch.Tensor:
         bags = {f: self._bags(batch, f) for f in self.features}
         ids = {f: torch.unique(bags[f][0], return_inverse=True) for f in self.features}
         keys: dict[str, list] = {}
@@ -135,11 +148,56 @@ class ServedModel:
         offsets = batch.offsets[f][:-1] if f in batch.offsets else torch.arange(len(batch), device=self.device)
         return to_bags(batch.sparse[f], offsets, None, padding_value=padding)
 
+    def updating(self) -> bool:
+        """Whether an update is being swapped in now (a forward pass would wait for it)."""
+        return self._updating
+
     def apply_update(self, export_dir) -> int:
-        """Apply a serving export version (full or delta) to the served tables; returns the version now served."""
-        with self._update_lock:
-            self.ps.apply_update(export_dir)
-            return self.version
+        """Apply a serving export version (full or delta) to the served tables, and its dense part when it has
+        one; returns the version now served. The files are read and checked before the swap, which forward
+        passes wait for (no request sees half an update).
+
+        Raises:
+            LineageError: the version does not follow the one served (see ``ParameterServer.apply_update``).
+            CheckpointError: a file does not match its checksum. Nothing changes on any error.
+        """
+        export = read_export(export_dir)
+        dense = read_dense(export[0]["path"])
+        if dense is not None:
+            dense = check_dense(self.model, dense, strict=True, source=Path(export[0]["path"]))
+        with self._lock:
+            self._updating = True
+            try:
+                self.ps.apply_update(export_dir, export=export)
+                if dense is not None:
+                    _copy_dense(self.model, dense)
+                return self.version
+            finally:
+                self._updating = False
 
     def close(self) -> None:
         self.ps.close()
+
+
+def _dense_model(run: Path, export: Path, device: str):
+    """``(the run's model, its card)``: the MLPs of the export's latest version when it carries them, else of
+    the run's final checkpoint. The tables are the parameter server's: the model's own are not read."""
+    from ...job import load_model, read_card
+    from ...train import build_dlrm
+
+    dense = read_dense(export)
+    if dense is None:
+        return load_model(run, device)
+    card = read_card(run)
+    prep = card.preprocessing
+    model = build_dlrm(len(prep.dense), prep.features, card.config)
+    _copy_dense(model, check_dense(model, dense, strict=True, source=export))
+    return model.to(torch.device(device)).eval(), card
+
+
+@torch.no_grad()
+def _copy_dense(model: nn.Module, state: dict) -> None:
+    """Copy a checked dense state into ``model``'s parameters and buffers, in place."""
+    targets = dense_state(model, keep_vars=True)
+    for name, value in state.items():
+        targets[name].copy_(value)

@@ -12,13 +12,15 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
 from ...checkpoint.fsutil import read_pointer
+from .command import WATCH_INTERVAL_S
 from .model import ServedModel
 
-__all__ = ["ExportWatcher", "pending_versions"]
+__all__ = ["ExportWatcher", "pending_versions", "wait_for_export", "WATCH_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
 _VERSION = re.compile(r"^version-(\d+)$")
@@ -35,6 +37,24 @@ def pending_versions(root: Path, served: int) -> list[Path]:
     return [found[v] for v in sorted(found) if served < v <= newest]
 
 
+def wait_for_export(root: Path, interval_s: float, timeout_s: Optional[float] = None,
+                    echo=print) -> None:
+    """Wait until export ``root`` has a version (a training run publishing there has written its first one).
+
+    Raises:
+        TimeoutError: none came within ``timeout_s``.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    told = False
+    while read_pointer(Path(root)) is None:
+        if not told:
+            echo(f"waiting for the first version in {root} (dynemb train --publish-every writes it)", flush=True)
+            told = True
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"no version appeared in {root} within {timeout_s} s")
+        time.sleep(interval_s)
+
+
 class ExportWatcher:
     """Polls ``model.export`` and applies new versions in order (see the module docstring).
 
@@ -46,7 +66,7 @@ class ExportWatcher:
         ValueError: ``interval_s`` is not positive.
     """
 
-    def __init__(self, model: ServedModel, interval_s: float = 5.0) -> None:
+    def __init__(self, model: ServedModel, interval_s: float = WATCH_INTERVAL_S) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
         self.model, self.interval_s = model, interval_s

@@ -231,7 +231,7 @@ class ParameterServer:
             self._writeback.defer(m.t, *fetched, m.epoch)
 
     # ------------------------------------------------------------------ online updates
-    def apply_update(self, export_dir) -> dict:
+    def apply_update(self, export_dir, export: Optional[tuple] = None) -> dict:
         """Apply a serving export (a delta, or a full one) to every loaded model that serves its tables.
 
         It goes only onto tables holding an export of its own model, and only forward (see :mod:`.lineage`):
@@ -241,6 +241,7 @@ class ParameterServer:
 
         Args:
             export_dir: an export root (its ``latest`` version) or a version directory.
+            export: ``read_export(export_dir)`` read beforehand (the caller then holds no lock while reading).
 
         Returns:
             ``{model: {"version", "model_id", "digest", "updated_unix", ...}}`` for the models updated.
@@ -250,7 +251,7 @@ class ParameterServer:
                 parent is not the version served (a gap); the message names both versions and model ids.
             ValueError: a table has another dim than the one served. Nothing changes on any error.
         """
-        manifest, payload = read_export(export_dir)
+        manifest, payload = export if export is not None else read_export(export_dir)
         with contextlib.ExitStack() as stack:
             for name in sorted(self._locks):
                 stack.enter_context(self._locks[name])

@@ -1,0 +1,113 @@
+"""A run publishes a full export and 3 deltas while clients send requests without pause to a server following it
+with ``--watch``: no request fails, each response's probabilities are those the training model of the version it
+names predicts (0 mixed-version responses), and the server ends on the last version."""
+
+import threading
+import time
+
+import httpx
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from dynemb.cli import main
+from dynemb.data import FileReader
+from dynemb.job import RunSpec, read_card, train_run
+from dynemb.serving.endpoint import ServedModel, build_app, running
+from dynemb.serving.endpoint.watch import ExportWatcher
+from dynemb.train import TrainConfig
+
+CLIENTS, RESPONSES_PER_VERSION, ROWS = 3, 5, 64
+
+
+def infer_body(batch, prep) -> dict:
+    inputs = [{"name": c, "datatype": "INT64", "shape": [ROWS], "data": batch.sparse[c].tolist()}
+              for c in prep.categorical]
+    return {"inputs": inputs + [{"name": c, "datatype": "FP32", "shape": [ROWS], "data": batch.dense[:, j].tolist()}
+                                for j, c in enumerate(prep.dense)]}
+
+
+def test_three_deltas_published_during_traffic_are_served_in_order_without_mixed_or_failed_responses(run, tmp_path):
+    out = tmp_path / "run"
+    spec = RunSpec(out=str(out), data=str(run / "train.parquet"), label="click", categorical=("user", "item"),
+                   dense=("price",), batch_size=64, publish_every=5)
+    cfg = TrainConfig(steps=20, dim=8, eval_every=1000)
+    expected: dict[int, torch.Tensor] = {}  # version -> what the training model of that version predicts
+    first, served_up, responses = threading.Event(), threading.Event(), {}
+    rows = {}
+
+    def on_publish(step, directory, model):
+        version = int(directory.name.rsplit("-", 1)[1])
+        if not rows:
+            prep = read_card(out).preprocessing
+            reader = FileReader(run / "test.parquet", label=prep.label, categorical=prep.categorical,
+                                dense=prep.dense, batch_size=ROWS)
+            rows["batch"], rows["prep"] = next(iter(reader)), prep
+        model.eval()
+        with torch.no_grad():
+            expected[version] = torch.sigmoid(model(rows["prep"].normalize(rows["batch"]))).float()
+        model.train()
+        first.set()
+        # Pace training: each version is answered a few times before the next one is published.
+        assert served_up.wait(120), "the server did not start"
+        deadline = time.monotonic() + 60
+        while responses.get(version, 0) < RESPONSES_PER_VERSION:
+            assert time.monotonic() < deadline, f"version {version} was not served within 60 s"
+            time.sleep(0.02)
+
+    training = {}
+    trainer = threading.Thread(target=lambda: training.update(result=train_run(spec, cfg, progress=False,
+                                                                               on_publish=on_publish)))
+    trainer.start()
+    while not first.wait(0.05):
+        assert trainer.is_alive(), "training ended before its first version"
+    served = ServedModel(out, name="ctr")
+    watcher = ExportWatcher(served, interval_s=0.1).start()
+    failures, mixed, seen, stop = [], [], [[] for _ in range(CLIENTS)], threading.Event()
+    lock = threading.Lock()
+
+    def client(i):
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                r = c.post(f"{url}/v2/models/ctr/infer", json=body)
+                if r.status_code != 200:
+                    failures.append(r.text)
+                    continue
+                reply = r.json()
+                version, probs = int(reply["model_version"]), np.asarray(reply["outputs"][0]["data"], np.float32)
+                if not np.allclose(probs, expected[version].numpy(), atol=1e-5, rtol=0):
+                    mixed.append(version)
+                seen[i].append(version)
+                with lock:
+                    responses[version] = responses.get(version, 0) + 1
+
+    try:
+        with running(build_app(served)) as url:
+            body = infer_body(rows["batch"], rows["prep"])
+            clients = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+            for t in clients:
+                t.start()
+            served_up.set()
+            trainer.join(timeout=300)
+            assert not trainer.is_alive() and "result" in training
+            stop.set()
+            for t in clients:
+                t.join(timeout=30)
+    finally:
+        stop.set()
+        watcher.stop()
+        served.close()
+    published = [int(p.rsplit("-", 1)[1]) for p in training["result"]["published"]]
+    assert published == [1, 2, 3, 4]  # a full export at step 5, deltas at 10, 15 and 20
+    assert failures == [] and mixed == []
+    assert all(responses[v] >= RESPONSES_PER_VERSION for v in published)
+    # Each client saw the versions in order; the server ended on the last one.
+    assert all(versions == sorted(versions) and versions[-1] == 4 for versions in seen)
+    assert served.version == 4 and watcher.applied == [2, 3, 4]
+    # The versions differ (so a mixed response would have been caught): training moved the predictions.
+    assert all(not torch.allclose(expected[a], expected[b], atol=1e-4) for a, b in [(1, 2), (2, 3), (3, 4)])
+    # The last version is the run's final model: `dynemb predict` on the same rows agrees.
+    assert main(["predict", "--model", str(out), "--data", str(run / "test.parquet"), "--out",
+                 str(tmp_path / "preds.parquet")]) == 0
+    final = np.asarray(pq.read_table(tmp_path / "preds.parquet").column("probability"), np.float32)[:ROWS]
+    np.testing.assert_allclose(final, expected[4].numpy(), atol=1e-6, rtol=0)
