@@ -200,6 +200,7 @@ class _TablePool(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, table, keys, rows, inverse, order, starts, offsets, weights, denom):
         ctx.table = table
+        ctx.clock = table.clock  # the lookup that found these rows stamped them at this clock
         ctx.save_for_backward(keys, rows, order, starts, offsets, weights, denom)
         return _pool_rows(table, rows, inverse, offsets, weights, denom)
 
@@ -209,7 +210,7 @@ class _TablePool(torch.autograd.Function):
         keys, rows, order, starts, offsets, weights, denom = ctx.saved_tensors
         grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
         pooled = PooledGrad(order, starts, bag_of(offsets, order.numel()), weights)
-        deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled)
+        deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock)
         return (None,) * 10
 
 

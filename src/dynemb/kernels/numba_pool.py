@@ -108,7 +108,7 @@ def _dedup_kernel(ids, unique, inverse, order, starts):
     while (1 << bits) < 2 * n:
         bits += 1
     shift = np.uint64(64 - bits)
-    slot_of = np.full(1 << bits, -1, np.int64)  # slot -> unique index; keys are read back from ``unique``
+    slot_of = np.full(1 << bits, -1, np.int32)  # slot -> unique index (int32: half the cache footprint)
     mask = (1 << bits) - 1
     u = 0
     starts[0] = 0
