@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import torch
 
-from .numba_math import fma, prefetch_row
+from .numba_math import fma, prefetch_row_for_write
 
 __all__ = ["sparse_update", "KINDS"]
 
@@ -60,19 +60,21 @@ def _gradients(lo, hi, out, grad, order, starts, bag, weights):
     dim = out.shape[1]
     if order.shape[0] == 0:
         return grad[lo:hi]  # already one row per row
+    weighted, has_bag = weights.shape[0] > 0, bag.shape[0] > 0
     for u in range(lo, hi):
-        o = out[u - lo]
-        o[:] = 0.0
+        i = u - lo
+        for d in range(dim):
+            out[i, d] = 0.0
         for k in range(starts[u], starts[u + 1]):
             j = order[k]
-            g = grad[bag[j] if bag.shape[0] > 0 else j]
-            if weights.shape[0] > 0:
+            b = bag[j] if has_bag else j
+            if weighted:
                 w = weights[j]
                 for d in range(dim):
-                    o[d] = fma(w, g[d], o[d])
+                    out[i, d] = fma(w, grad[b, d], out[i, d])
             else:
                 for d in range(dim):
-                    o[d] += g[d]
+                    out[i, d] += grad[b, d]
     return out
 
 
@@ -97,9 +99,9 @@ def _sgd(values, buf, unused, rows, grad, order, starts, bag, weights, h):
         for u in range(lo, hi):
             if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + _AHEAD]
-                prefetch_row(values, ahead)
+                prefetch_row_for_write(values, ahead)
                 if buf.shape[0] > 0:
-                    prefetch_row(buf, ahead)
+                    prefetch_row_for_write(buf, ahead)
             g, v = rows_grad[u - lo], values[rows[u]]
             if decay != 0.0:
                 for d in range(g.shape[0]):
@@ -124,8 +126,8 @@ def _adagrad(values, state, unused, rows, grad, order, starts, bag, weights, h):
         for u in range(lo, hi):
             if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + _AHEAD]
-                prefetch_row(values, ahead)
-                prefetch_row(state, ahead)
+                prefetch_row_for_write(values, ahead)
+                prefetch_row_for_write(state, ahead)
             g, v, s = rows_grad[u - lo], values[rows[u]], state[rows[u]]
             if decay != 0.0:
                 for d in range(g.shape[0]):
@@ -146,8 +148,8 @@ def _rowwise_adagrad(values, state, unused, rows, grad, order, starts, bag, weig
         for u in range(lo, hi):
             if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + _AHEAD]
-                prefetch_row(values, ahead)
-                prefetch_row(state, ahead)
+                prefetch_row_for_write(values, ahead)
+                prefetch_row_for_write(state, ahead)
             r = rows[u]
             g, v = rows_grad[u - lo], values[r]
             if decay != 0.0:
@@ -172,9 +174,9 @@ def _adam(values, exp_avg, exp_avg_sq, rows, grad, order, starts, bag, weights, 
         for u in range(lo, hi):
             if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + _AHEAD]
-                prefetch_row(values, ahead)
-                prefetch_row(exp_avg, ahead)
-                prefetch_row(exp_avg_sq, ahead)
+                prefetch_row_for_write(values, ahead)
+                prefetch_row_for_write(exp_avg, ahead)
+                prefetch_row_for_write(exp_avg_sq, ahead)
             r = rows[u]
             g, v, m, q = rows_grad[u - lo], values[r], exp_avg[r], exp_avg_sq[r]
             for d in range(g.shape[0]):
@@ -204,9 +206,9 @@ def _ftrl(values, accumulator, linear, rows, grad, order, starts, bag, weights, 
         for u in range(lo, hi):
             if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + _AHEAD]
-                prefetch_row(values, ahead)
-                prefetch_row(accumulator, ahead)
-                prefetch_row(linear, ahead)
+                prefetch_row_for_write(values, ahead)
+                prefetch_row_for_write(accumulator, ahead)
+                prefetch_row_for_write(linear, ahead)
             r = rows[u]
             for d in range(rows_grad.shape[1]):
                 x, w, acc = rows_grad[u - lo, d], values[r, d], accumulator[r, d]
