@@ -153,13 +153,19 @@ def main(argv=None) -> None:
     p.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
     p.add_argument("--contestants", nargs="+", choices=sorted(CONTESTANTS), default=DEFAULT_CONTESTANTS)
     p.add_argument("--vocab", type=int, default=None, help="ids per table (default 1,000,000; --quick 20,000)")
+    p.add_argument("--no-thp", action="store_true",
+                   help="leave THP_MEM_ALLOC_ENABLE alone (default: 1 in every contestant: torch allocates large "
+                        "tensors on transparent huge pages, which random row access over large tables needs)")
     args = p.parse_args(argv)
+    if not args.no_thp:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # read by torch in each contestant's fresh process
     w = Workload(4, args.vocab or (20_000 if args.quick else 1_000_000), 64, 512 if args.quick else 4096, 20)
     repeat, warmup = args.repeat or (5 if args.quick else 15), 2
     names = [n for n in args.contestants if n != "torchrec" or torchrec_available() is None]
     info = machine_info()
     print(f"cpu: {info['cpu_model']} ({info['nproc']} cores); workload: {w}; threads {args.threads}; repeat "
-          f"{repeat}; torchrec: {torchrec_available() or 'yes'}", flush=True)
+          f"{repeat}; torchrec: {torchrec_available() or 'yes'}; THP_MEM_ALLOC_ENABLE="
+          f"{os.environ.get('THP_MEM_ALLOC_ENABLE')}", flush=True)
     procs = [Contestant(n, w, args.distributions, warmup + repeat, args.threads) for n in names]
     rows = []
     try:
@@ -184,7 +190,8 @@ def main(argv=None) -> None:
     report(rows, checks, names)
     if args.json:
         write_json(args.json, {"benchmark": "train_step", "workload": w.__dict__, "repeat": repeat,
-                               "threads": args.threads, "machine": info, "results": rows, "targets": checks})
+                               "threads": args.threads, "thp": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+                               "machine": info, "results": rows, "targets": checks})
 
 
 if __name__ == "__main__":
