@@ -18,7 +18,7 @@ import torch
 from .numba_index import _mix64
 from .numba_math import fma, prefetch_row
 
-__all__ = ["dedup", "pool", "row_grad"]
+__all__ = ["dedup", "pool", "row_grad", "sum_rows"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 _NONE_F = np.empty(0, np.float32)  # stands for an absent float tensor (numba needs one type per argument)
@@ -37,7 +37,7 @@ def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag:
              weights: torch.Tensor | None) -> torch.Tensor:
     """``[U, D]`` float32 gradient of each unique row: see the ``row_grad`` contract."""
     out = torch.empty(starts.numel() - 1, grad.shape[1], dtype=torch.float32)
-    _row_grad_kernel(grad.numpy(), order.numpy(), starts.numpy(), bag.numpy(), _opt(weights), out.numpy())
+    sum_rows(0, out.shape[0], out.numpy(), grad.numpy(), order.numpy(), starts.numpy(), bag.numpy(), _opt(weights))
     return out
 
 
@@ -84,21 +84,30 @@ def _pool_kernel(values, rows, inverse, offsets, weights, denom, out):
 
 
 @numba.njit(nogil=True, cache=True)
-def _row_grad_kernel(grad, order, starts, bag, weights, out):
-    dim = grad.shape[1]
-    weighted = weights.shape[0] > 0
-    for u in range(starts.shape[0] - 1):
-        out[u, :] = 0.0
+def sum_rows(lo, hi, out, grad, order, starts, bag, weights):
+    """Rows ``lo..hi-1``'s gradients into ``out[:hi-lo]`` (returned): ``grad[lo:hi]`` itself when ``order`` is
+    empty, else row ``u`` sums ``weights[j] * grad[bag[j]]`` over ``j in order[starts[u]:starts[u + 1]]`` in that
+    order (``bag`` empty: ``bag[j] == j``; ``weights`` empty: ones), with FMA as torch's ``embedding_bag``. The
+    loops over ``D`` are branch-free, so that they vectorize."""
+    dim = out.shape[1]
+    if order.shape[0] == 0:
+        return grad[lo:hi]  # already one row per row
+    weighted, has_bag = weights.shape[0] > 0, bag.shape[0] > 0
+    for u in range(lo, hi):
+        i = u - lo
+        for d in range(dim):
+            out[i, d] = 0.0
         for k in range(starts[u], starts[u + 1]):
             j = order[k]
-            b = bag[j]
+            b = bag[j] if has_bag else j
             if weighted:
                 w = weights[j]
                 for d in range(dim):
-                    out[u, d] = fma(w, grad[b, d], out[u, d])
+                    out[i, d] = fma(w, grad[b, d], out[i, d])
             else:
                 for d in range(dim):
-                    out[u, d] += grad[b, d]
+                    out[i, d] += grad[b, d]
+    return out
 
 
 @numba.njit(nogil=True, cache=True)
