@@ -12,7 +12,7 @@ from hypothesis import given, settings
 
 from dynemb import optim
 from dynemb.functional.lookup import sort_ids
-from dynemb.functional.pooling import sorted_row_grad
+from dynemb.functional.pooling import bag_of, sorted_row_grad
 from dynemb.kernels import optim_kernels, pool_kernels
 from dynemb.table import KeyValueTable
 
@@ -58,7 +58,7 @@ def test_pool_and_row_grad_equal_embedding_bag(data, divide):
     ref = ref / denom.unsqueeze(1) if divide else ref
     assert torch.equal(POOL.pool(values, rows, s.inverse, offsets, weights, denom), ref)
     grad = torch.randn(offsets.numel(), D)
-    bag = torch.repeat_interleave(torch.arange(offsets.numel()), torch.diff(offsets, append=torch.tensor([ids.numel()])))
+    bag = bag_of(offsets, ids.numel())
     got = POOL.row_grad(grad, s.order, s.starts, bag, weights)
     assert torch.equal(got, sorted_row_grad(grad, s.order, s.starts, bag, weights))
 
@@ -120,3 +120,19 @@ def test_unknown_kind_is_a_value_error():
     with pytest.raises(ValueError, match="kind must be one of"):
         OPTIM.sparse_update("lamb", (), torch.zeros(1, 1), (), torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1),
                             None, None, None, None)
+
+
+def test_gather_equals_index_select_and_find_is_the_same_under_both_backends():
+    values = torch.randn(50, 7)
+    rows = torch.tensor([3, -1, 49, 0, 3] + list(range(40)))
+    got = POOL.gather(values, rows, torch.empty(rows.numel(), 7))
+    assert torch.equal(got, values.index_select(0, rows.clamp(min=0)))
+    table = KeyValueTable(7, seed=1)
+    table.insert_or_assign(torch.arange(100), torch.randn(100, 7))
+    keys = torch.tensor([[5, -3], [99, 2**40]])
+    found = {}
+    for backend in ("numba", "torch"):
+        table.backend = backend
+        found[backend] = table.find(keys)
+    assert all(torch.equal(a, b) for a, b in zip(found["numba"], found["torch"]))
+    assert found["numba"][1].tolist() == [[True, False], [True, False]]

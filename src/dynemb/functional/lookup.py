@@ -58,9 +58,10 @@ def _trains(embedding, table, training: bool | None) -> bool:
 
 
 class SortedIds(NamedTuple):
-    """One stable sort of a call's ids ``[N]``, shared by dedup, the forward and the backward: ``unique [U]``
-    (ascending, or in order of first occurrence from a ``dedup`` kernel), ``inverse [N]`` (``unique[inverse] == ids``), ``order [N]`` (the ids grouped by unique key, in
-    input order within a key) and ``starts [U + 1]`` (key ``u``'s ids are ``order[starts[u]:starts[u + 1]]``)."""
+    """One grouping (a stable sort) of a call's ids ``[N]``, shared by dedup, the forward and the backward:
+    ``unique [U]`` (ascending, or in order of first occurrence from a ``dedup`` kernel), ``inverse [N]``
+    (``unique[inverse] == ids``), ``order [N]`` (the ids grouped by unique key, in input order within a key) and
+    ``starts [U + 1]`` (key ``u``'s ids are ``order[starts[u]:starts[u + 1]]``)."""
 
     unique: torch.Tensor
     inverse: torch.Tensor

@@ -18,7 +18,7 @@ import torch
 from .numba_index import _mix64
 from .numba_math import fma, prefetch_row
 
-__all__ = ["dedup", "pool", "row_grad", "sum_rows"]
+__all__ = ["dedup", "gather", "pool", "row_grad", "sum_rows"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 _NONE_F = np.empty(0, np.float32)  # stands for an absent float tensor (numba needs one type per argument)
@@ -30,6 +30,13 @@ def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, offset
     out = torch.empty(offsets.numel(), values.shape[1], dtype=values.dtype)
     _pool_kernel(values.numpy(), rows.numpy(), inverse.numpy(), offsets.numpy(), _opt(weights), _opt(denom),
                  out.numpy())
+    return out
+
+
+def gather(values: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[i] = values[max(rows[i], 0)]`` (``out`` returned): see the ``gather`` contract. Unlike
+    ``index_select`` it prefetches rows ahead, which matters for random rows of a large table."""
+    _gather_kernel(values.numpy(), rows.numpy(), out.numpy())
     return out
 
 
@@ -54,6 +61,17 @@ def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
 
 def _opt(t: torch.Tensor | None) -> np.ndarray:
     return _NONE_F if t is None else t.numpy()
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather_kernel(values, rows, out):
+    n = rows.shape[0]
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch_row(values, max(rows[i + _AHEAD], 0))
+        r = max(rows[i], 0)
+        for d in range(values.shape[1]):
+            out[i, d] = values[r, d]
 
 
 @numba.njit(nogil=True, cache=True)
