@@ -158,10 +158,10 @@ class KeyValueTable(RowStore):
     def _gather(self, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """``values[rows]`` (row 0 where ``rows`` is -1), by the ``gather`` kernel when one serves this table."""
         kernels = pool_kernels(self.backend, self.device) if self.dtype == torch.float32 else None
-        if kernels is None or (out is not None and not out.is_contiguous()):
+        gather = getattr(kernels, "gather", None)  # optional in the pool family
+        if gather is None or (out is not None and not out.is_contiguous()):
             return gather_rows(self.values, rows.clamp(min=0), out=out)
-        out = out if out is not None else self.values.new_empty(rows.numel(), self.dim)
-        return kernels.gather(self.values, rows, out)
+        return gather(self.values, rows, out if out is not None else self.values.new_empty(rows.numel(), self.dim))
 
     # ------------------------------------------------------------------ inserts
     def find_or_insert(
