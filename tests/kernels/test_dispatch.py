@@ -10,7 +10,10 @@ from dynemb.kernels import (
     dispatch,
     get_default_backend,
     index_kernels,
+    init_kernels,
     numba_available,
+    optim_kernels,
+    pool_kernels,
     resolve_backend,
     set_default_backend,
     use_backend,
@@ -45,6 +48,21 @@ def test_numba_is_cpu_only():
         HashIndex(torch.int64, "cuda", capacity=8, backend="numba")  # refused before any CUDA memory is touched
     assert index_kernels("numba", "cpu").__name__ == "dynemb.kernels.numba_index"
     assert index_kernels("torch", "cpu") is None
+
+
+@NUMBA
+@pytest.mark.parametrize("family, module, names", [
+    (pool_kernels, "numba_pool", ["dedup", "pool", "row_grad", "gather"]),
+    (optim_kernels, "numba_optim", ["sparse_update"]),
+    (init_kernels, "numba_init", ["initial_rows"]),
+])
+def test_each_family_resolves_to_its_module_or_to_torch(family, module, names):
+    kernels = family("numba", "cpu")
+    assert kernels.__name__ == f"dynemb.kernels.{module}" and all(callable(getattr(kernels, n)) for n in names)
+    assert family("auto", "cpu") is kernels
+    assert family("torch", "cpu") is None and family("auto", "cuda") is None
+    with use_backend("torch"):
+        assert family(None, "cpu") is None
 
 
 def test_bad_names_are_value_errors():
