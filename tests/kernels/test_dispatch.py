@@ -60,7 +60,7 @@ def test_each_family_resolves_to_its_module_or_to_torch(family, module, names):
     kernels = family("numba", "cpu")
     assert kernels.__name__ == f"dynemb.kernels.{module}" and all(callable(getattr(kernels, n)) for n in names)
     assert family("auto", "cpu") is kernels
-    assert family("torch", "cpu") is None and family("auto", "cuda") is None
+    assert family("torch", "cpu") is None and family("torch", "cuda") is None
     with use_backend("torch"):
         assert family(None, "cpu") is None
 
