@@ -142,8 +142,30 @@ def report(rows: list[dict], checks: list[dict], names: list[str]) -> None:
         print_table([{"optimizer": r["optimizer"], "ids": r["distribution"],
                       **{n: r["contestants"].get(n, {}).get(key, "n/a") for n in names}} for r in rows],
                     ["optimizer", "ids"] + names)
-    print("\ntargets (ratios of CPU-time steps/s in the same interleaved measurement)")
+    print("\ntargets (ratios of CPU-time steps/s within one run)")
     print_table(checks, ["optimizer", "ids", "target", "ratio_cpu", "met"])
+
+
+def _run(procs: list[Contestant], args, repeat: int, warmup: int, rows: list[dict]) -> list[dict]:
+    """Measure ``procs`` on every optimizer and distribution; their results join the matching rows of ``rows``."""
+    for opt in args.optimizers:
+        live = []
+        for c in procs:
+            got = c.ask("build", opt)
+            if got[0] == "error":
+                print(f"  {c.name} {opt}: not run ({got[1]})")
+            else:
+                live.append(c)
+        for dist in args.distributions:
+            row = next((r for r in rows if (r["optimizer"], r["distribution"]) == (opt, dist)), None)
+            if row is None:
+                row = {"optimizer": opt, "distribution": dist, "threads": args.threads, "contestants": {}}
+                rows.append(row)
+            row["contestants"].update(measure(live, dist, repeat, warmup))
+            with_ratios(row)
+            print(f"  {opt:16s} {dist:8s} CPU steps/s  " + "  ".join(
+                f"{k} {v['cpu_steps_per_s']}" for k, v in row["contestants"].items()), flush=True)
+    return rows
 
 
 def main(argv=None) -> None:
@@ -154,42 +176,41 @@ def main(argv=None) -> None:
     p.add_argument("--contestants", nargs="+", choices=sorted(CONTESTANTS), default=DEFAULT_CONTESTANTS)
     p.add_argument("--vocab", type=int, default=None, help="ids per table (default 1,000,000; --quick 20,000)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU step of benchmarks/gpu_ops.py instead")
+    p.add_argument("--alone", action="store_true",
+                   help="run one contestant process at a time instead of interleaving their steps (warm caches)")
+    p.add_argument("--no-thp", action="store_true",
+                   help="leave THP_MEM_ALLOC_ENABLE alone (default: 1 in every contestant: torch allocates large "
+                        "tensors on transparent huge pages, which random row access over large tables needs)")
     args = p.parse_args(argv)
     if args.device != "cpu":  # Triton kernels vs nn.EmbeddingBag on the GPU: see benchmarks/gpu_ops.py
         import gpu_ops
 
         return gpu_ops.from_train_step(args)
+    if not args.no_thp:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # read by torch in each contestant's fresh process
     w = Workload(4, args.vocab or (20_000 if args.quick else 1_000_000), 64, 512 if args.quick else 4096, 20)
     repeat, warmup = args.repeat or (5 if args.quick else 15), 2
     names = [n for n in args.contestants if n != "torchrec" or torchrec_available() is None]
     info = machine_info()
     print(f"cpu: {info['cpu_model']} ({info['nproc']} cores); workload: {w}; threads {args.threads}; repeat "
-          f"{repeat}; torchrec: {torchrec_available() or 'yes'}", flush=True)
-    procs = [Contestant(n, w, args.distributions, warmup + repeat, args.threads) for n in names]
+          f"{repeat}; torchrec: {torchrec_available() or 'yes'}; THP_MEM_ALLOC_ENABLE="
+          f"{os.environ.get('THP_MEM_ALLOC_ENABLE')}", flush=True)
+    groups = [[n] for n in names] if args.alone else [names]
     rows = []
-    try:
-        for opt in args.optimizers:
-            live = []
+    for group in groups:  # --alone: one contestant process at a time, each measured on its own
+        procs = [Contestant(n, w, args.distributions, warmup + repeat, args.threads) for n in group]
+        try:
+            rows = _run(procs, args, repeat, warmup, rows)
+        finally:
             for c in procs:
-                got = c.ask("build", opt)
-                if got[0] == "error":
-                    print(f"  {c.name} {opt}: not run ({got[1]})")
-                else:
-                    live.append(c)
-            for dist in args.distributions:
-                row = {"optimizer": opt, "distribution": dist, "threads": args.threads,
-                       "contestants": measure(live, dist, repeat, warmup)}
-                rows.append(with_ratios(row))
-                print(f"  {opt:16s} {dist:8s} CPU steps/s  " + "  ".join(
-                    f"{k} {v['cpu_steps_per_s']}" for k, v in row["contestants"].items()), flush=True)
-    finally:
-        for c in procs:
-            c.close()
+                c.close()
     checks = targets(rows)
     report(rows, checks, names)
     if args.json:
         write_json(args.json, {"benchmark": "train_step", "workload": w.__dict__, "repeat": repeat,
-                               "threads": args.threads, "machine": info, "results": rows, "targets": checks})
+                               "threads": args.threads, "thp": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+                               "alone": args.alone,
+                               "machine": info, "results": rows, "targets": checks})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ from dynemb.kernels import (
     dispatch,
     get_default_backend,
     index_kernels,
+    init_kernels,
     numba_available,
+    optim_kernels,
+    pool_kernels,
     resolve_backend,
     set_default_backend,
     use_backend,
@@ -69,6 +72,21 @@ def test_the_package_imports_without_loading_triton():
 
     code = "import sys, dynemb, dynemb.kernels; sys.exit('triton' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+@NUMBA
+@pytest.mark.parametrize("family, module, names", [
+    (pool_kernels, "numba_pool", ["dedup", "pool", "row_grad", "gather"]),
+    (optim_kernels, "numba_optim", ["sparse_update"]),
+    (init_kernels, "numba_init", ["initial_rows"]),
+])
+def test_each_family_resolves_to_its_module_or_to_torch(family, module, names):
+    kernels = family("numba", "cpu")
+    assert kernels.__name__ == f"dynemb.kernels.{module}" and all(callable(getattr(kernels, n)) for n in names)
+    assert family("auto", "cpu") is kernels
+    assert family("torch", "cpu") is None and family("torch", "cuda") is None
+    with use_backend("torch"):
+        assert family(None, "cpu") is None
 
 
 def test_bad_names_are_value_errors():

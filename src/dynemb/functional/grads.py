@@ -101,15 +101,17 @@ def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.
 
 
 def deliver_pooled_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor,
-                            pooled: PooledGrad) -> None:
+                            pooled: PooledGrad, stamped_at: int | None = None) -> None:
     """:func:`deliver_gradient` for a pooled gradient ``grad [B, D]`` (see :class:`PooledGrad`): a fused optimizer
     applies it straight (no ``[U, D]`` tensor) when every row is still current; otherwise the row gradient is
-    built (by the ``row_grad`` kernel or torch) and delivered as usual."""
+    built (by the ``row_grad`` kernel or torch) and delivered as usual. ``stamped_at``: the table's clock when the
+    lookup touched (version-stamped) the rows."""
     if not table.requires_grad:
         return
     optimizer = table.sparse_optimizer
     if optimizer is not None and optimizer.fused and current_rows(table, keys, rows) is rows:
-        optimizer.apply_gradient(table, rows, grad, pooled)
+        stamped = stamped_at is not None and stamped_at == getattr(table, "clock", None)
+        optimizer.apply_gradient(table, rows, grad, pooled, stamped)
         return
     kernels = table_kernels(pool_kernels, table)
     if kernels is not None and grad.dtype == torch.float32:

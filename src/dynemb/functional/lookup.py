@@ -58,9 +58,10 @@ def _trains(embedding, table, training: bool | None) -> bool:
 
 
 class SortedIds(NamedTuple):
-    """One stable sort of a call's ids ``[N]``, shared by dedup, the forward and the backward: ``unique [U]``
-    (ascending, or in order of first occurrence from a ``dedup`` kernel), ``inverse [N]`` (``unique[inverse] == ids``), ``order [N]`` (the ids grouped by unique key, in
-    input order within a key) and ``starts [U + 1]`` (key ``u``'s ids are ``order[starts[u]:starts[u + 1]]``)."""
+    """One grouping (a stable sort) of a call's ids ``[N]``, shared by dedup, the forward and the backward:
+    ``unique [U]`` (ascending, or in order of first occurrence from a ``dedup`` kernel), ``inverse [N]``
+    (``unique[inverse] == ids``), ``order [N]`` (the ids grouped by unique key, in input order within a key) and
+    ``starts [U + 1]`` (key ``u``'s ids are ``order[starts[u]:starts[u + 1]]``)."""
 
     unique: torch.Tensor
     inverse: torch.Tensor
@@ -200,6 +201,7 @@ class _TablePool(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, table, keys, rows, inverse, order, starts, offsets, weights, denom):
         ctx.table = table
+        ctx.clock = table.clock  # the lookup that found these rows stamped them at this clock
         ctx.save_for_backward(keys, rows, order, starts, offsets, weights, denom)
         return _pool_rows(table, rows, inverse, offsets, weights, denom)
 
@@ -209,7 +211,7 @@ class _TablePool(torch.autograd.Function):
         keys, rows, order, starts, offsets, weights, denom = ctx.saved_tensors
         grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
         pooled = PooledGrad(order, starts, bag_of(offsets, order.numel()), weights)
-        deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled)
+        deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock)
         return (None,) * 10
 
 

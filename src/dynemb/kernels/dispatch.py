@@ -46,6 +46,9 @@ tables (and float32 weights and slots) to ``pool`` and ``optim`` kernels
   ids of bag ``b`` being ``offsets[b] <= j < offsets[b + 1]`` (``N`` for the last bag); ``offsets`` start at 0 and
   never decrease; a missing ``weights``/``denom`` is all ones (``denom`` holds the ``mean``/``sqrtn`` combiners'
   divisors, never 0); an empty bag is zeros. Every ``rows[u] >= 0``. Sums run in id order within a bag.
+- ``gather(values [R, D], rows [N], out [N, D]) -> out`` (optional: a module without it leaves ``find`` to
+  ``index_select``): ``out[i] = values[max(rows[i], 0)]`` (the caller overwrites the rows of ``rows[i] < 0``);
+  what :meth:`~dynemb.table.KeyValueTable.find` reads its rows with.
 - ``row_grad(grad [B, D] float32, order [N], starts [U + 1], bag [N], weights [N] | None) -> [U, D] float32``:
   the gradient of a sum-pooling for each unique row, ``g[u] = sum(weights[j] * grad[bag[j]] for j in
   order[starts[u]:starts[u + 1]])``, summed in that order (``order`` lists the ids grouped by unique row, in input

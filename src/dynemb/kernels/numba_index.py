@@ -3,9 +3,10 @@
 :class:`~dynemb.table.index.HashIndex` has one code path in batched torch ops for every device; it is the reference.
 On CPU that path spends most of its time in dozens of elementwise passes over the batch (hash, compare, pick the
 matching or the n-th free slot, follow overflow flags), each a separate trip through memory. These kernels do the
-same work in one pass per cache-sized chunk of keys, with identical results (slots, rows and the bucket layout; the
-tests run both paths). Measured at 1 thread with 1M keys and batches of 65,536: lookups take about half the time of
-the torch path and placing new keys about a third (numbers in BENCHMARKS.md).
+same work in one pass (lookups: each key's bucket prefetched 16 keys ahead; placement: per cache-sized chunk of
+keys), with identical results (slots, rows and the bucket layout; the tests run both paths). Measured at 1 thread
+with 1M keys and batches of 65,536: lookups take about a third of the time of the torch path and placing new keys
+about a third (numbers in BENCHMARKS.md).
 
 :func:`dynemb.kernels.dispatch.index_kernels` decides, call by call, whether they run (backend ``numba``, or
 ``auto`` on CPU).
@@ -17,9 +18,12 @@ import numba
 import numpy as np
 import torch
 
+from .numba_math import prefetch_row
+
 __all__ = ["probe", "place"]
 
-_CHUNK = 256  # keys per touch-then-match step: their buckets (96 B each) stay in L1/L2
+_CHUNK = 256  # keys per touch-then-match step of placement: their buckets (96 B each) stay in L1/L2
+_AHEAD = 16  # keys between a bucket's prefetch and its probe
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
@@ -79,29 +83,28 @@ def _follow(table, key_cols, overflow, key, bucket):
 
 @numba.njit(nogil=True, cache=True)
 def _probe_kernel(table, key_cols, overflow, keys, shift, slots, rows):
-    half, last = table.shape[0] // 2, table.shape[1] - 1
+    half = table.shape[0] // 2
     words = table.view(np.int32)  # row ids are the int32 words after the keys
-    home = np.empty(_CHUNK, np.int64)
-    touched = 0  # returned, so that the touching loads are not optimized away
-    for start in range(0, keys.shape[0], _CHUNK):
-        stop = min(start + _CHUNK, keys.shape[0])
-        for j in range(start, stop):
-            home[j - start] = (_mix64(keys[j]) >> shift) + half
-        # Touch both ends of every home bucket first: the loads are independent, so the CPU keeps many cache
-        # misses in flight; matching then runs on cached lines. (One pass that matches as it loads is ~2x slower.)
-        for j in range(stop - start):
-            touched ^= table[home[j], 0] ^ table[home[j], last]
-        for j in range(start, stop):
-            key, bucket = keys[j], home[j - start]
-            slot, row = -1, -1
-            for p in range(8):
-                if table[bucket, p] == key and words[bucket, key_cols + p] >= 0:
-                    slot, row = bucket * 8 + p, words[bucket, key_cols + p]
-            if slot < 0 and overflow[bucket]:
-                slot, row = _follow(table, key_cols, overflow, key, bucket)
-            slots[j] = slot
-            rows[j] = row
-    return touched
+    n = keys.shape[0]
+    home = np.empty(n, np.int64)
+    for j in range(n):
+        home[j] = (_mix64(keys[j]) >> shift) + half
+    for j in range(min(_AHEAD, n)):
+        prefetch_row(table, home[j])
+    for j in range(n):
+        # Prefetch the bucket _AHEAD keys on: many cache misses stay in flight while this one is matched.
+        if j + _AHEAD < n:
+            prefetch_row(table, home[j + _AHEAD])
+        key, bucket = keys[j], home[j]
+        slot, row = -1, -1
+        for p in range(8):
+            if table[bucket, p] == key and words[bucket, key_cols + p] >= 0:
+                slot, row = bucket * 8 + p, words[bucket, key_cols + p]
+        if slot < 0 and overflow[bucket]:
+            slot, row = _follow(table, key_cols, overflow, key, bucket)
+        slots[j] = slot
+        rows[j] = row
+    return 0
 
 
 @numba.njit(nogil=True, cache=True)

@@ -18,7 +18,7 @@ import torch
 from .numba_index import _mix64
 from .numba_math import fma, prefetch_row
 
-__all__ = ["dedup", "pool", "row_grad"]
+__all__ = ["dedup", "gather", "pool", "row_grad", "sum_rows"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 _NONE_F = np.empty(0, np.float32)  # stands for an absent float tensor (numba needs one type per argument)
@@ -33,11 +33,18 @@ def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, offset
     return out
 
 
+def gather(values: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[i] = values[max(rows[i], 0)]`` (``out`` returned): see the ``gather`` contract. Unlike
+    ``index_select`` it prefetches rows ahead, which matters for random rows of a large table."""
+    _gather_kernel(values.numpy(), rows.numpy(), out.numpy())
+    return out
+
+
 def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag: torch.Tensor,
              weights: torch.Tensor | None) -> torch.Tensor:
     """``[U, D]`` float32 gradient of each unique row: see the ``row_grad`` contract."""
     out = torch.empty(starts.numel() - 1, grad.shape[1], dtype=torch.float32)
-    _row_grad_kernel(grad.numpy(), order.numpy(), starts.numpy(), bag.numpy(), _opt(weights), out.numpy())
+    sum_rows(0, out.shape[0], out.numpy(), grad.numpy(), order.numpy(), starts.numpy(), bag.numpy(), _opt(weights))
     return out
 
 
@@ -54,6 +61,17 @@ def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
 
 def _opt(t: torch.Tensor | None) -> np.ndarray:
     return _NONE_F if t is None else t.numpy()
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather_kernel(values, rows, out):
+    n = rows.shape[0]
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch_row(values, max(rows[i + _AHEAD], 0))
+        r = max(rows[i], 0)
+        for d in range(values.shape[1]):
+            out[i, d] = values[r, d]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -84,21 +102,30 @@ def _pool_kernel(values, rows, inverse, offsets, weights, denom, out):
 
 
 @numba.njit(nogil=True, cache=True)
-def _row_grad_kernel(grad, order, starts, bag, weights, out):
-    dim = grad.shape[1]
-    weighted = weights.shape[0] > 0
-    for u in range(starts.shape[0] - 1):
-        out[u, :] = 0.0
+def sum_rows(lo, hi, out, grad, order, starts, bag, weights):
+    """Rows ``lo..hi-1``'s gradients into ``out[:hi-lo]`` (returned): ``grad[lo:hi]`` itself when ``order`` is
+    empty, else row ``u`` sums ``weights[j] * grad[bag[j]]`` over ``j in order[starts[u]:starts[u + 1]]`` in that
+    order (``bag`` empty: ``bag[j] == j``; ``weights`` empty: ones), with FMA as torch's ``embedding_bag``. The
+    loops over ``D`` are branch-free, so that they vectorize."""
+    dim = out.shape[1]
+    if order.shape[0] == 0:
+        return grad[lo:hi]  # already one row per row
+    weighted, has_bag = weights.shape[0] > 0, bag.shape[0] > 0
+    for u in range(lo, hi):
+        i = u - lo
+        for d in range(dim):
+            out[i, d] = 0.0
         for k in range(starts[u], starts[u + 1]):
             j = order[k]
-            b = bag[j]
+            b = bag[j] if has_bag else j
             if weighted:
                 w = weights[j]
                 for d in range(dim):
-                    out[u, d] = fma(w, grad[b, d], out[u, d])
+                    out[i, d] = fma(w, grad[b, d], out[i, d])
             else:
                 for d in range(dim):
-                    out[u, d] += grad[b, d]
+                    out[i, d] += grad[b, d]
+    return out
 
 
 @numba.njit(nogil=True, cache=True)
@@ -108,7 +135,7 @@ def _dedup_kernel(ids, unique, inverse, order, starts):
     while (1 << bits) < 2 * n:
         bits += 1
     shift = np.uint64(64 - bits)
-    slot_of = np.full(1 << bits, -1, np.int64)  # slot -> unique index; keys are read back from ``unique``
+    slot_of = np.full(1 << bits, -1, np.int32)  # slot -> unique index (int32: half the cache footprint)
     mask = (1 << bits) - 1
     u = 0
     starts[0] = 0

@@ -65,14 +65,18 @@ class Adagrad(SparseOptimizer):
         super().__init__(tables, fused=fused, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                          initial_accumulator_value=initial_accumulator_value, eps=eps)
 
+    @staticmethod
+    def _lr(group: dict, scalars: dict) -> float:
+        """The decayed lr of the step being taken (``scalars["step"]`` already counts it)."""
+        return group["lr"] / (1 + (scalars["step"] - 1) * group["lr_decay"])
+
     def kernel_args(self, group, scalars):
-        clr = group["lr"] / (1 + (scalars["step"] - 1) * group["lr_decay"])
-        return "adagrad", (clr, group["weight_decay"], group["eps"]), ("sum",)
+        return "adagrad", (self._lr(group, scalars), group["weight_decay"], group["eps"]), ("sum",)
 
     def _update(self, table, rows, grad, group, scalars):
         if group["weight_decay"]:
             grad = grad.add(self._gather(table, None, rows), alpha=group["weight_decay"])
-        clr = group["lr"] / (1 + (scalars["step"] - 1) * group["lr_decay"])
+        clr = self._lr(group, scalars)
         key = self.slot_key("sum")
         state = self._gather(table, key, rows).addcmul_(grad, grad, value=1)
         self._scatter(table, key, rows, state)
@@ -124,10 +128,15 @@ class Adam(SparseOptimizer):
         _check_range("eps", eps, 0.0)
         super().__init__(tables, fused=fused, lr=lr, betas=tuple(betas), eps=eps)
 
-    def kernel_args(self, group, scalars):
+    @staticmethod
+    def _step_size(group: dict, scalars: dict) -> float:
+        """The bias-corrected lr of the step being taken (``scalars["step"]`` already counts it)."""
         (beta1, beta2), step = group["betas"], scalars["step"]
-        step_size = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        return "adam", (beta1, beta2, group["eps"], step_size), ("exp_avg", "exp_avg_sq")
+        return group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+
+    def kernel_args(self, group, scalars):
+        beta1, beta2 = group["betas"]
+        return "adam", (beta1, beta2, group["eps"], self._step_size(group, scalars)), ("exp_avg", "exp_avg_sq")
 
     def _update(self, table, rows, grad, group, scalars):
         beta1, beta2 = group["betas"]
@@ -137,8 +146,7 @@ class Adam(SparseOptimizer):
         v = grad.square().sub_(v_old).mul_(1 - beta2).add_(v_old)
         self._scatter(table, k1, rows, m)
         self._scatter(table, k2, rows, v)
-        step = scalars["step"]
-        step_size = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        step_size = self._step_size(group, scalars)
         self._add(table, None, rows, m.div_(v.sqrt_().add_(group["eps"])).mul_(-step_size))
 
 

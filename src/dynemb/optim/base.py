@@ -160,11 +160,13 @@ class SparseOptimizer(GroupsOptimizer):
         return {"step": 0}
 
     # ------------------------------------------------------------------ stepping
-    def apply_gradient(self, table, rows: torch.Tensor, grad: torch.Tensor, pooled: PooledGrad | None = None
-                       ) -> None:
+    def apply_gradient(self, table, rows: torch.Tensor, grad: torch.Tensor, pooled: PooledGrad | None = None,
+                       stamped: bool = False) -> None:
         """Update ``rows`` (``[U]`` int64, unique, >= 0) of ``table`` with the hyper-parameters of the table's param
         group. The gradient is ``grad [U, D]``, or with ``pooled``, the pooled gradient ``grad [B, D]`` that each
-        row sums over its ids (see :class:`PooledGrad`): a kernel then applies it without a ``[U, D]`` tensor."""
+        row sums over its ids (see :class:`PooledGrad`): a kernel then applies it without a ``[U, D]`` tensor.
+        ``stamped``: the rows already carry the table's current version stamp (a fused update right after the
+        lookup that touched them), so :meth:`mark_updated` is skipped."""
         i = next(i for i, t in enumerate(self.tables) if t is table)
         scalars = self._scalars[i]
         scalars["step"] += 1
@@ -183,7 +185,8 @@ class SparseOptimizer(GroupsOptimizer):
                 if pooled is not None:
                     grad = sorted_row_grad(grad, *pooled)
                 self._update(table, rows, grad.float(), group, scalars)
-        table.mark_updated(rows)
+        if not stamped:
+            table.mark_updated(rows)
 
     def kernel_args(self, group: dict, scalars: dict) -> tuple[str, tuple, tuple] | None:
         """``(kind, hparams, slot names)`` of the ``sparse_update`` kernel contract (:mod:`dynemb.kernels.dispatch`)

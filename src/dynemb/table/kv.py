@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.dispatch import Backend
+from ..kernels.dispatch import Backend, pool_kernels
 from . import budget
 from .admission import FrequencyAdmission
 from .checks import (
@@ -161,7 +161,7 @@ class KeyValueTable(RowStore):
             out = check_rows_like(out, flat.numel(), self.dim, self.dtype, self.device, "out", keys.shape)
         rows = self.index.find(flat)
         found = rows >= 0
-        values = gather_rows(self.values, rows.clamp(min=0), out=out)
+        values = self._gather(rows, out)
         if not bool(found.all()):
             miss = (~found).nonzero().squeeze(1)
             values.index_copy_(0, miss, self.initial_rows(flat.index_select(0, miss)))
@@ -169,6 +169,14 @@ class KeyValueTable(RowStore):
             self.clock += 1
             self._touch(rows[found])
         return values.view(*keys.shape, self.dim), found.view(keys.shape)
+
+    def _gather(self, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``values[rows]`` (row 0 where ``rows`` is -1), by the ``gather`` kernel when one serves this table."""
+        kernels = pool_kernels(self.backend, self.device) if self.dtype == torch.float32 else None
+        gather = getattr(kernels, "gather", None)  # optional in the pool family
+        if gather is None or (out is not None and not out.is_contiguous()):
+            return gather_rows(self.values, rows.clamp(min=0), out=out)
+        return gather(self.values, rows, out if out is not None else self.values.new_empty(rows.numel(), self.dim))
 
     # ------------------------------------------------------------------ inserts
     def find_or_insert(

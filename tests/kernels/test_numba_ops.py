@@ -1,0 +1,138 @@
+"""The ``pool`` and ``optim`` kernel families against their torch references, op by op (the tensor contract of
+:mod:`dynemb.kernels.dispatch`): dedup, pool, row_grad and sparse_update in its dense and pooled forms, with
+duplicate ids, empty bags, weights and every optimizer kind. Equality is exact (``torch.equal``) where
+``tests/kernels/test_numba_train.py`` says the kernels are bit-identical, else within 1e-5."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from dynemb import optim
+from dynemb.functional.lookup import sort_ids
+from dynemb.functional.pooling import bag_of, sorted_row_grad
+from dynemb.kernels import optim_kernels, pool_kernels
+from dynemb.table import KeyValueTable
+
+pytest.importorskip("numba")
+POOL = pool_kernels("numba", "cpu")
+OPTIM = optim_kernels("numba", "cpu")
+D = 5
+
+
+@st.composite
+def bags(draw, key_dtype=torch.int64):
+    info = torch.iinfo(key_dtype)
+    pool = draw(st.lists(st.integers(info.min, info.max), min_size=1, max_size=6, unique=True))
+    lengths = draw(st.lists(st.integers(0, 6), min_size=1, max_size=8))
+    n = sum(lengths)
+    ids = torch.tensor(draw(st.lists(st.sampled_from(pool), min_size=n, max_size=n)), dtype=key_dtype)
+    weights = draw(st.one_of(st.none(), st.just(torch.randn(n))))
+    offsets = torch.tensor(lengths).cumsum(0) - torch.tensor(lengths)
+    return ids, offsets, weights
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=bags(), key_dtype=st.sampled_from([torch.int64, torch.int32]))
+def test_dedup_groups_ids_like_the_sort(data, key_dtype):
+    ids = data[0].to(key_dtype) if key_dtype == torch.int64 else (data[0] % 1000).to(key_dtype)
+    unique, inverse, order, starts = POOL.dedup(ids)
+    ref = sort_ids(ids)
+    assert torch.equal(unique[inverse], ids) and unique.dtype == ids.dtype
+    assert sorted(unique.tolist()) == ref.unique.tolist()
+    for u in range(unique.numel()):  # each unique id's ids, in input order
+        assert order[starts[u]:starts[u + 1]].tolist() == (ids == unique[u]).nonzero().squeeze(1).tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=bags(), divide=st.booleans())
+def test_pool_and_row_grad_equal_embedding_bag(data, divide):
+    ids, offsets, weights = data
+    s = sort_ids(ids)
+    values = torch.randn(20, D)
+    rows = torch.randperm(20)[: s.unique.numel()]
+    denom = torch.rand(offsets.numel()) + 0.5 if divide else None
+    ref = torch.nn.functional.embedding_bag(rows[s.inverse], values, offsets, mode="sum", per_sample_weights=weights)
+    ref = ref / denom.unsqueeze(1) if divide else ref
+    assert torch.equal(POOL.pool(values, rows, s.inverse, offsets, weights, denom), ref)
+    grad = torch.randn(offsets.numel(), D)
+    bag = bag_of(offsets, ids.numel())
+    got = POOL.row_grad(grad, s.order, s.starts, bag, weights)
+    assert torch.equal(got, sorted_row_grad(grad, s.order, s.starts, bag, weights))
+
+
+KINDS = {
+    "sgd": lambda t: optim.SGD(t, lr=0.3),
+    "sgd_momentum": lambda t: optim.SGD(t, lr=0.1, momentum=0.9, weight_decay=0.1, nesterov=True),
+    "adagrad": lambda t: optim.Adagrad(t, lr=0.2, weight_decay=0.05),
+    "rowwise_adagrad": lambda t: optim.RowWiseAdagrad(t, lr=0.2, weight_decay=0.05),
+    "adam": lambda t: optim.Adam(t, lr=0.1),
+    "ftrl": lambda t: optim.FTRL(t, lr=0.2, l1=0.01, l2=0.1),
+}
+
+
+def _table(make):
+    table = KeyValueTable(D, seed=4, backend="torch")
+    table.find_or_insert(torch.arange(30))
+    opt = make([table])
+    g = torch.Generator().manual_seed(0)
+    for name in table.slot_names:  # non-trivial optimizer state, the same in every table
+        table.slot(name).uniform_(0.1, 1.0, generator=g)
+    return table, opt
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("pooled", [False, True])
+def test_sparse_update_equals_the_torch_update(kind, pooled):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 30, (40,), generator=g)
+    offsets = torch.arange(0, 40, 4)
+    weights = torch.randn(40, generator=g)
+    grad = torch.randn(10, D, generator=g)
+    bag = torch.arange(10).repeat_interleave(4)
+    s = sort_ids(ids)
+    rows = s.unique  # key i is row i here
+    dense = sorted_row_grad(grad, s.order, s.starts, bag, weights)
+    tables = []
+    for use_kernel in (True, False):
+        table, opt = _table(KINDS[kind])
+        before = dense.clone()
+        if use_kernel:
+            args = opt.kernel_args(opt.param_groups[0], {"step": 1})
+            slots = tuple(table.slot(opt.slot_key(n)) for n in args[2])
+            if pooled:
+                OPTIM.sparse_update(*args[:2], table.values, slots, rows, grad, s.order, s.starts, bag, weights)
+            else:
+                OPTIM.sparse_update(*args[:2], table.values, slots, rows, dense, None, None, None, None)
+            assert torch.equal(dense, before)  # the caller's gradient is left as it was
+        else:
+            opt._update(table, rows, dense, opt.param_groups[0], {"step": 1})
+        tables.append([table.values[:30]] + [table.slot(n)[:30] for n in table.slot_names])
+    exact = kind.startswith("sgd")
+    for got, ref in zip(*tables):
+        torch.testing.assert_close(got, ref, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
+    assert not torch.equal(tables[1][0], _table(KINDS[kind])[0].values[:30])
+
+
+def test_unknown_kind_is_a_value_error():
+    with pytest.raises(ValueError, match="kind must be one of"):
+        OPTIM.sparse_update("lamb", (), torch.zeros(1, 1), (), torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1),
+                            None, None, None, None)
+
+
+def test_gather_equals_index_select_and_find_is_the_same_under_both_backends():
+    values = torch.randn(50, 7)
+    rows = torch.tensor([3, -1, 49, 0, 3] + list(range(40)))
+    got = POOL.gather(values, rows, torch.empty(rows.numel(), 7))
+    assert torch.equal(got, values.index_select(0, rows.clamp(min=0)))
+    table = KeyValueTable(7, seed=1)
+    table.insert_or_assign(torch.arange(100), torch.randn(100, 7))
+    keys = torch.tensor([[5, -3], [99, 2**40]])
+    found = {}
+    for backend in ("numba", "torch"):
+        table.backend = backend
+        found[backend] = table.find(keys)
+    assert all(torch.equal(a, b) for a, b in zip(found["numba"], found["torch"]))
+    assert found["numba"][1].tolist() == [[True, False], [True, False]]
