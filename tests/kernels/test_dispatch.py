@@ -145,3 +145,17 @@ def test_a_table_keeps_its_backend_through_growth_moves_and_admission():
     t.find_or_insert(torch.arange(100).repeat(2))  # grows and rehashes; the admission counter is built
     assert t.index.backend is Backend.TORCH and t.admission.counter.index.backend is Backend.TORCH
     assert t.to("cpu").index.backend is Backend.TORCH
+
+
+@pytest.mark.skipif(not dispatch.triton_available(), reason="needs triton")
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, dynemb\nfrom dynemb.kernels import set_default_backend\nset_default_backend('triton')\n"
+            "try:\n    dynemb.KeyValueTable(4).find_or_insert(torch.tensor([1, 2]))\n"
+            "except ValueError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "only under Triton's interpreter" in out.stdout, out.stderr[-2000:]

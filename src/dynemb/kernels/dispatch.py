@@ -200,7 +200,18 @@ def resolve_backend(backend: Backend | str | None, device: torch.device | str | 
         raise ValueError(f"backend 'triton' runs on CUDA (or CPU under Triton's interpreter), got device {device}")
     if requested is Backend.NUMBA and not on_cpu:
         raise ValueError(f"backend 'numba' runs on CPU only, got device {device}; use 'auto' or 'torch'")
-    return _available(requested)
+    resolved = _available(requested)
+    if resolved is Backend.TRITON and on_cpu and not _triton_interprets():
+        raise ValueError("backend 'triton' runs on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1 "
+                         "in the environment before triton is imported); on CPU use 'auto', 'numba' or 'torch'")
+    return resolved
+
+
+def _triton_interprets() -> bool:
+    """Whether triton runs kernels in its interpreter (it reads ``TRITON_INTERPRET`` itself; dynemb does not)."""
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
 
 
 def index_kernels(backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
