@@ -24,7 +24,7 @@ import torch
 
 from .errors import CheckpointError
 
-__all__ = ["FileRecord", "write_tensors", "read_tensors", "file_sha256", "CHUNK_BYTES"]
+__all__ = ["FileRecord", "write_tensors", "read_tensors", "read_layout", "file_sha256", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 32 << 20
 _CODES = {
@@ -80,8 +80,15 @@ class _Digest:
         self._pool.shutdown(wait=True)
 
 
-def _byte_chunks(t: torch.Tensor) -> Iterator[tuple[memoryview, bool]]:
-    """``(bytes, copied)`` chunks of a tensor: views of CPU memory, or copies of device memory."""
+def _byte_chunks(t) -> Iterator[tuple[memoryview, bool]]:
+    """``(bytes, copied)`` chunks of a tensor: views of CPU memory, or copies of device memory. A streamed column
+    (``pieces()``, see :mod:`dynemb.checkpoint.stream`) is the chunks of its pieces, each counted as a copy so that
+    the digest bounds how many it holds."""
+    if hasattr(t, "pieces"):
+        for piece in t.pieces():
+            for chunk, _ in _byte_chunks(piece):
+                yield chunk, True
+        return
     flat = t.detach().reshape(-1)
     step = max(1, CHUNK_BYTES // max(1, t.element_size()))
     for start in range(0, flat.numel(), step):
@@ -93,6 +100,8 @@ def _byte_chunks(t: torch.Tensor) -> Iterator[tuple[memoryview, bool]]:
 
 
 def _check(name: str, t) -> None:
+    if hasattr(t, "pieces") and t.dtype in _CODES:
+        return
     if not isinstance(t, torch.Tensor) or t.dtype not in _CODES or t.layout != torch.strided:
         got = f"{t.dtype} {t.layout}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise TypeError(f"tensor {name!r} must be a dense tensor of dtype {', '.join(map(str, _CODES))}, got {got}")
@@ -124,7 +133,7 @@ def write_tensors(
     head = _header(tensors, names, metadata)
     chunks = itertools.chain([(memoryview(struct.pack("<Q", len(head)) + head), False)],
                              (c for name in names for c in _byte_chunks(tensors[name])))
-    size = 0
+    size, expected = 0, 8 + len(head) + sum(tensors[n].numel() * tensors[n].element_size() for n in names)
     with open(path, "wb") as f, _Digest() as digest:
         for chunk, copied in chunks:
             digest.feed(chunk, copied)
@@ -132,6 +141,8 @@ def write_tensors(
             size += len(chunk)
             if on_bytes is not None:
                 on_bytes(len(chunk))
+        if size != expected:  # a streamed column yielded other than its shape: never leave a malformed file
+            raise RuntimeError(f"{path}: wrote {size} bytes, the header describes {expected}")
         f.flush()
         os.fsync(f.fileno())
         return FileRecord(digest.hexdigest(), size)
@@ -169,6 +180,37 @@ def read_tensors(
 def _mismatch(path: Path, want: str, got: str) -> CheckpointError:
     return CheckpointError(f"{path}: sha256 checksum mismatch (manifest {want[:16]}..., file {got[:16]}...): "
                            "the file is corrupt")
+
+
+def read_layout(path: Path, expected: FileRecord | None = None) -> dict:
+    """``{name: (dtype, shape, offset of its data in the file)}`` from the header of ``path``, after checking the
+    file's size against ``expected`` (its sha256 is not checked here: see :func:`file_sha256`).
+
+    Raises:
+        CheckpointError: the file is missing, has another size, or its header is malformed.
+    """
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        raise CheckpointError(f"{path}: file is missing") from None
+    if expected is not None and size != expected.bytes:
+        raise CheckpointError(f"{path}: size is {size} bytes, the manifest says {expected.bytes} (truncated?)")
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise _Malformed("shorter than its 8-byte header length")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > size - 8:
+                raise _Malformed(f"header length {n} exceeds the file size {size}")
+            _, layout = _parse_header(f.read(n), size - 8 - n)
+    except _Malformed as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file: {e}") from None
+    out, offset = {}, 8 + n
+    for name, dtype, shape in layout:
+        out[name] = (dtype, torch.Size(shape), offset)
+        offset += torch.Size(shape).numel() * dtype.itemsize
+    return out
 
 
 def _read(path: Path, size: int, on_bytes: OnBytes | None):

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 import torch
 
 from . import budget
-from .checks import check_keys, check_int
+from .checks import check_int, check_keys, check_rows_like, check_scores
 from .kv import KeyValueTable
 from .rows import Rows
 from .slow import SlowStore, swap_rows
@@ -186,6 +186,56 @@ class TieredTable(KeyValueTable):
         super().replace(rows)  # checks every argument's form before anything changes
         self.slow.clear()
         self._fit_fast()
+
+    def replace_chunks(self, chunks: Iterable[Rows], total: Optional[int] = None) -> None:
+        """Hold exactly the rows of ``chunks`` (an iterable of :class:`Rows`, keys unique across all of them),
+        one chunk in memory at a time: the first fills the fast tier as :meth:`replace` does, the others go
+        straight to the slow tier. ``total``, the rows in all when known, is reserved in the slow tier up front.
+
+        A chunk that fails its checks (a ValueError/TypeError naming the argument) leaves the table holding the
+        chunks before it: check the source first (a checkpoint load verifies every file before it streams it).
+
+        Example:
+            >>> t = TieredTable(1, tiers=Tiers(fast_capacity=2), initializer="zeros")
+            >>> t.replace_chunks([Rows(torch.tensor([k, k + 1]), torch.ones(2, 1), None, {}) for k in (0, 2, 4)])
+            >>> t.size(), t.stats()["tiers"]["slow"]["rows"]
+            (6, 4)
+        """
+        it = iter(chunks)
+        first = next(it, None)
+        if first is None:
+            first = Rows(torch.empty(0, dtype=self.key_dtype), torch.empty(0, self.dim, dtype=self.dtype), None, {})
+        self.replace(Rows(*(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in first[:3]),
+                          {n: s.to(self.device) for n, s in first.slots.items()}))
+        if total is not None and total > self.size():
+            self.slow._reserve(total - self._size)
+        for rows in it:
+            self._put_slow(rows)
+
+    def _put_slow(self, rows: Rows) -> None:
+        """Store ``rows`` (keys absent from both tiers) in the slow tier, stamped with the current clock."""
+        cpu = self.slow.device
+        keys = check_keys(rows.keys, self.key_dtype, getattr(rows.keys, "device", cpu), "keys").to(cpu)
+        m = keys.numel()
+        values = check_rows_like(rows.values, m, self.dim, self.dtype, getattr(rows.values, "device", cpu), "values",
+                                 keys.shape)
+        scores = torch.zeros(m, dtype=torch.int64) if rows.scores is None else check_scores(rows.scores, (m,))
+        unknown = set(rows.slots) - set(self._slot_init)
+        if unknown:
+            raise ValueError(f"slots {sorted(unknown)} are not defined on this table (has {self.slot_names})")
+        slots = {}
+        for name, init in self._slot_init.items():
+            slot = self.slot(name)
+            given = rows.slots.get(name)
+            slots[name] = (torch.full((m, slot.shape[1]), init, dtype=slot.dtype) if given is None else
+                           check_rows_like(given, m, slot.shape[1], slot.dtype, given.device, f"slot {name!r}", (m,)))
+        if m and (torch.unique(keys).numel() != m or bool((self.index.find(keys.to(self.device)) >= 0).any())
+                  or bool((self.slow.find(keys) >= 0).any())):
+            raise ValueError("keys must be unique to load a table (a key of this chunk is repeated or was loaded "
+                             "by an earlier chunk)")
+        self.slow.put(Rows(keys, values.to(cpu), scores.to(cpu), {n: v.to(cpu) for n, v in slots.items()}),
+                      torch.full((m,), self.clock, dtype=torch.int64))
+        self.inserted += m
 
     def prefetch(self, keys: torch.Tensor) -> None:
         """Bring the rows of ``keys`` (the next batch's, say) up from the slow tier now, making room for the keys
