@@ -18,9 +18,9 @@ from .manifest import MANIFEST, chain, file_record, resolve
 from .progress import logger, transfer
 from .ranks import RankContext, merge_states, rank_context
 from .saver import STREAM
-from .stream import StreamedShard, shard_chunks, verify_sources
+from .stream import StreamedShard, stream_into, verify_sources
 from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, apply_delta, check_shard, find_tables, restore, \
-    table_config
+    table_config, table_rows
 from .tensorfile import read_tensors
 
 __all__ = ["load"]
@@ -103,7 +103,7 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
         for name, (cols, saved_counters) in shards.items():
             saved = {**saved_counters, "seed": configs[name]["seed"]}
             if isinstance(cols, StreamedShard):  # read again, a chunk at a time, into the tiers
-                restore(tables[name], cols.admission, saved, shard_chunks(cols, tables[name]))
+                restore(tables[name], cols.admission, saved, stream_into(cols, tables[name], table_rows))
             else:
                 restore(tables[name], cols, saved)
             if table_optimizers[name] is not None:
@@ -211,10 +211,10 @@ def _optimizer_state(manifest: dict, directory: Path, name: str, shard, sources:
 
 
 def _read_sources(sources: dict, reshard: bool, config: dict, shard, progress):
-    """``(columns, counters)`` of this rank's part of the table; for a tiered table loaded from full checkpoints,
+    """``(columns, counters)`` of this rank's part of the table; for a tiered table (any chain of files),
     a :class:`~dynemb.checkpoint.stream.StreamedShard` (files verified, rows not read) instead of columns."""
-    streamed = verify_sources(sources, reshard, config, progress) if isinstance(shard.table, TieredTable) else None
-    if streamed is not None:
+    if isinstance(shard.table, TieredTable):
+        streamed = verify_sources(sources, reshard, config, progress)
         if reshard and streamed.admission:
             pending = shard.owned(streamed.admission[ADMISSION_KEYS]).nonzero().squeeze(1)
             streamed = streamed._replace(admission={k: t.index_select(0, pending)

@@ -22,7 +22,7 @@ from .errors import CheckpointError
 from .tensorfile import FileRecord, file_sha256, read_layout
 
 __all__ = ["CHUNK_ROWS", "ColumnStream", "StreamedShard", "tiered_columns", "tiered_delta_columns", "verify_shard",
-           "verify_sources", "shard_chunks", "read_chunks", "largest_chunk"]
+           "verify_sources", "stream_into", "read_chunks", "largest_chunk"]
 
 #: rows per chunk moved between a tiered table and a file (a dim-64 float32 chunk of values is 16 MiB)
 CHUNK_ROWS = 1 << 16
@@ -176,52 +176,71 @@ def read_chunks(path: Path, layout: dict, names: list[str]) -> Iterator[dict[str
 
 
 class StreamedShard(NamedTuple):
-    """A tiered table's part of a checkpoint, verified and not yet read: its files, their layouts, the row count
-    in them, whether rows are filtered by owner (a resharding load), and the (small) admission columns."""
+    """A tiered table's part of a checkpoint, verified and not yet read: per saved rank its chain of files
+    (``(path, layout, is_delta)``, full file first), the rows of the last files, whether rows are filtered by owner
+    (a resharding load), and the (small) admission columns of the last files."""
 
-    files: list
+    chains: list
     rows: int
     reshard: bool
     admission: dict
 
 
-def verify_sources(sources: dict, reshard: bool, config: dict, progress) -> StreamedShard | None:
-    """Verify the full checkpoint files of ``sources`` (``{rank: steps}``, see the loader) without reading their
-    rows into memory; None when a source has deltas (an incremental chain is applied in memory)."""
+def verify_sources(sources: dict, reshard: bool, config: dict, progress) -> StreamedShard:
+    """Verify every file of ``sources`` (``{rank: steps}``, see the loader): size, sha256, header and the row
+    count the manifest gives, without reading their rows into memory."""
     from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, check_shard
 
-    if any(len(steps) != 1 or steps[0][1] for steps in sources.values()):
-        return None
-    files, rows, admission = [], 0, {}
+    chains, rows, admission = [], 0, {}
     for steps in sources.values():
-        path, _, record, entry = steps[0]
-        layout, meta = verify_shard(path, record)
-        n = check_shard(meta, config, path, delta=False)
-        if n != entry["rows"]:
-            raise CheckpointError(f"{path}: the table has {n} rows here, the manifest says {entry['rows']}")
+        chain = []
+        for path, is_delta, record, entry in steps:
+            layout, meta = verify_shard(path, record)
+            n = check_shard(meta, config, path, delta=is_delta)
+            if not is_delta and n != entry["rows"]:
+                raise CheckpointError(f"{path}: the table has {n} rows here, the manifest says {entry['rows']}")
+            if progress is not None and record is not None:
+                progress(record.bytes)
+            chain.append((path, layout, is_delta))
+        rows += steps[-1][3]["rows"]
+        path, layout, _ = chain[-1]
         for name in (ADMISSION_KEYS, ADMISSION_COUNTS):
             if name in layout:
                 admission.setdefault(name, []).append(read_column(path, layout, name))
-        if progress is not None and record is not None:
-            progress(record.bytes)
-        files.append((path, layout))
-        rows += layout[KEYS][1][0]
-    if len(admission.get(ADMISSION_KEYS, ())) != len(files):  # as in memory: only when every file has them
+        chains.append(chain)
+    if len(admission.get(ADMISSION_KEYS, ())) != len(chains):  # as in memory: only when every file has them
         admission = {}
-    return StreamedShard(files, rows, reshard, {name: torch.cat(parts) for name, parts in admission.items()})
+    return StreamedShard(chains, rows, reshard, {name: torch.cat(parts) for name, parts in admission.items()})
 
 
-def shard_chunks(streamed: StreamedShard, shard) -> tuple[Iterator[dict], int | None]:
-    """The row columns of ``streamed``'s files a chunk at a time (only ``shard``'s own rows when resharding),
-    with the row count (None when resharding: known only once filtered)."""
-    from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS
+def stream_into(streamed: StreamedShard, shard, table_rows: Callable) -> Callable:
+    """A function that loads ``streamed`` into ``shard``'s tiered table a chunk at a time: every rank's full file
+    through :meth:`~dynemb.table.TieredTable.replace_chunks`, then each delta's deleted keys and rows through
+    :meth:`~dynemb.table.TieredTable.load_chunk` (only ``shard``'s own rows when resharding). ``table_rows`` turns
+    a chunk of file columns into the table's :class:`Rows`."""
+    from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, DELETED, KEYS, ORDER
 
-    def chunks():
-        for path, layout in streamed.files:
-            names = [n for n in layout if n not in (ADMISSION_KEYS, ADMISSION_COUNTS)]
-            for chunk in read_chunks(path, layout, names):
-                if streamed.reshard:
-                    kept = shard.owned(chunk[KEYS]).nonzero().squeeze(1)
-                    chunk = {name: _noted(col.index_select(0, kept)) for name, col in chunk.items()}
-                yield chunk
-    return chunks(), None if streamed.reshard else streamed.rows
+    def chunks(path, layout):
+        names = [n for n in layout if n not in (ADMISSION_KEYS, ADMISSION_COUNTS, DELETED, ORDER)]
+        for chunk in read_chunks(path, layout, names):
+            if streamed.reshard:
+                kept = shard.owned(chunk[KEYS]).nonzero().squeeze(1)
+                chunk = {name: _noted(col.index_select(0, kept)) for name, col in chunk.items()}
+            yield table_rows(shard, chunk)
+
+    def load(table) -> None:
+        deltas = any(is_delta for chain in streamed.chains for _, _, is_delta in chain)
+        total = None if streamed.reshard or deltas else streamed.rows
+        table.replace_chunks((rows for chain in streamed.chains for rows in chunks(*chain[0][:2])), total)
+        for chain in streamed.chains:
+            for path, layout, _ in chain[1:]:
+                for start in range(0, layout[DELETED][1][0], CHUNK_ROWS):
+                    deleted = read_column(path, layout, DELETED, start, start + CHUNK_ROWS)
+                    table.load_chunk(deleted=shard.shard_keys(deleted.to(table.device)))
+                for rows in chunks(path, layout):
+                    table.load_chunk(rows)
+        if not streamed.reshard and table.size() != streamed.rows:
+            raise CheckpointError(f"{streamed.chains[0][-1][0]}: the table has {table.size()} rows after its chain, "
+                                  f"the manifest says {streamed.rows}")
+        table.inserted = table.size()
+    return load

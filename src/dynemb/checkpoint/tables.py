@@ -195,12 +195,11 @@ def table_rows(shard: TableShard, cols: dict) -> Rows:
     return Rows(keys, cols[VALUES].to(device), cols[SCORES].to(device), slots)
 
 
-def restore(shard: TableShard, cols: dict, saved: dict, chunks=None) -> None:
+def restore(shard: TableShard, cols: dict, saved: dict, load_rows=None) -> None:
     """Make the table hold exactly ``cols``, with the saved counters and seed, so training continues bit-exactly.
 
-    ``chunks``: instead of the rows of ``cols`` (which then holds only the admission columns), an iterable of the
-    rows' ``cols`` a chunk at a time and their total count, for a tiered table
-    (:meth:`~dynemb.table.TieredTable.replace_chunks`)."""
+    ``load_rows(table)``: loads the rows instead of ``cols`` (which then holds only the admission columns), a chunk
+    at a time for a tiered table (see :func:`~dynemb.checkpoint.stream.stream_into`)."""
     t = shard.table
     device = t.device
     previous = t.clock
@@ -208,11 +207,10 @@ def restore(shard: TableShard, cols: dict, saved: dict, chunks=None) -> None:
     # is what the rows carried right after that save (see lineage), and a later delta skips them.
     t.clock = saved["clock"] - 1
     try:
-        if chunks is None:
+        if load_rows is None:
             t.replace(table_rows(shard, cols))
         else:
-            pieces, total = chunks
-            t.replace_chunks((table_rows(shard, piece) for piece in pieces), total)
+            load_rows(t)
     except (TypeError, ValueError):
         t.clock = previous
         raise

@@ -210,10 +210,34 @@ class TieredTable(KeyValueTable):
         if total is not None and total > self.size():
             self.slow._reserve(total - self._size)
         for rows in it:
-            self._put_slow(rows)
+            rows = self._checked(rows)
+            if rows.keys.numel() and (bool((self.index.find(rows.keys.to(self.device)) >= 0).any())
+                                      or bool((self.slow.find(rows.keys) >= 0).any())):
+                raise ValueError("keys must be unique to load a table (a key of this chunk was loaded by an earlier "
+                                 "chunk)")
+            self._store_slow(rows)
 
-    def _put_slow(self, rows: Rows) -> None:
-        """Store ``rows`` (keys absent from both tiers) in the slow tier, stamped with the current clock."""
+    def load_chunk(self, rows: Optional[Rows] = None, deleted: Optional[torch.Tensor] = None) -> None:
+        """Apply a chunk of a checkpoint delta after :meth:`replace_chunks`: remove the keys ``deleted [K]``, then
+        hold ``rows`` (a stored key's row is replaced, with every column). Rows are stamped with the current clock;
+        no counter but ``inserted`` changes and nothing is logged (a load sets counters and lineage afterwards).
+
+        Raises:
+            TypeError/ValueError: a malformed argument (named); the table is then unchanged.
+        """
+        checked = None if rows is None else self._checked(rows)
+        gone = [] if deleted is None else [check_keys(deleted, self.key_dtype, deleted.device, "deleted")]
+        for keys in gone + ([] if checked is None else [checked.keys]):
+            keys = torch.unique(keys.to(self.device))
+            at = self.index.find(keys)
+            if bool((at >= 0).any()):
+                swap_rows(self, at[at >= 0], None, None)
+            self.slow.erase(keys.to(self.slow.device))
+        if checked is not None:
+            self._store_slow(checked)
+
+    def _checked(self, rows: Rows) -> Rows:
+        """``rows`` checked (forms, keys unique) and on the slow tier's device, every slot given."""
         cpu = self.slow.device
         keys = check_keys(rows.keys, self.key_dtype, getattr(rows.keys, "device", cpu), "keys").to(cpu)
         m = keys.numel()
@@ -229,12 +253,14 @@ class TieredTable(KeyValueTable):
             given = rows.slots.get(name)
             slots[name] = (torch.full((m, slot.shape[1]), init, dtype=slot.dtype) if given is None else
                            check_rows_like(given, m, slot.shape[1], slot.dtype, given.device, f"slot {name!r}", (m,)))
-        if m and (torch.unique(keys).numel() != m or bool((self.index.find(keys.to(self.device)) >= 0).any())
-                  or bool((self.slow.find(keys) >= 0).any())):
-            raise ValueError("keys must be unique to load a table (a key of this chunk is repeated or was loaded "
-                             "by an earlier chunk)")
-        self.slow.put(Rows(keys, values.to(cpu), scores.to(cpu), {n: v.to(cpu) for n, v in slots.items()}),
-                      torch.full((m,), self.clock, dtype=torch.int64))
+        if m and torch.unique(keys).numel() != m:
+            raise ValueError("keys must be unique to load a table")
+        return Rows(keys, values.to(cpu), scores.to(cpu), {n: v.to(cpu) for n, v in slots.items()})
+
+    def _store_slow(self, rows: Rows) -> None:
+        """Store checked ``rows`` (keys absent from both tiers) in the slow tier, stamped with the current clock."""
+        m = rows.keys.numel()
+        self.slow.put(rows, torch.full((m,), self.clock, dtype=torch.int64))
         self.inserted += m
 
     def prefetch(self, keys: torch.Tensor) -> None:
