@@ -5,6 +5,11 @@ chunk, not the table."""
 from __future__ import annotations
 
 import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +162,19 @@ def test_chunks_do_not_grow_with_the_table(monkeypatch, tmp_path):
     small = chunk_bound(20_000, monkeypatch, tmp_path / "small")
     big = chunk_bound(80_000, monkeypatch, tmp_path / "big")
     assert 0 < small == big <= 1000 * DIM * 4
+
+
+def test_peak_memory_of_save_and_load_is_bounded(tmp_path):
+    """Measured in a fresh process (RssAnon sampled every millisecond, slow tier on disk): a save and a load of
+    a 200k-row table (105 MiB of rows) need a few MiB beyond the table, where one whole-table export needs more
+    than the rows' bytes (the control, showing the probe sees such allocations)."""
+    probe = Path(__file__).with_name("tiered_rss_probe.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(dynemb.__file__).parents[1])}
+    out = subprocess.run([sys.executable, str(probe), str(ROWS), str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    table = got["rows"] * got["row_bytes"]
+    assert got["export"] > table, got
+    assert got["save"] < 8 << 20, got
+    assert got["load"] < (8 << 20) + got["slow_index"], got  # the slow tier's index stays in RAM by design

@@ -27,6 +27,7 @@ from .errors import CheckpointError
 __all__ = ["FileRecord", "write_tensors", "read_tensors", "read_layout", "file_sha256", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 32 << 20
+_HASH_BYTES = 4 << 20  # file_sha256's read buffer
 _CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -269,7 +270,8 @@ def _fill(f, t: torch.Tensor, digest: _Digest, on_bytes: OnBytes | None) -> None
 def file_sha256(path: Path) -> str:
     """sha256 (hex) of a whole file."""
     sha = hashlib.sha256()
+    buffer = memoryview(bytearray(_HASH_BYTES))  # one buffer reused: memory stays O(buffer) for any file
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            sha.update(chunk)
+        while n := f.readinto(buffer):
+            sha.update(buffer[:n])
     return sha.hexdigest()
