@@ -178,3 +178,19 @@ def test_peak_memory_of_save_and_load_is_bounded(tmp_path):
     assert got["export"] > table, got
     assert got["save"] < 8 << 20, got
     assert got["load"] < (8 << 20) + got["slow_index"], got  # the slow tier's index stays in RAM by design
+
+
+def test_corrupt_file_fails_before_the_tiered_table_changes(tmp_path):
+    emb = model(True, 3000)
+    fill(emb, 3000)
+    directory = save(tmp_path, emb, step=1)
+    (path,) = glob.glob(f"{directory}/tables/*.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[-100] ^= 1  # a byte of the last column's rows
+    open(path, "wb").write(bytes(data))
+    other = model(True, 3000)
+    other.table.insert_or_assign(torch.arange(500), torch.ones(500, DIM))
+    before = state(other.table)
+    with pytest.raises(dynemb.checkpoint.CheckpointError, match="sha256"):
+        load(tmp_path, other)
+    assert_same(state(other.table), before)

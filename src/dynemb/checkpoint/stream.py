@@ -19,7 +19,7 @@ import torch
 
 from ..table import Rows
 from .errors import CheckpointError
-from .tensorfile import FileRecord, file_sha256, read_layout
+from .tensorfile import FileRecord, verify_file
 
 __all__ = ["CHUNK_ROWS", "ColumnStream", "StreamedShard", "tiered_columns", "tiered_delta_columns", "verify_shard",
            "verify_sources", "stream_into", "read_chunks", "largest_chunk"]
@@ -144,12 +144,7 @@ def verify_shard(path: Path, record: FileRecord | None) -> tuple[dict, dict]:
     Returns ``(layout, meta)``: ``{name: (dtype, shape, offset)}`` (offsets from the file start) and a ``meta``
     tensor of every column (dtype and shape, no data) for :func:`~dynemb.checkpoint.tables.check_shard`.
     """
-    layout = read_layout(path, record)
-    if record is not None:
-        actual = file_sha256(path)
-        if actual != record.sha256:
-            raise CheckpointError(f"{path}: sha256 checksum mismatch (manifest {record.sha256[:16]}..., file "
-                                  f"{actual[:16]}...): the file is corrupt")
+    layout = verify_file(path, record)
     meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (dtype, shape, _) in layout.items()}
     return layout, meta
 

@@ -24,7 +24,7 @@ import torch
 
 from .errors import CheckpointError
 
-__all__ = ["FileRecord", "write_tensors", "read_tensors", "read_layout", "file_sha256", "CHUNK_BYTES"]
+__all__ = ["FileRecord", "write_tensors", "read_tensors", "verify_file", "file_sha256", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 32 << 20
 _HASH_BYTES = 4 << 20  # file_sha256's read buffer
@@ -160,12 +160,7 @@ def read_tensors(
     Raises:
         CheckpointError: the file is missing, its size or sha256 differ from ``expected``, or it is malformed.
     """
-    try:
-        size = os.path.getsize(path)
-    except OSError:
-        raise CheckpointError(f"{path}: file is missing") from None
-    if expected is not None and size != expected.bytes:
-        raise CheckpointError(f"{path}: size is {size} bytes, the manifest says {expected.bytes} (truncated?)")
+    size = _checked_size(path, expected)
     try:
         tensors, metadata, digest = _read(path, size, on_bytes)
     except _Malformed as e:
@@ -183,48 +178,57 @@ def _mismatch(path: Path, want: str, got: str) -> CheckpointError:
                            "the file is corrupt")
 
 
-def read_layout(path: Path, expected: FileRecord | None = None) -> dict:
-    """``{name: (dtype, shape, offset of its data in the file)}`` from the header of ``path``, after checking the
-    file's size against ``expected`` (its sha256 is not checked here: see :func:`file_sha256`).
-
-    Raises:
-        CheckpointError: the file is missing, has another size, or its header is malformed.
-    """
+def _checked_size(path: Path, expected: FileRecord | None) -> int:
     try:
         size = os.path.getsize(path)
     except OSError:
         raise CheckpointError(f"{path}: file is missing") from None
     if expected is not None and size != expected.bytes:
         raise CheckpointError(f"{path}: size is {size} bytes, the manifest says {expected.bytes} (truncated?)")
+    return size
+
+
+def verify_file(path: Path, expected: FileRecord | None = None) -> dict:
+    """Check ``path``'s size and sha256 against ``expected`` in one streaming pass (O(buffer) memory) and return
+    its layout, ``{name: (dtype, shape, offset of its data in the file)}``, without reading any tensor.
+
+    Raises:
+        CheckpointError: the file is missing, its size or sha256 differ from ``expected``, or it is malformed.
+    """
+    size = _checked_size(path, expected)
+    if expected is not None:
+        actual = file_sha256(path)
+        if actual != expected.sha256:
+            raise _mismatch(path, expected.sha256, actual)
     try:
         with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise _Malformed("shorter than its 8-byte header length")
-            (n,) = struct.unpack("<Q", prefix)
-            if n > size - 8:
-                raise _Malformed(f"header length {n} exceeds the file size {size}")
-            _, layout = _parse_header(f.read(n), size - 8 - n)
+            prefix, head = _head(f, size)
+            _, layout = _parse_header(head, size - len(prefix) - len(head))
     except _Malformed as e:
         raise CheckpointError(f"{path}: not a valid safetensors file: {e}") from None
-    out, offset = {}, 8 + n
+    out, offset = {}, len(prefix) + len(head)
     for name, dtype, shape in layout:
         out[name] = (dtype, torch.Size(shape), offset)
         offset += torch.Size(shape).numel() * dtype.itemsize
     return out
 
 
+def _head(f, size: int) -> tuple[bytes, bytes]:
+    """The 8-byte header length and the JSON header of an open file of ``size`` bytes."""
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise _Malformed("shorter than its 8-byte header length")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > size - 8:
+        raise _Malformed(f"header length {n} exceeds the file size {size}")
+    return prefix, f.read(n)
+
+
 def _read(path: Path, size: int, on_bytes: OnBytes | None):
     with open(path, "rb") as f, _Digest() as digest:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise _Malformed("shorter than its 8-byte header length")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > size - 8:
-            raise _Malformed(f"header length {n} exceeds the file size {size}")
-        head = f.read(n)
+        prefix, head = _head(f, size)
         digest.feed(memoryview(prefix + head))
-        metadata, layout = _parse_header(head, size - 8 - n)
+        metadata, layout = _parse_header(head, size - 8 - len(head))
         tensors = {}
         for name, dtype, shape in layout:
             t = torch.empty(shape, dtype=dtype)
