@@ -24,8 +24,8 @@ from .tensorfile import FileRecord, verify_file
 __all__ = ["CHUNK_ROWS", "ColumnStream", "StreamedShard", "tiered_columns", "tiered_delta_columns", "verify_shard",
            "verify_sources", "stream_into", "read_chunks", "largest_chunk"]
 
-#: rows per chunk moved between a tiered table and a file (a dim-64 float32 chunk of values is 16 MiB)
-CHUNK_ROWS = 1 << 16
+#: rows per chunk moved between a tiered table and a file (a dim-64 float32 chunk of values is 4 MiB)
+CHUNK_ROWS = 1 << 14
 #: bytes of the largest chunk materialized since :func:`largest_chunk` was last reset (tests check the bound)
 _LARGEST = [0]
 

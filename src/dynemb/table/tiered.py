@@ -16,6 +16,7 @@ them runs once per many calls, not once per call.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from typing import Iterable, Optional, Union
 
@@ -205,11 +206,13 @@ class TieredTable(KeyValueTable):
         first = next(it, None)
         if first is None:
             first = Rows(torch.empty(0, dtype=self.key_dtype), torch.empty(0, self.dim, dtype=self.dtype), None, {})
-        self.replace(Rows(*(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in first[:3]),
-                          {n: s.to(self.device) for n, s in first.slots.items()}))
+        # The fast tier takes what fits of the first chunk (it never grows past its budget); the rest goes down.
+        fast, rest = (_sliced(first, slice(0, self.fast_capacity), self.device),
+                      _sliced(first, slice(self.fast_capacity, None), None))
+        self.replace(fast)
         if total is not None and total > self.size():
             self.slow._reserve(total - self._size)
-        for rows in it:
+        for rows in itertools.chain([rest] if rest.keys.numel() else [], it):
             rows = self._checked(rows)
             if rows.keys.numel() and (bool((self.index.find(rows.keys.to(self.device)) >= 0).any())
                                       or bool((self.slow.find(rows.keys) >= 0).any())):
@@ -365,6 +368,16 @@ class TieredTable(KeyValueTable):
         down = self._take(victims)
         rows, versions = self.slow.exchange(up, down, self._cols["version"].index_select(0, victims))
         swap_rows(self, victims, rows, versions)
+
+
+def _sliced(rows: Rows, part: slice, device) -> Rows:
+    """Rows ``part`` of ``rows`` (keys ``[N]``; what is not a tensor is left for the checks to name), moved to
+    ``device`` unless None."""
+    def cut(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t[part] if device is None else t[part].to(device)
+    return Rows(cut(rows.keys), cut(rows.values), cut(rows.scores), {n: cut(s) for n, s in rows.slots.items()})
 
 
 def _resized(col: torch.Tensor, capacity: int, live: int) -> torch.Tensor:
