@@ -94,7 +94,8 @@ def _chunked(parts: list[torch.Tensor]) -> Callable[[], Iterator[torch.Tensor]]:
 
 
 def _gathered(parts: list[torch.Tensor], rows: torch.Tensor) -> Callable[[], Iterator[torch.Tensor]]:
-    """Pieces of ``cat(parts)[rows]`` for ascending ``rows``, gathered ``CHUNK_ROWS`` rows at a time."""
+    """Pieces of ``cat(parts)[rows]``, gathered ``CHUNK_ROWS`` rows at a time, for ``rows`` that list fast-tier
+    positions before slow-tier ones (as ``changes_since`` does)."""
     from ..table.ops import gather_rows
 
     n_fast = parts[0].shape[0]
@@ -126,7 +127,7 @@ def tiered_columns(shard, *, state: bool = True) -> dict[str, ColumnStream]:
 
 
 def tiered_delta_columns(shard, rows: torch.Tensor, *, state: bool = True) -> dict[str, ColumnStream]:
-    """The rows at positions ``rows`` (ascending, in export order) of every column, as streamed columns."""
+    """The rows at positions ``rows`` (in export order, from ``changes_since``) of every column, streamed."""
     rows = rows.cpu()
     cols = {}
     for name, parts in _tier_columns(shard.table).items():
