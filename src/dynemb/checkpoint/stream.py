@@ -222,7 +222,7 @@ def stream_into(streamed: StreamedShard, shard, table_rows: Callable) -> Callabl
             if streamed.reshard:
                 kept = shard.owned(chunk[KEYS]).nonzero().squeeze(1)
                 chunk = {name: _noted(col.index_select(0, kept)) for name, col in chunk.items()}
-            yield table_rows(shard, chunk)
+            yield table_rows(shard, chunk, "cpu")  # most go to the slow tier: never via the device
 
     def load(table) -> None:
         deltas = any(is_delta for chain in streamed.chains for _, _, is_delta in chain)

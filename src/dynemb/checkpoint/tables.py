@@ -186,10 +186,11 @@ def apply_delta(base: dict, delta: dict, file) -> dict:
     return {**{name: gather_rows(col, rows) for name, col in pool.items()}, **admission}
 
 
-def table_rows(shard: TableShard, cols: dict) -> Rows:
-    """The rows of ``cols`` (a file's columns, user keys) as the table holds them: shard keys, on its device."""
+def table_rows(shard: TableShard, cols: dict, device=None) -> Rows:
+    """The rows of ``cols`` (a file's columns, user keys) as the table holds them: shard keys, on ``device`` (by
+    default the table's)."""
     t = shard.table
-    device = t.device
+    device = t.device if device is None else device
     slots = {s: cols[SLOT + s].to(device) for s in t.slot_names if SLOT + s in cols}
     keys = shard.shard_keys(cols[KEYS].to(device))
     return Rows(keys, cols[VALUES].to(device), cols[SCORES].to(device), slots)
