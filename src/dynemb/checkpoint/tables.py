@@ -90,7 +90,7 @@ def counters(table) -> dict:
 def columns(shard: TableShard, *, state: bool = True) -> dict[str, torch.Tensor]:
     """The live rows of every column, keys in the user's keys (views where no key transform is needed); with
     ``state=False`` keys and values only (serving). A tiered table's row columns are
-    :class:`~dynemb.checkpoint.stream.ColumnStream`\ s, read a chunk at a time as they are written."""
+    streamed columns (:class:`~dynemb.checkpoint.stream.ColumnStream`), read a chunk at a time as they are written."""
     table = shard.table
     if isinstance(table, TieredTable):  # streamed a chunk at a time: the table may be far bigger than memory
         return {**tiered_columns(shard, state=state), **(admission_columns(table) if state else {})}
