@@ -3,12 +3,14 @@ tiered there too), and training on there equals the same run with untiered table
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
 import dynemb
 from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
-from dynemb.checkpoint import load, save
+from dynemb.checkpoint import load, save, stream
 from dynemb.distributed.comm import all_gather_varsize
 from dynemb.table import Tiers
 
@@ -78,6 +80,31 @@ def test_a_tiered_checkpoint_reshards_and_trains_as_untiered(tmp_path):
     got = run(_two_ranks, 2, out, tmp_path / "ckpt")
     assert got is not None, [p.read_text() for p in out.glob("*.err")]
     assert got["True/user/slow_rows"] > 0 and got["True/tag/slow_rows"] > 0
+    for key, value in got.items():
+        if key.startswith("True/") and not key.endswith("slow_rows"):
+            np.testing.assert_array_equal(value, got["False/" + key[5:]], err_msg=key)
+
+
+def _two_ranks_in_chunks(rank, world, root):
+    stream.CHUNK_ROWS = 7  # several chunks per file, of the full checkpoint and of the delta
+    return _two_ranks(rank, world, root)
+
+
+def test_an_incremental_tiered_chain_reshards_a_chunk_at_a_time(tmp_path):
+    """The chain (a full checkpoint and a delta with deleted keys) streams into 2 tiered ranks, equal to the same
+    chain applied in memory for 2 untiered ranks."""
+    ec = build(1, tiered=True)
+    train(ec, range(4))
+    save(tmp_path / "ckpt", ec, step=4)
+    train(ec, range(4, 6))
+    assert ec.embeddings["user"].table.erase(torch.arange(-40, -20)) > 0
+    delta = save(tmp_path / "ckpt", ec, step=6, incremental=True)
+    assert json.loads((delta / "manifest.json").read_text())["kind"] != "full"
+    out = tmp_path / "out"
+    out.mkdir()
+    got = run(_two_ranks_in_chunks, 2, out, tmp_path / "ckpt")
+    assert got is not None, [p.read_text() for p in out.glob("*.err")]
+    assert got["True/user/slow_rows"] > 0
     for key, value in got.items():
         if key.startswith("True/") and not key.endswith("slow_rows"):
             np.testing.assert_array_equal(value, got["False/" + key[5:]], err_msg=key)

@@ -25,6 +25,7 @@ from .fsutil import read_json, staging, write_json, write_pointer
 from .manifest import FORMAT_VERSION, MANIFEST, SERVING_FORMAT, chain, complete, file_record, read_manifest, resolve
 from .ranks import rank_context
 from .saver import incremental_parent, write_payloads, writes as _writes
+from .stream import ColumnStream
 from .tables import DELETED, KEYS, VALUES, columns, delta_columns, find_tables, shard_file
 from .tensorfile import read_tensors
 
@@ -148,7 +149,9 @@ def _table_payloads(shards: dict, parent: str | None, dtype: torch.dtype, ctx) -
         cfg = shard.config
         cols = _local_columns(shard, parent, ctx)
         if ctx.distributed and shard.sharding is not None and shard.sharding.kind != ShardingKind.DATA:
-            cols = {col: torch.cat(ctx.gather_tensor(t, f"gathering {col} of table {name!r} for serving"))
+            # (a tiered table's streamed columns are materialized here: the gather needs whole tensors)
+            cols = {col: torch.cat(ctx.gather_tensor(t.materialize() if isinstance(t, ColumnStream) else t,
+                                                     f"gathering {col} of table {name!r} for serving"))
                     for col, t in cols.items()}
         size = sum(ctx.gather(shard.table.size() if shard.module is not None and _writes(shard, ctx) else 0))
         if ctx.rank != 0:

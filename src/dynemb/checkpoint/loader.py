@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..distributed.plan import ShardingKind
+from ..table import TieredTable
 from . import lineage
 from .codec import read_state
 from .dense import check_dense
@@ -17,8 +18,9 @@ from .manifest import MANIFEST, chain, file_record, resolve
 from .progress import logger, transfer
 from .ranks import RankContext, merge_states, rank_context
 from .saver import STREAM
+from .stream import StreamedShard, stream_into, verify_sources
 from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, apply_delta, check_shard, find_tables, restore, \
-    table_config
+    table_config, table_rows
 from .tensorfile import read_tensors
 
 __all__ = ["load"]
@@ -86,6 +88,8 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
         shards = {name: _read_sources(sources, reshard, configs[name], tables[name], progress)
                   for name, (sources, reshard) in plan.items()}
         for name, (cols, _) in shards.items():
+            if isinstance(cols, StreamedShard):
+                continue  # a tiered table: unbounded
             rows, capacity = cols[KEYS].numel(), tables[name].config.max_capacity
             if capacity is not None and rows > capacity:
                 raise CheckpointError(f"{directory}: table {name!r}: {rows} rows do not fit max_capacity={capacity} "
@@ -97,7 +101,11 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
             optimizer.load_state_dict(opt_state)
         model.load_state_dict(dense, strict=False)
         for name, (cols, saved_counters) in shards.items():
-            restore(tables[name], cols, {**saved_counters, "seed": configs[name]["seed"]})
+            saved = {**saved_counters, "seed": configs[name]["seed"]}
+            if isinstance(cols, StreamedShard):  # read again, a chunk at a time, into the tiers
+                restore(tables[name], cols.admission, saved, stream_into(cols, tables[name], table_rows))
+            else:
+                restore(tables[name], cols, saved)
             if table_optimizers[name] is not None:
                 tables[name].optimizer.load_state_dict(table_optimizers[name])
     lineage.record([tables[n].table for n in shards], STREAM, os.path.realpath(directory.parent),
@@ -203,11 +211,18 @@ def _optimizer_state(manifest: dict, directory: Path, name: str, shard, sources:
 
 
 def _read_sources(sources: dict, reshard: bool, config: dict, shard, progress):
-    """``(columns, counters)`` of this rank's part of the table."""
+    """``(columns, counters)`` of this rank's part of the table; for a tiered table (any chain of files),
+    a :class:`~dynemb.checkpoint.stream.StreamedShard` (files verified, rows not read) instead of columns."""
+    if isinstance(shard.table, TieredTable):
+        streamed = verify_sources(sources, reshard, config, progress)
+        if reshard and streamed.admission:
+            pending = shard.owned(streamed.admission[ADMISSION_KEYS]).nonzero().squeeze(1)
+            streamed = streamed._replace(admission={k: t.index_select(0, pending)
+                                                    for k, t in streamed.admission.items()})
+        return streamed, _counters(sources, reshard, None)
     parts = {rank: _read_shard(steps, config, progress) for rank, steps in sources.items()}
     if not reshard:
-        (rank, cols), = parts.items()
-        return cols, sources[rank][-1][3]["counters"]
+        return next(iter(parts.values())), _counters(sources, reshard, None)
     admission = {col: torch.cat([p[col] for p in parts.values()]) for col in (ADMISSION_KEYS, ADMISSION_COUNTS)
                  if all(col in p for p in parts.values())}
     cols = {col: torch.cat([p[col] for p in parts.values()]) for col in next(iter(parts.values()))
@@ -217,9 +232,17 @@ def _read_sources(sources: dict, reshard: bool, config: dict, shard, progress):
     if admission:
         pending = shard.owned(admission[ADMISSION_KEYS]).nonzero().squeeze(1)
         cols.update({col: t.index_select(0, pending) for col, t in admission.items()})
+    return cols, _counters(sources, reshard, int(kept.numel()))
+
+
+def _counters(sources: dict, reshard: bool, kept: int | None) -> dict:
+    """The counters to restore: the saved ones, or when resharding the largest clock/epoch/init calls of the saved
+    ranks (``kept`` rows inserted; when None, the count the table's load leaves)."""
     saved = [steps[-1][3]["counters"] for steps in sources.values()]
+    if not reshard:
+        return saved[0]
     merged = {key: max(c[key] for c in saved) for key in ("clock", "epoch", "_init_calls") if key in saved[0]}
-    return cols, {**merged, "inserted": int(kept.numel()), "removed": 0, "evicted": 0}
+    return {**merged, **({} if kept is None else {"inserted": kept, "removed": 0, "evicted": 0})}
 
 
 def _read_shard(steps: list, config: dict, progress) -> dict:

@@ -23,6 +23,7 @@ from ..embedding import DynamicEmbedding, StaticEmbedding
 from ..table import Rows, TieredTable
 from ..table.ops import gather_rows
 from .errors import CheckpointError
+from .stream import tiered_columns, tiered_delta_columns
 
 __all__ = ["find_tables", "table_config", "counters", "columns", "delta_columns", "check_shard", "apply_delta",
            "restore", "shard_file", "ROOT_NAME", "COUNTERS"]
@@ -88,8 +89,11 @@ def counters(table) -> dict:
 
 def columns(shard: TableShard, *, state: bool = True) -> dict[str, torch.Tensor]:
     """The live rows of every column, keys in the user's keys (views where no key transform is needed); with
-    ``state=False`` keys and values only (serving)."""
+    ``state=False`` keys and values only (serving). A tiered table's row columns are
+    streamed columns (:class:`~dynemb.checkpoint.stream.ColumnStream`), read a chunk at a time as they are written."""
     table = shard.table
+    if isinstance(table, TieredTable):  # streamed a chunk at a time: the table may be far bigger than memory
+        return {**tiered_columns(shard, state=state), **(admission_columns(table) if state else {})}
     live = _live_rows(table)
     cols = {KEYS: shard.user_keys(live.keys), VALUES: live.values}
     if state:
@@ -100,10 +104,7 @@ def columns(shard: TableShard, *, state: bool = True) -> dict[str, torch.Tensor]
 
 
 def _live_rows(table) -> Rows:
-    """Views of the live rows; a tiered table's are copies of both tiers, in the row order its ``changes_since``
-    counts (the file shows one table either way)."""
-    if isinstance(table, TieredTable):
-        return table.export()
+    """Views of the live rows."""
     n = table.size()
     return Rows(table.row_keys[:n], table.values[:n], table.scores[:n], {s: table.slot(s)[:n] for s in table.slot_names})
 
@@ -123,7 +124,10 @@ def delta_columns(shard: TableShard, since: int, *, state: bool = True) -> dict[
     rows, deleted = shard.table.changes_since(since)
     cols = columns(shard, state=state)
     admission = {k: cols.pop(k) for k in (ADMISSION_KEYS, ADMISSION_COUNTS) if k in cols}
-    delta = {name: gather_rows(col, rows) for name, col in cols.items()}
+    if isinstance(shard.table, TieredTable):  # rows are positions in the tiers' order, gathered chunk by chunk
+        delta = tiered_delta_columns(shard, rows, state=state)
+    else:
+        delta = {name: gather_rows(col, rows) for name, col in cols.items()}
     delta.update(admission)
     delta[DELETED] = shard.user_keys(deleted)
     if state and deleted.numel():
@@ -183,19 +187,32 @@ def apply_delta(base: dict, delta: dict, file) -> dict:
     return {**{name: gather_rows(col, rows) for name, col in pool.items()}, **admission}
 
 
-def restore(shard: TableShard, cols: dict, saved: dict) -> None:
-    """Make the table hold exactly ``cols``, with the saved counters and seed, so training continues bit-exactly."""
+def table_rows(shard: TableShard, cols: dict, device=None) -> Rows:
+    """The rows of ``cols`` (a file's columns, user keys) as the table holds them: shard keys, on ``device`` (by
+    default the table's)."""
     t = shard.table
-    device = t.device
+    device = t.device if device is None else device
     slots = {s: cols[SLOT + s].to(device) for s in t.slot_names if SLOT + s in cols}
     keys = shard.shard_keys(cols[KEYS].to(device))
-    rows = Rows(keys, cols[VALUES].to(device), cols[SCORES].to(device), slots)
+    return Rows(keys, cols[VALUES].to(device), cols[SCORES].to(device), slots)
+
+
+def restore(shard: TableShard, cols: dict, saved: dict, load_rows=None) -> None:
+    """Make the table hold exactly ``cols``, with the saved counters and seed, so training continues bit-exactly.
+
+    ``load_rows(table)``: loads the rows instead of ``cols`` (which then holds only the admission columns), a chunk
+    at a time for a tiered table (see :func:`~dynemb.checkpoint.stream.stream_into`)."""
+    t = shard.table
+    device = t.device
     previous = t.clock
     # replace() stamps every row with the current clock; the save closed its tick, so one below the saved clock
     # is what the rows carried right after that save (see lineage), and a later delta skips them.
     t.clock = saved["clock"] - 1
     try:
-        t.replace(rows)
+        if load_rows is None:
+            t.replace(table_rows(shard, cols))
+        else:
+            load_rows(t)
     except (TypeError, ValueError):
         t.clock = previous
         raise
@@ -205,5 +222,5 @@ def restore(shard: TableShard, cols: dict, saved: dict) -> None:
     t.seed = shard.seed = int(saved.get("seed", shard.seed))
     admission = getattr(t, "admission", None)
     if admission is not None:
-        admission.restore(cols.get(ADMISSION_KEYS, keys[:0]).to(device),
-                          cols.get(ADMISSION_COUNTS, keys[:0].long()).to(device))
+        none = torch.empty(0, dtype=t.key_dtype, device=device)
+        admission.restore(cols.get(ADMISSION_KEYS, none).to(device), cols.get(ADMISSION_COUNTS, none.long()).to(device))

@@ -24,9 +24,10 @@ import torch
 
 from .errors import CheckpointError
 
-__all__ = ["FileRecord", "write_tensors", "read_tensors", "file_sha256", "CHUNK_BYTES"]
+__all__ = ["FileRecord", "write_tensors", "read_tensors", "verify_file", "file_sha256", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 32 << 20
+_HASH_BYTES = 4 << 20  # file_sha256's read buffer
 _CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -80,8 +81,15 @@ class _Digest:
         self._pool.shutdown(wait=True)
 
 
-def _byte_chunks(t: torch.Tensor) -> Iterator[tuple[memoryview, bool]]:
-    """``(bytes, copied)`` chunks of a tensor: views of CPU memory, or copies of device memory."""
+def _byte_chunks(t) -> Iterator[tuple[memoryview, bool]]:
+    """``(bytes, copied)`` chunks of a tensor: views of CPU memory, or copies of device memory. A streamed column
+    (``pieces()``, see :mod:`dynemb.checkpoint.stream`) is the chunks of its pieces, each counted as a copy so that
+    the digest bounds how many it holds."""
+    if hasattr(t, "pieces"):
+        for piece in t.pieces():
+            for chunk, _ in _byte_chunks(piece):
+                yield chunk, True
+        return
     flat = t.detach().reshape(-1)
     step = max(1, CHUNK_BYTES // max(1, t.element_size()))
     for start in range(0, flat.numel(), step):
@@ -93,6 +101,8 @@ def _byte_chunks(t: torch.Tensor) -> Iterator[tuple[memoryview, bool]]:
 
 
 def _check(name: str, t) -> None:
+    if hasattr(t, "pieces") and t.dtype in _CODES:
+        return
     if not isinstance(t, torch.Tensor) or t.dtype not in _CODES or t.layout != torch.strided:
         got = f"{t.dtype} {t.layout}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise TypeError(f"tensor {name!r} must be a dense tensor of dtype {', '.join(map(str, _CODES))}, got {got}")
@@ -124,7 +134,7 @@ def write_tensors(
     head = _header(tensors, names, metadata)
     chunks = itertools.chain([(memoryview(struct.pack("<Q", len(head)) + head), False)],
                              (c for name in names for c in _byte_chunks(tensors[name])))
-    size = 0
+    size, expected = 0, 8 + len(head) + sum(tensors[n].numel() * tensors[n].element_size() for n in names)
     with open(path, "wb") as f, _Digest() as digest:
         for chunk, copied in chunks:
             digest.feed(chunk, copied)
@@ -132,6 +142,8 @@ def write_tensors(
             size += len(chunk)
             if on_bytes is not None:
                 on_bytes(len(chunk))
+        if size != expected:  # a streamed column yielded other than its shape: never leave a malformed file
+            raise RuntimeError(f"{path}: wrote {size} bytes, the header describes {expected}")
         f.flush()
         os.fsync(f.fileno())
         return FileRecord(digest.hexdigest(), size)
@@ -148,12 +160,7 @@ def read_tensors(
     Raises:
         CheckpointError: the file is missing, its size or sha256 differ from ``expected``, or it is malformed.
     """
-    try:
-        size = os.path.getsize(path)
-    except OSError:
-        raise CheckpointError(f"{path}: file is missing") from None
-    if expected is not None and size != expected.bytes:
-        raise CheckpointError(f"{path}: size is {size} bytes, the manifest says {expected.bytes} (truncated?)")
+    size = _checked_size(path, expected)
     try:
         tensors, metadata, digest = _read(path, size, on_bytes)
     except _Malformed as e:
@@ -171,17 +178,57 @@ def _mismatch(path: Path, want: str, got: str) -> CheckpointError:
                            "the file is corrupt")
 
 
+def _checked_size(path: Path, expected: FileRecord | None) -> int:
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        raise CheckpointError(f"{path}: file is missing") from None
+    if expected is not None and size != expected.bytes:
+        raise CheckpointError(f"{path}: size is {size} bytes, the manifest says {expected.bytes} (truncated?)")
+    return size
+
+
+def verify_file(path: Path, expected: FileRecord | None = None) -> dict:
+    """Check ``path``'s size and sha256 against ``expected`` in one streaming pass (O(buffer) memory) and return
+    its layout, ``{name: (dtype, shape, offset of its data in the file)}``, without reading any tensor.
+
+    Raises:
+        CheckpointError: the file is missing, its size or sha256 differ from ``expected``, or it is malformed.
+    """
+    size = _checked_size(path, expected)
+    if expected is not None:
+        actual = file_sha256(path)
+        if actual != expected.sha256:
+            raise _mismatch(path, expected.sha256, actual)
+    try:
+        with open(path, "rb") as f:
+            prefix, head = _head(f, size)
+            _, layout = _parse_header(head, size - len(prefix) - len(head))
+    except _Malformed as e:
+        raise CheckpointError(f"{path}: not a valid safetensors file: {e}") from None
+    out, offset = {}, len(prefix) + len(head)
+    for name, dtype, shape in layout:
+        out[name] = (dtype, torch.Size(shape), offset)
+        offset += torch.Size(shape).numel() * dtype.itemsize
+    return out
+
+
+def _head(f, size: int) -> tuple[bytes, bytes]:
+    """The 8-byte header length and the JSON header of an open file of ``size`` bytes."""
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise _Malformed("shorter than its 8-byte header length")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > size - 8:
+        raise _Malformed(f"header length {n} exceeds the file size {size}")
+    return prefix, f.read(n)
+
+
 def _read(path: Path, size: int, on_bytes: OnBytes | None):
     with open(path, "rb") as f, _Digest() as digest:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise _Malformed("shorter than its 8-byte header length")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > size - 8:
-            raise _Malformed(f"header length {n} exceeds the file size {size}")
-        head = f.read(n)
+        prefix, head = _head(f, size)
         digest.feed(memoryview(prefix + head))
-        metadata, layout = _parse_header(head, size - 8 - n)
+        metadata, layout = _parse_header(head, size - 8 - len(head))
         tensors = {}
         for name, dtype, shape in layout:
             t = torch.empty(shape, dtype=dtype)
@@ -227,7 +274,8 @@ def _fill(f, t: torch.Tensor, digest: _Digest, on_bytes: OnBytes | None) -> None
 def file_sha256(path: Path) -> str:
     """sha256 (hex) of a whole file."""
     sha = hashlib.sha256()
+    buffer = memoryview(bytearray(_HASH_BYTES))  # one buffer reused: memory stays O(buffer) for any file
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            sha.update(chunk)
+        while n := f.readinto(buffer):
+            sha.update(buffer[:n])
     return sha.hexdigest()

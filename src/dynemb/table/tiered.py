@@ -16,13 +16,14 @@ them runs once per many calls, not once per call.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 import torch
 
 from . import budget
-from .checks import check_keys, check_int
+from .checks import check_int, check_keys, check_rows_like, check_scores
 from .kv import KeyValueTable
 from .rows import Rows
 from .slow import SlowStore, swap_rows
@@ -192,6 +193,84 @@ class TieredTable(KeyValueTable):
         self.slow.clear()
         self._fit_fast()
 
+    def replace_chunks(self, chunks: Iterable[Rows], total: Optional[int] = None) -> None:
+        """Hold exactly the rows of ``chunks`` (an iterable of :class:`Rows`, keys unique across all of them),
+        one chunk in memory at a time: the first fills the fast tier as :meth:`replace` does, the others go
+        straight to the slow tier. ``total``, the rows in all when known, is reserved in the slow tier up front.
+
+        A chunk that fails its checks (a ValueError/TypeError naming the argument) leaves the table holding the
+        chunks before it: check the source first (a checkpoint load verifies every file before it streams it).
+
+        Example:
+            >>> t = TieredTable(1, tiers=Tiers(fast_capacity=2), initializer="zeros")
+            >>> t.replace_chunks([Rows(torch.tensor([k, k + 1]), torch.ones(2, 1), None, {}) for k in (0, 2, 4)])
+            >>> t.size(), t.stats()["tiers"]["slow"]["rows"]
+            (6, 4)
+        """
+        it = iter(chunks)
+        first = next(it, None)
+        if first is None:
+            first = Rows(torch.empty(0, dtype=self.key_dtype), torch.empty(0, self.dim, dtype=self.dtype), None, {})
+        # The fast tier takes what fits of the first chunk (it never grows past its budget); the rest goes down.
+        fast, rest = (_sliced(first, slice(0, self.fast_capacity), self.device),
+                      _sliced(first, slice(self.fast_capacity, None), None))
+        self.replace(fast)
+        if total is not None and total > self.size():
+            self.slow._reserve(total - self._size)
+        for rows in itertools.chain([rest] if rest.keys.numel() else [], it):
+            rows = self._checked(rows)
+            if rows.keys.numel() and (bool((self.index.find(rows.keys.to(self.device)) >= 0).any())
+                                      or bool((self.slow.find(rows.keys) >= 0).any())):
+                raise ValueError("keys must be unique to load a table (a key of this chunk was loaded by an earlier "
+                                 "chunk)")
+            self._store_slow(rows)
+
+    def load_chunk(self, rows: Optional[Rows] = None, deleted: Optional[torch.Tensor] = None) -> None:
+        """Apply a chunk of a checkpoint delta after :meth:`replace_chunks`: remove the keys ``deleted [K]``, then
+        hold ``rows`` (a stored key's row is replaced, with every column). Rows are stamped with the current clock;
+        no counter but ``inserted`` changes and nothing is logged (a load sets counters and lineage afterwards).
+
+        Raises:
+            TypeError/ValueError: a malformed argument (named); the table is then unchanged.
+        """
+        checked = None if rows is None else self._checked(rows)
+        gone = [] if deleted is None else [check_keys(deleted, self.key_dtype, deleted.device, "deleted")]
+        for keys in gone + ([] if checked is None else [checked.keys]):
+            keys = torch.unique(keys.to(self.device))
+            at = self.index.find(keys)
+            if bool((at >= 0).any()):
+                swap_rows(self, at[at >= 0], None, None)
+            self.slow.erase(keys.to(self.slow.device))
+        if checked is not None:
+            self._store_slow(checked)
+
+    def _checked(self, rows: Rows) -> Rows:
+        """``rows`` checked (forms, keys unique) and on the slow tier's device, every slot given."""
+        cpu = self.slow.device
+        keys = check_keys(rows.keys, self.key_dtype, getattr(rows.keys, "device", cpu), "keys").to(cpu)
+        m = keys.numel()
+        values = check_rows_like(rows.values, m, self.dim, self.dtype, getattr(rows.values, "device", cpu), "values",
+                                 keys.shape)
+        scores = torch.zeros(m, dtype=torch.int64) if rows.scores is None else check_scores(rows.scores, (m,))
+        unknown = set(rows.slots) - set(self._slot_init)
+        if unknown:
+            raise ValueError(f"slots {sorted(unknown)} are not defined on this table (has {self.slot_names})")
+        slots = {}
+        for name, init in self._slot_init.items():
+            slot = self.slot(name)
+            given = rows.slots.get(name)
+            slots[name] = (torch.full((m, slot.shape[1]), init, dtype=slot.dtype) if given is None else
+                           check_rows_like(given, m, slot.shape[1], slot.dtype, given.device, f"slot {name!r}", (m,)))
+        if m and torch.unique(keys).numel() != m:
+            raise ValueError("keys must be unique to load a table")
+        return Rows(keys, values.to(cpu), scores.to(cpu), {n: v.to(cpu) for n, v in slots.items()})
+
+    def _store_slow(self, rows: Rows) -> None:
+        """Store checked ``rows`` (keys absent from both tiers) in the slow tier, stamped with the current clock."""
+        m = rows.keys.numel()
+        self.slow.put(rows, torch.full((m,), self.clock, dtype=torch.int64))
+        self.inserted += m
+
     def prefetch(self, keys: torch.Tensor) -> None:
         """Bring the rows of ``keys`` (the next batch's, say) up from the slow tier now, making room for the keys
         stored in neither tier as well, so that the call that names them next finds them in the fast tier. Changes
@@ -294,6 +373,16 @@ class TieredTable(KeyValueTable):
         down = self._take(victims)
         rows, versions = self.slow.exchange(up, down, self._cols["version"].index_select(0, victims))
         swap_rows(self, victims, rows, versions)
+
+
+def _sliced(rows: Rows, part: slice, device) -> Rows:
+    """Rows ``part`` of ``rows`` (keys ``[N]``; what is not a tensor is left for the checks to name), moved to
+    ``device`` unless None."""
+    def cut(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t[part] if device is None else t[part].to(device)
+    return Rows(cut(rows.keys), cut(rows.values), cut(rows.scores), {n: cut(s) for n, s in rows.slots.items()})
 
 
 def _resized(col: torch.Tensor, capacity: int, live: int) -> torch.Tensor:
