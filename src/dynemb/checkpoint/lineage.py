@@ -33,11 +33,13 @@ def tick(tables: list) -> Iterator[None]:
     """Advance every table's clock by one for a save; undone if the block fails."""
     for table in tables:
         table.clock += 1
+        table.save_ticks += 1
     try:
         yield
     except BaseException:
         for table in tables:
             table.clock -= 1
+            table.save_ticks -= 1
         raise
 
 

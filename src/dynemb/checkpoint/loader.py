@@ -241,7 +241,7 @@ def _counters(sources: dict, reshard: bool, kept: int | None) -> dict:
     saved = [steps[-1][3]["counters"] for steps in sources.values()]
     if not reshard:
         return saved[0]
-    merged = {key: max(c[key] for c in saved) for key in ("clock", "epoch", "_init_calls") if key in saved[0]}
+    merged = {key: max(c[key] for c in saved) for key in ("clock", "save_ticks", "epoch", "_init_calls") if key in saved[0]}
     return {**merged, **({} if kept is None else {"inserted": kept, "removed": 0, "evicted": 0})}
 
 

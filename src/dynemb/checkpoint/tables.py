@@ -33,7 +33,7 @@ ROOT_NAME = "embedding"
 KEYS, VALUES, SCORES, DELETED, ORDER, SLOT = "keys", "values", "scores", "deleted_keys", "order", "slot."
 ADMISSION_KEYS, ADMISSION_COUNTS = "admission.keys", "admission.counts"
 #: Table counters a bit-exact resume needs (the ones a table has).
-COUNTERS = ("clock", "epoch", "inserted", "removed", "evicted", "_init_calls")
+COUNTERS = ("clock", "save_ticks", "epoch", "inserted", "removed", "evicted", "_init_calls")
 
 
 def find_tables(model: nn.Module) -> dict[str, TableShard]:

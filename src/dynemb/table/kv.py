@@ -121,6 +121,7 @@ class KeyValueTable(RowStore):
         self.backend = None if backend is None else Backend.parse(backend)
         capacity = min(init_capacity, self.max_capacity or init_capacity)
         self.clock = 0
+        self.save_ticks = 0  # clock ticks made by checkpoint saves: scores never see them
         self.epoch = 0
         self.inserted = 0
         self.removed = 0
@@ -449,8 +450,14 @@ class KeyValueTable(RowStore):
             keep = lambda t: t[valid] if t is not None else None  # noqa: E731
             self._touch(rows[valid], keep(custom), keep(counts))
 
+    @property
+    def access_clock(self) -> int:
+        """The clock eviction scores read: ``clock`` less the ticks saves made, so that saving a checkpoint changes
+        no score (a run that saves midway evicts exactly as one that does not, and as one resumed from the save)."""
+        return self.clock - self.save_ticks
+
     def _touch(self, rows: torch.Tensor, custom: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
-        touch_scores(self.policy, self.scores, rows, clock=self.clock, epoch=self.epoch, custom=custom, counts=counts,
+        touch_scores(self.policy, self.scores, rows, clock=self.access_clock, epoch=self.epoch, custom=custom, counts=counts,
                      half_life=self.half_life)
         # A score change is a change: incremental checkpoints must carry it for eviction order to resume exactly.
         self.mark_updated(rows)

@@ -38,6 +38,7 @@ class StaticTable(RowColumns):
         self.seed = seed
         self.max_capacity = num_rows
         self.clock = 0
+        self.save_ticks = 0
         self._ids = torch.arange(num_rows, dtype=self.key_dtype, device=self.device)
         self._slot_init: dict[str, float] = {}
         self._cols = {"value": self.initializer(self._ids, dim, self.dtype, seed),
