@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.dispatch import Backend
-from . import budget
+from . import budget, fused
 from .admission import FrequencyAdmission
 from .checks import (
     KEY_DTYPES,
@@ -159,12 +159,18 @@ class KeyValueTable(RowStore):
         flat = check_keys(keys, self.key_dtype, self.device)
         if out is not None:
             out = check_rows_like(out, flat.numel(), self.dim, self.dtype, self.device, "out", keys.shape)
-        rows = self.index.find(flat)
-        found = rows >= 0
-        values = gather_rows(self.values, rows.clamp(min=0), out=out)
-        if not bool(found.all()):
-            miss = (~found).nonzero().squeeze(1)
-            values.index_copy_(0, miss, self.initial_rows(flat.index_select(0, miss)))
+        ti = fused.kernels(self)
+        one_launch = fused.find(self, ti, flat, out) if ti is not None else None
+        if one_launch is not None:  # triton: probe, gather and initializer rows in one kernel
+            rows, values = one_launch
+            found = rows >= 0
+        else:
+            rows = self.index.find(flat)
+            found = rows >= 0
+            values = gather_rows(self.values, rows.clamp(min=0), out=out)
+            if not bool(found.all()):
+                miss = (~found).nonzero().squeeze(1)
+                values.index_copy_(0, miss, self.initial_rows(flat.index_select(0, miss)))
         if update_scores:
             self.clock += 1
             self._touch(rows[found])
@@ -197,6 +203,12 @@ class KeyValueTable(RowStore):
                 got = f"{counts.dtype} {tuple(counts.shape)}" if isinstance(counts, torch.Tensor) else type(counts)
                 raise TypeError(f"counts must be an int64 tensor of shape {tuple(keys.shape)}, got {got}")
             counts = counts.reshape(-1).to(self.device)
+        ti = fused.kernels(self)
+        one_launch = fused.find_or_insert(self, ti, flat) if ti is not None else None
+        if one_launch is not None:  # triton, room for every key: find, insert, number and initialize at once
+            rows, found = one_launch
+            self._touch(rows, custom, counts)
+            return rows.view(keys.shape), found.view(keys.shape)
         rows = self.index.find(flat)
         found = rows >= 0
         with self._restored_on_error():
@@ -342,14 +354,16 @@ class KeyValueTable(RowStore):
         if flat.numel() == 0:
             return 0
         unique, hashes, _, _ = unique_by_hash(flat)
-        slots, rows = self.index.lookup(unique, hashes)
+        ti = fused.kernels(self)  # triton: lookup and removal from the index in one launch
+        slots, rows = fused.erase(self, ti, unique) if ti is not None else self.index.lookup(unique, hashes)
         hit = (slots >= 0).nonzero().squeeze(1)
         if hit.numel() == 0:
             return 0
         slots, rows = slots.index_select(0, hit), rows.index_select(0, hit)
         self.clock += 1
         self._log_deleted(unique.index_select(0, hit))
-        self.index.remove(slots)
+        if ti is None:
+            self.index.remove(slots)
         self._compact(rows)
         self.removed += rows.numel()
         return rows.numel()
