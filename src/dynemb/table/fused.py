@@ -18,7 +18,7 @@ everything else (initializer rows, scores, version stamps, counters, ``found``) 
 torch path's (which keys are found, and with which row, does not).
 
 Host syncs: ``find`` none; ``find_or_insert`` one (the new-key count and the overflow-flag count, read together:
-the table's size is a Python int); ``erase`` none beyond the caller's hit count.
+the table's size is a Python int, and stale flags decide a rehash as in the torch path); ``erase`` none beyond the caller's hit count.
 """
 
 from __future__ import annotations
@@ -69,15 +69,18 @@ def find_or_insert(table, ti: ModuleType, flat: torch.Tensor) -> tuple[torch.Ten
     if table.admission is not None or isinstance(table.initializer, CallableInitializer) or size + n > headroom:
         return None
     counter = torch.full((1,), size, dtype=torch.int32, device=table.device)
+    flags = index.overflow.count_nonzero()  # before the kernel, read with its result: the torch path's rehash rule
     slots, rows, inserted = ti.find_or_insert(*_index_args(index), flat, index._shift, counter)
-    m, flags = torch.stack([counter[0].long() - size, index.overflow.count_nonzero()]).tolist()  # the one sync
+    m, flags = torch.stack([counter[0].long() - size, flags]).tolist()  # the one sync
     table.clock += 1
     rows = rows.long()
     found = rows < size  # the headroom check leaves every key a slot: no row is -1
     if m:
         _number_new(table, flat, slots, rows, inserted, m)
     table.inserted += m
-    if flags > index.MAX_OVERFLOW_FRACTION * index.num_buckets:  # as RowStore._reserve does before an insert
+    if m and flags > index.MAX_OVERFLOW_FRACTION * index.num_buckets:
+        # RowStore._reserve rehashes before inserting when stale flags pile up; rebuilding after gives the same
+        # bucket count and flags (linear probing's bucket counts and spills do not depend on insertion order).
         index.rehash(table.row_keys[: table._size], torch.arange(table._size, device=table.device), table._size)
     return rows, found
 
