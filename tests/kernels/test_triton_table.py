@@ -24,20 +24,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(scope="module")
-def pools(colliding_keys):
-    """Per key dtype: extremes, the index's fill key, keys homed in the first and in the last bucket (they spill
-    and wrap around), and ordinary keys."""
-    out = {}
-    for dtype in (torch.int32, torch.int64):
-        info = torch.iinfo(dtype)
-        extremes = torch.tensor([info.min, info.max, -1, 0, 1, 0x5851F42D, info.min + 1], dtype=dtype)
-        plain = torch.randint(info.min, info.max, (20,), generator=torch.Generator().manual_seed(2), dtype=dtype)
-        out[dtype] = torch.unique(torch.cat([extremes, colliding_keys(dtype, "first", 12),
-                                             colliding_keys(dtype, "last", 12), plain])).to(DEVICE)
-    return out
-
-
 @pytest.fixture
 def spied(monkeypatch):
     """Names of the one-launch kernels that ran."""
@@ -86,10 +72,11 @@ def _state(t: KeyValueTable) -> tuple:
 
 
 _OP = st.tuples(st.sampled_from(["find_or_insert", "find", "find_scored", "erase", "assign", "accum"]),
-                st.lists(st.integers(0, 50), min_size=0, max_size=14))
+                st.lists(st.integers(0, 255), min_size=0, max_size=14))
 
 
 def _run(tables, evicted, pool: torch.Tensor, ops) -> None:
+    pool = pool.to(DEVICE)
     for step, (op, picks) in enumerate(ops):
         keys = pool[torch.tensor(picks, dtype=torch.int64) % pool.numel()]
         values = torch.arange(keys.numel() * 3, dtype=torch.float32).view(-1, 3).to(DEVICE) + step
@@ -184,7 +171,7 @@ def test_full_bounded_table_evicts_through_the_fallback(pools, spied):
 
 
 def test_custom_scores_and_counts(pools):
-    keys = pools[torch.int64][:10].repeat(2)
+    keys = pools[torch.int64][:10].repeat(2).to(DEVICE)
     for eviction, kwargs in (("custom", {"scores": torch.arange(20, device=DEVICE)}),
                              ("lfu", {"counts": torch.arange(1, 21, device=DEVICE)})):
         (plain, tri), _ = _pair(torch.int64, init_capacity=64, eviction=eviction)
@@ -194,7 +181,7 @@ def test_custom_scores_and_counts(pools):
 
 def test_find_into_out(pools):
     (plain, tri), _ = _pair(torch.int32, init_capacity=64)
-    keys = pools[torch.int32][:12]
+    keys = pools[torch.int32][:12].to(DEVICE)
     plain.find_or_insert(keys[::2])
     tri.find_or_insert(keys[::2])
     for out in (torch.empty(12, 3, device=DEVICE), torch.empty(3, 12, device=DEVICE).t()):  # contiguous or not
