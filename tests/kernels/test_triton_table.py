@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
@@ -220,3 +221,38 @@ def test_training_step_through_embedding_collection_equals_torch(spied):
     for name in want:
         assert torch.equal(got[name][0], want[name][0]), name  # the same keys in the same row order
         torch.testing.assert_close(got[name][1], want[name][1], rtol=2e-5, atol=2e-6, msg=name)
+
+
+class _SyncCounter(TorchDispatchMode):
+    """Counts the ops that read a device value on the host (a sync on CUDA): scalar reads, ``nonzero``, boolean
+    indexing; ``tolist`` does not dispatch, so the test counts it apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        masks = args[1] if name == "index" else ()
+        if name in ("_local_scalar_dense", "nonzero", "masked_select") or any(
+                isinstance(m, torch.Tensor) and m.dtype == torch.bool for m in masks):
+            self.syncs.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_host_syncs_of_the_one_launch_paths(monkeypatch):
+    """Steady state on the triton backend: find_or_insert reads the device once (hits and new keys alike), find
+    never; the torch glue they replace read it 2 (hits) to 8 (new keys) times, 2 for find."""
+    counter, tolist = _SyncCounter(), torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: counter.syncs.append("tolist") or tolist(self))
+    table = KeyValueTable(8, init_capacity=4096, backend="triton", device=DEVICE)
+    table.find_or_insert(torch.arange(1000, device=DEVICE))
+    calls = {"hits": lambda: table.find_or_insert(torch.arange(0, 1000, 3, device=DEVICE)),
+             "new keys": lambda: table.find_or_insert(torch.arange(995, 1010, device=DEVICE)),
+             "find": lambda: table.find(torch.arange(990, 1020, device=DEVICE))}
+    want = {"hits": ["tolist"], "new keys": ["tolist"], "find": []}
+    for name, call in calls.items():
+        counter.syncs = []
+        with counter:
+            call()
+        assert counter.syncs == want[name], name
