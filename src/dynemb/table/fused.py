@@ -18,7 +18,8 @@ everything else (initializer rows, scores, version stamps, counters, ``found``) 
 torch path's (which keys are found, and with which row, does not).
 
 Host syncs: ``find`` none; ``find_or_insert`` one (the new-key count and the overflow-flag count, read together:
-the table's size is a Python int, and stale flags decide a rehash as in the torch path); ``erase`` none beyond the caller's hit count.
+the table's size is a Python int, and stale flags decide a rehash as in the torch path); ``erase`` none (its
+caller still reads its dedup and hit counts).
 """
 
 from __future__ import annotations
