@@ -163,14 +163,13 @@ class KeyValueTable(RowStore):
         one_launch = fused.find(self, ti, flat, out) if ti is not None else None
         if one_launch is not None:  # triton: probe, gather and initializer rows in one kernel
             rows, values = one_launch
-            found = rows >= 0
-        else:
-            rows = self.index.find(flat)
-            found = rows >= 0
-            values = gather_rows(self.values, rows.clamp(min=0), out=out)
-            if not bool(found.all()):
-                miss = (~found).nonzero().squeeze(1)
-                values.index_copy_(0, miss, self.initial_rows(flat.index_select(0, miss)))
+            return values.view(*keys.shape, self.dim), self._found(keys, rows, update_scores)
+        rows = self.index.find(flat)
+        found = rows >= 0
+        values = gather_rows(self.values, rows.clamp(min=0), out=out)
+        if not bool(found.all()):
+            miss = (~found).nonzero().squeeze(1)
+            values.index_copy_(0, miss, self.initial_rows(flat.index_select(0, miss)))
         if update_scores:
             self.clock += 1
             self._touch(rows[found])
@@ -439,6 +438,14 @@ class KeyValueTable(RowStore):
         """The table an admission filter counts candidates in: lfu scores are the counts, values are unused."""
         return KeyValueTable(1, key_dtype=self.key_dtype, device=self.device, eviction="lfu", initializer="zeros",
                              max_capacity=max_tracked, init_capacity=min(max_tracked, 8192), backend=self.backend)
+
+    def _found(self, keys: torch.Tensor, rows: torch.Tensor, update_scores: bool) -> torch.Tensor:
+        """``found`` of a :meth:`find` that read ``rows``, counting the read as an access when asked."""
+        found = rows >= 0
+        if update_scores:
+            self.clock += 1
+            self._touch(rows[found])
+        return found.view(keys.shape)
 
     def _check_scores(self, scores, keys: torch.Tensor) -> torch.Tensor | None:
         if scores is None:
