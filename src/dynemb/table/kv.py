@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels.dispatch import Backend
-from . import budget, fused
+from . import budget
+from . import fused  # noqa: I001  (its own line: main edits the import above)
 from .admission import FrequencyAdmission
 from .checks import (
     KEY_DTYPES,
