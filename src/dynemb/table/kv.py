@@ -15,7 +15,7 @@ import torch
 
 from ..kernels.dispatch import Backend
 from . import budget
-from . import fused  # noqa: I001  (its own line: main edits the import above)
+from . import fused
 from .admission import FrequencyAdmission
 from .checks import (
     KEY_DTYPES,
