@@ -64,7 +64,9 @@ class KeyValueTable(RowStore):
         admission: a :class:`FrequencyAdmission` (or an int threshold): ``find_or_insert`` stores a new key only
             from its ``threshold``-th sighting; before that it gets row -1 and its initializer row is read.
         backend: the index's implementation, a :class:`~dynemb.kernels.Backend` or its name (see
-            :mod:`dynemb.kernels.dispatch`); ``None`` follows the process default at each call.
+            :mod:`dynemb.kernels.dispatch`); ``None`` follows the process default at each call. On ``triton``,
+            ``find``, ``erase`` and (with room for the batch) ``find_or_insert`` run one-launch kernels
+            (:mod:`dynemb.table.fused`), with the torch path's results.
 
     Example:
         >>> t = KeyValueTable(4, initializer="zeros")
