@@ -1,6 +1,11 @@
 """Distributed training step on gloo: steps/s at world 1 and 2, bytes on the wire against the floor, dedup ratio.
 
     python benchmarks/distributed_step.py [--quick] [--json PATH]
+    python benchmarks/distributed_step.py --device cuda --backend nccl [--quick]   # one GPU: an NCCL world-1 step
+
+``--device cuda`` puts each rank's shards on GPU ``rank`` (the kernels' ``auto`` backend is then triton) and times
+with a CUDA synchronize around the step; ``--backend nccl`` needs it. With fewer than two GPUs it runs world 1 only
+(the issue's one-GPU check). Not yet run on a GPU: no task so far had one.
 
 Each rank trains 4 row-sharded dynamic tables (dim 64, pooling factor 10, power-law ids, fused Adagrad) on its
 own batch of the same size, so world 2 does twice the global work of world 1. The wire floor per rank and step is
@@ -38,22 +43,33 @@ def zipf_ids(n: int, g: torch.Generator) -> torch.Tensor:
     return ranks.long().clamp(max=VOCAB) * -7046029254386353131
 
 
-def _rank_main(rank: int, world: int, batch: int, steps: int, warmup: int, out: str) -> None:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rank_main(rank: int, world: int, batch: int, steps: int, warmup: int, out: str, device: str = "cpu") -> None:
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     tables = [TableConfig(name=f"t{i}", dim=DIM, seed=i, optimizer=dynemb.optim.Adagrad(lr=0.05, fused=True))
               for i in range(TABLES)]
     features = [FeatureConfig(name=f"f{i}", table=f"t{i}") for i in range(TABLES)]
-    ec = DistributedEmbeddingCollection(tables, features, timeout=120)
+    ec = DistributedEmbeddingCollection(tables, features, timeout=120, device=device)
     g = torch.Generator().manual_seed(rank)
-    offsets = torch.arange(batch) * POOL
+    offsets = (torch.arange(batch) * POOL).to(device)
     times, cpu, comm, sent, floor, ids_total, unique_total = [], [], [], [], [], 0, 0
     for step in range(warmup + steps):
-        batch_ids = {f"f{i}": (zipf_ids(batch * POOL, g), offsets) for i in range(TABLES)}
+        batch_ids = {f"f{i}": (zipf_ids(batch * POOL, g).to(device), offsets) for i in range(TABLES)}
         uniques = sum(torch.unique(v[0]).numel() for v in batch_ids.values())
         before = dict(ec.comm_stats)
+        _sync(device)
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         pooled = ec(batch_ids)
         torch.cat(list(pooled.values()), 1).sum().backward()
+        _sync(device)
         elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
         if step < warmup:
             continue
@@ -67,6 +83,8 @@ def _rank_main(rank: int, world: int, batch: int, steps: int, warmup: int, out: 
         unique_total += uniques
     stats = torch.tensor([statistics.median(times), statistics.median(cpu), statistics.median(comm), sum(sent) / steps,
                           sum(floor) / steps, ids_total / unique_total], dtype=torch.float64)
+    if dist.get_backend(ec.group) == "nccl":
+        stats = stats.to(device)
     dist.all_reduce(stats, group=ec.group)  # mean over ranks
     if rank == 0:
         keys = ["step_s", "cpu_s", "comm_s", "bytes_sent", "floor_bytes", "dedup_ratio"]
@@ -75,13 +93,21 @@ def _rank_main(rank: int, world: int, batch: int, steps: int, warmup: int, out: 
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where each rank's shards live")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    if args.backend == "nccl" and args.device != "cuda":
+        p.error(f"--backend nccl needs --device cuda, got --device {args.device}")
+    worlds = (1,) if args.device == "cuda" and torch.cuda.device_count() < 2 else (1, 2)
     batch, steps, warmup = (512, 5, 2) if args.quick else (2048, args.repeat or 15, 3)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for world in (1, 2):
+        for world in worlds:
             path = os.path.join(tmp, f"w{world}.json")
-            spawn(_rank_main, world, batch, steps, warmup, path, threads=1)
+            spawn(_rank_main, world, batch, steps, warmup, path, args.device, backend=args.backend, threads=1)
             with open(path) as f:
                 r = json.load(f)
             rows.append({"world": world, "batch/rank": batch, "steps/s": round(1 / r["step_s"], 2),
@@ -91,14 +117,20 @@ def main() -> None:
                          "MB sent/step/rank": round(r["bytes_sent"] / 1e6, 3),
                          "wire/floor": round(r["bytes_sent"] / r["floor_bytes"], 3),
                          "dedup ratio": round(r["dedup_ratio"], 2)})
-    w1, w2 = rows
-    ratio = (w2["step ms"] - w2["comm ms"]) / w1["step ms"]
-    cpu_ratio = w2["CPU ms/step"] / w1["CPU ms/step"]
+    if args.device != "cpu":
+        print(f"device {torch.cuda.get_device_name(0)}, backend {args.backend}")
     print_table(rows, list(rows[0]))
-    print(f"\nworld-2 step beyond its transfer time / world-1 step: {ratio:.2f}x wall, {cpu_ratio:.2f}x CPU time "
-          f"(target <= 1.5x); wire/floor {w2['wire/floor']:.3f} (target <= 1.1)")
+    ratio = cpu_ratio = None
+    if len(rows) == 2:
+        w1, w2 = rows
+        ratio = (w2["step ms"] - w2["comm ms"]) / w1["step ms"]
+        cpu_ratio = w2["CPU ms/step"] / w1["CPU ms/step"]
+        print(f"\nworld-2 step beyond its transfer time / world-1 step: {ratio:.2f}x wall, {cpu_ratio:.2f}x CPU time "
+              f"(target <= 1.5x); wire/floor {w2['wire/floor']:.3f} (target <= 1.1)")
     if args.json:
-        write_json(args.json, {"machine": machine_info(), "rows": rows, "w2_compute_over_w1": ratio, "w2_cpu_over_w1": cpu_ratio,
+        gpu = torch.cuda.get_device_name(0) if args.device != "cpu" else None
+        write_json(args.json, {"machine": machine_info(), "device": args.device, "gpu": gpu, "backend": args.backend,
+                               "rows": rows, "w2_compute_over_w1": ratio, "w2_cpu_over_w1": cpu_ratio,
                                "date": time.strftime("%Y-%m-%d")})
 
 

@@ -21,20 +21,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(scope="module")
-def pools(colliding_keys):
-    """Per key dtype: extremes, the fill key, 24 keys homed in the first bucket and 24 in the last (they spill and
-    wrap around), and ordinary keys."""
-    out = {}
-    for dtype in (torch.int32, torch.int64):
-        info = torch.iinfo(dtype)
-        extremes = torch.tensor([info.min, info.max, -1, 0, 1, 0x5851F42D, info.min + 1, info.max - 1], dtype=dtype)
-        plain = torch.randint(info.min, info.max, (40,), generator=torch.Generator().manual_seed(1), dtype=dtype)
-        out[dtype] = torch.unique(torch.cat([extremes, colliding_keys(dtype, "first"), colliding_keys(dtype, "last"),
-                                             plain]))
-    return out
-
-
 def _pool(pools, key64: bool) -> tuple[torch.dtype, torch.Tensor]:
     dtype = torch.int64 if key64 else torch.int32
     return dtype, pools[dtype].to(DEVICE)

@@ -62,13 +62,13 @@ def _train(backend: str, make_opt, fused: bool, dim: int = DIM) -> dict:
 def test_training_under_triton_equals_torch(name, fused, monkeypatch):
     calls = set()
     for module, fn in ((triton_optim, "sparse_update"), (triton_pool, "pool"), (triton_pool, "dedup"),
-                       (triton_index, "probe"), (triton_index, "place"), (triton_init, "initial_rows")):
+                       (triton_index, "probe"), (triton_index, "find_or_insert"), (triton_init, "initial_rows")):
         real = getattr(module, fn)
         monkeypatch.setattr(module, fn, lambda *a, _real=real, _fn=fn, **k: calls.add(_fn) or _real(*a, **k))
     want = _train("torch", OPTIMIZERS[name], fused)
     assert not calls
     got = _train("triton", OPTIMIZERS[name], fused)
-    assert calls == {"sparse_update", "pool", "dedup", "probe", "place", "initial_rows"}, "a kernel never ran"
+    assert calls == {"sparse_update", "pool", "dedup", "probe", "find_or_insert", "initial_rows"}, "a kernel never ran"
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=2e-5, atol=2e-6, msg=f"{name} {key}")

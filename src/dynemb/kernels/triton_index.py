@@ -97,11 +97,14 @@ def find_or_insert(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, k
     return slots, rows, inserted.view(torch.bool)
 
 
-def erase(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, keys: torch.Tensor, shift: int
-          ) -> torch.Tensor:
+def erase(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, keys: torch.Tensor, shift: int,
+          with_rows: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Free the slots of ``[N]`` keys (absent keys are ignored; flags stay, as in ``HashIndex.remove``). Returns
-    the freed slots (int64, -1 where absent), taken before the erase: repeated keys all report their slot."""
-    return _probe(table, key_cols, overflow, keys, shift, erase=True)[0]
+    the freed slots (int64, -1 where absent), taken before the erase, and with ``with_rows`` their row ids too
+    (``(slots, rows int32)``, what the table compacts). Repeated keys in one program all report their slot; give
+    unique keys on a GPU, where another program may see the slot already freed."""
+    slots, rows = _probe(table, key_cols, overflow, keys, shift, erase=True)
+    return (slots, rows) if with_rows else slots
 
 
 def _probe(table, key_cols: int, overflow, keys, shift: int, erase: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,19 +121,23 @@ def _probe(table, key_cols: int, overflow, keys, shift: int, erase: bool) -> tup
 
 
 def find_gather(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, keys: torch.Tensor, shift: int,
-                values: torch.Tensor, init: tuple[str, tuple] | None = None, seed: int = 0
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                values: torch.Tensor, init: tuple[str, tuple] | None = None, seed: int = 0,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Find ``[N]`` keys and read their rows of ``values [R, D]`` in one launch: ``(rows int32 [N], out [N, D])``.
 
     An absent key gets row -1 and, in ``out``, its initializer row (``init``: an ``Initializer.kernel_spec()``,
     ``("uniform", (low, high))`` or ``("constant", (value,))``, with the table's ``seed``: the row a training
-    lookup would create) or zeros when ``init`` is None.
+    lookup would create) or zeros when ``init`` is None. ``out``: an optional contiguous ``[N, D]`` tensor of
+    ``values``' dtype to write into.
     """
     keys = keys.contiguous()
-    check_device(table, overflow, keys, values)
     n, dim = keys.numel(), values.shape[1]
+    if out is None:
+        out = torch.empty(n, dim, dtype=values.dtype, device=keys.device)
+    elif out.shape != (n, dim) or out.dtype != values.dtype:
+        raise ValueError(f"out must be [{n}, {dim}] {values.dtype}, got {tuple(out.shape)} {out.dtype}")
+    check_device(table, overflow, keys, values, out)
     rows = torch.empty(n, dtype=torch.int32, device=keys.device)
-    out = torch.empty(n, dim, dtype=values.dtype, device=keys.device)
     kind, p0, p1 = init_args(init, values.dtype, "init")
     if n:
         nb = table.shape[0]

@@ -15,6 +15,7 @@ import torch
 
 from ..kernels.dispatch import Backend, pool_kernels
 from . import budget
+from . import fused
 from .admission import FrequencyAdmission
 from .checks import (
     KEY_DTYPES,
@@ -63,7 +64,9 @@ class KeyValueTable(RowStore):
         admission: a :class:`FrequencyAdmission` (or an int threshold): ``find_or_insert`` stores a new key only
             from its ``threshold``-th sighting; before that it gets row -1 and its initializer row is read.
         backend: the index's implementation, a :class:`~dynemb.kernels.Backend` or its name (see
-            :mod:`dynemb.kernels.dispatch`); ``None`` follows the process default at each call.
+            :mod:`dynemb.kernels.dispatch`); ``None`` follows the process default at each call. On ``triton``,
+            ``find``, ``erase`` and (with room for the batch) ``find_or_insert`` run one-launch kernels
+            (:mod:`dynemb.table.fused`), with the torch path's results.
 
     Example:
         >>> t = KeyValueTable(4, initializer="zeros")
@@ -160,6 +163,11 @@ class KeyValueTable(RowStore):
         flat = check_keys(keys, self.key_dtype, self.device)
         if out is not None:
             out = check_rows_like(out, flat.numel(), self.dim, self.dtype, self.device, "out", keys.shape)
+        ti = fused.kernels(self)
+        one_launch = fused.find(self, ti, flat, out) if ti is not None else None
+        if one_launch is not None:  # triton: probe, gather and initializer rows in one kernel
+            rows, values = one_launch
+            return values.view(*keys.shape, self.dim), self._found(keys, rows, update_scores)
         rows = self.index.find(flat)
         found = rows >= 0
         values = self._gather(rows, out)
@@ -206,6 +214,12 @@ class KeyValueTable(RowStore):
                 got = f"{counts.dtype} {tuple(counts.shape)}" if isinstance(counts, torch.Tensor) else type(counts)
                 raise TypeError(f"counts must be an int64 tensor of shape {tuple(keys.shape)}, got {got}")
             counts = counts.reshape(-1).to(self.device)
+        ti = fused.kernels(self)
+        one_launch = fused.find_or_insert(self, ti, flat) if ti is not None else None
+        if one_launch is not None:  # triton, room for every key: find, insert, number and initialize at once
+            rows, found = one_launch
+            self._touch(rows, custom, counts)
+            return rows.view(keys.shape), found.view(keys.shape)
         rows = self.index.find(flat)
         found = rows >= 0
         with self._restored_on_error():
@@ -351,14 +365,16 @@ class KeyValueTable(RowStore):
         if flat.numel() == 0:
             return 0
         unique, hashes, _, _ = unique_by_hash(flat)
-        slots, rows = self.index.lookup(unique, hashes)
+        ti = fused.kernels(self)  # triton: lookup and removal from the index in one launch
+        slots, rows = fused.erase(self, ti, unique) if ti is not None else self.index.lookup(unique, hashes)
         hit = (slots >= 0).nonzero().squeeze(1)
         if hit.numel() == 0:
             return 0
         slots, rows = slots.index_select(0, hit), rows.index_select(0, hit)
         self.clock += 1
         self._log_deleted(unique.index_select(0, hit))
-        self.index.remove(slots)
+        if ti is None:
+            self.index.remove(slots)
         self._compact(rows)
         self.removed += rows.numel()
         return rows.numel()
@@ -434,6 +450,14 @@ class KeyValueTable(RowStore):
         """The table an admission filter counts candidates in: lfu scores are the counts, values are unused."""
         return KeyValueTable(1, key_dtype=self.key_dtype, device=self.device, eviction="lfu", initializer="zeros",
                              max_capacity=max_tracked, init_capacity=min(max_tracked, 8192), backend=self.backend)
+
+    def _found(self, keys: torch.Tensor, rows: torch.Tensor, update_scores: bool) -> torch.Tensor:
+        """``found`` of a :meth:`find` that read ``rows``, counting the read as an access when asked."""
+        found = rows >= 0
+        if update_scores:
+            self.clock += 1
+            self._touch(rows[found])
+        return found.view(keys.shape)
 
     def _check_scores(self, scores, keys: torch.Tensor) -> torch.Tensor | None:
         if scores is None:
