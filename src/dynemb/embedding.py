@@ -12,7 +12,6 @@ from .table.static import StaticTable
 from .table.checks import VALUE_DTYPES, check_keys, check_rows_like
 from .table.initializers import InitializerSpec
 from .table import EvictHook
-from .table.policy import DEFAULT_HALF_LIFE
 
 __all__ = ["DynamicEmbedding", "StaticEmbedding"]
 
@@ -113,7 +112,7 @@ class DynamicEmbedding(_TableModule):
         admission: FrequencyAdmission | int | None = None,
         max_bytes: int | None = None,
         tiers: Tiers | None = None,
-        half_life: int = DEFAULT_HALF_LIFE,
+        half_life: int | None = None,
     ) -> None:
         super().__init__()
         if seed is None:

@@ -45,3 +45,16 @@ def test_saving_midway_changes_nothing(tmp_path, policy):
         for a, b in zip(_rows(plain), _rows(other)):
             assert torch.equal(a, b)
         assert other.embeddings["u"].table.evicted == plain.embeddings["u"].table.evicted
+
+
+def test_a_different_half_life_is_refused_when_strict(tmp_path):
+    from dynemb.checkpoint import CheckpointError
+
+    saved = dynemb.DynamicEmbedding(4, eviction="decayed_lfu", half_life=64, max_capacity=100, seed=0)
+    saved(torch.arange(10))
+    save(tmp_path, saved, step=1)
+    other = dynemb.DynamicEmbedding(4, eviction="decayed_lfu", half_life=4, max_capacity=100, seed=0)
+    with pytest.raises(CheckpointError, match="half_life is 64 in the checkpoint but 4 in the model"):
+        load(tmp_path, other)
+    load(tmp_path, other, strict=False)  # allowed: the scores then decay at the model's rate
+    assert len(other) == 10

@@ -132,21 +132,18 @@ def test_a_table_added_or_removed(tmp_path, caplog):
     train(old, range(6), ("a", "s1"))
     save(tmp_path, old, step=6)
     grown = collection("sgd", ("a", "b", "s1"))
-    with pytest.raises(CheckpointError, match=r"only in the model: \['b'\]"):
+    with pytest.raises(CheckpointError, match=r"only in the model .*: \['b'\]"):
         load(tmp_path, grown)
-    with caplog.at_level(logging.WARNING, logger="dynemb.checkpoint"):
+    with pytest.warns(UserWarning, match=r"only in the model \(they keep their current rows\): \['b'\]"):
         load(tmp_path, grown, strict=False)
-    assert "only in the model: ['b']" in caplog.text
     for name in ("a", "s1"):  # the tables on both sides keep every row
         want, got = table_state(old, name), table_state(grown, name)
         assert all(torch.equal(want[c], got[c]) for c in want)
     shrunk = collection("sgd", ("s1",))
-    with pytest.raises(CheckpointError, match=r"only in the checkpoint: \['a'\]"):
+    with pytest.raises(CheckpointError, match=r"only in the checkpoint .*: \['a'\]"):
         load(tmp_path, shrunk)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="dynemb.checkpoint"):
+    with pytest.warns(UserWarning, match=r"only in the checkpoint \(not loaded\): \['a'\]"):
         load(tmp_path, shrunk, strict=False)
-    assert "only in the checkpoint: ['a']" in caplog.text
     assert torch.equal(table_state(shrunk, "s1")["values"], table_state(old, "s1")["values"])
 
 

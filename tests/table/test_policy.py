@@ -188,7 +188,7 @@ def test_decayed_lfu_lets_new_keys_replace_stale_frequent_ones(key_dtype, device
     decayed_lfu the stale counts fade and the newest keys are kept."""
     kept = {}
     for policy in ("lfu", "decayed_lfu"):
-        t = _table(policy, key_dtype, device, max_capacity=4, half_life=2)
+        t = _table(policy, key_dtype, device, max_capacity=4, **({"half_life": 2} if policy == "decayed_lfu" else {}))
         t.find_or_insert(_k([1, 2, 3, 4], key_dtype, device), counts=torch.full((4,), 10, device=device))
         for key in range(100, 130):
             t.find_or_insert(_k([key], key_dtype, device))
@@ -283,3 +283,15 @@ def test_half_life_is_configured_through_table_config_and_module():
     assert dynemb.DynamicEmbedding(2, eviction="decayed_lfu", half_life=3).config()["half_life"] == 3
     with pytest.raises(ValueError, match="half_life"):
         TableConfig(name="u", dim=2, half_life=0)
+
+
+def test_half_life_with_another_policy_is_an_error():
+    import dynemb
+    from dynemb import TableConfig
+
+    with pytest.raises(ValueError, match="half_life applies to eviction='decayed_lfu' only"):
+        KeyValueTable(2, half_life=8)
+    with pytest.raises(ValueError, match="half_life applies to eviction='decayed_lfu' only"):
+        dynemb.DynamicEmbedding(2, eviction="lfu", half_life=8)
+    with pytest.raises(ValueError, match=r"TableConfig\('u'\).half_life applies"):
+        TableConfig(name="u", dim=2, max_capacity=10, eviction="lru", half_life=3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from .tensorfile import read_tensors
 __all__ = ["load"]
 
 _ALWAYS_MATCH = ("dim", "dtype", "key_dtype", "vocabulary_size")
-_STRICT_MATCH = ("eviction",)  # scores mean something else under another policy
+_STRICT_MATCH = ("eviction", "half_life")  # scores mean something else under another policy or half-life
 
 
 def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
@@ -119,10 +120,12 @@ def _matching_tables(manifest: dict, directory: Path, tables: dict, strict: bool
     saved = manifest.get("tables", {})
     only_saved, only_model = sorted(set(saved) - set(tables)), sorted(set(tables) - set(saved))
     if only_saved or only_model:
-        message = f"{file}: tables only in the checkpoint: {only_saved}; only in the model: {only_model}"
+        parts = ([f"tables only in the checkpoint (not loaded): {only_saved}"] if only_saved else []) + \
+            ([f"tables only in the model (they keep their current rows): {only_model}"] if only_model else [])
+        message = f"{file}: " + "; ".join(parts)
         if strict:
             raise CheckpointError(message + " (strict=True)")
-        logger.warning("%s; skipping them", message)
+        warnings.warn(message, stacklevel=3)
     names = [n for n, shard in tables.items() if n in saved and shard.module is not None]
     for name in names:
         _check_config(saved[name], tables[name], directory, name, strict)
@@ -134,8 +137,8 @@ def _check_config(saved: dict, shard, directory: Path, name: str, strict: bool) 
     where = f"{directory / saved['shards'][0]['file']}: table {name!r}"
     fields = _ALWAYS_MATCH + (_STRICT_MATCH if strict else ())
     for field in fields:
-        if config.get(field) != mine[field]:
-            raise CheckpointError(f"{where}: {field} is {config.get(field)!r} in the checkpoint but {mine[field]!r} "
+        if config.get(field) != mine.get(field):
+            raise CheckpointError(f"{where}: {field} is {config.get(field)!r} in the checkpoint but {mine.get(field)!r} "
                                   "in the model")
     if config.get("initializer") != mine["initializer"]:
         # The seed is restored from the checkpoint, the initializer cannot be: new keys will start differently.

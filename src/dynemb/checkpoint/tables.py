@@ -79,6 +79,8 @@ def table_config(shard: TableShard) -> dict:
               "slots": {n: {"dim": t.slot(n).shape[1], "dtype": str(t.slot(n).dtype)} for n in t.slot_names}}
     if getattr(t, "admission", None) is not None:
         config["admission"] = t.admission.describe()
+    if config["eviction"] == "decayed_lfu":  # its scores are in units of the half-life
+        config["half_life"] = t.half_life
     return config
 
 

@@ -17,7 +17,7 @@ from ..optim.base import SparseOptimizer
 from ..table.admission import FrequencyAdmission
 from ..table.checks import KEY_DTYPES, VALUE_DTYPES, check_positive_int
 from ..table.initializers import InitializerSpec, resolve_initializer
-from ..table.policy import DEFAULT_BOUNDED, DEFAULT_HALF_LIFE, EvictionPolicy
+from ..table.policy import DEFAULT_BOUNDED, EvictionPolicy
 from ..table.tiered import Tiers
 from ..table.budget import row_bytes, split_bytes
 
@@ -97,7 +97,7 @@ class TableConfig:
     seed: Optional[int] = None
     max_bytes: Optional[int] = None
     tiers: Optional[Tiers] = None
-    half_life: int = DEFAULT_HALF_LIFE
+    half_life: Optional[int] = None
 
     def __post_init__(self):
         check_name(self.name, "TableConfig.name")
@@ -107,7 +107,7 @@ class TableConfig:
         check_positive_int(self.max_capacity, f"{where}.max_capacity", allow_none=True)
         check_positive_int(self.init_capacity, f"{where}.init_capacity")
         check_positive_int(self.max_bytes, f"{where}.max_bytes", allow_none=True)
-        check_positive_int(self.half_life, f"{where}.half_life")
+        check_positive_int(self.half_life, f"{where}.half_life", allow_none=True)
         if self.tiers is not None and not isinstance(self.tiers, Tiers):
             raise TypeError(f"{where}.tiers must be None or a dynemb.table.Tiers, got {self.tiers!r}")
         bounds = {k: v for k, v in (("max_capacity", self.max_capacity), ("max_bytes", self.max_bytes),
@@ -134,6 +134,10 @@ class TableConfig:
             except ValueError:
                 raise ValueError(f"{where}.eviction must be None or one of "
                                  f"{[p.value for p in EvictionPolicy]}, got {self.eviction!r}") from None
+        if self.half_life is not None and self.eviction is not EvictionPolicy.DECAYED_LFU:
+            policy = None if self.eviction is None else self.eviction.value
+            raise ValueError(f"{where}.half_life applies to eviction='decayed_lfu' only (the default of a bounded "
+                             f"table), got half_life={self.half_life!r} with eviction={policy!r}")
         if self.admission is not None and not isinstance(self.admission, FrequencyAdmission):
             check_positive_int(self.admission, f"{where}.admission (a threshold)")
         if self.is_static and (self.max_capacity, self.eviction, self.admission, self.max_bytes,

@@ -26,7 +26,7 @@ import torch
 from ..distributed.plan import Sharding, ShardingKind
 from ..embedding import DynamicEmbedding, StaticEmbedding
 from ..optim.base import SparseOptimizer
-from ..table.policy import DEFAULT_HALF_LIFE
+from ..table.policy import EvictionPolicy
 from .config import TableConfig
 
 __all__ = ["TableShard", "ExecutionPlan", "draw_seeds", "whole_table"]
@@ -110,7 +110,7 @@ def whole_table(name: str, module: Module) -> TableShard:
                          key_dtype=t.key_dtype, initializer=t.initializer,
                          max_capacity=None if static else t.max_capacity, eviction=None if static else t.policy,
                          admission=None if static else t.admission, seed=t.seed,
-                         half_life=DEFAULT_HALF_LIFE if static else t.half_life)
+                         half_life=t.half_life if not static and t.policy is EvictionPolicy.DECAYED_LFU else None)
     return TableShard(config, t.seed, module=module)
 
 

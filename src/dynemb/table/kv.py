@@ -89,7 +89,7 @@ class KeyValueTable(RowStore):
         max_capacity: int | None = None,
         max_bytes: int | None = None,
         eviction: EvictionPolicy | str | None = None,
-        half_life: int = DEFAULT_HALF_LIFE,
+        half_life: int | None = None,
         initializer: InitializerSpec = "uniform",
         seed: int = 0,
         on_evict: EvictHook | None = None,
@@ -109,7 +109,10 @@ class KeyValueTable(RowStore):
             per_row = budget.row_bytes(self.dim, self.dtype, self.key_dtype, {})
             self.max_capacity = min(budget.rows_for_bytes(max_bytes, per_row, self.key_dtype), _INT32_MAX)
         self.policy = EvictionPolicy.parse(eviction)
-        self.half_life = check_int(half_life, "half_life", minimum=1)
+        if half_life is not None and self.policy is not EvictionPolicy.DECAYED_LFU:
+            raise ValueError(f"half_life applies to eviction='decayed_lfu' only, got half_life={half_life!r} with "
+                             f"eviction={self.policy.value!r}")
+        self.half_life = check_int(DEFAULT_HALF_LIFE if half_life is None else half_life, "half_life", minimum=1)
         self.initializer = resolve_initializer(initializer)
         check_int(seed, "seed")
         if on_evict is not None and not callable(on_evict):
