@@ -28,7 +28,7 @@ from .card import CHECKPOINT, CARD, METRICS, ModelCard, read_card, write_card
 from .publish import EXPORT, Publisher
 from .report import MetricsLog, plot_run
 from .score import evaluate
-from .sources import FileSource, SyntheticSource, epochs, every_nth
+from .sources import FileSource, SyntheticSource, epochs, every_nth, id_types
 
 __all__ = ["RunSpec", "train_run", "auto_epochs", "AUTO_STEPS", "AUTO_MAX_EPOCHS", "SYNTHETIC_STEPS"]
 
@@ -201,7 +201,9 @@ def _source(spec: RunSpec, run: Path, resume: bool):
                             shuffle_buffer=spec.shuffle_buffer)
         data = {"train": str(spec.data), "eval": spec.eval_data, "format": fmt, "split_seed": spec.seed,
                 "eval_fraction": None if spec.eval_data else spec.eval_fraction, "batch_size": spec.batch_size,
-                "shuffle_buffer": spec.shuffle_buffer}
+                "shuffle_buffer": spec.shuffle_buffer,
+                "id_types": id_types(list_files(Path(spec.data), fmt)[0], fmt, [*columns["categorical"],
+                                                                                 *columns["multi_hot"]])}
     if resume:
         prep = read_card(run).preprocessing
         saved = dict(label=prep.label, categorical=prep.categorical, multi_hot=prep.multi_hot, dense=prep.dense)

@@ -111,6 +111,20 @@ class ServedModel:
         return self.card.preprocessing
 
     @property
+    def id_types(self) -> dict:
+        """Each id column's datatype in the training data (``"INT64"`` or ``"BYTES"``); empty for a run trained
+        before the card recorded them (its columns are reported as ``BYTES``)."""
+        return dict(self.card.data.get("id_types") or {})
+
+    @property
+    def decimal_columns(self) -> frozenset:
+        """The id columns whose canonical decimal text (``"17"``) is an integer id, as in training: integer
+        Parquet columns, and every column of a CSV run."""
+        if self.card.data.get("format") == "csv":
+            return frozenset(self.features)
+        return frozenset(c for c, t in self.id_types.items() if t == "INT64")
+
+    @property
     def version(self) -> int:
         """The export version the parameter server serves."""
         return int(self.ps.versions[self.name]["version"])
