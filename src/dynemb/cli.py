@@ -190,8 +190,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                       "then standardized over the training rows (a Criteo file: default I1..I13; else none)")
     data.add_argument("--list-separator", default="|", metavar="C", help="separator of the ids of a multi-hot "
                       "CSV field")
-    data.add_argument("--seed", type=int, default=0, help="seed of the held-out split, the shuffles and the "
-                      "synthetic data")
+    data.add_argument("--seed", type=int, default=0, help="seed of the held-out split, the shuffles, the "
+                      "synthetic data and the initial weights: identical commands give identical runs")
     data.add_argument("--shuffle-buffer", type=int, default=500_000, metavar="ROWS", help="each epoch is "
                       "shuffled within a window of twice this many rows (the whole data when it fits)")
     run = p.add_argument_group("run")
