@@ -120,6 +120,12 @@ MALFORMED = {
     "a bool as FP32": (body(price={"data": [1.0, False]}), "'price'"),
     "a negative length": (body(tags__lengths={"data": [-1, 3]}, tags={"shape": [2], "data": ["a", "b"]}),
                           "'tags__lengths'"),
+    "an INT32 id beyond int32": (body(item={"datatype": "INT32", "data": [3, 9999999999]}),
+                                 "input 'item': INT32 values must be in [-2147483648, 2147483647], got 9999999999"),
+    "an INT32 length beyond int32": (body(tags__lengths={"data": [1, -(2**31) - 1]}), "'tags__lengths'"),
+    "an unknown output": ({**body(), "outputs": [{"name": "probability"}, {"name": "logit"}]},
+                          "output 'logit' is not an output of this model (it has ['probability'])"),
+    "outputs not a list of named objects": ({**body(), "outputs": "probability"}, "'outputs' must be a list"),
 }
 
 
