@@ -91,10 +91,14 @@ class ServedModel:
                               "device": device}],
                   "volatile_db": volatile_db or {"type": "memory"}, "persistent_db": persistent_db}
         self.ps = ParameterServer.from_config(config)
-        self.ps.load(name, progress=False)
-        # The dense part comes from the version the tables were loaded from, not from a second read of `latest`:
-        # training may publish between the two, and the watcher only applies versions above the one served.
-        _copy_dense(model, _dense_of(self.run, self.export / version_name(self.version), model))
+        try:
+            self.ps.load(name, progress=False)
+            # The dense part comes from the version the tables were loaded from, not from a second read of
+            # `latest`: training may publish between the two, and the watcher only applies versions above it.
+            _copy_dense(model, _dense_of(self.run, self.export / version_name(self.version), model))
+        except BaseException:
+            self.ps.close()
+            raise
         model.to(torch.device(device))
         self._pooling = {}
         for f in self.features:
