@@ -20,6 +20,9 @@ __all__ = ["main", "build_parser"]
 
 EVICTIONS = ("lru", "lfu", "epoch_lru", "epoch_lfu", "decayed_lfu")
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
+MODEL_DEFAULTS = {"batch_size": 512, "dim": 16, "optimizer": "adagrad", "lr": 0.05, "max_capacity": None,
+                  "eviction": None, "admission": None}
+"""``dynemb train``'s model options and their defaults; on ``--resume`` the run's saved values instead."""
 
 
 class CliError(Exception):
@@ -57,6 +60,7 @@ def cmd_train(args) -> int:
     from .train import TrainConfig
 
     _check_train_options(args)
+    _model_options(args)
     torch.set_num_threads(args.threads)
     _init_distributed()
     stop_given = args.epochs or args.steps or args.seconds
@@ -80,8 +84,6 @@ def cmd_train(args) -> int:
 
 def _check_train_options(args) -> None:
     """Inconsistent options, as one-line errors (argparse checks each option alone)."""
-    if args.eviction and not args.max_capacity:
-        raise CliError("--eviction needs --max-capacity: only a bounded table evicts")
     if args.resume and not args.out:
         raise CliError("--resume needs --out RUN_DIR, the run to continue")
     if args.eval_fraction is not None and args.eval_data:
@@ -92,6 +94,27 @@ def _check_train_options(args) -> None:
         raise CliError("--publish-dir needs --publish-every N (steps between published versions)")
     if args.data is None and (args.eval_data or args.epochs or args.format):
         raise CliError("--eval-data, --epochs and --format need --data (synthetic data is an endless stream)")
+
+
+def _model_options(args) -> None:
+    """Fill in the model options not given: the defaults, or on ``--resume`` the values the run was trained with
+    (its model.json); a given option that differs from the run's value is an error naming both."""
+    saved = dict(MODEL_DEFAULTS)
+    if args.resume:
+        from .job import read_card
+
+        card = read_card(Path(args.out))
+        saved = {k: card.data.get(k) if k == "batch_size" else getattr(card.config, k) for k in MODEL_DEFAULTS}
+    for name, value in saved.items():
+        given = getattr(args, name)
+        if args.resume and given is not None and given != value:
+            option = "--" + name.replace("_", "-")
+            shown = "not set" if value is None else value
+            raise CliError(f"{option} {given} contradicts the run being resumed: {args.out} was trained with "
+                           f"{option} {shown} (its model.json); drop {option} to keep the run's value")
+        setattr(args, name, value if given is None else given)
+    if args.eviction and not args.max_capacity:
+        raise CliError("--eviction needs --max-capacity: only a bounded table evicts")
 
 
 def _timestamped(root: Path) -> Path:
@@ -190,8 +213,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                       "then standardized over the training rows (a Criteo file: default I1..I13; else none)")
     data.add_argument("--list-separator", default="|", metavar="C", help="separator of the ids of a multi-hot "
                       "CSV field")
-    data.add_argument("--seed", type=int, default=0, help="seed of the held-out split, the shuffles and the "
-                      "synthetic data")
+    data.add_argument("--seed", type=int, default=0, help="seed of the held-out split, the shuffles, the "
+                      "synthetic data and the initial weights: identical commands give identical runs")
     data.add_argument("--shuffle-buffer", type=int, default=500_000, metavar="ROWS", help="each epoch is "
                       "shuffled within a window of twice this many rows (the whole data when it fits)")
     run = p.add_argument_group("run")
@@ -222,10 +245,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                      "between progress lines on stderr (a terminal gets a progress bar)")
     run.add_argument("--no-progress", action="store_true", help="neither a progress bar nor progress lines")
     model = p.add_argument_group("model")
-    model.add_argument("--batch-size", type=int, default=512, help="samples per step")
-    model.add_argument("--dim", type=int, default=16, help="embedding width")
-    model.add_argument("--optimizer", default="adagrad", choices=OPTIMIZERS, help="sparse optimizer of the tables")
-    model.add_argument("--lr", type=float, default=0.05, help="learning rate of the tables (the MLPs use Adam, 1e-3)")
+    model.description = "with --resume, an option not given keeps the run's value (one given must equal it)"
+    model.add_argument("--batch-size", type=int, help="samples per step (default: 512)")
+    model.add_argument("--dim", type=int, help="embedding width (default: 16)")
+    model.add_argument("--optimizer", choices=OPTIMIZERS, help="sparse optimizer of the tables (default: adagrad)")
+    model.add_argument("--lr", type=float, help="learning rate of the tables (the MLPs use Adam, 1e-3) (default: "
+                       "0.05)")
     model.add_argument("--max-capacity", type=int, metavar="ROWS", help="rows per table; evicts beyond it "
                        "(default: unbounded)")
     model.add_argument("--eviction", choices=EVICTIONS, help="eviction policy; needs --max-capacity (default: decayed_lfu)")

@@ -87,3 +87,17 @@ def test_every_hps_field_is_in_the_docs_table():
               *hps.PERSISTENT_TYPES]
     assert [f for f in fields if f"`{f}`" not in table and f"`volatile_db.{f}`" not in table
             and f"`persistent_db.{f}`" not in table] == []
+
+
+def test_sparse_files_as_one_path_is_one_export_root(tmp_path):
+    emb = dynemb.DynamicEmbedding(4, seed=0)
+    emb(torch.arange(10))
+    export_for_serving(tmp_path / "export", emb)
+    config = hps_config(tmp_path / "export", tmp_path)
+    config["models"][0]["sparse_files"] = str(tmp_path / "export")  # not in a list: len() counted its characters
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ps = ParameterServer(config)
+    ps.load("demo", progress=False)
+    assert torch.equal(ps.lookup("demo", "embedding", torch.tensor([3])), emb.lookup(torch.tensor([3])))
+    ps.close()

@@ -282,3 +282,40 @@ def test_tables_are_served_by_the_users_names_and_keys(tmp_path, volatile, reque
         assert torch.equal(ps.lookup("m", name, ids.to(torch.int64)), want), name  # int64 ids, as HPS passes
     assert not torch.equal(ps.lookup("m", "tag_a", ids), ps.lookup("m", "tag_b", ids))
     ps.close()
+
+
+def test_bad_keys_roots_and_sparse_files_are_named_errors(tmp_path):
+    """An int32 table names its own key dtype for float ids and refuses int64 ids beyond int32 (training does);
+    a missing export root says so; sparse_files as one path is that root (not one root per character)."""
+    ec = dynemb.EmbeddingCollection([dynemb.TableConfig(name="t", dim=D, key_dtype=torch.int32)],
+                                    [dynemb.FeatureConfig(name="t", table="t")])
+    ids = torch.tensor([-(2**31), 0, 2**31 - 1], dtype=torch.int32)
+    ec({"t": ids})
+    export_for_serving(tmp_path / "e", ec)
+
+    def config(files):
+        return {"models": [{"model": "m", "sparse_files": files, "embedding_table_names": ["t"],
+                            "embedding_vecsize_per_table": [D]}]}
+
+    ps = ParameterServer.from_config(config(str(tmp_path / "e")))
+    ps.load("m", progress=False)
+    try:
+        with pytest.raises(TypeError, match=r"keys of table 't' must be an int64 or int32 tensor \(the table's key "
+                                            r"dtype is torch.int32\), got torch.float32 tensor"):
+            ps.lookup("m", "t", torch.tensor([1.0]))
+        for bad in (2**31, -(2**31) - 1):
+            with pytest.raises(ValueError, match=rf"table 't': {bad} is outside the int32 range"):
+                ps.lookup("m", "t", torch.tensor([1, bad]))
+        assert ps.stats("m")["tables"]["t"]["lookups"] == 0  # refused before anything was looked up
+        assert torch.equal(ps.lookup("m", "t", ids.to(torch.int64)), ec.embeddings["t"].lookup(ids))
+    finally:
+        ps.close()
+    (tmp_path / "empty").mkdir()
+    for root, what in [(tmp_path / "nope", "no such directory"),
+                       (tmp_path / "empty", r"no serving export there \(no 'latest' version\)")]:
+        ps = ParameterServer.from_config(config([str(root)]))
+        with pytest.raises(ValueError, match=f"export root {root}: {what}; write one with `dynemb export`"):
+            ps.load("m", progress=False)
+        ps.close()
+    with pytest.raises(ValueError, match=r"sparse_files must be a list of export roots .* got 7"):
+        ParameterServer.from_config(config(7))

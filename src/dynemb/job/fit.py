@@ -28,7 +28,7 @@ from .card import CHECKPOINT, CARD, METRICS, ModelCard, read_card, write_card
 from .publish import EXPORT, Publisher
 from .report import MetricsLog, plot_run
 from .score import evaluate
-from .sources import FileSource, SyntheticSource, epochs, every_nth
+from .sources import FileSource, SyntheticSource, epochs, every_nth, id_types
 
 __all__ = ["RunSpec", "train_run", "auto_epochs", "AUTO_STEPS", "AUTO_MAX_EPOCHS", "SYNTHETIC_STEPS"]
 
@@ -49,7 +49,7 @@ class RunSpec:
             Criteo's columns.
         list_separator: separator of the ids in a multi-hot CSV field.
         eval_fraction: the held-out share of ``data`` when there is no ``eval_data``, in ``(0, 1)``.
-        seed: the seed of the split, the shuffles and the synthetic data.
+        seed: the seed of the split, the shuffles, the synthetic data and torch (the MLPs' initial weights).
         epochs: passes over the training rows; ``"auto"`` for :func:`auto_epochs`; ``None`` for a run bounded
             by ``steps`` or ``seconds``.
         batch_size: samples per step.
@@ -112,9 +112,19 @@ def train_run(spec: RunSpec, cfg: TrainConfig, *, progress: Optional[bool] = Non
     ``cfg.checkpoint_dir`` and ``cfg.resume`` are replaced by ``out/checkpoint`` and ``spec.resume``. Under torchrun
     every rank calls this; rank 0 writes the card and metrics.
 
+    Torch's random numbers (the MLPs' initial weights, ...) are drawn from ``spec.seed`` inside the call (the
+    caller's generator state is restored after it): identical calls give identical runs.
+
     Raises:
         ValueError: bad data or options, ``out`` holding another run without ``resume``, or no held-out row.
     """
+    devices = [torch.device(spec.device)] if torch.device(spec.device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(spec.seed)
+        return _train_run(spec, cfg, progress, log_every, echo, on_publish)
+
+
+def _train_run(spec: RunSpec, cfg: TrainConfig, progress, log_every, echo, on_publish) -> dict:
     started = time.perf_counter()
     run = Path(spec.out)
     cfg = dataclasses.replace(cfg, checkpoint_dir=str(run / CHECKPOINT), resume=spec.resume)
@@ -201,7 +211,9 @@ def _source(spec: RunSpec, run: Path, resume: bool):
                             shuffle_buffer=spec.shuffle_buffer)
         data = {"train": str(spec.data), "eval": spec.eval_data, "format": fmt, "split_seed": spec.seed,
                 "eval_fraction": None if spec.eval_data else spec.eval_fraction, "batch_size": spec.batch_size,
-                "shuffle_buffer": spec.shuffle_buffer}
+                "shuffle_buffer": spec.shuffle_buffer,
+                "id_types": id_types(list_files(Path(spec.data), fmt)[0], fmt, [*columns["categorical"],
+                                                                                 *columns["multi_hot"]])}
     if resume:
         prep = read_card(run).preprocessing
         saved = dict(label=prep.label, categorical=prep.categorical, multi_hot=prep.multi_hot, dense=prep.dense)

@@ -33,7 +33,7 @@ class ModelConfig:
     Attributes:
         model: its name.
         sparse_files: serving-export roots (``dynemb export`` / ``export_for_serving`` output), one per table, or
-            a single root holding every table.
+            a single root holding every table (a single path may be given as it is, not in a list).
         embedding_table_names: the tables to serve (names in the export).
         embedding_vecsize_per_table: their dims, checked against the export.
         default_value_for_each_table: the row of a key found in no tier: a float fills the row, ``"initializer"``
@@ -75,6 +75,12 @@ class ModelConfig:
             if d != "initializer" and (isinstance(d, bool) or not isinstance(d, (int, float))):
                 raise ValueError(f"{where}.default_value_for_each_table entries must be floats or 'initializer', "
                                  f"got {d!r}")
+        if isinstance(self.sparse_files, (str, Path)):  # one root for every table; len() would count characters
+            object.__setattr__(self, "sparse_files", [self.sparse_files])
+        if not isinstance(self.sparse_files, (list, tuple)) or \
+                not all(isinstance(f, (str, Path)) for f in self.sparse_files):
+            raise ValueError(f"{where}.sparse_files must be a list of export roots (paths), one per table or one "
+                             f"for all, or a single path; got {self.sparse_files!r}")
         if len(self.sparse_files) not in (1, n):
             raise ValueError(f"{where}.sparse_files must have 1 entry or one per table ({n}), "
                              f"got {len(self.sparse_files)}")

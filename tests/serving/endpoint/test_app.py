@@ -71,9 +71,24 @@ def test_health_and_metadata(url):
         client.close()
     assert meta["name"] == "ctr" and meta["versions"] == ["1"]
     assert [(t["name"], t["datatype"]) for t in meta["inputs"]] == [
-        ("user", "BYTES"), ("item", "BYTES"), ("tags", "BYTES"), ("tags__lengths", "INT32"), ("price", "FP32")]
+        ("user", "BYTES"), ("item", "INT64"), ("tags", "BYTES"), ("tags__lengths", "INT32"), ("price", "FP32")]
     assert meta["outputs"] == [{"name": "probability", "datatype": "FP32", "shape": [-1]}]
     assert httpx.get(f"{url}/v2/models/other", timeout=TIMEOUT).status_code == 404
+
+
+def test_bytes_ids_of_an_integer_column_score_as_the_integers_they_spell(url):
+    # `item` is an int64 Parquet column: "17" is the id 17 (a client following BYTES metadata of old got a hash).
+    # Non-canonical text ("017", "+17") is not an integer: it is hashed, as the CSV reader does.
+    items = [17, 3, -1, 0, 9223372036854775807, -9223372036854775808]
+    as_int = body(rows=len(items), item={"data": items})
+    as_text = body(rows=len(items), item={"datatype": "BYTES", "data": [str(i) for i in items]})
+    odd = body(rows=2, item={"datatype": "BYTES", "data": ["017", "+17"]})
+    scores = [httpx.post(f"{url}/v2/models/ctr/infer", json=b, timeout=TIMEOUT) for b in (as_int, as_text, odd)]
+    assert [r.status_code for r in scores] == [200, 200, 200]
+    data = [r.json()["outputs"][0]["data"] for r in scores]
+    assert data[0] == data[1]
+    first = httpx.post(f"{url}/v2/models/ctr/infer", json=body(rows=2, item={"data": [17, 17]}), timeout=TIMEOUT)
+    assert data[2] != first.json()["outputs"][0]["data"]  # the hashed text reads another row than id 17
 
 
 def body(rows: int = 2, **replace) -> dict:
@@ -105,6 +120,12 @@ MALFORMED = {
     "a bool as FP32": (body(price={"data": [1.0, False]}), "'price'"),
     "a negative length": (body(tags__lengths={"data": [-1, 3]}, tags={"shape": [2], "data": ["a", "b"]}),
                           "'tags__lengths'"),
+    "an INT32 id beyond int32": (body(item={"datatype": "INT32", "data": [3, 9999999999]}),
+                                 "input 'item': INT32 values must be in [-2147483648, 2147483647], got 9999999999"),
+    "an INT32 length beyond int32": (body(tags__lengths={"data": [1, -(2**31) - 1]}), "'tags__lengths'"),
+    "an unknown output": ({**body(), "outputs": [{"name": "probability"}, {"name": "logit"}]},
+                          "output 'logit' is not an output of this model (it has ['probability'])"),
+    "outputs not a list of named objects": ({**body(), "outputs": "probability"}, "'outputs' must be a list"),
 }
 
 

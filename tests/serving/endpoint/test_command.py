@@ -67,3 +67,15 @@ def test_dynemb_serve_scores_like_predict_with_lmdb_and_a_token(run, tmp_path):
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_a_port_in_use_is_one_error_and_no_serving_line(run, capsys):
+    from dynemb.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", str(run / "run"), "--port", str(port)]) == 2
+    out, err = capsys.readouterr()
+    assert "serving" not in out and f"cannot listen on 127.0.0.1:{port}" in err, (out, err)

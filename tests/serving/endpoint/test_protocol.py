@@ -90,3 +90,34 @@ def test_a_value_of_another_type_names_its_input_even_inside_a_joined_conversion
     columns[column] = (columns[column][0], values)
     with pytest.raises(RequestError, match=message):
         decode_request(parse_body(as_json(columns)), PREP, 64)
+
+
+DIGITS = st.one_of(TEXT, st.integers(-2**63, 2**63 - 1).map(str), st.sampled_from(["017", "+1", "-0", "9" * 20]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_text_ids_of_decimal_columns_are_read_as_the_csv_reader_reads_them(data):
+    """``decimal`` columns (integer in training, or CSV) take canonical integer text as the integer; others hash."""
+    rows = data.draw(st.integers(0, 8))
+    decimal = frozenset(data.draw(st.sets(st.sampled_from(PREP.categorical))))
+    columns = {n: ("BYTES", data.draw(st.lists(DIGITS, min_size=rows, max_size=rows))) for n in PREP.categorical}
+    columns.update({n: ("FP32", [0.0] * rows) for n in PREP.dense})
+    batch = decode_request(parse_body(as_json(columns)), PREP, 64, decimal)
+    for name in PREP.categorical:
+        arrow = pa.array(columns[name][1], pa.string())
+        expected = categorical_ids(arrow, name, name, decimal_text=name in decimal)
+        np.testing.assert_array_equal(batch.sparse[name].numpy(), expected)
+
+
+def test_a_decimal_multi_hot_column_reads_text_integers_as_integers():
+    prep = Preprocessing(label=None, categorical=(), multi_hot=("m",), dense=(), dense_mean=(), dense_std=(),
+                         dense_rows=1)
+
+    def ids(datatype, values, decimal):
+        request = {"inputs": [{"name": "m", "datatype": datatype, "shape": [3], "data": values},
+                              {"name": "m__lengths", "datatype": "INT32", "shape": [2], "data": [1, 2]}]}
+        return decode_request(request, prep, 64, decimal).sparse["m"].tolist()
+
+    assert ids("BYTES", ["5", "-7", "x"], frozenset({"m"}))[:2] == ids("INT64", [5, -7, 0], frozenset())[:2]
+    assert ids("BYTES", ["5", "-7", "x"], frozenset())[:2] != [5, -7]  # not a decimal column: hashed

@@ -2,6 +2,7 @@
 with ``--watch``: no request fails, each response's probabilities are those the training model of the version it
 names predicts (0 mixed-version responses), and the server ends on the last version."""
 
+import shutil
 import threading
 import time
 
@@ -10,11 +11,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from dynemb.checkpoint.export_format import version_name
+from dynemb.checkpoint.fsutil import write_pointer
 from dynemb.cli import main
 from dynemb.data import FileReader
 from dynemb.job import RunSpec, read_card, train_run
 from dynemb.serving.endpoint import ServedModel, build_app, running
 from dynemb.serving.endpoint.watch import ExportWatcher
+from dynemb.serving.ps import ParameterServer
 from dynemb.train import TrainConfig
 
 CLIENTS, RESPONSES_PER_VERSION, ROWS = 3, 5, 64
@@ -111,3 +115,58 @@ def test_three_deltas_published_during_traffic_are_served_in_order_without_mixed
                  str(tmp_path / "preds.parquet")]) == 0
     final = np.asarray(pq.read_table(tmp_path / "preds.parquet").column("probability"), np.float32)[:ROWS]
     np.testing.assert_allclose(final, expected[4].numpy(), atol=1e-6, rtol=0)
+
+
+# A server that starts while training publishes: versions 2 and 3 land after the server has read `latest` (version 1)
+# and before its parameter server loads the tables (a hook on ParameterServer.load, no sleeps). Every response must
+# equal the training model's prediction of the version it reports, before and after the watcher's next poll.
+def test_versions_published_while_the_server_loads_are_served_with_their_own_mlps(run, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    spec = RunSpec(out=str(out), data=str(run / "train.parquet"), label="click", categorical=("user", "item"),
+                   dense=("price",), batch_size=64, publish_every=5)
+    expected, rows = {}, {}
+
+    def on_publish(step, directory, model):
+        if not rows:
+            prep = read_card(out).preprocessing
+            rows["prep"] = prep
+            rows["batch"] = next(iter(FileReader(run / "test.parquet", label=prep.label, categorical=prep.categorical,
+                                                 dense=prep.dense, batch_size=ROWS)))
+        model.eval()
+        with torch.no_grad():
+            expected[int(directory.name.rsplit("-", 1)[1])] = torch.sigmoid(
+                model(rows["prep"].normalize(rows["batch"]))).float()
+        model.train()
+
+    train_run(spec, TrainConfig(steps=15, dim=8, eval_every=1000), progress=False, on_publish=on_publish)
+    assert sorted(expected) == [1, 2, 3]
+    assert not torch.allclose(expected[1], expected[3], atol=1e-4)  # a v1-MLP/v3-table mix would be caught
+    # An export root that holds only version 1, as when the server starts right after the first publish.
+    published, root = out / "export", tmp_path / "export"
+    shutil.copytree(published, root, ignore=lambda d, names: [n for n in names if n.startswith("version-")
+                                                             and n != version_name(1)] + ["latest"])
+    write_pointer(root, version_name(1))
+    load = ParameterServer.load
+
+    def publish_then_load(self, model, progress=True):
+        for v in (2, 3):  # training publishes twice more before the tables are read
+            shutil.copytree(published / version_name(v), root / version_name(v))
+            write_pointer(root, version_name(v))
+        return load(self, model, progress)
+
+    monkeypatch.setattr(ParameterServer, "load", publish_then_load)
+    served = ServedModel(out, export=root, name="ctr")
+    monkeypatch.setattr(ParameterServer, "load", load)
+    watcher = ExportWatcher(served, interval_s=0.05)
+    try:
+        with running(build_app(served)) as url:
+            body = infer_body(rows["batch"], rows["prep"])
+            for _ in range(2):  # before and after a poll: nothing newer to apply, the pair stays right
+                reply = httpx.post(f"{url}/v2/models/ctr/infer", json=body, timeout=30).json()
+                version = int(reply["model_version"])
+                assert version == 3
+                np.testing.assert_allclose(np.asarray(reply["outputs"][0]["data"], np.float32),
+                                           expected[version].numpy(), atol=1e-5, rtol=0)
+                assert watcher.poll() == []
+    finally:
+        served.close()

@@ -173,7 +173,8 @@ def build_app(model: ServedModel, *, token: Optional[str] = None, max_body_bytes
         return _JSON({"ready": True})
 
     async def metadata(request: Request) -> Response:
-        return known(request) or _JSON(model_metadata(model.name, model.version, model.preprocessing))
+        return known(request) or _JSON(model_metadata(model.name, model.version, model.preprocessing,
+                                                              model.id_types))
 
     async def infer(request: Request) -> Response:
         if (missing := known(request)) is not None:
@@ -182,7 +183,7 @@ def build_app(model: ServedModel, *, token: Optional[str] = None, max_body_bytes
             body = await _read_body(request, max_body_bytes)
             header = request.headers.get(BINARY_HEADER)
             parsed = parse_body(body, int(header) if header and header.isdigit() else None)
-            batch = decode_request(parsed, model.preprocessing, max_batch_size)
+            batch = decode_request(parsed, model.preprocessing, max_batch_size, model.decimal_columns)
         except RequestError as exc:
             return _error(400, str(exc))
         try:

@@ -86,9 +86,9 @@ def cmd_serve(args) -> int:
         # one request: keep them out of the collector, as latency-sensitive Python servers do.
         gc.collect()
         gc.freeze()
-        print(f"serving {args.model} (export {model.export}, version {model.version}) as {args.name!r} on "
-              f"http://{args.host}:{args.port}/v2/models/{args.name}/infer", flush=True)
-        serve(app, args.host, args.port)
+        serve(app, args.host, args.port, on_bound=lambda: print(
+            f"serving {args.model} (export {model.export}, version {model.version}) as {args.name!r} on "
+            f"http://{args.host}:{args.port}/v2/models/{args.name}/infer", flush=True))
     finally:
         gc.unfreeze()  # so that native extensions' objects are freed at exit, not reported as leaked
         if watcher is not None:

@@ -3,8 +3,9 @@
 The preprocessing comes from the run directory's model card; the tables come from a serving export of the same
 run, loaded into the parameter server with ``"initializer"`` default rows, so an id training never saw reads the row
 the eval-mode model would (``dynemb predict`` runs the model in eval mode). Probabilities therefore equal ``dynemb
-predict`` on the same rows. The dense part (bottom MLP, interactions, top MLP) comes from the export when its version
-carries one (``dynemb train --publish-every``), else from the run's final checkpoint.
+predict`` on the same rows. The dense part (bottom MLP, interactions, top MLP) comes from the version the parameter
+server loaded when it carries one (``dynemb train --publish-every``), else from the run's final checkpoint: tables
+and MLPs are always of one version, even when training publishes while the server starts.
 
 A new version (:meth:`ServedModel.apply_update`) is read and checked first, then swapped in (tables and dense part)
 under the lock every forward pass holds: a forward pass sees exactly one version, the one it reports.
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from ...checkpoint.dense import check_dense, dense_state
-from ...checkpoint.export_format import read_dense, read_export
+from ...checkpoint.export_format import read_dense, read_export, version_name
 from ...data.batch import Batch
 from ...functional import clip_rows, pool, to_bags
 from ..ps import ParameterServer
@@ -75,7 +76,7 @@ class ServedModel:
                  persistent_db: Optional[dict] = None, cache_fraction: float = 0.2, device: str = "cpu") -> None:
         self.run, self.name = Path(run), name
         self.export = ensure_export(self.run, None if export is None else Path(export))
-        model, self.card = _dense_model(self.run, self.export, device)
+        model, self.card = _skeleton(self.run)
         collection = model.embeddings
         self.features = list(model.features)
         self._tables = {f: collection.feature_configs[f].table_name for f in self.features}
@@ -90,7 +91,15 @@ class ServedModel:
                               "device": device}],
                   "volatile_db": volatile_db or {"type": "memory"}, "persistent_db": persistent_db}
         self.ps = ParameterServer.from_config(config)
-        self.ps.load(name, progress=False)
+        try:
+            self.ps.load(name, progress=False)
+            # The dense part comes from the version the tables were loaded from, not from a second read of
+            # `latest`: training may publish between the two, and the watcher only applies versions above it.
+            _copy_dense(model, _dense_of(self.run, self.export / version_name(self.version), model))
+        except BaseException:
+            self.ps.close()
+            raise
+        model.to(torch.device(device))
         self._pooling = {}
         for f in self.features:
             fcfg, tcfg = collection.feature_configs[f], collection.table_configs[self._tables[f]]
@@ -104,6 +113,20 @@ class ServedModel:
     def preprocessing(self):
         """The run's :class:`~dynemb.data.preprocess.Preprocessing` (columns, dense statistics)."""
         return self.card.preprocessing
+
+    @property
+    def id_types(self) -> dict:
+        """Each id column's datatype in the training data (``"INT64"`` or ``"BYTES"``); empty for a run trained
+        before the card recorded them (its columns are reported as ``BYTES``)."""
+        return dict(self.card.data.get("id_types") or {})
+
+    @property
+    def decimal_columns(self) -> frozenset:
+        """The id columns whose canonical decimal text (``"17"``) is an integer id, as in training: integer
+        Parquet columns, and every column of a CSV run."""
+        if self.card.data.get("format") == "csv":
+            return frozenset(self.features)
+        return frozenset(c for c, t in self.id_types.items() if t == "INT64")
 
     @property
     def version(self) -> int:
@@ -179,20 +202,24 @@ class ServedModel:
         self.ps.close()
 
 
-def _dense_model(run: Path, export: Path, device: str):
-    """``(the run's model, its card)``: the MLPs of the export's latest version when it carries them, else of
-    the run's final checkpoint. The tables are the parameter server's: the model's own are not read."""
-    from ...job import load_model, read_card
+def _skeleton(run: Path):
+    """``(the run's model with untrained weights, its card)``: the dense part is filled by :func:`_dense_of`."""
+    from ...job import read_card
     from ...train import build_dlrm
 
-    dense = read_dense(export)
-    if dense is None:
-        return load_model(run, device)
     card = read_card(run)
     prep = card.preprocessing
-    model = build_dlrm(len(prep.dense), prep.features, card.config)
-    _copy_dense(model, check_dense(model, dense, strict=True, source=export))
-    return model.to(torch.device(device)).eval(), card
+    return build_dlrm(len(prep.dense), prep.features, card.config).eval(), card
+
+
+def _dense_of(run: Path, version_dir: Path, model: nn.Module) -> dict:
+    """The checked dense state of export ``version_dir`` when it carries one, else of the run's final checkpoint."""
+    from ...job import load_model
+
+    dense, source = read_dense(version_dir), version_dir
+    if dense is None:
+        dense, source = dense_state(load_model(run)[0]), run
+    return check_dense(model, dense, strict=True, source=source)
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 try:  # 3x faster than json on a request of a few hundred rows; the endpoint works without it
@@ -113,11 +114,13 @@ def _tensor(name: str, datatype: str, shape: list) -> dict:
     return {"name": name, "datatype": datatype, "shape": shape}
 
 
-def model_metadata(name: str, version: int, prep: Preprocessing) -> dict:
-    """The ``GET /v2/models/{name}`` object: inputs (``-1`` is a free size) and the output."""
-    inputs = [_tensor(c, "BYTES", [-1]) for c in prep.categorical]
+def model_metadata(name: str, version: int, prep: Preprocessing, id_types: Optional[dict] = None) -> dict:
+    """The ``GET /v2/models/{name}`` object: inputs (``-1`` is a free size) and the output. ``id_types``: each id
+    column's datatype in the training data (``"INT64"`` or ``"BYTES"``; a column it lacks is ``BYTES``)."""
+    kind = (id_types or {}).get
+    inputs = [_tensor(c, kind(c, "BYTES"), [-1]) for c in prep.categorical]
     for c in prep.multi_hot:
-        inputs += [_tensor(c, "BYTES", [-1]), _tensor(c + LENGTHS, "INT32", [-1])]
+        inputs += [_tensor(c, kind(c, "BYTES"), [-1]), _tensor(c + LENGTHS, "INT32", [-1])]
     inputs += [_tensor(c, "FP32", [-1]) for c in prep.dense]
     return {"name": name, "versions": [str(version)], "platform": "dynemb_dlrm", "inputs": inputs,
             "outputs": [_tensor(OUTPUT, "FP32", [-1])]}
@@ -182,16 +185,21 @@ def _array(t: dict, data) -> pa.Array:
     if array.type != pa.null() and bad:
         got = "bool" if array.type in accepted else str(array.type)
         raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what}, got {got} values")
+    if t["datatype"] == "INT32" and array.type == pa.int64() and len(array) > array.null_count:
+        low, high = pc.min_max(array).values()
+        if low.as_py() < -(2**31) or high.as_py() >= 2**31:
+            bad = low.as_py() if low.as_py() < -(2**31) else high.as_py()
+            raise RequestError(f"input {t['name']!r}: INT32 values must be in [-2147483648, 2147483647], got {bad}")
     return array.cast(target)
 
 
-def _ids(t: dict, column: str, rows: Optional[int]) -> np.ndarray:
-    return _column_ids(t, _array(t, _data(t, ID_TYPES, rows)), column)
+def _ids(t: dict, column: str, rows: Optional[int], decimal: bool) -> np.ndarray:
+    return _column_ids(t, _array(t, _data(t, ID_TYPES, rows)), column, decimal)
 
 
-def _column_ids(t: dict, array: pa.Array, column: str) -> np.ndarray:
+def _column_ids(t: dict, array: pa.Array, column: str, decimal: bool) -> np.ndarray:
     try:
-        return categorical_ids(array, column, f"input {t['name']!r}")
+        return categorical_ids(array, column, f"input {t['name']!r}", decimal_text=decimal)
     except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:
         raise RequestError(f"input {t['name']!r}: {str(exc).splitlines()[0]}") from None
 
@@ -207,14 +215,17 @@ def _lengths(t: dict, rows: int, total: int, column: str) -> np.ndarray:
     return lengths
 
 
-def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
-    """The batch of rows an infer request holds (dense values raw, labels 0).
+def decode_request(request: Any, prep: Preprocessing, max_rows: int, decimal: frozenset = frozenset()) -> Batch:
+    """The batch of rows an infer request holds (dense values raw, labels 0). ``decimal``: the id columns whose
+    text values that are canonical decimal integers (``"17"``, not ``"017"``) are those integers, as they were in
+    training (an integer Parquet column, or CSV text); other text is hashed.
 
     Raises:
         RequestError: a missing, unknown, mistyped or mis-sized input, or more than ``max_rows`` rows; the
             message names the input.
     """
     inputs = _inputs_by_name(request)
+    _check_outputs(request.get("outputs"))
     expected = [*prep.categorical, *prep.multi_hot, *(c + LENGTHS for c in prep.multi_hot), *prep.dense]
     missing = [n for n in expected if n not in inputs]
     if missing:
@@ -226,10 +237,10 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
     rows = len(_data(first, (first.get("datatype"),), None))
     if rows > max_rows:
         raise RequestError(f"input {first['name']!r}: {rows} rows, more than max_batch_size ({max_rows})")
-    sparse = {c: torch.from_numpy(ids) for c, ids in _one_hot_ids(inputs, prep.categorical, rows).items()}
+    sparse = {c: torch.from_numpy(ids) for c, ids in _one_hot_ids(inputs, prep.categorical, rows, decimal).items()}
     offsets = {}
     for c in prep.multi_hot:
-        ids = _ids(inputs[c], c, None)
+        ids = _ids(inputs[c], c, None, c in decimal)
         lengths = _lengths(inputs[c + LENGTHS], rows, len(ids), c)
         sparse[c] = torch.from_numpy(ids)
         offsets[c] = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
@@ -238,6 +249,18 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
         values = _joined([inputs[c] for c in prep.dense], [_data(inputs[c], DENSE_TYPES, rows) for c in prep.dense])
         dense[:] = dense_values(values, f"input {prep.dense[0]!r}").reshape(len(prep.dense), rows)
     return Batch(torch.from_numpy(dense.T.copy()), sparse, torch.zeros(rows), offsets)
+
+
+def _check_outputs(outputs: Any) -> None:
+    """The request's ``outputs`` (optional): each one asked for must be one this model has."""
+    if outputs is None:
+        return
+    if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
+                                                for o in outputs):
+        raise RequestError(f"'outputs' must be a list of objects with a string 'name', got {outputs!r}"[:300])
+    for o in outputs:
+        if o["name"] != OUTPUT:
+            raise RequestError(f"output {o['name']!r} is not an output of this model (it has [{OUTPUT!r}])")
 
 
 def _joined(tensors: list, datas: list) -> pa.Array:
@@ -255,20 +278,20 @@ def _joined(tensors: list, datas: list) -> pa.Array:
         raise
 
 
-def _one_hot_ids(inputs: dict, columns: tuple, rows: int) -> dict[str, np.ndarray]:
+def _one_hot_ids(inputs: dict, columns: tuple, rows: int, decimal: frozenset) -> dict[str, np.ndarray]:
     """int64 ids ``[rows]`` of each one-hot column (see :func:`~dynemb.data.columns.categorical_ids`)."""
     datas = {c: _data(inputs[c], ID_TYPES, rows) for c in columns}
     out = {}
-    for datatype in ID_TYPES:
-        group = [c for c in columns if inputs[c]["datatype"] == datatype]
+    for datatype, text_ints in itertools.product(ID_TYPES, (False, True)):
+        group = [c for c in columns if inputs[c]["datatype"] == datatype and (c in decimal) == text_ints]
         if not group:
             continue
         joined = _joined([inputs[c] for c in group], [datas[c] for c in group])
         if joined.null_count:  # nulls get their column's own key: column by column
             for k, c in enumerate(group):
-                out[c] = _column_ids(inputs[c], joined.slice(k * rows, rows), c)
+                out[c] = _column_ids(inputs[c], joined.slice(k * rows, rows), c, text_ints)
         else:  # no null: the column name plays no part
-            ids = _column_ids(inputs[group[0]], joined, group[0])
+            ids = _column_ids(inputs[group[0]], joined, group[0], text_ints)
             out.update(zip(group, np.split(ids, len(group))))
     return out
 

@@ -37,10 +37,13 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve ``app`` on ``host:port`` until interrupted (Ctrl-C, SIGTERM)."""
+def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", on_bound=None) -> None:
+    """Serve ``app`` on ``host:port`` until interrupted (Ctrl-C, SIGTERM); ``on_bound()`` is called once the port
+    is bound (a port in use raises OSError before it)."""
     sock = _bind(host, port)
     try:
+        if on_bound is not None:
+            on_bound()
         _server(app, sock, log_level).run(sockets=[sock])
     finally:
         sock.close()

@@ -43,6 +43,7 @@ class TableState:
     epoch: int = 0  # moved on by each update, under both locks; write-backs of rows read before are dropped
     filling: bool = False  # a background write-back is inserting into the cache (or about to)
     lineage: Optional[Lineage] = None  # the export the table holds; replaced by each update, under the model's lock
+    key_dtype: torch.dtype = torch.int64  # the trained table's key dtype: an int32 one serves only int32-range ids
 
     def default_rows(self, keys: torch.Tensor) -> torch.Tensor:
         if isinstance(self.default, Initializer):
@@ -71,7 +72,8 @@ def new_table(cfg: ModelConfig, i: int, name: str, dim: int, dtype: torch.dtype,
     cache = KeyValueTable(dim, dtype=dtype, device=cfg.device, max_capacity=capacity,
                           init_capacity=min(capacity, 1 << 16), eviction="lru", initializer="zeros")
     return TableState(name, dim, dtype, store_name(cfg.model, name), cache, default, int(entry.get("seed") or 0),
-                      PendingRows(batch_rows(capacity), jitter))
+                      PendingRows(batch_rows(capacity), jitter),
+                      key_dtype=getattr(torch, str(entry.get("key_dtype", "torch.int64")).replace("torch.", "")))
 
 
 def _initializer(name: str, entry: dict, explicit: bool) -> Union[float, Initializer]:

@@ -11,10 +11,10 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from ...table.checks import check_keys, check_positive_int
+from ...table.checks import KEY_DTYPES, check_keys, check_positive_int
 from ..config import ModelConfig, ServerConfig
 from ...checkpoint.export_format import read_chain, read_export, version_name
-from ...checkpoint.manifest import SERVING_FORMAT, complete
+from ...checkpoint.manifest import MANIFEST, SERVING_FORMAT, complete
 from . import updates
 from .cache import TableState, new_table
 from .lineage import Lineage, summary
@@ -95,10 +95,16 @@ class ParameterServer:
         then hold exactly those rows: keys they held beyond them (from an earlier run) are deleted.
 
         Raises:
-            ValueError: a table is not in its export, or has another dim. CheckpointError: an export of the
+            ValueError: an export root is missing or holds no export, a table is not in its export, or has
+                another dim. CheckpointError: an export of the
                 chain is missing or does not match its checksums.
         """
         cfg = self._model(model)
+        for root in cfg.export_roots():
+            if not root.is_dir() or not ((root / "latest").is_file() or (root / MANIFEST).is_file()):
+                what = "no such directory" if not root.is_dir() else "no serving export there (no 'latest' version)"
+                raise ValueError(f"models[{model!r}].sparse_files: export root {root}: {what}; write one with "
+                                 "`dynemb export` or export_for_serving")
         chains = {root: read_chain(root) for root in cfg.export_roots()}
         self._install(cfg, chains, progress)
 
@@ -202,7 +208,7 @@ class ParameterServer:
         cfg = self._model(model)
         if not isinstance(keys_per_table, Mapping):
             raise TypeError(f"keys_per_table must be a dict {{table: keys}}, got {type(keys_per_table).__name__}")
-        batches = {name: (self._table(model, name), self._check_batch(cfg, keys))
+        batches = {name: (t := self._table(model, name), self._check_batch(cfg, t, keys))
                    for name, keys in keys_per_table.items()}
         lookups = [Lookup.from_cache(t, flat) for t, flat in batches.values()]
         read_tiers(self.tiers, lookups)
@@ -212,13 +218,23 @@ class ParameterServer:
                 for name, lookup in zip(batches, lookups)}
 
     @staticmethod
-    def _check_batch(cfg: ModelConfig, keys) -> torch.Tensor:
-        # An int32 table takes int32 ids and int64 ones (HPS habit); stores and caches key by the int64 value.
-        dtype = keys.dtype if isinstance(keys, torch.Tensor) and keys.dtype == torch.int32 else torch.int64
-        flat = check_keys(keys, dtype, getattr(keys, "device", None)).to(torch.int64)
+    def _check_batch(cfg: ModelConfig, table: TableState, keys) -> torch.Tensor:
+        # Any table takes int32 and int64 ids (HPS habit); stores and caches key by the int64 value. An int32
+        # table only ever trained int32-range ids: a larger one is refused, as training refuses it.
+        if not isinstance(keys, torch.Tensor) or keys.dtype not in KEY_DTYPES:
+            got = f"{keys.dtype} tensor" if isinstance(keys, torch.Tensor) else type(keys).__name__
+            raise TypeError(f"keys of table {table.name!r} must be an int64 or int32 tensor (the table's key dtype "
+                            f"is {table.key_dtype}), got {got}")
+        flat = check_keys(keys, keys.dtype, keys.device).to(torch.int64)
         if flat.numel() > cfg.max_batch_size:
             raise ValueError(f"keys has {flat.numel()} entries, more than models[{cfg.model!r}].max_batch_size "
                              f"({cfg.max_batch_size})")
+        if table.key_dtype == torch.int32 and keys.dtype == torch.int64 and flat.numel():
+            info = torch.iinfo(torch.int32)
+            if int(flat.min()) < info.min or int(flat.max()) > info.max:
+                bad = flat[(flat < info.min) | (flat > info.max)][0]
+                raise ValueError(f"keys of table {table.name!r}: {int(bad)} is outside the int32 range "
+                                 f"[{info.min}, {info.max}] of the table's keys (key_dtype torch.int32)")
         return flat
 
     def _write_back(self, cfg: ModelConfig, m: Lookup, fetched: Optional[tuple]) -> None:
