@@ -120,3 +120,14 @@ def test_errors():
     t = KeyValueTable(4, max_bytes=300)  # room for one bare row: a slot no longer fits
     with pytest.raises(ValueError, match="too small for one row"):
         t.add_slot("m", 64)
+
+
+def test_split_max_bytes_argument_mistakes():
+    from dynemb.collection import split_max_bytes
+
+    with pytest.raises(TypeError, match="list of TableConfig"):
+        split_max_bytes({"a": TableConfig(name="a", dim=4)}, 1 << 20)
+    with pytest.raises(TypeError, match="list of TableConfig"):
+        split_max_bytes(["a"], 1 << 20)
+    with pytest.raises(ValueError, match="tables is empty"):
+        split_max_bytes([], 1 << 20)

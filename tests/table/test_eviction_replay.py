@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from dynemb.data.traces import DriftingTrace
 from dynemb.table import replay as replay_module
 from dynemb.table.hashing import mix64
-from dynemb.table.replay import belady, replay, unique_accesses
+from dynemb.table.replay import belady, compare, replay, unique_accesses
 
 POLICIES = ["lru", "lfu", "epoch_lru", "epoch_lfu", "decayed_lfu"]
 batches_st = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), min_size=1, max_size=7)
@@ -110,3 +110,17 @@ def test_trace_follows_the_power_law():
 def test_trace_rejects_bad_arguments(bad, match):
     with pytest.raises(ValueError, match=match):
         DriftingTrace(**bad)
+
+
+def test_replay_mistakes_are_named_errors():
+    batches = [torch.randint(0, 50, (32,), dtype=torch.int32) for _ in range(3)]
+    accesses = unique_accesses(batches)  # int32 batches and lists of ints are fine
+    assert accesses[0][0].dtype == torch.int64 and unique_accesses([[1, 2, 2]])[0][1].tolist() == [1, 2]
+    with pytest.raises(TypeError, match="unique_accesses"):
+        replay(batches, 10, "lfu")
+    with pytest.raises(ValueError, match="max_capacity must be an int >= 1, got 0"):
+        replay(accesses, 0, "lfu")
+    with pytest.raises(ValueError, match="custom"):
+        replay(accesses, 10, "custom")
+    with pytest.raises(ValueError, match=r"fractions must be numbers in \(0, 1\]"):
+        compare(accesses, fractions=(2.0,))

@@ -211,6 +211,10 @@ def split_max_bytes(tables: list[TableConfig], max_bytes: int) -> list[TableConf
         [431250, 617325]
     """
     check_positive_int(max_bytes, "max_bytes")
+    if isinstance(tables, (str, bytes, dict)) or not all(isinstance(t, TableConfig) for t in tables):
+        raise TypeError(f"split_max_bytes: tables must be a list of TableConfig, got {tables!r}")
+    if not tables:
+        raise ValueError("split_max_bytes: tables is empty; give the collection's TableConfigs")
     free = [t for t in tables if not t.is_static and (t.max_capacity, t.max_bytes, t.tiers) == (None,) * 3]
     if not free:
         raise ValueError("split_max_bytes: every table is static or has its own bound; none is left to share "

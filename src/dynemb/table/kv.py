@@ -483,6 +483,10 @@ class KeyValueTable(RowStore):
         no score (a run that saves midway evicts exactly as one that does not, and as one resumed from the save)."""
         return self.clock - self.save_ticks
 
+    def prefetch(self, keys: torch.Tensor) -> None:
+        """Nothing to do: every row of an untiered table is in place (:class:`TieredTable` brings rows up), so a
+        loader may call ``table.prefetch(next_keys)`` on any table."""
+
     def _touch(self, rows: torch.Tensor, custom: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
         touch_scores(self.policy, self.scores, rows, clock=self.access_clock, epoch=self.epoch, custom=custom, counts=counts,
                      half_life=self.half_life)

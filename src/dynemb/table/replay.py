@@ -18,7 +18,9 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from .checks import check_int
 from .kv import KeyValueTable
+from .policy import EvictionPolicy
 
 __all__ = ["replay", "belady", "unique_accesses", "compare", "policies", "summarize"]
 
@@ -34,8 +36,23 @@ def policies(epoch_every: int) -> dict[str, dict]:
 
 
 def unique_accesses(batches: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(unique keys, counts)`` of each batch: the accesses :func:`replay` and :func:`belady` score."""
-    return [torch.unique(b.reshape(-1), return_counts=True) for b in batches]
+    """``(unique keys, counts)`` of each batch (tensors or lists of ints; int32 keys become int64): the accesses
+    :func:`replay` and :func:`belady` score."""
+    out = []
+    for i, b in enumerate(batches):
+        b = torch.as_tensor(b)
+        if b.is_floating_point() or b.dtype == torch.bool:
+            raise TypeError(f"batches[{i}] must hold integer ids, got {b.dtype}")
+        out.append(torch.unique(b.reshape(-1).to(torch.int64), return_counts=True))
+    return out
+
+
+def _check_accesses(accesses) -> None:
+    if not isinstance(accesses, (list, tuple)) or any(
+            not (isinstance(a, tuple) and len(a) == 2 and all(isinstance(t, torch.Tensor) for t in a))
+            for a in accesses):
+        raise TypeError("accesses must be a list of (unique keys, counts) tensor pairs: pass your batches through "
+                        "unique_accesses(batches) first")
 
 
 def replay(accesses: list[tuple[torch.Tensor, torch.Tensor]], max_capacity: int, eviction=None, *,
@@ -54,6 +71,10 @@ def replay(accesses: list[tuple[torch.Tensor, torch.Tensor]], max_capacity: int,
         ``{"hit_rate", "hits", "accesses", "evicted", "evicted_per_row"}``; ``evicted_per_row`` is evictions
         divided by ``max_capacity`` (how many times over the table's rows were replaced).
     """
+    _check_accesses(accesses)
+    check_int(max_capacity, "max_capacity", minimum=1)
+    if EvictionPolicy.parse(eviction) is EvictionPolicy.CUSTOM:
+        raise ValueError("replay cannot score eviction='custom': its scores come from the caller's calls")
     table = KeyValueTable(1, max_capacity=max_capacity, eviction=eviction, initializer="zeros",
                           init_capacity=min(max_capacity, 1 << 16), **table_kw)
     hits = total = 0
@@ -77,6 +98,8 @@ def belady(accesses: list[tuple[torch.Tensor, torch.Tensor]], max_capacity: int,
         >>> belady(acc, 2)["hits"]  # keeps 1 and 2 and does not store 3: 1 hits twice, 2 once
         3
     """
+    _check_accesses(accesses)
+    check_int(max_capacity, "max_capacity", minimum=1)
     sizes = [keys.numel() for keys, _ in accesses]
     flat = torch.cat([keys for keys, _ in accesses]).numpy() if accesses else np.zeros(0, np.int64)
     _, ids = np.unique(flat, return_inverse=True)
@@ -144,6 +167,9 @@ def compare(accesses: list[tuple[torch.Tensor, torch.Tensor]], fractions=(0.1, 0
     Returns one row per (fraction, policy): ``fraction``, ``capacity``, ``policy``, ``hit_rate``,
     ``gap_to_belady`` (points of hit rate, >= 0) and ``evicted_per_row`` (absent for Belady).
     """
+    _check_accesses(accesses)
+    if any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1 for f in fractions):
+        raise ValueError(f"fractions must be numbers in (0, 1] (shares of the trace's distinct keys), got {fractions!r}")
     candidates = policies(max(1, len(accesses) // 8)) if candidates is None else candidates
     distinct = torch.unique(torch.cat([keys for keys, _ in accesses])).numel()
     rows = []
