@@ -136,3 +136,17 @@ def test_gather_equals_index_select_and_find_is_the_same_under_both_backends():
         found[backend] = table.find(keys)
     assert all(torch.equal(a, b) for a, b in zip(found["numba"], found["torch"]))
     assert found["numba"][1].tolist() == [[True, False], [True, False]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(key_dtype=st.sampled_from([torch.int64, torch.int32]), size=st.integers(0, 40),
+       picks=st.lists(st.integers(-3, 45), max_size=30, unique=True), corrupt=st.integers(-1, 29))
+def test_rows_current_equals_the_torch_check(key_dtype, size, picks, corrupt):
+    info = torch.iinfo(key_dtype)
+    row_keys = torch.tensor([info.min, info.max, -1, 0] + list(range(1, 45)), dtype=key_dtype)
+    rows = torch.tensor(picks, dtype=torch.int64)
+    keys = row_keys[rows.clamp(0, row_keys.numel() - 1)].clone()
+    if 0 <= corrupt < keys.numel():  # one key that its row no longer holds (moved or reused since)
+        keys[corrupt] = info.max if keys[corrupt] != info.max else info.min
+    expected = not bool(((rows < 0) | (rows >= size) | (row_keys[rows.clamp(0, 47)] != keys)).any())
+    assert POOL.rows_current(row_keys, size, keys, rows) is expected
