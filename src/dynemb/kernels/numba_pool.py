@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from .numba_index import _mix64
-from .numba_math import fma, prefetch_row
+from .numba_math import fma, prefetch_row, prefetch_row_for_write
 
-__all__ = ["dedup", "gather", "pool", "row_grad", "rows_current", "sum_rows"]
+__all__ = ["dedup", "fill_rows", "gather", "pool", "row_grad", "rows_current", "sum_rows"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 _GRAD_AHEAD = 16  # ids between the prefetch of a bag's gradient row and its sum (about 5% of a fused update)
@@ -66,6 +66,13 @@ def rows_current(row_keys: torch.Tensor, size: int, keys: torch.Tensor, rows: to
     return bool(_rows_current_kernel(row_keys.numpy(), size, keys.numpy(), rows.numpy()))
 
 
+def fill_rows(column: torch.Tensor, rows: torch.Tensor, value: int) -> bool:
+    """``column[rows] = value`` for a 1-D int column (score and version stamps) when every row is in range
+    (returns True); False, with nothing written, otherwise. ``index_fill_`` waits on each row's cache miss in turn;
+    this prefetches rows ahead (about half the time for 78k random rows of 1M)."""
+    return bool(_fill_kernel(column.numpy(), rows.numpy(), value))
+
+
 def _opt(t: torch.Tensor | None) -> np.ndarray:
     return _NONE_F if t is None else t.numpy()
 
@@ -92,6 +99,20 @@ def _rows_current_kernel(row_keys, size, keys, rows):
         r = rows[u]
         if r < 0 or r >= size or row_keys[r] != keys[u]:
             return False
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _fill_kernel(column, rows, value):
+    n, size = rows.shape[0], column.shape[0]
+    for u in range(n):  # all or nothing: a row out of range leaves the column to the caller's error
+        if rows[u] < 0 or rows[u] >= size:
+            return False
+    as_rows = column.reshape((size, 1))
+    for u in range(n):
+        if u + _AHEAD < n:
+            prefetch_row_for_write(as_rows, rows[u + _AHEAD])
+        column[rows[u]] = value
     return True
 
 
