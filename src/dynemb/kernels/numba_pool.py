@@ -3,7 +3,9 @@
 The torch reference gathers the call's ids into an ``[N]`` row list and runs ``F.embedding_bag`` over the table,
 then divides by the combiner's denominators in another pass. :func:`pool` reads each id's row straight from the
 table and writes each bag once, already combined. :func:`row_grad` is the step-mode backward: each unique row sums
-its ids' bag gradients in the order of the call's one sort.
+its ids' bag gradients in the order of the call's one sort. :func:`rows_current` (the backward's check that rows
+still hold their keys) and :func:`fill_rows` (score and version stamps) are single passes that prefetch the random
+entries they read or write ahead.
 
 Float32 tables only (the caller routes other dtypes to torch). Sums run in the reference's order (ids in input
 order within a bag, and within a row for the gradient).

@@ -20,10 +20,10 @@ _FLOAT_VIEW = {torch.int64: torch.float64, torch.int32: torch.float32, torch.int
 
 
 def fill_rows(dst: torch.Tensor, rows: torch.Tensor, value: int) -> None:
-    """``dst.index_fill_(0, rows, value)`` for a 1-D int column (score and version stamps). Large batches on CPU
+    """``dst.index_fill_(0, rows, value)`` for a 1-D int64 column (score and version stamps). Large batches on CPU
     go to the pool kernels' ``fill_rows`` (rows prefetched ahead), when the default backend has it."""
     if dst.device.type == "cpu" and rows.numel() >= _KERNEL_FILL_MIN and dst.dim() == 1 and dst.is_contiguous() \
-            and rows.dtype == torch.int64 and rows.is_contiguous():
+            and dst.dtype == rows.dtype == torch.int64 and rows.is_contiguous():
         fill = getattr(pool_kernels(None, dst.device), "fill_rows", None)
         if fill is not None and fill(dst, rows, value):
             return
