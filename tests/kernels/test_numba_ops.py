@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from dynemb import optim
 from dynemb.functional.lookup import sort_ids
 from dynemb.functional.pooling import bag_of, sorted_row_grad
-from dynemb.kernels import optim_kernels, pool_kernels
+from dynemb.kernels import optim_kernels, pool_kernels, use_backend
 from dynemb.table import KeyValueTable
+from dynemb.table.ops import fill_rows
 
 pytest.importorskip("numba")
 POOL = pool_kernels("numba", "cpu")
@@ -136,3 +137,48 @@ def test_gather_equals_index_select_and_find_is_the_same_under_both_backends():
         found[backend] = table.find(keys)
     assert all(torch.equal(a, b) for a, b in zip(found["numba"], found["torch"]))
     assert found["numba"][1].tolist() == [[True, False], [True, False]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(key_dtype=st.sampled_from([torch.int64, torch.int32]), size=st.integers(0, 40),
+       picks=st.lists(st.integers(-3, 45), max_size=30, unique=True), corrupt=st.integers(-1, 29))
+def test_rows_current_equals_the_torch_check(key_dtype, size, picks, corrupt):
+    info = torch.iinfo(key_dtype)
+    row_keys = torch.tensor([info.min, info.max, -1, 0] + list(range(1, 45)), dtype=key_dtype)
+    rows = torch.tensor(picks, dtype=torch.int64)
+    keys = row_keys[rows.clamp(0, row_keys.numel() - 1)].clone()
+    if 0 <= corrupt < keys.numel():  # one key that its row no longer holds (moved or reused since)
+        keys[corrupt] = info.max if keys[corrupt] != info.max else info.min
+    expected = not bool(((rows < 0) | (rows >= size) | (row_keys[rows.clamp(0, 47)] != keys)).any())
+    assert POOL.rows_current(row_keys, size, keys, rows) is expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from([torch.int64, torch.int32]), n=st.integers(0, 9000), value=st.integers(-2**31, 2**31 - 1),
+       bad=st.sampled_from([None, -1, 10_000]))
+def test_fill_rows_equals_index_fill_and_writes_nothing_for_rows_out_of_range(dtype, n, value, bad):
+    g = torch.Generator().manual_seed(n)
+    column = torch.randint(-100, 100, (10_000,), generator=g, dtype=dtype)
+    rows = torch.randint(0, 10_000, (n,), generator=g)
+    if bad is not None and n:
+        rows[n // 2] = bad
+    got = column.clone()
+    assert POOL.fill_rows(got, rows, value) is (bad is None or not n)  # the kernel writes all rows or none
+    if bad is not None and n:
+        assert torch.equal(got, column)
+    else:
+        assert torch.equal(got, column.clone().index_fill_(0, rows, value))
+    with use_backend("numba"):  # the table layer's entry point does exactly what index_fill_ does, errors included
+        expected, error = column.clone(), None
+        try:
+            expected.index_fill_(0, rows, value)
+        except IndexError as e:
+            error = e
+        got = column.clone()
+        if error is None:
+            fill_rows(got, rows, value)
+            assert torch.equal(got, expected)
+        else:
+            with pytest.raises(IndexError):
+                fill_rows(got, rows, value)
+            assert torch.equal(got, expected)  # what index_fill_ wrote before its error

@@ -117,3 +117,25 @@ def test_a_kernel_step_changes_the_table_like_torch(fused):
             results.append((emb.lookup(keys), emb.table.slot(emb.table.slot_names[0])[emb.table.find_rows(keys)]))
     torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-6)
     assert not torch.equal(results[1][0], dynemb.DynamicEmbedding(D, seed=1).lookup(torch.arange(-500, 500)))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_rows_moved_between_forward_and_backward_get_their_gradient(fused):
+    """An erase between forward and backward moves the table's last row into the hole: the backward's row check
+    (the ``rows_current`` kernel, then torch's re-find) sends each gradient to its key's new row, as torch does."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.arange(40)
+    grad = torch.randn(10, D, generator=g)
+    results = []
+    for backend in ("numba", "torch"):
+        with use_backend(backend):
+            emb = dynemb.DynamicEmbedding(D, seed=1)
+            emb.table.find_or_insert(torch.arange(60))
+            opt = optim.SGD([emb], lr=0.5, fused=fused)
+            out = embedding_lookup_sparse(emb, ids, torch.arange(0, 40, 4))
+            assert emb.table.erase(torch.tensor([3, 50])) == 2  # key 59 (last row) moves into key 3's row
+            (out * grad).sum().backward()
+            opt.step()
+            results.append(emb.lookup(torch.arange(60)))
+    assert torch.equal(results[0], results[1])
+    assert not torch.equal(results[0][10:40], dynemb.DynamicEmbedding(D, seed=1).lookup(torch.arange(10, 40)))

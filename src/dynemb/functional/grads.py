@@ -72,6 +72,10 @@ def current_rows(table, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     if isinstance(table, StaticTable):
         return rows
     size = table.live_rows()
+    kernels = pool_kernels(getattr(table, "backend", None), table.device)
+    check = getattr(kernels, "rows_current", None)  # optional in the pool family
+    if check is not None and table.row_keys.is_contiguous() and check(table.row_keys, size, keys, rows):
+        return rows
     stale = (rows < 0) | (rows >= size)
     stale |= gather_rows(table.row_keys, rows.clamp(0, max(size - 1, 0))) != keys
     if bool(stale.any()):  # all keys at once: a tiered table brings rows moved down since back up, pinning the rest

@@ -49,6 +49,12 @@ tables (and float32 weights and slots) to ``pool`` and ``optim`` kernels
 - ``gather(values [R, D], rows [N], out [N, D]) -> out`` (optional: a module without it leaves ``find`` to
   ``index_select``): ``out[i] = values[max(rows[i], 0)]`` (the caller overwrites the rows of ``rows[i] < 0``);
   what :meth:`~dynemb.table.KeyValueTable.find` reads its rows with.
+- ``rows_current(row_keys [C] keys' dtype, size: int, keys [U], rows [U]) -> bool`` (optional: a module without
+  it leaves the check to torch): whether every ``0 <= rows[u] < size`` and ``row_keys[rows[u]] == keys[u]``, the
+  fast path of :func:`~dynemb.functional.grads.current_rows` (False sends it to the torch re-check).
+- ``fill_rows(column [C] int, rows [N], value: int) -> bool`` (optional: a module without it leaves the stamps to
+  ``index_fill_``): ``column[rows] = value`` and True when every ``0 <= rows[i] < C``, else False with nothing
+  written; how :func:`~dynemb.table.ops.fill_rows` writes score and version stamps of large batches.
 - ``row_grad(grad [B, D] float32, order [N], starts [U + 1], bag [N], weights [N] | None) -> [U, D] float32``:
   the gradient of a sum-pooling for each unique row, ``g[u] = sum(weights[j] * grad[bag[j]] for j in
   order[starts[u]:starts[u + 1]])``, summed in that order (``order`` lists the ids grouped by unique row, in input

@@ -50,10 +50,14 @@ def _mutates_gradient(kind: str, h: np.ndarray) -> bool:
     return kind in ("adagrad", "rowwise_adagrad") and bool(h[1])
 
 
-_CHUNK = 32  # rows whose gradients are summed, then applied: the [32, D] buffer stays in L1
-# Rows between a row's prefetch and its update: enough misses in flight, not more than the CPU tracks. Each kernel
-# writes its prefetch out in its own loop: the same code in a numba ``inline="always"`` helper ran 2-3x slower.
-_AHEAD = 8
+_CHUNK = 64  # rows whose gradients are summed, then applied: the [64, D] buffer stays in L1 (16 KB at D=64)
+# Rows between a row's prefetch and its update: about one chunk, so that a chunk's rows load while the previous
+# chunk is summed and applied. Measured (RowWiseAdagrad, 78k random rows of 1M, D=64, cold caches): 64 rows ahead
+# take 0.85x the time of 8. Kernels that touch three D-wide rows per row (Adam, FTRL; Adagrad and SGD with momentum
+# two) prefetch 16 ahead: 64 rows of three arrays overflow L1 (Adam ran 5% slower at 64). Each kernel writes its
+# prefetch out in its own loop: the same code in a numba ``inline="always"`` helper ran 2-3x slower.
+_AHEAD = 64
+_AHEAD_WIDE = 16
 
 
 @numba.njit(nogil=True, cache=True, fastmath={"reassoc", "nsz"})
@@ -71,12 +75,13 @@ def _sgd(values, buf, unused, rows, grad, order, starts, bag, weights, h):
     momentum, decay = np.float32(h[1]), np.float32(h[2])
     nesterov, neg_lr = h[3] != 0.0, np.float32(-h[0])
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
+    far = _AHEAD if buf.shape[0] == 0 else _AHEAD_WIDE
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
         rows_grad = sum_rows(lo, hi, chunk, grad, order, starts, bag, weights)
         for u in range(lo, hi):
-            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
-                ahead = rows[u + _AHEAD]
+            if u + far < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + far]
                 prefetch_row_for_write(values, ahead)
                 if buf.shape[0] > 0:
                     prefetch_row_for_write(buf, ahead)
@@ -102,8 +107,8 @@ def _adagrad(values, state, unused, rows, grad, order, starts, bag, weights, h):
         hi = min(lo + _CHUNK, rows.shape[0])
         rows_grad = sum_rows(lo, hi, chunk, grad, order, starts, bag, weights)
         for u in range(lo, hi):
-            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
-                ahead = rows[u + _AHEAD]
+            if u + _AHEAD_WIDE < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + _AHEAD_WIDE]
                 prefetch_row_for_write(values, ahead)
                 prefetch_row_for_write(state, ahead)
             g, v, s = rows_grad[u - lo], values[rows[u]], state[rows[u]]
@@ -150,8 +155,8 @@ def _adam(values, exp_avg, exp_avg_sq, rows, grad, order, starts, bag, weights, 
         hi = min(lo + _CHUNK, rows.shape[0])
         rows_grad = sum_rows(lo, hi, chunk, grad, order, starts, bag, weights)
         for u in range(lo, hi):
-            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
-                ahead = rows[u + _AHEAD]
+            if u + _AHEAD_WIDE < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + _AHEAD_WIDE]
                 prefetch_row_for_write(values, ahead)
                 prefetch_row_for_write(exp_avg, ahead)
                 prefetch_row_for_write(exp_avg_sq, ahead)
@@ -182,8 +187,8 @@ def _ftrl(values, accumulator, linear, rows, grad, order, starts, bag, weights, 
         hi = min(lo + _CHUNK, rows.shape[0])
         rows_grad = sum_rows(lo, hi, chunk, grad, order, starts, bag, weights)
         for u in range(lo, hi):
-            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
-                ahead = rows[u + _AHEAD]
+            if u + _AHEAD_WIDE < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                ahead = rows[u + _AHEAD_WIDE]
                 prefetch_row_for_write(values, ahead)
                 prefetch_row_for_write(accumulator, ahead)
                 prefetch_row_for_write(linear, ahead)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .ops import fill_rows
+
 __all__ = ["ChangeLog"]
 
 
@@ -25,7 +27,7 @@ class ChangeLog:
 
     def mark_updated(self, rows: torch.Tensor) -> None:
         """Stamp rows as written now (optimizers call this after updating values or slots in place)."""
-        self._cols["version"].index_fill_(0, rows, self.clock)
+        fill_rows(self._cols["version"], rows, self.clock)
 
     def track_deletions(self, enabled: bool = True) -> None:
         """Keep a log of deleted keys (erase, evict, restrict, clear) for :meth:`changes_since`."""

@@ -6,7 +6,9 @@ import math
 
 import torch
 
-__all__ = ["gather_rows", "last_occurrence", "copy_rows"]
+from ..kernels.dispatch import pool_kernels
+
+__all__ = ["gather_rows", "last_occurrence", "copy_rows", "fill_rows"]
 
 # Rows gathered per step by copy_rows on CPU: a cache-sized temporary instead of one [N, D] tensor, whose fresh
 # pages cost more to fault in than the copy itself.
@@ -15,6 +17,21 @@ _CPU_CHUNK_ELEMENTS = 1 << 18
 # torch's index_select has a vectorized copy path for floating dtypes only; integer rows are gathered through a
 # same-width float view, which copies the bits unchanged and runs several times faster on CPU.
 _FLOAT_VIEW = {torch.int64: torch.float64, torch.int32: torch.float32, torch.int16: torch.float16}
+
+
+def fill_rows(dst: torch.Tensor, rows: torch.Tensor, value: int) -> None:
+    """``dst.index_fill_(0, rows, value)`` for a 1-D int64 column (score and version stamps). Large batches on CPU
+    go to the pool kernels' ``fill_rows`` (rows prefetched ahead), when the default backend has it."""
+    if dst.device.type == "cpu" and rows.numel() >= _KERNEL_FILL_MIN and dst.dim() == 1 and dst.is_contiguous() \
+            and dst.dtype == rows.dtype == torch.int64 and rows.is_contiguous():
+        fill = getattr(pool_kernels(None, dst.device), "fill_rows", None)
+        if fill is not None and fill(dst, rows, value):
+            return
+    dst.index_fill_(0, rows, value)
+
+
+# Rows below which index_fill_ wins (a kernel call costs a few microseconds more).
+_KERNEL_FILL_MIN = 4096
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -35,7 +35,7 @@ import enum
 
 import torch
 
-from .ops import last_occurrence
+from .ops import fill_rows, last_occurrence
 
 __all__ = ["EvictionPolicy", "touch_scores", "DEFAULT_HALF_LIFE", "DEFAULT_BOUNDED"]
 
@@ -87,11 +87,11 @@ def touch_scores(
     if rows.numel() == 0:
         return
     if policy is EvictionPolicy.LRU:
-        scores.index_fill_(0, rows, clock)
+        fill_rows(scores, rows, clock)
     elif policy is EvictionPolicy.LFU:
         scores.index_add_(0, rows, torch.ones_like(rows) if counts is None else counts)
     elif policy is EvictionPolicy.EPOCH_LRU:
-        scores.index_fill_(0, rows, (epoch << 32) | (clock & _LOW32))
+        fill_rows(scores, rows, (epoch << 32) | (clock & _LOW32))
     elif policy is EvictionPolicy.EPOCH_LFU:
         current = scores.index_select(0, rows)
         fresh = torch.where((current >> 32) == epoch, current, epoch << 32)
