@@ -73,9 +73,6 @@ class SlowStore(RowStore):
             path = os.path.abspath(os.fspath(where))
             if os.path.exists(path) and not os.path.isdir(path):
                 raise ValueError(f"Tiers.slow must be 'host' or a directory, got {os.fspath(where)!r}: a file is there")
-            if not os.path.isdir(os.path.dirname(path)):  # one new level at most: a typo is not a new tree
-                raise ValueError(f"Tiers.slow {os.fspath(where)!r}: its parent directory {os.path.dirname(path)!r} "
-                                 "does not exist")
             os.makedirs(path, exist_ok=True)
             _remove_orphans(os.fspath(where))
             self.directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{_HOST}-{os.getpid()}-", dir=os.fspath(where))
