@@ -6,7 +6,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..kernels.dispatch import pool_kernels
+from ..kernels.dispatch import pool_kernels, table_kernels
 from ..table.ops import gather_rows
 from ..table.static import StaticTable
 from .pooling import sorted_row_grad
@@ -24,14 +24,6 @@ class PooledGrad(NamedTuple):
     starts: Optional[torch.Tensor]
     bag: Optional[torch.Tensor]
     weights: Optional[torch.Tensor]
-
-
-def table_kernels(family, table):
-    """The kernel module of ``family`` (a :mod:`dynemb.kernels.dispatch` function such as ``pool_kernels``) for
-    ``table``'s backend and device, or None for torch; float32 tables only."""
-    if table.dtype != torch.float32:
-        return None
-    return family(getattr(table, "backend", None), table.device)
 
 class SparseGrad:
     """Gradients recorded for one table between ``zero_grad`` and ``step``: ``(keys, rows, grad)`` batches."""

@@ -117,6 +117,7 @@ __all__ = [
     "numba_available",
     "triton_available",
     "index_kernels",
+    "table_kernels",
     "pool_kernels",
     "optim_kernels",
     "init_kernels",
@@ -218,6 +219,14 @@ def _triton_interprets() -> bool:
     import triton
 
     return bool(triton.knobs.runtime.interpret)
+
+
+def table_kernels(family, table) -> ModuleType | None:
+    """The kernel module of ``family`` (one of the functions below, such as :func:`pool_kernels`) for ``table``'s
+    backend and device, or None for torch: the kernels serve float32 tables only."""
+    if table.dtype != torch.float32:
+        return None
+    return family(getattr(table, "backend", None), table.device)
 
 
 def index_kernels(backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:

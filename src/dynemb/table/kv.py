@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.dispatch import Backend, pool_kernels
+from ..kernels.dispatch import Backend, pool_kernels, table_kernels
 from . import budget
 from . import fused
 from .admission import FrequencyAdmission
@@ -172,19 +172,15 @@ class KeyValueTable(RowStore):
             rows, values = one_launch
             return values.view(*keys.shape, self.dim), self._found(keys, rows, update_scores)
         rows = self.index.find(flat)
-        found = rows >= 0
         values = self._gather(rows, out)
-        if not bool(found.all()):
-            miss = (~found).nonzero().squeeze(1)
+        if not bool((rows >= 0).all()):
+            miss = (rows < 0).nonzero().squeeze(1)
             values.index_copy_(0, miss, self.initial_rows(flat.index_select(0, miss)))
-        if update_scores:
-            self.clock += 1
-            self._touch(rows[found])
-        return values.view(*keys.shape, self.dim), found.view(keys.shape)
+        return values.view(*keys.shape, self.dim), self._found(keys, rows, update_scores)
 
     def _gather(self, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """``values[rows]`` (row 0 where ``rows`` is -1), by the ``gather`` kernel when one serves this table."""
-        kernels = pool_kernels(self.backend, self.device) if self.dtype == torch.float32 else None
+        kernels = table_kernels(pool_kernels, self)
         gather = getattr(kernels, "gather", None)  # optional in the pool family
         if gather is None or (out is not None and not out.is_contiguous()):
             return gather_rows(self.values, rows.clamp(min=0), out=out)
