@@ -233,3 +233,36 @@ def test_int32_ids_and_fp64_dense_values_score_as_int64_and_fp32(run, url, binar
     finally:
         client.close()
     np.testing.assert_allclose(other, plain, atol=1e-6, rtol=0)
+
+
+def test_statistics_count_requests_rows_and_forward_passes_as_triton_reports_them(served):
+    # A fresh app: its counts start at zero.
+    with running(build_app(served)) as base:
+        with tritonclient_http.InferenceServerClient(base.removeprefix("http://"), network_timeout=TIMEOUT) as c:
+            assert c.get_inference_statistics("ctr")["model_stats"][0]["inference_count"] == 0
+            for rows in (2, 5):
+                assert httpx.post(f"{base}/v2/models/ctr/infer", json=body(rows=rows), timeout=TIMEOUT).is_success
+            bad = httpx.post(f"{base}/v2/models/ctr/infer", json=body(price=None), timeout=TIMEOUT)
+            assert bad.status_code == 400
+            stats = c.get_inference_statistics("ctr")["model_stats"]
+            assert c.get_inference_statistics()["model_stats"] == stats  # every model: this one
+        (s,) = stats
+        assert (s["name"], s["version"]) == ("ctr", str(served.version))
+        assert s["inference_count"] == 7 and s["execution_count"] == 2 and s["last_inference"] > 0
+        assert s["inference_stats"]["success"]["count"] == 2 and s["inference_stats"]["fail"]["count"] == 1
+        assert s["inference_stats"]["success"]["ns"] >= s["inference_stats"]["compute_infer"]["ns"] > 0
+        assert httpx.get(f"{base}/v2/models/other/stats", timeout=TIMEOUT).status_code == 404
+        assert httpx.get(f"{base}/v2/models/ctr/versions/999/stats", timeout=TIMEOUT).status_code == 404
+        ok = httpx.get(f"{base}/v2/models/ctr/versions/{served.version}/stats", timeout=TIMEOUT)
+        assert ok.json()["model_stats"][0]["execution_count"] == 2
+
+
+def test_infer_answers_other_methods_unknown_models_and_paths_in_json(url):
+    r = httpx.get(f"{url}/v2/models/ctr/infer", timeout=TIMEOUT)
+    assert r.status_code == 405 and "POST" in r.json()["error"]
+    r = httpx.post(f"{url}/v2/models/other/infer", json=body(), timeout=TIMEOUT)
+    assert r.status_code == 404 and "'other'" in r.json()["error"]
+    assert httpx.post(f"{url}/v2/models/ctr/infer/more", json=body(), timeout=TIMEOUT).status_code == 404
+    assert httpx.post(f"{url}/v2/models//infer", json=body(), timeout=TIMEOUT).status_code == 404
+    r = httpx.post(f"{url}/v2/models/ctr/infer", json=body(), timeout=TIMEOUT)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
