@@ -2,8 +2,8 @@
 
 Model: a DLRM trained by ``dynemb train`` on synthetic click logs (26 categorical columns, 13 dense, dim 16), or
 the run given with ``--model``. Its tables are served by the parameter server (20% of each table's rows cached)
-with the in-process memory store or a real ``redis-server`` on a free loopback port, on a background uvicorn
-thread on 127.0.0.1, in this process. Clients are threads, each with its own keep-alive ``geventhttpclient``
+with the in-process memory store or a real ``redis-server`` on a free loopback port, by a ``dynemb serve`` process
+on 127.0.0.1 (as deployed: its own process and GIL). Clients are threads, each with its own keep-alive ``geventhttpclient``
 connection (the HTTP client under ``tritonclient.http``),
 sending infer requests of ``--rows`` rows (default 256: INT64 ids drawn from the ids training saw, 5% unseen; FP32
 dense values) one after another: JSON bodies, and (``binary``) the KServe binary tensor extension tritonclient
@@ -11,8 +11,10 @@ uses. Bodies are encoded beforehand; a client sends one and parses the JSON repl
 parsed reply; req/s is requests over the wall time of the timed phase, after warm-up requests. ``inproc_p50_ms`` is
 ``ServedModel.predict`` on the same (already decoded) batches in this thread; ``added_p50_ms`` (1 client) the
 median of (request latency - in-process call) over pairs timed back to back, one pair per body, so that a busy
-machine slows both alike; ``added_cpu_ms`` the same in CPU time of this process (client, server and model threads:
-what the endpoint costs, unaffected by time spent descheduled). Clients and server share the machine's cores and this process's GIL.
+machine slows both alike; ``added_cpu_ms`` the same in CPU time (the client's CPU per request plus the server
+process's, against the in-process call's: what the endpoint costs, unaffected by time spent descheduled).
+``requests_per_forward`` comes from the server's statistics route (``execution_count``). The freshness run below
+serves from a uvicorn thread of this process, to compare each reply with the training model's own predictions.
 
 Freshness and updates under load: a second run trains while it publishes (``--publish-every 2``: a full export,
 then 20 deltas) into the export a server follows with ``--watch`` at its default interval, while 4 clients send
@@ -25,15 +27,20 @@ Run: ``python benchmarks/serve_endpoint.py [--quick] [--json PATH] [--model RUN_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
+import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import orjson
@@ -164,14 +171,23 @@ def inprocess_p50(model: ServedModel, bodies: list[Body], count: int) -> float:
     return round(1e3 * statistics.median(times), 2)
 
 
-def paired(url: str, model: ServedModel, bodies: list[Body], count: int, binary: bool) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def paired(url: str, server_pid: int, model: ServedModel, bodies: list[Body], count: int, binary: bool) -> dict:
     """One client, each request next to an in-process call on the same batch (interleaved: a busy machine slows
-    both alike): the medians of both and of their differences."""
+    both alike): the medians of both and of their differences, and the same in CPU time (this process's for the
+    in-process call; this process's plus the server's per request for the request)."""
     c = Client(url)
     wall = {True: [], False: []}  # in-process?: ms per call
-    cpu = {True: [], False: []}  # the same in CPU time of this process (client, server and model threads)
+    cpu = {True: [], False: []}  # CPU ms of this process per call
     try:
         for k in range(count + 10):
+            if k == 10:
+                server_cpu = cpu_seconds(server_pid)
             body = bodies[k % len(bodies)]
             # Which goes first alternates: the first call of a pair warms the cache rows the second one reads.
             for inproc in ((False, True) if k % 2 else (True, False)):
@@ -185,37 +201,78 @@ def paired(url: str, model: ServedModel, bodies: list[Body], count: int, binary:
                 if k >= 10:  # warm-up
                     wall[inproc].append(1e3 * (time.perf_counter() - t0))
                     cpu[inproc].append(1e3 * (time.process_time() - c0))
+        server_cpu_ms = 1e3 * (cpu_seconds(server_pid) - server_cpu) / count
     finally:
         c.close()
     return {"inproc_p50_ms": round(statistics.median(wall[True]), 2),
             "added_p50_ms": round(statistics.median(np.subtract(wall[False], wall[True])), 2),
             "inproc_cpu_ms": round(statistics.median(cpu[True]), 2),
-            "added_cpu_ms": round(statistics.median(cpu[False]) - statistics.median(cpu[True]), 2)}
+            "added_cpu_ms": round(statistics.median(cpu[False]) + server_cpu_ms - statistics.median(cpu[True]), 2)}
+
+
+def forward_passes(url: str) -> int:
+    """The server's forward passes so far (the statistics route's ``execution_count``)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = HTTPClient(host, int(port), connection_timeout=60, network_timeout=60)
+    try:
+        return orjson.loads(conn.get(f"/v2/models/{NAME}/stats").read())["model_stats"][0]["execution_count"]
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def serve_process(run: Path, tier_args: list) -> Iterator[tuple[str, int]]:
+    """``dynemb serve`` on a free loopback port, in its own process as deployed; yields ``(url, pid)``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run), "--port", str(port),
+                             "--name", NAME, "--threads", "1", *tier_args], env=env, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"dynemb serve exited with {proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("dynemb serve did not start within 300 s") from None
+                time.sleep(0.2)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def latency_rows(run: Path, tier: str, volatile: dict, rows: int, total: int) -> list[dict]:
-    model = ServedModel(run, name=NAME, volatile_db=volatile)
+    tier_args = [] if tier == "memory" else ["--volatile", "redis", "--redis-address", volatile["address"]]
     results = []
-    try:
-        bodies = make_bodies(model, rows, 64)
-        app = build_app(model)
-        gc.collect()
-        gc.freeze()  # as `dynemb serve` does after loading
-        with running(app) as url:
+    with serve_process(run, tier_args) as (url, pid):
+        model = ServedModel(run, name=NAME, volatile_db=volatile)  # the in-process reference
+        try:
+            bodies = make_bodies(model, rows, 64)
+            gc.collect()
+            gc.freeze()  # as `dynemb serve` does after loading
             for encoding in ("json", "binary"):
                 for clients in CLIENTS:
-                    before = app.state.batcher.forward_passes
+                    before = forward_passes(url)
                     r = load(url, bodies, clients, max(1, total // clients), 10, encoding == "binary")
-                    passes = app.state.batcher.forward_passes - before
-                    r["requests_per_forward"] = round((r["requests"] + 10 * clients) / passes, 2)
+                    r["requests_per_forward"] = round((r["requests"] + 10 * clients) / (forward_passes(url) - before), 2)
                     if clients == 1:
-                        r.update(paired(url, model, bodies, total, encoding == "binary"))
+                        r.update(paired(url, pid, model, bodies, total, encoding == "binary"))
                     else:
                         r["inproc_p50_ms"] = inprocess_p50(model, bodies, min(total, 200))
                     results.append({"tier": tier, "encoding": encoding, **r})
-    finally:
-        gc.unfreeze()
-        model.close()
+        finally:
+            gc.unfreeze()
+            model.close()
     return results
 
 
@@ -322,7 +379,7 @@ def main() -> None:
             finally:
                 redis.kill()
         updates = updates_under_load(Path(tmp), args.rows)
-    print(f"dynemb serve, {args.rows} rows per request, loopback, in-process uvicorn")
+    print(f"dynemb serve (its own process), {args.rows} rows per request, loopback")
     print_table(results, ["tier", "encoding", "clients", "requests", "p50_ms", "p99_ms", "req_per_s",
                           "inproc_p50_ms", "added_p50_ms", "inproc_cpu_ms", "added_cpu_ms", "requests_per_forward"])
     print(f"\nupdates under load ({UPDATE_CLIENTS} clients, a delta every 2 training steps, --watch "

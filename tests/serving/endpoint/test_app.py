@@ -266,3 +266,21 @@ def test_infer_answers_other_methods_unknown_models_and_paths_in_json(url):
     assert httpx.post(f"{url}/v2/models//infer", json=body(), timeout=TIMEOUT).status_code == 404
     r = httpx.post(f"{url}/v2/models/ctr/infer", json=body(), timeout=TIMEOUT)
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+
+
+@pytest.mark.parametrize("size", [2 << 10, 100 << 10])  # read and dropped; past DRAIN_FACTOR x the limit: not read
+def test_an_oversized_body_is_a_400_the_client_receives_and_the_server_stays_up(served, size):
+    from geventhttpclient import HTTPClient  # what tritonclient.http sends with: it sends the body, then reads
+
+    with running(build_app(served, max_body_bytes=1 << 10)) as base:
+        host, port = base.removeprefix("http://").split(":")
+        for chunked in (False, True):
+            client = HTTPClient(host, int(port), network_timeout=TIMEOUT)
+            try:
+                data = b" " * size
+                r = client.post("/v2/models/ctr/infer", iter([data]) if chunked else data,
+                                {"Content-Type": "application/json"})
+                assert r.status_code == 400 and b"limit" in r.read()
+            finally:
+                client.close()
+        assert httpx.post(f"{base}/v2/models/ctr/infer", json=body(), timeout=TIMEOUT).status_code == 200

@@ -37,6 +37,7 @@ __all__ = ["build_app", "MAX_BODY_BYTES", "MAX_BATCH_SIZE"]
 MAX_BODY_BYTES = 8 << 20
 MAX_BATCH_SIZE = 4096
 BINARY_HEADER = "inference-header-content-length"
+DRAIN_FACTOR = 4
 
 
 class _JSON(JSONResponse):
@@ -137,19 +138,28 @@ class _BearerToken:
 
 
 async def _read_body(receive, declared: Optional[bytes], limit: int) -> bytes:
-    """The request body from ASGI ``receive`` messages; over ``limit`` bytes (declared or sent) is a RequestError."""
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(f"the request body has {int(declared)} bytes, more than the limit ({limit})")
-    body, more = b"", True
+    """The request body from ASGI ``receive`` messages; over ``limit`` bytes (declared or sent) is a RequestError.
+
+    An oversized body is still read to its end (and dropped), up to ``DRAIN_FACTOR * limit`` bytes, so that a
+    client that sends the whole body before it reads the answer gets the 400 instead of a broken pipe."""
+    size = int(declared) if declared is not None and declared.isdigit() else None
+    chunks, received, more = [], 0, True
     while more:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ConnectionResetError("the client went away")
-        body += message.get("body", b"")
+        chunk = message.get("body", b"")
+        received += len(chunk)
         more = message.get("more_body", False)
-        if len(body) > limit:
-            raise RequestError(f"the request body is over the limit ({limit} bytes)")
-    return body
+        if received <= limit and (size is None or size <= limit):
+            chunks.append(chunk)
+        elif received > DRAIN_FACTOR * limit or (size is not None and size > DRAIN_FACTOR * limit):
+            break  # not worth reading: answer now, the connection closes
+    if size is not None and size > limit:
+        raise RequestError(f"the request body has {size} bytes, more than the limit ({limit})")
+    if received > limit:
+        raise RequestError(f"the request body is over the limit ({limit} bytes)")
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
