@@ -258,8 +258,9 @@ def test_statistics_count_requests_rows_and_forward_passes_as_triton_reports_the
 
 
 def test_infer_answers_other_methods_unknown_models_and_paths_in_json(url):
-    r = httpx.get(f"{url}/v2/models/ctr/infer", timeout=TIMEOUT)
-    assert r.status_code == 405 and "POST" in r.json()["error"]
+    for method in ("GET", "PUT", "DELETE"):
+        r = httpx.request(method, f"{url}/v2/models/ctr/infer", timeout=TIMEOUT)
+        assert r.status_code == 405 and "POST" in r.json()["error"], method
     r = httpx.post(f"{url}/v2/models/other/infer", json=body(), timeout=TIMEOUT)
     assert r.status_code == 404 and "'other'" in r.json()["error"]
     assert httpx.post(f"{url}/v2/models/ctr/infer/more", json=body(), timeout=TIMEOUT).status_code == 404

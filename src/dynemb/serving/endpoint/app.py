@@ -38,6 +38,7 @@ MAX_BODY_BYTES = 8 << 20
 MAX_BATCH_SIZE = 4096
 BINARY_HEADER = "inference-header-content-length"
 DRAIN_FACTOR = 4
+NOT_POST = ["GET", "HEAD", "PUT", "PATCH", "DELETE", "OPTIONS"]  # on the infer path: a JSON 405
 
 
 class _JSON(JSONResponse):
@@ -295,7 +296,7 @@ def build_app(model: ServedModel, *, token: Optional[str] = None, max_body_bytes
     routes = [Route("/v2/health/live", live), Route("/v2/health/ready", ready),
               Route("/v2/models/stats", stats), Route("/v2/models/{name}/stats", stats),
               Route("/v2/models/{name}/versions/{version}/stats", stats),
-              Route("/v2/models/{name}", metadata), Route("/v2/models/{name}/infer", wrong_method)]
+              Route("/v2/models/{name}", metadata), Route("/v2/models/{name}/infer", wrong_method, methods=NOT_POST)]
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
