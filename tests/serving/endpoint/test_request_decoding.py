@@ -5,6 +5,7 @@ JSON and in binary tensors."""
 import json
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -121,3 +122,48 @@ def test_a_decimal_multi_hot_column_reads_text_integers_as_integers():
 
     assert ids("BYTES", ["5", "-7", "x"], frozenset({"m"}))[:2] == ids("INT64", [5, -7, 0], frozenset())[:2]
     assert ids("BYTES", ["5", "-7", "x"], frozenset())[:2] != [5, -7]  # not a decimal column: hashed
+
+
+# Any JSON value a client might put in `data` (nested arrays too), and requests built around them.
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**64, 2**64), st.text(max_size=4),
+                    st.floats(allow_nan=False, allow_infinity=False))
+DATA = st.lists(st.one_of(SCALARS, st.lists(SCALARS, max_size=2)), max_size=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["INT64", "INT32", "FP32", "FP64", "BYTES", "BOOL", 7]), DATA),
+                max_size=4), st.one_of(st.none(), st.text(max_size=5)))
+def test_json_bodies_parse_as_json_loads_reads_them_with_numeric_data_as_arrays(tensors, request_id):
+    request = {"inputs": [{"name": f"t{i}", "datatype": d, "shape": [len(v)], "data": v}
+                          for i, (d, v) in enumerate(tensors)]}
+    if request_id is not None:
+        request["id"] = request_id
+    text = json.dumps(request).encode()
+    got, expected = parse_body(text), orjson.loads(text)  # what the server read before (ints past 64 bits: floats)
+    assert {k: v for k, v in got.items() if k != "inputs"} == {k: v for k, v in expected.items() if k != "inputs"}
+    for g, e in zip(got["inputs"], expected["inputs"], strict=True):
+        assert {k: v for k, v in g.items() if k != "data"} == {k: v for k, v in e.items() if k != "data"}
+        if not isinstance(g["data"], np.ndarray):
+            assert g["data"] == e["data"]
+            continue
+        # an array only for a numeric datatype whose values (read flat, row-major) are all of its JSON type
+        flat = [x for v in e["data"] for x in (v if isinstance(v, list) else [v])]
+        if e["datatype"] in ("INT64", "INT32"):
+            assert g["data"].dtype == np.int64 and all(type(x) is int for x in flat)
+            assert g["data"].tolist() == flat
+        else:
+            assert e["datatype"] in ("FP32", "FP64") and g["data"].dtype == np.float64
+            assert all(type(x) in (int, float) for x in flat)
+            assert g["data"].tolist() == [float(x) for x in flat]
+
+
+def test_nested_data_is_read_in_row_major_order_as_the_protocol_allows():
+    nested = {"a": ("INT64", [[1, 2], [3, 4]]), "b": ("INT64", [5, 6, 7, 8]), "c": ("BYTES", ["p", "q", "r", "s"]),
+              "x": ("FP32", [[0.5, 1.0], [1.5, 2.0]]), "y": ("FP32", [1.0, 2.0, 3.0, 4.0])}
+    text = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": [4], "data": v}
+                                  for n, (d, v) in nested.items()]}).encode()
+    flat = {n: (d, np.ravel(v).tolist()) for n, (d, v) in nested.items()}
+    got, expected = decode_request(parse_body(text), PREP, 64), decode_request(parse_body(as_json(flat)), PREP, 64)
+    for name in PREP.categorical:
+        np.testing.assert_array_equal(got.sparse[name].numpy(), expected.sparse[name].numpy())
+    np.testing.assert_array_equal(got.dense.numpy(), expected.dense.numpy())

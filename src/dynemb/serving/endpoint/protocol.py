@@ -37,6 +37,11 @@ except ImportError:  # pragma: no cover - depends on the environment
     def dumps_json(obj) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode()
 
+try:  # numeric `data` arrays straight into numpy, no Python object per value: 0.3 ms for a request orjson + Arrow
+    import simdjson  # take 1 ms over (256 rows x 39 columns, after a forward pass cooled the caches)
+except ImportError:  # pragma: no cover - depends on the environment
+    simdjson = None
+
 from ...data.batch import Batch
 from ...data.columns import categorical_ids, dense_values
 from ...data.preprocess import Preprocessing
@@ -65,6 +70,10 @@ def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
         RequestError: the body is not JSON, or a binary tensor does not fit the body.
     """
     head = body if json_length is None else body[:json_length]
+    if json_length is None and simdjson is not None:
+        request = _parse_json(head)
+        if request is not _UNREAD:
+            return request
     try:
         request = _loads(head)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -90,6 +99,51 @@ def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
                                f"{t['datatype']} values")
         else:
             t["data"] = np.frombuffer(raw, dtype=_NUMPY[t["datatype"]])  # no Python objects per value
+    return request
+
+
+_BUFFER = {"INT64": ("i", np.int64), "INT32": ("i", np.int64), "FP32": ("d", np.float64), "FP64": ("d", np.float64)}
+
+
+_UNREAD = object()
+
+
+def _python(value):
+    """A simdjson value as Python objects (what ``json.loads`` gives)."""
+    if isinstance(value, simdjson.Object):
+        return value.as_dict()
+    return value.as_list() if isinstance(value, simdjson.Array) else value
+
+
+def _parse_json(text: bytes) -> Any:
+    """A JSON request as :func:`json.loads` reads it, except that the ``data`` of a numeric input whose values
+    are all of its datatype's JSON type (integers; numbers) is a numpy array (int64; float64), as binary tensors
+    are. Any other ``data`` stays a list, for the checks of :func:`decode_request` to name what is wrong with it.
+    A nested ``data`` array is read flat, in row-major order, as the protocol allows. ``_UNREAD`` when simdjson
+    cannot read the text (invalid JSON, an integer past 64 bits): the plain parser then reads it, or says why not."""
+    parser = simdjson.Parser()
+    try:
+        doc = parser.parse(text)
+    except (ValueError, RuntimeError):  # not JSON, or integers past 64 bits: the plain parser says which
+        return _UNREAD
+    if not (isinstance(doc, simdjson.Object) and isinstance(doc.get("inputs"), simdjson.Array)):
+        return _python(doc)
+    request = {key: _python(doc[key]) for key in doc.keys() if key != "inputs"}
+    request["inputs"] = inputs = []
+    for t in doc["inputs"]:
+        if not isinstance(t, simdjson.Object):
+            inputs.append(_python(t))
+            continue
+        item = {key: _python(t[key]) for key in t.keys() if key != "data"}
+        if "data" in t:
+            data, kind = t["data"], _BUFFER.get(item.get("datatype"))
+            item["data"] = _python(data) if kind is None or not isinstance(data, simdjson.Array) else None
+            if item["data"] is None:
+                try:
+                    item["data"] = np.frombuffer(data.as_buffer(of_type=kind[0]), dtype=kind[1])
+                except (TypeError, ValueError):  # a value of another type, a null, out of range: checked as a list
+                    item["data"] = data.as_list()
+        inputs.append(item)
     return request
 
 
