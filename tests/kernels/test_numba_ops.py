@@ -85,14 +85,14 @@ def _table(make):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("pooled", [False, True, "per_id"])
 def test_sparse_update_equals_the_torch_update(kind, pooled):
+    # pooled: grad [B, D] of bags of 4 ids; "per_id": grad [N, D], one row per id (bag None: bag[j] == j)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 30, (40,), generator=g)
-    offsets = torch.arange(0, 40, 4)
     weights = torch.randn(40, generator=g)
-    grad = torch.randn(10, D, generator=g)
-    bag = torch.arange(10).repeat_interleave(4)
+    grad = torch.randn(40 if pooled == "per_id" else 10, D, generator=g)
+    bag = torch.arange(40) if pooled == "per_id" else torch.arange(10).repeat_interleave(4)
     s = sort_ids(ids)
     rows = s.unique  # key i is row i here
     dense = sorted_row_grad(grad, s.order, s.starts, bag, weights)
@@ -104,7 +104,8 @@ def test_sparse_update_equals_the_torch_update(kind, pooled):
             args = opt.kernel_args(opt.param_groups[0], {"step": 1})
             slots = tuple(table.slot(opt.slot_key(n)) for n in args[2])
             if pooled:
-                OPTIM.sparse_update(*args[:2], table.values, slots, rows, grad, s.order, s.starts, bag, weights)
+                OPTIM.sparse_update(*args[:2], table.values, slots, rows, grad, s.order, s.starts,
+                                    None if pooled == "per_id" else bag, weights)
             else:
                 OPTIM.sparse_update(*args[:2], table.values, slots, rows, dense, None, None, None, None)
             assert torch.equal(dense, before)  # the caller's gradient is left as it was
