@@ -202,6 +202,7 @@ class _TablePool(torch.autograd.Function):
     def forward(ctx, anchor, table, keys, rows, inverse, order, starts, offsets, weights, denom):
         ctx.table = table
         ctx.clock = table.clock  # the lookup that found these rows stamped them at this clock
+        ctx.moves = getattr(table, "row_moves", None)  # they hold their keys while it is unchanged (current_rows)
         ctx.save_for_backward(keys, rows, order, starts, offsets, weights, denom)
         return _pool_rows(table, rows, inverse, offsets, weights, denom)
 
@@ -211,7 +212,7 @@ class _TablePool(torch.autograd.Function):
         keys, rows, order, starts, offsets, weights, denom = ctx.saved_tensors
         grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
         pooled = PooledGrad(order, starts, bag_of(offsets, order.numel()), weights)
-        deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock)
+        deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock, ctx.moves)
         return (None,) * 10
 
 

@@ -405,6 +405,7 @@ class KeyValueTable(RowStore):
         self._log_deleted(self.row_keys[: self._size].clone())
         self.removed += self._size
         self._size = 0
+        self.row_moves += 1
         self.index.clear()
 
     # ------------------------------------------------------------------ bulk
