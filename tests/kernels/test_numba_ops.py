@@ -47,6 +47,29 @@ def test_dedup_groups_ids_like_the_sort(data, key_dtype):
         assert order[starts[u]:starts[u + 1]].tolist() == (ids == unique[u]).nonzero().squeeze(1).tolist()
 
 
+@pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("n", [0, 1, 65, 5000, 300_000])
+def test_dedup_of_large_batches_groups_ids_like_the_sort(n, key_dtype):
+    """Batches past the hypothesis sizes (the kernel's hash table sized for 300k ids, long probe runs), with repeats
+    (a skewed draw) and the dtype's extreme keys as the most frequent ids."""
+    g = torch.Generator().manual_seed(n)
+    info = torch.iinfo(key_dtype)
+    pool = torch.cat([torch.tensor([info.min, info.max, -1, 0]),  # the most frequent ids
+                      torch.randint(info.min, info.max, (max(n // 3, 1),), generator=g, dtype=torch.int64)])
+    ids = pool[(torch.rand(n, generator=g) ** 3 * pool.numel()).long()].to(key_dtype)
+    unique, inverse, order, starts = POOL.dedup(ids)
+    ref = sort_ids(ids)
+    assert torch.equal(unique[inverse], ids) and unique.dtype == ids.dtype
+    assert torch.equal(unique.sort().values, ref.unique)
+    assert starts[0] == 0 and starts[-1] == n and bool((starts.diff() > 0).all())
+    assert torch.equal(ids[order], unique.repeat_interleave(starts.diff()))  # grouped by unique id
+    # within a unique id, its ids keep their input order: positions in order rise along each id's occurrences
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(n)
+    by_id = inverse.argsort(stable=True)
+    assert bool((ranks[by_id].diff()[inverse[by_id][1:] == inverse[by_id][:-1]] > 0).all())
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=bags(), divide=st.booleans())
 def test_pool_and_row_grad_equal_embedding_bag(data, divide):
