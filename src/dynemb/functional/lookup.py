@@ -95,16 +95,18 @@ def sort_ids(flat: torch.Tensor, kernels=None) -> SortedIds:
                      torch.cat([starts, starts.new_tensor([flat.numel()])]))
 
 
-def _find_sorted(table, flat: torch.Tensor, trains: bool) -> tuple[SortedIds, torch.Tensor]:
-    """``(sorted ids, rows [U])`` of a dynamic table: found, or inserted when ``trains`` (see :func:`find_unique`)."""
+def _find_sorted(table, flat: torch.Tensor, trains: bool) -> tuple[SortedIds, torch.Tensor, bool]:
+    """``(sorted ids, rows [U], every row >= 0)`` of a dynamic table: found, or inserted when ``trains`` (see
+    :func:`find_unique`)."""
     ids = sort_ids(flat, table_kernels(pool_kernels, table))
-    if trains and counts_occurrences(table):  # lfu scores and admission count every occurrence
-        rows, _ = table.find_or_insert(ids.unique, counts=ids.counts)
-    elif trains:
-        rows, _ = table.find_or_insert(ids.unique)
-    else:
-        rows = table.find_rows(ids.unique)
-    return ids, rows
+    if trains:
+        if counts_occurrences(table):  # lfu scores and admission count every occurrence
+            rows, found = table.find_or_insert(ids.unique, counts=ids.counts)
+        else:
+            rows, found = table.find_or_insert(ids.unique)
+        return ids, rows, bool(found.all()) or bool((rows >= 0).all())  # all found: no pass over the rows
+    rows = table.find_rows(ids.unique)
+    return ids, rows, bool((rows >= 0).all())
 
 
 def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, checked: bool = False):
@@ -251,9 +253,9 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
         return split_combine(summed, bag_sets)
     flat = ids.reshape(-1)  # find_or_insert / find_rows check it
     trains = _trains(embedding, table, training)
-    sorted_ids, rows = _find_sorted(table, flat, trains)
+    sorted_ids, rows, stored = _find_sorted(table, flat, trains)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
-    if not bool((rows >= 0).all()):  # keys without a stored row read their initializer row
+    if not stored:  # keys without a stored row read their initializer row
         summed = BagSum.apply(_rows_tensor(table, sorted_ids.unique, rows, trains), sorted_ids.inverse, offsets,
                               weights)
         return split_combine(summed, bag_sets)
