@@ -71,8 +71,9 @@ def test_dedup_of_large_batches_groups_ids_like_the_sort(n, key_dtype):
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=bags(), divide=st.booleans())
-def test_pool_and_row_grad_equal_embedding_bag(data, divide):
+@given(data=bags(), divide=st.booleans(), torch_bag=st.booleans())
+def test_pool_and_row_grad_equal_embedding_bag(data, divide, torch_bag):
+    """``pool`` by torch's embedding_bag (where torch has fbgemm) and by the numba kernel alike."""
     ids, offsets, weights = data
     s = sort_ids(ids)
     values = torch.randn(20, D)
@@ -80,7 +81,9 @@ def test_pool_and_row_grad_equal_embedding_bag(data, divide):
     denom = torch.rand(offsets.numel()) + 0.5 if divide else None
     ref = torch.nn.functional.embedding_bag(rows[s.inverse], values, offsets, mode="sum", per_sample_weights=weights)
     ref = ref / denom.unsqueeze(1) if divide else ref
-    assert torch.equal(POOL.pool(values, rows, s.inverse, offsets, weights, denom), ref)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(POOL, "USE_TORCH_BAG", torch_bag)
+        assert torch.equal(POOL.pool(values, rows, s.inverse, offsets, weights, denom), ref)
     grad = torch.randn(offsets.numel(), D)
     bag = bag_of(offsets, ids.numel())
     got = POOL.row_grad(grad, s.order, s.starts, bag, weights)
