@@ -4,10 +4,10 @@ The torch reference gathers the call's ids into an ``[N]`` row list and runs ``F
 then divides by the combiner's denominators in another pass. Where torch has fbgemm, :func:`pool` does just
 that: fbgemm's JIT kernels pool faster than a numba loop (measured 1.09-1.14x per train step). Elsewhere the
 numba kernel reads each id's row straight from the table and writes each bag once, already combined.
-:func:`row_grad` is the step-mode backward: each unique row sums
-its ids' bag gradients in the order of the call's one sort. :func:`rows_current` (the backward's check that rows
-still hold their keys) and :func:`fill_rows` (score and version stamps) are single passes that prefetch the random
-entries they read or write ahead.
+:func:`row_grad` is the step-mode backward: each unique row sums its ids' bag gradients in the order of the
+call's one sort. :func:`rows_current` (the backward's check that rows still hold their keys) and
+:func:`fill_rows` (score and version stamps) are single passes that prefetch the random entries they read or
+write ahead.
 
 Float32 tables only (the caller routes other dtypes to torch). Sums run in the reference's order (ids in input
 order within a bag, and within a row for the gradient).
