@@ -2,7 +2,8 @@
 
 Each tree runs in its own process (``PYTHONPATH=<tree>/src``), on the same data and seeds; rounds are interleaved
 (one step of each in turn) and each step is timed by the process's own CPU clock. Prints the median ms per step of
-each tree, the spread (interquartile range, % of the median) and ``before / after``.
+each tree, the spread (interquartile range, % of the median), ``before / after`` of the medians and ``paired``,
+the median of the rounds' own ratios (steady under load that drifts between rounds).
 
 Run: ``.venv/bin/python benchmarks/train_step_ab.py --before /path/to/old/checkout --after . [--optimizers ...]
 [--dists ...] [--steps 15] [--quick] [--json PATH]``.
@@ -80,7 +81,7 @@ def main() -> None:
     if args.quick:
         args.steps = min(args.steps, 5)
     rows = []
-    print(f"{'optimizer':<16} {'ids':<8} {'before ms':>12} {'after ms':>12} {'before/after':>13}")
+    print(f"{'optimizer':<16} {'ids':<8} {'before ms':>12} {'after ms':>12} {'before/after':>13} {'paired':>8}")
     for opt in args.optimizers:
         for dist in args.dists:
             procs = [_spawn(args.before, args, opt, dist), _spawn(args.after, args, opt, dist)]
@@ -92,9 +93,13 @@ def main() -> None:
                 p.stdin.close()
                 p.wait()
             (b, bs), (a, as_) = _stats(times[0]), _stats(times[1])
+            # the median of each round's before/after: load that drifts between rounds (a shared machine) cancels
+            paired = statistics.median(tb / ta for tb, ta in zip(*times))
             rows.append({"optimizer": opt, "ids": dist, "before_ms": b, "before_spread_pct": bs, "after_ms": a,
-                         "after_spread_pct": as_, "speedup": b / a})
-            print(f"{opt:<16} {dist:<8} {b:8.2f} ±{bs:2.0f}% {a:8.2f} ±{as_:2.0f}% {b / a:13.3f}", flush=True)
+                         "after_spread_pct": as_, "speedup": b / a, "paired_speedup": paired,
+                         "before_times": times[0], "after_times": times[1]})
+            print(f"{opt:<16} {dist:<8} {b:8.2f} ±{bs:2.0f}% {a:8.2f} ±{as_:2.0f}% {b / a:13.3f} {paired:8.3f}",
+                  flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"contestant": args.contestant, "quick": args.quick, "rows": rows}, f, indent=1)

@@ -47,9 +47,33 @@ def test_dedup_groups_ids_like_the_sort(data, key_dtype):
         assert order[starts[u]:starts[u + 1]].tolist() == (ids == unique[u]).nonzero().squeeze(1).tolist()
 
 
+@pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("n", [0, 1, 65, 5000, 300_000])
+def test_dedup_of_large_batches_groups_ids_like_the_sort(n, key_dtype):
+    """Batches past the hypothesis sizes (the kernel's hash table sized for 300k ids, long probe runs), with repeats
+    (a skewed draw) and the dtype's extreme keys as the most frequent ids."""
+    g = torch.Generator().manual_seed(n)
+    info = torch.iinfo(key_dtype)
+    pool = torch.cat([torch.tensor([info.min, info.max, -1, 0]),  # the most frequent ids
+                      torch.randint(info.min, info.max, (max(n // 3, 1),), generator=g, dtype=torch.int64)])
+    ids = pool[(torch.rand(n, generator=g) ** 3 * pool.numel()).long()].to(key_dtype)
+    unique, inverse, order, starts = POOL.dedup(ids)
+    ref = sort_ids(ids)
+    assert torch.equal(unique[inverse], ids) and unique.dtype == ids.dtype
+    assert torch.equal(unique.sort().values, ref.unique)
+    assert starts[0] == 0 and starts[-1] == n and bool((starts.diff() > 0).all())
+    assert torch.equal(ids[order], unique.repeat_interleave(starts.diff()))  # grouped by unique id
+    # within a unique id, its ids keep their input order: positions in order rise along each id's occurrences
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(n)
+    by_id = inverse.argsort(stable=True)
+    assert bool((ranks[by_id].diff()[inverse[by_id][1:] == inverse[by_id][:-1]] > 0).all())
+
+
 @settings(max_examples=60, deadline=None)
-@given(data=bags(), divide=st.booleans())
-def test_pool_and_row_grad_equal_embedding_bag(data, divide):
+@given(data=bags(), divide=st.booleans(), torch_bag=st.booleans())
+def test_pool_and_row_grad_equal_embedding_bag(data, divide, torch_bag):
+    """``pool`` by torch's embedding_bag (where torch has fbgemm) and by the numba kernel alike."""
     ids, offsets, weights = data
     s = sort_ids(ids)
     values = torch.randn(20, D)
@@ -57,7 +81,9 @@ def test_pool_and_row_grad_equal_embedding_bag(data, divide):
     denom = torch.rand(offsets.numel()) + 0.5 if divide else None
     ref = torch.nn.functional.embedding_bag(rows[s.inverse], values, offsets, mode="sum", per_sample_weights=weights)
     ref = ref / denom.unsqueeze(1) if divide else ref
-    assert torch.equal(POOL.pool(values, rows, s.inverse, offsets, weights, denom), ref)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(POOL, "USE_TORCH_BAG", torch_bag)
+        assert torch.equal(POOL.pool(values, rows, s.inverse, offsets, weights, denom), ref)
     grad = torch.randn(offsets.numel(), D)
     bag = bag_of(offsets, ids.numel())
     got = POOL.row_grad(grad, s.order, s.starts, bag, weights)
@@ -85,14 +111,14 @@ def _table(make):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("pooled", [False, True, "per_id"])
 def test_sparse_update_equals_the_torch_update(kind, pooled):
+    # pooled: grad [B, D] of bags of 4 ids; "per_id": grad [N, D], one row per id (bag None: bag[j] == j)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 30, (40,), generator=g)
-    offsets = torch.arange(0, 40, 4)
     weights = torch.randn(40, generator=g)
-    grad = torch.randn(10, D, generator=g)
-    bag = torch.arange(10).repeat_interleave(4)
+    grad = torch.randn(40 if pooled == "per_id" else 10, D, generator=g)
+    bag = torch.arange(40) if pooled == "per_id" else torch.arange(10).repeat_interleave(4)
     s = sort_ids(ids)
     rows = s.unique  # key i is row i here
     dense = sorted_row_grad(grad, s.order, s.starts, bag, weights)
@@ -104,7 +130,8 @@ def test_sparse_update_equals_the_torch_update(kind, pooled):
             args = opt.kernel_args(opt.param_groups[0], {"step": 1})
             slots = tuple(table.slot(opt.slot_key(n)) for n in args[2])
             if pooled:
-                OPTIM.sparse_update(*args[:2], table.values, slots, rows, grad, s.order, s.starts, bag, weights)
+                OPTIM.sparse_update(*args[:2], table.values, slots, rows, grad, s.order, s.starts,
+                                    None if pooled == "per_id" else bag, weights)
             else:
                 OPTIM.sparse_update(*args[:2], table.values, slots, rows, dense, None, None, None, None)
             assert torch.equal(dense, before)  # the caller's gradient is left as it was

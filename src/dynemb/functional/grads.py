@@ -7,6 +7,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..kernels.dispatch import pool_kernels, table_kernels
+from ..table.kv import KeyValueTable
 from ..table.ops import gather_rows
 from ..table.static import StaticTable
 from .pooling import sorted_row_grad
@@ -58,10 +59,14 @@ class SparseGrad:
 
 
 
-def current_rows(table, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def current_rows(table, keys: torch.Tensor, rows: torch.Tensor, moves: int | None = None) -> torch.Tensor:
     """``rows`` re-checked against the table: rows moved or reused since they were read are looked up again.
-    (A static table's rows never move.)"""
+    (A static table's rows never move.) ``moves``: the table's ``row_moves`` when the lookup found ``rows``
+    (every one >= 0 then); a plain :class:`KeyValueTable` whose counter is unchanged has moved no row since, so
+    the check is skipped (a tiered table moves rows between tiers on its own: it is always checked)."""
     if isinstance(table, StaticTable):
+        return rows
+    if moves is not None and type(table) is KeyValueTable and table.row_moves == moves:
         return rows
     size = table.live_rows()
     kernels = pool_kernels(getattr(table, "backend", None), table.device)
@@ -76,13 +81,14 @@ def current_rows(table, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 
-def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
+def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor,
+                     moves: int | None = None) -> None:
     """Hand the gradient ``grad [U, D]`` of ``keys [U]`` (read from ``rows [U]``) to the table's optimizer: applied
     at once when it is fused, else kept until ``step()``. Keys without a stored row lose their gradient, and a
-    frozen table (``requires_grad`` False) all of it."""
+    frozen table (``requires_grad`` False) all of it. ``moves``: as for :func:`current_rows`."""
     if not table.requires_grad:
         return
-    rows = current_rows(table, keys, rows)
+    rows = current_rows(table, keys, rows, moves)
     kept = rows >= 0  # keys not stored (admission, eviction) have no trainable row: their gradient is dropped
     if not bool(kept.all()):
         keys, rows, grad = keys[kept], rows[kept], grad[kept]
@@ -97,15 +103,15 @@ def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.
 
 
 def deliver_pooled_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor,
-                            pooled: PooledGrad, stamped_at: int | None = None) -> None:
+                            pooled: PooledGrad, stamped_at: int | None = None, moves: int | None = None) -> None:
     """:func:`deliver_gradient` for a pooled gradient ``grad [B, D]`` (see :class:`PooledGrad`): a fused optimizer
     applies it straight (no ``[U, D]`` tensor) when every row is still current; otherwise the row gradient is
     built (by the ``row_grad`` kernel or torch) and delivered as usual. ``stamped_at``: the table's clock when the
-    lookup touched (version-stamped) the rows."""
+    lookup touched (version-stamped) the rows; ``moves``: its ``row_moves`` then (see :func:`current_rows`)."""
     if not table.requires_grad:
         return
     optimizer = table.sparse_optimizer
-    if optimizer is not None and optimizer.fused and current_rows(table, keys, rows) is rows:
+    if optimizer is not None and optimizer.fused and current_rows(table, keys, rows, moves) is rows:
         stamped = stamped_at is not None and stamped_at == getattr(table, "clock", None)
         optimizer.apply_gradient(table, rows, grad, pooled, stamped)
         return
@@ -114,7 +120,7 @@ def deliver_pooled_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad:
         row_grad = kernels.row_grad(grad, *pooled)
     else:
         row_grad = sorted_row_grad(grad, *pooled)
-    deliver_gradient(table, keys, rows, row_grad)
+    deliver_gradient(table, keys, rows, row_grad, moves)
 
 
 

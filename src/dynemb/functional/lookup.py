@@ -95,16 +95,18 @@ def sort_ids(flat: torch.Tensor, kernels=None) -> SortedIds:
                      torch.cat([starts, starts.new_tensor([flat.numel()])]))
 
 
-def _find_sorted(table, flat: torch.Tensor, trains: bool) -> tuple[SortedIds, torch.Tensor]:
-    """``(sorted ids, rows [U])`` of a dynamic table: found, or inserted when ``trains`` (see :func:`find_unique`)."""
+def _find_sorted(table, flat: torch.Tensor, trains: bool) -> tuple[SortedIds, torch.Tensor, bool]:
+    """``(sorted ids, rows [U], every row >= 0)`` of a dynamic table: found, or inserted when ``trains`` (see
+    :func:`find_unique`)."""
     ids = sort_ids(flat, table_kernels(pool_kernels, table))
-    if trains and counts_occurrences(table):  # lfu scores and admission count every occurrence
-        rows, _ = table.find_or_insert(ids.unique, counts=ids.counts)
-    elif trains:
-        rows, _ = table.find_or_insert(ids.unique)
-    else:
-        rows = table.find_rows(ids.unique)
-    return ids, rows
+    if trains:
+        if counts_occurrences(table):  # lfu scores and admission count every occurrence
+            rows, found = table.find_or_insert(ids.unique, counts=ids.counts)
+        else:
+            rows, found = table.find_or_insert(ids.unique)
+        return ids, rows, bool(found.all()) or bool((rows >= 0).all())  # all found: no pass over the rows
+    rows = table.find_rows(ids.unique)
+    return ids, rows, bool((rows >= 0).all())
 
 
 def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, checked: bool = False):
@@ -202,6 +204,7 @@ class _TablePool(torch.autograd.Function):
     def forward(ctx, anchor, table, keys, rows, inverse, order, starts, offsets, weights, denom):
         ctx.table = table
         ctx.clock = table.clock  # the lookup that found these rows stamped them at this clock
+        ctx.moves = getattr(table, "row_moves", None)  # they hold their keys while it is unchanged (current_rows)
         ctx.save_for_backward(keys, rows, order, starts, offsets, weights, denom)
         return _pool_rows(table, rows, inverse, offsets, weights, denom)
 
@@ -211,7 +214,7 @@ class _TablePool(torch.autograd.Function):
         keys, rows, order, starts, offsets, weights, denom = ctx.saved_tensors
         grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
         pooled = PooledGrad(order, starts, bag_of(offsets, order.numel()), weights)
-        deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock)
+        deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock, ctx.moves)
         return (None,) * 10
 
 
@@ -250,9 +253,9 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
         return split_combine(summed, bag_sets)
     flat = ids.reshape(-1)  # find_or_insert / find_rows check it
     trains = _trains(embedding, table, training)
-    sorted_ids, rows = _find_sorted(table, flat, trains)
+    sorted_ids, rows, stored = _find_sorted(table, flat, trains)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
-    if not bool((rows >= 0).all()):  # keys without a stored row read their initializer row
+    if not stored:  # keys without a stored row read their initializer row
         summed = BagSum.apply(_rows_tensor(table, sorted_ids.unique, rows, trains), sorted_ids.inverse, offsets,
                               weights)
         return split_combine(summed, bag_sets)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .numba_math import fma, prefetch_row_for_write
-from .numba_pool import sum_rows
+from .numba_pool import grouped_bags, sum_rows
 
 __all__ = ["sparse_update", "KINDS"]
 
@@ -37,9 +37,11 @@ def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple,
     if order is None and _mutates_gradient(kind, h):  # the kernel works on the given rows in place then
         grad = grad.clone()
     s = [t.numpy() for t in slots] + [_NONE_2D] * (2 - len(slots))
-    args = (values.numpy(), s[0], s[1], rows.numpy(), grad.numpy(),
-            _NONE_I if order is None else order.numpy(), _NONE_I if starts is None else starts.numpy(),
-            _NONE_I if bag is None else bag.numpy(), _NONE_F if weights is None else weights.numpy(), h)
+    bags = None
+    if order is not None:
+        bags, weights = grouped_bags(order, bag, weights)
+    args = (values.numpy(), s[0], s[1], rows.numpy(), grad.numpy(), _NONE_I if starts is None else starts.numpy(),
+            _NONE_I if bags is None else bags.numpy(), _NONE_F if weights is None else weights.numpy(), h)
     _KERNELS[kind](*args)
 
 
@@ -70,7 +72,7 @@ def _sum_of_squares(g):
 
 
 @numba.njit(nogil=True, cache=True)
-def _sgd(values, buf, unused, rows, grad, order, starts, bag, weights, h):
+def _sgd(values, buf, unused, rows, grad, starts, bags, weights, h):
     # Branches sit outside the loops over D, so that each of those loops vectorizes.
     momentum, decay = np.float32(h[1]), np.float32(h[2])
     nesterov, neg_lr = h[3] != 0.0, np.float32(-h[0])
@@ -78,7 +80,7 @@ def _sgd(values, buf, unused, rows, grad, order, starts, bag, weights, h):
     far = _AHEAD if buf.shape[0] == 0 else _AHEAD_WIDE
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        rows_grad = sum_rows(lo, hi, chunk, grad, order, starts, bag, weights)
+        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights)
         for u in range(lo, hi):
             if u + far < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + far]
@@ -100,12 +102,12 @@ def _sgd(values, buf, unused, rows, grad, order, starts, bag, weights, h):
 
 
 @numba.njit(nogil=True, cache=True)
-def _adagrad(values, state, unused, rows, grad, order, starts, bag, weights, h):
+def _adagrad(values, state, unused, rows, grad, starts, bags, weights, h):
     decay, eps, neg_lr = np.float32(h[1]), np.float32(h[2]), np.float32(-h[0])
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        rows_grad = sum_rows(lo, hi, chunk, grad, order, starts, bag, weights)
+        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights)
         for u in range(lo, hi):
             if u + _AHEAD_WIDE < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + _AHEAD_WIDE]
@@ -121,13 +123,13 @@ def _adagrad(values, state, unused, rows, grad, order, starts, bag, weights, h):
 
 
 @numba.njit(nogil=True, cache=True)
-def _rowwise_adagrad(values, state, unused, rows, grad, order, starts, bag, weights, h):
+def _rowwise_adagrad(values, state, unused, rows, grad, starts, bags, weights, h):
     decay, eps, neg_lr = np.float32(h[1]), np.float32(h[2]), np.float32(-h[0])
     dim = values.shape[1]
     chunk = np.empty((_CHUNK, dim), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        rows_grad = sum_rows(lo, hi, chunk, grad, order, starts, bag, weights)
+        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights)
         for u in range(lo, hi):
             if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + _AHEAD]
@@ -147,13 +149,13 @@ def _rowwise_adagrad(values, state, unused, rows, grad, order, starts, bag, weig
 
 
 @numba.njit(nogil=True, cache=True)
-def _adam(values, exp_avg, exp_avg_sq, rows, grad, order, starts, bag, weights, h):
+def _adam(values, exp_avg, exp_avg_sq, rows, grad, starts, bags, weights, h):
     one_b1, one_b2 = np.float32(1.0 - h[0]), np.float32(1.0 - h[1])
     eps, neg_step = np.float32(h[2]), np.float32(-h[3])
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        rows_grad = sum_rows(lo, hi, chunk, grad, order, starts, bag, weights)
+        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights)
         for u in range(lo, hi):
             if u + _AHEAD_WIDE < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + _AHEAD_WIDE]
@@ -179,13 +181,13 @@ def _pow(x, power):
 
 
 @numba.njit(nogil=True, cache=True)
-def _ftrl(values, accumulator, linear, rows, grad, order, starts, bag, weights, h):
+def _ftrl(values, accumulator, linear, rows, grad, starts, bags, weights, h):
     lr, power, l1 = np.float32(h[0]), np.float32(h[1]), np.float32(h[2])
     two_l2 = np.float32(2.0 * h[3])
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        rows_grad = sum_rows(lo, hi, chunk, grad, order, starts, bag, weights)
+        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights)
         for u in range(lo, hi):
             if u + _AHEAD_WIDE < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + _AHEAD_WIDE]

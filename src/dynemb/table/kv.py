@@ -221,9 +221,10 @@ class KeyValueTable(RowStore):
             return rows.view(keys.shape), found.view(keys.shape)
         rows = self.index.find(flat)
         found = rows >= 0
+        all_found = bool(found.all())
         with self._restored_on_error():
             self.clock += 1
-            if not bool(found.all()):
+            if not all_found:
                 miss = (~found).nonzero().squeeze(1)
                 missed = flat.index_select(0, miss)
                 new_keys, hashes, _, inverse = unique_by_hash(missed)
@@ -237,7 +238,10 @@ class KeyValueTable(RowStore):
                         new_keys[admitted], pinned=rows[found], hashes=hashes[admitted]
                     )
                 rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
-        self._touch_valid(rows, custom, counts)
+        if all_found:  # every row is valid: no second pass over them
+            self._touch(rows, custom, counts)
+        else:
+            self._touch_valid(rows, custom, counts)
         return rows.view(keys.shape), found.view(keys.shape)
 
     def insert_or_assign(
@@ -405,6 +409,7 @@ class KeyValueTable(RowStore):
         self._log_deleted(self.row_keys[: self._size].clone())
         self.removed += self._size
         self._size = 0
+        self.row_moves += 1
         self.index.clear()
 
     # ------------------------------------------------------------------ bulk

@@ -59,6 +59,9 @@ class RowStore(ChangeLog, RowColumns):
         }
         self._size = 0
         self._init_calls = 0
+        # Calls that moved a stored key to another row or dropped rows (compaction, reuse of evicted rows, load,
+        # clear): rows read while it is unchanged still hold their keys, so a backward can skip re-checking them.
+        self.row_moves = 0
 
     # ------------------------------------------------------------------ columns
     @property
@@ -175,6 +178,7 @@ class RowStore(ChangeLog, RowColumns):
     def _load(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, slots: dict) -> None:
         """Hold exactly ``keys [N]`` (unique, checked) with their columns, in that row order."""
         n = keys.numel()
+        self.row_moves += 1
         self.index.clear()
         self._size = 0
         self._reserve(n)
@@ -240,6 +244,8 @@ class RowStore(ChangeLog, RowColumns):
         ``source[index]`` without materializing it.
         """
         appended = slice(self._size, self._size + rows.numel() - k)
+        if k:
+            self.row_moves += 1  # evicted rows now hold other keys
         for name, src in columns.items():
             col = self._cols[name]
             if isinstance(src, tuple):
@@ -320,6 +326,7 @@ class RowStore(ChangeLog, RowColumns):
         """Fill the holes left by ``dead`` rows (unique, already out of the index) with the last live rows."""
         size, k = self._size, dead.numel()
         new_size = size - k
+        self.row_moves += 1
         tail_alive = torch.ones(k, dtype=torch.bool, device=self.device)
         tail_alive[dead[dead >= new_size] - new_size] = False
         movers = torch.arange(new_size, size, device=self.device)[tail_alive]
