@@ -62,6 +62,11 @@ from dynemb.serving.endpoint.watch import ExportWatcher  # noqa: E402
 from dynemb.train import TrainConfig  # noqa: E402
 
 CLIENTS, UPDATES, UPDATE_CLIENTS = (1, 4, 16), 20, 4
+# With 2+ CPUs the server runs on CPU 0 and this process (clients, in-process reference) on CPU 1 (--no-pin: the
+# scheduler decides). Unpinned, a process on this VM sometimes runs its whole life ~1.5x slower (the same code,
+# 9 vs 14 ms a forward pass), which made single runs of `added` swing by +-1 ms.
+SERVER_CPU, CLIENT_CPU = 0, 1
+PIN = hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
 NAME, INFER = "ctr", "/v2/models/ctr/infer"
 
 
@@ -227,8 +232,10 @@ def serve_process(run: Path, tier_args: list) -> Iterator[tuple[str, int]]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    pin = (lambda: os.sched_setaffinity(0, {SERVER_CPU})) if PIN else None
     proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run), "--port", str(port),
-                             "--name", NAME, "--threads", "1", *tier_args], env=env, stdout=subprocess.DEVNULL)
+                             "--name", NAME, "--threads", "1", *tier_args], env=env, stdout=subprocess.DEVNULL,
+                            preexec_fn=pin)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -360,7 +367,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=None, help="timed requests per row of the table (default 600; "
                    "--quick: 60)")
     p.add_argument("--tiers", default="memory,redis", help="volatile stores to serve from")
+    p.add_argument("--no-pin", action="store_true", help="leave the server and the clients to the scheduler")
     args = p.parse_args()
+    global PIN
+    PIN = PIN and not args.no_pin
+    if PIN:
+        os.sched_setaffinity(0, {CLIENT_CPU})
     torch.set_num_threads(1)
     total = args.requests or (60 if args.quick else 600)
     results = []
@@ -379,7 +391,8 @@ def main() -> None:
             finally:
                 redis.kill()
         updates = updates_under_load(Path(tmp), args.rows)
-    print(f"dynemb serve (its own process), {args.rows} rows per request, loopback")
+    print(f"dynemb serve (its own process{', on CPU 0, clients on CPU 1' if PIN else ''}), {args.rows} rows per "
+          "request, loopback")
     print_table(results, ["tier", "encoding", "clients", "requests", "p50_ms", "p99_ms", "req_per_s",
                           "inproc_p50_ms", "added_p50_ms", "inproc_cpu_ms", "added_cpu_ms", "requests_per_forward"])
     print(f"\nupdates under load ({UPDATE_CLIENTS} clients, a delta every 2 training steps, --watch "
@@ -387,6 +400,7 @@ def main() -> None:
     print_table([updates], list(updates))
     if args.json:
         write_json(args.json, {"benchmark": "serve_endpoint", "machine": machine_info(), "rows_per_request": args.rows,
+                               "pinned": PIN,
                                "results": results, "updates_under_load": updates})
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from dynemb.data.columns import categorical_ids, dense_values
 from dynemb.data.preprocess import Preprocessing
-from dynemb.serving.endpoint.protocol import RequestError, decode_request, parse_body
+from dynemb.serving.endpoint.protocol import RequestError, _numeric_batch, decode_request, parse_body
 
 PREP = Preprocessing(label=None, categorical=("a", "b", "c"), dense=("x", "y"), dense_mean=(0.0, 0.0),
                      dense_std=(1.0, 1.0), dense_rows=1)
@@ -167,3 +167,27 @@ def test_nested_data_is_read_in_row_major_order_as_the_protocol_allows():
     for name in PREP.categorical:
         np.testing.assert_array_equal(got.sparse[name].numpy(), expected.sparse[name].numpy())
     np.testing.assert_array_equal(got.dense.numpy(), expected.dense.numpy())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 12).flatmap(lambda rows: st.tuples(
+    st.lists(st.lists(st.integers(-2**63, 2**63 - 1), min_size=rows, max_size=rows), min_size=3, max_size=3),
+    st.lists(st.lists(st.floats(width=32), min_size=rows, max_size=rows), min_size=2, max_size=2),
+    st.sampled_from(["FP32", "FP64"]))))
+def test_all_numeric_arrays_decode_as_the_general_path_decodes_lists(case):
+    ids, dense, dense_type = case  # NaN and inf included: NaN reads 0.0, inf stays inf, on both paths
+    def request(as_array):
+        make = (lambda v, dt: np.asarray(v, dt)) if as_array else (lambda v, dt: list(v))
+        return {"inputs": [{"name": n, "datatype": "INT64", "shape": [len(v)], "data": make(v, np.int64)}
+                           for n, v in zip(PREP.categorical, ids)]
+                + [{"name": n, "datatype": dense_type, "shape": [len(v)], "data": make(v, np.float64)}
+                   for n, v in zip(PREP.dense, dense)]}
+    fast, general = decode_request(request(True), PREP, 64), decode_request(request(False), PREP, 64)
+    by_name = {t["name"]: t for t in request(True)["inputs"]}
+    assert _numeric_batch(by_name, PREP, len(ids[0])) is not None  # the arrays took the numpy path
+    assert _numeric_batch({t["name"]: t for t in request(False)["inputs"]}, PREP, len(ids[0])) is None
+    for name in PREP.categorical:
+        np.testing.assert_array_equal(fast.sparse[name].numpy(), general.sparse[name].numpy())
+        assert fast.sparse[name].numpy().flags.writeable
+    np.testing.assert_array_equal(fast.dense.numpy(), general.dense.numpy())
+    assert len(fast) == len(general) and fast.dense.dtype == general.dense.dtype
