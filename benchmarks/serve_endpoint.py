@@ -62,11 +62,31 @@ from dynemb.serving.endpoint.watch import ExportWatcher  # noqa: E402
 from dynemb.train import TrainConfig  # noqa: E402
 
 CLIENTS, UPDATES, UPDATE_CLIENTS = (1, 4, 16), 20, 4
-# With 2+ CPUs the server runs on CPU 0 and this process (clients, in-process reference) on CPU 1 (--no-pin: the
-# scheduler decides). Unpinned, a process on this VM sometimes runs its whole life ~1.5x slower (the same code,
-# 9 vs 14 ms a forward pass), which made single runs of `added` swing by +-1 ms.
-SERVER_CPU, CLIENT_CPU = 0, 1
-PIN = hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
+# The paired latency rows run the server and this process on one CPU (--no-pin: the scheduler decides). On this
+# VM one CPU is at times ~1.5x slower than the other (the same forward pass: 9 vs 14 ms), so a request served on
+# one CPU and its in-process reference run on the other differed by +-2 ms from that alone.
+PIN = hasattr(os, "sched_setaffinity")
+
+
+@contextlib.contextmanager
+def one_cpu(pid: int) -> Iterator[None]:
+    """Every thread of process ``pid`` and of this process on this process's current CPU, then as before."""
+    if not PIN:
+        yield
+        return
+    cpu = {os.sched_getaffinity(0).pop() if len(os.sched_getaffinity(0)) == 1 else min(os.sched_getaffinity(0))}
+    threads = [int(t) for p in (pid, os.getpid()) for t in os.listdir(f"/proc/{p}/task")]
+    before = {t: os.sched_getaffinity(t) for t in threads}
+    for t in threads:
+        os.sched_setaffinity(t, cpu)
+    try:
+        yield
+    finally:
+        for t, mask in before.items():
+            try:
+                os.sched_setaffinity(t, mask)
+            except OSError:  # the thread has ended
+                pass
 NAME, INFER = "ctr", "/v2/models/ctr/infer"
 
 
@@ -232,10 +252,8 @@ def serve_process(run: Path, tier_args: list) -> Iterator[tuple[str, int]]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    pin = (lambda: os.sched_setaffinity(0, {SERVER_CPU})) if PIN else None
     proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run), "--port", str(port),
-                             "--name", NAME, "--threads", "1", *tier_args], env=env, stdout=subprocess.DEVNULL,
-                            preexec_fn=pin)
+                             "--name", NAME, "--threads", "1", *tier_args], env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -273,7 +291,8 @@ def latency_rows(run: Path, tier: str, volatile: dict, rows: int, total: int) ->
                     r = load(url, bodies, clients, max(1, total // clients), 10, encoding == "binary")
                     r["requests_per_forward"] = round((r["requests"] + 10 * clients) / (forward_passes(url) - before), 2)
                     if clients == 1:
-                        r.update(paired(url, pid, model, bodies, total, encoding == "binary"))
+                        with one_cpu(pid):
+                            r.update(paired(url, pid, model, bodies, total, encoding == "binary"))
                     else:
                         r["inproc_p50_ms"] = inprocess_p50(model, bodies, min(total, 200))
                     results.append({"tier": tier, "encoding": encoding, **r})
@@ -371,8 +390,6 @@ def main() -> None:
     args = p.parse_args()
     global PIN
     PIN = PIN and not args.no_pin
-    if PIN:
-        os.sched_setaffinity(0, {CLIENT_CPU})
     torch.set_num_threads(1)
     total = args.requests or (60 if args.quick else 600)
     results = []
@@ -391,8 +408,8 @@ def main() -> None:
             finally:
                 redis.kill()
         updates = updates_under_load(Path(tmp), args.rows)
-    print(f"dynemb serve (its own process{', on CPU 0, clients on CPU 1' if PIN else ''}), {args.rows} rows per "
-          "request, loopback")
+    print(f"dynemb serve (its own process), {args.rows} rows per request, loopback"
+          + ("; added_*: server and client on one CPU" if PIN else ""))
     print_table(results, ["tier", "encoding", "clients", "requests", "p50_ms", "p99_ms", "req_per_s",
                           "inproc_p50_ms", "added_p50_ms", "inproc_cpu_ms", "added_cpu_ms", "requests_per_forward"])
     print(f"\nupdates under load ({UPDATE_CLIENTS} clients, a delta every 2 training steps, --watch "
