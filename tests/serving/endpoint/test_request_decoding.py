@@ -12,7 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 from dynemb.data.columns import categorical_ids, dense_values
 from dynemb.data.preprocess import Preprocessing
-from dynemb.serving.endpoint.protocol import RequestError, _numeric_batch, decode_request, parse_body
+from dynemb.serving.endpoint.protocol import _numeric_batch, decode_request
+from dynemb.serving.endpoint.wire import RequestError, parse_body
 
 PREP = Preprocessing(label=None, categorical=("a", "b", "c"), dense=("x", "y"), dense_mean=(0.0, 0.0),
                      dense_std=(1.0, 1.0), dense_rows=1)

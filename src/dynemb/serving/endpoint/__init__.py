@@ -4,6 +4,8 @@
 module                  job
 ======================  ============================================================================
 ``model``               the served model: the run's dense part, its tables in a ParameterServer
+``wire``                an infer body as Python objects: JSON (simdjson) or binary tensors, numeric data
+                        as numpy arrays
 ``protocol``            the v2 tensors: metadata, request decoding and checks, responses
 ``app``                 the Starlette app: routes, bearer token, body limit, batching of requests
 ``server``              uvicorn, in the foreground or on a background thread
@@ -17,7 +19,7 @@ Starlette and uvicorn are imported on first use, so ``dynemb --help`` works with
 import importlib
 
 __all__ = ["ServedModel", "build_app", "serve", "running", "RequestError"]
-_HOME = {"ServedModel": "model", "build_app": "app", "serve": "server", "running": "server", "RequestError": "protocol"}
+_HOME = {"ServedModel": "model", "build_app": "app", "serve": "server", "running": "server", "RequestError": "wire"}
 
 
 def __getattr__(name: str):

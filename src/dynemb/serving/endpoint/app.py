@@ -30,7 +30,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ...data.batch import Batch, concat_batches
 from .model import ServedModel
-from .protocol import RequestError, decode_request, dumps_json, encode_response, model_metadata, parse_body
+from .protocol import decode_request, encode_response, model_metadata
+from .wire import RequestError, dumps_json, parse_body
 
 __all__ = ["build_app", "MAX_BODY_BYTES", "MAX_BATCH_SIZE"]
 

@@ -21,7 +21,6 @@ file readers use, so a request scores exactly as the same rows read from a Parqu
 from __future__ import annotations
 
 import itertools
-import json
 from typing import Any, Optional
 
 import numpy as np
@@ -29,139 +28,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-try:  # 3x faster than json on a request of a few hundred rows; the endpoint works without it
-    from orjson import dumps as dumps_json, loads as _loads
-except ImportError:  # pragma: no cover - depends on the environment
-    _loads = json.loads
-
-    def dumps_json(obj) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
-
-try:  # numeric `data` arrays straight into numpy, no Python object per value: 0.3 ms for a request orjson + Arrow
-    import simdjson  # take 1 ms over (256 rows x 39 columns, after a forward pass cooled the caches)
-except ImportError:  # pragma: no cover - depends on the environment
-    simdjson = None
-
 from ...data.batch import Batch
 from ...data.columns import categorical_ids, dense_values
 from ...data.preprocess import Preprocessing
+from .wire import RequestError, dumps_json, parse_body
 
-__all__ = ["RequestError", "LENGTHS", "OUTPUT", "model_metadata", "parse_body", "decode_request", "encode_response",
-           "dumps_json"]
+__all__ = ["LENGTHS", "OUTPUT", "model_metadata", "decode_request", "encode_response"]
 
 LENGTHS = "__lengths"
 OUTPUT = "probability"
 ID_TYPES = ("BYTES", "INT64", "INT32")
 DENSE_TYPES = ("FP32", "FP64")
-
-
-class RequestError(ValueError):
-    """A request the model cannot score; the message names the input. Answered with HTTP 400."""
-
-
-_NUMPY = {"INT64": "<i8", "INT32": "<i4", "FP32": "<f4", "FP64": "<f8"}
-
-
-def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
-    """The request object of an infer body: JSON, or with the binary tensor extension (``json_length`` from the
-    ``Inference-Header-Content-Length`` header) JSON followed by the raw tensors, whose ``data`` is filled in here.
-
-    Raises:
-        RequestError: the body is not JSON, or a binary tensor does not fit the body.
-    """
-    head = body if json_length is None else body[:json_length]
-    if json_length is None and simdjson is not None:
-        request = _parse_json(head)
-        if request is not _UNREAD:
-            return request
-    try:
-        request = _loads(head)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON ({exc})") from None
-    if json_length is None or not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
-        return request
-    at = json_length
-    for t in request["inputs"]:
-        size = (t.get("parameters") or {}).get("binary_data_size") if isinstance(t, dict) else None
-        if size is None:
-            continue
-        name = t.get("name")
-        if not isinstance(size, int) or size < 0 or at + size > len(body):
-            raise RequestError(f"input {name!r}: binary_data_size {size!r} does not fit the body")
-        raw, at = body[at:at + size], at + size
-        if t.get("datatype") == "BYTES":
-            t["data"] = _binary_strings(raw, name)
-        elif t.get("datatype") not in _NUMPY:
-            raise RequestError(f"input {name!r}: datatype {t.get('datatype')!r} is none this server reads "
-                               f"({', '.join(['BYTES', *_NUMPY])})")
-        elif size % np.dtype(_NUMPY[t["datatype"]]).itemsize:
-            raise RequestError(f"input {name!r}: binary_data_size {size} is not a whole number of "
-                               f"{t['datatype']} values")
-        else:
-            t["data"] = np.frombuffer(raw, dtype=_NUMPY[t["datatype"]])  # no Python objects per value
-    return request
-
-
-_BUFFER = {"INT64": ("i", np.int64), "INT32": ("i", np.int64), "FP32": ("d", np.float64), "FP64": ("d", np.float64)}
-
-
-_UNREAD = object()
-
-
-def _python(value):
-    """A simdjson value as Python objects (what ``json.loads`` gives)."""
-    if isinstance(value, simdjson.Object):
-        return value.as_dict()
-    return value.as_list() if isinstance(value, simdjson.Array) else value
-
-
-def _parse_json(text: bytes) -> Any:
-    """A JSON request as :func:`json.loads` reads it, except that the ``data`` of a numeric input whose values
-    are all of its datatype's JSON type (integers; numbers) is a numpy array (int64; float64), as binary tensors
-    are. Any other ``data`` stays a list, for the checks of :func:`decode_request` to name what is wrong with it.
-    A nested ``data`` array is read flat, in row-major order, as the protocol allows. ``_UNREAD`` when simdjson
-    cannot read the text (invalid JSON, an integer past 64 bits): the plain parser then reads it, or says why not."""
-    parser = simdjson.Parser()
-    try:
-        doc = parser.parse(text)
-    except (ValueError, RuntimeError):  # not JSON, or integers past 64 bits: the plain parser says which
-        return _UNREAD
-    if not (isinstance(doc, simdjson.Object) and isinstance(doc.get("inputs"), simdjson.Array)):
-        return _python(doc)
-    request = {key: _python(doc[key]) for key in doc.keys() if key != "inputs"}
-    request["inputs"] = inputs = []
-    for t in doc["inputs"]:
-        if not isinstance(t, simdjson.Object):
-            inputs.append(_python(t))
-            continue
-        item = {key: _python(t[key]) for key in t.keys() if key != "data"}
-        if "data" in t:
-            data, kind = t["data"], _BUFFER.get(item.get("datatype"))
-            item["data"] = _python(data) if kind is None or not isinstance(data, simdjson.Array) else None
-            if item["data"] is None:
-                try:
-                    item["data"] = np.frombuffer(data.as_buffer(of_type=kind[0]), dtype=kind[1])
-                except (TypeError, ValueError):  # a value of another type, a null, out of range: checked as a list
-                    item["data"] = data.as_list()
-        inputs.append(item)
-    return request
-
-
-def _binary_strings(raw: bytes, name) -> list:
-    """BYTES elements of the binary extension: each a 4-byte little-endian length, then the bytes (UTF-8)."""
-    out, at = [], 0
-    while at < len(raw):
-        if at + 4 > len(raw):
-            raise RequestError(f"input {name!r}: truncated binary BYTES element")
-        n = int.from_bytes(raw[at:at + 4], "little")
-        if at + 4 + n > len(raw):
-            raise RequestError(f"input {name!r}: truncated binary BYTES element")
-        try:
-            out.append(raw[at + 4:at + 4 + n].decode("utf-8"))
-        except UnicodeDecodeError:
-            raise RequestError(f"input {name!r}: BYTES elements must be UTF-8 text") from None
-        at += 4 + n
-    return out
 
 
 def _tensor(name: str, datatype: str, shape: list) -> dict:
