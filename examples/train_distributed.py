@@ -66,6 +66,8 @@ def main() -> None:
         if rank == 0 and (step % 20 == 0 or step == args.steps - 1):
             rows = sum(len(m) for m in embeddings.embeddings.values())
             print(f"step {step:4d}  loss {loss.item():.4f}  rows on rank 0: {rows}", flush=True)
+    # Leave together: a rank that tears its group down while a peer still talks to it can abort that peer.
+    dist.barrier()
     dist.destroy_process_group()
 
 
