@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -51,11 +52,22 @@ def test_example_runs(script, example_runs):
         assert expected in stdout, stdout
 
 
-def test_train_distributed_under_torchrun_world_2():
+def _torchrun_example():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", str(ROOT / "examples" / "train_distributed.py"), "--steps", "12"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+
+
+def test_train_distributed_under_torchrun_world_2():
+    proc = _torchrun_example()
+    # Two fresh-clone CI runs (and never a run alone, 20+ times) saw a rank abort inside torch's C++ with
+    # "terminate called without an active exception": one more launch then, and only then; any other failure,
+    # or the same abort twice, fails the test.
+    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
+        warnings.warn(f"torchrun example: a rank aborted in torch's C++; relaunched once. stdout: "
+                      f"{proc.stdout[-500:]!r}")
+        proc = _torchrun_example()
+    assert proc.returncode == 0, f"stdout: {proc.stdout[-1500:]}\nstderr: {proc.stderr[-3000:]}"
     losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step")]
     assert len(losses) >= 2 and losses[-1] < losses[0]
 
