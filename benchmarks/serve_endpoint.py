@@ -54,6 +54,7 @@ from _common import machine_info, parser, print_table, write_json  # noqa: E402
 from redis_process import RedisServer  # noqa: E402
 
 from dynemb.checkpoint.export_format import read_export  # noqa: E402
+from dynemb.distributed.launch import free_port  # noqa: E402
 from dynemb.job import RunSpec, read_card, train_run  # noqa: E402
 from dynemb.serving.endpoint import ServedModel, build_app, running  # noqa: E402
 from dynemb.serving.endpoint.command import WATCH_INTERVAL_S  # noqa: E402
@@ -249,9 +250,7 @@ def forward_passes(url: str) -> int:
 @contextlib.contextmanager
 def serve_process(run: Path, tier_args: list) -> Iterator[tuple[str, int]]:
     """``dynemb serve`` on a free loopback port, in its own process as deployed; yields ``(url, pid)``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run), "--port", str(port),
                              "--name", NAME, "--threads", "1", *tier_args], env=env, stdout=subprocess.DEVNULL)

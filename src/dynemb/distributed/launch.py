@@ -6,6 +6,7 @@ On a cluster use ``torchrun``; this is for running a world of N processes on one
 from __future__ import annotations
 
 import os
+import random
 import socket
 
 import torch
@@ -16,10 +17,33 @@ __all__ = ["spawn", "free_port"]
 
 
 def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket() as s:
+    """A free TCP port on the loopback interface, below the kernel's ephemeral range when it can be.
+
+    A port the kernel picks for ``bind(("", 0))`` is an ephemeral one: once released, any outgoing connection on
+    the machine (gloo opens one per pair of ranks) may take it as its source port before the caller listens on it,
+    and a rendezvous store that then cannot bind aborts its rank. Ports below the range are never handed out that
+    way.
+    """
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every try was taken: let the kernel pick one
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; other systems: a range that is rarely ephemeral
 
 
 def _entry(rank: int, world: int, port: int, backend: str, threads: int, fn, args) -> None:

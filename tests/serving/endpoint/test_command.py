@@ -12,13 +12,9 @@ import httpx
 import numpy as np
 import pyarrow.parquet as pq
 
+from dynemb.distributed.launch import free_port
+
 SRC = str(Path(__file__).resolve().parents[3] / "src")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 120.0, token: str | None = "t0k") -> None:

@@ -1,0 +1,29 @@
+"""``free_port`` hands out loopback ports outside the kernel's ephemeral range: an outgoing connection can never
+take one as its source port between the pick and the listen (the race that can abort a rendezvous store)."""
+
+import socket
+
+from dynemb.distributed.launch import _ephemeral_low, free_port
+
+
+def test_ports_are_free_distinct_enough_and_below_the_ephemeral_range():
+    low = _ephemeral_low()
+    ports = [free_port() for _ in range(50)]
+    assert all(1024 <= p < low for p in ports)
+    assert len(set(ports)) > 40  # drawn at random, not one port handed out again and again
+    for p in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # free: the caller can listen on it
+
+
+def test_a_taken_port_is_not_handed_out(monkeypatch):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    draws = iter([port, port, port + 1 if port + 1 < 65536 else port - 1])
+    monkeypatch.setattr("dynemb.distributed.launch.random.randrange", lambda *a: next(draws))
+    try:
+        assert free_port() != port
+    finally:
+        taken.close()
