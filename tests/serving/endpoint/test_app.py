@@ -126,6 +126,8 @@ MALFORMED = {
     "an unknown output": ({**body(), "outputs": [{"name": "probability"}, {"name": "logit"}]},
                           "output 'logit' is not an output of this model (it has ['probability'])"),
     "outputs not a list of named objects": ({**body(), "outputs": "probability"}, "'outputs' must be a list"),
+    "null data (BYTES)": (body(user={"data": None}), "'user'"),
+    "null data (INT64)": (body(item={"data": None}), "'item'"),
 }
 
 

@@ -88,6 +88,16 @@ def _python(value):
     return value.as_list() if isinstance(value, simdjson.Array) else value
 
 
+def _data(data, kind: Optional[tuple]):
+    """An input's ``data``: a numpy array when ``kind`` (buffer type, dtype) reads every value, else as JSON."""
+    if kind is None or not isinstance(data, simdjson.Array):
+        return _python(data)
+    try:
+        return np.frombuffer(data.as_buffer(of_type=kind[0]), dtype=kind[1])
+    except (TypeError, ValueError):  # a value of another type, a null, out of range: checked as a list
+        return data.as_list()
+
+
 def _parse_json(text: bytes) -> Any:
     """A JSON request as :func:`json.loads` reads it, except that the ``data`` of a numeric input whose values
     are all of its datatype's JSON type (integers; numbers) is a numpy array (int64; float64), as binary tensors
@@ -109,13 +119,7 @@ def _parse_json(text: bytes) -> Any:
             continue
         item = {key: _python(t[key]) for key in t.keys() if key != "data"}
         if "data" in t:
-            data, kind = t["data"], _BUFFER.get(item.get("datatype"))
-            item["data"] = _python(data) if kind is None or not isinstance(data, simdjson.Array) else None
-            if item["data"] is None:
-                try:
-                    item["data"] = np.frombuffer(data.as_buffer(of_type=kind[0]), dtype=kind[1])
-                except (TypeError, ValueError):  # a value of another type, a null, out of range: checked as a list
-                    item["data"] = data.as_list()
+            item["data"] = _data(t["data"], _BUFFER.get(item.get("datatype")))
         inputs.append(item)
     return request
 
