@@ -76,7 +76,7 @@ def one_cpu(pid: int) -> Iterator[None]:
     if not PIN:
         yield
         return
-    cpu = {os.sched_getaffinity(0).pop() if len(os.sched_getaffinity(0)) == 1 else min(os.sched_getaffinity(0))}
+    cpu = {min(os.sched_getaffinity(0))}
     threads = [int(t) for p in (pid, os.getpid()) for t in os.listdir(f"/proc/{p}/task")]
     before = {t: os.sched_getaffinity(t) for t in threads}
     for t in threads:

@@ -88,6 +88,8 @@ def _valid_ids(column: pa.Array, where: str, decimal_text: bool) -> np.ndarray:
 def categorical_ids(column: pa.Array, name: str, where: str, decimal_text: bool = False) -> np.ndarray:
     """int64 ids of a categorical column (see the module docstring); ``decimal_text`` for CSV text."""
     column = _decoded(column)
+    if not column.null_count and column.type == pa.int64():  # the common case: the ids are the values
+        return column.to_numpy(zero_copy_only=False, writable=True)
     valid = column.is_valid().to_numpy(zero_copy_only=False)
     out = np.full(len(column), null_key(name), dtype=np.int64)
     if valid.any():
@@ -141,8 +143,11 @@ def _as_float64(column: pa.Array, where: str, what: str) -> pa.Array:
 def dense_values(column: pa.Array, where: str) -> np.ndarray:
     """float32 values of a dense column; null and NaN give 0.0."""
     values = _as_float64(column, where, "dense values must be numbers")
-    values = pc.fill_null(values, 0.0).to_numpy(zero_copy_only=False)
-    return np.where(np.isnan(values), 0.0, values).astype(np.float32)
+    if values.null_count:
+        values = pc.fill_null(values, 0.0)
+    out = values.to_numpy(zero_copy_only=False).astype(np.float32)
+    out[np.isnan(out)] = 0.0
+    return out
 
 
 def label_values(column: pa.Array, where: str, first_row: int) -> np.ndarray:

@@ -129,8 +129,6 @@ def _ids(t: dict, column: str, rows: Optional[int], decimal: bool) -> np.ndarray
 
 
 def _column_ids(t: dict, array: pa.Array, column: str, decimal: bool) -> np.ndarray:
-    if array.type == pa.int64() and not array.null_count:  # the common case, as categorical_ids reads it
-        return array.to_numpy(zero_copy_only=False, writable=True)
     try:
         return categorical_ids(array, column, f"input {t['name']!r}", decimal_text=decimal)
     except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:
@@ -183,11 +181,7 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int, decimal: fr
     dense = np.zeros((len(prep.dense), rows), dtype=np.float32)
     if prep.dense:
         values = _joined([inputs[c] for c in prep.dense], [_data(inputs[c], DENSE_TYPES, rows) for c in prep.dense])
-        if values.type == pa.float64() and not values.null_count:  # the common case, as dense_values reads it
-            dense[:] = values.to_numpy().reshape(len(prep.dense), rows)
-            dense[np.isnan(dense)] = 0.0
-        else:
-            dense[:] = dense_values(values, f"input {prep.dense[0]!r}").reshape(len(prep.dense), rows)
+        dense[:] = dense_values(values, f"input {prep.dense[0]!r}").reshape(len(prep.dense), rows)
     return Batch(torch.from_numpy(dense.T.copy()), sparse, torch.zeros(rows), offsets)
 
 
