@@ -303,8 +303,5 @@ def build_app(model: ServedModel, *, token: Optional[str] = None, max_body_bytes
         yield
         batcher.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.batcher = batcher
-    app = infer = _Infer(app, model, batcher, max_body_bytes, max_batch_size)
-    app.state = app.routes.state
+    app = infer = _Infer(Starlette(routes=routes, lifespan=lifespan), model, batcher, max_body_bytes, max_batch_size)
     return _BearerToken(app, token) if token is not None else app
