@@ -62,15 +62,6 @@ _AHEAD = 64
 _AHEAD_WIDE = 16
 
 
-@numba.njit(nogil=True, cache=True, fastmath={"reassoc", "nsz"})
-def _sum_of_squares(g):
-    # Reassociation lets LLVM sum in vector lanes: a sequential float sum of D terms waits on each add in turn.
-    square = np.float32(0.0)
-    for d in range(g.shape[0]):
-        square += g[d] * g[d]
-    return square
-
-
 @numba.njit(nogil=True, cache=True)
 def _sgd(values, buf, unused, rows, grad, starts, bags, weights, h):
     # Branches sit outside the loops over D, so that each of those loops vectorizes.
@@ -122,7 +113,10 @@ def _adagrad(values, state, unused, rows, grad, starts, bags, weights, h):
                 v[d] += (g[d] / (np.sqrt(s[d]) + eps)) * neg_lr
 
 
-@numba.njit(nogil=True, cache=True)
+# Reassociation over the whole kernel, not only in a called helper: LLVM then sums the row norm in vector lanes
+# inline (measured 0.73x the time of the helper version, 78k random rows of 1M, D=64). The per-element update has
+# no reduction, and without ``contract`` nothing is fused into an FMA, so only the norm's rounding changes.
+@numba.njit(nogil=True, cache=True, fastmath={"reassoc", "nsz"})
 def _rowwise_adagrad(values, state, unused, rows, grad, starts, bags, weights, h):
     decay, eps, neg_lr = np.float32(h[1]), np.float32(h[2]), np.float32(-h[0])
     dim = values.shape[1]
@@ -140,7 +134,10 @@ def _rowwise_adagrad(values, state, unused, rows, grad, starts, bags, weights, h
             if decay != 0.0:
                 for d in range(dim):
                     g[d] = fma(decay, v[d], g[d])
-            norm = np.sqrt(_sum_of_squares(g))  # as the reference: ||g||, squared, over D
+            square = np.float32(0.0)
+            for d in range(dim):
+                square += g[d] * g[d]
+            norm = np.sqrt(square)  # as the reference: ||g||, squared, over D
             s = state[r, 0] + (norm * norm) / np.float32(dim)
             state[r, 0] = s
             scale = (np.float32(1.0) / (np.sqrt(s) + eps)) * neg_lr
