@@ -197,15 +197,20 @@ def sum_rows(lo, hi, out, grad, starts, bags, weights):
 @numba.njit(nogil=True, cache=True)
 def _dedup_kernel(ids, unique, inverse, order, starts):
     n = ids.shape[0]
-    bits = 1
+    bits = 4  # at least one cache line of slots
     while (1 << bits) < 2 * n:
         bits += 1
     shift = np.uint64(64 - bits)
     slot_of = np.full(1 << bits, -1, np.int32)  # slot -> unique index (int32: half the cache footprint)
+    lines = slot_of.reshape((slot_of.shape[0] // 16, 16))  # 16 slots a cache line, to prefetch by line
     mask = (1 << bits) - 1
     u = 0
     starts[0] = 0
     for j in range(n):
+        # slot_of (1 MB at N=82k) is past L1 and L2 for most of a train step: start loading the slot _AHEAD ids on
+        # (the hash again there is cheaper than the wait; 0.75-0.9x the time of the kernel without it)
+        if j + _AHEAD < n:
+            prefetch_row_for_write(lines, np.int64(np.uint64(_mix64(ids[j + _AHEAD])) >> shift) >> 4)
         key = ids[j]
         h = np.int64(np.uint64(_mix64(key)) >> shift)
         while True:
