@@ -63,10 +63,29 @@ _AHEAD_WIDE = 16
 
 
 @numba.njit(nogil=True, cache=True)
+def _sgd_plain(values, rows, grad, starts, bags, weights, neg_lr):
+    # SGD without momentum or weight decay (the common case) in a loop of its own: in the general loop below, with
+    # its branches and writes to the gradient, the same arithmetic ran 1.3-1.6x slower (78k random rows of 1M).
+    chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
+    for lo in range(0, rows.shape[0], _CHUNK):
+        hi = min(lo + _CHUNK, rows.shape[0])
+        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights)
+        for u in range(lo, hi):
+            if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
+                prefetch_row_for_write(values, rows[u + _AHEAD])
+            g, v = rows_grad[u - lo], values[rows[u]]
+            for d in range(g.shape[0]):
+                v[d] += g[d] * neg_lr
+
+
+@numba.njit(nogil=True, cache=True)
 def _sgd(values, buf, unused, rows, grad, starts, bags, weights, h):
     # Branches sit outside the loops over D, so that each of those loops vectorizes.
     momentum, decay = np.float32(h[1]), np.float32(h[2])
     nesterov, neg_lr = h[3] != 0.0, np.float32(-h[0])
+    if momentum == 0.0 and decay == 0.0:
+        _sgd_plain(values, rows, grad, starts, bags, weights, neg_lr)
+        return
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
     far = _AHEAD if buf.shape[0] == 0 else _AHEAD_WIDE
     for lo in range(0, rows.shape[0], _CHUNK):
