@@ -7,7 +7,6 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..kernels.dispatch import pool_kernels, table_kernels
-from ..table.kv import KeyValueTable
 from ..table.ops import gather_rows
 from ..table.static import StaticTable
 from .pooling import sorted_row_grad
@@ -62,11 +61,11 @@ class SparseGrad:
 def current_rows(table, keys: torch.Tensor, rows: torch.Tensor, moves: int | None = None) -> torch.Tensor:
     """``rows`` re-checked against the table: rows moved or reused since they were read are looked up again.
     (A static table's rows never move.) ``moves``: the table's ``row_moves`` when the lookup found ``rows``
-    (every one >= 0 then); a plain :class:`KeyValueTable` whose counter is unchanged has moved no row since, so
-    the check is skipped (a tiered table moves rows between tiers on its own: it is always checked)."""
+    (every one >= 0 then); when the table says no row moved since (``rows_unmoved_since``), the check is
+    skipped."""
     if isinstance(table, StaticTable):
         return rows
-    if moves is not None and type(table) is KeyValueTable and table.row_moves == moves:
+    if moves is not None and table.rows_unmoved_since(moves):
         return rows
     size = table.live_rows()
     kernels = pool_kernels(getattr(table, "backend", None), table.device)

@@ -63,6 +63,10 @@ class RowStore(ChangeLog, RowColumns):
         # clear): rows read while it is unchanged still hold their keys, so a backward can skip re-checking them.
         self.row_moves = 0
 
+    def rows_unmoved_since(self, moves: int) -> bool:
+        """Whether every row read when ``row_moves`` was ``moves`` still holds the key it held then."""
+        return self.row_moves == moves
+
     # ------------------------------------------------------------------ columns
     @property
     def row_keys(self) -> torch.Tensor:

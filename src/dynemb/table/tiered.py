@@ -110,6 +110,10 @@ class TieredTable(KeyValueTable):
         self.slow = SlowStore(self, tiers.slow, pin=self.device.type == "cuda")
         self.hits = {"fast": 0, "slow": 0, "miss": 0}
 
+    def rows_unmoved_since(self, moves: int) -> bool:
+        """Never assumed: rows move between the tiers on their own, so a backward always re-checks them."""
+        return False
+
     # ------------------------------------------------------------------ one table
     def size(self) -> int:
         """Rows in both tiers."""
