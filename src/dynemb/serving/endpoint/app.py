@@ -2,9 +2,9 @@
 
 Routes: ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2/models/{name}`` (metadata),
 ``POST /v2/models/{name}/infer`` and ``GET /v2/models[/{name}[/versions/{version}]]/stats`` (Triton's statistics
-extension: requests, rows scored, forward passes, their time). A request the model cannot score (bad JSON, a missing, unknown or mistyped input,
-sizes that disagree, a body over ``max_body_bytes``, more than ``max_batch_size`` rows) is answered 400 with
-``{"error": "..."}`` naming the input; an unknown model is 404; with a token, a request without
+extension: requests, rows scored, forward passes, their time). A request the model cannot score (bad JSON, a
+missing, unknown or mistyped input, sizes that disagree, a body over ``max_body_bytes``, more than
+``max_batch_size`` rows) is answered 400 with ``{"error": "..."}`` naming the input; an unknown model is 404; with a token, a request without
 ``Authorization: Bearer <token>`` is 401, on every route. Concurrent requests are scored together: a single
 worker runs one forward pass over all the requests waiting (up to ``max_batch_size`` rows), then splits the output.
 """
@@ -174,6 +174,10 @@ async def _send_json(send, status: int, content) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def _unknown_model(name: str, model: ServedModel) -> str:
+    return f"unknown model {name!r}; this server has {model.name!r}"
+
+
 class _Stats:
     """Counts behind the statistics route: requests answered 200 and not, their time, rows scored."""
 
@@ -233,7 +237,7 @@ class _Infer:
     async def infer(self, name: str, scope, receive) -> tuple[int, dict]:
         model = self.model
         if name != model.name:
-            return 404, {"error": f"unknown model {name!r}; this server has {model.name!r}"}
+            return 404, {"error": _unknown_model(name, model)}
         headers = dict(scope["headers"])
         try:
             body = await _read_body(receive, headers.get(b"content-length"), self.max_body_bytes)
@@ -270,7 +274,7 @@ def build_app(model: ServedModel, *, token: Optional[str] = None, max_body_bytes
 
     def known(request: Request) -> Optional[Response]:
         name = request.path_params["name"]
-        return None if name == model.name else _error(404, f"unknown model {name!r}; this server has {model.name!r}")
+        return None if name == model.name else _error(404, _unknown_model(name, model))
 
     async def live(request: Request) -> Response:
         return _JSON({"live": True})
@@ -280,7 +284,7 @@ def build_app(model: ServedModel, *, token: Optional[str] = None, max_body_bytes
 
     async def metadata(request: Request) -> Response:
         return known(request) or _JSON(model_metadata(model.name, model.version, model.preprocessing,
-                                                              model.id_types))
+                                                      model.id_types))
 
     async def stats(request: Request) -> Response:
         name = request.path_params.get("name")
@@ -298,6 +302,7 @@ def build_app(model: ServedModel, *, token: Optional[str] = None, max_body_bytes
               Route("/v2/models/stats", stats), Route("/v2/models/{name}/stats", stats),
               Route("/v2/models/{name}/versions/{version}/stats", stats),
               Route("/v2/models/{name}", metadata), Route("/v2/models/{name}/infer", wrong_method, methods=NOT_POST)]
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
