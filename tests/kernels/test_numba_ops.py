@@ -209,3 +209,26 @@ def test_fill_rows_equals_index_fill_and_writes_nothing_for_rows_out_of_range(dt
             with pytest.raises(IndexError):
                 fill_rows(got, rows, value)
             assert torch.equal(got, expected)  # what index_fill_ wrote before its error
+
+
+@pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("span_bits", [0, 1, 11, 12, 20, 33, 34, 62])
+def test_dedup_of_narrow_and_wide_spans_equals_the_sort(span_bits, key_dtype):
+    """Ids spanning at most 2**33 values (every int32 batch) take the radix sort, whose result is the reference's:
+    unique ids ascending. Wider spans take the hash table: unique ids in order of first occurrence. Spans sit at
+    the dtype's ends and across 0, with repeats."""
+    info = torch.iinfo(key_dtype)
+    g = torch.Generator().manual_seed(span_bits)
+    span = min(1 << span_bits, info.max - info.min + 1)  # ids in [base, base + span)
+    for base in (info.min, -(span // 2), info.max - span + 1):
+        ids = (torch.randint(0, min(span, 1 << 62), (5000,), generator=g, dtype=torch.int64) + base).to(key_dtype)
+        ids[::7] = ids[3]  # one id repeated all over the batch
+        ids[-2:] = torch.tensor([base, base + span - 1])  # both ends of the span
+        got, ref = POOL.dedup(ids), sort_ids(ids)
+        if span_bits <= 33 or key_dtype == torch.int32:
+            assert all(torch.equal(a, b) for a, b in zip(got, ref)), (span_bits, base)
+            continue
+        unique, inverse, order, starts = got
+        assert torch.equal(unique[inverse], ids) and torch.equal(unique.sort().values, ref.unique)
+        assert torch.equal(ids[order], unique.repeat_interleave(starts.diff()))
+        assert bool((order[starts[:-1]].diff() > 0).all())  # unique ids in order of first occurrence
