@@ -296,17 +296,17 @@ def _radix_dedup_kernel(ids, unique, inverse, order, starts, max_passes):
             dst[at[d]] = x
             at[d] += 1
         src, dst = dst, src
-    u, prev = -1, np.uint64(0)
     jmask, jb = np.uint64((np.int64(1) << jbits) - 1), np.uint64(jbits)
-    for k in range(n):
+    u, prev = -1, ~(src[0] >> jb)
+    for k in range(n):  # runs of equal ids -> unique ids
         x = src[k]
         j = np.int64(x & jmask)
         order[k] = j
-        if u < 0 or (x >> jb) != prev:
+        if (x >> jb) != prev:
             u += 1
             prev = x >> jb
             starts[u] = k
-            unique[u] = ids[j]
+            unique[u] = ((prev + lo) ^ top) & width  # the id back from its unsigned image
         inverse[j] = u
     starts[u + 1] = n
     return u + 1
