@@ -63,15 +63,31 @@ def test_forward_beyond_max_capacity_still_returns_rows(key_dtype, device):
 def test_forward_rejects_bad_ids(key_dtype, device, fails_cleanly):
     emb = _emb(key_dtype, device)
     emb(_k([1], key_dtype, device))
-    other = torch.int64 if key_dtype == torch.int32 else torch.int32
+    other = torch.int64 if key_dtype == torch.int32 else torch.uint64  # wider than the keys: never narrowed
     for mode in (True, False):
         emb.train(mode)
-        with fails_cleanly(emb, TypeError, rf"ids must have dtype {key_dtype}.*got {other}"):
+        with fails_cleanly(emb, TypeError, rf"ids must have dtype {key_dtype} .*or a narrower integer.*got {other}"):
             emb(torch.tensor([1, 2], dtype=other, device=device))
         with fails_cleanly(emb, TypeError, "ids must be a torch.Tensor.*got list"):
             emb([1, 2])
         with fails_cleanly(emb, TypeError, "ids must have dtype.*got torch.float32"):
             emb(torch.tensor([1.0], device=device))
+
+
+def test_narrower_integer_ids_are_widened(key_dtype, device):
+    """int32 ids look up an int64 table as nn.Embedding and TorchRec take them (int8/int16/uint8 any table), with the
+    rows, shapes and inserts of the same ids in the table's dtype; extreme values keep their meaning."""
+    emb = _emb(key_dtype, device)
+    narrow = [torch.int8, torch.uint8, torch.int16] + ([torch.int32] if key_dtype == torch.int64 else [])
+    for dtype in narrow:
+        info = torch.iinfo(dtype)
+        ids = torch.tensor([[info.min, -1 if info.min < 0 else 1], [0, info.max]], dtype=dtype, device=device)
+        out = emb(ids)
+        assert out.shape == (2, 2, emb.dim)
+        assert torch.equal(out, emb(ids.to(key_dtype)))  # the same rows: the first call inserted them
+        assert bool(emb.contains(ids.to(key_dtype).reshape(-1)).all())
+    assert len(emb) == len(set(v for d in narrow for v in (torch.iinfo(d).min, torch.iinfo(d).max, -1, 0, 1)
+                               if torch.iinfo(d).min <= v))
 
 
 # ------------------------------------------------------------------------------------------------------------- methods

@@ -146,7 +146,7 @@ class DynamicEmbedding(_TableModule):
         Eval: missing ids read their initializer row and nothing is inserted."""
         from .functional import embedding_lookup
 
-        check_keys(ids, self.key_dtype, self.device, "ids")
+        ids = check_keys(ids, self.key_dtype, self.device, "ids").view(ids.shape)  # int32 ids widened
         return embedding_lookup(self, ids)
 
     def lookup(self, keys: torch.Tensor, return_exists: bool = False):
@@ -258,7 +258,7 @@ class DynamicEmbedding(_TableModule):
                 unexpected_keys.append(key)
         keys = state_dict[prefix + "keys"].to(t.device)
         try:
-            check_keys(keys, t.key_dtype, t.device, prefix + "keys")
+            keys = check_keys(keys, t.key_dtype, t.device, prefix + "keys")
             values = check_rows_like(
                 state_dict[prefix + "values"].to(t.device), keys.numel(), t.dim, t.dtype, t.device,
                 prefix + "values", keys.shape,

@@ -82,7 +82,7 @@ MALFORMED = [
     ([1, 2], TypeError, r"must be one of .*got a list of 2 int"),
     ((IDS, torch.tensor([0, 1]), torch.ones(4), 3), TypeError, r"got a tuple of 4"),
     ({"ids": IDS, "offset": torch.tensor([0])}, ValueError, r"dict input needs 'ids'"),
-    (IDS.to(torch.int32), TypeError, r"ids must have dtype torch.int64"),
+    (IDS.to(torch.float64), TypeError, r"ids must have dtype torch.int64 .*or a narrower integer"),
 ]
 
 

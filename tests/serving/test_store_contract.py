@@ -97,7 +97,7 @@ def test_bad_arguments_raise_and_change_nothing(store):
     store.create_table("t", dim=2)
     keys = torch.tensor([1, 2])
     with pytest.raises(TypeError, match="keys must have dtype torch.int64"):
-        store.get("t", keys.int())
+        store.get("t", keys.double())
     with pytest.raises(TypeError, match="keys must be a torch.Tensor"):
         store.get("t", [1, 2])
     with pytest.raises(ValueError, match=r"keys must be 1-D \[N\], got shape \(1, 2\)"):

@@ -520,7 +520,7 @@ def test_constructor_errors_name_the_argument(kwargs, exc, match):
 def test_key_errors_name_argument_and_change_nothing(key_dtype, device, fails_cleanly):
     t = _table(key_dtype, device, eviction="lfu")
     t.find_or_insert(_k([1, 2], key_dtype, device))
-    other = torch.int64 if key_dtype == torch.int32 else torch.int32
+    other = torch.int64 if key_dtype == torch.int32 else torch.uint64  # wider: refused, never narrowed
     wrong = torch.tensor([3], dtype=other, device=device)
     vals = torch.zeros(1, 4, device=device)
     calls = [

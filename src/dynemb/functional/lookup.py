@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..table import KeyValueTable
+from ..table.checks import check_keys
 from ..table.static import StaticTable
 from ..kernels.dispatch import pool_kernels
 from .grads import PooledGrad, TableRows, deliver_gradient, deliver_pooled_gradient, read_rows, table_kernels
@@ -114,7 +115,8 @@ def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, chec
     counts only when training *and* grad mode is on (``trains``, which also says gradients flow to it); under
     ``eval()`` or ``torch.no_grad()`` it is read-only and unseen keys read their initializer row."""
     table = _table_of(embedding)
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1) if checked or isinstance(table, StaticTable) else check_keys(ids, table.key_dtype,
+                                                                                        table.device, "ids")
     trains = _trains(embedding, table, training)
     if isinstance(table, StaticTable):  # id i is row i: nothing to find or insert
         flat = flat if checked else table.check_ids(flat)
@@ -251,7 +253,7 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
         offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
         summed = BagSum.apply(_rows_tensor(table, unique, rows, trains), inverse, offsets, weights)
         return split_combine(summed, bag_sets)
-    flat = ids.reshape(-1)  # find_or_insert / find_rows check it
+    flat = ids.reshape(-1) if checked else check_keys(ids, table.key_dtype, table.device, "ids")
     trains = _trains(embedding, table, training)
     sorted_ids, rows, stored = _find_sorted(table, flat, trains)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)

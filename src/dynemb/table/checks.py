@@ -26,14 +26,31 @@ def _describe(t: torch.Tensor) -> str:
 
 
 def check_keys(keys, key_dtype: torch.dtype, device: torch.device, name: str = "keys") -> torch.Tensor:
-    """Validate keys of any shape and return them flattened to ``[N]``."""
+    """Validate keys of any shape and return them flattened to ``[N]`` in ``key_dtype``.
+
+    Keys of a narrower integer dtype are widened (int32 ids for an int64 table, as ``nn.Embedding`` and TorchRec
+    take them): every value keeps its meaning. A wider dtype is refused, never narrowed.
+
+    Example:
+        >>> check_keys(torch.tensor([[-1, 7]], dtype=torch.int32), torch.int64, torch.device("cpu"))
+        tensor([-1,  7])
+    """
     if not isinstance(keys, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of dtype {key_dtype}, got {type(keys).__name__}")
-    if keys.dtype != key_dtype:
-        raise TypeError(f"{name} must have dtype {key_dtype} (the table's key_dtype), got {_describe(keys)}")
+    if keys.dtype != key_dtype and not _widens(keys.dtype, key_dtype):
+        raise TypeError(f"{name} must have dtype {key_dtype} (the table's key_dtype) or a narrower integer dtype, "
+                        f"got {_describe(keys)}")
     if keys.device != device:
         raise ValueError(f"{name} must be on the table's device {device}, got {_describe(keys)}")
-    return keys.reshape(-1)
+    return keys.reshape(-1).to(key_dtype)
+
+
+def _widens(dtype: torch.dtype, key_dtype: torch.dtype) -> bool:
+    """Whether every value of integer ``dtype`` is a value of ``key_dtype``."""
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return False
+    have, want = torch.iinfo(dtype), torch.iinfo(key_dtype)
+    return want.min <= have.min and have.max <= want.max
 
 
 def check_rows_like(
