@@ -18,8 +18,8 @@ from ..table.static import StaticTable
 from ..kernels.dispatch import pool_kernels
 from .grads import PooledGrad, TableRows, deliver_gradient, deliver_pooled_gradient, read_rows, table_kernels
 from .ops import anchor_of, pooled_lookup_op
-from .pooling import (BagSet, BagSum, bag_sum_grad, check_combiner, combine_denoms, concat_bags, pool,
-                      pooled_grad_rows, split_combine, to_bags)
+from .pooling import (BagSet, BagSum, bag_of, bag_sum_grad, check_combiner, combine_denoms, concat_bags, pool,
+                      split_combine, to_bags)
 
 __all__ = ["embedding_lookup", "embedding_lookup_sparse", "pooled_lookup", "unique_rows", "counts_occurrences",
            "clip_rows", "find_unique", "id_rows", "SortedIds", "sort_ids"]
@@ -214,9 +214,9 @@ class _TablePool(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         keys, rows, order, starts, offsets, weights, denom = ctx.saved_tensors
-        grad, bag = pooled_grad_rows(grad, offsets, order.numel(), denom)
-        deliver_pooled_gradient(ctx.table, keys, rows, grad, PooledGrad(order, starts, bag, weights), ctx.clock,
-                                ctx.moves)
+        grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
+        pooled = PooledGrad(order, starts, bag_of(offsets, order.numel()), weights)
+        deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock, ctx.moves)
         return (None,) * 10
 
 
@@ -267,7 +267,7 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
                                   sorted_ids.inverse, sorted_ids.order, sorted_ids.starts, offsets, weights, denom)
     else:
         pooled = _pool_rows(table, rows, sorted_ids.inverse, offsets, weights, denom)
-    return _split(pooled, bag_sets)
+    return list(pooled.split([s.num_bags for s in bag_sets]))
 
 
 
@@ -293,13 +293,7 @@ def _static_pooled_lookup(embedding, table: StaticTable, ids: torch.Tensor, bag_
         pooled = _StaticPool.apply(torch.empty(0, requires_grad=True), table, flat, offsets, weights, denom)
     else:
         pooled = _static_pool(table, flat, offsets, weights, denom)
-    return _split(pooled, bag_sets)
-
-
-def _split(pooled: torch.Tensor, bag_sets: list[BagSet]) -> list[torch.Tensor]:
-    """Each bag set's rows of ``pooled``. One set takes it whole: no split node, whose backward would copy a
-    concatenating model's gradient block (see :func:`pooled_grad_rows`)."""
-    return [pooled] if len(bag_sets) == 1 else list(pooled.split([s.num_bags for s in bag_sets]))
+    return list(pooled.split([s.num_bags for s in bag_sets]))
 
 
 
@@ -327,10 +321,10 @@ class _StaticPool(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         ids, offsets, weights, denom = ctx.saved_tensors
-        grad, bag = pooled_grad_rows(grad, offsets, ids.numel(), denom)
+        grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
         s = sort_ids(ids, table_kernels(pool_kernels, ctx.table))
-        deliver_pooled_gradient(ctx.table, s.unique, s.unique.to(torch.int64), grad,
-                                PooledGrad(s.order, s.starts, bag, weights))
+        pooled = PooledGrad(s.order, s.starts, bag_of(offsets, ids.numel()), weights)
+        deliver_pooled_gradient(ctx.table, s.unique, s.unique.to(torch.int64), grad, pooled)
         return (None,) * 6
 
 

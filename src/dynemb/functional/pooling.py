@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["COMBINERS", "BagSet", "check_combiner", "to_bags", "pool", "pool_many", "bag_of", "bag_sum_grad",
-           "BagSum", "concat_bags", "split_combine", "combine_denoms", "sorted_row_grad", "pooled_grad_rows"]
+           "BagSum", "concat_bags", "split_combine", "combine_denoms", "sorted_row_grad"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -189,40 +189,6 @@ def bag_of(offsets: torch.Tensor, n: int) -> torch.Tensor:
     counts = torch.diff(offsets, append=offsets.new_tensor([n]))
     return torch.repeat_interleave(torch.arange(offsets.numel(), device=offsets.device), counts, output_size=n)
 
-
-
-def pooled_grad_rows(grad: torch.Tensor, offsets: torch.Tensor, n: int,
-                     denom: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows [M, D], bag [N])``: the pooled gradient ``grad [B, D]`` of ``n`` ids in bags ``offsets``, divided by
-    the combiner's ``denom [B]`` (or None), as rows of a C-contiguous tensor that the backward kernels read, and
-    each id's row in it.
-
-    A model that concatenates several tables' pooled outputs (``torch.cat(..., dim=1)``) hands each table a column
-    block of one contiguous gradient. That block is read in place, through a contiguous ``[M, D]`` view of the
-    buffer whose every ``k``-th row is one of its rows (``bag`` remapped to them), instead of copied: the kernels
-    need contiguous rows (they ran 3x slower on strided ones), and the copy cost 0.1-0.2 ms a table at
-    ``B = 4096, D = 64``.
-
-    Example:
-        >>> g = torch.arange(12.0).view(2, 6)[:, 2:4]  # the second of three 2-wide outputs
-        >>> rows, bag = pooled_grad_rows(g, torch.tensor([0, 1]), 3, None)
-        >>> torch.equal(rows[bag], g[torch.tensor([0, 1, 1])]), bag.tolist()
-        (True, [1, 4, 4])
-    """
-    bag = bag_of(offsets, n)
-    if denom is not None:
-        return (grad / denom.unsqueeze(1)).contiguous(), bag
-    if grad.is_contiguous():
-        return grad, bag
-    num, dim = grad.shape
-    row_stride, col_stride = grad.stride()
-    start = grad.storage_offset()
-    every, first = row_stride // max(dim, 1), start // max(dim, 1)
-    size = first + (num - 1) * every + 1
-    if (col_stride != 1 or dim == 0 or num == 0 or row_stride % dim
-            or start % dim + size * dim > grad.untyped_storage().nbytes() // grad.element_size()):
-        return grad.contiguous(), bag
-    return grad.as_strided((size, dim), (dim, 1), start % dim), bag * every + first
 
 
 def bag_sum_grad(grad, inverse, offsets, weights, num_rows: int) -> torch.Tensor:
