@@ -26,6 +26,9 @@ from .numba_math import fma, prefetch_row, prefetch_row_for_write
 __all__ = ["dedup", "fill_rows", "gather", "grouped_bags", "pool", "row_grad", "rows_current", "sum_rows"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
+# Rows between a stamp's prefetch and its write. The write itself is a few cycles, so it takes many misses in flight
+# to cover the latency (78k random rows of an 8 MB column, cold): 32 ahead 0.19 ms, 64 0.17, 128 0.15, 192 0.13.
+_FILL_AHEAD = 192
 _GRAD_AHEAD = 16  # ids between the prefetch of a bag's gradient row and its sum (about 5% of a fused update)
 # Passes of the radix dedup: each costs about 1.5 ns an id; past three the hash table is as fast (82k ids).
 _RADIX_PASSES = 3
@@ -149,8 +152,8 @@ def _fill_kernel(column, rows, value):
             return False
     as_rows = column.reshape((size, 1))
     for u in range(n):
-        if u + _AHEAD < n:
-            prefetch_row_for_write(as_rows, rows[u + _AHEAD])
+        if u + _FILL_AHEAD < n:
+            prefetch_row_for_write(as_rows, rows[u + _FILL_AHEAD])
         column[rows[u]] = value
     return True
 
