@@ -63,7 +63,7 @@ def content_of(r: Rows) -> dict:
 
 @pytest.mark.parametrize("bad, match", [
     (Rows(torch.tensor([9, 9]), torch.zeros(2, 2), None, {}), "unique"),
-    (Rows(torch.tensor([9], dtype=torch.int32), torch.zeros(1, 2), None, {}), "keys must have dtype"),
+    (Rows(torch.tensor([9], dtype=torch.uint64), torch.zeros(1, 2), None, {}), "keys must have dtype"),
     (Rows(torch.tensor([9]), torch.zeros(1, 3), None, {}), "values must have shape"),
     (Rows(torch.tensor([9]), torch.zeros(1, 2), None, {"v": torch.zeros(1, 1)}), "not defined"),
 ])
