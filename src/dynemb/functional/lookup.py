@@ -115,13 +115,12 @@ def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, chec
     counts only when training *and* grad mode is on (``trains``, which also says gradients flow to it); under
     ``eval()`` or ``torch.no_grad()`` it is read-only and unseen keys read their initializer row."""
     table = _table_of(embedding)
-    flat = ids.reshape(-1) if checked or isinstance(table, StaticTable) else check_keys(ids, table.key_dtype,
-                                                                                        table.device, "ids")
     trains = _trains(embedding, table, training)
     if isinstance(table, StaticTable):  # id i is row i: nothing to find or insert
-        flat = flat if checked else table.check_ids(flat)
+        flat = ids.reshape(-1) if checked else table.check_ids(ids)
         unique, inverse = torch.unique(flat, return_inverse=True)
         return table, unique, unique.to(torch.int64), inverse, trains
+    flat = ids.reshape(-1) if checked else check_keys(ids, table.key_dtype, table.device, "ids")
     if trains and counts_occurrences(table):
         # lfu scores and admission count every occurrence, not every distinct id of the call
         unique, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
