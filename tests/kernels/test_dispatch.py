@@ -123,8 +123,9 @@ def test_none_follows_the_default_at_each_call_and_explicit_wins(monkeypatch):
     calls = []
     from dynemb.kernels import numba_index
 
-    real_probe = numba_index.probe
-    monkeypatch.setattr(numba_index, "probe", lambda *a: calls.append(1) or real_probe(*a))
+    for name in ("probe", "find"):  # the index's lookups: all slots and rows, or rows only
+        real = getattr(numba_index, name)
+        monkeypatch.setattr(numba_index, name, lambda *a, real=real: calls.append(1) or real(*a))
     follows = KeyValueTable(2)
     pinned = KeyValueTable(2, backend="torch")
     keys = torch.tensor([1, 2, 3])

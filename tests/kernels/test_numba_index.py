@@ -12,11 +12,17 @@ pytest.importorskip("numba")  # the kernel is optional; without numba the torch 
 
 
 def _both_paths(idx: HashIndex, keys: torch.Tensor) -> tuple[list, list]:
-    """Look ``keys`` up in the same index under each backend (the index follows the process default)."""
+    """Look ``keys`` up in the same index under each backend (the index follows the process default); ``find_all``
+    (the rows-only kernel pass on CPU) agrees with both."""
     with use_backend("numba"):
         kernel = [t.tolist() for t in idx.lookup(keys)]
+        rows, every = idx.find_all(keys)
     with use_backend("torch"):
         reference = [t.tolist() for t in idx.lookup(keys)]
+        torch_rows, torch_every = idx.find_all(keys)
+    assert rows.dtype == torch_rows.dtype == torch.int64
+    assert rows.tolist() == torch_rows.tolist() == reference[1]
+    assert every is torch_every is all(row >= 0 for row in reference[1])
     return kernel, reference
 
 

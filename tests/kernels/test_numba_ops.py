@@ -89,6 +89,7 @@ def test_pool_and_row_grad_equal_embedding_bag(data, divide, torch_bag):
         assert torch.equal(POOL.pool(values, rows, s.inverse, offsets, weights, denom), ref)
     grad = torch.randn(offsets.numel(), D)
     bag = bag_of(offsets, ids.numel())
+    assert torch.equal(bag_of(offsets, ids.numel(), POOL), bag) and bag.dtype == torch.int64  # the kernel
     got = POOL.row_grad(grad, s.order, s.starts, bag, weights)
     assert torch.equal(got, sorted_row_grad(grad, s.order, s.starts, bag, weights))
 

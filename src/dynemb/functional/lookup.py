@@ -214,9 +214,15 @@ class _TablePool(torch.autograd.Function):
     def backward(ctx, grad):
         keys, rows, order, starts, offsets, weights, denom = ctx.saved_tensors
         grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
-        pooled = PooledGrad(order, starts, bag_of(offsets, order.numel()), weights)
+        pooled = PooledGrad(order, starts, bag_of(offsets, order.numel(), _any_kernels(ctx.table)), weights)
         deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock, ctx.moves)
         return (None,) * 10
+
+
+
+def _any_kernels(table):
+    """The pool kernels of ``table``'s backend and device for its dtype-free helpers (``bag_of``), or None."""
+    return pool_kernels(getattr(table, "backend", None), table.device)
 
 
 
@@ -322,7 +328,7 @@ class _StaticPool(torch.autograd.Function):
         ids, offsets, weights, denom = ctx.saved_tensors
         grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
         s = sort_ids(ids, table_kernels(pool_kernels, ctx.table))
-        pooled = PooledGrad(s.order, s.starts, bag_of(offsets, ids.numel()), weights)
+        pooled = PooledGrad(s.order, s.starts, bag_of(offsets, ids.numel(), _any_kernels(ctx.table)), weights)
         deliver_pooled_gradient(ctx.table, s.unique, s.unique.to(torch.int64), grad, pooled)
         return (None,) * 6
 

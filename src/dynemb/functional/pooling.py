@@ -185,7 +185,17 @@ class BagSum(torch.autograd.Function):
 
 
 
-def bag_of(offsets: torch.Tensor, n: int) -> torch.Tensor:
+def bag_of(offsets: torch.Tensor, n: int, kernels=None) -> torch.Tensor:
+    """``[n]`` int64: the bag of each of ``n`` ids, bag ``b`` holding ids ``offsets[b]`` up to the next offset (or
+    ``n``). ``kernels``: a ``pool`` kernel module whose optional ``bag_of`` writes it in one pass instead.
+
+    Example:
+        >>> bag_of(torch.tensor([0, 2, 2]), 4).tolist()
+        [0, 0, 2, 2]
+    """
+    fast = getattr(kernels, "bag_of", None)
+    if fast is not None:
+        return fast(offsets, n)
     counts = torch.diff(offsets, append=offsets.new_tensor([n]))
     return torch.repeat_interleave(torch.arange(offsets.numel(), device=offsets.device), counts, output_size=n)
 

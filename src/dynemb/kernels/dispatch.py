@@ -33,7 +33,9 @@ said otherwise; ``values`` and slots are the table's own storage, updated in pla
 tables (and float32 weights and slots) to ``pool`` and ``optim`` kernels
 (:func:`~dynemb.functional.grads.table_kernels`); other dtypes run the torch reference.
 
-``index_kernels`` (:mod:`~dynemb.kernels.numba_index`): ``probe``, ``place`` of :class:`~dynemb.table.HashIndex`.
+``index_kernels`` (:mod:`~dynemb.kernels.numba_index`): ``probe``, ``place`` of :class:`~dynemb.table.HashIndex`,
+and optionally ``find(buckets, key_cols, overflow, keys [N], shift) -> (rows [N] int64, bool)``: ``probe``'s rows
+as int64 (-1 where absent) and whether every key was found, in one pass (``HashIndex.find_all``).
 
 ``pool_kernels`` (:mod:`~dynemb.kernels.numba_pool`): dedup and pooled lookups straight from a table's rows.
 
@@ -55,6 +57,9 @@ tables (and float32 weights and slots) to ``pool`` and ``optim`` kernels
 - ``fill_rows(column [C] int, rows [N], value: int) -> bool`` (optional: a module without it leaves the stamps to
   ``index_fill_``): ``column[rows] = value`` and True when every ``0 <= rows[i] < C``, else False with nothing
   written; how :func:`~dynemb.table.ops.fill_rows` writes score and version stamps of large batches.
+- ``bag_of(offsets [B], n: int) -> [n]`` (optional: a module without it leaves it to
+  :func:`~dynemb.functional.pooling.bag_of`): the bag of each of ``n`` ids, ``b`` for ``offsets[b] <= j <
+  offsets[b + 1]`` (``n`` for the last bag); ``offsets`` as for ``pool``. Backward passes build it once a call.
 - ``row_grad(grad [B, D] float32, order [N], starts [U + 1], bag [N], weights [N] | None) -> [U, D] float32``:
   the gradient of a sum-pooling for each unique row, ``g[u] = sum(weights[j] * grad[bag[j]] for j in
   order[starts[u]:starts[u + 1]])``, summed in that order (``order`` lists the ids grouped by unique row, in input

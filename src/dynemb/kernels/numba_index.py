@@ -3,7 +3,7 @@
 :class:`~dynemb.table.index.HashIndex` has one code path in batched torch ops for every device; it is the reference.
 On CPU that path spends most of its time in dozens of elementwise passes over the batch (hash, compare, pick the
 matching or the n-th free slot, follow overflow flags), each a separate trip through memory. These kernels do the
-same work in one pass (lookups: each key's bucket prefetched 32 keys ahead; placement: per cache-sized chunk of
+same work in one pass (lookups: each key's bucket prefetched 64 keys ahead; placement: per cache-sized chunk of
 keys), with identical results (slots, rows and the bucket layout; the tests run both paths). Measured at 1 thread
 with 1M keys and batches of 65,536: lookups take about a third of the time of the torch path and placing new keys
 about a third (numbers in BENCHMARKS.md).
@@ -20,12 +20,13 @@ import torch
 
 from .numba_math import prefetch_row
 
-__all__ = ["probe", "place"]
+__all__ = ["find", "probe", "place"]
 
 _CHUNK = 256  # keys per touch-then-match step of placement: their buckets (96 B each) stay in L1/L2
 # Keys between a bucket's prefetch and its probe. 78k keys of an index of 1M, cold caches, since a bucket's match is
 # a select: 16 ahead 13.2-13.8 ns a key, 32 9.4-9.6, 48 8.1-8.2, 64 7.7-7.9, 96 7.8-8.1.
 _AHEAD = 64
+_NO_SLOTS = np.empty(0, np.int64)  # passed as ``slots`` when only rows are wanted
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
@@ -44,6 +45,18 @@ def probe(
     _probe_kernel(table.numpy(), key_cols, overflow.numpy(), keys.contiguous().numpy(), shift, slots.numpy(),
                   rows.numpy())
     return slots, rows
+
+
+def find(
+    table: torch.Tensor, key_cols: int, overflow: torch.Tensor, keys: torch.Tensor, shift: int
+) -> tuple[torch.Tensor, bool]:
+    """``(rows int64, every key found)`` of ``[N]`` CPU keys, -1 where absent: :func:`probe`'s rows without the
+    slots, written as int64 and counted in the same pass (what ``HashIndex.find_all`` returns). Optional in the
+    index family."""
+    rows = torch.empty(keys.numel(), dtype=torch.int64)
+    missing = _probe_kernel(table.numpy(), key_cols, overflow.numpy(), keys.contiguous().numpy(), shift, _NO_SLOTS,
+                            rows.numpy())
+    return rows, missing == 0
 
 
 def place(
@@ -95,7 +108,9 @@ def _follow(table, key_cols, overflow, key, bucket):
 
 @numba.njit(nogil=True, cache=True)
 def _probe_kernel(table, key_cols, overflow, keys, shift, slots, rows):
+    # ``slots`` empty: rows only. Returns the number of keys not found.
     half = table.shape[0] // 2
+    with_slots, missing = slots.shape[0] > 0, 0
     words = table.view(np.int32)  # row ids are the int32 words after the keys
     n = keys.shape[0]
     home = np.empty(n, np.int64)
@@ -124,9 +139,11 @@ def _probe_kernel(table, key_cols, overflow, keys, shift, slots, rows):
                 slot, row = _match_row(table, words, key_cols, key, bucket)
         if slot < 0 and overflow[bucket]:
             slot, row = _follow(table, key_cols, overflow, key, bucket)
-        slots[j] = slot
+        if with_slots:
+            slots[j] = slot
         rows[j] = row
-    return 0
+        missing += slot < 0
+    return missing
 
 
 @numba.njit(nogil=True, cache=True)

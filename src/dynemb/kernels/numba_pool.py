@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .numba_index import _mix64
 from .numba_math import fma, prefetch_row, prefetch_row_for_write
 
-__all__ = ["dedup", "fill_rows", "gather", "grouped_bags", "pool", "row_grad", "rows_current", "sum_rows"]
+__all__ = ["bag_of", "dedup", "fill_rows", "gather", "grouped_bags", "pool", "row_grad", "rows_current", "sum_rows"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 # Rows between a stamp's prefetch and its write. The write itself is a few cycles, so it takes many misses in flight
@@ -76,6 +76,14 @@ def grouped_bags(order: torch.Tensor, bag: torch.Tensor | None,
     ``weights`` per id inside the sum, where it stalled the loop (0.5-0.7 ms of a 2.8-4.4 ms update per table)."""
     bags = order if bag is None else bag.index_select(0, order)
     return bags, None if weights is None else weights.index_select(0, order)
+
+
+def bag_of(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n]`` int64 bag of each id: see the optional ``bag_of`` of the ``pool`` contract. One sequential pass; the
+    torch reference (``diff``, ``arange``, ``repeat_interleave``) takes about 1.5x its time (82k ids, cold)."""
+    out = torch.empty(n, dtype=torch.int64)
+    _bag_of_kernel(offsets.contiguous().numpy(), out.numpy())
+    return out
 
 
 def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,6 +150,15 @@ def _rows_current_kernel(row_keys, size, keys, rows):
         if r < 0 or r >= size or row_keys[r] != keys[u]:
             return False
     return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _bag_of_kernel(offsets, out):
+    n, num_bags = out.shape[0], offsets.shape[0]
+    for b in range(num_bags):
+        stop = offsets[b + 1] if b + 1 < num_bags else n
+        for j in range(offsets[b], stop):
+            out[j] = b
 
 
 @numba.njit(nogil=True, cache=True)

@@ -149,6 +149,16 @@ class HashIndex:
         """Row id of each key, or -1 where absent. ``keys``: ``[N]`` -> ``[N]`` int64."""
         return self._probe(keys, hashes)[1].to(torch.int64)
 
+    def find_all(self, keys: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``(find(keys), whether every key is present)``: on CPU one kernel pass does both (no int32 copy and no
+        second pass over the rows to count the absent ones)."""
+        kernels = self._kernels()
+        fast = getattr(kernels, "find", None)  # optional in the index family
+        if fast is None or keys.numel() == 0:
+            rows = self.find(keys)
+            return rows, bool((rows >= 0).all())
+        return fast(self._buckets.view(self.key_dtype), self._key_cols, self.overflow, keys, self._shift)
+
     def lookup(self, keys: torch.Tensor, hashes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, rows)`` of each key, both ``[N]`` int64 and -1 where absent: ``find_slots`` and ``find`` in one
         pass.

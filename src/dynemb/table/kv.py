@@ -219,9 +219,8 @@ class KeyValueTable(RowStore):
             rows, found = one_launch
             self._touch(rows, custom, counts)
             return rows.view(keys.shape), found.view(keys.shape)
-        rows = self.index.find(flat)
-        found = rows >= 0
-        all_found = bool(found.all())
+        rows, all_found = self.index.find_all(flat)
+        found = torch.ones_like(rows, dtype=torch.bool) if all_found else rows >= 0
         with self._restored_on_error():
             self.clock += 1
             if not all_found:
