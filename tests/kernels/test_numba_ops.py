@@ -89,9 +89,12 @@ def test_pool_and_row_grad_equal_embedding_bag(data, divide, torch_bag):
         assert torch.equal(POOL.pool(values, rows, s.inverse, offsets, weights, denom), ref)
     grad = torch.randn(offsets.numel(), D)
     bag = bag_of(offsets, ids.numel())
-    assert torch.equal(bag_of(offsets, ids.numel(), POOL), bag) and bag.dtype == torch.int64  # the kernel
-    got = POOL.row_grad(grad, s.order, s.starts, bag, weights)
-    assert torch.equal(got, sorted_row_grad(grad, s.order, s.starts, bag, weights))
+    kernel_bag = bag_of(offsets, ids.numel(), POOL)  # the kernel's: int32 here
+    assert kernel_bag.dtype == torch.int32 and kernel_bag.tolist() == bag.tolist() and bag.dtype == torch.int64
+    want = sorted_row_grad(grad, s.order, s.starts, bag, weights)
+    for b in (bag, kernel_bag):  # every consumer takes either dtype
+        assert torch.equal(POOL.row_grad(grad, s.order, s.starts, b, weights), want)
+        assert torch.equal(sorted_row_grad(grad, s.order, s.starts, b, weights), want)
 
 
 KINDS = {
@@ -115,14 +118,16 @@ def _table(make):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("pooled", [False, True, "per_id"])
+@pytest.mark.parametrize("pooled", [False, True, "int32", "per_id"])
 def test_sparse_update_equals_the_torch_update(kind, pooled):
-    # pooled: grad [B, D] of bags of 4 ids; "per_id": grad [N, D], one row per id (bag None: bag[j] == j)
+    # pooled: grad [B, D] of bags of 4 ids ("int32": the bags as the bag_of kernel gives them); "per_id": grad
+    # [N, D], one row per id (bag None: bag[j] == j)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 30, (40,), generator=g)
     weights = torch.randn(40, generator=g)
     grad = torch.randn(40 if pooled == "per_id" else 10, D, generator=g)
     bag = torch.arange(40) if pooled == "per_id" else torch.arange(10).repeat_interleave(4)
+    bag = bag.int() if pooled == "int32" else bag
     s = sort_ids(ids)
     rows = s.unique  # key i is row i here
     dense = sorted_row_grad(grad, s.order, s.starts, bag, weights)

@@ -212,9 +212,9 @@ def bag_sum_grad(grad, inverse, offsets, weights, num_rows: int) -> torch.Tensor
 
 def sorted_row_grad(grad, order, starts, bag, weights) -> torch.Tensor:
     """The torch reference of the ``row_grad`` kernel (:mod:`dynemb.kernels.dispatch`): ``[U, D]``, row ``u``
-    summing ``weights[j] * grad[bag[j]]`` over ``j in order[starts[u]:starts[u + 1]]``."""
+    summing ``weights[j] * grad[bag[j]]`` over ``j in order[starts[u]:starts[u + 1]]`` (``bag`` int32 or int64)."""
     ordered_weights = None if weights is None else weights.index_select(0, order)
-    return F.embedding_bag(bag.index_select(0, order), grad, starts[:-1], mode="sum",
+    return F.embedding_bag(bag.index_select(0, order).to(torch.int64), grad, starts[:-1], mode="sum",
                            per_sample_weights=ordered_weights)
 
 

@@ -57,9 +57,10 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
 - ``fill_rows(column [C] int, rows [N], value: int) -> bool`` (optional: a module without it leaves the stamps to
   ``index_fill_``): ``column[rows] = value`` and True when every ``0 <= rows[i] < C``, else False with nothing
   written; how :func:`~dynemb.table.ops.fill_rows` writes score and version stamps of large batches.
-- ``bag_of(offsets [B], n: int) -> [n]`` (optional: a module without it leaves it to
+- ``bag_of(offsets [B], n: int) -> [n] int32/int64`` (optional: a module without it leaves it to
   :func:`~dynemb.functional.pooling.bag_of`): the bag of each of ``n`` ids, ``b`` for ``offsets[b] <= j <
-  offsets[b + 1]`` (``n`` for the last bag); ``offsets`` as for ``pool``. Backward passes build it once a call.
+  offsets[b + 1]`` (``n`` for the last bag); ``offsets`` as for ``pool``; the dtype is the module's choice.
+  Backward passes build it once a call, and every ``bag`` argument below may be either dtype.
 - ``row_grad(grad [B, D] float32, order [N], starts [U + 1], bag [N], weights [N] | None) -> [U, D] float32``:
   the gradient of a sum-pooling for each unique row, ``g[u] = sum(weights[j] * grad[bag[j]] for j in
   order[starts[u]:starts[u + 1]])``, summed in that order (``order`` lists the ids grouped by unique row, in input

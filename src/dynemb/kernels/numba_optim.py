@@ -37,11 +37,11 @@ def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple,
     if order is None and _mutates_gradient(kind, h):  # the kernel works on the given rows in place then
         grad = grad.clone()
     s = [t.numpy() for t in slots] + [_NONE_2D] * (2 - len(slots))
-    bags = None
+    bags, grouped = _NONE_I, _NONE_F
     if order is not None:
-        bags, weights = grouped_bags(order, bag, weights)
+        bags, grouped = grouped_bags(order, bag, weights, grad.shape[0])
     args = (values.numpy(), s[0], s[1], rows.numpy(), grad.numpy(), _NONE_I if starts is None else starts.numpy(),
-            _NONE_I if bags is None else bags.numpy(), _NONE_F if weights is None else weights.numpy(), h)
+            bags, grouped, h)
     _KERNELS[kind](*args)
 
 
