@@ -12,7 +12,7 @@ from hypothesis import given, settings
 
 from dynemb import optim
 from dynemb.functional.lookup import sort_ids
-from dynemb.functional.pooling import bag_of, sorted_row_grad
+from dynemb.functional.pooling import _offsets_valid, bag_of, sorted_row_grad
 from dynemb.kernels import optim_kernels, pool_kernels, use_backend
 from dynemb.table import KeyValueTable
 from dynemb.table.ops import fill_rows
@@ -71,6 +71,17 @@ def test_dedup_of_large_batches_groups_ids_like_the_sort(n, key_dtype):
     ranks[order] = torch.arange(n)
     by_id = inverse.argsort(stable=True)
     assert bool((ranks[by_id].diff()[inverse[by_id][1:] == inverse[by_id][:-1]] > 0).all())
+
+
+@settings(max_examples=200, deadline=None)
+@given(offsets=st.lists(st.integers(-3, 12), min_size=1, max_size=8), n=st.integers(0, 12))
+def test_offsets_valid_equals_the_torch_check(offsets, n):
+    t = torch.tensor(offsets)
+    want = offsets[0] == 0 and offsets[-1] <= n and all(a <= b for a, b in zip(offsets, offsets[1:]))
+    assert POOL.offsets_valid(t, n) is want
+    assert POOL.offsets_valid(t[::2], n) is POOL.offsets_valid(t[::2].clone(), n)  # a strided view alike
+    with use_backend("torch"):
+        assert _offsets_valid(t, n) is want
 
 
 @settings(max_examples=60, deadline=None)

@@ -19,7 +19,7 @@ from ..kernels.dispatch import pool_kernels
 from .grads import PooledGrad, TableRows, deliver_gradient, deliver_pooled_gradient, read_rows, table_kernels
 from .ops import anchor_of, pooled_lookup_op
 from .pooling import (BagSet, BagSum, bag_of, bag_sum_grad, check_combiner, combine_denoms, concat_bags, pool,
-                      split_combine, to_bags)
+                      split_bags, split_combine, to_bags)
 
 __all__ = ["embedding_lookup", "embedding_lookup_sparse", "pooled_lookup", "unique_rows", "counts_occurrences",
            "clip_rows", "find_unique", "id_rows", "SortedIds", "sort_ids"]
@@ -272,7 +272,7 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
                                   sorted_ids.inverse, sorted_ids.order, sorted_ids.starts, offsets, weights, denom)
     else:
         pooled = _pool_rows(table, rows, sorted_ids.inverse, offsets, weights, denom)
-    return list(pooled.split([s.num_bags for s in bag_sets]))
+    return split_bags(pooled, bag_sets)
 
 
 
@@ -298,7 +298,7 @@ def _static_pooled_lookup(embedding, table: StaticTable, ids: torch.Tensor, bag_
         pooled = _StaticPool.apply(torch.empty(0, requires_grad=True), table, flat, offsets, weights, denom)
     else:
         pooled = _static_pool(table, flat, offsets, weights, denom)
-    return list(pooled.split([s.num_bags for s in bag_sets]))
+    return split_bags(pooled, bag_sets)
 
 
 

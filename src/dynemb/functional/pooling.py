@@ -8,8 +8,10 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from ..kernels.dispatch import pool_kernels
+
 __all__ = ["COMBINERS", "BagSet", "check_combiner", "to_bags", "pool", "pool_many", "bag_of", "bag_sum_grad",
-           "BagSum", "concat_bags", "split_combine", "combine_denoms", "sorted_row_grad"]
+           "BagSum", "concat_bags", "split_bags", "split_combine", "combine_denoms", "sorted_row_grad"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -117,14 +119,23 @@ def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None
                                  f"({n}), got {_preview(offsets)}")
             offsets = offsets[:-1]
         # one read of the offsets for all three rules; the message then says which one failed
-        if check_values and offsets.numel() and bool(((offsets[0] != 0) | (offsets[1:] < offsets[:-1]).any()
-                                                      | (offsets[-1] > n)).item()):
+        if check_values and offsets.numel() and not _offsets_valid(offsets, n):
             if int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()):
                 raise ValueError(f"offsets must start at 0 and never decrease (bag starts, nn.EmbeddingBag style), "
                                  f"got {_preview(offsets)}")
             raise ValueError(f"offsets must be <= the number of ids ({n}), got {_preview(offsets)}; lengths "
                              "passed as offsets? use lengths=")
     return ids, offsets, _check_weights(weights, ids), offsets.numel()
+
+
+def _offsets_valid(offsets: torch.Tensor, n: int) -> bool:
+    """Whether int64 ``offsets [B >= 1]`` start at 0, never decrease and end at most at ``n``: one pass of the pool
+    kernels' optional ``offsets_valid`` where the process default has it (a few microseconds on CPU), else one
+    torch expression read back once."""
+    check = getattr(pool_kernels(None, offsets.device), "offsets_valid", None)
+    if check is not None:
+        return check(offsets, n)
+    return not bool(((offsets[0] != 0) | (offsets[1:] < offsets[:-1]).any() | (offsets[-1] > n)).item())
 
 
 def _check_index_tensor(t, name: str, ids: torch.Tensor) -> torch.Tensor:
@@ -244,7 +255,8 @@ def concat_bags(bag_sets: list[BagSet], dtype: torch.dtype, device) -> tuple[tor
     starts = [0]
     for s in bag_sets[:-1]:
         starts.append(starts[-1] + s.num_ids)
-    offsets = torch.cat([s.offsets + start for s, start in zip(bag_sets, starts)])
+    shifted = [s.offsets + start for s, start in zip(bag_sets, starts)]  # new tensors: autograd keeps them
+    offsets = shifted[0] if len(shifted) == 1 else torch.cat(shifted)
     if all(s.weights is None for s in bag_sets):
         return offsets, None
     weights = torch.cat([s.weights.to(dtype) if s.weights is not None
@@ -253,8 +265,13 @@ def concat_bags(bag_sets: list[BagSet], dtype: torch.dtype, device) -> tuple[tor
 
 
 
+def split_bags(pooled: torch.Tensor, bag_sets: list[BagSet]) -> list[torch.Tensor]:
+    """``pooled [sum of B, D]`` cut into each bag set's ``[B, D]`` (one set: the tensor itself, no view)."""
+    return [pooled] if len(bag_sets) == 1 else list(pooled.split([s.num_bags for s in bag_sets]))
+
+
 def split_combine(summed: torch.Tensor, bag_sets: list[BagSet]) -> list[torch.Tensor]:
-    return [_combine(part, *s) for part, s in zip(summed.split([s.num_bags for s in bag_sets]), bag_sets)]
+    return [_combine(part, *s) for part, s in zip(split_bags(summed, bag_sets), bag_sets)]
 
 
 

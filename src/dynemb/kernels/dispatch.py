@@ -57,6 +57,9 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
 - ``fill_rows(column [C] int, rows [N], value: int) -> bool`` (optional: a module without it leaves the stamps to
   ``index_fill_``): ``column[rows] = value`` and True when every ``0 <= rows[i] < C``, else False with nothing
   written; how :func:`~dynemb.table.ops.fill_rows` writes score and version stamps of large batches.
+- ``offsets_valid(offsets [B >= 1], n: int) -> bool`` (optional: a module without it leaves the check to torch):
+  whether ``offsets`` start at 0, never decrease and end at most at ``n``; how
+  :func:`~dynemb.functional.pooling.to_bags` validates bag offsets.
 - ``bag_of(offsets [B], n: int) -> [n] int32/int64`` (optional: a module without it leaves it to
   :func:`~dynemb.functional.pooling.bag_of`): the bag of each of ``n`` ids, ``b`` for ``offsets[b] <= j <
   offsets[b + 1]`` (``n`` for the last bag); ``offsets`` as for ``pool``; the dtype is the module's choice.
