@@ -21,6 +21,11 @@ Ratios are of CPU-time steps/s within one measurement, two ways: of the medians 
 ``ratio_vs_torch_bag``), and ``paired``: the median of each round's own ratio, which holds steady when the machine's
 load drifts between rounds. A target is met when both reach it.
 
+``--sessions K`` repeats the whole measurement K times, each with fresh contestant processes, and reports the
+median over sessions of each number (each session's own numbers are kept in the JSON). On a shared virtual machine
+one process can run 30-50% slower for its whole life (seen on the 2-core KVM guest of BENCHMARKS.md): pairing rounds
+within one session cannot remove that, fresh processes can.
+
 Run: ``.venv/bin/python benchmarks/train_step.py [--quick] [--json PATH] [--threads 1] [--contestants ...]``.
 """
 
@@ -138,16 +143,56 @@ def with_ratios(row: dict) -> dict:
 
 
 def targets(rows: list[dict]) -> list[dict]:
+    """Each target of each row: its ratio of the medians and its paired ratio (with sessions, the median of the
+    sessions' own), and whether both reach the goal."""
     out = []
     for r in rows:
         cpu = {k: v["cpu_steps_per_s"] for k, v in r["contestants"].items()}
         for optimizers, impl, base, goal in TARGETS:
             if r["optimizer"] in optimizers and impl in cpu:
-                got, pair = ratio(cpu[impl], cpu.get(base)), paired(r, impl, base)
+                got, pair = _target_ratios(r, impl, base)
                 out.append({"optimizer": r["optimizer"], "ids": r["distribution"], "target": f"{impl} >= {goal}x "
                             f"{base}", "ratio_cpu": got, "paired": pair,
-                            "met": None if got is None else got >= goal and pair >= goal})
+                            "met": None if got is None or pair is None else got >= goal and pair >= goal})
     return out
+
+
+def _target_ratios(row: dict, impl: str, base: str) -> tuple[float | None, float | None]:
+    each = [(ratio(c.get(impl, {}).get("cpu_steps_per_s"), c.get(base, {}).get("cpu_steps_per_s")),
+             paired({"contestants": c}, impl, base)) for c in row.get("sessions", [row["contestants"]])]
+    return _median([g for g, _ in each]), _median([p for _, p in each])
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
+def combine(sessions: list[list[dict]]) -> list[dict]:
+    """The rows of several sessions (fresh processes each) as one: per contestant the median over sessions of
+    its steps/s and spread, its step times of every session, and ratios as medians of the sessions' ratios. Each
+    session's contestants stay under ``"sessions"``."""
+    if len(sessions) == 1:
+        return sessions[0]
+    rows = []
+    for first in sessions[0]:
+        key = (first["optimizer"], first["distribution"])
+        parts = [next(r for r in rows_ if (r["optimizer"], r["distribution"]) == key)["contestants"]
+                 for rows_ in sessions]
+        names = [n for n in first["contestants"] if all(n in p for p in parts)]
+        contestants = {n: {m: _median([p[n][m] for p in parts]) for m in ("steps_per_s", "cpu_steps_per_s",
+                                                                          "spread_pct")} for n in names}
+        for n in names:
+            contestants[n]["cpu_s"] = [t for p in parts for t in p[n]["cpu_s"]]
+        row = {**{k: v for k, v in first.items() if k not in ("contestants",) and not k.startswith(("ratio_",
+                                                                                                 "paired_"))},
+               "contestants": contestants, "sessions": parts}
+        for base, name in (("torchrec", "ratio_vs_torchrec"), ("torch-bag", "ratio_vs_torch_bag")):
+            ratios = {k: _target_ratios(row, k, base) for k in names if k in DYNEMB}
+            row[name] = {k: r[0] for k, r in ratios.items()}
+            row[f"paired_{name}"] = {k: r[1] for k, r in ratios.items()}
+        rows.append(row)
+    return rows
 
 
 def report(rows: list[dict], checks: list[dict], names: list[str]) -> None:
@@ -157,8 +202,8 @@ def report(rows: list[dict], checks: list[dict], names: list[str]) -> None:
         print_table([{"optimizer": r["optimizer"], "ids": r["distribution"],
                       **{n: r["contestants"].get(n, {}).get(key, "n/a") for n in names}} for r in rows],
                     ["optimizer", "ids"] + names)
-    print("\ntargets (ratios of CPU-time steps/s within one run: of the medians, and paired round by round; met when "
-          "both reach the goal)")
+    print("\ntargets (ratios of CPU-time steps/s within one run: of the medians, and paired round by round; with "
+          "sessions, the median of the sessions' ratios; met when both reach the goal)")
     print_table(checks, ["optimizer", "ids", "target", "ratio_cpu", "paired", "met"])
 
 
@@ -194,6 +239,9 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU step of benchmarks/gpu_ops.py instead")
     p.add_argument("--alone", action="store_true",
                    help="run one contestant process at a time instead of interleaving their steps (warm caches)")
+    p.add_argument("--sessions", type=int, default=1,
+                   help="repeat the whole measurement with fresh processes and report medians over the sessions "
+                        "(default 1)")
     p.add_argument("--no-thp", action="store_true",
                    help="leave THP_MEM_ALLOC_ENABLE alone (default: 1 in every contestant: torch allocates large "
                         "tensors on transparent huge pages, which random row access over large tables needs)")
@@ -212,20 +260,26 @@ def main(argv=None) -> None:
           f"{repeat}; torchrec: {torchrec_available() or 'yes'}; THP_MEM_ALLOC_ENABLE="
           f"{os.environ.get('THP_MEM_ALLOC_ENABLE')}", flush=True)
     groups = [[n] for n in names] if args.alone else [names]
-    rows = []
-    for group in groups:  # --alone: one contestant process at a time, each measured on its own
-        procs = [Contestant(n, w, args.distributions, warmup + repeat, args.threads) for n in group]
-        try:
-            rows = _run(procs, args, repeat, warmup, rows)
-        finally:
-            for c in procs:
-                c.close()
+    sessions = []
+    for session in range(args.sessions):
+        if args.sessions > 1:
+            print(f"session {session + 1} of {args.sessions} (fresh processes)", flush=True)
+        rows = []
+        for group in groups:  # --alone: one contestant process at a time, each measured on its own
+            procs = [Contestant(n, w, args.distributions, warmup + repeat, args.threads) for n in group]
+            try:
+                rows = _run(procs, args, repeat, warmup, rows)
+            finally:
+                for c in procs:
+                    c.close()
+        sessions.append(rows)
+    rows = combine(sessions)
     checks = targets(rows)
     report(rows, checks, names)
     if args.json:
         write_json(args.json, {"benchmark": "train_step", "workload": w.__dict__, "repeat": repeat,
                                "threads": args.threads, "thp": os.environ.get("THP_MEM_ALLOC_ENABLE"),
-                               "alone": args.alone,
+                               "alone": args.alone, "sessions": args.sessions,
                                "machine": info, "results": rows, "targets": checks})
 
 
