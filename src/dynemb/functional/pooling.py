@@ -198,7 +198,8 @@ class BagSum(torch.autograd.Function):
 
 def bag_of(offsets: torch.Tensor, n: int, kernels=None) -> torch.Tensor:
     """``[n]`` int64: the bag of each of ``n`` ids, bag ``b`` holding ids ``offsets[b]`` up to the next offset (or
-    ``n``). ``kernels``: a ``pool`` kernel module whose optional ``bag_of`` writes it in one pass instead.
+    ``n``). ``kernels``: a ``pool`` kernel module whose optional ``bag_of`` writes it in one pass instead (in the
+    dtype that module chooses: int32 for numba).
 
     Example:
         >>> bag_of(torch.tensor([0, 2, 2]), 4).tolist()
