@@ -85,7 +85,7 @@ def grouped_bags(order: torch.Tensor, bag: torch.Tensor | None, weights: torch.T
     if weights is None:
         return bags, _NONE_F
     grouped = np.empty(order.numel(), np.float32)
-    _gather_ids_kernel(weights.numpy(), order.numpy(), grouped)
+    _gather_ids_kernel(weights.detach().numpy(), order.numpy(), grouped)
     return bags, grouped
 
 
