@@ -184,9 +184,8 @@ def combine(sessions: list[list[dict]]) -> list[dict]:
                                                                           "spread_pct")} for n in names}
         for n in names:
             contestants[n]["cpu_s"] = [t for p in parts for t in p[n]["cpu_s"]]
-        row = {**{k: v for k, v in first.items() if k not in ("contestants",) and not k.startswith(("ratio_",
-                                                                                                 "paired_"))},
-               "contestants": contestants, "sessions": parts}
+        row = {k: first[k] for k in ("optimizer", "distribution", "threads")}
+        row.update(contestants=contestants, sessions=parts)
         for base, name in (("torchrec", "ratio_vs_torchrec"), ("torch-bag", "ratio_vs_torch_bag")):
             ratios = {k: _target_ratios(row, k, base) for k in names if k in DYNEMB}
             row[name] = {k: r[0] for k, r in ratios.items()}

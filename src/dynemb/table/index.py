@@ -152,12 +152,11 @@ class HashIndex:
     def find_all(self, keys: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """``(find(keys), whether every key is present)``: on CPU one kernel pass does both (no int32 copy and no
         second pass over the rows to count the absent ones)."""
-        kernels = self._kernels()
-        fast = getattr(kernels, "find", None)  # optional in the index family
-        if fast is None or keys.numel() == 0:
+        fast = getattr(self._kernels(), "find", None)  # optional in the index family
+        if fast is None:
             rows = self.find(keys)
             return rows, bool((rows >= 0).all())
-        return fast(self._buckets.view(self.key_dtype), self._key_cols, self.overflow, keys, self._shift)
+        return fast(*self._kernel_args(keys))
 
     def lookup(self, keys: torch.Tensor, hashes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, rows)`` of each key, both ``[N]`` int64 and -1 where absent: ``find_slots`` and ``find`` in one
@@ -177,13 +176,18 @@ class HashIndex:
         """Row id at each flat slot (``slots >= 0``), as int64."""
         return gather_rows(self._buckets.view(-1), self._row_pos(slots)).to(torch.int64)
 
+    def _kernel_args(self, keys: torch.Tensor) -> tuple:
+        """What the index kernels' ``probe`` and ``find`` take: the buckets in the key dtype, their key columns, the
+        overflow flags, ``keys`` and the hash shift."""
+        return self._buckets.view(self.key_dtype), self._key_cols, self.overflow, keys, self._shift
+
     def _probe(self, keys: torch.Tensor, hashes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots int64, rows int32)`` of ``[N]`` keys, -1 where absent."""
         if keys.numel() == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device), torch.empty_like(keys, dtype=torch.int32)
         kernels = self._kernels()
         if kernels is not None:
-            return kernels.probe(self._buckets.view(self.key_dtype), self._key_cols, self.overflow, keys, self._shift)
+            return kernels.probe(*self._kernel_args(keys))
         bucket = self._home(key_hash(keys) if hashes is None else hashes)
         # Only a key equal to the fill value can match a free slot; one check per call keeps the common case lean.
         check_rows = bool((keys == _FILL).any())
