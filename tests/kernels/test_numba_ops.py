@@ -14,8 +14,9 @@ from dynemb import optim
 from dynemb.functional.lookup import sort_ids
 from dynemb.functional.pooling import _offsets_valid, bag_of, sorted_row_grad
 from dynemb.kernels import optim_kernels, pool_kernels, use_backend
-from dynemb.table import KeyValueTable
+from dynemb.table import EvictionPolicy, KeyValueTable
 from dynemb.table.ops import fill_rows
+from dynemb.table.policy import touch_scores
 
 pytest.importorskip("numba")
 POOL = pool_kernels("numba", "cpu")
@@ -252,3 +253,75 @@ def test_dedup_of_narrow_and_wide_spans_equals_the_sort(span_bits, key_dtype):
         assert torch.equal(unique[inverse], ids) and torch.equal(unique.sort().values, ref.unique)
         assert torch.equal(ids[order], unique.repeat_interleave(starts.diff()))
         assert bool((order[starts[:-1]].diff() > 0).all())  # unique ids in order of first occurrence
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), size=st.sampled_from([1, 3, 1000, 50_000]), n=st.integers(0, 6000),
+       counted=st.booleans(), bad=st.sampled_from([None, -1, 50_000]))
+def test_touch_counts_equals_a_dict_model_and_write_last_writes_each_rows_last_occurrence(seed, size, n, counted,
+                                                                                          bad):
+    """Each occurrence gets its row's value before the call; the last occurrence of each row also gets the sum of
+    its counts; a row out of range writes nothing. Values are arbitrary int64, positions among them (a value that
+    looks like an earlier position of the same row must not be taken for one)."""
+    g = torch.Generator().manual_seed(seed)
+    column = torch.randint(-(2**62), 2**62, (size,), generator=g)
+    column[::2] = torch.randint(0, max(n, 1), (len(column[::2]),), generator=g)  # values that are positions
+    rows = torch.randint(0, size, (n,), generator=g)
+    counts = torch.randint(1, 2**40, (n,), generator=g) if counted else None
+    if bad is not None and n:
+        rows[n // 3] = bad
+        got = column.clone()
+        assert POOL.touch_counts(got, rows, counts) is None and torch.equal(got, column)
+        return
+    got = column.clone()
+    before, total, last = POOL.touch_counts(got, rows, counts)
+    sums: dict[int, int] = {}
+    for j, r in enumerate(rows.tolist()):
+        sums[r] = sums.get(r, 0) + (counts[j].item() if counts is not None else 1)
+    final = {r: j for j, r in enumerate(rows.tolist())}
+    assert before.tolist() == column[rows].tolist()
+    assert last.tolist() == [final[r] == j for j, r in enumerate(rows.tolist())]
+    assert total[last].tolist() == [sums[r] for r in rows[last].tolist()]
+    POOL.write_last(got, rows, before, last)  # writing back what was read restores the column
+    assert torch.equal(got, column)
+    POOL.write_last(got, rows, torch.arange(n) * 2 + 1, last)
+    expected = column.clone()
+    expected[rows[last]] = (torch.arange(n) * 2 + 1)[last]
+    assert torch.equal(got, expected)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), size=st.sampled_from([2, 300, 100_000]), n=st.integers(4096, 9000),
+       counted=st.booleans(), spread=st.sampled_from([1 << 10, 1 << 24, 1 << 44]), clock=st.integers(0, 10**9),
+       half_life=st.integers(1, 64))
+def test_decayed_lfu_scores_are_the_same_bits_through_the_kernels(seed, size, n, counted, spread, clock, half_life):
+    """A decayed_lfu access of a large batch (duplicate rows, counts or none, scores near ``now`` and far on either
+    side of it) gives the torch path's scores bit for bit: the kernels gather, the same torch arithmetic runs on
+    the same positions."""
+    g = torch.Generator().manual_seed(seed)
+    scores = round(clock / half_life * 65536) + torch.randint(-spread, spread, (size,), generator=g)
+    rows = torch.randint(0, size, (n,), generator=g)
+    counts = torch.randint(1, 50, (n,), generator=g) if counted else None
+    got, expected = scores.clone(), scores.clone()
+    for backend, out in (("torch", expected), ("numba", got)):
+        with use_backend(backend):
+            touch_scores(EvictionPolicy.DECAYED_LFU, out, rows, clock=clock, epoch=0, counts=counts,
+                         half_life=half_life)
+    assert torch.equal(got, expected)
+
+
+def test_decayed_lfu_scores_stay_when_the_arithmetic_fails(monkeypatch):
+    """The kernels leave scratch values in the rows until the new scores are written: a failure in between puts the
+    scores back."""
+    from dynemb.table import policy
+
+    scores, rows = torch.arange(10_000) * 3, torch.randint(0, 10_000, (5000,), generator=torch.Generator().manual_seed(0))
+    before = scores.clone()
+
+    def fail(*args):
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(policy, "_decayed", fail)
+    with use_backend("numba"), pytest.raises(MemoryError, match="injected"):
+        touch_scores(EvictionPolicy.DECAYED_LFU, scores, rows, clock=5, epoch=0)
+    assert torch.equal(scores, before)

@@ -24,7 +24,7 @@ from .numba_index import _mix64
 from .numba_math import fma, prefetch_row, prefetch_row_for_write
 
 __all__ = ["bag_of", "dedup", "fill_rows", "gather", "grouped_bags", "offsets_valid", "pool", "row_grad", "rows_current",
-           "sum_rows"]
+           "sum_rows", "touch_counts", "write_last"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 # Rows between a stamp's prefetch and its write. The write itself is a few cycles, so it takes many misses in flight
@@ -35,6 +35,7 @@ _GRAD_AHEAD = 16  # ids between the prefetch of a bag's gradient row and its sum
 _RADIX_PASSES = 3
 _RADIX_DIGIT = 11  # bits per pass at most: 2048 counters, in L1
 _NONE_F = np.empty(0, np.float32)  # stands for an absent float tensor (numba needs one type per argument)
+_NONE_I = np.empty(0, np.int64)
 #: whether :func:`pool` runs torch's ``embedding_bag`` (fbgemm's CPU kernels) rather than :func:`_pool_kernel`
 USE_TORCH_BAG = "fbgemm" in torch.backends.quantized.supported_engines
 
@@ -145,6 +146,25 @@ def fill_rows(column: torch.Tensor, rows: torch.Tensor, value: int) -> bool:
     return bool(_fill_kernel(column.numpy(), rows.numpy(), value))
 
 
+def touch_counts(column: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(before [N] int64, total [N] int64, last [N] bool)`` of an access of ``rows`` to an int64 ``column``: see
+    the optional ``touch_counts`` of the ``pool`` contract. One prefetched pass over the rows, where the torch
+    reference makes four, none prefetched; the rows hold scratch values until :func:`write_last`."""
+    n = rows.numel()
+    before, total = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    last = torch.empty(n, dtype=torch.bool)
+    ok = _touch_counts_kernel(column.numpy(), rows.numpy(), _NONE_I if counts is None else counts.numpy(),
+                              before.numpy(), total.numpy(), last.numpy())
+    return (before, total, last) if ok else None
+
+
+def write_last(column: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, last: torch.Tensor) -> None:
+    """``column[rows[j]] = values[j]`` where ``last[j]``: see the optional ``touch_counts`` of the ``pool``
+    contract (``write_last`` comes with it)."""
+    _write_last_kernel(column.numpy(), rows.numpy(), values.numpy(), last.numpy())
+
+
 def _opt(t: torch.Tensor | None) -> np.ndarray:
     return _NONE_F if t is None else t.numpy()
 
@@ -211,6 +231,44 @@ def _fill_kernel(column, rows, value):
             prefetch_row_for_write(as_rows, rows[u + _FILL_AHEAD])
         column[rows[u]] = value
     return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _touch_counts_kernel(column, rows, counts, before, total, last):
+    n, size = rows.shape[0], column.shape[0]
+    for j in range(n):  # all or nothing, as _fill_kernel
+        if rows[j] < 0 or rows[j] >= size:
+            return False
+    as_rows = column.reshape((size, 1))
+    for j in range(n):  # the one random pass: read each row's value and leave this position in its place
+        if j + _FILL_AHEAD < n:
+            prefetch_row_for_write(as_rows, rows[j + _FILL_AHEAD])
+        r = rows[j]
+        before[j] = column[r]
+        column[r] = j
+    # So an occurrence reads the position of the row's previous occurrence, and only then: no earlier position
+    # holds the row of its first occurrence, whatever value that read. The chains give each row's value before the
+    # call and its total count, in sequential passes.
+    counted = counts.shape[0] > 0
+    for j in range(n):
+        p = before[j]
+        c = counts[j] if counted else 1
+        last[j] = True
+        if 0 <= p < j and rows[p] == rows[j]:
+            before[j], total[j], last[p] = before[p], total[p] + c, False
+        else:
+            total[j] = c
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _write_last_kernel(column, rows, values, last):
+    n, as_rows = rows.shape[0], column.reshape((column.shape[0], 1))
+    for j in range(n):
+        if j + _FILL_AHEAD < n:
+            prefetch_row_for_write(as_rows, rows[j + _FILL_AHEAD])
+        if last[j]:
+            column[rows[j]] = values[j]
 
 
 @numba.njit(nogil=True, cache=True)

@@ -8,7 +8,7 @@ import torch
 
 from ..kernels.dispatch import pool_kernels
 
-__all__ = ["gather_rows", "last_occurrence", "copy_rows", "fill_rows"]
+__all__ = ["column_kernel", "gather_rows", "last_occurrence", "copy_rows", "fill_rows"]
 
 # Rows gathered per step by copy_rows on CPU: a cache-sized temporary instead of one [N, D] tensor, whose fresh
 # pages cost more to fault in than the copy itself.
@@ -22,15 +22,21 @@ _FLOAT_VIEW = {torch.int64: torch.float64, torch.int32: torch.float32, torch.int
 def fill_rows(dst: torch.Tensor, rows: torch.Tensor, value: int) -> None:
     """``dst.index_fill_(0, rows, value)`` for a 1-D int64 column (score and version stamps). Large batches on CPU
     go to the pool kernels' ``fill_rows`` (rows prefetched ahead), when the default backend has it."""
-    if dst.device.type == "cpu" and rows.numel() >= _KERNEL_FILL_MIN and dst.dim() == 1 and dst.is_contiguous() \
-            and dst.dtype == rows.dtype == torch.int64 and rows.is_contiguous():
-        fill = getattr(pool_kernels(None, dst.device), "fill_rows", None)
-        if fill is not None and fill(dst, rows, value):
-            return
-    dst.index_fill_(0, rows, value)
+    fill = column_kernel(dst, rows, "fill_rows")
+    if fill is None or not fill(dst, rows, value):
+        dst.index_fill_(0, rows, value)
 
 
-# Rows below which index_fill_ wins (a kernel call costs a few microseconds more).
+def column_kernel(column: torch.Tensor, rows: torch.Tensor, name: str):
+    """The default backend's pool kernel ``name`` for an access of ``rows`` (``[N]`` int64) to a 1-D int64
+    ``column`` (scores, version stamps), or None where the torch code serves better: off CPU, for a module without
+    it, or below a few thousand rows (a kernel call costs a few microseconds more than ``index_fill_``)."""
+    if column.device.type == "cpu" and rows.numel() >= _KERNEL_FILL_MIN and column.dim() == 1 \
+            and column.is_contiguous() and column.dtype == rows.dtype == torch.int64 and rows.is_contiguous():
+        return getattr(pool_kernels(None, column.device), name, None)
+    return None
+
+
 _KERNEL_FILL_MIN = 4096
 
 

@@ -35,7 +35,7 @@ import enum
 
 import torch
 
-from .ops import fill_rows, last_occurrence
+from .ops import column_kernel, fill_rows, last_occurrence
 
 __all__ = ["EvictionPolicy", "touch_scores", "DEFAULT_HALF_LIFE", "DEFAULT_BOUNDED"]
 
@@ -109,18 +109,38 @@ def _touch_decayed(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tenso
     Written as ``now + log2(2**(score - now) + n)``: the difference is small for live rows (float32 is exact to
     the fixed point there) and a row far below ``now`` just becomes ``now + log2(n)``. Duplicates need no sort:
     ``n`` is summed in ``scores`` itself, read back per occurrence, and every occurrence of a row writes the same
-    value.
+    value. Large CPU batches gather ``(score, n)`` with the pool kernels' ``touch_counts`` instead (one prefetched
+    pass over the rows for these four) and write each row's last occurrence; the arithmetic is the same torch code
+    on the same ``[N]`` positions, so the scores are the same bits.
     """
     now_fixed = round(now * _DECAY_SCALE)
+    counts = None if counts is None else counts.contiguous()
+    gather = column_kernel(scores, rows, "touch_counts")
+    got = gather(scores, rows, counts) if gather is not None else None
+    if got is not None:
+        old, n, last = got
+        write = column_kernel(scores, rows, "write_last")
+        try:
+            new = _decayed(old, n, now_fixed)
+        except BaseException:
+            write(scores, rows, old, last)  # the rows hold scratch values until written: put the scores back
+            raise
+        write(scores, rows, new, last)
+        return
     old = scores.index_select(0, rows)
     scores.index_fill_(0, rows, 0)
     scores.index_add_(0, rows, torch.ones_like(rows) if counts is None else counts)
     n = scores.index_select(0, rows)
-    d = (old - now_fixed).to(torch.float32) / _DECAY_SCALE
-    # Above 2**60 the n added is below the fixed point's resolution: the score stays.
-    added = torch.log2(torch.exp2(d.clamp(max=60.0)) + n.to(torch.float32))
-    new = torch.where(d > 60.0, old, now_fixed + torch.round(added * _DECAY_SCALE).to(torch.int64))
-    scores.index_copy_(0, rows, new)
+    scores.index_copy_(0, rows, _decayed(old, n, now_fixed))
+
+
+def _decayed(old: torch.Tensor, n: torch.Tensor, now_fixed: int) -> torch.Tensor:
+    """The new fixed-point score of rows scored ``old`` (``[N]`` int64) accessed ``n`` times now."""
+    d = (old - now_fixed).to(torch.float32).div_(_DECAY_SCALE)
+    stays = d > 60.0  # above 2**60 the n added is below the fixed point's resolution: the score stays
+    # In place where it can be: a fresh [N] tensor per op costs as much as the op (78k rows).
+    added = d.clamp_(max=60.0).exp2_().add_(n).log2_().mul_(_DECAY_SCALE).round_()
+    return torch.where(stays, old, added.to(torch.int64).add_(now_fixed))
 
 
 # The policy a bounded TableConfig gets when it names none: the only one within 5 points of hit rate of the best
