@@ -290,23 +290,27 @@ def test_touch_counts_equals_a_dict_model_and_write_last_writes_each_rows_last_o
     assert torch.equal(got, expected)
 
 
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), size=st.sampled_from([2, 300, 100_000]), n=st.integers(4096, 9000),
+@settings(max_examples=40, deadline=None)
+@given(policy=st.sampled_from([EvictionPolicy.LFU, EvictionPolicy.EPOCH_LFU, EvictionPolicy.DECAYED_LFU]),
+       seed=st.integers(0, 2**31 - 1), size=st.sampled_from([2, 300, 100_000]), n=st.integers(4096, 9000),
        counted=st.booleans(), spread=st.sampled_from([1 << 10, 1 << 24, 1 << 44]), clock=st.integers(0, 10**9),
-       half_life=st.integers(1, 64))
-def test_decayed_lfu_scores_are_the_same_bits_through_the_kernels(seed, size, n, counted, spread, clock, half_life):
-    """A decayed_lfu access of a large batch (duplicate rows, counts or none, scores near ``now`` and far on either
-    side of it) gives the torch path's scores bit for bit: the kernels gather, the same torch arithmetic runs on
-    the same positions."""
+       half_life=st.integers(1, 64), epoch=st.integers(0, 3))
+def test_counting_policies_give_the_same_bits_through_the_kernels(policy, seed, size, n, counted, spread, clock,
+                                                                  half_life, epoch):
+    """An access of a large batch under lfu, epoch_lfu and decayed_lfu (duplicate rows, counts or none; decayed
+    scores near ``now`` and far on either side of it, epoch scores of this epoch and others) gives the torch
+    path's scores bit for bit: the kernels gather, the same torch arithmetic runs on the same positions."""
     g = torch.Generator().manual_seed(seed)
-    scores = round(clock / half_life * 65536) + torch.randint(-spread, spread, (size,), generator=g)
+    if policy is EvictionPolicy.DECAYED_LFU:
+        scores = round(clock / half_life * 65536) + torch.randint(-spread, spread, (size,), generator=g)
+    else:
+        scores = (torch.randint(0, 4, (size,), generator=g) << 32) + torch.randint(0, spread, (size,), generator=g)
     rows = torch.randint(0, size, (n,), generator=g)
     counts = torch.randint(1, 50, (n,), generator=g) if counted else None
     got, expected = scores.clone(), scores.clone()
     for backend, out in (("torch", expected), ("numba", got)):
         with use_backend(backend):
-            touch_scores(EvictionPolicy.DECAYED_LFU, out, rows, clock=clock, epoch=0, counts=counts,
-                         half_life=half_life)
+            touch_scores(policy, out, rows, clock=clock, epoch=epoch, counts=counts, half_life=half_life)
     assert torch.equal(got, expected)
 
 

@@ -59,12 +59,13 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
   written; how :func:`~dynemb.table.ops.fill_rows` writes score and version stamps of large batches.
 - ``touch_counts(column [C] int64, rows [N], counts [N] | None) -> (before [N], total [N], last [N] bool) | None``
   and ``write_last(column, rows, values [N] int64, last [N] bool) -> None`` (optional, together: a module without
-  them leaves the decayed_lfu access to four torch passes): ``before[j]`` is ``column[rows[j]]`` before the call,
-  ``last[j]`` whether ``j`` is the last occurrence of its row, and there ``total[j]`` is the sum of the row's
-  ``counts`` (ones when None; elsewhere unspecified); None, with nothing written, when a row is out of range.
-  ``touch_counts`` may leave scratch values in the rows; ``write_last`` then writes ``values[j]`` to
+  them leaves the counting policies' access to torch's ``index_*`` passes): ``before[j]`` is ``column[rows[j]]``
+  before the call, ``last[j]`` whether ``j`` is the last occurrence of its row, and there ``total[j]`` is the sum
+  of the row's ``counts`` (ones when None; elsewhere unspecified); None, with nothing written, when a row is out
+  of range. ``touch_counts`` may leave scratch values in the rows; ``write_last`` then writes ``values[j]`` to
   ``column[rows[j]]`` at each last occurrence (``values=before`` restores the column). How
-  :func:`~dynemb.table.policy.touch_scores` applies a ``decayed_lfu`` access of a large batch.
+  :func:`~dynemb.table.policy.touch_scores` applies an ``lfu``, ``epoch_lfu`` or ``decayed_lfu`` access of a
+  large batch.
 - ``offsets_valid(offsets [B >= 1], n: int) -> bool`` (optional: a module without it leaves the check to torch):
   whether ``offsets`` start at 0, never decrease and end at most at ``n``; how
   :func:`~dynemb.functional.pooling.to_bags` validates bag offsets.

@@ -86,6 +86,10 @@ def touch_scores(
     """
     if rows.numel() == 0:
         return
+    counted = _COUNTED.get(policy)
+    if counted is not None and _touch_counted(scores, rows, counts, counted, clock=clock, epoch=epoch,
+                                              half_life=half_life):
+        return
     if policy is EvictionPolicy.LRU:
         fill_rows(scores, rows, clock)
     elif policy is EvictionPolicy.LFU:
@@ -103,35 +107,42 @@ def touch_scores(
         scores.index_copy_(0, *last_occurrence(rows, custom))
 
 
+def _touch_counted(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor | None, score, **when) -> bool:
+    """A counting policy's access through the pool kernels (large CPU batches; False: not taken, nothing written).
+
+    ``touch_counts`` reads each occurrence's score before the call and, at each row's last occurrence, its total
+    count, in one prefetched pass over the rows (the torch code makes two to four, none prefetched); ``score(old,
+    n, **when)`` computes the new scores on all ``[N]`` positions (what the torch code computes for those rows,
+    on the same positions for decayed_lfu, so every path gives the same bits); ``write_last`` writes them back.
+    """
+    gather = column_kernel(scores, rows, "touch_counts")
+    got = gather(scores, rows, None if counts is None else counts.contiguous()) if gather is not None else None
+    if got is None:
+        return False
+    old, n, last = got
+    write = column_kernel(scores, rows, "write_last")
+    try:
+        new = score(old, n, **when)
+    except BaseException:
+        write(scores, rows, old, last)  # the rows hold scratch values until written: put the scores back
+        raise
+    write(scores, rows, new, last)
+    return True
+
+
 def _touch_decayed(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor | None, now: float) -> None:
     """``score = log2(2**score + n * 2**now)`` per distinct row (``n`` its accesses here), in fixed point.
 
     Written as ``now + log2(2**(score - now) + n)``: the difference is small for live rows (float32 is exact to
     the fixed point there) and a row far below ``now`` just becomes ``now + log2(n)``. Duplicates need no sort:
     ``n`` is summed in ``scores`` itself, read back per occurrence, and every occurrence of a row writes the same
-    value. Large CPU batches gather ``(score, n)`` with the pool kernels' ``touch_counts`` instead (one prefetched
-    pass over the rows for these four) and write each row's last occurrence; the arithmetic is the same torch code
-    on the same ``[N]`` positions, so the scores are the same bits.
+    value.
     """
-    now_fixed = round(now * _DECAY_SCALE)
-    counts = None if counts is None else counts.contiguous()
-    gather = column_kernel(scores, rows, "touch_counts")
-    got = gather(scores, rows, counts) if gather is not None else None
-    if got is not None:
-        old, n, last = got
-        write = column_kernel(scores, rows, "write_last")
-        try:
-            new = _decayed(old, n, now_fixed)
-        except BaseException:
-            write(scores, rows, old, last)  # the rows hold scratch values until written: put the scores back
-            raise
-        write(scores, rows, new, last)
-        return
     old = scores.index_select(0, rows)
     scores.index_fill_(0, rows, 0)
     scores.index_add_(0, rows, torch.ones_like(rows) if counts is None else counts)
     n = scores.index_select(0, rows)
-    scores.index_copy_(0, rows, _decayed(old, n, now_fixed))
+    scores.index_copy_(0, rows, _decayed(old, n, round(now * _DECAY_SCALE)))
 
 
 def _decayed(old: torch.Tensor, n: torch.Tensor, now_fixed: int) -> torch.Tensor:
@@ -141,6 +152,14 @@ def _decayed(old: torch.Tensor, n: torch.Tensor, now_fixed: int) -> torch.Tensor
     # In place where it can be: a fresh [N] tensor per op costs as much as the op (78k rows).
     added = d.clamp_(max=60.0).exp2_().add_(n).log2_().mul_(_DECAY_SCALE).round_()
     return torch.where(stays, old, added.to(torch.int64).add_(now_fixed))
+
+
+_COUNTED = {  # the new score of a counting policy from the old one and the row's accesses: see _touch_counted
+    EvictionPolicy.LFU: lambda old, n, **when: old + n,
+    EvictionPolicy.EPOCH_LFU: lambda old, n, *, epoch, **when: torch.where((old >> 32) == epoch, old, epoch << 32) + n,
+    EvictionPolicy.DECAYED_LFU: lambda old, n, *, clock, half_life, **when: _decayed(
+        old, n, round(clock / half_life * _DECAY_SCALE)),
+}
 
 
 # The policy a bounded TableConfig gets when it names none: the only one within 5 points of hit rate of the best
