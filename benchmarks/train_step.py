@@ -6,7 +6,8 @@ Contestants (``benchmarks/train_step_impls.py``), each in its own process:
   backward, pre-warmed with the whole id space (in a random order) so that steps measure the steady state;
   ``dynemb-dyn-step`` (``--contestants``): the same with ``optimizer.step()``; ``dynemb-dyn-bounded``
   (``--contestants``): the same with ``max_capacity=2V``, a bound the ids never reach, under the policy a bound gets
-  by default (``decayed_lfu``): what keeping eviction scores costs a step;
+  by default (``decayed_lfu``): what keeping eviction scores costs a step; ``dynemb-dyn-evicting``: a bound of
+  ``V/2``, so that every step inserts ids and evicts as many rows;
 - ``dynemb-static``: the same collection with ``vocabulary_size=V`` (dense tables), fused optimizer;
 - ``torch-bag``: ``T x nn.EmbeddingBag(sparse=True)`` with a torch optimizer (SGD, Adagrad for RowWiseAdagrad,
   SparseAdam for Adam);

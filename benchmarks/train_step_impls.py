@@ -87,11 +87,11 @@ def dynemb_optimizer(opt: str, fused: bool):
 
 class Dynemb(Trainer):
     def __init__(self, w: Workload, opt: str, *, static: bool, fused: bool, compiled: bool = False,
-                 bounded: bool = False) -> None:
+                 bound: float | None = None) -> None:
         super().__init__(w)
-        # bounded: a memory bound the ids never reach, under the policy a bound gets by default (decayed_lfu), so
-        # the step pays for the scores eviction would read but never evicts
-        bound = {"max_capacity": 2 * w.vocab} if bounded else {}
+        # bound: max_capacity as a fraction of the ids, under the policy a bound gets by default (decayed_lfu); 2.0
+        # is never reached (the step pays for the scores only), 0.5 evicts on every step
+        bound = {"max_capacity": int(bound * w.vocab)} if bound else {}
         tables = [TableConfig(name=f"t{t}", dim=w.dim, vocabulary_size=w.vocab if static else None,
                               optimizer=dynemb_optimizer(opt, fused), combiner="sum", seed=t,
                               init_capacity=w.vocab if not static else 8192, **bound)
@@ -198,7 +198,8 @@ class TorchRec(Trainer):
 CONTESTANTS = {
     "dynemb-dyn-fused": lambda w, opt: Dynemb(w, opt, static=False, fused=True),
     "dynemb-dyn-step": lambda w, opt: Dynemb(w, opt, static=False, fused=False),
-    "dynemb-dyn-bounded": lambda w, opt: Dynemb(w, opt, static=False, fused=True, bounded=True),
+    "dynemb-dyn-bounded": lambda w, opt: Dynemb(w, opt, static=False, fused=True, bound=2.0),
+    "dynemb-dyn-evicting": lambda w, opt: Dynemb(w, opt, static=False, fused=True, bound=0.5),
     "dynemb-dyn-compiled": lambda w, opt: Dynemb(w, opt, static=False, fused=True, compiled=True),
     "dynemb-static": lambda w, opt: Dynemb(w, opt, static=True, fused=True),
     "torch-bag": TorchBag,

@@ -6,6 +6,7 @@ duplicate ids, empty bags, weights and every optimizer kind. Equality is exact (
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,7 +16,7 @@ from dynemb.functional.lookup import sort_ids
 from dynemb.functional.pooling import _offsets_valid, bag_of, sorted_row_grad
 from dynemb.kernels import optim_kernels, pool_kernels, use_backend
 from dynemb.table import EvictionPolicy, KeyValueTable
-from dynemb.table.ops import fill_rows
+from dynemb.table.ops import fill_rows, lowest_rows
 from dynemb.table.policy import touch_scores
 
 pytest.importorskip("numba")
@@ -329,3 +330,26 @@ def test_decayed_lfu_scores_stay_when_the_arithmetic_fails(monkeypatch):
     with use_backend("numba"), pytest.raises(MemoryError, match="injected"):
         touch_scores(EvictionPolicy.DECAYED_LFU, scores, rows, clock=5, epoch=0)
     assert torch.equal(scores, before)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), size=st.sampled_from([0, 1, 7, 20_000, 70_000]), k=st.integers(0, 80_000),
+       spread=st.sampled_from([1, 3, 1000, 2**62]), pinned=st.sampled_from([0, 1, 100, 30_000]),
+       layout=st.sampled_from(["random", "ascending", "descending"]))
+def test_lowest_rows_through_the_kernel_equals_the_reference_and_a_sort(seed, size, k, spread, pinned, layout):
+    """Victims of eviction: the k unpinned rows lowest by (score, row), in that order, from the kernel (one pass
+    after a sampled threshold) and the torch reference alike; heavy ties, all rows pinned, k beyond the free
+    rows, and scores sorted either way (a sample that misjudges the threshold)."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-spread, spread, (size,), generator=g) if size else torch.empty(0, dtype=torch.int64)
+    if layout != "random":
+        scores = scores.sort(descending=layout == "descending").values
+    pins = torch.randint(0, max(size, 1), (min(pinned, size * 2),), generator=g) if size else None
+    free = torch.ones(size, dtype=torch.bool)
+    if pins is not None:
+        free[pins] = False
+    rows = free.nonzero().squeeze(1).numpy()
+    expected = rows[np.lexsort((rows, scores.numpy()[rows]))][:k].tolist()  # by score, then row
+    with use_backend("torch"):
+        assert lowest_rows(scores, k, pins).tolist() == expected
+    assert POOL.lowest_rows(scores, k, pins).tolist() == expected

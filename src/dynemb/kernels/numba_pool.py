@@ -24,12 +24,13 @@ from .numba_index import _mix64
 from .numba_math import fma, prefetch_row, prefetch_row_for_write
 
 __all__ = ["bag_of", "dedup", "fill_rows", "gather", "grouped_bags", "offsets_valid", "pool", "row_grad", "rows_current",
-           "sum_rows", "touch_counts", "write_last"]
+           "lowest_rows", "sum_rows", "touch_counts", "write_last"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 # Rows between a stamp's prefetch and its write. The write itself is a few cycles, so it takes many misses in flight
 # to cover the latency (78k random rows of an 8 MB column, cold): 32 ahead 0.19 ms, 64 0.17, 128 0.15, 192 0.13.
 _FILL_AHEAD = 192
+_LOWEST_SAMPLE = 4096  # scores sampled by lowest_rows to set its threshold
 _GRAD_AHEAD = 16  # ids between the prefetch of a bag's gradient row and its sum (about 5% of a fused update)
 # Passes of the radix dedup: each costs about 1.5 ns an id; past three the hash table is as fast (82k ids).
 _RADIX_PASSES = 3
@@ -165,6 +166,13 @@ def write_last(column: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, l
     _write_last_kernel(column.numpy(), rows.numpy(), values.numpy(), last.numpy())
 
 
+def lowest_rows(scores: torch.Tensor, k: int, pinned: torch.Tensor | None) -> torch.Tensor:
+    """The ``min(k, unpinned)`` positions of int64 ``scores`` not in ``pinned`` lowest by ``(score, position)``, in
+    that order: see the optional ``lowest_rows`` of the ``pool`` contract (the reference is
+    :func:`dynemb.table.ops.lowest_rows`)."""
+    return torch.from_numpy(_lowest_kernel(scores.numpy(), k, _NONE_I if pinned is None else pinned.numpy()))
+
+
 def _opt(t: torch.Tensor | None) -> np.ndarray:
     return _NONE_F if t is None else t.numpy()
 
@@ -259,6 +267,57 @@ def _touch_counts_kernel(column, rows, counts, before, total, last):
         else:
             total[j] = c
     return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _lowest_kernel(scores, k, pinned):
+    size = scores.shape[0]
+    free = np.ones(size, np.bool_)
+    for p in pinned:
+        if 0 <= p < size:
+            free[p] = False
+    n = 0
+    for r in range(size):
+        n += free[r]
+    k = min(k, n)
+    if k == 0:
+        return np.empty(0, np.int64)
+    # A threshold from a strided sample of the free scores, a little above the k-th of n, so that one pass over the
+    # column collects every row below it; a threshold that proves too low (rare) is raised to the top.
+    step = max(1, size // _LOWEST_SAMPLE)
+    sample = np.empty(size // step + 1, np.int64)
+    m = 0
+    for r in range(0, size, step):
+        if free[r]:
+            sample[m] = scores[r]
+            m += 1
+    sample = np.sort(sample[:m])
+    q = k / n * m
+    at = min(m - 1, int(q + 3.0 * np.sqrt(q) + 2.0)) if k < n else m - 1
+    t = sample[at] if m > 0 and k < n else np.iinfo(np.int64).max
+    below, tied = np.empty(size, np.int64), np.empty(k, np.int64)
+    while True:
+        nb, nt = 0, 0
+        for r in range(size):  # rows in order: rows tied at t are kept lowest first
+            if free[r]:
+                s = scores[r]
+                if s < t:
+                    below[nb] = r
+                    nb += 1
+                elif s == t and nt < k:
+                    tied[nt] = r
+                    nt += 1
+        if nb + nt >= k:
+            break
+        t = np.iinfo(np.int64).max
+    found = below[:nb]
+    found = found[np.argsort(scores[found], kind="mergesort")]  # stable: equal scores stay lowest row first
+    if nb >= k:
+        return found[:k].copy()
+    out = np.empty(k, np.int64)
+    out[:nb] = found
+    out[nb:] = tied[: k - nb]
+    return out
 
 
 @numba.njit(nogil=True, cache=True)

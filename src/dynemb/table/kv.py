@@ -30,7 +30,7 @@ from .checks import (
 )
 from .hashing import unique_by_hash
 from .initializers import InitializerSpec, resolve_initializer
-from .ops import copy_rows, gather_rows
+from .ops import copy_rows, gather_rows, lowest_rows
 from .policy import DEFAULT_HALF_LIFE, EvictionPolicy, touch_scores
 from .rows import EvictHook, Rows, RowStore
 
@@ -387,7 +387,7 @@ class KeyValueTable(RowStore):
         n = min(n, self._size)
         if n == 0:
             return self._take(torch.empty(0, dtype=torch.int64, device=self.device))
-        victims = torch.topk(self.scores[: self._size], n, largest=False).indices
+        victims = lowest_rows(self.scores[: self._size], n)
         return self._evict_rows(victims)
 
     def restrict(self, num_reserved: int, trigger: int | None = None) -> Rows:

@@ -8,7 +8,7 @@ import torch
 
 from ..kernels.dispatch import pool_kernels
 
-__all__ = ["column_kernel", "gather_rows", "last_occurrence", "copy_rows", "fill_rows"]
+__all__ = ["column_kernel", "gather_rows", "last_occurrence", "lowest_rows", "copy_rows", "fill_rows"]
 
 # Rows gathered per step by copy_rows on CPU: a cache-sized temporary instead of one [N, D] tensor, whose fresh
 # pages cost more to fault in than the copy itself.
@@ -38,6 +38,41 @@ def column_kernel(column: torch.Tensor, rows: torch.Tensor, name: str):
 
 
 _KERNEL_FILL_MIN = 4096
+
+
+def lowest_rows(scores: torch.Tensor, k: int, pinned: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``min(k, unpinned)`` positions of ``scores`` (``[S]`` int64) not in ``pinned`` with the lowest scores,
+    lowest first; equal scores go lowest position first, so every path and device picks the same rows. ``[k']``
+    int64: eviction's victims. Large CPU columns go to the pool kernels' ``lowest_rows`` (one pass over the column
+    after a sample finds a threshold, where this reference makes several passes and a ``kthvalue``).
+
+    Example:
+        >>> lowest_rows(torch.tensor([5, 1, 3, 1, 0]), 3, pinned=torch.tensor([4])).tolist()
+        [1, 3, 2]
+    """
+    kernel = column_kernel(scores, scores, "lowest_rows") if scores.numel() >= _KERNEL_LOWEST_MIN else None
+    if kernel is not None:
+        return kernel(scores, k, None if pinned is None else pinned.contiguous())
+    candidates = None
+    if pinned is not None and pinned.numel():
+        free = torch.ones(scores.numel(), dtype=torch.bool, device=scores.device)
+        free[pinned] = False
+        candidates = free.nonzero().squeeze(1)
+        scores = scores.index_select(0, candidates)
+    k = min(k, scores.numel())
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=scores.device)
+    lowest, at = scores.topk(k, largest=False, sorted=False)  # the k lowest scores; which of the tied is arbitrary
+    kth = lowest.max()
+    below = at[lowest < kth].sort().values  # every position scored below the k-th, in position order
+    tied = (scores == kth).nonzero().squeeze(1)[: k - below.numel()]  # then the first of those tied with it
+    picked = torch.cat([below, tied])
+    picked = picked.index_select(0, scores.index_select(0, picked).sort(stable=True).indices)
+    return picked if candidates is None else candidates.index_select(0, picked)
+
+
+# Scores below which the torch code wins (one kernel call and its sample cost more than a few small ops).
+_KERNEL_LOWEST_MIN = 1 << 14
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from .checks import check_int, resolve_device
 from .columns import RowColumns
 from .index import HashIndex
 from .initializers import CallableInitializer
-from .ops import copy_rows, gather_rows
+from .ops import copy_rows, gather_rows, lowest_rows
 
 __all__ = ["Rows", "EvictHook", "RowStore"]
 
@@ -268,17 +268,7 @@ class RowStore(ChangeLog, RowColumns):
 
     # ------------------------------------------------------------------ eviction
     def _pick_victims(self, need: int, pinned: torch.Tensor) -> torch.Tensor:
-        size = self._size
-        if size == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        unpinned = torch.ones(size, dtype=torch.bool, device=self.device)
-        unpinned[pinned] = False
-        candidates = unpinned.nonzero().squeeze(1)
-        k = min(need, candidates.numel())
-        if k == 0:
-            return candidates[:0]
-        lowest = torch.topk(self.scores.index_select(0, candidates), k, largest=False).indices
-        return candidates.index_select(0, lowest)
+        return lowest_rows(self.scores[: self._size], need, pinned)
 
     def _take(self, rows: torch.Tensor) -> Rows:
         cols = {name: gather_rows(col, rows) for name, col in self._cols.items()}

@@ -25,6 +25,7 @@ import torch
 from . import budget
 from .checks import check_int, check_keys, check_rows_like, check_scores
 from .kv import KeyValueTable
+from .ops import lowest_rows
 from .rows import Rows
 from .slow import SlowStore, swap_rows
 
@@ -167,7 +168,7 @@ class TieredTable(KeyValueTable):
             m = self.slow.size()
             scores = torch.cat([self.scores[: self._size], self.slow.scores[:m].to(self.device)])
             keys = torch.cat([self.row_keys[: self._size], self.slow.row_keys[:m].to(self.device)])
-            self._resident(keys.index_select(0, torch.topk(scores, n, largest=False).indices), new_ok=False)
+            self._resident(keys.index_select(0, lowest_rows(scores, n)), new_ok=False)
         return super().evict(n)
 
     def clear(self) -> None:
