@@ -66,6 +66,9 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
   ``column[rows[j]]`` at each last occurrence (``values=before`` restores the column). How
   :func:`~dynemb.table.policy.touch_scores` applies an ``lfu``, ``epoch_lfu`` or ``decayed_lfu`` access of a
   large batch.
+- ``lowest_rows(scores [S] int64, k: int, pinned [P] | None) -> [min(k, free)] int64`` (optional: a module
+  without it leaves it to the torch code of :func:`~dynemb.table.ops.lowest_rows`): the positions not in
+  ``pinned`` lowest by ``(score, position)``, in that order; how eviction picks its victims.
 - ``offsets_valid(offsets [B >= 1], n: int) -> bool`` (optional: a module without it leaves the check to torch):
   whether ``offsets`` start at 0, never decrease and end at most at ``n``; how
   :func:`~dynemb.functional.pooling.to_bags` validates bag offsets.

@@ -79,7 +79,7 @@ def find_or_insert(table, ti: ModuleType, flat: torch.Tensor) -> tuple[torch.Ten
     if m:
         _number_new(table, flat, slots, rows, inserted, m)
     table.inserted += m
-    if m and index.too_many_flags(flags):
+    if m and flags > index.MAX_OVERFLOW_FRACTION * index.num_buckets:
         # RowStore._reserve rehashes before inserting when stale flags pile up; rebuilding after gives the same
         # bucket count and flags (linear probing's bucket counts and spills do not depend on insertion order).
         index.rehash(table.row_keys[: table._size], torch.arange(table._size, device=table.device), table._size)

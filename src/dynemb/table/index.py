@@ -105,20 +105,15 @@ class HashIndex:
         return sum(t.numel() * t.element_size() for t in (self._buckets, self.overflow))
 
     def needs_rehash(self, num_keys: int) -> bool:
-        """True when ``num_keys`` would exceed the load limit, or stale overflow flags slow lookups down: more of
-        them than the last rebuild left (keys crowded into part of the hash range overflow buckets at any load, and
-        a rebuild could not clear those, only repeat itself at every insert)."""
-        return num_keys > self.MAX_LOAD * self.slots or self.too_many_flags(int(self.overflow.count_nonzero()))
-
-    def too_many_flags(self, flags: int) -> bool:
-        """Whether ``flags`` overflow flags (the count now) are more stale ones than a rebuild should clear."""
-        return flags - self._rebuilt_flags > self.MAX_OVERFLOW_FRACTION * self.num_buckets
+        """True when ``num_keys`` would exceed the load limit, or stale overflow flags slow lookups down."""
+        if num_keys > self.MAX_LOAD * self.slots:
+            return True
+        return int(self.overflow.count_nonzero()) > self.MAX_OVERFLOW_FRACTION * self.num_buckets
 
     def rehash(self, keys: torch.Tensor, rows: torch.Tensor, capacity: int) -> None:
         """Rebuild from scratch holding ``keys -> rows`` (unique keys), sized for ``capacity`` keys."""
         self._alloc(self.buckets_for(max(capacity, keys.numel())))
         self.insert(keys, rows)
-        self._rebuilt_flags = int(self.overflow.count_nonzero())
 
     def _kernels(self):
         """The kernels serving this call (see :func:`~dynemb.kernels.dispatch.index_kernels`), or None for the
@@ -277,7 +272,6 @@ class HashIndex:
         self.bucket_keys.fill_(_FILL)
         self.bucket_rows.fill_(-1)
         self.overflow.zero_()
-        self._rebuilt_flags = 0  # overflow flags the last rebuild left (see needs_rehash)
 
 
 def _rank_in_run(sorted_values: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from ..kernels.dispatch import init_kernels
 from .changes import ChangeLog
 from .checks import check_int, resolve_device
 from .columns import RowColumns
+from .hashing import key_hash, mix64
 from .index import HashIndex
 from .initializers import CallableInitializer
 from .ops import copy_rows, gather_rows, lowest_rows
@@ -217,6 +218,9 @@ class RowStore(ChangeLog, RowColumns):
             need = self._size + m - self.max_capacity
             victims = self._pick_victims(need, pinned)
             stored = m - (need - victims.numel())
+        order = None
+        if stored < m:  # the keys kept come first (rows are returned in the caller's order)
+            keys, values, hashes, order = _kept_first(keys, values, hashes, stored)
         n_append = stored - victims.numel()
         keep, dropped = keys[:stored], keys[stored:]
         # User code runs before anything changes (the initializer, then on_evict): if it raises, the table is as
@@ -239,7 +243,8 @@ class RowStore(ChangeLog, RowColumns):
         self._size += n_append
         self.inserted += m
         self._count_evicted(evicted)
-        return torch.cat([rows, torch.full((m - stored,), -1, dtype=torch.int64, device=self.device)])
+        rows = torch.cat([rows, torch.full((m - stored,), -1, dtype=torch.int64, device=self.device)])
+        return rows if order is None else torch.empty_like(rows).index_copy_(0, order, rows)
 
     def _write_rows(self, rows: torch.Tensor, k: int, columns: dict) -> None:
         """Fill new ``rows``: the first ``k`` reuse evicted rows, the rest follow ``size`` (plain slice copies).
@@ -331,6 +336,22 @@ class RowStore(ChangeLog, RowColumns):
             moved_keys = self.row_keys.index_select(0, holes)
             self.index.set_rows(self.index.find_slots(moved_keys), holes)
         self._size = new_size
+
+
+def _kept_first(keys: torch.Tensor, values, hashes: torch.Tensor | None, stored: int):
+    """``(keys, values, hashes, order)``: ``keys`` (and their ``values`` and ``hashes``) taken in ``order``, so that
+    the ``stored`` kept of more new keys than there is room for come first, each part in its old order. The kept ones are drawn evenly over the hash range
+    (the lowest of a second hash): the first ``stored`` in hash order would fill half the index's buckets twice
+    over, and keys crowded into part of the range overflow buckets at any load, which slows every lookup."""
+    hashes = key_hash(keys) if hashes is None else hashes
+    kept = torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
+    kept[mix64(hashes).topk(stored, largest=False, sorted=False).indices] = True
+    order = torch.cat([kept.nonzero().squeeze(1), (~kept).nonzero().squeeze(1)])
+    if isinstance(values, tuple):
+        values = (values[0], values[1].index_select(0, order))
+    elif values is not None:
+        values = values.index_select(0, order)
+    return keys.index_select(0, order), values, hashes.index_select(0, order), order
 
 
 def _head(values, n: int):
