@@ -16,7 +16,7 @@ from dynemb.functional.lookup import sort_ids
 from dynemb.functional.pooling import _offsets_valid, bag_of, sorted_row_grad
 from dynemb.kernels import optim_kernels, pool_kernels, use_backend
 from dynemb.table import EvictionPolicy, KeyValueTable
-from dynemb.table.ops import fill_rows, lowest_rows
+from dynemb.table.ops import fill_rows, lowest_rows, scatter_rows
 from dynemb.table.policy import touch_scores
 
 pytest.importorskip("numba")
@@ -353,3 +353,26 @@ def test_lowest_rows_through_the_kernel_equals_the_reference_and_a_sort(seed, si
     with use_backend("torch"):
         assert lowest_rows(scores, k, pins).tolist() == expected
     assert POOL.lowest_rows(scores, k, pins).tolist() == expected
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(0, 9000), bad=st.sampled_from([None, -1, 10_000]))
+def test_scatter_equals_index_copy_and_writes_nothing_for_rows_out_of_range(seed, n, bad):
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(10_000, 3, generator=g)
+    rows = torch.randperm(10_000, generator=g)[:n]
+    src = torch.randn(n, 3, generator=g)
+    if bad is not None and n:
+        rows[n // 2] = bad
+    got = values.clone()
+    assert POOL.scatter(got, rows, src) is (bad is None or not n)
+    if bad is not None and n:
+        assert torch.equal(got, values)
+        with use_backend("numba"), pytest.raises(IndexError):
+            scatter_rows(got, rows, src)  # the table layer's entry point raises as index_copy_ does
+    else:
+        assert torch.equal(got, values.clone().index_copy_(0, rows, src))
+        got = values.clone()
+        with use_backend("numba"):
+            scatter_rows(got, rows, src)
+        assert torch.equal(got, values.clone().index_copy_(0, rows, src))

@@ -66,6 +66,9 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
   ``column[rows[j]]`` at each last occurrence (``values=before`` restores the column). How
   :func:`~dynemb.table.policy.touch_scores` applies an ``lfu``, ``epoch_lfu`` or ``decayed_lfu`` access of a
   large batch.
+- ``scatter(values [R, D] float32, rows [N], src [N, D]) -> bool`` (optional: a module without it leaves it to
+  ``index_copy_``): ``values[rows[i]] = src[i]`` for unique ``rows`` and True when every ``0 <= rows[i] < R``,
+  else False with nothing written; how :func:`~dynemb.table.ops.scatter_rows` fills rows reused after eviction.
 - ``lowest_rows(scores [S] int64, k: int, pinned [P] | None) -> [min(k, free)] int64`` (optional: a module
   without it leaves it to the torch code of :func:`~dynemb.table.ops.lowest_rows`): the positions not in
   ``pinned`` lowest by ``(score, position)``, in that order; how eviction picks its victims.

@@ -24,7 +24,7 @@ from .numba_index import _mix64
 from .numba_math import fma, prefetch_row, prefetch_row_for_write
 
 __all__ = ["bag_of", "dedup", "fill_rows", "gather", "grouped_bags", "offsets_valid", "pool", "row_grad", "rows_current",
-           "lowest_rows", "sum_rows", "touch_counts", "write_last"]
+           "lowest_rows", "scatter", "sum_rows", "touch_counts", "write_last"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 # Rows between a stamp's prefetch and its write. The write itself is a few cycles, so it takes many misses in flight
@@ -173,6 +173,13 @@ def lowest_rows(scores: torch.Tensor, k: int, pinned: torch.Tensor | None) -> to
     return torch.from_numpy(_lowest_kernel(scores.numpy(), k, _NONE_I if pinned is None else pinned.numpy()))
 
 
+def scatter(values: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> bool:
+    """``values[rows[i]] = src[i]`` and True when every row is in range (else False, nothing written): see the
+    optional ``scatter`` of the ``pool`` contract. Unlike ``index_copy_`` it claims rows for writing ahead
+    (1.5-1.9x faster for 39k random rows of 256 bytes, cold)."""
+    return bool(_scatter_kernel(values.numpy(), rows.numpy(), src.numpy()))
+
+
 def _opt(t: torch.Tensor | None) -> np.ndarray:
     return _NONE_F if t is None else t.numpy()
 
@@ -186,6 +193,19 @@ def _gather_kernel(values, rows, out):
         r = max(rows[i], 0)
         for d in range(values.shape[1]):
             out[i, d] = values[r, d]
+
+
+@numba.njit(nogil=True, cache=True)
+def _scatter_kernel(values, rows, src):
+    n = rows.shape[0]
+    for i in range(n):  # all or nothing, as _fill_kernel
+        if rows[i] < 0 or rows[i] >= values.shape[0]:
+            return False
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch_row_for_write(values, rows[i + _AHEAD])
+        values[rows[i]] = src[i]
+    return True
 
 
 @numba.njit(nogil=True, cache=True)

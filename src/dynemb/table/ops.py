@@ -8,7 +8,7 @@ import torch
 
 from ..kernels.dispatch import pool_kernels
 
-__all__ = ["column_kernel", "gather_rows", "last_occurrence", "lowest_rows", "copy_rows", "fill_rows"]
+__all__ = ["column_kernel", "gather_rows", "last_occurrence", "lowest_rows", "copy_rows", "fill_rows", "scatter_rows"]
 
 # Rows gathered per step by copy_rows on CPU: a cache-sized temporary instead of one [N, D] tensor, whose fresh
 # pages cost more to fault in than the copy itself.
@@ -38,6 +38,18 @@ def column_kernel(column: torch.Tensor, rows: torch.Tensor, name: str):
 
 
 _KERNEL_FILL_MIN = 4096
+
+
+def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.index_copy_(0, rows, src)`` for unique ``rows``. Large 2-D float32 copies on CPU go to the pool
+    kernels' ``scatter`` (rows claimed for writing ahead), when the default backend has it."""
+    if dst.device.type == "cpu" and rows.numel() >= _KERNEL_FILL_MIN and dst.dim() == 2 and dst.is_contiguous() \
+            and src.is_contiguous() and dst.dtype == src.dtype == torch.float32 and rows.dtype == torch.int64 \
+            and rows.is_contiguous() and src.shape == (rows.numel(), dst.shape[1]):
+        kernel = getattr(pool_kernels(None, dst.device), "scatter", None)
+        if kernel is not None and kernel(dst, rows, src):
+            return
+    dst.index_copy_(0, rows, src)
 
 
 def lowest_rows(scores: torch.Tensor, k: int, pinned: torch.Tensor | None = None) -> torch.Tensor:

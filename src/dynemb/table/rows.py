@@ -21,7 +21,7 @@ from .columns import RowColumns
 from .hashing import key_hash, mix64
 from .index import HashIndex
 from .initializers import CallableInitializer
-from .ops import copy_rows, gather_rows, lowest_rows
+from .ops import copy_rows, gather_rows, lowest_rows, scatter_rows
 
 __all__ = ["Rows", "EvictHook", "RowStore"]
 
@@ -226,11 +226,14 @@ class RowStore(ChangeLog, RowColumns):
         # User code runs before anything changes (the initializer, then on_evict): if it raises, the table is as
         # it was.
         init = _head(values, stored) if values is not None else self.initial_rows(keep)
-        taken = self._take(victims)
-        evicted = taken
-        if stored < m:
-            dropped_values = _tail(values, stored) if values is not None else self.initial_rows(dropped)
-            evicted = _concat_rows(taken, self._fresh_rows(dropped, dropped_values))
+        if self.on_evict is None:  # nobody reads the evicted rows: their keys are all the call needs
+            taken = Rows(gather_rows(self.row_keys, victims), None, None, {})
+            evicted = Rows(torch.cat([taken.keys, dropped]), None, None, {})
+        else:
+            taken = evicted = self._take(victims)
+            if stored < m:
+                dropped_values = _tail(values, stored) if values is not None else self.initial_rows(dropped)
+                evicted = _concat_rows(taken, self._fresh_rows(dropped, dropped_values))
         self._notify_evicted(evicted)
         self._reserve(self._size + n_append)
         if victims.numel():
@@ -265,7 +268,7 @@ class RowStore(ChangeLog, RowColumns):
             elif isinstance(src, torch.Tensor):
                 col[appended] = src[k:]
                 if k:
-                    col.index_copy_(0, rows[:k], src[:k])
+                    scatter_rows(col, rows[:k], src[:k])
             else:
                 col[appended] = src
                 if k:
