@@ -195,7 +195,8 @@ class KeyValueTable(RowStore):
         Hit: the key's row, score updated. Miss: a new row, initialized. Full (``max_capacity``): the
         lowest-score rows not used by this call are evicted (reported to ``on_evict``) and reused. If one call
         brings more new keys than ``max_capacity`` can hold, the excess new keys are reported as evicted at once
-        and get row ``-1``.
+        and get row ``-1`` (which are kept is unspecified: some spread over the hash range). Among equal scores
+        the lowest row is evicted first.
 
         Args:
             keys: ``[N]`` (or any shape), dtype ``key_dtype``; duplicates allowed.

@@ -56,15 +56,17 @@ def lowest_rows(scores: torch.Tensor, k: int, pinned: torch.Tensor | None = None
     """The ``min(k, unpinned)`` positions of ``scores`` (``[S]`` int64) not in ``pinned`` with the lowest scores,
     lowest first; equal scores go lowest position first, so every path and device picks the same rows. ``[k']``
     int64: eviction's victims. Large CPU columns go to the pool kernels' ``lowest_rows`` (one pass over the column
-    after a sample finds a threshold, where this reference makes several passes and a ``kthvalue``).
+    after a sample finds a threshold, where this reference makes a ``topk`` and several passes).
 
     Example:
         >>> lowest_rows(torch.tensor([5, 1, 3, 1, 0]), 3, pinned=torch.tensor([4])).tolist()
         [1, 3, 2]
     """
-    kernel = column_kernel(scores, scores, "lowest_rows") if scores.numel() >= _KERNEL_LOWEST_MIN else None
-    if kernel is not None:
-        return kernel(scores, k, None if pinned is None else pinned.contiguous())
+    if scores.device.type == "cpu" and scores.numel() >= _KERNEL_LOWEST_MIN and scores.dtype == torch.int64 \
+            and scores.is_contiguous():
+        kernel = getattr(pool_kernels(None, scores.device), "lowest_rows", None)
+        if kernel is not None:
+            return kernel(scores, k, None if pinned is None else pinned.contiguous())
     candidates = None
     if pinned is not None and pinned.numel():
         free = torch.ones(scores.numel(), dtype=torch.bool, device=scores.device)
