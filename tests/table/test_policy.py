@@ -70,6 +70,14 @@ def test_touch_scores_custom_without_scores_changes_nothing(device):
     assert scores.tolist() == [1, 2]
 
 
+def test_touch_scores_checks_counts_shape(device):
+    scores = torch.tensor([1, 2], device=device)
+    with pytest.raises(ValueError, match=r"counts must have the shape of rows \(2,\), got \(3,\)"):
+        touch_scores(EvictionPolicy.LFU, scores, torch.tensor([0, 1], device=device), clock=3, epoch=0,
+                     counts=torch.ones(3, dtype=torch.int64, device=device))
+    assert scores.tolist() == [1, 2]
+
+
 # ----------------------------------------------------------------------------------------------------------------- lru
 def test_lru_score_is_clock_of_last_access(key_dtype, device):
     t = _table("lru", key_dtype, device)

@@ -368,6 +368,19 @@ def test_call_with_more_new_keys_than_max_capacity(key_dtype, device):
     _check_consistent(t)
 
 
+@pytest.mark.parametrize("initializer", ["normal", "callable"])
+def test_values_do_not_depend_on_whether_someone_listens_to_evictions(initializer, key_dtype, device):
+    # Without a listener the dropped keys' rows are never drawn; the draws after them must not shift.
+    init = (lambda n, dim: torch.randn(n, dim)) if initializer == "callable" else initializer
+    listened = _table(key_dtype, device, dim=2, max_capacity=3, initializer=init, on_evict=_evictions([]))
+    silent = _table(key_dtype, device, dim=2, max_capacity=3, initializer=init)
+    for batch in ([10, 11, 12, 13, 14, 10], [20], [30, 31, 32, 33]):
+        a, b = (t.find_or_insert(_k(batch, key_dtype, device))[0] for t in (listened, silent))
+        assert torch.equal(a, b)
+        assert torch.equal(listened.values[a[a >= 0]], silent.values[b[b >= 0]])
+    assert listened._init_calls == silent._init_calls
+
+
 def test_bounded_insert_or_assign_reports_dropped_values(key_dtype, device):
     got: list = []
     t = _table(key_dtype, device, dim=1, max_capacity=1, on_evict=_evictions(got))

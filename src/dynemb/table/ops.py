@@ -31,7 +31,7 @@ def column_kernel(column: torch.Tensor, rows: torch.Tensor, name: str):
     """The default backend's pool kernel ``name`` for an access of ``rows`` (``[N]`` int64) to a 1-D int64
     ``column`` (scores, version stamps), or None where the torch code serves better: off CPU, for a module without
     it, or below a few thousand rows (a kernel call costs a few microseconds more than ``index_fill_``)."""
-    if column.device.type == "cpu" and rows.numel() >= _KERNEL_FILL_MIN and column.dim() == 1 \
+    if column.device.type == "cpu" and rows.numel() >= _KERNEL_FILL_MIN and column.dim() == rows.dim() == 1 \
             and column.is_contiguous() and column.dtype == rows.dtype == torch.int64 and rows.is_contiguous():
         return getattr(pool_kernels(None, column.device), name, None)
     return None
@@ -53,8 +53,8 @@ def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> No
 
 
 def lowest_rows(scores: torch.Tensor, k: int, pinned: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``min(k, unpinned)`` positions of ``scores`` (``[S]`` int64) not in ``pinned`` with the lowest scores,
-    lowest first; equal scores go lowest position first, so every path and device picks the same rows. ``[k']``
+    """The ``min(k, unpinned)`` positions of ``scores`` (``[S]`` int64) not in ``pinned`` (``[P]`` int64 positions in
+    ``[0, S)``, duplicates allowed) with the lowest scores, lowest first; equal scores go lowest position first, so every path and device picks the same rows. ``[k']``
     int64: eviction's victims. Large CPU columns go to the pool kernels' ``lowest_rows`` (one pass over the column
     after a sample finds a threshold, where this reference makes a ``topk`` and several passes).
 

@@ -84,6 +84,8 @@ def touch_scores(
     ``counts`` (``[N]`` int64) is how many accesses each entry stands for under the lfu policies (default 1).
     ``half_life`` (clock ticks) is used by ``decayed_lfu`` only.
     """
+    if counts is not None and counts.shape != rows.shape:
+        raise ValueError(f"counts must have the shape of rows {tuple(rows.shape)}, got {tuple(counts.shape)}")
     if rows.numel() == 0:
         return
     counted = _COUNTED.get(policy)
@@ -116,11 +118,13 @@ def _touch_counted(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tenso
     on the same positions for decayed_lfu, so every path gives the same bits); ``write_last`` writes them back.
     """
     gather = column_kernel(scores, rows, "touch_counts")
-    got = gather(scores, rows, None if counts is None else counts.contiguous()) if gather is not None else None
+    write = column_kernel(scores, rows, "write_last")
+    if gather is None or write is None:  # a module with one and not the other: the torch code serves
+        return False
+    got = gather(scores, rows, None if counts is None else counts.contiguous())
     if got is None:
         return False
     old, n, last = got
-    write = column_kernel(scores, rows, "write_last")
     try:
         new = score(old, n, **when)
     except BaseException:

@@ -229,6 +229,8 @@ class RowStore(ChangeLog, RowColumns):
         if self.on_evict is None:  # nobody reads the evicted rows: their keys are all the call needs
             taken = Rows(gather_rows(self.row_keys, victims), None, None, {})
             evicted = Rows(torch.cat([taken.keys, dropped]), None, None, {})
+            if stored < m and values is None and isinstance(self.initializer, CallableInitializer):
+                self._init_calls += 1  # the dropped keys' rows are not drawn, but later draws match a listened table
         else:
             taken = evicted = self._take(victims)
             if stored < m:
@@ -343,9 +345,11 @@ class RowStore(ChangeLog, RowColumns):
 
 def _kept_first(keys: torch.Tensor, values, hashes: torch.Tensor | None, stored: int):
     """``(keys, values, hashes, order)``: ``keys`` (and their ``values`` and ``hashes``) taken in ``order``, so that
-    the ``stored`` kept of more new keys than there is room for come first, each part in its old order. The kept ones are drawn evenly over the hash range
-    (the lowest of a second hash): the first ``stored`` in hash order would fill half the index's buckets twice
-    over, and keys crowded into part of the range overflow buckets at any load, which slows every lookup."""
+    the ``stored`` kept of more new keys than there is room for come first, each part in its old order.
+
+    The kept ones are drawn evenly over the hash range (the lowest of a second hash): the first ``stored`` in hash
+    order would fill half the index's buckets twice over, and keys crowded into part of the range overflow buckets
+    at any load, which slows every lookup."""
     hashes = key_hash(keys) if hashes is None else hashes
     kept = torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
     kept[mix64(hashes).topk(stored, largest=False, sorted=False).indices] = True
