@@ -105,14 +105,28 @@ def using_threads(n: int) -> Iterator[None]:
 
 
 def _cpu_model() -> str:
+    """The CPU's name, with its family, model and widest vector unit where ``/proc/cpuinfo`` has them: a KVM guest
+    often names only the vendor ("AMD EPYC"), and ratios to fbgemm's JIT kernels move with AVX-512 (measured: a
+    RowWiseAdagrad step at 0.8x TorchRec on a Zen 5 guest, 1.6-2.2x on a Zen 3 one)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model", "flags") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:  # the first processor's block is enough
+                    break
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = fields.get("model name") or platform.processor() or "unknown"
+    flags = set(fields.get("flags", "").split())
+    isa = next((f for f in ("avx512f", "avx2", "avx", "sse4_2") if f in flags), None)
+    detail = [f"family {fields['cpu family']} model {fields['model']}" if "cpu family" in fields and "model" in fields
+              else None, isa]
+    detail = [d for d in detail if d]
+    return f"{name} ({', '.join(detail)})" if detail else name
 
 
 def _read(path: str) -> str | None:
