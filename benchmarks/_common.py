@@ -106,8 +106,8 @@ def using_threads(n: int) -> Iterator[None]:
 
 def _cpu_model() -> str:
     """The CPU's name, with its family, model and widest vector unit where ``/proc/cpuinfo`` has them: a KVM guest
-    often names only the vendor ("AMD EPYC"), and ratios to fbgemm's JIT kernels move with AVX-512 (measured: a
-    RowWiseAdagrad step at 0.8x TorchRec on a Zen 5 guest, 1.6-2.2x on a Zen 3 one)."""
+    often names only the vendor ("AMD EPYC"), and ratios to TorchRec move with the CPU generation (measured: a
+    RowWiseAdagrad step at 0.8x TorchRec on a Zen 5 guest with AVX-512, 1.6-2.2x on a Zen 3 one without)."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
