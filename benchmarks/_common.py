@@ -123,9 +123,9 @@ def _cpu_model() -> str:
     name = fields.get("model name") or platform.processor() or "unknown"
     flags = set(fields.get("flags", "").split())
     isa = next((f for f in ("avx512f", "avx2", "avx", "sse4_2") if f in flags), None)
-    detail = [f"family {fields['cpu family']} model {fields['model']}" if "cpu family" in fields and "model" in fields
-              else None, isa]
-    detail = [d for d in detail if d]
+    has_model = {"cpu family", "model"} <= fields.keys()
+    detail = [f"family {fields['cpu family']} model {fields['model']}"] if has_model else []
+    detail += [isa] if isa else []
     return f"{name} ({', '.join(detail)})" if detail else name
 
 

@@ -54,9 +54,10 @@ def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> No
 
 def lowest_rows(scores: torch.Tensor, k: int, pinned: torch.Tensor | None = None) -> torch.Tensor:
     """The ``min(k, unpinned)`` positions of ``scores`` (``[S]`` int64) not in ``pinned`` (``[P]`` int64 positions in
-    ``[0, S)``, duplicates allowed) with the lowest scores, lowest first; equal scores go lowest position first, so every path and device picks the same rows. ``[k']``
-    int64: eviction's victims. Large CPU columns go to the pool kernels' ``lowest_rows`` (one pass over the column
-    after a sample finds a threshold, where this reference makes a ``topk`` and several passes).
+    ``[0, S)``, duplicates allowed) with the lowest scores, lowest first; equal scores go lowest position first, so
+    every path and device picks the same rows. ``[k']`` int64: eviction's victims. Large CPU columns go to the pool
+    kernels' ``lowest_rows`` (one pass over the column after a sample finds a threshold, where this reference makes a
+    ``topk`` and several passes).
 
     Example:
         >>> lowest_rows(torch.tensor([5, 1, 3, 1, 0]), 3, pinned=torch.tensor([4])).tolist()

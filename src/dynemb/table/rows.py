@@ -136,9 +136,9 @@ class RowStore(ChangeLog, RowColumns):
 
     def initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
         """The initializer's rows ``[N, D]`` for ``keys [N]`` (what a missing key reads and a new key starts at)."""
-        if isinstance(self.initializer, CallableInitializer):
-            self._init_calls += 1
-            return self.initializer(keys, self.dim, self.dtype, self.seed * 1_000_003 + self._init_calls)
+        seed = self._count_draw()
+        if seed is not None:
+            return self.initializer(keys, self.dim, self.dtype, seed)
         spec = self.initializer.kernel_spec()
         kernels = init_kernels(self.backend, self.device) if spec is not None and self.dtype == torch.float32 else None
         if kernels is not None:  # the same bits, computed in one pass (see dynemb.kernels.dispatch)
@@ -155,6 +155,15 @@ class RowStore(ChangeLog, RowColumns):
         for start in range(0, n, step):
             out[start : start + step] = self.initializer(keys[start : start + step], self.dim, self.dtype, self.seed)
         return out
+
+    def _count_draw(self) -> int | None:
+        """Count one call of a callable initializer and return the seed of its draw (None for the built-in
+        initializers, pure functions of the key that count nothing). A call whose rows nobody reads counts too, so
+        later draws do not depend on it."""
+        if not isinstance(self.initializer, CallableInitializer):
+            return None
+        self._init_calls += 1
+        return self.seed * 1_000_003 + self._init_calls
 
     # ------------------------------------------------------------------ growth
     def _reserve(self, n: int) -> None:
@@ -229,8 +238,8 @@ class RowStore(ChangeLog, RowColumns):
         if self.on_evict is None:  # nobody reads the evicted rows: their keys are all the call needs
             taken = Rows(gather_rows(self.row_keys, victims), None, None, {})
             evicted = Rows(torch.cat([taken.keys, dropped]), None, None, {})
-            if stored < m and values is None and isinstance(self.initializer, CallableInitializer):
-                self._init_calls += 1  # the dropped keys' rows are not drawn, but later draws match a listened table
+            if stored < m and values is None:
+                self._count_draw()  # the dropped keys' rows, drawn for a listener, are not drawn here
         else:
             taken = evicted = self._take(victims)
             if stored < m:
