@@ -16,7 +16,7 @@ from dynemb.functional.lookup import sort_ids
 from dynemb.functional.pooling import _offsets_valid, bag_of, sorted_row_grad
 from dynemb.kernels import optim_kernels, pool_kernels, use_backend
 from dynemb.table import EvictionPolicy, KeyValueTable
-from dynemb.table.ops import fill_rows, lowest_rows, scatter_rows
+from dynemb.table.ops import fill_pair, fill_rows, lowest_rows, scatter_rows
 from dynemb.table.policy import touch_scores
 
 pytest.importorskip("numba")
@@ -202,21 +202,40 @@ def test_rows_current_equals_the_torch_check(key_dtype, size, picks, corrupt):
     assert POOL.rows_current(row_keys, size, keys, rows) is expected
 
 
+def _column(values: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``values`` as a contiguous column, or as one column of an interleaved ``[C, 2]`` pair (a table's stamps);
+    the other column of the pair holds -7 everywhere."""
+    if not interleaved:
+        return values.clone()
+    pair = torch.full((values.numel(), 2), -7, dtype=values.dtype)
+    pair[:, 0] = values
+    return pair[:, 0]
+
+
+def _sibling_untouched(column: torch.Tensor) -> bool:
+    """Whether the other column of an interleaved pair still holds only -7 (True for a contiguous column)."""
+    if column.is_contiguous():
+        return True
+    return bool((column.as_strided((column.numel(),), (2,), column.storage_offset() + 1) == -7).all())
+
+
 @settings(max_examples=40, deadline=None)
 @given(dtype=st.sampled_from([torch.int64, torch.int32]), n=st.integers(0, 9000), value=st.integers(-2**31, 2**31 - 1),
-       bad=st.sampled_from([None, -1, 10_000]))
-def test_fill_rows_equals_index_fill_and_writes_nothing_for_rows_out_of_range(dtype, n, value, bad):
+       bad=st.sampled_from([None, -1, 10_000]), interleaved=st.booleans())
+def test_fill_rows_equals_index_fill_and_writes_nothing_for_rows_out_of_range(dtype, n, value, bad, interleaved):
+    """Contiguous columns and columns interleaved with another (a table's score and version) alike."""
     g = torch.Generator().manual_seed(n)
-    column = torch.randint(-100, 100, (10_000,), generator=g, dtype=dtype)
+    column = _column(torch.randint(-100, 100, (10_000,), generator=g, dtype=dtype), interleaved)
     rows = torch.randint(0, 10_000, (n,), generator=g)
     if bad is not None and n:
         rows[n // 2] = bad
-    got = column.clone()
+    got = _column(column, interleaved)
     assert POOL.fill_rows(got, rows, value) is (bad is None or not n)  # the kernel writes all rows or none
     if bad is not None and n:
         assert torch.equal(got, column)
     else:
         assert torch.equal(got, column.clone().index_fill_(0, rows, value))
+    assert _sibling_untouched(got)
     with use_backend("numba"):  # the table layer's entry point does exactly what index_fill_ does, errors included
         expected, error = column.clone(), None
         try:
@@ -231,6 +250,45 @@ def test_fill_rows_equals_index_fill_and_writes_nothing_for_rows_out_of_range(dt
             with pytest.raises(IndexError):
                 fill_rows(got, rows, value)
             assert torch.equal(got, expected)  # what index_fill_ wrote before its error
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(0, 9000), a=st.integers(-2**63, 2**63 - 1), b=st.integers(-2**63, 2**63 - 1),
+       bad=st.sampled_from([None, -1, 10_000]), interleaved=st.booleans())
+def test_fill_pair_equals_two_index_fills_and_writes_nothing_for_rows_out_of_range(n, a, b, bad, interleaved):
+    """Both stamps of a lookup in one pass: what two ``index_fill_`` write, on interleaved or separate columns, and
+    nothing in either column when a row is out of range. The table layer's entry point falls back to two fills."""
+    g = torch.Generator().manual_seed(n)
+    pair = torch.randint(-100, 100, (10_000, 2), generator=g)
+    first, second = (pair[:, 0], pair[:, 1]) if interleaved else (pair[:, 0].clone(), pair[:, 1].clone())
+    rows = torch.randint(0, 10_000, (n,), generator=g)
+    if bad is not None and n:
+        rows[n // 2] = bad
+    before = first.clone(), second.clone()
+    ok = POOL.fill_pair(first, second, rows, a, b)
+    assert ok is (bad is None or not n)
+    if not ok:
+        assert torch.equal(first, before[0]) and torch.equal(second, before[1])
+        expected, error = (before[0].clone(), before[1].clone()), None
+        try:  # the entry point does what index_fill_ does, errors included (-1 counts from the end there)
+            expected[0].index_fill_(0, rows, a)
+            expected[1].index_fill_(0, rows, b)
+        except IndexError as e:
+            error = e
+        with use_backend("numba"):
+            if error is None:
+                fill_pair(first, second, rows, a, b)
+            else:
+                with pytest.raises(IndexError):
+                    fill_pair(first, second, rows, a, b)
+        assert torch.equal(first, expected[0]) and torch.equal(second, expected[1])
+        return
+    assert torch.equal(first, before[0].index_fill_(0, rows, a))
+    assert torch.equal(second, before[1].index_fill_(0, rows, b))
+    with use_backend("numba"):
+        fill_pair(first, second, rows, b, a)
+    assert torch.equal(first, before[0].index_fill_(0, rows, b))
+    assert torch.equal(second, before[1].index_fill_(0, rows, a))
 
 
 @pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
@@ -258,12 +316,13 @@ def test_dedup_of_narrow_and_wide_spans_equals_the_sort(span_bits, key_dtype):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), size=st.sampled_from([1, 3, 1000, 50_000]), n=st.integers(0, 6000),
-       counted=st.booleans(), bad=st.sampled_from([None, -1, 50_000]))
+       counted=st.booleans(), bad=st.sampled_from([None, -1, 50_000]), interleaved=st.booleans())
 def test_touch_counts_equals_a_dict_model_and_write_last_writes_each_rows_last_occurrence(seed, size, n, counted,
-                                                                                          bad):
+                                                                                          bad, interleaved):
     """Each occurrence gets its row's value before the call; the last occurrence of each row also gets the sum of
     its counts; a row out of range writes nothing. Values are arbitrary int64, positions among them (a value that
-    looks like an earlier position of the same row must not be taken for one)."""
+    looks like an earlier position of the same row must not be taken for one). The column may be interleaved with
+    another (a table's score and version), which is left alone."""
     g = torch.Generator().manual_seed(seed)
     column = torch.randint(-(2**62), 2**62, (size,), generator=g)
     column[::2] = torch.randint(0, max(n, 1), (len(column[::2]),), generator=g)  # values that are positions
@@ -271,10 +330,10 @@ def test_touch_counts_equals_a_dict_model_and_write_last_writes_each_rows_last_o
     counts = torch.randint(1, 2**40, (n,), generator=g) if counted else None
     if bad is not None and n:
         rows[n // 3] = bad
-        got = column.clone()
+        got = _column(column, interleaved)
         assert POOL.touch_counts(got, rows, counts) is None and torch.equal(got, column)
         return
-    got = column.clone()
+    got = _column(column, interleaved)
     before, total, last = POOL.touch_counts(got, rows, counts)
     sums: dict[int, int] = {}
     for j, r in enumerate(rows.tolist()):
@@ -288,7 +347,7 @@ def test_touch_counts_equals_a_dict_model_and_write_last_writes_each_rows_last_o
     POOL.write_last(got, rows, torch.arange(n) * 2 + 1, last)
     expected = column.clone()
     expected[rows[last]] = (torch.arange(n) * 2 + 1)[last]
-    assert torch.equal(got, expected)
+    assert torch.equal(got, expected) and _sibling_untouched(got)
 
 
 @settings(max_examples=40, deadline=None)

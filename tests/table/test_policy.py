@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynemb.kernels import use_backend
 from dynemb.table import EvictionPolicy, KeyValueTable
 from dynemb.table.policy import touch_scores
 
@@ -303,3 +304,28 @@ def test_half_life_with_another_policy_is_an_error():
         dynemb.DynamicEmbedding(2, eviction="lfu", half_life=8)
     with pytest.raises(ValueError, match=r"TableConfig\('u'\).half_life applies"):
         TableConfig(name="u", dim=2, max_capacity=10, eviction="lru", half_life=3)
+
+
+@pytest.mark.parametrize("policy", ["lru", "epoch_lru", "decayed_lfu"])
+def test_large_lookups_stamp_the_same_scores_and_versions_on_every_path(policy):
+    """Batches past the kernels' threshold (4096 rows) write both stamps in one pass on the numba path (score and
+    version share a cache line); the torch path writes them one after the other. Same scores, same versions, same
+    changes, through growth of the table, and the two columns stay interleaved as the table grows."""
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(-(2**62), 2**62, (n,), generator=g) for n in (5000, 9000, 7000)]
+    batches.append(torch.cat([batches[0][:3000], batches[2][:3000]]))  # hits only
+    pytest.importorskip("numba")
+    tables = {b: KeyValueTable(4, eviction=policy, init_capacity=1024, backend=b) for b in ("torch", "numba")}
+    for step, keys in enumerate(batches):
+        for backend, t in tables.items():
+            t.epoch = step // 2
+            with use_backend(backend):  # the column kernels follow the process default
+                t.find_or_insert(keys)
+            assert t.scores.stride() == (2,) and t._cols["version"].data_ptr() == t.scores.data_ptr() + 8
+        a, b = (tables[k].export() for k in ("torch", "numba"))
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.scores, b.scores)
+        versions = [t._cols["version"][: t.size()] for t in tables.values()]  # the same keys in the same rows
+        assert torch.equal(*versions) and int(versions[0].max()) == step + 1
+        for since in (-1, 0, 2):
+            assert torch.equal(tables["torch"].changes_since(since)[0], tables["numba"].changes_since(since)[0])
+    assert tables["numba"].capacity > 1024

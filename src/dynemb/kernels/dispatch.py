@@ -56,7 +56,11 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
   fast path of :func:`~dynemb.functional.grads.current_rows` (False sends it to the torch re-check).
 - ``fill_rows(column [C] int, rows [N], value: int) -> bool`` (optional: a module without it leaves the stamps to
   ``index_fill_``): ``column[rows] = value`` and True when every ``0 <= rows[i] < C``, else False with nothing
-  written; how :func:`~dynemb.table.ops.fill_rows` writes score and version stamps of large batches.
+  written; how :func:`~dynemb.table.ops.fill_rows` writes score and version stamps of large batches. The int64
+  columns here and below may have any stride (a table's score and version columns are interleaved).
+- ``fill_pair(first [C] int64, second [C] int64, rows [N], a: int, b: int) -> bool`` (optional: a module without
+  it leaves it to two ``fill_rows``): ``first[rows] = a`` and ``second[rows] = b``, all or nothing as
+  ``fill_rows``; how a lookup under ``lru`` or ``epoch_lru`` writes both stamps of its rows in one pass.
 - ``touch_counts(column [C] int64, rows [N], counts [N] | None) -> (before [N], total [N], last [N] bool) | None``
   and ``write_last(column, rows, values [N] int64, last [N] bool) -> None`` (optional, together: a module without
   them leaves the counting policies' access to torch's ``index_*`` passes): ``before[j]`` is ``column[rows[j]]``

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .numba_index import _mix64
 from .numba_math import fma, prefetch_row, prefetch_row_for_write
 
-__all__ = ["bag_of", "dedup", "fill_rows", "gather", "grouped_bags", "offsets_valid", "pool", "row_grad", "rows_current",
+__all__ = ["bag_of", "dedup", "fill_pair", "fill_rows", "gather", "grouped_bags", "offsets_valid", "pool", "row_grad", "rows_current",
            "lowest_rows", "scatter", "sum_rows", "touch_counts", "write_last"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
@@ -141,10 +141,23 @@ def rows_current(row_keys: torch.Tensor, size: int, keys: torch.Tensor, rows: to
 
 
 def fill_rows(column: torch.Tensor, rows: torch.Tensor, value: int) -> bool:
-    """``column[rows] = value`` for a 1-D int column (score and version stamps) when every row is in range
-    (returns True); False, with nothing written, otherwise. ``index_fill_`` waits on each row's cache miss in turn;
-    this prefetches rows ahead (about half the time for 78k random rows of 1M)."""
-    return bool(_fill_kernel(column.numpy(), rows.numpy(), value))
+    """``column[rows] = value`` for a 1-D int column of any stride (score and version stamps) when every row is in
+    range (returns True); False, with nothing written, otherwise. ``index_fill_`` waits on each row's cache miss in
+    turn; this prefetches rows ahead (about half the time for 78k random rows of 1M)."""
+    return bool(_fill_kernel(_as_rows(column), rows.numpy(), value))
+
+
+def fill_pair(first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor, a: int, b: int) -> bool:
+    """``first[rows] = a`` and ``second[rows] = b`` in one pass (a lookup's score and version stamps), as
+    :func:`fill_rows`: True, or False with nothing written when a row is out of range. When the two columns are
+    interleaved (a table's stamps are, see ``RowStore``), both stamps of a row share one cache line: 0.78 ms for
+    78.6k random rows of 1M on the Zen 3 guest, where two :func:`fill_rows` take 1.48."""
+    return bool(_fill_pair_kernel(_as_rows(first), _as_rows(second), rows.numpy(), a, b))
+
+
+def _as_rows(column: torch.Tensor) -> np.ndarray:
+    """A 1-D column of any stride as a ``[C, 1]`` view (never a copy), the shape the prefetch helpers take."""
+    return column.numpy()[:, None]
 
 
 def touch_counts(column: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor | None
@@ -155,7 +168,7 @@ def touch_counts(column: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor 
     n = rows.numel()
     before, total = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
     last = torch.empty(n, dtype=torch.bool)
-    ok = _touch_counts_kernel(column.numpy(), rows.numpy(), _NONE_I if counts is None else counts.numpy(),
+    ok = _touch_counts_kernel(_as_rows(column), rows.numpy(), _NONE_I if counts is None else counts.numpy(),
                               before.numpy(), total.numpy(), last.numpy())
     return (before, total, last) if ok else None
 
@@ -163,7 +176,7 @@ def touch_counts(column: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor 
 def write_last(column: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, last: torch.Tensor) -> None:
     """``column[rows[j]] = values[j]`` where ``last[j]``: see the optional ``touch_counts`` of the ``pool``
     contract (``write_last`` comes with it)."""
-    _write_last_kernel(column.numpy(), rows.numpy(), values.numpy(), last.numpy())
+    _write_last_kernel(_as_rows(column), rows.numpy(), values.numpy(), last.numpy())
 
 
 def lowest_rows(scores: torch.Tensor, k: int, pinned: torch.Tensor | None) -> torch.Tensor:
@@ -249,15 +262,30 @@ def _bag_of_kernel(offsets, out):
 
 @numba.njit(nogil=True, cache=True)
 def _fill_kernel(column, rows, value):
+    # column: [C, 1], any row stride (a stamp column may be interleaved with another)
     n, size = rows.shape[0], column.shape[0]
     for u in range(n):  # all or nothing: a row out of range leaves the column to the caller's error
         if rows[u] < 0 or rows[u] >= size:
             return False
-    as_rows = column.reshape((size, 1))
     for u in range(n):
         if u + _FILL_AHEAD < n:
-            prefetch_row_for_write(as_rows, rows[u + _FILL_AHEAD])
-        column[rows[u]] = value
+            prefetch_row_for_write(column, rows[u + _FILL_AHEAD])
+        column[rows[u], 0] = value
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _fill_pair_kernel(first, second, rows, a, b):
+    n, size = rows.shape[0], min(first.shape[0], second.shape[0])
+    for u in range(n):  # all or nothing, as _fill_kernel
+        if rows[u] < 0 or rows[u] >= size:
+            return False
+    for u in range(n):
+        if u + _FILL_AHEAD < n:  # interleaved columns: the second prefetch finds its line already on the way
+            prefetch_row_for_write(first, rows[u + _FILL_AHEAD])
+            prefetch_row_for_write(second, rows[u + _FILL_AHEAD])
+        first[rows[u], 0] = a
+        second[rows[u], 0] = b
     return True
 
 
@@ -267,13 +295,12 @@ def _touch_counts_kernel(column, rows, counts, before, total, last):
     for j in range(n):  # all or nothing, as _fill_kernel
         if rows[j] < 0 or rows[j] >= size:
             return False
-    as_rows = column.reshape((size, 1))
     for j in range(n):  # the one random pass: read each row's value and leave this position in its place
         if j + _FILL_AHEAD < n:
-            prefetch_row_for_write(as_rows, rows[j + _FILL_AHEAD])
+            prefetch_row_for_write(column, rows[j + _FILL_AHEAD])
         r = rows[j]
-        before[j] = column[r]
-        column[r] = j
+        before[j] = column[r, 0]
+        column[r, 0] = j
     # So an occurrence reads the position of the row's previous occurrence, and only then: no earlier position
     # holds the row of its first occurrence, whatever value that read. The chains give each row's value before the
     # call and its total count, in sequential passes.
@@ -342,12 +369,12 @@ def _lowest_kernel(scores, k, pinned):
 
 @numba.njit(nogil=True, cache=True)
 def _write_last_kernel(column, rows, values, last):
-    n, as_rows = rows.shape[0], column.reshape((column.shape[0], 1))
+    n = rows.shape[0]
     for j in range(n):
         if j + _FILL_AHEAD < n:
-            prefetch_row_for_write(as_rows, rows[j + _FILL_AHEAD])
+            prefetch_row_for_write(column, rows[j + _FILL_AHEAD])
         if last[j]:
-            column[rows[j]] = values[j]
+            column[rows[j], 0] = values[j]
 
 
 @numba.njit(nogil=True, cache=True)

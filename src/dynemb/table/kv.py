@@ -30,8 +30,8 @@ from .checks import (
 )
 from .hashing import unique_by_hash
 from .initializers import InitializerSpec, resolve_initializer
-from .ops import copy_rows, gather_rows, lowest_rows
-from .policy import DEFAULT_HALF_LIFE, EvictionPolicy, touch_scores
+from .ops import copy_rows, fill_pair, gather_rows, lowest_rows
+from .policy import DEFAULT_HALF_LIFE, EvictionPolicy, fill_score, touch_scores
 from .rows import EvictHook, Rows, RowStore
 
 __all__ = ["KeyValueTable"]
@@ -489,7 +489,11 @@ class KeyValueTable(RowStore):
         loader may call ``table.prefetch(next_keys)`` on any table."""
 
     def _touch(self, rows: torch.Tensor, custom: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
+        # A score change is a change: incremental checkpoints must carry it for eviction order to resume exactly.
+        filled = fill_score(self.policy, clock=self.access_clock, epoch=self.epoch)
+        if filled is not None and rows.numel():  # both stamps in one pass (they share a cache line, RowStore)
+            fill_pair(self.scores, self._cols["version"], rows, filled, self.clock)
+            return
         touch_scores(self.policy, self.scores, rows, clock=self.access_clock, epoch=self.epoch, custom=custom, counts=counts,
                      half_life=self.half_life)
-        # A score change is a change: incremental checkpoints must carry it for eviction order to resume exactly.
         self.mark_updated(rows)

@@ -8,7 +8,8 @@ import torch
 
 from ..kernels.dispatch import pool_kernels
 
-__all__ = ["column_kernel", "gather_rows", "last_occurrence", "lowest_rows", "copy_rows", "fill_rows", "scatter_rows"]
+__all__ = ["column_kernel", "gather_rows", "last_occurrence", "lowest_rows", "copy_rows", "fill_pair", "fill_rows",
+           "scatter_rows"]
 
 # Rows gathered per step by copy_rows on CPU: a cache-sized temporary instead of one [N, D] tensor, whose fresh
 # pages cost more to fault in than the copy itself.
@@ -27,12 +28,22 @@ def fill_rows(dst: torch.Tensor, rows: torch.Tensor, value: int) -> None:
         dst.index_fill_(0, rows, value)
 
 
+def fill_pair(first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor, a: int, b: int) -> None:
+    """:func:`fill_rows` of ``a`` into ``first`` and ``b`` into ``second`` (a lookup's score and version stamps):
+    one pass of the pool kernels' optional ``fill_pair`` where it serves, else one fill after the other."""
+    fill = column_kernel(first, rows, "fill_pair") if column_kernel(second, rows, "fill_pair") else None
+    if fill is None or not fill(first, second, rows, a, b):
+        fill_rows(first, rows, a)
+        fill_rows(second, rows, b)
+
+
 def column_kernel(column: torch.Tensor, rows: torch.Tensor, name: str):
     """The default backend's pool kernel ``name`` for an access of ``rows`` (``[N]`` int64) to a 1-D int64
-    ``column`` (scores, version stamps), or None where the torch code serves better: off CPU, for a module without
-    it, or below a few thousand rows (a kernel call costs a few microseconds more than ``index_fill_``)."""
+    ``column`` of any stride (scores, version stamps), or None where the torch code serves better: off CPU, for a
+    module without it, or below a few thousand rows (a kernel call costs a few microseconds more than
+    ``index_fill_``)."""
     if column.device.type == "cpu" and rows.numel() >= _KERNEL_FILL_MIN and column.dim() == rows.dim() == 1 \
-            and column.is_contiguous() and column.dtype == rows.dtype == torch.int64 and rows.is_contiguous():
+            and column.dtype == rows.dtype == torch.int64 and rows.is_contiguous():
         return getattr(pool_kernels(None, column.device), name, None)
     return None
 
@@ -64,7 +75,7 @@ def lowest_rows(scores: torch.Tensor, k: int, pinned: torch.Tensor | None = None
         [1, 3, 2]
     """
     if scores.device.type == "cpu" and scores.numel() >= _KERNEL_LOWEST_MIN and scores.dtype == torch.int64 \
-            and scores.is_contiguous():
+            and scores.dim() == 1:
         kernel = getattr(pool_kernels(None, scores.device), "lowest_rows", None)
         if kernel is not None:
             return kernel(scores, k, None if pinned is None else pinned.contiguous())

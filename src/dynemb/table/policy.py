@@ -37,7 +37,7 @@ import torch
 
 from .ops import column_kernel, fill_rows, last_occurrence
 
-__all__ = ["EvictionPolicy", "touch_scores", "DEFAULT_HALF_LIFE", "DEFAULT_BOUNDED"]
+__all__ = ["EvictionPolicy", "fill_score", "touch_scores", "DEFAULT_HALF_LIFE", "DEFAULT_BOUNDED"]
 
 _LOW32 = 0xFFFFFFFF
 _DECAY_SCALE = float(1 << 16)  # fixed point of the decayed_lfu score: 1/65536 of a doubling
@@ -92,12 +92,11 @@ def touch_scores(
     if counted is not None and _touch_counted(scores, rows, counts, counted, clock=clock, epoch=epoch,
                                               half_life=half_life):
         return
-    if policy is EvictionPolicy.LRU:
-        fill_rows(scores, rows, clock)
+    filled = fill_score(policy, clock=clock, epoch=epoch)
+    if filled is not None:
+        fill_rows(scores, rows, filled)
     elif policy is EvictionPolicy.LFU:
         scores.index_add_(0, rows, torch.ones_like(rows) if counts is None else counts)
-    elif policy is EvictionPolicy.EPOCH_LRU:
-        fill_rows(scores, rows, (epoch << 32) | (clock & _LOW32))
     elif policy is EvictionPolicy.EPOCH_LFU:
         current = scores.index_select(0, rows)
         fresh = torch.where((current >> 32) == epoch, current, epoch << 32)
@@ -107,6 +106,16 @@ def touch_scores(
         _touch_decayed(scores, rows, counts, clock / half_life)
     elif custom is not None:
         scores.index_copy_(0, *last_occurrence(rows, custom))
+
+
+def fill_score(policy: EvictionPolicy, *, clock: int, epoch: int) -> int | None:
+    """The score an access writes to every row it touches under ``policy`` (``lru``, ``epoch_lru``), or None for
+    a policy whose new score depends on the old one or on the caller."""
+    if policy is EvictionPolicy.LRU:
+        return clock
+    if policy is EvictionPolicy.EPOCH_LRU:
+        return (epoch << 32) | (clock & _LOW32)
+    return None
 
 
 def _touch_counted(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor | None, score, **when) -> bool:

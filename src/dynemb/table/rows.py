@@ -55,9 +55,8 @@ class RowStore(ChangeLog, RowColumns):
         self._cols: dict[str, torch.Tensor] = {
             "key": torch.empty(capacity, dtype=self.key_dtype, device=self.device),
             "value": torch.empty(capacity, self.dim, dtype=self.dtype, device=self.device),
-            "score": torch.zeros(capacity, dtype=torch.int64, device=self.device),
-            "version": torch.zeros(capacity, dtype=torch.int64, device=self.device),
         }
+        self._cols["score"], self._cols["version"] = self._stamp_columns(capacity)
         self._size = 0
         self._init_calls = 0
         # Calls that moved a stored key to another row or dropped rows (compaction, reuse of evicted rows, load,
@@ -130,6 +129,8 @@ class RowStore(ChangeLog, RowColumns):
         index = HashIndex(self.key_dtype, device, self.capacity, backend=self.backend)  # fails before anything moves
         self._cols = {k: v.to(device) for k, v in self._cols.items()}
         self.device = device
+        if self._PAIRED_STAMPS:  # .to() copied the stamps apart
+            self._cols["score"], self._cols["version"] = self._stamp_columns(self.capacity, self.capacity)
         self.index = index
         self.index.insert(self.row_keys[: self._size], torch.arange(self._size, device=device))
         return self
@@ -175,14 +176,33 @@ class RowStore(ChangeLog, RowColumns):
             if self.max_capacity is not None:
                 new_cap = min(new_cap, self.max_capacity)
             size = self._size
+            paired = ("score", "version") if self._PAIRED_STAMPS else ()
             for name, col in self._cols.items():
-                fresh = self._new_column(name, col, new_cap)
-                fresh[:size] = col[:size]
-                self._cols[name] = fresh
+                if name not in paired:
+                    fresh = self._new_column(name, col, new_cap)
+                    fresh[:size] = col[:size]
+                    self._cols[name] = fresh
+            if paired:
+                self._cols["score"], self._cols["version"] = self._stamp_columns(new_cap, size)
         if self.index.needs_rehash(n):
             # Sized for n: bucket counts are powers of two, so this at least doubles the index (load just over
             # MAX_LOAD / 2 after a rehash for growth) without over-allocating it.
             self.index.rehash(self.row_keys[: self._size], torch.arange(self._size, device=self.device), n)
+
+    #: whether ``score`` and ``version`` share one ``[capacity, 2]`` tensor (see :meth:`_stamp_columns`); a store
+    #: that places each column itself (the slow tier's files) keeps them apart
+    _PAIRED_STAMPS = True
+
+    def _stamp_columns(self, capacity: int, size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(score, version)`` columns of ``capacity`` rows, zero but for the first ``size`` rows of the current
+        ones. Interleaved in one ``[capacity, 2]`` int64 tensor (two strided 1-D columns): a training lookup stamps
+        both for every row it reads, and in one cache line that is one miss a row, not two (0.78 against 1.48 ms for
+        78.6k random rows of 1M, Zen 3 guest). Only the layout changes: every reader sees two int64 columns."""
+        pair = torch.zeros(capacity, 2, dtype=torch.int64, device=self.device)
+        if size:
+            pair[:size, 0] = self._cols["score"][:size]
+            pair[:size, 1] = self._cols["version"][:size]
+        return pair[:, 0], pair[:, 1]
 
     def _new_column(self, name: str, col: torch.Tensor, capacity: int) -> torch.Tensor:
         """Storage for column ``name`` grown to ``capacity`` rows (a slow tier places it in pinned memory or a

@@ -90,6 +90,8 @@ class SlowStore(RowStore):
         fresh.copy_(col)
         return fresh
 
+    _PAIRED_STAMPS = False  # every column is placed (a file, pinned memory) on its own
+
     def _new_column(self, name: str, col: torch.Tensor, capacity: int) -> torch.Tensor:
         shape = (capacity,) + tuple(col.shape[1:])
         if self.directory is None:
