@@ -31,8 +31,8 @@ def fill_rows(dst: torch.Tensor, rows: torch.Tensor, value: int) -> None:
 def fill_pair(first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor, a: int, b: int) -> None:
     """:func:`fill_rows` of ``a`` into ``first`` and ``b`` into ``second`` (a lookup's score and version stamps):
     one pass of the pool kernels' optional ``fill_pair`` where it serves, else one fill after the other."""
-    fill = column_kernel(first, rows, "fill_pair") if column_kernel(second, rows, "fill_pair") else None
-    if fill is None or not fill(first, second, rows, a, b):
+    fill = column_kernel(first, rows, "fill_pair")
+    if fill is None or column_kernel(second, rows, "fill_pair") is None or not fill(first, second, rows, a, b):
         fill_rows(first, rows, a)
         fill_rows(second, rows, b)
 

@@ -1,0 +1,111 @@
+"""Where a train step goes, phase by phase: dynemb contestants side by side in one process.
+
+Each contestant of ``benchmarks/train_step_impls.py`` (default: the dynamic and the static table, fused) is built
+in this one process; steps alternate between them (the order flips every round), and the CPU time of each step
+and of each kernel call inside it is recorded. Kernel calls are timed by wrapping the numba entry points (dedup,
+find, stamps, pooled forward, fused update); "other" is the rest of the step (autograd, the head, Python). One
+process means one machine state for all: the difference between contestants is what their code adds, which
+separate processes, each with its own slow or fast phase, blur (see ``train_step.py``).
+
+Prints ms a step per phase (medians over rounds are for whole steps; phases are means) and writes JSON with
+``--json PATH``. ``--quick``: a small workload, well under a minute.
+
+Run: ``.venv/bin/python benchmarks/train_step_phases.py [--quick] [--optimizer sgd] [--dist uniform]
+[--repeat 40] [--contestants dynemb-dyn-fused dynemb-static] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import machine_info, parser, print_table, write_json  # noqa: E402
+from train_step_impls import CONTESTANTS, Workload, make_batches  # noqa: E402
+
+# (module, function) of each phase's kernel entry point; the first that a step calls is timed
+PHASES = {
+    "dedup": ("dynemb.kernels.numba_pool", "dedup"),
+    "find": ("dynemb.kernels.numba_index", "find"),
+    "stamps": ("dynemb.kernels.numba_pool", "fill_pair"),
+    "stamp (one column)": ("dynemb.kernels.numba_pool", "fill_rows"),
+    "pooled forward": ("dynemb.kernels.numba_pool", "pool"),
+    "fused update": ("dynemb.kernels.numba_optim", "sparse_update"),
+}
+
+
+def _timed_phases(spent: collections.Counter, current: list) -> None:
+    """Wrap each phase's entry point so that its CPU time is added to ``spent[(current[0], phase)]``."""
+    import importlib
+
+    for phase, (module, name) in PHASES.items():
+        mod = importlib.import_module(module)
+        inner = getattr(mod, name)
+
+        def timed(*args, _inner=inner, _phase=phase, **kwargs):
+            start = time.process_time()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                spent[(current[0], _phase)] += time.process_time() - start
+
+        setattr(mod, name, timed)
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "rowwise_adagrad", "adam"])
+    p.add_argument("--dist", default="uniform", choices=["uniform", "zipf"])
+    p.add_argument("--contestants", nargs="+", default=["dynemb-dyn-fused", "dynemb-static"],
+                   choices=[c for c in CONTESTANTS if c.startswith("dynemb")])
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    w = Workload(4, 20_000 if args.quick else 1_000_000, 64, 512 if args.quick else 4096, 20)
+    rounds = args.repeat or (10 if args.quick else 40)
+    spent, current = collections.Counter(), ["warm-up"]
+    _timed_phases(spent, current)
+    batches = make_batches(w, args.dist, 10)
+    trainers = {}
+    for name in args.contestants:
+        torch.manual_seed(0)
+        trainers[name] = CONTESTANTS[name](w, args.optimizer)
+    for batch in batches[:2]:  # compile and warm every path
+        for trainer in trainers.values():
+            trainer.step(batch)
+    spent.clear()
+    steps = {name: [] for name in trainers}
+    for r in range(rounds):
+        order = list(trainers.items()) if r % 2 == 0 else list(reversed(trainers.items()))
+        for name, trainer in order:
+            current[0] = name
+            start = time.process_time()
+            trainer.step(batches[2 + r % 8])
+            steps[name].append(time.process_time() - start)
+    rows = []
+    for name, times in steps.items():
+        row = {"contestant": name, "step ms (median)": round(1e3 * statistics.median(times), 2)}
+        kernels = 0.0
+        for phase in PHASES:
+            ms = 1e3 * spent[(name, phase)] / rounds
+            kernels += ms
+            row[phase] = round(ms, 2)
+        row["other"] = round(1e3 * statistics.mean(times) - kernels, 2)
+        rows.append(row)
+    info = machine_info()
+    print(f"cpu: {info['cpu_model']}; {w}; {args.optimizer}, {args.dist} ids; threads {args.threads}; "
+          f"{rounds} alternated rounds; CPU ms a step")
+    print_table(rows, ["contestant", "step ms (median)", *PHASES, "other"])
+    if args.json:
+        write_json(args.json, {"machine": info, "workload": w.__dict__, "optimizer": args.optimizer,
+                               "dist": args.dist, "rounds": rounds, "rows": rows,
+                               "step_times": {k: v for k, v in steps.items()}})
+
+
+if __name__ == "__main__":
+    main()
