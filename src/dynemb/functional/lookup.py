@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..table import KeyValueTable
 from ..table.checks import check_keys
+from ..table.ops import all_nonnegative
 from ..table.static import StaticTable
 from ..kernels.dispatch import pool_kernels
 from .grads import PooledGrad, TableRows, deliver_gradient, deliver_pooled_gradient, read_rows, table_kernels
@@ -102,12 +103,12 @@ def _find_sorted(table, flat: torch.Tensor, trains: bool) -> tuple[SortedIds, to
     ids = sort_ids(flat, table_kernels(pool_kernels, table))
     if trains:
         if counts_occurrences(table):  # lfu scores and admission count every occurrence
-            rows, found = table.find_or_insert(ids.unique, counts=ids.counts)
+            rows, _ = table.find_or_insert(ids.unique, counts=ids.counts)
         else:
-            rows, found = table.find_or_insert(ids.unique)
-        return ids, rows, bool(found.all()) or bool((rows >= 0).all())  # all found: no pass over the rows
+            rows, _ = table.find_or_insert(ids.unique)
+        return ids, rows, all_nonnegative(rows)
     rows = table.find_rows(ids.unique)
-    return ids, rows, bool((rows >= 0).all())
+    return ids, rows, all_nonnegative(rows)
 
 
 def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, checked: bool = False):

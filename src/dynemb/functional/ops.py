@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..table.ops import all_nonnegative
 from .grads import deliver_gradient, read_rows
 from .pooling import bag_sum_grad
 
@@ -76,7 +77,7 @@ def pooled_lookup_op(anchor: torch.Tensor, handle: int, ids: torch.Tensor, offse
     _check_offsets(ids, offsets)
     with torch.set_grad_enabled(train):  # find_unique inserts only with grad mode on, as eager lookups do
         _, unique, rows, inverse, _ = find_unique(table, ids, train, checked=False)
-    if bool((rows >= 0).all()):
+    if all_nonnegative(rows):
         sums = F.embedding_bag(rows.index_select(0, inverse), table.values, offsets, mode="sum",
                                per_sample_weights=weights)
     else:  # keys without a row (admission) read their initializer row

@@ -30,7 +30,7 @@ from .checks import (
 )
 from .hashing import unique_by_hash
 from .initializers import InitializerSpec, resolve_initializer
-from .ops import copy_rows, fill_pair, gather_rows, lowest_rows
+from .ops import all_nonnegative, copy_rows, fill_pair, gather_rows, lowest_rows
 from .policy import DEFAULT_HALF_LIFE, EvictionPolicy, fill_score, touch_scores
 from .rows import EvictHook, Rows, RowStore
 
@@ -173,7 +173,7 @@ class KeyValueTable(RowStore):
             return values.view(*keys.shape, self.dim), self._found(keys, rows, update_scores)
         rows = self.index.find(flat)
         values = self._gather(rows, out)
-        if not bool((rows >= 0).all()):
+        if not all_nonnegative(rows):
             miss = (rows < 0).nonzero().squeeze(1)
             values.index_copy_(0, miss, self.initial_rows(flat.index_select(0, miss)))
         return values.view(*keys.shape, self.dim), self._found(keys, rows, update_scores)
@@ -329,7 +329,7 @@ class KeyValueTable(RowStore):
         inserts = torch.zeros_like(adds)  # occurrences that insert their key
         with self._restored_on_error():  # inserts first: deltas are added once on_evict has returned
             self.clock += 1
-            if not bool((rows >= 0).all()):
+            if not all_nonnegative(rows):
                 self._accum_inserts(flat, new, exists, rows, adds, inserts)
         if bool(adds.any()):
             self.values.index_add_(0, rows[adds], (new - old)[adds])

@@ -49,6 +49,10 @@ class RowStore(ChangeLog, RowColumns):
     index and ``size`` consistent; the public operations decide what to store.
     """
 
+    #: whether ``score`` and ``version`` share one ``[capacity, 2]`` tensor (see :meth:`_stamp_columns`); a store
+    #: that places each column itself (the slow tier's files) keeps them apart
+    _PAIRED_STAMPS = True
+
     def _init_storage(self, capacity: int) -> None:
         self.index = HashIndex(self.key_dtype, self.device, capacity, backend=self.backend)
         self._slot_init: dict[str, float] = {}
@@ -188,10 +192,6 @@ class RowStore(ChangeLog, RowColumns):
             # Sized for n: bucket counts are powers of two, so this at least doubles the index (load just over
             # MAX_LOAD / 2 after a rehash for growth) without over-allocating it.
             self.index.rehash(self.row_keys[: self._size], torch.arange(self._size, device=self.device), n)
-
-    #: whether ``score`` and ``version`` share one ``[capacity, 2]`` tensor (see :meth:`_stamp_columns`); a store
-    #: that places each column itself (the slow tier's files) keeps them apart
-    _PAIRED_STAMPS = True
 
     def _stamp_columns(self, capacity: int, size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(score, version)`` columns of ``capacity`` rows, zero but for the first ``size`` rows of the current
