@@ -67,3 +67,19 @@ def test_unsupported_tensors_are_rejected(tmp_path):
         write_tensors(tmp_path / "t.safetensors", {"c": torch.zeros(2, dtype=torch.complex64)})
     with pytest.raises(TypeError, match="tensor 's' must be a dense tensor"):
         write_tensors(tmp_path / "t.safetensors", {"s": torch.eye(2).to_sparse()})
+
+
+def test_strided_columns_are_written_exactly_and_their_chunks_count_as_copies(tmp_path, monkeypatch):
+    """A table's score and version columns are interleaved (stride 2): their bytes are written as a contiguous
+    column's, and each chunk is a fresh copy, so the digest must count it among the copies it bounds."""
+    monkeypatch.setattr(tensorfile, "CHUNK_BYTES", 4096)
+    pair = torch.arange(20_000, dtype=torch.int64).view(10_000, 2) * 3 - 7
+    scores, versions = pair[:, 0], pair[:, 1]
+    chunks = list(tensorfile._byte_chunks(scores))
+    assert len(chunks) > 1 and all(copied for _, copied in chunks)
+    assert b"".join(bytes(c) for c, _ in chunks) == scores.contiguous().numpy().tobytes()
+    assert not any(copied for _, copied in tensorfile._byte_chunks(versions.contiguous()))
+    path = tmp_path / "stamps.safetensors"
+    record = write_tensors(path, {"scores": scores, "versions": versions})
+    got, _ = read_tensors(path, record)  # the sha256 of what was written
+    assert torch.equal(got["scores"], scores) and torch.equal(got["versions"], versions)

@@ -329,3 +329,31 @@ def test_large_lookups_stamp_the_same_scores_and_versions_on_every_path(policy):
         for since in (-1, 0, 2):
             assert torch.equal(tables["torch"].changes_since(since)[0], tables["numba"].changes_since(since)[0])
     assert tables["numba"].capacity > 1024
+
+
+def _interleaved(t) -> bool:
+    return t.scores.stride() == (2,) and t._cols["version"].data_ptr() == t.scores.data_ptr() + 8
+
+
+def test_stamps_stay_interleaved_when_a_byte_budget_or_a_fast_tier_resizes_the_columns():
+    """Growth, the shrink to a byte budget (a slot added) and a tiered table's resize of its fast tier all go through
+    ``RowStore._resize_columns``: the scores and versions come through intact and stay interleaved."""
+    from dynemb.table import Tiers, TieredTable
+
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randint(-(2**62), 2**62, (3000,), generator=g)
+    t = KeyValueTable(8, max_bytes=200_000, init_capacity=64)
+    t.find_or_insert(keys[:2000])
+    t.find_or_insert(keys[:500])
+    before = t.export()
+    t.add_slot("m", 32)  # the bound shrinks: lowest scores evicted, columns cut to the new capacity
+    after = t.export()
+    assert _interleaved(t) and t.capacity == t.max_capacity < before.keys.numel() == 2000
+    kept = dict(zip(before.keys.tolist(), before.scores.tolist()))
+    assert all(kept[k] == s for k, s in zip(after.keys.tolist(), after.scores.tolist()))
+    for tiers in (Tiers(fast_bytes=1 << 16), Tiers(fast_capacity=1000)):
+        tiered = TieredTable(4, tiers=tiers, seed=0)
+        assert _interleaved(tiered)
+        tiered.find_or_insert(keys)  # past the fast tier: rows move down, the fast tier is sized to its budget
+        assert _interleaved(tiered)
+        assert sorted(tiered.export().keys.tolist()) == sorted(keys.unique().tolist())

@@ -82,9 +82,10 @@ class _Digest:
 
 
 def _byte_chunks(t) -> Iterator[tuple[memoryview, bool]]:
-    """``(bytes, copied)`` chunks of a tensor: views of CPU memory, or copies of device memory. A streamed column
-    (``pieces()``, see :mod:`dynemb.checkpoint.stream`) is the chunks of its pieces, each counted as a copy so that
-    the digest bounds how many it holds."""
+    """``(bytes, copied)`` chunks of a tensor: views of contiguous CPU memory, or copies (device memory, strided
+    columns such as a table's interleaved scores). A streamed column (``pieces()``, see
+    :mod:`dynemb.checkpoint.stream`) is the chunks of its pieces, each counted as a copy so that the digest bounds
+    how many it holds."""
     if hasattr(t, "pieces"):
         for piece in t.pieces():
             for chunk, _ in _byte_chunks(piece):
@@ -94,10 +95,8 @@ def _byte_chunks(t) -> Iterator[tuple[memoryview, bool]]:
     step = max(1, CHUNK_BYTES // max(1, t.element_size()))
     for start in range(0, flat.numel(), step):
         piece = flat[start : start + step]
-        copied = piece.device.type != "cpu"
-        if copied:
-            piece = piece.cpu()
-        yield memoryview(piece.contiguous().view(torch.uint8).numpy()), copied
+        copied = piece.device.type != "cpu" or not piece.is_contiguous()
+        yield memoryview(piece.cpu().contiguous().view(torch.uint8).numpy()), copied
 
 
 def _check(name: str, t) -> None:

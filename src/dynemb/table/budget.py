@@ -99,7 +99,7 @@ def fit(table) -> None:
     if table.size() > cap:
         table.evict(table.size() - cap)
     if table.capacity > cap:
-        table._cols = {name: col[:cap].clone() for name, col in table._cols.items()}
+        table._resize_columns(cap, min(cap, table.live_rows()))
     if table.index.num_buckets > table.index.buckets_for(cap):
         n = table.size()
         table.index.rehash(table.row_keys[:n], torch.arange(n, device=table.device), cap)

@@ -131,10 +131,13 @@ class RowStore(ChangeLog, RowColumns):
         if device == self.device:
             return self
         index = HashIndex(self.key_dtype, device, self.capacity, backend=self.backend)  # fails before anything moves
-        self._cols = {k: v.to(device) for k, v in self._cols.items()}
+        pair = _pair_of(self._cols["score"], self._cols["version"])
+        moved = {k: v.to(device) for k, v in self._cols.items() if pair is None or k not in ("score", "version")}
+        if pair is not None:  # the pair moves as one tensor, so the stamps stay interleaved
+            pair = pair.to(device)
+            moved["score"], moved["version"] = pair[:, 0], pair[:, 1]
+        self._cols = {k: moved[k] for k in self._cols}
         self.device = device
-        if self._PAIRED_STAMPS:  # .to() copied the stamps apart
-            self._cols["score"], self._cols["version"] = self._stamp_columns(self.capacity, self.capacity)
         self.index = index
         self.index.insert(self.row_keys[: self._size], torch.arange(self._size, device=device))
         return self
@@ -179,19 +182,22 @@ class RowStore(ChangeLog, RowColumns):
             new_cap = max(n, grown)
             if self.max_capacity is not None:
                 new_cap = min(new_cap, self.max_capacity)
-            size = self._size
-            paired = ("score", "version") if self._PAIRED_STAMPS else ()
-            for name, col in self._cols.items():
-                if name not in paired:
-                    fresh = self._new_column(name, col, new_cap)
-                    fresh[:size] = col[:size]
-                    self._cols[name] = fresh
-            if paired:
-                self._cols["score"], self._cols["version"] = self._stamp_columns(new_cap, size)
+            self._resize_columns(new_cap, self._size)
         if self.index.needs_rehash(n):
             # Sized for n: bucket counts are powers of two, so this at least doubles the index (load just over
             # MAX_LOAD / 2 after a rehash for growth) without over-allocating it.
             self.index.rehash(self.row_keys[: self._size], torch.arange(self._size, device=self.device), n)
+
+    def _resize_columns(self, capacity: int, live: int) -> None:
+        """Every column reallocated to ``capacity`` rows, its first ``live`` rows copied (growth, and the shrink to a
+        byte budget). All columns are allocated before any is replaced, and the stamps stay interleaved."""
+        paired = ("score", "version") if self._PAIRED_STAMPS else ()
+        fresh = {name: self._new_column(name, col, capacity) for name, col in self._cols.items() if name not in paired}
+        if paired:
+            fresh["score"], fresh["version"] = self._stamp_columns(capacity)
+        for name, col in fresh.items():
+            col[:live] = self._cols[name][:live]
+        self._cols = {name: fresh[name] for name in self._cols}
 
     def _stamp_columns(self, capacity: int, size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(score, version)`` columns of ``capacity`` rows, zero but for the first ``size`` rows of the current
@@ -370,6 +376,17 @@ class RowStore(ChangeLog, RowColumns):
             moved_keys = self.row_keys.index_select(0, holes)
             self.index.set_rows(self.index.find_slots(moved_keys), holes)
         self._size = new_size
+
+
+def _pair_of(score: torch.Tensor, version: torch.Tensor) -> torch.Tensor | None:
+    """The ``[C, 2]`` tensor that ``score`` and ``version`` interleave (see ``RowStore._stamp_columns``), or None
+    when they are apart."""
+    base = score._base
+    if base is None or version._base is not base or base.dim() != 2 or base.shape[1] != 2:
+        return None
+    if score.data_ptr() != base.data_ptr() or version.data_ptr() != base.data_ptr() + base.element_size():
+        return None
+    return base if score.shape[0] == base.shape[0] else None
 
 
 def _kept_first(keys: torch.Tensor, values, hashes: torch.Tensor | None, stored: int):

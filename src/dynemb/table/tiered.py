@@ -339,7 +339,7 @@ class TieredTable(KeyValueTable):
             self._demote(self._size - cap, torch.empty(0, dtype=torch.int64, device=self.device))
         n = self._size
         if self.capacity != max(cap, n):
-            self._cols = {name: _resized(col, max(cap, n), n) for name, col in self._cols.items()}
+            self._resize_columns(max(cap, n), n)
         if self.index.num_buckets != self.index.buckets_for(max(cap, n)):
             self.index.rehash(self.row_keys[:n], torch.arange(n, device=self.device), max(cap, n))
 
@@ -388,12 +388,6 @@ def _sliced(rows: Rows, part: slice, device) -> Rows:
             return t
         return t[part] if device is None else t[part].to(device)
     return Rows(cut(rows.keys), cut(rows.values), cut(rows.scores), {n: cut(s) for n, s in rows.slots.items()})
-
-
-def _resized(col: torch.Tensor, capacity: int, live: int) -> torch.Tensor:
-    fresh = col.new_empty((capacity,) + tuple(col.shape[1:]))
-    fresh[:live] = col[:live]
-    return fresh
 
 
 def _concat(a: Rows, b: Rows) -> Rows:
