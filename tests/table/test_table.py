@@ -621,3 +621,5 @@ def test_to_moves_rows_and_index(key_dtype, extreme_keys, cuda_device):
     t.find_or_insert(_k([123], key_dtype, "cuda"))
     t.to("cpu")
     assert t.find(extreme_keys)[1].all() and t.size() == extreme_keys.numel() + 1
+    # the score and version stamps moved as one interleaved tensor, both ways
+    assert t.scores.stride() == (2,) and t._cols["version"].data_ptr() == t.scores.data_ptr() + 8
