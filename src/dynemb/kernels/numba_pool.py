@@ -144,7 +144,8 @@ def fill_rows(column: torch.Tensor, rows: torch.Tensor, value: int) -> bool:
     """``column[rows] = value`` for a 1-D int column of any stride (score and version stamps) when every row is in
     range (returns True); False, with nothing written, otherwise. ``index_fill_`` waits on each row's cache miss in
     turn; this prefetches rows ahead (about half the time for 78k random rows of 1M)."""
-    return bool(_fill_kernel(_as_rows(column), rows.numpy(), value))
+    column = _as_rows(column)
+    return bool(_fill_pair_kernel(column, column, rows.numpy(), value, value))
 
 
 def fill_pair(first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor, a: int, b: int) -> bool:
@@ -211,7 +212,7 @@ def _gather_kernel(values, rows, out):
 @numba.njit(nogil=True, cache=True)
 def _scatter_kernel(values, rows, src):
     n = rows.shape[0]
-    for i in range(n):  # all or nothing, as _fill_kernel
+    for i in range(n):  # all or nothing, as _fill_pair_kernel
         if rows[i] < 0 or rows[i] >= values.shape[0]:
             return False
     for i in range(n):
@@ -261,23 +262,10 @@ def _bag_of_kernel(offsets, out):
 
 
 @numba.njit(nogil=True, cache=True)
-def _fill_kernel(column, rows, value):
-    # column: [C, 1], any row stride (a stamp column may be interleaved with another)
-    n, size = rows.shape[0], column.shape[0]
-    for u in range(n):  # all or nothing: a row out of range leaves the column to the caller's error
-        if rows[u] < 0 or rows[u] >= size:
-            return False
-    for u in range(n):
-        if u + _FILL_AHEAD < n:
-            prefetch_row_for_write(column, rows[u + _FILL_AHEAD])
-        column[rows[u], 0] = value
-    return True
-
-
-@numba.njit(nogil=True, cache=True)
 def _fill_pair_kernel(first, second, rows, a, b):
+    # first, second: [C, 1] of any row stride (stamps are interleaved); one column twice for fill_rows
     n, size = rows.shape[0], min(first.shape[0], second.shape[0])
-    for u in range(n):  # all or nothing, as _fill_kernel
+    for u in range(n):  # all or nothing: a row out of range leaves the columns to the caller's error
         if rows[u] < 0 or rows[u] >= size:
             return False
     for u in range(n):
@@ -292,7 +280,7 @@ def _fill_pair_kernel(first, second, rows, a, b):
 @numba.njit(nogil=True, cache=True)
 def _touch_counts_kernel(column, rows, counts, before, total, last):
     n, size = rows.shape[0], column.shape[0]
-    for j in range(n):  # all or nothing, as _fill_kernel
+    for j in range(n):  # all or nothing, as _fill_pair_kernel
         if rows[j] < 0 or rows[j] >= size:
             return False
     for j in range(n):  # the one random pass: read each row's value and leave this position in its place
