@@ -64,9 +64,10 @@ def main() -> None:
     p.add_argument("--contestants", nargs="+", default=["dynemb-dyn-fused", "dynemb-static"],
                    choices=[c for c in CONTESTANTS if c.startswith("dynemb")])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--vocab", type=int, help="ids per table (default 1,000,000; --quick 20,000)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    w = Workload(4, 20_000 if args.quick else 1_000_000, 64, 512 if args.quick else 4096, 20)
+    w = Workload(4, args.vocab or (20_000 if args.quick else 1_000_000), 64, 512 if args.quick else 4096, 20)
     rounds = args.repeat or (10 if args.quick else 40)
     spent, current = collections.Counter(), ["warm-up"]
     _timed_phases(spent, current)

@@ -174,6 +174,7 @@ _default = Backend.AUTO
 
 
 @functools.cache
+@functools.cache
 def numba_available() -> bool:
     """Whether numba is installed (numba itself is imported only when a kernel first runs: it loads slowly)."""
     return importlib.util.find_spec("numba") is not None
@@ -293,6 +294,13 @@ _MODULES = {
 
 
 def _kernels(family: str, backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
+    # A lookup asks several times a table; the answer depends only on the arguments, the process default and which
+    # packages are installed, so it is remembered (a refusal is not: it raises each time).
+    return _resolved_kernels(family, backend, device, _default, numba_available(), triton_available())
+
+
+@functools.lru_cache(maxsize=256)
+def _resolved_kernels(family: str, backend, device, *state) -> ModuleType | None:
     name = _MODULES.get((family, resolve_backend(backend, device)))
     return None if name is None else _module(name)
 

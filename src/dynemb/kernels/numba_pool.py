@@ -37,6 +37,7 @@ _RADIX_PASSES = 3
 _RADIX_DIGIT = 11  # bits per pass at most: 2048 counters, in L1
 _NONE_F = np.empty(0, np.float32)  # stands for an absent float tensor (numba needs one type per argument)
 _NONE_I = np.empty(0, np.int64)
+_INT32_MAX = 2**31 - 1  # a constant: np.iinfo costs microseconds a call, paid on every backward
 #: whether :func:`pool` runs torch's ``embedding_bag`` (fbgemm's CPU kernels) rather than :func:`_pool_kernel`
 USE_TORCH_BAG = "fbgemm" in torch.backends.quantized.supported_engines
 
@@ -107,7 +108,7 @@ def bag_of(offsets: torch.Tensor, n: int) -> torch.Tensor:
 
 def _bag_dtype(num_bags: int):
     """The integer dtype bag ids are kept in: int32 unless there are more bags than it holds."""
-    return np.int32 if num_bags <= np.iinfo(np.int32).max else np.int64
+    return np.int32 if num_bags <= _INT32_MAX else np.int64
 
 
 def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
