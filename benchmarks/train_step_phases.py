@@ -11,7 +11,8 @@ Prints ms a step per phase (medians over rounds are for whole steps; phases are 
 ``--json PATH``. ``--quick``: a small workload, well under a minute.
 
 Run: ``.venv/bin/python benchmarks/train_step_phases.py [--quick] [--optimizer sgd] [--dist uniform]
-[--repeat 40] [--contestants dynemb-dyn-fused dynemb-static] [--json PATH]``.
+[--repeat 40] [--vocab 1000000] [--contestants dynemb-dyn-fused dynemb-static] [--json PATH]``. ``--vocab``: ids a table
+(a small one keeps every table in cache, where the kernels' arithmetic and the step's fixed costs show).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from .numba_index import _mix64
 from .numba_math import fma, prefetch_row, prefetch_row_for_write
 
-__all__ = ["bag_of", "dedup", "fill_pair", "fill_rows", "gather", "grouped_bags", "offsets_valid", "pool", "row_grad", "rows_current",
-           "lowest_rows", "scatter", "sum_rows", "touch_counts", "write_last"]
+__all__ = ["bag_of", "dedup", "fill_pair", "fill_rows", "gather", "grouped_bags", "offsets_valid", "pool", "row_grad",
+           "rows_current", "lowest_rows", "scatter", "sum_rows", "touch_counts", "write_last"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 # Rows between a stamp's prefetch and its write. The write itself is a few cycles, so it takes many misses in flight
