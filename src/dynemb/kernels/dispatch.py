@@ -174,7 +174,6 @@ _default = Backend.AUTO
 
 
 @functools.cache
-@functools.cache
 def numba_available() -> bool:
     """Whether numba is installed (numba itself is imported only when a kernel first runs: it loads slowly)."""
     return importlib.util.find_spec("numba") is not None
