@@ -1,0 +1,93 @@
+"""A training lookup of a table with optimizer state groups its ids by row, not by key (``lookup._find_sorted``):
+an execution detail, so every result must be the same bits as grouping by key, for every policy, bound, admission
+filter, optimizer and kernel path."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dynemb
+from dynemb.functional import embedding_lookup_sparse
+from dynemb.functional import lookup
+from dynemb.kernels import use_backend
+
+
+_EXTREMES = [-(2**63), -1, 0, 2**63 - 1]
+_OPTIMIZERS = {
+    "rowwise_adagrad": lambda m: dynemb.optim.RowWiseAdagrad([m], lr=0.1, fused=True),
+    "adam": lambda m: dynemb.optim.Adam([m], lr=0.05, fused=True),
+    "sgd_momentum_step": lambda m: dynemb.optim.SGD([m], lr=0.1, momentum=0.9, fused=False),
+}
+_TABLES = {
+    "unbounded lru": {},
+    "bounded decayed_lfu, evicting": {"max_capacity": 24},
+    "lfu": {"eviction": "lfu", "max_capacity": 64},
+    "admission 2": {"admission": 2},
+}
+
+
+def _train(batches, optimizer: str, table: dict, backend: str) -> dict:
+    torch.manual_seed(0)
+    emb = dynemb.DynamicEmbedding(4, seed=5, **table)
+    opt = _OPTIMIZERS[optimizer](emb)
+    with use_backend(backend):
+        for ids, offsets in batches:
+            out = embedding_lookup_sparse(emb, ids, offsets, combiner="mean")
+            (out * torch.arange(1, 5.0)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    t = emb.table
+    rows = t.export()
+    versions = t._cols["version"][: t.size()].clone()  # export's rows are the table's rows, in row order
+    state = {"keys": rows.keys, "values": rows.values, "scores": rows.scores, "versions": versions, "clock": t.clock,
+             "size": t.size(), "evicted": t.evicted, "inserted": t.inserted}
+    state.update({f"slot {name}": value for name, value in rows.slots.items()})
+    order = rows.keys.argsort()  # export order follows rows, which may differ only by placement
+    return {k: v.index_select(0, order) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == order.numel()
+            else v for k, v in state.items()}
+
+
+_batch = st.lists(st.one_of(st.integers(0, 40), st.sampled_from(_EXTREMES)), min_size=1, max_size=60)
+
+
+@pytest.mark.parametrize("optimizer", sorted(_OPTIMIZERS))
+@pytest.mark.parametrize("table", sorted(_TABLES))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batches=st.lists(_batch, min_size=1, max_size=4), data=st.data())
+def test_grouping_by_row_gives_the_bits_of_grouping_by_key(probe_path, optimizer, table, batches, data):
+    prepared = []
+    for ids in batches:
+        cuts = sorted(data.draw(st.sets(st.integers(1, len(ids) - 1), max_size=5)) if len(ids) > 1 else [])
+        prepared.append((torch.tensor(ids), torch.tensor([0, *cuts])))
+    calls = []
+    by_row = lookup._find_by_row
+    with pytest.MonkeyPatch.context() as patch:  # every training lookup by row, from the first
+        patch.setattr(lookup, "_groups_by_row", lambda t: True)
+        patch.setattr(lookup, "_find_by_row", lambda *a: calls.append(1) or by_row(*a))
+        grouped_by_row = _train(prepared, optimizer, _TABLES[table], probe_path)
+    assert calls, "the lookups did not group by row"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lookup, "_groups_by_row", lambda t: False)
+        grouped_by_key = _train(prepared, optimizer, _TABLES[table], probe_path)
+    assert grouped_by_row.keys() == grouped_by_key.keys()
+    for name, value in grouped_by_key.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(grouped_by_row[name], value), name
+        else:
+            assert grouped_by_row[name] == value, name
+
+
+def test_tables_with_state_group_by_row_while_most_ids_are_distinct():
+    plain, stateful = dynemb.DynamicEmbedding(4), dynemb.DynamicEmbedding(4)
+    dynemb.optim.SGD([plain], lr=0.1, fused=True)
+    dynemb.optim.RowWiseAdagrad([stateful], lr=0.1, fused=True)
+    distinct, repeated = torch.arange(100), torch.arange(100) % 10
+    offsets = torch.arange(0, 100, 10)
+    chosen = []
+    for emb in (plain, stateful):
+        for ids in (distinct, distinct, repeated, repeated):
+            chosen.append(lookup._groups_by_row(emb.table))
+            embedding_lookup_sparse(emb, ids, offsets, combiner="sum").sum().backward()
+    # no state: never; with state: not before a first lookup, then by the share of distinct ids in the last one
+    assert chosen == [False] * 4 + [False, True, True, False]
