@@ -7,8 +7,10 @@ find, stamps, pooled forward, fused update); "other" is the rest of the step (au
 process means one machine state for all: the difference between contestants is what their code adds, which
 separate processes, each with its own slow or fast phase, blur (see ``train_step.py``).
 
-Prints ms a step per phase (medians over rounds are for whole steps; phases are means) and writes JSON with
-``--json PATH``. ``--quick``: a small workload, well under a minute.
+Prints ms a step per phase (medians over rounds are for whole steps; phases are means), each contestant's step
+time over the first's, paired round by round, and writes JSON with ``--json PATH``. ``--quick``: a small workload,
+well under a minute. The extra contestant ``dynemb-dyn-by-key`` is ``dynemb-dyn-fused`` with every training lookup
+grouped by key (``lookup._groups_by_row`` off), to measure what grouping by row gives.
 
 Run: ``.venv/bin/python benchmarks/train_step_phases.py [--quick] [--optimizer sgd] [--dist uniform]
 [--repeat 40] [--vocab 1000000] [--contestants dynemb-dyn-fused dynemb-static] [--json PATH]``. ``--vocab``: ids a table
@@ -58,12 +60,23 @@ def _timed_phases(spent: collections.Counter, current: list) -> None:
         setattr(mod, name, timed)
 
 
+BY_KEY = "dynemb-dyn-by-key"
+
+
+def _by_key_for(current: list) -> None:
+    """Make training lookups group by key while ``current[0]`` is :data:`BY_KEY`."""
+    from dynemb.functional import lookup
+
+    rule = lookup._groups_by_row
+    lookup._groups_by_row = lambda table: current[0] != BY_KEY and rule(table)
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "rowwise_adagrad", "adam"])
     p.add_argument("--dist", default="uniform", choices=["uniform", "zipf"])
     p.add_argument("--contestants", nargs="+", default=["dynemb-dyn-fused", "dynemb-static"],
-                   choices=[c for c in CONTESTANTS if c.startswith("dynemb")])
+                   choices=[c for c in CONTESTANTS if c.startswith("dynemb")] + [BY_KEY])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vocab", type=int, help="ids per table (default 1,000,000; --quick 20,000)")
     args = p.parse_args()
@@ -72,13 +85,15 @@ def main() -> None:
     rounds = args.repeat or (10 if args.quick else 40)
     spent, current = collections.Counter(), ["warm-up"]
     _timed_phases(spent, current)
+    _by_key_for(current)
     batches = make_batches(w, args.dist, 10)
     trainers = {}
     for name in args.contestants:
         torch.manual_seed(0)
-        trainers[name] = CONTESTANTS[name](w, args.optimizer)
+        trainers[name] = CONTESTANTS["dynemb-dyn-fused" if name == BY_KEY else name](w, args.optimizer)
     for batch in batches[:2]:  # compile and warm every path
-        for trainer in trainers.values():
+        for name, trainer in trainers.items():
+            current[0] = name
             trainer.step(batch)
     spent.clear()
     steps = {name: [] for name in trainers}
@@ -89,9 +104,10 @@ def main() -> None:
             start = time.process_time()
             trainer.step(batches[2 + r % 8])
             steps[name].append(time.process_time() - start)
-    rows = []
+    rows, first = [], steps[args.contestants[0]]
     for name, times in steps.items():
-        row = {"contestant": name, "step ms (median)": round(1e3 * statistics.median(times), 2)}
+        row = {"contestant": name, "step ms (median)": round(1e3 * statistics.median(times), 2),
+               "vs first (paired)": round(statistics.median(t / f for t, f in zip(times, first)), 3)}
         kernels = 0.0
         for phase in PHASES:
             ms = 1e3 * spent[(name, phase)] / rounds
@@ -102,7 +118,7 @@ def main() -> None:
     info = machine_info()
     print(f"cpu: {info['cpu_model']}; {w}; {args.optimizer}, {args.dist} ids; threads {args.threads}; "
           f"{rounds} alternated rounds; CPU ms a step")
-    print_table(rows, ["contestant", "step ms (median)", *PHASES, "other"])
+    print_table(rows, ["contestant", "step ms (median)", "vs first (paired)", *PHASES, "other"])
     if args.json:
         write_json(args.json, {"machine": info, "workload": w.__dict__, "optimizer": args.optimizer,
                                "dist": args.dist, "rounds": rounds, "rows": rows,
