@@ -132,15 +132,16 @@ _BY_ROW_MIN_SHARE = 0.5
 
 def _groups_by_row(table) -> bool:
     """Whether the next training lookup of ``table`` groups its ids by row (see :func:`_find_sorted`): when the
-    table holds optimizer state beside its rows and at least half of the ids of its last training lookup were
-    distinct.
+    table is on CPU (where it was measured), holds optimizer state beside its rows, and at least half of the ids of
+    its last training lookup were distinct.
 
     Measured (one process, paired, 1M-row tables; BENCHMARKS.md): on uniform ids, where nearly every id is
     distinct, row order makes a RowWiseAdagrad step 1.13x and an Adam step 1.19x faster, SGD without state about
     1.0x. On zipf ids (a third distinct), finding every occurrence rather than each distinct key costs about what
     the order saves (RowWiseAdagrad 1.0x, Adam 1.05x, 0.89x for a bounded table, which counts every occurrence).
     """
-    return bool(table.slot_names) and _distinct_share.get(table, 0.0) >= _BY_ROW_MIN_SHARE
+    return table.device.type == "cpu" and bool(table.slot_names) and \
+        _distinct_share.get(table, 0.0) >= _BY_ROW_MIN_SHARE
 
 
 def _find_by_row(table, flat: torch.Tensor, kernels) -> tuple[SortedIds, torch.Tensor, bool]:
