@@ -18,6 +18,7 @@ _OPTIMIZERS = {
     "rowwise_adagrad": lambda m: dynemb.optim.RowWiseAdagrad([m], lr=0.1, fused=True),
     "adam": lambda m: dynemb.optim.Adam([m], lr=0.05, fused=True),
     "sgd_momentum_step": lambda m: dynemb.optim.SGD([m], lr=0.1, momentum=0.9, fused=False),
+    "sgd": lambda m: dynemb.optim.SGD([m], lr=0.1, fused=True),
 }
 _TABLES = {
     "unbounded lru": {},
@@ -78,16 +79,43 @@ def test_grouping_by_row_gives_the_bits_of_grouping_by_key(probe_path, optimizer
             assert grouped_by_row[name] == value, name
 
 
-def test_tables_with_state_group_by_row_while_most_ids_are_distinct():
+def test_grouping_by_row_follows_the_share_of_distinct_ids():
     plain, stateful = dynemb.DynamicEmbedding(4), dynemb.DynamicEmbedding(4)
     dynemb.optim.SGD([plain], lr=0.1, fused=True)
     dynemb.optim.RowWiseAdagrad([stateful], lr=0.1, fused=True)
-    distinct, repeated = torch.arange(100), torch.arange(100) % 10
+    distinct, most, repeated = torch.arange(100), torch.arange(100) % 60, torch.arange(100) % 10
     offsets = torch.arange(0, 100, 10)
-    chosen = []
-    for emb in (plain, stateful):
-        for ids in (distinct, distinct, repeated, repeated):
-            chosen.append(lookup._groups_by_row(emb.table))
+    chosen = {}
+    for name, emb in (("plain", plain), ("stateful", stateful)):
+        chosen[name] = []
+        for ids in (distinct, distinct, most, repeated, repeated):
+            chosen[name].append(lookup._groups_by_row(emb.table))
             embedding_lookup_sparse(emb, ids, offsets, combiner="sum").sum().backward()
-    # no state: never; with state: not before a first lookup, then by the share of distinct ids in the last one
-    assert chosen == [False] * 4 + [False, True, True, False]
+    # not before a first lookup; then by the share of distinct ids in the last one: 1.0, 1.0, 0.6, 0.1
+    assert chosen == {"plain": [False, True, True, False, False], "stateful": [False, True, True, True, False]}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "step"])
+def test_rows_moved_between_lookup_and_backward_find_their_keys(fused):
+    """Grouped by row, a lookup leaves its keys to the backward, which needs them only when rows moved since (here:
+    a second lookup evicts and reuses rows of the first before either backward runs)."""
+    def train(by_row: bool) -> dict:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(lookup, "_groups_by_row", lambda t: by_row)
+            torch.manual_seed(0)
+            emb = dynemb.DynamicEmbedding(4, seed=1, max_capacity=12, eviction="lru")
+            opt = dynemb.optim.RowWiseAdagrad([emb], lr=0.1, fused=fused)
+            first = torch.tensor([5, -1, 2**63 - 1, 5, 7, 8, 9, 10])
+            second = torch.arange(100, 110)  # ten new keys: the table keeps 12, so most of the first's rows go
+            ids_buffer = first.clone()
+            a = embedding_lookup_sparse(emb, ids_buffer, torch.tensor([0, 3]), combiner="sum")
+            ids_buffer.fill_(0)  # a data loader reusing its buffer before backward
+            b = embedding_lookup_sparse(emb, second, torch.tensor([0, 5]), combiner="sum")
+            (a.sum() + 2 * b.sum()).backward()
+            opt.step()
+            rows = emb.table.export()
+            return {"keys": rows.keys, "values": rows.values, "slots": rows.slots}
+    by_row, by_key = train(True), train(False)
+    assert torch.equal(by_row["keys"], by_key["keys"])
+    assert torch.equal(by_row["values"], by_key["values"])
+    assert all(torch.equal(by_row["slots"][k], v) for k, v in by_key["slots"].items())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -58,15 +58,17 @@ class SparseGrad:
 
 
 
-def current_rows(table, keys: torch.Tensor, rows: torch.Tensor, moves: int | None = None) -> torch.Tensor:
+def current_rows(table, keys: torch.Tensor | Callable[[], torch.Tensor], rows: torch.Tensor,
+                 moves: int | None = None) -> torch.Tensor:
     """``rows`` re-checked against the table: rows moved or reused since they were read are looked up again.
     (A static table's rows never move.) ``moves``: the table's ``row_moves`` when the lookup found ``rows``
     (every one >= 0 then); when the table says no row moved since (``rows_unmoved_since``), the check is
-    skipped."""
+    skipped. ``keys`` may be a function that returns them, called only when the check runs."""
     if isinstance(table, StaticTable):
         return rows
     if moves is not None and table.rows_unmoved_since(moves):
         return rows
+    keys = _keys(keys)
     size = table.live_rows()
     kernels = pool_kernels(getattr(table, "backend", None), table.device)
     check = getattr(kernels, "rows_current", None)  # optional in the pool family
@@ -78,6 +80,10 @@ def current_rows(table, keys: torch.Tensor, rows: torch.Tensor, moves: int | Non
         rows = table.find_rows(keys)
     return rows
 
+
+
+def _keys(keys: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
+    return keys() if callable(keys) else keys
 
 
 def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor,
@@ -106,7 +112,8 @@ def deliver_pooled_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad:
     """:func:`deliver_gradient` for a pooled gradient ``grad [B, D]`` (see :class:`PooledGrad`): a fused optimizer
     applies it straight (no ``[U, D]`` tensor) when every row is still current; otherwise the row gradient is
     built (by the ``row_grad`` kernel or torch) and delivered as usual. ``stamped_at``: the table's clock when the
-    lookup touched (version-stamped) the rows; ``moves``: its ``row_moves`` then (see :func:`current_rows`)."""
+    lookup touched (version-stamped) the rows; ``moves``: its ``row_moves`` then (see :func:`current_rows`).
+    ``keys`` may be a function that returns them: a fused update of unmoved rows never calls it."""
     if not table.requires_grad:
         return
     optimizer = table.sparse_optimizer
@@ -119,7 +126,7 @@ def deliver_pooled_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad:
         row_grad = kernels.row_grad(grad, *pooled)
     else:
         row_grad = sorted_row_grad(grad, *pooled)
-    deliver_gradient(table, keys, rows, row_grad, moves)
+    deliver_gradient(table, _keys(keys), rows, row_grad, moves)
 
 
 

@@ -7,6 +7,7 @@ call; nothing of table size is ever built. A static table's id is its row, so it
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import NamedTuple
 
@@ -62,8 +63,8 @@ def _trains(embedding, table, training: bool | None) -> bool:
 
 class SortedIds(NamedTuple):
     """One grouping (a stable sort) of a call's ids ``[N]``, shared by dedup, the forward and the backward:
-    ``unique [U]`` (ascending, in order of first occurrence from a ``dedup`` kernel, or in row order when a
-    training lookup groups by row), ``inverse [N]``
+    ``unique [U]`` (ascending, or in order of first occurrence from a ``dedup`` kernel; None from a training lookup
+    that grouped by row, whose keys are ``ids[order[starts[:-1]]]``, as they are for every grouping), ``inverse [N]``
     (``unique[inverse] == ids``), ``order [N]`` (the ids grouped by unique key, in input order within a key) and
     ``starts [U + 1]`` (key ``u``'s ids are ``order[starts[u]:starts[u + 1]]``)."""
 
@@ -121,27 +122,31 @@ def _find_sorted(table, flat: torch.Tensor, trains: bool) -> tuple[SortedIds, to
         else:
             rows, _ = table.find_or_insert(ids.unique)
         stored = all_nonnegative(rows)
-    _distinct_share[table] = ids.unique.numel() / max(flat.numel(), 1)
+    _distinct_share[table] = (ids.starts.numel() - 1) / max(flat.numel(), 1)
     return ids, rows, stored
 
 
 #: Each table's share of distinct ids in its last training lookup (weakly held: tables come and go).
 _distinct_share: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_BY_ROW_MIN_SHARE = 0.5
+# The share of distinct ids from which grouping by row pays: lower for a table with optimizer state, whose update
+# gains more from address order (see _groups_by_row).
+_BY_ROW_MIN_SHARE = {True: 0.5, False: 0.75}
 
 
 def _groups_by_row(table) -> bool:
-    """Whether the next training lookup of ``table`` groups its ids by row (see :func:`_find_sorted`): when the
-    table is on CPU (where it was measured), holds optimizer state beside its rows, and at least half of the ids of
-    its last training lookup were distinct.
+    """Whether the next training lookup of ``table`` groups its ids by row (see :func:`_find_sorted`): on CPU
+    (where it was measured), once most ids of the table's last training lookup were distinct: half of them for a
+    table with optimizer state, three quarters without.
 
-    Measured (one process, paired, 1M-row tables; BENCHMARKS.md): on uniform ids, where nearly every id is
-    distinct, row order makes a RowWiseAdagrad step 1.13x and an Adam step 1.19x faster, SGD without state about
-    1.0x. On zipf ids (a third distinct), finding every occurrence rather than each distinct key costs about what
-    the order saves (RowWiseAdagrad 1.0x, Adam 1.05x, 0.89x for a bounded table, which counts every occurrence).
+    Measured (one process, paired, 1M-row tables; BENCHMARKS.md): on uniform ids, where 96% of the ids are distinct,
+    row order makes a RowWiseAdagrad step 1.17x, an Adam step 1.19x and an SGD step 1.02-1.06x faster. On zipf ids
+    (a third distinct) finding every occurrence, not each distinct key, costs about what the order saves with state
+    (RowWiseAdagrad 1.0x, Adam 1.05x, a bounded table that counts every occurrence 0.89x) and more without (SGD
+    0.94x). A linear fit of gain against the share breaks even near 0.3-0.5 with state and 0.7 without.
     """
-    return table.device.type == "cpu" and bool(table.slot_names) and \
-        _distinct_share.get(table, 0.0) >= _BY_ROW_MIN_SHARE
+    if table.device.type != "cpu":
+        return False
+    return _distinct_share.get(table, 0.0) >= _BY_ROW_MIN_SHARE[bool(table.slot_names)]
 
 
 def _find_by_row(table, flat: torch.Tensor, kernels) -> tuple[SortedIds, torch.Tensor, bool]:
@@ -153,8 +158,14 @@ def _find_by_row(table, flat: torch.Tensor, kernels) -> tuple[SortedIds, torch.T
         ids = sort_ids(flat, kernels)
         return ids, rows.index_select(0, ids.order.index_select(0, ids.starts[:-1])), False
     by_row = sort_ids(rows, kernels)
-    keys = flat.index_select(0, by_row.order.index_select(0, by_row.starts[:-1]))  # each row's key
-    return by_row._replace(unique=keys), by_row.unique, True
+    return by_row._replace(unique=None), by_row.unique, True  # each row's key: see first_keys
+
+
+def first_keys(flat: torch.Tensor, order: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """``[U]``: the id of each group of a grouping of ``flat`` (see :class:`SortedIds`): its key. A lookup grouped by
+    row leaves them to this, called only when needed (0.5 ms a table of 81,920 ids, which a fused update of rows
+    that did not move never needs)."""
+    return flat.index_select(0, order.index_select(0, starts[:-1]))
 
 
 def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, checked: bool = False):
@@ -249,21 +260,26 @@ class _TablePool(torch.autograd.Function):
     order from the forward's one sort."""
 
     @staticmethod
-    def forward(ctx, anchor, table, keys, rows, inverse, order, starts, offsets, weights, denom):
+    def forward(ctx, anchor, table, keys, rows, inverse, order, starts, offsets, weights, denom, flat):
+        # keys None: a grouping by row, whose keys first_keys(ids, ...) gives if the backward needs them. The ids
+        # are copied (a sequential pass, far cheaper than that gather): they may be the caller's buffer.
         ctx.table = table
         ctx.clock = table.clock  # the lookup that found these rows stamped them at this clock
         ctx.moves = getattr(table, "row_moves", None)  # they hold their keys while it is unchanged (current_rows)
-        ctx.save_for_backward(keys, rows, order, starts, offsets, weights, denom)
+        ids = flat.clone() if keys is None else None
+        ctx.save_for_backward(keys, rows, order, starts, offsets, weights, denom, ids)
         return _pool_rows(table, rows, inverse, offsets, weights, denom)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        keys, rows, order, starts, offsets, weights, denom = ctx.saved_tensors
+        keys, rows, order, starts, offsets, weights, denom, flat = ctx.saved_tensors
         grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
         pooled = PooledGrad(order, starts, bag_of(offsets, order.numel(), _any_kernels(ctx.table)), weights)
+        if keys is None:
+            keys = functools.partial(first_keys, flat, order, starts)
         deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock, ctx.moves)
-        return (None,) * 10
+        return (None,) * 11
 
 
 
@@ -316,7 +332,7 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
     denom = combine_denoms(bag_sets, table.dtype, table.device)
     if trains:
         pooled = _TablePool.apply(torch.empty(0, requires_grad=True), table, sorted_ids.unique, rows,
-                                  sorted_ids.inverse, sorted_ids.order, sorted_ids.starts, offsets, weights, denom)
+                                  sorted_ids.inverse, sorted_ids.order, sorted_ids.starts, offsets, weights, denom, flat)
     else:
         pooled = _pool_rows(table, rows, sorted_ids.inverse, offsets, weights, denom)
     return split_bags(pooled, bag_sets)
