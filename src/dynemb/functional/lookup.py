@@ -139,7 +139,7 @@ def _groups_by_row(table) -> bool:
     table with optimizer state, three quarters without.
 
     Measured (one process, paired, 1M-row tables; BENCHMARKS.md): on uniform ids, where 96% of the ids are distinct,
-    row order makes a RowWiseAdagrad step 1.17x, an Adam step 1.19x and an SGD step 1.02-1.06x faster. On zipf ids
+    row order makes a RowWiseAdagrad step 1.17x and an Adam step 1.19x faster, an SGD step 0.99-1.06x. On zipf ids
     (a third distinct) finding every occurrence, not each distinct key, costs about what the order saves with state
     (RowWiseAdagrad 1.0x, Adam 1.05x, a bounded table that counts every occurrence 0.89x) and more without (SGD
     0.94x). A linear fit of gain against the share breaks even near 0.3-0.5 with state and 0.7 without.
