@@ -22,7 +22,9 @@ _OPTIMIZERS = {
 }
 _TABLES = {
     "unbounded lru": {},
-    "bounded decayed_lfu, evicting": {"max_capacity": 24},
+    "bounded lru, evicting": {"max_capacity": 24},
+    "bounded decayed_lfu, evicting": {"max_capacity": 24, "eviction": "decayed_lfu"},
+    "decayed_lfu, half_life 3": {"eviction": "decayed_lfu", "half_life": 3},
     "lfu": {"eviction": "lfu", "max_capacity": 64},
     "admission 2": {"admission": 2},
 }
@@ -42,7 +44,7 @@ def _train(batches, optimizer: str, table: dict, backend: str) -> dict:
     rows = t.export()
     versions = t._cols["version"][: t.size()].clone()  # export's rows are the table's rows, in row order
     state = {"keys": rows.keys, "values": rows.values, "scores": rows.scores, "versions": versions, "clock": t.clock,
-             "size": t.size(), "evicted": t.evicted, "inserted": t.inserted}
+             "size": t.size(), "evicted": t.evicted, "inserted": t.inserted, "policy": t.policy.value}
     state.update({f"slot {name}": value for name, value in rows.slots.items()})
     order = rows.keys.argsort()  # export order follows rows, which may differ only by placement
     return {k: v.index_select(0, order) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == order.numel()
@@ -63,11 +65,12 @@ def test_grouping_by_row_gives_the_bits_of_grouping_by_key(probe_path, optimizer
         prepared.append((torch.tensor(ids), torch.tensor([0, *cuts])))
     calls = []
     by_row = lookup._find_by_row
-    with pytest.MonkeyPatch.context() as patch:  # every training lookup by row, from the first
-        patch.setattr(lookup, "_groups_by_row", lambda t: True)
+    with pytest.MonkeyPatch.context() as patch:  # every training lookup by row that can be, from the first
+        patch.setattr(lookup, "_groups_by_row", lookup._can_group_by_row)
         patch.setattr(lookup, "_find_by_row", lambda *a: calls.append(1) or by_row(*a))
         grouped_by_row = _train(prepared, optimizer, _TABLES[table], probe_path)
-    assert calls, "the lookups did not group by row"
+    # decayed_lfu never groups by row: only grouping by key gives its scores' bits
+    assert bool(calls) == (grouped_by_row["policy"] != "decayed_lfu")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(lookup, "_groups_by_row", lambda t: False)
         grouped_by_key = _train(prepared, optimizer, _TABLES[table], probe_path)
@@ -119,3 +122,32 @@ def test_rows_moved_between_lookup_and_backward_find_their_keys(fused):
     assert torch.equal(by_row["keys"], by_key["keys"])
     assert torch.equal(by_row["values"], by_key["values"])
     assert all(torch.equal(by_row["slots"][k], v) for k, v in by_key["slots"].items())
+
+
+def test_decayed_lfu_scores_group_by_key():
+    """Found by review: over every occurrence, decayed_lfu's float arithmetic gave a score one fixed-point unit off
+    the score computed over distinct keys with counts. Such tables keep grouping by key."""
+    def run(rule) -> tuple:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(lookup, "_groups_by_row", rule)
+            emb = dynemb.DynamicEmbedding(2, eviction="decayed_lfu", half_life=3, seed=0)
+            opt = dynemb.optim.RowWiseAdagrad([emb], lr=0.1, fused=True)
+            for ids in _DECAYED_BATCHES:
+                embedding_lookup_sparse(emb, torch.tensor(ids), torch.tensor([0]), combiner="sum").sum().backward()
+            opt.step()
+            rows = emb.table.export()
+            order = rows.keys.argsort()
+            return rows.keys[order], rows.scores[order]
+    keys, scores = run(lambda t: False)
+    assert not lookup._can_group_by_row(dynemb.DynamicEmbedding(2, eviction="decayed_lfu").table)
+    assert torch.equal(run(lookup._groups_by_row)[1], scores)
+    forced = run(lambda t: True)[1]  # what grouping by row would give: the case this rule exists for
+    assert not torch.equal(forced, scores)
+
+
+_DECAYED_BATCHES = [
+    [13, 1, 2, 4, 11, 17, 7, 12],
+    [13, 13, 8, 18, 12, 4, 4, 5, 1, 18, 14, 13, 19, 17, 4, 15, 3, 17, 17, 16, 11, 2, 18, 0, 13, 17, 17, 16, 17, 16, 9,
+     8, 0, 6, 18],
+    [0, 3, 7, 1, 12, 8, 11, 4, 0, 11, 13, 19, 15, 1, 16, 17, 15],
+]

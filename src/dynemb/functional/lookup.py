@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..table import KeyValueTable
+from ..table import EvictionPolicy, KeyValueTable
 from ..table.checks import check_keys
 from ..table.ops import all_nonnegative
 from ..table.static import StaticTable
@@ -134,19 +134,27 @@ _BY_ROW_MIN_SHARE = {True: 0.5, False: 0.75}
 
 
 def _groups_by_row(table) -> bool:
-    """Whether the next training lookup of ``table`` groups its ids by row (see :func:`_find_sorted`): on CPU
-    (where it was measured), once most ids of the table's last training lookup were distinct: half of them for a
+    """Whether the next training lookup of ``table`` groups its ids by row (see :func:`_find_sorted`): when it can
+    (:func:`_can_group_by_row`) and most ids of the table's last training lookup were distinct: half of them for a
     table with optimizer state, three quarters without.
 
     Measured (one process, paired, 1M-row tables; BENCHMARKS.md): on uniform ids, where 96% of the ids are distinct,
     row order makes a RowWiseAdagrad step 1.17x and an Adam step 1.19x faster, an SGD step 0.99-1.06x. On zipf ids
     (a third distinct) finding every occurrence, not each distinct key, costs about what the order saves with state
-    (RowWiseAdagrad 1.0x, Adam 1.05x, a bounded table that counts every occurrence 0.89x) and more without (SGD
-    0.94x). A linear fit of gain against the share breaks even near 0.3-0.5 with state and 0.7 without.
+    (RowWiseAdagrad 1.0x, Adam 1.05x) and more without (SGD 0.94x). A linear fit of gain against the share breaks
+    even near 0.3-0.5 with state and 0.7 without.
     """
-    if table.device.type != "cpu":
+    if not _can_group_by_row(table):
         return False
     return _distinct_share.get(table, 0.0) >= _BY_ROW_MIN_SHARE[bool(table.slot_names)]
+
+
+def _can_group_by_row(table) -> bool:
+    """Whether grouping ``table``'s training lookups by row gives the bits of grouping them by key: on CPU (the
+    only place it was measured), and not under ``decayed_lfu``, whose float score arithmetic over every occurrence
+    rounds differently from the same over each distinct key with its count (an element's place in a vector decides
+    whether a vectorized or a scalar ``exp2``/``log2`` computes it)."""
+    return table.device.type == "cpu" and table.policy is not EvictionPolicy.DECAYED_LFU
 
 
 def _find_by_row(table, flat: torch.Tensor, kernels) -> tuple[SortedIds, torch.Tensor, bool]:
