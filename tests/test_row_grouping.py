@@ -151,3 +151,23 @@ _DECAYED_BATCHES = [
      8, 0, 6, 18],
     [0, 3, 7, 1, 12, 8, 11, 4, 0, 11, 13, 19, 15, 1, 16, 17, 15],
 ]
+
+
+def test_only_plain_cpu_tables_group_by_row(tmp_path):
+    """A tiered table counts hits per id and moves rows down to make room, so it is given each distinct key once;
+    Triton's one-launch insert sizes its headroom by the keys passed."""
+    from dynemb.table import KeyValueTable, Tiers
+
+    assert lookup._can_group_by_row(dynemb.DynamicEmbedding(4).table)
+    tiered = dynemb.DynamicEmbedding(4, tiers=Tiers(fast_capacity=8, slow=str(tmp_path)))
+    assert not lookup._can_group_by_row(tiered.table)
+    triton = KeyValueTable(4, backend="triton") if dynemb.kernels.triton_available() else None
+    if triton is not None:  # CPU tensors run Triton's kernels under its interpreter in the tests
+        assert not lookup._can_group_by_row(triton)
+    dynemb.optim.RowWiseAdagrad([tiered], lr=0.1, fused=True)
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lookup, "_find_by_row", lambda *a: calls.append(1))
+        for _ in range(3):
+            embedding_lookup_sparse(tiered, torch.arange(40), torch.arange(0, 40, 4), combiner="sum").sum().backward()
+    assert not calls

@@ -18,7 +18,7 @@ from ..table import EvictionPolicy, KeyValueTable
 from ..table.checks import check_keys
 from ..table.ops import all_nonnegative
 from ..table.static import StaticTable
-from ..kernels.dispatch import pool_kernels
+from ..kernels.dispatch import Backend, pool_kernels, resolve_backend
 from .grads import PooledGrad, TableRows, deliver_gradient, deliver_pooled_gradient, read_rows, table_kernels
 from .ops import anchor_of, pooled_lookup_op
 from .pooling import (BagSet, BagSum, bag_of, bag_sum_grad, check_combiner, combine_denoms, concat_bags, pool,
@@ -122,7 +122,7 @@ def _find_sorted(table, flat: torch.Tensor, trains: bool) -> tuple[SortedIds, to
         else:
             rows, _ = table.find_or_insert(ids.unique)
         stored = all_nonnegative(rows)
-    _distinct_share[table] = (ids.starts.numel() - 1) / max(flat.numel(), 1)
+    _note_share(table, (ids.starts.numel() - 1) / max(flat.numel(), 1))
     return ids, rows, stored
 
 
@@ -146,15 +146,35 @@ def _groups_by_row(table) -> bool:
     """
     if not _can_group_by_row(table):
         return False
-    return _distinct_share.get(table, 0.0) >= _BY_ROW_MIN_SHARE[bool(table.slot_names)]
+    return _share_of_distinct(table) >= _BY_ROW_MIN_SHARE[bool(table.slot_names)]
 
 
 def _can_group_by_row(table) -> bool:
-    """Whether grouping ``table``'s training lookups by row gives the bits of grouping them by key: on CPU (the
-    only place it was measured), and not under ``decayed_lfu``, whose float score arithmetic over every occurrence
+    """Whether grouping ``table``'s training lookups by row gives the bits and the side effects of grouping them by
+    key. Only a plain :class:`KeyValueTable` (its ``find_or_insert`` takes repeated keys; a tiered table would
+    count every occurrence as a hit and move rows down for them; the table protocol asks for distinct keys), on
+    CPU with the numba or torch kernels (the only place it was measured; Triton's one-launch insert sizes its
+    headroom by the keys passed), and not under ``decayed_lfu``, whose float score arithmetic over every occurrence
     rounds differently from the same over each distinct key with its count (an element's place in a vector decides
-    whether a vectorized or a scalar ``exp2``/``log2`` computes it)."""
-    return table.device.type == "cpu" and table.policy is not EvictionPolicy.DECAYED_LFU
+    whether a vectorized or a scalar ``exp2``/``log2`` computes it: a score one fixed-point unit off, found by
+    review)."""
+    return type(table) is KeyValueTable and table.device.type == "cpu" \
+        and table.policy is not EvictionPolicy.DECAYED_LFU \
+        and resolve_backend(table.backend, table.device) is not Backend.TRITON
+
+
+def _share_of_distinct(table) -> float:
+    try:
+        return _distinct_share.get(table, 0.0)
+    except TypeError:  # a table type that cannot be weakly referenced or hashed: no history, group by key
+        return 0.0
+
+
+def _note_share(table, share: float) -> None:
+    try:
+        _distinct_share[table] = share
+    except TypeError:
+        pass
 
 
 def _find_by_row(table, flat: torch.Tensor, kernels) -> tuple[SortedIds, torch.Tensor, bool]:
@@ -285,7 +305,7 @@ class _TablePool(torch.autograd.Function):
         grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
         pooled = PooledGrad(order, starts, bag_of(offsets, order.numel(), _any_kernels(ctx.table)), weights)
         if keys is None:
-            keys = functools.partial(first_keys, flat, order, starts)
+            keys = functools.cache(functools.partial(first_keys, flat, order, starts))  # gathered at most once
         deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock, ctx.moves)
         return (None,) * 11
 

@@ -294,8 +294,12 @@ _MODULES = {
 
 def _kernels(family: str, backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
     # A lookup asks several times a table; the answer depends only on the arguments, the process default and which
-    # packages are installed, so it is remembered (a refusal is not: it raises each time).
-    return _resolved_kernels(family, backend, device, _default, numba_available(), triton_available())
+    # packages are installed, so it is remembered (a refusal is not: it raises each time). Triton's interpreter
+    # setting is read when the answer is first computed.
+    try:
+        return _resolved_kernels(family, backend, device, _default, numba_available(), triton_available())
+    except TypeError:  # an unhashable argument: let resolve_backend say what is wrong with it
+        return _resolved_kernels.__wrapped__(family, backend, device)
 
 
 @functools.lru_cache(maxsize=256)
