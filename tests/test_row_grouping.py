@@ -26,6 +26,8 @@ _TABLES = {
     "bounded decayed_lfu, evicting": {"max_capacity": 24, "eviction": "decayed_lfu"},
     "decayed_lfu, half_life 3": {"eviction": "decayed_lfu", "half_life": 3},
     "lfu": {"eviction": "lfu", "max_capacity": 64},
+    "epoch_lfu": {"eviction": "epoch_lfu", "max_capacity": 64},
+    "epoch_lru": {"eviction": "epoch_lru", "max_capacity": 24},
     "admission 2": {"admission": 2},
 }
 
