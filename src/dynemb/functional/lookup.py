@@ -186,10 +186,10 @@ def _find_by_row(table, flat: torch.Tensor, kernels) -> tuple[SortedIds, torch.T
         ids = sort_ids(flat, kernels)
         return ids, rows.index_select(0, ids.order.index_select(0, ids.starts[:-1])), False
     by_row = sort_ids(rows, kernels)
-    return by_row._replace(unique=None), by_row.unique, True  # each row's key: see first_keys
+    return by_row._replace(unique=None), by_row.unique, True  # each row's key: see _first_keys
 
 
-def first_keys(flat: torch.Tensor, order: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+def _first_keys(flat: torch.Tensor, order: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     """``[U]``: the id of each group of a grouping of ``flat`` (see :class:`SortedIds`): its key. A lookup grouped by
     row leaves them to this, called only when needed (0.5 ms a table of 81,920 ids, which a fused update of rows
     that did not move never needs)."""
@@ -289,7 +289,7 @@ class _TablePool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, table, keys, rows, inverse, order, starts, offsets, weights, denom, flat):
-        # keys None: a grouping by row, whose keys first_keys(ids, ...) gives if the backward needs them. The ids
+        # keys None: a grouping by row, whose keys _first_keys(ids, ...) gives if the backward needs them. The ids
         # are copied (a sequential pass, far cheaper than that gather): they may be the caller's buffer.
         ctx.table = table
         ctx.clock = table.clock  # the lookup that found these rows stamped them at this clock
@@ -305,7 +305,7 @@ class _TablePool(torch.autograd.Function):
         grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
         pooled = PooledGrad(order, starts, bag_of(offsets, order.numel(), _any_kernels(ctx.table)), weights)
         if keys is None:
-            keys = functools.cache(functools.partial(first_keys, flat, order, starts))  # gathered at most once
+            keys = functools.cache(functools.partial(_first_keys, flat, order, starts))  # gathered at most once
         deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock, ctx.moves)
         return (None,) * 11
 
