@@ -360,7 +360,8 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
     denom = combine_denoms(bag_sets, table.dtype, table.device)
     if trains:
         pooled = _TablePool.apply(torch.empty(0, requires_grad=True), table, sorted_ids.unique, rows,
-                                  sorted_ids.inverse, sorted_ids.order, sorted_ids.starts, offsets, weights, denom, flat)
+                                  sorted_ids.inverse, sorted_ids.order, sorted_ids.starts, offsets, weights, denom,
+                                  flat)
     else:
         pooled = _pool_rows(table, rows, sorted_ids.inverse, offsets, weights, denom)
     return split_bags(pooled, bag_sets)
