@@ -146,7 +146,7 @@ def _groups_by_row(table) -> bool:
     """
     if not _can_group_by_row(table):
         return False
-    return _share_of_distinct(table) >= _BY_ROW_MIN_SHARE[bool(table.slot_names)]
+    return _distinct_share.get(table, 0.0) >= _BY_ROW_MIN_SHARE[bool(table.slot_names)]
 
 
 def _can_group_by_row(table) -> bool:
@@ -163,17 +163,10 @@ def _can_group_by_row(table) -> bool:
         and resolve_backend(table.backend, table.device) is not Backend.TRITON
 
 
-def _share_of_distinct(table) -> float:
-    try:
-        return _distinct_share.get(table, 0.0)
-    except TypeError:  # a table type that cannot be weakly referenced or hashed: no history, group by key
-        return 0.0
-
-
 def _note_share(table, share: float) -> None:
     try:
         _distinct_share[table] = share
-    except TypeError:
+    except TypeError:  # a table type that cannot be weakly referenced or hashed: it cannot group by row anyway
         pass
 
 
@@ -184,16 +177,16 @@ def _find_by_row(table, flat: torch.Tensor, kernels) -> tuple[SortedIds, torch.T
     rows, _ = table.find_or_insert(flat)
     if not all_nonnegative(rows):
         ids = sort_ids(flat, kernels)
-        return ids, rows.index_select(0, ids.order.index_select(0, ids.starts[:-1])), False
+        return ids, _first_of_groups(rows, ids.order, ids.starts), False
     by_row = sort_ids(rows, kernels)
-    return by_row._replace(unique=None), by_row.unique, True  # each row's key: see _first_keys
+    return by_row._replace(unique=None), by_row.unique, True  # each row's key: _first_of_groups(flat, ...)
 
 
-def _first_keys(flat: torch.Tensor, order: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """``[U]``: the id of each group of a grouping of ``flat`` (see :class:`SortedIds`): its key. A lookup grouped by
-    row leaves them to this, called only when needed (0.5 ms a table of 81,920 ids, which a fused update of rows
-    that did not move never needs)."""
-    return flat.index_select(0, order.index_select(0, starts[:-1]))
+def _first_of_groups(values: torch.Tensor, order: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """``[U]``: ``values [N]`` (per id) at the first id of each group of a grouping (see :class:`SortedIds`): the
+    ids themselves give each group's key, their rows its row. A lookup grouped by row leaves the keys to this,
+    called only when needed (0.5 ms a table of 81,920 ids, which a fused update of unmoved rows never needs)."""
+    return values.index_select(0, order.index_select(0, starts[:-1]))
 
 
 def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, checked: bool = False):
@@ -289,7 +282,7 @@ class _TablePool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, table, keys, rows, inverse, order, starts, offsets, weights, denom, flat):
-        # keys None: a grouping by row, whose keys _first_keys(ids, ...) gives if the backward needs them. The ids
+        # keys None: a grouping by row, whose keys _first_of_groups(ids, ...) gives if the backward needs them. The ids
         # are copied (a sequential pass, far cheaper than that gather): they may be the caller's buffer.
         ctx.table = table
         ctx.clock = table.clock  # the lookup that found these rows stamped them at this clock
@@ -305,7 +298,7 @@ class _TablePool(torch.autograd.Function):
         grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
         pooled = PooledGrad(order, starts, bag_of(offsets, order.numel(), _any_kernels(ctx.table)), weights)
         if keys is None:
-            keys = functools.cache(functools.partial(_first_keys, flat, order, starts))  # gathered at most once
+            keys = functools.cache(functools.partial(_first_of_groups, flat, order, starts))  # gathered at most once
         deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock, ctx.moves)
         return (None,) * 11
 
