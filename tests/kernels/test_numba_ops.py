@@ -50,6 +50,13 @@ def test_dedup_groups_ids_like_the_sort(data, key_dtype, narrow):
         assert order[starts[u]:starts[u + 1]].tolist() == (ids == unique[u]).nonzero().squeeze(1).tolist()
     if narrow or key_dtype == torch.int32:
         assert torch.equal(unique, ref.unique) and torch.equal(inverse, ref.inverse)
+    # without inverse: the same grouping, on both paths (the kernel's radix sort and hash table, and torch's sort)
+    bare = POOL.dedup(ids, inverse=False)
+    assert bare[1] is None and all(torch.equal(a, b) for a, b in zip(bare[::2], (unique, order))) \
+        and torch.equal(bare[3], starts)
+    bare_ref = sort_ids(ids, inverse=False)
+    assert bare_ref.inverse is None and torch.equal(bare_ref.order, ref.order) and torch.equal(bare_ref.starts,
+                                                                                              ref.starts)
 
 
 @pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
@@ -100,6 +107,7 @@ def test_pool_and_row_grad_equal_embedding_bag(data, divide, torch_bag):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(POOL, "USE_TORCH_BAG", torch_bag)
         assert torch.equal(POOL.pool(values, rows, s.inverse, offsets, weights, denom), ref)
+        assert torch.equal(POOL.pool(values, rows[s.inverse], None, offsets, weights, denom), ref)  # each id's row
     grad = torch.randn(offsets.numel(), D)
     bag = bag_of(offsets, ids.numel())
     kernel_bag = bag_of(offsets, ids.numel(), POOL)  # the kernel's: int32 here

@@ -52,6 +52,8 @@ def test_pool_equals_embedding_bag(case):
     if c["denom"] is not None:
         want = want / c["denom"].unsqueeze(1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    by_id = triton_pool.pool(c["values"], rows[s.inverse], None, c["offsets"], c["weights"], c["denom"])
+    assert torch.equal(by_id, got)  # inverse None: rows holds each id's own row
 
 
 @settings(max_examples=25, deadline=None)
@@ -100,3 +102,5 @@ def test_dedup_groups_ids_in_input_order(ids):
     want = sort_ids(ids)  # the torch reference: one stable sort
     for got, ref in zip((unique, inverse, order, starts), want):
         assert torch.equal(got, ref)
+    bare = triton_pool.dedup(ids, inverse=False)
+    assert bare[1] is None and all(torch.equal(got, ref) for got, ref in zip(bare[::2], (unique, order)))

@@ -65,7 +65,7 @@ class SortedIds(NamedTuple):
     """One grouping (a stable sort) of a call's ids ``[N]``, shared by dedup, the forward and the backward:
     ``unique [U]`` (ascending, or in order of first occurrence from a ``dedup`` kernel; None from a training lookup
     that grouped by row, whose keys are ``ids[order[starts[:-1]]]``, as they are for every grouping), ``inverse [N]``
-    (``unique[inverse] == ids``), ``order [N]`` (the ids grouped by unique key, in input order within a key) and
+    (``unique[inverse] == ids``; None where not asked for: a grouping by row pools from each id's row), ``order [N]`` (the ids grouped by unique key, in input order within a key) and
     ``starts [U + 1]`` (key ``u``'s ids are ``order[starts[u]:starts[u + 1]]``)."""
 
     unique: torch.Tensor
@@ -78,10 +78,10 @@ class SortedIds(NamedTuple):
         return torch.diff(self.starts)
 
 
-def sort_ids(flat: torch.Tensor, kernels=None) -> SortedIds:
+def sort_ids(flat: torch.Tensor, kernels=None, inverse: bool = True) -> SortedIds:
     """Sort ``flat [N]`` once (stably) and derive everything dedup and the backward need from it; ``kernels``: a
     ``pool`` kernel module (:mod:`dynemb.kernels.dispatch`) whose ``dedup`` does it instead, in one O(N) pass
-    (unique ids then come in order of first occurrence, not ascending).
+    (unique ids then come in order of first occurrence, not ascending). ``inverse`` False: ``inverse`` is None.
 
     Example:
         >>> s = sort_ids(torch.tensor([5, -1, 5]))
@@ -89,20 +89,24 @@ def sort_ids(flat: torch.Tensor, kernels=None) -> SortedIds:
         ([-1, 5], [1, 0, 1], [1, 0, 2], [0, 1, 3])
     """
     if kernels is not None:
-        return SortedIds(*kernels.dedup(flat))
+        return SortedIds(*kernels.dedup(flat, inverse))
     ordered, order = torch.sort(flat, stable=True)
     first = torch.ones_like(ordered, dtype=torch.bool)
     torch.ne(ordered[1:], ordered[:-1], out=first[1:])
     starts = first.nonzero().squeeze(1)
-    inverse = torch.empty_like(order)
-    inverse[order] = first.cumsum(0) - 1
-    return SortedIds(ordered.index_select(0, starts), inverse, order,
+    where = None
+    if inverse:
+        where = torch.empty_like(order)
+        where[order] = first.cumsum(0) - 1
+    return SortedIds(ordered.index_select(0, starts), where, order,
                      torch.cat([starts, starts.new_tensor([flat.numel()])]))
 
 
-def _find_sorted(table, flat: torch.Tensor, trains: bool) -> tuple[SortedIds, torch.Tensor, bool]:
-    """``(sorted ids, rows [U], every row >= 0)`` of a dynamic table: found, or inserted when ``trains`` (see
-    :func:`find_unique`).
+def _find_sorted(table, flat: torch.Tensor, trains: bool
+                 ) -> tuple[SortedIds, torch.Tensor, bool, torch.Tensor | None]:
+    """``(sorted ids, rows [U], every row >= 0, id_rows)`` of a dynamic table: found, or inserted when ``trains``
+    (see :func:`find_unique`). ``id_rows [N]``: each id's row, where the lookup has them (then the sorted ids carry
+    no ``inverse``), else None (each id's row is ``rows[inverse]``).
 
     A training lookup may group the ids by row rather than by key (:func:`_groups_by_row` decides): it finds every
     id, then sorts the rows, so that the fused update visits rows, and the optimizer state beside them, in address
@@ -111,19 +115,19 @@ def _find_sorted(table, flat: torch.Tensor, trains: bool) -> tuple[SortedIds, to
     """
     kernels = table_kernels(pool_kernels, table)
     if trains and _groups_by_row(table):
-        ids, rows, stored = _find_by_row(table, flat, kernels)
+        ids, rows, stored, id_rows = _find_by_row(table, flat, kernels)
     else:
         ids = sort_ids(flat, kernels)
         if not trains:
             rows = table.find_rows(ids.unique)
-            return ids, rows, all_nonnegative(rows)
+            return ids, rows, all_nonnegative(rows), None
         if counts_occurrences(table):  # lfu scores and admission count every occurrence
             rows, _ = table.find_or_insert(ids.unique, counts=ids.counts)
         else:
             rows, _ = table.find_or_insert(ids.unique)
-        stored = all_nonnegative(rows)
+        stored, id_rows = all_nonnegative(rows), None
     _note_share(table, (ids.starts.numel() - 1) / max(flat.numel(), 1))
-    return ids, rows, stored
+    return ids, rows, stored, id_rows
 
 
 #: Each table's share of distinct ids in its last training lookup (weakly held: tables come and go).
@@ -170,16 +174,18 @@ def _note_share(table, share: float) -> None:
         pass
 
 
-def _find_by_row(table, flat: torch.Tensor, kernels) -> tuple[SortedIds, torch.Tensor, bool]:
+def _find_by_row(table, flat: torch.Tensor, kernels
+                 ) -> tuple[SortedIds, torch.Tensor, bool, torch.Tensor | None]:
     """:func:`_find_sorted` grouped by row: every occurrence is found or inserted (so lfu scores and admission count
-    each one, as the counts of a deduplicated call do), then the rows are sorted. Where some id got no row
+    each one, as the counts of a deduplicated call do), then the rows are sorted. The forward pools from each id's
+    row as found, so the sort skips ``inverse`` (its one pass of random writes). Where some id got no row
     (admission, or more new keys than a bound holds) the ids are grouped by key instead."""
-    rows, _ = table.find_or_insert(flat)
-    if not all_nonnegative(rows):
+    id_rows, _ = table.find_or_insert(flat)
+    if not all_nonnegative(id_rows):
         ids = sort_ids(flat, kernels)
-        return ids, _first_of_groups(rows, ids.order, ids.starts), False
-    by_row = sort_ids(rows, kernels)
-    return by_row._replace(unique=None), by_row.unique, True  # each row's key: _first_of_groups(flat, ...)
+        return ids, _first_of_groups(id_rows, ids.order, ids.starts), False, None
+    by_row = sort_ids(id_rows, kernels, inverse=False)
+    return by_row._replace(unique=None), by_row.unique, True, id_rows  # a row's key: _first_of_groups(flat, ...)
 
 
 def _first_of_groups(values: torch.Tensor, order: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
@@ -281,15 +287,16 @@ class _TablePool(torch.autograd.Function):
     order from the forward's one sort."""
 
     @staticmethod
-    def forward(ctx, anchor, table, keys, rows, inverse, order, starts, offsets, weights, denom, flat):
+    def forward(ctx, anchor, table, keys, rows, inverse, order, starts, offsets, weights, denom, flat, id_rows):
         # keys None: a grouping by row, whose keys _first_of_groups(ids, ...) gives if the backward needs them. The ids
-        # are copied (a sequential pass, far cheaper than that gather): they may be the caller's buffer.
+        # are copied (a sequential pass, far cheaper than that gather): they may be the caller's buffer. id_rows: each
+        # id's row (then inverse is None), pooled from as they are.
         ctx.table = table
         ctx.clock = table.clock  # the lookup that found these rows stamped them at this clock
         ctx.moves = getattr(table, "row_moves", None)  # they hold their keys while it is unchanged (current_rows)
         ids = flat.clone() if keys is None else None
         ctx.save_for_backward(keys, rows, order, starts, offsets, weights, denom, ids)
-        return _pool_rows(table, rows, inverse, offsets, weights, denom)
+        return _pool_rows(table, rows if id_rows is None else id_rows, inverse, offsets, weights, denom)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -300,7 +307,7 @@ class _TablePool(torch.autograd.Function):
         if keys is None:
             keys = functools.cache(functools.partial(_first_of_groups, flat, order, starts))  # gathered at most once
         deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock, ctx.moves)
-        return (None,) * 11
+        return (None,) * 12
 
 
 
@@ -311,13 +318,13 @@ def _any_kernels(table):
 
 
 def _pool_rows(table, rows, inverse, offsets, weights, denom=None) -> torch.Tensor:
-    """``[B, D]``: bag ``b`` is ``sum(weights[j] * values[rows[inverse[j]]]) / denom[b]`` (the ``pool`` kernel when
-    one serves the table, else ``F.embedding_bag``)."""
+    """``[B, D]``: bag ``b`` is ``sum(weights[j] * values[rows[inverse[j]]]) / denom[b]`` (``inverse`` None:
+    ``values[rows[j]]``; the ``pool`` kernel when one serves the table, else ``F.embedding_bag``)."""
     kernels = table_kernels(pool_kernels, table)
     if kernels is not None and (weights is None or weights.dtype == torch.float32):
         return kernels.pool(table.values, rows, inverse, offsets, weights, denom)
-    summed = F.embedding_bag(rows.index_select(0, inverse), table.values, offsets, mode="sum",
-                             per_sample_weights=weights)
+    summed = F.embedding_bag(rows if inverse is None else rows.index_select(0, inverse), table.values, offsets,
+                             mode="sum", per_sample_weights=weights)
     return summed if denom is None else summed / denom.unsqueeze(1)
 
 
@@ -344,7 +351,7 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
         return split_combine(summed, bag_sets)
     flat = ids.reshape(-1) if checked else check_keys(ids, table.key_dtype, table.device, "ids")
     trains = _trains(embedding, table, training)
-    sorted_ids, rows, stored = _find_sorted(table, flat, trains)
+    sorted_ids, rows, stored, id_rows = _find_sorted(table, flat, trains)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
     if not stored:  # keys without a stored row read their initializer row
         summed = BagSum.apply(_rows_tensor(table, sorted_ids.unique, rows, trains), sorted_ids.inverse, offsets,
@@ -354,7 +361,7 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
     if trains:
         pooled = _TablePool.apply(torch.empty(0, requires_grad=True), table, sorted_ids.unique, rows,
                                   sorted_ids.inverse, sorted_ids.order, sorted_ids.starts, offsets, weights, denom,
-                                  flat)
+                                  flat, id_rows)
     else:
         pooled = _pool_rows(table, rows, sorted_ids.inverse, offsets, weights, denom)
     return split_bags(pooled, bag_sets)
@@ -388,9 +395,8 @@ def _static_pooled_lookup(embedding, table: StaticTable, ids: torch.Tensor, bag_
 
 
 def _static_pool(table: StaticTable, ids: torch.Tensor, offsets, weights, denom) -> torch.Tensor:
-    if table_kernels(pool_kernels, table) is not None:  # id i is row i: each id is its own unique row
-        arange = torch.arange(ids.numel(), device=ids.device)
-        return _pool_rows(table, ids.to(torch.int64), arange, offsets, weights, denom)
+    if table_kernels(pool_kernels, table) is not None:  # id i is row i
+        return _pool_rows(table, ids.to(torch.int64), None, offsets, weights, denom)
     summed = F.embedding_bag(ids, table.values, offsets, mode="sum", per_sample_weights=weights)
     return summed if denom is None else summed / denom.unsqueeze(1)
 
@@ -412,7 +418,7 @@ class _StaticPool(torch.autograd.Function):
     def backward(ctx, grad):
         ids, offsets, weights, denom = ctx.saved_tensors
         grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
-        s = sort_ids(ids, table_kernels(pool_kernels, ctx.table))
+        s = sort_ids(ids, table_kernels(pool_kernels, ctx.table), inverse=False)
         pooled = PooledGrad(s.order, s.starts, bag_of(offsets, ids.numel(), _any_kernels(ctx.table)), weights)
         deliver_pooled_gradient(ctx.table, s.unique, s.unique.to(torch.int64), grad, pooled)
         return (None,) * 6

@@ -39,12 +39,14 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
 
 ``pool_kernels`` (:mod:`~dynemb.kernels.numba_pool`): dedup and pooled lookups straight from a table's rows.
 
-- ``dedup(ids [N] int32/int64) -> (unique [U] ids' dtype, inverse [N], order [N], starts [U + 1])``: the call's
-  one grouping of its ids (torch reference: :func:`~dynemb.functional.lookup.sort_ids`, a stable sort):
-  ``unique[inverse] == ids``; ``order`` lists the ids grouped by unique id, in input order within one; unique id
-  ``u``'s ids are ``order[starts[u]:starts[u + 1]]``. The order of ``unique`` is the module's choice.
-- ``pool(values [R, D], rows [U], inverse [N], offsets [B], weights [N] | None, denom [B] | None) -> [B, D]``
-  (dtype of ``values``): ``out[b] = sum(weights[j] * values[rows[inverse[j]]] for j in bag b) / denom[b]``, the
+- ``dedup(ids [N] int32/int64, inverse: bool = True) -> (unique [U] ids' dtype, inverse [N] | None, order [N],
+  starts [U + 1])``: the call's one grouping of its ids (torch reference:
+  :func:`~dynemb.functional.lookup.sort_ids`, a stable sort): ``unique[inverse] == ids`` (None when not asked
+  for); ``order`` lists the ids grouped by unique id, in input order within one; unique id ``u``'s ids are
+  ``order[starts[u]:starts[u + 1]]``. The order of ``unique`` is the module's choice.
+- ``pool(values [R, D], rows [U], inverse [N] | None, offsets [B], weights [N] | None, denom [B] | None) -> [B,
+  D]`` (dtype of ``values``): ``out[b] = sum(weights[j] * values[rows[inverse[j]]] for j in bag b) / denom[b]``
+  (``inverse`` None: ``rows [N]`` holds each id's own row, ``values[rows[j]]``), the
   ids of bag ``b`` being ``offsets[b] <= j < offsets[b + 1]`` (``N`` for the last bag); ``offsets`` start at 0 and
   never decrease; a missing ``weights``/``denom`` is all ones (``denom`` holds the ``mean``/``sqrtn`` combiners'
   divisors, never 0); an empty bag is zeros. Every ``rows[u] >= 0``. Sums run in id order within a bag.

@@ -21,20 +21,24 @@ __all__ = ["dedup", "pool", "row_grad"]
 _BLOCK_N = 16  # ids per step of a bag: pooling factors are ~20, so most bags take one or two steps
 
 
-def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def dedup(ids: torch.Tensor, inverse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                                              torch.Tensor]:
     """``(unique [U], inverse [N], order [N], starts [U + 1])`` of ``ids [N]``: the ``dedup`` contract, by one
     stable device sort (a radix sort on CUDA; a hash pass could not keep input order within an id without one).
     ``unique`` is ascending. Its length is the step's one necessary host sync (the unique count)."""
     ordered, order = torch.sort(ids, stable=True)
     unique, grouped, counts = torch.unique_consecutive(ordered, return_inverse=True, return_counts=True)
-    inverse = torch.empty_like(order).scatter_(0, order, grouped)
-    return unique, inverse, order, torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    where = torch.empty_like(order).scatter_(0, order, grouped) if inverse else None
+    return unique, where, order, torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
-def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
+def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor | None, offsets: torch.Tensor,
          weights: torch.Tensor | None, denom: torch.Tensor | None) -> torch.Tensor:
-    """``[B, D]``: ``out[b] = sum(weights[j] * values[rows[inverse[j]]] for j in bag b) / denom[b]``."""
+    """``[B, D]``: ``out[b] = sum(weights[j] * values[rows[inverse[j]]] for j in bag b) / denom[b]`` (``inverse``
+    None: ``rows[j]``)."""
     check_device(values, rows, inverse, offsets, weights, denom)
+    if inverse is None:
+        inverse = torch.arange(rows.numel(), device=rows.device)
     n, nbags, dim = inverse.numel(), offsets.numel(), values.shape[1]
     out = torch.empty(nbags, dim, dtype=values.dtype, device=values.device)
     if nbags and dim:
