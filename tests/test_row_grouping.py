@@ -36,17 +36,20 @@ def _train(batches, optimizer: str, table: dict, backend: str) -> dict:
     torch.manual_seed(0)
     emb = dynemb.DynamicEmbedding(4, seed=5, **table)
     opt = _OPTIMIZERS[optimizer](emb)
+    outputs = []
     with use_backend(backend):
         for ids, offsets in batches:
             out = embedding_lookup_sparse(emb, ids, offsets, combiner="mean")
             (out * torch.arange(1, 5.0)).sum().backward()
             opt.step()
             opt.zero_grad()
+            outputs.append(out.detach())  # the loss is linear in them: the pooled values show only here
     t = emb.table
     rows = t.export()
     versions = t._cols["version"][: t.size()].clone()  # export's rows are the table's rows, in row order
     state = {"keys": rows.keys, "values": rows.values, "scores": rows.scores, "versions": versions, "clock": t.clock,
-             "size": t.size(), "evicted": t.evicted, "inserted": t.inserted, "policy": t.policy.value}
+             "size": t.size(), "evicted": t.evicted, "inserted": t.inserted, "policy": t.policy.value,
+             "outputs": torch.cat(outputs)}
     state.update({f"slot {name}": value for name, value in rows.slots.items()})
     order = rows.keys.argsort()  # export order follows rows, which may differ only by placement
     return {k: v.index_select(0, order) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == order.numel()
@@ -82,6 +85,24 @@ def test_grouping_by_row_gives_the_bits_of_grouping_by_key(probe_path, optimizer
             assert torch.equal(grouped_by_row[name], value), name
         else:
             assert grouped_by_row[name] == value, name
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "sgd"])
+@settings(max_examples=8, deadline=None)
+@given(batches=st.lists(_batch, min_size=1, max_size=3))
+def test_grouping_by_row_through_the_numba_pool_kernel(optimizer, batches):
+    """Where torch has no fbgemm, the numba pool kernel pools straight from each id's row (``inverse=None``)."""
+    from dynemb.kernels import numba_pool
+
+    prepared = [(torch.tensor(ids), torch.tensor([0, len(ids) // 2] if len(ids) > 1 else [0])) for ids in batches]
+    results = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(numba_pool, "USE_TORCH_BAG", False)
+        for by_row in (True, False):
+            patch.setattr(lookup, "_groups_by_row", lookup._can_group_by_row if by_row else lambda t: False)
+            results.append(_train(prepared, optimizer, {}, "numba"))
+    for name, value in results[1].items():
+        assert torch.equal(results[0][name], value) if isinstance(value, torch.Tensor) else results[0][name] == value
 
 
 def test_grouping_by_row_follows_the_share_of_distinct_ids():

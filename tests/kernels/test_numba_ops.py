@@ -313,6 +313,8 @@ def test_dedup_of_narrow_and_wide_spans_equals_the_sort(span_bits, key_dtype):
         ids[::7] = ids[3]  # one id repeated all over the batch
         ids[-2:] = torch.tensor([base, base + span - 1])  # both ends of the span
         got, ref = POOL.dedup(ids), sort_ids(ids)
+        bare = POOL.dedup(ids, inverse=False)  # the radix sort or the hash table without inverse: the same grouping
+        assert bare[1] is None and all(torch.equal(a, b) for a, b in zip(bare[::2] + bare[3:], got[::2] + got[3:]))
         if span_bits <= 33 or key_dtype == torch.int32:
             assert all(torch.equal(a, b) for a, b in zip(got, ref)), (span_bits, base)
             continue

@@ -103,4 +103,5 @@ def test_dedup_groups_ids_in_input_order(ids):
     for got, ref in zip((unique, inverse, order, starts), want):
         assert torch.equal(got, ref)
     bare = triton_pool.dedup(ids, inverse=False)
-    assert bare[1] is None and all(torch.equal(got, ref) for got, ref in zip(bare[::2], (unique, order)))
+    assert bare[1] is None and all(torch.equal(got, ref) for got, ref in zip(bare[::2] + bare[3:],
+                                                                            (unique, order, starts)))

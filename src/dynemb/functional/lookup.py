@@ -64,9 +64,10 @@ def _trains(embedding, table, training: bool | None) -> bool:
 class SortedIds(NamedTuple):
     """One grouping (a stable sort) of a call's ids ``[N]``, shared by dedup, the forward and the backward:
     ``unique [U]`` (ascending, or in order of first occurrence from a ``dedup`` kernel; None from a training lookup
-    that grouped by row, whose keys are ``ids[order[starts[:-1]]]``, as they are for every grouping), ``inverse [N]``
-    (``unique[inverse] == ids``; None where not asked for: a grouping by row pools from each id's row), ``order [N]`` (the ids grouped by unique key, in input order within a key) and
-    ``starts [U + 1]`` (key ``u``'s ids are ``order[starts[u]:starts[u + 1]]``)."""
+    that grouped by row, whose keys are ``ids[order[starts[:-1]]]``, as they are for every grouping),
+    ``inverse [N]`` (``unique[inverse] == ids``; None where not asked for: a grouping by row pools from each id's
+    row), ``order [N]`` (the ids grouped by unique key, in input order within a key) and ``starts [U + 1]`` (key
+    ``u``'s ids are ``order[starts[u]:starts[u + 1]]``)."""
 
     unique: torch.Tensor
     inverse: torch.Tensor

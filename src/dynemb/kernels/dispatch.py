@@ -49,7 +49,7 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
   (``inverse`` None: ``rows [N]`` holds each id's own row, ``values[rows[j]]``), the
   ids of bag ``b`` being ``offsets[b] <= j < offsets[b + 1]`` (``N`` for the last bag); ``offsets`` start at 0 and
   never decrease; a missing ``weights``/``denom`` is all ones (``denom`` holds the ``mean``/``sqrtn`` combiners'
-  divisors, never 0); an empty bag is zeros. Every ``rows[u] >= 0``. Sums run in id order within a bag.
+  divisors, never 0); an empty bag is zeros. Every row in ``rows`` is ``>= 0``. Sums run in id order within a bag.
 - ``gather(values [R, D], rows [N], out [N, D]) -> out`` (optional: a module without it leaves ``find`` to
   ``index_select``): ``out[i] = values[max(rows[i], 0)]`` (the caller overwrites the rows of ``rows[i] < 0``);
   what :meth:`~dynemb.table.KeyValueTable.find` reads its rows with.

@@ -51,11 +51,9 @@ def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor | None,
         summed = F.embedding_bag(rows if inverse is None else rows.index_select(0, inverse), values, offsets,
                                  mode="sum", per_sample_weights=weights)
         return summed if denom is None else summed.div_(denom.unsqueeze(1))
-    if inverse is None:  # each id's own row
-        inverse = torch.arange(rows.numel())
     out = torch.empty(offsets.numel(), values.shape[1], dtype=values.dtype)
-    _pool_kernel(values.numpy(), rows.numpy(), inverse.numpy(), offsets.numpy(), _opt(weights), _opt(denom),
-                 out.numpy())
+    _pool_kernel(values.numpy(), rows.numpy(), _NONE_I if inverse is None else inverse.numpy(), offsets.numpy(),
+                 _opt(weights), _opt(denom), out.numpy())
     return out
 
 
@@ -373,7 +371,9 @@ def _write_last_kernel(column, rows, values, last):
 
 @numba.njit(nogil=True, cache=True)
 def _pool_kernel(values, rows, inverse, offsets, weights, denom, out):
-    n, dim, num_bags = inverse.shape[0], values.shape[1], offsets.shape[0]
+    # inverse empty: rows holds each id's own row
+    direct = inverse.shape[0] == 0
+    n, dim, num_bags = rows.shape[0] if direct else inverse.shape[0], values.shape[1], offsets.shape[0]
     weighted, divided = weights.shape[0] > 0, denom.shape[0] > 0
     acc = np.empty(dim, np.float32)
     for b in range(num_bags):
@@ -381,8 +381,8 @@ def _pool_kernel(values, rows, inverse, offsets, weights, denom, out):
         acc[:] = 0.0
         for j in range(offsets[b], stop):
             if j + _AHEAD < n:
-                prefetch_row(values, rows[inverse[j + _AHEAD]])
-            row = rows[inverse[j]]
+                prefetch_row(values, rows[j + _AHEAD] if direct else rows[inverse[j + _AHEAD]])
+            row = rows[j] if direct else rows[inverse[j]]
             if weighted:
                 w = weights[j]
                 for d in range(dim):
@@ -471,8 +471,8 @@ def _dedup_kernel(ids, unique, inverse, order, starts):
 @numba.njit(nogil=True, cache=True)
 def _radix_dedup_kernel(ids, unique, inverse, order, starts, max_passes):
     """:func:`dedup` by an LSD radix sort (``inverse`` empty: not written), or -1 (nothing written) when the ids
-    span more than ``max_passes`` digits. Each id is packed as ``(id - min) << jbits | position`` in one word, so a pass moves 8 bytes an id;
-    the sort is stable, so each id's positions stay in input order."""
+    span more than ``max_passes`` digits. Each id is packed as ``(id - min) << jbits | position`` in one word, so a
+    pass moves 8 bytes an id; the sort is stable, so each id's positions stay in input order."""
     n = ids.shape[0]
     if n == 0:
         starts[0] = 0

@@ -25,7 +25,8 @@ def dedup(ids: torch.Tensor, inverse: bool = True) -> tuple[torch.Tensor, torch.
                                                               torch.Tensor]:
     """``(unique [U], inverse [N], order [N], starts [U + 1])`` of ``ids [N]``: the ``dedup`` contract, by one
     stable device sort (a radix sort on CUDA; a hash pass could not keep input order within an id without one).
-    ``unique`` is ascending. Its length is the step's one necessary host sync (the unique count)."""
+    ``unique`` is ascending. Its length is the step's one necessary host sync (the unique count). ``inverse``
+    False: None in its place."""
     ordered, order = torch.sort(ids, stable=True)
     unique, grouped, counts = torch.unique_consecutive(ordered, return_inverse=True, return_counts=True)
     where = torch.empty_like(order).scatter_(0, order, grouped) if inverse else None
