@@ -38,15 +38,13 @@ def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor | None,
     """``[B, D]``: ``out[b] = sum(weights[j] * values[rows[inverse[j]]] for j in bag b) / denom[b]`` (``inverse``
     None: ``rows[j]``)."""
     check_device(values, rows, inverse, offsets, weights, denom)
-    if inverse is None:
-        inverse = torch.arange(rows.numel(), device=rows.device)
-    n, nbags, dim = inverse.numel(), offsets.numel(), values.shape[1]
+    n, nbags, dim = (rows if inverse is None else inverse).numel(), offsets.numel(), values.shape[1]
     out = torch.empty(nbags, dim, dtype=values.dtype, device=values.device)
     if nbags and dim:
         bd = block_d(dim)
         _pool_kernel[(nbags, triton.cdiv(dim, bd))](
-            values, rows, inverse, offsets, offsets if weights is None else weights,
-            offsets if denom is None else denom, out, n, nbags, dim,
+            values, rows, rows if inverse is None else inverse, offsets, offsets if weights is None else weights,
+            offsets if denom is None else denom, out, n, nbags, dim, HAS_INV=inverse is not None,
             HAS_W=weights is not None, HAS_DENOM=denom is not None, BLOCK_N=_BLOCK_N, BLOCK_D=bd,
             num_warps=row_warps(bd))
     return out
@@ -67,8 +65,9 @@ def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag:
 
 
 @triton.jit
-def _pool_kernel(values, rows, inverse, offsets, weights, denom, out, n, nbags, dim, HAS_W: tl.constexpr,
-                 HAS_DENOM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _pool_kernel(values, rows, inverse, offsets, weights, denom, out, n, nbags, dim, HAS_INV: tl.constexpr,
+                 HAS_W: tl.constexpr, HAS_DENOM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # HAS_INV False: rows holds each id's own row
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cm = cols < dim
@@ -78,7 +77,8 @@ def _pool_kernel(values, rows, inverse, offsets, weights, denom, out, n, nbags, 
     for j0 in range(start, end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         jm = j < end
-        row = tl.load(rows + tl.load(inverse + j, mask=jm, other=0), mask=jm, other=0).to(tl.int64)
+        at = tl.load(inverse + j, mask=jm, other=0) if HAS_INV else j
+        row = tl.load(rows + at, mask=jm, other=0).to(tl.int64)
         v = tl.load(values + row[:, None] * dim + cols[None, :], mask=jm[:, None] & cm[None, :], other=0.0)
         v = v.to(tl.float32)
         if HAS_W:
