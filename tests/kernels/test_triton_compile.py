@@ -53,11 +53,11 @@ def _cases(full: bool):
                         p1="fp32", INIT="constexpr", BLOCK="constexpr", BLOCK_D="constexpr"),
                    dict(INIT=init, BLOCK=32, BLOCK_D=64), dict(enable_fp_fusion=False))
     for flag in (False, True) if full else (True,):
-        yield (f"pool weighted={flag}", tp._pool_kernel,
+        yield (f"pool weighted={flag} inverse={flag}", tp._pool_kernel,
                dict(values="*fp32", rows="*i64", inverse="*i64", offsets="*i64", weights="*fp32", denom="*fp32",
-                    out="*fp32", n="i32", nbags="i32", dim="i32", HAS_W="constexpr", HAS_DENOM="constexpr",
-                    BLOCK_N="constexpr", BLOCK_D="constexpr"),
-               dict(HAS_W=flag, HAS_DENOM=flag, BLOCK_N=16, BLOCK_D=64), {})
+                    out="*fp32", n="i32", nbags="i32", dim="i32", HAS_INV="constexpr", HAS_W="constexpr",
+                    HAS_DENOM="constexpr", BLOCK_N="constexpr", BLOCK_D="constexpr"),
+               dict(HAS_INV=flag, HAS_W=flag, HAS_DENOM=flag, BLOCK_N=16, BLOCK_D=64), {})
         yield (f"row_grad weighted={flag}", tp._row_grad_kernel,
                dict(grad="*fp32", order="*i64", starts="*i64", bag="*i64", weights="*fp32", out="*fp32",
                     dim="i32", HAS_W="constexpr", BLOCK_N="constexpr", BLOCK_D="constexpr"),

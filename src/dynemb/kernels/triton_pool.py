@@ -77,8 +77,10 @@ def _pool_kernel(values, rows, inverse, offsets, weights, denom, out, n, nbags, 
     for j0 in range(start, end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         jm = j < end
-        at = tl.load(inverse + j, mask=jm, other=0) if HAS_INV else j
-        row = tl.load(rows + at, mask=jm, other=0).to(tl.int64)
+        if HAS_INV:
+            row = tl.load(rows + tl.load(inverse + j, mask=jm, other=0), mask=jm, other=0).to(tl.int64)
+        else:
+            row = tl.load(rows + j, mask=jm, other=0).to(tl.int64)
         v = tl.load(values + row[:, None] * dim + cols[None, :], mask=jm[:, None] & cm[None, :], other=0.0)
         v = v.to(tl.float32)
         if HAS_W:
