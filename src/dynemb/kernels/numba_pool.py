@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from .numba_index import _mix64
 from .numba_math import fma, prefetch_row, prefetch_row_for_write
 
-__all__ = ["bag_of", "dedup", "fill_pair", "fill_rows", "gather", "grouped_bags", "offsets_valid", "pool", "row_grad",
-           "rows_current", "lowest_rows", "scatter", "sum_rows", "touch_counts", "write_last"]
+__all__ = ["bag_of", "dedup", "fill_pair", "fill_rows", "gather", "grouped_bags", "mark_rows", "offsets_valid", "pool",
+           "row_grad", "rows_current", "lowest_rows", "scatter", "settle_marks", "sum_rows", "touch_counts",
+           "write_last"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 # Rows between a stamp's prefetch and its write. The write itself is a few cycles, so it takes many misses in flight
@@ -160,6 +161,22 @@ def fill_pair(first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor, a: 
     return bool(_fill_pair_kernel(_as_rows(first), _as_rows(second), rows.numpy(), a, b))
 
 
+def mark_rows(marks: torch.Tensor, rows: torch.Tensor, tag: int) -> bool:
+    """``marks[rows] = tag`` for a uint8 ``marks [C]`` when every row is in range (returns True); False, with
+    nothing written, otherwise: see the optional ``mark_rows`` of the ``pool`` contract. A lookup's deferred stamps
+    (``RowStore``): one byte a row of a ``[C]`` array that stays in cache, instead of a 16-byte stamp pair whose
+    line is read and written back (3.4-3.9% of an SGD step, 4 tables of 1M rows, Zen 3 guest)."""
+    return bool(_mark_rows_kernel(marks.numpy(), rows.numpy(), tag))
+
+
+def settle_marks(marks: torch.Tensor, first: torch.Tensor, second: torch.Tensor, a: torch.Tensor,
+                 b: torch.Tensor) -> None:
+    """For each row ``r`` with ``t = marks[r] > 0``: ``first[r] = a[t - 1]``, ``second[r] = b[t - 1]`` and
+    ``marks[r] = 0``: see the optional ``settle_marks`` of the ``pool`` contract. One sequential pass over
+    ``marks`` (eight bytes a step, skipping clean words), the stamps written in row order."""
+    _settle_marks_kernel(marks.numpy(), _as_rows(first), _as_rows(second), a.numpy(), b.numpy())
+
+
 def _as_rows(column: torch.Tensor) -> np.ndarray:
     """A 1-D column of any stride as a ``[C, 1]`` view (never a copy), the shape the prefetch helpers take."""
     return column.numpy()[:, None]
@@ -279,6 +296,31 @@ def _fill_pair_kernel(first, second, rows, a, b):
         first[rows[u], 0] = a
         second[rows[u], 0] = b
     return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _mark_rows_kernel(marks, rows, tag):
+    n, size = rows.shape[0], marks.shape[0]
+    for u in range(n):  # all or nothing, as _fill_pair_kernel
+        if rows[u] < 0 or rows[u] >= size:
+            return False
+    for u in range(n):
+        marks[rows[u]] = tag
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _settle_marks_kernel(marks, first, second, a, b):
+    words = marks[: marks.shape[0] // 8 * 8].view(np.uint64)
+    for w in range(words.shape[0] + 1):
+        if w < words.shape[0] and words[w] == 0:
+            continue
+        for r in range(8 * w, min(8 * w + 8, marks.shape[0])):
+            t = np.int64(marks[r])
+            if t:
+                first[r, 0] = a[t - 1]
+                second[r, 0] = b[t - 1]
+                marks[r] = 0
 
 
 @numba.njit(nogil=True, cache=True)

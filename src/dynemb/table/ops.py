@@ -8,7 +8,7 @@ import torch
 
 from ..kernels.dispatch import pool_kernels
 
-__all__ = ["all_nonnegative", "column_kernel", "gather_rows", "last_occurrence", "lowest_rows", "copy_rows",
+__all__ = ["all_nonnegative", "column_kernel", "stamp_kernels", "gather_rows", "last_occurrence", "lowest_rows", "copy_rows",
            "fill_pair", "fill_rows", "scatter_rows"]
 
 # Rows gathered per step by copy_rows on CPU: a cache-sized temporary instead of one [N, D] tensor, whose fresh
@@ -60,6 +60,15 @@ def column_kernel(column: torch.Tensor, rows: torch.Tensor, name: str):
 
 
 _KERNEL_FILL_MIN = 4096
+
+
+def stamp_kernels(device: torch.device):
+    """The default backend's pool kernels on ``device`` when they defer stamps (``mark_rows`` and
+    ``settle_marks``, see :meth:`~dynemb.table.rows.RowStore._defer_stamps`), else None."""
+    kernels = pool_kernels(None, device)
+    if getattr(kernels, "mark_rows", None) is None or getattr(kernels, "settle_marks", None) is None:
+        return None
+    return kernels
 
 
 def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:

@@ -96,6 +96,8 @@ class TieredTable(KeyValueTable):
         [[0.0, 1.0], [0.0, 0.0]]
     """
 
+    _DEFERS_STAMPS = False  # every lookup reads scores to pick the rows to move down: nothing to gain
+
     def __init__(self, dim: int, *, tiers: Tiers, **kwargs) -> None:
         if not isinstance(tiers, Tiers):
             raise TypeError(f"tiers must be a dynemb.table.Tiers, got {tiers!r}")
