@@ -3,9 +3,9 @@
 Each contestant of ``benchmarks/train_step_impls.py`` (default: the dynamic and the static table, fused) is built
 in this one process; steps alternate between them (the order flips every round), and the CPU time of each step
 and of each kernel call inside it is recorded. Kernel calls are timed by wrapping the numba entry points (dedup,
-find, stamps, pooled forward, fused update); "other" is the rest of the step (autograd, the head, Python). One
-process means one machine state for all: the difference between contestants is what their code adds, which
-separate processes, each with its own slow or fast phase, blur (see ``train_step.py``).
+find, stamps written, deferred or settled, pooled forward, fused update); "other" is the rest of the step (autograd,
+the head, Python). One process means one machine state for all: the difference between contestants is what their
+code adds, which separate processes, each with its own slow or fast phase, blur (see ``train_step.py``).
 
 Prints ms a step per phase (medians over rounds are for whole steps; phases are means), each contestant's step
 time over the first's, paired round by round, and writes JSON with ``--json PATH``. ``--quick``: a small workload,
@@ -37,6 +37,8 @@ PHASES = {
     "find": ("dynemb.kernels.numba_index", "find"),
     "stamps": ("dynemb.kernels.numba_pool", "fill_pair"),
     "stamp (one column)": ("dynemb.kernels.numba_pool", "fill_rows"),
+    "stamps deferred": ("dynemb.kernels.numba_pool", "mark_rows"),
+    "stamps settled": ("dynemb.kernels.numba_pool", "settle_marks"),
     "pooled forward": ("dynemb.kernels.numba_pool", "pool"),
     "fused update": ("dynemb.kernels.numba_optim", "sparse_update"),
 }

@@ -40,7 +40,8 @@ class RowColumns:
 
     @property
     def scores(self) -> torch.Tensor:
-        """Score storage ``[capacity]`` int64."""
+        """Score storage ``[capacity]`` int64. Read it again after a lookup rather than keep it: a table may defer a
+        lookup's stamps until they are read (``RowStore._defer_stamps``)."""
         return self._cols["score"]
 
     def cast(self, dtype: torch.dtype) -> None:
