@@ -40,9 +40,15 @@ class DeferredMatchesEager(RuleBasedStateMachine):
     (erase, growth, clear), in any order; stamps are compared only when a rule reads them, so deferred tags pile up
     across many calls, several pairs at once, the way a training loop leaves them."""
 
-    @initialize(policy=st.sampled_from(["lru", "epoch_lru", "lfu"]), bound=st.sampled_from([None, 24]))
-    def start(self, policy, bound):
-        self.tables = _pair(eviction=policy, max_capacity=bound, init_capacity=4)
+    @initialize(policy=st.sampled_from(["lru", "epoch_lru", "lfu"]), bound=st.sampled_from([None, 24]),
+                admission=st.sampled_from([None, 2]))
+    def start(self, policy, bound, admission):
+        self.evicted = ([], [])  # what on_evict saw, per table: keys and scores handed out before the rows go
+        self.tables = tuple(KeyValueTable(2, initializer="zeros", eviction=policy, max_capacity=bound,
+                                          init_capacity=4, admission=admission,
+                                          on_evict=lambda k, v, sc, seen=seen: seen.append((k.tolist(), sc.tolist())))
+                            for seen in self.evicted)
+        self.tables[1]._DEFERS_STAMPS = False
 
     def _both(self, method: str, *args) -> list:
         return [getattr(t, method)(*args) for t in self.tables]
@@ -61,6 +67,18 @@ class DeferredMatchesEager(RuleBasedStateMachine):
     def assign(self, keys):
         values = torch.arange(2 * len(keys), dtype=torch.float32).view(-1, 2)
         self._both("insert_or_assign", torch.tensor(keys, dtype=torch.int64), values)
+
+    @rule(keys=st.lists(KEYS, max_size=10), exists=st.lists(st.booleans(), min_size=10, max_size=10))
+    def accum(self, keys, exists):
+        ids = torch.tensor(keys, dtype=torch.int64)
+        old = torch.zeros(len(keys), 2)
+        self._both("accum", ids, old, old + 1, torch.tensor(exists[: len(keys)], dtype=torch.bool))
+
+    @rule()
+    def save_tick(self):
+        for t in self.tables:  # what a checkpoint save does to the clocks: scores never see the tick
+            t.clock += 1
+            t.save_ticks += 1
 
     @rule(keys=st.lists(KEYS, max_size=6))
     def erase(self, keys):
@@ -96,6 +114,16 @@ class DeferredMatchesEager(RuleBasedStateMachine):
     def clear(self):
         self._both("clear")
 
+    @rule()
+    def replace(self):
+        for t in self.tables:  # a load: every row rewritten, stamped with the clock
+            t.replace(t.export())
+        assert _stamps(self.tables[0]) == _stamps(self.tables[1])
+
+    @rule()
+    def evictions_seen(self):
+        assert self.evicted[0] == self.evicted[1]
+
 
 @pytest.mark.parametrize("max_deferred", [255, 2])
 def test_deferred_stamps_match_eager(monkeypatch, max_deferred):
@@ -122,6 +150,57 @@ def test_lookups_defer_and_reads_settle():
     assert len(deferred._pending) == 0 and int(deferred._marks.sum()) == 0
 
 
+def test_rarely_touched_rows_keep_stamps_past_255_pairs():
+    """Rows touched once, then left while more than 255 pairs go by (the tags wrap around a uint8 otherwise), and
+    a few rows touched at every call."""
+    deferred, eager = _pair(init_capacity=1024)
+    for step in range(300):
+        keys = torch.tensor([step % 7, 500 + step])
+        for t in (deferred, eager):
+            t.find_or_insert(keys)
+    assert _stamps(deferred) == _stamps(eager)
+
+
+def test_lookups_then_replace():
+    """A load over rows whose stamps are still deferred: the load's stamps win."""
+    deferred, eager = _pair()
+    saved = {}
+    for t in (deferred, eager):
+        t.find_or_insert(torch.arange(100))
+        saved[t] = t.export()
+        t.find_or_insert(torch.arange(50, 160))
+    assert deferred._pending
+    for t in (deferred, eager):
+        t.replace(saved[t])
+        t.find_or_insert(torch.arange(5))
+    assert _stamps(deferred) == _stamps(eager)
+
+
+def test_settles_under_another_backend():
+    """Stamps deferred under the numba kernels settle with them even when the torch backend is the default by the
+    time they are read (and lookups under it stamp at once)."""
+    from dynemb.kernels import use_backend
+
+    deferred, eager = _pair()
+    for t in (deferred, eager):
+        t.find_or_insert(torch.arange(100))
+    with use_backend("torch"):
+        for t in (deferred, eager):
+            t.find_or_insert(torch.arange(90, 120))
+        assert _stamps(deferred) == _stamps(eager)
+        deferred.export()
+
+
+def test_byte_budgets_hold_no_tags():
+    """A table under ``max_bytes`` stamps at once: its budget has no byte for tags (and checkpoints of full
+    byte-budget tables saved before tags existed still fit)."""
+    t = KeyValueTable(8, max_bytes=1 << 16, init_capacity=16)
+    for step in range(20):
+        t.find_or_insert(torch.arange(step * 100, step * 100 + 300))
+        assert t.nbytes() <= 1 << 16
+    assert t._marks is None and not t._pending
+
+
 def test_growth_and_moves_keep_deferred_stamps():
     """Rows marked before the columns grow, or before erase fills holes with rows from the end, keep their stamps."""
     deferred, eager = _pair(init_capacity=8)
@@ -136,13 +215,13 @@ def test_growth_and_moves_keep_deferred_stamps():
     assert torch.equal(deferred.changes_since(10)[0], eager.changes_since(10)[0])
 
 
-def test_nbytes_counts_marks_within_budget():
-    """The tags are memory a table holds: ``nbytes`` counts them, and a byte budget still bounds the whole."""
-    t = KeyValueTable(8, max_bytes=1 << 16, init_capacity=16)
-    for step in range(20):
-        t.find_or_insert(torch.arange(step * 100, step * 100 + 300))
-        assert t.nbytes() <= 1 << 16
-    assert t._marks is not None and t.nbytes() >= t._marks.numel() + t.values.numel() * 4
+def test_nbytes_counts_the_tags():
+    t = KeyValueTable(8, init_capacity=64)
+    t.insert_or_assign(torch.arange(10), torch.zeros(10, 8))  # a write: its stamps too are deferred
+    t._cols  # settle: the tags stay allocated
+    before = t.nbytes()
+    t._marks = None
+    assert before - t.nbytes() == t.capacity
 
 
 def test_mark_rows_is_all_or_nothing():

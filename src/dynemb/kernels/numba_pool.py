@@ -317,10 +317,10 @@ def _settle_marks_kernel(marks, first, second, a, b):
             continue
         for r in range(8 * w, min(8 * w + 8, marks.shape[0])):
             t = np.int64(marks[r])
-            if t:
+            if t and t <= a.shape[0]:  # a tag past the pairs (only a racing writer makes one) writes nothing
                 first[r, 0] = a[t - 1]
                 second[r, 0] = b[t - 1]
-                marks[r] = 0
+            marks[r] = 0
 
 
 @numba.njit(nogil=True, cache=True)

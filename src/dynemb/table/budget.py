@@ -17,10 +17,10 @@ __all__ = ["row_bytes", "index_bytes", "table_bytes", "rows_for_bytes", "split_b
 
 
 def row_bytes(dim: int, dtype: torch.dtype, key_dtype: torch.dtype, slots: dict[str, tuple[int, torch.dtype]]) -> int:
-    """Bytes of one row's columns: key, ``dim`` values, int64 score and version stamp, the byte a row of deferred
-    stamps (``RowStore._defer_stamps``), and each ``(width, dtype)`` slot."""
+    """Bytes of one row's columns: key, ``dim`` values, int64 score and version stamp, and each ``(width, dtype)``
+    slot. (A table under a byte budget never defers its stamps, so it holds no tags: ``RowStore._defer_stamps``.)"""
     size = lambda dt: torch.empty(0, dtype=dt).element_size()  # noqa: E731
-    return size(key_dtype) + dim * size(dtype) + 17 + sum(width * size(dt) for width, dt in slots.values())
+    return size(key_dtype) + dim * size(dtype) + 16 + sum(width * size(dt) for width, dt in slots.values())
 
 
 def index_bytes(capacity: int, key_dtype: torch.dtype) -> int:

@@ -120,11 +120,14 @@ class RowStore(ChangeLog, RowColumns):
         process, paired; zipf ids 0.95-1.0x). Every read returns what stamping at once would have written: later
         writes settle first.
         """
-        if not self._DEFERS_STAMPS or self.device.type != "cpu" or rows.dtype != torch.int64:
+        # A table under a byte budget holds no tags (its budget counts every byte; full, it settles on every call).
+        if not self._DEFERS_STAMPS or self.device.type != "cpu" or rows.dtype != torch.int64 \
+                or getattr(self, "max_bytes", None) is not None:
             return False
         kernels = stamp_kernels(self.device)
         if kernels is None:
             return False
+        self._stamper = kernels  # settles what it marked, whatever the default backend is by then
         capacity = self._columns["key"].shape[0]
         if self._marks is None or self._marks.numel() != capacity:
             if self._pending:
@@ -139,11 +142,10 @@ class RowStore(ChangeLog, RowColumns):
 
     def _settle_stamps(self) -> None:
         """Write the deferred stamps (:meth:`_defer_stamps`) into the score and version columns."""
-        kernels = stamp_kernels(self.device)
         pending = self._pending
         scores = torch.tensor([p[0] for p in pending], dtype=torch.int64)
         versions = torch.tensor([p[1] for p in pending], dtype=torch.int64)
-        kernels.settle_marks(self._marks, self._columns["score"], self._columns["version"], scores, versions)
+        self._stamper.settle_marks(self._marks, self._columns["score"], self._columns["version"], scores, versions)
         self._pending = []
 
     def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
@@ -268,6 +270,7 @@ class RowStore(ChangeLog, RowColumns):
         for name, col in fresh.items():
             col[:live] = self._cols[name][:live]
         self._cols = {name: fresh[name] for name in self._cols}
+        self._marks = None  # settled above; the next deferring lookup sizes them anew (nbytes counts them)
 
     def _stamp_columns(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed ``(score, version)`` columns of ``capacity`` rows, interleaved in one ``[capacity, 2]`` int64 tensor
