@@ -201,6 +201,19 @@ def test_byte_budgets_hold_no_tags():
     assert t._marks is None and not t._pending
 
 
+def test_copies_and_pickles_carry_deferred_stamps():
+    import copy
+    import pickle
+
+    deferred, eager = _pair()
+    for t in (deferred, eager):
+        t.find_or_insert(torch.arange(100))
+    assert deferred._pending
+    for twin in (copy.deepcopy(deferred), pickle.loads(pickle.dumps(deferred))):
+        assert _stamps(twin) == _stamps(eager)
+    assert deferred._pending  # the copies settled their own tags
+
+
 def test_growth_and_moves_keep_deferred_stamps():
     """Rows marked before the columns grow, or before erase fills holes with rows from the end, keep their stamps."""
     deferred, eager = _pair(init_capacity=8)

@@ -127,7 +127,8 @@ class RowStore(ChangeLog, RowColumns):
         kernels = stamp_kernels(self.device)
         if kernels is None:
             return False
-        self._stamper = kernels  # settles what it marked, whatever the default backend is by then
+        # what settles these tags, whatever the default backend is by then (a function: tables deep-copy and pickle)
+        self._settle_marks = kernels.settle_marks
         capacity = self._columns["key"].shape[0]
         if self._marks is None or self._marks.numel() != capacity:
             if self._pending:
@@ -145,7 +146,7 @@ class RowStore(ChangeLog, RowColumns):
         pending = self._pending
         scores = torch.tensor([p[0] for p in pending], dtype=torch.int64)
         versions = torch.tensor([p[1] for p in pending], dtype=torch.int64)
-        self._stamper.settle_marks(self._marks, self._columns["score"], self._columns["version"], scores, versions)
+        self._settle_marks(self._marks, self._columns["score"], self._columns["version"], scores, versions)
         self._pending = []
 
     def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
