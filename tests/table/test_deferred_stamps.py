@@ -161,6 +161,19 @@ def test_rarely_touched_rows_keep_stamps_past_255_pairs():
     assert _stamps(deferred) == _stamps(eager)
 
 
+def test_optimizer_marks_rows_a_later_clock_than_their_lookup():
+    """Gradient accumulation: two lookups, then an unfused optimizer marks the rows of both. The version it writes
+    at once is newer than the first lookup's deferred one, and wins when they settle."""
+    deferred, eager = _pair()
+    for t in (deferred, eager):
+        t.find_or_insert(torch.arange(50))
+        t.find_or_insert(torch.arange(40, 90))
+        t.mark_updated(torch.arange(60))
+    assert deferred._pending
+    assert torch.equal(deferred.changes_since(1)[0], eager.changes_since(1)[0])
+    assert _stamps(deferred) == _stamps(eager)
+
+
 def test_lookups_then_replace():
     """A load over rows whose stamps are still deferred: the load's stamps win."""
     deferred, eager = _pair()

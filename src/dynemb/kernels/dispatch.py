@@ -66,8 +66,9 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
 - ``mark_rows(marks [C] uint8, rows [N], tag: int) -> bool`` and ``settle_marks(marks [C] uint8, first [C] int64,
   second [C] int64, a [T] int64, b [T] int64) -> None`` (optional, together: a module without them leaves a lookup's
   stamps to ``fill_pair``): ``marks[rows] = tag`` (``1 <= tag <= 255``), all or nothing as ``fill_rows``; then, for
-  every ``r`` with ``t = marks[r] > 0``, ``first[r] = a[t - 1]``, ``second[r] = b[t - 1]`` and ``marks[r] = 0``. How
-  a table defers its stamps (:meth:`~dynemb.table.rows.RowStore._defer_stamps`).
+  every ``r`` with ``t = marks[r] > 0``, ``first[r] = a[t - 1]``, ``second[r] = max(second[r], b[t - 1])`` (a
+  version written since is newer) and ``marks[r] = 0``. How a table defers its stamps
+  (:meth:`~dynemb.table.rows.RowStore._defer_stamps`).
 - ``touch_counts(column [C] int64, rows [N], counts [N] | None) -> (before [N], total [N], last [N] bool) | None``
   and ``write_last(column, rows, values [N] int64, last [N] bool) -> None`` (optional, together: a module without
   them leaves the counting policies' access to torch's ``index_*`` passes): ``before[j]`` is ``column[rows[j]]``

@@ -171,9 +171,9 @@ def mark_rows(marks: torch.Tensor, rows: torch.Tensor, tag: int) -> bool:
 
 def settle_marks(marks: torch.Tensor, first: torch.Tensor, second: torch.Tensor, a: torch.Tensor,
                  b: torch.Tensor) -> None:
-    """For each row ``r`` with ``t = marks[r] > 0``: ``first[r] = a[t - 1]``, ``second[r] = b[t - 1]`` and
-    ``marks[r] = 0``: see the optional ``settle_marks`` of the ``pool`` contract. One sequential pass over
-    ``marks`` (eight bytes a step, skipping clean words), the stamps written in row order."""
+    """For each row ``r`` with ``t = marks[r] > 0``: ``first[r] = a[t - 1]``, ``second[r] = max(second[r],
+    b[t - 1])`` and ``marks[r] = 0``: see the optional ``settle_marks`` of the ``pool`` contract. One sequential
+    pass over ``marks`` (eight bytes a step, skipping clean words), the stamps written in row order."""
     _settle_marks_kernel(marks.numpy(), _as_rows(first), _as_rows(second), a.numpy(), b.numpy())
 
 
@@ -319,7 +319,7 @@ def _settle_marks_kernel(marks, first, second, a, b):
             t = np.int64(marks[r])
             if t and t <= a.shape[0]:  # a tag past the pairs (only a racing writer makes one) writes nothing
                 first[r, 0] = a[t - 1]
-                second[r, 0] = b[t - 1]
+                second[r, 0] = max(second[r, 0], b[t - 1])
             marks[r] = 0
 
 

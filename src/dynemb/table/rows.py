@@ -21,7 +21,7 @@ from .columns import RowColumns
 from .hashing import key_hash, mix64
 from .index import HashIndex
 from .initializers import CallableInitializer
-from .ops import copy_rows, gather_rows, lowest_rows, scatter_rows, stamp_kernels
+from .ops import copy_rows, fill_rows, gather_rows, lowest_rows, scatter_rows, stamp_kernels
 
 __all__ = ["Rows", "EvictHook", "RowStore"]
 
@@ -140,6 +140,12 @@ class RowStore(ChangeLog, RowColumns):
                 self._settle_stamps()
             self._pending = [*self._pending, pair]
         return kernels.mark_rows(self._marks, rows.contiguous(), len(self._pending))
+
+    def mark_updated(self, rows: torch.Tensor) -> None:
+        """Stamp rows as written now (optimizers call this after updating values or slots in place). Deferred
+        stamps stay deferred: the clock never goes back, so a version written now is at least any deferred one,
+        and settling keeps the larger (``settle_marks``). An unfused optimizer marks every step."""
+        fill_rows(self._columns["version"], rows, self.clock)
 
     def _settle_stamps(self) -> None:
         """Write the deferred stamps (:meth:`_defer_stamps`) into the score and version columns."""
