@@ -227,6 +227,18 @@ def test_copies_and_pickles_carry_deferred_stamps():
     assert deferred._pending  # the copies settled their own tags
 
 
+def test_a_full_bounded_table_stamps_at_once():
+    """Full, a bounded table evicts on most calls, reading its scores each time: it does not defer."""
+    deferred, eager = _pair(max_capacity=100, init_capacity=16)
+    for step in range(30):
+        for t in (deferred, eager):
+            t.find_or_insert(torch.arange(step * 10, step * 10 + 60))
+        if step == 3:
+            assert deferred._pending  # not full yet
+    assert deferred.size() == 100 and not deferred._pending
+    assert _stamps(deferred) == _stamps(eager)
+
+
 def test_growth_and_moves_keep_deferred_stamps():
     """Rows marked before the columns grow, or before erase fills holes with rows from the end, keep their stamps."""
     deferred, eager = _pair(init_capacity=8)

@@ -120,9 +120,12 @@ class RowStore(ChangeLog, RowColumns):
         process, paired; zipf ids 0.95-1.0x). Every read returns what stamping at once would have written: later
         writes settle first.
         """
-        # A table under a byte budget holds no tags (its budget counts every byte; full, it settles on every call).
+        # A full bounded table reads its scores to evict on most calls, and a settle costs about four eager stamps
+        # of the same rows (a sweep over the stamp pairs): it stamps at once. A table under a byte budget holds no
+        # tags at all (the budget counts every byte, and checkpoints of full ones must still fit).
         if not self._DEFERS_STAMPS or self.device.type != "cpu" or rows.dtype != torch.int64 \
-                or getattr(self, "max_bytes", None) is not None:
+                or getattr(self, "max_bytes", None) is not None \
+                or (self.max_capacity is not None and self._size >= self.max_capacity):
             return False
         kernels = stamp_kernels(self.device)
         if kernels is None:
