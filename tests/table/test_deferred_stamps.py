@@ -121,6 +121,16 @@ class DeferredMatchesEager(RuleBasedStateMachine):
         assert _stamps(self.tables[0]) == _stamps(self.tables[1])
 
     @rule()
+    def snapshot(self):
+        self.saved = [(t.export(), t.clock) for t in self.tables]
+
+    @rule()
+    def roll_back(self):
+        for t, (rows, clock) in zip(self.tables, getattr(self, "saved", [])):  # a load of an older state
+            t.replace(rows)
+            t.clock = clock
+
+    @rule()
     def evictions_seen(self):
         assert self.evicted[0] == self.evicted[1]
 
@@ -172,6 +182,32 @@ def test_optimizer_marks_rows_a_later_clock_than_their_lookup():
     assert deferred._pending
     assert torch.equal(deferred.changes_since(1)[0], eager.changes_since(1)[0])
     assert _stamps(deferred) == _stamps(eager)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "replace"])
+def test_a_clock_set_back_leaves_newer_versions(how):
+    """Loading an older state into a used table sets its clock back below the versions the load wrote: later
+    lookups must still write their own (lower) versions, as stamping at once does, not the larger one."""
+    import dynemb
+
+    older = dynemb.DynamicEmbedding(2, initializer="zeros")
+    older.table.find_or_insert(torch.arange(10))
+    state, snapshot = older.state_dict(), older.table.export()
+    tables = []
+    for defer in (True, False):
+        emb = dynemb.DynamicEmbedding(2, initializer="zeros")
+        emb.table._DEFERS_STAMPS = defer
+        for _ in range(20):
+            emb.table.find_or_insert(torch.arange(10))
+        if how == "state_dict":
+            emb.load_state_dict(state)
+        else:
+            emb.table.replace(snapshot)
+            emb.table.clock = older.table.clock
+        emb.table.find_or_insert(torch.arange(5))
+        tables.append(emb.table)
+    assert torch.equal(tables[0].changes_since(2)[0], tables[1].changes_since(2)[0])
+    assert _stamps(tables[0]) == _stamps(tables[1])
 
 
 def test_lookups_then_replace():

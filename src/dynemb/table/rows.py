@@ -58,6 +58,21 @@ class RowStore(ChangeLog, RowColumns):
     _DEFERS_STAMPS = True
     _pending: tuple | list = ()  # deferred stamp pairs (score, version); a row marked t takes pair t - 1
     _marks: torch.Tensor | None = None  # [capacity] uint8 tags of the rows with deferred stamps (0: none)
+    _clock = 0
+    _clock_high = 0  # the highest clock since the last load: no version written since is above it
+
+    @property
+    def clock(self) -> int:
+        """Advances once per call that changes rows; rows written are stamped with it."""
+        return self._clock
+
+    @clock.setter
+    def clock(self, value: int) -> None:
+        # A clock set back (a rolled-back call, a restored state dict) leaves versions above it; deferred stamps
+        # settle as the larger version, so they wait until the clock is back at its high (see _defer_stamps).
+        self._clock = value
+        if value > self._clock_high:
+            self._clock_high = value
 
     def _init_storage(self, capacity: int) -> None:
         self.index = HashIndex(self.key_dtype, self.device, capacity, backend=self.backend)
@@ -123,9 +138,11 @@ class RowStore(ChangeLog, RowColumns):
         # A full bounded table reads its scores to evict on most calls, and a settle costs about four eager stamps
         # of the same rows (a sweep over the stamp pairs): it stamps at once. A table under a byte budget holds no
         # tags at all (the budget counts every byte, and checkpoints of full ones must still fit).
+        # Below its high the clock was set back, and some version may be above this one: a settle keeps the larger
+        # version (mark_updated), so only stamping at once gives this one.
         if not self._DEFERS_STAMPS or self.device.type != "cpu" or rows.dtype != torch.int64 \
                 or getattr(self, "max_bytes", None) is not None \
-                or (self.max_capacity is not None and self._size >= self.max_capacity):
+                or (self.max_capacity is not None and self._size >= self.max_capacity) or version < self._clock_high:
             return False
         kernels = stamp_kernels(self.device)
         if kernels is None:
@@ -310,6 +327,7 @@ class RowStore(ChangeLog, RowColumns):
         for name, init in self._slot_init.items():
             self.slot(name)[:n] = slots.get(name, init)
         self._size = n
+        self._clock_high = self.clock  # every live row's version is the clock now
 
     # ------------------------------------------------------------------ placement
     def _insert_missing(
