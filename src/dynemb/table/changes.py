@@ -19,6 +19,7 @@ class ChangeLog:
     ``0 .. _size-1``), with a ``clock`` that ticks once per call that changes rows."""
 
     _cols: dict
+    _columns: dict  # the same columns, read without settling deferred stamps (RowStore)
     _size: int
     clock: int
     key_dtype: torch.dtype
@@ -26,8 +27,11 @@ class ChangeLog:
     _deleted: list[tuple[int, torch.Tensor]] | None
 
     def mark_updated(self, rows: torch.Tensor) -> None:
-        """Stamp rows as written now (optimizers call this after updating values or slots in place)."""
-        fill_rows(self._cols["version"], rows, self.clock)
+        """Stamp rows as written now (optimizers call this after updating values or slots in place).
+
+        Stamps a lookup deferred stay deferred (``RowStore._defer_stamps``): the version written now is at least
+        any deferred one, and a settle keeps the larger. An unfused optimizer marks every step."""
+        fill_rows(self._columns["version"], rows, self.clock)
 
     def track_deletions(self, enabled: bool = True) -> None:
         """Keep a log of deleted keys (erase, evict, restrict, clear) for :meth:`changes_since`."""

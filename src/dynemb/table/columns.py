@@ -33,10 +33,14 @@ class RowColumns:
             marks = self.__dict__["_write_marks"] = {}
         return marks
 
+    def _column(self, name: str) -> torch.Tensor:
+        """Column ``name`` as stored, for the hot accessors (``RowStore`` reads it without settling stamps)."""
+        return self._cols[name]
+
     @property
     def values(self) -> torch.Tensor:
         """Value storage ``[capacity, D]``; rows ``0 .. size-1`` are live. Reallocated on growth: don't keep it."""
-        return self._cols["value"]
+        return self._column("value")
 
     @property
     def scores(self) -> torch.Tensor:
@@ -58,7 +62,7 @@ class RowColumns:
 
     def slot(self, name: str) -> torch.Tensor:
         """Storage ``[capacity, d]`` of optimizer slot ``name``."""
-        return self._cols[f"slot:{name}"]
+        return self._column(f"slot:{name}")
 
     @property
     def slot_names(self) -> list[str]:

@@ -8,8 +8,8 @@ import torch
 
 from ..kernels.dispatch import pool_kernels
 
-__all__ = ["all_nonnegative", "column_kernel", "stamp_kernels", "gather_rows", "last_occurrence", "lowest_rows", "copy_rows",
-           "fill_pair", "fill_rows", "scatter_rows"]
+__all__ = ["all_nonnegative", "column_kernel", "copy_rows", "fill_pair", "fill_rows", "gather_rows", "last_occurrence",
+           "lowest_rows", "scatter_rows", "stamp_kernels"]
 
 # Rows gathered per step by copy_rows on CPU: a cache-sized temporary instead of one [N, D] tensor, whose fresh
 # pages cost more to fault in than the copy itself.

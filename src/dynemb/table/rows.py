@@ -21,7 +21,7 @@ from .columns import RowColumns
 from .hashing import key_hash, mix64
 from .index import HashIndex
 from .initializers import CallableInitializer
-from .ops import copy_rows, fill_rows, gather_rows, lowest_rows, scatter_rows, stamp_kernels
+from .ops import copy_rows, gather_rows, lowest_rows, scatter_rows, stamp_kernels
 
 __all__ = ["Rows", "EvictHook", "RowStore"]
 
@@ -98,7 +98,7 @@ class RowStore(ChangeLog, RowColumns):
     def _cols(self) -> dict:
         """Every column by name, deferred stamps written first (:meth:`_defer_stamps`): whatever reads, writes or
         moves columns through this dict sees every stamp. The hot accessors (``values``, ``row_keys``, ``slot``)
-        read ``_columns`` as it is: deferred stamps never touch those columns."""
+        read ``_columns`` as it is (:meth:`_column`)."""
         if self._pending:
             self._settle_stamps()
         return self._columns
@@ -107,19 +107,13 @@ class RowStore(ChangeLog, RowColumns):
     def _cols(self, columns: dict) -> None:
         self._columns = columns
 
+    def _column(self, name: str) -> torch.Tensor:
+        return self._columns[name]  # keys, values and slots: deferred stamps never touch them
+
     @property
     def row_keys(self) -> torch.Tensor:
         """Key of each row ``[capacity]``."""
         return self._columns["key"]
-
-    @property
-    def values(self) -> torch.Tensor:
-        """Value storage ``[capacity, D]``; rows ``0 .. size-1`` are live. Reallocated on growth: don't keep it."""
-        return self._columns["value"]
-
-    def slot(self, name: str) -> torch.Tensor:
-        """Storage ``[capacity, d]`` of optimizer slot ``name``."""
-        return self._columns[f"slot:{name}"]
 
     def _defer_stamps(self, rows: torch.Tensor, score: int, version: int) -> bool:
         """Stamp ``rows [N]`` (int64, in range; duplicates allowed) with ``score`` and ``version`` later: the first
@@ -149,23 +143,14 @@ class RowStore(ChangeLog, RowColumns):
             return False
         # what settles these tags, whatever the default backend is by then (a function: tables deep-copy and pickle)
         self._settle_marks = kernels.settle_marks
-        capacity = self._columns["key"].shape[0]
-        if self._marks is None or self._marks.numel() != capacity:
-            if self._pending:
-                self._settle_stamps()
-            self._marks = torch.zeros(capacity, dtype=torch.uint8)
+        if self._marks is None:  # dropped on every change of capacity, which settles them first
+            self._marks = torch.zeros(self.capacity, dtype=torch.uint8)
         pair = (score, version)
         if not self._pending or self._pending[-1] != pair:
             if len(self._pending) == _MAX_DEFERRED:
                 self._settle_stamps()
             self._pending = [*self._pending, pair]
         return kernels.mark_rows(self._marks, rows.contiguous(), len(self._pending))
-
-    def mark_updated(self, rows: torch.Tensor) -> None:
-        """Stamp rows as written now (optimizers call this after updating values or slots in place). Deferred
-        stamps stay deferred: the clock never goes back, so a version written now is at least any deferred one,
-        and settling keeps the larger (``settle_marks``). An unfused optimizer marks every step."""
-        fill_rows(self._columns["version"], rows, self.clock)
 
     def _settle_stamps(self) -> None:
         """Write the deferred stamps (:meth:`_defer_stamps`) into the score and version columns."""
