@@ -143,7 +143,7 @@ def _check_index_tensor(t, name: str, ids: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"{name} must be a 1-D int32/int64 tensor, got {_describe(t)}")
     if t.device != ids.device:
         raise ValueError(f"{name} must be on the ids' device {ids.device}, got {_describe(t)}")
-    return t.to(torch.int64)
+    return t if t.dtype == torch.int64 else t.to(torch.int64)
 
 
 def _check_weights(weights, ids: torch.Tensor):

@@ -232,6 +232,18 @@ def resolve_backend(backend: Backend | str | None, device: torch.device | str | 
         ValueError: ``backend`` is not a backend name; or it is ``numba`` and numba is not installed or ``device``
             is not a CPU; or it is ``triton`` and triton is not installed or ``device`` is neither CUDA nor CPU.
     """
+    try:  # every lookup asks several times a table: the answer is remembered, as _kernels does
+        return _resolved_backend(backend, device, _default, numba_available(), triton_available())
+    except TypeError:  # an unhashable argument: the uncached path says what is wrong with it
+        return _resolve_backend(backend, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _resolved_backend(backend, device, *state) -> Backend:
+    return _resolve_backend(backend, device)
+
+
+def _resolve_backend(backend: Backend | str | None, device: torch.device | str | None) -> Backend:
     requested = _default if backend is None else backend if isinstance(backend, Backend) else Backend.parse(backend)
     kind = device.type if isinstance(device, torch.device) else torch.device(device or "cpu").type
     on_cpu = kind == "cpu"

@@ -52,10 +52,10 @@ def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor | None,
         summed = F.embedding_bag(rows if inverse is None else rows.index_select(0, inverse), values, offsets,
                                  mode="sum", per_sample_weights=weights)
         return summed if denom is None else summed.div_(denom.unsqueeze(1))
-    out = torch.empty(offsets.numel(), values.shape[1], dtype=values.dtype)
+    out = np.empty((offsets.numel(), values.shape[1]), np.float32)
     _pool_kernel(values.numpy(), rows.numpy(), _NONE_I if inverse is None else inverse.numpy(), offsets.numpy(),
-                 _opt(weights), _opt(denom), out.numpy())
-    return out
+                 _opt(weights), _opt(denom), out)
+    return torch.from_numpy(out)
 
 
 def gather(values: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -68,10 +68,10 @@ def gather(values: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch
 def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag: torch.Tensor,
              weights: torch.Tensor | None) -> torch.Tensor:
     """``[U, D]`` float32 gradient of each unique row: see the ``row_grad`` contract."""
-    out = torch.empty(starts.numel() - 1, grad.shape[1], dtype=torch.float32)
+    out = np.empty((starts.numel() - 1, grad.shape[1]), np.float32)
     bags, weights = grouped_bags(order, bag, weights, grad.shape[0])
-    sum_rows(0, out.shape[0], out.numpy(), grad.numpy(), starts.numpy(), bags, weights)
-    return out
+    sum_rows(0, out.shape[0], out, grad.numpy(), starts.numpy(), bags, weights)
+    return torch.from_numpy(out)
 
 
 def grouped_bags(order: torch.Tensor, bag: torch.Tensor | None, weights: torch.Tensor | None,
@@ -128,15 +128,17 @@ def dedup(ids: torch.Tensor, inverse: bool = True) -> tuple[torch.Tensor, torch.
         >>> [t.tolist() for t in dedup(torch.tensor([5, -1, 5]))]
         [[-1, 5], [1, 0, 1], [1, 0, 2], [0, 1, 3]]
     """
-    n = ids.numel()
-    unique = torch.empty(n, dtype=ids.dtype)
-    order, starts = torch.empty(n, dtype=torch.int64), torch.empty(n + 1, dtype=torch.int64)
-    wanted = torch.empty(n if inverse else 0, dtype=torch.int64)
-    args = (ids.contiguous().numpy(), unique.numpy(), wanted.numpy(), order.numpy(), starts.numpy())
-    u = _radix_dedup_kernel(*args, _RADIX_PASSES)
+    # numpy buffers, wrapped once at the end: torch.empty and .numpy() cost microseconds each, a fixed cost paid
+    # by every table on every step
+    flat = ids.contiguous().numpy()
+    n = flat.shape[0]
+    unique, order, starts = np.empty(n, flat.dtype), np.empty(n, np.int64), np.empty(n + 1, np.int64)
+    wanted = np.empty(n if inverse else 0, np.int64)
+    u = _radix_dedup_kernel(flat, unique, wanted, order, starts, _RADIX_PASSES)
     if u < 0:  # the hash table needs each id's unique index to count-sort them: scratch when not wanted
-        u = _dedup_kernel(args[0], args[1], args[2] if inverse else np.empty(n, np.int64), *args[3:])
-    return unique[:u], wanted if inverse else None, order, starts[: u + 1]
+        u = _dedup_kernel(flat, unique, wanted if inverse else np.empty(n, np.int64), order, starts)
+    return (torch.from_numpy(unique[:u]), torch.from_numpy(wanted) if inverse else None, torch.from_numpy(order),
+            torch.from_numpy(starts[: u + 1]))
 
 
 def rows_current(row_keys: torch.Tensor, size: int, keys: torch.Tensor, rows: torch.Tensor) -> bool:
@@ -188,11 +190,10 @@ def touch_counts(column: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor 
     the optional ``touch_counts`` of the ``pool`` contract. One prefetched pass over the rows, where the torch
     reference makes four, none prefetched; the rows hold scratch values until :func:`write_last`."""
     n = rows.numel()
-    before, total = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
-    last = torch.empty(n, dtype=torch.bool)
+    before, total, last = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.bool_)
     ok = _touch_counts_kernel(_as_rows(column), rows.numpy(), _NONE_I if counts is None else counts.numpy(),
-                              before.numpy(), total.numpy(), last.numpy())
-    return (before, total, last) if ok else None
+                              before, total, last)
+    return (torch.from_numpy(before), torch.from_numpy(total), torch.from_numpy(last)) if ok else None
 
 
 def write_last(column: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, last: torch.Tensor) -> None:

@@ -15,6 +15,8 @@ Two modes:
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 from typing import Iterable
 
@@ -28,6 +30,8 @@ from ..table import KeyValueTable
 from ..table.static import StaticTable
 
 __all__ = ["SparseOptimizer", "GroupsOptimizer", "tables_of"]
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def tables_of(obj) -> list:
@@ -175,7 +179,8 @@ class SparseOptimizer(GroupsOptimizer):
         group = self.param_groups[i]
         kernels = table_kernels(optim_kernels, table)
         args = self.kernel_args(group, scalars) if kernels is not None else None
-        with torch.no_grad():
+        # a fused update runs in the backward, already without grad: entering no_grad again costs microseconds
+        with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT:
             if args is not None and all(table.slot(self.slot_key(n)).dtype == torch.float32 for n in args[2]):
                 kind, hparams, slots = args
                 p = pooled if pooled is not None else PooledGrad(None, None, None, None)

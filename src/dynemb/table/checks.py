@@ -37,6 +37,8 @@ def check_keys(keys, key_dtype: torch.dtype, device: torch.device, name: str = "
     """
     if not isinstance(keys, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of dtype {key_dtype}, got {type(keys).__name__}")
+    if keys.dtype == key_dtype and keys.device == device and keys.dim() == 1:
+        return keys  # the common case, without the microseconds of a reshape and a cast that change nothing
     if keys.dtype != key_dtype and not _widens(keys.dtype, key_dtype):
         raise TypeError(f"{name} must have dtype {key_dtype} (the table's key_dtype) or a narrower integer dtype, "
                         f"got {_describe(keys)}")

@@ -222,9 +222,12 @@ class KeyValueTable(RowStore):
             return rows.view(keys.shape), found.view(keys.shape)
         rows, all_found = self.index.find_all(flat)
         found = torch.ones_like(rows, dtype=torch.bool) if all_found else rows >= 0
-        with self._restored_on_error():
+        if all_found:  # no user code runs (initializer, on_evict): nothing to put back; every row is valid
             self.clock += 1
-            if not all_found:
+            self._touch(rows, custom, counts)
+        else:
+            with self._restored_on_error():
+                self.clock += 1
                 miss = (~found).nonzero().squeeze(1)
                 missed = flat.index_select(0, miss)
                 new_keys, hashes, _, inverse = unique_by_hash(missed)
@@ -238,10 +241,9 @@ class KeyValueTable(RowStore):
                         new_keys[admitted], pinned=rows[found], hashes=hashes[admitted]
                     )
                 rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
-        if all_found:  # every row is valid: no second pass over them
-            self._touch(rows, custom, counts)
-        else:
             self._touch_valid(rows, custom, counts)
+        if keys.dim() == 1:  # a view costs microseconds, paid by every table on every step
+            return rows, found
         return rows.view(keys.shape), found.view(keys.shape)
 
     def insert_or_assign(
