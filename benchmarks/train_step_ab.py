@@ -5,8 +5,14 @@ Each tree runs in its own process (``PYTHONPATH=<tree>/src``), on the same data 
 each tree, the spread (interquartile range, % of the median), ``before / after`` of the medians and ``paired``,
 the median of the rounds' own ratios (steady under load that drifts between rounds).
 
+``--same-process``: both trees in this one process instead (the before tree's package is copied and imported as
+``dynemb_before``; dynemb contestants only), alternating steps, the order flipping each round. A process keeps its
+fast or slow phase for its whole life on a shared virtual machine (30-50%, see ``train_step.py``), which two
+processes do not share: differences of a few percent, such as a step's fixed cost, show only in one process.
+``--batch``, ``--pooling`` and ``--vocab`` change the workload (``--batch 16 --pooling 1``: the fixed cost alone).
+
 Run: ``.venv/bin/python benchmarks/train_step_ab.py --before /path/to/old/checkout --after . [--optimizers ...]
-[--dists ...] [--steps 15] [--quick] [--json PATH]``.
+[--dists ...] [--steps 15] [--quick] [--same-process] [--batch B] [--pooling P] [--vocab V] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -22,15 +28,21 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _worker(contestant: str, opt: str, dist: str, quick: bool, steps: int, threads: int) -> None:
+def _workload(quick: bool, batch: int | None, pooling: int | None, vocab: int | None):
+    from train_step_impls import Workload
+
+    return Workload(4, vocab or (20_000 if quick else 1_000_000), 64, batch or (512 if quick else 4096), pooling or 20)
+
+
+def _worker(contestant: str, opt: str, dist: str, quick: bool, steps: int, threads: int, shape: list[int]) -> None:
     """Build the contestant, then for each line on stdin run one step and answer its CPU seconds."""
     import torch
 
     sys.path.insert(0, HERE)
-    from train_step_impls import CONTESTANTS, Workload, make_batches
+    from train_step_impls import CONTESTANTS, make_batches
 
     torch.set_num_threads(threads)
-    w = Workload(4, 20_000 if quick else 1_000_000, 64, 512 if quick else 4096, 20)
+    w = _workload(quick, *[v or None for v in shape])
     batches = make_batches(w, dist, steps + 2)
     torch.manual_seed(0)
     trainer = CONTESTANTS[contestant](w, opt)
@@ -47,7 +59,8 @@ def _spawn(tree: str, args, opt: str, dist: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(tree), "src"), OMP_NUM_THREADS=str(args.threads))
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", args.contestant, opt, dist,
-           str(int(args.quick)), str(args.steps), str(args.threads)]
+           str(int(args.quick)), str(args.steps), str(args.threads),
+           *[str(v or 0) for v in (args.batch, args.pooling, args.vocab)]]
     p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if p.stdout.readline().strip() != "ready":
         raise RuntimeError(f"the worker for {tree} failed to start")
@@ -58,6 +71,65 @@ def _step(p: subprocess.Popen) -> float:
     p.stdin.write("step\n")
     p.stdin.flush()
     return float(p.stdout.readline())
+
+
+def _two_processes(args, opt: str, dist: str) -> list[list[float]]:
+    """CPU seconds of each step of the before and the after tree, each in its own process, steps interleaved."""
+    procs = [_spawn(args.before, args, opt, dist), _spawn(args.after, args, opt, dist)]
+    times = [[], []]
+    for _ in range(args.steps):
+        for k, p in enumerate(procs):
+            times[k].append(_step(p))
+    for p in procs:
+        p.stdin.close()
+        p.wait()
+    return times
+
+
+def _load_before(tree: str):
+    """The package of ``tree`` as ``dynemb_before``: a copy with its absolute imports of dynemb renamed."""
+    import importlib
+    import re
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="dynemb-before-")
+    shutil.copytree(os.path.join(os.path.abspath(tree), "src", "dynemb"), os.path.join(root, "dynemb_before"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for folder, _, files in os.walk(os.path.join(root, "dynemb_before")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    text = f.read()
+                with open(path, "w") as f:
+                    f.write(re.sub(r"\b(from|import) dynemb\b", r"\1 dynemb_before", text))
+    sys.path.insert(0, root)
+    return importlib.import_module("dynemb_before")
+
+
+def _same_process(args, opt: str, dist: str) -> list[list[float]]:
+    """CPU seconds of each step of the before and the after tree, built and stepped in this process."""
+    import torch
+
+    from train_step_impls import CONTESTANTS, make_batches
+
+    torch.set_num_threads(args.threads)
+    w = _workload(args.quick, args.batch, args.pooling, args.vocab)
+    batches = make_batches(w, dist, args.steps + 2)
+    trainers = []
+    for lib in (args.before_lib, args.after_lib):
+        torch.manual_seed(0)
+        trainers.append(CONTESTANTS[args.contestant](w, opt, lib=lib))
+        for b in batches[:2]:
+            trainers[-1].step(b)
+    times = [[], []]
+    for r in range(args.steps):
+        for k in ((0, 1) if r % 2 == 0 else (1, 0)):
+            t = time.process_time()
+            trainers[k].step(batches[2 + r % args.steps])
+            times[k].append(time.process_time() - t)
+    return times
 
 
 def _stats(times: list[float]) -> tuple[float, float]:
@@ -76,22 +148,29 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15, help="timed steps per tree (interleaved)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="the --quick workload of train_step.py, 5 steps")
+    ap.add_argument("--same-process", action="store_true", help="both trees in this process (dynemb contestants)")
+    ap.add_argument("--batch", type=int, help="samples a step (default 4096; --quick 512)")
+    ap.add_argument("--pooling", type=int, help="ids a sample and table (default 20)")
+    ap.add_argument("--vocab", type=int, help="ids a table (default 1,000,000; --quick 20,000)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.quick:
+    sys.path.insert(0, HERE)
+    if args.quick and not args.same_process:
         args.steps = min(args.steps, 5)
+    if args.same_process:
+        if not args.contestant.startswith("dynemb"):
+            ap.error("--same-process builds dynemb contestants only")
+        sys.path.insert(0, os.path.join(os.path.abspath(args.after), "src"))
+        import dynemb
+
+        if not os.path.abspath(dynemb.__file__).startswith(os.path.abspath(args.after)):
+            ap.error(f"dynemb is imported from {dynemb.__file__}, not from --after {args.after}")
+        args.after_lib, args.before_lib = dynemb, _load_before(args.before)
     rows = []
     print(f"{'optimizer':<16} {'ids':<8} {'before ms':>12} {'after ms':>12} {'before/after':>13} {'paired':>8}")
     for opt in args.optimizers:
         for dist in args.dists:
-            procs = [_spawn(args.before, args, opt, dist), _spawn(args.after, args, opt, dist)]
-            times = [[], []]
-            for _ in range(args.steps):
-                for k, p in enumerate(procs):
-                    times[k].append(_step(p))
-            for p in procs:
-                p.stdin.close()
-                p.wait()
+            times = _same_process(args, opt, dist) if args.same_process else _two_processes(args, opt, dist)
             (b, bs), (a, as_) = _stats(times[0]), _stats(times[1])
             # the median of each round's before/after: load that drifts between rounds (a shared machine) cancels
             paired = statistics.median(tb / ta for tb, ta in zip(*times))
@@ -102,12 +181,14 @@ def main() -> None:
                   flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"contestant": args.contestant, "quick": args.quick, "rows": rows}, f, indent=1)
+            json.dump({"contestant": args.contestant, "quick": args.quick, "same_process": args.same_process,
+                       "workload": _workload(args.quick, args.batch, args.pooling, args.vocab).__dict__, "rows": rows},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         c, o, d, q, s, t = sys.argv[2:8]
-        _worker(c, o, d, q == "1", int(s), int(t))
+        _worker(c, o, d, q == "1", int(s), int(t), [int(v) for v in sys.argv[8:11]])
     else:
         main()

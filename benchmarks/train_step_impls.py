@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 import dynemb
-from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 DISTRIBUTIONS = ("uniform", "zipf")
@@ -77,27 +76,28 @@ class Trainer:
         self.head_opt.zero_grad()
 
 
-def dynemb_optimizer(opt: str, fused: bool):
+def dynemb_optimizer(opt: str, fused: bool, lib=dynemb):
     if opt == "sgd":
-        return dynemb.optim.SGD(lr=LR, fused=fused)
+        return lib.optim.SGD(lr=LR, fused=fused)
     if opt == "rowwise_adagrad":
-        return dynemb.optim.RowWiseAdagrad(lr=LR, fused=fused)
-    return dynemb.optim.Adam(lr=LR, fused=fused)
+        return lib.optim.RowWiseAdagrad(lr=LR, fused=fused)
+    return lib.optim.Adam(lr=LR, fused=fused)
 
 
 class Dynemb(Trainer):
     def __init__(self, w: Workload, opt: str, *, static: bool, fused: bool, compiled: bool = False,
-                 bound: float | None = None) -> None:
+                 bound: float | None = None, lib=dynemb) -> None:
+        # lib: the dynemb package to build from (train_step_ab.py --same-process loads an older tree beside it)
         super().__init__(w)
         # bound: max_capacity as a fraction of the ids, under the policy a bound gets by default (decayed_lfu); 2.0
         # is never reached (the step pays for the scores only), 0.5 evicts on every step
         bound = {"max_capacity": int(bound * w.vocab)} if bound else {}
-        tables = [TableConfig(name=f"t{t}", dim=w.dim, vocabulary_size=w.vocab if static else None,
-                              optimizer=dynemb_optimizer(opt, fused), combiner="sum", seed=t,
-                              init_capacity=w.vocab if not static else 8192, **bound)
+        tables = [lib.TableConfig(name=f"t{t}", dim=w.dim, vocabulary_size=w.vocab if static else None,
+                                  optimizer=dynemb_optimizer(opt, fused, lib), combiner="sum", seed=t,
+                                  init_capacity=w.vocab if not static else 8192, **bound)
                   for t in range(w.tables)]
-        features = [FeatureConfig(name=f"f{t}", table=f"t{t}") for t in range(w.tables)]
-        self.ec = EmbeddingCollection(tables, features)
+        features = [lib.FeatureConfig(name=f"f{t}", table=f"t{t}") for t in range(w.tables)]
+        self.ec = lib.EmbeddingCollection(tables, features)
         self.fused = fused
         self.features = w.features
         if not static:
@@ -195,13 +195,13 @@ class TorchRec(Trainer):
         return self.model(self._kjt(batch)).values()
 
 
-CONTESTANTS = {
-    "dynemb-dyn-fused": lambda w, opt: Dynemb(w, opt, static=False, fused=True),
-    "dynemb-dyn-step": lambda w, opt: Dynemb(w, opt, static=False, fused=False),
-    "dynemb-dyn-bounded": lambda w, opt: Dynemb(w, opt, static=False, fused=True, bound=2.0),
-    "dynemb-dyn-evicting": lambda w, opt: Dynemb(w, opt, static=False, fused=True, bound=0.5),
-    "dynemb-dyn-compiled": lambda w, opt: Dynemb(w, opt, static=False, fused=True, compiled=True),
-    "dynemb-static": lambda w, opt: Dynemb(w, opt, static=True, fused=True),
+CONTESTANTS = {  # the dynemb ones also take lib= (see Dynemb)
+    "dynemb-dyn-fused": lambda w, opt, **kw: Dynemb(w, opt, static=False, fused=True, **kw),
+    "dynemb-dyn-step": lambda w, opt, **kw: Dynemb(w, opt, static=False, fused=False, **kw),
+    "dynemb-dyn-bounded": lambda w, opt, **kw: Dynemb(w, opt, static=False, fused=True, bound=2.0, **kw),
+    "dynemb-dyn-evicting": lambda w, opt, **kw: Dynemb(w, opt, static=False, fused=True, bound=0.5, **kw),
+    "dynemb-dyn-compiled": lambda w, opt, **kw: Dynemb(w, opt, static=False, fused=True, compiled=True, **kw),
+    "dynemb-static": lambda w, opt, **kw: Dynemb(w, opt, static=True, fused=True, **kw),
     "torch-bag": TorchBag,
     "torchrec": TorchRec,
 }
