@@ -232,7 +232,8 @@ def resolve_backend(backend: Backend | str | None, device: torch.device | str | 
         ValueError: ``backend`` is not a backend name; or it is ``numba`` and numba is not installed or ``device``
             is not a CPU; or it is ``triton`` and triton is not installed or ``device`` is neither CUDA nor CPU.
     """
-    try:  # every lookup asks several times a table: the answer is remembered, as _kernels does
+    # Every lookup asks several times a table: the answer is remembered, as _kernels does (a refusal is not).
+    try:
         return _resolved_backend(backend, device, _default, numba_available(), triton_available())
     except TypeError:  # an unhashable argument: the uncached path says what is wrong with it
         return _resolve_backend(backend, device)
