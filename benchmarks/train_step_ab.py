@@ -127,7 +127,7 @@ def _same_process(args, opt: str, dist: str) -> list[list[float]]:
     for r in range(args.steps):
         for k in ((0, 1) if r % 2 == 0 else (1, 0)):
             t = time.process_time()
-            trainers[k].step(batches[2 + r % args.steps])
+            trainers[k].step(batches[2 + r])
             times[k].append(time.process_time() - t)
     return times
 
@@ -147,7 +147,8 @@ def main() -> None:
     ap.add_argument("--dists", nargs="+", default=["uniform", "zipf"])
     ap.add_argument("--steps", type=int, default=15, help="timed steps per tree (interleaved)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="the --quick workload of train_step.py, 5 steps")
+    ap.add_argument("--quick", action="store_true",
+                    help="the --quick workload of train_step.py, 5 steps (--same-process: --steps)")
     ap.add_argument("--same-process", action="store_true", help="both trees in this process (dynemb contestants)")
     ap.add_argument("--batch", type=int, help="samples a step (default 4096; --quick 512)")
     ap.add_argument("--pooling", type=int, help="ids a sample and table (default 20)")
@@ -158,12 +159,13 @@ def main() -> None:
     if args.quick and not args.same_process:
         args.steps = min(args.steps, 5)
     if args.same_process:
-        if not args.contestant.startswith("dynemb"):
-            ap.error("--same-process builds dynemb contestants only")
+        if not args.contestant.startswith("dynemb") or args.contestant == "dynemb-dyn-compiled":
+            # compiled code calls dynemb's registered ops, which the copy registers again under the same names
+            ap.error("--same-process builds eager dynemb contestants only")
         sys.path.insert(0, os.path.join(os.path.abspath(args.after), "src"))
         import dynemb
 
-        if not os.path.abspath(dynemb.__file__).startswith(os.path.abspath(args.after)):
+        if not os.path.abspath(dynemb.__file__).startswith(os.path.join(os.path.abspath(args.after), "")):
             ap.error(f"dynemb is imported from {dynemb.__file__}, not from --after {args.after}")
         args.after_lib, args.before_lib = dynemb, _load_before(args.before)
     rows = []

@@ -160,3 +160,14 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert "only under Triton's interpreter" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_interpreter_switch_is_read_at_every_resolve(monkeypatch):
+    # Answers are remembered, but whether Triton interprets may change at run time: it is read each time it matters.
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "_triton_interprets", lambda: True)
+    assert resolve_backend("triton", "cpu") is Backend.TRITON
+    monkeypatch.setattr(dispatch, "_triton_interprets", lambda: False)
+    with pytest.raises(ValueError, match="only under Triton's interpreter"):
+        resolve_backend("triton", "cpu")
+    assert resolve_backend("triton", "cuda") is Backend.TRITON  # CUDA never asks

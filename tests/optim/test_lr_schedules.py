@@ -175,3 +175,19 @@ def test_unbound_spec_has_no_groups_and_binding_gives_one():
     assert bound == spec and hash(bound) == hash(spec)
     bound.param_groups[0]["lr"] = 0.5  # a group is the table's own: the spec keeps its defaults
     assert spec.defaults["lr"] == 0.01 and optim.Adam(lr=0.01).bind([dynemb.DynamicEmbedding(D)]) == spec
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["step", "fused"])
+def test_a_tensor_lr_changed_in_place_reaches_every_update(fused):
+    # Schedulers may keep the lr as a tensor and change it in place (fill_): each update must read its value then,
+    # not a value remembered by identity (a cache keyed on the settings once kept the first lr).
+    emb = dynemb.DynamicEmbedding(1, initializer=0.0)
+    opt = optim.SGD([emb], lr=1.0, fused=fused)
+    lr = torch.tensor(1.0)
+    opt.param_groups[0]["lr"] = lr
+    for value in (1.0, 0.5, 0.25):
+        lr.fill_(value)
+        emb(torch.tensor([7])).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert emb.lookup(torch.tensor([7])).item() == -1.75

@@ -350,8 +350,10 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
         offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
         summed = BagSum.apply(_rows_tensor(table, unique, rows, trains), inverse, offsets, weights)
         return split_combine(summed, bag_sets)
-    flat = (ids if ids.dim() == 1 else ids.reshape(-1)) if checked else check_keys(ids, table.key_dtype, table.device,
-                                                                                    "ids")
+    if checked:
+        flat = ids if ids.dim() == 1 else ids.reshape(-1)
+    else:
+        flat = check_keys(ids, table.key_dtype, table.device, "ids")
     trains = _trains(embedding, table, training)
     sorted_ids, rows, stored, id_rows = _find_sorted(table, flat, trains)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)

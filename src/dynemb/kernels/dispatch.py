@@ -232,21 +232,31 @@ def resolve_backend(backend: Backend | str | None, device: torch.device | str | 
         ValueError: ``backend`` is not a backend name; or it is ``numba`` and numba is not installed or ``device``
             is not a CPU; or it is ``triton`` and triton is not installed or ``device`` is neither CUDA nor CPU.
     """
-    # Every lookup asks several times a table: the answer is remembered, as _kernels does (a refusal is not).
+    # Every lookup asks several times a table: the answer is remembered (a refusal is not), except whether Triton
+    # interprets, which the user may switch at run time and is read whenever it matters.
     try:
-        return _resolved_backend(backend, device, _default, numba_available(), triton_available())
+        resolved = _resolved_backend(backend, device, _default, numba_available(), triton_available())
     except TypeError:  # an unhashable argument: the uncached path says what is wrong with it
-        return _resolve_backend(backend, device)
+        resolved = _resolve_backend(backend, device)
+    if resolved is Backend.TRITON and _device_kind(device) == "cpu" and not _triton_interprets():
+        raise ValueError("backend 'triton' runs on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1 "
+                         "in the environment before triton is imported); on CPU use 'auto', 'numba' or 'torch'")
+    return resolved
 
 
 @functools.lru_cache(maxsize=256)
 def _resolved_backend(backend, device, *state) -> Backend:
+    # state: the process default and which packages are installed, only so that a change of them is a new entry
     return _resolve_backend(backend, device)
+
+
+def _device_kind(device: torch.device | str | None) -> str:
+    return device.type if isinstance(device, torch.device) else torch.device(device or "cpu").type
 
 
 def _resolve_backend(backend: Backend | str | None, device: torch.device | str | None) -> Backend:
     requested = _default if backend is None else backend if isinstance(backend, Backend) else Backend.parse(backend)
-    kind = device.type if isinstance(device, torch.device) else torch.device(device or "cpu").type
+    kind = _device_kind(device)
     on_cpu = kind == "cpu"
     if requested is Backend.AUTO:
         if on_cpu and numba_available():
@@ -256,11 +266,7 @@ def _resolve_backend(backend: Backend | str | None, device: torch.device | str |
         raise ValueError(f"backend 'triton' runs on CUDA (or CPU under Triton's interpreter), got device {device}")
     if requested is Backend.NUMBA and not on_cpu:
         raise ValueError(f"backend 'numba' runs on CPU only, got device {device}; use 'auto' or 'torch'")
-    resolved = _available(requested)
-    if resolved is Backend.TRITON and on_cpu and not _triton_interprets():
-        raise ValueError("backend 'triton' runs on CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1 "
-                         "in the environment before triton is imported); on CPU use 'auto', 'numba' or 'torch'")
-    return resolved
+    return _available(requested)
 
 
 def _triton_interprets() -> bool:
@@ -314,18 +320,7 @@ _MODULES = {
 
 
 def _kernels(family: str, backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
-    # A lookup asks several times a table; the answer depends only on the arguments, the process default and which
-    # packages are installed, so it is remembered (a refusal is not: it raises each time). Triton's interpreter
-    # setting is read when the answer is first computed.
-    try:
-        return _resolved_kernels(family, backend, device, _default, numba_available(), triton_available())
-    except TypeError:  # an unhashable argument: let resolve_backend say what is wrong with it
-        return _resolved_kernels.__wrapped__(family, backend, device)
-
-
-@functools.lru_cache(maxsize=256)
-def _resolved_kernels(family: str, backend, device, *state) -> ModuleType | None:
-    name = _MODULES.get((family, resolve_backend(backend, device)))
+    name = _MODULES.get((family, resolve_backend(backend, device)))  # remembered there
     return None if name is None else _module(name)
 
 

@@ -12,8 +12,6 @@ results are bit-identical and where they are within a tolerance).
 
 from __future__ import annotations
 
-import functools
-
 import numba
 import numpy as np
 import torch
@@ -35,7 +33,7 @@ def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple,
     """Update ``values[rows]`` and ``slots`` in place: see the ``sparse_update`` contract."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    h = _hparams(tuple(hparams))
+    h = np.asarray(hparams, dtype=np.float64)
     if order is None and _mutates_gradient(kind, h):  # the kernel works on the given rows in place then
         grad = grad.clone()
     s = [t.numpy() for t in slots] + [_NONE_2D] * (2 - len(slots))
@@ -45,13 +43,6 @@ def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple,
     args = (values.numpy(), s[0], s[1], rows.numpy(), grad.numpy(), _NONE_I if starts is None else starts.numpy(),
             bags, grouped, h)
     _KERNELS[kind](*args)
-
-
-@functools.lru_cache(maxsize=64)
-def _hparams(hparams: tuple) -> np.ndarray:
-    # a few optimizers' settings, asked for by every table on every step: converted once (microseconds a call);
-    # the kernels only read them
-    return np.asarray(hparams, dtype=np.float64)
 
 
 def _mutates_gradient(kind: str, h: np.ndarray) -> bool:
