@@ -16,7 +16,6 @@ Two modes:
 from __future__ import annotations
 
 import contextlib
-
 import copy
 from typing import Iterable
 
