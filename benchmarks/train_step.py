@@ -27,7 +27,8 @@ load drifts between rounds. A target is met when both reach it.
 ``--sessions K`` repeats the whole measurement K times, each with fresh contestant processes, and reports the
 median over sessions of each number (each session's own numbers are kept in the JSON). On a shared virtual machine
 one process can run 30-50% slower for its whole life (seen on the 2-core KVM guest of BENCHMARKS.md): pairing rounds
-within one session cannot remove that, fresh processes can.
+within one session cannot remove that, fresh processes can. Pinning every process to one core (``taskset -c 1
+...``: the contestants inherit it, and run one at a time anyway) narrowed the spread between sessions there.
 
 Run: ``.venv/bin/python benchmarks/train_step.py [--quick] [--json PATH] [--threads 1] [--contestants ...]``.
 """
