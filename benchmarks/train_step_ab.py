@@ -39,7 +39,7 @@ def _worker(contestant: str, opt: str, dist: str, quick: bool, steps: int, threa
     import torch
 
     sys.path.insert(0, HERE)
-    from train_step_impls import CONTESTANTS, make_batches
+    from train_step_impls import CONTESTANTS, alternated_steps, make_batches
 
     torch.set_num_threads(threads)
     w = _workload(quick, *[v or None for v in shape])
@@ -112,7 +112,7 @@ def _same_process(args, opt: str, dist: str) -> list[list[float]]:
     """CPU seconds of each step of the before and the after tree, built and stepped in this process."""
     import torch
 
-    from train_step_impls import CONTESTANTS, make_batches
+    from train_step_impls import CONTESTANTS, alternated_steps, make_batches
 
     torch.set_num_threads(args.threads)
     w = _workload(args.quick, args.batch, args.pooling, args.vocab)
@@ -123,13 +123,7 @@ def _same_process(args, opt: str, dist: str) -> list[list[float]]:
         trainers.append(CONTESTANTS[args.contestant](w, opt, lib=lib))
         for b in batches[:2]:
             trainers[-1].step(b)
-    times = [[], []]
-    for r in range(args.steps):
-        for k in ((0, 1) if r % 2 == 0 else (1, 0)):
-            t = time.process_time()
-            trainers[k].step(batches[2 + r])
-            times[k].append(time.process_time() - t)
-    return times
+    return alternated_steps([t.step for t in trainers], batches[2:], args.steps)
 
 
 def _stats(times: list[float]) -> tuple[float, float]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import time
+
 import torch
 from torch import nn
 
@@ -50,6 +52,20 @@ def make_batches(w: Workload, dist: str, count: int, seed: int = 0) -> list[dict
     g = torch.Generator().manual_seed(seed)
     offsets = torch.arange(0, w.batch * w.pooling, w.pooling)
     return [{f: (draw_ids(w, dist, w.batch * w.pooling, g), offsets) for f in w.features} for _ in range(count)]
+
+
+def alternated_steps(steppers: list, batches: list, rounds: int) -> list[list[float]]:
+    """CPU seconds (this process's clock) of each of ``steppers`` (callables taking a batch) over ``rounds`` rounds:
+    one call of each a round, on ``batches[r % len(batches)]``, the order reversed every other round, so that
+    neither side always runs first after the other has warmed or cooled the caches."""
+    times = [[] for _ in steppers]
+    for r in range(rounds):
+        order = range(len(steppers)) if r % 2 == 0 else reversed(range(len(steppers)))
+        for k in order:
+            start = time.process_time()
+            steppers[k](batches[r % len(batches)])
+            times[k].append(time.process_time() - start)
+    return times
 
 
 # ----------------------------------------------------------------------------------------------- implementations

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine_info, parser, print_table, write_json  # noqa: E402
-from train_step_impls import CONTESTANTS, Workload, make_batches  # noqa: E402
+from train_step_impls import CONTESTANTS, Workload, alternated_steps, make_batches  # noqa: E402
 
 # (module, function) of each phase's kernel entry point; the first that a step calls is timed
 PHASES = {
@@ -98,14 +98,15 @@ def main() -> None:
             current[0] = name
             trainer.step(batch)
     spent.clear()
-    steps = {name: [] for name in trainers}
-    for r in range(rounds):
-        order = list(trainers.items()) if r % 2 == 0 else list(reversed(trainers.items()))
-        for name, trainer in order:
-            current[0] = name
-            start = time.process_time()
-            trainer.step(batches[2 + r % 8])
-            steps[name].append(time.process_time() - start)
+
+    def stepper(name, trainer):
+        def step(batch):
+            current[0] = name  # the phases of this step are this contestant's
+            trainer.step(batch)
+        return step
+
+    times = alternated_steps([stepper(n, t) for n, t in trainers.items()], batches[2:], rounds)
+    steps = dict(zip(trainers, times))
     rows, first = [], steps[args.contestants[0]]
     for name, times in steps.items():
         row = {"contestant": name, "step ms (median)": round(1e3 * statistics.median(times), 2),
