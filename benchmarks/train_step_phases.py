@@ -7,10 +7,11 @@ find, stamps written, deferred or settled, pooled forward, fused update); "other
 the head, Python). One process means one machine state for all: the difference between contestants is what their
 code adds, which separate processes, each with its own slow or fast phase, blur (see ``train_step.py``).
 
-Prints ms a step per phase (medians over rounds are for whole steps; phases are means), each contestant's step
-time over the first's, paired round by round, and writes JSON with ``--json PATH``. ``--quick``: a small workload,
-well under a minute. The extra contestant ``dynemb-dyn-by-key`` is ``dynemb-dyn-fused`` with every training lookup
-grouped by key (``lookup._groups_by_row`` off), to measure what grouping by row gives.
+Prints ms a step per phase (each a median over rounds, so they need not add up to the step's median; means let a
+slow first touch of a table's pages skew them), each contestant's step time over the first's, paired round by round,
+and writes JSON with ``--json PATH``. ``--quick``: a small workload, well under a minute. The extra contestant
+``dynemb-dyn-by-key`` is ``dynemb-dyn-fused`` with every training lookup grouped by key (``lookup._groups_by_row``
+off), to measure what grouping by row gives.
 
 Run: ``.venv/bin/python benchmarks/train_step_phases.py [--quick] [--optimizer sgd] [--dist uniform]
 [--repeat 40] [--vocab 1000000] [--contestants dynemb-dyn-fused dynemb-static] [--json PATH]``. ``--vocab``: ids a table
@@ -99,10 +100,18 @@ def main() -> None:
             trainer.step(batch)
     spent.clear()
 
+    per_step = collections.defaultdict(list)  # (contestant, phase) -> CPU seconds of each step
+
     def stepper(name, trainer):
         def step(batch):
             current[0] = name  # the phases of this step are this contestant's
+            before = {phase: spent[(name, phase)] for phase in PHASES}
+            start = time.process_time()
             trainer.step(batch)
+            total = time.process_time() - start
+            for phase in PHASES:
+                per_step[(name, phase)].append(spent[(name, phase)] - before[phase])
+            per_step[(name, "other")].append(total - sum(spent[(name, p)] - before[p] for p in PHASES))
         return step
 
     times = alternated_steps([stepper(n, t) for n, t in trainers.items()], batches[2:], rounds)
@@ -111,12 +120,8 @@ def main() -> None:
     for name, times in steps.items():
         row = {"contestant": name, "step ms (median)": round(1e3 * statistics.median(times), 2),
                "vs first (paired)": round(statistics.median(t / f for t, f in zip(times, first)), 3)}
-        kernels = 0.0
-        for phase in PHASES:
-            ms = 1e3 * spent[(name, phase)] / rounds
-            kernels += ms
-            row[phase] = round(ms, 2)
-        row["other"] = round(1e3 * statistics.mean(times) - kernels, 2)
+        for phase in (*PHASES, "other"):
+            row[phase] = round(1e3 * statistics.median(per_step[(name, phase)]), 2)
         rows.append(row)
     info = machine_info()
     print(f"cpu: {info['cpu_model']}; {w}; {args.optimizer}, {args.dist} ids; threads {args.threads}; "
