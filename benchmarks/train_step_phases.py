@@ -5,7 +5,9 @@ in this one process; steps alternate between them (the order flips every round),
 and of each kernel call inside it is recorded. Kernel calls are timed by wrapping the numba entry points (dedup,
 find, stamps written, deferred or settled, pooled forward, fused update); "other" is the rest of the step (autograd,
 the head, Python). One process means one machine state for all: the difference between contestants is what their
-code adds, which separate processes, each with its own slow or fast phase, blur (see ``train_step.py``).
+code adds, which separate processes, each with its own slow or fast phase, blur (see ``train_step.py``). ``torchrec``
+may join them (its whole step is "other"): TorchRec against dynemb in one process, where ``train_step.py`` keeps
+every contestant in its own.
 
 Prints ms a step per phase (each a median over rounds, so they need not add up to the step's median; means let a
 slow first touch of a table's pages skew them), each contestant's step time over the first's, paired round by round,
@@ -79,7 +81,7 @@ def main() -> None:
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "rowwise_adagrad", "adam"])
     p.add_argument("--dist", default="uniform", choices=["uniform", "zipf"])
     p.add_argument("--contestants", nargs="+", default=["dynemb-dyn-fused", "dynemb-static"],
-                   choices=[c for c in CONTESTANTS if c.startswith("dynemb")] + [BY_KEY])
+                   choices=[c for c in CONTESTANTS if c.startswith("dynemb") or c == "torchrec"] + [BY_KEY])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vocab", type=int, help="ids per table (default 1,000,000; --quick 20,000)")
     args = p.parse_args()
