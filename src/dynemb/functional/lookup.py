@@ -122,11 +122,9 @@ def _find_sorted(table, flat: torch.Tensor, trains: bool
         if not trains:
             rows = table.find_rows(ids.unique)
             return ids, rows, all_nonnegative(rows), None
-        if counts_occurrences(table):  # lfu scores and admission count every occurrence
-            rows, _ = table.find_or_insert(ids.unique, counts=ids.counts)
-        else:
-            rows, _ = table.find_or_insert(ids.unique)
-        stored, id_rows = all_nonnegative(rows), None
+        # lfu scores and admission count every occurrence
+        rows, stored = _found_or_inserted(table, ids.unique, ids.counts if counts_occurrences(table) else None)
+        id_rows = None
     _note_share(table, (ids.starts.numel() - 1) / max(flat.numel(), 1))
     return ids, rows, stored, id_rows
 
@@ -181,12 +179,23 @@ def _find_by_row(table, flat: torch.Tensor, kernels
     each one, as the counts of a deduplicated call do), then the rows are sorted. The forward pools from each id's
     row as found, so the sort skips ``inverse`` (its one pass of random writes). Where some id got no row
     (admission, or more new keys than a bound holds) the ids are grouped by key instead."""
-    id_rows, _ = table.find_or_insert(flat)
-    if not all_nonnegative(id_rows):
+    id_rows, stored = _found_or_inserted(table, flat)
+    if not stored:
         ids = sort_ids(flat, kernels)
         return ids, _first_of_groups(id_rows, ids.order, ids.starts), False, None
     by_row = sort_ids(id_rows, kernels, inverse=False)
     return by_row._replace(unique=None), by_row.unique, True, id_rows  # a row's key: _first_of_groups(flat, ...)
+
+
+def _found_or_inserted(table, keys: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+    """``(rows [N], every key has a row)``: the table's ``find_or_insert`` of checked keys ``[N]`` (``counts``: of
+    each key's occurrences). A plain :class:`KeyValueTable` that found every key says so, so that neither its all-True
+    ``found`` nor a check of the rows is built: on a small batch each costs more than the kernel that finds them."""
+    if type(table) is KeyValueTable:
+        rows, found = table._find_or_insert(keys, counts=counts)
+        return rows, found is None or all_nonnegative(rows)
+    rows, _ = table.find_or_insert(keys) if counts is None else table.find_or_insert(keys, counts=counts)
+    return rows, all_nonnegative(rows)
 
 
 def _first_of_groups(values: torch.Tensor, order: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
@@ -223,9 +232,16 @@ def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, chec
 
 
 
+def _anchor(table) -> torch.Tensor:
+    """The differentiable input of a lookup's autograd Function (the table is no tensor): the table's op anchor
+    when it has one (:func:`~dynemb.functional.ops.anchor_of`: made once, where a new leaf a call costs
+    microseconds), else a new leaf."""
+    return anchor_of(table) if table.op_handle is not None else torch.empty(0, requires_grad=True)
+
+
 def _rows_tensor(table, unique: torch.Tensor, rows: torch.Tensor, trains: bool) -> torch.Tensor:
     if trains:
-        return TableRows.apply(torch.empty(0, requires_grad=True), table, unique, rows)
+        return TableRows.apply(_anchor(table), table, unique, rows)
     return read_rows(table, unique, rows)
 
 
@@ -363,7 +379,7 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
         return split_combine(summed, bag_sets)
     denom = combine_denoms(bag_sets, table.dtype, table.device)
     if trains:
-        pooled = _TablePool.apply(torch.empty(0, requires_grad=True), table, sorted_ids.unique, rows,
+        pooled = _TablePool.apply(_anchor(table), table, sorted_ids.unique, rows,
                                   sorted_ids.inverse, sorted_ids.order, sorted_ids.starts, offsets, weights, denom,
                                   flat, id_rows)
     else:
@@ -391,7 +407,7 @@ def _static_pooled_lookup(embedding, table: StaticTable, ids: torch.Tensor, bag_
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
     denom = combine_denoms(bag_sets, table.dtype, table.device)
     if _trains(embedding, table, training):
-        pooled = _StaticPool.apply(torch.empty(0, requires_grad=True), table, flat, offsets, weights, denom)
+        pooled = _StaticPool.apply(_anchor(table), table, flat, offsets, weights, denom)
     else:
         pooled = _static_pool(table, flat, offsets, weights, denom)
     return split_bags(pooled, bag_sets)

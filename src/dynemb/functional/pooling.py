@@ -256,7 +256,8 @@ def concat_bags(bag_sets: list[BagSet], dtype: torch.dtype, device) -> tuple[tor
     starts = [0]
     for s in bag_sets[:-1]:
         starts.append(starts[-1] + s.num_ids)
-    shifted = [s.offsets + start for s, start in zip(bag_sets, starts)]  # new tensors: autograd keeps them
+    # new tensors (autograd keeps them; the caller may reuse its buffers); a clone costs half an add
+    shifted = [s.offsets + start if start else s.offsets.clone() for s, start in zip(bag_sets, starts)]
     offsets = shifted[0] if len(shifted) == 1 else torch.cat(shifted)
     if all(s.weights is None for s in bag_sets):
         return offsets, None

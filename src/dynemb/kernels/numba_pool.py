@@ -18,7 +18,6 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .numba_index import _mix64
 from .numba_math import fma, prefetch_row, prefetch_row_for_write
@@ -48,9 +47,9 @@ def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor | None,
     """``[B, D]`` pooled rows: see the ``pool`` contract in :mod:`dynemb.kernels.dispatch`. With a torch built
     with fbgemm, its ``embedding_bag`` over the ids' rows (fbgemm's JIT kernels: 20-30% faster than
     :func:`_pool_kernel` on 82k ids of a 1M-row table, same bits), else the numba kernel."""
-    if USE_TORCH_BAG:
-        summed = F.embedding_bag(rows if inverse is None else rows.index_select(0, inverse), values, offsets,
-                                 mode="sum", per_sample_weights=weights)
+    if USE_TORCH_BAG:  # the op under F.embedding_bag, whose Python checks cost more than 16 ids' pooling
+        summed = torch.embedding_bag(values, rows if inverse is None else rows.index_select(0, inverse), offsets,
+                                     False, 0, False, weights, False, None)[0]
         return summed if denom is None else summed.div_(denom.unsqueeze(1))
     out = np.empty((offsets.numel(), values.shape[1]), np.float32)
     _pool_kernel(values.numpy(), rows.numpy(), _NONE_I if inverse is None else inverse.numpy(), offsets.numpy(),

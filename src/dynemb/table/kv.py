@@ -214,37 +214,47 @@ class KeyValueTable(RowStore):
                 got = f"{counts.dtype} {tuple(counts.shape)}" if isinstance(counts, torch.Tensor) else type(counts)
                 raise TypeError(f"counts must be an int64 tensor of shape {tuple(keys.shape)}, got {got}")
             counts = counts.reshape(-1).to(self.device)
+        rows, found = self._find_or_insert(flat, custom, counts)
+        if found is None:
+            found = torch.ones_like(rows, dtype=torch.bool)
+        if keys.dim() == 1:  # a view costs microseconds, paid by every table on every step
+            return rows, found
+        return rows.view(keys.shape), found.view(keys.shape)
+
+    def _find_or_insert(self, flat: torch.Tensor, custom: torch.Tensor | None = None,
+                        counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`find_or_insert` of checked keys ``[N]``: ``(rows [N], found [N])``, with ``found`` None when every
+        key was present (then every row is >= 0). A training lookup of a plain table calls this directly: on a
+        small batch, building the all-True ``found`` and checking the rows again cost more than the kernel."""
         ti = fused.kernels(self)
         one_launch = fused.find_or_insert(self, ti, flat) if ti is not None else None
         if one_launch is not None:  # triton, room for every key: find, insert, number and initialize at once
             rows, found = one_launch
             self._touch(rows, custom, counts)
-            return rows.view(keys.shape), found.view(keys.shape)
+            return rows, found
         rows, all_found = self.index.find_all(flat)
-        found = torch.ones_like(rows, dtype=torch.bool) if all_found else rows >= 0
         if all_found:  # no user code runs (initializer, on_evict): nothing to put back; every row is valid
             self.clock += 1
             self._touch(rows, custom, counts)
-        else:
-            with self._restored_on_error():
-                self.clock += 1
-                miss = (~found).nonzero().squeeze(1)
-                missed = flat.index_select(0, miss)
-                new_keys, hashes, _, inverse = unique_by_hash(missed)
-                if self.admission is None:
-                    new_rows = self._insert_missing(new_keys, pinned=rows[found], hashes=hashes)
-                else:
-                    missed_counts = counts.index_select(0, miss) if counts is not None else None
-                    admitted = self.admission.admit(missed, new_keys, missed_counts)
-                    new_rows = torch.full_like(new_keys, -1, dtype=torch.int64)
-                    new_rows[admitted] = self._insert_missing(
-                        new_keys[admitted], pinned=rows[found], hashes=hashes[admitted]
-                    )
-                rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
-            self._touch_valid(rows, custom, counts)
-        if keys.dim() == 1:  # a view costs microseconds, paid by every table on every step
-            return rows, found
-        return rows.view(keys.shape), found.view(keys.shape)
+            return rows, None
+        found = rows >= 0
+        with self._restored_on_error():
+            self.clock += 1
+            miss = (~found).nonzero().squeeze(1)
+            missed = flat.index_select(0, miss)
+            new_keys, hashes, _, inverse = unique_by_hash(missed)
+            if self.admission is None:
+                new_rows = self._insert_missing(new_keys, pinned=rows[found], hashes=hashes)
+            else:
+                missed_counts = counts.index_select(0, miss) if counts is not None else None
+                admitted = self.admission.admit(missed, new_keys, missed_counts)
+                new_rows = torch.full_like(new_keys, -1, dtype=torch.int64)
+                new_rows[admitted] = self._insert_missing(
+                    new_keys[admitted], pinned=rows[found], hashes=hashes[admitted]
+                )
+            rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
+        self._touch_valid(rows, custom, counts)
+        return rows, found
 
     def insert_or_assign(
         self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None = None
