@@ -128,3 +128,31 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="offsets"):
         embedding_lookup_sparse(emb, KEYS[:2])
     assert len(emb) == 0
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_refilled_id_buffer_trains_the_ids_of_the_forward(static):
+    """A data loader that refills its id buffer before the backward: the update goes to the forward's ids, on a
+    static table as on a dynamic one (found by review: the static lookup kept the caller's tensor for its backward,
+    and autograd refused the refilled one)."""
+    tables = []
+    for refill in (False, True):
+        config = dynemb.TableConfig(name="t", dim=3, vocabulary_size=10 if static else None, seed=5,
+                                    optimizer=dynemb.optim.SGD(lr=1.0, fused=True))
+        ec = dynemb.EmbeddingCollection([config], [dynemb.FeatureConfig(name="f", table="t")])
+        buffer = torch.tensor([1, 2, 2, 7])
+        out = ec({"f": (buffer, torch.tensor([0, 2]))})
+        if refill:
+            buffer.copy_(torch.tensor([3, 4, 5, 6]))
+        out["f"].sum().backward()
+        ec.eval()
+        tables.append(ec({"f": (torch.arange(10), torch.arange(10))})["f"])  # every id's row
+    assert torch.equal(*tables)
+
+
+def test_a_static_tables_rows_are_not_the_callers_ids():
+    table = dynemb.StaticEmbedding(10, 2).table
+    ids = torch.tensor([3, 4])
+    rows = table.find_rows(ids)
+    rows += 1
+    assert ids.tolist() == [3, 4]

@@ -430,7 +430,8 @@ class _StaticPool(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, table, ids, offsets, weights, denom):
         ctx.table = table
-        ctx.save_for_backward(ids, offsets, weights, denom)
+        # the ids copied (a sequential pass): they may be the caller's buffer, refilled before the backward
+        ctx.save_for_backward(ids.clone(), offsets, weights, denom)
         return _static_pool(table, ids, offsets, weights, denom)
 
     @staticmethod

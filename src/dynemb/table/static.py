@@ -78,7 +78,8 @@ class StaticTable(RowColumns):
         return keys.to(torch.int64)
 
     def find_rows(self, keys: torch.Tensor) -> torch.Tensor:
-        return self.check_ids(keys).to(torch.int64).view(keys.shape)
+        # a copy: the rows are the ids, and a caller writing to the rows must not change its keys
+        return self.check_ids(keys).to(torch.int64, copy=True).view(keys.shape)
 
     def find_or_insert(self, keys: torch.Tensor, scores=None):
         rows = self.find_rows(keys)
