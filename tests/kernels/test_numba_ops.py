@@ -5,6 +5,8 @@ duplicate ids, empty bags, weights and every optimizer kind. Equality is exact (
 
 from __future__ import annotations
 
+import math
+
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -369,7 +371,7 @@ def test_counting_policies_give_the_same_bits_through_the_kernels(policy, seed, 
                                                                   half_life, epoch):
     """An access of a large batch under lfu, epoch_lfu and decayed_lfu (duplicate rows, counts or none; decayed
     scores near ``now`` and far on either side of it, epoch scores of this epoch and others) gives the torch
-    path's scores bit for bit: the kernels gather, the same torch arithmetic runs on the same positions."""
+    path's scores bit for bit: the kernels gather, the same arithmetic runs (decayed: ``decayed_scores``)."""
     g = torch.Generator().manual_seed(seed)
     if policy is EvictionPolicy.DECAYED_LFU:
         scores = round(clock / half_life * 65536) + torch.randint(-spread, spread, (size,), generator=g)
@@ -445,3 +447,29 @@ def test_scatter_equals_index_copy_and_writes_nothing_for_rows_out_of_range(seed
         with use_backend("numba"):
             scatter_rows(got, rows, src)
         assert torch.equal(got, values.clone().index_copy_(0, rows, src))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), size=st.integers(1, 3000), now=st.integers(0, 2**45),
+       spread=st.sampled_from([1 << 10, 1 << 22, 1 << 40, 1 << 62]), chunk=st.integers(1, 40))
+def test_decayed_scores_are_the_same_bits_at_any_position_on_both_paths(seed, size, now, spread, chunk):
+    """A row's new decayed_lfu score depends on its old score and count alone: not on where the batch puts it (the
+    dedup orders keys differently by backend and by rank count) nor on the batch's length, and the kernel gives the
+    torch ops' bits. torch's own exp2/log2 did not: an element in a vector's tail rounded differently."""
+    from dynemb.table import policy
+
+    g = torch.Generator().manual_seed(seed)
+    old = (now + torch.randint(-spread, spread // 64 + 1, (size,), generator=g)).clamp(-2**63, 2**63 - 1)
+    n = torch.randint(1, 100, (size,), generator=g)
+    with use_backend("torch"):
+        ref = policy._decayed(old, n, now)
+        perm = torch.randperm(size, generator=g)
+        assert torch.equal(policy._decayed(old[perm], n[perm], now), ref[perm])
+        assert torch.equal(torch.cat([policy._decayed(old[i:i + chunk], n[i:i + chunk], now)
+                                      for i in range(0, size, chunk)]), ref)
+    assert torch.equal(POOL.decayed_scores(old, n, now, policy.DECAY_MATH), ref)
+    assert torch.equal(POOL.decayed_scores(old[perm], n[perm], now, policy.DECAY_MATH), ref[perm])
+    for i in torch.randint(0, size, (8,), generator=g).tolist():  # float reference: within a fixed-point unit
+        d = (int(old[i]) - now) / 65536
+        want = int(old[i]) if d > 60 else now + math.log2(2 ** max(d, -1000) + int(n[i])) * 65536
+        assert abs(int(ref[i]) - want) <= 0.5 + 1e-6 * (d > 60)

@@ -357,3 +357,28 @@ def test_stamps_stay_interleaved_when_a_byte_budget_or_a_fast_tier_resizes_the_c
         tiered.find_or_insert(keys)  # past the fast tier: rows move down, the fast tier is sized to its budget
         assert _interleaved(tiered)
         assert sorted(tiered.export().keys.tolist()) == sorted(keys.unique().tolist())
+
+
+def test_decayed_lfu_evicts_the_same_key_on_both_backends_whatever_the_dedup_order():
+    """Wide-span (hashed) ids: the numba dedup orders a batch's keys by first occurrence, the torch one ascending,
+    so a key sits at different positions of the score arithmetic. Found by review: a score one unit apart, and a
+    different key evicted."""
+    import dynemb
+    from dynemb.functional import embedding_lookup_sparse
+    from dynemb.table.rows import Rows
+
+    first = 2**62  # the largest key of the batch, which comes first: last in ascending order
+    batch = torch.tensor([first] + [-(2**62) + 7 * i for i in range(16)])
+    results = []
+    for backend in ("numba", "torch"):
+        with use_backend(backend):
+            emb = dynemb.DynamicEmbedding(2, seed=1, eviction="decayed_lfu", half_life=16)
+            dynemb.optim.SGD([emb], lr=0.1, fused=True)
+            keys = torch.cat([torch.tensor([5]), batch])  # 5: not in the batch, scored just above the first key
+            scores = torch.tensor([4442440, 4439985] + [4600000] * 16)
+            emb.table.replace(Rows(keys, torch.zeros(18, 2), scores, {}))
+            emb.table.clock = 999
+            embedding_lookup_sparse(emb, batch, torch.tensor([0]), combiner="sum").sum().backward()
+            got = emb.table.export()
+            results.append((got.keys.tolist(), got.scores.tolist(), emb.table.evict(1).keys.tolist()))
+    assert results[0] == results[1]

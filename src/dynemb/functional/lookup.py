@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..table import EvictionPolicy, KeyValueTable
+from ..table import KeyValueTable
 from ..table.checks import check_keys
 from ..table.ops import all_nonnegative
 from ..table.static import StaticTable
@@ -157,12 +157,9 @@ def _can_group_by_row(table) -> bool:
     key. Only a plain :class:`KeyValueTable` (its ``find_or_insert`` takes repeated keys; a tiered table would
     count every occurrence as a hit and move rows down for them; the table protocol asks for distinct keys), on
     CPU with the numba or torch kernels (the only place it was measured; Triton's one-launch insert sizes its
-    headroom by the keys passed), and not under ``decayed_lfu``, whose float score arithmetic over every occurrence
-    rounds differently from the same over each distinct key with its count (an element's place in a vector decides
-    whether a vectorized or a scalar ``exp2``/``log2`` computes it: a score one fixed-point unit off, found by
-    review)."""
+    headroom by the keys passed). ``decayed_lfu`` groups by row too: its score of a row is the same bits whatever
+    the row's place in the batch (:func:`~dynemb.table.policy._decayed`)."""
     return type(table) is KeyValueTable and table.device.type == "cpu" \
-        and table.policy is not EvictionPolicy.DECAYED_LFU \
         and resolve_backend(table.backend, table.device) is not Backend.TRITON
 
 

@@ -78,6 +78,10 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
   ``column[rows[j]]`` at each last occurrence (``values=before`` restores the column). How
   :func:`~dynemb.table.policy.touch_scores` applies an ``lfu``, ``epoch_lfu`` or ``decayed_lfu`` access of a
   large batch.
+- ``decayed_scores(old [N] int64, n [N] int64, now: int, constants) -> [N] int64`` (optional: a module without it
+  leaves it to the torch ops of :func:`~dynemb.table.policy._decayed`): the ``decayed_lfu`` scores of rows scored
+  ``old`` accessed ``n >= 1`` times at fixed-point time ``now``, with the arithmetic and the ``constants``
+  (:data:`~dynemb.table.policy.DECAY_MATH`) of the torch ops, bit for bit.
 - ``scatter(values [R, D] float32, rows [N], src [N, D]) -> bool`` (optional: a module without it leaves it to
   ``index_copy_``): ``values[rows[i]] = src[i]`` for unique ``rows`` and True when every ``0 <= rows[i] < R``,
   else False with nothing written; how :func:`~dynemb.table.ops.scatter_rows` fills rows reused after eviction.

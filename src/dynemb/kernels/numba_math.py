@@ -7,7 +7,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["fma", "prefetch_row", "prefetch_row_for_write"]
+__all__ = ["bits_float", "float_bits", "fma", "prefetch_row", "prefetch_row_for_write"]
 
 
 @intrinsic
@@ -24,6 +24,25 @@ def fma(typingctx, a, b, c):
         return builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t, t, t]), name), args)
 
     return a(a, b, c), codegen
+
+
+def _bitcaster(src, dst):
+    def cast(typingctx, x):
+        if x != src:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(dst))
+
+        return dst(src), codegen
+
+    return intrinsic(cast)
+
+
+#: ``float_bits(x)``: the bits of a float64 as an int64, and ``bits_float(i)`` back (what ``view`` does to arrays);
+#: exact, and unlike ``math.frexp``/``math.ldexp`` (libm calls) they leave a loop free to vectorize.
+float_bits = _bitcaster(types.float64, types.int64)
+bits_float = _bitcaster(types.int64, types.float64)
 
 
 def _prefetcher(write: int):

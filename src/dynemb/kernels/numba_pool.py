@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .numba_index import _mix64
-from .numba_math import fma, prefetch_row, prefetch_row_for_write
+from .numba_math import bits_float, float_bits, fma, prefetch_row, prefetch_row_for_write
 
 __all__ = ["bag_of", "dedup", "fill_pair", "fill_rows", "gather", "grouped_bags", "mark_rows", "offsets_valid", "pool",
            "row_grad", "rows_current", "lowest_rows", "scatter", "settle_marks", "sum_rows", "touch_counts",
@@ -193,6 +193,15 @@ def touch_counts(column: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor 
     ok = _touch_counts_kernel(_as_rows(column), rows.numpy(), _NONE_I if counts is None else counts.numpy(),
                               before, total, last)
     return (torch.from_numpy(before), torch.from_numpy(total), torch.from_numpy(last)) if ok else None
+
+
+def decayed_scores(old: torch.Tensor, n: torch.Tensor, now: int, constants) -> torch.Tensor:
+    """``[N]`` int64 decayed_lfu scores of rows scored ``old`` accessed ``n`` times at fixed-point time ``now``: see
+    the optional ``decayed_scores`` of the ``pool`` contract. One pass, every operation as the torch reference's."""
+    out = np.empty(old.numel(), np.int64)
+    _decayed_kernel(old.contiguous().numpy(), n.contiguous().numpy(), now, np.asarray(constants.exp2),
+                    np.asarray(constants.log2), constants.sqrt_half, out)
+    return torch.from_numpy(out)
 
 
 def write_last(column: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, last: torch.Tensor) -> None:
@@ -399,6 +408,55 @@ def _lowest_kernel(scores, k, pinned):
     out[:nb] = found
     out[nb:] = tied[: k - nb]
     return out
+
+
+_MAGIC = 6755399441055744.0  # 1.5 * 2**52: an integer |i| < 2**51 added to it sits in the low bits of its mantissa
+_MAGIC_BITS = 0x4338000000000000  # its bits
+_DECAY_CHUNK = 256  # rows a pass at a time: the chunk's float64 scratch stays in L1
+
+
+@numba.njit(nogil=True, cache=True)
+def _decayed_kernel(old, n, now, exp2, log2, sqrt_half, out):
+    # policy._decayed, its torch ops pass by pass over a chunk, so that each pass vectorizes (one loop over all the
+    # steps of a row ran at a third of the speed: the polynomials are chains of dependent operations). numba fuses
+    # no multiply-add (no fastmath), so each operation rounds as torch's does; int64/float64 conversions (none in
+    # AVX2) are bit operations, exact in the ranges the clamps keep.
+    span, mantissa, half_exponent = np.int64(1) << 50, (np.int64(1) << 52) - 1, np.int64(1022) << 52
+    d, f, p, a, b = np.empty(_DECAY_CHUNK), np.empty(_DECAY_CHUNK), np.empty(_DECAY_CHUNK), np.empty(_DECAY_CHUNK), \
+        np.empty(_DECAY_CHUNK)
+    top, last = exp2[exp2.shape[0] - 1], log2[log2.shape[0] - 1]
+    for lo in range(0, old.shape[0], _DECAY_CHUNK):
+        size = min(_DECAY_CHUNK, old.shape[0] - lo)
+        for i in range(size):
+            diff = old[lo + i] - now
+            diff = -span if diff < -span else (span if diff > span else diff)  # selects: min/max branch on NaN
+            di = (bits_float(diff + _MAGIC_BITS) - _MAGIC) / 65536.0
+            c = -1000.0 if di < -1000.0 else (60.0 if di > 60.0 else di)
+            k = np.rint(c)
+            d[i], a[i], f[i], p[i] = di, k, c - k, top  # each loop writes its arrays and reads locals or others
+
+        for j in range(exp2.shape[0] - 2, -1, -1):
+            c = exp2[j]  # hoisted by hand: LLVM cannot tell that p does not alias the coefficients
+            for i in range(size):
+                p[i] = p[i] * f[i] + c  # p = 2**f
+        for i in range(size):
+            two_k = bits_float((float_bits(a[i] + _MAGIC) - _MAGIC_BITS + 1023) << 52)
+            count = span if n[lo + i] > span else n[lo + i]
+            x = p[i] * two_k + (bits_float(count + _MAGIC_BITS) - _MAGIC)
+            bits = float_bits(x)  # x >= 1: x = m * 2**e with m in [0.5, 1), as frexp
+            m = bits_float((bits & mantissa) | half_exponent)
+            e = bits_float((bits >> 52) - 1022 + _MAGIC_BITS) - _MAGIC
+            low = m < sqrt_half
+            m = m * 2.0 if low else m
+            t = (m - 1.0) / (m + 1.0)
+            a[i], f[i], b[i], p[i] = e - 1.0 if low else e, t, t * t, last
+        for j in range(log2.shape[0] - 2, -1, -1):
+            c = log2[j]
+            for i in range(size):
+                p[i] = p[i] * b[i] + c  # q
+        for i in range(size):
+            new = float_bits((a[i] + f[i] * p[i]) * 65536.0 + _MAGIC) - _MAGIC_BITS + now  # rint, as an integer
+            out[lo + i] = old[lo + i] if d[i] > 60.0 else new
 
 
 @numba.njit(nogil=True, cache=True)

@@ -32,9 +32,12 @@ does not change their order. ``half_life=inf``-like values make it ``lfu``; smal
 from __future__ import annotations
 
 import enum
+import math
+from typing import NamedTuple
 
 import torch
 
+from ..kernels.dispatch import pool_kernels
 from .ops import column_kernel, fill_rows, last_occurrence
 
 __all__ = ["EvictionPolicy", "fill_score", "touch_scores", "DEFAULT_HALF_LIFE", "DEFAULT_BOUNDED"]
@@ -159,12 +162,55 @@ def _touch_decayed(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tenso
 
 
 def _decayed(old: torch.Tensor, n: torch.Tensor, now_fixed: int) -> torch.Tensor:
-    """The new fixed-point score of rows scored ``old`` (``[N]`` int64) accessed ``n`` times now."""
-    d = (old - now_fixed).to(torch.float32).div_(_DECAY_SCALE)
+    """The new fixed-point score of rows scored ``old`` (``[N]`` int64) accessed ``n`` times now (``[N]`` int64,
+    >= 1): ``now + log2(2**(old - now) + n)``, in the arithmetic of :data:`DECAY_MATH`. The pool kernels'
+    ``decayed_scores`` computes it where the default backend has them, else these torch ops, with the same bits.
+
+    Every step is an IEEE operation rounded once (or exact: ``frexp``, ``ldexp``), so an element's result does not
+    depend on its position: torch's ``exp2``/``log2`` round an element in a vector's tail (scalar libm) differently
+    from one in its body (SIMD), and the dedup order of a batch, which differs between backends and between 1 and N
+    ranks, then moved scores by a unit and changed which row is evicted (found by review).
+    """
+    kernel = getattr(pool_kernels(None, old.device), "decayed_scores", None)
+    if kernel is not None:
+        return kernel(old, n, now_fixed, DECAY_MATH)
+    exp2, log2 = DECAY_MATH.exp2, DECAY_MATH.log2
+    span = 1 << 50  # exact in float64 either way; the kernel converts by bit operations, exact below 2**51
+    d = (old - now_fixed).clamp(-span, span).to(torch.float64) / _DECAY_SCALE
     stays = d > 60.0  # above 2**60 the n added is below the fixed point's resolution: the score stays
-    # In place where it can be: a fresh [N] tensor per op costs as much as the op (78k rows).
-    added = d.clamp_(max=60.0).exp2_().add_(n).log2_().mul_(_DECAY_SCALE).round_()
-    return torch.where(stays, old, added.to(torch.int64).add_(now_fixed))
+    d = d.clamp(-1000.0, 60.0)  # 2**-1000 + n is n: the row's history is gone
+    k = d.round()  # half to even, as numpy's rint
+    f = d - k  # exact, |f| <= 0.5
+    p = torch.full_like(f, exp2[-1])
+    for c in exp2[-2::-1]:
+        p = p * f + c  # two roundings, as the kernel's (no fused multiply-add)
+    x = p * ((k.to(torch.int64) + 1023) << 52).view(torch.float64) + n.clamp(max=span).to(torch.float64)  # exact
+    m, e = torch.frexp(x)  # x = m * 2**e, m in [0.5, 1)
+    low = m < DECAY_MATH.sqrt_half
+    m = torch.where(low, m * 2.0, m)  # m in [sqrt(1/2), sqrt(2)): |t| <= 0.172
+    e = e.to(torch.float64) - low.to(torch.float64)
+    t = (m - 1.0) / (m + 1.0)
+    t2 = t * t
+    q = torch.full_like(t, log2[-1])
+    for c in log2[-2::-1]:
+        q = q * t2 + c
+    added = ((e + t * q) * _DECAY_SCALE).round().to(torch.int64) + now_fixed
+    return torch.where(stays, old, added)
+
+
+class _DecayMath(NamedTuple):
+    """The constants of :func:`_decayed`'s arithmetic, passed to the kernel so that both use the same ones:
+    ``2**f = sum(exp2[i] * f**i)`` for ``|f| <= 0.5`` (Taylor, ``ln2**i / i!``) and ``log2(m) = t * sum(log2[i]
+    * t**(2 i))`` with ``t = (m - 1) / (m + 1)`` (``2 / ((2 i + 1) ln 2)``, ``|t| <= 0.172``). The first terms left
+    out are below ``3e-13`` and ``7e-13``: under ``1e-7`` of a fixed-point unit."""
+
+    exp2: tuple
+    log2: tuple
+    sqrt_half: float
+
+
+DECAY_MATH = _DecayMath(tuple(math.log(2) ** i / math.factorial(i) for i in range(11)),
+                        tuple(2.0 / ((2 * i + 1) * math.log(2)) for i in range(7)), math.sqrt(0.5))
 
 
 _COUNTED = {  # the new score of a counting policy from the old one and the row's accesses: see _touch_counted
