@@ -412,3 +412,36 @@ def test_cuda_module_accepts_tensors_on_the_default_cuda_device(key_dtype, cuda_
     assert emb(ids).device == ids.device
     emb.upsert(ids, torch.ones(2, 4, device="cuda:0"))
     assert emb.contains(ids).all()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("static", [False, True])
+def test_a_copied_module_trains_once_its_original_is_gone(how, static):
+    """A copy carries its original's table handle; its lookups must not need the original's anchor (found by
+    review: a KeyError once the original was collected, or in a fresh process)."""
+    import copy
+    import gc
+    import io
+
+    def make():
+        emb = StaticEmbedding(10, 4, seed=1) if static else DynamicEmbedding(4, seed=1)
+        dynemb.optim.SGD([emb], lr=0.5, fused=True)
+        return emb
+
+    def train(emb):
+        out = emb(torch.tensor([[1, 2], [3, 3]])).sum()
+        out.backward()
+        return emb(torch.tensor([1, 2, 3])).detach()
+
+    want = train(make())
+    emb = make()
+    if how == "deepcopy":
+        twin = copy.deepcopy(emb)
+    else:
+        buffer = io.BytesIO()
+        torch.save(emb, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)  # our own bytes, written just above
+    del emb
+    gc.collect()
+    assert torch.equal(train(twin), want)

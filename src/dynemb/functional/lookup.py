@@ -20,7 +20,7 @@ from ..table.ops import all_nonnegative
 from ..table.static import StaticTable
 from ..kernels.dispatch import Backend, pool_kernels, resolve_backend
 from .grads import PooledGrad, TableRows, deliver_gradient, deliver_pooled_gradient, read_rows, table_kernels
-from .ops import anchor_of, pooled_lookup_op
+from .ops import anchor_of, eager_anchor, pooled_lookup_op
 from .pooling import (BagSet, BagSum, bag_of, bag_sum_grad, check_combiner, combine_denoms, concat_bags, pool,
                       split_bags, split_combine, to_bags)
 
@@ -229,16 +229,9 @@ def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, chec
 
 
 
-def _anchor(table) -> torch.Tensor:
-    """The differentiable input of a lookup's autograd Function (the table is no tensor): the table's op anchor
-    when it has one (:func:`~dynemb.functional.ops.anchor_of`: made once, where a new leaf a call costs
-    microseconds), else a new leaf."""
-    return anchor_of(table) if table.op_handle is not None else torch.empty(0, requires_grad=True)
-
-
 def _rows_tensor(table, unique: torch.Tensor, rows: torch.Tensor, trains: bool) -> torch.Tensor:
     if trains:
-        return TableRows.apply(_anchor(table), table, unique, rows)
+        return TableRows.apply(eager_anchor(table), table, unique, rows)
     return read_rows(table, unique, rows)
 
 
@@ -376,7 +369,7 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
         return split_combine(summed, bag_sets)
     denom = combine_denoms(bag_sets, table.dtype, table.device)
     if trains:
-        pooled = _TablePool.apply(_anchor(table), table, sorted_ids.unique, rows,
+        pooled = _TablePool.apply(eager_anchor(table), table, sorted_ids.unique, rows,
                                   sorted_ids.inverse, sorted_ids.order, sorted_ids.starts, offsets, weights, denom,
                                   flat, id_rows)
     else:
@@ -404,7 +397,7 @@ def _static_pooled_lookup(embedding, table: StaticTable, ids: torch.Tensor, bag_
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
     denom = combine_denoms(bag_sets, table.dtype, table.device)
     if _trains(embedding, table, training):
-        pooled = _StaticPool.apply(_anchor(table), table, flat, offsets, weights, denom)
+        pooled = _StaticPool.apply(eager_anchor(table), table, flat, offsets, weights, denom)
     else:
         pooled = _static_pool(table, flat, offsets, weights, denom)
     return split_bags(pooled, bag_sets)

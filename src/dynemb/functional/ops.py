@@ -23,7 +23,7 @@ from ..table.ops import all_nonnegative
 from .grads import deliver_gradient, read_rows
 from .pooling import bag_sum_grad
 
-__all__ = ["register_table", "pooled_lookup_op", "anchor_of"]
+__all__ = ["register_table", "pooled_lookup_op", "anchor_of", "eager_anchor"]
 
 _TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _ANCHORS: dict[int, torch.Tensor] = {}
@@ -38,6 +38,16 @@ def register_table(table) -> int:
         _ANCHORS[table.op_handle] = torch.empty(0, requires_grad=True)
         weakref.finalize(table, _ANCHORS.pop, table.op_handle, None)
     return table.op_handle
+
+
+def eager_anchor(table) -> torch.Tensor:
+    """The differentiable input of an eager lookup of ``table``: its op anchor when ``table`` holds its handle
+    (made once, where a new leaf costs microseconds a call), else a new leaf. A copied or unpickled table carries
+    its original's handle, whose anchor is another table's or gone (found by review: a ``KeyError``)."""
+    handle = table.op_handle
+    if handle is not None and _TABLES.get(handle) is table:
+        return _ANCHORS[handle]
+    return torch.empty(0, requires_grad=True)
 
 
 def anchor_of(table) -> torch.Tensor:
