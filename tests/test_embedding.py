@@ -442,6 +442,9 @@ def test_a_copied_module_trains_once_its_original_is_gone(how, static):
         torch.save(emb, buffer)
         buffer.seek(0)
         twin = torch.load(buffer, weights_only=False)  # our own bytes, written just above
+    from dynemb.functional.ops import is_registered
+
+    assert is_registered(twin.table) and twin.table.op_handle != emb.table.op_handle  # compiled ops reach the copy
     del emb
     gc.collect()
     assert torch.equal(train(twin), want)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .functional.ops import register_table
+from .functional.ops import is_registered, register_table
 from .table import EvictionPolicy, KeyValueTable, Rows, TieredTable, Tiers
 from .table.admission import FrequencyAdmission
 from .table.static import StaticTable
@@ -36,6 +36,15 @@ class _TableModule(nn.Module):
             t.to(probe.device)
         t.cast(dtype)
         return super()._apply(fn, recurse)
+
+    def __setstate__(self, state) -> None:
+        # A copy (deepcopy, pickle, torch.load) holds a copy of the table, which carries its original's handle:
+        # the compiled ops would reach the original through it. The copied table gets a handle of its own.
+        super().__setstate__(state)
+        table = self.__dict__.get("table")
+        if table is not None and table.op_handle is not None and not is_registered(table):
+            table.op_handle = None
+            register_table(table)
 
     def requires_grad_(self, requires_grad: bool = True) -> "_TableModule":
         """Freeze (``False``) or unfreeze the table, as ``nn.Module.requires_grad_`` does its Parameters.

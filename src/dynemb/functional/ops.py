@@ -23,7 +23,7 @@ from ..table.ops import all_nonnegative
 from .grads import deliver_gradient, read_rows
 from .pooling import bag_sum_grad
 
-__all__ = ["register_table", "pooled_lookup_op", "anchor_of", "eager_anchor"]
+__all__ = ["register_table", "is_registered", "pooled_lookup_op", "anchor_of", "eager_anchor"]
 
 _TABLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _ANCHORS: dict[int, torch.Tensor] = {}
@@ -40,14 +40,16 @@ def register_table(table) -> int:
     return table.op_handle
 
 
+def is_registered(table) -> bool:
+    """Whether ``table`` holds a handle of its own: a table copied or unpickled alone carries its original's."""
+    return table.op_handle is not None and _TABLES.get(table.op_handle) is table
+
+
 def eager_anchor(table) -> torch.Tensor:
     """The differentiable input of an eager lookup of ``table``: its op anchor when ``table`` holds its handle
-    (made once, where a new leaf costs microseconds a call), else a new leaf. A copied or unpickled table carries
-    its original's handle, whose anchor is another table's or gone (found by review: a ``KeyError``)."""
-    handle = table.op_handle
-    if handle is not None and _TABLES.get(handle) is table:
-        return _ANCHORS[handle]
-    return torch.empty(0, requires_grad=True)
+    (made once, where a new leaf costs microseconds a call), else a new leaf. A table copied or unpickled alone
+    carries its original's handle, whose anchor is another table's or gone (found by review: a ``KeyError``)."""
+    return _ANCHORS[table.op_handle] if is_registered(table) else torch.empty(0, requires_grad=True)
 
 
 def anchor_of(table) -> torch.Tensor:
