@@ -183,7 +183,7 @@ def _decayed(old: torch.Tensor, n: torch.Tensor, now_fixed: int) -> torch.Tensor
     f = d - k  # exact, |f| <= 0.5
     p = torch.full_like(f, exp2[-1])
     for c in exp2[-2::-1]:
-        p = p * f + c  # two roundings, as the kernel's (no fused multiply-add)
+        p.mul_(f).add_(c)  # two roundings, as the kernel's (no fused multiply-add); in place: no [N] tensor a step
     x = p * ((k.to(torch.int64) + 1023) << 52).view(torch.float64) + n.clamp(max=span).to(torch.float64)  # exact
     m, e = torch.frexp(x)  # x = m * 2**e, m in [0.5, 1)
     low = m < DECAY_MATH.sqrt_half
@@ -193,7 +193,7 @@ def _decayed(old: torch.Tensor, n: torch.Tensor, now_fixed: int) -> torch.Tensor
     t2 = t * t
     q = torch.full_like(t, log2[-1])
     for c in log2[-2::-1]:
-        q = q * t2 + c
+        q.mul_(t2).add_(c)
     added = ((e + t * q) * _DECAY_SCALE).round().to(torch.int64) + now_fixed
     return torch.where(stays, old, added)
 
