@@ -105,3 +105,21 @@ def test_dedup_groups_ids_in_input_order(ids):
     bare = triton_pool.dedup(ids, inverse=False)
     assert bare[1] is None and all(torch.equal(got, ref) for got, ref in zip(bare[::2] + bare[3:],
                                                                             (unique, order, starts)))
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), size=st.integers(1, 1500), now=st.integers(-2**40, 2**45),
+       spread=st.sampled_from([1 << 10, 1 << 30, 1 << 52]))
+def test_decayed_scores_equal_the_torch_ops_bit_for_bit(seed, size, now, spread):
+    """decayed_lfu scores (old scores near ``now``, far below it and above its 2**60 ceiling) as the torch
+    reference computes them: the same bits, which fused multiply-adds would break (launched without them)."""
+    from dynemb.kernels import use_backend
+    from dynemb.table import policy
+
+    g = torch.Generator().manual_seed(seed)
+    old = now + torch.randint(-spread, spread // 64 + 1, (size,), generator=g)
+    n = torch.randint(1, 100, (size,), generator=g)
+    with use_backend("torch"):
+        want = policy._decayed(old, n, now)
+    got = triton_pool.decayed_scores(old.to(DEVICE), n.to(DEVICE), now, policy.DECAY_MATH)
+    assert torch.equal(got.cpu(), want)

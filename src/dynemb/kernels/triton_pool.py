@@ -16,9 +16,10 @@ import triton.language as tl
 
 from .triton_common import block_d, check_device, row_warps
 
-__all__ = ["dedup", "pool", "row_grad"]
+__all__ = ["dedup", "pool", "row_grad", "decayed_scores"]
 
 _BLOCK_N = 16  # ids per step of a bag: pooling factors are ~20, so most bags take one or two steps
+_DECAY_BLOCK = 512  # rows a program of decayed_scores
 
 
 def dedup(ids: torch.Tensor, inverse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
@@ -62,6 +63,54 @@ def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag:
             grad, order, starts, bag, order if weights is None else weights, out, dim, HAS_W=weights is not None,
             BLOCK_N=_BLOCK_N, BLOCK_D=bd, num_warps=row_warps(bd))
     return out
+
+
+def decayed_scores(old: torch.Tensor, n: torch.Tensor, now: int, constants) -> torch.Tensor:
+    """``[N]`` int64 decayed_lfu scores of rows scored ``old`` accessed ``n`` times at fixed-point time ``now``: the
+    optional ``decayed_scores`` of the ``pool`` contract, in one launch, every operation as the torch reference's
+    (no fused multiply-add; the constants travel as float64, where a float argument would be float32)."""
+    check_device(old, n)
+    out = torch.empty_like(old)
+    if old.numel():
+        table = torch.tensor([*constants.exp2, *constants.log2, constants.sqrt_half], dtype=torch.float64,
+                             device=old.device)
+        _decayed_kernel[(triton.cdiv(old.numel(), _DECAY_BLOCK),)](
+            old.contiguous(), n.contiguous(), table, out, now, old.numel(), NE=len(constants.exp2),
+            NL=len(constants.log2), BLOCK=_DECAY_BLOCK, enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _decayed_kernel(old, n, table, out, now, size, NE: tl.constexpr, NL: tl.constexpr, BLOCK: tl.constexpr):
+    # policy._decayed op by op. 1.5 * 2**52 added and taken away rounds to an integer, half to even, as torch.round
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < size
+    magic = 6755399441055744.0
+    span = 1 << 50
+    o = tl.load(old + i, mask=mask, other=0)
+    d = tl.minimum(tl.maximum(o - now, -span), span).to(tl.float64) / 65536.0
+    c = tl.minimum(tl.maximum(d, -1000.0), 60.0)
+    k = (c + magic) - magic
+    f = c - k
+    p = tl.zeros([BLOCK], tl.float64) + tl.load(table + NE - 1)
+    for j in tl.static_range(NE - 2, -1, -1):
+        p = p * f + tl.load(table + j)
+    two_k = ((k.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+    x = p * two_k + tl.minimum(tl.load(n + i, mask=mask, other=1), span).to(tl.float64)
+    bits = x.to(tl.int64, bitcast=True)  # x >= 1: x = m * 2**e with m in [0.5, 1), as frexp
+    m = ((bits & ((1 << 52) - 1)) | (1022 << 52)).to(tl.float64, bitcast=True)
+    e = ((bits >> 52) - 1022).to(tl.float64)
+    low = m < tl.load(table + NE + NL)
+    m = tl.where(low, m * 2.0, m)
+    e = tl.where(low, e - 1.0, e)
+    t = (m - 1.0) / (m + 1.0)
+    t2 = t * t
+    q = tl.zeros([BLOCK], tl.float64) + tl.load(table + NE + NL - 1)
+    for j in tl.static_range(NL - 2, -1, -1):
+        q = q * t2 + tl.load(table + NE + j)
+    v = (e + t * q) * 65536.0
+    new = ((v + magic) - magic).to(tl.int64) + now
+    tl.store(out + i, tl.where(d > 60.0, o, new), mask=mask)
 
 
 @triton.jit
