@@ -448,3 +448,31 @@ def test_a_copied_module_trains_once_its_original_is_gone(how, static):
     del emb
     gc.collect()
     assert torch.equal(train(twin), want)
+
+
+class _EvictionWatchingModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = DynamicEmbedding(4, seed=1, max_capacity=64, on_evict=self.evicted)
+
+    def evicted(self, keys, values, scores):
+        pass
+
+
+def test_a_copy_rebuilt_table_first_gets_a_handle_of_its_own():
+    """A copier may reach a table before its module (the optimizer, copied first, holds the table), and the table's
+    state may lead back to the module (``on_evict`` a bound method of the model): the module's ``__setstate__`` then
+    runs before the table is filled in. The copy must still not carry its original's handle, through which compiled
+    lookups reached the original (found by review)."""
+    import pickle
+
+    from dynemb.functional.ops import is_registered
+
+    model = _EvictionWatchingModel()
+    optimizer = dynemb.optim.SGD([model.emb], lr=0.1)
+    _, twin = pickle.loads(pickle.dumps((optimizer, model)))  # our own bytes, written just above
+    assert is_registered(twin.emb.table) and twin.emb.table.op_handle != model.emb.table.op_handle
+    assert is_registered(model.emb.table)
+    table = DynamicEmbedding(4, seed=1).table
+    alone = pickle.loads(pickle.dumps(table))  # a table copied without its module has no handle, not the original's
+    assert table.op_handle is not None and alone.op_handle is None

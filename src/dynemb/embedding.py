@@ -38,11 +38,13 @@ class _TableModule(nn.Module):
         return super()._apply(fn, recurse)
 
     def __setstate__(self, state) -> None:
-        # A copy (deepcopy, pickle, torch.load) holds a copy of the table, which carries its original's handle:
-        # the compiled ops would reach the original through it. The copied table gets a handle of its own.
+        # A copy (deepcopy, pickle, torch.load) holds a copy of the table, which comes without a handle (the
+        # original's would lead the compiled ops to the original): register it. A copier may get here before it
+        # has filled the table in (a table whose on_evict leads back to this module); the table's state then
+        # arrives without a handle, and this one stays.
         super().__setstate__(state)
         table = self.__dict__.get("table")
-        if table is not None and table.op_handle is not None and not is_registered(table):
+        if table is not None and not is_registered(table):
             table.op_handle = None
             register_table(table)
 

@@ -24,6 +24,13 @@ class RowColumns:
     #: whether lookups with autograd pass gradients to this table; False freezes it (``requires_grad_(False)``)
     requires_grad = True
 
+    def __getstate__(self) -> dict:
+        # A copy (deepcopy, pickle) carries no op handle: its original's would lead compiled lookups to the
+        # original. The module that holds the copy registers it (whatever order a copier rebuilds them in).
+        state = self.__dict__.copy()
+        state.pop("op_handle", None)
+        return state
+
     @property
     def write_marks(self) -> dict:
         """Per stream (``"checkpoint"``, ``"serving"``): where this table was last written to or loaded from, and
