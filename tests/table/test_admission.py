@@ -56,6 +56,12 @@ def test_counts_stand_for_occurrences_in_lfu_and_admission():
     assert int(t.scores[rows]) == 3
     with pytest.raises(TypeError, match="counts must be an int64 tensor"):
         t.find_or_insert(torch.tensor([4]), counts=torch.tensor([1.0]))
+    before = t.export()
+    for bad in (0, -1):  # found by review: a negative count gave decayed scores that differed by backend
+        with pytest.raises(ValueError, match=f"counts must be >= 1.*got {bad}"):
+            t.find_or_insert(torch.tensor([4, 9]), counts=torch.tensor([2, bad]))
+    after = t.export()
+    assert torch.equal(before.keys, after.keys) and torch.equal(before.scores, after.scores)  # left unchanged
 
 
 def test_the_owning_table_builds_the_counter(device):

@@ -214,6 +214,8 @@ class KeyValueTable(RowStore):
                 got = f"{counts.dtype} {tuple(counts.shape)}" if isinstance(counts, torch.Tensor) else type(counts)
                 raise TypeError(f"counts must be an int64 tensor of shape {tuple(keys.shape)}, got {got}")
             counts = counts.reshape(-1).to(self.device)
+            if counts.numel() and int(counts.min()) < 1:  # a score that falls, or depends on the backend
+                raise ValueError(f"counts must be >= 1 (occurrences of each key), got {int(counts.min())}")
         rows, found = self._find_or_insert(flat, custom, counts)
         if found is None:
             found = torch.ones_like(rows, dtype=torch.bool)
