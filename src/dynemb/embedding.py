@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .functional.ops import is_registered, register_table
+from .functional.ops import register_table
 from .table import EvictionPolicy, KeyValueTable, Rows, TieredTable, Tiers
 from .table.admission import FrequencyAdmission
 from .table.static import StaticTable
@@ -44,8 +44,7 @@ class _TableModule(nn.Module):
         # arrives without a handle, and this one stays.
         super().__setstate__(state)
         table = self.__dict__.get("table")
-        if table is not None and not is_registered(table):
-            table.op_handle = None
+        if table is not None:
             register_table(table)
 
     def requires_grad_(self, requires_grad: bool = True) -> "_TableModule":

@@ -41,15 +41,15 @@ def register_table(table) -> int:
 
 
 def is_registered(table) -> bool:
-    """Whether ``table`` holds a handle of its own: a table copied or unpickled alone carries its original's."""
+    """Whether ``table`` holds a handle of its own. A copy (deepcopy, pickle) comes without one
+    (``RowColumns.__getstate__``); its module registers it."""
     return table.op_handle is not None and _TABLES.get(table.op_handle) is table
 
 
 def eager_anchor(table) -> torch.Tensor:
-    """The differentiable input of an eager lookup of ``table``: its op anchor when ``table`` holds its handle
-    (made once, where a new leaf costs microseconds a call), else a new leaf. A table copied or unpickled alone
-    carries its original's handle, whose anchor is another table's or gone (found by review: a ``KeyError``)."""
-    return _ANCHORS[table.op_handle] if is_registered(table) else torch.empty(0, requires_grad=True)
+    """The differentiable input of an eager lookup of ``table``: its op anchor when it has a handle (made once,
+    where a new leaf costs microseconds a call), else a new leaf (a table copied without its module)."""
+    return _ANCHORS[table.op_handle] if table.op_handle is not None else torch.empty(0, requires_grad=True)
 
 
 def anchor_of(table) -> torch.Tensor:

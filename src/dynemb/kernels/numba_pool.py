@@ -197,7 +197,8 @@ def touch_counts(column: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor 
 
 def decayed_scores(old: torch.Tensor, n: torch.Tensor, now: int, constants) -> torch.Tensor:
     """``[N]`` int64 decayed_lfu scores of rows scored ``old`` accessed ``n`` times at fixed-point time ``now``: see
-    the optional ``decayed_scores`` of the ``pool`` contract. One pass, every operation as the torch reference's."""
+    the optional ``decayed_scores`` of the ``pool`` contract: the torch reference's operations, pass by pass over
+    chunks of rows."""
     out = np.empty(old.numel(), np.int64)
     _decayed_kernel(old.contiguous().numpy(), n.contiguous().numpy(), now, np.asarray(constants.exp2),
                     np.asarray(constants.log2), constants.sqrt_half, out)
@@ -434,7 +435,6 @@ def _decayed_kernel(old, n, now, exp2, log2, sqrt_half, out):
             c = -1000.0 if di < -1000.0 else (60.0 if di > 60.0 else di)
             k = np.rint(c)
             d[i], a[i], f[i], p[i] = di, k, c - k, top  # each loop writes its arrays and reads locals or others
-
         for j in range(exp2.shape[0] - 2, -1, -1):
             c = exp2[j]  # hoisted by hand: LLVM cannot tell that p does not alias the coefficients
             for i in range(size):

@@ -75,7 +75,7 @@ def decayed_scores(old: torch.Tensor, n: torch.Tensor, now: int, constants) -> t
         table = torch.tensor([*constants.exp2, *constants.log2, constants.sqrt_half], dtype=torch.float64,
                              device=old.device)
         _decayed_kernel[(triton.cdiv(old.numel(), _DECAY_BLOCK),)](
-            old.contiguous(), n.contiguous(), table, out, now, old.numel(), NE=len(constants.exp2),
+            old, n, table, out, now, old.numel(), NE=len(constants.exp2),
             NL=len(constants.log2), BLOCK=_DECAY_BLOCK, enable_fp_fusion=False)
     return out
 
