@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .checks import VALUE_DTYPES, check_dtype
+from .memory import to_storage
 
 __all__ = ["RowColumns"]
 
@@ -64,7 +65,7 @@ class RowColumns:
         """
         check_dtype(dtype, VALUE_DTYPES, "dtype")
         if dtype != self.dtype:
-            self._cols["value"] = self._cols["value"].to(dtype)
+            self._cols["value"] = to_storage(self._cols["value"], dtype=dtype)
             self.dtype = dtype
 
     def slot(self, name: str) -> torch.Tensor:

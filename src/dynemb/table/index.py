@@ -26,6 +26,7 @@ import torch
 
 from ..kernels.dispatch import Backend, index_kernels, resolve_backend
 from .hashing import key_hash
+from .memory import empty_storage
 from .ops import gather_rows
 
 __all__ = ["HashIndex"]
@@ -83,7 +84,7 @@ class HashIndex:
     def _alloc(self, num_buckets: int) -> None:
         self.num_buckets = num_buckets
         self._shift = 64 - (num_buckets.bit_length() - 1)
-        self._buckets = torch.empty(num_buckets, self._key_cols + self.WIDTH, dtype=torch.int32, device=self.device)
+        self._buckets = empty_storage((num_buckets, self._key_cols + self.WIDTH), torch.int32, self.device)
         self.overflow = torch.zeros(num_buckets, dtype=torch.bool, device=self.device)
         self.clear()
 

@@ -15,6 +15,7 @@ from typing import Callable, Union
 import torch
 
 from .hashing import GOLDEN, mix64
+from .memory import empty_storage
 
 __all__ = [
     "Initializer",
@@ -25,6 +26,7 @@ __all__ = [
     "CallableInitializer",
     "resolve_initializer",
     "InitializerSpec",
+    "initialized_storage",
 ]
 
 _U24 = 2.0**-24
@@ -159,3 +161,27 @@ def resolve_initializer(spec: InitializerSpec, name: str = "initializer") -> Ini
     if callable(spec):
         return CallableInitializer(spec)
     raise TypeError(f"{name} must be a name, a float, an Initializer or a callable, got {type(spec).__name__}")
+
+
+# Rows an initializer computes at a time when it fills a whole table: its int64 [rows, dim] temporaries stay a few
+# MB, where one call over a table of 1M x 64 rows builds several of 512 MB.
+_FILL_ROWS = 1 << 16
+
+
+def initialized_storage(init: Initializer, keys: torch.Tensor, dim: int, dtype: torch.dtype,
+                        seed: int) -> torch.Tensor:
+    """``[N, dim]``: ``init(keys [N], dim, dtype, seed)`` as table storage (:func:`~dynemb.table.memory.empty_storage`).
+    A built-in initializer fills it a chunk of keys at a time (the same bits: each row is a function of its key);
+    any other is called once, as the table would call it.
+
+    Example:
+        >>> initialized_storage(Constant(1.0), torch.arange(3), 2, torch.float32, 0).tolist()
+        [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+    """
+    out = empty_storage((keys.numel(), dim), dtype, keys.device)
+    if type(init) not in (Uniform, Normal, TruncatedNormal, Constant):
+        return out.copy_(init(keys, dim, dtype, seed))
+    for lo in range(0, keys.numel(), _FILL_ROWS):
+        out[lo: lo + _FILL_ROWS] = init(keys[lo: lo + _FILL_ROWS], dim, dtype, seed)
+    return out
+

@@ -21,6 +21,7 @@ from .columns import RowColumns
 from .hashing import key_hash, mix64
 from .index import HashIndex
 from .initializers import CallableInitializer
+from .memory import empty_storage, to_storage
 from .ops import copy_rows, gather_rows, lowest_rows, scatter_rows, stamp_kernels
 
 __all__ = ["Rows", "EvictHook", "RowStore"]
@@ -79,8 +80,8 @@ class RowStore(ChangeLog, RowColumns):
         self._slot_init: dict[str, float] = {}
         self._pending, self._marks = [], None
         self._cols: dict[str, torch.Tensor] = {
-            "key": torch.empty(capacity, dtype=self.key_dtype, device=self.device),
-            "value": torch.empty(capacity, self.dim, dtype=self.dtype, device=self.device),
+            "key": empty_storage((capacity,), self.key_dtype, self.device),
+            "value": empty_storage((capacity, self.dim), self.dtype, self.device),
         }
         self._cols["score"], self._cols["version"] = self._stamp_columns(capacity)
         self._size = 0
@@ -171,7 +172,7 @@ class RowStore(ChangeLog, RowColumns):
             if self._cols[key].shape[1] != dim or self._cols[key].dtype != dtype:
                 raise ValueError(f"slot {name!r} already exists with shape {tuple(self._cols[key].shape[1:])}")
             return
-        self._cols[key] = torch.full((self.capacity, dim), init, dtype=dtype, device=self.device)
+        self._cols[key] = empty_storage((self.capacity, dim), dtype, self.device).fill_(init)
         self._slot_init[name] = init
 
     @property
@@ -216,9 +217,9 @@ class RowStore(ChangeLog, RowColumns):
             return self
         index = HashIndex(self.key_dtype, device, self.capacity, backend=self.backend)  # fails before anything moves
         paired = ("score", "version") if self._PAIRED_STAMPS else ()
-        moved = {k: v.to(device) for k, v in self._cols.items() if k not in paired}
+        moved = {k: to_storage(v, device) for k, v in self._cols.items() if k not in paired}
         if paired:  # the stamps move as one interleaved tensor
-            pair = torch.stack([self._cols["score"], self._cols["version"]], 1).to(device)
+            pair = to_storage(torch.stack([self._cols["score"], self._cols["version"]], 1), device)
             moved["score"], moved["version"] = pair[:, 0], pair[:, 1]
         self._cols = {k: moved[k] for k in self._cols}
         self.device, self._marks = device, None
@@ -289,13 +290,13 @@ class RowStore(ChangeLog, RowColumns):
         (two strided 1-D columns): a training lookup stamps both for every row it reads, and in one cache line that
         is one miss a row, not two (0.78 against 1.48 ms for 78.6k random rows of 1M, Zen 3 guest). Only the layout
         changes: every reader sees two int64 columns."""
-        pair = torch.zeros(capacity, 2, dtype=torch.int64, device=self.device)
+        pair = empty_storage((capacity, 2), torch.int64, self.device).zero_()
         return pair[:, 0], pair[:, 1]
 
     def _new_column(self, name: str, col: torch.Tensor, capacity: int) -> torch.Tensor:
         """Storage for column ``name`` grown to ``capacity`` rows (a slow tier places it in pinned memory or a
         file)."""
-        return col.new_empty((capacity,) + tuple(col.shape[1:]))
+        return empty_storage((capacity,) + tuple(col.shape[1:]), col.dtype, col.device)
 
     def _load(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, slots: dict) -> None:
         """Hold exactly ``keys [N]`` (unique, checked) with their columns, in that row order."""

@@ -11,7 +11,8 @@ import torch
 
 from .checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_int, check_keys, check_rows_like, resolve_device
 from .columns import RowColumns
-from .initializers import InitializerSpec, resolve_initializer
+from .initializers import InitializerSpec, initialized_storage, resolve_initializer
+from .memory import empty_storage, to_storage
 from .rows import Rows
 
 __all__ = ["StaticTable"]
@@ -41,8 +42,8 @@ class StaticTable(RowColumns):
         self.save_ticks = 0
         self._ids = torch.arange(num_rows, dtype=self.key_dtype, device=self.device)
         self._slot_init: dict[str, float] = {}
-        self._cols = {"value": self.initializer(self._ids, dim, self.dtype, seed),
-                      "score": torch.zeros(num_rows, dtype=torch.int64, device=self.device)}
+        self._cols = {"value": initialized_storage(self.initializer, self._ids, dim, self.dtype, seed),
+                      "score": empty_storage((num_rows,), torch.int64, self.device).zero_()}
 
     # ------------------------------------------------------------------ row interface
 
@@ -52,7 +53,7 @@ class StaticTable(RowColumns):
 
     def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
         if f"slot:{name}" not in self._cols:
-            self._cols[f"slot:{name}"] = torch.full((self.num_rows, dim), init, dtype=dtype, device=self.device)
+            self._cols[f"slot:{name}"] = empty_storage((self.num_rows, dim), dtype, self.device).fill_(init)
             self._slot_init[name] = init
 
     def size(self) -> int:
@@ -116,6 +117,6 @@ class StaticTable(RowColumns):
 
     def to(self, device) -> "StaticTable":
         self.device = resolve_device(device)
-        self._cols = {k: v.to(self.device) for k, v in self._cols.items()}
+        self._cols = {k: v if v.device == self.device else to_storage(v, self.device) for k, v in self._cols.items()}
         self._ids = self._ids.to(self.device)
         return self
