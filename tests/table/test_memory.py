@@ -1,4 +1,4 @@
-"""Table storage on transparent huge pages (dynemb.table.memory), and tables filled chunk by chunk."""
+"""Table storage on transparent huge pages (dynemb.table.memory), and a static table's initial rows."""
 
 from __future__ import annotations
 
@@ -48,15 +48,29 @@ needs_thp = pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode
                                reason="the check reads madvise's effect: Linux with THP in madvise mode")
 
 
+def test_the_advice_covers_whole_huge_pages_inside_large_tensors_only(monkeypatch):
+    """What is advised, whatever the platform: whole 2 MiB pages inside the tensor, and nothing under MIN_BYTES.
+    (smaps cannot show that small tensors are left alone: advice stays on heap memory that glibc hands out again.)"""
+    from dynemb.table import memory
+
+    calls = []
+    monkeypatch.setattr(memory, "_madvise", lambda start, size, advice: calls.append((start, size, advice)) or 0)
+    for nbytes in (MIN_BYTES - 4, MIN_BYTES, 3 * MIN_BYTES + 4):
+        t = empty_storage((nbytes // 4,), torch.float32, torch.device("cpu"))
+        if nbytes < MIN_BYTES:
+            assert calls == []
+            continue
+        start, size, advice = calls.pop()
+        lo, hi = t.data_ptr(), t.data_ptr() + t.nbytes
+        assert advice == memory._MADV_HUGEPAGE and start % HUGE_PAGE == 0 and size % HUGE_PAGE == 0 and size > 0
+        assert lo <= start and start + size <= hi and start - lo < HUGE_PAGE and hi - (start + size) < HUGE_PAGE
+
+
 @needs_thp
-def test_large_storage_is_on_huge_pages_and_small_tensors_are_left_alone():
-    # A plain torch.empty here is not eligible (madvise mode: only advised ranges are), so this fails without the
-    # advice; THP_MEM_ALLOC_ENABLE would advise both, and the test would then say nothing: it must be unset.
+def test_large_storage_is_on_huge_pages():
     if "THP_MEM_ALLOC_ENABLE" in __import__("os").environ:
         pytest.skip("THP_MEM_ALLOC_ENABLE makes torch advise every large tensor itself")
-    big = empty_storage((MIN_BYTES // 4 + (4 << 20),), torch.float32, torch.device("cpu"))
-    assert _on_huge_pages(big)
-    assert not _on_huge_pages(torch.empty(big.numel()))
+    assert _on_huge_pages(empty_storage((MIN_BYTES // 4 + (4 << 20),), torch.float32, torch.device("cpu")))
 
 
 @needs_thp
@@ -73,15 +87,18 @@ def test_a_tables_values_index_and_slots_are_on_huge_pages():
     assert all(_on_huge_pages(t) for t in (table.values, table.slot("sum"), table.index._buckets))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("init", ["uniform", "normal", "truncated_normal", "zeros", 0.25])
-def test_a_static_table_filled_in_chunks_holds_the_initializers_rows(init):
-    rows = inits._FILL_ROWS * 2 + 17  # two whole chunks and a part
-    table = StaticTable(rows, 3, initializer=init, seed=5)
+def test_a_static_table_holds_its_initializers_rows(init, dtype):
+    """A static table's rows come from the initial-rows kernel (float32 uniform and constants) or the initializer a
+    chunk of keys at a time: the bits of one call over every id, and of a dynamic table's rows."""
+    rows = 2 * (inits._INIT_CHUNK // 3) + 17  # two whole chunks and a part
+    table = StaticTable(rows, 3, initializer=init, seed=5, dtype=dtype)
     ids = torch.arange(rows)
-    expected = inits.resolve_initializer(init)(ids, 3, torch.float32, 5)
+    expected = inits.resolve_initializer(init)(ids, 3, dtype, 5)
     assert torch.equal(table.values, expected)
-    # the same rows as a dynamic table's for the same ids and seed
-    dyn = KeyValueTable(3, initializer=init, seed=5)
+    assert torch.equal(table.initial_rows(ids[-1000:]), expected[-1000:])
+    dyn = KeyValueTable(3, initializer=init, seed=5, dtype=dtype)
     found, _ = dyn.find_or_insert(ids[-1000:])
     assert torch.equal(dyn.values[found], expected[-1000:])
 
@@ -93,32 +110,8 @@ def test_a_callable_initializer_is_called_once_for_the_whole_table():
         calls.append(n)
         return torch.randn(n, dim)
 
-    rows = inits._FILL_ROWS + 5
+    rows = inits._INIT_CHUNK + 5
     table = StaticTable(rows, 2, initializer=init, seed=3)
     assert calls == [rows]
     torch.manual_seed(3)
     assert torch.equal(table.values, torch.randn(rows, 2))
-
-
-def test_collection_results_do_not_depend_on_huge_pages(monkeypatch):
-    """The advice changes where pages come from, never a value: the same training with and without it."""
-    from dynemb.table import memory
-
-    def train():
-        torch.manual_seed(0)
-        ec = dynemb.EmbeddingCollection(
-            [dynemb.TableConfig(name="t", dim=8, optimizer=dynemb.optim.Adagrad(lr=0.1), init_capacity=300_000),
-             dynemb.TableConfig(name="s", dim=8, vocabulary_size=300_000, optimizer=dynemb.optim.SGD(lr=0.1))],
-            [dynemb.FeatureConfig(name="f", table="t"), dynemb.FeatureConfig(name="g", table="s")])
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            ids = torch.randint(0, 300_000, (64, 3), generator=g)
-            out = ec({"f": ids, "g": ids})
-            (out["f"] * out["g"]).sum().backward()
-        return {k: v.clone() for k, v in ec.state_dict().items() if isinstance(v, torch.Tensor)}
-
-    advised = train()
-    monkeypatch.setattr(memory, "_madvise", None)
-    plain = train()
-    assert advised.keys() == plain.keys()
-    assert all(torch.equal(advised[k], plain[k]) for k in advised)

@@ -14,8 +14,8 @@ from typing import Callable, Union
 
 import torch
 
+from ..kernels.dispatch import init_kernels
 from .hashing import GOLDEN, mix64
-from .memory import empty_storage
 
 __all__ = [
     "Initializer",
@@ -26,7 +26,7 @@ __all__ = [
     "CallableInitializer",
     "resolve_initializer",
     "InitializerSpec",
-    "initialized_storage",
+    "initial_rows",
 ]
 
 _U24 = 2.0**-24
@@ -163,25 +163,33 @@ def resolve_initializer(spec: InitializerSpec, name: str = "initializer") -> Ini
     raise TypeError(f"{name} must be a name, a float, an Initializer or a callable, got {type(spec).__name__}")
 
 
-# Rows an initializer computes at a time when it fills a whole table: its int64 [rows, dim] temporaries stay a few
-# MB, where one call over a table of 1M x 64 rows builds several of 512 MB.
-_FILL_ROWS = 1 << 16
+_INIT_CHUNK = 1 << 17  # elements a call of an initializer on CPU: its int64 temporaries stay cache-sized
 
 
-def initialized_storage(init: Initializer, keys: torch.Tensor, dim: int, dtype: torch.dtype,
-                        seed: int) -> torch.Tensor:
-    """``[N, dim]``: ``init(keys [N], dim, dtype, seed)`` as table storage (:func:`~dynemb.table.memory.empty_storage`).
-    A built-in initializer fills it a chunk of keys at a time (the same bits: each row is a function of its key);
-    any other is called once, as the table would call it.
+def initial_rows(init: Initializer, keys: torch.Tensor, dim: int, dtype: torch.dtype, seed: int, backend=None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, dim]``: ``init``'s rows for ``keys [N]`` under ``seed``, written into ``out`` when given (contiguous,
+    ``[N, dim]`` of ``dtype`` on the keys' device). The ``initial_rows`` kernel of ``backend`` computes them where
+    one serves (float32, built-in initializers: the same bits in one pass); otherwise the initializer is called a
+    chunk of keys at a time on CPU, which gives the same rows (an initializer is a function of the key) with
+    temporaries of a chunk: one ``[N, dim]`` call costs about 10x more at dim 64, and builds several int64 tensors
+    of ``N x dim``. A callable initializer's rows depend on its calls: call it directly.
 
     Example:
-        >>> initialized_storage(Constant(1.0), torch.arange(3), 2, torch.float32, 0).tolist()
+        >>> initial_rows(Constant(1.0), torch.arange(3), 2, torch.float32, 0).tolist()
         [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
     """
-    out = empty_storage((keys.numel(), dim), dtype, keys.device)
-    if type(init) not in (Uniform, Normal, TruncatedNormal, Constant):
-        return out.copy_(init(keys, dim, dtype, seed))
-    for lo in range(0, keys.numel(), _FILL_ROWS):
-        out[lo: lo + _FILL_ROWS] = init(keys[lo: lo + _FILL_ROWS], dim, dtype, seed)
+    n = keys.numel()
+    spec = init.kernel_spec()
+    kernels = init_kernels(backend, keys.device) if spec is not None and dtype == torch.float32 else None
+    if kernels is not None:
+        out = torch.empty(n, dim, dtype=dtype, device=keys.device) if out is None else out
+        kernels.initial_rows(*spec, keys, seed, out)
+        return out
+    step = n if keys.device.type != "cpu" else max(1, _INIT_CHUNK // dim)
+    if n <= step and out is None:
+        return init(keys, dim, dtype, seed)
+    out = torch.empty(n, dim, dtype=dtype, device=keys.device) if out is None else out
+    for lo in range(0, n, step):
+        out[lo: lo + step] = init(keys[lo: lo + step], dim, dtype, seed)
     return out
-

@@ -12,6 +12,7 @@ one process, paired). Linux only, and only where the kernel's ``transparent_huge
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 import torch
@@ -21,7 +22,7 @@ __all__ = ["empty_storage", "to_storage"]
 HUGE_PAGE = 2 << 20
 # Below this the unaligned ends of the allocation (up to one page each, left on small pages) are most of it.
 MIN_BYTES = 4 << 20
-_MADV_HUGEPAGE = 14
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)  # Linux's value, where this Python does not name it
 
 
 def _load_madvise():
@@ -39,7 +40,7 @@ _madvise = _load_madvise()
 
 
 def empty_storage(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype, device=device)``, and on a Linux CPU, for 8 MiB or more, its whole 2 MiB
+    """``torch.empty(shape, dtype=dtype, device=device)``, and on a Linux CPU, for 4 MiB or more, its whole 2 MiB
     pages marked for transparent huge pages before anything touches them (``madvise(MADV_HUGEPAGE)``). A hint: where
     the kernel declines, the tensor is an ordinary one.
 

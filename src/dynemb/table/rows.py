@@ -14,19 +14,17 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..kernels.dispatch import init_kernels
 from .changes import ChangeLog
 from .checks import check_int, resolve_device
 from .columns import RowColumns
 from .hashing import key_hash, mix64
 from .index import HashIndex
-from .initializers import CallableInitializer
+from .initializers import CallableInitializer, initial_rows
 from .memory import empty_storage, to_storage
 from .ops import copy_rows, gather_rows, lowest_rows, scatter_rows, stamp_kernels
 
 __all__ = ["Rows", "EvictHook", "RowStore"]
 
-_INIT_CHUNK = 1 << 17  # elements per initializer call on CPU
 _MAX_DEFERRED = 255  # distinct deferred stamp pairs: a uint8 tag each (0: none)
 
 
@@ -232,22 +230,7 @@ class RowStore(ChangeLog, RowColumns):
         seed = self._count_draw()
         if seed is not None:
             return self.initializer(keys, self.dim, self.dtype, seed)
-        spec = self.initializer.kernel_spec()
-        kernels = init_kernels(self.backend, self.device) if spec is not None and self.dtype == torch.float32 else None
-        if kernels is not None:  # the same bits, computed in one pass (see dynemb.kernels.dispatch)
-            out = torch.empty(keys.numel(), self.dim, dtype=self.dtype, device=self.device)
-            kernels.initial_rows(*spec, keys, self.seed, out)
-            return out
-        # Built-in initializers are pure functions of (seed, key, column), so chunks give the same rows. On CPU,
-        # chunks keep their int64 temporaries cache-sized: one [N, D] pass costs ~10x more (measured, dim 64).
-        n = keys.numel()
-        step = n if keys.device.type != "cpu" else max(1, _INIT_CHUNK // self.dim)
-        if n <= step:
-            return self.initializer(keys, self.dim, self.dtype, self.seed)
-        out = torch.empty(n, self.dim, dtype=self.dtype, device=self.device)
-        for start in range(0, n, step):
-            out[start : start + step] = self.initializer(keys[start : start + step], self.dim, self.dtype, self.seed)
-        return out
+        return initial_rows(self.initializer, keys, self.dim, self.dtype, self.seed, self.backend)
 
     def _count_draw(self) -> int | None:
         """Count one call of a callable initializer and return the seed of its draw (None for the built-in

@@ -11,7 +11,7 @@ import torch
 
 from .checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_int, check_keys, check_rows_like, resolve_device
 from .columns import RowColumns
-from .initializers import InitializerSpec, initialized_storage, resolve_initializer
+from .initializers import CallableInitializer, InitializerSpec, initial_rows, resolve_initializer
 from .memory import empty_storage, to_storage
 from .rows import Rows
 
@@ -42,7 +42,7 @@ class StaticTable(RowColumns):
         self.save_ticks = 0
         self._ids = torch.arange(num_rows, dtype=self.key_dtype, device=self.device)
         self._slot_init: dict[str, float] = {}
-        self._cols = {"value": initialized_storage(self.initializer, self._ids, dim, self.dtype, seed),
+        self._cols = {"value": self.initial_rows(self._ids, empty_storage((num_rows, dim), self.dtype, self.device)),
                       "score": empty_storage((num_rows,), torch.int64, self.device).zero_()}
 
     # ------------------------------------------------------------------ row interface
@@ -100,8 +100,12 @@ class StaticTable(RowColumns):
         """Every row (a static table keeps no version stamps), and no deleted keys: deltas carry it whole."""
         return torch.arange(self.num_rows, device=self.device), self._ids[:0]
 
-    def initial_rows(self, keys: torch.Tensor) -> torch.Tensor:
-        return self.initializer(keys, self.dim, self.dtype, self.seed)
+    def initial_rows(self, keys: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The initializer's rows ``[N, D]`` for ``keys [N]`` (into ``out`` when given; a callable initializer's
+        own tensor, called once for all of them)."""
+        if isinstance(self.initializer, CallableInitializer):
+            return self.initializer(keys, self.dim, self.dtype, self.seed)
+        return initial_rows(self.initializer, keys, self.dim, self.dtype, self.seed, out=out)
 
     def export(self) -> Rows:
         slots = {n: self.slot(n).clone() for n in self._slot_init}
