@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 
 from dynemb import optim
-from dynemb.functional.lookup import sort_ids
+from dynemb.functional.lookup import sort_ids, spread_groups
 from dynemb.functional.pooling import _offsets_valid, bag_of, sorted_row_grad
 from dynemb.kernels import optim_kernels, pool_kernels, use_backend
 from dynemb.table import EvictionPolicy, KeyValueTable
@@ -37,6 +37,20 @@ def bags(draw, key_dtype=torch.int64):
     weights = draw(st.one_of(st.none(), st.just(torch.randn(n))))
     offsets = torch.tensor(lengths).cumsum(0) - torch.tensor(lengths)
     return ids, offsets, weights
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=bags(), narrow=st.booleans())
+def test_spread_gives_each_id_its_keys_value_on_both_paths(data, narrow):
+    """``spread`` (kernel and torch) inverts a grouping: arange gives the inverse, rows each id's row."""
+    ids = data[0] % 1000 - 500 if narrow else data[0]
+    unique, inverse, order, starts = POOL.dedup(ids)
+    rows = torch.randperm(50)[: unique.numel()]
+    for kernels in (POOL, None):
+        assert torch.equal(spread_groups(torch.arange(unique.numel()), order, starts, kernels), inverse)
+        assert torch.equal(spread_groups(rows, order, starts, kernels), rows[inverse])
+        spread = spread_groups(rows.to(torch.int32), order, starts, kernels)
+        assert spread.dtype == torch.int32 and torch.equal(spread, rows[inverse].to(torch.int32))
 
 
 @settings(max_examples=60, deadline=None)

@@ -23,7 +23,7 @@ from .numba_index import _mix64
 from .numba_math import bits_float, float_bits, fma, prefetch_row, prefetch_row_for_write
 
 __all__ = ["bag_of", "dedup", "fill_pair", "fill_rows", "gather", "grouped_bags", "mark_rows", "offsets_valid", "pool",
-           "row_grad", "rows_current", "lowest_rows", "scatter", "settle_marks", "sum_rows", "touch_counts",
+           "row_grad", "rows_current", "lowest_rows", "scatter", "settle_marks", "spread", "sum_rows", "touch_counts",
            "write_last"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
@@ -103,6 +103,15 @@ def bag_of(offsets: torch.Tensor, n: int) -> torch.Tensor:
     torch reference's int64 bags (82k ids, cold caches)."""
     out = np.empty(n, _bag_dtype(offsets.numel()))
     _bag_of_kernel(offsets.contiguous().numpy(), out)
+    return torch.from_numpy(out)
+
+
+def spread(values: torch.Tensor, order: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """``[N]``: ``out[order[k]] = values[u]`` for ``k`` in ``starts[u]:starts[u + 1]``: see the optional ``spread`` of
+    the ``pool`` contract. One pass, sequential in ``order``; the dedup then skips its own pass of the same random
+    writes (``inverse``), and the rows need no gather through it."""
+    out = np.empty(order.numel(), values.numpy().dtype)
+    _spread_kernel(values.numpy(), order.numpy(), starts.numpy(), out)
     return torch.from_numpy(out)
 
 
@@ -281,6 +290,14 @@ def _offsets_valid_kernel(offsets, n):
 def _gather_ids_kernel(source, index, out):
     for k in range(index.shape[0]):
         out[k] = source[index[k]]
+
+
+@numba.njit(nogil=True, cache=True)
+def _spread_kernel(values, order, starts, out):
+    for u in range(starts.shape[0] - 1):
+        v = values[u]
+        for k in range(starts[u], starts[u + 1]):
+            out[order[k]] = v
 
 
 @numba.njit(nogil=True, cache=True)
