@@ -104,9 +104,9 @@ def sort_ids(flat: torch.Tensor, kernels=None, inverse: bool = True) -> SortedId
 
 
 def spread_groups(values: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, kernels=None) -> torch.Tensor:
-    """``[N]``: ``values [U]`` spread over a grouping's ids (see :class:`SortedIds`), ``out[order[k]] = values[u]``
-    for ``k`` in ``starts[u]:starts[u + 1]``: each id's row from its key's, or (``values = arange(U)``) the
-    grouping's ``inverse``. ``kernels``: a ``pool`` kernel module whose optional ``spread`` does it in one pass.
+    """``[N]``: integer ``values [U]`` spread over a grouping's ids (see :class:`SortedIds`), ``out[order[k]] =
+    values[u]`` for ``k`` in ``starts[u]:starts[u + 1]``: each id's row from its key's, or (``values = arange(U)``)
+    the grouping's ``inverse``. ``kernels``: a ``pool`` kernel module whose optional ``spread`` does it in one pass.
 
     Example:
         >>> s = sort_ids(torch.tensor([5, -1, 5]), inverse=False)
@@ -135,19 +135,21 @@ def _find_sorted(table, flat: torch.Tensor, trains: bool
     if trains and _groups_by_row(table):
         ids, rows, stored, id_rows = _find_by_row(table, flat, kernels)
     else:
-        ids = sort_ids(flat, kernels, inverse=not trains)
+        # A kernel that spreads each key's row to its ids spares the sort its inverse and the forward a gather through
+        # it (about 1% of an SGD step on zipf ids, numba); without one (torch, Triton) the inverse costs no more.
+        spreads = trains and getattr(kernels, "spread", None) is not None
+        ids = sort_ids(flat, kernels, inverse=not spreads)
         if not trains:
             rows = table.find_rows(ids.unique)
             return ids, rows, all_nonnegative(rows), None
         # lfu scores and admission count every occurrence
         rows, stored = _found_or_inserted(table, ids.unique, ids.counts if counts_occurrences(table) else None)
-        # Each id's row, spread from its key's: the sort skips writing the inverse, and the forward needs no gather
-        # through it (1-2% of an SGD step on zipf ids). Keys left without a row read initializer rows by inverse.
-        if stored:
+        id_rows = None
+        if spreads and stored:
             id_rows = spread_groups(rows, ids.order, ids.starts, kernels)
-        else:
+        elif spreads:  # keys left without a row read initializer rows through the inverse
             arange = torch.arange(rows.numel(), device=rows.device)
-            ids, id_rows = ids._replace(inverse=spread_groups(arange, ids.order, ids.starts, kernels)), None
+            ids = ids._replace(inverse=spread_groups(arange, ids.order, ids.starts, kernels))
     _note_share(table, (ids.starts.numel() - 1) / max(flat.numel(), 1))
     return ids, rows, stored, id_rows
 

@@ -95,9 +95,10 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
   :func:`~dynemb.functional.pooling.bag_of`): the bag of each of ``n`` ids, ``b`` for ``offsets[b] <= j <
   offsets[b + 1]`` (``n`` for the last bag); ``offsets`` as for ``pool``; the dtype is the module's choice.
   Backward passes build it once a call, and every ``bag`` argument below may be either dtype.
-- ``spread(values [U], order [N], starts [U + 1]) -> [N]`` (values' dtype; optional: a module without it leaves
-  it to :func:`~dynemb.functional.lookup.spread_groups`): ``out[order[k]] = values[u]`` for every ``k`` in
-  ``starts[u]:starts[u + 1]`` (a grouping of ``dedup``); how a lookup gives each id its key's row.
+- ``spread(values [U] int32/int64, order [N], starts [U + 1]) -> [N]`` (values' dtype; optional: a lookup on a
+  module without it keeps the sort's ``inverse``): ``out[order[k]] = values[u]`` for every ``k`` in
+  ``starts[u]:starts[u + 1]`` (a grouping of ``dedup``); how a training lookup gives each id its key's row
+  (reference: :func:`~dynemb.functional.lookup.spread_groups`).
 - ``row_grad(grad [B, D] float32, order [N], starts [U + 1], bag [N], weights [N] | None) -> [U, D] float32``:
   the gradient of a sum-pooling for each unique row, ``g[u] = sum(weights[j] * grad[bag[j]] for j in
   order[starts[u]:starts[u + 1]])``, summed in that order (``order`` lists the ids grouped by unique row, in input
