@@ -49,7 +49,7 @@ def is_registered(table) -> bool:
 def eager_anchor(table) -> torch.Tensor:
     """The differentiable input of an eager lookup of ``table``: its op anchor when it has a handle (made once,
     where a new leaf costs microseconds a call), else a new leaf (a table copied without its module)."""
-    return _ANCHORS[table.op_handle] if table.op_handle is not None else torch.empty(0, requires_grad=True)
+    return anchor_of(table) if table.op_handle is not None else torch.empty(0, requires_grad=True)
 
 
 def anchor_of(table) -> torch.Tensor:
