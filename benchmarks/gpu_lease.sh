@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Everything a lent GPU machine should check, in one call: versions, the CUDA- and Triton-marked tests on the
+# device (no interpreter), then the GPU benchmarks. Logs and JSON go to $OUT (default /tmp/dynemb-gpu); the last
+# lines printed are a short summary. Run from the repository root, with the image's python3 (torch, triton, numba,
+# pytest-xdist, pytest-timeout, hypothesis; no install needed, the package is read from src/):
+#
+#   bash benchmarks/gpu_lease.sh [test_seconds] [bench_seconds] [pytest -k expression]
+#
+# The serving stores (redis, RocksDB, LMDB) are not exercised: their tests are CPU-only and need packages a GPU
+# image may lack; collection errors from such modules do not stop the run.
+set -u
+OUT=${OUT:-/tmp/dynemb-gpu}
+mkdir -p "$OUT"
+TEST_S=${1:-200}
+BENCH_S=${2:-200}
+KEXPR=${3:-}
+PY=${PY:-python3}
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+unset TRITON_INTERPRET
+start=$(date +%s)
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  $PY -c "import sys, torch, triton, numba; p = torch.cuda.get_device_properties(0); print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__); print(p.name, p.multi_processor_count, 'SMs', p.total_memory >> 30, 'GiB')"
+  lscpu | grep -m1 'Model name'
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+tests=(tests/kernels tests/table tests/test_embedding.py tests/collection tests/job/test_score.py
+       tests/test_row_grouping.py tests/test_functional.py)
+timeout -k 10 "$TEST_S" $PY -m pytest -p no:cacheprovider -q -o addopts="" -n 8 --timeout 240 --tb=short \
+  --continue-on-collection-errors --maxfail=40 -m "cuda or triton" ${KEXPR:+-k "$KEXPR"} \
+  --junitxml "$OUT/junit.xml" "${tests[@]}" > "$OUT/tests.txt" 2>&1
+echo "tests rc $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/tests.txt"
+
+bench() {  # name seconds command...
+  local name=$1 secs=$2; shift 2
+  local t0=$(date +%s)
+  timeout -k 10 "$secs" "$@" > "$OUT/$name.txt" 2>&1
+  echo "$name rc $? in $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
+}
+left() { echo $(( BENCH_S - ($(date +%s) - bstart) )); }
+bstart=$(date +%s)
+: > "$OUT/summary.txt"
+bench gpu_ops "$(( $(left) * 6 / 10 ))" $PY benchmarks/gpu_ops.py --device cuda --json "$OUT/gpu_ops.json"
+bench table_ops "$(( $(left) * 6 / 10 ))" $PY benchmarks/table_ops.py --device cuda --quick --threads 1 \
+  --json "$OUT/table_ops.json"
+bench distributed "$(left)" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick \
+  --json "$OUT/distributed.json"
+
+echo "== summary ($(( $(date +%s) - start )) s)"
+cat "$OUT/summary.txt"
+grep -E "passed|failed|error" "$OUT/tests.txt" | tail -n 3
+grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | cut -c1-200 | head -n 25
+for f in gpu_ops table_ops distributed; do echo "-- $f"; tail -n 14 "$OUT/$f.txt"; done
