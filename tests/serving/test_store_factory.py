@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from dynemb.serving.stores import LMDBStore, MemoryStore, RedisStore, RocksDBStore, make_store
@@ -46,3 +50,43 @@ def test_builds_each_type(store_config):
     for kind, store_type in expected.items():
         with make_store(store_config(kind, **({"cluster": False, "password": None} if kind == "redis" else {}))) as s:
             assert type(s) is store_type
+
+
+def test_serving_and_the_cli_load_without_the_store_bindings():
+    """A training job (or a memory-only server) needs none of redis, rocksdict or lmdb: importing ``dynemb.serving``
+    and building the CLI must not import them, and naming a store whose package is missing says what to install.
+    Run in a fresh interpreter where those imports fail."""
+    script = textwrap.dedent("""
+        import sys
+        for name in ("redis", "rocksdict", "lmdb"):
+            sys.modules[name] = None  # import fails as if not installed
+        import dynemb.serving
+        from dynemb.cli import build_parser
+        from dynemb.serving import stores
+        build_parser()
+        print(type(stores.make_store({"type": "memory"})).__name__)
+        for config in ({"type": "lmdb", "path": "x"}, {"type": "rocksdb", "path": "x"}, {"type": "redis"}):
+            try:
+                stores.make_store(config)
+            except ImportError as error:
+                print(error)
+        try:
+            stores.RedisStoreConfig
+        except ImportError as error:
+            print(error)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "MemoryStore"
+    for line, package in zip(lines[1:], ["lmdb", "rocksdict", "redis", "redis"]):
+        assert f"needs the Python package {package!r}" in line and "pip install 'dynemb[serving]'" in line, line
+    assert len(lines) == 5
+
+
+def test_lazy_store_names_resolve_and_unknown_names_raise():
+    from dynemb.serving import stores
+
+    assert stores.LMDBStore is LMDBStore and stores.RocksDBStoreConfig.__name__ == "RocksDBStoreConfig"
+    with pytest.raises(AttributeError, match="has no attribute 'MongoStore'"):
+        stores.MongoStore

@@ -2,22 +2,38 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Mapping
 
 from .base import RowStore
-from .lmdb import LMDBStore, LMDBStoreConfig
-from .memory import MemoryStore, MemoryStoreConfig
-from .redis import RedisStore, RedisStoreConfig
-from .rocksdb import RocksDBStore, RocksDBStoreConfig
 
-__all__ = ["make_store", "STORE_TYPES"]
+__all__ = ["make_store", "STORE_TYPES", "store_classes"]
 
+# type -> (module, config class, store class, the package its module imports). The modules load on first use: a
+# deployment that serves from memory and RocksDB, or a training job that never serves, needs no redis or lmdb.
 STORE_TYPES = {
-    "memory": (MemoryStoreConfig, MemoryStore),
-    "redis": (RedisStoreConfig, RedisStore),
-    "rocksdb": (RocksDBStoreConfig, RocksDBStore),
-    "lmdb": (LMDBStoreConfig, LMDBStore),
+    "memory": (".memory", "MemoryStoreConfig", "MemoryStore", None),
+    "redis": (".redis", "RedisStoreConfig", "RedisStore", "redis"),
+    "rocksdb": (".rocksdb", "RocksDBStoreConfig", "RocksDBStore", "rocksdict"),
+    "lmdb": (".lmdb", "LMDBStoreConfig", "LMDBStore", "lmdb"),
 }
+
+
+def store_classes(kind: str) -> tuple[type, type[RowStore]]:
+    """The config and store classes of store type ``kind`` (a key of :data:`STORE_TYPES`), importing its module.
+
+    Raises:
+        ImportError: the type's Python package is not installed (the message names it and the extra to install).
+    """
+    module, config_name, store_name, package = STORE_TYPES[kind]
+    try:
+        loaded = importlib.import_module(module, __package__)
+    except ModuleNotFoundError as error:
+        if package is None or error.name != package:
+            raise
+        raise ImportError(f"store type {kind!r} needs the Python package {package!r}, which is not installed; "
+                          f"install it, or all the serving stores with: pip install 'dynemb[serving]'") from error
+    return getattr(loaded, config_name), getattr(loaded, store_name)
 
 
 def make_store(config: Mapping, name: str = "store config") -> RowStore:
@@ -34,6 +50,7 @@ def make_store(config: Mapping, name: str = "store config") -> RowStore:
 
     Raises:
         TypeError/ValueError: unknown type or field, or a bad value (the message names it).
+        ImportError: the type's Python package (redis, rocksdict or lmdb) is not installed.
         StoreUnavailableError: Redis cannot be reached. StoreError: a database cannot be opened.
 
     Example:
@@ -50,5 +67,5 @@ def make_store(config: Mapping, name: str = "store config") -> RowStore:
     kind = fields.pop("type", None)
     if kind not in STORE_TYPES:
         raise ValueError(f"{name}: 'type' must be one of {sorted(STORE_TYPES)}, got {kind!r}")
-    config_type, store_type = STORE_TYPES[kind]
+    config_type, store_type = store_classes(kind)
     return store_type(config_type.from_dict(fields, where=f"{name} (type {kind!r})"))
