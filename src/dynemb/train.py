@@ -174,7 +174,7 @@ class Trainer:
         start, samples = time.perf_counter(), 0
         remaining = None if cfg.steps is None else max(cfg.steps - self.step, 0)
         batches = itertools.islice(batches, remaining)
-        if any(hasattr(t, "prefetch") for t in model.embeddings.dynemb_tables()):  # tiered tables
+        if model.embeddings.tiered:
             batches = _ahead(batches, lambda b: model.embeddings.prefetch(model.sparse_inputs(b)))
         for batch in batches:
             loss = self.loss_fn(model(batch), batch.labels)

@@ -328,3 +328,40 @@ def test_slow_tier_path_mistakes_are_named_errors(tmp_path):
     dynemb.DynamicEmbedding(4, tiers=Tiers(fast_capacity=8, slow=str(tmp_path / "new" / "rows")))  # made, as mkdir -p
     assert (tmp_path / "new" / "rows").is_dir()
     dynemb.KeyValueTable(4).prefetch(torch.tensor([1, 2]))  # a no-op on an untiered table
+
+
+def test_only_a_collection_with_a_tiered_table_prefetches():
+    """Prefetch (and the training loop's read-ahead) costs a pass over every feature: an untiered collection skips
+    it; a mixed one brings up the rows of its tiered tables only."""
+    import dynemb.train
+    from dynemb.data import SyntheticClickLog
+    from dynemb.models import DLRM, dlrm_tables
+    from dynemb.train import Trainer, TrainConfig
+
+    data = SyntheticClickLog(num_categorical=2, num_dense=2, batch_size=32, seed=1)
+    tables, features = dlrm_tables(data.categorical_names, 4)
+    flat = EmbeddingCollection(tables, features)
+    assert not flat.tiered
+    model = DLRM(2, flat, 4)
+    calls = []
+    real_ahead = dynemb.train._ahead
+    dynemb.train._ahead = lambda batches, prefetch: calls.append(1) or real_ahead(batches, prefetch)
+    try:
+        Trainer(model, TrainConfig(steps=3, dim=4, eval_every=3)).fit(data.batches("train"), [data.batch(0, "eval")],
+                                                                    progress=False)
+    finally:
+        dynemb.train._ahead = real_ahead
+    assert calls == []
+
+    mixed = EmbeddingCollection([TableConfig(name="a", dim=2, tiers=Tiers(fast_capacity=4)), TableConfig(name="b", dim=2)],
+                                [FeatureConfig(name="fa", table="a"), FeatureConfig(name="fb", table="b")])
+    assert mixed.tiered
+    a, b = mixed.embeddings["a"].table, mixed.embeddings["b"].table
+    a.find_or_insert(torch.arange(10))
+    b.find_or_insert(torch.arange(10))
+    a.find_or_insert(torch.arange(4))  # the fast tier now holds keys 0..3: 7, 8 and 9 are down
+    assert bool((a.slow.find(torch.tensor([7, 8, 9])) >= 0).all())
+    slow_hits = a.hits["slow"]
+    mixed.prefetch({"fa": torch.tensor([7, 8, 9]), "fb": torch.tensor([7, 8, 9])})
+    a.find(torch.tensor([7, 8, 9]))
+    assert a.hits["slow"] == slow_hits and a.hits["fast"] > 0 and b.size() == 10

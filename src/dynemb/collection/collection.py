@@ -124,6 +124,11 @@ class EmbeddingCollection(nn.Module):
         """The physical tables on this rank (for optimizers)."""
         return [m.table for m in self.plan.modules().values()]
 
+    @property
+    def tiered(self) -> bool:
+        """Whether any table has a slow tier (``TableConfig.tiers``): only then does :meth:`prefetch` do work."""
+        return any(cfg.tiers is not None for cfg in self.table_configs.values())
+
     # ------------------------------------------------------------------ lookups
     def forward(self, features, weights: Optional[dict] = None) -> dict:
         """Look up every feature given: ``features`` is ``{feature name: input}`` or a TorchRec
@@ -154,11 +159,13 @@ class EmbeddingCollection(nn.Module):
             ...                          [FeatureConfig(name="f", table="t")])
             >>> ec.prefetch({"f": torch.tensor([[1, 2]])})
         """
+        if not self.tiered:  # every row of an untiered table is in place
+            return
         prepared = prepare_features(as_feature_dict(features), {}, self.feature_configs, self.table_configs,
                                     self._device, check_ranges=False)
         for name, parts in prepared.items():
             shard = self.plan[name]
-            if shard.module is not None and hasattr(shard.table, "prefetch"):
+            if shard.module is not None and shard.config.tiers is not None:
                 keys = torch.cat([p.ids for p in parts])
                 shard.table.prefetch(shard.shard_keys(keys[shard.owned(keys)]))
 
