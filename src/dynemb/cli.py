@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dynemb: interrupted", file=sys.stderr)
         return 130
-    except (CliError, ValueError, TypeError, FileNotFoundError, PermissionError, OSError) as e:
+    except (CliError, ValueError, TypeError, FileNotFoundError, PermissionError, OSError, ImportError) as e:
         if args.debug:
             raise
         message = str(e).splitlines()[0] if str(e) else type(e).__name__

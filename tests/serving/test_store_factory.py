@@ -52,16 +52,19 @@ def test_builds_each_type(store_config):
             assert type(s) is store_type
 
 
-def test_serving_and_the_cli_load_without_the_store_bindings():
+def test_serving_and_the_cli_load_without_the_store_bindings(tmp_path):
     """A training job (or a memory-only server) needs none of redis, rocksdict or lmdb: importing ``dynemb.serving``
-    and building the CLI must not import them, and naming a store whose package is missing says what to install.
-    Run in a fresh interpreter where those imports fail."""
+    and building the CLI must not import them, and naming a store whose package is missing says what to install
+    (the CLI in one line, exit status 2). Run in a fresh interpreter where those imports fail."""
     script = textwrap.dedent("""
         import sys
         for name in ("redis", "rocksdict", "lmdb"):
             sys.modules[name] = None  # import fails as if not installed
+        import torch
+        import dynemb
         import dynemb.serving
-        from dynemb.cli import build_parser
+        from dynemb.checkpoint import export_for_serving
+        from dynemb.cli import build_parser, main
         from dynemb.serving import stores
         build_parser()
         print(type(stores.make_store({"type": "memory"})).__name__)
@@ -74,19 +77,27 @@ def test_serving_and_the_cli_load_without_the_store_bindings():
             stores.RedisStoreConfig
         except ImportError as error:
             print(error)
+        emb = dynemb.DynamicEmbedding(4, seed=0)
+        emb(torch.arange(50))
+        export_for_serving(sys.argv[1], emb)
+        print(main(["serve-bench", "--export", sys.argv[1], "--batches", "2", "--persistent", "lmdb"]))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "export")], capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == "MemoryStore"
+    assert lines[0] == "MemoryStore" and lines[-1] == "2"
     for line, package in zip(lines[1:], ["lmdb", "rocksdict", "redis", "redis"]):
         assert f"needs the Python package {package!r}" in line and "pip install 'dynemb[serving]'" in line, line
-    assert len(lines) == 5
+    assert len(lines) == 6
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "dynemb serve-bench: error: store type 'lmdb' needs the Python package 'lmdb'"), out.stderr
 
 
-def test_lazy_store_names_resolve_and_unknown_names_raise():
+def test_lazy_store_names_resolve_list_and_unknown_names_raise():
     from dynemb.serving import stores
 
     assert stores.LMDBStore is LMDBStore and stores.RocksDBStoreConfig.__name__ == "RocksDBStoreConfig"
+    assert {"RedisStore", "RedisStoreConfig", "LMDBStore", "RocksDBStore", "MemoryStore"} <= set(dir(stores))
     with pytest.raises(AttributeError, match="has no attribute 'MongoStore'"):
         stores.MongoStore

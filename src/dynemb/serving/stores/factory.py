@@ -56,10 +56,10 @@ def make_store(config: Mapping, name: str = "store config") -> RowStore:
     Example:
         >>> make_store({"type": "memory", "max_rows_per_table": 10})
         MemoryStore(max_rows_per_table=10, overflow='evict')
-        >>> make_store({"type": "redis", "adress": "127.0.0.1:6379"}, name="volatile_db")  # doctest: +ELLIPSIS
+        >>> make_store({"type": "memory", "max_rows": 10}, name="volatile_db")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: volatile_db (type 'redis'): unknown field(s) ['adress']; allowed fields are ['address', ...
+        ValueError: volatile_db (type 'memory'): unknown field(s) ['max_rows']; allowed fields are [...
     """
     if not isinstance(config, Mapping):
         raise TypeError(f"{name} must be a dict with a 'type', got {type(config).__name__}")
