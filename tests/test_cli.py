@@ -272,3 +272,24 @@ def test_synthetic_training_for_smoke_runs(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["step"] == 3 and result["rows"] == 64  # the generator's separate eval split
     assert (tmp_path / "run" / "model.json").is_file()
+
+
+def test_a_missing_optional_package_names_its_extra(tmp_path):
+    """Without the ``data`` extra, ``dynemb train`` says which package is missing and what to install, in one line
+    (a fresh interpreter in which importing pyarrow fails); and the map of packages to extras follows pyproject."""
+    script = ("import sys; sys.modules['pyarrow'] = None\n"
+              "from dynemb.cli import main\n"
+              f"sys.exit(main(['train', '--synthetic', '--out', {str(tmp_path / 'run')!r}, *{TINY!r}]))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == ("dynemb train: error: needs the Python package 'pyarrow', which "
+                                                   "is not installed: pip install 'dynemb[data]'")
+    from pathlib import Path
+
+    from dynemb.cli import _EXTRAS
+
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    extras = {line.split("=")[0].strip(): line for line in pyproject.split("[project.optional-dependencies]")[1]
+              .split("\n\n")[0].splitlines()[1:]}
+    for package, extra in _EXTRAS.items():
+        assert f'{package}' in extras[extra].split("=", 1)[1], (package, extra)

@@ -23,6 +23,10 @@ OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
 MODEL_DEFAULTS = {"batch_size": 512, "dim": 16, "optimizer": "adagrad", "lr": 0.05, "max_capacity": None,
                   "eviction": None, "admission": None}
 """``dynemb train``'s model options and their defaults; on ``--resume`` the run's saved values instead."""
+# The optional packages the commands import, by the extra (pyproject.toml) that installs them.
+_EXTRAS = {"pyarrow": "data", "xxhash": "data", "matplotlib": "plot", "triton": "gpu",
+           **dict.fromkeys(["redis", "rocksdict", "lmdb", "starlette", "uvicorn", "httptools", "uvloop", "orjson",
+                            "simdjson"], "serving")}
 
 
 class CliError(Exception):
@@ -346,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        missing = (getattr(e, "name", None) or "").split(".")[0] if isinstance(e, ModuleNotFoundError) else ""
+        if missing in _EXTRAS:
+            message = (f"needs the Python package {missing!r}, which is not installed: "
+                       f"pip install 'dynemb[{_EXTRAS[missing]}]'")
         print(f"dynemb {args.command}: error: {message}", file=sys.stderr)
         return 2
 
