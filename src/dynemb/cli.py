@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        missing = (getattr(e, "name", None) or "").split(".")[0] if isinstance(e, ModuleNotFoundError) else ""
+        missing = e.name if isinstance(e, ModuleNotFoundError) else None  # a missing submodule is another problem
         if missing in _EXTRAS:
             message = (f"needs the Python package {missing!r}, which is not installed: "
                        f"pip install 'dynemb[{_EXTRAS[missing]}]'")
