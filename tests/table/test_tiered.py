@@ -330,7 +330,7 @@ def test_slow_tier_path_mistakes_are_named_errors(tmp_path):
     dynemb.KeyValueTable(4).prefetch(torch.tensor([1, 2]))  # a no-op on an untiered table
 
 
-def test_only_a_collection_with_a_tiered_table_prefetches():
+def test_only_a_collection_with_a_tiered_table_prefetches(monkeypatch):
     """Prefetch (and the training loop's read-ahead) costs a pass over every feature: an untiered collection skips
     it; a mixed one brings up the rows of its tiered tables only."""
     import dynemb.train
@@ -343,14 +343,10 @@ def test_only_a_collection_with_a_tiered_table_prefetches():
     flat = EmbeddingCollection(tables, features)
     assert not flat.tiered
     model = DLRM(2, flat, 4)
-    calls = []
-    real_ahead = dynemb.train._ahead
-    dynemb.train._ahead = lambda batches, prefetch: calls.append(1) or real_ahead(batches, prefetch)
-    try:
-        Trainer(model, TrainConfig(steps=3, dim=4, eval_every=3)).fit(data.batches("train"), [data.batch(0, "eval")],
-                                                                    progress=False)
-    finally:
-        dynemb.train._ahead = real_ahead
+    calls, real_ahead = [], dynemb.train._ahead
+    monkeypatch.setattr(dynemb.train, "_ahead", lambda batches, prefetch: calls.append(1) or real_ahead(batches, prefetch))
+    Trainer(model, TrainConfig(steps=3, dim=4, eval_every=3)).fit(data.batches("train"), [data.batch(0, "eval")],
+                                                                progress=False)
     assert calls == []
 
     mixed = EmbeddingCollection([TableConfig(name="a", dim=2, tiers=Tiers(fast_capacity=4)), TableConfig(name="b", dim=2)],
