@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine should check, in one call: versions, the CUDA- and Triton-marked tests on the
-# device (no interpreter), then the GPU benchmarks. Logs and JSON go to $OUT (default /tmp/dynemb-gpu); the last
-# lines printed are a short summary. Run from the repository root, with the image's python3 (torch, triton, numba,
+# device (no interpreter), then the GPU benchmarks. $OUT (default /tmp/dynemb-gpu) gets 8 files, what a device
+# call brings back: summary.txt (versions, each part's status), tests.txt, junit.xml, bench.txt (every benchmark's
+# output) and a JSON file a benchmark; the last lines printed are a short summary. Run from the repository root, with the image's python3 (torch, triton, numba,
 # pytest-xdist, pytest-timeout, hypothesis; no install needed, the package is read from src/):
 #
 #   bash benchmarks/gpu_lease.sh [test_seconds] [bench_seconds] [pytest -k expression]
@@ -23,8 +24,8 @@ start=$(date +%s)
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
   $PY -c "import sys, torch, triton, numba; p = torch.cuda.get_device_properties(0); print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__); print(p.name, p.multi_processor_count, 'SMs', p.total_memory >> 30, 'GiB')"
   lscpu | grep -m1 'Model name'
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+} > "$OUT/summary.txt" 2>&1
+cat "$OUT/summary.txt"
 
 tests=(tests/kernels tests/table tests/test_embedding.py tests/collection tests/job/test_score.py
        tests/test_row_grouping.py tests/test_functional.py)
@@ -35,20 +36,25 @@ timeout -k 10 "$TEST_S" $PY -m pytest -p no:cacheprovider -q -o addopts="" "${op
   --continue-on-collection-errors --maxfail=40 -m "cuda or triton" ${KEXPR:+-k "$KEXPR"} \
   --junitxml "$OUT/junit.xml" "${tests[@]}" > "$OUT/tests.txt" 2>&1
 tests_rc=$?
-echo "tests rc $tests_rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/tests.txt"
+echo "tests rc $tests_rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/tests.txt" >> "$OUT/summary.txt"
 
 bench() {  # name seconds command...: skipped when under 5 s are left (timeout 0 would mean no limit)
   local name=$1 secs=$2; shift 2
   if (( secs < 5 )); then echo "$name skipped: no time left" >> "$OUT/summary.txt"; return; fi
-  local t0=$(date +%s)
-  timeout -k 5 "$(( secs - 5 ))" "$@" > "$OUT/$name.txt" 2>&1
-  echo "$name rc $? in $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
+  local t0=$(date +%s) rc
+  echo "== $name" >> "$OUT/bench.txt"
+  timeout -k 5 "$(( secs - 5 ))" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  grep -v -i "warn" "$OUT/$name.log" >> "$OUT/bench.txt"
+  rm -f "$OUT/$name.log"
+  echo "$name rc $rc in $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
 }
 left() { echo $(( BENCH_S - ($(date +%s) - bstart) )); }
 bstart=$(date +%s)
-: > "$OUT/summary.txt"
-bench gpu_ops "$(( $(left) * 6 / 10 ))" $PY benchmarks/gpu_ops.py --device cuda --json "$OUT/gpu_ops.json"
-bench table_ops "$(( $(left) * 6 / 10 ))" $PY benchmarks/table_ops.py --device cuda --quick --threads 1 \
+: > "$OUT/bench.txt"
+bench gpu_ops "$(( $(left) * 4 / 10 ))" $PY benchmarks/gpu_ops.py --device cuda --json "$OUT/gpu_ops.json"
+bench job_step "$(( $(left) * 5 / 10 ))" $PY benchmarks/job_step.py --devices cpu cuda --json "$OUT/job_step.json"
+bench table_ops "$(( $(left) * 5 / 10 ))" $PY benchmarks/table_ops.py --device cuda --quick --threads 1 \
   --json "$OUT/table_ops.json"
 bench distributed "$(left)" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick \
   --json "$OUT/distributed.json"
@@ -57,5 +63,5 @@ echo "== summary ($(( $(date +%s) - start )) s)"
 cat "$OUT/summary.txt"
 grep -E "passed|failed|error" "$OUT/tests.txt" | tail -n 3
 grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | cut -c1-200 | head -n 25
-for f in gpu_ops table_ops distributed; do echo "-- $f"; tail -n 14 "$OUT/$f.txt" 2>/dev/null; done
+tail -n 40 "$OUT/bench.txt"
 exit "$tests_rc"
