@@ -8,7 +8,11 @@ inserts their ids, so the timed rounds measure the steady state, in which every 
 Rounds of ``--steps`` steps at batch 512 (in proportion fewer at larger batches) are timed (CUDA: with a device synchronize at the end of each); medians of
 ``--repeat`` rounds. Devices are timed one after the other, not interleaved: compare them within one run.
 
-Run: ``python benchmarks/job_step.py [--devices cpu cuda] [--batch-sizes 512 4096] [--quick] [--json PATH]``.
+``--one-table`` also times the same model with every feature in one shared table, in interleaved rounds: one
+dedup, find, pool and update a step for all features, about what a lookup grouped across tables would cost.
+
+Run: ``python benchmarks/job_step.py [--devices cpu cuda] [--batch-sizes 512 4096] [--one-table] [--quick]
+[--json PATH]``.
 """
 
 from __future__ import annotations
@@ -23,19 +27,36 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine_info, parser, print_table, write_json  # noqa: E402
 
+from dynemb import EmbeddingCollection, FeatureConfig, TableConfig  # noqa: E402
 from dynemb.data import SyntheticClickLog  # noqa: E402
-from dynemb.train import Trainer, TrainConfig, build_dlrm  # noqa: E402
+from dynemb.models import DLRM  # noqa: E402
+from dynemb.train import SPARSE_OPTIMIZERS, Trainer, TrainConfig, build_dlrm  # noqa: E402
 
 
-def measure(device: torch.device, batch_size: int, steps: int, repeat: int, batches: int) -> dict:
+def _model(data: SyntheticClickLog, cfg: TrainConfig, one_table: bool):
+    """The job's DLRM; ``one_table``: its features share one table (one dedup, find, pool and update a step for
+    all of them: about what a lookup grouped across tables would cost, an upper bound on its gain)."""
+    torch.manual_seed(0)
+    if not one_table:
+        return build_dlrm(data.num_dense, data.categorical_names, cfg)
+    spec = SPARSE_OPTIMIZERS[cfg.optimizer](lr=cfg.lr, fused=True)
+    tables = [TableConfig(name="shared", dim=cfg.dim, optimizer=spec)]
+    features = [FeatureConfig(name=f, table="shared") for f in data.categorical_names]
+    return DLRM(data.num_dense, EmbeddingCollection(tables, features), cfg.dim)
+
+
+def measure(device: torch.device, batch_size: int, steps: int, repeat: int, batches: int,
+            layouts: list[str]) -> list[dict]:
+    """One row per layout (``tables``: the job's; ``one table``: see :func:`_model`), timed in interleaved rounds."""
     data = SyntheticClickLog(batch_size=batch_size, seed=0)
     cfg = TrainConfig()  # the job's defaults: dim 16, adagrad, lr 0.05
-    torch.manual_seed(0)
-    model = build_dlrm(data.num_dense, data.categorical_names, cfg).to(device)
-    trainer = Trainer(model, cfg)
     made = [data.batch(i).to(device) for i in range(batches)]
+    runs = {}
+    for layout in layouts:
+        model = _model(data, cfg, layout == "one table").to(device)
+        runs[layout] = (model, Trainer(model, cfg))
 
-    def step(batch) -> None:
+    def step(model, trainer, batch) -> None:
         trainer.loss_fn(model(batch), batch.labels).backward()
         trainer.optimizer.step()
         trainer.optimizer.zero_grad()
@@ -44,23 +65,27 @@ def measure(device: torch.device, batch_size: int, steps: int, repeat: int, batc
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for batch in made:  # inserts every id of the timed batches, compiles kernels
-        step(batch)
-    times = []
+    for model, trainer in runs.values():
+        for batch in made:  # inserts every id of the timed batches, compiles kernels
+            step(model, trainer, batch)
+    times = {layout: [] for layout in runs}
     for r in range(repeat):
-        sync()
-        start = time.perf_counter()
-        for i in range(steps):
-            step(made[(r * steps + i) % len(made)])
-        sync()
-        times.append((time.perf_counter() - start) / steps)
-    seconds = statistics.median(times)
-    spread = (statistics.quantiles(times, n=4)[2] - statistics.quantiles(times, n=4)[0]) / seconds if repeat >= 4 \
-        else float("nan")
-    rows = sum(t.size() for t in model.embeddings.dynemb_tables())
-    return {"device": str(device), "batch": batch_size, "ms/step": f"{seconds * 1e3:.2f}",
-            "samples/s": f"{batch_size / seconds:,.0f}", "spread %": f"{spread * 100:.0f}", "table rows": rows,
-            "_seconds": seconds, "_samples_per_s": batch_size / seconds}
+        for layout, (model, trainer) in runs.items():
+            sync()
+            start = time.perf_counter()
+            for i in range(steps):
+                step(model, trainer, made[(r * steps + i) % len(made)])
+            sync()
+            times[layout].append((time.perf_counter() - start) / steps)
+    out = []
+    for layout, (model, _) in runs.items():
+        seconds = statistics.median(times[layout])
+        q = statistics.quantiles(times[layout], n=4) if repeat >= 4 else [float("nan")] * 3
+        out.append({"device": str(device), "batch": batch_size, "layout": layout, "ms/step": f"{seconds * 1e3:.2f}",
+                    "samples/s": f"{batch_size / seconds:,.0f}", "spread %": f"{(q[2] - q[0]) / seconds * 100:.0f}",
+                    "table rows": sum(t.size() for t in model.embeddings.dynemb_tables()),
+                    "_seconds": seconds, "_samples_per_s": batch_size / seconds})
+    return out
 
 
 def main() -> None:
@@ -70,6 +95,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="steps per timed round at batch 512, fewer in proportion "
                    "at larger batches, at least 2 (default 20; quick 10)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--one-table", action="store_true", help="also time the model with every feature in one shared "
+                   "table, interleaved: an upper bound on what a lookup grouped across tables would save")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     devices = [torch.device(d) for d in (args.devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))]
@@ -79,14 +106,14 @@ def main() -> None:
     info = machine_info()
     print(f"{info['cpu_model']}, {args.threads} thread(s); cuda: {info['cuda']}; medians of {repeat} rounds of "
           f"{steps} steps at batch 512 (fewer at larger batches), steady state (every id already stored)")
-    rows = []
+    rows, columns = [], ["device", "batch", "layout", "ms/step", "samples/s", "spread %", "table rows"]
     for size in sizes:
         n = max(2, steps * 512 // size)  # about the same samples a round at every batch size
         for device in devices:
-            rows.append(measure(device, size, n, repeat, batches=max(n, 4)))
-            print_table(rows[-1:], ["device", "batch", "ms/step", "samples/s", "spread %", "table rows"])
+            rows += measure(device, size, n, repeat, max(n, 4), ["tables"] + (["one table"] if args.one_table else []))
+            print_table(rows[-1:], columns)
     print()
-    print_table(rows, ["device", "batch", "ms/step", "samples/s", "spread %", "table rows"])
+    print_table(rows, columns)
     if args.json:
         write_json(args.json, {"benchmark": "job_step", "machine": info, "threads": args.threads, "steps": steps,
                                "repeat": repeat, "results": rows})
