@@ -2,8 +2,8 @@
 categorical and 13 dense columns of ``SyntheticClickLog``, one dynamic table of dim 16 a column, fused Adagrad,
 Adam for the MLPs), timed per batch size and device.
 
-Each step is what ``Trainer.fit`` runs (forward, BCE loss, backward, the combined optimizer's step and
-``zero_grad``), without its logging. Batches are made ahead and placed on the device; one untimed pass over them
+Each step is ``Trainer.train_step``, what ``Trainer.fit`` runs for each batch (forward, BCE loss, backward, the
+combined optimizer's step and ``zero_grad``), without its logging. Batches are made ahead and placed on the device; one untimed pass over them
 inserts their ids, so the timed rounds measure the steady state, in which every id is already in its table.
 Rounds of ``--steps`` steps at batch 512 (in proportion fewer at larger batches) are timed (CUDA: with a device synchronize at the end of each); medians of
 ``--repeat`` rounds. Devices are timed one after the other, not interleaved: compare them within one run.
@@ -56,25 +56,20 @@ def measure(device: torch.device, batch_size: int, steps: int, repeat: int, batc
         model = _model(data, cfg, layout == "one table").to(device)
         runs[layout] = (model, Trainer(model, cfg))
 
-    def step(model, trainer, batch) -> None:
-        trainer.loss_fn(model(batch), batch.labels).backward()
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad()
-
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for model, trainer in runs.values():
+    for _, trainer in runs.values():
         for batch in made:  # inserts every id of the timed batches, compiles kernels
-            step(model, trainer, batch)
+            trainer.train_step(batch)
     times = {layout: [] for layout in runs}
     for r in range(repeat):
-        for layout, (model, trainer) in runs.items():
+        for layout, (_, trainer) in runs.items():
             sync()
             start = time.perf_counter()
             for i in range(steps):
-                step(model, trainer, made[(r * steps + i) % len(made)])
+                trainer.train_step(made[(r * steps + i) % len(made)])
             sync()
             times[layout].append((time.perf_counter() - start) / steps)
     out = []

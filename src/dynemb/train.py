@@ -177,10 +177,7 @@ class Trainer:
         if model.embeddings.tiered:
             batches = _ahead(batches, lambda b: model.embeddings.prefetch(model.sparse_inputs(b)))
         for batch in batches:
-            loss = self.loss_fn(model(batch), batch.labels)
-            loss.backward()
-            self.optimizer.step()
-            self.optimizer.zero_grad()
+            loss = self.train_step(batch)
             self.step += 1
             samples += len(batch)
             elapsed = time.perf_counter() - start
@@ -205,6 +202,15 @@ class Trainer:
         if cfg.checkpoint_dir:
             self.save()
         return self.history
+
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        """One optimization step on ``batch`` (forward, BCE loss, backward, the optimizers' step): what :meth:`fit`
+        runs for each batch, without its counting and logging. Returns the loss (a 0-d tensor)."""
+        loss = self.loss_fn(self.model(batch), batch.labels)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> dict:
