@@ -60,6 +60,35 @@ def test_dense_sparse_and_one_per_sample_forms():
     torch.testing.assert_close(ec({"f": torch.tensor([5, 6])})["f"], ec.embeddings["t"].table.values[[5, 6]])
 
 
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_one_id_per_sample_pools_and_trains_as_bags_of_one(combiner, weighted):
+    """Ids ``[B]`` and dense ``[B, 1]`` (padded or not) pool each sample's one id: the same bits, forward and after
+    a fused update, as the same bags given with lengths, whose divisors are computed."""
+    def trained(form, padded=False):
+        ec = EmbeddingCollection([TableConfig(name="t", dim=D, seed=3, combiner=combiner,
+                                              optimizer=dynemb.optim.Adagrad(lr=0.5, fused=True))],
+                                 [FeatureConfig(name="f", table="t", padding_value=-7 if padded else None)])
+        w = {"f": weights["f"].view(form.shape)} if weights and isinstance(form, torch.Tensor) else weights
+        out = ec({"f": form}, weights=w)["f"]
+        (out * torch.arange(1.0, 1.0 + out.numel()).view_as(out)).sum().backward()
+        rows = ec.embeddings["t"].table.export()
+        return out.detach(), (rows.keys, torch.cat([rows.values, *rows.slots.values()], 1))
+
+    ids = torch.tensor([5, -1, 5, 2**63 - 1, 0])
+    weights = {"f": torch.tensor([0.5, 2.0, 1.5, 3.0, 0.25])} if weighted else {}
+    want_out, (want_keys, want_values) = trained(Bags(ids, lengths=torch.ones(5, dtype=torch.int64)))
+    for form, padded in [(ids, False), (ids.view(-1, 1), False), (ids.view(-1, 1), True)]:
+        out, (keys, values) = trained(form, padded)
+        assert torch.equal(out, want_out)
+        assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    if not weighted:  # a padded sample is an empty bag: zeros, as a bag of no ids
+        padded_ids = torch.tensor([[5], [-7], [2]])
+        want_out, _ = trained(Bags(torch.tensor([5, 2]), lengths=torch.tensor([1, 0, 1])))
+        out, _ = trained(padded_ids, padded=True)
+        assert torch.equal(out, want_out) and not out[1].any()
+
+
 def dynamic_pair():
     tables = [TableConfig(name="a", dim=D, seed=1, optimizer=dynemb.optim.SGD(lr=0.1)),
               TableConfig(name="b", dim=D, seed=2, optimizer=dynemb.optim.SGD(lr=0.1))]
