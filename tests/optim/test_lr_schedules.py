@@ -166,6 +166,28 @@ def test_combined_optimizer_schedules_sparse_and_dense_groups():
     assert saved["optimizers"]["sparse"]["optimizers"]["b"]["param_groups"][0]["lr"] == 0.05
 
 
+def test_combined_optimizer_still_steps_a_fused_optimizer_with_step_hooks():
+    """A fused table optimizer's step does nothing, so a combined optimizer skips it, unless a step hook (its own or
+    torch's global one) would see it."""
+    from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+
+    tables = [TableConfig(name=n, dim=D, optimizer=optim.Adagrad(lr=0.2, fused=True), seed=i)
+              for i, n in enumerate("ab")]
+    ec = EmbeddingCollection(tables, [FeatureConfig(name=n, table=n) for n in "ab"])
+    seen = []
+    ec.optimizer.optimizers["a"].register_step_post_hook(lambda opt, args, kwargs: seen.append("a"))
+    ec.optimizer.step()
+    assert seen == ["a"]
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: seen.append(opt))
+    try:
+        ec.optimizer.step()
+    finally:
+        handle.remove()
+    assert seen[1:] == [ec.optimizer, ec.optimizer.optimizers["a"], "a", ec.optimizer.optimizers["b"]]
+
+
 def test_unbound_spec_has_no_groups_and_binding_gives_one():
     spec = optim.Adam(lr=0.01)
     assert spec.param_groups == [] and spec.defaults["lr"] == 0.01

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Mapping, Union
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 
-from .base import GroupsOptimizer
+from .base import GroupsOptimizer, SparseOptimizer
 
 __all__ = ["CombinedOptimizer"]
 
@@ -52,7 +53,8 @@ class CombinedOptimizer(GroupsOptimizer):
             with torch.enable_grad():
                 loss = closure()
         for opt in self.optimizers.values():
-            opt.step()
+            if not _steps_nothing(opt):
+                opt.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -69,3 +71,15 @@ class CombinedOptimizer(GroupsOptimizer):
             raise ValueError(f"optimizer state has no entry for {missing}; it has {sorted(saved)}")
         for name, opt in self.optimizers.items():
             opt.load_state_dict(saved[name])
+
+
+def _steps_nothing(opt) -> bool:
+    """Whether ``opt.step()`` would do nothing: a fused sparse optimizer (its updates ran in backward) without step
+    hooks. Skipping it spares torch's step wrapper (a profiler range and hook checks, about 20 us), paid per table:
+    a model of 26 tables spent 0.5 ms a step on it."""
+    if not (isinstance(opt, SparseOptimizer) and opt.fused):
+        return False
+    hooks = (getattr(opt, "_optimizer_step_pre_hooks", None), getattr(opt, "_optimizer_step_post_hooks", None),
+             getattr(_torch_optimizer, "_global_optimizer_pre_hooks", None),
+             getattr(_torch_optimizer, "_global_optimizer_post_hooks", None))
+    return all(h is not None and not h for h in hooks)  # where torch keeps them elsewhere, step as before
