@@ -156,3 +156,82 @@ def test_a_static_tables_rows_are_not_the_callers_ids():
     rows = table.find_rows(ids)
     rows += 1
     assert ids.tolist() == [3, 4]
+
+
+def _four_tables(fused: bool = True):
+    """A dynamic, a row-grouped dynamic (uniform ids), a static table and one with a sequence feature."""
+    opt = dict(lr=0.5, fused=fused)
+    tables = [dynemb.TableConfig(name="a", dim=3, seed=1, optimizer=dynemb.optim.Adagrad(**opt)),
+              dynemb.TableConfig(name="b", dim=3, seed=2, optimizer=dynemb.optim.SGD(**opt), combiner="mean"),
+              dynemb.TableConfig(name="s", dim=3, vocabulary_size=50, seed=3, optimizer=dynemb.optim.SGD(**opt)),
+              dynemb.TableConfig(name="q", dim=3, seed=4, optimizer=dynemb.optim.SGD(**opt))]
+    features = [dynemb.FeatureConfig(name=n, table=n) for n in "abs"] + [
+        dynemb.FeatureConfig(name="q_bag", table="q"), dynemb.FeatureConfig(name="q_seq", table="q", combiner="none")]
+    return dynemb.EmbeddingCollection(tables, features)
+
+
+def _state(ec):
+    return {name: ec.export(name) for name in "abqs"}
+
+
+def test_a_collection_trains_as_its_tables_one_at_a_time():
+    """A collection pools its tables in one autograd node: the outputs and every table's rows and optimizer state
+    after two fused steps equal those of each table's features looked up on their own, one table at a time."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [{"a": torch.randint(-3, 3, (6, 2), generator=gen), "b": torch.randint(0, 40, (6, 3), generator=gen),
+                "s": torch.randint(0, 50, (6, 2), generator=gen), "q_bag": torch.randint(0, 9, (6,), generator=gen),
+                "q_seq": torch.randint(0, 9, (6, 2), generator=gen)} for _ in range(2)]
+    together, apart = _four_tables(), _four_tables()
+    for batch in batches:
+        out = together(batch)
+        sum((o * (i + 1)).sum() for i, o in enumerate(out.values())).backward()
+        alone = {}
+        for names in (["a"], ["b"], ["s"], ["q_bag", "q_seq"]):
+            alone.update(apart({n: batch[n] for n in names}))
+        alone = {n: alone[n] for n in out}
+        sum((o * (i + 1)).sum() for i, o in enumerate(alone.values())).backward()
+        assert all(torch.equal(out[n], alone[n]) for n in out)
+    for name, (want, got) in zip("abqs", zip(_state(apart).values(), _state(together).values())):
+        assert all(torch.equal(w, g) for w, g in zip(want, got)), name
+    assert together.state_dict().keys() == apart.state_dict().keys()
+    for key, value in apart.state_dict().items():
+        assert torch.equal(together.state_dict()[key], value) if torch.is_tensor(value) else True, key
+
+
+def test_an_unused_tables_output_leaves_it_untouched_and_saved_tensors_are_freed():
+    ec = _four_tables()
+    batch = {"a": torch.tensor([[1, 2]]), "b": torch.tensor([[3, 4, 5]]), "s": torch.tensor([[6, 7]])}
+    ec(batch)  # inserts the keys
+    before = {k: v.clone() if torch.is_tensor(v) else v for k, v in ec.state_dict().items()}
+    out = ec(batch)
+    out["a"].sum().backward()
+    after = ec.state_dict()
+    trained = [k for k in before if k.split(".")[2] in ("values", "slot", "optimizer")]  # not the lookups' stamps
+    changed = {k.split(".")[1] for k in trained if not (torch.equal(before[k], after[k]) if torch.is_tensor(before[k])
+                                                        else before[k] == after[k])}
+    assert changed == {"a"}
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out["b"].sum().backward()
+
+
+def test_pooled_lookups_of_one_table_twice_are_those_of_one_lookup_after_the_other():
+    from dynemb.functional.lookup import pooled_lookup, pooled_lookups
+    from dynemb.functional.pooling import BagSet
+
+    def bags(n):
+        return [BagSet(n, torch.arange(n), None, n, "sum")]
+
+    results = []
+    for grouped in (True, False):
+        emb = dynemb.DynamicEmbedding(2, seed=0, max_capacity=3)
+        dynemb.optim.SGD([emb], lr=1.0, fused=True)
+        first, second = torch.tensor([1, 2, 3]), torch.tensor([4, 5, 1])
+        if grouped:
+            outs = [o[0] for o in pooled_lookups([(emb, first, bags(3)), (emb, second, bags(3))])]
+        else:
+            outs = [pooled_lookup(emb, first, bags(3))[0], pooled_lookup(emb, second, bags(3))[0]]
+        (outs[0].sum() + 2 * outs[1].sum()).backward()
+        results.append((outs, emb.table.export()))
+    (want, want_rows), (got, got_rows) = results
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    assert torch.equal(want_rows.keys, got_rows.keys) and torch.equal(want_rows.values, got_rows.values)

@@ -1,4 +1,5 @@
-"""The local executor: every table whole on this process; one dedup, one find and one pooling op per table."""
+"""The local executor: every table whole on this process; one dedup, one find and one pooling op per table, and one
+autograd node for the pooling of all tables whose features are plain pooled ones."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 import torch
 
 from ..functional import pool_many, pooled_lookup, unique_rows
-from ..functional.lookup import clip_rows, id_rows
+from ..functional.lookup import clip_rows, id_rows, pooled_lookups
 from ..functional.pooling import split_combine
 from .features import PreparedFeature, finish
 from .plan import ExecutionPlan
@@ -22,16 +23,26 @@ class LocalExecutor:
         self.plan = plan
 
     def forward(self, prepared: dict[str, list[PreparedFeature]], training: bool) -> dict:
+        plain = [name for name, parts in prepared.items() if all(p.plain for p in parts)]
+        lookups = [(self.plan[name].module, _ids(prepared[name]), [p.bags for p in prepared[name]]) for name in plain]
+        pooled = dict(zip(plain, pooled_lookups(lookups, training=training, checked=True)))
         out = {}
         for name, parts in prepared.items():
-            out.update(lookup_table(self.plan[name].module, parts, training))
+            if name in pooled:
+                out.update(zip([p.name for p in parts], pooled[name]))
+            else:
+                out.update(lookup_table(self.plan[name].module, parts, training))
         return out
+
+
+def _ids(parts: list[PreparedFeature]) -> torch.Tensor:
+    return parts[0].ids if len(parts) == 1 else torch.cat([p.ids for p in parts])
 
 
 def lookup_table(module, parts: list[PreparedFeature], training: bool) -> dict:
     """Outputs of the features ``parts`` of one table: one dedup, one find and one pooling op for all plain pooled
     features, which pool straight from the table when they are all there is."""
-    ids = parts[0].ids if len(parts) == 1 else torch.cat([p.ids for p in parts])
+    ids = _ids(parts)
     plain = [p for p in parts if p.plain]
     if torch.compiler.is_compiling() and len(plain) != len(parts):
         return _compiled_lookup_table(module, ids, parts, training)

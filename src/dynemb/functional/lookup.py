@@ -24,8 +24,8 @@ from .ops import anchor_of, eager_anchor, pooled_lookup_op
 from .pooling import (BagSet, BagSum, bag_of, bag_sum_grad, check_combiner, combine_denoms, concat_bags, pool,
                       split_bags, split_combine, to_bags)
 
-__all__ = ["embedding_lookup", "embedding_lookup_sparse", "pooled_lookup", "unique_rows", "counts_occurrences",
-           "clip_rows", "find_unique", "id_rows", "SortedIds", "sort_ids", "spread_groups"]
+__all__ = ["embedding_lookup", "embedding_lookup_sparse", "pooled_lookup", "pooled_lookups", "unique_rows",
+           "counts_occurrences", "clip_rows", "find_unique", "id_rows", "SortedIds", "sort_ids", "spread_groups"]
 
 def _table_of(embedding) -> KeyValueTable:
     return embedding if isinstance(embedding, (KeyValueTable, StaticTable)) else embedding.table
@@ -313,34 +313,62 @@ def id_rows(embedding, ids: torch.Tensor, training: bool | None = None) -> torch
 
 
 
-class _TablePool(torch.autograd.Function):
-    """Pooling (and combining) straight from the table's stored rows (every row >= 0), without a ``[U, D]`` copy
-    of them; backward hands the pooled gradient to the table (:func:`deliver_pooled_gradient`), with the ids'
-    order from the forward's one sort."""
+class _PooledTables(torch.autograd.Function):
+    """The pooling of several tables' training lookups (``jobs``: :class:`_FoundRows` or :class:`_StaticIds`, one
+    table each) as one autograd node, whose inputs are the tables' anchors and whose outputs are each job's sums.
+    Backward hands each used output's gradient to its table; an unused one leaves its table untouched, as a lookup
+    whose output is unused. One node a collection call rather than one a table: a node costs the engine and the
+    Function's wrappers some tens of microseconds, which a small batch of many tables pays per table.
+
+    The jobs' tensors are saved for backward (autograd frees them after it); the jobs keep the rest."""
 
     @staticmethod
-    def forward(ctx, anchor, table, keys, rows, inverse, order, starts, offsets, weights, denom, flat, id_rows):
-        # keys None: a grouping by row, whose keys _first_of_groups(ids, ...) gives if the backward needs them. The ids
-        # are copied (a sequential pass, far cheaper than that gather): they may be the caller's buffer. id_rows: each
-        # id's row (then inverse is None), pooled from as they are.
-        ctx.table = table
-        ctx.clock = table.clock  # the lookup that found these rows stamped them at this clock
-        ctx.moves = getattr(table, "row_moves", None)  # they hold their keys while it is unchanged (current_rows)
-        ids = flat.clone() if keys is None else None
-        ctx.save_for_backward(keys, rows, order, starts, offsets, weights, denom, ids)
-        return _pool_rows(table, rows if id_rows is None else id_rows, inverse, offsets, weights, denom)
+    def forward(ctx, jobs, *anchors):
+        pooled = tuple(job.pool() for job in jobs)
+        ctx.save_for_backward(*(t for job in jobs for t in job.saved))
+        ctx.jobs, ctx.counts = jobs, [len(job.saved) for job in jobs]
+        for job in jobs:
+            job.saved = None
+        ctx.set_materialize_grads(False)
+        return pooled
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        keys, rows, order, starts, offsets, weights, denom, flat = ctx.saved_tensors
-        grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
-        pooled = PooledGrad(order, starts, bag_of(offsets, order.numel(), _any_kernels(ctx.table)), weights)
-        if keys is None:
-            keys = functools.cache(functools.partial(_first_of_groups, flat, order, starts))  # gathered at most once
-        deliver_pooled_gradient(ctx.table, keys, rows, grad, pooled, ctx.clock, ctx.moves)
-        return (None,) * 12
+    def backward(ctx, *grads):
+        saved, start = ctx.saved_tensors, 0
+        for job, count, grad in zip(ctx.jobs, ctx.counts, grads):
+            if grad is not None:
+                job.deliver(grad, *saved[start:start + count])
+            start += count
+        return (None,) * (len(grads) + 1)
 
+
+class _FoundRows:
+    """A dynamic table's training lookup whose ids all have stored rows: it pools straight from the table's rows,
+    without a ``[U, D]`` copy of them, and its backward hands the pooled gradient to the table
+    (:func:`deliver_pooled_gradient`), with the ids' order from the forward's one sort.
+
+    ``keys`` None: a grouping by row, whose keys ``_first_of_groups(ids, ...)`` gives if the backward needs them; the
+    ids are then copied (a sequential pass, far cheaper than that gather): they may be the caller's buffer.
+    ``id_rows``: each id's row (then ``inverse`` is None), pooled from as they are."""
+
+    def __init__(self, table, keys, rows, inverse, order, starts, offsets, weights, denom, flat, id_rows):
+        self.table, self.anchor = table, eager_anchor(table)
+        self.clock = table.clock  # the lookup that found these rows stamped them at this clock
+        self.moves = getattr(table, "row_moves", None)  # they hold their keys while it is unchanged (current_rows)
+        self.pooled_from = (rows if id_rows is None else id_rows, inverse, offsets, weights, denom)
+        self.saved = (keys, rows, order, starts, offsets, weights, denom, flat.clone() if keys is None else None)
+
+    def pool(self) -> torch.Tensor:
+        pooled, self.pooled_from = _pool_rows(self.table, *self.pooled_from), None
+        return pooled
+
+    def deliver(self, grad, keys, rows, order, starts, offsets, weights, denom, ids) -> None:
+        grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
+        pooled = PooledGrad(order, starts, bag_of(offsets, order.numel(), _any_kernels(self.table)), weights)
+        if keys is None:
+            keys = functools.cache(functools.partial(_first_of_groups, ids, order, starts))  # gathered at most once
+        deliver_pooled_gradient(self.table, keys, rows, grad, pooled, self.clock, self.moves)
 
 
 def _any_kernels(table):
@@ -370,7 +398,41 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
     pooled straight from the table; otherwise the unique rows are read first (initializer rows for the others).
     A static table's id is its row, so it pools straight from the ids and sorts them once, in backward.
     """
-    table = _table_of(embedding)
+    return pooled_lookups([(embedding, ids, bag_sets)], training=training, checked=checked)[0]
+
+
+def pooled_lookups(lookups: list[tuple], *, training: bool | None = None, checked: bool = False
+                   ) -> list[list[torch.Tensor]]:
+    """:func:`pooled_lookup` of each of ``lookups`` (``(embedding, ids, bag_sets)`` each), the training lookups
+    that pool straight from their table in one autograd node (:class:`_PooledTables`). A table looked up twice
+    pools its first lookup before its second one finds: the results are those of the lookups one after another."""
+    results: list = [None] * len(lookups)
+    jobs, where = [], []
+    for i, (embedding, ids, bag_sets) in enumerate(lookups):
+        table = _table_of(embedding)
+        if any(job.table is table for job in jobs):
+            _run_jobs(jobs, where, results, lookups)
+            jobs, where = [], []
+        started = _start_pooled(embedding, table, ids, bag_sets, training, checked)
+        if isinstance(started, list):
+            results[i] = started
+        else:
+            jobs.append(started)
+            where.append(i)
+    _run_jobs(jobs, where, results, lookups)
+    return results
+
+
+def _run_jobs(jobs: list, where: list[int], results: list, lookups: list[tuple]) -> None:
+    if jobs:
+        pooled = _PooledTables.apply(jobs, *(job.anchor for job in jobs))
+        for i, out in zip(where, pooled):
+            results[i] = split_bags(out, lookups[i][2])
+
+
+def _start_pooled(embedding, table, ids: torch.Tensor, bag_sets: list[BagSet], training: bool | None, checked: bool):
+    """The outputs of a pooled lookup (one per bag set), or, for a training lookup that pools straight from the
+    table, its :class:`_FoundRows` or :class:`_StaticIds` job, found but not yet pooled."""
     weights_train = any(s.weights is not None and s.weights.requires_grad for s in bag_sets)
     if torch.compiler.is_compiling() and not weights_train:
         return _compiled_pooled_lookup(embedding, table, ids, bag_sets, training)
@@ -394,12 +456,9 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
         return split_combine(summed, bag_sets)
     denom = combine_denoms(bag_sets, table.dtype, table.device)
     if trains:
-        pooled = _TablePool.apply(eager_anchor(table), table, sorted_ids.unique, rows,
-                                  sorted_ids.inverse, sorted_ids.order, sorted_ids.starts, offsets, weights, denom,
-                                  flat, id_rows)
-    else:
-        pooled = _pool_rows(table, rows, sorted_ids.inverse, offsets, weights, denom)
-    return split_bags(pooled, bag_sets)
+        return _FoundRows(table, sorted_ids.unique, rows, sorted_ids.inverse, sorted_ids.order,
+                          sorted_ids.starts, offsets, weights, denom, flat, id_rows)
+    return split_bags(_pool_rows(table, rows, sorted_ids.inverse, offsets, weights, denom), bag_sets)
 
 
 
@@ -417,15 +476,13 @@ def _compiled_pooled_lookup(embedding, table, ids: torch.Tensor, bag_sets: list[
 
 
 def _static_pooled_lookup(embedding, table: StaticTable, ids: torch.Tensor, bag_sets: list[BagSet],
-                          training: bool | None, checked: bool) -> list[torch.Tensor]:
+                          training: bool | None, checked: bool):
     flat = ids.reshape(-1) if checked else table.check_ids(ids)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
     denom = combine_denoms(bag_sets, table.dtype, table.device)
     if _trains(embedding, table, training):
-        pooled = _StaticPool.apply(eager_anchor(table), table, flat, offsets, weights, denom)
-    else:
-        pooled = _static_pool(table, flat, offsets, weights, denom)
-    return split_bags(pooled, bag_sets)
+        return _StaticIds(table, flat, offsets, weights, denom)
+    return split_bags(_static_pool(table, flat, offsets, weights, denom), bag_sets)
 
 
 
@@ -437,27 +494,25 @@ def _static_pool(table: StaticTable, ids: torch.Tensor, offsets, weights, denom)
 
 
 
-class _StaticPool(torch.autograd.Function):
-    """Pooling of a static table's rows straight from the ids (row ``i`` is id ``i``: no dedup in forward).
-    Backward sorts the ids once (stably, so each row sums its ids in input order, as the dynamic path does) and
-    hands the pooled gradient to the table (:func:`deliver_pooled_gradient`)."""
+class _StaticIds:
+    """A static table's training lookup: it pools straight from the ids (row ``i`` is id ``i``: no dedup in
+    forward). Its backward sorts the ids once (stably, so each row sums its ids in input order, as the dynamic path
+    does) and hands the pooled gradient to the table (:func:`deliver_pooled_gradient`). The ids are copied (a
+    sequential pass): they may be the caller's buffer, refilled before the backward."""
 
-    @staticmethod
-    def forward(ctx, anchor, table, ids, offsets, weights, denom):
-        ctx.table = table
-        # the ids copied (a sequential pass): they may be the caller's buffer, refilled before the backward
-        ctx.save_for_backward(ids.clone(), offsets, weights, denom)
-        return _static_pool(table, ids, offsets, weights, denom)
+    def __init__(self, table: StaticTable, ids, offsets, weights, denom):
+        self.table, self.anchor = table, eager_anchor(table)
+        self.saved = (ids.clone(), offsets, weights, denom)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        ids, offsets, weights, denom = ctx.saved_tensors
+    def pool(self) -> torch.Tensor:
+        return _static_pool(self.table, *self.saved)
+
+    def deliver(self, grad, ids, offsets, weights, denom) -> None:
+        table = self.table
         grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
-        s = sort_ids(ids, table_kernels(pool_kernels, ctx.table), inverse=False)
-        pooled = PooledGrad(s.order, s.starts, bag_of(offsets, ids.numel(), _any_kernels(ctx.table)), weights)
-        deliver_pooled_gradient(ctx.table, s.unique, s.unique.to(torch.int64), grad, pooled)
-        return (None,) * 6
+        s = sort_ids(ids, table_kernels(pool_kernels, table), inverse=False)
+        pooled = PooledGrad(s.order, s.starts, bag_of(offsets, ids.numel(), _any_kernels(table)), weights)
+        deliver_pooled_gradient(table, s.unique, s.unique.to(torch.int64), grad, pooled)
 
 
 
