@@ -3,29 +3,37 @@ categorical and 13 dense columns of ``SyntheticClickLog``, one dynamic table of 
 Adam for the MLPs), timed per batch size and device.
 
 Each step is ``Trainer.train_step``, what ``Trainer.fit`` runs for each batch (forward, BCE loss, backward, the
-combined optimizer's step and ``zero_grad``), without its logging. Batches are made ahead and placed on the device; one untimed pass over them
-inserts their ids, so the timed rounds measure the steady state, in which every id is already in its table.
-Rounds of ``--steps`` steps at batch 512 (in proportion fewer at larger batches) are timed (CUDA: with a device synchronize at the end of each); medians of
-``--repeat`` rounds. Devices are timed one after the other, not interleaved: compare them within one run.
+combined optimizer's step and ``zero_grad``), without its logging. Batches are made ahead and placed on the
+device; one untimed pass over them inserts their ids, so the timed rounds measure the steady state, in which every
+id is already in its table. Rounds of ``--steps`` steps at batch 512 (in proportion fewer at larger batches) are
+timed (CUDA: with a device synchronize at the end of each); medians of ``--repeat`` rounds. Devices are timed one
+after the other, not interleaved: compare them within one run.
 
 ``--one-table`` also times the same model with every feature in one shared table, in interleaved rounds: one
 dedup, find, pool and update a step for all features, about what a lookup grouped across tables would cost.
 
+``--before TREE`` compares two source trees (``--after``: default this checkout) on CPU: each pair of rounds runs
+this script once for each tree, each in a fresh process (``PYTHONPATH=<tree>/src``, CPU clock), in an order that
+alternates, and reports both medians and ``paired``, the median of the pairs' own ratios. On a shared virtual
+machine a process keeps a fast or slow phase for its whole life: fresh processes, many pairs.
+
 Run: ``python benchmarks/job_step.py [--devices cpu cuda] [--batch-sizes 512 4096] [--one-table] [--quick]
-[--json PATH]``.
+[--clock cpu] [--before TREE [--after TREE] [--pairs 12]] [--json PATH]``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
 import sys
-import time
+import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine_info, parser, print_table, write_json  # noqa: E402
+from _common import CLOCKS, machine_info, parser, print_table, write_json  # noqa: E402
 
 from dynemb import EmbeddingCollection, FeatureConfig, TableConfig  # noqa: E402
 from dynemb.data import SyntheticClickLog  # noqa: E402
@@ -46,7 +54,7 @@ def _model(data: SyntheticClickLog, cfg: TrainConfig, one_table: bool):
 
 
 def measure(device: torch.device, batch_size: int, steps: int, repeat: int, batches: int,
-            layouts: list[str]) -> list[dict]:
+            layouts: list[str], clock=CLOCKS["wall"]) -> list[dict]:
     """One row per layout (``tables``: the job's; ``one table``: see :func:`_model`), timed in interleaved rounds."""
     data = SyntheticClickLog(batch_size=batch_size, seed=0)
     cfg = TrainConfig()  # the job's defaults: dim 16, adagrad, lr 0.05
@@ -67,11 +75,11 @@ def measure(device: torch.device, batch_size: int, steps: int, repeat: int, batc
     for r in range(repeat):
         for layout, (_, trainer) in runs.items():
             sync()
-            start = time.perf_counter()
+            start = clock()
             for i in range(steps):
                 trainer.train_step(made[(r * steps + i) % len(made)])
             sync()
-            times[layout].append((time.perf_counter() - start) / steps)
+            times[layout].append((clock() - start) / steps)
     out = []
     for layout, (model, _) in runs.items():
         seconds = statistics.median(times[layout])
@@ -83,6 +91,38 @@ def measure(device: torch.device, batch_size: int, steps: int, repeat: int, batc
     return out
 
 
+def paired_trees(args, sizes: list[int], steps: int, repeat: int) -> list[dict]:
+    """``--before``: one row per batch size, each tree's median ms a step on CPU and the ratios (see the module)."""
+    trees = {"before": args.before, "after": args.after or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    rows = []
+    for size in sizes:
+        ms: dict[str, list[float]] = {"before": [], "after": []}
+        for pair in range(args.pairs):
+            for name in (("before", "after") if pair % 2 == 0 else ("after", "before")):
+                ms[name].append(_tree_step_ms(trees[name], size, steps, repeat, args.threads))
+            print(f"batch {size}, pair {pair + 1}: before {ms['before'][-1]:.2f} ms, after {ms['after'][-1]:.2f} ms",
+                  flush=True)
+        before, after = statistics.median(ms["before"]), statistics.median(ms["after"])
+        ratios = [b / a for b, a in zip(ms["before"], ms["after"])]
+        rows.append({"batch": size, "pairs": args.pairs, "before ms": f"{before:.2f}", "after ms": f"{after:.2f}",
+                     "before/after": f"{before / after:.2f}", "paired": f"{statistics.median(ratios):.2f}",
+                     "pair range": f"{min(ratios):.2f}-{max(ratios):.2f}", "_before_ms": ms["before"],
+                     "_after_ms": ms["after"]})
+    return rows
+
+
+def _tree_step_ms(tree: str, size: int, steps: int, repeat: int, threads: int) -> float:
+    """The median CPU ms a step of ``tree``'s package at batch ``size``, from this script in a fresh process."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(tree), "src"), OMP_NUM_THREADS=str(threads))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.json")
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--devices", "cpu", "--batch-sizes", str(size),
+                        "--steps", str(steps), "--repeat", str(repeat), "--threads", str(threads), "--clock", "cpu",
+                        "--json", out], env=env, check=True, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            return json.load(f)["results"][0]["_seconds"] * 1e3
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--devices", nargs="+", default=None, help="default: cpu, and cuda when there is one")
@@ -92,6 +132,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--one-table", action="store_true", help="also time the model with every feature in one shared "
                    "table, interleaved: an upper bound on what a lookup grouped across tables would save")
+    p.add_argument("--before", metavar="TREE", help="compare the source tree TREE with --after, fresh processes")
+    p.add_argument("--after", metavar="TREE", help="with --before: the tree to compare (default this checkout)")
+    p.add_argument("--pairs", type=int, default=None, help="with --before: pairs of processes (default 12; quick 3)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     devices = [torch.device(d) for d in (args.devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))]
@@ -99,13 +142,25 @@ def main() -> None:
     steps = args.steps or (10 if args.quick else 20)
     repeat = args.repeat or (5 if args.quick else 9)
     info = machine_info()
+    if args.before:
+        args.pairs = args.pairs or (3 if args.quick else 12)
+        after = args.after or "this checkout"
+        print(f"{info['cpu_model']}, {args.threads} thread(s); before {args.before}, after {after}; {args.pairs} pairs "
+              f"of processes, each the median of {repeat} rounds, CPU ms a step")
+        rows = paired_trees(args, sizes, steps, repeat)
+        print_table(rows, ["batch", "pairs", "before ms", "after ms", "before/after", "paired", "pair range"])
+        if args.json:
+            write_json(args.json, {"benchmark": "job_step", "mode": "before/after", "machine": info,
+                                   "threads": args.threads, "steps": steps, "repeat": repeat, "results": rows})
+        return
     print(f"{info['cpu_model']}, {args.threads} thread(s); cuda: {info['cuda']}; medians of {repeat} rounds of "
           f"{steps} steps at batch 512 (fewer at larger batches), steady state (every id already stored)")
     rows, columns = [], ["device", "batch", "layout", "ms/step", "samples/s", "spread %", "table rows"]
     for size in sizes:
         n = max(2, steps * 512 // size)  # about the same samples a round at every batch size
         for device in devices:
-            rows += measure(device, size, n, repeat, max(n, 4), ["tables"] + (["one table"] if args.one_table else []))
+            rows += measure(device, size, n, repeat, max(n, 4), ["tables"] + (["one table"] if args.one_table else []),
+                            CLOCKS[args.clock])
             print_table(rows[-1:], columns)
     print()
     print_table(rows, columns)
