@@ -188,6 +188,22 @@ def test_combined_optimizer_still_steps_a_fused_optimizer_with_step_hooks():
     assert seen[1:] == [ec.optimizer, ec.optimizer.optimizers["a"], "a", ec.optimizer.optimizers["b"]]
 
 
+def test_a_scheduler_of_one_fused_tables_optimizer_sees_it_stepped():
+    import warnings
+
+    from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+
+    ec = EmbeddingCollection([TableConfig(name="a", dim=D, optimizer=optim.Adagrad(lr=0.2, fused=True))],
+                             [FeatureConfig(name="a", table="a")])
+    sched = StepLR(ec.optimizer.optimizers["a"], step_size=1, gamma=0.5)
+    ec({"a": torch.tensor([1, 2])})["a"].sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" if the step were skipped
+        ec.optimizer.step()
+        sched.step()
+    assert ec.optimizer.optimizers["a"].param_groups[0]["lr"] == 0.1
+
+
 def test_unbound_spec_has_no_groups_and_binding_gives_one():
     spec = optim.Adam(lr=0.01)
     assert spec.param_groups == [] and spec.defaults["lr"] == 0.01

@@ -184,8 +184,9 @@ def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, 
         flat, offsets, w, num_bags = to_bags(value, None, weight, padding_value=fcfg.padding_value)
     if w is None and not isinstance(value, Bags) and not value.is_sparse \
             and (value.dim() == 1 or (value.dim() == 2 and value.shape[1] <= 1)):
-        # Bags of at most one unweighted id: mean and sqrtn divide by 1 (an empty bag's too), the same bits as a
-        # sum, which spares each lookup its divisors and the backward its division (a CTR model's usual feature).
+        # Bags of at most one unweighted id: mean and sqrtn divide by 1 (an empty bag's too), the same values as a
+        # sum (the same bits but for a NaN's sign and payload), which spares each lookup its divisors and the
+        # backward its division (a CTR model's usual feature).
         combiner = "sum"
     flat = _check_ids(flat, tcfg, device, check_ranges)
     return PreparedFeature(fname, tcfg.name, flat, fcfg.max_norm,

@@ -320,31 +320,29 @@ class _PooledTables(torch.autograd.Function):
     whose output is unused. One node a collection call rather than one a table: a node costs the engine and the
     Function's wrappers some tens of microseconds, which a small batch of many tables pays per table.
 
-    Each job keeps what its backward needs until that backward has run, so, as with a node a table, the outputs of
-    one call can go through separate backward calls (a loss a task), each table's once."""
+    The jobs' tensors are saved for backward, so autograd's rules hold for all of them at once: freed after the
+    first backward unless ``retain_graph=True`` (two losses over one call's outputs need it, as over any shared
+    node), kept by saved-tensor hooks (``save_on_cpu``, checkpointing)."""
 
     @staticmethod
     def forward(ctx, jobs, *anchors):
-        ctx.jobs = jobs
+        pooled = tuple(job.pool() for job in jobs)
+        ctx.save_for_backward(*(t for job in jobs for t in job.saved))
+        ctx.jobs, ctx.counts = jobs, [len(job.saved) for job in jobs]
+        for job in jobs:
+            job.saved = None  # the node holds them now
         ctx.set_materialize_grads(False)
-        return tuple(job.pool() for job in jobs)
+        return pooled
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        for job, grad in zip(ctx.jobs, grads):
+        saved, start = ctx.saved_tensors, 0
+        for job, count, grad in zip(ctx.jobs, ctx.counts, grads):
             if grad is not None:
-                job.deliver(grad, *_take_saved(job))
+                job.deliver(grad, *saved[start:start + count])
+            start += count
         return (None,) * (len(grads) + 1)
-
-
-def _take_saved(job) -> tuple:
-    """The tensors ``job``'s backward needs, released by the job: a lookup's gradient reaches its table once."""
-    saved, job.saved = job.saved, None
-    if saved is None:
-        raise RuntimeError("a lookup's gradient was already given to its table: each training lookup's output goes "
-                           "through one backward (retain_graph=True does not keep a dynemb lookup for a second one)")
-    return saved
 
 
 class _FoundRows:
