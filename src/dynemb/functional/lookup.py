@@ -366,11 +366,17 @@ class _FoundRows:
         return pooled
 
     def deliver(self, grad, keys, rows, order, starts, offsets, weights, denom, ids) -> None:
-        grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
-        pooled = PooledGrad(order, starts, bag_of(offsets, order.numel(), _any_kernels(self.table)), weights)
+        grad, pooled = _bags_gradient(self.table, grad, denom, order, starts, offsets, weights)
         if keys is None:
             keys = functools.cache(functools.partial(_first_of_groups, ids, order, starts))  # gathered at most once
         deliver_pooled_gradient(self.table, keys, rows, grad, pooled, self.clock, self.moves)
+
+
+def _bags_gradient(table, grad, denom, order, starts, offsets, weights) -> tuple[torch.Tensor, PooledGrad]:
+    """``(grad [B, D], how each row sums it)``: the gradient of a lookup's bag sums (its bags' gradient divided by
+    their combiner's divisors), and the ids grouped by row (``order``, ``starts``) with each id's bag and weight."""
+    grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
+    return grad, PooledGrad(order, starts, bag_of(offsets, order.numel(), _any_kernels(table)), weights)
 
 
 def _any_kernels(table):
@@ -511,9 +517,8 @@ class _StaticIds:
 
     def deliver(self, grad, ids, offsets, weights, denom) -> None:
         table = self.table
-        grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
         s = sort_ids(ids, table_kernels(pool_kernels, table), inverse=False)
-        pooled = PooledGrad(s.order, s.starts, bag_of(offsets, ids.numel(), _any_kernels(table)), weights)
+        grad, pooled = _bags_gradient(table, grad, denom, s.order, s.starts, offsets, weights)
         deliver_pooled_gradient(table, s.unique, s.unique.to(torch.int64), grad, pooled)
 
 
