@@ -411,9 +411,21 @@ def pooled_lookup(embedding, ids: torch.Tensor, bag_sets: list[BagSet], *, train
 
 def pooled_lookups(lookups: list[tuple], *, training: bool | None = None, checked: bool = False
                    ) -> list[list[torch.Tensor]]:
-    """:func:`pooled_lookup` of each of ``lookups`` (``(embedding, ids, bag_sets)`` each), the training lookups
-    that pool straight from their table in one autograd node (:class:`_PooledTables`). A table looked up twice
-    pools its first lookup before its second one finds: the results are those of the lookups one after another."""
+    """:func:`pooled_lookup` of each of ``lookups``: ``(embedding, ids [N], bag_sets)`` each, ``ids`` the
+    concatenation of the sets' ids; one list of ``[B, D]`` outputs (one a bag set) a lookup. The training lookups
+    that pool straight from their table do it in one autograd node (:class:`_PooledTables`), which costs a small
+    batch over many tables less than a node each. A table looked up twice pools its first lookup before its second
+    one finds: the results are those of the lookups one after another.
+
+    Example:
+        >>> import dynemb
+        >>> from dynemb.functional import BagSet
+        >>> a, b = dynemb.DynamicEmbedding(2, initializer=1.0), dynemb.DynamicEmbedding(3, initializer=2.0)
+        >>> one_each = [BagSet(2, torch.tensor([0, 1]), None, 2, "sum")]  # two bags of one id
+        >>> out = pooled_lookups([(a, torch.tensor([7, -1]), one_each), (b, torch.tensor([7, 7]), one_each)])
+        >>> [o[0].shape for o in out]
+        [torch.Size([2, 2]), torch.Size([2, 3])]
+    """
     results: list = [None] * len(lookups)
     jobs, where = [], []
     for i, (embedding, ids, bag_sets) in enumerate(lookups):
