@@ -2,8 +2,9 @@
 # Everything a lent GPU machine should check, in one call: versions, the CUDA- and Triton-marked tests on the
 # device (no interpreter), then the GPU benchmarks. $OUT (default /tmp/dynemb-gpu) gets 8 files, what a device
 # call brings back: summary.txt (versions, each part's status), tests.txt, junit.xml, bench.txt (every benchmark's
-# output) and a JSON file a benchmark; the last lines printed are a short summary. Run from the repository root, with the image's python3 (torch, triton, numba,
-# pytest-xdist, pytest-timeout, hypothesis; no install needed, the package is read from src/):
+# output) and a JSON file a benchmark; the last lines printed are a short summary. Run from the repository root,
+# with the image's python3 (torch, triton, numba, pytest-xdist, pytest-timeout, hypothesis; no install needed, the
+# package is read from src/):
 #
 #   bash benchmarks/gpu_lease.sh [test_seconds] [bench_seconds] [pytest -k expression]
 #

@@ -7,13 +7,13 @@ import dataclasses
 
 import torch
 
-from ..functional import pool_many, pooled_lookup, unique_rows
+from ..functional import pool_many, unique_rows
 from ..functional.lookup import clip_rows, id_rows, pooled_lookups
 from ..functional.pooling import split_combine
 from .features import PreparedFeature, finish
 from .plan import ExecutionPlan
 
-__all__ = ["LocalExecutor", "lookup_table"]
+__all__ = ["LocalExecutor"]
 
 
 class LocalExecutor:
@@ -31,7 +31,7 @@ class LocalExecutor:
             if name in pooled:
                 out.update(zip([p.name for p in parts], pooled[name]))
             else:
-                out.update(lookup_table(self.plan[name].module, parts, training))
+                out.update(_mixed_lookup(self.plan[name].module, parts, training))
         return out
 
 
@@ -39,16 +39,13 @@ def _ids(parts: list[PreparedFeature]) -> torch.Tensor:
     return parts[0].ids if len(parts) == 1 else torch.cat([p.ids for p in parts])
 
 
-def lookup_table(module, parts: list[PreparedFeature], training: bool) -> dict:
-    """Outputs of the features ``parts`` of one table: one dedup, one find and one pooling op for all plain pooled
-    features, which pool straight from the table when they are all there is."""
+def _mixed_lookup(module, parts: list[PreparedFeature], training: bool) -> dict:
+    """Outputs of the features ``parts`` of one table with a sequence or ``max_norm`` feature (tables of plain pooled
+    features only go to ``pooled_lookups``): one dedup and one find for all, one pooling op for the plain ones."""
     ids = _ids(parts)
     plain = [p for p in parts if p.plain]
-    if torch.compiler.is_compiling() and len(plain) != len(parts):
+    if torch.compiler.is_compiling():
         return _compiled_lookup_table(module, ids, parts, training)
-    if len(plain) == len(parts):
-        pooled = pooled_lookup(module, ids, [p.bags for p in plain], training=training, checked=True)
-        return {p.name: out for p, out in zip(parts, pooled)}
     values, inverse = unique_rows(module, ids, training=training, checked=True)
     inverses = dict(zip([p.name for p in parts], inverse.split([p.ids.numel() for p in parts])))
     plain_inverse = torch.cat([inverses[p.name] for p in plain]) if plain else inverse[:0]
