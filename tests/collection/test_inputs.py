@@ -89,6 +89,57 @@ def test_one_id_per_sample_pools_and_trains_as_bags_of_one(combiner, weighted):
         assert torch.equal(out, want_out) and not out[1].any()
 
 
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+def test_bags_of_one_id_train_as_the_same_bags_written_out(backend, fused, optimizer):
+    """Features of one id per sample share one offsets tensor, which tells the lookup that id ``j`` is bag ``j``:
+    its backward then builds no bag of each id. The same bits, forward and after two steps, as the same bags given
+    with explicit offsets, on each CPU backend, fused or stepped, with one feature on a table and with two."""
+    make = {"sgd": lambda: dynemb.optim.SGD(lr=0.3, fused=fused),
+            "rowwise_adagrad": lambda: dynemb.optim.RowWiseAdagrad(lr=0.3, fused=fused),
+            "adam": lambda: dynemb.optim.Adam(lr=0.3, fused=fused)}[optimizer]
+
+    def trained(explicit: bool):
+        ec = EmbeddingCollection([TableConfig(name="a", dim=D, seed=3, optimizer=make()),
+                                  TableConfig(name="b", dim=D, seed=4, optimizer=make())],
+                                 [FeatureConfig(name="f", table="a"), FeatureConfig(name="g", table="a"),
+                                  FeatureConfig(name="h", table="b")])
+        outs = []
+        for step in range(2):
+            ids = {name: torch.tensor([5, -1, 5, 2**63 - 1, step, 5]) * k for k, name in enumerate("fgh", 1)}
+            batch = {n: (v, torch.arange(v.numel())) if explicit else v for n, v in ids.items()}
+            out = ec(batch)
+            loss = sum((o * torch.arange(1.0, 1.0 + o.numel()).view_as(o)).sum() for o in out.values())
+            loss.backward()
+            ec.optimizer.step()
+            ec.optimizer.zero_grad()
+            outs.append(torch.cat([out[n].detach() for n in "fgh"]))
+        tables = [ec.embeddings[t].table.export() for t in "ab"]
+        return outs, [(r.keys, torch.cat([r.values, *r.slots.values()], 1)) for r in tables]
+
+    with dynemb.kernels.use_backend(backend):
+        want_outs, want_tables = trained(explicit=True)
+        outs, tables = trained(explicit=False)
+    assert all(torch.equal(a, b) for a, b in zip(outs, want_outs))
+    for (keys, values), (want_keys, want_values) in zip(tables, want_tables):
+        assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+
+
+def test_shared_offsets_of_one_id_bags_are_never_trusted_once_written():
+    """A written offsets tensor (its version counter moved) is no longer taken for bags of one id, and the next
+    lookup gets a fresh one: a user who edits the offsets they were handed cannot change another lookup's bags."""
+    from dynemb.functional.pooling import is_one_id_bags, one_id_bags, to_bags
+
+    _, offsets, _, _ = to_bags(torch.tensor([[4], [5], [6]]))
+    assert offsets is one_id_bags(3, torch.device("cpu")) and is_one_id_bags(offsets, 3)
+    assert not is_one_id_bags(offsets, 4) and not is_one_id_bags(torch.arange(3), 3)
+    offsets[1] = 0
+    assert not is_one_id_bags(offsets, 3)
+    fresh = one_id_bags(3, torch.device("cpu"))
+    assert fresh is not offsets and fresh.tolist() == [0, 1, 2] and is_one_id_bags(fresh, 3)
+
 def dynamic_pair():
     tables = [TableConfig(name="a", dim=D, seed=1, optimizer=dynemb.optim.SGD(lr=0.1)),
               TableConfig(name="b", dim=D, seed=2, optimizer=dynemb.optim.SGD(lr=0.1))]

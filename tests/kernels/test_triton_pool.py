@@ -66,6 +66,13 @@ def test_row_grad_equals_the_torch_reference(case):
     got = triton_pool.row_grad(grad, s.order, s.starts, bag, c["weights"])
     want = sorted_row_grad(grad, s.order, s.starts, bag, c["weights"])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # bags of one id each: no bag tensor (None), the same sums as the bags written out
+    ones = torch.randn(c["ids"].numel(), grad.shape[1], generator=case["gen"]).to(DEVICE)
+    each = torch.arange(c["ids"].numel(), device=DEVICE)
+    want = sorted_row_grad(ones, s.order, s.starts, each, c["weights"])
+    torch.testing.assert_close(triton_pool.row_grad(ones, s.order, s.starts, None, c["weights"]), want, rtol=1e-5,
+                               atol=1e-5)
+    assert torch.equal(sorted_row_grad(ones, s.order, s.starts, None, c["weights"]), want)
 
 
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])

@@ -18,7 +18,8 @@ __all__ = ["SparseGrad", "PooledGrad", "current_rows", "deliver_gradient", "deli
 class PooledGrad(NamedTuple):
     """How the rows of one lookup sum a pooled gradient ``[B, D]``: row ``u`` sums ``weights[j] * grad[bag[j]]``
     over ``j in order[starts[u]:starts[u + 1]]`` (``order`` ``[N]``: the ids grouped by unique row, from the call's
-    one sort; ``starts`` ``[U + 1]``; ``bag`` ``[N]`` int32 or int64: each id's bag; ``weights`` ``[N]`` or None)."""
+    one sort; ``starts`` ``[U + 1]``; ``bag`` ``[N]`` int32 or int64: each id's bag, or None where id ``j`` is bag
+    ``j``; ``weights`` ``[N]`` or None)."""
 
     order: Optional[torch.Tensor]
     starts: Optional[torch.Tensor]

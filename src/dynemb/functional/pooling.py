@@ -11,9 +11,39 @@ import torch.nn.functional as F
 from ..kernels.dispatch import pool_kernels
 
 __all__ = ["COMBINERS", "BagSet", "check_combiner", "to_bags", "pool", "pool_many", "bag_of", "bag_sum_grad",
-           "BagSum", "concat_bags", "split_bags", "split_combine", "combine_denoms", "sorted_row_grad"]
+           "BagSum", "concat_bags", "split_bags", "split_combine", "combine_denoms", "sorted_row_grad", "one_id_bags",
+           "is_one_id_bags"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
+
+
+def one_id_bags(n: int, device: torch.device) -> torch.Tensor:
+    """``[n]`` int64 offsets ``0, 1, ..., n - 1`` on ``device``: ``n`` bags of one id each (a CTR model's usual
+    feature), as one tensor that every lookup of ``n`` such bags shares, so that :func:`is_one_id_bags` knows it by
+    identity: the lookup then neither copies its offsets nor builds each id's bag for the backward (id ``j`` is bag
+    ``j``). Nothing in dynemb writes offsets; a tensor written since (its version counter moved) is replaced and no
+    longer recognized.
+
+    Example:
+        >>> o = one_id_bags(3, torch.device("cpu"))
+        >>> o.tolist(), is_one_id_bags(o, 3), is_one_id_bags(torch.arange(3), 3)
+        ([0, 1, 2], True, False)
+    """
+    key = (n, device)
+    shared = _ONE_ID_BAGS.get(key)
+    if shared is None or shared._version:
+        if len(_ONE_ID_BAGS) >= 64:  # batch sizes come and go (the last batch of an epoch): keep a few
+            _ONE_ID_BAGS.clear()
+        shared = _ONE_ID_BAGS[key] = torch.arange(n, device=device)
+    return shared
+
+
+def is_one_id_bags(offsets: torch.Tensor, n: int) -> bool:
+    """Whether ``offsets`` are :func:`one_id_bags` ``(n)``, unwritten: ``n`` bags of one id each."""
+    return _ONE_ID_BAGS.get((n, offsets.device)) is offsets and not offsets._version
+
+
+_ONE_ID_BAGS: dict = {}
 
 
 
@@ -93,8 +123,11 @@ def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None
         weights = _check_weights(weights, ids)
         if padding_value is None:  # every entry is an id: no mask, so shapes stay static (compiled code)
             b, m = ids.shape
-            offsets = torch.arange(0, b * m, m, device=ids.device) if m else torch.zeros(b, dtype=torch.int64,
-                                                                                        device=ids.device)
+            if m == 1 and not torch.compiler.is_compiling():  # compiled code traces a plain arange
+                offsets = one_id_bags(b, ids.device)
+            else:
+                offsets = torch.arange(0, b * m, m, device=ids.device) if m else torch.zeros(b, dtype=torch.int64,
+                                                                                            device=ids.device)
             return ids.reshape(-1), offsets, (weights.reshape(-1) if weights is not None else None), b
         mask = ids != padding_value
         counts = mask.sum(1)
@@ -224,10 +257,11 @@ def bag_sum_grad(grad, inverse, offsets, weights, num_rows: int) -> torch.Tensor
 
 def sorted_row_grad(grad, order, starts, bag, weights) -> torch.Tensor:
     """The torch reference of the ``row_grad`` kernel (:mod:`dynemb.kernels.dispatch`): ``[U, D]``, row ``u``
-    summing ``weights[j] * grad[bag[j]]`` over ``j in order[starts[u]:starts[u + 1]]`` (``bag`` int32 or int64)."""
+    summing ``weights[j] * grad[bag[j]]`` over ``j in order[starts[u]:starts[u + 1]]`` (``bag`` int32 or int64;
+    None: ``bag[j] == j``)."""
     ordered_weights = None if weights is None else weights.index_select(0, order)
-    return F.embedding_bag(bag.index_select(0, order).to(torch.int64), grad, starts[:-1], mode="sum",
-                           per_sample_weights=ordered_weights)
+    ordered_bags = order if bag is None else bag.index_select(0, order).to(torch.int64)
+    return F.embedding_bag(ordered_bags, grad, starts[:-1], mode="sum", per_sample_weights=ordered_weights)
 
 
 
@@ -256,9 +290,13 @@ def concat_bags(bag_sets: list[BagSet], dtype: torch.dtype, device) -> tuple[tor
     starts = [0]
     for s in bag_sets[:-1]:
         starts.append(starts[-1] + s.num_ids)
-    # new tensors (autograd keeps them; the caller may reuse its buffers); a clone costs half an add
-    shifted = [s.offsets + start if start else s.offsets.clone() for s, start in zip(bag_sets, starts)]
-    offsets = shifted[0] if len(shifted) == 1 else torch.cat(shifted)
+    if all(is_one_id_bags(s.offsets, s.num_ids) for s in bag_sets):  # shared, never written: nothing to copy
+        offsets = bag_sets[0].offsets if len(bag_sets) == 1 else one_id_bags(starts[-1] + bag_sets[-1].num_ids,
+                                                                             bag_sets[0].offsets.device)
+    else:
+        # new tensors (autograd keeps them; the caller may reuse its buffers); a clone costs half an add
+        shifted = [s.offsets + start if start else s.offsets.clone() for s, start in zip(bag_sets, starts)]
+        offsets = shifted[0] if len(shifted) == 1 else torch.cat(shifted)
     if all(s.weights is None for s in bag_sets):
         return offsets, None
     weights = torch.cat([s.weights.to(dtype) if s.weights is not None

@@ -99,11 +99,12 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
   module without it keeps the sort's ``inverse``): ``out[order[k]] = values[u]`` for every ``k`` in
   ``starts[u]:starts[u + 1]`` (a grouping of ``dedup``); how a training lookup gives each id its key's row
   (reference: :func:`~dynemb.functional.lookup.spread_groups`).
-- ``row_grad(grad [B, D] float32, order [N], starts [U + 1], bag [N], weights [N] | None) -> [U, D] float32``:
-  the gradient of a sum-pooling for each unique row, ``g[u] = sum(weights[j] * grad[bag[j]] for j in
+- ``row_grad(grad [B, D] float32, order [N], starts [U + 1], bag [N] | None, weights [N] | None) -> [U, D]
+  float32``: the gradient of a sum-pooling for each unique row, ``g[u] = sum(weights[j] * grad[bag[j]] for j in
   order[starts[u]:starts[u + 1]])``, summed in that order (``order`` lists the ids grouped by unique row, in input
   order within a row: the one stable sort of the call, :func:`~dynemb.functional.lookup.sort_ids`; ``bag[j]`` is
-  id ``j``'s bag). The caller has already divided ``grad`` by the combiner's ``denom``.
+  id ``j``'s bag; None: ``bag[j] == j``, bags of one id each). The caller has already divided ``grad`` by the
+  combiner's ``denom``.
 
 ``optim_kernels`` (:mod:`~dynemb.kernels.numba_optim`): sparse optimizer updates applied in place.
 

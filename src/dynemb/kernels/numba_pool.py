@@ -64,7 +64,7 @@ def gather(values: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch
     return out
 
 
-def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag: torch.Tensor,
+def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag: torch.Tensor | None,
              weights: torch.Tensor | None) -> torch.Tensor:
     """``[U, D]`` float32 gradient of each unique row: see the ``row_grad`` contract."""
     out = np.empty((starts.numel() - 1, grad.shape[1]), np.float32)

@@ -51,17 +51,19 @@ def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor | None,
     return out
 
 
-def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag: torch.Tensor,
+def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag: torch.Tensor | None,
              weights: torch.Tensor | None) -> torch.Tensor:
-    """``[U, D]`` float32: ``g[u] = sum(weights[j] * grad[bag[j]] for j in order[starts[u]:starts[u + 1]])``."""
+    """``[U, D]`` float32: ``g[u] = sum(weights[j] * grad[bag[j]] for j in order[starts[u]:starts[u + 1]])``
+    (``bag`` None: ``bag[j] == j``)."""
     check_device(grad, order, starts, bag, weights)
     nrows, dim = starts.numel() - 1, grad.shape[1]
     out = torch.empty(nrows, dim, dtype=torch.float32, device=grad.device)
     if nrows and dim:
         bd = block_d(dim)
         _row_grad_kernel[(nrows, triton.cdiv(dim, bd))](
-            grad, order, starts, bag, order if weights is None else weights, out, dim, HAS_W=weights is not None,
-            BLOCK_N=_BLOCK_N, BLOCK_D=bd, num_warps=row_warps(bd))
+            grad, order, starts, order if bag is None else bag, order if weights is None else weights, out, dim,
+            HAS_BAG=bag is not None, HAS_W=weights is not None, BLOCK_N=_BLOCK_N, BLOCK_D=bd,
+            num_warps=row_warps(bd))
     return out
 
 
@@ -163,10 +165,10 @@ def row_grad_tl(grad, order, starts, bag, weights, u, cols, cm, dim, HAS_BAG: tl
 
 
 @triton.jit
-def _row_grad_kernel(grad, order, starts, bag, weights, out, dim, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+def _row_grad_kernel(grad, order, starts, bag, weights, out, dim, HAS_BAG: tl.constexpr, HAS_W: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     u = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cm = cols < dim
-    acc = row_grad_tl(grad, order, starts, bag, weights, u, cols, cm, dim, True, HAS_W, BLOCK_N, BLOCK_D)
+    acc = row_grad_tl(grad, order, starts, bag, weights, u, cols, cm, dim, HAS_BAG, HAS_W, BLOCK_N, BLOCK_D)
     tl.store(out + u.to(tl.int64) * dim + cols, acc, mask=cm)
