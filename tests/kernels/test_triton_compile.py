@@ -58,10 +58,10 @@ def _cases(full: bool):
                     out="*fp32", n="i32", nbags="i32", dim="i32", HAS_INV="constexpr", HAS_W="constexpr",
                     HAS_DENOM="constexpr", BLOCK_N="constexpr", BLOCK_D="constexpr"),
                dict(HAS_INV=flag, HAS_W=flag, HAS_DENOM=flag, BLOCK_N=16, BLOCK_D=64), {})
-        yield (f"row_grad weighted={flag}", tp._row_grad_kernel,
+        yield (f"row_grad weighted={flag}, bags={flag}", tp._row_grad_kernel,
                dict(grad="*fp32", order="*i64", starts="*i64", bag="*i64", weights="*fp32", out="*fp32",
-                    dim="i32", HAS_W="constexpr", BLOCK_N="constexpr", BLOCK_D="constexpr"),
-               dict(HAS_W=flag, BLOCK_N=16, BLOCK_D=64), {})
+                    dim="i32", HAS_BAG="constexpr", HAS_W="constexpr", BLOCK_N="constexpr", BLOCK_D="constexpr"),
+               dict(HAS_BAG=flag, HAS_W=flag, BLOCK_N=16, BLOCK_D=64), {})
     update = dict(values="*fp32", s0="*fp32", s1="*fp32", rows="*i64", grad="*fp32", order="*i64", starts="*i64",
                   bag="*i64", weights="*fp32", dim="i32", h0="fp32", h1="fp32", h2="fp32", h3="fp32",
                   **{k: "constexpr" for k in ("KIND", "HAS_ORDER", "HAS_BAG", "HAS_W", "HAS_WD", "HAS_MOM",
