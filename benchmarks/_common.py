@@ -193,3 +193,27 @@ def write_json(path: str, payload: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def load_tree_package(tree: str, name: str = "dynemb_before"):
+    """The ``dynemb`` package of the source tree ``tree`` imported as ``name`` beside this process's own ``dynemb``
+    (a copy in a temporary folder, its absolute imports of dynemb renamed): how an A/B benchmark runs two trees in
+    one process, where a shared machine's slow and fast phases hit both alike."""
+    import importlib
+    import re
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix=f"{name}-")
+    shutil.copytree(os.path.join(os.path.abspath(tree), "src", "dynemb"), os.path.join(root, name),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for folder, _, files in os.walk(os.path.join(root, name)):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(folder, file)
+                with open(path) as f:
+                    text = f.read()
+                with open(path, "w") as f:
+                    f.write(re.sub(r"\b(from|import) dynemb\b", rf"\1 {name}", text))
+    sys.path.insert(0, root)
+    return importlib.import_module(name)

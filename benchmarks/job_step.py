@@ -15,14 +15,19 @@ dedup, find, pool and update a step for all features, about what a lookup groupe
 ``--before TREE`` compares two source trees (``--after``: default this checkout) on CPU: each pair of rounds runs
 this script once for each tree, each in a fresh process (``PYTHONPATH=<tree>/src``, CPU clock), in an order that
 alternates, and reports both medians and ``paired``, the median of the pairs' own ratios. On a shared virtual
-machine a process keeps a fast or slow phase for its whole life: fresh processes, many pairs.
+machine a process keeps a fast or slow phase for its whole life: fresh processes, many pairs. ``--same-process``
+builds both trees' models in this one process instead (``TREE``'s package imported as ``dynemb_before``; the after
+tree is this checkout) and alternates rounds of steps between them, the order flipping each round: a difference of
+a few percent shows there, where a process's phase (30-50%) hides it between processes. Run it twice with ``TREE``
+this checkout for the spread of a null comparison.
 
 Run: ``python benchmarks/job_step.py [--devices cpu cuda] [--batch-sizes 512 4096] [--one-table] [--quick]
-[--clock cpu] [--before TREE [--after TREE] [--pairs 12]] [--json PATH]``.
+[--clock cpu] [--before TREE [--after TREE] [--pairs 12] [--same-process]] [--json PATH]``.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import statistics
@@ -33,12 +38,26 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import CLOCKS, machine_info, parser, print_table, write_json  # noqa: E402
+from _common import CLOCKS, load_tree_package, machine_info, parser, print_table, write_json  # noqa: E402
 
 from dynemb import EmbeddingCollection, FeatureConfig, TableConfig  # noqa: E402
 from dynemb.data import SyntheticClickLog  # noqa: E402
 from dynemb.models import DLRM  # noqa: E402
 from dynemb.train import SPARSE_OPTIMIZERS, Trainer, TrainConfig, build_dlrm  # noqa: E402
+
+
+def _job(lib, batch_size: int, batches: int):
+    """``(trainer, batches)`` of the job's model at ``batch_size`` built from the package ``lib`` (dynemb, or another
+    tree's copy), every id of the batches inserted."""
+    data = importlib.import_module(f"{lib.__name__}.data").SyntheticClickLog(batch_size=batch_size, seed=0)
+    train = importlib.import_module(f"{lib.__name__}.train")
+    cfg = train.TrainConfig()
+    torch.manual_seed(0)
+    trainer = train.Trainer(train.build_dlrm(data.num_dense, data.categorical_names, cfg), cfg)
+    made = [data.batch(i) for i in range(batches)]
+    for batch in made:
+        trainer.train_step(batch)
+    return trainer, made
 
 
 def _model(data: SyntheticClickLog, cfg: TrainConfig, one_table: bool):
@@ -102,13 +121,37 @@ def paired_trees(args, sizes: list[int], steps: int, repeat: int) -> list[dict]:
                 ms[name].append(_tree_step_ms(trees[name], size, steps, repeat, args.threads))
             print(f"batch {size}, pair {pair + 1}: before {ms['before'][-1]:.2f} ms, after {ms['after'][-1]:.2f} ms",
                   flush=True)
-        before, after = statistics.median(ms["before"]), statistics.median(ms["after"])
-        ratios = [b / a for b, a in zip(ms["before"], ms["after"])]
-        rows.append({"batch": size, "pairs": args.pairs, "before ms": f"{before:.2f}", "after ms": f"{after:.2f}",
-                     "before/after": f"{before / after:.2f}", "paired": f"{statistics.median(ratios):.2f}",
-                     "pair range": f"{min(ratios):.2f}-{max(ratios):.2f}", "_before_ms": ms["before"],
-                     "_after_ms": ms["after"]})
+        rows.append(_ab_row(size, args.pairs, ms))
     return rows
+
+
+def same_process_trees(args, sizes: list[int], steps: int, rounds: int) -> list[dict]:
+    """``--before`` with ``--same-process``: the rows of :func:`paired_trees`, from both trees' models in this
+    process, one round of steps of each in turn (the order flipping each round), each round timed by the CPU
+    clock."""
+    libs = {"before": load_tree_package(args.before), "after": sys.modules["dynemb"]}
+    rows = []
+    for size in sizes:
+        n = max(2, steps * 512 // size)
+        jobs = {name: _job(lib, size, max(n, 4)) for name, lib in libs.items()}
+        ms: dict[str, list[float]] = {"before": [], "after": []}
+        for r in range(rounds):
+            for name in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                trainer, made = jobs[name]
+                start = CLOCKS["cpu"]()
+                for i in range(n):
+                    trainer.train_step(made[(r * n + i) % len(made)])
+                ms[name].append((CLOCKS["cpu"]() - start) / n * 1e3)
+        rows.append(_ab_row(size, rounds, ms))
+    return rows
+
+
+def _ab_row(size: int, count: int, ms: dict[str, list[float]]) -> dict:
+    before, after = statistics.median(ms["before"]), statistics.median(ms["after"])
+    ratios = [b / a for b, a in zip(ms["before"], ms["after"])]
+    return {"batch": size, "pairs": count, "before ms": f"{before:.2f}", "after ms": f"{after:.2f}",
+            "before/after": f"{before / after:.2f}", "paired": f"{statistics.median(ratios):.2f}",
+            "pair range": f"{min(ratios):.2f}-{max(ratios):.2f}", "_before_ms": ms["before"], "_after_ms": ms["after"]}
 
 
 def _tree_step_ms(tree: str, size: int, steps: int, repeat: int, threads: int) -> float:
@@ -134,8 +177,12 @@ def main() -> None:
                    "table, interleaved: an upper bound on what a lookup grouped across tables would save")
     p.add_argument("--before", metavar="TREE", help="compare the source tree TREE with --after, fresh processes")
     p.add_argument("--after", metavar="TREE", help="with --before: the tree to compare (default this checkout)")
-    p.add_argument("--pairs", type=int, default=None, help="with --before: pairs of processes (default 12; quick 3)")
+    p.add_argument("--pairs", type=int, default=None, help="with --before: pairs of processes, or of rounds with "
+                   "--same-process (default 12, same process 40; quick 3)")
+    p.add_argument("--same-process", action="store_true", help="with --before: both trees in this process (see above)")
     args = p.parse_args()
+    if args.same_process and (not args.before or args.after):
+        p.error("--same-process compares --before TREE with this checkout (no --after)")
     torch.set_num_threads(args.threads)
     devices = [torch.device(d) for d in (args.devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))]
     sizes = args.batch_sizes or ([512] if args.quick else [512, 4096, 32768])
@@ -143,14 +190,18 @@ def main() -> None:
     repeat = args.repeat or (5 if args.quick else 9)
     info = machine_info()
     if args.before:
-        args.pairs = args.pairs or (3 if args.quick else 12)
+        args.pairs = args.pairs or (3 if args.quick else 40 if args.same_process else 12)
         after = args.after or "this checkout"
-        print(f"{info['cpu_model']}, {args.threads} thread(s); before {args.before}, after {after}; {args.pairs} pairs "
-              f"of processes, each the median of {repeat} rounds, CPU ms a step")
-        rows = paired_trees(args, sizes, steps, repeat)
+        what = (f"{args.pairs} pairs of rounds in one process" if args.same_process else
+                f"{args.pairs} pairs of processes, each the median of {repeat} rounds")
+        print(f"{info['cpu_model']}, {args.threads} thread(s); before {args.before}, after {after}; {what}, CPU ms a "
+              "step")
+        rows = (same_process_trees(args, sizes, steps, args.pairs) if args.same_process
+                else paired_trees(args, sizes, steps, repeat))
         print_table(rows, ["batch", "pairs", "before ms", "after ms", "before/after", "paired", "pair range"])
         if args.json:
-            write_json(args.json, {"benchmark": "job_step", "mode": "before/after", "machine": info,
+            write_json(args.json, {"benchmark": "job_step", "machine": info,
+                                   "mode": "before/after" + (", same process" if args.same_process else ""),
                                    "threads": args.threads, "steps": steps, "repeat": repeat, "results": rows})
         return
     print(f"{info['cpu_model']}, {args.threads} thread(s); cuda: {info['cuda']}; medians of {repeat} rounds of "

@@ -86,28 +86,6 @@ def _two_processes(args, opt: str, dist: str) -> list[list[float]]:
     return times
 
 
-def _load_before(tree: str):
-    """The package of ``tree`` as ``dynemb_before``: a copy with its absolute imports of dynemb renamed."""
-    import importlib
-    import re
-    import shutil
-    import tempfile
-
-    root = tempfile.mkdtemp(prefix="dynemb-before-")
-    shutil.copytree(os.path.join(os.path.abspath(tree), "src", "dynemb"), os.path.join(root, "dynemb_before"),
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for folder, _, files in os.walk(os.path.join(root, "dynemb_before")):
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.join(folder, name)
-                with open(path) as f:
-                    text = f.read()
-                with open(path, "w") as f:
-                    f.write(re.sub(r"\b(from|import) dynemb\b", r"\1 dynemb_before", text))
-    sys.path.insert(0, root)
-    return importlib.import_module("dynemb_before")
-
-
 def _same_process(args, opt: str, dist: str) -> list[list[float]]:
     """CPU seconds of each step of the before and the after tree, built and stepped in this process."""
     import torch
@@ -161,7 +139,9 @@ def main() -> None:
 
         if not os.path.abspath(dynemb.__file__).startswith(os.path.join(os.path.abspath(args.after), "")):
             ap.error(f"dynemb is imported from {dynemb.__file__}, not from --after {args.after}")
-        args.after_lib, args.before_lib = dynemb, _load_before(args.before)
+        from _common import load_tree_package
+
+        args.after_lib, args.before_lib = dynemb, load_tree_package(args.before)
     rows = []
     print(f"{'optimizer':<16} {'ids':<8} {'before ms':>12} {'after ms':>12} {'before/after':>13} {'paired':>8}")
     for opt in args.optimizers:
