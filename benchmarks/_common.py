@@ -199,12 +199,14 @@ def load_tree_package(tree: str, name: str = "dynemb_before"):
     """The ``dynemb`` package of the source tree ``tree`` imported as ``name`` beside this process's own ``dynemb``
     (a copy in a temporary folder, its absolute imports of dynemb renamed): how an A/B benchmark runs two trees in
     one process, where a shared machine's slow and fast phases hit both alike."""
+    import atexit
     import importlib
     import re
     import shutil
     import tempfile
 
     root = tempfile.mkdtemp(prefix=f"{name}-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     shutil.copytree(os.path.join(os.path.abspath(tree), "src", "dynemb"), os.path.join(root, name),
                     ignore=shutil.ignore_patterns("__pycache__"))
     for folder, _, files in os.walk(os.path.join(root, name)):

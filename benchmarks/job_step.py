@@ -181,8 +181,10 @@ def main() -> None:
                    "--same-process (default 12, same process 40; quick 3)")
     p.add_argument("--same-process", action="store_true", help="with --before: both trees in this process (see above)")
     args = p.parse_args()
-    if args.same_process and (not args.before or args.after):
-        p.error("--same-process compares --before TREE with this checkout (no --after)")
+    if args.same_process and (not args.before or args.after or args.one_table or args.repeat
+                              or (args.devices or ["cpu"]) != ["cpu"]):
+        p.error("--same-process compares --before TREE with this checkout on CPU, by rounds of --steps steps "
+                "(--pairs of them; no --after, --one-table, --devices or --repeat)")
     torch.set_num_threads(args.threads)
     devices = [torch.device(d) for d in (args.devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))]
     sizes = args.batch_sizes or ([512] if args.quick else [512, 4096, 32768])
@@ -202,7 +204,8 @@ def main() -> None:
         if args.json:
             write_json(args.json, {"benchmark": "job_step", "machine": info,
                                    "mode": "before/after" + (", same process" if args.same_process else ""),
-                                   "threads": args.threads, "steps": steps, "repeat": repeat, "results": rows})
+                                   "threads": args.threads, "steps": steps,
+                                   "repeat": None if args.same_process else repeat, "results": rows})
         return
     print(f"{info['cpu_model']}, {args.threads} thread(s); cuda: {info['cuda']}; medians of {repeat} rounds of "
           f"{steps} steps at batch 512 (fewer at larger batches), steady state (every id already stored)")

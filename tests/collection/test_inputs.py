@@ -127,18 +127,27 @@ def test_bags_of_one_id_train_as_the_same_bags_written_out(backend, fused, optim
         assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
 
 
-def test_shared_offsets_of_one_id_bags_are_never_trusted_once_written():
-    """A written offsets tensor (its version counter moved) is no longer taken for bags of one id, and the next
-    lookup gets a fresh one: a user who edits the offsets they were handed cannot change another lookup's bags."""
+def test_shared_offsets_of_one_id_bags_are_internal_and_never_trusted_once_written():
+    """Only dynemb's own feature preparation gets the shared offsets of bags of one id (``to_bags`` hands a user a
+    tensor of their own); one written in place all the same (its version counter moved) is no longer taken for them,
+    and the next lookup gets a fresh one. Inference mode, whose tensors keep no version counter, changes nothing."""
     from dynemb.functional.pooling import is_one_id_bags, one_id_bags, to_bags
 
-    _, offsets, _, _ = to_bags(torch.tensor([[4], [5], [6]]))
+    ids = torch.tensor([[4], [5], [6]])
+    assert not is_one_id_bags(to_bags(ids)[1], 3)
+    _, offsets, _, _ = to_bags(ids, shared_offsets=True)
     assert offsets is one_id_bags(3, torch.device("cpu")) and is_one_id_bags(offsets, 3)
     assert not is_one_id_bags(offsets, 4) and not is_one_id_bags(torch.arange(3), 3)
     offsets[1] = 0
     assert not is_one_id_bags(offsets, 3)
     fresh = one_id_bags(3, torch.device("cpu"))
     assert fresh is not offsets and fresh.tolist() == [0, 1, 2] and is_one_id_bags(fresh, 3)
+
+    ec = dynamic_pair()
+    with torch.inference_mode():
+        first = ec.eval()({"fa": torch.tensor([1, 2, 3, 4, 5, 6, 7])})["fa"]  # a batch size not seen before here
+        assert torch.equal(ec({"fa": torch.tensor([1, 2, 3, 4, 5, 6, 7])})["fa"], first)
+    ec.train()({"fa": torch.tensor([1, 2, 3, 4, 5, 6, 7])})["fa"].sum().backward()
 
 def dynamic_pair():
     tables = [TableConfig(name="a", dim=D, seed=1, optimizer=dynemb.optim.SGD(lr=0.1)),

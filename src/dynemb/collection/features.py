@@ -179,9 +179,11 @@ def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, 
                                              lengths=value.lengths, include_last_offset=value.include_last_offset)
     elif not value.is_sparse and value.dim() == 1:  # one id per sample
         column = weight.reshape(-1, 1) if isinstance(weight, torch.Tensor) and weight.dim() == 1 else weight
-        flat, offsets, w, num_bags = to_bags(value.reshape(-1, 1), None, column)  # [B, 1]: offsets need no check
+        # [B, 1]: offsets need no check, and are shared (see one_id_bags)
+        flat, offsets, w, num_bags = to_bags(value.reshape(-1, 1), None, column, shared_offsets=True)
     else:
-        flat, offsets, w, num_bags = to_bags(value, None, weight, padding_value=fcfg.padding_value)
+        flat, offsets, w, num_bags = to_bags(value, None, weight, padding_value=fcfg.padding_value,
+                                             shared_offsets=True)
     if w is None and not isinstance(value, Bags) and not value.is_sparse \
             and (value.dim() == 1 or (value.dim() == 2 and value.shape[1] <= 1)):
         # Bags of at most one unweighted id: mean and sqrtn divide by 1 (an empty bag's too), the same values as a

@@ -21,8 +21,9 @@ def one_id_bags(n: int, device: torch.device) -> torch.Tensor:
     """``[n]`` int64 offsets ``0, 1, ..., n - 1`` on ``device``: ``n`` bags of one id each (a CTR model's usual
     feature), as one tensor that every lookup of ``n`` such bags shares, so that :func:`is_one_id_bags` knows it by
     identity: the lookup then neither copies its offsets nor builds each id's bag for the backward (id ``j`` is bag
-    ``j``). Nothing in dynemb writes offsets; a tensor written since (its version counter moved) is replaced and no
-    longer recognized.
+    ``j``). Read-only: only dynemb's own feature preparation hands it out (``to_bags(shared_offsets=True)``), and
+    nothing in dynemb writes offsets; one written in place all the same (its version counter moved) is replaced and
+    no longer recognized. Made outside inference mode, whose tensors keep no version counter.
 
     Example:
         >>> o = one_id_bags(3, torch.device("cpu"))
@@ -34,7 +35,8 @@ def one_id_bags(n: int, device: torch.device) -> torch.Tensor:
     if shared is None or shared._version:
         if len(_ONE_ID_BAGS) >= 64:  # batch sizes come and go (the last batch of an epoch): keep a few
             _ONE_ID_BAGS.clear()
-        shared = _ONE_ID_BAGS[key] = torch.arange(n, device=device)
+        with torch.inference_mode(False):
+            shared = _ONE_ID_BAGS[key] = torch.arange(n, device=device)
     return shared
 
 
@@ -66,7 +68,8 @@ def check_combiner(combiner: str) -> str:
 
 
 
-def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None, include_last_offset=False):
+def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None, include_last_offset=False,
+            shared_offsets=False):
     """Validate bag inputs and normalize them to ``(ids [N], offsets [B] starts, weights [N] or None, B)``.
 
     Accepted forms:
@@ -80,7 +83,9 @@ def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None
 
     Offsets must start at 0, never decrease and stay within ``[0, N]``; lengths must be >= 0 and sum to ``N``;
     weights are floating point, one per id, on the ids' device. Checking offsets and lengths reads their values
-    (one device sync on CUDA): nothing is ever read out of bounds.
+    (one device sync on CUDA): nothing is ever read out of bounds. ``shared_offsets``: dense ``[B, 1]`` CPU ids get
+    the shared offsets of :func:`one_id_bags` (never write them), which spare a lookup work; CUDA tensors are not
+    shared (streams would have to order their uses).
 
     Raises:
         TypeError/ValueError: naming the argument, the expected form and what came in.
@@ -123,7 +128,7 @@ def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None
         weights = _check_weights(weights, ids)
         if padding_value is None:  # every entry is an id: no mask, so shapes stay static (compiled code)
             b, m = ids.shape
-            if m == 1 and not torch.compiler.is_compiling():  # compiled code traces a plain arange
+            if shared_offsets and m == 1 and ids.device.type == "cpu" and not torch.compiler.is_compiling():
                 offsets = one_id_bags(b, ids.device)
             else:
                 offsets = torch.arange(0, b * m, m, device=ids.device) if m else torch.zeros(b, dtype=torch.int64,
