@@ -96,7 +96,8 @@ def test_one_id_per_sample_pools_and_trains_as_bags_of_one(combiner, weighted):
 def test_bags_of_one_id_train_as_the_same_bags_written_out(backend, fused, optimizer):
     """Features of one id per sample share one offsets tensor, which tells the lookup that id ``j`` is bag ``j``:
     its backward then builds no bag of each id. The same bits, forward and after two steps, as the same bags given
-    with explicit offsets, on each CPU backend, fused or stepped, with one feature on a table and with two."""
+    with explicit offsets, on each CPU backend, fused or stepped, with one feature on a table and with two, and on a
+    table that also serves a sequence feature (pooled by ``BagSum``)."""
     make = {"sgd": lambda: dynemb.optim.SGD(lr=0.3, fused=fused),
             "rowwise_adagrad": lambda: dynemb.optim.RowWiseAdagrad(lr=0.3, fused=fused),
             "adam": lambda: dynemb.optim.Adam(lr=0.3, fused=fused)}[optimizer]
@@ -105,11 +106,13 @@ def test_bags_of_one_id_train_as_the_same_bags_written_out(backend, fused, optim
         ec = EmbeddingCollection([TableConfig(name="a", dim=D, seed=3, optimizer=make()),
                                   TableConfig(name="b", dim=D, seed=4, optimizer=make())],
                                  [FeatureConfig(name="f", table="a"), FeatureConfig(name="g", table="a"),
-                                  FeatureConfig(name="h", table="b")])
+                                  FeatureConfig(name="h", table="b"),
+                                  FeatureConfig(name="s", table="b", combiner="none")])
         outs = []
         for step in range(2):
             ids = {name: torch.tensor([5, -1, 5, 2**63 - 1, step, 5]) * k for k, name in enumerate("fgh", 1)}
             batch = {n: (v, torch.arange(v.numel())) if explicit else v for n, v in ids.items()}
+            batch["s"] = torch.tensor([[3, 5], [7, 3]])
             out = ec(batch)
             loss = sum((o * torch.arange(1.0, 1.0 + o.numel()).view_as(o)).sum() for o in out.values())
             loss.backward()

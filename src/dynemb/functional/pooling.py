@@ -257,7 +257,8 @@ def bag_sum_grad(grad, inverse, offsets, weights, num_rows: int) -> torch.Tensor
     order = inverse.argsort(stable=True)
     per_row = torch.bincount(inverse, minlength=num_rows)
     starts = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)])
-    return sorted_row_grad(grad, order, starts, bag_of(offsets, inverse.numel()), weights)
+    n = inverse.numel()
+    return sorted_row_grad(grad, order, starts, None if is_one_id_bags(offsets, n) else bag_of(offsets, n), weights)
 
 
 def sorted_row_grad(grad, order, starts, bag, weights) -> torch.Tensor:
