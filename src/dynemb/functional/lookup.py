@@ -21,8 +21,8 @@ from ..table.static import StaticTable
 from ..kernels.dispatch import Backend, pool_kernels, resolve_backend
 from .grads import PooledGrad, TableRows, deliver_gradient, deliver_pooled_gradient, read_rows, table_kernels
 from .ops import anchor_of, eager_anchor, pooled_lookup_op
-from .pooling import (BagSet, BagSum, bag_of, bag_sum_grad, check_combiner, combine_denoms, concat_bags,
-                      is_one_id_bags, pool, split_bags, split_combine, to_bags)
+from .pooling import (BagSet, BagSum, backward_bags, bag_sum_grad, check_combiner, combine_denoms, concat_bags, pool,
+                      split_bags, split_combine, to_bags)
 
 __all__ = ["embedding_lookup", "embedding_lookup_sparse", "pooled_lookup", "pooled_lookups", "unique_rows",
            "counts_occurrences", "clip_rows", "find_unique", "id_rows", "SortedIds", "sort_ids", "spread_groups"]
@@ -376,9 +376,7 @@ def _bags_gradient(table, grad, denom, order, starts, offsets, weights) -> tuple
     """``(grad [B, D], how each row sums it)``: the gradient of a lookup's bag sums (its bags' gradient divided by
     their combiner's divisors), and the ids grouped by row (``order``, ``starts``) with each id's bag and weight."""
     grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
-    n = order.numel()
-    bag = None if is_one_id_bags(offsets, n) else bag_of(offsets, n, _any_kernels(table))  # None: id j is bag j
-    return grad, PooledGrad(order, starts, bag, weights)
+    return grad, PooledGrad(order, starts, backward_bags(offsets, order.numel(), _any_kernels(table)), weights)
 
 
 def _any_kernels(table):

@@ -12,7 +12,7 @@ from ..kernels.dispatch import pool_kernels
 
 __all__ = ["COMBINERS", "BagSet", "check_combiner", "to_bags", "pool", "pool_many", "bag_of", "bag_sum_grad",
            "BagSum", "concat_bags", "split_bags", "split_combine", "combine_denoms", "sorted_row_grad", "one_id_bags",
-           "is_one_id_bags"]
+           "is_one_id_bags", "backward_bags"]
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -251,14 +251,19 @@ def bag_of(offsets: torch.Tensor, n: int, kernels=None) -> torch.Tensor:
 
 
 
+def backward_bags(offsets: torch.Tensor, n: int, kernels=None) -> torch.Tensor | None:
+    """Each of ``n`` ids' bag as a backward takes it: :func:`bag_of`, or None (id ``j`` is bag ``j``) for the
+    shared offsets of bags of one id each (:func:`one_id_bags`), which need no ``[n]`` tensor."""
+    return None if is_one_id_bags(offsets, n) else bag_of(offsets, n, kernels)
+
+
 def bag_sum_grad(grad, inverse, offsets, weights, num_rows: int) -> torch.Tensor:
     """``[U, D]`` gradient of a sum-pooling of rows ``inverse`` by bags ``offsets``: row ``u`` gets the sum of
     ``weight * grad[bag]`` over its ids, itself computed as a sum-pooling with the ids ordered by row."""
     order = inverse.argsort(stable=True)
     per_row = torch.bincount(inverse, minlength=num_rows)
     starts = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)])
-    n = inverse.numel()
-    return sorted_row_grad(grad, order, starts, None if is_one_id_bags(offsets, n) else bag_of(offsets, n), weights)
+    return sorted_row_grad(grad, order, starts, backward_bags(offsets, inverse.numel()), weights)
 
 
 def sorted_row_grad(grad, order, starts, bag, weights) -> torch.Tensor:
