@@ -90,14 +90,16 @@ def test_one_id_per_sample_pools_and_trains_as_bags_of_one(combiner, weighted):
 
 
 
+@pytest.mark.parametrize("form", ["ids", "lengths"])
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
-def test_bags_of_one_id_train_as_the_same_bags_written_out(backend, fused, optimizer):
-    """Features of one id per sample share one offsets tensor, which tells the lookup that id ``j`` is bag ``j``:
-    its backward then builds no bag of each id. The same bits, forward and after two steps, as the same bags given
-    with explicit offsets, on each CPU backend, fused or stepped, with one feature on a table and with two, and on a
-    table that also serves a sequence feature (pooled by ``BagSum``)."""
+def test_bags_of_one_id_train_as_the_same_bags_written_out(form, backend, fused, optimizer):
+    """Features of one id per sample (ids ``[B]``, or lengths all 1 as a KeyedJaggedTensor gives them) share one
+    offsets tensor, which tells the lookup that id ``j`` is bag ``j``: its backward then builds no bag of each id.
+    The same bits, forward and after two steps, as the same bags given with explicit offsets, on each CPU backend,
+    fused or stepped, with one feature on a table and with two, and on a table that also serves a sequence feature
+    (pooled by ``BagSum``)."""
     make = {"sgd": lambda: dynemb.optim.SGD(lr=0.3, fused=fused),
             "rowwise_adagrad": lambda: dynemb.optim.RowWiseAdagrad(lr=0.3, fused=fused),
             "adam": lambda: dynemb.optim.Adam(lr=0.3, fused=fused)}[optimizer]
@@ -111,7 +113,8 @@ def test_bags_of_one_id_train_as_the_same_bags_written_out(backend, fused, optim
         outs = []
         for step in range(2):
             ids = {name: torch.tensor([5, -1, 5, 2**63 - 1, step, 5]) * k for k, name in enumerate("fgh", 1)}
-            batch = {n: (v, torch.arange(v.numel())) if explicit else v for n, v in ids.items()}
+            batch = {n: (v, torch.arange(v.numel())) if explicit else v if form == "ids"
+                     else Bags(v, lengths=torch.ones_like(v)) for n, v in ids.items()}
             batch["s"] = torch.tensor([[3, 5], [7, 3]])
             out = ec(batch)
             loss = sum((o * torch.arange(1.0, 1.0 + o.numel()).view_as(o)).sum() for o in out.values())
@@ -138,6 +141,9 @@ def test_shared_offsets_of_one_id_bags_are_internal_and_never_trusted_once_writt
 
     ids = torch.tensor([[4], [5], [6]])
     assert not is_one_id_bags(to_bags(ids)[1], 3)
+    flat, ones = ids.view(-1), torch.ones(3, dtype=torch.int64)
+    assert is_one_id_bags(to_bags(flat, lengths=ones, shared_offsets=True)[1], 3)
+    assert not is_one_id_bags(to_bags(flat, lengths=torch.tensor([2, 0, 1]), shared_offsets=True)[1], 3)
     _, offsets, _, _ = to_bags(ids, shared_offsets=True)
     assert offsets is one_id_bags(3, torch.device("cpu")) and is_one_id_bags(offsets, 3)
     assert not is_one_id_bags(offsets, 4) and not is_one_id_bags(torch.arange(3), 3)

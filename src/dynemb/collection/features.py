@@ -176,7 +176,8 @@ def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, 
         if weight is not None and value.weights is not None:
             raise ValueError("weights are given twice: in the weights dict and in the feature's input")
         flat, offsets, w, num_bags = to_bags(value.ids, value.offsets, value.weights if weight is None else weight,
-                                             lengths=value.lengths, include_last_offset=value.include_last_offset)
+                                             lengths=value.lengths, include_last_offset=value.include_last_offset,
+                                             shared_offsets=True)
     elif not value.is_sparse and value.dim() == 1:  # one id per sample
         column = weight.reshape(-1, 1) if isinstance(weight, torch.Tensor) and weight.dim() == 1 else weight
         # [B, 1]: offsets need no check, and are shared (see one_id_bags)

@@ -83,9 +83,9 @@ def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None
 
     Offsets must start at 0, never decrease and stay within ``[0, N]``; lengths must be >= 0 and sum to ``N``;
     weights are floating point, one per id, on the ids' device. Checking offsets and lengths reads their values
-    (one device sync on CUDA): nothing is ever read out of bounds. ``shared_offsets``: dense ``[B, 1]`` CPU ids get
-    the shared offsets of :func:`one_id_bags` (never write them), which spare a lookup work; CUDA tensors are not
-    shared (streams would have to order their uses).
+    (one device sync on CUDA): nothing is ever read out of bounds. ``shared_offsets``: CPU bags of one id each
+    (dense ``[B, 1]`` ids, or lengths all 1) get the shared offsets of :func:`one_id_bags` (never write them), which
+    spare a lookup work; CUDA tensors are not shared (streams would have to order their uses).
 
     Raises:
         TypeError/ValueError: naming the argument, the expected form and what came in.
@@ -148,7 +148,11 @@ def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None
         if check_values and bool(((lengths < 0).any() | (lengths.sum() != n)).item()):
             raise ValueError(f"lengths must be >= 0 and sum to the number of ids ({n}), got "
                              f"{_preview(lengths)} (sum {int(lengths.sum())})")
-        offsets = lengths.cumsum(0) - lengths
+        if shared_offsets and check_values and n == lengths.numel() and ids.device.type == "cpu" \
+                and bool((lengths == 1).all()):  # one id a bag: a KeyedJaggedTensor's usual CTR feature
+            offsets = one_id_bags(n, ids.device)
+        else:
+            offsets = lengths.cumsum(0) - lengths
     else:
         offsets = _check_index_tensor(offsets, "offsets", ids)
         if include_last_offset:
