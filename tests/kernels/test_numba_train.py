@@ -102,6 +102,27 @@ def test_training_matches_torch(data, optimizer, fused, combiner, key_dtype, sta
         torch.testing.assert_close(got, ref, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5, equal_nan=True)
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "adam"])
+def test_a_zero_divisor_gives_torchs_nan_not_an_exception(optimizer):
+    """``eps=0`` and a zero gradient divide zero by zero: torch gives NaN, and so do the kernels (numpy's error
+    model, which also lets LLVM vectorize their divisions and square roots), where Python's would raise
+    ZeroDivisionError inside the backward."""
+    make = {"adagrad": lambda t: optim.Adagrad(t, lr=0.1, eps=0.0),
+            "rowwise_adagrad": lambda t: optim.RowWiseAdagrad(t, lr=0.1, eps=0.0),
+            "adam": lambda t: optim.Adam(t, lr=0.1, eps=0.0)}[optimizer]
+    results = []
+    for backend in ("numba", "torch"):
+        with use_backend(backend):
+            emb = dynemb.DynamicEmbedding(D, seed=1)
+            opt = make([emb])
+            out = embedding_lookup_sparse(emb, torch.tensor([3, 4]), torch.tensor([0, 1]), combiner="sum")
+            (out * torch.tensor([[0.0] * D, [1.0] * D])).sum().backward()  # key 3: a zero gradient
+            opt.step()
+            results.append(emb.lookup(torch.tensor([3, 4])))
+    assert results[1][0].isnan().all() and not results[1][1].isnan().any()  # what torch does
+    torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_kernel_step_changes_the_table_like_torch(fused):
     """A non-hypothesis anchor: one RowWiseAdagrad step on 2,000 ids with repeats moves rows and slots alike."""
