@@ -129,20 +129,19 @@ def same_process_trees(args, sizes: list[int], steps: int, rounds: int) -> list[
     """``--before`` with ``--same-process``: the rows of :func:`paired_trees`, from both trees' models in this
     process, one round of steps of each in turn (the order flipping each round), each round timed by the CPU
     clock."""
+    from train_step_impls import alternated_steps
+
     libs = {"before": load_tree_package(args.before), "after": sys.modules["dynemb"]}
     rows = []
     for size in sizes:
         n = max(2, steps * 512 // size)
-        jobs = {name: _job(lib, size, max(n, 4)) for name, lib in libs.items()}
-        ms: dict[str, list[float]] = {"before": [], "after": []}
-        for r in range(rounds):
-            for name in (("before", "after") if r % 2 == 0 else ("after", "before")):
-                trainer, made = jobs[name]
-                start = CLOCKS["cpu"]()
-                for i in range(n):
-                    trainer.train_step(made[(r * n + i) % len(made)])
-                ms[name].append((CLOCKS["cpu"]() - start) / n * 1e3)
-        rows.append(_ab_row(size, rounds, ms))
+
+        def stepper(lib):
+            trainer, made = _job(lib, size, max(n, 4))
+            return lambda r: [trainer.train_step(made[(r * n + i) % len(made)]) for i in range(n)]
+
+        seconds = alternated_steps([stepper(lib) for lib in libs.values()], list(range(rounds)), rounds)
+        rows.append(_ab_row(size, rounds, {name: [t / n * 1e3 for t in times] for name, times in zip(libs, seconds)}))
     return rows
 
 
