@@ -12,6 +12,7 @@ import torch
 from ckpt_util import TwoTables, assert_same_models, assert_same_tables, table_state, train_step, trained_model
 
 import dynemb
+from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
 from dynemb.checkpoint import CheckpointError, load, save
 
 
@@ -193,6 +194,30 @@ def test_strict_table_and_slot_sets(tmp_path, caplog):
         load(tmp_path, extra, strict=False)
     assert_same_tables(trained.user, extra.user)
     assert "only in the checkpoint" not in str(caught[0].message)  # no empty list
+
+
+def test_a_table_added_since_the_save_loads_with_its_collections_optimizer_when_not_strict(tmp_path):
+    """A collection with a table added since the save, loaded with ``ec.optimizer`` too: strict says which table;
+    ``strict=False`` restores the saved tables and their optimizer state and keeps the new table's (as its rows)."""
+    def collection(names):
+        return EmbeddingCollection([TableConfig(name=n, dim=4, optimizer=dynemb.optim.Adagrad(lr=0.1)) for n in names],
+                                   [FeatureConfig(name=n, table=n) for n in names])
+
+    ec = collection(["user", "item"])
+    ec({"user": torch.tensor([11, 12, 11]), "item": torch.tensor([7, 8, 9])})["user"].sum().backward()
+    ec.optimizer.step()
+    save(tmp_path, ec, ec.optimizer, step=1)
+    bigger = collection(["user", "item", "query"])
+    with pytest.raises(CheckpointError, match=r"only in the model .*\['query'\]"):
+        load(tmp_path, bigger, bigger.optimizer)
+    with pytest.warns(UserWarning, match=r"only in the model .*\['query'\]"):
+        load(tmp_path, bigger, bigger.optimizer, strict=False)
+    assert torch.equal(bigger.export("user")[1], ec.export("user")[1])
+    states = bigger.optimizer.state_dict()["optimizers"]
+    assert states["user"] == ec.optimizer.state_dict()["optimizers"]["user"] and states["user"]["tables"] == [{"step": 1}]
+    assert states["query"]["tables"] == [{"step": 0}]
+    with pytest.raises(ValueError, match=r"no entry for \['query'\]"):
+        bigger.optimizer.load_state_dict(ec.optimizer.state_dict())
 
 
 def test_dense_state_must_match_when_strict(tmp_path):

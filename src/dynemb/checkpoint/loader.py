@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..distributed.plan import ShardingKind
+from ..optim.combined import CombinedOptimizer
 from ..table import TieredTable
 from . import lineage
 from .codec import read_state
@@ -98,8 +99,9 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
         dense = check_dense(model, read_state(*dense_file, progress), strict, dense_file[0])
         opt_state = merge_states([read_state(*f, progress) for f in opt_files]) if opt_files else None
         # Everything is read and checked: from here on the model changes.
-        if opt_state is not None:
-            optimizer.load_state_dict(opt_state)
+        if opt_state is not None:  # a collection's optimizer skips tables added since, as the tables do, unless strict
+            load_kwargs = {"strict": strict} if isinstance(optimizer, CombinedOptimizer) else {}
+            optimizer.load_state_dict(opt_state, **load_kwargs)
         model.load_state_dict(dense, strict=False)
         for name, (cols, saved_counters) in shards.items():
             saved = {**saved_counters, "seed": configs[name]["seed"]}

@@ -65,13 +65,17 @@ class CombinedOptimizer(GroupsOptimizer):
     def state_dict(self) -> dict:
         return {"optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Restore each optimizer from its entry of ``state`` (:meth:`state_dict`). ``strict`` False: an optimizer
+        without an entry (a table added since the state was saved) keeps its state, as
+        :func:`~dynemb.checkpoint.load` with ``strict=False`` keeps that table's rows."""
         saved = state["optimizers"]
         missing = sorted(set(self.optimizers) - set(saved))
-        if missing:
+        if missing and strict:
             raise ValueError(f"optimizer state has no entry for {missing}; it has {sorted(saved)}")
         for name, opt in self.optimizers.items():
-            opt.load_state_dict(saved[name])
+            if name in saved:
+                opt.load_state_dict(saved[name])
 
 
 def _steps_nothing(opt) -> bool:
