@@ -111,12 +111,13 @@ def test_offsets_valid_equals_the_torch_check(offsets, n):
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=bags(), divide=st.booleans(), torch_bag=st.booleans())
-def test_pool_and_row_grad_equal_embedding_bag(data, divide, torch_bag):
-    """``pool`` by torch's embedding_bag (where torch has fbgemm) and by the numba kernel alike."""
+@given(data=bags(), divide=st.booleans(), torch_bag=st.booleans(), dim=st.sampled_from([D, 8, 16, 24, 32, 64, 128]))
+def test_pool_and_row_grad_equal_embedding_bag(data, divide, torch_bag, dim):
+    """``pool`` by torch's embedding_bag (where torch has fbgemm) and by the numba kernel alike; ``row_grad`` sums in
+    vector registers by blocks of columns wherever 8 divides ``dim``, in place otherwise (``D``)."""
     ids, offsets, weights = data
     s = sort_ids(ids)
-    values = torch.randn(20, D)
+    values = torch.randn(20, dim)
     rows = torch.randperm(20)[: s.unique.numel()]
     denom = torch.rand(offsets.numel()) + 0.5 if divide else None
     ref = torch.nn.functional.embedding_bag(rows[s.inverse], values, offsets, mode="sum", per_sample_weights=weights)
@@ -125,7 +126,7 @@ def test_pool_and_row_grad_equal_embedding_bag(data, divide, torch_bag):
         mp.setattr(POOL, "USE_TORCH_BAG", torch_bag)
         assert torch.equal(POOL.pool(values, rows, s.inverse, offsets, weights, denom), ref)
         assert torch.equal(POOL.pool(values, rows[s.inverse], None, offsets, weights, denom), ref)  # each id's row
-    grad = torch.randn(offsets.numel(), D)
+    grad = torch.randn(offsets.numel(), dim)
     bag = bag_of(offsets, ids.numel())
     kernel_bag = bag_of(offsets, ids.numel(), POOL)  # the kernel's: int32 here
     assert kernel_bag.dtype == torch.int32 and kernel_bag.tolist() == bag.tolist() and bag.dtype == torch.int64
@@ -145,8 +146,8 @@ KINDS = {
 }
 
 
-def _table(make):
-    table = KeyValueTable(D, seed=4, backend="torch")
+def _table(make, dim=D):
+    table = KeyValueTable(dim, seed=4, backend="torch")
     table.find_or_insert(torch.arange(30))
     opt = make([table])
     g = torch.Generator().manual_seed(0)
@@ -157,13 +158,14 @@ def _table(make):
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("pooled", [False, True, "int32", "per_id"])
-def test_sparse_update_equals_the_torch_update(kind, pooled):
+@pytest.mark.parametrize("dim", [D, 16, 192])  # sums in place; in one block of 16 columns; in three of 64
+def test_sparse_update_equals_the_torch_update(kind, pooled, dim):
     # pooled: grad [B, D] of bags of 4 ids ("int32": the bags as the bag_of kernel gives them); "per_id": grad
     # [N, D], one row per id (bag None: bag[j] == j)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 30, (40,), generator=g)
     weights = torch.randn(40, generator=g)
-    grad = torch.randn(40 if pooled == "per_id" else 10, D, generator=g)
+    grad = torch.randn(40 if pooled == "per_id" else 10, dim, generator=g)
     bag = torch.arange(40) if pooled == "per_id" else torch.arange(10).repeat_interleave(4)
     bag = bag.int() if pooled == "int32" else bag
     s = sort_ids(ids)
@@ -171,7 +173,7 @@ def test_sparse_update_equals_the_torch_update(kind, pooled):
     dense = sorted_row_grad(grad, s.order, s.starts, bag, weights)
     tables = []
     for use_kernel in (True, False):
-        table, opt = _table(KINDS[kind])
+        table, opt = _table(KINDS[kind], dim)
         before = dense.clone()
         if use_kernel:
             args = opt.kernel_args(opt.param_groups[0], {"step": 1})
@@ -188,7 +190,7 @@ def test_sparse_update_equals_the_torch_update(kind, pooled):
     exact = kind.startswith("sgd")
     for got, ref in zip(*tables):
         torch.testing.assert_close(got, ref, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
-    assert not torch.equal(tables[1][0], _table(KINDS[kind])[0].values[:30])
+    assert not torch.equal(tables[1][0], _table(KINDS[kind], dim)[0].values[:30])
 
 
 def test_unknown_kind_is_a_value_error():

@@ -45,8 +45,8 @@ def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple,
     bags, grouped = _NONE_I, _NONE_F
     if order is not None:
         bags, grouped = grouped_bags(order, bag, weights, grad.shape[0])
-    args = (values.numpy(), s[0], s[1], rows.numpy(), grad.numpy(), _NONE_I if starts is None else starts.numpy(),
-            bags, grouped, h)
+    args = (values.numpy(), s[0], s[1], rows.numpy(), grad.contiguous().numpy(),
+            _NONE_I if starts is None else starts.numpy(), bags, grouped, h)
     _KERNELS[kind](*args)
 
 

@@ -2,8 +2,9 @@
 
 The torch reference gathers the call's ids into an ``[N]`` row list and runs ``F.embedding_bag`` over the table,
 then divides by the combiner's denominators in another pass. Where torch has fbgemm, :func:`pool` does just
-that: fbgemm's JIT kernels pool faster than a numba loop (measured 1.09-1.14x per train step). Elsewhere the
-numba kernel reads each id's row straight from the table and writes each bag once, already combined.
+that: fbgemm's JIT kernels pool faster than a numba loop (measured 1.09-1.14x per train step). Elsewhere one numba
+kernel, :func:`_sum_runs`, sums each bag's rows in vector registers, the same kernel that sums a row's gradient
+from its bags in the backward (:func:`sum_rows`); the division follows in torch, with the same bits.
 :func:`row_grad` is the step-mode backward: each unique row sums its ids' bag gradients in the order of the
 call's one sort. :func:`rows_current` (the backward's check that rows still hold their keys) and
 :func:`fill_rows` (score and version stamps) are single passes that prefetch the random entries they read or
@@ -20,7 +21,8 @@ import numpy as np
 import torch
 
 from .numba_index import _mix64
-from .numba_math import bits_float, float_bits, fma, prefetch_row, prefetch_row_for_write
+from .numba_math import (acc_add, acc_fma, acc_new, acc_store, bits_float, float_bits, fma, prefetch_row,
+                         prefetch_row_for_write)
 
 __all__ = ["bag_of", "dedup", "fill_pair", "fill_rows", "gather", "grouped_bags", "mark_rows", "offsets_valid", "pool",
            "row_grad", "rows_current", "lowest_rows", "scatter", "settle_marks", "spread", "sum_rows", "touch_counts",
@@ -38,23 +40,27 @@ _RADIX_DIGIT = 11  # bits per pass at most: 2048 counters, in L1
 _NONE_F = np.empty(0, np.float32)  # stands for an absent float tensor (numba needs one type per argument)
 _NONE_I = np.empty(0, np.int64)
 _INT32_MAX = 2**31 - 1  # a constant: np.iinfo costs microseconds a call, paid on every backward
-#: whether :func:`pool` runs torch's ``embedding_bag`` (fbgemm's CPU kernels) rather than :func:`_pool_kernel`
+#: whether :func:`pool` runs torch's ``embedding_bag`` (fbgemm's CPU kernels) rather than :func:`_sum_runs`
 USE_TORCH_BAG = "fbgemm" in torch.backends.quantized.supported_engines
 
 
 def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor | None, offsets: torch.Tensor,
          weights: torch.Tensor | None, denom: torch.Tensor | None) -> torch.Tensor:
     """``[B, D]`` pooled rows: see the ``pool`` contract in :mod:`dynemb.kernels.dispatch`. With a torch built
-    with fbgemm, its ``embedding_bag`` over the ids' rows (fbgemm's JIT kernels: 20-30% faster than
-    :func:`_pool_kernel` on 82k ids of a 1M-row table, same bits), else the numba kernel."""
+    with fbgemm, its ``embedding_bag`` over the ids' rows (fbgemm's JIT kernels: 10-20% faster than
+    :func:`_sum_runs` on 82k ids of a 1M-row table, same bits), else the numba kernel, then the division."""
     if USE_TORCH_BAG:  # the op under F.embedding_bag, whose Python checks cost more than 16 ids' pooling
         summed = torch.embedding_bag(values, rows if inverse is None else rows.index_select(0, inverse), offsets,
                                      False, 0, False, weights, False, None)[0]
         return summed if denom is None else summed.div_(denom.unsqueeze(1))
+    n = rows.numel() if inverse is None else inverse.numel()
+    index = rows.numpy() if inverse is None else rows.numpy()[inverse.numpy()]  # each id's row
+    bounds = np.empty(offsets.numel() + 1, np.int64)  # the bags' starts, and the end of the last
+    bounds[:-1], bounds[-1] = offsets.numpy(), n
     out = np.empty((offsets.numel(), values.shape[1]), np.float32)
-    _pool_kernel(values.numpy(), rows.numpy(), _NONE_I if inverse is None else inverse.numpy(), offsets.numpy(),
-                 _opt(weights), _opt(denom), out)
-    return torch.from_numpy(out)
+    _sum_runs(0, out.shape[0], out, values.contiguous().numpy(), bounds, index, _opt(weights), _AHEAD)
+    out = torch.from_numpy(out)
+    return out if denom is None else out.div_(denom.unsqueeze(1))
 
 
 def gather(values: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -69,7 +75,7 @@ def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag:
     """``[U, D]`` float32 gradient of each unique row: see the ``row_grad`` contract."""
     out = np.empty((starts.numel() - 1, grad.shape[1]), np.float32)
     bags, weights = grouped_bags(order, bag, weights, grad.shape[0])
-    sum_rows(0, out.shape[0], out, grad.numpy(), starts.numpy(), bags, weights)
+    sum_rows(0, out.shape[0], out, grad.contiguous().numpy(), starts.numpy(), bags, weights)
     return torch.from_numpy(out)
 
 
@@ -487,60 +493,83 @@ def _write_last_kernel(column, rows, values, last):
 
 
 @numba.njit(nogil=True, cache=True)
-def _pool_kernel(values, rows, inverse, offsets, weights, denom, out):
-    # inverse empty: rows holds each id's own row
-    direct = inverse.shape[0] == 0
-    n, dim, num_bags = rows.shape[0] if direct else inverse.shape[0], values.shape[1], offsets.shape[0]
-    weighted, divided = weights.shape[0] > 0, denom.shape[0] > 0
-    acc = np.empty(dim, np.float32)
-    for b in range(num_bags):
-        stop = offsets[b + 1] if b + 1 < num_bags else n
-        acc[:] = 0.0
-        for j in range(offsets[b], stop):
-            if j + _AHEAD < n:
-                prefetch_row(values, rows[j + _AHEAD] if direct else rows[inverse[j + _AHEAD]])
-            row = rows[j] if direct else rows[inverse[j]]
-            if weighted:
-                w = weights[j]
-                for d in range(dim):
-                    acc[d] = fma(w, values[row, d], acc[d])
-            else:
-                for d in range(dim):
-                    acc[d] += values[row, d]
-        if divided:
-            den = denom[b]
-            for d in range(dim):
-                out[b, d] = acc[d] / den
-        else:
-            out[b, :] = acc
-
-
-@numba.njit(nogil=True, cache=True)
 def sum_rows(lo, hi, out, grad, starts, bags, weights):
     """Rows ``lo..hi-1``'s gradients into ``out[:hi-lo]`` (returned): ``grad[lo:hi]`` itself when ``starts`` is
     empty, else row ``u`` sums ``weights[k] * grad[bags[k]]`` over ``k in starts[u]:starts[u + 1]`` in that order
     (``bags``, ``weights``: the ids' bags and weights in row order, :func:`grouped_bags`; ``weights`` empty: ones),
-    with FMA as torch's ``embedding_bag``. The loops over ``D`` are branch-free, so that they vectorize."""
-    dim = out.shape[1]
+    with FMA as torch's ``embedding_bag``."""
     if starts.shape[0] == 0:
         return grad[lo:hi]  # already one row per row
-    weighted, n = weights.shape[0] > 0, bags.shape[0]
+    _sum_runs(lo, hi, out, grad, starts, bags, weights, _GRAD_AHEAD)
+    return out
+
+
+@numba.njit(nogil=True, cache=True)
+def _sum_runs(lo, hi, out, src, starts, index, weights, ahead):
+    """``out[u - lo] = sum(weights[k] * src[index[k]] for k in starts[u]:starts[u + 1])`` for ``u`` in ``lo..hi-1``,
+    term by term in that order (``weights`` empty: ones; FMA as torch's ``embedding_bag``): a pooled bag of table
+    rows (:func:`pool`) or a row's gradient summed from its bags' (:func:`sum_rows`). The row ``ahead`` terms on is
+    prefetched. A dimension that 8 divides is summed in blocks of up to 64 columns in vector registers; any other in
+    ``out`` itself."""
+    dim = out.shape[1]
+    if dim % 64 == 0:
+        for c in range(0, dim, 64):
+            _sum_block(lo, hi, c, out, src, starts, index, weights, ahead, _WIDTH_64)
+    elif dim % 32 == 0:
+        for c in range(0, dim, 32):
+            _sum_block(lo, hi, c, out, src, starts, index, weights, ahead, _WIDTH_32)
+    elif dim % 16 == 0:
+        for c in range(0, dim, 16):
+            _sum_block(lo, hi, c, out, src, starts, index, weights, ahead, _WIDTH_16)
+    elif dim % 8 == 0:
+        for c in range(0, dim, 8):
+            _sum_block(lo, hi, c, out, src, starts, index, weights, ahead, _WIDTH_8)
+    else:
+        _sum_in_place(lo, hi, out, src, starts, index, weights, ahead)
+
+
+# Tuples whose lengths give _sum_block its block width at compile time (numba compiles one kernel per length).
+_WIDTH_64, _WIDTH_32, _WIDTH_16, _WIDTH_8 = (0,) * 64, (0,) * 32, (0,) * 16, (0,) * 8
+
+
+@numba.njit(nogil=True, cache=True)
+def _sum_block(lo, hi, c, out, src, starts, index, weights, ahead, width):
+    # Columns c..c+len(width)-1 of _sum_runs, summed in vector registers (acc_new): each term is one load and one
+    # add, where a sum into out stores and reloads the row per term (isolated, the train step's zipf ids: a row
+    # gradient sum 0.5-0.65x the time, its fused SGD update 0.8x)
+    weighted, n = weights.shape[0] > 0, index.shape[0]
+    for u in range(lo, hi):
+        acc = acc_new(width)
+        for k in range(starts[u], starts[u + 1]):
+            if c == 0 and k + ahead < n:  # random rows of src: start loading a later term's row now
+                prefetch_row(src, index[k + ahead])
+            if weighted:
+                acc_fma(acc, width, src, index[k], c, weights[k])
+            else:
+                acc_add(acc, width, src, index[k], c)
+        acc_store(acc, width, out, u - lo, c)
+
+
+@numba.njit(nogil=True, cache=True)
+def _sum_in_place(lo, hi, out, src, starts, index, weights, ahead):
+    # _sum_runs for a dimension no block width divides: the loops over D are branch-free, so that they vectorize
+    dim = out.shape[1]
+    weighted, n = weights.shape[0] > 0, index.shape[0]
     for u in range(lo, hi):
         i = u - lo
         for d in range(dim):
             out[i, d] = 0.0
         for k in range(starts[u], starts[u + 1]):
-            if k + _GRAD_AHEAD < n:  # the ids' bags are random rows of grad (1 MB at B=4096, D=64: past L2)
-                prefetch_row(grad, bags[k + _GRAD_AHEAD])
-            b = bags[k]
+            if k + ahead < n:
+                prefetch_row(src, index[k + ahead])
+            row = index[k]
             if weighted:
                 w = weights[k]
                 for d in range(dim):
-                    out[i, d] = fma(w, grad[b, d], out[i, d])
+                    out[i, d] = fma(w, src[row, d], out[i, d])
             else:
                 for d in range(dim):
-                    out[i, d] += grad[b, d]
-    return out
+                    out[i, d] += src[row, d]
 
 
 @numba.njit(nogil=True, cache=True)
