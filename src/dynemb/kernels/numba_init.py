@@ -38,7 +38,11 @@ def _uniform(keys, seed, low, width, out):
     salt = np.uint64(_mix64(seed))
     for i in range(keys.shape[0]):
         row = np.uint64(_mix64(np.int64(np.uint64(np.int64(keys[i])) ^ salt)))
+        h = row
         for c in range(out.shape[1]):
-            bits = np.uint64(_mix64(np.int64(row + np.uint64(c + 1) * _GOLDEN)))
+            # row + (c + 1) * golden mod 2**64 as an induction: AVX2 has no 64-bit multiply, and its emulation
+            # was a third of the loop (1.2x faster, same bits)
+            h += _GOLDEN
+            bits = np.uint64(_mix64(np.int64(h)))
             u = (np.float32((bits >> np.uint64(40)) & np.uint64(0xFFFFFF)) + np.float32(0.5)) * np.float32(2.0**-24)
             out[i, c] = low + width * u

@@ -166,6 +166,13 @@ def resolve_initializer(spec: InitializerSpec, name: str = "initializer") -> Ini
 _INIT_CHUNK = 1 << 17  # elements a call of an initializer on CPU: its int64 temporaries stay cache-sized
 
 
+def computed_by_kernel(init: Initializer, dtype: torch.dtype, backend, device) -> bool:
+    """Whether :func:`initial_rows` computes ``init``'s rows with a kernel (a built-in initializer, float32, a backend
+    with an ``initial_rows`` kernel for ``device``): a pure function of the key that cannot fail, so a table may
+    write its rows straight into its storage."""
+    return init.kernel_spec() is not None and dtype == torch.float32 and init_kernels(backend, device) is not None
+
+
 def initial_rows(init: Initializer, keys: torch.Tensor, dim: int, dtype: torch.dtype, seed: int, backend=None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``[N, dim]``: ``init``'s rows for ``keys [N]`` under ``seed``, written into ``out`` when given (contiguous,
