@@ -242,19 +242,25 @@ class KeyValueTable(RowStore):
         found = rows >= 0
         with self._restored_on_error():
             self.clock += 1
-            miss = (~found).nonzero().squeeze(1)
-            missed = flat.index_select(0, miss)
+            # no key stored yet (a batch of new ids): the missed keys are the batch itself, and their rows all of
+            # rows, without the positions' nonzero, gather and scatter (0.5 ms of 13 at 65,536 keys)
+            miss = None if not found.any() else (~found).nonzero().squeeze(1)
+            missed = flat if miss is None else flat.index_select(0, miss)
             new_keys, hashes, _, inverse = unique_by_hash(missed)
+            pinned = rows[found] if miss is not None else rows[:0]
             if self.admission is None:
-                new_rows = self._insert_missing(new_keys, pinned=rows[found], hashes=hashes)
+                new_rows = self._insert_missing(new_keys, pinned=pinned, hashes=hashes)
             else:
-                missed_counts = counts.index_select(0, miss) if counts is not None else None
+                missed_counts = None if counts is None else counts if miss is None else counts.index_select(0, miss)
                 admitted = self.admission.admit(missed, new_keys, missed_counts)
                 new_rows = torch.full_like(new_keys, -1, dtype=torch.int64)
                 new_rows[admitted] = self._insert_missing(
-                    new_keys[admitted], pinned=rows[found], hashes=hashes[admitted]
+                    new_keys[admitted], pinned=pinned, hashes=hashes[admitted]
                 )
-            rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
+            if miss is None:
+                rows = new_rows.index_select(0, inverse)
+            else:
+                rows.index_copy_(0, miss, new_rows.index_select(0, inverse))
         self._touch_valid(rows, custom, counts)
         return rows, found
 

@@ -348,10 +348,10 @@ class RowStore(ChangeLog, RowColumns):
         if victims.numel():
             self.index.remove(self.index.find_slots(taken.keys))
         rows = torch.cat([victims, torch.arange(self._size, self._size + n_append, device=self.device)])
-        if in_place:  # rows past size: nothing reads them until the index points there
+        self.index.insert(keep, rows, None if hashes is None else hashes[:stored])
+        if in_place:  # after the index, whose buckets the lookup's probe left in cache: 16 MB of rows evict them
             initial_rows(self.initializer, keep, self.dim, self.dtype, self.seed, self.backend,
                          out=self._column("value")[self._size: self._size + n_append])
-        self.index.insert(keep, rows, None if hashes is None else hashes[:stored])
         slots = {f"slot:{name}": value for name, value in self._slot_init.items()}
         columns = {"key": keep, "score": 0, "version": self.clock, **slots}
         if not in_place:
