@@ -168,6 +168,29 @@ def test_callable_with_wrong_output_fails_cleanly(bad, key_dtype, device, fails_
         t.find(keys)
 
 
+def test_a_failed_initializer_kernel_leaves_the_table_as_it_was(monkeypatch, fails_cleanly):
+    # New rows that all follow size get the initializer kernel's values written straight into the table, after the
+    # index insert: a failure there (a kernel's first compile, an interrupt) must take the keys out of the index again.
+    pytest.importorskip("numba")
+    from dynemb.kernels import numba_init
+
+    t = KeyValueTable(DIM, seed=0, backend="numba")
+    t.find_or_insert(torch.tensor([1, 2]))
+    real = numba_init.initial_rows
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(numba_init, "initial_rows", failing)
+    with fails_cleanly(t, RuntimeError, "kernel failed", clock=False):
+        t.find_or_insert(torch.tensor([3, 4]))
+    assert t.find_rows(torch.tensor([3, 4])).tolist() == [-1, -1]
+    monkeypatch.setattr(numba_init, "initial_rows", real)
+    rows, found = t.find_or_insert(torch.tensor([5, 6, 3]))
+    assert not found.any() and sorted(rows.tolist()) == [2, 3, 4]  # three new rows, none shared with 1 and 2
+    assert torch.equal(t.find(torch.tensor([5, 6, 3]))[0], KeyValueTable(DIM, seed=0).find(torch.tensor([5, 6, 3]))[0])
+
+
 @pytest.mark.parametrize(
     "spec,exc,match",
     [

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .numba_math import fma, prefetch_row_for_write
-from .numba_pool import grouped_bags, sum_rows
+from .numba_pool import block_width, grouped_bags, sum_rows
 
 __all__ = ["sparse_update", "KINDS"]
 
@@ -46,7 +46,7 @@ def sparse_update(kind: str, hparams: tuple, values: torch.Tensor, slots: tuple,
     if order is not None:
         bags, grouped = grouped_bags(order, bag, weights, grad.shape[0])
     args = (values.numpy(), s[0], s[1], rows.numpy(), grad.contiguous().numpy(),
-            _NONE_I if starts is None else starts.numpy(), bags, grouped, h)
+            _NONE_I if starts is None else starts.numpy(), bags, grouped, h, block_width(values.shape[1]))
     _KERNELS[kind](*args)
 
 
@@ -68,13 +68,13 @@ _AHEAD_WIDE = 16
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def _sgd_plain(values, rows, grad, starts, bags, weights, neg_lr):
+def _sgd_plain(values, rows, grad, starts, bags, weights, neg_lr, width):
     # SGD without momentum or weight decay (the common case) in a loop of its own: in the general loop below, with
     # its branches and writes to the gradient, the same arithmetic ran 1.3-1.6x slower (78k random rows of 1M).
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights)
+        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights, width)
         for u in range(lo, hi):
             if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 prefetch_row_for_write(values, rows[u + _AHEAD])
@@ -84,18 +84,18 @@ def _sgd_plain(values, rows, grad, starts, bags, weights, neg_lr):
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def _sgd(values, buf, unused, rows, grad, starts, bags, weights, h):
+def _sgd(values, buf, unused, rows, grad, starts, bags, weights, h, width):
     # Branches sit outside the loops over D, so that each of those loops vectorizes.
     momentum, decay = np.float32(h[1]), np.float32(h[2])
     nesterov, neg_lr = h[3] != 0.0, np.float32(-h[0])
     if momentum == 0.0 and decay == 0.0:
-        _sgd_plain(values, rows, grad, starts, bags, weights, neg_lr)
+        _sgd_plain(values, rows, grad, starts, bags, weights, neg_lr, width)
         return
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
     far = _AHEAD if buf.shape[0] == 0 else _AHEAD_WIDE
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights)
+        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights, width)
         for u in range(lo, hi):
             if u + far < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + far]
@@ -117,12 +117,12 @@ def _sgd(values, buf, unused, rows, grad, starts, bags, weights, h):
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def _adagrad(values, state, unused, rows, grad, starts, bags, weights, h):
+def _adagrad(values, state, unused, rows, grad, starts, bags, weights, h, width):
     decay, eps, neg_lr = np.float32(h[1]), np.float32(h[2]), np.float32(-h[0])
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights)
+        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights, width)
         for u in range(lo, hi):
             if u + _AHEAD_WIDE < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + _AHEAD_WIDE]
@@ -141,13 +141,13 @@ def _adagrad(values, state, unused, rows, grad, starts, bags, weights, h):
 # inline (measured 0.73x the time of the helper version, 78k random rows of 1M, D=64). The per-element update has
 # no reduction, and without ``contract`` nothing is fused into an FMA, so only the norm's rounding changes.
 @numba.njit(nogil=True, cache=True, fastmath={"reassoc", "nsz"}, error_model="numpy")
-def _rowwise_adagrad(values, state, unused, rows, grad, starts, bags, weights, h):
+def _rowwise_adagrad(values, state, unused, rows, grad, starts, bags, weights, h, width):
     decay, eps, neg_lr = np.float32(h[1]), np.float32(h[2]), np.float32(-h[0])
     dim = values.shape[1]
     chunk = np.empty((_CHUNK, dim), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights)
+        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights, width)
         for u in range(lo, hi):
             if u + _AHEAD < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + _AHEAD]
@@ -170,13 +170,13 @@ def _rowwise_adagrad(values, state, unused, rows, grad, starts, bags, weights, h
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def _adam(values, exp_avg, exp_avg_sq, rows, grad, starts, bags, weights, h):
+def _adam(values, exp_avg, exp_avg_sq, rows, grad, starts, bags, weights, h, width):
     one_b1, one_b2 = np.float32(1.0 - h[0]), np.float32(1.0 - h[1])
     eps, neg_step = np.float32(h[2]), np.float32(-h[3])
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights)
+        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights, width)
         for u in range(lo, hi):
             if u + _AHEAD_WIDE < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + _AHEAD_WIDE]
@@ -202,13 +202,13 @@ def _pow(x, power):
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def _ftrl(values, accumulator, linear, rows, grad, starts, bags, weights, h):
+def _ftrl(values, accumulator, linear, rows, grad, starts, bags, weights, h, width):
     lr, power, l1 = np.float32(h[0]), np.float32(h[1]), np.float32(h[2])
     two_l2 = np.float32(2.0 * h[3])
     chunk = np.empty((_CHUNK, values.shape[1]), np.float32)
     for lo in range(0, rows.shape[0], _CHUNK):
         hi = min(lo + _CHUNK, rows.shape[0])
-        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights)
+        rows_grad = sum_rows(lo, hi, chunk, grad, starts, bags, weights, width)
         for u in range(lo, hi):
             if u + _AHEAD_WIDE < rows.shape[0]:  # start loading a later row now (see _AHEAD)
                 ahead = rows[u + _AHEAD_WIDE]

@@ -3,7 +3,7 @@
 The torch reference gathers the call's ids into an ``[N]`` row list and runs ``F.embedding_bag`` over the table,
 then divides by the combiner's denominators in another pass. Where torch has fbgemm, :func:`pool` does just
 that: fbgemm's JIT kernels pool faster than a numba loop (measured 1.09-1.14x per train step). Elsewhere one numba
-kernel, :func:`_sum_runs`, sums each bag's rows in vector registers, the same kernel that sums a row's gradient
+kernel, :func:`sum_terms`, sums each bag's rows in vector registers, the same kernel that sums a row's gradient
 from its bags in the backward (:func:`sum_rows`); the division follows in torch, with the same bits.
 :func:`row_grad` is the step-mode backward: each unique row sums its ids' bag gradients in the order of the
 call's one sort. :func:`rows_current` (the backward's check that rows still hold their keys) and
@@ -19,14 +19,15 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from numba.extending import overload
 
 from .numba_index import _mix64
 from .numba_math import (acc_add, acc_fma, acc_new, acc_store, bits_float, float_bits, fma, prefetch_row,
                          prefetch_row_for_write)
 
-__all__ = ["bag_of", "dedup", "fill_pair", "fill_rows", "gather", "grouped_bags", "mark_rows", "offsets_valid", "pool",
-           "row_grad", "rows_current", "lowest_rows", "scatter", "settle_marks", "spread", "sum_rows", "touch_counts",
-           "write_last"]
+__all__ = ["bag_of", "block_width", "dedup", "fill_pair", "fill_rows", "gather", "grouped_bags", "mark_rows",
+           "offsets_valid", "pool", "row_grad", "rows_current", "lowest_rows", "scatter", "settle_marks", "spread",
+           "sum_rows", "sum_terms", "touch_counts", "write_last"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 # Rows between a stamp's prefetch and its write. The write itself is a few cycles, so it takes many misses in flight
@@ -40,7 +41,7 @@ _RADIX_DIGIT = 11  # bits per pass at most: 2048 counters, in L1
 _NONE_F = np.empty(0, np.float32)  # stands for an absent float tensor (numba needs one type per argument)
 _NONE_I = np.empty(0, np.int64)
 _INT32_MAX = 2**31 - 1  # a constant: np.iinfo costs microseconds a call, paid on every backward
-#: whether :func:`pool` runs torch's ``embedding_bag`` (fbgemm's CPU kernels) rather than :func:`_sum_runs`
+#: whether :func:`pool` runs torch's ``embedding_bag`` (fbgemm's CPU kernels) rather than :func:`sum_terms`
 USE_TORCH_BAG = "fbgemm" in torch.backends.quantized.supported_engines
 
 
@@ -48,7 +49,7 @@ def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor | None,
          weights: torch.Tensor | None, denom: torch.Tensor | None) -> torch.Tensor:
     """``[B, D]`` pooled rows: see the ``pool`` contract in :mod:`dynemb.kernels.dispatch`. With a torch built
     with fbgemm, its ``embedding_bag`` over the ids' rows (fbgemm's JIT kernels: 10-20% faster than
-    :func:`_sum_runs` on 82k ids of a 1M-row table, same bits), else the numba kernel, then the division."""
+    :func:`sum_terms` on 82k ids of a 1M-row table, same bits), else the numba kernel, then the division."""
     if USE_TORCH_BAG:  # the op under F.embedding_bag, whose Python checks cost more than 16 ids' pooling
         summed = torch.embedding_bag(values, rows if inverse is None else rows.index_select(0, inverse), offsets,
                                      False, 0, False, weights, False, None)[0]
@@ -58,7 +59,8 @@ def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor | None,
     bounds = np.empty(offsets.numel() + 1, np.int64)  # the bags' starts, and the end of the last
     bounds[:-1], bounds[-1] = offsets.numpy(), n
     out = np.empty((offsets.numel(), values.shape[1]), np.float32)
-    _sum_runs(0, out.shape[0], out, values.contiguous().numpy(), bounds, index, _opt(weights), _AHEAD)
+    _sum_runs(0, out.shape[0], out, values.contiguous().numpy(), bounds, index, _opt(weights), _AHEAD,
+              block_width(out.shape[1]))
     out = torch.from_numpy(out)
     return out if denom is None else out.div_(denom.unsqueeze(1))
 
@@ -75,7 +77,8 @@ def row_grad(grad: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, bag:
     """``[U, D]`` float32 gradient of each unique row: see the ``row_grad`` contract."""
     out = np.empty((starts.numel() - 1, grad.shape[1]), np.float32)
     bags, weights = grouped_bags(order, bag, weights, grad.shape[0])
-    sum_rows(0, out.shape[0], out, grad.contiguous().numpy(), starts.numpy(), bags, weights)
+    sum_rows(0, out.shape[0], out, grad.contiguous().numpy(), starts.numpy(), bags, weights,
+             block_width(out.shape[1]))
     return torch.from_numpy(out)
 
 
@@ -493,83 +496,86 @@ def _write_last_kernel(column, rows, values, last):
 
 
 @numba.njit(nogil=True, cache=True)
-def sum_rows(lo, hi, out, grad, starts, bags, weights):
+def sum_rows(lo, hi, out, grad, starts, bags, weights, width):
     """Rows ``lo..hi-1``'s gradients into ``out[:hi-lo]`` (returned): ``grad[lo:hi]`` itself when ``starts`` is
     empty, else row ``u`` sums ``weights[k] * grad[bags[k]]`` over ``k in starts[u]:starts[u + 1]`` in that order
-    (``bags``, ``weights``: the ids' bags and weights in row order, :func:`grouped_bags`; ``weights`` empty: ones),
-    with FMA as torch's ``embedding_bag``."""
+    (``bags``, ``weights``: the ids' bags and weights in row order, :func:`grouped_bags`; ``weights`` empty: ones;
+    ``width``: :func:`block_width` of the dimension), with FMA as torch's ``embedding_bag``."""
     if starts.shape[0] == 0:
         return grad[lo:hi]  # already one row per row
-    _sum_runs(lo, hi, out, grad, starts, bags, weights, _GRAD_AHEAD)
+    sum_terms(lo, hi, out, grad, starts, bags, weights, _GRAD_AHEAD, width)
     return out
 
 
 @numba.njit(nogil=True, cache=True)
-def _sum_runs(lo, hi, out, src, starts, index, weights, ahead):
+def _sum_runs(lo, hi, out, src, starts, index, weights, ahead, width):
+    # sum_terms as a kernel of its own: a pooled bag of table rows (pool) or each row's gradient (row_grad)
+    sum_terms(lo, hi, out, src, starts, index, weights, ahead, width)
+
+
+def block_width(dim: int) -> tuple:
+    """The ``width`` argument of :func:`sum_terms` for rows of ``dim`` columns: a tuple of 64, 32, 16 or 8 Nones, the
+    widest that divides ``dim`` in at most four blocks (its length, known at compile time, is the block of columns
+    summed in vector registers; numba compiles one kernel per length; each block is a pass over the terms), or
+    ``()``: sums in the output row itself, in one pass."""
+    for count in (64, 32, 16, 8):
+        if dim % count == 0 and dim // count <= 4:
+            return _WIDTHS[count]
+    return ()
+
+
+_WIDTHS = {count: (None,) * count for count in (64, 32, 16, 8)}
+
+
+def sum_terms(lo, hi, out, src, starts, index, weights, ahead, width):
     """``out[u - lo] = sum(weights[k] * src[index[k]] for k in starts[u]:starts[u + 1])`` for ``u`` in ``lo..hi-1``,
     term by term in that order (``weights`` empty: ones; FMA as torch's ``embedding_bag``): a pooled bag of table
     rows (:func:`pool`) or a row's gradient summed from its bags' (:func:`sum_rows`). The row ``ahead`` terms on is
-    prefetched. A dimension that 8 divides is summed in blocks of up to 64 columns in vector registers; any other in
-    ``out`` itself."""
-    dim = out.shape[1]
-    if dim % 64 == 0:
-        for c in range(0, dim, 64):
-            _sum_block(lo, hi, c, out, src, starts, index, weights, ahead, _WIDTH_64)
-    elif dim % 32 == 0:
-        for c in range(0, dim, 32):
-            _sum_block(lo, hi, c, out, src, starts, index, weights, ahead, _WIDTH_32)
-    elif dim % 16 == 0:
-        for c in range(0, dim, 16):
-            _sum_block(lo, hi, c, out, src, starts, index, weights, ahead, _WIDTH_16)
-    elif dim % 8 == 0:
-        for c in range(0, dim, 8):
-            _sum_block(lo, hi, c, out, src, starts, index, weights, ahead, _WIDTH_8)
-    else:
-        _sum_in_place(lo, hi, out, src, starts, index, weights, ahead)
+    prefetched. ``width`` (:func:`block_width`) picks the code at compile time: blocks of ``len(width)`` columns
+    summed in vector registers (``acc_new``: one load and one add per term, where a sum into ``out`` stores and
+    reloads the row per term; isolated, the train step's zipf ids: a row-gradient sum 0.65-0.7x the time, a fused
+    SGD update 0.8x), or with ``()`` loops over ``out`` itself, which vectorize. Numba only, inlined where called."""
+    raise NotImplementedError("sum_terms is compiled into numba kernels only")
 
 
-# Tuples whose lengths give _sum_block its block width at compile time (numba compiles one kernel per length).
-_WIDTH_64, _WIDTH_32, _WIDTH_16, _WIDTH_8 = (0,) * 64, (0,) * 32, (0,) * 16, (0,) * 8
-
-
-@numba.njit(nogil=True, cache=True)
-def _sum_block(lo, hi, c, out, src, starts, index, weights, ahead, width):
-    # Columns c..c+len(width)-1 of _sum_runs, summed in vector registers (acc_new): each term is one load and one
-    # add, where a sum into out stores and reloads the row per term (isolated, the train step's zipf ids: a row
-    # gradient sum 0.5-0.65x the time, its fused SGD update 0.8x)
-    weighted, n = weights.shape[0] > 0, index.shape[0]
-    for u in range(lo, hi):
-        acc = acc_new(width)
-        for k in range(starts[u], starts[u + 1]):
-            if c == 0 and k + ahead < n:  # random rows of src: start loading a later term's row now
-                prefetch_row(src, index[k + ahead])
-            if weighted:
-                acc_fma(acc, width, src, index[k], c, weights[k])
-            else:
-                acc_add(acc, width, src, index[k], c)
-        acc_store(acc, width, out, u - lo, c)
-
-
-@numba.njit(nogil=True, cache=True)
-def _sum_in_place(lo, hi, out, src, starts, index, weights, ahead):
-    # _sum_runs for a dimension no block width divides: the loops over D are branch-free, so that they vectorize
-    dim = out.shape[1]
-    weighted, n = weights.shape[0] > 0, index.shape[0]
-    for u in range(lo, hi):
-        i = u - lo
-        for d in range(dim):
-            out[i, d] = 0.0
-        for k in range(starts[u], starts[u + 1]):
-            if k + ahead < n:
-                prefetch_row(src, index[k + ahead])
-            row = index[k]
-            if weighted:
-                w = weights[k]
+@overload(sum_terms, inline="always")
+def _sum_terms(lo, hi, out, src, starts, index, weights, ahead, width):
+    count = len(width)
+    if count == 0:
+        def in_place(lo, hi, out, src, starts, index, weights, ahead, width):
+            dim = out.shape[1]
+            weighted, n = weights.shape[0] > 0, index.shape[0]
+            for u in range(lo, hi):
+                i = u - lo
                 for d in range(dim):
-                    out[i, d] = fma(w, src[row, d], out[i, d])
-            else:
-                for d in range(dim):
-                    out[i, d] += src[row, d]
+                    out[i, d] = 0.0
+                for k in range(starts[u], starts[u + 1]):
+                    if k + ahead < n:
+                        prefetch_row(src, index[k + ahead])
+                    row = index[k]
+                    if weighted:
+                        w = weights[k]
+                        for d in range(dim):
+                            out[i, d] = fma(w, src[row, d], out[i, d])
+                    else:
+                        for d in range(dim):
+                            out[i, d] += src[row, d]
+        return in_place
+
+    def in_registers(lo, hi, out, src, starts, index, weights, ahead, width):
+        weighted, n = weights.shape[0] > 0, index.shape[0]
+        for c in range(0, out.shape[1], count):
+            for u in range(lo, hi):
+                acc = acc_new(width)
+                for k in range(starts[u], starts[u + 1]):
+                    if k + ahead < n:  # random rows of src: start loading a later term's row now
+                        prefetch_row(src, index[k + ahead])
+                    if weighted:
+                        acc_fma(acc, width, src, index[k], c, weights[k])
+                    else:
+                        acc_add(acc, width, src, index[k], c)
+                acc_store(acc, width, out, u - lo, c)
+    return in_registers
 
 
 @numba.njit(nogil=True, cache=True)

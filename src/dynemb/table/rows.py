@@ -350,8 +350,12 @@ class RowStore(ChangeLog, RowColumns):
         rows = torch.cat([victims, torch.arange(self._size, self._size + n_append, device=self.device)])
         self.index.insert(keep, rows, None if hashes is None else hashes[:stored])
         if in_place:  # after the index, whose buckets the lookup's probe left in cache: 16 MB of rows evict them
-            initial_rows(self.initializer, keep, self.dim, self.dtype, self.seed, self.backend,
-                         out=self._column("value")[self._size: self._size + n_append])
+            try:
+                initial_rows(self.initializer, keep, self.dim, self.dtype, self.seed, self.backend,
+                             out=self._column("value")[self._size: self._size + n_append])
+            except BaseException:  # a kernel's first compile or launch, or an interrupt: the keys leave again
+                self.index.remove(self.index.find_slots(keep))
+                raise
         slots = {f"slot:{name}": value for name, value in self._slot_init.items()}
         columns = {"key": keep, "score": 0, "version": self.clock, **slots}
         if not in_place:
