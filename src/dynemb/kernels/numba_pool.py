@@ -50,18 +50,16 @@ def pool(values: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor | None,
     """``[B, D]`` pooled rows: see the ``pool`` contract in :mod:`dynemb.kernels.dispatch`. With a torch built
     with fbgemm, its ``embedding_bag`` over the ids' rows (fbgemm's JIT kernels: 10-20% faster than
     :func:`sum_terms` on 82k ids of a 1M-row table, same bits), else the numba kernel, then the division."""
+    id_rows = rows if inverse is None else rows.index_select(0, inverse)
     if USE_TORCH_BAG:  # the op under F.embedding_bag, whose Python checks cost more than 16 ids' pooling
-        summed = torch.embedding_bag(values, rows if inverse is None else rows.index_select(0, inverse), offsets,
-                                     False, 0, False, weights, False, None)[0]
-        return summed if denom is None else summed.div_(denom.unsqueeze(1))
-    n = rows.numel() if inverse is None else inverse.numel()
-    index = rows.numpy() if inverse is None else rows.numpy()[inverse.numpy()]  # each id's row
-    bounds = np.empty(offsets.numel() + 1, np.int64)  # the bags' starts, and the end of the last
-    bounds[:-1], bounds[-1] = offsets.numpy(), n
-    out = np.empty((offsets.numel(), values.shape[1]), np.float32)
-    _sum_runs(0, out.shape[0], out, values.contiguous().numpy(), bounds, index, _opt(weights), _AHEAD,
-              block_width(out.shape[1]))
-    out = torch.from_numpy(out)
+        out = torch.embedding_bag(values, id_rows, offsets, False, 0, False, weights, False, None)[0]
+    else:
+        bounds = np.empty(offsets.numel() + 1, np.int64)  # the bags' starts, and the end of the last
+        bounds[:-1], bounds[-1] = offsets.numpy(), id_rows.numel()
+        summed = np.empty((offsets.numel(), values.shape[1]), np.float32)
+        _sum_runs(0, summed.shape[0], summed, values.contiguous().numpy(), bounds, id_rows.contiguous().numpy(),
+                  _opt(weights), _AHEAD, block_width(summed.shape[1]))
+        out = torch.from_numpy(summed)
     return out if denom is None else out.div_(denom.unsqueeze(1))
 
 
