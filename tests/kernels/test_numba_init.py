@@ -18,7 +18,7 @@ KEYS = st.lists(st.integers(-(2**63), 2**63 - 1), min_size=0, max_size=40)
 
 
 @settings(max_examples=60, deadline=None)
-@given(keys=KEYS, seed=st.integers(0, 2**62), dim=st.integers(1, 33),
+@given(keys=KEYS, seed=st.integers(0, 2**62), dim=st.one_of(st.integers(1, 33), st.sampled_from([64, 100, 256])),
        bounds=st.tuples(st.floats(-10, 10, width=32), st.floats(0, 10, width=32)),
        key_dtype=st.sampled_from([torch.int64, torch.int32]))
 def test_uniform_and_constant_rows_are_bit_identical(keys, seed, dim, bounds, key_dtype):

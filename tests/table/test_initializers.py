@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import math
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
 from dynemb.table import Constant, KeyValueTable, TruncatedNormal, Uniform, resolve_initializer
 
@@ -203,3 +205,37 @@ def test_a_failed_initializer_kernel_leaves_the_table_as_it_was(monkeypatch, fai
 def test_bad_specs(spec, exc, match):
     with pytest.raises(exc, match=match):
         resolve_initializer(spec)
+
+
+def _spec_unit_uniform(key: int, column: int, seed: int) -> float:
+    """The counter-based uniform as the docs state it, in Python integers: splitmix64 of the row, then a 32-bit
+    hash (a Weyl step and lowbias32) of each value."""
+    m64, m32 = (1 << 64) - 1, (1 << 32) - 1
+
+    def mix64(x: int) -> int:
+        x &= m64
+        x ^= x >> 30
+        x = (x * 0xBF58476D1CE4E5B9) & m64
+        x ^= x >> 27
+        x = (x * 0x94D049BB133111EB) & m64
+        return x ^ (x >> 31)
+
+    row = mix64((key & m64) ^ mix64(seed))
+    x = ((row & m32) + (column + 1) * 0x9E3779B9 & m32) ^ (row >> 32)
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m32
+    x ^= x >> 16
+    return float(torch.tensor((x >> 8) + 0.5, dtype=torch.float32) * 2.0**-24)
+
+
+@settings(max_examples=40, deadline=None)
+@given(keys=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=6), seed=st.integers(0, 2**63 - 1),
+       dim=st.integers(1, 40))
+def test_uniform_values_follow_the_stated_hash(keys, seed, dim):
+    """Every backend is held to the torch rows elsewhere; these are held to the definition, computed without torch's
+    integer ops."""
+    got = Uniform(0.0, 1.0)(torch.tensor(keys), dim, torch.float32, seed)
+    want = [[_spec_unit_uniform(k, c, seed) for c in range(dim)] for k in keys]
+    assert got.tolist() == want

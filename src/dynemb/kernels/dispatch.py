@@ -35,7 +35,9 @@ tables (and float32 weights and slots) to ``pool`` and ``optim`` kernels
 
 ``index_kernels`` (:mod:`~dynemb.kernels.numba_index`): ``probe``, ``place`` of :class:`~dynemb.table.HashIndex`,
 and optionally ``find(buckets, key_cols, overflow, keys [N], shift) -> (rows [N] int64, bool)``: ``probe``'s rows
-as int64 (-1 where absent) and whether every key was found, in one pass (``HashIndex.find_all``).
+as int64 (-1 where absent) and whether every key was found, in one pass (``HashIndex.find_all``); and optionally
+``unique_by_hash(keys [N]) -> (keys [U], hashes [U], last [U], inverse [N])``: the four tensors of
+:func:`~dynemb.table.hashing.unique_by_hash`'s stable torch sort, bit for bit.
 
 ``pool_kernels`` (:mod:`~dynemb.kernels.numba_pool`): dedup and pooled lookups straight from a table's rows.
 

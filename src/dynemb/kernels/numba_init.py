@@ -2,8 +2,8 @@
 
 The torch reference (:mod:`dynemb.table.initializers`) hashes ``(seed, key, column)`` with a dozen elementwise
 int64 passes over ``[N, D]`` temporaries. :func:`initial_rows` computes each value in registers and writes it once,
-with the same bits: the hash is the same splitmix64 on uint64 words and the float arithmetic the same float32
-operations in the same order.
+with the same bits: the same splitmix64 of the row and 32-bit hash of each value (``numba_math.cell_bits``, 8 lanes
+a vector), and the same float32 operations in the same order.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import numpy as np
 import torch
 
 from .numba_index import _mix64
+from .numba_math import cell_bits
 
 __all__ = ["initial_rows", "KINDS"]
 
 KINDS = ("uniform", "constant")
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 def initial_rows(kind: str, params: tuple, keys: torch.Tensor, seed: int, out: torch.Tensor) -> None:
@@ -38,11 +38,6 @@ def _uniform(keys, seed, low, width, out):
     salt = np.uint64(_mix64(seed))
     for i in range(keys.shape[0]):
         row = np.uint64(_mix64(np.int64(np.uint64(np.int64(keys[i])) ^ salt)))
-        h = row
         for c in range(out.shape[1]):
-            # row + (c + 1) * golden mod 2**64 as an induction: AVX2 has no 64-bit multiply, and its emulation
-            # was a third of the loop (1.2x faster, same bits)
-            h += _GOLDEN
-            bits = np.uint64(_mix64(np.int64(h)))
-            u = (np.float32((bits >> np.uint64(40)) & np.uint64(0xFFFFFF)) + np.float32(0.5)) * np.float32(2.0**-24)
+            u = (np.float32(cell_bits(row, c)) + np.float32(0.5)) * np.float32(2.0**-24)
             out[i, c] = low + width * u

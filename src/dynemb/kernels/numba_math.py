@@ -11,7 +11,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["bits_float", "float_bits", "fma", "prefetch_row", "prefetch_row_for_write", "acc_new", "acc_add",
+__all__ = ["bits_float", "cell_bits", "float_bits", "fma", "prefetch_row", "prefetch_row_for_write", "acc_new", "acc_add",
            "acc_fma", "acc_store"]
 
 
@@ -29,6 +29,28 @@ def fma(typingctx, a, b, c):
         return builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t, t, t]), name), args)
 
     return a(a, b, c), codegen
+
+
+@intrinsic
+def cell_bits(typingctx, row, column):
+    """The initializer's 24 random bits of ``column`` of a row hashed to ``row`` (a 64-bit integer), as an int32:
+    :func:`dynemb.table.initializers._unit_uniform`'s ``x >> 8``. In LLVM's i32: numba widens integer arithmetic to
+    64 bits, which puts 4 lanes in a vector instead of 8 and emulates the 32-bit multiplies with 64-bit ones."""
+    if not (isinstance(row, types.Integer) and row.bitwidth == 64 and isinstance(column, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        lo, hi = builder.trunc(args[0], i32), builder.trunc(builder.lshr(args[0], args[0].type(32)), i32)
+        c = builder.trunc(args[1], i32) if args[1].type.width > 32 else builder.zext(args[1], i32) \
+            if args[1].type.width < 32 else args[1]
+        x = builder.xor(builder.add(lo, builder.mul(builder.add(c, i32(1)), i32(0x9E3779B9))), hi)
+        for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None)):  # lowbias32
+            x = builder.xor(x, builder.lshr(x, i32(shift)))
+            x = builder.mul(x, i32(factor)) if factor is not None else x
+        return builder.lshr(x, i32(8))
+
+    return types.int32(row, column), codegen
 
 
 def _bitcaster(src, dst):

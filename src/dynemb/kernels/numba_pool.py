@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from numba.extending import overload
 
-from .numba_index import _mix64
+from .numba_index import _mix64, radix_sort
 from .numba_math import (acc_add, acc_fma, acc_new, acc_store, bits_float, float_bits, fma, prefetch_row,
                          prefetch_row_for_write)
 
@@ -643,26 +643,10 @@ def _radix_dedup_kernel(ids, unique, inverse, order, starts, max_passes):
     if passes > max_passes or bits + jbits > 64:
         return -1
     digit = (bits + passes - 1) // passes if passes else 0
-    mask = np.uint64((1 << digit) - 1)
-    counts = np.zeros((max(passes, 1), 1 << digit), np.int64)
-    src, dst = np.empty(n, np.uint64), np.empty(n, np.uint64)
+    src = np.empty(n, np.uint64)
     for j in range(n):
         src[j] = ((((np.uint64(np.int64(ids[j])) & width) ^ top) - lo) << np.uint64(jbits)) | np.uint64(j)
-    for p in range(passes):  # a loop of its own per digit, unsigned index: 0.55-0.65x the time of one loop for all
-        count, shift = counts[p], np.uint64(jbits + p * digit)
-        for j in range(n):
-            count[(src[j] >> shift) & mask] += 1
-    for p in range(passes):
-        at, total = counts[p], 0
-        for d in range(at.shape[0]):  # counts -> first position of each digit
-            at[d], total = total, total + at[d]
-        shift = np.uint64(jbits + p * digit)
-        for j in range(n):
-            x = src[j]
-            d = np.int64((x >> shift) & mask)
-            dst[at[d]] = x
-            at[d] += 1
-        src, dst = dst, src
+    src = radix_sort(src, np.empty(n, np.uint64), jbits, digit, passes)
     jmask, jb = np.uint64((np.int64(1) << jbits) - 1), np.uint64(jbits)
     u, prev = -1, ~(src[0] >> jb)
     with_inverse = inverse.shape[0] > 0

@@ -34,11 +34,19 @@ def mix64_tl(x):
 @triton.jit
 def unit_uniform_tl(keys, cols, seed_mixed):
     """``[K] keys x [C] int64 columns (0-based) -> [K, C]`` float32 in (0, 1): the bits of
-    :func:`dynemb.table.initializers._unit_uniform` (``seed_mixed`` is :func:`seed_mix` of the seed)."""
-    row = mix64_tl(keys.to(tl.int64) ^ seed_mixed)
-    golden = ((cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15).to(tl.int64, bitcast=True)
-    bits = mix64_tl(row[:, None] + golden[None, :]).to(tl.uint64, bitcast=True)
-    return (((bits >> 40) & 0xFFFFFF).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24, exact
+    :func:`dynemb.table.initializers._unit_uniform` (``seed_mixed`` is :func:`seed_mix` of the seed): a value's
+    hash in uint32 lanes, which GPUs multiply natively (a uint64 multiply is several instructions)."""
+    row = mix64_tl(keys.to(tl.int64) ^ seed_mixed).to(tl.uint64, bitcast=True)
+    lo = (row & 0xFFFFFFFF).to(tl.uint32)
+    hi = (row >> 32).to(tl.uint32)
+    step = (cols + 1).to(tl.uint32) * tl.full([1], 0x9E3779B9, tl.uint32)
+    x = (lo[:, None] + step[None, :]) ^ hi[:, None]
+    x ^= x >> 16
+    x *= tl.full([1], 0x7FEB352D, tl.uint32)
+    x ^= x >> 15
+    x *= tl.full([1], 0x846CA68B, tl.uint32)
+    x ^= x >> 16
+    return ((x >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24, exact
 
 
 @triton.jit

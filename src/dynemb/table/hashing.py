@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels.dispatch import Backend, index_kernels
+
 __all__ = ["mix64", "key_hash", "unique_by_hash", "UniqueKeys", "GOLDEN"]
 
 
@@ -53,14 +55,20 @@ class UniqueKeys(NamedTuple):
     inverse: torch.Tensor  # [N] int64: index into ``keys`` of each batch key
 
 
-def unique_by_hash(keys: torch.Tensor) -> UniqueKeys:
+def unique_by_hash(keys: torch.Tensor, backend: Backend | str | None = None) -> UniqueKeys:
     """Deduplicate ``[N]`` keys with one sort of their hashes (injective, so equal hashes mean equal keys).
+
+    ``backend`` (the table's; None: the process default) picks the index family's ``unique_by_hash`` kernel where
+    one serves (:mod:`dynemb.kernels.dispatch`): the same four tensors, bit for bit.
 
     Example:
         >>> u = unique_by_hash(torch.tensor([5, -1, 5]))
         >>> sorted(u.keys.tolist()), u.keys[u.inverse].tolist(), u.last[u.keys == 5].tolist()
         ([-1, 5], [5, -1, 5], [2])
     """
+    fast = getattr(index_kernels(backend, keys.device), "unique_by_hash", None)  # optional in the index family
+    if fast is not None:
+        return UniqueKeys(*fast(keys))
     hashes, order = key_hash(keys).sort(stable=True)
     ends = torch.ones_like(hashes, dtype=torch.bool)  # last of a run of equal hashes; stable: last occurrence
     ends[:-1] = hashes[1:] != hashes[:-1]

@@ -15,7 +15,7 @@ from typing import Callable, Union
 import torch
 
 from ..kernels.dispatch import init_kernels
-from .hashing import GOLDEN, mix64
+from .hashing import mix64
 
 __all__ = [
     "Initializer",
@@ -30,14 +30,30 @@ __all__ = [
 ]
 
 _U24 = 2.0**-24
+_M32 = 0xFFFFFFFF
+# A value's 32-bit hash: a Weyl step per column, then Wellons' "lowbias32" bijection (two multiplies).
+CELL_STEP, CELL_M1, CELL_M2 = 0x9E3779B9, 0x7FEB352D, 0x846CA68B
 
 
 def _unit_uniform(keys: torch.Tensor, dim: int, seed: int) -> torch.Tensor:
-    """``[N] -> [N, dim]`` float32 in (0, 1), a pure function of (seed, key, column)."""
+    """``[N] -> [N, dim]`` float32 in (0, 1), a pure function of (seed, key, column).
+
+    A key's row is ``mix64(key ^ mix64(seed))`` (64-bit, once a row); column ``c`` is the top 24 bits of the 32-bit
+    hash of ``(lo + (c + 1) * CELL_STEP) ^ hi``, ``lo, hi`` the row's halves. 32-bit lanes because a value costs a
+    few vector instructions that way: CPUs without AVX-512 and GPUs emulate 64-bit multiplies, and the splitmix64 of
+    every value this replaced made a CPU ``find_or_insert`` of new keys 2.5x slower to initialize (BENCHMARKS.md).
+    Computed here in int64 lanes masked to 32 bits.
+    """
     row = mix64(keys.to(torch.int64) ^ mix64(torch.tensor(seed, dtype=torch.int64, device=keys.device)))
-    cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * GOLDEN
-    bits = mix64(row.unsqueeze(1) + cols)
-    return (((bits >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) * _U24
+    lo, hi = row & _M32, (row >> 32) & _M32
+    cols = torch.arange(1, dim + 1, dtype=torch.int64, device=keys.device) * CELL_STEP
+    x = ((lo.unsqueeze(1) + cols) & _M32) ^ hi.unsqueeze(1)
+    x = x ^ (x >> 16)
+    x = (x * CELL_M1) & _M32  # products past 2**63 wrap as uint64 would: the low 32 bits are exact
+    x = x ^ (x >> 15)
+    x = (x * CELL_M2) & _M32
+    x = x ^ (x >> 16)
+    return ((x >> 8).to(torch.float32) + 0.5) * _U24
 
 
 class Initializer:

@@ -246,7 +246,7 @@ class KeyValueTable(RowStore):
             # rows, without the positions' nonzero, gather and scatter (0.5 ms of 13 at 65,536 keys)
             miss = None if not found.any() else (~found).nonzero().squeeze(1)
             missed = flat if miss is None else flat.index_select(0, miss)
-            new_keys, hashes, _, inverse = unique_by_hash(missed)
+            new_keys, hashes, _, inverse = unique_by_hash(missed, self.backend)
             pinned = rows[found] if miss is not None else rows[:0]
             if self.admission is None:
                 new_rows = self._insert_missing(new_keys, pinned=pinned, hashes=hashes)
@@ -277,7 +277,7 @@ class KeyValueTable(RowStore):
         custom = self._check_scores(scores, keys)
         if flat.numel() == 0:
             return
-        unique, hashes, last, inverse = unique_by_hash(flat)
+        unique, hashes, last, inverse = unique_by_hash(flat, self.backend)
         rows = self.index.find(unique, hashes)
         found = rows >= 0
         hit = found.nonzero().squeeze(1)
@@ -387,7 +387,7 @@ class KeyValueTable(RowStore):
         flat = check_keys(keys, self.key_dtype, self.device)
         if flat.numel() == 0:
             return 0
-        unique, hashes, _, _ = unique_by_hash(flat)
+        unique, hashes, _, _ = unique_by_hash(flat, self.backend)
         ti = fused.kernels(self)  # triton: lookup and removal from the index in one launch
         slots, rows = fused.erase(self, ti, unique) if ti is not None else self.index.lookup(unique, hashes)
         hit = (slots >= 0).nonzero().squeeze(1)

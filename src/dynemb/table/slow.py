@@ -153,7 +153,7 @@ class SlowStore(RowStore):
     def erase(self, keys: torch.Tensor) -> torch.Tensor:
         """Remove the ``keys`` found here; returns those keys (unique)."""
         flat = check_keys(keys, self.key_dtype, self.device)
-        unique = unique_by_hash(flat)[0]
+        unique = unique_by_hash(flat, self.backend)[0]
         rows = self.index.find(unique)
         hit = rows >= 0
         swap_rows(self, rows[hit], None, None)
