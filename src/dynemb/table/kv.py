@@ -171,9 +171,9 @@ class KeyValueTable(RowStore):
         if one_launch is not None:  # triton: probe, gather and initializer rows in one kernel
             rows, values = one_launch
             return values.view(*keys.shape, self.dim), self._found(keys, rows, update_scores)
-        rows = self.index.find(flat)
+        rows, every = self.index.find_all(flat)  # on CPU one kernel pass: int64 rows and the count, no slots
         values = self._gather(rows, out)
-        if not all_nonnegative(rows):
+        if not every:
             miss = (rows < 0).nonzero().squeeze(1)
             values.index_copy_(0, miss, self.initial_rows(flat.index_select(0, miss)))
         return values.view(*keys.shape, self.dim), self._found(keys, rows, update_scores)
