@@ -56,15 +56,16 @@ def test_empty_and_single(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("shared", [3, 16, 17, 400])
-def test_keys_whose_hashes_share_their_top_bits(backend, shared):
-    """The kernel sorts on the hashes' top bits, then orders keys that share them by insertion (up to 16) or a merge
-    sort: keys crafted to share their top 40 bits (and repeated) take both."""
+@pytest.mark.parametrize("shared,repeated", [(3, 1), (16, 0), (17, 0), (12, 5), (400, 40)])
+def test_keys_whose_hashes_share_their_top_bits(backend, shared, repeated):
+    """The kernel sorts on the hashes' top bits, then orders keys that share them by insertion (runs of up to 16) or
+    a merge sort: ``shared`` keys crafted to share their top 40 bits, ``repeated`` of them twice, make runs of
+    ``shared + repeated`` on both sides of that limit."""
     gen = torch.Generator().manual_seed(shared)
     low = torch.randint(0, 1 << 24, (shared,), generator=gen).tolist()
     crafted = [_unmix64((0x5A5A5A5A5A << 24) | x) for x in low]
     plain = torch.randint(-(2**63), 2**63 - 1, (300,), generator=gen).tolist()
-    keys = torch.tensor(crafted + plain + crafted[::3])
+    keys = torch.tensor(crafted + plain + crafted[:repeated])
     _check(keys[torch.randperm(keys.numel(), generator=gen)], backend)
 
 

@@ -73,8 +73,8 @@ def unique_by_hash(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     the index family.
 
     An LSD radix sort on the hashes' top bits (about 4 more than a position needs, so few keys share them) orders
-    the batch; keys that share those bits are then put in order of their whole hash. 65,536 keys: about a quarter of
-    the time of the torch sort and its passes (BENCHMARKS.md).
+    the batch; keys that share those bits are then put in order of their whole hash. 65,536 distinct keys: about a
+    third of the time of the torch sort and its passes (BENCHMARKS.md).
     """
     flat = keys.contiguous().numpy()
     n = flat.shape[0]

@@ -42,8 +42,11 @@ def cell_bits(typingctx, row, column):
     def codegen(context, builder, signature, args):
         i32 = ir.IntType(32)
         lo, hi = builder.trunc(args[0], i32), builder.trunc(builder.lshr(args[0], args[0].type(32)), i32)
-        c = builder.trunc(args[1], i32) if args[1].type.width > 32 else builder.zext(args[1], i32) \
-            if args[1].type.width < 32 else args[1]
+        c, width = args[1], args[1].type.width
+        if width > 32:
+            c = builder.trunc(c, i32)
+        elif width < 32:
+            c = builder.sext(c, i32) if column.signed else builder.zext(c, i32)
         x = builder.xor(builder.add(lo, builder.mul(builder.add(c, i32(1)), i32(0x9E3779B9))), hi)
         for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None)):  # lowbias32
             x = builder.xor(x, builder.lshr(x, i32(shift)))

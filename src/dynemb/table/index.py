@@ -27,7 +27,7 @@ import torch
 from ..kernels.dispatch import Backend, index_kernels, resolve_backend
 from .hashing import key_hash
 from .memory import empty_storage
-from .ops import gather_rows
+from .ops import all_nonnegative, gather_rows
 
 __all__ = ["HashIndex"]
 
@@ -156,7 +156,7 @@ class HashIndex:
         fast = getattr(self._kernels(), "find", None)  # optional in the index family
         if fast is None:
             rows = self.find(keys)
-            return rows, bool((rows >= 0).all())
+            return rows, all_nonnegative(rows)
         return fast(*self._kernel_args(keys))
 
     def lookup(self, keys: torch.Tensor, hashes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
