@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.dispatch import Backend, pool_kernels, table_kernels
+from ..kernels.dispatch import Backend
 from . import budget
 from . import fused
 from .admission import FrequencyAdmission
@@ -30,7 +30,7 @@ from .checks import (
 )
 from .hashing import unique_by_hash
 from .initializers import InitializerSpec, resolve_initializer
-from .ops import all_nonnegative, copy_rows, fill_pair, gather_rows, lowest_rows
+from .ops import all_nonnegative, copy_rows, fill_pair, lowest_rows
 from .policy import DEFAULT_HALF_LIFE, EvictionPolicy, fill_score, touch_scores
 from .rows import EvictHook, Rows, RowStore
 
@@ -180,11 +180,7 @@ class KeyValueTable(RowStore):
 
     def _gather(self, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """``values[rows]`` (row 0 where ``rows`` is -1), by the ``gather`` kernel when one serves this table."""
-        kernels = table_kernels(pool_kernels, self)
-        gather = getattr(kernels, "gather", None)  # optional in the pool family
-        if gather is None or (out is not None and not out.is_contiguous()):
-            return gather_rows(self.values, rows.clamp(min=0), out=out)
-        return gather(self.values, rows, out if out is not None else self.values.new_empty(rows.numel(), self.dim))
+        return self._value_rows(self.values, rows, out)
 
     # ------------------------------------------------------------------ inserts
     def find_or_insert(

