@@ -11,8 +11,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["bits_float", "cell_bits", "float_bits", "fma", "prefetch_row", "prefetch_row_for_write", "acc_new", "acc_add",
-           "acc_fma", "acc_store"]
+__all__ = ["bits_float", "cell_bits", "float_bits", "fma", "prefetch_row", "prefetch_row_for_write", "acc_new",
+           "acc_add", "acc_fma", "acc_store"]
 
 
 @intrinsic

@@ -3,8 +3,8 @@
 
 A new row's value is a pure function of ``(seed, key, column)`` (:mod:`dynemb.table.initializers`), so the kernel
 computes it where it is stored: no ``[M, D]`` temporary and no host sync. The bits equal the torch path's: the
-hashes are the same uint64 (row) and uint32 (value) arithmetic, and ``low + (high - low) * u`` runs as two float32 roundings (the launch turns
-off fused multiply-add, which torch's two separate ops never use).
+hashes are the same uint64 (row) and uint32 (value) arithmetic, and ``low + (high - low) * u`` runs as two float32
+roundings (the launch turns off fused multiply-add, which torch's two separate ops never use).
 """
 
 from __future__ import annotations
