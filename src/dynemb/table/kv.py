@@ -172,15 +172,11 @@ class KeyValueTable(RowStore):
             rows, values = one_launch
             return values.view(*keys.shape, self.dim), self._found(keys, rows, update_scores)
         rows, every = self.index.find_all(flat)  # on CPU one kernel pass: int64 rows and the count, no slots
-        values = self._gather(rows, out)
+        values = self._read_rows(self.values, rows, out)
         if not every:
             miss = (rows < 0).nonzero().squeeze(1)
             values.index_copy_(0, miss, self.initial_rows(flat.index_select(0, miss)))
         return values.view(*keys.shape, self.dim), self._found(keys, rows, update_scores)
-
-    def _gather(self, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """``values[rows]`` (row 0 where ``rows`` is -1), by the ``gather`` kernel when one serves this table."""
-        return self._value_rows(self.values, rows, out)
 
     # ------------------------------------------------------------------ inserts
     def find_or_insert(

@@ -368,12 +368,13 @@ class RowStore(ChangeLog, RowColumns):
         rows = torch.cat([rows, torch.full((m - stored,), -1, dtype=torch.int64, device=self.device)])
         return rows if order is None else torch.empty_like(rows).index_copy_(0, order, rows)
 
-    def _value_rows(self, source: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """``source[rows]`` of ``[R, D]`` rows of the values' dtype (row 0 where ``rows`` is -1), written into ``out``
-        when given: by the pool family's ``gather`` kernel where one serves this table (it prefetches rows ahead:
-        0.8-0.85x the time of ``index_select`` for random rows of a large tensor), else by ``index_select``."""
+    def _read_rows(self, source: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``source[rows]`` of ``[R, ...]`` rows (row 0 where ``rows`` is -1), written into ``out`` when given: for
+        float32 ``[R, D]`` rows by the pool family's ``gather`` kernel where one serves this table (it prefetches rows
+        ahead: 0.8-0.85x the time of ``index_select`` for random rows of a large tensor), else by ``index_select``."""
         gather = getattr(table_kernels(pool_kernels, self), "gather", None)  # optional in the pool family
-        if gather is None or not source.is_contiguous() or (out is not None and not out.is_contiguous()):
+        if (gather is None or source.dtype != torch.float32 or source.dim() != 2 or not source.is_contiguous()
+                or (out is not None and not out.is_contiguous())):
             return gather_rows(source, rows.clamp(min=0), out=out)
         return gather(source, rows, out if out is not None else source.new_empty(rows.numel(), source.shape[1]))
 
@@ -395,10 +396,7 @@ class RowStore(ChangeLog, RowColumns):
             col = cols[name]
             if isinstance(src, tuple):
                 source, index = src
-                if name == "value":  # insert_or_assign's rows, read from the caller's values in hash order
-                    self._value_rows(source, index[k:], col[appended])
-                else:
-                    gather_rows(source, index[k:], out=col[appended])
+                self._read_rows(source, index[k:], col[appended])
                 if k:
                     copy_rows(col, rows[:k], source, index[:k])
             elif isinstance(src, torch.Tensor):
