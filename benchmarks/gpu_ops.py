@@ -97,9 +97,9 @@ def index_ops(backends: list[str], n: int, batch: int, dim: int, repeat: int, de
 
 
 def _gather_bytes(batch: int, dim: int) -> int:
-    # per key: the key (8 B), its bucket (96 B: 8 int64 keys + 8 int32 rows), its row (4 * dim) read, the row
+    # per key: the key (8 B), its bucket (64 B: 5 int64 keys + 5 int32 rows), its row (4 * dim) read, the row
     # written; plus the row id (4 B) written
-    return batch * (8 + 96 + 8 * dim + 4)
+    return batch * (8 + 64 + 8 * dim + 4)
 
 
 def _row(backend: str, t: dict, batch: int, dim: int, load: float, hbm: float) -> dict:

@@ -76,7 +76,7 @@ def _colliding(key_dtype: torch.dtype, bucket: int, count: int, num_buckets: int
     info = torch.iinfo(key_dtype)
     gen = torch.Generator().manual_seed(bucket * 7919 + info.bits)
     found = torch.empty(0, dtype=key_dtype)
-    index = HashIndex(key_dtype, "cpu", capacity=num_buckets * HashIndex.WIDTH // 2)
+    index = HashIndex(key_dtype, "cpu", capacity=num_buckets * HashIndex.width_for(key_dtype) // 2)
     assert index.num_buckets == num_buckets
     while found.numel() < count:
         cand = torch.randint(info.min, info.max, (1 << 18,), generator=gen, dtype=torch.int64).to(key_dtype)

@@ -18,7 +18,17 @@ import pytest
 pytest.importorskip("triton")
 
 pytestmark = pytest.mark.triton
-_LAYOUT = {True: dict(C=24, KEY_COLS=16, KEY64=True), False: dict(C=16, KEY_COLS=8, KEY64=False)}
+
+
+def _layout(key64: bool) -> dict:
+    """The constexprs ``triton_index`` launches an index of that key dtype with."""
+    import torch
+
+    from dynemb.kernels import triton_index as ti
+    from dynemb.table.index import HashIndex
+
+    idx = HashIndex(torch.int64 if key64 else torch.int32, "cpu", capacity=16, backend="torch")
+    return ti._layout(idx._buckets.view(idx.key_dtype), idx._key_cols)
 
 
 def _cases(full: bool):
@@ -29,10 +39,10 @@ def _cases(full: bool):
     from dynemb.kernels import triton_pool as tp
 
     index = dict(words="*i32", overflow="*u8", n="i32", nb="i64", C="constexpr", KEY_COLS="constexpr",
-                 KEY64="constexpr", BLOCK="constexpr")
+                 KEY64="constexpr", W="constexpr", BLOCK="constexpr")
     hashed = dict(index, shift="i32", half="i64")
     for key64 in (True, False) if full else (True,):
-        keys, lay = ("*i64" if key64 else "*i32"), _LAYOUT[key64]
+        keys, lay = ("*i64" if key64 else "*i32"), _layout(key64)
         probe = dict(hashed, keys=keys, slots_out="*i64", rows_out="*i32", ERASE="constexpr")
         for erase in (False, True):
             yield f"probe erase={erase} key64={key64}", ti._probe_kernel, probe, dict(lay, BLOCK=128, ERASE=erase), {}

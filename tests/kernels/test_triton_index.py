@@ -124,15 +124,16 @@ def test_place_across_programs_keeps_semantics(colliding_keys):
 
 
 def test_full_index_is_reported():
-    idx = HashIndex(torch.int64, DEVICE, capacity=8, backend="triton")  # 2 buckets, 16 slots
-    keys = torch.arange(17, device=DEVICE)
+    idx = HashIndex(torch.int64, DEVICE, capacity=10, backend="triton")  # 4 buckets of 5 slots
+    assert idx.slots == 20
+    keys = torch.arange(21, device=DEVICE)
     with pytest.raises(RuntimeError, match="HashIndex is full"):
         idx.insert(keys, keys)
     idx.clear()
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     _, rows, new = ti.find_or_insert(idx._buckets.view(torch.int64), idx._key_cols, idx.overflow, keys, idx._shift,
                                      counter)
-    assert int(new.sum()) == 16 and int((rows < 0).sum()) == 1 and int(counter) == 16
+    assert int(new.sum()) == 20 and int((rows < 0).sum()) == 1 and int(counter) == 20
 
 
 @pytest.mark.parametrize("init", [None, ("uniform", (-0.05, 0.05)), ("uniform", (-1.5, 0.25)), ("constant", (0.1,))])

@@ -134,12 +134,12 @@ def test_one_launch_paths_run_and_fall_back(pools, spied):
 
 
 def test_rehash_rule_as_torch(monkeypatch):
-    """Keys crowded into a quarter of the buckets, inserted and erased: stale overflow flags pile up and the
+    """Keys crowded into an eighth of the buckets, inserted and erased: stale overflow flags pile up and the
     one-launch path rehashes when the torch path does (same bucket count, same flags after the rebuild)."""
     plain, tri = (KeyValueTable(2, init_capacity=256, backend=b, device=DEVICE) for b in ("torch", "triton"))
     g = torch.Generator().manual_seed(0)
     cand = torch.randint(-(2**62), 2**62, (1 << 16,), generator=g)
-    pool = cand[plain.index._home(key_hash(cand)) % 4 == 0].to(DEVICE)
+    pool = cand[plain.index._home(key_hash(cand)) % 8 == 0].to(DEVICE)
     rebuilt, in_one_launch = [], []
     real_rehash, real_one_launch = tri.index.rehash, fused.find_or_insert
     monkeypatch.setattr(tri.index, "rehash", lambda *a: rebuilt.append(1) or real_rehash(*a))

@@ -59,7 +59,7 @@ def test_colliding_keys_spill_and_stay_findable(key_dtype, device, colliding_key
     idx.insert(keys, _rows(24, device))
     assert idx.find(keys).tolist() == list(range(24))
     slots = idx.find_slots(keys)
-    assert torch.unique(slots // HashIndex.WIDTH).numel() > 1  # they really spilled past one bucket
+    assert torch.unique(slots >> 3).numel() > 1  # they really spilled past one bucket
     assert torch.unique(slots).numel() == 24
     assert torch.equal(idx.rows_at(slots), _rows(24, device))
 
@@ -103,22 +103,36 @@ def test_set_rows_repoints_slots(key_dtype, device):
 
 def test_needs_rehash_and_rehash(key_dtype, device, colliding_keys):
     idx = _index(key_dtype, device, capacity=8)
-    assert idx.slots == idx.num_buckets * HashIndex.WIDTH
+    assert idx.slots == idx.num_buckets * HashIndex.width_for(key_dtype)
     assert not idx.needs_rehash(idx.slots // 2)
     assert idx.needs_rehash(idx.slots // 2 + 1)
     keys = colliding_keys(key_dtype, "first", 24).to(device)
     small = keys[:8]
     idx.insert(small, _rows(8, device))
     idx.rehash(keys, _rows(24, device) + 5, capacity=100)
-    assert idx.num_buckets == HashIndex.buckets_for(100)
+    assert idx.num_buckets == HashIndex.buckets_for(100, key_dtype)
     assert idx.find(keys).tolist() == list(range(5, 29))
     assert not idx.needs_rehash(100)
 
 
+def test_a_bucket_is_one_cache_line(key_dtype, device):
+    """A probe that finds its key at home reads one 64-byte line: the bucket's keys and row ids together, aligned."""
+    idx = _index(key_dtype, device, capacity=1000)
+    assert idx._buckets.shape[1] * idx._buckets.element_size() == 64
+    assert idx._buckets.data_ptr() % 64 == 0
+    bits = torch.iinfo(key_dtype).bits
+    assert idx.width == {32: 8, 64: 5}[bits] and idx.width * (bits // 8 + 4) <= 64
+    keys = torch.arange(300, dtype=key_dtype, device=device)
+    idx.insert(keys, _rows(300, device))
+    spare = idx._buckets[:, idx._key_cols + idx.width :]
+    assert spare.numel() == 0 or not spare.any()  # the unused word stays 0, so layouts compare equal
+    assert int((idx.find_slots(keys) & 7).max()) < idx.width
+
+
 @pytest.mark.parametrize("capacity", [0, 1, 8, 9, 16, 17, 1000, 2**20 + 1])
-def test_buckets_for_is_the_smallest_power_of_two_under_max_load(capacity):
-    buckets = HashIndex.buckets_for(capacity)
-    per_bucket = HashIndex.WIDTH * HashIndex.MAX_LOAD
+def test_buckets_for_is_the_smallest_power_of_two_under_max_load(capacity, key_dtype):
+    buckets = HashIndex.buckets_for(capacity, key_dtype)
+    per_bucket = HashIndex.width_for(key_dtype) * HashIndex.MAX_LOAD
     assert buckets >= 2 and buckets & (buckets - 1) == 0
     assert buckets * per_bucket >= capacity
     assert buckets == 2 or (buckets // 2) * per_bucket < capacity

@@ -22,7 +22,7 @@ from .numba_math import prefetch_row
 
 __all__ = ["find", "probe", "place", "unique_by_hash"]
 
-_CHUNK = 256  # keys per touch-then-match step of placement: their buckets (96 B each) stay in L1/L2
+_CHUNK = 256  # keys per touch-then-match step of placement: their buckets (64 B each) stay in L1/L2
 # Keys between a bucket's prefetch and its probe. 78k keys of an index of 1M, cold caches, since a bucket's match is
 # a select: 16 ahead 13.2-13.8 ns a key, 32 9.4-9.6, 48 8.1-8.2, 64 7.7-7.9, 96 7.8-8.1.
 _AHEAD = 64
@@ -184,11 +184,17 @@ def _mix64(key):
     return np.int64(x)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _width(table, key_cols):
+    """Slots a bucket (``HashIndex.width``): as many as its int32 words of keys hold keys."""
+    return key_cols * 4 // table.itemsize
+
+
 @numba.njit(nogil=True, cache=True)
 def _match_row(table, words, key_cols, key, bucket):
     """``(slot, row)`` of the last slot of ``bucket`` holding ``key`` with a row (>= 0), or ``(-1, -1)``."""
     slot, row = -1, -1
-    for p in range(8):
+    for p in range(_width(table, key_cols)):
         if table[bucket, p] == key and words[bucket, key_cols + p] >= 0:
             slot, row = bucket * 8 + p, words[bucket, key_cols + p]
     return slot, row
@@ -212,7 +218,7 @@ def _follow(table, key_cols, overflow, key, bucket):
 @numba.njit(nogil=True, cache=True)
 def _probe_kernel(table, key_cols, overflow, keys, shift, slots, rows):
     # ``slots`` empty: rows only. Returns the number of keys not found.
-    half = table.shape[0] // 2
+    half, width = table.shape[0] // 2, _width(table, key_cols)
     with_slots, missing = slots.shape[0] > 0, 0
     words = table.view(np.int32)  # row ids are the int32 words after the keys
     n = keys.shape[0]
@@ -230,7 +236,7 @@ def _probe_kernel(table, key_cols, overflow, keys, shift, slots, rows):
         # two-condition loop, taken at a random slot, mispredicted about once a key (this runs in 0.62x its time
         # warm, 0.75x cold). A match without a row (the fill key, in a freed slot) takes the exact loop.
         p = -1
-        for q in range(8):
+        for q in range(width):
             if table[bucket, q] == key:
                 p = q
         slot, row = -1, -1
@@ -257,7 +263,7 @@ def _place_kernel(table, key_cols, overflow, bucket, keys, rows):
     mask = table.shape[0] - 1
     pending = np.empty(keys.shape[0], np.int64)  # keys spilled by the last round, and their next bucket
     at = np.empty(keys.shape[0], np.int64)
-    n, last = keys.shape[0], words.shape[1] - 1
+    n, last, width = keys.shape[0], words.shape[1] - 1, _width(table, key_cols)
     touched = 0  # returned, so that the touching loads are not optimized away
     for round_ in range(table.shape[0] + 1):
         spilled = 0
@@ -267,7 +273,7 @@ def _place_kernel(table, key_cols, overflow, bucket, keys, rows):
                     touched ^= words[bucket[t], 0] ^ words[bucket[t], last]
             j, b = (i, bucket[i]) if round_ == 0 else (pending[i], at[i])
             placed = False
-            for p in range(8):
+            for p in range(width):
                 if words[b, key_cols + p] < 0:
                     table[b, p] = keys[j]
                     words[b, key_cols + p] = rows[j]

@@ -1,11 +1,13 @@
 """Triton kernels for the hash index (the ``index`` family of :mod:`dynemb.kernels.dispatch`), plus the index
 operations a GPU step runs in one launch: ``find_or_insert``, ``erase`` and ``find_gather``.
 
-The layout is :class:`~dynemb.table.HashIndex`'s: ``B`` buckets of 8 slots, one int32 row per bucket holding the 8
-keys (int32, or int64 as word pairs) then the 8 int32 row ids; row ``-1`` marks a free slot, so every key value is
-valid; a full bucket gets a sticky overflow flag and keys spill to the next bucket; a lookup stops at the first
-bucket that holds the key or has no flag. One program handles :data:`KEY_BLOCK` keys as a ``[K, 8]`` tile per
-probed bucket: one 96-byte access per key and bucket (int64 keys), no host round trip between probe rounds.
+The layout is :class:`~dynemb.table.HashIndex`'s: ``B`` buckets of ``W`` slots (8 for int32 keys, 5 for int64), one
+row of 16 int32 words (64 bytes) per bucket holding the ``W`` keys (int64 ones as word pairs) then the ``W`` int32
+row ids; row ``-1`` marks a free slot, so every key value is valid; a full bucket gets a sticky overflow flag and
+keys spill to the next bucket; a lookup stops at the first bucket that holds the key or has no flag. Slot ``s`` is
+position ``s & 7`` of bucket ``s >> 3``. One program handles :data:`KEY_BLOCK` keys as a ``[K, 8]`` tile per probed
+bucket (lanes from ``W`` on masked): one 64-byte access per key and bucket, no host round trip between probe
+rounds.
 
 Placement (``place``, ``find_or_insert``) claims slots with atomic compare-and-swap on the slot's row word, so
 programs running at once never take the same slot, and duplicates of one key within a batch resolve to one row.
@@ -35,7 +37,8 @@ _FILL = tl.constexpr(0x5851F42D)  # HashIndex's key of a free slot (any value wo
 
 def _layout(table: torch.Tensor, key_cols: int) -> dict:
     words = table.view(torch.int32)
-    return dict(C=words.shape[1], KEY_COLS=key_cols, KEY64=table.dtype == torch.int64)
+    key64 = table.dtype == torch.int64
+    return dict(C=words.shape[1], KEY_COLS=key_cols, KEY64=key64, W=key_cols // 2 if key64 else key_cols)
 
 
 def _grid(n: int) -> tuple[int]:
@@ -160,12 +163,14 @@ def _ptrs(words, bucket, slot, C: tl.constexpr, KEY_COLS: tl.constexpr, KEY64: t
 
 
 @triton.jit
-def _match(words, bucket, key, live, C: tl.constexpr, KEY_COLS: tl.constexpr, KEY64: tl.constexpr):
+def _match(words, bucket, key, live, C: tl.constexpr, KEY_COLS: tl.constexpr, KEY64: tl.constexpr,
+           W: tl.constexpr):
     """``(slot, row)`` of each live key in its ``bucket``, -1 where it is not there."""
     j = tl.arange(0, 8)
     kp, rp = _ptrs(words, bucket[:, None], j[None, :], C, KEY_COLS, KEY64)
-    k = tl.load(kp, mask=live[:, None], other=0)
-    r = tl.load(rp, mask=live[:, None], other=-1)
+    m = live[:, None] & (j[None, :] < W)
+    k = tl.load(kp, mask=m, other=0)
+    r = tl.load(rp, mask=m, other=-1)
     eq = (k == key[:, None]) & (r >= 0)
     pos = tl.min(tl.where(eq, j[None, :], 8), axis=1)
     row = tl.max(tl.where(eq, r, -1), axis=1)
@@ -174,15 +179,15 @@ def _match(words, bucket, key, live, C: tl.constexpr, KEY_COLS: tl.constexpr, KE
 
 @triton.jit
 def _find(words, overflow, key, live, shift, half, nb, C: tl.constexpr, KEY_COLS: tl.constexpr,
-          KEY64: tl.constexpr):
+          KEY64: tl.constexpr, W: tl.constexpr):
     """Probe: home bucket, then the next ones while the last probed has its overflow flag (at most ``nb - 1``)."""
     bucket = tl.where(live, (mix64_tl(key.to(tl.int64)) >> shift) + half, 0)
-    slot, row = _match(words, bucket, key, live, C, KEY_COLS, KEY64)
+    slot, row = _match(words, bucket, key, live, C, KEY_COLS, KEY64, W)
     pending = live & (slot < 0) & (tl.load(overflow + bucket, mask=live, other=0) != 0)
     steps = tl.zeros_like(bucket) + 1  # a tensor: a Python int would change type inside the loop
     while tl.max(pending.to(tl.int32), axis=0) > 0:
         bucket = tl.where(pending, (bucket + 1) & (nb - 1), bucket)
-        s2, r2 = _match(words, bucket, key, pending, C, KEY_COLS, KEY64)
+        s2, r2 = _match(words, bucket, key, pending, C, KEY_COLS, KEY64, W)
         slot = tl.where(pending, s2, slot)
         row = tl.where(pending, r2, row)
         pending = pending & (s2 < 0) & (tl.load(overflow + bucket, mask=pending, other=0) != 0) & (steps < nb - 1)
@@ -192,11 +197,12 @@ def _find(words, overflow, key, live, shift, half, nb, C: tl.constexpr, KEY_COLS
 
 @triton.jit
 def _probe_kernel(words, overflow, keys, slots_out, rows_out, n, shift, half, nb, C: tl.constexpr,
-                  KEY_COLS: tl.constexpr, KEY64: tl.constexpr, BLOCK: tl.constexpr, ERASE: tl.constexpr = False):
+                  KEY_COLS: tl.constexpr, KEY64: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+                  ERASE: tl.constexpr = False):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     key = tl.load(keys + offs, mask=live, other=0)
-    slot, row = _find(words, overflow, key, live, shift, half, nb, C, KEY_COLS, KEY64)
+    slot, row = _find(words, overflow, key, live, shift, half, nb, C, KEY_COLS, KEY64, W)
     tl.store(slots_out + offs, slot, mask=live)
     tl.store(rows_out + offs, row, mask=live)
     if ERASE:
@@ -213,7 +219,7 @@ def _max2(a, b):
 
 @triton.jit
 def _place_kernel(words, overflow, bucket_in, keys, rows, failed, n, nb, C: tl.constexpr, KEY_COLS: tl.constexpr,
-                  KEY64: tl.constexpr, BLOCK: tl.constexpr):
+                  KEY64: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + i
     active = offs < n
@@ -228,7 +234,7 @@ def _place_kernel(words, overflow, bucket_in, keys, rows, failed, n, nb, C: tl.c
     steps = tl.zeros([BLOCK], tl.int32)
     while tl.max(active.to(tl.int32), axis=0) > 0:
         _, rp = _ptrs(words, bucket[:, None], j[None, :], C, KEY_COLS, KEY64)
-        free = tl.load(rp, mask=active[:, None], other=0, volatile=True) < 0
+        free = tl.load(rp, mask=active[:, None] & (j[None, :] < W), other=0, volatile=True) < 0
         nth = tl.cumsum(free.to(tl.int32), axis=1) == rank[:, None] + 1
         target = tl.min(tl.where(free & nth, j[None, :], 8), axis=1)
         spill = active & (target == 8)  # no free slot left for this key: flag the bucket, go to the next one
@@ -249,13 +255,14 @@ def _place_kernel(words, overflow, bucket_in, keys, rows, failed, n, nb, C: tl.c
 
 @triton.jit
 def _find_or_insert_kernel(words, overflow, keys, slots_out, rows_out, inserted, next_row, n, shift, half, nb,
-                           C: tl.constexpr, KEY_COLS: tl.constexpr, KEY64: tl.constexpr, BLOCK: tl.constexpr):
+                           C: tl.constexpr, KEY_COLS: tl.constexpr, KEY64: tl.constexpr, W: tl.constexpr,
+                           BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + i
     live = offs < n
     key = tl.load(keys + offs, mask=live, other=0)
     # Phase 1: keys already present (possibly past a slot freed by an erase) are found along the flag chain.
-    slot, row = _find(words, overflow, key, live, shift, half, nb, C, KEY_COLS, KEY64)
+    slot, row = _find(words, overflow, key, live, shift, half, nb, C, KEY_COLS, KEY64, W)
     # A slot being filled by another program shows the free-slot key until its key store is visible, so a hit for
     # that key value is confirmed after an acquiring read of the row word, and probed again if it was not real.
     unsure = live & (row >= 0) & (key == _FILL)
@@ -264,7 +271,7 @@ def _find_or_insert_kernel(words, overflow, keys, slots_out, rows_out, inserted,
         seen = tl.atomic_add(rp, tl.zeros_like(row), mask=unsure, sem="acquire")
         real = (seen == row) & (tl.load(kp, mask=unsure, other=0, volatile=True) == key)
         unsure = unsure & ~real
-        s2, r2 = _find(words, overflow, key, unsure, shift, half, nb, C, KEY_COLS, KEY64)
+        s2, r2 = _find(words, overflow, key, unsure, shift, half, nb, C, KEY_COLS, KEY64, W)
         slot = tl.where(unsure, s2, slot)
         row = tl.where(unsure, r2, row)
         unsure = unsure & (r2 >= 0)
@@ -279,10 +286,11 @@ def _find_or_insert_kernel(words, overflow, keys, slots_out, rows_out, inserted,
     new = tl.zeros([BLOCK], tl.int8)
     while tl.max(active.to(tl.int32), axis=0) > 0:
         kps, rps = _ptrs(words, bucket[:, None], j[None, :], C, KEY_COLS, KEY64)
-        r = tl.load(rps, mask=active[:, None], other=0, volatile=True)
-        k = tl.load(kps, mask=active[:, None], other=0, volatile=True)
+        m = active[:, None] & (j[None, :] < W)
+        r = tl.load(rps, mask=m, other=0, volatile=True)
+        k = tl.load(kps, mask=m, other=0, volatile=True)
         other = (r >= 0) & (k != key[:, None])  # a published slot of another key stays so: skip it
-        target = tl.min(tl.where(~other & (j[None, :] >= lowest[:, None]), j[None, :], 8), axis=1)
+        target = tl.min(tl.where(~other & (j[None, :] >= lowest[:, None]) & (j[None, :] < W), j[None, :], 8), axis=1)
         full = active & (target == 8)
         tl.store(overflow + bucket, tl.full([BLOCK], 1, tl.uint8), mask=full)
         go = active & (target < 8)
@@ -310,12 +318,13 @@ def _find_or_insert_kernel(words, overflow, keys, slots_out, rows_out, inserted,
 
 @triton.jit
 def _find_gather_kernel(words, overflow, keys, rows_out, values, out, n, dim, shift, half, nb, seed_mixed, p0, p1,
-                        C: tl.constexpr, KEY_COLS: tl.constexpr, KEY64: tl.constexpr, INIT: tl.constexpr,
+                        C: tl.constexpr, KEY_COLS: tl.constexpr, KEY64: tl.constexpr, W: tl.constexpr,
+                        INIT: tl.constexpr,
                         BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     key = tl.load(keys + offs, mask=live, other=0)
-    _, row = _find(words, overflow, key, live, shift, half, nb, C, KEY_COLS, KEY64)
+    _, row = _find(words, overflow, key, live, shift, half, nb, C, KEY_COLS, KEY64, W)
     tl.store(rows_out + offs, row, mask=live)
     hit = row >= 0
     for d0 in range(0, dim, BLOCK_D):

@@ -24,11 +24,9 @@ def row_bytes(dim: int, dtype: torch.dtype, key_dtype: torch.dtype, slots: dict[
 
 
 def index_bytes(capacity: int, key_dtype: torch.dtype) -> int:
-    """Bytes of a :class:`HashIndex` sized for ``capacity`` keys: per bucket, ``W`` keys and ``W`` int32 row ids,
+    """Bytes of a :class:`HashIndex` sized for ``capacity`` keys: per bucket, a 64-byte line of keys and row ids,
     and one overflow flag."""
-    width = HashIndex.WIDTH
-    key_size = torch.empty(0, dtype=key_dtype).element_size()
-    return HashIndex.buckets_for(capacity) * (width * (key_size + 4) + 1)
+    return HashIndex.buckets_for(capacity, key_dtype) * (HashIndex.BUCKET_WORDS * 4 + 1)
 
 
 def table_bytes(rows: int, per_row: int, key_dtype: torch.dtype) -> int:
@@ -100,6 +98,6 @@ def fit(table) -> None:
         table.evict(table.size() - cap)
     if table.capacity > cap:
         table._resize_columns(cap, min(cap, table.live_rows()))
-    if table.index.num_buckets > table.index.buckets_for(cap):
+    if table.index.num_buckets > table.index.buckets_for(cap, table.index.key_dtype):
         n = table.size()
         table.index.rehash(table.row_keys[:n], torch.arange(n, device=table.device), cap)

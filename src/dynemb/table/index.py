@@ -1,15 +1,18 @@
 """A vectorized hash index from integer keys to row ids, over plain torch tensors (CPU and CUDA alike).
 
-Layout: ``B`` buckets of ``W = 8`` slots. A slot holds a key and a row id; row id ``-1`` marks a free slot, so no
+Layout: ``B`` buckets of ``W`` slots. A slot holds a key and a row id; row id ``-1`` marks a free slot, so no
 key value is reserved and every int32/int64 value is a valid key. A key's home bucket is given by the top bits of
 its (bijective) hash; when a bucket is full, keys spill to the next bucket (linear probing over buckets) and the
 full bucket gets a sticky *overflow* flag. A lookup stops at the first bucket that holds the key or has no overflow
 flag, so deleting a key simply frees its slot: there are no tombstones. Flags are cleared by a rehash, which the
 table triggers when too many accumulate.
 
-A bucket's 8 keys and 8 row ids sit side by side in one row of a single int32 tensor (96 bytes for int64 keys), so
-a lookup costs one random memory access per probed bucket, not one for the key and another for the row. Slot
-``s`` is position ``s % W`` of bucket ``s // W``.
+A bucket is one 64-byte cache line: a row of 16 int32 words holding its ``W`` keys, then their ``W`` int32 row ids
+(``W = 8`` for int32 keys; ``W = 5`` for int64 keys, whose 60 bytes leave one word unused). A lookup that finds its
+key in the home bucket thus reads one cache line, the unit memory moves in: with 8 int64 slots the bucket took 96
+bytes, two lines, and a probe on CPU took about 1.7x the time (BENCHMARKS.md). Slot ``s`` is position ``s & 7`` of
+bucket ``s >> 3`` (slots are numbered as if every bucket had 8, so that addressing is shifts; positions from ``W``
+on are never used).
 
 All operations are batched: one round handles every pending key with a few gathers, and only the rare keys that
 spill to a neighbour bucket go round again. No Python loop runs over keys. This torch code is the one
@@ -57,7 +60,7 @@ class HashIndex:
         [1, -1, 0]
     """
 
-    WIDTH = 8
+    BUCKET_WORDS = 16  # int32 words a bucket: 64 bytes, one cache line
     MAX_LOAD = 0.5
     MAX_OVERFLOW_FRACTION = 0.25
 
@@ -70,21 +73,28 @@ class HashIndex:
             backend = Backend.parse(backend)
             resolve_backend(backend, self.device)  # a backend this device cannot run fails here, not at a call
         self.backend = backend
+        self.width = self.width_for(key_dtype)
         # int32 columns per bucket taken by the keys; the row ids follow them.
-        self._key_cols = self.WIDTH * torch.iinfo(key_dtype).bits // 32
-        self._alloc(self.buckets_for(capacity))
+        self._key_cols = self.width * torch.iinfo(key_dtype).bits // 32
+        self._alloc(self.buckets_for(capacity, key_dtype))
 
     # ---------------------------------------------------------------- sizing
     @classmethod
-    def buckets_for(cls, capacity: int) -> int:
-        """Smallest power-of-two bucket count that holds ``capacity`` keys under ``MAX_LOAD``."""
-        need = max(2, math.ceil(max(capacity, 1) / (cls.WIDTH * cls.MAX_LOAD)))
+    def width_for(cls, key_dtype: torch.dtype) -> int:
+        """Slots a bucket: the (key, int32 row id) pairs that fit in its 64 bytes, at most 8 (8 for int32 keys, 5
+        for int64)."""
+        return min(8, cls.BUCKET_WORDS * 4 // (torch.iinfo(key_dtype).bits // 8 + 4))
+
+    @classmethod
+    def buckets_for(cls, capacity: int, key_dtype: torch.dtype) -> int:
+        """Smallest power-of-two bucket count that holds ``capacity`` keys of ``key_dtype`` under ``MAX_LOAD``."""
+        need = max(2, math.ceil(max(capacity, 1) / (cls.width_for(key_dtype) * cls.MAX_LOAD)))
         return 1 << (need - 1).bit_length()
 
     def _alloc(self, num_buckets: int) -> None:
         self.num_buckets = num_buckets
         self._shift = 64 - (num_buckets.bit_length() - 1)
-        self._buckets = empty_storage((num_buckets, self._key_cols + self.WIDTH), torch.int32, self.device)
+        self._buckets = empty_storage((num_buckets, self.BUCKET_WORDS), torch.int32, self.device)
         self.overflow = torch.zeros(num_buckets, dtype=torch.bool, device=self.device)
         self.clear()
 
@@ -96,11 +106,11 @@ class HashIndex:
     @property
     def bucket_rows(self) -> torch.Tensor:
         """``[B, W]`` int32 view of the row ids (``-1``: free slot)."""
-        return self._buckets[:, self._key_cols :]
+        return self._buckets[:, self._key_cols : self._key_cols + self.width]
 
     @property
     def slots(self) -> int:
-        return self.num_buckets * self.WIDTH
+        return self.num_buckets * self.width
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self._buckets, self.overflow))
@@ -113,7 +123,7 @@ class HashIndex:
 
     def rehash(self, keys: torch.Tensor, rows: torch.Tensor, capacity: int) -> None:
         """Rebuild from scratch holding ``keys -> rows`` (unique keys), sized for ``capacity`` keys."""
-        self._alloc(self.buckets_for(max(capacity, keys.numel())))
+        self._alloc(self.buckets_for(max(capacity, keys.numel()), self.key_dtype))
         self.insert(keys, rows)
 
     def _kernels(self):
@@ -129,7 +139,7 @@ class HashIndex:
     def _key_pos(self, slots: torch.Tensor) -> torch.Tensor:
         """Flat positions of slots' keys in ``_buckets`` viewed as a 1-D key tensor."""
         stride = self._buckets.shape[1] * 32 // torch.iinfo(self.key_dtype).bits
-        return (slots >> 3) * stride + (slots & 7)  # W = 8: shifts, as integer division is slow
+        return (slots >> 3) * stride + (slots & 7)  # slots count 8 a bucket: shifts, as integer division is slow
 
     def _row_pos(self, slots: torch.Tensor) -> torch.Tensor:
         """Flat positions of slots' row ids in ``_buckets`` viewed as 1-D."""
@@ -208,19 +218,20 @@ class HashIndex:
 
     def _match(self, keys: torch.Tensor, bucket: torch.Tensor, check_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slot, row)`` of each key within its current bucket, ``-1`` where it is not there."""
-        tile = gather_rows(self._buckets, bucket)  # [N, key columns + W]: one random access per key
-        rows = tile[:, self._key_cols :]
+        tile = gather_rows(self._buckets, bucket)  # [N, 16]: one random access (a cache line) per key
+        rows = tile[:, self._key_cols : self._key_cols + self.width]
         eq = tile[:, : self._key_cols].view(self.key_dtype) == keys.unsqueeze(1)
         if check_rows:
             eq &= rows >= 0
-        # The W = 8 match flags of a key are the 8 bytes of one int64 word, so word ops replace reductions over a
+        # The W <= 8 match flags of a key are the bytes of one int64 word, so word ops replace reductions over a
         # tiny dimension (slow on CPU). The lowest set byte is read off the float exponent of its isolated bit:
         # 2**(8 * p) has exponent field 127 + 8 * p, so ``field >> 3 == 15 + p``; a zero word gives 0.
-        word = eq.contiguous().view(torch.uint8).view(torch.int64).squeeze(1)
+        word = _byte_word(eq)
         pos = ((word & -word).to(torch.float32).view(torch.int32) >> 26) - 15
         miss = pos >> 31  # -1 where no slot matched, else 0
-        row = rows.gather(1, (pos & (self.WIDTH - 1)).unsqueeze(1).long()).squeeze(1) | miss
-        return (bucket * self.WIDTH + pos) | miss, row
+        at = (pos & 7).clamp_(max=self.width - 1)  # a miss's position is garbage: any column will do
+        row = rows.gather(1, at.unsqueeze(1).long()).squeeze(1) | miss
+        return ((bucket << 3) + pos) | miss, row
 
     # ---------------------------------------------------------------- updates
     def insert(self, keys: torch.Tensor, rows: torch.Tensor, hashes: torch.Tensor | None = None) -> None:
@@ -246,10 +257,10 @@ class HashIndex:
         # rank-th free slot of its bucket, and keys beyond the free count spill to the next bucket together.
         for _ in range(self.num_buckets + 1):
             tile = gather_rows(self._buckets, bucket)
-            free = (tile[:, self._key_cols :] < 0).contiguous().view(torch.uint8).view(torch.int64).squeeze(1)
+            free = _byte_word(tile[:, self._key_cols : self._key_cols + self.width] < 0)
             pos, fits = _nth_set_byte(free, _rank_in_run(bucket))
             take = fits.nonzero().squeeze(1)
-            slot = bucket.index_select(0, take) * self.WIDTH + pos.index_select(0, take)
+            slot = (bucket.index_select(0, take) << 3) + pos.index_select(0, take)
             self._flat_keys().index_copy_(0, self._key_pos(slot), keys.index_select(0, take))
             self._buckets.view(-1).index_copy_(0, self._row_pos(slot), rows.index_select(0, take).to(torch.int32))
             if take.numel() == bucket.numel():
@@ -272,7 +283,16 @@ class HashIndex:
     def clear(self) -> None:
         self.bucket_keys.fill_(_FILL)
         self.bucket_rows.fill_(-1)
+        self._buckets[:, self._key_cols + self.width :].zero_()  # the unused word of int64 buckets
         self.overflow.zero_()
+
+
+def _byte_word(flags: torch.Tensor) -> torch.Tensor:
+    """``[N, W]`` bool flags (``W <= 8``) as one int64 word each, flag ``p`` in byte ``p`` (missing bytes 0)."""
+    flags = flags.contiguous().view(torch.uint8)
+    if flags.shape[1] < 8:
+        flags = torch.nn.functional.pad(flags, (0, 8 - flags.shape[1]))
+    return flags.view(torch.int64).squeeze(1)
 
 
 def _rank_in_run(sorted_values: torch.Tensor) -> torch.Tensor:

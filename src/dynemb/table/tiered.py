@@ -342,7 +342,7 @@ class TieredTable(KeyValueTable):
         n = self._size
         if self.capacity != max(cap, n):
             self._resize_columns(max(cap, n), n)
-        if self.index.num_buckets != self.index.buckets_for(max(cap, n)):
+        if self.index.num_buckets != self.index.buckets_for(max(cap, n), self.index.key_dtype):
             self.index.rehash(self.row_keys[:n], torch.arange(n, device=self.device), max(cap, n))
 
     def _resident(self, keys: torch.Tensor, new_ok: bool = True, count: bool = True) -> None:

@@ -1,9 +1,9 @@
 """The in-process volatile store: one :class:`~dynemb.table.KeyValueTable` per table, on the CPU.
 
 Memory per row is the table's columns (key 8 B, value ``D * itemsize``, score 8 B, version 8 B) plus its hash
-index (12 B per index slot, 2-8 slots per row) and growth slack. For ``D = 64`` float32 that is about 1.2x the raw
-``8 + 4 D`` bytes when the store is bounded and full, and up to about 1.5x while an unbounded table grows
-(``tests/serving/test_memory.py`` measures it). :meth:`MemoryStore.nbytes` reports the bytes held.
+index (a 64-byte bucket per 5 index slots, 2-8 slots per row) and growth slack. For ``D = 64`` float32 that is
+about 1.2x the raw ``8 + 4 D`` bytes when the store is bounded and full, and up to about 1.5x while an unbounded
+table grows (``tests/serving/test_store_memory.py`` measures it). :meth:`MemoryStore.nbytes` reports the bytes held.
 """
 
 from __future__ import annotations
