@@ -64,6 +64,26 @@ def test_colliding_keys_spill_and_stay_findable(key_dtype, device, colliding_key
     assert torch.equal(idx.rows_at(slots), _rows(24, device))
 
 
+def test_a_long_chain_is_walked_several_buckets_a_round(key_dtype, device, colliding_keys):
+    """60 keys of one home bucket fill a chain of 8 or 12 buckets; the torch path finds each of them, and misses the
+    absent ones, in 2 or 3 rounds (home, then up to 8 buckets a round: each round is a host sync on CUDA)."""
+    keys = colliding_keys(key_dtype, "last", 64).to(device)
+    stored, absent = keys[:60], keys[60:]
+    idx = HashIndex(key_dtype, device, capacity=256 * HashIndex.width_for(key_dtype) // 2, backend="torch")
+    idx.insert(stored, _rows(60, device))
+    rounds = []
+    match = idx._match
+    idx._match = lambda *a: rounds.append(1) or match(*a)
+    query = torch.cat([stored.flip(0), absent])
+    assert idx.find(query).tolist() == list(range(59, -1, -1)) + [-1] * 4
+    walked = len(rounds)
+    chain = torch.unique(idx.find_slots(stored) >> 3)  # the last bucket and the first ones: it wraps around
+    assert chain.numel() == -(-60 // idx.width) and int(idx.overflow[chain].sum()) == chain.numel() - 1
+    assert walked == 1 + -(-(chain.numel() - 1) // 8)
+    idx.remove(idx.find_slots(stored[20:40]))
+    assert idx.find(query).tolist() == list(range(59, 39, -1)) + [-1] * 20 + list(range(19, -1, -1)) + [-1] * 4
+
+
 def test_remove_in_a_spilled_chain_keeps_the_rest(key_dtype, device, colliding_keys):
     keys = colliding_keys(key_dtype, "last", 24).to(device)
     idx = _index(key_dtype, device, capacity=64)

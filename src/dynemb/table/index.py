@@ -41,6 +41,7 @@ _HIGH_BITS = -0x7F7F7F7F7F7F7F80  # 0x8080808080808080: the top bit of every byt
 # slower (still vectorized) path that also checks the row id.
 _FILL = 0x5851F42D
 _FULL = "HashIndex is full; the table must rehash before inserting"  # unreachable when callers keep the contract
+_WALK = 8  # buckets a torch-path lookup walks past its home in one round
 
 
 class HashIndex:
@@ -203,17 +204,29 @@ class HashIndex:
         # Only a key equal to the fill value can match a free slot; one check per call keeps the common case lean.
         check_rows = bool((keys == _FILL).any())
         slots, rows = self._match(keys, bucket, check_rows)
-        pending, slot = None, slots  # pending: positions into the outputs of keys still probing
-        for _ in range(self.num_buckets - 1):
-            more = self.overflow.index_select(0, bucket) & slot.lt(0)
+        # Keys not at home walk the following buckets, up to _WALK of them a round: a round costs a host sync on
+        # CUDA, and with 5 int64 slots a bucket a chain of 10 buckets occurs in an index of millions of keys.
+        nb = self.num_buckets
+        walk = min(_WALK, nb - 1)
+        steps = torch.arange(1, walk + 1, device=self.device)
+        more = self.overflow.index_select(0, bucket) & slots.lt(0)
+        pending = None  # positions into the outputs of keys still probing
+        for _ in range(-(-(nb - 1) // max(walk, 1))):
             if not bool(more.any()):
                 break
             sel = more.nonzero().squeeze(1)
             pending = sel if pending is None else pending.index_select(0, sel)
-            keys, bucket = keys.index_select(0, sel), (bucket.index_select(0, sel) + 1) & (self.num_buckets - 1)
-            slot, row = self._match(keys, bucket, check_rows)
-            slots.index_copy_(0, pending, slot)
-            rows.index_copy_(0, pending, row)
+            keys, bucket = keys.index_select(0, sel), bucket.index_select(0, sel)
+            ahead = (bucket.unsqueeze(1) + steps) & (nb - 1)  # [P, walk]
+            slot, row = (t.view(-1, walk) for t in self._match(keys.repeat_interleave(walk), ahead.view(-1),
+                                                                check_rows))
+            # The walk ends at the first bucket that holds the key or has no overflow flag.
+            stop = slot.ge(0) | ~self.overflow[ahead]
+            first = stop.to(torch.int8).argmax(1, keepdim=True)  # the first stop; 0 where none
+            more = ~stop.any(1)
+            slots.index_copy_(0, pending, slot.gather(1, first).squeeze(1) | -more.long())
+            rows.index_copy_(0, pending, row.gather(1, first).squeeze(1) | -more.int())
+            bucket = ahead[:, -1]
         return slots, rows
 
     def _match(self, keys: torch.Tensor, bucket: torch.Tensor, check_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
