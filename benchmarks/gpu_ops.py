@@ -3,7 +3,7 @@ static ``index_select`` / ``nn.EmbeddingBag`` as the floor.
 
 Measured (``--device cuda``: backends triton and torch; ``--device cpu``: auto (numba) and torch, for a smoke run):
 
-- ``find``: ``HashIndex.find`` of ``--batch`` stored keys in an index of ``--keys`` keys at load 0.5 (int64 keys,
+- ``find``: ``HashIndex.find`` of ``--batch`` stored keys in an index of ``--keys`` keys at load 0.40 (int64 keys,
   pointer only, HierarchicalKV's setting); keys/s;
 - ``insert``: ``HashIndex.insert`` of ``--batch`` new keys into the same index (the keys are erased, untimed,
   after each run); keys/s; for triton also ``find_or_insert`` of those new keys in one launch (no hash sort);

@@ -1,7 +1,8 @@
 """Table operations benchmark: insert, find, find+gather, upsert and remove throughput of KeyValueTable.
 
 Each operation handles one batch of distinct keys against a table that holds N keys (float32 values, int64 keys,
-created with ``init_capacity=N``, so its index is at its maximum load), timed round-robin with the baselines:
+created with ``init_capacity=N``: for N a power of two its index is at load 0.40), timed round-robin with the
+baselines:
 
 - dense: a static ``[N, dim]`` tensor: ``torch.index_select(dense, 0, idx, out=buf)`` for find+gather (the floor
   of any lookup) and ``dense.index_copy_`` for upsert;

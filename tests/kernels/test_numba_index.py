@@ -60,8 +60,8 @@ def test_random_batches_after_growth_and_removal(key_dtype):
 
 
 def test_insert_builds_the_same_layout(key_dtype, colliding_keys):
-    # One batch where bucket 255 overflows, wraps around, and meets keys whose home is bucket 0: placement order
-    # across rounds decides who gets which slot, and both paths must agree on every slot and overflow flag.
+    # One batch where bucket 255 (of 256) overflows, wraps around, and meets keys whose home is bucket 0: placement
+    # order across rounds decides who gets which slot, and both paths must agree on every slot and overflow flag.
     gen = torch.Generator().manual_seed(5)
     info = torch.iinfo(key_dtype)
     crowded = torch.cat([colliding_keys(key_dtype, "last", 24), colliding_keys(key_dtype, "first", 12)])
@@ -69,7 +69,8 @@ def test_insert_builds_the_same_layout(key_dtype, colliding_keys):
     spread = torch.unique(spread[~torch.isin(spread, crowded)])
     layouts = []
     for backend in ("numba", "torch"):
-        idx = HashIndex(key_dtype, "cpu", capacity=1024, backend=backend)
+        idx = HashIndex(key_dtype, "cpu", capacity=128 * HashIndex.width_for(key_dtype), backend=backend)
+        assert idx.num_buckets == 256
         idx.insert(crowded, torch.arange(crowded.numel()))
         idx.insert(spread, torch.arange(spread.numel()) + 100)
         idx.remove(idx.find_slots(crowded[::5]))

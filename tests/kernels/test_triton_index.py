@@ -199,3 +199,33 @@ def test_copies_of_a_key_in_different_programs_get_one_row():
     assert torch.equal(rows[order].view(-1, 4).amin(1), rows[order].view(-1, 4).amax(1))  # one row per key
     assert torch.equal(slots[order].view(-1, 4).amin(1), slots[order].view(-1, 4).amax(1))
     assert torch.equal(idx.find(batch), rows.long())
+
+
+def test_lanes_past_the_bucket_are_never_claimed():
+    """An int64 bucket has 5 slots; lanes 5-7 of a ``[K, 8]`` tile lie on the bucket's spare word and the next
+    bucket's first key. Key 0 into its full home bucket, the next bucket holding a key whose low word is -1 (what a
+    free slot's row word holds): the kernels must spill to the next bucket's free slot, as the torch path does."""
+    from dynemb.table.hashing import key_hash
+
+    ref, kern = _pair(torch.int64, capacity=640)
+    placed = HashIndex(torch.int64, DEVICE, capacity=640, backend="triton")  # key 0 by place, not find_or_insert
+    nb = kern.num_buckets
+    home = int(kern._home(key_hash(torch.zeros(1, dtype=torch.int64))))
+    cand = torch.randint(-(2**30), 2**30, (1 << 18,), generator=torch.Generator().manual_seed(3)) << 32
+    cand = torch.cat([cand[cand != 0], cand - 1])  # the second half: low word 0xFFFFFFFF
+    at = kern._home(key_hash(cand))
+    full = cand[(at == home) & (cand != 0)][:5]
+    below = cand[(at == (home + 1) % nb) & (cand & 0xFFFFFFFF == 0xFFFFFFFF)][:1]
+    assert full.numel() == 5 and below.numel() == 1
+    _insert((ref, kern, placed), below.to(DEVICE))
+    _insert((ref, kern, placed), full.to(DEVICE), base=1)
+    zero = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    for idx in (ref, placed):
+        idx.insert(zero, torch.full((1,), 6, device=DEVICE))
+    counter = torch.full((1,), 6, dtype=torch.int32, device=DEVICE)
+    _, rows, new = ti.find_or_insert(kern._buckets.view(torch.int64), kern._key_cols, kern.overflow, zero,
+                                     kern._shift, counter)
+    assert rows.tolist() == [6] and new.tolist() == [1]
+    for idx in (kern, placed):
+        assert torch.equal(ref._buckets, idx._buckets) and torch.equal(ref.overflow, idx.overflow)
+    assert int(ref.find_slots(zero)) >> 3 == (home + 1) % nb

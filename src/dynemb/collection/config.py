@@ -208,7 +208,7 @@ def split_max_bytes(tables: list[TableConfig], max_bytes: int) -> list[TableConf
     Example:
         >>> a, b = TableConfig(name="a", dim=4), TableConfig(name="b", dim=12)
         >>> [t.max_bytes for t in split_max_bytes([a, b], 1 << 20)]
-        [431250, 617325]
+        [412525, 636050]
     """
     check_positive_int(max_bytes, "max_bytes")
     if isinstance(tables, (str, bytes, dict)) or not all(isinstance(t, TableConfig) for t in tables):

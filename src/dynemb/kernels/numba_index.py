@@ -36,8 +36,8 @@ def probe(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(slots int64, rows int32)`` of ``[N]`` CPU keys, -1 where absent: the contract of ``HashIndex._probe``.
 
-    ``table``: the index's buckets viewed in the key dtype, ``[B, W + row words]``; ``key_cols``: int32 words of
-    keys per bucket (row ids follow them).
+    ``table``: the index's buckets viewed in the key dtype, ``[B, 8]`` (int64) or ``[B, 16]`` (int32);
+    ``key_cols``: int32 words of keys per bucket (row ids follow them).
     """
     n = keys.numel()
     slots, rows = np.empty(n, np.int64), np.empty(n, np.int32)

@@ -49,8 +49,8 @@ def probe(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, keys: torc
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(slots int64, rows int32)`` of ``[N]`` keys, -1 where absent: the contract of ``HashIndex._probe``.
 
-    ``table``: the index's buckets viewed in the key dtype, ``[B, W + row words]``; ``key_cols``: int32 words of
-    keys per bucket. ``keys`` must have the index's key dtype.
+    ``table``: the index's buckets viewed in the key dtype, ``[B, 8]`` (int64) or ``[B, 16]`` (int32);
+    ``key_cols``: int32 words of keys per bucket. ``keys`` must have the index's key dtype.
     """
     return _probe(table, key_cols, overflow, keys, shift, erase=False)
 

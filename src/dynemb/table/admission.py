@@ -1,10 +1,10 @@
 """Admission: a new key gets a stored, trained row only after it has been seen ``threshold`` times.
 
 Counts are exact and memory-bounded: candidates are counted in a small LFU :class:`KeyValueTable` of at most
-``max_tracked`` keys (16 bytes of index and ~28 bytes of row state per key). When more candidates are pending, the
-least-seen ones are forgotten and start over, so admission can come later than ``threshold``, never earlier. A
-count-min sketch would over-count under collisions and could admit a key too early. Once admitted, a key's
-counter is dropped.
+``max_tracked`` keys (26-52 bytes of index and ~28 bytes of row state per int64 key). When more candidates are
+pending, the least-seen ones are forgotten and start over, so admission can come later than ``threshold``, never
+earlier. A count-min sketch would over-count under collisions and could admit a key too early. Once admitted, a
+key's counter is dropped.
 
 The table that owns an admission filter builds that counting table (:meth:`FrequencyAdmission.attach`), so this
 module imports no table class and the table module imports this one without a cycle.

@@ -4,7 +4,7 @@ optimizer slots) and the hash index.
 The index grows in powers of two (see :class:`~dynemb.table.index.HashIndex`), so bytes are not linear in rows:
 :func:`rows_for_bytes` searches for the largest row count whose whole footprint fits. A table never allocates more
 than that footprint, so ``nbytes() <= max_bytes`` holds at all times; the index's power-of-two steps can leave up
-to ``24 / (row_bytes + 48)`` of the budget unused (about 4% for ``dim=64`` float32 with one Adagrad slot).
+to ``26 / (row_bytes + 52)`` of the budget unused (about 4% for ``dim=64`` float32 with one Adagrad slot).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def rows_for_bytes(max_bytes: int, per_row: int, key_dtype: torch.dtype, what: s
 
     Example:
         >>> rows_for_bytes(1 << 20, row_bytes(16, torch.float32, torch.int64, {}), torch.int64)
-        8192
+        8890
     """
     if table_bytes(1, per_row, key_dtype) > max_bytes:
         raise ValueError(f"{what}={max_bytes} is too small for one row: a row of this table takes {per_row} bytes "
@@ -68,7 +68,7 @@ def split_bytes(max_bytes: int, tables: dict[str, tuple[int, torch.dtype]]) -> d
     Example:
         >>> shares = split_bytes(1 << 20, {"a": (40, torch.int64), "b": (200, torch.int64)})
         >>> [rows_for_bytes(shares[n], per_row, torch.int64) for n, per_row in (("a", 40), ("b", 200))]
-        [3541, 3541]
+        [3259, 3259]
     """
     total = lambda r: sum(table_bytes(r, per_row, kd) for per_row, kd in tables.values())  # noqa: E731
     if not tables or total(1) > max_bytes:

@@ -3,7 +3,7 @@
 A :class:`SlowStore` is a row store of its own (an index and row-aligned columns, as a table has) whose columns
 live either in host memory (pinned when the fast tier is on CUDA, so copies to the device can overlap) or in
 memory-mapped row files, one file per column, in a private directory under a path. The index stays in RAM: about
-24-48 bytes per row for int64 keys, against the row itself (a ``dim=64`` float32 row with one Adagrad slot is 536
+26-52 bytes per row for int64 keys, against the row itself (a ``dim=64`` float32 row with one Adagrad slot is 536
 bytes).
 
 Memory-mapped files were measured against RocksDB (``rocksdict``) and LMDB for row-sized values
