@@ -10,7 +10,7 @@ table triggers when too many accumulate.
 A bucket is one 64-byte cache line: a row of 16 int32 words holding its ``W`` keys, then their ``W`` int32 row ids
 (``W = 8`` for int32 keys; ``W = 5`` for int64 keys, whose 60 bytes leave one word unused). A lookup that finds its
 key in the home bucket thus reads one cache line, the unit memory moves in: with 8 int64 slots the bucket took 96
-bytes, two lines, and a probe on CPU took about 1.7x the time (BENCHMARKS.md). Slot ``s`` is position ``s & 7`` of
+bytes, two lines, and a cold probe on CPU took 1.15-1.4x the time (BENCHMARKS.md, seventeenth pass). Slot ``s`` is position ``s & 7`` of
 bucket ``s >> 3`` (slots are numbered as if every bucket had 8, so that addressing is shifts; positions from ``W``
 on are never used).
 
@@ -242,8 +242,8 @@ class HashIndex:
         word = _byte_word(eq)
         pos = ((word & -word).to(torch.float32).view(torch.int32) >> 26) - 15
         miss = pos >> 31  # -1 where no slot matched, else 0
-        at = (pos & 7).clamp_(max=self.width - 1)  # a miss's position is garbage: any column will do
-        row = rows.gather(1, at.unsqueeze(1).long()).squeeze(1) | miss
+        # A miss's position, -15, reads column 1 (< W), masked by ``miss``.
+        row = rows.gather(1, (pos & 7).unsqueeze(1).long()).squeeze(1) | miss
         return ((bucket << 3) + pos) | miss, row
 
     # ---------------------------------------------------------------- updates
