@@ -37,8 +37,9 @@ _FILL = tl.constexpr(0x5851F42D)  # HashIndex's key of a free slot (any value wo
 
 def _layout(table: torch.Tensor, key_cols: int) -> dict:
     words = table.view(torch.int32)
-    key64 = table.dtype == torch.int64
-    return dict(C=words.shape[1], KEY_COLS=key_cols, KEY64=key64, W=key_cols // 2 if key64 else key_cols)
+    # W: slots a bucket, as many keys as its key words hold (HashIndex.width; numba_index._width alike)
+    return dict(C=words.shape[1], KEY_COLS=key_cols, KEY64=table.dtype == torch.int64,
+                W=key_cols * 4 // table.element_size())
 
 
 def _grid(n: int) -> tuple[int]:

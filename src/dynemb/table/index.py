@@ -207,11 +207,11 @@ class HashIndex:
         # Keys not at home walk the following buckets, up to _WALK of them a round: a round costs a host sync on
         # CUDA, and with 5 int64 slots a bucket a chain of 10 buckets occurs in an index of millions of keys.
         nb = self.num_buckets
-        walk = min(_WALK, nb - 1)
+        walk = min(_WALK, nb - 1)  # nb >= 2
         steps = torch.arange(1, walk + 1, device=self.device)
         more = self.overflow.index_select(0, bucket) & slots.lt(0)
         pending = None  # positions into the outputs of keys still probing
-        for _ in range(-(-(nb - 1) // max(walk, 1))):
+        for _ in range(-(-(nb - 1) // walk)):
             if not bool(more.any()):
                 break
             sel = more.nonzero().squeeze(1)
