@@ -78,3 +78,22 @@ def test_insert_builds_the_same_layout(key_dtype, colliding_keys):
         assert idx.find(crowded).ge(0).all() and idx.find(spread).ge(0).all()
         layouts.append((idx._buckets.clone(), idx.overflow.clone()))
     assert torch.equal(layouts[0][0], layouts[1][0]) and torch.equal(layouts[0][1], layouts[1][1])
+
+
+@pytest.mark.parametrize("hot", [0.0, 0.3, 0.9])
+@pytest.mark.parametrize("passes", [1, 2, 3])
+def test_radix_sort_is_a_stable_sort_of_its_digits(hot, passes):
+    """``radix_sort`` orders words by the bits it sorts on and keeps the input order among equal digits, whether a
+    pass scatters word by word or, where a hot word (a repeated key) made a digit far above the mean, run by run."""
+    import numpy as np
+
+    from dynemb.kernels.numba_index import radix_sort
+
+    rng = np.random.default_rng(passes + int(10 * hot))
+    n, shift, digit = 20_000, 15, 9
+    words = rng.integers(0, 1 << 62, n, dtype=np.int64).astype(np.uint64)
+    words[rng.random(n) < hot] = words[0]  # copies of one word: the runs a later pass meets together
+    words = (words & ~np.uint64((1 << shift) - 1)) | np.arange(n, dtype=np.uint64)  # low bits: the position
+    got = radix_sort(words.copy(), np.empty(n, np.uint64), shift, digit, passes)
+    digits = (words >> np.uint64(shift)) & np.uint64((1 << (digit * passes)) - 1)
+    assert np.array_equal(got, words[np.argsort(digits, kind="stable")])

@@ -85,6 +85,9 @@ def unique_by_hash(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
             torch.from_numpy(inverse))
 
 
+_RUN_PEAK = 8  # a pass whose largest digit holds this many times the mean count scatters by runs (radix_sort)
+
+
 @numba.njit(nogil=True, cache=True)
 def radix_sort(src, dst, shift, digit, passes):
     """Sort the uint64 words of ``src`` stably by their bits ``shift`` to ``shift + digit * passes``, an LSD pass of
@@ -98,15 +101,30 @@ def radix_sort(src, dst, shift, digit, passes):
         for j in range(n):
             count[(src[j] >> at) & mask] += 1
     for p in range(passes):
-        first, total = counts[p], 0
+        first, total, peak = counts[p], 0, 0
         for d in range(first.shape[0]):  # counts -> first position of each digit
+            peak = max(peak, first[d])
             first[d], total = total, total + first[d]
         at = np.uint64(shift + p * digit)
-        for j in range(n):
-            x = src[j]
-            d = np.int64((x >> at) & mask)
-            dst[first[d]] = x
-            first[d] += 1
+        if p == 0 or peak * first.shape[0] <= _RUN_PEAK * n:
+            for j in range(n):
+                x = src[j]
+                d = np.int64((x >> at) & mask)
+                dst[first[d]] = x
+                first[d] += 1
+        else:
+            # A digit of many words (repeated keys) that an earlier pass put together: the run keeps its next
+            # position in a register, where ``first[d] += 1`` would chain each write on the one before (zipf ids,
+            # 82k of 1M: the sort 0.39 against 0.56 ms). Without such runs the extra branch costs about 5%.
+            prev, at_prev = np.int64(0), first[0]
+            for j in range(n):
+                x = src[j]
+                d = np.int64((x >> at) & mask)
+                if d != prev:
+                    first[prev] = at_prev
+                    prev, at_prev = d, first[d]
+                dst[at_prev] = x
+                at_prev += 1
         src, dst = dst, src
     return src
 
