@@ -22,7 +22,9 @@ noise on a shared machine hits all alike. Reported: median steps/s from CPU time
 contestant's own process) and wall time, and the spread (interquartile range of the step times, % of the median).
 Ratios are of CPU-time steps/s within one measurement, two ways: of the medians (``ratio_vs_torchrec``,
 ``ratio_vs_torch_bag``), and ``paired``: the median of each round's own ratio, which holds steady when the machine's
-load drifts between rounds. A target is met when both reach it.
+load drifts between rounds. A target is met when both reach it. Beside each contestant's speed: the share of its
+process's memory on transparent huge pages (read after its trainer is built), its system CPU time and its minor
+page faults a step, which tell a contestant that runs slow for its own reasons from a slow machine.
 
 ``--sessions K`` repeats the whole measurement K times, each with fresh contestant processes, and reports the
 median over sessions of each number (each session's own numbers are kept in the JSON). On a shared virtual machine
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import time
@@ -54,8 +57,9 @@ DYNEMB = ("dynemb-dyn-fused", "dynemb-dyn-step", "dynemb-dyn-compiled", "dynemb-
 
 # ----------------------------------------------------------------------------------------------- one process each
 def _worker(conn, name: str, w: Workload, dists: list[str], count: int, threads: int) -> None:
-    """A contestant's process: ``("build", opt)`` makes its trainer, ``("step", dist)`` runs one step on the next
-    batch and answers ``(wall s, cpu s)``, ``None`` ends it. Errors are answered as ``("error", message)``."""
+    """A contestant's process: ``("build", opt)`` makes its trainer and answers its process's memory
+    (:func:`memory_state`), ``("step", dist)`` runs one step on the next batch and answers ``(wall s, cpu s, system
+    cpu s, minor page faults)``, ``None`` ends it. Errors are answered as ``("error", message)``."""
     torch.set_num_threads(threads)
     batches = {d: make_batches(w, d, count) for d in dists}
     calls = {d: 0 for d in dists}
@@ -67,15 +71,29 @@ def _worker(conn, name: str, w: Workload, dists: list[str], count: int, threads:
                 torch.manual_seed(0)
                 trainer = CONTESTANTS[name](w, cmd[1])
                 calls = {d: 0 for d in dists}
-                conn.send(("ok", None))
+                conn.send(("ok", memory_state()))
                 continue
             dist = cmd[1]
-            wall, cpu = time.perf_counter(), time.process_time()
+            wall, cpu, before = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
             trainer.step(batches[dist][calls[dist] % count])
-            conn.send((time.perf_counter() - wall, time.process_time() - cpu))
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            conn.send((time.perf_counter() - wall, time.process_time() - cpu, after.ru_stime - before.ru_stime,
+                       after.ru_minflt - before.ru_minflt))
             calls[dist] += 1
         except Exception as e:  # reported to the driver, which drops the contestant for this optimizer
             conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"))
+
+
+def memory_state() -> dict:
+    """This process's anonymous memory and how much of it sits on transparent huge pages, in MB (Linux; else
+    empty): a contestant whose tables missed huge pages runs slower for its whole life, and this tells it apart
+    from a slow machine."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line and not line[0].isdigit())
+    except OSError:
+        return {}
+    return {"anon_mb": int(fields["Anonymous"].split()[0]) >> 10, "huge_mb": int(fields["AnonHugePages"].split()[0]) >> 10}
 
 
 class Contestant:
@@ -112,7 +130,10 @@ def measure(contestants: list[Contestant], dist: str, repeat: int, warmup: int) 
         median = statistics.median(cpu)
         out[name] = {"steps_per_s": round(1 / statistics.median(x[0] for x in s), 2),
                      "cpu_steps_per_s": round(1 / median, 2), "spread_pct": round(100 * (q3 - q1) / median, 1),
-                     "cpu_s": [x[1] for x in s]}
+                     "cpu_s": [x[1] for x in s],
+                     # where a session runs slow: time in the kernel (page faults, compaction) and faults a step
+                     "system_pct": round(100 * statistics.median(x[2] / x[1] if x[1] else 0.0 for x in s), 1),
+                     "faults": statistics.median(x[3] for x in s)}
     return out
 
 
@@ -157,13 +178,20 @@ def targets(rows: list[dict]) -> list[dict]:
                 got, pair = _target_ratios(r, impl, base)
                 out.append({"optimizer": r["optimizer"], "ids": r["distribution"], "target": f"{impl} >= {goal}x "
                             f"{base}", "ratio_cpu": got, "paired": pair,
-                            "met": None if got is None or pair is None else got >= goal and pair >= goal})
+                            "met": None if got is None or pair is None else got >= goal and pair >= goal,
+                            "sessions": ", ".join(f"{g:.2f}" for g, _ in _session_ratios(r, impl, base)
+                                                  if g is not None)})
     return out
 
 
-def _target_ratios(row: dict, impl: str, base: str) -> tuple[float | None, float | None]:
-    each = [(ratio(c.get(impl, {}).get("cpu_steps_per_s"), c.get(base, {}).get("cpu_steps_per_s")),
+def _session_ratios(row: dict, impl: str, base: str) -> list[tuple[float | None, float | None]]:
+    """``(ratio of the medians, paired ratio)`` of each session of ``row`` (one, without sessions)."""
+    return [(ratio(c.get(impl, {}).get("cpu_steps_per_s"), c.get(base, {}).get("cpu_steps_per_s")),
              paired({"contestants": c}, impl, base)) for c in row.get("sessions", [row["contestants"]])]
+
+
+def _target_ratios(row: dict, impl: str, base: str) -> tuple[float | None, float | None]:
+    each = _session_ratios(row, impl, base)
     return _median([g for g, _ in each]), _median([p for _, p in each])
 
 
@@ -207,29 +235,40 @@ def report(rows: list[dict], checks: list[dict], names: list[str]) -> None:
                     ["optimizer", "ids"] + names)
     print("\ntargets (ratios of CPU-time steps/s within one run: of the medians, and paired round by round; with "
           "sessions, the median of the sessions' ratios; met when both reach the goal)")
-    print_table(checks, ["optimizer", "ids", "target", "ratio_cpu", "paired", "met"])
+    print_table(checks, ["optimizer", "ids", "target", "ratio_cpu", "paired", "met", "sessions"])
 
 
 def _run(procs: list[Contestant], args, repeat: int, warmup: int, rows: list[dict]) -> list[dict]:
     """Measure ``procs`` on every optimizer and distribution; their results join the matching rows of ``rows``."""
     for opt in args.optimizers:
-        live = []
+        live, memory = [], {}
         for c in procs:
             got = c.ask("build", opt)
             if got[0] == "error":
                 print(f"  {c.name} {opt}: not run ({got[1]})")
             else:
                 live.append(c)
+                memory[c.name] = got[1]
         for dist in args.distributions:
             row = next((r for r in rows if (r["optimizer"], r["distribution"]) == (opt, dist)), None)
             if row is None:
                 row = {"optimizer": opt, "distribution": dist, "threads": args.threads, "contestants": {}}
                 rows.append(row)
-            row["contestants"].update(measure(live, dist, repeat, warmup))
+            measured = measure(live, dist, repeat, warmup)
+            for name, m in measured.items():
+                m["memory"] = memory[name]
+            row["contestants"].update(measured)
             with_ratios(row)
             print(f"  {opt:16s} {dist:8s} CPU steps/s  " + "  ".join(
-                f"{k} {v['cpu_steps_per_s']}" for k, v in row["contestants"].items()), flush=True)
+                f"{k} {v['cpu_steps_per_s']} ({_state(v)})" for k, v in row["contestants"].items()), flush=True)
     return rows
+
+
+def _state(m: dict) -> str:
+    """A contestant's process state beside its speed: huge-page share of its memory, system time, faults a step."""
+    mem = m.get("memory") or {}
+    huge = f"huge {mem['huge_mb'] / max(mem['anon_mb'], 1):.0%} of {mem['anon_mb']} MB, " if mem else ""
+    return f"{huge}sys {m['system_pct']}%, {m['faults']:g} faults"
 
 
 def main(argv=None) -> None:
