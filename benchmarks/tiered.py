@@ -24,12 +24,13 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine_info, parser, print_table, write_json  # noqa: E402
-from train_step import Dynemb, Trainer, Workload, dynemb_optimizer, make_batches, time_steps  # noqa: E402
+from _common import machine_info, median_times, parser, print_table, write_json  # noqa: E402
+from train_step_impls import Dynemb, Trainer, Workload, dynemb_optimizer, make_batches  # noqa: E402
 
 from dynemb import EmbeddingCollection, FeatureConfig, TableConfig  # noqa: E402
 from dynemb.table import Tiers  # noqa: E402
@@ -77,6 +78,25 @@ class Tiered(Dynemb):
         self.calls += 1
         if self.prefetch:
             self.ec.prefetch(self.batches[self.calls % len(self.batches)])
+
+
+def time_steps(impls: dict[str, Trainer], batches: list[dict], repeat: int, warmup: int) -> dict[str, dict]:
+    """Median wall and CPU seconds a step of each implementation, one step of each in turn, all on the same
+    batches (CPU time beside wall time: a step descheduled on a busy machine inflates only its wall time)."""
+    calls = dict.fromkeys(impls, 0)
+    cpu: dict[str, list[float]] = {name: [] for name in impls}
+
+    def stepper(name: str):
+        def run() -> None:
+            start = time.process_time()
+            impls[name].step(batches[calls[name] % len(batches)])
+            if calls[name] >= warmup:
+                cpu[name].append(time.process_time() - start)
+            calls[name] += 1
+        return run
+
+    wall = median_times({name: stepper(name) for name in impls}, repeat=repeat, warmup=warmup)
+    return {name: {"wall_s": wall[name], "cpu_s": statistics.median(cpu[name])} for name in impls}
 
 
 def build(w: Workload, share: float, slow: str, batches: list[dict]) -> dict:

@@ -23,8 +23,8 @@ contestant's own process) and wall time, and the spread (interquartile range of 
 Ratios are of CPU-time steps/s within one measurement, two ways: of the medians (``ratio_vs_torchrec``,
 ``ratio_vs_torch_bag``), and ``paired``: the median of each round's own ratio, which holds steady when the machine's
 load drifts between rounds. A target is met when both reach it. Beside each contestant's speed: the share of its
-process's memory on transparent huge pages (read after its trainer is built), its system CPU time and its minor
-page faults a step, which tell a contestant that runs slow for its own reasons from a slow machine.
+process's memory on transparent huge pages (read after its trainer is built), the share of its CPU time spent in
+the kernel and its minor page faults a step, which tell a contestant that runs slow for its own reasons from a slow machine.
 
 ``--sessions K`` repeats the whole measurement K times, each with fresh contestant processes, and reports the
 median over sessions of each number (each session's own numbers are kept in the JSON). On a shared virtual machine
@@ -74,11 +74,12 @@ def _worker(conn, name: str, w: Workload, dists: list[str], count: int, threads:
                 conn.send(("ok", memory_state()))
                 continue
             dist = cmd[1]
-            wall, cpu, before = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            wall, cpu = time.perf_counter(), time.process_time()
             trainer.step(batches[dist][calls[dist] % count])
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             after = resource.getrusage(resource.RUSAGE_SELF)
-            conn.send((time.perf_counter() - wall, time.process_time() - cpu, after.ru_stime - before.ru_stime,
-                       after.ru_minflt - before.ru_minflt))
+            conn.send((wall, cpu, after.ru_stime - before.ru_stime, after.ru_minflt - before.ru_minflt))
             calls[dist] += 1
         except Exception as e:  # reported to the driver, which drops the contestant for this optimizer
             conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"))
@@ -90,10 +91,11 @@ def memory_state() -> dict:
     from a slow machine."""
     try:
         with open("/proc/self/smaps_rollup") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line and not line[0].isdigit())
-    except OSError:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)  # "Name:   1234 kB"
+        return {"anon_mb": int(fields["Anonymous"].split()[0]) >> 10,
+                "huge_mb": int(fields["AnonHugePages"].split()[0]) >> 10}
+    except (OSError, KeyError, ValueError, IndexError):
         return {}
-    return {"anon_mb": int(fields["Anonymous"].split()[0]) >> 10, "huge_mb": int(fields["AnonHugePages"].split()[0]) >> 10}
 
 
 class Contestant:
@@ -132,7 +134,8 @@ def measure(contestants: list[Contestant], dist: str, repeat: int, warmup: int) 
                      "cpu_steps_per_s": round(1 / median, 2), "spread_pct": round(100 * (q3 - q1) / median, 1),
                      "cpu_s": [x[1] for x in s],
                      # where a session runs slow: time in the kernel (page faults, compaction) and faults a step
-                     "system_pct": round(100 * statistics.median(x[2] / x[1] if x[1] else 0.0 for x in s), 1),
+                     # (a share of the sums: the kernel splits user and system time by ticks, too coarse a step)
+                     "system_pct": round(100 * sum(x[2] for x in s) / max(sum(x[1] for x in s), 1e-9), 1),
                      "faults": statistics.median(x[3] for x in s)}
     return out
 
@@ -179,8 +182,8 @@ def targets(rows: list[dict]) -> list[dict]:
                 out.append({"optimizer": r["optimizer"], "ids": r["distribution"], "target": f"{impl} >= {goal}x "
                             f"{base}", "ratio_cpu": got, "paired": pair,
                             "met": None if got is None or pair is None else got >= goal and pair >= goal,
-                            "sessions": ", ".join(f"{g:.2f}" for g, _ in _session_ratios(r, impl, base)
-                                                  if g is not None)})
+                            "sessions": ", ".join("n/a" if g is None else f"{g:.2f}"
+                                                  for g, _ in _session_ratios(r, impl, base))})
     return out
 
 
@@ -212,8 +215,9 @@ def combine(sessions: list[list[dict]]) -> list[dict]:
         parts = [next(r for r in rows_ if (r["optimizer"], r["distribution"]) == key)["contestants"]
                  for rows_ in sessions]
         names = [n for n in first["contestants"] if all(n in p for p in parts)]
-        contestants = {n: {m: _median([p[n][m] for p in parts]) for m in ("steps_per_s", "cpu_steps_per_s",
-                                                                          "spread_pct")} for n in names}
+        contestants = {n: {m: _median([p[n].get(m) for p in parts])
+                           for m in ("steps_per_s", "cpu_steps_per_s", "spread_pct", "system_pct", "faults")}
+                       for n in names}
         for n in names:
             contestants[n]["cpu_s"] = [t for p in parts for t in p[n]["cpu_s"]]
         row = {k: first[k] for k in ("optimizer", "distribution", "threads")}
@@ -234,7 +238,8 @@ def report(rows: list[dict], checks: list[dict], names: list[str]) -> None:
                       **{n: r["contestants"].get(n, {}).get(key, "n/a") for n in names}} for r in rows],
                     ["optimizer", "ids"] + names)
     print("\ntargets (ratios of CPU-time steps/s within one run: of the medians, and paired round by round; with "
-          "sessions, the median of the sessions' ratios; met when both reach the goal)")
+          "sessions, the median of the sessions' ratios; met when both reach the goal; sessions: each session's "
+          "ratio of the medians)")
     print_table(checks, ["optimizer", "ids", "target", "ratio_cpu", "paired", "met", "sessions"])
 
 

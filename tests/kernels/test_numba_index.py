@@ -87,7 +87,7 @@ def test_radix_sort_is_a_stable_sort_of_its_digits(hot, passes):
     pass scatters word by word or, where a hot word (a repeated key) made a digit far above the mean, run by run."""
     import numpy as np
 
-    from dynemb.kernels.numba_index import radix_sort
+    from dynemb.kernels.numba_index import _RUN_PEAK, radix_sort
 
     rng = np.random.default_rng(passes + int(10 * hot))
     n, shift, digit = 20_000, 15, 9
@@ -96,4 +96,7 @@ def test_radix_sort_is_a_stable_sort_of_its_digits(hot, passes):
     words = (words & ~np.uint64((1 << shift) - 1)) | np.arange(n, dtype=np.uint64)  # low bits: the position
     got = radix_sort(words.copy(), np.empty(n, np.uint64), shift, digit, passes)
     digits = (words >> np.uint64(shift)) & np.uint64((1 << (digit * passes)) - 1)
+    peaks = [np.bincount(((digits >> np.uint64(p * digit)) & np.uint64((1 << digit) - 1)).astype(np.int64)).max()
+             for p in range(1, passes)]
+    assert any(peak << digit > _RUN_PEAK * n for peak in peaks) == (hot > 0 and passes > 1)  # which scatter ran
     assert np.array_equal(got, words[np.argsort(digits, kind="stable")])

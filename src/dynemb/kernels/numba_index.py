@@ -85,7 +85,9 @@ def unique_by_hash(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
             torch.from_numpy(inverse))
 
 
-_RUN_PEAK = 8  # a pass whose largest digit holds this many times the mean count scatters by runs (radix_sort)
+# A pass after the first whose largest digit holds more than this many times the mean count scatters run by run
+# (radix_sort)
+_RUN_PEAK = 8
 
 
 @numba.njit(nogil=True, cache=True)
