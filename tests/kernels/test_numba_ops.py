@@ -18,7 +18,7 @@ from dynemb.functional.lookup import sort_ids, spread_groups
 from dynemb.functional.pooling import _offsets_valid, bag_of, sorted_row_grad
 from dynemb.kernels import optim_kernels, pool_kernels, use_backend
 from dynemb.table import EvictionPolicy, KeyValueTable
-from dynemb.table.ops import fill_pair, fill_rows, lowest_rows, scatter_rows
+from dynemb.table.ops import copy_rows, fill_pair, fill_rows, lowest_rows, scatter_rows
 from dynemb.table.policy import touch_scores
 
 pytest.importorskip("numba")
@@ -464,6 +464,38 @@ def test_scatter_equals_index_copy_and_writes_nothing_for_rows_out_of_range(seed
         with use_backend("numba"):
             scatter_rows(got, rows, src)
         assert torch.equal(got, values.clone().index_copy_(0, rows, src))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(0, 2000), bad=st.sampled_from([None, -1, 4000]),
+       column=st.sampled_from([(torch.float32, (64,)), (torch.int64, ()), (torch.float32, (1,)),
+                               (torch.bfloat16, (6,)), (torch.int32, ()), (torch.float64, (3,))]),
+       same=st.booleans())
+def test_move_rows_equals_indexing_bit_for_bit_and_writes_nothing_for_rows_out_of_range(seed, n, bad, column, same):
+    """Rows of every column a table keeps (values, keys, scores, slots, bf16 values) move as raw words; within one
+    tensor too (compaction: disjoint rows). Extreme bit patterns (int64 min, NaN payloads as floats) survive."""
+    dtype, shape = column
+    g = torch.Generator().manual_seed(seed)
+    col = torch.randint(-2**31, 2**31, (4000, *shape), generator=g, dtype=torch.int64)
+    col[0] = torch.iinfo(torch.int64).min
+    col = col.to(torch.int32).view(dtype) if dtype.itemsize == 4 else (
+        col.view(dtype) if dtype.itemsize == 8 else col.to(torch.int16).view(dtype))
+    perm = torch.randperm(4000, generator=g)
+    dst_rows, src_rows = perm[:n], (perm[n:2 * n] if same else torch.randint(0, 4000, (n,), generator=g))
+    if bad is not None and n:
+        src_rows[n // 2] = bad
+    src = col if same else col.flip(0).contiguous()
+    got = col.clone()
+    if same:
+        src = got
+    expected = col.view(torch.uint8).clone()  # compared as bytes: NaN payloads compare equal to themselves
+    if not (bad is not None and n):
+        expected.view(dtype)[dst_rows] = (col if same else col.flip(0))[src_rows]
+    assert POOL.move_rows(got, dst_rows, src, src_rows) is (bad is None or not n)
+    assert torch.equal(got.view(torch.uint8), expected)
+    if bad is not None and n:
+        with use_backend("numba"), pytest.raises(IndexError):
+            copy_rows(got, dst_rows, src, src_rows)  # the table layer's entry point raises as index_copy_ does
 
 
 @settings(max_examples=60, deadline=None)

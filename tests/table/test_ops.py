@@ -39,3 +39,20 @@ def test_copy_rows_within_one_tensor(device, monkeypatch):
     col = torch.arange(10, device=device)
     copy_rows(col, torch.tensor([0, 2], device=device), col, torch.tensor([9, 8], device=device))
     assert col.tolist() == [9, 1, 8, 3, 4, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16, torch.int32])
+def test_copy_rows_of_large_batches_is_bit_exact(dtype, device):
+    """Batches large enough for the CPU kernel (rows moved as raw words), within one tensor and between two."""
+    gen = torch.Generator().manual_seed(2)
+    col = torch.randint(-2**30, 2**30, (5000, 8), generator=gen).to(dtype).to(device)
+    if dtype == torch.int64:
+        col[0, 0] = torch.iinfo(torch.int64).min  # NaN as float64: its bits must survive
+    rows = torch.randperm(5000, generator=gen).to(device)
+    expected = col.clone()
+    expected[rows[:2000]] = col[rows[2000:4000]]
+    copy_rows(col, rows[:2000], col, rows[2000:4000])  # disjoint rows of one tensor: a compaction
+    assert torch.equal(col, expected)
+    other = torch.zeros(100, 8, dtype=dtype, device=device)
+    copy_rows(other, torch.arange(100, device=device), col, rows[:100])
+    assert torch.equal(other, col[rows[:100]])

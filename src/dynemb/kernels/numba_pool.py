@@ -26,7 +26,7 @@ from .numba_math import (acc_add, acc_fma, acc_new, acc_store, bits_float, float
                          prefetch_row_for_write)
 
 __all__ = ["bag_of", "block_width", "dedup", "fill_pair", "fill_rows", "gather", "grouped_bags", "mark_rows",
-           "offsets_valid", "pool", "row_grad", "rows_current", "lowest_rows", "scatter", "settle_marks", "spread",
+           "move_rows", "offsets_valid", "pool", "row_grad", "rows_current", "lowest_rows", "scatter", "settle_marks", "spread",
            "sum_rows", "sum_terms", "touch_counts", "write_last"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
@@ -241,6 +241,22 @@ def scatter(values: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> bool
     return bool(_scatter_kernel(values.numpy(), rows.numpy(), src.numpy()))
 
 
+def move_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> bool:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` and True when every row is in range and both index tensors have one
+    length (else False, nothing written):
+    see the optional ``move_rows`` of the ``pool`` contract. Rows move as raw 32-bit words, so every dtype keeps
+    its bits; one pass with both rows prefetched ahead, where ``index_select`` then ``index_copy_`` make two passes
+    and a temporary (a compaction of 5k random rows of a tiered table's five columns: 0.7x the time)."""
+    if dst_rows.shape != src_rows.shape:
+        return False
+    return bool(_move_kernel(_words(dst), dst_rows.numpy(), _words(src), src_rows.numpy()))
+
+
+def _words(t: torch.Tensor) -> np.ndarray:
+    """``[R, W]`` int32 words of a contiguous ``[R, ...]`` tensor whose rows are a whole number of words."""
+    return t.view(t.shape[0], -1).view(torch.int32).numpy()
+
+
 def _opt(t: torch.Tensor | None) -> np.ndarray:
     return _NONE_F if t is None else t.numpy()
 
@@ -254,6 +270,20 @@ def _gather_kernel(values, rows, out):
         r = max(rows[i], 0)
         for d in range(values.shape[1]):
             out[i, d] = values[r, d]
+
+
+@numba.njit(nogil=True, cache=True)
+def _move_kernel(dst, dst_rows, src, src_rows):
+    n = dst_rows.shape[0]
+    for i in range(n):  # all or nothing, as _fill_pair_kernel
+        if dst_rows[i] < 0 or dst_rows[i] >= dst.shape[0] or src_rows[i] < 0 or src_rows[i] >= src.shape[0]:
+            return False
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch_row(src, src_rows[i + _AHEAD])
+            prefetch_row_for_write(dst, dst_rows[i + _AHEAD])
+        dst[dst_rows[i]] = src[src_rows[i]]
+    return True
 
 
 @numba.njit(nogil=True, cache=True)
