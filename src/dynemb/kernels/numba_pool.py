@@ -243,10 +243,11 @@ def scatter(values: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> bool
 
 def move_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> bool:
     """``dst[dst_rows[i]] = src[src_rows[i]]`` and True when every row is in range and both index tensors have one
-    length (else False, nothing written):
-    see the optional ``move_rows`` of the ``pool`` contract. Rows move as raw 32-bit words, so every dtype keeps
+    length (else False, nothing written): see the optional ``move_rows`` of the ``pool`` contract. Rows move as raw 32-bit words, so every dtype keeps
     its bits; one pass with both rows prefetched ahead, where ``index_select`` then ``index_copy_`` make two passes
-    and a temporary (a compaction of 5k random rows of a tiered table's five columns: 0.7x the time)."""
+    and a temporary. Into random rows of an 800k-row table (a value and a key column, 1k-20k rows): 1.06-1.26x
+    faster as a compaction, 1.11-1.33x from a batch. Into a fresh batch, ``index_select`` is faster (0.73-0.85x):
+    ``gather_rows`` keeps it."""
     if dst_rows.shape != src_rows.shape:
         return False
     return bool(_move_kernel(_words(dst), dst_rows.numpy(), _words(src), src_rows.numpy()))
