@@ -467,27 +467,23 @@ def test_scatter_equals_index_copy_and_writes_nothing_for_rows_out_of_range(seed
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), n=st.integers(0, 2000), bad=st.sampled_from([None, -1, 4000]),
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(0, 2000), bad=st.sampled_from([None, "dst -1", "src 4000"]),
        column=st.sampled_from([(torch.float32, (64,)), (torch.int64, ()), (torch.float32, (1,)),
                                (torch.bfloat16, (6,)), (torch.int32, ()), (torch.float64, (3,))]),
        same=st.booleans())
 def test_move_rows_equals_indexing_bit_for_bit_and_writes_nothing_for_rows_out_of_range(seed, n, bad, column, same):
-    """Rows of every column a table keeps (values, keys, scores, slots, bf16 values) move as raw words; within one
-    tensor too (compaction: disjoint rows). Extreme bit patterns (int64 min, NaN payloads as floats) survive."""
+    """Rows of every column a table keeps (values, keys, scores, slots, bf16 values) move as raw words, within one
+    tensor too (compaction: disjoint rows). Random bit patterns (NaN payloads, int64 extremes) survive."""
     dtype, shape = column
     g = torch.Generator().manual_seed(seed)
-    col = torch.randint(-2**31, 2**31, (4000, *shape), generator=g, dtype=torch.int64)
-    col[0] = torch.iinfo(torch.int64).min
-    col = col.to(torch.int32).view(dtype) if dtype.itemsize == 4 else (
-        col.view(dtype) if dtype.itemsize == 8 else col.to(torch.int16).view(dtype))
+    words = 4000 * max(math.prod(shape), 1) * dtype.itemsize // 4
+    col = torch.randint(-2**31, 2**31, (words,), generator=g).to(torch.int32).view(dtype).view(4000, *shape)
     perm = torch.randperm(4000, generator=g)
-    dst_rows, src_rows = perm[:n], (perm[n:2 * n] if same else torch.randint(0, 4000, (n,), generator=g))
+    dst_rows, src_rows = perm[:n], (perm[n:2 * n].clone() if same else torch.randint(0, 4000, (n,), generator=g))
     if bad is not None and n:
-        src_rows[n // 2] = bad
-    src = col if same else col.flip(0).contiguous()
+        (dst_rows if bad.startswith("dst") else src_rows)[n // 2] = int(bad.split()[1])
     got = col.clone()
-    if same:
-        src = got
+    src = got if same else col.flip(0).contiguous()
     expected = col.view(torch.uint8).clone()  # compared as bytes: NaN payloads compare equal to themselves
     if not (bad is not None and n):
         expected.view(dtype)[dst_rows] = (col if same else col.flip(0))[src_rows]
@@ -496,6 +492,32 @@ def test_move_rows_equals_indexing_bit_for_bit_and_writes_nothing_for_rows_out_o
     if bad is not None and n:
         with use_backend("numba"), pytest.raises(IndexError):
             copy_rows(got, dst_rows, src, src_rows)  # the table layer's entry point raises as index_copy_ does
+
+
+def test_move_rows_declines_layouts_it_cannot_take_and_copy_rows_moves_them_as_torch_does():
+    """Strided columns (a table's interleaved score and version), a half-precision view off a word boundary, a
+    one-row strided column, a conjugate view, and a source that is another view of the destination's storage: the
+    kernel writes nothing and says False; ``copy_rows`` then gives torch's result."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randperm(3000, generator=g)[:600]
+    stamps = torch.randint(0, 2**40, (3000, 2), generator=g)
+    odd = torch.randn(3000 * 4 + 1, generator=g).half()[1:].view(3000, 4)
+    values = torch.randn(3000, 4, generator=g)
+    cases = [(stamps[:, 0], stamps[:, 1]),  # strided columns
+             (odd, odd.clone()),  # 2-byte offset from a word boundary
+             (stamps[:1, 0], stamps[:1, 1]),  # one row, strided
+             (torch.randn(3000, 2, dtype=torch.complex64, generator=g).conj(),  # a lazy conjugate
+              torch.randn(3000, 2, dtype=torch.complex64, generator=g)),
+             (values, values.view(3000, 4))]  # another view of the destination's storage
+    for dst, src in cases:
+        dst_rows, src_rows = (rows[:300], rows[300:]) if dst.shape[0] > 1 else (rows[:1] * 0, rows[:1] * 0)
+        before = dst.clone()
+        assert POOL.move_rows(dst, dst_rows, src, src_rows) is False
+        assert torch.equal(dst.resolve_conj(), before.resolve_conj())
+        expected = dst.clone().index_copy_(0, dst_rows, src.index_select(0, src_rows))
+        with use_backend("numba"):
+            copy_rows(dst, dst_rows, src, src_rows)
+        assert torch.equal(dst.resolve_conj(), expected.resolve_conj())
 
 
 @settings(max_examples=60, deadline=None)

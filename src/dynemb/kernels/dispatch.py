@@ -89,8 +89,9 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
   else False with nothing written; how :func:`~dynemb.table.ops.scatter_rows` fills rows reused after eviction.
 - ``move_rows(dst [R, ...], dst_rows [N], src [S, ...], src_rows [N]) -> bool`` (optional: a module without it
   leaves it to ``index_select`` and ``index_copy_``): ``dst[dst_rows[i]] = src[src_rows[i]]`` for unique
-  ``dst_rows`` (``src`` may be ``dst`` when the two row sets are disjoint), bit for bit in any dtype whose rows are
-  whole 32-bit words, and True when every row is in range, else False with nothing written; how
+  ``dst_rows`` (``src`` may be ``dst`` itself when the two row sets are disjoint, not another view of its
+  storage), bit for bit, and True; or False with nothing written when a row is out of range or the tensors are not
+  ones the module moves (any layout, dtype or index tensor; the caller then moves the rows itself). How
   :func:`~dynemb.table.ops.copy_rows` moves rows (compaction, tiers, reused rows).
 - ``lowest_rows(scores [S] int64, k: int, pinned [P] | None) -> [min(k, free)] int64`` (optional: a module
   without it leaves it to the torch code of :func:`~dynemb.table.ops.lowest_rows`): the positions not in

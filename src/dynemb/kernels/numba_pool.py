@@ -26,8 +26,8 @@ from .numba_math import (acc_add, acc_fma, acc_new, acc_store, bits_float, float
                          prefetch_row_for_write)
 
 __all__ = ["bag_of", "block_width", "dedup", "fill_pair", "fill_rows", "gather", "grouped_bags", "mark_rows",
-           "move_rows", "offsets_valid", "pool", "row_grad", "rows_current", "lowest_rows", "scatter", "settle_marks", "spread",
-           "sum_rows", "sum_terms", "touch_counts", "write_last"]
+           "move_rows", "offsets_valid", "pool", "row_grad", "rows_current", "lowest_rows", "scatter", "settle_marks",
+           "spread", "sum_rows", "sum_terms", "touch_counts", "write_last"]
 
 _AHEAD = 32  # ids between a row's prefetch and its use: enough misses in flight to hide most of the latency
 # Rows between a stamp's prefetch and its write. The write itself is a few cycles, so it takes many misses in flight
@@ -242,20 +242,42 @@ def scatter(values: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> bool
 
 
 def move_rows(dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, src_rows: torch.Tensor) -> bool:
-    """``dst[dst_rows[i]] = src[src_rows[i]]`` and True when every row is in range and both index tensors have one
-    length (else False, nothing written): see the optional ``move_rows`` of the ``pool`` contract. Rows move as raw 32-bit words, so every dtype keeps
-    its bits; one pass with both rows prefetched ahead, where ``index_select`` then ``index_copy_`` make two passes
-    and a temporary. Into random rows of an 800k-row table (a value and a key column, 1k-20k rows): 1.06-1.26x
-    faster as a compaction, 1.11-1.33x from a batch. Into a fresh batch, ``index_select`` is faster (0.73-0.85x):
-    ``gather_rows`` keeps it."""
-    if dst_rows.shape != src_rows.shape:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` and True, or False with nothing written when a row is out of range
+    or the tensors are not ones it moves (see the optional ``move_rows`` of the ``pool`` contract). Rows move as raw
+    32-bit words, so every dtype keeps its bits; one pass with both rows prefetched ahead, where ``index_select``
+    then ``index_copy_`` make two passes and a temporary. Into random rows of an 800k-row table (a value and a key
+    column, 1k-20k rows): 1.06-1.26x faster as a compaction, 1.11-1.33x from a batch. Into a fresh batch,
+    ``index_select`` is faster (0.73-0.85x): ``gather_rows`` keeps it."""
+    if not (dst.dtype == src.dtype and dst.shape[1:] == src.shape[1:] and dst_rows.dim() == 1
+            and dst_rows.shape == src_rows.shape and dst_rows.dtype == src_rows.dtype == torch.int64
+            and _whole_words(dst) and _whole_words(src)
+            # a view of dst as src would see rows this pass has already written (one tensor: disjoint rows)
+            and (src is dst or src.untyped_storage().data_ptr() != dst.untyped_storage().data_ptr())):
         return False
-    return bool(_move_kernel(_words(dst), dst_rows.numpy(), _words(src), src_rows.numpy()))
+    try:
+        dst_words, src_words = _words(dst), _words(src)
+    except RuntimeError:  # a layout the checks above let through that torch will not view as words
+        return False
+    return bool(_move_kernel(dst_words, dst_rows.contiguous().numpy(), src_words, src_rows.contiguous().numpy()))
+
+
+def _whole_words(t: torch.Tensor) -> bool:
+    """Whether ``t`` (``[R >= 1, ...]``, dense and row-major, 4-byte aligned, no lazy conj/neg bit) has rows of
+    whole 32-bit words."""
+    if t.device.type != "cpu" or t.shape[0] == 0 or t.is_conj() or t.is_neg() or t.data_ptr() % 4 \
+            or t.element_size() not in (1, 2, 4, 8):
+        return False
+    dense = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if size != 1 and stride != dense:
+            return False
+        dense *= size
+    return (dense // t.shape[0] * t.element_size()) % 4 == 0
 
 
 def _words(t: torch.Tensor) -> np.ndarray:
-    """``[R, W]`` int32 words of a contiguous ``[R, ...]`` tensor whose rows are a whole number of words."""
-    return t.view(t.shape[0], -1).view(torch.int32).numpy()
+    """``[R, W]`` int32 words of a tensor that :func:`_whole_words` accepts."""
+    return t.reshape(t.shape[0], -1).view(torch.int32).numpy()
 
 
 def _opt(t: torch.Tensor | None) -> np.ndarray:

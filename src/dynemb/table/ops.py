@@ -144,10 +144,10 @@ def copy_rows(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src
         [[2.0, 2.0], [0.0, 0.0], [4.0, 4.0]]
     """
     n = dst_index.numel()
-    if n >= _KERNEL_MOVE_MIN and dst.device.type == "cpu" and _moves_as_words(dst, dst_index, src, src_index):
+    if n >= _KERNEL_MOVE_MIN and dst.device.type == "cpu":
         kernel = getattr(pool_kernels(None, dst.device), "move_rows", None)
         if kernel is not None and kernel(dst, dst_index, src, src_index):
-            return  # else a row is out of range: the torch code below raises as it does
+            return  # else a row out of range (the torch code below raises as it does) or a layout it does not take
     step = max(1, n if dst.device.type != "cpu" else _CPU_CHUNK_ELEMENTS // max(1, math.prod(src.shape[1:])))
     for start in range(0, n, step):
         dst.index_copy_(0, dst_index[start : start + step], gather_rows(src, src_index[start : start + step]))
@@ -155,16 +155,6 @@ def copy_rows(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src
 
 # Rows from which the pool kernels' move_rows serves copy_rows (below, the kernel call costs more than it saves)
 _KERNEL_MOVE_MIN = 256
-
-
-def _moves_as_words(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src_index: torch.Tensor) -> bool:
-    """Whether :func:`copy_rows` may hand its rows to the ``move_rows`` kernel: contiguous columns of one dtype and
-    row shape, rows a whole number of 32-bit words, int64 indexes."""
-    return dst.dtype == src.dtype and dst.shape[1:] == src.shape[1:] and dst.is_contiguous() \
-        and src.is_contiguous() and dst.shape[0] > 0 and src.shape[0] > 0 \
-        and (dst.element_size() * math.prod(dst.shape[1:])) % 4 == 0 and dst.element_size() in (1, 2, 4, 8) \
-        and dst_index.dtype == src_index.dtype == torch.int64 and dst_index.is_contiguous() \
-        and src_index.is_contiguous() and dst_index.shape == src_index.shape and dst_index.dim() == 1
 
 
 def last_occurrence(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
