@@ -276,8 +276,9 @@ def _whole_words(t: torch.Tensor) -> bool:
 
 
 def _words(t: torch.Tensor) -> np.ndarray:
-    """``[R, W]`` int32 words of a tensor that :func:`_whole_words` accepts."""
-    return t.reshape(t.shape[0], -1).view(torch.int32).numpy()
+    """``[R, W]`` int32 words of a tensor that :func:`_whole_words` accepts: views only (a copy would take the
+    writes), so a layout torch cannot view raises instead."""
+    return t.view(t.shape[0], -1).view(torch.int32).numpy()
 
 
 def _opt(t: torch.Tensor | None) -> np.ndarray:
