@@ -27,6 +27,9 @@ def _tensors() -> dict:
         "scalar": torch.tensor(3.5),
         "empty": torch.empty(0, 4),
         "strided": torch.arange(12.0).view(3, 4).t(),
+        # one element of an interleaved column: torch calls it contiguous whatever its stride
+        "one_of_two": torch.tensor([[-5, 9]])[:, 0],
+        "one_row": torch.arange(6, dtype=torch.int32).view(3, 2)[:1, 1:],
     }
 
 

@@ -24,7 +24,7 @@ import torch
 
 from .errors import CheckpointError
 
-__all__ = ["FileRecord", "write_tensors", "read_tensors", "verify_file", "file_sha256", "CHUNK_BYTES"]
+__all__ = ["FileRecord", "write_tensors", "read_tensors", "verify_file", "file_sha256", "byte_view", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 32 << 20
 _HASH_BYTES = 4 << 20  # file_sha256's read buffer
@@ -81,6 +81,21 @@ class _Digest:
         self._pool.shutdown(wait=True)
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of CPU tensor ``t`` in row-major order, as a uint8 tensor (a view when ``t``'s memory is dense).
+
+    ``Tensor.contiguous()`` is not enough: torch calls a tensor whose dims of size 1 have any stride contiguous,
+    so a one-element column of an interleaved table (stride 2) comes back as it was, and a dtype view refuses it.
+
+    Example:
+        >>> byte_view(torch.arange(4).reshape(2, 2)[:1, 0]).tolist()
+        [0, 0, 0, 0, 0, 0, 0, 0]
+    """
+    if t.dim() and t.stride(-1) != 1 or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(torch.uint8)
+
+
 def _byte_chunks(t) -> Iterator[tuple[memoryview, bool]]:
     """``(bytes, copied)`` chunks of a tensor: views of contiguous CPU memory, or copies (device memory, strided
     columns such as a table's interleaved scores). A streamed column (``pieces()``, see
@@ -96,7 +111,7 @@ def _byte_chunks(t) -> Iterator[tuple[memoryview, bool]]:
     for start in range(0, flat.numel(), step):
         piece = flat[start : start + step]
         copied = piece.device.type != "cpu" or not piece.is_contiguous()
-        yield memoryview(piece.cpu().contiguous().view(torch.uint8).numpy()), copied
+        yield memoryview(byte_view(piece.cpu()).numpy()), copied
 
 
 def _check(name: str, t) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...checkpoint.tensorfile import byte_view
 from .base import StoreCorruptError, TableSchema
 
 __all__ = ["encode_keys", "decode_keys", "encode_rows", "decode_rows", "sort_keys", "unsort"]
@@ -47,7 +48,7 @@ def decode_keys(blobs: list[bytes]) -> torch.Tensor:
 def encode_rows(values: torch.Tensor) -> list[bytes]:
     """One byte string per row of a contiguous ``[N, D]`` CPU tensor."""
     n = values.shape[0]
-    raw = values.contiguous().view(torch.uint8).numpy()
+    raw = byte_view(values).numpy()
     return raw.view(f"V{raw.shape[1]}").reshape(n).tolist()
 
 
