@@ -166,11 +166,11 @@ def _groups_by_row(table) -> bool:
     (:func:`_can_group_by_row`) and most ids of the table's last training lookup were distinct: half of them for a
     table with optimizer state, three quarters without.
 
-    Measured (one process, paired, 1M-row tables; BENCHMARKS.md): on uniform ids, where 96% of the ids are distinct,
-    row order makes a RowWiseAdagrad step 1.17x and an Adam step 1.19x faster, an SGD step 0.99-1.06x. On zipf ids
-    (a third distinct) finding every occurrence, not each distinct key, costs about what the order saves with state
-    (RowWiseAdagrad 1.0x, Adam 1.05x) and more without (SGD 0.94x). A linear fit of gain against the share breaks
-    even near 0.3-0.5 with state and 0.7 without.
+    Measured with ``benchmarks/train_step_phases.py --contestants dynemb-dyn-by-key dynemb-dyn-fused`` (1M-row tables):
+    on uniform ids, where 96% of the ids are distinct, row order makes a RowWiseAdagrad step 1.17x and an Adam step
+    1.19x faster, an SGD step 0.99-1.06x. On zipf ids (a third distinct) finding every occurrence, not each distinct
+    key, costs about what the order saves with state (RowWiseAdagrad 1.0x, Adam 1.05x) and more without (SGD 0.94x). A
+    linear fit of gain against the share breaks even near 0.3-0.5 with state and 0.7 without.
     """
     if not _can_group_by_row(table):
         return False

@@ -5,8 +5,8 @@ On CPU that path spends most of its time in dozens of elementwise passes over th
 matching or the n-th free slot, follow overflow flags), each a separate trip through memory. These kernels do the
 same work in one pass (lookups: each key's bucket prefetched 64 keys ahead; placement: per cache-sized chunk of
 keys), with identical results (slots, rows and the bucket layout; the tests run both paths). Measured at 1 thread
-with 1M keys and batches of 65,536: lookups take about a third of the time of the torch path and placing new keys
-about a third (numbers in BENCHMARKS.md).
+with 1M keys and batches of 65,536: lookups take about half the time of the torch path and placing new keys about a
+third (``benchmarks/table_ops.py`` times the torch path beside them).
 
 :func:`dynemb.kernels.dispatch.index_kernels` decides, call by call, whether they run (backend ``numba``, or
 ``auto`` on CPU).
@@ -74,7 +74,7 @@ def unique_by_hash(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
     An LSD radix sort on the hashes' top bits (about 4 more than a position needs, so few keys share them) orders
     the batch; keys that share those bits are then put in order of their whole hash. 65,536 distinct keys: about a
-    third of the time of the torch sort and its passes (BENCHMARKS.md).
+    third of the time of the torch sort and its passes.
     """
     flat = keys.contiguous().numpy()
     n = flat.shape[0]

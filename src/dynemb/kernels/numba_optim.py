@@ -12,7 +12,7 @@ results are bit-identical and where they are within a tolerance).
 Every kernel compiles with numpy's error model: a float division by zero gives inf or NaN, as torch does, where
 Python's model raises ZeroDivisionError (inside a backward). Without that check per division LLVM also vectorizes
 the divisions and square roots: updates of 3.7k rows, same bits, Adagrad 2.1x (D=16) and 2.9x (D=64) faster, Adam
-1.8-1.9x, FTRL 1.7-2.2x (BENCHMARKS.md).
+1.8-1.9x, FTRL 1.7-2.2x (each kernel against its Python-model build, in one process).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ table triggers when too many accumulate.
 A bucket is one 64-byte cache line: a row of 16 int32 words holding its ``W`` keys, then their ``W`` int32 row ids
 (``W = 8`` for int32 keys; ``W = 5`` for int64 keys, whose 60 bytes leave one word unused). A lookup that finds its
 key in the home bucket thus reads one cache line, the unit memory moves in: with 8 int64 slots the bucket took 96
-bytes, two lines, and a cold probe on CPU took 1.15-1.4x the time (BENCHMARKS.md, seventeenth pass). Slot ``s`` is
+bytes, two lines, and a cold probe on CPU took 1.15-1.4x the time. Slot ``s`` is
 position ``s & 7`` of bucket ``s >> 3`` (slots are numbered as if every bucket had 8, so that addressing is shifts;
 positions from ``W`` on are never used).
 

@@ -40,8 +40,8 @@ def _unit_uniform(keys: torch.Tensor, dim: int, seed: int) -> torch.Tensor:
 
     A key's row is ``mix64(key ^ mix64(seed))`` (64-bit, once a row); column ``c`` is the top 24 bits of the 32-bit
     hash of ``(lo + (c + 1) * CELL_STEP) ^ hi``, ``lo, hi`` the row's halves. 32-bit lanes because a value costs a
-    few vector instructions that way: CPUs without AVX-512 and GPUs emulate 64-bit multiplies, and the splitmix64 of
-    every value this replaced made a CPU ``find_or_insert`` of new keys 2.5x slower to initialize (BENCHMARKS.md).
+    few vector instructions that way: CPUs without AVX-512 and GPUs emulate 64-bit multiplies, and a splitmix64 of
+    every value takes 2.5x the time to fill the rows of a CPU ``find_or_insert`` of new keys (AVX2, 65,536 x 64).
     Computed here in int64 lanes masked to 32 bits.
     """
     row = mix64(keys.to(torch.int64) ^ mix64(torch.tensor(seed, dtype=torch.int64, device=keys.device)))

@@ -125,8 +125,8 @@ class RowStore(ChangeLog, RowColumns):
         transfer each way per key, on top of the index's two). Deferred, the store keeps up to 255 distinct pairs
         and writes each row's pair tag, one byte, into a ``[capacity]`` array small enough to stay in cache; the
         pairs land in the stamp columns in row order, at most every 255 distinct pairs, or when something reads
-        them. An SGD train step of 4 tables of 1M rows on uniform ids takes 0.964-0.966x the time (Zen 3 guest, one
-        process, paired; zipf ids 0.95-1.0x). Every read returns what stamping at once would have written: later
+        them. That saves about 3.5% of an SGD train step of 4 tables of 1M rows on uniform ids (0-5% on zipf ids;
+        both ways in one process, paired). Every read returns what stamping at once would have written: later
         writes settle first.
         """
         # A full bounded table reads its scores to evict on most calls, and a settle costs about four eager stamps
@@ -328,7 +328,7 @@ class RowStore(ChangeLog, RowColumns):
         keep, dropped = keys[:stored], keys[stored:]
         # Rows that all follow size and start at a kernel initializer's values get them written in place, after the
         # reserve: no [M, D] temporary and no copy of it (find_or_insert of 65,536 new keys of dim 64: 16 MB less
-        # written and read again, BENCHMARKS.md).
+        # written and read again).
         in_place = (values is None and n_append == m and type(self).initial_rows is RowStore.initial_rows
                     and computed_by_kernel(self.initializer, self.dtype, self.backend, self.device))
         # User code runs before anything changes (the initializer, then on_evict): if it raises, the table is as

@@ -7,8 +7,8 @@ memory-mapped row files, one file per column, in a private directory under a pat
 bytes).
 
 Memory-mapped files were measured against RocksDB (``rocksdict``) and LMDB for row-sized values
-(``benchmarks/slow_stores.py``, BENCHMARKS.md): moving a batch of rows is one gather or scatter over the mapped
-columns, with no per-key encoding, and ran far faster. The files are a cache, not a checkpoint: a store starts
+(``benchmarks/slow_stores.py``): moving a batch of rows is one gather or scatter over the mapped columns, with no
+per-key encoding, and ran 3-12x faster. The files are a cache, not a checkpoint: a store starts
 empty, and its directory is removed when it is closed or collected; a process that dies leaves its directory, which
 no later run reads and the next store opened under the same path (on the same host) removes. Durability comes from
 checkpoints, which see the table as one (see ``TieredTable.export``).
