@@ -18,6 +18,7 @@ import numba
 import numpy as np
 import torch
 
+from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
 from .numba_math import prefetch_row
 
 __all__ = ["find", "probe", "place", "unique_by_hash"]

@@ -12,6 +12,7 @@ import numba
 import numpy as np
 import torch
 
+from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
 from .numba_index import _mix64
 from .numba_math import cell_bits
 

@@ -21,6 +21,7 @@ import numba
 import numpy as np
 import torch
 
+from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
 from .numba_math import fma, prefetch_row_for_write
 from .numba_pool import block_width, grouped_bags, sum_rows
 

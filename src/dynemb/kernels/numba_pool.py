@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from numba.extending import overload
 
+from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
 from .numba_index import _mix64, radix_sort
 from .numba_math import (acc_add, acc_fma, acc_new, acc_store, bits_float, float_bits, fma, prefetch_row,
                          prefetch_row_for_write)
