@@ -1,5 +1,6 @@
 import gzip
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -44,7 +45,9 @@ def test_parquet_round_trip(parquet_file):
     batches, got = _read_all(reader)
     assert [len(b) for b in batches] == [2, 2, 1]
     assert got["labels"] == [0.0, 1.0, 1.0, 0.0, 1.0]
-    assert got["dense"] == [[1.5, 30.0], [0.0, 40.0], [0.0, 0.0], [-2.0, 50.0], [3.0, 60.0]]
+    nan = float("nan")  # a null is NaN: what it reads as is the model's rule (Preprocessing.normalize)
+    np.testing.assert_array_equal(got["dense"], [[1.5, 30.0], [nan, 40.0], [nan, nan], [-2.0, 50.0], [3.0, 60.0]])
+    assert reader.id_types == {"user": "BYTES", "item": "INT64", "big": "INT64"}
     u1, e, u2 = hash_strings(["u1", "é", "u2"]).tolist()
     assert got["user"] == [u1, null_key("user"), u1, e, u2]
     assert got["item"] == [I64_MIN, -1, 0, I64_MAX, null_key("item")]
@@ -84,18 +87,31 @@ CSV_TEXT = (
 def test_csv_round_trip_with_text_ids(tmp_path):
     path = tmp_path / "clicks.csv"
     path.write_text(CSV_TEXT)
-    _, got = _read_all(FileReader(path, label="label", categorical=["id"], dense=["price"], batch_size=3))
+    reader = FileReader(path, label="label", categorical=["id"], dense=["price"], batch_size=3)
+    _, got = _read_all(reader)
     assert got["labels"] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
-    assert [row[0] for row in got["dense"]] == [1.5, 0.0, 2.0, 0.0, 3.0, 4.0, 5.0, 6.0]
-    hashed = hash_strings(["9223372036854775808", "007", "abc"]).tolist()
-    assert got["id"] == [123, I64_MIN, I64_MAX, *hashed, null_key("id"), null_key("id")]
+    np.testing.assert_array_equal([row[0] for row in got["dense"]], [1.5, np.nan, 2.0, np.nan, 3.0, 4.0, 5.0, 6.0])
+    # Not every value is a canonical decimal int64, so the column is BYTES: every value is hashed as text.
+    assert reader.id_types == {"id": "BYTES"}
+    hashed = hash_strings(["123", str(I64_MIN), str(I64_MAX), "9223372036854775808", "007", "abc"]).tolist()
+    assert got["id"] == [*hashed, null_key("id"), null_key("id")]
+
+
+def test_csv_text_an_int64_column_cannot_read_names_the_column_row_and_value(tmp_path):
+    path = tmp_path / "clicks.csv"
+    path.write_text(CSV_TEXT)
+    reader = FileReader(path, label="label", categorical=["id"], batch_size=2, id_types={"id": "INT64"})
+    with pytest.raises(ValueError, match=r"clicks\.csv: column 'id': '9223372036854775808' at row 3 is not an "
+                                         r"integer id, and the model reads 'id' as INT64 ids \(id_types in "
+                                         r"model\.json\)$"):
+        list(reader)
 
 
 def test_compressed_tsv_and_a_directory_of_parts(tmp_path):
     with gzip.open(tmp_path / "part-0.tsv.gz", "wt") as f:
         f.write("y\tc\n1\tq\n0\t-5\n")
     _, got = _read_all(FileReader(tmp_path / "part-0.tsv.gz", label="y", categorical=["c"]))
-    assert got["c"] == [hash_strings(["q"]).item(), -5]
+    assert got["c"] == hash_strings(["q", "-5"]).tolist()  # "q" is no integer: the column is BYTES
 
     parts = tmp_path / "parts"
     parts.mkdir()
