@@ -1,10 +1,14 @@
 import gzip
+import re
+import uuid
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dynemb.data import FileReader, hash_strings, null_key
 
@@ -223,3 +227,68 @@ def test_bad_arguments(tmp_path, kwargs, error, message):
     path = _write(tmp_path, "t.csv", "y,c\n1,2\n")
     with pytest.raises(error, match=message):
         FileReader(path, **{"label": "y", "categorical": ["c"], **kwargs})
+
+
+# ---------------------------------------------------------------------------------------------- id types
+ID_TEXT = st.one_of(
+    st.integers(I64_MIN, I64_MAX).map(str),
+    st.sampled_from(["0", "-0", "+1", "007", "85711", "9" * 20, str(2**63), str(I64_MIN), str(I64_MAX), "user-7"]),
+    st.text(alphabet="0123456789-+ ab", min_size=1, max_size=12),
+    st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), min_size=1,
+            max_size=6))
+
+
+def _canonical(v: str) -> bool:
+    return bool(re.fullmatch(r"0|-?[1-9][0-9]*", v)) and I64_MIN <= int(v) <= I64_MAX
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=st.lists(st.one_of(st.none(), ID_TEXT), min_size=1, max_size=12), id_type=st.sampled_from(["INT64",
+                                                                                                     "BYTES"]),
+       batch_size=st.integers(1, 5))
+def test_the_same_rows_as_parquet_and_csv_give_the_same_ids(tmp_path, values, id_type, batch_size):
+    """An id is decided by the model's id type, not by the file format: a Parquet string column, a Parquet int
+    column (when every value is an integer) and CSV text give the same ids; text an INT64 column cannot read is an
+    error naming the file, the column and the row in every format. (CSV cannot tell "" from null: no "" here.)"""
+    folder = tmp_path / f"case-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    table = pa.table({"y": [i % 2 for i in range(len(values))], "zip": pa.array(values, pa.string())})
+    files = {"text.parquet": table, "text.csv": table}
+    if all(v is None or _canonical(v) for v in values):
+        ints = [None if v is None else int(v) for v in values]
+        files["ints.parquet"] = table.set_column(1, "zip", pa.array(ints, pa.int64()))
+    for name, t in files.items():
+        (pq.write_table if name.endswith(".parquet") else pcsv.write_csv)(t, folder / name)
+    present = [v for v in values if v is not None]
+    readable = id_type == "BYTES" or all(_canonical(v) for v in present)
+    ids = iter(hash_strings(present).tolist() if id_type == "BYTES" else [int(v) for v in present] if readable else [])
+    expected = [null_key("zip") if v is None else next(ids) for v in values] if readable else None
+    for name in files:
+        reader = FileReader(folder / name, label="y", categorical=["zip"], batch_size=batch_size,
+                            id_types={"zip": id_type})
+        if readable:
+            assert torch.cat([b.sparse["zip"] for b in reader]).tolist() == expected, name
+        else:
+            row = next(i for i, v in enumerate(values) if v is not None and not _canonical(v))
+            with pytest.raises(ValueError, match=rf"{name}: column 'zip': .* at row {row} is not an integer id"):
+                list(reader)
+    # and the types a new run decides: by the Parquet type, or by every CSV value
+    decided = {name: FileReader(folder / name, label="y", categorical=["zip"]).id_types["zip"] for name in files}
+    assert decided["text.parquet"] == "BYTES" and decided.get("ints.parquet", "INT64") == "INT64"
+    assert decided["text.csv"] == ("INT64" if present and all(_canonical(v) for v in present) else "BYTES")
+
+
+def test_a_csv_column_is_decided_by_its_first_id_rows_rows_and_an_all_null_one_is_bytes(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("y,a,b,n\n" + "".join(f"{i % 2},{i},{i},\n" for i in range(50)) + "1,51,x,\n")
+    assert FileReader(path, label="y", categorical=["a", "b", "n"]).id_types == {"a": "INT64", "b": "BYTES",
+                                                                                   "n": "BYTES"}
+    reader = FileReader(path, label="y", categorical=["a", "b", "n"], id_rows=50, batch_size=8)
+    assert reader.id_types == {"a": "INT64", "b": "INT64", "n": "BYTES"}
+    with pytest.raises(ValueError, match=r"t\.csv: column 'b': 'x' at row 50 is not an integer id"):
+        list(reader)
+    for bad, error in [({"a": "INT64"}, "id_types must give id column 'b' a type"),
+                       ({"a": "INT64", "b": "FP32", "n": "BYTES"}, "id_types must give id column 'b' a type"),
+                       ({"a": "INT64", "b": "BYTES", "n": "BYTES", "z": "BYTES"}, "id_types names 'z'")]:
+        with pytest.raises(ValueError, match=error):
+            FileReader(path, label="y", categorical=["a", "b", "n"], id_types=bad)
