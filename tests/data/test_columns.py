@@ -60,7 +60,8 @@ def test_text_is_hashed_by_a_bytes_column_and_must_be_a_canonical_integer_in_an_
     row = first_row + bad[0]
     shown = repr(values[bad[0]])
     with pytest.raises(ValueError, match=rf"^f\.csv: column 'c': {re.escape(shown[:57])}.* at row {row} is not an "
-                                         r"integer id, and the model reads 'c' as INT64 ids \(id_types in model\.json\)$"):
+                                         r"integer id, and the model reads 'c' as INT64 ids \(id_types in "
+                                         r"model\.json\)$"):
         categorical_ids(array, "c", "f.csv: column 'c'", "INT64", first_row)
 
 

@@ -109,7 +109,8 @@ def plot_training(path: Path, train: list[dict], evals: list[dict], title: str =
     ax.set_xlabel("step")
     ax.set_ylabel("BCE loss")
     ax2 = ax.twinx()
-    ax2.plot([e["step"] for e in evals], [_number(e["auc"]) for e in evals], "o-", color="tab:orange", label="held-out AUC")
+    ax2.plot([e["step"] for e in evals], [_number(e["auc"]) for e in evals], "o-", color="tab:orange",
+             label="held-out AUC")
     ax2.set_ylabel("AUC")
     fig.legend(loc="lower center", ncol=2)
     fig.suptitle(title)
