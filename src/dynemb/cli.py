@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import warnings
 import time
+import warnings
 from pathlib import Path
 
 __all__ = ["main", "build_parser"]
@@ -180,7 +180,7 @@ def cmd_eval(args) -> int:
 
     torch.set_num_threads(args.threads)
     print(_json(evaluate_file(args.model, args.data, format=args.format, batch_size=args.batch_size,
-                                   device=args.device)))
+                              device=args.device)))
     return 0
 
 
@@ -191,7 +191,7 @@ def cmd_predict(args) -> int:
 
     torch.set_num_threads(args.threads)
     print(_json(predict_file(args.model, args.data, args.out, format=args.format, batch_size=args.batch_size,
-                                  device=args.device)))
+                             device=args.device)))
     return 0
 
 
