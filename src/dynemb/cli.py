@@ -11,9 +11,10 @@ reference path instead of the numba CPU kernels (``dynemb.kernels.set_default_ba
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import sys
 import time
+import warnings
 from pathlib import Path
 
 __all__ = ["main", "build_parser"]
@@ -55,6 +56,33 @@ def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v for v in (value or "").split(",") if v)
 
 
+def _json(obj) -> str:
+    """One line of strict JSON, a number that is not finite as ``null``: what every command prints."""
+    from .job.report import json_line
+
+    return json_line(obj)
+
+
+@contextlib.contextmanager
+def _data_warnings(command: str):
+    """Each warning about the user's data (``DataWarning``: the nulls, NaN and inf a rule replaced, counted once
+    per pass) as one line on stderr, every time it is raised; other warnings as Python shows them."""
+    from .data.preprocess import DataWarning
+
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, DataWarning):
+                print(f"dynemb {command}: warning: {message}", file=sys.stderr)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.simplefilter("always", DataWarning)
+        warnings.showwarning = show
+        yield
+
+
 # ---------------------------------------------------------------------------------------------- commands
 def cmd_train(args) -> int:
     import torch
@@ -82,7 +110,7 @@ def cmd_train(args) -> int:
                       eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
     summary = train_run(spec, cfg, progress=False if args.no_progress else None, log_every=args.log_every)
     if not (_distributed_rank() or 0):
-        print(json.dumps(summary))
+        print(_json(summary))
     return 0
 
 
@@ -151,8 +179,8 @@ def cmd_eval(args) -> int:
     from .job import evaluate_file
 
     torch.set_num_threads(args.threads)
-    print(json.dumps(evaluate_file(args.model, args.data, format=args.format, batch_size=args.batch_size,
-                                   device=args.device)))
+    print(_json(evaluate_file(args.model, args.data, format=args.format, batch_size=args.batch_size,
+                              device=args.device)))
     return 0
 
 
@@ -162,8 +190,8 @@ def cmd_predict(args) -> int:
     from .job import predict_file
 
     torch.set_num_threads(args.threads)
-    print(json.dumps(predict_file(args.model, args.data, args.out, format=args.format, batch_size=args.batch_size,
-                                  device=args.device)))
+    print(_json(predict_file(args.model, args.data, args.out, format=args.format, batch_size=args.batch_size,
+                             device=args.device)))
     return 0
 
 
@@ -184,7 +212,7 @@ def cmd_serve_bench(args) -> int:
                          persistent=args.persistent, persistent_path=args.persistent_path,
                          cache_fraction=args.cache_fraction, batch_size=args.batch_size, batches=args.batches,
                          alpha=args.alpha)
-    print(json.dumps(result) if args.json else summary_table(result))
+    print(_json(result) if args.json else summary_table(result))
     return 0
 
 
@@ -342,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _kernels_from_environment()
     try:
-        return args.func(args)
+        with _data_warnings(args.command):
+            return args.func(args)
     except KeyboardInterrupt:
         print("dynemb: interrupted", file=sys.stderr)
         return 130

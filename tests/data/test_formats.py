@@ -42,7 +42,7 @@ def test_criteo_tsv(tmp_path, name):
     c2 = torch.cat([b.sparse["C2"] for b in batches])
     assert labels.tolist() == [float(i % 2) for i in range(50)]
     assert dense[:, 0].tolist() == [float(i) for i in range(50)]
-    assert dense[2, 1].item() == 0.0 and dense[5, 1].item() == 10.0  # I2 of row 2 is empty: a null gives 0
+    assert dense[2, 1].isnan() and dense[5, 1].item() == 10.0  # I2 of row 2 is empty: a null is NaN
     assert c1.tolist() == hash_strings([f"{i:08x}" for i in range(50)]).tolist()  # hex text, hashed
     assert c2[0].item() == null_key("C2") and c2[1].item() == hash_strings([f"{2 % 7:08x}"]).item()
 
@@ -78,10 +78,17 @@ def test_multi_hot_in_csv_and_errors(tmp_path):
     path = tmp_path / "t.csv"
     path.write_text("y,tags,user\n1,a|12|a,u\n0,,u\n1,7,\n")
     batch = next(iter(FileReader(path, label="y", categorical=["user"], multi_hot=["tags"])))
-    a = hash_strings(["a"]).item()
-    assert batch.sparse["tags"].tolist() == [a, 12, a, null_key("tags"), 7]
+    a, twelve, seven = hash_strings(["a", "12", "7"]).tolist()  # "a" is no integer: the column is BYTES
+    assert batch.sparse["tags"].tolist() == [a, twelve, a, null_key("tags"), seven]
     assert batch.offsets["tags"].tolist() == [0, 3, 4, 5]
     assert batch.sparse["user"][2].item() == null_key("user")
+    path.write_text("y,tags,user\n1,5|12|5,u\n0,,u\n1,7|x,\n")
+    reader = FileReader(path, label="y", categorical=["user"], multi_hot=["tags"])
+    assert reader.id_types == {"user": "BYTES", "tags": "BYTES"}
+    reader = FileReader(path, label="y", categorical=["user"], multi_hot=["tags"], id_rows=2)  # decided by 2 rows
+    assert reader.id_types == {"user": "BYTES", "tags": "INT64"}
+    with pytest.raises(ValueError, match=r"t\.csv: column 'tags': 'x' at row 2 is not an integer id"):
+        list(reader)
 
     pq.write_table(pa.table({"y": [1], "tags": [["a"]], "n": [3]}), tmp_path / "l.parquet")
     with pytest.raises(ValueError, match=r"column 'n' has type int64; multi-hot columns must be lists"):

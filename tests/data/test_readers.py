@@ -1,9 +1,14 @@
 import gzip
+import re
+import uuid
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dynemb.data import FileReader, hash_strings, null_key
 
@@ -44,7 +49,9 @@ def test_parquet_round_trip(parquet_file):
     batches, got = _read_all(reader)
     assert [len(b) for b in batches] == [2, 2, 1]
     assert got["labels"] == [0.0, 1.0, 1.0, 0.0, 1.0]
-    assert got["dense"] == [[1.5, 30.0], [0.0, 40.0], [0.0, 0.0], [-2.0, 50.0], [3.0, 60.0]]
+    nan = float("nan")  # a null is NaN: what it reads as is the model's rule (Preprocessing.normalize)
+    np.testing.assert_array_equal(got["dense"], [[1.5, 30.0], [nan, 40.0], [nan, nan], [-2.0, 50.0], [3.0, 60.0]])
+    assert reader.id_types == {"user": "BYTES", "item": "INT64", "big": "INT64"}
     u1, e, u2 = hash_strings(["u1", "é", "u2"]).tolist()
     assert got["user"] == [u1, null_key("user"), u1, e, u2]
     assert got["item"] == [I64_MIN, -1, 0, I64_MAX, null_key("item")]
@@ -84,18 +91,31 @@ CSV_TEXT = (
 def test_csv_round_trip_with_text_ids(tmp_path):
     path = tmp_path / "clicks.csv"
     path.write_text(CSV_TEXT)
-    _, got = _read_all(FileReader(path, label="label", categorical=["id"], dense=["price"], batch_size=3))
+    reader = FileReader(path, label="label", categorical=["id"], dense=["price"], batch_size=3)
+    _, got = _read_all(reader)
     assert got["labels"] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
-    assert [row[0] for row in got["dense"]] == [1.5, 0.0, 2.0, 0.0, 3.0, 4.0, 5.0, 6.0]
-    hashed = hash_strings(["9223372036854775808", "007", "abc"]).tolist()
-    assert got["id"] == [123, I64_MIN, I64_MAX, *hashed, null_key("id"), null_key("id")]
+    np.testing.assert_array_equal([row[0] for row in got["dense"]], [1.5, np.nan, 2.0, np.nan, 3.0, 4.0, 5.0, 6.0])
+    # Not every value is a canonical decimal int64, so the column is BYTES: every value is hashed as text.
+    assert reader.id_types == {"id": "BYTES"}
+    hashed = hash_strings(["123", str(I64_MIN), str(I64_MAX), "9223372036854775808", "007", "abc"]).tolist()
+    assert got["id"] == [*hashed, null_key("id"), null_key("id")]
+
+
+def test_csv_text_an_int64_column_cannot_read_names_the_column_row_and_value(tmp_path):
+    path = tmp_path / "clicks.csv"
+    path.write_text(CSV_TEXT)
+    reader = FileReader(path, label="label", categorical=["id"], batch_size=2, id_types={"id": "INT64"})
+    with pytest.raises(ValueError, match=r"clicks\.csv: column 'id': '9223372036854775808' at row 3 is not an "
+                                         r"integer id, and the model reads 'id' as INT64 ids \(id_types in "
+                                         r"model\.json\)$"):
+        list(reader)
 
 
 def test_compressed_tsv_and_a_directory_of_parts(tmp_path):
     with gzip.open(tmp_path / "part-0.tsv.gz", "wt") as f:
         f.write("y\tc\n1\tq\n0\t-5\n")
     _, got = _read_all(FileReader(tmp_path / "part-0.tsv.gz", label="y", categorical=["c"]))
-    assert got["c"] == [hash_strings(["q"]).item(), -5]
+    assert got["c"] == hash_strings(["q", "-5"]).tolist()  # "q" is no integer: the column is BYTES
 
     parts = tmp_path / "parts"
     parts.mkdir()
@@ -207,3 +227,68 @@ def test_bad_arguments(tmp_path, kwargs, error, message):
     path = _write(tmp_path, "t.csv", "y,c\n1,2\n")
     with pytest.raises(error, match=message):
         FileReader(path, **{"label": "y", "categorical": ["c"], **kwargs})
+
+
+# ---------------------------------------------------------------------------------------------- id types
+ID_TEXT = st.one_of(
+    st.integers(I64_MIN, I64_MAX).map(str),
+    st.sampled_from(["0", "-0", "+1", "007", "85711", "9" * 20, str(2**63), str(I64_MIN), str(I64_MAX), "user-7"]),
+    st.text(alphabet="0123456789-+ ab", min_size=1, max_size=12),
+    st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), min_size=1,
+            max_size=6))
+
+
+def _canonical(v: str) -> bool:
+    return bool(re.fullmatch(r"0|-?[1-9][0-9]*", v)) and I64_MIN <= int(v) <= I64_MAX
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=st.lists(st.one_of(st.none(), ID_TEXT), min_size=1, max_size=12), id_type=st.sampled_from(["INT64",
+                                                                                                     "BYTES"]),
+       batch_size=st.integers(1, 5))
+def test_the_same_rows_as_parquet_and_csv_give_the_same_ids(tmp_path, values, id_type, batch_size):
+    """An id is decided by the model's id type, not by the file format: a Parquet string column, a Parquet int
+    column (when every value is an integer) and CSV text give the same ids; text an INT64 column cannot read is an
+    error naming the file, the column and the row in every format. (CSV cannot tell "" from null: no "" here.)"""
+    folder = tmp_path / f"case-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    table = pa.table({"y": [i % 2 for i in range(len(values))], "zip": pa.array(values, pa.string())})
+    files = {"text.parquet": table, "text.csv": table}
+    if all(v is None or _canonical(v) for v in values):
+        ints = [None if v is None else int(v) for v in values]
+        files["ints.parquet"] = table.set_column(1, "zip", pa.array(ints, pa.int64()))
+    for name, t in files.items():
+        (pq.write_table if name.endswith(".parquet") else pcsv.write_csv)(t, folder / name)
+    present = [v for v in values if v is not None]
+    readable = id_type == "BYTES" or all(_canonical(v) for v in present)
+    ids = iter(hash_strings(present).tolist() if id_type == "BYTES" else [int(v) for v in present] if readable else [])
+    expected = [null_key("zip") if v is None else next(ids) for v in values] if readable else None
+    for name in files:
+        reader = FileReader(folder / name, label="y", categorical=["zip"], batch_size=batch_size,
+                            id_types={"zip": id_type})
+        if readable:
+            assert torch.cat([b.sparse["zip"] for b in reader]).tolist() == expected, name
+        else:
+            row = next(i for i, v in enumerate(values) if v is not None and not _canonical(v))
+            with pytest.raises(ValueError, match=rf"{name}: column 'zip': .* at row {row} is not an integer id"):
+                list(reader)
+    # and the types a new run decides: by the Parquet type, or by every CSV value
+    decided = {name: FileReader(folder / name, label="y", categorical=["zip"]).id_types["zip"] for name in files}
+    assert decided["text.parquet"] == "BYTES" and decided.get("ints.parquet", "INT64") == "INT64"
+    assert decided["text.csv"] == ("INT64" if present and all(_canonical(v) for v in present) else "BYTES")
+
+
+def test_a_csv_column_is_decided_by_its_first_id_rows_rows_and_an_all_null_one_is_bytes(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("y,a,b,n\n" + "".join(f"{i % 2},{i},{i},\n" for i in range(50)) + "1,51,x,\n")
+    assert FileReader(path, label="y", categorical=["a", "b", "n"]).id_types == {"a": "INT64", "b": "BYTES",
+                                                                                   "n": "BYTES"}
+    reader = FileReader(path, label="y", categorical=["a", "b", "n"], id_rows=50, batch_size=8)
+    assert reader.id_types == {"a": "INT64", "b": "INT64", "n": "BYTES"}
+    with pytest.raises(ValueError, match=r"t\.csv: column 'b': 'x' at row 50 is not an integer id"):
+        list(reader)
+    for bad, error in [({"a": "INT64"}, "id_types must give id column 'b' a type"),
+                       ({"a": "INT64", "b": "FP32", "n": "BYTES"}, "id_types must give id column 'b' a type"),
+                       ({"a": "INT64", "b": "BYTES", "n": "BYTES", "z": "BYTES"}, "id_types names 'z'")]:
+        with pytest.raises(ValueError, match=error):
+            FileReader(path, label="y", categorical=["a", "b", "n"], id_types=bad)

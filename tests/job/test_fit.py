@@ -47,10 +47,11 @@ def test_the_run_directory(tmp_path, dynemb):
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "loss_auc.png", "metrics.jsonl", "model.json"]
     card = read_card(run)
     reader = FileReader(data, label="y", categorical=["id"], dense=["x"])
-    mean, std, rows = dense_statistics(split(reader.chunks(), 0.05, 0, "train"))
+    stats = dense_statistics(split(reader.chunks(), 0.05, 0, "train"), ["x"])
     prep = card.preprocessing
-    assert (prep.label, prep.categorical, prep.dense, prep.dense_rows) == ("y", ("id",), ("x",), rows)
-    assert prep.dense_mean == pytest.approx(mean) and prep.dense_std == pytest.approx(std)  # training rows only
+    assert (prep.label, prep.categorical, prep.dense, prep.dense_rows) == ("y", ("id",), ("x",), stats.rows)
+    assert prep.dense_mean == pytest.approx(stats.mean) and prep.dense_std == pytest.approx(stats.std)  # training rows
+    assert (prep.dense_min, prep.dense_max) == (tuple(stats.min), tuple(stats.max))
     assert card.metrics == {k: result[k] for k in ("auc", "logloss", "rows")}
     assert json.loads((run / "model.json").read_text())["preprocessing"]["null_keys"]["id"] != 0
     metrics = read_metrics(run / "metrics.jsonl")

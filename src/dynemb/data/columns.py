@@ -1,24 +1,32 @@
 """Arrow columns to numpy arrays under the readers' rules for ids, dense values, labels and nulls.
 
-Every function takes ``where`` (the file and column, for messages) and raises ``ValueError`` naming it.
+Every function takes ``where`` (the file and column, for messages) and raises ``ValueError`` naming it. The rules
+for ids and for null and non-finite dense values are written once, as tables, in docs/cli.md ("Ids, nulls and
+non-finite values"); in short:
 
-Categorical ids:
-    - integer columns are taken as they are (uint64 values ``>= 2**63`` are reinterpreted as signed int64,
-      a bijection); bool columns give 0/1;
-    - string and binary columns (plain or dictionary-encoded) are hashed by :func:`dynemb.data.hash_strings`;
-    - text read from CSV has no type, so each value decides for itself: a canonical decimal integer in the
-      int64 range (``0``, ``-12``, ``9223372036854775807``; no sign ``+``, no leading zeros) is taken as that
-      integer, and any other text (``"007"``, ``"12.0"``, ``"abc"``) is hashed;
-    - a null gets :func:`dynemb.data.null_key` of the column name.
+Categorical ids: each id column has a type, ``"INT64"`` or ``"BYTES"`` (:data:`ID_TYPES`), decided once when a run
+starts (see :meth:`dynemb.data.FileReader`) and saved with the model, so every format reads a value the same way:
+    - ``INT64``: integer columns are taken as they are (uint64 values ``>= 2**63`` are reinterpreted as signed
+      int64, a bijection; bool gives 0/1); text must be a canonical decimal int64 (:func:`decimal_int64`: ``0``,
+      ``-12``, ``9223372036854775807``; no ``+``, no leading zeros), which is that integer; any other text is an
+      error naming the column, the row and the value;
+    - ``BYTES``: text and binary (plain or dictionary-encoded) are hashed by :func:`dynemb.data.hash_strings`,
+      digit-only text included; an integer is hashed as its canonical decimal text, so ``85711`` and
+      ``"85711"`` are one id;
+    - a null gets :func:`dynemb.data.null_key` of the column name, whatever the type; a float column is an error.
 Multi-hot ids: a list column (``list<string>``, ``list<int64>``, large or fixed-size lists) gives one bag per row,
 its elements read by the rules above; a null element gets the null key, a null list is the bag ``[null key]``
 and an empty list an empty bag. CSV text is split at a separator first (``"a|b|c"``); an empty CSV field is a
 null (CSV cannot tell an empty list from a missing one), so it gives the bag ``[null key]``.
-Dense values: any numeric or bool column, or text that parses as a number, as float32; null and NaN give 0.0.
+Dense values: any numeric or bool column, or text that parses as a number (``inf``, ``nan`` included), as
+float32; a null is NaN and NaN and ``±inf`` stay as they are (a finite value beyond float32 becomes ``±inf``):
+what they become is the model's rule (:meth:`dynemb.data.preprocess.Preprocessing.normalize`).
 Labels: numeric, bool or text equal to 0 or 1; a null or any other value is an error.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -26,7 +34,11 @@ import pyarrow.compute as pc
 
 from .hashing import hash_strings, null_key
 
-__all__ = ["categorical_ids", "multi_hot_ids", "dense_values", "label_values", "first_line"]
+__all__ = ["ID_TYPES", "categorical_ids", "multi_hot_ids", "dense_values", "label_values", "decimal_int64",
+           "first_line"]
+
+ID_TYPES = ("INT64", "BYTES")
+"""The types of an id column, named as the Open Inference Protocol's datatypes."""
 
 _DECIMAL = r"^(0|-?[1-9][0-9]{0,18})$"
 _INT64_MAX_TEXT = "9223372036854775807"
@@ -54,8 +66,17 @@ def _decoded(column: pa.Array) -> pa.Array:
     return column
 
 
-def _decimal_int64(text: pa.Array) -> np.ndarray:
-    """Mask of the canonical decimal integers that fit in int64 (string comparison is exact at equal length)."""
+def decimal_int64(text: pa.Array) -> np.ndarray:
+    """Which values of a null-free string array are canonical decimal int64s: ``0`` or an optional ``-`` and 1-19
+    digits without a leading zero, in ``[-2**63, 2**63 - 1]`` (string comparison is exact at equal length).
+
+    Shape:
+        ``[N]`` strings -> bool ``[N]``.
+
+    Example:
+        >>> decimal_int64(pa.array(["0", "-12", "007", "+1", "-0", "9223372036854775808", "1.0"])).tolist()
+        [True, True, False, False, False, False, False]
+    """
     negative = pc.starts_with(text, "-")
     short = pc.less(pc.utf8_length(text), pc.if_else(negative, 20, 19))
     in_range = pc.if_else(negative, pc.less_equal(text, _INT64_MIN_TEXT), pc.less_equal(text, _INT64_MAX_TEXT))
@@ -63,55 +84,115 @@ def _decimal_int64(text: pa.Array) -> np.ndarray:
     return fits.to_numpy(zero_copy_only=False)
 
 
-def _text_ids(text: pa.Array) -> np.ndarray:
-    is_int = _decimal_int64(text)
-    out = np.empty(len(text), dtype=np.int64)
-    out[is_int] = pc.cast(text.filter(is_int), pa.int64()).to_numpy()
-    out[~is_int] = hash_strings(text.filter(~is_int)).numpy()
-    return out
+def _integer_text(column: pa.Array) -> pa.Array:
+    """The canonical decimal text of an integer (or bool: 0/1) column, in one vectorized cast."""
+    if pa.types.is_boolean(column.type):
+        column = pc.cast(column, pa.int8())
+    return pc.cast(column, pa.string())
 
 
-def _valid_ids(column: pa.Array, where: str, decimal_text: bool) -> np.ndarray:
-    """Ids of a null-free column."""
+def _text_ints(text: pa.Array, name: str, where: str, row_of: Callable[[int], int]) -> np.ndarray:
+    """The integers of text that must be canonical decimal int64s (an ``INT64`` column)."""
+    if not _is_text(text.type):
+        try:
+            text = pc.cast(text.dictionary_decode() if pa.types.is_dictionary(text.type) else text, pa.string())
+        except pa.ArrowException:  # binary that is not UTF-8: no value of it is a decimal integer
+            text = None
+    is_int = decimal_int64(text) if text is not None else None
+    if is_int is None or not is_int.all():
+        i = 0 if is_int is None else int(np.argmin(is_int))
+        raise ValueError(f"{where}: {_shown(text, i)} at row {row_of(i)} is not an integer id, and the model reads "
+                         f"{name!r} as INT64 ids (id_types in model.json)")
+    return pc.cast(text, pa.int64()).to_numpy(zero_copy_only=False, writable=True)
+
+
+def _shown(text, i: int) -> str:
+    value = "a non-UTF-8 value" if text is None else repr(text[i].as_py())
+    return value if len(value) <= 60 else value[:57] + "..."
+
+
+def _valid_ids(column: pa.Array, name: str, where: str, id_type: str, row_of: Callable[[int], int]) -> np.ndarray:
+    """Ids of a null-free column of id type ``id_type``; ``row_of(i)``: the file row of ``column[i]``."""
     t = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
-    if pa.types.is_uint64(t):
-        return column.to_numpy().view(np.int64)
-    if pa.types.is_integer(t) or pa.types.is_boolean(t):
-        return pc.cast(column, pa.int64()).to_numpy(zero_copy_only=False)
-    if decimal_text and _is_text(t) and not pa.types.is_dictionary(column.type):
-        return _text_ids(column)
-    if _is_bytes(t):
+    integer = pa.types.is_integer(t) or pa.types.is_boolean(t)
+    if id_type == "INT64":
+        if pa.types.is_uint64(t):
+            return column.to_numpy(zero_copy_only=False, writable=True).view(np.int64)
+        if integer:
+            return pc.cast(column, pa.int64()).to_numpy(zero_copy_only=False, writable=True)
+        if _is_bytes(t):
+            return _text_ints(column, name, where, row_of)
+    elif _is_bytes(t):
         return hash_strings(column).numpy()
+    elif integer:
+        return hash_strings(_integer_text(column)).numpy()
     raise ValueError(f"{where} has type {column.type}; categorical ids must be integers or strings")
 
 
-def categorical_ids(column: pa.Array, name: str, where: str, decimal_text: bool = False) -> np.ndarray:
-    """int64 ids of a categorical column (see the module docstring); ``decimal_text`` for CSV text."""
+def _check_id_type(id_type: str) -> None:
+    if id_type not in ID_TYPES:
+        raise ValueError(f"id_type must be one of {ID_TYPES}, got {id_type!r}")
+
+
+def _ids(column: pa.Array, name: str, where: str, id_type: str, row_of: Callable[[int], int]) -> np.ndarray:
     column = _decoded(column)
-    if not column.null_count and column.type == pa.int64():  # the common case: the ids are the values
-        return column.to_numpy(zero_copy_only=False, writable=True)
+    if not column.null_count:
+        if column.type == pa.int64() and id_type == "INT64":  # the common case: the ids are the values
+            return column.to_numpy(zero_copy_only=False, writable=True)
+        return _valid_ids(column, name, where, id_type, row_of)
     valid = column.is_valid().to_numpy(zero_copy_only=False)
     out = np.full(len(column), null_key(name), dtype=np.int64)
     if valid.any():
-        out[valid] = _valid_ids(column.filter(valid), where, decimal_text)
+        positions = np.flatnonzero(valid)
+        out[valid] = _valid_ids(column.filter(valid), name, where, id_type, lambda i: row_of(int(positions[i])))
     return out
+
+
+def categorical_ids(column: pa.Array, name: str, where: str, id_type: str, first_row: int = 0) -> np.ndarray:
+    """int64 ids of a categorical column whose ids are of type ``id_type`` (see the module docstring).
+
+    Args:
+        column: the column's values (any Arrow integer, bool, string or binary type; dictionaries too).
+        name: the column name (its null key).
+        where: the file and column, for messages.
+        id_type: ``"INT64"`` or ``"BYTES"``, the column's type in the model.
+        first_row: the file row of ``column[0]``, for messages.
+
+    Raises:
+        ValueError: a float column, or text of an ``INT64`` column that is not a canonical decimal int64 (the
+            message names the value and its row).
+
+    Shape:
+        ``[B]`` values -> ``[B]`` ids.
+
+    Example:
+        >>> categorical_ids(pa.array(["85711", None]), "zip", "zip", "INT64")[0]
+        np.int64(85711)
+        >>> a = categorical_ids(pa.array([85711]), "zip", "zip", "BYTES")
+        >>> b = categorical_ids(pa.array(["85711"]), "zip", "zip", "BYTES")
+        >>> bool(a[0] == b[0] != 85711)
+        True
+    """
+    _check_id_type(id_type)
+    return _ids(column, name, where, id_type, lambda i: first_row + i)
 
 
 def _is_list(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
 
 
-def multi_hot_ids(column: pa.Array, name: str, where: str, separator: str | None = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """int64 ids and bag offsets of a multi-hot column (see the module docstring).
+def multi_hot_ids(column: pa.Array, name: str, where: str, id_type: str, separator: str | None = None,
+                  first_row: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ids and bag offsets of a multi-hot column whose elements are ids of type ``id_type`` (see the module
+    docstring and :func:`categorical_ids`).
 
-    ``separator`` splits text columns (CSV) into lists; their elements then follow the CSV text rule.
+    ``separator`` splits text columns (CSV) into lists; their elements are then text.
 
     Shape:
         ``B`` rows -> ids ``[N]`` and offsets ``[B + 1]`` (bag ``i`` is ``ids[offsets[i]:offsets[i + 1]]``).
     """
-    text = separator is not None and _is_text(column.type)
-    if text:
+    _check_id_type(id_type)
+    if separator is not None and _is_text(column.type):
         column = pc.split_pattern(column, separator)
     if not _is_list(column.type):
         raise ValueError(f"{where} has type {column.type}; multi-hot columns must be lists (list<string>, "
@@ -123,7 +204,11 @@ def multi_hot_ids(column: pa.Array, name: str, where: str, separator: str | None
     ids = np.full(int(offsets[-1]), null_key(name), dtype=np.int64)
     slots = np.ones(len(ids), dtype=bool)
     slots[offsets[:-1][null_list]] = False  # a null list holds one null key; every other slot is an element
-    ids[slots] = categorical_ids(column.flatten(), name, where, decimal_text=text)
+
+    def row_of(i: int) -> int:  # element i of the flattened lists -> its row (only for a message)
+        return first_row + int(np.searchsorted(offsets, np.flatnonzero(slots)[i], side="right")) - 1
+
+    ids[slots] = _ids(column.flatten(), name, where, id_type, row_of)
     return ids, offsets
 
 
@@ -141,13 +226,18 @@ def _as_float64(column: pa.Array, where: str, what: str) -> pa.Array:
 
 
 def dense_values(column: pa.Array, where: str) -> np.ndarray:
-    """float32 values of a dense column; null and NaN give 0.0."""
+    """float32 values of a dense column, raw: a null is NaN, NaN and ``±inf`` stay (the model's rule replaces
+    them, see :meth:`dynemb.data.preprocess.Preprocessing.normalize`).
+
+    Example:
+        >>> dense_values(pa.array([1.5, None, float("inf")]), "x").tolist()
+        [1.5, nan, inf]
+    """
     values = _as_float64(column, where, "dense values must be numbers")
-    if values.null_count:
-        values = pc.fill_null(values, 0.0)
-    out = values.to_numpy(zero_copy_only=False).astype(np.float32)
-    out[np.isnan(out)] = 0.0
-    return out
+    if values.null_count:  # a null is NaN
+        values = pc.fill_null(values, float("nan"))
+    with np.errstate(over="ignore"):  # a finite float64 beyond float32 becomes inf, as a cast does
+        return values.to_numpy(zero_copy_only=False).astype(np.float32)
 
 
 def label_values(column: pa.Array, where: str, first_row: int) -> np.ndarray:

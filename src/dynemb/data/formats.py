@@ -17,8 +17,8 @@ Text formats (``csv``, ``criteo``) are decompressed on the fly when the name end
 ``.bz2``, ``.zst``/``.zstd``, ``.lz4`` or ``.br``/``.brotli``.
 
 **Criteo TSV**: no header; tab-separated fields ``label, I1 .. I13, C1 .. C26``: a 0/1 label, 13 integer
-counts and 26 categorical ids written as 8 hex digits (hashed as text, like any string id; a CSV id that reads as a
-decimal integer would be taken as that integer); any field but the label may be empty (a null). Files without
+counts and 26 categorical ids written as 8 hex digits (``BYTES`` ids: hashed as text, even when every digit is
+decimal); any field but the label may be empty (a null). Files without
 the label column (39 fields, as Kaggle's ``test.txt``) are recognized by their field count.
 """
 

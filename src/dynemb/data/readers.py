@@ -2,9 +2,11 @@
 
 The user names the label column, the categorical columns, the multi-hot (list) columns and the dense columns;
 other columns are not read. How values become ids, bags, dense values and labels, and what a null becomes, is in
-:mod:`dynemb.data.columns`. In short: integer ids are taken as they are, string ids are hashed with XXH64
-(:func:`dynemb.data.hash_strings`), a null id becomes :func:`dynemb.data.null_key` of its column, a null or NaN
-dense value becomes 0.0, and labels must be 0/1.
+:mod:`dynemb.data.columns` (the rules are tables in docs/cli.md, "Ids, nulls and non-finite values"). In short:
+each id column is of type ``INT64`` (integers, and text that is a canonical decimal integer) or ``BYTES`` (text
+hashed with XXH64, :func:`dynemb.data.hash_strings`; integers hashed as their decimal text), given by the model or
+decided from the data (:class:`FileReader`'s ``id_types``); a null id becomes :func:`dynemb.data.null_key` of its
+column; dense values come out raw (a null is NaN) for the model's preprocessing; labels must be 0/1.
 
 Formats and suffixes are in :mod:`dynemb.data.formats`. CSV files need a header row and UTF-8 text; an empty
 field is a null, and a multi-hot CSV field lists its ids separated by ``list_separator`` (``"a|b|c"``). Rows in
@@ -14,22 +16,26 @@ error messages count a file's data rows from 0.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import torch
 
 from ..table.checks import check_int
 from .batch import Batch
-from .columns import categorical_ids, dense_values, first_line, label_values, multi_hot_ids
+from .columns import ID_TYPES, categorical_ids, decimal_int64, dense_values, first_line, label_values, multi_hot_ids
 from .formats import CRITEO_COLUMNS, FORMATS, delimiter_of, list_files, open_text
 from .stream import rebatch
 
-__all__ = ["FileReader", "FORMATS", "column_names"]
+__all__ = ["FileReader", "FORMATS", "column_names", "ID_ROWS"]
+
+ID_ROWS = 1_000_000
+"""The rows of a CSV file that decide its id types by default (as many as ``dynemb train``'s ``stats_rows``)."""
 
 # Arrow reads in large chunks that rebatch cuts to size: per-chunk costs (Parquet page decoding, the per-distinct-id
 # hash calls) shrink as chunks grow, since more ids repeat within a chunk.
@@ -56,13 +62,22 @@ class FileReader:
         delimiter: CSV field separator; ``None`` means tab for ``.tsv`` and Criteo files and comma otherwise.
         list_separator: separator of the ids in a multi-hot CSV field.
         drop_last: drop the last batch when it has fewer than ``B`` samples.
+        id_types: each categorical and multi-hot column's id type, ``"INT64"`` or ``"BYTES"`` (a trained model's,
+            :attr:`dynemb.data.preprocess.Preprocessing.id_types`), which every file is read with whatever its
+            format. ``None`` decides them from the data, once, when the reader is made (then in
+            :attr:`id_types`): a Parquet column of integers or bools (or lists of them) is ``INT64``, of strings or
+            binary ``BYTES``, from the first file's schema; a CSV column is ``INT64`` when its first ``id_rows``
+            rows hold a value and every value is a canonical decimal int64 (elements, for a multi-hot column),
+            else ``BYTES``; Criteo ids (hex text) are ``BYTES``.
+        id_rows: the rows of CSV read to decide ``id_types`` when it is ``None``.
 
     Raises:
         TypeError: a column argument is not a string or a sequence of strings.
         ValueError: one line naming the file and the problem: no such file, a file that cannot be read, a
-            missing column, an empty data set, a bad argument; while iterating, a label that is not 0/1, a dense
-            value that is not a number, a categorical column that is neither integer nor string, or a multi-hot
-            column that is not a list.
+            missing column, an empty data set, a bad argument, an id column of floats; while iterating, a label
+            that is not 0/1, a dense value that is not a number, text of an ``INT64`` id column that is not a
+            canonical decimal integer (the message names the column, the row and the value), a categorical column
+            that is neither integer nor string, or a multi-hot column that is not a list.
 
     Shape:
         Each batch: ``dense`` ``[B, len(dense)]`` float32, ``sparse[name]`` ``[B]`` int64 (``[N]`` with
@@ -77,7 +92,9 @@ class FileReader:
         >>> reader = FileReader(path, label="y", categorical=["user"], dense=["age"], multi_hot=["tags"])
         >>> batch = next(iter(reader))
         >>> batch.labels.tolist(), batch.dense[:, 0].tolist(), batch.offsets["tags"].tolist()
-        ([0.0, 1.0, 1.0], [31.0, 0.0, 40.0], [0, 2, 2, 3])
+        ([0.0, 1.0, 1.0], [31.0, nan, 40.0], [0, 2, 2, 3])
+        >>> reader.id_types
+        {'user': 'BYTES', 'tags': 'BYTES'}
         >>> from dynemb.data import null_key
         >>> ids = batch.sparse["user"]
         >>> bool(ids[0] == ids[2] != ids[1]), ids[1].item() == null_key("user")
@@ -98,6 +115,8 @@ class FileReader:
         delimiter: str | None = None,
         list_separator: str = "|",
         drop_last: bool = False,
+        id_types: Mapping[str, str] | None = None,
+        id_rows: int = ID_ROWS,
     ) -> None:
         self.label = None if label is None else _check_name(label, "label")
         self.categorical = _check_names(categorical, "categorical")
@@ -119,6 +138,10 @@ class FileReader:
         self.list_separator = list_separator
         self.drop_last = bool(drop_last)
         self._check_files()
+        if id_types is None:
+            self.id_types = self._decide_id_types(check_int(id_rows, "id_rows", minimum=1))
+        else:
+            self.id_types = _check_id_types(id_types, [*self.categorical, *self.multi_hot])
 
     @property
     def columns(self) -> list[str]:
@@ -163,17 +186,47 @@ class FileReader:
         if not has_rows:
             raise ValueError(f"{self.path}: the data set is empty (no data rows)")
 
-    def _record_batches(self, file: Path) -> Iterator[pa.RecordBatch]:
+    def _record_batches(self, file: Path, columns: list[str] | None = None) -> Iterator[pa.RecordBatch]:
+        columns = self.columns if columns is None else columns
         if self.format == "parquet":
             rows = max(self.batch_size, _PARQUET_ROWS)
-            return pq.ParquetFile(file).iter_batches(batch_size=rows, columns=self.columns)
+            return pq.ParquetFile(file).iter_batches(batch_size=rows, columns=columns)
         convert = pcsv.ConvertOptions(
-            include_columns=self.columns,
-            column_types={c: pa.string() for c in self.columns},
+            include_columns=columns,
+            column_types={c: pa.string() for c in columns},
             null_values=[""],
             strings_can_be_null=True,
         )
         return iter(_open_csv(file, self.format, self.delimiter, convert, _CSV_BLOCK_BYTES))
+
+    def _decide_id_types(self, max_rows: int) -> dict[str, str]:
+        """Each id column's type, from the data (see ``id_types`` in the class docstring)."""
+        ids = [*self.categorical, *self.multi_hot]
+        if self.format == "criteo":
+            return dict.fromkeys(ids, "BYTES")
+        if self.format == "parquet":
+            schema = self._guarded(self.files[0], pq.read_schema, self.files[0])
+            return {c: _parquet_id_type(schema.field(c).type, f"{self.files[0]}: column {c!r}") for c in ids}
+        decimal: dict[str, bool | None] = dict.fromkeys(ids)  # every value so far a decimal int64 (None: no value)
+        rows = 0
+        for file in self.files:
+            batches = self._guarded(file, self._record_batches, file, ids)
+            while rows < max_rows and not all(v is False for v in decimal.values()):
+                record = self._guarded(file, next, batches, None)
+                if record is None:
+                    break
+                record = record.slice(0, max_rows - rows)
+                rows += record.num_rows
+                for c in [c for c, v in decimal.items() if v is not False]:
+                    text = record.column(c)
+                    if c in self.multi_hot:
+                        text = pc.split_pattern(text, self.list_separator).flatten()
+                    text = text.drop_null()
+                    if len(text):
+                        decimal[c] = bool(decimal_int64(text).all())
+            if rows >= max_rows or all(v is False for v in decimal.values()):
+                break
+        return {c: "INT64" if decimal[c] else "BYTES" for c in ids}
 
     def _guarded(self, file: Path, fn, *args):
         """``fn(*args)``, with any read failure turned into a one-line ValueError naming ``file``."""
@@ -188,19 +241,18 @@ class FileReader:
         def where(column: str) -> str:
             return f"{file}: column {column!r}"
 
-        text = self.format == "csv"  # CSV ids may be decimal integers; Criteo ids are hex text, always hashed
         if self.label is None:
             labels = np.full(record.num_rows, np.nan, dtype=np.float32)
         else:
             labels = label_values(record.column(self.label), where(self.label), first_row)
         sparse = {
-            c: torch.from_numpy(categorical_ids(record.column(c), c, where(c), decimal_text=text))
+            c: torch.from_numpy(categorical_ids(record.column(c), c, where(c), self.id_types[c], first_row))
             for c in self.categorical
         }
         offsets = {}
         for c in self.multi_hot:
             separator = None if self.format == "parquet" else self.list_separator
-            ids, bounds = multi_hot_ids(record.column(c), c, where(c), separator)
+            ids, bounds = multi_hot_ids(record.column(c), c, where(c), self.id_types[c], separator, first_row)
             sparse[c], offsets[c] = torch.from_numpy(ids), torch.from_numpy(bounds)
         dense = [dense_values(record.column(c), where(c)) for c in self.dense]
         matrix = np.stack(dense, axis=1) if dense else np.zeros((record.num_rows, 0), dtype=np.float32)
@@ -261,6 +313,31 @@ def _check_names(names, arg: str) -> tuple[str, ...]:
     if isinstance(names, str) or not isinstance(names, Sequence):
         raise TypeError(f"{arg} must be a list of column names, got {type(names).__name__} {names!r}")
     return tuple(_check_name(n, f"every entry of {arg}") for n in names)
+
+
+def _parquet_id_type(t: pa.DataType, where: str) -> str:
+    """``INT64`` for integers or bools (or lists of them), ``BYTES`` for strings and binary."""
+    while pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        t = t.value_type
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_integer(t) or pa.types.is_boolean(t):
+        return "INT64"
+    if pa.types.is_floating(t) or pa.types.is_decimal(t):
+        raise ValueError(f"{where} has type {t}; categorical ids must be integers or strings")
+    return "BYTES"
+
+
+def _check_id_types(id_types, columns: list[str]) -> dict[str, str]:
+    if not isinstance(id_types, Mapping):
+        raise TypeError(f"id_types must be a mapping of column -> 'INT64' or 'BYTES', got {type(id_types).__name__}")
+    for c in columns:
+        if id_types.get(c) not in ID_TYPES:
+            raise ValueError(f"id_types must give id column {c!r} a type in {ID_TYPES}, got {id_types.get(c)!r}")
+    extra = sorted(set(id_types) - set(columns))
+    if extra:
+        raise ValueError(f"id_types names {extra[0]!r}, which is no categorical or multi-hot column of the reader")
+    return {c: id_types[c] for c in columns}
 
 
 def _check_distinct(columns: list[str]) -> None:

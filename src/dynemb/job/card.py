@@ -80,7 +80,7 @@ def read_card(run: Path) -> ModelCard:
         raise ValueError(f"{path}: format must be {FORMAT!r} version {VERSION}, got {obj.get('format')!r} "
                          f"version {obj.get('version')!r}")
     config = TrainConfig(**{**obj["config"], "resume": False, "checkpoint_dir": None})
-    return ModelCard(preprocessing=Preprocessing.from_json(obj["preprocessing"]), config=config,
+    return ModelCard(preprocessing=Preprocessing.from_json(obj["preprocessing"], obj.get("data")), config=config,
                      data=obj["data"], metrics=obj.get("metrics"))
 
 

@@ -28,7 +28,7 @@ from .card import CHECKPOINT, CARD, METRICS, ModelCard, read_card, write_card
 from .publish import EXPORT, Publisher
 from .report import MetricsLog, plot_run
 from .score import evaluate
-from .sources import FileSource, SyntheticSource, epochs, every_nth, id_types
+from .sources import FileSource, SyntheticSource, epochs, every_nth
 
 __all__ = ["RunSpec", "train_run", "auto_epochs", "AUTO_STEPS", "AUTO_MAX_EPOCHS", "SYNTHETIC_STEPS"]
 
@@ -202,18 +202,25 @@ def _source(spec: RunSpec, run: Path, resume: bool):
         source = SyntheticSource(log, spec.eval_batches)
         columns = dict(label="label", categorical=log.categorical_names, multi_hot=(), dense=log.dense_names)
         data = {"synthetic": {"seed": spec.seed, "eval_batches": spec.eval_batches}, "batch_size": spec.batch_size}
+        id_types = dict.fromkeys(log.categorical_names, "INT64")  # the generator's ids are integers
     else:
         columns, fmt = _columns(spec)
         reader = dict(columns, batch_size=spec.batch_size, format=fmt, list_separator=spec.list_separator)
-        train = FileReader(spec.data, **reader)
-        held = FileReader(spec.eval_data, **{**reader, "format": spec.format}) if spec.eval_data else None
+        # The run's id types, decided once: from the data on a new run, from model.json on resume (a column the
+        # run lacks fails the columns check below).
+        known = read_card(run).preprocessing.id_types if resume else None
+        ids = [*columns["categorical"], *columns["multi_hot"]]
+        train = FileReader(spec.data, **reader, id_types=None if known is None else {c: known.get(c, "BYTES")
+                                                                                   for c in ids},
+                           id_rows=spec.stats_rows)
+        id_types = train.id_types
+        held = (FileReader(spec.eval_data, **{**reader, "format": spec.format}, id_types=id_types)
+                if spec.eval_data else None)
         source = FileSource(train=train, held=held, eval_fraction=spec.eval_fraction, seed=spec.seed,
                             shuffle_buffer=spec.shuffle_buffer)
         data = {"train": str(spec.data), "eval": spec.eval_data, "format": fmt, "split_seed": spec.seed,
                 "eval_fraction": None if spec.eval_data else spec.eval_fraction, "batch_size": spec.batch_size,
-                "shuffle_buffer": spec.shuffle_buffer,
-                "id_types": id_types(list_files(Path(spec.data), fmt)[0], fmt, [*columns["categorical"],
-                                                                                 *columns["multi_hot"]])}
+                "shuffle_buffer": spec.shuffle_buffer}
     if resume:
         prep = read_card(run).preprocessing
         saved = dict(label=prep.label, categorical=prep.categorical, multi_hot=prep.multi_hot, dense=prep.dense)
@@ -221,9 +228,11 @@ def _source(spec: RunSpec, run: Path, resume: bool):
             raise ValueError(f"{run}: the run was trained on columns {saved}; --resume needs the same columns")
         saved = read_card(run).data
         return source, prep, {**saved, "epochs": saved["epochs"] if spec.epochs == "auto" else spec.epochs}
-    mean, std, rows = dense_statistics(source.training_rows(), spec.stats_rows)  # also counts the rows
-    prep = Preprocessing(**columns, dense_mean=mean, dense_std=std, dense_rows=rows,
-                         list_separator=spec.list_separator)
+    stats = dense_statistics(source.training_rows(), columns["dense"], spec.stats_rows,  # also counts the rows
+                             where=f"{spec.data or 'synthetic data'} (training rows)")
+    rows = stats.rows
+    prep = Preprocessing(**columns, dense_mean=stats.mean, dense_std=stats.std, dense_min=stats.min,
+                         dense_max=stats.max, dense_rows=rows, list_separator=spec.list_separator, id_types=id_types)
     counted = rows < spec.stats_rows and spec.data is not None  # the pass reached the end of the data
     data["train_rows"] = rows if counted else None
     data["epochs"] = auto_epochs(data["train_rows"], spec.batch_size) if spec.epochs == "auto" else spec.epochs

@@ -6,6 +6,7 @@ runs in eval mode, so unseen ids read their initializer row and nothing is inser
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import uuid
@@ -28,7 +29,8 @@ __all__ = ["evaluate", "evaluate_file", "predict_file"]
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Iterable[Batch]) -> dict:
-    """``{"auc", "logloss", "rows"}`` of ``model`` on ``batches`` (eval mode during the call; no rows inserted).
+    """``{"auc", "logloss", "rows"}`` of ``model`` on ``batches`` (eval mode during the call; no rows inserted);
+    a metric that is not finite (a model gone NaN) is ``None``, which JSON writes as ``null``.
 
     Raises:
         ValueError: ``batches`` is empty.
@@ -46,14 +48,19 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Batch]) -> dict:
         raise ValueError("nothing to evaluate: no rows")
     z, y = torch.cat(logits), torch.cat(labels)
     logloss = torch.nn.functional.binary_cross_entropy_with_logits(z.double(), y.double())
-    return {"auc": round(float(auc(z, y)), 6), "logloss": round(float(logloss), 6), "rows": int(y.numel())}
+    return {"auc": _finite(auc(z, y)), "logloss": _finite(logloss), "rows": int(y.numel())}
+
+
+def _finite(value) -> Optional[float]:
+    value = float(value)
+    return round(value, 6) if math.isfinite(value) else None
 
 
 def _reader(card: ModelCard, data: str, format: Optional[str], batch_size: int, label: bool) -> FileReader:
     prep = card.preprocessing
     return FileReader(data, label=prep.label if label else None, categorical=prep.categorical,
                       multi_hot=prep.multi_hot, dense=prep.dense, batch_size=batch_size, format=format,
-                      list_separator=prep.list_separator)
+                      list_separator=prep.list_separator, id_types=prep.id_types)
 
 
 def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_size: int = 65536,
@@ -62,7 +69,7 @@ def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_si
     model, card = load_model(Path(run), device)
     reader = _reader(card, data, format, batch_size, label=True)
     prep = card.preprocessing
-    return evaluate(model, (prep.normalize(b.to(device)) for b in reader))
+    return evaluate(model, (b.to(device) for b in prep.normalized(reader, str(data))))
 
 
 @torch.no_grad()
@@ -86,8 +93,8 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
     rows = 0
     try:
         with pq.ParquetWriter(tmp, schema) as writer:
-            for batch in reader:
-                p = torch.sigmoid(model(prep.normalize(batch.to(device))).float()).cpu().numpy()
+            for batch in prep.normalized(reader, str(data)):  # the dense rule, its replacements counted
+                p = torch.sigmoid(model(batch.to(device)).float()).cpu().numpy()
                 columns = [pa.array(p)] + ([pa.array(batch.labels.numpy().astype("int8"))] if has_label else [])
                 writer.write_batch(pa.record_batch(columns, schema=schema))
                 rows += len(batch)

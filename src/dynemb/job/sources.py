@@ -9,14 +9,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Optional
 
 from ..data import FileReader, SyntheticClickLog
 from ..data.batch import Batch
 from ..data.stream import rebatch, shuffled, split
 
-__all__ = ["FileSource", "SyntheticSource", "epochs", "every_nth", "id_types"]
+__all__ = ["FileSource", "SyntheticSource", "epochs", "every_nth"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,24 +82,3 @@ def every_nth(batches: Iterator[Batch], rank: int, world: int) -> Iterator[Batch
         return
     while len(group := list(itertools.islice(batches, world))) == world:
         yield group[rank]
-
-
-def id_types(files: list[Path], fmt: str, columns: list[str]) -> dict[str, str]:
-    """The Open Inference Protocol datatype of each id column of the training data: ``"INT64"`` for an integer
-    Parquet column (or list of integers), ``"BYTES"`` otherwise (text; CSV and Criteo fields are text). The
-    endpoint reports it and parses ``BYTES`` ids of an ``INT64`` column as integers, as the ids were trained."""
-    if fmt != "parquet":
-        return {c: "BYTES" for c in columns}
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    schema = pq.read_schema(files[0])
-    out = {}
-    for c in columns:
-        t = schema.field(c).type if c in schema.names else pa.string()
-        while pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-            t = t.value_type
-        if pa.types.is_dictionary(t):
-            t = t.value_type
-        out[c] = "INT64" if pa.types.is_integer(t) else "BYTES"
-    return out

@@ -77,18 +77,17 @@ def test_health_and_metadata(url):
 
 
 def test_bytes_ids_of_an_integer_column_score_as_the_integers_they_spell(url):
-    # `item` is an int64 Parquet column: "17" is the id 17 (a client following BYTES metadata of old got a hash).
-    # Non-canonical text ("017", "+17") is not an integer: it is hashed, as the CSV reader does.
+    # `item` is an int64 Parquet column, INT64 in model.json: "17" is the id 17. Text that is no canonical integer
+    # ("017", "+17") is a 400 naming the input, the row and the value, as the CSV reader's error names them.
     items = [17, 3, -1, 0, 9223372036854775807, -9223372036854775808]
     as_int = body(rows=len(items), item={"data": items})
     as_text = body(rows=len(items), item={"datatype": "BYTES", "data": [str(i) for i in items]})
-    odd = body(rows=2, item={"datatype": "BYTES", "data": ["017", "+17"]})
+    odd = body(rows=3, item={"datatype": "BYTES", "data": ["17", "017", "+17"]})
     scores = [httpx.post(f"{url}/v2/models/ctr/infer", json=b, timeout=TIMEOUT) for b in (as_int, as_text, odd)]
-    assert [r.status_code for r in scores] == [200, 200, 200]
-    data = [r.json()["outputs"][0]["data"] for r in scores]
-    assert data[0] == data[1]
-    first = httpx.post(f"{url}/v2/models/ctr/infer", json=body(rows=2, item={"data": [17, 17]}), timeout=TIMEOUT)
-    assert data[2] != first.json()["outputs"][0]["data"]  # the hashed text reads another row than id 17
+    assert [r.status_code for r in scores] == [200, 200, 400]
+    assert scores[0].json()["outputs"][0]["data"] == scores[1].json()["outputs"][0]["data"]
+    assert scores[2].json()["error"] == ("input 'item': '017' at row 1 is not an integer id, and the model reads "
+                                         "'item' as INT64 ids (id_types in model.json)")
 
 
 def body(rows: int = 2, **replace) -> dict:

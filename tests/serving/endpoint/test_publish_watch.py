@@ -24,11 +24,11 @@ from dynemb.train import TrainConfig
 CLIENTS, RESPONSES_PER_VERSION, ROWS = 3, 5, 64
 
 
-def infer_body(batch, prep) -> dict:
-    inputs = [{"name": c, "datatype": "INT64", "shape": [ROWS], "data": batch.sparse[c].tolist()}
-              for c in prep.categorical]
-    return {"inputs": inputs + [{"name": c, "datatype": "FP32", "shape": [ROWS], "data": batch.dense[:, j].tolist()}
-                                for j, c in enumerate(prep.dense)]}
+def infer_body(run, prep) -> dict:
+    """The first ``ROWS`` rows of ``run/test.parquet`` as they are (ids are read by the model's id types)."""
+    rows = pq.read_table(run / "test.parquet").slice(0, ROWS).to_pydict()
+    inputs = [{"name": c, "datatype": prep.id_types[c], "shape": [ROWS], "data": rows[c]} for c in prep.categorical]
+    return {"inputs": inputs + [{"name": c, "datatype": "FP32", "shape": [ROWS], "data": rows[c]} for c in prep.dense]}
 
 
 def test_three_deltas_published_during_traffic_are_served_in_order_without_mixed_or_failed_responses(run, tmp_path):
@@ -87,7 +87,7 @@ def test_three_deltas_published_during_traffic_are_served_in_order_without_mixed
 
     try:
         with running(build_app(served)) as url:
-            body = infer_body(rows["batch"], rows["prep"])
+            body = infer_body(run, rows["prep"])
             clients = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
             for t in clients:
                 t.start()
@@ -160,7 +160,7 @@ def test_versions_published_while_the_server_loads_are_served_with_their_own_mlp
     watcher = ExportWatcher(served, interval_s=0.05)
     try:
         with running(build_app(served)) as url:
-            body = infer_body(rows["batch"], rows["prep"])
+            body = infer_body(run, rows["prep"])
             for _ in range(2):  # before and after a poll: nothing newer to apply, the pair stays right
                 reply = httpx.post(f"{url}/v2/models/ctr/infer", json=body, timeout=30).json()
                 version = int(reply["model_version"])

@@ -1,8 +1,9 @@
 """Request decoding against the file readers' column code: the joined, one-conversion-per-datatype path gives each
 column exactly what ``categorical_ids`` / ``dense_values`` give it alone (nulls get their own column's key), in
-JSON and in binary tensors."""
+JSON and in binary tensors; every id datatype gives the ids of the column's id type in the model."""
 
 import json
+import re
 
 import numpy as np
 import orjson
@@ -10,29 +11,41 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from dynemb.data import hash_strings, null_key
 from dynemb.data.columns import categorical_ids, dense_values
 from dynemb.data.preprocess import Preprocessing
 from dynemb.serving.endpoint.protocol import _numeric_batch, decode_request
 from dynemb.serving.endpoint.wire import RequestError, parse_body
 
-PREP = Preprocessing(label=None, categorical=("a", "b", "c"), dense=("x", "y"), dense_mean=(0.0, 0.0),
-                     dense_std=(1.0, 1.0), dense_rows=1)
+
+
+def prep_of(id_types: dict) -> Preprocessing:
+    return Preprocessing(label=None, categorical=("a", "b", "c"), dense=("x", "y"), dense_mean=(0.0, 0.0),
+                         dense_std=(1.0, 1.0), dense_min=(-5.0, -5.0), dense_max=(5.0, 5.0), dense_rows=1,
+                         id_types=id_types)
+
+
+PREP = prep_of(dict.fromkeys("abc", "INT64"))
 INT64 = st.one_of(st.none(), st.integers(-2**63, 2**63 - 1))
+DECIMAL = st.one_of(st.none(), st.integers(-2**63, 2**63 - 1).map(str))
 TEXT = st.one_of(st.none(), st.text(max_size=6))
 FLOAT = st.one_of(st.none(), st.floats(allow_nan=False, allow_infinity=False, width=32), st.integers(-1000, 1000))
 
 
 @st.composite
 def requests(draw):
+    """``(rows, columns, prep)``: any datatype for each id column, with values its id type in ``prep`` reads."""
     rows = draw(st.integers(0, 12))
     kinds = draw(st.lists(st.sampled_from(["INT64", "INT32", "BYTES"]), min_size=3, max_size=3))
+    prep = prep_of(dict(zip("abc", draw(st.lists(st.sampled_from(["INT64", "BYTES"]), min_size=3, max_size=3)))))
     columns = {}
-    for name, kind in zip(PREP.categorical, kinds):
-        values = st.integers(-2**31, 2**31 - 1) if kind == "INT32" else (TEXT if kind == "BYTES" else INT64)
+    for name, kind in zip(prep.categorical, kinds):
+        text = DECIMAL if prep.id_types[name] == "INT64" else TEXT
+        values = st.integers(-2**31, 2**31 - 1) if kind == "INT32" else (text if kind == "BYTES" else INT64)
         columns[name] = (kind, draw(st.lists(values, min_size=rows, max_size=rows)))
-    for name in PREP.dense:
+    for name in prep.dense:
         columns[name] = ("FP32", draw(st.lists(FLOAT, min_size=rows, max_size=rows)))
-    return rows, columns
+    return rows, columns, prep
 
 
 def as_json(columns) -> bytes:
@@ -43,13 +56,14 @@ def as_json(columns) -> bytes:
 @settings(max_examples=60, deadline=None)
 @given(requests())
 def test_decoded_columns_equal_the_readers_column_by_column(request):
-    rows, columns = request
-    batch = decode_request(parse_body(as_json(columns)), PREP, 64)
-    for name in PREP.categorical:
+    rows, columns, prep = request
+    batch = decode_request(parse_body(as_json(columns)), prep, 64)
+    for name in prep.categorical:
         kind, values = columns[name]
         arrow = pa.array(values, pa.string() if kind == "BYTES" else pa.int64())
-        np.testing.assert_array_equal(batch.sparse[name].numpy(), categorical_ids(arrow, name, name))
-    for j, name in enumerate(PREP.dense):
+        np.testing.assert_array_equal(batch.sparse[name].numpy(), categorical_ids(arrow, name, name,
+                                                                                  prep.id_types[name]))
+    for j, name in enumerate(prep.dense):
         expected = dense_values(pa.array(columns[name][1], pa.float64()), name)
         np.testing.assert_array_equal(batch.dense[:, j].numpy(), expected)
     assert len(batch) == rows
@@ -58,7 +72,7 @@ def test_decoded_columns_equal_the_readers_column_by_column(request):
 @settings(max_examples=30, deadline=None)
 @given(requests())
 def test_binary_tensors_decode_like_json(request):
-    rows, columns = request
+    rows, columns, prep = request
     if any(v is None for _, values in columns.values() for v in values):
         return  # the binary extension has no nulls
     head, raw = [], b""
@@ -70,11 +84,11 @@ def test_binary_tensors_decode_like_json(request):
         head.append({"name": name, "datatype": kind, "shape": [rows], "parameters": {"binary_data_size": len(data)}})
         raw += data
     header = json.dumps({"inputs": head}).encode()
-    binary = decode_request(parse_body(header + raw, len(header)), PREP, 64)
+    binary = decode_request(parse_body(header + raw, len(header)), prep, 64)
     # FP32 on the wire: the JSON values rounded to float32 first
     rounded = {n: (d, [float(np.float32(v)) for v in vs] if d == "FP32" else vs) for n, (d, vs) in columns.items()}
-    plain = decode_request(parse_body(as_json(rounded)), PREP, 64)
-    for name in PREP.categorical:
+    plain = decode_request(parse_body(as_json(rounded)), prep, 64)
+    for name in prep.categorical:
         np.testing.assert_array_equal(binary.sparse[name].numpy(), plain.sparse[name].numpy())
     np.testing.assert_array_equal(binary.dense.numpy(), plain.dense.numpy())
 
@@ -85,44 +99,73 @@ def test_binary_tensors_decode_like_json(request):
     ("x", [1.5, False], "'x': FP32 values must be numbers, got bool"),
     ("x", ["1.5", 2.0], "'x': FP32 values must be numbers"),
     ("c", ["s", 3], "'c': BYTES values must be strings"),
+    ("a", [1.0, 2.0], "'a': datatype must be BYTES, INT64 or INT32, got 'FP32'"),
 ])
 def test_a_value_of_another_type_names_its_input_even_inside_a_joined_conversion(column, values, message):
     columns = {"a": ("INT64", [1, 2]), "b": ("INT64", [3, 4]), "c": ("BYTES", ["p", "q"]), "x": ("FP32", [0.5, 1.0]),
                "y": ("FP32", [2.0, 3.0])}
-    columns[column] = (columns[column][0], values)
+    columns[column] = ("FP32" if "FP32" in message and column == "a" else columns[column][0], values)
     with pytest.raises(RequestError, match=message):
-        decode_request(parse_body(as_json(columns)), PREP, 64)
+        decode_request(parse_body(as_json(columns)), prep_of({"c": "BYTES"}), 64)
 
 
-DIGITS = st.one_of(TEXT, st.integers(-2**63, 2**63 - 1).map(str), st.sampled_from(["017", "+1", "-0", "9" * 20]))
+# Digit-only text of every kind: canonical int64s, leading zeros, signs, out of range, extremes.
+DIGITS = st.one_of(st.none(), st.integers(-2**63, 2**63 - 1).map(str),
+                   st.sampled_from(["0", "007", "-0", "+1", "9" * 20, str(2**63), str(-2**63 - 1), str(2**63 - 1),
+                                    str(-2**63), "", "85711"]), st.text(alphabet="0123456789-+", max_size=21))
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.data())
-def test_text_ids_of_decimal_columns_are_read_as_the_csv_reader_reads_them(data):
-    """``decimal`` columns (integer in training, or CSV) take canonical integer text as the integer; others hash."""
-    rows = data.draw(st.integers(0, 8))
-    decimal = frozenset(data.draw(st.sets(st.sampled_from(PREP.categorical))))
-    columns = {n: ("BYTES", data.draw(st.lists(DIGITS, min_size=rows, max_size=rows))) for n in PREP.categorical}
-    columns.update({n: ("FP32", [0.0] * rows) for n in PREP.dense})
-    batch = decode_request(parse_body(as_json(columns)), PREP, 64, decimal)
-    for name in PREP.categorical:
-        arrow = pa.array(columns[name][1], pa.string())
-        expected = categorical_ids(arrow, name, name, decimal_text=name in decimal)
-        np.testing.assert_array_equal(batch.sparse[name].numpy(), expected)
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10).flatmap(lambda n: st.lists(st.one_of(st.none(), st.integers(-2**31, 2**31 - 1)),
+                                                      min_size=n, max_size=n)),
+       st.sampled_from(["INT64", "BYTES"]))
+def test_every_id_datatype_gives_the_ids_of_the_column_id_type(values, id_type):
+    """INT64, INT32 and BYTES (decimal text) requests of the same ids give the same ids: the integers themselves
+    in an INT64 column; in a BYTES column, the hashes of their decimal text (85711 and "85711" are one id)."""
+    prep = prep_of(dict.fromkeys("abc", id_type))
+    text = [None if v is None else str(v) for v in values]
+    decoded = []
+    for datatype, data in (("INT64", values), ("INT32", values), ("BYTES", text)):
+        columns = {n: (datatype, data) for n in "abc"} | {n: ("FP32", [0.0] * len(values)) for n in "xy"}
+        decoded.append({n: decode_request(parse_body(as_json(columns)), prep, 64).sparse[n].tolist() for n in "abc"})
+    assert decoded[0] == decoded[1] == decoded[2]
+    for n in "abc":
+        present = [v for v in text if v is not None]
+        expected = iter(hash_strings(present).tolist() if id_type == "BYTES" else [int(v) for v in present])
+        assert decoded[0][n] == [null_key(n) if v is None else next(expected) for v in text]
 
 
-def test_a_decimal_multi_hot_column_reads_text_integers_as_integers():
-    prep = Preprocessing(label=None, categorical=(), multi_hot=("m",), dense=(), dense_mean=(), dense_std=(),
-                         dense_rows=1)
+@settings(max_examples=60, deadline=None)
+@given(st.lists(DIGITS, max_size=8))
+def test_text_ids_are_read_by_the_column_id_type_as_the_readers_read_them(values):
+    """BYTES text of a BYTES column is hashed as text (digit-only included); of an INT64 column it must be a
+    canonical decimal int64, else the request is a 400 naming the input, the row and the value."""
+    columns = {n: ("BYTES", values) for n in "abc"} | {n: ("FP32", [0.0] * len(values)) for n in "xy"}
+    as_bytes = decode_request(parse_body(as_json(columns)), prep_of(dict.fromkeys("abc", "BYTES")), 64)
+    arrow = pa.array(values, pa.string())
+    np.testing.assert_array_equal(as_bytes.sparse["b"].numpy(), categorical_ids(arrow, "b", "b", "BYTES"))
+    canonical = [v is None or bool(re.fullmatch(r"0|-?[1-9][0-9]*", v)) and -2**63 <= int(v) < 2**63 for v in values]
+    if all(canonical):
+        as_ints = decode_request(parse_body(as_json(columns)), PREP, 64)
+        assert as_ints.sparse["b"].tolist() == [null_key("b") if v is None else int(v) for v in values]
+    else:
+        row = canonical.index(False)
+        with pytest.raises(RequestError, match=rf"^input 'a': {re.escape(repr(values[row]))} at row {row} is not an "
+                                                r"integer id, and the model reads 'a' as INT64 ids"):
+            decode_request(parse_body(as_json(columns)), PREP, 64)
 
-    def ids(datatype, values, decimal):
-        request = {"inputs": [{"name": "m", "datatype": datatype, "shape": [3], "data": values},
-                              {"name": "m__lengths", "datatype": "INT32", "shape": [2], "data": [1, 2]}]}
-        return decode_request(request, prep, 64, decimal).sparse["m"].tolist()
 
-    assert ids("BYTES", ["5", "-7", "x"], frozenset({"m"}))[:2] == ids("INT64", [5, -7, 0], frozenset())[:2]
-    assert ids("BYTES", ["5", "-7", "x"], frozenset())[:2] != [5, -7]  # not a decimal column: hashed
+def test_multi_hot_ids_follow_the_column_id_type_and_name_the_row_of_a_bad_value():
+    def ids(datatype, values, id_type):
+        prep = Preprocessing(label=None, categorical=(), multi_hot=("m",), id_types={"m": id_type}, dense_rows=1)
+        request = {"inputs": [{"name": "m", "datatype": datatype, "shape": [len(values)], "data": values},
+                              {"name": "m__lengths", "datatype": "INT32", "shape": [2], "data": [1, len(values) - 1]}]}
+        return decode_request(request, prep, 64).sparse["m"].tolist()
+
+    assert ids("BYTES", ["5", "-7", None], "INT64") == ids("INT64", [5, -7, None], "INT64") == [5, -7, null_key("m")]
+    assert ids("BYTES", ["5", "-7"], "BYTES") == ids("INT32", [5, -7], "BYTES") == hash_strings(["5", "-7"]).tolist()
+    with pytest.raises(RequestError, match=r"^input 'm': 'x' at row 1 is not an integer id"):
+        ids("BYTES", ["5", "-7", "x"], "INT64")
 
 
 # Any JSON value a client might put in `data` (nested arrays too), and requests built around them.
@@ -164,8 +207,9 @@ def test_nested_data_is_read_in_row_major_order_as_the_protocol_allows():
     text = json.dumps({"inputs": [{"name": n, "datatype": d, "shape": [4], "data": v}
                                   for n, (d, v) in nested.items()]}).encode()
     flat = {n: (d, np.ravel(v).tolist()) for n, (d, v) in nested.items()}
-    got, expected = decode_request(parse_body(text), PREP, 64), decode_request(parse_body(as_json(flat)), PREP, 64)
-    for name in PREP.categorical:
+    prep = prep_of({"a": "INT64", "b": "INT64", "c": "BYTES"})
+    got, expected = decode_request(parse_body(text), prep, 64), decode_request(parse_body(as_json(flat)), prep, 64)
+    for name in prep.categorical:
         np.testing.assert_array_equal(got.sparse[name].numpy(), expected.sparse[name].numpy())
     np.testing.assert_array_equal(got.dense.numpy(), expected.dense.numpy())
 
@@ -176,7 +220,7 @@ def test_nested_data_is_read_in_row_major_order_as_the_protocol_allows():
     st.lists(st.lists(st.floats(width=32), min_size=rows, max_size=rows), min_size=2, max_size=2),
     st.sampled_from(["FP32", "FP64"]))))
 def test_all_numeric_arrays_decode_as_the_general_path_decodes_lists(case):
-    ids, dense, dense_type = case  # NaN and inf included: NaN reads 0.0, inf stays inf, on both paths
+    ids, dense, dense_type = case  # NaN and inf included: both paths keep them raw, for the dense rule
     def request(as_array):
         make = (lambda v, dt: np.asarray(v, dt)) if as_array else (lambda v, dt: list(v))
         return {"inputs": [{"name": n, "datatype": "INT64", "shape": [len(v)], "data": make(v, np.int64)}

@@ -243,7 +243,7 @@ class _Infer:
             body = await _read_body(receive, headers.get(b"content-length"), self.max_body_bytes)
             header = headers.get(BINARY_HEADER.encode())
             parsed = parse_body(body, int(header) if header and header.isdigit() else None)
-            batch = decode_request(parsed, model.preprocessing, self.max_batch_size, model.decimal_columns)
+            batch = decode_request(parsed, model.preprocessing, self.max_batch_size)
         except RequestError as exc:
             return 400, {"error": str(exc)}
         try:
@@ -283,8 +283,7 @@ def build_app(model: ServedModel, *, token: Optional[str] = None, max_body_bytes
         return _JSON({"ready": True})
 
     async def metadata(request: Request) -> Response:
-        return known(request) or _JSON(model_metadata(model.name, model.version, model.preprocessing,
-                                                      model.id_types))
+        return known(request) or _JSON(model_metadata(model.name, model.version, model.preprocessing))
 
     async def stats(request: Request) -> Response:
         name = request.path_params.get("name")

@@ -111,22 +111,9 @@ class ServedModel:
 
     @property
     def preprocessing(self):
-        """The run's :class:`~dynemb.data.preprocess.Preprocessing` (columns, dense statistics)."""
+        """The run's :class:`~dynemb.data.preprocess.Preprocessing` (columns, id types, dense statistics): requests
+        are read and normalized by it, as ``dynemb predict`` reads files."""
         return self.card.preprocessing
-
-    @property
-    def id_types(self) -> dict:
-        """Each id column's datatype in the training data (``"INT64"`` or ``"BYTES"``); empty for a run trained
-        before the card recorded them (its columns are reported as ``BYTES``)."""
-        return dict(self.card.data.get("id_types") or {})
-
-    @property
-    def decimal_columns(self) -> frozenset:
-        """The id columns whose canonical decimal text (``"17"``) is an integer id, as in training: integer
-        Parquet columns, and every column of a CSV run."""
-        if self.card.data.get("format") == "csv":
-            return frozenset(self.features)
-        return frozenset(c for c, t in self.id_types.items() if t == "INT64")
 
     @property
     def version(self) -> int:

@@ -5,17 +5,23 @@ Inputs, ``B`` rows per request:
 =======================  ======================  ========  ==============================================
 tensor                   datatype                shape     holds
 =======================  ======================  ========  ==============================================
-``{column}``             BYTES, INT64 or INT32   ``[B]``   a categorical column: strings (hashed as the
-                                                           readers hash them) or integer ids; JSON ``null``
-                                                           is a null id
+``{column}``             BYTES, INT64 or INT32   ``[B]``   a categorical column: ids read by the column's
+                                                           id type in the model (below); JSON ``null`` is
+                                                           a null id
 ``{column}``             BYTES, INT64 or INT32   ``[N]``   a multi-hot column: the ids of every row,
                                                            concatenated
 ``{column}__lengths``    INT32                   ``[B]``   ... and how many of them each row has
-``{column}``             FP32 (or FP64)          ``[B]``   a dense column, raw (normalized by the server)
+``{column}``             FP32 (or FP64)          ``[B]``   a dense column, raw (normalized by the server);
+                                                           ``null``, NaN and ``±inf`` allowed
 =======================  ======================  ========  ==============================================
 
 Output: ``probability``, FP32 ``[B]``. Ids and dense values go through :mod:`dynemb.data.columns`, the code the
-file readers use, so a request scores exactly as the same rows read from a Parquet file.
+file readers use, and the model's :class:`~dynemb.data.preprocess.Preprocessing`, so a request scores exactly as
+the same rows read from a Parquet or CSV file. Each id column has the model's id type (the metadata reports it as
+the input's datatype): an ``INT64`` column takes integers, and BYTES text that is a canonical decimal int64
+(other text is a 400 naming the input and the value); a ``BYTES`` column hashes text, and hashes an integer as its
+decimal text, so ``85711`` and ``"85711"`` are one id. Dense ``null``/NaN, ``inf`` and ``-inf`` read as the
+training mean, max and min (the rule of docs/cli.md), silently: the endpoint counts nothing per request.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import pyarrow.compute as pc
 import torch
 
 from ...data.batch import Batch
-from ...data.columns import categorical_ids, dense_values
+from ...data.columns import categorical_ids, dense_values, multi_hot_ids
 from ...data.preprocess import Preprocessing
 from .wire import RequestError, dumps_json, parse_body
 
@@ -45,13 +51,12 @@ def _tensor(name: str, datatype: str, shape: list) -> dict:
     return {"name": name, "datatype": datatype, "shape": shape}
 
 
-def model_metadata(name: str, version: int, prep: Preprocessing, id_types: Optional[dict] = None) -> dict:
-    """The ``GET /v2/models/{name}`` object: inputs (``-1`` is a free size) and the output. ``id_types``: each id
-    column's datatype in the training data (``"INT64"`` or ``"BYTES"``; a column it lacks is ``BYTES``)."""
-    kind = (id_types or {}).get
-    inputs = [_tensor(c, kind(c, "BYTES"), [-1]) for c in prep.categorical]
+def model_metadata(name: str, version: int, prep: Preprocessing) -> dict:
+    """The ``GET /v2/models/{name}`` object: inputs (``-1`` is a free size) and the output. An id column's datatype
+    is its id type in the model (``INT64`` or ``BYTES``; both datatypes, and INT32, are read by that type)."""
+    inputs = [_tensor(c, prep.id_types[c], [-1]) for c in prep.categorical]
     for c in prep.multi_hot:
-        inputs += [_tensor(c, kind(c, "BYTES"), [-1]), _tensor(c + LENGTHS, "INT32", [-1])]
+        inputs += [_tensor(c, prep.id_types[c], [-1]), _tensor(c + LENGTHS, "INT32", [-1])]
     inputs += [_tensor(c, "FP32", [-1]) for c in prep.dense]
     return {"name": name, "versions": [str(version)], "platform": "dynemb_dlrm", "inputs": inputs,
             "outputs": [_tensor(OUTPUT, "FP32", [-1])]}
@@ -124,15 +129,22 @@ def _array(t: dict, data) -> pa.Array:
     return array if array.type == target else array.cast(target)
 
 
-def _ids(t: dict, column: str, rows: Optional[int], decimal: bool) -> np.ndarray:
-    return _column_ids(t, _array(t, _data(t, ID_TYPES, rows)), column, decimal)
-
-
-def _column_ids(t: dict, array: pa.Array, column: str, decimal: bool) -> np.ndarray:
+def _column_ids(t: dict, array: pa.Array, column: str, id_type: str) -> np.ndarray:
     try:
-        return categorical_ids(array, column, f"input {t['name']!r}", decimal_text=decimal)
-    except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:
-        raise RequestError(f"input {t['name']!r}: {str(exc).splitlines()[0]}") from None
+        return categorical_ids(array, column, f"input {t['name']!r}", id_type)
+    except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:  # the message names the input
+        raise RequestError(str(exc).splitlines()[0]) from None
+
+
+def _bag_ids(t: dict, lengths: np.ndarray, column: str, id_type: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids [N], offsets [B + 1])`` of a multi-hot input: the readers' code, on a list array of its values."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    bags = pa.LargeListArray.from_arrays(pa.array(offsets), _array(t, _data(t, ID_TYPES, None)))
+    try:
+        return multi_hot_ids(bags, column, f"input {t['name']!r}", id_type)
+    except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:  # the message names the input
+        raise RequestError(str(exc).splitlines()[0]) from None
 
 
 def _lengths(t: dict, rows: int, total: int, column: str) -> np.ndarray:
@@ -146,14 +158,14 @@ def _lengths(t: dict, rows: int, total: int, column: str) -> np.ndarray:
     return lengths
 
 
-def decode_request(request: Any, prep: Preprocessing, max_rows: int, decimal: frozenset = frozenset()) -> Batch:
-    """The batch of rows an infer request holds (dense values raw, labels 0). ``decimal``: the id columns whose
-    text values that are canonical decimal integers (``"17"``, not ``"017"``) are those integers, as they were in
-    training (an integer Parquet column, or CSV text); other text is hashed.
+def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
+    """The batch of rows an infer request holds (dense values raw, a null as NaN; labels 0), its ids read by each
+    column's id type in ``prep`` (module docstring), as the file readers read them.
 
     Raises:
-        RequestError: a missing, unknown, mistyped or mis-sized input, or more than ``max_rows`` rows; the
-            message names the input.
+        RequestError: a missing, unknown, mistyped or mis-sized input, an id that the column's type cannot read
+            (text that is no integer for an ``INT64`` column), or more than ``max_rows`` rows; the message names
+            the input.
     """
     inputs = _inputs_by_name(request)
     _check_outputs(request.get("outputs"))
@@ -171,13 +183,13 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int, decimal: fr
     batch = _numeric_batch(inputs, prep, rows)
     if batch is not None:
         return batch
-    sparse = {c: torch.from_numpy(ids) for c, ids in _one_hot_ids(inputs, prep.categorical, rows, decimal).items()}
+    one_hot = _one_hot_ids(inputs, prep.categorical, rows, prep.id_types)
+    sparse = {c: torch.from_numpy(ids) for c, ids in one_hot.items()}
     offsets = {}
     for c in prep.multi_hot:
-        ids = _ids(inputs[c], c, None, c in decimal)
-        lengths = _lengths(inputs[c + LENGTHS], rows, len(ids), c)
-        sparse[c] = torch.from_numpy(ids)
-        offsets[c] = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        lengths = _lengths(inputs[c + LENGTHS], rows, len(_data(inputs[c], ID_TYPES, None)), c)
+        ids, bounds = _bag_ids(inputs[c], lengths, c, prep.id_types[c])
+        sparse[c], offsets[c] = torch.from_numpy(ids), torch.from_numpy(bounds)
     dense = np.zeros((len(prep.dense), rows), dtype=np.float32)
     if prep.dense:
         values = _joined([inputs[c] for c in prep.dense], [_data(inputs[c], DENSE_TYPES, rows) for c in prep.dense])
@@ -187,10 +199,10 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int, decimal: fr
 
 def _numeric_batch(inputs: dict, prep: Preprocessing, rows: int) -> Optional[Batch]:
     """The batch of a request whose inputs are all numpy arrays of ``rows`` values, INT64 ids (from JSON or
-    binary tensors) and FP32/FP64 dense values, built in a few numpy calls; ``None`` for any other request, which
-    the general path reads (and checks, naming the input). Both give the same batch: an int64 id is itself, a
-    dense value is its float32 with NaN as 0.0."""
-    if prep.multi_hot:
+    binary tensors) of ``INT64`` columns and FP32/FP64 dense values, built in a few numpy calls; ``None`` for any
+    other request, which the general path reads (and checks, naming the input). Both give the same batch: an
+    int64 id is itself, a dense value is its float32 (NaN and ``±inf`` kept for the dense rule)."""
+    if prep.multi_hot or any(prep.id_types[c] != "INT64" for c in prep.categorical):
         return None
     ids, dense = [], []
     for names, datatypes, out in ((prep.categorical, ("INT64",), ids), (prep.dense, DENSE_TYPES, dense)):
@@ -207,8 +219,8 @@ def _numeric_batch(inputs: dict, prep: Preprocessing, rows: int) -> Optional[Bat
         sparse = {c: torch.from_numpy(stacked[k]) for k, c in enumerate(prep.categorical)}
     values = np.zeros((rows, len(prep.dense)), dtype=np.float32)
     if dense:
-        values[:] = np.stack(dense, axis=1)
-        values[np.isnan(values)] = 0.0
+        with np.errstate(over="ignore"):  # an FP64 value beyond float32 is inf, as the general path reads it
+            values[:] = np.stack(dense, axis=1)
     return Batch(torch.from_numpy(values), sparse, torch.zeros(rows), {})
 
 
@@ -241,21 +253,23 @@ def _joined(tensors: list, datas: list) -> pa.Array:
         raise
 
 
-def _one_hot_ids(inputs: dict, columns: tuple, rows: int, decimal: frozenset) -> dict[str, np.ndarray]:
+def _one_hot_ids(inputs: dict, columns: tuple, rows: int, id_types: dict) -> dict[str, np.ndarray]:
     """int64 ids ``[rows]`` of each one-hot column (see :func:`~dynemb.data.columns.categorical_ids`)."""
     datas = {c: _data(inputs[c], ID_TYPES, rows) for c in columns}
     out = {}
-    for datatype, text_ints in itertools.product(ID_TYPES, (False, True)):
-        group = [c for c in columns if inputs[c]["datatype"] == datatype and (c in decimal) == text_ints]
+    for datatype, id_type in itertools.product(ID_TYPES, ("INT64", "BYTES")):
+        group = [c for c in columns if inputs[c]["datatype"] == datatype and id_types[c] == id_type]
         if not group:
             continue
         joined = _joined([inputs[c] for c in group], [datas[c] for c in group])
-        if joined.null_count:  # nulls get their column's own key: column by column
-            for k, c in enumerate(group):
-                out[c] = _column_ids(inputs[c], joined.slice(k * rows, rows), c, text_ints)
-        else:  # no null: the column name plays no part
-            ids = _column_ids(inputs[group[0]], joined, group[0], text_ints)
-            out.update(zip(group, ids.reshape(len(group), rows)))
+        ids = None
+        if not joined.null_count:  # no null: the column name plays no part, so one conversion for the group
+            try:
+                ids = _column_ids(inputs[group[0]], joined, group[0], id_type).reshape(len(group), rows)
+            except RequestError:
+                pass  # read again column by column, for the message to name the value's own input and row
+        for k, c in enumerate(group):  # nulls get their column's own key
+            out[c] = ids[k] if ids is not None else _column_ids(inputs[c], joined.slice(k * rows, rows), c, id_type)
     return out
 
 
