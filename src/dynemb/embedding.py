@@ -21,7 +21,7 @@ _FORMAT = 1
 def check_move(args: tuple, kwargs: dict) -> None:
     """Check the device of ``module.to(*args, **kwargs)`` before anything moves (a device this process cannot
     use is a ``ValueError`` naming it, not torch's bare ``AssertionError`` halfway through the move)."""
-    try:
+    try:  # nn.Module.to's own parser: every form .to() takes (device, dtype, tensor, keywords)
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"to(): {e}") from None

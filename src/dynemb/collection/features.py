@@ -201,8 +201,9 @@ def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, 
 
 def _check_ids(fname: str, ids, tcfg: TableConfig, device, check_ranges: bool) -> torch.Tensor:
     # A ValueError of the checked cast is prefixed with the feature and table by prepare_features; the device-side
-    # assert of the unchecked one names them itself.
-    name = "ids" if check_ranges else f"ids of feature {fname!r} (table {tcfg.name!r})"
+    # assert of the unchecked one (also the one compiled code runs) names them itself.
+    checked = check_ranges and not torch.compiler.is_compiling()
+    name = "ids" if checked else f"ids of feature {fname!r} (table {tcfg.name!r})"
     flat = check_keys(fit_keys(ids, tcfg.key_dtype, device, name, check=check_ranges), tcfg.key_dtype, device,
                       "ids")
     if check_ranges and tcfg.is_static and not torch.compiler.is_compiling() and flat.numel():

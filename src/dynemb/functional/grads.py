@@ -104,14 +104,14 @@ def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.
         optimizer.apply_gradient(table, rows, grad)
         return
     if optimizer is None and not getattr(table, "_warned_unbound", False):  # the hot path's only cost: this flag
-        warn_unbound(table)
+        _warn_unbound(table)
     if table.sparse_grad is None:
         table.sparse_grad = SparseGrad()
     table.sparse_grad.add(keys, rows, grad)
 
 
 
-def warn_unbound(table) -> None:
+def _warn_unbound(table) -> None:
     """Warn, once per table object, that ``table`` got gradients with no optimizer bound to it: they accumulate
     (in its ``sparse_grad``) until an optimizer bound to it steps and zero_grads, which a model trained with only a
     ``torch.optim`` optimizer over its dense Parameters never does."""
