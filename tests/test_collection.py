@@ -117,3 +117,29 @@ def test_static_and_dynamic_tables_train_identically(opt, weighted):
     (kd, vd), (ks, vs) = ecs[0].export("t"), ecs[1].export("t")
     vs = vs[kd]  # the static table holds every id; compare the ones the dynamic table saw
     assert torch.equal(vd, vs)
+
+
+def test_eviction_without_a_bound_is_refused():
+    """As the CLI's ``--eviction needs --max-capacity``: a policy means something only where rows are evicted."""
+    with pytest.raises(ValueError, match=r"^TableConfig\('t'\).eviction='lfu' needs a bound: give max_capacity or "
+                                         r"max_bytes \(or tiers\)"):
+        TableConfig(name="t", dim=2, eviction="lfu")
+    for bound in ({"max_capacity": 10}, {"max_bytes": 1 << 16}, {"tiers": dynemb.table.Tiers(fast_capacity=10)}):
+        assert TableConfig(name="t", dim=2, eviction="lfu", **bound).eviction.value == "lfu"
+    assert TableConfig(name="t", dim=2).eviction is None  # unbounded, no policy given: fine
+
+
+def test_gradients_with_no_optimizer_warn_once_per_table_by_name(recwarn):
+    tables = [TableConfig(name="user", dim=4, seed=1), TableConfig(name="item", dim=4, seed=2),
+              TableConfig(name="country", dim=4, vocabulary_size=8, seed=3, optimizer=optim.SGD(lr=0.1))]
+    ec = EmbeddingCollection(tables, [FeatureConfig(name=t.name, table=t.name) for t in tables])
+    ec.embeddings["item"].requires_grad_(False)  # a frozen table takes no gradient: nothing to warn about
+    for step in range(3):
+        out = ec({"user": torch.tensor([1, 2 + step]), "item": torch.tensor([[3, 4], [5, 6]]),
+                  "country": torch.tensor([0, 7])})
+        sum(o.sum() for o in out.values()).backward()
+    messages = [str(w.message) for w in recwarn if issubclass(w.category, UserWarning)]
+    assert messages == ["table 'user' got gradients in backward but no optimizer is bound to it: they accumulate "
+                        "until an optimizer bound to the table steps and zero_grads. Bind one, e.g. "
+                        "dynemb.optim.SGD([emb], lr=0.1) or TableConfig(optimizer=dynemb.optim.SGD(lr=0.1)), or "
+                        "freeze the table with requires_grad_(False). (Warned once per table.)"]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import dynemb
 from dynemb import DynamicEmbedding, EmbeddingCollection, FeatureConfig, StaticEmbedding, TableConfig
+from dynemb.table import Tiers
 
 
 def _emb(key_dtype, device, dim=4, **kw) -> DynamicEmbedding:
@@ -63,7 +66,7 @@ def test_forward_beyond_max_capacity_still_returns_rows(key_dtype, device):
 def test_forward_rejects_bad_ids(key_dtype, device, fails_cleanly):
     emb = _emb(key_dtype, device)
     emb(_k([1], key_dtype, device))
-    other = torch.int64 if key_dtype == torch.int32 else torch.uint64  # wider than the keys: never narrowed
+    other = torch.uint64  # wider than the keys, and not int64 (cast to int32 when it fits): never narrowed
     for mode in (True, False):
         emb.train(mode)
         with fails_cleanly(emb, TypeError, rf"ids must have dtype {key_dtype} .*or a narrower integer.*got {other}"):
@@ -88,6 +91,45 @@ def test_narrower_integer_ids_are_widened(key_dtype, device):
         assert bool(emb.contains(ids.to(key_dtype).reshape(-1)).all())
     assert len(emb) == len(set(v for d in narrow for v in (torch.iinfo(d).min, torch.iinfo(d).max, -1, 0, 1)
                                if torch.iinfo(d).min <= v))
+
+
+def test_int64_ids_of_an_int32_table_are_cast_when_they_fit(device):
+    """int64 ids (TorchRec's, or torch.tensor of Python ints) reach an int32 table through every method that takes
+    ids, with the rows of the same int32 ids."""
+    emb, twin = _emb(torch.int32, device), _emb(torch.int32, device)
+    ids = torch.tensor([[-(2**31), 7], [2**31 - 1, 7]], device=device)
+    assert torch.equal(emb(ids), twin(ids.int()))
+    assert torch.equal(emb.lookup(ids), twin.lookup(ids.int())) and bool(emb.contains(ids).all())
+    emb.upsert(torch.tensor([9], device=device), torch.ones(1, 4, device=device))
+    assert emb.remove(torch.tensor([7, 8], device=device)) == 1
+    assert sorted(emb.export()[0].tolist()) == [-(2**31), 9, 2**31 - 1] and emb.export()[0].dtype == torch.int32
+
+
+@pytest.mark.parametrize("bad", [2**31, -(2**31) - 1, 2**40])
+def test_int64_ids_that_do_not_fit_an_int32_table_are_named_and_change_nothing(bad, fails_cleanly):
+    emb = _emb(torch.int32, "cpu")
+    emb(torch.tensor([1, 2]))
+    keys = torch.tensor([[3, bad]])
+    message = rf"are torch.int64 and the table's key_dtype is torch.int32: .* but {bad} does not"
+    for mode in (True, False):
+        emb.train(mode)
+        with fails_cleanly(emb, ValueError, "^ids " + message):
+            emb(keys)
+    for call in (emb.lookup, emb.contains, emb.remove,
+                 lambda k: emb.upsert(k, torch.zeros(1, 2, 4)),
+                 lambda k: emb.accum(k, torch.zeros(1, 2, 4), torch.ones(1, 2, 4), torch.ones(1, 2).bool())):
+        with fails_cleanly(emb, ValueError, "^keys " + message):
+            call(keys)
+
+
+def test_int64_ids_that_do_not_fit_fail_without_a_sync_where_unchecked():
+    """Where the check would sync (CUDA), a device-side assert says it instead; on CPU it fires at once."""
+    from dynemb.table.checks import fit_keys
+
+    keys = torch.tensor([1, 2**31])
+    with pytest.raises(RuntimeError, match="ids are torch.int64 .* but one of them does not"):
+        fit_keys(keys, torch.int32, keys.device, "ids", check=False)
+    assert fit_keys(keys[:1], torch.int32, keys.device, "ids", check=False).dtype == torch.int32
 
 
 # ------------------------------------------------------------------------------------------------------------- methods
@@ -140,7 +182,7 @@ def test_remove_contains_size_clear(key_dtype, device, extreme_keys):
 
 
 def test_export_with_and_without_scores(key_dtype, device):
-    emb = _emb(key_dtype, device, eviction="lfu")
+    emb = _emb(key_dtype, device, eviction="lfu", max_capacity=100)
     keys = _k([4, 9], key_dtype, device)
     emb.upsert(torch.cat([keys, keys[:1]]), torch.ones(3, 4, device=device))
     k, v = emb.export()
@@ -151,7 +193,7 @@ def test_export_with_and_without_scores(key_dtype, device):
 
 
 def test_restrict_with_and_without_trigger(key_dtype, device):
-    emb = _emb(key_dtype, device, eviction="lfu")
+    emb = _emb(key_dtype, device, eviction="lfu", max_capacity=100)
     emb.upsert(_k([1, 1, 1, 2, 2, 3], key_dtype, device), torch.zeros(6, 4, device=device))
     assert emb.restrict(2, trigger=3).keys.numel() == 0 and len(emb) == 3
     assert emb.restrict(2).keys.tolist() == [3]
@@ -181,6 +223,8 @@ def test_seed_none_follows_torch_manual_seed(key_dtype, device):
         ({"dtype": torch.float64}, TypeError, "dtype"),
         ({"initializer": "xavier"}, ValueError, "initializer"),
         ({"eviction": "random"}, ValueError, "eviction"),
+        ({"eviction": "lfu"}, ValueError, r"^eviction='lfu' needs a bound: give max_capacity or max_bytes \(or tiers"),
+        ({"eviction": "lru", "seed": 1}, ValueError, r"^eviction='lru' needs a bound"),
         ({"max_capacity": -1}, ValueError, "max_capacity"),
         ({"init_capacity": 0}, ValueError, "init_capacity"),
         ({"seed": 1.5}, TypeError, "seed"),
@@ -191,6 +235,16 @@ def test_constructor_errors(kwargs, exc, match):
     args = {"dim": 4, **kwargs}
     with pytest.raises(exc, match=match):
         DynamicEmbedding(args.pop("dim"), **args)
+
+
+def test_eviction_with_a_bound_is_accepted():
+    """As the CLI's ``--eviction needs --max-capacity``: any of the three bounds makes a policy mean something."""
+    for bound in ({"max_capacity": 10}, {"max_bytes": 1 << 16}, {"tiers": Tiers(fast_capacity=10)}):
+        assert DynamicEmbedding(4, eviction="lfu", **bound).table.policy.value == "lfu"
+    state = torch.random.get_rng_state()
+    with pytest.raises(ValueError, match="eviction"):
+        DynamicEmbedding(4, eviction="lfu")
+    assert torch.equal(torch.random.get_rng_state(), state)  # refused before a seed is drawn
 
 
 def test_method_errors_change_nothing(key_dtype, device, fails_cleanly):
@@ -211,8 +265,28 @@ def test_method_errors_change_nothing(key_dtype, device, fails_cleanly):
         emb.restrict(-2)
 
 
+def test_gradients_with_no_optimizer_warn_once_per_table():
+    """Backward with no optimizer bound keeps every gradient until an optimizer steps and zero_grads: said once per
+    table (each table object), never for a table with an optimizer, fused or not (nor a frozen one, which gets no
+    gradient: tests/test_collection.py)."""
+    emb = _emb(torch.int64, "cpu")
+    with pytest.warns(UserWarning, match=r"^a KeyValueTable \(dim=4, key_dtype=torch.int64, 2 rows\) got gradients "
+                                         r"in backward but no optimizer is bound to it: they accumulate until"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    others = [_emb(torch.int64, "cpu") for _ in range(2)]
+    dynemb.optim.SGD([others[0]], lr=0.1)
+    dynemb.optim.Adagrad([others[1]], lr=0.1, fused=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for module in [emb] + others:  # emb: already said
+            module(torch.tensor([[3, 4]])).sum().backward()
+    with pytest.warns(UserWarning, match="got gradients in backward but no optimizer"):
+        _emb(torch.int64, "cpu")(torch.tensor([5])).sum().backward()  # another table: said again
+
+
 # ---------------------------------------------------------------------------------------------------------- state dict
 def _populated(key_dtype, device, **kw) -> DynamicEmbedding:
+    kw.setdefault("max_capacity", 100)
     emb = _emb(key_dtype, device, eviction="lfu", **kw)
     emb.table.add_slot("acc", 2, init=0.1)
     info = torch.iinfo(key_dtype)
@@ -251,14 +325,15 @@ def test_state_dict_round_trip_is_exact(key_dtype, device):
 def test_state_dict_into_module_with_wrong_dim_or_dtype(key_dtype, device, fails_cleanly):
     state = _populated(key_dtype, device).state_dict()
     other_key = torch.int64 if key_dtype == torch.int32 else torch.int32
+    bounded = {"device": device, "eviction": "lfu", "max_capacity": 100}
     cases = [
-        (DynamicEmbedding(8, key_dtype=key_dtype, device=device, eviction="lfu"), "dim is 4 in the state dict but 8"),
+        (DynamicEmbedding(8, key_dtype=key_dtype, **bounded), "dim is 4 in the state dict but 8"),
         (
-            DynamicEmbedding(4, key_dtype=key_dtype, dtype=torch.float16, device=device, eviction="lfu"),
+            DynamicEmbedding(4, key_dtype=key_dtype, dtype=torch.float16, **bounded),
             "dtype is torch.float32 in the state dict but torch.float16",
         ),
         (
-            DynamicEmbedding(4, key_dtype=other_key, device=device, eviction="lfu"),
+            DynamicEmbedding(4, key_dtype=other_key, **bounded),
             f"key_dtype is {key_dtype} in the state dict but {other_key}",
         ),
     ]
@@ -281,7 +356,7 @@ def test_state_dict_with_corrupt_scores_fails_cleanly(key_dtype, device, fails_c
 def test_state_dict_missing_entries(key_dtype, device):
     state = _populated(key_dtype, device).state_dict()
     del state["scores"]
-    dst = _emb(key_dtype, device, eviction="lfu")
+    dst = _emb(key_dtype, device, eviction="lfu", max_capacity=100)
     dst.table.add_slot("acc", 2, init=0.1)
     with pytest.raises(RuntimeError, match="Missing key"):
         dst.load_state_dict(state)
@@ -290,6 +365,51 @@ def test_state_dict_missing_entries(key_dtype, device):
 
 
 # ------------------------------------------------------------------------------------------------------------- devices
+_BUILDERS = {
+    "DynamicEmbedding": lambda device: DynamicEmbedding(4, device=device),
+    "StaticEmbedding": lambda device: StaticEmbedding(8, 4, device=device),
+    "EmbeddingCollection": lambda device: EmbeddingCollection([TableConfig(name="t", dim=4)],
+                                                              [FeatureConfig(name="f", table="t")], device=device),
+}
+
+
+@pytest.mark.parametrize("build", sorted(_BUILDERS))
+def test_a_device_that_is_not_there_is_a_clear_error(build, monkeypatch):
+    """Not torch's bare ``AssertionError`` ("Torch not compiled with CUDA enabled"): a ValueError naming the
+    argument and why (the CLI prints it as its one-line error)."""
+    build = _BUILDERS[build]
+    if not torch.cuda.is_available():  # this machine, as it is
+        with pytest.raises(ValueError, match=r"^device='cuda' asks for CUDA, but torch.cuda.is_available\(\) is "
+                                             r"False on this machine \(torch .*\); use 'cpu'$"):
+            build("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^device='cuda:0' asks for CUDA, but torch.cuda.is_available\(\) is Fa"):
+        build("cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"^device='cuda:3' is not a device of this machine, which has 2 CUDA "
+                                         r"device\(s\): cuda:0 to cuda:1$"):
+        build("cuda:3")
+    with pytest.raises(ValueError, match=r"^device=device\(type='cuda', index=2\) is not a device"):
+        build(torch.device("cuda", 2))
+    with pytest.raises(ValueError, match=r"^device must be a torch.device or a device string .*, got 'gpu'$"):
+        build("gpu")
+
+
+@pytest.mark.parametrize("via_collection", [False, True], ids=["module", "collection"])
+def test_moving_to_a_device_that_is_not_there_fails_before_anything_moves(via_collection, monkeypatch,
+                                                                           fails_cleanly):
+    owner, module, _, lookup, ids = _trained("dynamic", torch.int64, via_collection)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    to, cuda = r"to\(device\)", r"cuda\(device\)"
+    for move, name in ((lambda m: m.to("cuda"), to), (lambda m: m.to("cuda:1", torch.float16), to),
+                       (lambda m: m.to(device="cuda"), to), (lambda m: m.cuda(), cuda), (lambda m: m.cuda(1), cuda)):
+        with fails_cleanly(module, ValueError, f"^{name}=.*asks for CUDA, but torch.cuda.is_available"):
+            move(owner)
+        assert module.dtype == torch.float32 and module.device.type == "cpu"
+    assert owner.to("cpu") is owner and lookup(ids).device.type == "cpu"
+
+
 def _module(kind: str, key_dtype, **kw):
     if kind == "static":
         return StaticEmbedding(64, 4, key_dtype=key_dtype, seed=11, **kw)

@@ -24,7 +24,7 @@ _TABLES = {
     "unbounded lru": {},
     "bounded lru, evicting": {"max_capacity": 24},
     "bounded decayed_lfu, evicting": {"max_capacity": 24, "eviction": "decayed_lfu"},
-    "decayed_lfu, half_life 3": {"eviction": "decayed_lfu", "half_life": 3},
+    "decayed_lfu, half_life 3": {"eviction": "decayed_lfu", "half_life": 3, "max_capacity": 1 << 16},  # no eviction
     "lfu": {"eviction": "lfu", "max_capacity": 64},
     "epoch_lfu": {"eviction": "epoch_lfu", "max_capacity": 64},
     "epoch_lru": {"eviction": "epoch_lru", "max_capacity": 24},
@@ -153,7 +153,7 @@ def test_decayed_lfu_scores_are_the_same_grouped_by_row():
     def run(rule) -> tuple:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(lookup, "_groups_by_row", rule)
-            emb = dynemb.DynamicEmbedding(2, eviction="decayed_lfu", half_life=3, seed=0)
+            emb = dynemb.DynamicEmbedding(2, eviction="decayed_lfu", half_life=3, seed=0, max_capacity=1000)
             opt = dynemb.optim.RowWiseAdagrad([emb], lr=0.1, fused=True)
             for ids in _DECAYED_BATCHES:
                 embedding_lookup_sparse(emb, torch.tensor(ids), torch.tensor([0]), combiner="sum").sum().backward()
@@ -162,7 +162,7 @@ def test_decayed_lfu_scores_are_the_same_grouped_by_row():
             order = rows.keys.argsort()
             return rows.keys[order], rows.scores[order]
     keys, scores = run(lambda t: False)
-    assert lookup._can_group_by_row(dynemb.DynamicEmbedding(2, eviction="decayed_lfu").table)
+    assert lookup._can_group_by_row(dynemb.DynamicEmbedding(2, eviction="decayed_lfu", max_capacity=1000).table)
     assert torch.equal(run(lookup._groups_by_row)[1], scores)
     assert torch.equal(run(lambda t: True)[1], scores)
 

@@ -9,7 +9,7 @@ from .functional.ops import register_table
 from .table import EvictionPolicy, KeyValueTable, Rows, TieredTable, Tiers
 from .table.admission import FrequencyAdmission
 from .table.static import StaticTable
-from .table.checks import VALUE_DTYPES, check_keys, check_rows_like
+from .table.checks import VALUE_DTYPES, check_keys, check_rows_like, fit_keys, resolve_device
 from .table.initializers import InitializerSpec
 from .table import EvictHook
 
@@ -18,10 +18,35 @@ __all__ = ["DynamicEmbedding", "StaticEmbedding"]
 _FORMAT = 1
 
 
+def check_move(args: tuple, kwargs: dict) -> None:
+    """Check the device of ``module.to(*args, **kwargs)`` before anything moves (a device this process cannot
+    use is a ``ValueError`` naming it, not torch's bare ``AssertionError`` halfway through the move)."""
+    try:  # nn.Module.to's own parser: every form .to() takes (device, dtype, tensor, keywords)
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"to(): {e}") from None
+    if device is not None:
+        resolve_device(device, "to(device)")
+
+
+def check_cuda(device) -> None:
+    """:func:`check_move` for ``module.cuda(device)`` (``None``: the current CUDA device, an int: its index)."""
+    target = torch.device("cuda", device) if isinstance(device, int) else ("cuda" if device is None else device)
+    resolve_device(target, "cuda(device)")
+
+
 class _TableModule(nn.Module):
     """What ``nn.Module`` does to its Parameters, done to the module's table (which is not a Parameter)."""
 
     table: KeyValueTable | StaticTable
+
+    def to(self, *args, **kwargs):
+        check_move(args, kwargs)
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device=None):
+        check_cuda(device)
+        return super().cuda(device)
 
     def _apply(self, fn, recurse=True):
         # .to(device)/.cuda()/.cpu() move the table; floating casts (.half(), .to(torch.bfloat16), .float())
@@ -76,7 +101,7 @@ class DynamicEmbedding(_TableModule):
         initializer: ``"uniform"`` (±0.05, default), ``"normal"``, ``"truncated_normal"`` (std 0.05),
             ``"zeros"``, a float constant, an :class:`dynemb.table.Initializer`, or a callable
             ``(n, dim) -> Tensor``. Built-in initializers give each key the same row on any device or rank.
-        device: device of the table (default CPU).
+        device: device of the table (default CPU); one this process cannot use is a ``ValueError``.
         init_capacity: rows allocated up front.
         max_capacity: most rows kept; beyond it the lowest-score rows are evicted. ``None``: unbounded.
         max_bytes: the same bound in bytes (values, slots, scores and index; see :mod:`dynemb.table.budget`);
@@ -85,6 +110,8 @@ class DynamicEmbedding(_TableModule):
             instead of evicting them (a :class:`dynemb.table.TieredTable`); exclusive with the two bounds above.
         eviction: ``"lru"`` (default), ``"lfu"``, ``"decayed_lfu"``, ``"epoch_lru"``, ``"epoch_lfu"`` or
             ``"custom"``; defines the scores used by eviction and :meth:`restrict` (docs/tables.md compares them).
+            Needs a bound (``max_capacity``, ``max_bytes`` or ``tiers``): an unbounded table never evicts, and
+            ranks its rows lru for :meth:`restrict`.
         half_life: ``decayed_lfu`` only: clock ticks (about one per training step) in which an access's weight
             halves.
         on_evict: ``fn(keys, values, scores)`` called with every batch of evicted rows, before the table changes:
@@ -94,7 +121,9 @@ class DynamicEmbedding(_TableModule):
             only from its ``threshold``-th sighting; before that it reads its initializer row.
 
     Shape:
-        ``forward(ids)``: ids of any shape ``S`` -> ``S + (D,)``.
+        ``forward(ids)``: ids of any shape ``S`` -> ``S + (D,)``. Ids may be int32 or int64 whatever the
+        ``key_dtype``: int64 ids of an int32 table are cast when they fit (see :func:`dynemb.table.checks.fit_keys`;
+        on CPU one that does not is a ``ValueError`` before the table changes).
 
     Example:
         >>> emb = DynamicEmbedding(4, initializer="zeros")
@@ -125,6 +154,10 @@ class DynamicEmbedding(_TableModule):
         half_life: int | None = None,
     ) -> None:
         super().__init__()
+        if eviction is not None and (max_capacity, max_bytes, tiers) == (None, None, None):
+            # as the CLI's "--eviction needs --max-capacity": a policy on an unbounded table would never evict
+            raise ValueError(f"eviction={eviction!r} needs a bound: give max_capacity or max_bytes (or tiers); only a "
+                             "bounded table evicts, and an unbounded one keeps every key")
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         kwargs = dict(key_dtype=key_dtype, dtype=dtype, device=device, init_capacity=init_capacity,
@@ -156,25 +189,30 @@ class DynamicEmbedding(_TableModule):
         Eval: missing ids read their initializer row and nothing is inserted."""
         from .functional import embedding_lookup
 
+        ids = self._fit(ids, "ids")
         ids = check_keys(ids, self.key_dtype, self.device, "ids").view(ids.shape)  # int32 ids widened
         return embedding_lookup(self, ids)
+
+    def _fit(self, keys, name: str = "keys"):
+        """int64 keys of an int32 table cast when they fit (the table's own checks judge the rest)."""
+        return fit_keys(keys, self.key_dtype, self.device, name)
 
     def lookup(self, keys: torch.Tensor, return_exists: bool = False):
         """Read rows without inserting. Missing keys get their initializer row.
 
         Returns ``values`` ``S + (D,)``, and ``exists`` ``S`` bool when ``return_exists``.
         """
-        values, found = self.table.find(keys)
+        values, found = self.table.find(self._fit(keys))
         return (values, found) if return_exists else values
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
         """Bool ``S``: whether each key is stored."""
-        return self.table.contains(keys)
+        return self.table.contains(self._fit(keys))
 
     # ------------------------------------------------------------------ updates
     def upsert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Insert or overwrite rows (``keys`` ``S``, ``values`` ``S + (D,)``); the last duplicate wins."""
-        self.table.insert_or_assign(keys, values)
+        self.table.insert_or_assign(self._fit(keys), values)
 
     def accum(self, keys, old_values, new_values, exists) -> None:
         """TFRA's ``accum``: apply updates made to rows read earlier with ``lookup(keys, return_exists=True)``.
@@ -185,11 +223,11 @@ class DynamicEmbedding(_TableModule):
 
         Shape: ``keys`` ``S``; ``old_values``/``new_values`` ``S + (D,)``; ``exists`` ``S`` bool.
         """
-        self.table.accum(keys, old_values, new_values, exists)
+        self.table.accum(self._fit(keys), old_values, new_values, exists)
 
     def remove(self, keys: torch.Tensor) -> int:
         """Remove keys (missing keys are ignored); returns how many were removed."""
-        return self.table.erase(keys)
+        return self.table.erase(self._fit(keys))
 
     def clear(self) -> None:
         """Remove every key."""

@@ -21,7 +21,7 @@ class TwoTables(nn.Module):
         super().__init__()
         self.user = dynemb.DynamicEmbedding(8, seed=seed, max_capacity=120, init_capacity=16)
         self.item = dynemb.DynamicEmbedding(4, key_dtype=torch.int32, dtype=torch.bfloat16, eviction="lfu",
-                                            seed=seed + 1)
+                                            max_capacity=1 << 16, seed=seed + 1)
         self.dense = nn.Linear(12, 1)
         self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
         if slots:

@@ -111,12 +111,12 @@ def test_a_save_between_forward_and_optimizer_step_is_not_lost(tmp_path):
 
 
 def test_score_only_changes_reach_the_incremental_checkpoint(tmp_path):
-    a = dynemb.DynamicEmbedding(2, seed=0, eviction="lfu")
+    a = dynemb.DynamicEmbedding(2, seed=0, eviction="lfu", max_capacity=100)
     a(torch.arange(10))
     save(tmp_path, a, step=1)
     a(torch.tensor([5, 5, 7]))  # only scores change: no optimizer, no new keys
     save(tmp_path, a, step=2, incremental=True)
-    b = dynemb.DynamicEmbedding(2, seed=0, eviction="lfu")
+    b = dynemb.DynamicEmbedding(2, seed=0, eviction="lfu", max_capacity=100)
     load(tmp_path, b)
     ka, _, sa = a.export(with_scores=True)
     kb, _, sb = b.export(with_scores=True)

@@ -247,3 +247,95 @@ def test_keyed_jagged_tensor():
                                                    torch.tensor([1.0, 2.0, 3.0])))
     torch.testing.assert_close(out["g"], reference(ec, torch.tensor([4, 5, 6]), torch.tensor([0, 0]),
                                                    torch.tensor([1.0, 1.0, 0.5])))
+
+
+class _Jagged:
+    """The part of TorchRec's JaggedTensor the collection reads (torchrec is optional; its int64 values are the
+    point here)."""
+
+    def __init__(self, values, lengths):
+        self._values, self._lengths = values, lengths
+
+    def values(self):
+        return self._values
+
+    def lengths(self):
+        return self._lengths
+
+    def weights_or_none(self):
+        return None
+
+
+class _KeyedJagged:
+    """The part of TorchRec's KeyedJaggedTensor the collection reads."""
+
+    def __init__(self, features: dict):
+        self._features = features
+
+    def keys(self):
+        return list(self._features)
+
+    def to_dict(self):
+        return dict(self._features)
+
+
+def int32_tables(**kw) -> EmbeddingCollection:
+    tables = [TableConfig(name="small", dim=D, key_dtype=torch.int32, seed=1, optimizer=dynemb.optim.SGD(lr=0.5)),
+              TableConfig(name="wide", dim=D, seed=2, optimizer=dynemb.optim.SGD(lr=0.5))]
+    features = [FeatureConfig(name="f", table="small"), FeatureConfig(name="w", table="wide"),
+                FeatureConfig(name="seq", table="small", combiner="none", padding_value=-(2**40))]
+    return EmbeddingCollection(tables, features, **kw)
+
+
+def test_int64_ids_of_an_int32_table_are_cast_per_table_when_they_fit():
+    """TorchRec's KeyedJaggedTensor carries int64 ids, as do plain tensors of Python ints: an int32 table takes
+    them when they fit, with the results and training of the same ids given as int32. The int64 table beside it
+    keeps ids past int32."""
+    ec, twin = int32_tables(), int32_tables()
+    ids = torch.tensor([-(2**31), 5, 2**31 - 1, 5])
+    wide = torch.tensor([2**40, -1])
+    seq = torch.tensor([[7, -(2**40)], [-(2**40), 2**31 - 1]])  # an int64 padding value, not stored
+    for _ in range(2):
+        out = ec({"f": _Jagged(ids, torch.tensor([2, 2])), "w": wide, "seq": seq})
+        ref = twin({"f": Bags(ids.int(), lengths=torch.tensor([2, 2])), "w": wide,
+                    "seq": (torch.tensor([7, 2**31 - 1], dtype=torch.int32), torch.tensor([0, 1]))})
+        for name in ("f", "w"):
+            torch.testing.assert_close(out[name], ref[name], rtol=0, atol=0)
+        torch.testing.assert_close(out["seq"][[0, 1], [0, 1]], ref["seq"].values, rtol=0, atol=0)
+        (out["f"].sum() + out["w"].sum() + out["seq"].sum()).backward()
+        (ref["f"].sum() + ref["w"].sum() + ref["seq"].values.sum()).backward()
+        ec.optimizer.step(), twin.optimizer.step()
+        ec.optimizer.zero_grad(), twin.optimizer.zero_grad()
+    for table in ("small", "wide"):
+        keys, values = ec.export(table)
+        ref_keys, ref_values = twin.export(table)
+        assert keys.dtype == ref_keys.dtype and torch.equal(keys.sort().values, ref_keys.sort().values)
+        torch.testing.assert_close(values[keys.argsort()], ref_values[ref_keys.argsort()], rtol=0, atol=0)
+    kjt = _KeyedJagged({"f": _Jagged(ids, torch.tensor([1, 3])), "w": _Jagged(wide, torch.tensor([1, 1]))})
+    assert set(ec(kjt)) == {"f", "w"}  # the KeyedJaggedTensor itself
+
+
+@pytest.mark.parametrize("bad", [2**31, -(2**31) - 1])
+def test_int64_ids_that_do_not_fit_an_int32_table_are_named_before_any_table_changes(bad, fails_cleanly,
+                                                                                      leaves_unchanged):
+    ec = int32_tables()
+    ec({"f": torch.tensor([1, 2]), "w": torch.tensor([3, 4])})
+    batch = _KeyedJagged({"w": _Jagged(torch.tensor([2**40]), torch.tensor([1, 0])),
+                          "f": _Jagged(torch.tensor([3, bad, 4]), torch.tensor([1, 2]))})
+    message = (rf"^feature 'f' \(table 'small'\): ids are torch.int64 and the table's key_dtype is torch.int32: "
+               rf"they are cast when every id fits in \[-2147483648, 2147483647\], but {bad} does not$")
+    with leaves_unchanged(ec.embeddings["wide"]), fails_cleanly(ec.embeddings["small"], ValueError, message):
+        ec(batch)
+    with fails_cleanly(ec.embeddings["small"], ValueError, rf"^feature 'seq' \(table 'small'\): .* but {bad} does"):
+        ec({"seq": torch.tensor([[1, bad]])})
+
+
+def test_int64_ids_that_do_not_fit_unchecked_still_fail():
+    """validate=False skips the check's device sync, not the check: a device-side assert (immediate on CPU) names
+    the feature and the table, and no id is wrapped onto another."""
+    ec = int32_tables(validate=False)
+    with pytest.raises(RuntimeError, match=r"ids of feature 'f' \(table 'small'\) are torch.int64 .* but one of them"):
+        ec({"f": torch.tensor([1, 2**32 + 1])})
+    assert len(ec.embeddings["small"]) == 0
+    ec({"f": torch.tensor([1, 2**31 - 1])})
+    assert sorted(ec.export("small")[0].tolist()) == [1, 2**31 - 1]

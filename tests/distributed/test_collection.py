@@ -20,7 +20,8 @@ SPLITS = {2: [16, 8], 4: [10, 0, 8, 6]}  # uneven batches; a rank with no sample
 def configs(opt_name, policy=None):
     opt = {"sgd": dynemb.optim.SGD(lr=0.5), "adam": dynemb.optim.Adam(lr=0.05)}[opt_name]
     # lfu with admission: occurrence counts must reach the owners for N ranks to equal one process
-    bounded = {"eviction": policy, "admission": 2} if policy else {}  # max_capacity is per rank: not comparable
+    # a bound no rank reaches: max_capacity is per rank, so tables that evict would not compare
+    bounded = {"eviction": policy, "admission": 2, "max_capacity": 1 << 16} if policy else {}
     tables = [
         TableConfig(name="user", dim=4, optimizer=opt, seed=1, **bounded),  # dynamic, row
         TableConfig(name="item", dim=6, optimizer=opt, seed=2, combiner="sum", **bounded),  # dynamic, table plan

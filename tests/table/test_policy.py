@@ -289,7 +289,7 @@ def test_half_life_is_configured_through_table_config_and_module():
                              [FeatureConfig(name="u", table="u")])
     table = ec.embeddings["u"].table
     assert (table.policy.value, table.half_life) == ("decayed_lfu", 4)
-    assert dynemb.DynamicEmbedding(2, eviction="decayed_lfu", half_life=3).config()["half_life"] == 3
+    assert dynemb.DynamicEmbedding(2, eviction="decayed_lfu", half_life=3, max_capacity=8).config()["half_life"] == 3
     with pytest.raises(ValueError, match="half_life"):
         TableConfig(name="u", dim=2, half_life=0)
 
@@ -301,7 +301,7 @@ def test_half_life_with_another_policy_is_an_error():
     with pytest.raises(ValueError, match="half_life applies to eviction='decayed_lfu' only"):
         KeyValueTable(2, half_life=8)
     with pytest.raises(ValueError, match="half_life applies to eviction='decayed_lfu' only"):
-        dynemb.DynamicEmbedding(2, eviction="lfu", half_life=8)
+        dynemb.DynamicEmbedding(2, eviction="lfu", half_life=8, max_capacity=8)
     with pytest.raises(ValueError, match=r"TableConfig\('u'\).half_life applies"):
         TableConfig(name="u", dim=2, max_capacity=10, eviction="lru", half_life=3)
 
@@ -372,7 +372,7 @@ def test_decayed_lfu_evicts_the_same_key_on_both_backends_whatever_the_dedup_ord
     results = []
     for backend in ("numba", "torch"):
         with use_backend(backend):
-            emb = dynemb.DynamicEmbedding(2, seed=1, eviction="decayed_lfu", half_life=16)
+            emb = dynemb.DynamicEmbedding(2, seed=1, eviction="decayed_lfu", half_life=16, max_capacity=64)
             dynemb.optim.SGD([emb], lr=0.1, fused=True)
             keys = torch.cat([torch.tensor([5]), batch])  # 5: not in the batch, scored just above the first key
             scores = torch.tensor([4442440, 4439985] + [4600000] * 16)

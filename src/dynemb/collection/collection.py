@@ -13,7 +13,7 @@ from torch import nn
 
 from ..distributed.comm import check_agreement
 from ..distributed.plan import Sharding, resolve_plan
-from ..embedding import DynamicEmbedding
+from ..embedding import DynamicEmbedding, check_cuda, check_move
 from ..optim.combined import CombinedOptimizer
 from ..table.checks import resolve_device
 from .config import FeatureConfig, TableConfig
@@ -45,11 +45,14 @@ class EmbeddingCollection(nn.Module):
             automatic. Every rank must then call ``forward`` and ``backward`` each step (batches may differ).
         process_group: the group to shard over (default: the world); only with ``plan``.
         timeout: seconds before a collective gives up with :class:`~dynemb.distributed.DistributedError`.
-        device: where the tables live (``cuda`` for NCCL).
-        validate: check that a static table's ids are in ``[0, V)`` on every forward. The check reads the ids'
-            min and max, a device sync on CUDA, so ``None`` (default) checks on CPU only; ``True`` checks
-            everywhere (debugging a CUDA job: an out-of-range id there is a device-side assert, not an error),
-            ``False`` nowhere. Dtypes, devices and shapes are always checked.
+        device: where the tables live (``cuda`` for NCCL); one this process cannot use (``cuda`` where
+            ``torch.cuda.is_available()`` is False, ``cuda:3`` on a machine with two GPUs) is a ``ValueError``.
+        validate: check on every forward that a static table's ids are in ``[0, V)``, and that the int64 ids of
+            an int32 table fit in int32 (they are then cast). The checks read the ids' min and max, a device sync
+            on CUDA, so ``None`` (default) checks on CPU only; ``True`` checks everywhere (debugging a CUDA job:
+            an out-of-range id there is a device-side assert, not an error), ``False`` nowhere. Dtypes, devices
+            and shapes are always checked, and an id that does not fit is never wrapped onto another: without the
+            check it fails a device-side assert.
 
     Shape:
         ``forward({name: ids})`` -> ``{name: [B, D]}`` for pooled features; sequence features give
@@ -201,6 +204,14 @@ class EmbeddingCollection(nn.Module):
         return dict(zip(names, values.tolist()))
 
     # ------------------------------------------------------------------ nn.Module plumbing
+    def to(self, *args, **kwargs):
+        check_move(args, kwargs)  # a device this process cannot use: a ValueError before any table moves
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device=None):
+        check_cuda(device)
+        return super().cuda(device)
+
     def _apply(self, fn, recurse=True):
         for module in self.plan.modules().values():  # .to(device) moves the tables; .half() etc. convert their rows
             module._apply(fn, recurse)

@@ -61,8 +61,9 @@ class TableConfig:
             :mod:`dynemb.table.budget`, and :func:`split_max_bytes` to share one budget among a collection's tables.
         tiers: dynamic tables: a :class:`dynemb.table.Tiers` (fast-tier budget and where the slow tier lives);
             rows past the budget move to host memory or disk instead of being evicted. Not with the two above.
-        eviction: dynamic tables: an :class:`~dynemb.EvictionPolicy` or its name. ``None``: ``decayed_lfu``
-            when the table is bounded (``max_capacity`` or ``max_bytes``;
+        eviction: dynamic tables with a bound (``max_capacity``, ``max_bytes`` or ``tiers``): an
+            :class:`~dynemb.EvictionPolicy` or its name; without a bound it is an error (nothing is evicted).
+            ``None``: ``decayed_lfu`` when the table is bounded (``max_capacity`` or ``max_bytes``;
             :data:`~dynemb.table.policy.DEFAULT_BOUNDED`, chosen by measurement: see docs/tables.md), else lru
             (the scores then only order ``restrict`` and which rows a tiered table moves down).
         half_life: ``decayed_lfu`` tables: clock ticks (about one per training step) in which an access's weight
@@ -144,6 +145,10 @@ class TableConfig:
                                self.tiers) != (None,) * 5:
             raise ValueError(f"{where}: max_capacity/max_bytes/tiers/eviction/admission apply to dynamic tables only "
                              "(vocabulary_size=None)")
+        if self.eviction is not None and not bounded and self.tiers is None:
+            # as the CLI's "--eviction needs --max-capacity": a policy on an unbounded table would never evict
+            raise ValueError(f"{where}.eviction={self.eviction.value!r} needs a bound: give max_capacity or max_bytes "
+                             "(or tiers); only a bounded table evicts, and an unbounded one keeps every key")
         resolve_initializer(self.initializer, f"{where}.initializer")
 
     @property

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..functional import BagSet, clip_rows, pool_many, to_bags
-from ..table.checks import check_keys
+from ..table.checks import check_keys, fit_keys
 from .config import FeatureConfig, TableConfig
 
 __all__ = ["Bags", "Jagged", "PreparedFeature", "prepare_features", "as_feature_dict", "finish"]
@@ -77,8 +77,11 @@ def prepare_features(features: dict, weights: dict, feature_configs: dict[str, F
                      check_ranges: bool = True) -> dict[str, list[PreparedFeature]]:
     """Validate every feature of a batch and group them by table name (tables in config order).
 
-    Dtypes, devices and shapes are always checked. ``check_ranges`` also checks that a static table's ids are in
-    ``[0, V)``, which reads the ids' min and max (a device sync on CUDA).
+    Dtypes, devices and shapes are always checked. int64 ids of an int32 table (TorchRec's ``KeyedJaggedTensor``
+    carries int64) are cast to int32 when they fit. ``check_ranges`` checks that they fit, and that a static
+    table's ids are in ``[0, V)``: both read the ids' min and max (a device sync on CUDA). Without it an id that
+    does not fit in int32 fails a device-side assert (see :func:`dynemb.table.checks.fit_keys`): it is never
+    wrapped onto another id.
 
     Raises:
         ValueError/TypeError: naming the feature and its table; nothing has been looked up yet.
@@ -163,14 +166,14 @@ def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, 
         if isinstance(value, Bags):
             ids, offsets, _, _ = to_bags(value.ids, value.offsets, lengths=value.lengths,
                                          include_last_offset=value.include_last_offset)
-            return PreparedFeature(fname, tcfg.name, _check_ids(ids, tcfg, device, check_ranges), fcfg.max_norm,
+            return PreparedFeature(fname, tcfg.name, _check_ids(fname, ids, tcfg, device, check_ranges), fcfg.max_norm,
                                    jagged_offsets=offsets)
         if fcfg.padding_value is not None and not value.is_sparse:
             kept = (value.reshape(-1) != fcfg.padding_value).nonzero().squeeze(1)
-            ids = _check_ids(value, tcfg, device, check_ranges=False).index_select(0, kept)
-            return PreparedFeature(fname, tcfg.name, _check_ids(ids, tcfg, device, check_ranges), fcfg.max_norm,
+            ids = value.reshape(-1).index_select(0, kept)  # checked (and cast) once, without the padding
+            return PreparedFeature(fname, tcfg.name, _check_ids(fname, ids, tcfg, device, check_ranges), fcfg.max_norm,
                                    shape=tuple(value.shape), positions=kept)
-        return PreparedFeature(fname, tcfg.name, _check_ids(value, tcfg, device, check_ranges), fcfg.max_norm,
+        return PreparedFeature(fname, tcfg.name, _check_ids(fname, value, tcfg, device, check_ranges), fcfg.max_norm,
                                shape=tuple(value.shape))
     if isinstance(value, Bags):
         if weight is not None and value.weights is not None:
@@ -191,13 +194,18 @@ def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, 
         # sum (the same bits but for a NaN's sign and payload), which spares each lookup its divisors and the
         # backward its division (a CTR model's usual feature).
         combiner = "sum"
-    flat = _check_ids(flat, tcfg, device, check_ranges)
+    flat = _check_ids(fname, flat, tcfg, device, check_ranges)
     return PreparedFeature(fname, tcfg.name, flat, fcfg.max_norm,
                            bags=BagSet(flat.numel(), offsets, w, num_bags, combiner))
 
 
-def _check_ids(ids, tcfg: TableConfig, device, check_ranges: bool) -> torch.Tensor:
-    flat = check_keys(ids, tcfg.key_dtype, device, "ids")
+def _check_ids(fname: str, ids, tcfg: TableConfig, device, check_ranges: bool) -> torch.Tensor:
+    # A ValueError of the checked cast is prefixed with the feature and table by prepare_features; the device-side
+    # assert of the unchecked one (also the one compiled code runs) names them itself.
+    checked = check_ranges and not torch.compiler.is_compiling()
+    name = "ids" if checked else f"ids of feature {fname!r} (table {tcfg.name!r})"
+    flat = check_keys(fit_keys(ids, tcfg.key_dtype, device, name, check=check_ranges), tcfg.key_dtype, device,
+                      "ids")
     if check_ranges and tcfg.is_static and not torch.compiler.is_compiling() and flat.numel():
         low, high = torch.stack(torch.aminmax(flat)).tolist()  # one device sync per static feature
         if low < 0 or high >= tcfg.vocabulary_size:

@@ -106,11 +106,14 @@ def whole_table(name: str, module: Module) -> TableShard:
     """A standalone Dynamic/StaticEmbedding as a logical table ``name`` (its config read from the module)."""
     t = module.table
     static = isinstance(module, StaticEmbedding)
+    tiers = getattr(t, "tiers", None)
+    # a policy is config only where it evicts (or moves rows down); an unbounded table's lru is the default's
+    policy = t.policy if not static and (t.max_capacity is not None or tiers is not None) else None
     config = TableConfig(name=name, dim=t.dim, vocabulary_size=t.num_rows if static else None, dtype=t.dtype,
                          key_dtype=t.key_dtype, initializer=t.initializer,
-                         max_capacity=None if static else t.max_capacity, eviction=None if static else t.policy,
+                         max_capacity=None if static else t.max_capacity, eviction=policy, tiers=tiers,
                          admission=None if static else t.admission, seed=t.seed,
-                         half_life=t.half_life if not static and t.policy is EvictionPolicy.DECAYED_LFU else None)
+                         half_life=t.half_life if policy is EvictionPolicy.DECAYED_LFU else None)
     return TableShard(config, t.seed, module=module)
 
 
@@ -141,6 +144,8 @@ class ExecutionPlan:
             sharding = shardings[cfg.name] if shardings is not None else None
             shard = TableShard(cfg, seeds[cfg.name], sharding, rank, world)
             shard.module = self._build(shard, device)
+            if shard.module is not None:
+                shard.module.table.name = cfg.name  # for messages about the table (gradients with no optimizer)
             if shard.module is not None and cfg.optimizer is not None:
                 shard.optimizer = cfg.optimizer.bind([shard.module])
             self.shards[cfg.name] = shard

@@ -32,11 +32,19 @@ def mod_partitioner(keys: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 class ShardingKind(str, enum.Enum):
-    """How a table's rows are spread over ranks; see the module docstring."""
+    """How a table's rows are spread over ranks; see the module docstring. Printed, a kind is its name.
+
+    Example:
+        >>> print(ShardingKind.ROW, f"{ShardingKind.DATA}")
+        row data
+    """
 
     ROW = "row"
     TABLE = "table"
     DATA = "data"
+
+    def __str__(self) -> str:  # what the user wrote in the plan ("row"), not "ShardingKind.ROW"
+        return self.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +64,15 @@ class Sharding:
                                                 or self.owner < 0):
             raise ValueError(f"a 'table' sharding needs an owner rank >= 0, got {self.owner!r}")
 
+    def __repr__(self) -> str:
+        """As the plan entry would be written: ``Sharding('row')``, ``Sharding('table', owner=1)``."""
+        parts = [repr(self.kind.value)]
+        if self.owner is not None:
+            parts.append(f"owner={self.owner}")
+        if self.partitioner is not mod_partitioner:
+            parts.append(f"partitioner={getattr(self.partitioner, '__qualname__', repr(self.partitioner))}")
+        return f"Sharding({', '.join(parts)})"
+
     def owners(self, keys: torch.Tensor, world_size: int) -> torch.Tensor:
         if self.kind == ShardingKind.TABLE:
             return torch.full(keys.shape, self.owner, dtype=torch.int64, device=keys.device)
@@ -71,7 +88,14 @@ class Sharding:
 
 
 def auto_plan(tables, world_size: int, data_max_bytes: int = 16 << 20) -> dict[str, Sharding]:
-    """A plan by size: dynamic -> row; static <= ``data_max_bytes`` -> data; larger static -> table, balanced."""
+    """A plan by size: dynamic -> row; static <= ``data_max_bytes`` -> data; larger static -> table, balanced.
+
+    Example:
+        >>> from dynemb import TableConfig
+        >>> auto_plan([TableConfig(name="user", dim=8), TableConfig(name="country", dim=8, vocabulary_size=200),
+        ...            TableConfig(name="ad", dim=64, vocabulary_size=10**7)], world_size=2)
+        {'ad': Sharding('table', owner=0), 'country': Sharding('data'), 'user': Sharding('row')}
+    """
     plan, load = {}, [0] * world_size
     for cfg in sorted(tables, key=lambda t: -(t.vocabulary_size or 0) * t.dim):
         if not cfg.is_static:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -102,10 +103,26 @@ def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.
     if optimizer is not None and optimizer.fused:
         optimizer.apply_gradient(table, rows, grad)
         return
+    if optimizer is None and not getattr(table, "_warned_unbound", False):  # the hot path's only cost: this flag
+        _warn_unbound(table)
     if table.sparse_grad is None:
         table.sparse_grad = SparseGrad()
     table.sparse_grad.add(keys, rows, grad)
 
+
+
+def _warn_unbound(table) -> None:
+    """Warn, once per table object, that ``table`` got gradients with no optimizer bound to it: they accumulate
+    (in its ``sparse_grad``) until an optimizer bound to it steps and zero_grads, which a model trained with only a
+    ``torch.optim`` optimizer over its dense Parameters never does."""
+    table._warned_unbound = True
+    name = getattr(table, "name", None)
+    what = f"table {name!r}" if name is not None else (
+        f"a {type(table).__name__} (dim={table.dim}, key_dtype={table.key_dtype}, {table.size()} rows)")
+    warnings.warn(f"{what} got gradients in backward but no optimizer is bound to it: they accumulate until an "
+                  "optimizer bound to the table steps and zero_grads. Bind one, e.g. dynemb.optim.SGD([emb], lr=0.1) "
+                  "or TableConfig(optimizer=dynemb.optim.SGD(lr=0.1)), or freeze the table with "
+                  "requires_grad_(False). (Warned once per table.)", UserWarning, stacklevel=2)
 
 
 def deliver_pooled_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor,

@@ -6,6 +6,7 @@ import torch
 
 __all__ = [
     "check_keys",
+    "fit_keys",
     "check_rows_like",
     "check_scores",
     "check_int",
@@ -47,6 +48,55 @@ def check_keys(keys, key_dtype: torch.dtype, device: torch.device, name: str = "
     return keys.reshape(-1).to(key_dtype)
 
 
+_INT32 = torch.iinfo(torch.int32)
+
+
+def fit_keys(keys, key_dtype: torch.dtype, device: torch.device, name: str = "ids", *,
+             check: bool | None = None) -> torch.Tensor:
+    """int64 ``keys`` for an int32 table, cast to int32 when every one fits; anything else is returned as it came
+    (:func:`check_keys` then judges it). TorchRec's ``KeyedJaggedTensor`` and ``torch.tensor([python ints])``
+    carry int64 ids, which an int32 table takes this way.
+
+    A key that does not fit is never wrapped onto another key. ``check=True`` reads the keys' min and max (a device
+    sync on CUDA) and raises; ``check=False`` asserts on the keys' device without a sync (on CUDA a key that does
+    not fit then fails a later kernel launch with this message, as an out-of-range id of a static table does);
+    ``None`` is True on CPU, where the check costs no sync, and False elsewhere.
+
+    Shape: ``keys`` any shape ``S`` -> ``S``.
+
+    Raises:
+        ValueError: a key outside ``[-2**31, 2**31 - 1]``, naming ``name``, the dtypes and the key.
+
+    Example:
+        >>> cpu = torch.device("cpu")
+        >>> fit_keys(torch.tensor([[-1, 7]]), torch.int32, cpu)
+        tensor([[-1,  7]], dtype=torch.int32)
+        >>> fit_keys(torch.tensor([1, 2**31]), torch.int32, cpu)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        ValueError: ids are torch.int64 and the table's key_dtype is torch.int32: ... but 2147483648 does not
+    """
+    if not (isinstance(keys, torch.Tensor) and keys.dtype == torch.int64 and key_dtype == torch.int32
+            and keys.device == device):
+        return keys
+    if keys.numel():
+        if check is None:
+            check = keys.device.type == "cpu"
+        if check and not torch.compiler.is_compiling():
+            low, high = torch.stack(torch.aminmax(keys)).tolist()
+            if low < _INT32.min or high > _INT32.max:
+                raise ValueError(_does_not_fit(name, key_dtype, low if low < _INT32.min else high))
+        else:
+            fits = ((keys >= _INT32.min) & (keys <= _INT32.max)).all()
+            torch._assert_async(fits, _does_not_fit(name, key_dtype, "one of them"))
+    return keys.to(torch.int32)
+
+
+def _does_not_fit(name: str, key_dtype: torch.dtype, key) -> str:
+    return (f"{name} are torch.int64 and the table's key_dtype is {key_dtype}: they are cast when every id fits in "
+            f"[{_INT32.min}, {_INT32.max}], but {key} does not")
+
+
 def _widens(dtype: torch.dtype, key_dtype: torch.dtype) -> bool:
     """Whether every value of integer ``dtype`` is a value of ``key_dtype``."""
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
@@ -79,10 +129,46 @@ def check_scores(scores, shape: tuple, name: str = "scores") -> torch.Tensor:
     return scores.reshape(-1)
 
 
-def resolve_device(device) -> torch.device:
+def resolve_device(device, name: str = "device") -> torch.device:
     """The device tensors created on ``device`` report: ``"cuda"`` becomes ``cuda:<current>``, so that the
-    device checks above compare equal for the table's own tensors."""
-    return torch.empty(0, device=device if device is not None else "cpu").device
+    device checks above compare equal for the table's own tensors. ``None`` is the CPU.
+
+    Every device argument of the library comes here, so a device this process cannot use is one clear error
+    (torch itself raises a bare ``AssertionError`` for ``"cuda"`` on a build without CUDA).
+
+    Raises:
+        ValueError: naming ``name``: not a device, CUDA asked for where ``torch.cuda.is_available()`` is False, a
+            CUDA index past ``torch.cuda.device_count()``, or a device type this build of torch cannot use.
+
+    Example:
+        >>> resolve_device(None), resolve_device("cpu")
+        (device(type='cpu'), device(type='cpu'))
+        >>> resolve_device("gpu")
+        Traceback (most recent call last):
+            ...
+        ValueError: device must be a torch.device or a device string such as 'cpu', 'cuda' or 'cuda:1', got 'gpu'
+    """
+    if device is None:
+        return torch.device("cpu")
+    try:
+        wanted = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{name} must be a torch.device or a device string such as 'cpu', 'cuda' or 'cuda:1', "
+                         f"got {device!r}") from None
+    if wanted.type == "cuda":
+        if not torch.cuda.is_available():
+            built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
+            raise ValueError(f"{name}={device!r} asks for CUDA, but torch.cuda.is_available() is False on this "
+                             f"machine (torch {torch.__version__}, {built}); use 'cpu'")
+        count = torch.cuda.device_count()
+        if wanted.index is not None and wanted.index >= count:
+            raise ValueError(f"{name}={device!r} is not a device of this machine, which has {count} CUDA "
+                             f"device(s): cuda:0 to cuda:{count - 1}")
+    try:
+        return torch.empty(0, device=wanted).device
+    except (AssertionError, RuntimeError, NotImplementedError) as e:  # mps, xpu, ... not in this build or machine
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{name}={device!r} cannot be used by this process: {first}") from None
 
 
 def is_int(value) -> bool:
