@@ -3,15 +3,17 @@ bit-exactly and under one process (resharding) and back, and exports from 2 rank
 
 Rank 0 sends every id and rank 1 none (a rank may have no ids); keys are owned by ``key % 2``, so:
 
-======  ===================  ==========================  =======  =======
+======  ===================  ==========================  =======  ========================================
 table   keys                 config                      rank 0   rank 1
-======  ===================  ==========================  =======  =======
+======  ===================  ==========================  =======  ========================================
 one     3                    int64, Adam                 0        1
 split   int32 min, -1        int32, bfloat16, lfu        1        1
 pair    int64 max, -3        int64, Adagrad              0        2
 none    (none)               int64                       0        0
 tiered  int64 min            fast tier of one row        1        0
-======  ===================  ==========================  =======  =======
+tiny    0                    static, vocabulary 1        1        none of it (it owns no id; a phantom row
+                                                                  for id 1 was saved and exported here)
+======  ===================  ==========================  =======  ========================================
 
 Fixed cases, not hypothesis: each world of processes takes seconds to start.
 """
@@ -35,10 +37,11 @@ from small_tables import bits
 
 I64, I32 = torch.iinfo(torch.int64), torch.iinfo(torch.int32)
 IDS = [  # per step: the ids rank 0 sends (rank 1 sends none)
-    {"one": [3], "split": [I32.min], "pair": [I64.max], "none": [], "tiered": [I64.min]},
-    {"one": [3], "split": [-1, I32.min], "pair": [-3], "none": [], "tiered": [I64.min]},
+    {"one": [3], "split": [I32.min], "pair": [I64.max], "none": [], "tiered": [I64.min], "tiny": [0]},
+    {"one": [3], "split": [-1, I32.min], "pair": [-3], "none": [], "tiered": [I64.min], "tiny": [0]},
 ]
-ROWS = {"one": [0, 1], "split": [1, 1], "pair": [0, 2], "none": [0, 0], "tiered": [1, 0]}  # per rank, at the end
+# rows of each shard saved, in rank order, at the end (rank 1 holds no shard of "tiny")
+ROWS = {"one": [0, 1], "split": [1, 1], "pair": [0, 2], "none": [0, 0], "tiered": [1, 0], "tiny": [1]}
 
 
 def build(world: int) -> EmbeddingCollection:
@@ -48,7 +51,8 @@ def build(world: int) -> EmbeddingCollection:
               TableConfig(name="pair", dim=2, optimizer=dynemb.optim.Adagrad(lr=0.1), seed=3),
               TableConfig(name="none", dim=2, seed=4),
               TableConfig(name="tiered", dim=2, optimizer=dynemb.optim.Adam(lr=0.1), seed=5,
-                          tiers=Tiers(fast_capacity=1, slow="host"))]
+                          tiers=Tiers(fast_capacity=1, slow="host")),
+              TableConfig(name="tiny", dim=2, vocabulary_size=1, optimizer=dynemb.optim.SGD(lr=0.1), seed=6)]
     features = [FeatureConfig(name=t.name, table=t.name) for t in tables]
     return EmbeddingCollection(tables, features, plan=None if world == 1 else {t.name: "row" for t in tables})
 
@@ -69,11 +73,14 @@ def rank_state(ec: EmbeddingCollection) -> dict:
     state = {}
     for name, shard in ec.logical_tables().items():
         t = shard.table
+        if t is None:
+            continue
         rows = t.export()
         order = rows.keys.argsort() if name == "tiered" else torch.arange(rows.keys.numel())  # tiers reorder
         cols = {"keys": rows.keys, "values": rows.values, "scores": rows.scores, **rows.slots}
         state.update({f"{name}/{k}": bits(v[order]).numpy() for k, v in cols.items()})
-        state[f"{name}/counters"] = np.array([t.clock, t.epoch, t.inserted, t.removed, t.evicted])
+        counters = ("clock", "epoch", "inserted", "removed", "evicted")  # a static table has a clock only
+        state[f"{name}/counters"] = np.array([getattr(t, c, -1) for c in counters])
     return state
 
 
@@ -83,8 +90,11 @@ def all_rows(ec: EmbeddingCollection) -> dict:
 
     result = {}
     for name, shard in ec.logical_tables().items():
-        rows = shard.table.export()
-        cols = {"keys": shard.user_keys(rows.keys).to(torch.int64), "values": rows.values, **rows.slots}
+        if shard.module is None:  # this rank holds none of it ("tiny" has no slots)
+            cols = {"keys": torch.empty(0, dtype=torch.int64), "values": torch.empty(0, shard.config.dim)}
+        else:
+            rows = shard.table.export()
+            cols = {"keys": shard.user_keys(rows.keys).to(torch.int64), "values": rows.values, **rows.slots}
         if ec.sharded:
             cols = {k: torch.cat(all_gather_varsize(v, ec.group)) for k, v in cols.items()}
         order = cols["keys"].argsort()
@@ -115,7 +125,7 @@ def _second(rank, world, root, export):
 
 def _assert_same(got: dict, want: dict, prefix: str, what: str) -> None:
     keys = [k for k in want if k.startswith(prefix)]
-    assert keys and keys == [k for k in got if k.startswith(prefix)], what
+    assert keys == [k for k in got if k.startswith(prefix)], what
     for key in keys:
         np.testing.assert_array_equal(got[key], want[key], err_msg=f"{what}: {key}")
 
