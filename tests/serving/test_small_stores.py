@@ -1,6 +1,6 @@
 """Tables of 0, 1 and 2 rows through serving: every store (memory, Redis, LMDB, RocksDB) on its own, and the parameter
 server over each, fed by a serving export and a delta. Every exported key reads its exported row (bit for bit, in
-the export's dtype), every other key the default row, cold and warm."""
+the export's dtype), every other key the default row, cold and warm. ``serve_bench`` measures such an export."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import dynemb
 from dynemb.checkpoint import export_for_serving
+from dynemb.data.traces import zipf_ranks
 from dynemb.serving import ParameterServer
+from dynemb.serving.bench import serve_bench
 from dynemb.serving.stores import make_store
 
 from small_tables import VALUE_DTYPES, apply_changes, bits, change_lists, edge_keys, edge_spec, keys_of, table_specs
@@ -129,3 +131,17 @@ def test_parameter_server_serves_exports_of_0_1_2_rows(tiers, data, spec, dtype,
             _assert_serves(ps, emb, dtype, torch.cat([absent[~torch.isin(absent, emb.table.export().keys)], gone]))
         finally:
             ps.close()
+
+
+# ------------------------------------------------------------------------------------------------ serve-bench
+def test_serve_bench_measures_an_export_with_tables_of_0_1_2_rows(tmp_path):
+    """A table exported without rows gets no traffic (its power law has no rank to draw: it crashed the bench);
+    the others are measured, and keys/s counts the ids sent."""
+    tables = torch.nn.ModuleDict({f"t{n}": edge_spec(n).filled() for n in (0, 1, 2)})
+    export_for_serving(tmp_path / "export", tables)
+    result = serve_bench(tmp_path / "export", persistent="none", batch_size=8, batches=3, warmup=2)
+    assert result["requests"] == 3 and result["tables"] == 3 and result["hit_rate"] == 1.0
+    ids_per_request = 2 * 8  # t1 and t2
+    assert result["keys_per_s"] == pytest.approx(result["qps"] * ids_per_request)
+    with pytest.raises(ValueError, match=r"n \(ranks to draw from\) must be an int >= 1, got 0"):
+        zipf_ranks(0, 4, 1.2, torch.Generator())
