@@ -1,9 +1,11 @@
 """``dynemb train`` on a file with constant categorical columns (every row the same id, so their tables end with
-exactly one row): train (publishing serving versions), eval, predict, export and ``train --resume`` work on the
-run directory, from Parquet and from CSV. Saving a one-row table crashed every such run at its first checkpoint."""
+exactly one row): train (publishing serving versions), eval, predict, serving the published versions, export and
+``train --resume`` work on the run directory, from Parquet and from CSV. Saving a one-row table crashed every such
+run at its first checkpoint."""
 
 import json
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
@@ -12,7 +14,8 @@ import torch
 
 from dynemb.checkpoint import read_chain, read_export
 from dynemb.cli import main
-from dynemb.data import hash_strings
+from dynemb.data import FileReader, hash_strings
+from dynemb.serving.endpoint import ServedModel
 
 ROWS = 300
 TINY = ["--batch-size", "64", "--dim", "4", "--eval-batches", "1", "--no-progress"]
@@ -51,7 +54,15 @@ def test_constant_columns_train_score_export_and_resume(tmp_path, dynemb, capsys
 
     assert dynemb("eval", "--model", run, "--data", data)["rows"] == ROWS
     predicted = dynemb("predict", "--model", run, "--data", data, "--out", tmp_path / "preds.parquet")
-    assert predicted["rows"] == pq.read_table(tmp_path / "preds.parquet").num_rows == ROWS
+    probability = np.asarray(pq.read_table(tmp_path / "preds.parquet").column("probability"), dtype=np.float32)
+    assert predicted["rows"] == probability.size == ROWS
+    served = ServedModel(run, name="ctr")  # what `dynemb serve` answers, from the published versions
+    try:
+        batch = next(iter(FileReader(data, label=None, categorical=["user", "country", "code"], dense=["price"],
+                                     batch_size=ROWS)))
+        np.testing.assert_allclose(served.predict(batch).numpy(), probability, atol=1e-6, rtol=0)
+    finally:
+        served.close()
 
     assert main(["export", "--model", str(run), "--out", str(tmp_path / "export")]) == 0
     assert "exported to" in capsys.readouterr().out
