@@ -4,6 +4,7 @@ exactly one row): train (publishing serving versions), eval, predict, serving th
 run at its first checkpoint."""
 
 import json
+import math
 
 import numpy as np
 import pyarrow as pa
@@ -15,20 +16,22 @@ import torch
 from dynemb.checkpoint import read_chain, read_export
 from dynemb.cli import main
 from dynemb.data import FileReader, hash_strings
+from dynemb.job import read_card
 from dynemb.serving.endpoint import ServedModel
 
 ROWS = 300
 TINY = ["--batch-size", "64", "--dim", "4", "--eval-batches", "1", "--no-progress"]
-COLUMNS = ["--label", "click", "--categorical", "user,country,code", "--dense", "price"]
+COLUMNS = ["--label", "click", "--categorical", "user,country,code", "--dense", "price,fee"]
 
 
 def clicks() -> pa.Table:
-    """Varied users; ``country`` is one string and ``code`` one int64 (the largest) on every row."""
+    """Varied users; ``country`` is one string, ``code`` one int64 (the largest) and ``fee`` one float on every
+    row (a dense column whose standard deviation is 0)."""
     g = torch.Generator().manual_seed(0)
     user = torch.randint(0, 40, (ROWS,), generator=g)
     return pa.table({"click": (user % 3 == 0).long().tolist(), "user": [f"user-{u}" for u in user.tolist()],
                      "country": ["fr"] * ROWS, "code": [2**63 - 1] * ROWS,
-                     "price": torch.rand(ROWS, generator=g).tolist()})
+                     "price": torch.rand(ROWS, generator=g).tolist(), "fee": [9.5] * ROWS})
 
 
 def _shard_rows(run) -> dict:
@@ -45,7 +48,8 @@ def test_constant_columns_train_score_export_and_resume(tmp_path, dynemb, capsys
     run = tmp_path / "run"
 
     first = dynemb("train", "--data", data, *COLUMNS, "--out", run, "--steps", "3", "--publish-every", "2", *TINY)
-    assert first["step"] == 3
+    assert first["step"] == 3 and math.isfinite(first["logloss"])
+    assert read_card(run).preprocessing.dense_std[1] == 1.0  # "fee" is only centered
     rows = _shard_rows(run)
     assert rows["country"] == rows["code"] == 1 and rows["user"] > 1
     published = read_chain(run / "export")  # a full version at step 2, then a delta at step 3
@@ -58,7 +62,7 @@ def test_constant_columns_train_score_export_and_resume(tmp_path, dynemb, capsys
     assert predicted["rows"] == probability.size == ROWS
     served = ServedModel(run, name="ctr")  # what `dynemb serve` answers, from the published versions
     try:
-        batch = next(iter(FileReader(data, label=None, categorical=["user", "country", "code"], dense=["price"],
+        batch = next(iter(FileReader(data, label=None, categorical=["user", "country", "code"], dense=["price", "fee"],
                                      batch_size=ROWS)))
         np.testing.assert_allclose(served.predict(batch).numpy(), probability, atol=1e-6, rtol=0)
     finally:

@@ -35,24 +35,38 @@ def signed_log1p(x: torch.Tensor) -> torch.Tensor:
 def dense_statistics(batches: Iterable[Batch], max_rows: Optional[int] = None) -> tuple[list, list, int]:
     """``(mean, std, rows)`` of ``signed_log1p(dense)`` over the rows of ``batches`` (at most ``max_rows``).
 
+    A column whose values are all equal has ``std`` 1.0 (it is only centered).
+
     Shape:
         each ``batch.dense``: ``[B, K]`` -> ``mean``, ``std``: ``K`` floats.
+
+    Example:
+        >>> from dynemb.data.batch import Batch
+        >>> dense = torch.tensor([[9.5, 0.0], [9.5, math.e - 1]])
+        >>> mean, std, rows = dense_statistics([Batch(dense=dense, sparse={}, labels=torch.zeros(2))])
+        >>> [round(s, 6) for s in std], rows
+        ([1.0, 0.5], 2)
     """
-    total, square, rows = None, None, 0
+    shift, total, square, rows = None, None, None, 0
     for batch in batches:
         z = signed_log1p(batch.dense.double())
         if max_rows is not None:
             z = z[: max_rows - rows]
-        total = z.sum(0) if total is None else total + z.sum(0)
-        square = (z * z).sum(0) if square is None else square + (z * z).sum(0)
-        rows += z.shape[0]
+        if z.shape[0]:
+            # Sums of z less the first row's: a constant column sums to exactly 0. Sums of z and z * z lose a small
+            # variance to rounding, and a constant 9.5 got std 4e-8: any other value then normalized to 1e6.
+            shift = z[0] if shift is None else shift
+            d = z - shift
+            total = d.sum(0) if total is None else total + d.sum(0)
+            square = (d * d).sum(0) if square is None else square + (d * d).sum(0)
+            rows += z.shape[0]
         if max_rows is not None and rows >= max_rows:
             break
     if not rows:
         return [], [], 0
     mean = total / rows
     std = (square / rows - mean * mean).clamp(min=0).sqrt()
-    return mean.tolist(), [s if s > 1e-12 else 1.0 for s in std.tolist()], rows
+    return (shift + mean).tolist(), [s if s > 1e-12 else 1.0 for s in std.tolist()], rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
