@@ -1,6 +1,7 @@
 """Tables of 0, 1 and 2 rows through serving: every store (memory, Redis, LMDB, RocksDB) on its own, and the parameter
-server over each, fed by a serving export and a delta. Every exported key reads its exported row (bit for bit, in
-the export's dtype), every other key the default row, cold and warm. ``serve_bench`` measures such an export."""
+server over each, fed by a serving export, a delta and a full export replacing it. Every exported key reads its
+exported row (bit for bit, in the export's dtype), every other key the default row, cold and warm.
+``serve_bench`` measures such an export."""
 
 from __future__ import annotations
 
@@ -114,7 +115,8 @@ def _assert_serves(ps, emb, dtype, absent: torch.Tensor) -> None:
 @example(data=None, spec=edge_spec(2, dim=2), dtype=torch.float16)
 @given(data=st.data(), spec=table_specs(), dtype=st.sampled_from(VALUE_DTYPES))
 def test_parameter_server_serves_exports_of_0_1_2_rows(tiers, data, spec, dtype, redis_server):
-    changes = data.draw(change_lists(spec.key_dtype), label="changes") if data is not None else [("erase", [0])]
+    changes, more = ([("erase", [0])], [("clear",)]) if data is None else \
+        (data.draw(change_lists(spec.key_dtype), label="changes"), data.draw(change_lists(spec.key_dtype), label="more"))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "export"
         emb = spec.filled()
@@ -124,11 +126,13 @@ def test_parameter_server_serves_exports_of_0_1_2_rows(tiers, data, spec, dtype,
         try:
             ps.load("m", progress=False)
             _assert_serves(ps, emb, dtype, absent)
-            before = emb.table.export().keys
-            apply_changes(emb, changes)
-            ps.apply_update(export_for_serving(root, emb, dtype=dtype, incremental=True))
-            gone = before[~torch.isin(before, emb.table.export().keys)]
-            _assert_serves(ps, emb, dtype, torch.cat([absent[~torch.isin(absent, emb.table.export().keys)], gone]))
+            for step, incremental in ((changes, True), (more, False)):  # a delta, then a full export replacing all
+                before = emb.table.export().keys
+                apply_changes(emb, step)
+                ps.apply_update(export_for_serving(root, emb, dtype=dtype, incremental=incremental))
+                now = emb.table.export().keys
+                gone = torch.cat([absent[~torch.isin(absent, now)], before[~torch.isin(before, now)]])
+                _assert_serves(ps, emb, dtype, gone)
         finally:
             ps.close()
 
