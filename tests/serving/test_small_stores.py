@@ -115,8 +115,10 @@ def _assert_serves(ps, emb, dtype, absent: torch.Tensor) -> None:
 @example(data=None, spec=edge_spec(2, dim=2), dtype=torch.float16)
 @given(data=st.data(), spec=table_specs(), dtype=st.sampled_from(VALUE_DTYPES))
 def test_parameter_server_serves_exports_of_0_1_2_rows(tiers, data, spec, dtype, redis_server):
-    changes, more = ([("erase", [0])], [("clear",)]) if data is None else \
-        (data.draw(change_lists(spec.key_dtype), label="changes"), data.draw(change_lists(spec.key_dtype), label="more"))
+    if data is None:
+        changes, more = [("erase", [0])], [("clear",)]
+    else:
+        changes, more = (data.draw(change_lists(spec.key_dtype), label=label) for label in ("changes", "more"))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "export"
         emb = spec.filled()
