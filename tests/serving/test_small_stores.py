@@ -8,6 +8,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
@@ -17,7 +18,8 @@ from dynemb.checkpoint import export_for_serving
 from dynemb.data.traces import zipf_ranks
 from dynemb.serving import ParameterServer
 from dynemb.serving.bench import serve_bench
-from dynemb.serving.stores import make_store
+from dynemb.serving.stores import TableSchema, make_store
+from dynemb.serving.stores.codec import decode_keys, decode_rows, encode_keys, encode_rows
 
 from small_tables import VALUE_DTYPES, apply_changes, bits, change_lists, edge_keys, edge_spec, keys_of, table_specs
 
@@ -77,6 +79,22 @@ def test_store_round_trips_tables_of_0_1_2_rows(kind, case, redis_server):
         assert sorted(store.keys("t").tolist()) == sorted(keys[kept].tolist())
         got, found = store.get("t", keys)
         assert torch.equal(found, kept) and torch.equal(bits(got[kept]), bits(values[kept]))
+
+
+@settings(max_examples=40, deadline=None)
+@example(case=([], 1, torch.float32, 0, []))
+@example(case=([-(2**63)], 1, torch.bfloat16, 0, []))
+@given(case=store_cases())
+def test_codec_round_trips_0_1_2_rows(case):
+    """The byte encoding every out-of-process store shares, on its own (the stores skip empty batches)."""
+    keys, dim, dtype, seed, _ = case
+    keys = torch.tensor(keys, dtype=torch.int64)
+    values = torch.randn(keys.numel(), dim, 2, generator=torch.Generator().manual_seed(seed)).to(dtype)[..., 0]
+    prefix = np.frombuffer(b"t\x00", dtype=np.uint8)
+    names = encode_keys(keys, prefix)
+    assert all(name[:2] == b"t\x00" for name in names) and torch.equal(decode_keys([n[2:] for n in names]), keys)
+    got, found = decode_rows(encode_rows(values), TableSchema(dim=dim, dtype=dtype))
+    assert bool(found.all()) and got.shape == values.shape and torch.equal(bits(got), bits(values))
 
 
 # ------------------------------------------------------------------------------------------- parameter server
