@@ -1,7 +1,9 @@
 """The torchrun command of docs/distributed.md, ``dynemb train --synthetic`` on 2 ranks, runs to the end and writes
-its run directory; a few steps leave a table whose shard on one rank holds one row, which crashed the first save."""
+its run directory; a few steps leave a table whose shard on one rank holds one row, which crashed the first save.
+``dynemb export`` then reads that 2-rank checkpoint in one process."""
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -10,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+import dynemb
+from dynemb.checkpoint import read_export
+from dynemb.cli import main
 from dynemb.distributed.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,11 +25,14 @@ SMALL = ["--steps", "2", "--batch-size", "64", "--eval-batches", "1", "--no-prog
 def _torchrun(args: list[str], out: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", *args[1:3], "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", *args[3:], *SMALL, "--out", str(out)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=out.parent)
+    # the ranks import the dynemb this test imported, whatever the working directory
+    path = os.pathsep.join(p for p in (str(Path(dynemb.__file__).parents[1]), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=out.parent,
+                          env={**os.environ, "PYTHONPATH": path})
 
 
 @pytest.mark.slow
-def test_the_documented_torchrun_command_trains_and_saves(tmp_path):
+def test_the_documented_torchrun_command_trains_saves_and_exports(tmp_path):
     assert DOCUMENTED in (ROOT / "docs" / "distributed.md").read_text()
     args = shlex.split(DOCUMENTED)
     assert args[:3] == ["torchrun", "--nproc_per_node=2", "-m"]
@@ -42,3 +50,7 @@ def test_the_documented_torchrun_command_trains_and_saves(tmp_path):
     assert manifest["world_size"] == 2
     shard_rows = [s["rows"] for entry in manifest["tables"].values() for s in entry["shards"]]
     assert 1 in shard_rows, shard_rows  # the case this test is for
+    assert main(["export", "--model", str(run), "--out", str(tmp_path / "export")]) == 0
+    _, tables = read_export(tmp_path / "export")
+    rows = {name: sum(s["rows"] for s in entry["shards"]) for name, entry in manifest["tables"].items()}
+    assert {name: cols["keys"].numel() for name, cols in tables.items()} == rows
