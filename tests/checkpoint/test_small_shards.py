@@ -8,7 +8,8 @@ table   keys                 config                      rank 0   rank 1
 ======  ===================  ==========================  =======  ========================================
 one     3                    int64, Adam                 0        1
 split   int32 min, -1        int32, bfloat16, lfu        1        1
-pair    int64 max, -3        int64, Adagrad              0        2
+pair    int64 max, -3        int64, Adagrad              0        1 (int64 max, deleted, then -3)
+two     5, -7                dim 1, decayed_lfu          0        2
 none    (none)               int64                       0        0
 tiered  int64 min            fast tier of one row        1        0
 tiny    0                    static, vocabulary 1        1        none of it (it owns no id; a phantom row
@@ -37,11 +38,11 @@ from small_tables import bits
 
 I64, I32 = torch.iinfo(torch.int64), torch.iinfo(torch.int32)
 IDS = [  # per step: the ids rank 0 sends (rank 1 sends none)
-    {"one": [3], "split": [I32.min], "pair": [I64.max], "none": [], "tiered": [I64.min], "tiny": [0]},
-    {"one": [3], "split": [-1, I32.min], "pair": [-3], "none": [], "tiered": [I64.min], "tiny": [0]},
+    {"one": [3], "split": [I32.min], "pair": [I64.max], "two": [5, -7], "none": [], "tiered": [I64.min], "tiny": [0]},
+    {"one": [3], "split": [-1, I32.min], "pair": [-3], "two": [-7], "none": [], "tiered": [I64.min], "tiny": [0]},
 ]
 # rows of each shard saved, in rank order, at the end (rank 1 holds no shard of "tiny")
-ROWS = {"one": [0, 1], "split": [1, 1], "pair": [0, 2], "none": [0, 0], "tiered": [1, 0], "tiny": [1]}
+ROWS = {"one": [0, 1], "split": [1, 1], "pair": [0, 1], "two": [0, 2], "none": [0, 0], "tiered": [1, 0], "tiny": [1]}
 
 
 def build(world: int) -> EmbeddingCollection:
@@ -49,6 +50,7 @@ def build(world: int) -> EmbeddingCollection:
               TableConfig(name="split", dim=2, key_dtype=torch.int32, dtype=torch.bfloat16, eviction="lfu",
                           optimizer=dynemb.optim.SGD(lr=0.1), seed=2),
               TableConfig(name="pair", dim=2, optimizer=dynemb.optim.Adagrad(lr=0.1), seed=3),
+              TableConfig(name="two", dim=1, eviction="decayed_lfu", optimizer=dynemb.optim.SGD(lr=0.1), seed=7),
               TableConfig(name="none", dim=2, seed=4),
               TableConfig(name="tiered", dim=2, optimizer=dynemb.optim.Adam(lr=0.1), seed=5,
                           tiers=Tiers(fast_capacity=1, slow="host")),
@@ -106,6 +108,8 @@ def _first(rank, world, root, export):
     ec = build(world)
     train_step(ec, 0)
     save(root, ec, step=1)
+    if rank == 1:  # the delta deletes the one row this shard held, and adds another
+        ec.logical_tables()["pair"].table.erase(torch.tensor([I64.max]))
     train_step(ec, 1)
     save(root, ec, step=2, incremental=True)
     state = rank_state(ec)  # as saved (an export ticks the clock)
