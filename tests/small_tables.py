@@ -42,7 +42,8 @@ def keys_of(key_dtype: torch.dtype) -> st.SearchStrategy[int]:
 class TableSpec:
     """A dynamic table's config and rows. ``keys`` are stored with values drawn from ``seed`` (and ``scores`` under
     the custom policy), ``touched`` are read again (scores differ), ``pending`` are seen once by a table with
-    admission (candidates, not stored)."""
+    admission (candidates, not stored). ``eviction`` applies to a bounded or tiered table; an unbounded one is
+    built with the default policy."""
 
     keys: tuple = ()
     key_dtype: torch.dtype = torch.int64
@@ -64,7 +65,10 @@ class TableSpec:
 
     def build(self, seed: int = 0, tiers=None) -> dynemb.DynamicEmbedding:
         """An empty table of this config (``seed``: its initializer's, which a load replaces)."""
-        emb = dynemb.DynamicEmbedding(self.dim, key_dtype=self.key_dtype, dtype=self.dtype, eviction=self.eviction,
+        # a policy is for a table that evicts or moves rows down: bounded or tiered (else the default lru)
+        bounded = tiers is not None or self.max_capacity is not None
+        emb = dynemb.DynamicEmbedding(self.dim, key_dtype=self.key_dtype, dtype=self.dtype,
+                                      eviction=self.eviction if bounded else None,
                                       max_capacity=None if tiers else self.max_capacity, admission=self.admission,
                                       init_capacity=self.init_capacity, seed=seed, tiers=tiers)
         for name, dim, dtype, init in SLOTS:
@@ -119,7 +123,7 @@ def table_specs(draw, max_rows: int = 2) -> TableSpec:
     admission = draw(st.sampled_from([None, 2]))
     pending = draw(st.lists(keys_of(key_dtype).filter(lambda k: k not in keys), max_size=2, unique=True)) \
         if admission else []
-    bounded = draw(st.booleans())
+    bounded = eviction != "lru" or draw(st.booleans())  # another policy needs a bound (or tiers) to mean anything
     return TableSpec(
         keys=tuple(keys), key_dtype=key_dtype, dtype=draw(st.sampled_from(VALUE_DTYPES)), eviction=eviction,
         dim=draw(st.integers(1, 3)), slots=tuple(draw(st.sets(st.sampled_from([s[0] for s in SLOTS])))),

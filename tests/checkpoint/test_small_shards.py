@@ -7,9 +7,9 @@ Rank 0 sends every id and rank 1 none (a rank may have no ids); keys are owned b
 table   keys                 config                      rank 0   rank 1
 ======  ===================  ==========================  =======  ========================================
 one     3                    int64, Adam                 0        1
-split   int32 min, -1        int32, bfloat16, lfu        1        1
+split   int32 min, -1        int32, bfloat16, lfu, bound  1        1
 pair    int64 max, -3        int64, Adagrad              0        1 (int64 max, deleted, then -3)
-two     5, -7                dim 1, decayed_lfu          0        2
+two     5, -7                dim 1, decayed_lfu, bound   0        2
 none    (none)               int64                       0        0
 tiered  int64 min            fast tier of one row        1        0
 tiny    0                    static, vocabulary 1        1        none of it (it owns no id; a phantom row
@@ -48,9 +48,10 @@ ROWS = {"one": [0, 1], "split": [1, 1], "pair": [0, 1], "two": [0, 2], "none": [
 def build(world: int) -> EmbeddingCollection:
     tables = [TableConfig(name="one", dim=3, optimizer=dynemb.optim.Adam(lr=0.1), seed=1),
               TableConfig(name="split", dim=2, key_dtype=torch.int32, dtype=torch.bfloat16, eviction="lfu",
-                          optimizer=dynemb.optim.SGD(lr=0.1), seed=2),
+                          max_capacity=8, optimizer=dynemb.optim.SGD(lr=0.1), seed=2),
               TableConfig(name="pair", dim=2, optimizer=dynemb.optim.Adagrad(lr=0.1), seed=3),
-              TableConfig(name="two", dim=1, eviction="decayed_lfu", optimizer=dynemb.optim.SGD(lr=0.1), seed=7),
+              TableConfig(name="two", dim=1, eviction="decayed_lfu", max_capacity=8, optimizer=dynemb.optim.SGD(lr=0.1),
+                          seed=7),
               TableConfig(name="none", dim=2, seed=4),
               TableConfig(name="tiered", dim=2, optimizer=dynemb.optim.Adam(lr=0.1), seed=5,
                           tiers=Tiers(fast_capacity=1, slow="host")),
