@@ -33,6 +33,14 @@ def _tensors() -> dict:
     }
 
 
+@pytest.mark.parametrize("name", sorted(_tensors()))
+def test_byte_view_gives_the_row_major_bytes_of_any_tensor(name):
+    t = _tensors()[name]
+    flat = t.reshape(-1).clone()
+    want = (flat.view(torch.int16) if t.dtype == torch.bfloat16 else flat).numpy().tobytes()  # numpy has no bf16
+    assert tensorfile.byte_view(t).numpy().tobytes() == want
+
+
 def test_round_trip_matches_safetensors_and_hashlib(tmp_path, monkeypatch):
     monkeypatch.setattr(tensorfile, "CHUNK_BYTES", 8)  # many chunks per tensor
     path = tmp_path / "t.safetensors"

@@ -87,11 +87,17 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     ``Tensor.contiguous()`` is not enough: torch calls a tensor whose dims of size 1 have any stride contiguous,
     so a one-element column of an interleaved table (stride 2) comes back as it was, and a dtype view refuses it.
 
+    Shape: ``[*S, K]`` -> ``[*S, K * element_size]``; a 0-d tensor -> ``[element_size]``.
+
     Example:
         >>> byte_view(torch.arange(4).reshape(2, 2)[:1, 0]).tolist()
         [0, 0, 0, 0, 0, 0, 0, 0]
+        >>> byte_view(torch.tensor(1.0)).tolist()
+        [0, 0, 128, 63]
     """
-    if t.dim() and t.stride(-1) != 1 or not t.is_contiguous():
+    if t.dim() == 0:  # a dtype view needs a dim to widen
+        t = t.reshape(1)
+    if t.stride(-1) != 1 or not t.is_contiguous():
         t = t.clone(memory_format=torch.contiguous_format)
     return t.view(torch.uint8)
 

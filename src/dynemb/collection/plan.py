@@ -11,6 +11,7 @@ sharding            rows on this rank, and their keys
 ==================  ========================================================================================
 ``None``            the whole table; shard keys are the user's keys (one process)
 ``row``             keys with ``partitioner(key, W) == rank``; a static table's id ``i`` is row ``i // W``
+                    (nothing on a rank at or past the vocabulary size, which owns no id)
 ``table``           the whole table on its owner rank; nothing elsewhere
 ``data``            a replica of the whole table on every rank
 ==================  ========================================================================================
@@ -43,7 +44,9 @@ class TableShard:
         seed: the initializer seed every rank uses.
         sharding: how the table is spread over ranks (``None``: not sharded).
         rank, world: this process in the sharding group.
-        module: the physical table's module (``None`` on a rank that holds none of a table-sharded table).
+        module: the physical table's module (``None`` on a rank that holds none of the table: a table-sharded
+            table's other ranks, and the ranks that own no id of a row-sharded static table whose vocabulary is
+            smaller than the world).
         optimizer: the table's own bound sparse optimizer (``None`` without one or without a module).
     """
 
@@ -164,7 +167,9 @@ class ExecutionPlan:
         if cfg.is_static:
             rows = cfg.vocabulary_size
             if shard._row_static:  # this rank owns ids r, r + W, r + 2W, ...
-                rows = max(1, (cfg.vocabulary_size - self.rank + self.world - 1) // self.world)
+                rows = (cfg.vocabulary_size - self.rank + self.world - 1) // self.world
+                if rows == 0:  # none of them: a row here would stand for an id past the vocabulary, saved and served
+                    return None
             module = StaticEmbedding(rows, cfg.dim, dtype=cfg.dtype, key_dtype=cfg.key_dtype, device=device,
                                      initializer=cfg.initializer, seed=shard.seed)
             if shard._row_static:  # rows start as the user's ids would: a shard equals its part of the whole

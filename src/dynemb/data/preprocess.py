@@ -58,6 +58,8 @@ class NonFiniteCounts:
     """The null/NaN, ``inf`` and ``-inf`` values of each dense column over a pass, counted on the batches' device
     (no device sync until :attr:`counts` or :meth:`warn`).
 
+    A column whose values are all equal has ``std`` 1.0 (it is only centered).
+
     Shape:
         :meth:`add` takes ``dense`` ``[B, K]``; :attr:`counts` is ``K`` triples ``(nan, inf, -inf)``.
 
@@ -153,6 +155,9 @@ def dense_statistics(batches: Iterable[Batch], columns: Sequence[str], max_rows:
     counts = NonFiniteCounts(columns)
     k = len(columns)
     total, square = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
+    # Sums of z less each column's first finite z: a constant column sums to exactly 0. Plain sums of z and z * z
+    # lose a small variance to rounding (a constant 9.5 got std 4e-8, and any other value then normalized to 1e6).
+    shift, shifted = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.bool)
     finite = torch.zeros(k, dtype=torch.int64)
     low, high = torch.full((k,), math.inf, dtype=torch.float64), torch.full((k,), -math.inf, dtype=torch.float64)
     rows = 0
@@ -164,8 +169,13 @@ def dense_statistics(batches: Iterable[Batch], columns: Sequence[str], max_rows:
             continue
         counts.add(x)
         ok = torch.isfinite(x)
-        z = torch.where(ok, signed_log1p(x), 0.0)
-        total, square, finite = total + z.sum(0), square + (z * z).sum(0), finite + ok.sum(0)
+        z = signed_log1p(x)
+        first = ~shifted & ok.any(0)
+        if first.any():
+            shift[first] = z[ok.to(torch.uint8).argmax(0), torch.arange(k)][first]
+            shifted |= first
+        d = torch.where(ok, z - shift, 0.0)
+        total, square, finite = total + d.sum(0), square + (d * d).sum(0), finite + ok.sum(0)
         low = torch.minimum(low, torch.where(ok, x, math.inf).amin(0))
         high = torch.maximum(high, torch.where(ok, x, -math.inf).amax(0))
         rows += len(x)
@@ -179,7 +189,7 @@ def dense_statistics(batches: Iterable[Batch], columns: Sequence[str], max_rows:
     n = finite.double()
     mean = total / n
     std = (square / n - mean * mean).clamp(min=0).sqrt()
-    return DenseStatistics(mean.tolist(), [s if s > 1e-12 else 1.0 for s in std.tolist()], low.tolist(),
+    return DenseStatistics((shift + mean).tolist(), [s if s > 1e-12 else 1.0 for s in std.tolist()], low.tolist(),
                            high.tolist(), rows, counts.counts)
 
 

@@ -28,7 +28,16 @@ _SLOT_BITS = 32  # id = mix64(generation << 32 | slot): distinct for every (slot
 
 
 def zipf_ranks(n: int, size: int, alpha: float, generator: torch.Generator) -> torch.Tensor:
-    """``size`` ranks in ``[0, n)`` with P(rank r) ~ (r + 1) ** -alpha (inverse-CDF of the continuous law)."""
+    """``size`` ranks in ``[0, n)`` with P(rank r) ~ (r + 1) ** -alpha (inverse-CDF of the continuous law).
+
+    Raises:
+        ValueError: ``n < 1``: there is no rank to draw.
+
+    Example:
+        >>> zipf_ranks(1, 3, 1.2, torch.Generator().manual_seed(0)).tolist()
+        [0, 0, 0]
+    """
+    check_int(n, "n (ranks to draw from)", minimum=1)
     u = torch.rand(size, generator=generator, dtype=torch.float64)
     if abs(alpha - 1.0) < 1e-9:
         ranks = torch.exp(u * torch.log(torch.tensor(float(n) + 1))) - 1

@@ -74,7 +74,8 @@ def decode_rows(blobs: list, schema: TableSchema, keys: list[bytes] | None = Non
     joined = bytearray().join(items.tolist())
     if len(joined) != n * width:
         _raise_corrupt(items, width, schema, keys)
-    values = torch.frombuffer(joined, dtype=torch.uint8).view(schema.dtype).view(n, schema.dim)
+    raw = torch.frombuffer(joined, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)  # it refuses b""
+    values = raw.view(schema.dtype).view(n, schema.dim)
     return values, torch.from_numpy(found.astype(np.bool_))
 
 
