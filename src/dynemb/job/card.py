@@ -97,7 +97,7 @@ def model_checkpoint(run: Path, use: str = "best") -> tuple[Path, str, int]:
     """``(checkpoint root, "best" or "last", step)`` of the model ``use`` names in run directory ``run``.
 
     Raises:
-        ValueError: ``use`` is not one of :data:`USES`, or the run has no checkpoint yet.
+        ValueError: ``use`` is not one of :data:`USES`, ``run`` is no run directory, or it has no checkpoint yet.
 
     Example:
         >>> # model_checkpoint(Path("runs/clicks"))  ->  (Path("runs/clicks/checkpoint-best"), "best", 400)
@@ -107,6 +107,8 @@ def model_checkpoint(run: Path, use: str = "best") -> tuple[Path, str, int]:
     if use not in USES:
         raise ValueError(f"--use must be one of {', '.join(USES)}, got {use!r}")
     run = Path(run)
+    if not (run / CARD).is_file():
+        read_card(run)  # its error: not a run directory
     for kind, root in (("best", run / CHECKPOINT_BEST), ("last", run / CHECKPOINT)):
         if (kind == "best" and use == "last") or not (root / "latest").is_file():
             continue
