@@ -20,7 +20,7 @@ __all__ = ["main", "build_parser"]
 
 EVICTIONS = ("lru", "lfu", "epoch_lru", "epoch_lfu", "decayed_lfu")
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
-DEFAULT_PATIENCE = 3  # = dynemb.train.DEFAULT_PATIENCE (not imported: `--help` stays free of torch)
+DEFAULT_PATIENCE = 5  # = dynemb.train.DEFAULT_PATIENCE (not imported: `--help` stays free of torch)
 MODEL_DEFAULTS = {"batch_size": 512, "dim": 16, "optimizer": "adagrad", "lr": 0.05, "max_capacity": None,
                   "eviction": None, "admission": None}
 """``dynemb train``'s model options and their defaults; on ``--resume`` the run's saved values instead."""
@@ -240,7 +240,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                      "metrics.jsonl, loss_auc.png (default: runs/<UTC timestamp>)")
     stop = run.add_mutually_exclusive_group()
     stop.add_argument("--epochs", type=int, metavar="N", help="passes over the training rows, fewer when early "
-                      "stopping ends the run (default: AUTO_EPOCHS_HELP)")
+                      "stopping ends the run (default: up to 20, within 20000 steps; one pass of a data set over 1M rows; 500 "
+                      "steps of synthetic data)")
     stop.add_argument("--steps", type=int, metavar="N", help="stop after N steps, over as many epochs as needed "
                       "(default: see --epochs)")
     stop.add_argument("--seconds", type=float, metavar="S", help="stop after S seconds of training (default: no time limit)")

@@ -30,7 +30,7 @@ from .table.checks import check_int
 
 __all__ = ["TrainConfig", "Trainer", "History", "SPARSE_OPTIMIZERS", "DEFAULT_PATIENCE", "build_dlrm"]
 
-DEFAULT_PATIENCE = 3
+DEFAULT_PATIENCE = 5
 """Evaluations without improvement before training stops (see ``TrainConfig.patience``)."""
 
 SPARSE_OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad,

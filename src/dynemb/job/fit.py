@@ -3,8 +3,14 @@
 The steps: read the columns' layout; hold out rows (a separate file, or a seeded ``eval_fraction`` of the rows,
 see :mod:`dynemb.data.stream`); compute the dense statistics over the training rows; write the model card; train
 for ``epochs`` (each a shuffled pass over every training row), ``steps`` or ``seconds``, evaluating a few held-out
-batches every ``eval_every`` steps; save the final checkpoint; evaluate on every held-out row; write the final
-metrics, the plot and return the summary that the command prints as its last line.
+batches every ``eval_every`` steps, keeping the best model and stopping early after ``patience`` evaluations
+without improvement (see :class:`~dynemb.train.Trainer`); save the last checkpoint; evaluate the best model on
+every held-out row; write the final metrics, the plot and return the summary that the command prints as its last
+line.
+
+A run that ends early stays resumable: with ``interruptible``, a Ctrl-C (or SIGTERM) ends training after the
+current step and saves it (:class:`Interrupted`); a failed save leaves the previous checkpoint; ``resume`` starts
+from the newest checkpoint, the last or the best, or from step 0 when there is none.
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ from .report import MetricsLog, plot_run
 from .score import evaluate
 from .sources import FileSource, SyntheticSource, epochs, every_nth, id_types
 
-__all__ = ["RunSpec", "train_run", "auto_epochs", "AUTO_STEPS", "AUTO_MAX_EPOCHS", "SYNTHETIC_STEPS"]
+__all__ = ["RunSpec", "train_run", "Interrupted", "auto_epochs", "AUTO_MAX_STEPS", "AUTO_MAX_EPOCHS", "SYNTHETIC_STEPS"]
 
-AUTO_STEPS, AUTO_MAX_EPOCHS = 1000, 10  # epochs="auto": whole epochs for at least 1,000 steps, at most 10
+# epochs="auto": early stopping decides, within 20 epochs and 20,000 steps (10M samples at batch 512, about 20
+# minutes on one core); measured on real data in benchmarks/results/tabular.md.
+AUTO_MAX_STEPS, AUTO_MAX_EPOCHS = 20_000, 20
 SYNTHETIC_STEPS = 500  # synthetic data, when none of epochs, steps and seconds is given
 
 
@@ -121,14 +129,24 @@ def train_run(spec: RunSpec, cfg: TrainConfig, *, progress: Optional[bool] = Non
     ``published``, the version directories written, with ``spec.publish_every``; ``on_publish`` is called after
     each, see :class:`~dynemb.job.publish.Publisher`).
 
-    ``cfg.checkpoint_dir`` and ``cfg.resume`` are replaced by ``out/checkpoint`` and ``spec.resume``. Under torchrun
-    every rank calls this; rank 0 writes the card and metrics.
+    The summary's ``auc``, ``logloss`` and ``rows`` are the best model's (``model`` is ``"best"``, its step
+    ``best_step``; ``stopped_early`` says whether patience ended training); ``table_rows`` and ``evicted`` describe
+    the tables as training left them.
+
+    ``cfg.checkpoint_dir``, ``cfg.best_dir`` and ``cfg.resume`` are replaced by ``out/checkpoint``,
+    ``out/checkpoint-best`` and ``spec.resume``. Under torchrun every rank calls this; rank 0 writes the card and
+    metrics.
+
+    With ``interruptible`` (``dynemb train``; only in the main thread), the first SIGINT or SIGTERM ends training
+    after the current step: the last checkpoint is saved, then :class:`Interrupted` (a KeyboardInterrupt) is
+    raised. A second SIGINT raises KeyboardInterrupt at once.
 
     Torch's random numbers (the MLPs' initial weights, ...) are drawn from ``spec.seed`` inside the call (the
     caller's generator state is restored after it): identical calls give identical runs.
 
     Raises:
         ValueError: bad data or options, ``out`` holding another run without ``resume``, or no held-out row.
+        Interrupted: see ``interruptible``.
     """
     devices = [torch.device(spec.device)] if torch.device(spec.device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
@@ -321,17 +339,18 @@ def _labels_counted(chunks, positives: list):
 
 
 def auto_epochs(train_rows: Optional[int], batch_size: int) -> int:
-    """Whole epochs that make at least :data:`AUTO_STEPS` steps, at most :data:`AUTO_MAX_EPOCHS`; 1 when the
-    training rows were not counted (more than ``stats_rows``: a large data set gets one pass).
+    """The most epochs of a run without ``epochs``: :data:`AUTO_MAX_EPOCHS`, fewer when they would take more than
+    :data:`AUTO_MAX_STEPS` steps, at least 1; 1 when the training rows were not counted (more than ``stats_rows``:
+    a large data set gets one pass). Early stopping usually ends the run sooner.
 
     Example:
-        >>> auto_epochs(46_000, 512), auto_epochs(800_000, 512), auto_epochs(None, 512)
-        (10, 1, 1)
+        >>> auto_epochs(37_000, 512), auto_epochs(800_000, 512), auto_epochs(None, 512)
+        (20, 12, 1)
     """
     if not train_rows:
         return 1
     per_epoch = math.ceil(train_rows / batch_size)
-    return max(1, min(AUTO_MAX_EPOCHS, math.ceil(AUTO_STEPS / per_epoch)))
+    return max(1, min(AUTO_MAX_EPOCHS, AUTO_MAX_STEPS // per_epoch))
 
 
 def _columns(spec: RunSpec) -> tuple[dict, str]:
