@@ -98,7 +98,7 @@ class RunSpec:
     epochs: Union[int, str, None] = None
     batch_size: int = 2048
     shuffle_buffer: int = 500_000
-    eval_batches: int = 4
+    eval_batches: int = 16
     stats_rows: int = 1_000_000
     device: str = "cpu"
     resume: bool = False
