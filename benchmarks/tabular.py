@@ -18,7 +18,7 @@ For each split seed (3 by default) the rows are shuffled and cut 80/20 into ``tr
   batch 256, 10 epochs: what a user would write in a few lines of torch.
 
     OMP_NUM_THREADS=1 python benchmarks/tabular.py [--seeds 3] [--epochs 1,2,3,5,10] [--json out.json]
-    OMP_NUM_THREADS=1 python benchmarks/tabular.py --quick      # one seed, defaults and baselines: under a minute
+    OMP_NUM_THREADS=1 python benchmarks/tabular.py --quick      # one seed, defaults and baselines: about a minute
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def main() -> None:
     parser.add_argument("--epochs", default="1,2,3,5,10", help="fixed epoch counts to compare with the defaults "
                         "(empty: none)")
     parser.add_argument("--train-args", default="", help="extra `dynemb train` options of every dynemb run")
-    parser.add_argument("--quick", action="store_true", help="one seed, no fixed epoch counts: under a minute")
+    parser.add_argument("--quick", action="store_true", help="one seed, no fixed epoch counts: about a minute")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if args.quick:

@@ -380,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.command != "train":
             print(f"dynemb {args.command}: interrupted", file=sys.stderr)
+        elif _distributed_rank():
+            pass  # under torchrun, rank 0 says it
         elif isinstance(e, Interrupted):
             print(f"dynemb train: {e}; continue with: {_resume_command(argv, args.out)}", file=sys.stderr)
         elif args.out and Path(args.out).is_dir():

@@ -52,7 +52,8 @@ class ModelCard:
         preprocessing: the columns and the dense statistics.
         config: the training config; ``dim`` and the table settings fix the model's shape.
         data: the training data, the held-out data or fraction, the split seed, the format and row counts.
-        metrics: the final held-out metrics (``None`` until training ends).
+        metrics: the final held-out metrics of the best model, with ``model`` (``"best"``, or ``"last"`` for a run
+            that never evaluated) and ``step`` (the best step); ``None`` until training ends.
     """
 
     preprocessing: Preprocessing
