@@ -66,7 +66,8 @@ def test_serve_serves_the_best_model_by_default_and_the_last_on_request(tmp_path
     data = random_labels(tmp_path / "random.parquet", rows=4000)
     run = tmp_path / "run"
     common = ["train", "--data", data, "--label", "y", "--categorical", "id", "--dense", "x", "--out", run,
-              "--eval-every", "5", "--lr", "0.5", "--eval-fraction", "0.2", "--patience", "0", *SMALL]
+              "--eval-every", "5", "--eval-batches", "4", "--lr", "0.5", "--eval-fraction", "0.2", "--patience", "0",
+              *SMALL]
     assert dynemb(*common, "--steps", "30")["best_step"] == 30
     assert serving_export(run) == run / "export-best"
     assert read_pointer(run / "export-best") == "version-00000001"
