@@ -195,7 +195,9 @@ class Trainer:
         from .checkpoint.manifest import checkpoint_name
 
         stale = Path(self.cfg.best_dir) / checkpoint_name(self.step)
-        if stale.exists():  # a resumed run re-evaluating a step whose best was saved before the last checkpoint
+        # A resumed run re-evaluating a step whose best was saved after the last checkpoint; rank 0 owns the
+        # directory (the other ranks' part of the save waits for it).
+        if self.rank == 0 and stale.exists():
             remove_dir(stale)
         save(self.cfg.best_dir, self.model, self.optimizer, step=self.step, keep_last=1, extra=self._extra())
 
