@@ -308,3 +308,18 @@ def test_the_extras_named_in_errors_are_the_ones_in_pyproject():
     for package, extra in _EXTRAS.items():
         names = {Requirement(r).name for r in extras[extra]}
         assert distribution.get(package, package) in names, (package, extra, names)
+
+
+def test_the_patience_default_shown_by_help_is_the_trainer_s():
+    from dynemb import cli, train
+
+    assert cli.DEFAULT_PATIENCE == train.DEFAULT_PATIENCE == train.TrainConfig().patience
+
+
+def test_every_command_that_loads_a_run_chooses_its_model_with_use():
+    from dynemb.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name in ("eval", "predict", "export", "serve"):
+        (use,) = [a for a in commands[name]._actions if a.dest == "use"]
+        assert use.choices == ("best", "last") and use.default in ("best", None), name

@@ -21,6 +21,7 @@ __all__ = ["main", "build_parser"]
 
 EVICTIONS = ("lru", "lfu", "epoch_lru", "epoch_lfu", "decayed_lfu")
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
+DEFAULT_PATIENCE = 5  # = dynemb.train.DEFAULT_PATIENCE (not imported: `--help` stays free of torch)
 MODEL_DEFAULTS = {"batch_size": 512, "dim": 16, "optimizer": "adagrad", "lr": 0.05, "max_capacity": None,
                   "eviction": None, "admission": None}
 """``dynemb train``'s model options and their defaults; on ``--resume`` the run's saved values instead."""
@@ -98,17 +99,18 @@ def cmd_train(args) -> int:
     stop_given = args.epochs or args.steps or args.seconds
     epochs = args.epochs if stop_given else ("auto" if args.data else None)
     steps = args.steps if stop_given else (None if args.data else SYNTHETIC_STEPS)
-    out = args.out or _timestamped(Path("runs"))
-    spec = RunSpec(out=str(out), data=args.data, eval_data=args.eval_data, format=args.format, label=args.label,
+    args.out = args.out or str(_timestamped(Path("runs")))  # main's resume hint names it
+    spec = RunSpec(out=args.out, data=args.data, eval_data=args.eval_data, format=args.format, label=args.label,
                    categorical=_csv(args.categorical), multi_hot=_csv(args.multi_hot), dense=_csv(args.dense),
-                   list_separator=args.list_separator, eval_fraction=args.eval_fraction or 0.05, seed=args.seed,
+                   positive_label=args.positive_label, list_separator=args.list_separator, eval_fraction=args.eval_fraction or 0.05, seed=args.seed,
                    epochs=epochs, batch_size=args.batch_size, shuffle_buffer=args.shuffle_buffer,
                    eval_batches=args.eval_batches, device=args.device, resume=args.resume,
                    publish_every=args.publish_every, publish_dir=args.publish_dir)
     cfg = TrainConfig(steps=steps, seconds=args.seconds, dim=args.dim, optimizer=args.optimizer, lr=args.lr,
                       max_capacity=args.max_capacity, eviction=args.eviction, admission=args.admission,
-                      eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
-    summary = train_run(spec, cfg, progress=False if args.no_progress else None, log_every=args.log_every)
+                      eval_every=args.eval_every, patience=args.patience, checkpoint_every=args.checkpoint_every)
+    summary = train_run(spec, cfg, progress=False if args.no_progress else None, log_every=args.log_every,
+                        interruptible=True)
     if not (_distributed_rank() or 0):
         print(_json(summary))
     return 0
@@ -124,8 +126,9 @@ def _check_train_options(args) -> None:
         raise CliError("--synthetic and --data exclude each other")
     if args.publish_dir and not args.publish_every:
         raise CliError("--publish-dir needs --publish-every N (steps between published versions)")
-    if args.data is None and (args.eval_data or args.epochs or args.format):
-        raise CliError("--eval-data, --epochs and --format need --data (synthetic data is an endless stream)")
+    if args.data is None and (args.eval_data or args.epochs or args.format or args.positive_label):
+        raise CliError("--eval-data, --epochs, --format and --positive-label need --data (synthetic data is an "
+                       "endless stream of 0/1 labels)")
 
 
 def _model_options(args) -> None:
@@ -147,6 +150,14 @@ def _model_options(args) -> None:
         setattr(args, name, value if given is None else given)
     if args.eviction and not args.max_capacity:
         raise CliError("--eviction needs --max-capacity: only a bounded table evicts")
+
+
+def _resume_command(argv: list[str], out) -> str:
+    """The ``dynemb train`` command line that continues an interrupted one: the same, with --out and --resume."""
+    import shlex
+
+    args = list(argv) + ([] if "--out" in argv else ["--out", str(out)]) + ([] if "--resume" in argv else ["--resume"])
+    return shlex.join(["dynemb", *args])
 
 
 def _timestamped(root: Path) -> Path:
@@ -180,7 +191,7 @@ def cmd_eval(args) -> int:
 
     torch.set_num_threads(args.threads)
     print(_json(evaluate_file(args.model, args.data, format=args.format, batch_size=args.batch_size,
-                              device=args.device)))
+                              device=args.device, use=args.use)))
     return 0
 
 
@@ -191,7 +202,7 @@ def cmd_predict(args) -> int:
 
     torch.set_num_threads(args.threads)
     print(_json(predict_file(args.model, args.data, args.out, format=args.format, batch_size=args.batch_size,
-                             device=args.device)))
+                             device=args.device, use=args.use)))
     return 0
 
 
@@ -199,7 +210,7 @@ def cmd_export(args) -> int:
     from .checkpoint import export_for_serving
     from .job import load_model
 
-    model, _ = load_model(Path(args.model))
+    model, _ = load_model(Path(args.model), use=args.use)
     out = export_for_serving(args.out, model)
     print(f"exported to {out}")
     return 0
@@ -236,7 +247,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                       "training, chosen by a seeded hash of the row number (default: 0.05)")
     data.add_argument("--format", choices=("parquet", "csv", "criteo"), help="format of the files (default: from "
                       "the suffix: .parquet, .csv/.tsv, .criteo/.txt, each optionally compressed)")
-    data.add_argument("--label", help="label column, values 0/1 (default for a Criteo file: 'label')")
+    data.add_argument("--label", help="label column, values 0/1 or booleans (default for a Criteo file: 'label')")
+    data.add_argument("--positive-label", metavar="VALUE", help="labels equal to VALUE (compared as text: '>50K', "
+                      "'yes', 'true') are 1, every other label 0; kept in model.json for eval and --resume "
+                      "(default: none, labels must be 0/1 or booleans)")
     data.add_argument("--categorical", metavar="C1,C2", help="categorical columns: string or integer ids, one "
                       "table each (a Criteo file: default C1..C26)")
     data.add_argument("--multi-hot", metavar="M1,M2", help="list columns (list<string>, list<int>; in CSV, ids "
@@ -250,27 +264,34 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     data.add_argument("--shuffle-buffer", type=int, default=500_000, metavar="ROWS", help="each epoch is "
                       "shuffled within a window of twice this many rows (the whole data when it fits)")
     run = p.add_argument_group("run")
-    run.add_argument("--out", metavar="RUN_DIR", help="run directory: final checkpoint, model.json, "
+    run.add_argument("--out", metavar="RUN_DIR", help="run directory: model.json, the last and the best checkpoint, "
                      "metrics.jsonl, loss_auc.png (default: runs/<UTC timestamp>)")
     stop = run.add_mutually_exclusive_group()
-    stop.add_argument("--epochs", type=int, metavar="N", help="passes over the training rows (default: whole "
-                      "epochs for at least 1000 steps, at most 10, one pass of a data set over 1M rows; 500 steps "
-                      "of synthetic data)")
+    stop.add_argument("--epochs", type=int, metavar="N", help="passes over the training rows, fewer when early "
+                      "stopping ends the run (default: up to 20, within 20000 steps; one pass of a data set over 1M rows; 500 "
+                      "steps of synthetic data)")
     stop.add_argument("--steps", type=int, metavar="N", help="stop after N steps, over as many epochs as needed "
                       "(default: see --epochs)")
     stop.add_argument("--seconds", type=float, metavar="S", help="stop after S seconds of training (default: no time limit)")
-    run.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    run.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint "
+                     "(from step 0 when it has none: a run stopped before its first save)")
     run.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also checkpoint every N steps "
                      "(0: only the final checkpoint; the 3 newest are kept)")
     run.add_argument("--eval-every", type=int, default=100, metavar="N", help="evaluate --eval-batches held-out "
-                     "batches every N steps (and every held-out row at the end)")
-    run.add_argument("--eval-batches", type=int, default=4, metavar="N", help="held-out batches of each periodic "
-                     "evaluation")
+                     "batches every N steps and at the end, keeping the model with the lowest log loss as the best "
+                     "(and every held-out row at the end, with the best model)")
+    run.add_argument("--patience", type=int, default=DEFAULT_PATIENCE, metavar="N", help="stop after N evaluations "
+                     "in a row without a lower held-out log loss than the best (0: never stop early; the best model "
+                     "is kept either way)")
+    run.add_argument("--eval-batches", type=int, default=16, metavar="N", help="held-out batches of each periodic "
+                     "evaluation: more rows choose the best model and the stop more surely, at the cost of a "
+                     "forward pass each")
     run.add_argument("--publish-every", type=int, default=0, metavar="N", help="publish a serving version every N "
                      "steps and after the last: a full export, then deltas, each with the MLPs, for `dynemb serve "
-                     "--model RUN_DIR --watch` (0: none)")
+                     "--model RUN_DIR --watch`; each is the model being trained at that step, not the best so far "
+                     "(0: none)")
     run.add_argument("--publish-dir", metavar="EXPORT_DIR", help="where --publish-every writes (default: "
-                     "RUN_DIR/export, what `dynemb serve --model RUN_DIR` serves; elsewhere, serve it with --export)")
+                     "RUN_DIR/export, what `dynemb serve --model RUN_DIR --watch` follows; elsewhere, serve it with --export)")
     run.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     run.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     run.add_argument("--log-every", type=float, default=10.0, metavar="S", help="without a terminal: seconds "
@@ -290,11 +311,18 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                        "at once)")
 
 
+def _add_use_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--use", choices=("best", "last"), default="best", help="the run's model with the lowest "
+                   "held-out log loss (best), or the model of its last step (last); a run without a best checkpoint "
+                   "gives its last")
+
+
 def _add_scoring_args(p: argparse.ArgumentParser, out_help: str | None) -> None:
     p.add_argument("--model", required=True, metavar="RUN_DIR", help="a `dynemb train` run directory")
+    _add_use_arg(p)
     p.add_argument("--data", required=True, metavar="PATH", help="a file or directory with the model's columns")
     if out_help:
-        p.add_argument("--out", required=True, metavar="PREDS.parquet", help=out_help)
+        p.add_argument("--out", required=True, metavar="PREDS.parquet|PREDS.csv", help=out_help)
     p.add_argument("--format", choices=("parquet", "csv", "criteo"), help="format of the files (default: from "
                    "the suffix)")
     p.add_argument("--batch-size", type=int, default=65536, help="rows per forward pass")
@@ -322,13 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_args(train)
     _add_scoring_args(command("eval", "held-out metrics of a trained run on a file: JSON {auc, logloss, rows}",
                               cmd_eval), None)
-    _add_scoring_args(command("predict", "score every row of a file into a Parquet file of probabilities",
-                              cmd_predict), "output Parquet file: a float32 'probability' column per input row, "
-                      "in input order, and the label column when the input has one")
+    _add_scoring_args(command("predict", "score every row of a file into a Parquet or CSV file of probabilities",
+                              cmd_predict), "output file, Parquet (.parquet, .pq) or CSV (.csv) by its suffix: "
+                      "a float64 'probability' column per input row, in input order, and the label column (0/1) "
+                      "when the input has one; never an input file or in the run directory, and an existing file "
+                      "only when predict wrote it")
 
-    export = command("export", "turn a run's final model into a serving export", cmd_export)
+    export = command("export", "turn a run's best (or last) model into a serving export", cmd_export)
     export.add_argument("--model", required=True, metavar="RUN_DIR", help="a `dynemb train` run directory")
     export.add_argument("--out", required=True, metavar="EXPORT_DIR", help="export root (version-N/ is added)")
+    _add_use_arg(export)
 
     bench = command("serve-bench", "load a serving export into a parameter server and time lookups",
                     cmd_serve_bench)
@@ -367,13 +398,26 @@ def _kernels_from_environment() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = build_parser().parse_args(argv)
     _kernels_from_environment()
     try:
         with _data_warnings(args.command):
             return args.func(args)
-    except KeyboardInterrupt:
-        print("dynemb: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        from .job import Interrupted
+
+        if args.command != "train":
+            print(f"dynemb {args.command}: interrupted", file=sys.stderr)
+        elif _distributed_rank():
+            pass  # under torchrun, rank 0 says it
+        elif isinstance(e, Interrupted):
+            print(f"dynemb train: {e}; continue with: {_resume_command(argv, args.out)}", file=sys.stderr)
+        elif args.out and Path(args.out).is_dir():
+            print(f"dynemb train: aborted; {args.out} keeps its newest checkpoint (if any): "
+                  f"{_resume_command(argv, args.out)} continues from it", file=sys.stderr)
+        else:
+            print("dynemb train: aborted", file=sys.stderr)
         return 130
     except (CliError, ValueError, TypeError, FileNotFoundError, PermissionError, OSError, ImportError) as e:
         if args.debug:

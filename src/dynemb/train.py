@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
@@ -26,7 +28,10 @@ from .data.metrics import auc
 from .models import DLRM, dlrm_tables
 from .table.checks import check_int
 
-__all__ = ["TrainConfig", "Trainer", "History", "SPARSE_OPTIMIZERS", "build_dlrm"]
+__all__ = ["TrainConfig", "Trainer", "History", "SPARSE_OPTIMIZERS", "DEFAULT_PATIENCE", "build_dlrm"]
+
+DEFAULT_PATIENCE = 5
+"""Evaluations without improvement before training stops (see ``TrainConfig.patience``)."""
 
 SPARSE_OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad,
                      "adam": optim.Adam, "ftrl": optim.FTRL}
@@ -45,10 +50,14 @@ class TrainConfig:
         max_capacity: rows per table (per rank when sharded); ``None``: unbounded.
         eviction: eviction policy of bounded tables.
         admission: a new id gets a row from its ``admission``-th sighting (``None``: at once).
-        eval_every: evaluate AUC every this many steps (and at the end).
+        eval_every: evaluate AUC and log loss every this many steps (and at the end).
+        patience: stop after this many evaluations in a row without a lower held-out log loss than the best so
+            far (early stopping); 0 never stops early. The best model is tracked either way.
         checkpoint_dir: save checkpoints there every ``checkpoint_every`` steps and at the end (once: a final
             step that is a multiple of ``checkpoint_every`` is saved once).
-        resume: continue from the newest checkpoint in ``checkpoint_dir``.
+        best_dir: save the model of each new best evaluation there (a checkpoint root of its own, holding one
+            checkpoint: pruning of ``checkpoint_dir`` never removes it); ``None``: the best is not saved.
+        resume: continue from the newest checkpoint in ``checkpoint_dir`` or ``best_dir``.
     """
 
     steps: Optional[int] = 1000
@@ -61,8 +70,10 @@ class TrainConfig:
     eviction: Optional[str] = None
     admission: Optional[int] = None
     eval_every: int = 100
+    patience: int = DEFAULT_PATIENCE
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
+    best_dir: Optional[str] = None
     resume: bool = False
 
     def __post_init__(self):
@@ -72,6 +83,7 @@ class TrainConfig:
         for name in ("dim", "eval_every"):
             check_int(getattr(self, name), name, minimum=1)
         check_int(self.checkpoint_every, "checkpoint_every", minimum=0)
+        check_int(self.patience, "patience", minimum=0)
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume=True needs checkpoint_dir")
 
@@ -107,14 +119,19 @@ class History:
 class Trainer:
     """Trains a DLRM with BCE loss; dense MLPs use Adam, tables their fused sparse optimizer.
 
+    Every evaluation is also a model selection: the model with the lowest held-out log loss so far is the best
+    (:attr:`best_step`, saved to ``best_dir``), and ``patience`` evaluations in a row without a lower one stop
+    training (:attr:`stopped` is then ``"early"``). Under torch.distributed every rank takes rank 0's loss for
+    these decisions, so all ranks stop at the same step and save together.
+
     Example:
         >>> from dynemb.data import SyntheticClickLog
         >>> data = SyntheticClickLog(num_categorical=2, num_dense=2, batch_size=64)
         >>> cfg = TrainConfig(steps=3, dim=4, eval_every=3)
         >>> trainer = Trainer(build_dlrm(2, data.categorical_names, cfg), cfg)
         >>> history = trainer.fit(data.batches("train"), [data.batch(0, "eval")], progress=False)
-        >>> len(history.steps), 0.0 <= history.last_auc <= 1.0
-        (3, True)
+        >>> len(history.steps), 0.0 <= history.last_auc <= 1.0, trainer.best_step
+        (3, True, 3)
     """
 
     def __init__(self, model: DLRM, cfg: TrainConfig) -> None:
@@ -129,16 +146,37 @@ class Trainer:
                                             "dense": torch.optim.Adam(dense, lr=cfg.dense_lr)})
         self.step = 0
         self._saved_step: Optional[int] = None
+        self.best_step: Optional[int] = None
+        """The step of the evaluation with the lowest held-out log loss (``None`` before the first)."""
+        self.best_loss = math.inf
+        self.bad_evals = 0  # evaluations since the best
+        self.stopped: Optional[str] = None
+        """Why :meth:`fit` stopped before its end: ``"early"`` (patience spent), ``"interrupted"`` (``should_stop``)."""
         self.history = History()
         self.loss_fn = nn.BCEWithLogitsLoss()
 
     # ------------------------------------------------------------------ checkpoints
-    def resume(self) -> int:
-        """Load the newest checkpoint of ``checkpoint_dir``; returns the step to continue from."""
+    def resume(self) -> Optional[int]:
+        """Load the newest checkpoint of ``checkpoint_dir`` and ``best_dir`` (the best one is the newest when a
+        run ended between two saves); returns the step to continue from, or ``None`` (nothing changed) when
+        neither holds a checkpoint."""
         from .checkpoint import load
 
-        manifest = load(self.cfg.checkpoint_dir, self.model, self.optimizer)
-        self.step = self._saved_step = int(manifest["step"])
+        found = [(step, i, root) for i, root in enumerate([self.cfg.checkpoint_dir, self.cfg.best_dir])
+                 if (step := _latest_step(root)) is not None]
+        if not found:
+            return None
+        _, _, root = max(found, key=lambda f: (f[0], -f[1]))  # on a tie, the last checkpoint
+        manifest = load(root, self.model, self.optimizer)
+        self.step = int(manifest["step"])
+        self._saved_step = self.step if root == self.cfg.checkpoint_dir else None
+        state = (manifest.get("extra") or {}).get("early_stopping") or {}
+        self.bad_evals = int(state.get("bad_evals", 0))
+        best = _best_of(self.cfg.best_dir)  # the saved best is the reference, whatever checkpoint was loaded
+        if best is not None:
+            self.best_step, self.best_loss = best
+        elif state.get("best_loss") is not None:
+            self.best_step, self.best_loss = state["best_step"], float(state["best_loss"])
         return self.step
 
     def save(self) -> None:
@@ -147,33 +185,60 @@ class Trainer:
 
         if self._saved_step == self.step:
             return
-        save(self.cfg.checkpoint_dir, self.model, self.optimizer, step=self.step, keep_last=3,
-             extra={"config": dataclasses.asdict(self.cfg)})
+        save(self.cfg.checkpoint_dir, self.model, self.optimizer, step=self.step, keep_last=3, extra=self._extra())
         self._saved_step = self.step
+
+    def save_best(self) -> None:
+        """Checkpoint the current step into ``best_dir``, replacing the best saved there."""
+        from .checkpoint import save
+        from .checkpoint.fsutil import remove_dir
+        from .checkpoint.manifest import checkpoint_name
+
+        stale = Path(self.cfg.best_dir) / checkpoint_name(self.step)
+        # A resumed run re-evaluating a step whose best was saved after the last checkpoint; rank 0 owns the
+        # directory (the other ranks' part of the save waits for it).
+        if self.rank == 0 and stale.exists():
+            remove_dir(stale)
+        save(self.cfg.best_dir, self.model, self.optimizer, step=self.step, keep_last=1, extra=self._extra())
+
+    def _extra(self) -> dict:
+        best = None if self.best_step is None else self.best_loss
+        return {"config": dataclasses.asdict(self.cfg),
+                "early_stopping": {"best_step": self.best_step, "best_loss": best, "bad_evals": self.bad_evals}}
+
+    @property
+    def patience_spent(self) -> bool:
+        """Whether ``patience`` evaluations in a row brought no improvement (never with ``patience=0``)."""
+        return bool(self.cfg.patience) and self.bad_evals >= self.cfg.patience
 
     # ------------------------------------------------------------------ loop
     def fit(self, batches: Iterator[Batch], eval_batches: list[Batch], progress: Optional[bool] = None,
-            on_metrics: Optional[Callable[[str, dict], None]] = None, log_every: float = 10.0) -> History:
-        """Train until ``steps``, ``seconds`` or the end of ``batches``, which must start at the current step
-        (see :meth:`resume`).
+            on_metrics: Optional[Callable[[str, dict], None]] = None, log_every: float = 10.0,
+            should_stop: Optional[Callable[[], bool]] = None) -> History:
+        """Train until ``steps``, ``seconds``, the end of ``batches``, early stopping or ``should_stop``;
+        ``batches`` must start at the current step (see :meth:`resume`). Saves the last checkpoint (and each new
+        best) when the config names the directories.
 
         Args:
             batches: training batches.
-            eval_batches: evaluated every ``eval_every`` steps and at the end.
+            eval_batches: evaluated every ``eval_every`` steps and at the end (not after ``should_stop``).
             progress: a progress bar (``True``), a log line to stderr every ``log_every`` seconds (``False``), or
                 (``None``) a bar when stderr is a terminal and log lines otherwise. Only rank 0 reports.
             on_metrics: called with ``("train", row)`` after each step and ``("eval", row)`` after each
                 evaluation (the rows of :class:`History`).
             log_every: seconds between log lines.
+            should_stop: asked after each step; ``True`` (on any rank) ends training after that step, with
+                :attr:`stopped` ``"interrupted"`` (a Ctrl-C handler, a deadline).
         """
         cfg, model = self.cfg, self.model
         model.train()
         report = on_metrics or (lambda kind, row: None)
         bar = _progress(None if cfg.seconds or cfg.steps is None else cfg.steps, self.step, progress,
                         self.rank == 0, log_every)
-        start, samples = time.perf_counter(), 0
+        start, samples, first = time.perf_counter(), 0, self.step
         remaining = None if cfg.steps is None else max(cfg.steps - self.step, 0)
-        batches = itertools.islice(batches, remaining)
+        self.stopped = "early" if self.patience_spent else None  # a resumed run that had stopped early
+        batches = itertools.islice(batches, 0 if self.stopped else remaining)
         if model.embeddings.tiered:
             batches = _ahead(batches, lambda b: model.embeddings.prefetch(model.sparse_inputs(b)))
         for batch in batches:
@@ -186,7 +251,7 @@ class Trainer:
             self.history.steps.append(row)
             report("train", row)
             if self.step % cfg.eval_every == 0:
-                report("eval", self.evaluate(eval_batches))
+                self._select(eval_batches, report)
             if cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.save()
             last_auc = self.history.last_auc
@@ -194,14 +259,51 @@ class Trainer:
                             rows=row["rows"], evicted=row["evicted"], sps=f"{row['samples_per_s']:.0f}",
                             refresh=False)
             bar.update(1)
-            if cfg.seconds is not None and elapsed >= cfg.seconds:
+            if self.patience_spent:
+                self.stopped = "early"
+                break
+            if should_stop is not None and self._any_rank(should_stop()):
+                self.stopped = "interrupted"
+                break
+            # Every rank's clock differs: the deadline is rank 0's, so that all ranks stop at one step.
+            if cfg.seconds is not None and self._from_rank0(float(elapsed >= cfg.seconds)):
                 break
         bar.close()
-        if not self.history.evals or self.history.evals[-1]["step"] != self.step:
-            report("eval", self.evaluate(eval_batches))
+        evaluated = self.history.evals and self.history.evals[-1]["step"] == self.step
+        if self.stopped is None and self.step > first and not evaluated:  # a resumed run at its end: done before
+            self._select(eval_batches, report, periodic=False)
         if cfg.checkpoint_dir:
             self.save()
         return self.history
+
+    def _select(self, eval_batches: list[Batch], report: Callable[[str, dict], None], periodic: bool = True) -> None:
+        """Evaluate; a lower held-out log loss than the best so far makes this step the best (saved). Only the
+        periodic evaluations count against patience: a run cut short by ``steps`` and resumed stops where one
+        uninterrupted run would have."""
+        row = self.evaluate(eval_batches)
+        report("eval", row)
+        loss = self._from_rank0(row["loss"])
+        if loss < self.best_loss:  # NaN never improves
+            self.best_step, self.best_loss, self.bad_evals = self.step, loss, 0
+            if self.cfg.best_dir:
+                self.save_best()
+        elif periodic:
+            self.bad_evals += 1
+
+    def _from_rank0(self, value: float) -> float:
+        """Rank 0's ``value`` on every rank: decisions that lead to collective saves must be the same."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
+        dist.broadcast(t, 0)
+        return float(t.item())
+
+    def _any_rank(self, flag: bool) -> bool:
+        if not self.distributed:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=_collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def train_step(self, batch: Batch) -> torch.Tensor:
         """One optimization step on ``batch`` (forward, BCE loss, backward, the optimizers' step): what :meth:`fit`
@@ -227,6 +329,34 @@ class Trainer:
         tables = self.model.embeddings.dynemb_tables()
         return {"rows": sum(t.size() for t in tables), "evicted": sum(getattr(t, "evicted", 0) for t in tables),
                 "table_bytes": sum(t.nbytes() for t in tables)}
+
+
+def _collective_device() -> torch.device:
+    """Where a small tensor for a collective must live: NCCL moves CUDA tensors only."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _latest_step(root: Optional[str]) -> Optional[int]:
+    """The step ``root/latest`` points at, or ``None`` without a root or a checkpoint in it."""
+    from .checkpoint.fsutil import read_json
+
+    if root is None or not (Path(root) / "latest").is_file():
+        return None
+    return int(read_json(Path(root) / "latest")["step"])
+
+
+def _best_of(root: Optional[str]) -> Optional[tuple[int, float]]:
+    """``(step, held-out log loss)`` of the best checkpoint saved in ``root``, or ``None``."""
+    from .checkpoint.manifest import read_manifest, resolve
+
+    if _latest_step(root) is None:
+        return None
+    state = (read_manifest(resolve(root)).get("extra") or {}).get("early_stopping") or {}
+    if state.get("best_loss") is None:
+        return None
+    return int(state["best_step"]), float(state["best_loss"])
 
 
 def _ahead(batches: Iterator[Batch], prefetch: Callable[[Batch], None]) -> Iterator[Batch]:

@@ -43,8 +43,9 @@ def test_the_run_directory(tmp_path, dynemb):
     data = random_labels(tmp_path / "random.parquet", rows=2000)
     run = tmp_path / "run"
     result = dynemb("train", "--data", data, "--label", "y", "--categorical", "id", "--dense", "x", "--out", run,
-                    "--epochs", "2", "--eval-every", "5", *SMALL)
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "loss_auc.png", "metrics.jsonl", "model.json"]
+                    "--epochs", "2", "--eval-every", "5", "--patience", "0", *SMALL)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "checkpoint-best", "loss_auc.png", "metrics.jsonl",
+                                                     "model.json"]
     card = read_card(run)
     reader = FileReader(data, label="y", categorical=["id"], dense=["x"])
     stats = dense_statistics(split(reader.chunks(), 0.05, 0, "train"), ["x"])
@@ -52,7 +53,7 @@ def test_the_run_directory(tmp_path, dynemb):
     assert (prep.label, prep.categorical, prep.dense, prep.dense_rows) == ("y", ("id",), ("x",), stats.rows)
     assert prep.dense_mean == pytest.approx(stats.mean) and prep.dense_std == pytest.approx(stats.std)  # training rows
     assert (prep.dense_min, prep.dense_max) == (tuple(stats.min), tuple(stats.max))
-    assert card.metrics == {k: result[k] for k in ("auc", "logloss", "rows")}
+    assert card.metrics == {**{k: result[k] for k in ("auc", "logloss", "rows", "model")}, "step": result["best_step"]}
     assert json.loads((run / "model.json").read_text())["preprocessing"]["null_keys"]["id"] != 0
     metrics = read_metrics(run / "metrics.jsonl")
     steps = [m["step"] for m in metrics if m["kind"] == "train"]

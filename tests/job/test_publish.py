@@ -57,3 +57,39 @@ def test_a_publish_dir_elsewhere_holds_the_versions(tmp_path, dynemb):
     assert not (tmp_path / "run" / "export").exists()
     assert read_pointer(tmp_path / "pub") == "version-00000002"
     assert len(result["published"]) == 2
+
+
+def test_serve_serves_the_best_model_by_default_and_the_last_on_request(tmp_path, dynemb, capsys):
+    from dynemb.job import serving_export
+
+    # Random labels, an id per row: the held-out loss falls until step 50, then rises (memorization).
+    data = random_labels(tmp_path / "random.parquet", rows=4000)
+    run = tmp_path / "run"
+    common = ["train", "--data", data, "--label", "y", "--categorical", "id", "--dense", "x", "--out", run,
+              "--eval-every", "5", "--eval-batches", "4", "--lr", "0.5", "--eval-fraction", "0.2", "--patience", "0",
+              *SMALL]
+    assert dynemb(*common, "--steps", "30")["best_step"] == 30
+    assert serving_export(run) == run / "export-best"
+    assert read_pointer(run / "export-best") == "version-00000001"
+    trained = dynemb(*common, "--steps", "65", "--resume")
+    assert (trained["best_step"], trained["step"]) == (50, 65)
+    # The best export follows the best checkpoint: a new version when it changed, none otherwise.
+    serving_export(run)
+    serving_export(run)
+    assert read_pointer(run / "export-best") == "version-00000002"
+    batch = next(iter(FileReader(data, label=None, categorical=["id"], dense=["x"], batch_size=4000)))
+    scores = {}
+    for use, root in (("best", "export-best"), ("last", "export")):
+        assert serving_export(run, use) == run / root
+        dynemb("predict", "--model", run, "--data", data, "--out", tmp_path / f"{use}.parquet", "--use", use)
+        expected = np.asarray(pq.read_table(tmp_path / f"{use}.parquet").column("probability"), dtype=np.float32)
+        served = ServedModel(run, export=run / root, name="ctr")
+        try:
+            scores[use] = served.predict(batch).numpy()
+            np.testing.assert_allclose(scores[use], expected, atol=1e-6, rtol=0)  # tables and MLPs of one model
+        finally:
+            served.close()
+    assert np.abs(scores["best"] - scores["last"]).max() > 1e-3
+    # `--watch` follows what training publishes: the model of each step, never the best one.
+    assert main(["serve", "--model", str(run), "--watch", "--use", "best"]) == 2
+    assert "--watch serves the versions training publishes" in capsys.readouterr().err

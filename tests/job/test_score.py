@@ -55,7 +55,7 @@ def test_predict_equals_the_forward_pass_in_input_order(trained, dynemb):
     result = dynemb("predict", "--model", trained / "run", "--data", trained / "test.parquet", "--out", out)
     table = pq.read_table(out)
     assert result["rows"] == table.num_rows == ROWS
-    assert table.schema.names == ["probability", "click"] and table.schema.field("probability").type == pa.float32()
+    assert table.schema.names == ["probability", "click"] and table.schema.field("probability").type == pa.float64()
     probs, labels = forward(trained / "run", trained / "test.parquet")
     assert torch.allclose(torch.tensor(table.column("probability").to_pylist()), probs, atol=1e-6)
     assert table.column("click").to_pylist() == clicks(1).column("click").to_pylist() == labels.long().tolist()
@@ -78,7 +78,8 @@ def test_predict_a_csv_file_without_labels(trained, dynemb):
 
 def test_eval_reports_auc_logloss_rows(trained, dynemb):
     result = dynemb("eval", "--model", trained / "run", "--data", trained / "test.parquet")
-    assert sorted(result) == ["auc", "logloss", "rows"] and result["rows"] == ROWS
+    assert sorted(result) == ["auc", "logloss", "model", "rows", "step"] and result["rows"] == ROWS
+    assert result["model"] == "best"
     probs, labels = forward(trained / "run", trained / "test.parquet")
     assert result["auc"] == pytest.approx(auc(probs, labels), abs=1e-6) and result["auc"] > 0.75
     expected = torch.nn.functional.binary_cross_entropy(probs.double(), labels.double())
@@ -126,3 +127,79 @@ def test_train_eval_predict_on_each_device(tmp_path, dynemb, device):
     cpu_probs, _ = forward(run, tmp_path / "train.parquet")  # the same checkpoint, on the CPU
     assert torch.allclose(probs, cpu_probs, atol=1e-4)
     assert dynemb("eval", "--model", run, "--data", tmp_path / "train.parquet", *common)["rows"] == 600
+
+
+# ---------------------------------------------------------------------------------------------- predict's output
+def test_predict_never_overwrites_an_input_or_the_run(trained, tmp_path, capsys):
+    import os
+
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    pq.write_table(clicks(1), inputs / "part-0.parquet")
+    data = inputs / "part-0.parquet"
+    os.symlink(data, tmp_path / "link.parquet")
+    os.link(data, tmp_path / "hard.parquet")
+    pcsv.write_csv(clicks(1).drop_columns(["tags"]), tmp_path / "mine.csv")  # a file of the user's, not an input
+    before = {p: p.read_bytes() for p in [data, tmp_path / "mine.csv", trained / "run" / "model.json"]}
+    cases = [
+        (data, data, f"--out {data} is the input file {data}; predict never overwrites its input"),
+        (data, tmp_path / "link.parquet", f"is the input file {data}"),  # a symlink to it
+        (data, tmp_path / "hard.parquet", f"is the input file {data}"),  # a hard link: the same file
+        (inputs, inputs / "scores.parquet", f"is inside the input directory --data {inputs}"),
+        (data, trained / "run" / "model.json.csv", "is inside the run directory --model"),
+        (data, trained / "run" / "preds.parquet", "is inside the run directory --model"),
+        (data, tmp_path / "mine.csv", "exists and is not a file `dynemb predict` wrote as csv"),
+    ]
+    for source, out, message in cases:
+        assert main(["predict", "--model", str(trained / "run"), "--data", str(source), "--out", str(out)]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"dynemb predict: error: --out {out}") and message in line, line
+    assert all(p.read_bytes() == b for p, b in before.items())
+    assert not (inputs / "scores.parquet").exists() and not (trained / "run" / "preds.parquet").exists()
+    assert not list(tmp_path.glob(".tmp-*")) and not list(inputs.glob(".tmp-*"))
+
+
+def test_the_suffix_picks_the_format_and_predict_replaces_its_own_output(trained, tmp_path, dynemb, capsys):
+    run, data = trained / "run", trained / "test.parquet"
+    dynemb("predict", "--model", run, "--data", data, "--out", tmp_path / "p.parquet")
+    dynemb("predict", "--model", run, "--data", data, "--out", tmp_path / "p.csv")
+    parquet, text = pq.read_table(tmp_path / "p.parquet"), pcsv.read_csv(tmp_path / "p.csv")
+    assert (tmp_path / "p.csv").read_text().splitlines()[0] == '"probability","click"'
+    assert text.column("probability").to_pylist() == parquet.column("probability").to_pylist()  # exact in text
+    assert text.column("click").to_pylist() == parquet.column("click").to_pylist()
+    # Scored again (another model here), each file is replaced: the user asked for that name before.
+    for name in ("p.parquet", "p.csv"):
+        dynemb("predict", "--model", run, "--data", data, "--out", tmp_path / name, "--use", "last")
+    for out in ("scores.txt", "scores.csv.gz", "scores.parquet.gz", "scores"):
+        assert main(["predict", "--model", str(run), "--data", str(data), "--out", str(tmp_path / out)]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "the suffix picks the format; use .parquet, .pq, .csv" in line, line
+        assert not (tmp_path / out).exists()
+
+
+def test_probabilities_of_a_confident_model_give_a_finite_log_loss(trained, tmp_path, monkeypatch, dynemb):
+    import numpy as np
+
+    from dynemb.job import score
+    from dynemb.job.score import PROBABILITY_EPS
+
+    real = score.load_model
+
+    def confident(run, device="cpu", use="best"):  # the run's model, its logits scaled up 100 times
+        model, card = real(run, device, use)
+        last = [m for m in model.top.modules() if isinstance(m, torch.nn.Linear)][-1]
+        with torch.no_grad():
+            last.weight.mul_(100)
+            last.bias.mul_(100)
+        return model, card
+
+    monkeypatch.setattr(score, "load_model", confident)
+    for name in ("c.parquet", "c.csv"):
+        dynemb("predict", "--model", trained / "run", "--data", trained / "test.parquet", "--out", tmp_path / name)
+        table = (pq.read_table if name.endswith("parquet") else pcsv.read_csv)(tmp_path / name)
+        p = np.asarray(table.column("probability"), dtype=np.float64)
+        y = np.asarray(table.column("click"), dtype=np.float64)
+        assert ((p == PROBABILITY_EPS) | (p == 1 - PROBABILITY_EPS)).mean() > 0.2  # saturated rows are common
+        assert ((p > 0) & (p < 1)).all()
+        logloss = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
+        assert np.isfinite(logloss) and logloss > 0

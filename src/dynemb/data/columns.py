@@ -21,7 +21,8 @@ null (CSV cannot tell an empty list from a missing one), so it gives the bag ``[
 Dense values: any numeric or bool column, or text that parses as a number (``inf``, ``nan`` included), as
 float32; a null is NaN and NaN and ``±inf`` stay as they are (a finite value beyond float32 becomes ``±inf``):
 what they become is the model's rule (:meth:`dynemb.data.preprocess.Preprocessing.normalize`).
-Labels: numeric, bool or text equal to 0 or 1; a null or any other value is an error.
+Labels: numeric, bool or text equal to 0 or 1; a null or any other value is an error. With a positive label,
+the value whose text equals it is 1 and every other non-null value 0.
 """
 
 from __future__ import annotations
@@ -240,14 +241,34 @@ def dense_values(column: pa.Array, where: str) -> np.ndarray:
         return values.to_numpy(zero_copy_only=False).astype(np.float32)
 
 
-def label_values(column: pa.Array, where: str, first_row: int) -> np.ndarray:
-    """float32 0/1 labels; ``first_row`` is the file row of ``column[0]``, for messages."""
-    values = _as_float64(column, where, "labels must be 0 or 1")
+def label_values(column: pa.Array, where: str, first_row: int, positive: str | None = None) -> np.ndarray:
+    """float32 0/1 labels; ``first_row`` is the file row of ``column[0]``, for messages.
+
+    With ``positive``, labels are compared as text: a value whose text is ``positive`` (``">50K"``, ``"yes"``,
+    ``"true"`` for a bool column) is 1 and any other non-null value 0."""
+    if positive is not None:
+        return _positive_labels(column, where, first_row, positive)
+    hint = "; other labels need --positive-label VALUE (the value that means 1)"
+    values = _as_float64(column, where, "labels must be 0 or 1" + hint)
     valid = values.is_valid().to_numpy(zero_copy_only=False)
     y = values.to_numpy(zero_copy_only=False)
     bad = ~valid | ((y != 0.0) & (y != 1.0))
     if bad.any():
         i = int(bad.argmax())
         got = column[i].as_py()
-        raise ValueError(f"{where}: labels must be 0 or 1, got {got!r} at row {first_row + i}")
+        raise ValueError(f"{where}: labels must be 0 or 1, got {got!r} at row {first_row + i}{hint}")
     return y.astype(np.float32)
+
+
+def _positive_labels(column: pa.Array, where: str, first_row: int, positive: str) -> np.ndarray:
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    if column.null_count:
+        i = int(np.argmax(column.is_null().to_numpy(zero_copy_only=False)))
+        raise ValueError(f"{where}: labels must not be null, got None at row {first_row + i}")
+    try:
+        text = pc.cast(column, pa.string())
+    except pa.ArrowException as exc:
+        raise ValueError(f"{where} has type {column.type}; --positive-label compares labels as text "
+                         f"({first_line(exc)})") from None
+    return pc.equal(text, positive).to_numpy(zero_copy_only=False).astype(np.float32)

@@ -54,6 +54,8 @@ class FileReader:
     Args:
         path: a file (see :mod:`dynemb.data.formats` for suffixes and compression), or a directory of them.
         label: the label column (values 0/1); ``None`` reads no label and gives NaN labels (for scoring).
+        positive_label: when given, a label whose text equals it is 1 and any other non-null label 0 (string
+            or bool labels such as ``">50K"``, ``"yes"``, ``"true"``).
         categorical: the one-id-per-row categorical columns; each becomes a feature of ``Batch.sparse``.
         dense: the dense columns, stacked in this order into ``Batch.dense``.
         multi_hot: list columns; each becomes a feature of ``Batch.sparse`` with its bags in ``Batch.offsets``.
@@ -117,8 +119,12 @@ class FileReader:
         drop_last: bool = False,
         id_types: Mapping[str, str] | None = None,
         id_rows: int = ID_ROWS,
+        positive_label: str | None = None,
     ) -> None:
         self.label = None if label is None else _check_name(label, "label")
+        if positive_label is not None and (not isinstance(positive_label, str) or not positive_label):
+            raise ValueError(f"positive_label must be None or a non-empty string, got {positive_label!r}")
+        self.positive_label = positive_label
         self.categorical = _check_names(categorical, "categorical")
         self.multi_hot = _check_names(multi_hot, "multi_hot")
         if not self.categorical and not self.multi_hot:
@@ -244,7 +250,7 @@ class FileReader:
         if self.label is None:
             labels = np.full(record.num_rows, np.nan, dtype=np.float32)
         else:
-            labels = label_values(record.column(self.label), where(self.label), first_row)
+            labels = label_values(record.column(self.label), where(self.label), first_row, self.positive_label)
         sparse = {
             c: torch.from_numpy(categorical_ids(record.column(c), c, where(c), self.id_types[c], first_row))
             for c in self.categorical

@@ -4,15 +4,20 @@ Layout::
 
     RUN/
       model.json        the model card (below), written before training and again with the final metrics
-      checkpoint/       dynemb.checkpoint root: step-*/ and latest (the final model is the latest step)
+      checkpoint/       dynemb.checkpoint root: step-*/ and latest, the last model (the 3 newest are kept)
+      checkpoint-best/  the model of the evaluation with the lowest held-out log loss (one checkpoint)
       metrics.jsonl     one JSON object a line: {"kind": "train", "step", "loss", ...} after every step,
                         {"kind": "eval", "step", "auc", "loss"} after every evaluation, then {"kind": "final", ...}
       loss_auc.png      training loss and held-out AUC by step
 
 The model card (format ``dynemb.run``, version 1) holds what scoring a new file needs: the preprocessing
 (columns, dense normalization statistics from the training rows, the id rule and each column's null key), the
-training config (which fixes the model's shape), where the data came from and how it was split, and the final
-held-out metrics.
+training config (which fixes the model's shape), where the data came from and how it was split (and the
+``positive_label``, when labels are not 0/1), and the final held-out metrics, which are the best model's.
+
+Scoring commands load the best model by default (``use="best"``) and the last with ``use="last"``; a run
+without a best checkpoint (stopped before its first evaluation, or trained by an older dynemb) gives its last
+model for either.
 """
 
 from __future__ import annotations
@@ -29,9 +34,13 @@ from ..data.preprocess import Preprocessing
 from ..models import DLRM
 from ..train import TrainConfig, build_dlrm
 
-__all__ = ["ModelCard", "read_card", "write_card", "load_model", "CARD", "CHECKPOINT", "METRICS", "PLOT"]
+__all__ = ["ModelCard", "read_card", "write_card", "load_model", "model_checkpoint", "CARD", "CHECKPOINT",
+           "CHECKPOINT_BEST", "METRICS", "PLOT", "USES"]
 
 CARD, CHECKPOINT, METRICS, PLOT = "model.json", "checkpoint", "metrics.jsonl", "loss_auc.png"
+CHECKPOINT_BEST = "checkpoint-best"
+USES = ("best", "last")
+"""Which model of a run the scoring commands load (``--use``)."""
 FORMAT, VERSION = "dynemb.run", 1
 
 
@@ -43,7 +52,8 @@ class ModelCard:
         preprocessing: the columns and the dense statistics.
         config: the training config; ``dim`` and the table settings fix the model's shape.
         data: the training data, the held-out data or fraction, the split seed, the format and row counts.
-        metrics: the final held-out metrics (``None`` until training ends).
+        metrics: the final held-out metrics of the best model, with ``model`` (``"best"``, or ``"last"`` for a run
+            that never evaluated) and ``step`` (the best step); ``None`` until training ends.
     """
 
     preprocessing: Preprocessing
@@ -79,24 +89,52 @@ def read_card(run: Path) -> ModelCard:
     if obj.get("format") != FORMAT or obj.get("version") != VERSION:
         raise ValueError(f"{path}: format must be {FORMAT!r} version {VERSION}, got {obj.get('format')!r} "
                          f"version {obj.get('version')!r}")
-    config = TrainConfig(**{**obj["config"], "resume": False, "checkpoint_dir": None})
+    config = TrainConfig(**{**obj["config"], "resume": False, "checkpoint_dir": None, "best_dir": None})
     return ModelCard(preprocessing=Preprocessing.from_json(obj["preprocessing"], obj.get("data")), config=config,
                      data=obj["data"], metrics=obj.get("metrics"))
 
 
-def load_model(run: Path, device: str = "cpu") -> tuple[DLRM, ModelCard]:
-    """The final model of a run directory (its latest checkpoint), in eval mode on ``device``.
+def model_checkpoint(run: Path, use: str = "best") -> tuple[Path, str, int]:
+    """``(checkpoint root, "best" or "last", step)`` of the model ``use`` names in run directory ``run``.
 
     Raises:
-        ValueError: no model card, or no checkpoint yet (the message names the directory).
+        ValueError: ``use`` is not one of :data:`USES`, ``run`` is no run directory, or it has no checkpoint yet.
+
+    Example:
+        >>> # model_checkpoint(Path("runs/clicks"))  ->  (Path("runs/clicks/checkpoint-best"), "best", 400)
+    """
+    from ..checkpoint.fsutil import read_json
+
+    if use not in USES:
+        raise ValueError(f"--use must be one of {', '.join(USES)}, got {use!r}")
+    run = Path(run)
+    if not (run / CARD).is_file():
+        read_card(run)  # its error: not a run directory
+    for kind, root in (("best", run / CHECKPOINT_BEST), ("last", run / CHECKPOINT)):
+        if (kind == "best" and use == "last") or not (root / "latest").is_file():
+            continue
+        return root, kind, int(read_json(root / "latest")["step"])
+    raise ValueError(f"{run}: no checkpoint in {run / CHECKPOINT}; did the training run finish? (an interrupted "
+                     "run continues with dynemb train ... --resume)")
+
+
+def load_model(run: Path, device: str = "cpu", use: str = "best") -> tuple[DLRM, ModelCard]:
+    """The best model of a run directory, or with ``use="last"`` the last one (see :func:`model_checkpoint`), in
+    eval mode on ``device``.
+
+    Raises:
+        ValueError: no model card, no checkpoint yet or a bad ``use`` (the message names the directory).
+
+    Example:
+        >>> # model, card = load_model("runs/clicks")                # the best model
+        >>> # model, card = load_model("runs/clicks", use="last")    # the model of the last step
     """
     from ..checkpoint import load
 
     run = Path(run)
     card = read_card(run)
-    if not (run / CHECKPOINT / "latest").is_file():
-        raise ValueError(f"{run}: no checkpoint in {run / CHECKPOINT}; did the training run finish?")
+    root, _, _ = model_checkpoint(run, use)
     prep = card.preprocessing
     model = build_dlrm(len(prep.dense), prep.features, card.config)
-    load(run / CHECKPOINT, model, strict=False)
+    load(root, model, strict=False)
     return model.to(torch.device(device)).eval(), card

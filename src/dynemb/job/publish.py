@@ -4,6 +4,10 @@ The first publish is a full export, each later one a delta of the rows written s
 :func:`dynemb.checkpoint.export_for_serving`); each also carries the dense part (``dense=True``), so a server
 following the run scores with the tables and the MLPs of one training step. Every version is written to a staging
 directory and renamed into place before ``latest`` points at it: a watcher never sees half a version.
+
+A published version is the model being trained at that step, not the best one so far: a server following the run
+serves what training has now. :func:`serving_export` gives ``dynemb serve`` (without ``--watch``) an export of
+the run's best model instead, or of its last.
 """
 
 from __future__ import annotations
@@ -16,10 +20,41 @@ from torch import nn
 from ..checkpoint.export_format import export_for_serving
 from ..table.checks import check_int
 
-__all__ = ["Publisher", "EXPORT"]
+__all__ = ["Publisher", "EXPORT", "EXPORT_BEST", "serving_export"]
 
 EXPORT = "export"
-"""The run directory's export root: where ``dynemb serve --model RUN`` looks, and where a run publishes by default."""
+"""The run directory's export root: where ``dynemb serve --model RUN --watch`` looks, and where a run publishes by
+default."""
+EXPORT_BEST = "export-best"
+"""The run directory's export root of its best model: what ``dynemb serve --model RUN`` serves by default."""
+_SOURCE = "source.json"  # in EXPORT_BEST: {"step": N}, the best checkpoint its newest version was written from
+
+
+def serving_export(run, use: str = "best") -> Path:
+    """The export root that serves run ``run``'s best model (``use="last"``: its last one), written if needed.
+
+    ``"best"``: ``RUN/export-best``, given a new full version whenever the best checkpoint changed since its newest
+    one. ``"last"``: ``RUN/export`` (the versions ``--publish-every`` wrote; else one export of the last
+    checkpoint, written once). Each version carries the MLPs (``dense=True``).
+
+    Example:
+        >>> # serving_export("runs/clicks")  ->  Path("runs/clicks/export-best"), holding the best model
+    """
+    from ..checkpoint.fsutil import read_json, write_json
+    from .card import load_model, model_checkpoint
+
+    run = Path(run)
+    _, kind, step = model_checkpoint(run, use)
+    root = run / (EXPORT_BEST if kind == "best" else EXPORT)
+    if kind == "last":
+        if not (root / "latest").is_file():
+            export_for_serving(root, load_model(run, use="last")[0], dense=True)
+        return root
+    source = root / _SOURCE
+    if not (root / "latest").is_file() or not source.is_file() or read_json(source).get("step") != step:
+        export_for_serving(root, load_model(run, use="best")[0], dense=True)
+        write_json(source, {"step": step}, atomic=True)
+    return root
 
 
 class Publisher:

@@ -15,16 +15,19 @@ from pathlib import Path
 from typing import Optional
 
 import pyarrow as pa
+import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import torch
 
+from ..checkpoint.fsutil import fsync_dir
 from ..data import FileReader
 from ..data.batch import Batch
+from ..data.formats import list_files
 from ..data.readers import column_names
 from ..data.metrics import auc
-from .card import ModelCard, load_model
+from .card import ModelCard, load_model, model_checkpoint
 
-__all__ = ["evaluate", "evaluate_file", "predict_file"]
+__all__ = ["evaluate", "evaluate_file", "predict_file", "probabilities", "PROBABILITY_EPS", "OUT_FORMATS"]
 
 
 @torch.no_grad()
@@ -60,47 +63,141 @@ def _reader(card: ModelCard, data: str, format: Optional[str], batch_size: int, 
     prep = card.preprocessing
     return FileReader(data, label=prep.label if label else None, categorical=prep.categorical,
                       multi_hot=prep.multi_hot, dense=prep.dense, batch_size=batch_size, format=format,
-                      list_separator=prep.list_separator, id_types=prep.id_types)
+                      list_separator=prep.list_separator, id_types=prep.id_types,
+                      positive_label=card.data.get("positive_label") if label else None)
 
 
 def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_size: int = 65536,
-                  device: str = "cpu") -> dict:
-    """``{"auc", "logloss", "rows"}`` of run ``run``'s model on every row of ``data`` (which needs the label)."""
-    model, card = load_model(Path(run), device)
+                  device: str = "cpu", use: str = "best") -> dict:
+    """``{"auc", "logloss", "rows", "model", "step"}`` of run ``run``'s best model (``use="last"``: its last) on
+    every row of ``data``, which needs the label; ``model`` and ``step`` say which checkpoint scored.
+
+    Example:
+        >>> # evaluate_file("runs/clicks", "next_week.parquet")
+        >>> # {"auc": 0.78, "logloss": 0.51, "rows": 6000, "model": "best", "step": 400}
+    """
+    _, kind, step = model_checkpoint(Path(run), use)
+    model, card = load_model(Path(run), device, use)
     reader = _reader(card, data, format, batch_size, label=True)
     prep = card.preprocessing
-    return evaluate(model, (b.to(device) for b in prep.normalized(reader, str(data))))
+    scored = evaluate(model, (b.to(device) for b in prep.normalized(reader, str(data))))
+    return {**scored, "model": kind, "step": step}
+
+
+PROBABILITY_EPS = 1e-15
+"""Written probabilities lie in ``[PROBABILITY_EPS, 1 - PROBABILITY_EPS]``: a log loss computed from them is at most
+about 34.5 a row, never infinite (float64 holds both bounds exactly enough; float32 would round ``1 - 1e-15`` to 1)."""
+
+OUT_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
+"""``dynemb predict --out`` suffixes and the format each one writes."""
+
+
+
+def probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(logits)`` in float64 on the CPU, within :data:`PROBABILITY_EPS` of 0 and 1: what ``predict`` writes
+    and the endpoint answers, so that both give the same bits for the same logits.
+
+    Shape: ``[B]`` -> ``[B]`` float64.
+
+    Example:
+        >>> probabilities(torch.tensor([0.0, 80.0])).tolist()
+        [0.5, 0.999999999999999]
+    """
+    return torch.sigmoid(logits.double().cpu()).clamp_(PROBABILITY_EPS, 1.0 - PROBABILITY_EPS)
+
+
+_MARK = {b"dynemb": b"predict"}  # Parquet metadata of a predictions file: what predict may replace
 
 
 @torch.no_grad()
 def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None, batch_size: int = 65536,
-                 device: str = "cpu") -> dict:
-    """Write ``out``, a Parquet file with a float32 column ``probability`` for each row of ``data`` in input
-    order, and the label column (int8) when ``data`` has one. The file appears whole or not at all.
+                 device: str = "cpu", use: str = "best") -> dict:
+    """Write ``out``: a float64 ``probability`` for each row of ``data``, in input order, and the label column
+    (int8, 0/1) when ``data`` has one; scored by the run's best model (``use="last"``: its last).
+
+    ``out``'s suffix picks the format (:data:`OUT_FORMATS`: Parquet, or CSV with a header). Probabilities are
+    ``sigmoid(logit)`` in float64 kept within :data:`PROBABILITY_EPS` of 0 and 1. The file appears whole or not
+    at all (written beside it, fsynced, renamed). An existing ``out`` is replaced only when an earlier predict
+    wrote it; an input file, a file in an input directory and anything in the run directory are refused.
 
     Returns:
-        ``{"rows", "seconds", "rows_per_s", "out"}``; ``seconds`` counts reading, scoring and writing.
+        ``{"rows", "seconds", "rows_per_s", "out", "model", "step"}``; ``seconds`` counts reading, scoring and
+        writing; ``model`` and ``step`` say which checkpoint scored.
+
+    Raises:
+        ValueError: a bad ``out`` (the message names it and the reason), or as :func:`evaluate_file`.
+
+    Example:
+        >>> # predict_file("runs/clicks", "to_score.parquet", "scores.csv")
+        >>> # {"rows": 6000, "seconds": 0.4, "rows_per_s": 15000, "out": "scores.csv", "model": "best", "step": 400}
     """
     started = time.perf_counter()
-    model, card = load_model(Path(run), device)
+    target = Path(out)
+    out_format = _check_out(target, Path(run), Path(data), format)
+    _, kind, step = model_checkpoint(Path(run), use)
+    model, card = load_model(Path(run), device, use)
     prep = card.preprocessing
     has_label = prep.label is not None and prep.label in column_names(data, format)
     reader = _reader(card, data, format, batch_size, label=has_label)
-    fields = [pa.field("probability", pa.float32())] + ([pa.field(prep.label, pa.int8())] if has_label else [])
-    schema = pa.schema(fields)
-    target = Path(out)
+    fields = [pa.field("probability", pa.float64())] + ([pa.field(prep.label, pa.int8())] if has_label else [])
+    schema = pa.schema(fields, metadata=_MARK if out_format == "parquet" else None)
     tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
     rows = 0
     try:
-        with pq.ParquetWriter(tmp, schema) as writer:
-            for batch in prep.normalized(reader, str(data)):  # the dense rule, its replacements counted
-                p = torch.sigmoid(model(batch.to(device)).float()).cpu().numpy()
-                columns = [pa.array(p)] + ([pa.array(batch.labels.numpy().astype("int8"))] if has_label else [])
-                writer.write_batch(pa.record_batch(columns, schema=schema))
-                rows += len(batch)
+        with open(tmp, "wb") as sink:
+            writer = pq.ParquetWriter(sink, schema) if out_format == "parquet" else pcsv.CSVWriter(sink, schema)
+            with writer:
+                for batch in prep.normalized(reader, str(data)):  # the dense rule, its replacements counted
+                    p = probabilities(model(batch.to(device))).numpy()
+                    columns = [pa.array(p)] + ([pa.array(batch.labels.numpy().astype("int8"))] if has_label else [])
+                    writer.write_batch(pa.record_batch(columns, schema=schema))
+                    rows += len(batch)
+            sink.flush()
+            os.fsync(sink.fileno())
         os.replace(tmp, target)
+        fsync_dir(target.parent)
     finally:
         tmp.unlink(missing_ok=True)
     seconds = time.perf_counter() - started
     return {"rows": rows, "seconds": round(seconds, 3), "rows_per_s": round(rows / max(seconds, 1e-9)),
-            "out": str(target)}
+            "out": str(target), "model": kind, "step": step}
+
+
+def _check_out(out: Path, run: Path, data: Path, format: Optional[str]) -> str:
+    """The format ``out`` is written in; a ValueError when writing it could destroy a file that is not an earlier
+    prediction: an input, the run's, or anything else already there."""
+    suffix = out.suffix.lower()
+    if suffix not in OUT_FORMATS:
+        raise ValueError(f"--out {out}: the suffix picks the format; use {', '.join(OUT_FORMATS)} (got "
+                         f"{suffix or 'no suffix'!r}; compressed output is not written)")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; name a file")
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {out}: no directory {out.parent}")
+    where = out.resolve()  # through symlinks: a link to an input is that input
+    if data.is_dir() and where.is_relative_to(data.resolve()):
+        raise ValueError(f"--out {out} is inside the input directory --data {data}; write elsewhere")
+    for path in list_files(data, format)[0]:
+        if where == path.resolve() or (out.exists() and os.path.samefile(out, path)):
+            raise ValueError(f"--out {out} is the input file {path}; predict never overwrites its input")
+    if where.is_relative_to(run.resolve()):
+        raise ValueError(f"--out {out} is inside the run directory --model {run}, which holds the model; write "
+                         "elsewhere")
+    fmt = OUT_FORMATS[suffix]
+    if out.exists() and not _is_prediction(out, fmt):
+        raise ValueError(f"--out {out} exists and is not a file `dynemb predict` wrote as {fmt}; predict replaces "
+                         "only its own output (remove it or choose another name)")
+    return fmt
+
+
+def _is_prediction(path: Path, fmt: str) -> bool:
+    """Whether ``path`` is what predict writes as ``fmt``: Parquet with its metadata mark, CSV with its header."""
+    try:
+        if fmt == "parquet":
+            metadata = pq.read_schema(path).metadata or {}
+            return metadata.get(b"dynemb") == _MARK[b"dynemb"]
+        with open(path, "rb") as f:
+            header = f.readline().rstrip(b"\r\n").split(b",")
+        return header[0] == b'"probability"' and len(header) <= 2
+    except (OSError, pa.ArrowException):
+        return False

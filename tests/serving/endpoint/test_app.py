@@ -56,8 +56,8 @@ def test_probabilities_equal_dynemb_predict(run, url, binary):
     finally:
         client.close()
     got = result.as_numpy("probability")
-    expected = np.asarray(pq.read_table(run / "preds.parquet").column("probability").to_pylist(), dtype=np.float32)
-    assert got.dtype == np.float32 and got.shape == expected.shape == (300,)
+    expected = np.asarray(pq.read_table(run / "preds.parquet").column("probability").to_pylist(), dtype=np.float64)
+    assert got.dtype == np.float64 and got.shape == expected.shape == (300,)
     np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
     assert np.ptp(expected) > 0.01  # the model is not constant, so equality means something
 
@@ -72,7 +72,7 @@ def test_health_and_metadata(url):
     assert meta["name"] == "ctr" and meta["versions"] == ["1"]
     assert [(t["name"], t["datatype"]) for t in meta["inputs"]] == [
         ("user", "BYTES"), ("item", "INT64"), ("tags", "BYTES"), ("tags__lengths", "INT32"), ("price", "FP32")]
-    assert meta["outputs"] == [{"name": "probability", "datatype": "FP32", "shape": [-1]}]
+    assert meta["outputs"] == [{"name": "probability", "datatype": "FP64", "shape": [-1]}]
     assert httpx.get(f"{url}/v2/models/other", timeout=TIMEOUT).status_code == 404
 
 
@@ -150,7 +150,7 @@ def test_bad_json_and_a_10_mb_body_are_400s(url):
 
 def test_concurrent_requests_get_their_own_rows(run, served, url):
     table = pq.read_table(run / "test.parquet")
-    expected = np.asarray(pq.read_table(run / "preds.parquet").column("probability").to_pylist(), dtype=np.float32)
+    expected = np.asarray(pq.read_table(run / "preds.parquet").column("probability").to_pylist(), dtype=np.float64)
 
     def one(i):
         start = (i * 17) % (len(expected) - 20)

@@ -52,7 +52,7 @@ def test_the_curl_and_tritonclient_examples_answer(run):
         reply = json.loads(subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60,
                                           check=True).stdout)
         assert reply["model_name"] == "ctr" and reply["model_version"] == "1"
-        by_curl = np.asarray(reply["outputs"][0]["data"], np.float32)
+        by_curl = np.asarray(reply["outputs"][0]["data"], np.float64)
         snippet = block("python", "tritonclient.http").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         printed = io.StringIO()
         namespace = {}

@@ -121,7 +121,7 @@ def test_json_null_reads_as_binary_nan_does(served):
     response = httpx.post(f"{url}/v2/models/ctr/infer", json=body, timeout=TIMEOUT)
     assert response.status_code == 200, response.text
     assert None in data["price"][1] and any(p is not None and np.isnan(p) for p in d["price"])
-    np.testing.assert_array_equal(np.asarray(response.json()["outputs"][0]["data"], np.float32), as_binary)
+    np.testing.assert_array_equal(np.asarray(response.json()["outputs"][0]["data"], np.float64), as_binary)
 
 
 def test_an_id_input_of_a_float_datatype_or_unreadable_text_is_a_400_naming_the_input(served):

@@ -78,7 +78,7 @@ def test_three_deltas_published_during_traffic_are_served_in_order_without_mixed
                     failures.append(r.text)
                     continue
                 reply = r.json()
-                version, probs = int(reply["model_version"]), np.asarray(reply["outputs"][0]["data"], np.float32)
+                version, probs = int(reply["model_version"]), np.asarray(reply["outputs"][0]["data"], np.float64)
                 if not np.allclose(probs, expected[version].numpy(), atol=1e-5, rtol=0):
                     mixed.append(version)
                 seen[i].append(version)
@@ -113,7 +113,7 @@ def test_three_deltas_published_during_traffic_are_served_in_order_without_mixed
     # The last version is the run's final model: `dynemb predict` on the same rows agrees.
     assert main(["predict", "--model", str(out), "--data", str(run / "test.parquet"), "--out",
                  str(tmp_path / "preds.parquet")]) == 0
-    final = np.asarray(pq.read_table(tmp_path / "preds.parquet").column("probability"), np.float32)[:ROWS]
+    final = np.asarray(pq.read_table(tmp_path / "preds.parquet").column("probability"), np.float64)[:ROWS]
     np.testing.assert_allclose(final, expected[4].numpy(), atol=1e-6, rtol=0)
 
 
@@ -165,7 +165,7 @@ def test_versions_published_while_the_server_loads_are_served_with_their_own_mlp
                 reply = httpx.post(f"{url}/v2/models/ctr/infer", json=body, timeout=30).json()
                 version = int(reply["model_version"])
                 assert version == 3
-                np.testing.assert_allclose(np.asarray(reply["outputs"][0]["data"], np.float32),
+                np.testing.assert_allclose(np.asarray(reply["outputs"][0]["data"], np.float64),
                                            expected[version].numpy(), atol=1e-5, rtol=0)
                 assert watcher.poll() == []
     finally:

@@ -7,6 +7,7 @@ import torch
 from dynemb.checkpoint import export_for_serving
 from dynemb.data import FileReader
 from dynemb.job import load_model
+from dynemb.job.score import probabilities
 from dynemb.serving.endpoint import ServedModel
 from dynemb.serving.endpoint.watch import ExportWatcher, pending_versions
 
@@ -33,7 +34,7 @@ def test_new_versions_are_applied_in_order_and_served(run, tmp_path):
         assert [p.name for p in pending_versions(tmp_path / "exp", 1)] == ["version-00000002", "version-00000003"]
         assert watcher.poll() == [2, 3] and served.version == 3 and watcher.poll() == []
         with torch.no_grad():
-            expected = torch.sigmoid(model(prep.normalize(batch)))
+            expected = probabilities(model(prep.normalize(batch)))
         torch.testing.assert_close(served.predict(batch), expected, atol=1e-6, rtol=0)
     finally:
         served.close()

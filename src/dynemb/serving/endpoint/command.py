@@ -15,8 +15,12 @@ WATCH_INTERVAL_S = 1.0
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="RUN_DIR", help="a `dynemb train` run directory")
-    p.add_argument("--export", metavar="EXPORT_DIR", help="serving export of the run (default: RUN_DIR/export, "
-                   "written from the final checkpoint when missing)")
+    p.add_argument("--export", metavar="EXPORT_DIR", help="serving export of the run (default: the --use model's: "
+                   "RUN_DIR/export-best, or RUN_DIR/export for last and --watch, written from the checkpoint when "
+                   "missing)")
+    p.add_argument("--use", choices=("best", "last"), help="serve the run's model with the lowest held-out log "
+                   "loss (best) or the model of its last step (last); --watch follows the versions training "
+                   "publishes, each the model of its step (default: best, last with --watch)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; anything but loopback exposes the "
                    "model to the network")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
@@ -60,6 +64,9 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.watch is not None and not args.watch > 0:
         raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
+    if args.watch is not None and args.use == "best":
+        raise ValueError("--watch serves the versions training publishes (the model of each step, not the best); "
+                         "drop --use best, or serve the best without --watch")
     torch.set_num_threads(args.threads)
     if args.watch is not None:  # following a run that is still training: wait for its first published version
         from ...job.card import CHECKPOINT
@@ -67,6 +74,10 @@ def cmd_serve(args) -> int:
 
         if not (Path(args.model) / CHECKPOINT / "latest").is_file():
             wait_for_export(Path(args.export or Path(args.model) / EXPORT), args.watch)
+    if args.export is None:
+        from ...job.publish import serving_export
+
+        args.export = serving_export(Path(args.model), args.use or ("best" if args.watch is None else "last"))
     volatile, persistent = stores(args)
     model = ServedModel(args.model, export=args.export, name=args.name, volatile_db=volatile,
                         persistent_db=persistent, cache_fraction=args.cache_fraction, device=args.device)

@@ -24,6 +24,7 @@ from ...checkpoint.dense import check_dense, dense_state
 from ...checkpoint.export_format import read_dense, read_export, version_name
 from ...data.batch import Batch
 from ...functional import clip_rows, pool, to_bags
+from ...job.score import probabilities
 from ..ps import ParameterServer
 
 __all__ = ["ServedModel", "ensure_export"]
@@ -69,7 +70,8 @@ class ServedModel:
         ValueError: the run directory or the export is missing or does not match the run's tables.
 
     Shape:
-        ``predict(batch)``: a batch of ``B`` rows -> probabilities ``[B]`` (float32).
+        ``predict(batch)``: a batch of ``B`` rows -> probabilities ``[B]`` (float64, as ``dynemb predict`` writes
+        them: :func:`dynemb.job.score.probabilities`).
     """
 
     def __init__(self, run, *, export=None, name: str = "dynemb", volatile_db: Optional[dict] = None,
@@ -148,7 +150,7 @@ class ServedModel:
                 pooled[f] = rows.index_select(0, inverse)  # one id a row: every combiner gives the row itself
             else:
                 pooled[f] = pool(rows, inverse, *bags[f][1:], self._pooling[f]["combiner"])
-        return torch.sigmoid(self.model(batch, pooled=pooled).float()).cpu()
+        return probabilities(self.model(batch, pooled=pooled))
 
     def _bags(self, batch: Batch, f: str) -> tuple:
         """``(ids [N], offsets, weights, B)`` as the collection forms them; offsets ``None`` for one id a row."""

@@ -15,7 +15,7 @@ tensor                   datatype                shape     holds
                                                            ``null``, NaN and ``±inf`` allowed
 =======================  ======================  ========  ==============================================
 
-Output: ``probability``, FP32 ``[B]``. Ids and dense values go through :mod:`dynemb.data.columns`, the code the
+Output: ``probability``, FP64 ``[B]`` (the bits ``dynemb predict`` writes). Ids and dense values go through :mod:`dynemb.data.columns`, the code the
 file readers use, and the model's :class:`~dynemb.data.preprocess.Preprocessing`, so a request scores exactly as
 the same rows read from a Parquet or CSV file. Each id column has the model's id type (the metadata reports it as
 the input's datatype): an ``INT64`` column takes integers, and BYTES text that is a canonical decimal int64
@@ -59,7 +59,7 @@ def model_metadata(name: str, version: int, prep: Preprocessing) -> dict:
         inputs += [_tensor(c, prep.id_types[c], [-1]), _tensor(c + LENGTHS, "INT32", [-1])]
     inputs += [_tensor(c, "FP32", [-1]) for c in prep.dense]
     return {"name": name, "versions": [str(version)], "platform": "dynemb_dlrm", "inputs": inputs,
-            "outputs": [_tensor(OUTPUT, "FP32", [-1])]}
+            "outputs": [_tensor(OUTPUT, "FP64", [-1])]}
 
 
 def _inputs_by_name(request: Any) -> dict:
@@ -274,9 +274,9 @@ def _one_hot_ids(inputs: dict, columns: tuple, rows: int, id_types: dict) -> dic
 
 
 def encode_response(name: str, version: int, request: dict, probabilities: torch.Tensor) -> dict:
-    """The infer response: ``probability`` FP32 ``[B]``, with the request's ``id`` when it had one."""
+    """The infer response: ``probability`` FP64 ``[B]``, with the request's ``id`` when it had one."""
     out = {"model_name": name, "model_version": str(version),
-           "outputs": [{**_tensor(OUTPUT, "FP32", [probabilities.numel()]), "data": probabilities.tolist()}]}
+           "outputs": [{**_tensor(OUTPUT, "FP64", [probabilities.numel()]), "data": probabilities.tolist()}]}
     if isinstance(request, dict) and "id" in request:
         out["id"] = request["id"]
     return out

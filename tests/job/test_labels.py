@@ -1,0 +1,90 @@
+"""``--positive-label``: string and boolean labels, kept in the model card and applied by eval, predict and resume."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pytest
+
+from dynemb.cli import main
+from dynemb.job import read_card
+
+from .test_score import clicks
+
+SMALL = ["--epochs", "2", "--batch-size", "128", "--dim", "4", "--no-progress"]
+COLUMNS = ["--categorical", "user,item", "--dense", "price"]
+
+
+def _relabel(table: pa.Table, values: pa.Array) -> pa.Table:
+    return table.set_column(table.schema.get_field_index("click"), "click", values)
+
+
+def _texts(table: pa.Table, yes: str, no: str) -> pa.Array:
+    return pa.array([yes if c else no for c in table.column("click").to_pylist()])
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv"])
+def test_string_labels_train_exactly_as_their_0_1_form(tmp_path, dynemb, fmt):
+    table = clicks(0, rows=800).drop_columns(["tags"])
+    write = pq.write_table if fmt == "parquet" else pcsv.write_csv
+    write(table, tmp_path / f"ints.{fmt}")
+    write(_relabel(table, _texts(table, ">50K", "<=50K")), tmp_path / f"text.{fmt}")
+    common = ["--label", "click", *COLUMNS, *SMALL]
+    ints = dynemb("train", "--data", tmp_path / f"ints.{fmt}", "--out", tmp_path / "ints", *common)
+    text = dynemb("train", "--data", tmp_path / f"text.{fmt}", "--out", tmp_path / "text", *common,
+                  "--positive-label", ">50K")
+    assert (text["auc"], text["logloss"], text["step"]) == (ints["auc"], ints["logloss"], ints["step"])
+    assert read_card(tmp_path / "text").data["positive_label"] == ">50K"
+    assert read_card(tmp_path / "ints").data["positive_label"] is None
+    # eval applies the run's positive label to a file of text labels; predict writes the label as 0/1
+    on_text = dynemb("eval", "--model", tmp_path / "text", "--data", tmp_path / f"text.{fmt}")
+    assert on_text == dynemb("eval", "--model", tmp_path / "ints", "--data", tmp_path / f"ints.{fmt}")
+    dynemb("predict", "--model", tmp_path / "text", "--data", tmp_path / f"text.{fmt}", "--out", tmp_path / "p.csv")
+    assert pcsv.read_csv(tmp_path / "p.csv").column("click").to_pylist() == table.column("click").to_pylist()
+
+
+def test_boolean_labels_need_no_positive_label(tmp_path, dynemb):
+    table = clicks(0, rows=800).drop_columns(["tags"])
+    pq.write_table(table, tmp_path / "ints.parquet")
+    pq.write_table(_relabel(table, pa.array([bool(c) for c in table.column("click").to_pylist()])),
+                   tmp_path / "bools.parquet")
+    common = ["--label", "click", *COLUMNS, *SMALL]
+    ints = dynemb("train", "--data", tmp_path / "ints.parquet", "--out", tmp_path / "ints", *common)
+    bools = dynemb("train", "--data", tmp_path / "bools.parquet", "--out", tmp_path / "bools", *common)
+    also = dynemb("train", "--data", tmp_path / "bools.parquet", "--out", tmp_path / "also", *common,
+                  "--positive-label", "true")
+    assert ints["logloss"] == bools["logloss"] == also["logloss"]
+
+
+def test_label_errors_say_what_to_do(tmp_path, capsys):
+    table = clicks(0, rows=300).drop_columns(["tags"])
+    pq.write_table(_relabel(table, _texts(table, "yes", "no")), tmp_path / "yes.parquet")
+    common = ["train", "--data", str(tmp_path / "yes.parquet"), "--label", "click", *COLUMNS, *SMALL]
+    assert main([*common, "--out", str(tmp_path / "a")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "labels must be 0 or 1" in line and "--positive-label VALUE" in line, line
+    assert main([*common, "--out", str(tmp_path / "b"), "--positive-label", "Yes"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("dynemb train: error: --positive-label 'Yes': no label in the first") and \
+        "compared as text, exactly" in line, line
+    assert not (tmp_path / "b").exists()
+    nulls = _relabel(table, pa.array([None if i == 7 else "yes" for i in range(table.num_rows)]))
+    pq.write_table(nulls, tmp_path / "nulls.parquet")
+    assert main(["train", "--data", str(tmp_path / "nulls.parquet"), "--label", "click", *COLUMNS, *SMALL, "--out",
+                 str(tmp_path / "c"), "--positive-label", "yes"]) == 2
+    assert "labels must not be null, got None at row 7" in capsys.readouterr().err
+
+
+def test_resume_keeps_the_positive_label(tmp_path, dynemb, capsys):
+    table = clicks(0, rows=600).drop_columns(["tags"])
+    pq.write_table(_relabel(table, _texts(table, "yes", "no")), tmp_path / "yes.parquet")
+    run = tmp_path / "run"
+    common = ["train", "--data", tmp_path / "yes.parquet", "--label", "click", *COLUMNS, "--batch-size", "128",
+              "--dim", "4", "--no-progress", "--out", run]
+    dynemb(*common, "--steps", "2", "--positive-label", "yes")
+    assert dynemb(*common, "--steps", "4", "--resume")["step"] == 4  # the card's label, not "must be 0 or 1"
+    assert main([*map(str, common), "--steps", "5", "--resume", "--positive-label", "no"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--positive-label 'no' contradicts the run being resumed" in line and "'yes'" in line, line
+    assert json.loads((run / "model.json").read_text())["data"]["positive_label"] == "yes"
