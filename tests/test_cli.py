@@ -238,6 +238,9 @@ def test_help_shows_every_option_with_its_meaning_and_default():
     (["--eval-data", "x.parquet", "--eval-fraction", "0.1"], "--eval-fraction splits --data"),
     (["--optimizer", "adamw"], "argument --optimizer: invalid choice: 'adamw'"),
     (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+    pytest.param(["--device", "cuda"], "device='cuda' asks for CUDA, but torch.cuda.is_available() is False",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")),
+    (["--device", "gpu"], "device must be a torch.device or a device string"),
 ])
 def test_inconsistent_options_are_one_line_and_exit_2(tmp_path, capsys, args, message):
     pq.write_table(clicks("string"), tmp_path / "clicks.parquet")

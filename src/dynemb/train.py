@@ -24,7 +24,7 @@ from . import optim
 from .optim.combined import CombinedOptimizer
 from .collection import EmbeddingCollection
 from .data.batch import Batch
-from .data.metrics import auc
+from .data.metrics import held_out_auc
 from .models import DLRM, dlrm_tables
 from .table.checks import check_int
 
@@ -316,12 +316,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> dict:
-        """AUC and log loss on ``batches`` (no rows are inserted: eval mode)."""
+        """AUC and log loss on ``batches`` (no rows are inserted: eval mode); the AUC is NaN when the rows hold one
+        class only."""
         self.model.eval()
         logits = torch.cat([self.model(b) for b in batches])
         labels = torch.cat([b.labels for b in batches])
         self.model.train()
-        row = {"step": self.step, "auc": float(auc(logits, labels)), "loss": float(self.loss_fn(logits, labels))}
+        with warnings.catch_warnings():  # said once a run: every periodic evaluation reads the same rows
+            warnings.simplefilter("ignore" if self.history.evals else "default")
+            area = held_out_auc(logits, labels)
+        row = {"step": self.step, "auc": area, "loss": float(self.loss_fn(logits, labels))}
         self.history.evals.append(row)
         return row
 

@@ -161,3 +161,23 @@ def test_metrics_log_writes_strict_json(tmp_path):
     rows = [strict(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert rows == [{"kind": "train", "step": 1, "loss": None}, {"kind": "eval", "step": 1, "auc": None, "loss": 0.5}]
     assert read_metrics(tmp_path / "m.jsonl") == rows
+
+
+def test_held_out_rows_of_one_class_give_a_null_auc_not_a_crash(tmp_path, capsys):
+    """Rare positives can leave a small held-out set with none: the AUC is undefined, so it prints as null with a
+    warning, the log loss still picks the best model, and the run ends with its checkpoints."""
+    table, _ = messy(1000)
+    pq.write_table(table, tmp_path / "train.parquet")
+    pq.write_table(table.slice(0, 200).set_column(0, "click", pa.array([0] * 200)), tmp_path / "held.parquet")
+    run = tmp_path / "run"
+    code = main(["train", "--data", str(tmp_path / "train.parquet"), "--eval-data", str(tmp_path / "held.parquet"),
+                 "--label", "click", "--categorical", "user", "--dense", "price", "--out", str(run), "--epochs", "1",
+                 "--eval-every", "3", *SMALL])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    summary = strict(out.strip().splitlines()[-1])
+    assert summary["auc"] is None and summary["logloss"] > 0
+    assert err.count("hold one class only (200 negatives, 0 positives): AUC is undefined (null)") >= 1
+    assert (run / "checkpoint" / "latest").is_file() and (run / "checkpoint-best" / "latest").is_file()
+    assert main(["eval", "--model", str(run), "--data", str(tmp_path / "held.parquet")]) == 0
+    assert strict(capsys.readouterr().out.strip().splitlines()[-1])["auc"] is None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-__all__ = ["auc"]
+__all__ = ["auc", "held_out_auc"]
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -48,3 +50,28 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     mean_rank = ends - (counts.double() - 1.0) / 2.0  # 1-based ranks start..end of a tie group, averaged
     pos_rank_sum = float((mean_rank[group] * y[order]).sum())
     return (pos_rank_sum - n_pos * (n_pos + 1.0) / 2.0) / (n_pos * n_neg)
+
+
+def held_out_auc(scores: torch.Tensor, labels: torch.Tensor, where: str = "the held-out rows") -> float:
+    """:func:`auc`, or NaN (which the ``dynemb`` commands print as ``null``) with a
+    :class:`~dynemb.data.preprocess.DataWarning` when ``labels`` hold one class only, as a small held-out set of
+    rare positives can: the log loss still measures the model, and training goes on.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     held_out_auc(torch.tensor([0.2, 0.7]), torch.tensor([0, 0]))
+        nan
+        >>> str(caught[0].message)
+        'the held-out rows hold one class only (2 negatives, 0 positives): AUC is undefined (null)'
+    """
+    y = labels.reshape(-1)
+    positives = int((y == 1).sum())
+    if 0 < positives < y.numel():
+        return auc(scores, labels)
+    from .preprocess import DataWarning
+
+    warnings.warn(f"{where} hold one class only ({y.numel() - positives:,} negatives, {positives:,} positives): "
+                  "AUC is undefined (null)", DataWarning, stacklevel=2)
+    return float("nan")

@@ -27,11 +27,10 @@ import json
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from ..checkpoint.fsutil import write_json
 from ..data.preprocess import Preprocessing
 from ..models import DLRM
+from ..table.checks import resolve_device
 from ..train import TrainConfig, build_dlrm
 
 __all__ = ["ModelCard", "read_card", "write_card", "load_model", "model_checkpoint", "CARD", "CHECKPOINT",
@@ -131,10 +130,11 @@ def load_model(run: Path, device: str = "cpu", use: str = "best") -> tuple[DLRM,
     """
     from ..checkpoint import load
 
+    device = resolve_device(device, "device")  # before the work: a missing GPU is a clear error, not torch's
     run = Path(run)
     card = read_card(run)
     root, _, _ = model_checkpoint(run, use)
     prep = card.preprocessing
     model = build_dlrm(len(prep.dense), prep.features, card.config)
     load(root, model, strict=False)
-    return model.to(torch.device(device)).eval(), card
+    return model.to(device).eval(), card

@@ -33,7 +33,7 @@ from ..checkpoint import load
 from ..data import FileReader, SyntheticClickLog
 from ..data.formats import CRITEO_CATEGORICAL, CRITEO_DENSE, CRITEO_LABEL, list_files
 from ..data.preprocess import Preprocessing, dense_statistics
-from ..table.checks import check_int
+from ..table.checks import check_int, resolve_device
 from ..train import Trainer, TrainConfig, build_dlrm
 from .card import CARD, CHECKPOINT, CHECKPOINT_BEST, METRICS, ModelCard, read_card, write_card
 from .publish import EXPORT, Publisher
@@ -106,6 +106,7 @@ class RunSpec:
     publish_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
+        resolve_device(self.device, "device")  # torch's own error for a missing GPU is a bare AssertionError
         if self.epochs != "auto":
             check_int(self.epochs, "epochs", minimum=1, allow_none=True)
         for name in ("batch_size", "shuffle_buffer", "eval_batches", "stats_rows"):

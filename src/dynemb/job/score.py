@@ -24,7 +24,7 @@ from ..data import FileReader
 from ..data.batch import Batch
 from ..data.formats import list_files
 from ..data.readers import column_names
-from ..data.metrics import auc
+from ..data.metrics import held_out_auc
 from .card import ModelCard, load_model, model_checkpoint
 
 __all__ = ["evaluate", "evaluate_file", "predict_file", "probabilities", "PROBABILITY_EPS", "OUT_FORMATS"]
@@ -33,7 +33,8 @@ __all__ = ["evaluate", "evaluate_file", "predict_file", "probabilities", "PROBAB
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Iterable[Batch]) -> dict:
     """``{"auc", "logloss", "rows"}`` of ``model`` on ``batches`` (eval mode during the call; no rows inserted);
-    a metric that is not finite (a model gone NaN) is ``None``, which JSON writes as ``null``.
+    a metric that is not finite (a model gone NaN, an AUC of rows of one class) is ``None``, which JSON writes as
+    ``null``.
 
     Raises:
         ValueError: ``batches`` is empty.
@@ -51,7 +52,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable[Batch]) -> dict:
         raise ValueError("nothing to evaluate: no rows")
     z, y = torch.cat(logits), torch.cat(labels)
     logloss = torch.nn.functional.binary_cross_entropy_with_logits(z.double(), y.double())
-    return {"auc": _finite(auc(z, y)), "logloss": _finite(logloss), "rows": int(y.numel())}
+    return {"auc": _finite(held_out_auc(z, y)), "logloss": _finite(logloss), "rows": int(y.numel())}
 
 
 def _finite(value) -> Optional[float]:
