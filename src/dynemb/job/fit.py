@@ -44,7 +44,7 @@ from .sources import FileSource, SyntheticSource, epochs, every_nth
 __all__ = ["RunSpec", "train_run", "Interrupted", "auto_epochs", "AUTO_MAX_STEPS", "AUTO_MAX_EPOCHS", "SYNTHETIC_STEPS"]
 
 # epochs="auto": early stopping decides, within 20 epochs and 20,000 steps (10M samples at batch 512, about 20
-# minutes on one core); measured on real data in benchmarks/results/tabular.md.
+# minutes on one core); measured on real data (BENCHMARKS.md, "Main job on files").
 AUTO_MAX_STEPS, AUTO_MAX_EPOCHS = 20_000, 20
 SYNTHETIC_STEPS = 500  # synthetic data, when none of epochs, steps and seconds is given
 
