@@ -25,6 +25,7 @@ import torch
 from ..distributed.comm import all_gather_varsize, all_to_all_known
 from ..distributed.plan import ShardingKind
 from ..functional import deliver_gradient, read_rows
+from ..functional.lookup import find_ids, trains
 from .features import PreparedFeature, finish
 from .plan import ExecutionPlan, TableShard
 
@@ -40,11 +41,15 @@ class ShardedExecutor:
         self.world, self.rank = plan.world, plan.rank
         self.comm_stats = {"bytes_sent": 0, "seconds": 0.0, "calls": 0, "keys_received": 0}
         self.training = True
+        self.inserting: dict[str, bool] = {}
 
     def forward(self, prepared: dict[str, list[PreparedFeature]], training: bool) -> dict:
         # Tables insert, evict and count only when training with grad mode on; otherwise they are read-only.
         # (Every rank must be in the same mode: the exchange below depends on it.)
         training = self.training = training and torch.is_grad_enabled()
+        # which tables insert and train (the rule of functional.lookup.trains), decided here: the owner side runs
+        # inside an autograd node's forward, where grad mode is off
+        self.inserting = {s.name: s.table is not None and trains(s.table, training) for s in self.plan}
         names = list(self.plan.shards)
         device = next((p.ids.device for parts in prepared.values() for p in parts), None)
         keys, inverses, counts = [], [], []
@@ -97,20 +102,15 @@ class ShardedExecutor:
         saved["row_index"], saved["data_index"] = row, data
         return values, saved
 
-    def _insert(self, table, unique: torch.Tensor, inverse: torch.Tensor, counts: Optional[torch.Tensor]):
-        """find_or_insert of ``unique``, with occurrence counts summed from every requester when given."""
-        if counts is None:
-            return table.find_or_insert(unique)[0]
-        total = torch.zeros(unique.numel(), dtype=torch.int64, device=unique.device).index_add_(0, inverse, counts)
-        return table.find_or_insert(unique, counts=total)[0]
-
     def _owner_lookup(self, shard: TableShard, keys: torch.Tensor, counts: Optional[torch.Tensor]):
-        """Owner side: unique, find/insert, read. Returns (unique shard keys, rows, inverse, rows per key)."""
-        local = shard.shard_keys(keys)
-        unique, inverse = torch.unique(local, return_inverse=True)
+        """Owner side: the one lookup of :func:`~dynemb.functional.lookup.find_ids` (dedup, find or insert with the
+        requesters' occurrence counts when given), then the rows read. Returns (unique shard keys, rows, inverse,
+        rows per key received)."""
         table = shard.table
-        inserts = self.training and shard.trains  # a frozen table is read-only, as under no_grad
-        rows = self._insert(table, unique, inverse, counts) if inserts else table.find_rows(unique)
+        # a frozen table is read-only, as under no_grad (the rule of functional.lookup.trains)
+        found = find_ids(table, shard.shard_keys(keys), insert=self.inserting[shard.name], counts=counts,
+                         inverse=True)
+        unique, rows, inverse = found.ids.unique, found.rows, found.ids.inverse
         return unique, rows, inverse, read_rows(table, unique, rows).float().index_select(0, inverse)
 
     def _row_forward(self, shards: list[TableShard], keys: list[torch.Tensor], counts: list[torch.Tensor]) -> dict:
@@ -183,28 +183,24 @@ class ShardedExecutor:
 
     def _data_forward(self, shard: TableShard, keys: torch.Tensor, counts: torch.Tensor):
         parts = all_gather_varsize(keys, self.group, f"all-gather of keys of {shard.name!r}")
-        union, where = torch.unique(torch.cat(parts), return_inverse=True)
         table = shard.table
-        local = shard.shard_keys(union)
-        if self.training and shard.trains:
-            every_count = None
-            if shard.config.counts_occurrences:
-                every_count = torch.cat(all_gather_varsize(counts, self.group,
-                                                           f"all-gather of counts of {shard.name!r}"))
-            rows = self._insert(table, local, where, every_count)
-        else:
-            rows = table.find_rows(local)
+        inserts = self.inserting[shard.name]
+        every_count = None
+        if inserts and shard.config.counts_occurrences:
+            every_count = torch.cat(all_gather_varsize(counts, self.group, f"all-gather of counts of {shard.name!r}"))
+        # every replica finds or inserts the union of the ranks' keys, with their counts: the same rows everywhere
+        found = find_ids(table, shard.shard_keys(torch.cat(parts)), insert=inserts, counts=every_count, inverse=True)
+        local, rows, where = found.ids.unique, found.rows, found.ids.inverse
         values = read_rows(table, local, rows)
-        pos = torch.searchsorted(union, keys)
-        return values.index_select(0, pos), {"shard": shard, "union": union, "local": local, "rows": rows,
-                                             "parts": parts}
+        start = sum(p.numel() for p in parts[: self.rank])
+        mine = where[start: start + keys.numel()]
+        return values.index_select(0, mine), {"shard": shard, "where": where, "local": local, "rows": rows}
 
     def _data_backward(self, state: dict, grad: torch.Tensor) -> None:
         shard = state["shard"]
         grads = all_gather_varsize(grad.float(), self.group, f"all-gather of gradients of {shard.name!r}")
-        pos = torch.searchsorted(state["union"], torch.cat(state["parts"]))
-        total = torch.zeros(state["union"].numel(), grad.shape[1], device=grad.device)
-        total.index_add_(0, pos, torch.cat(grads))
+        total = torch.zeros(state["local"].numel(), grad.shape[1], device=grad.device)
+        total.index_add_(0, state["where"], torch.cat(grads))
         deliver_gradient(shard.table, state["local"], state["rows"], total)
 
     def gather(self, shard: TableShard, keys: torch.Tensor, values: torch.Tensor):

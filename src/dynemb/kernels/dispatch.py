@@ -157,12 +157,16 @@ import enum
 import functools
 import importlib.util
 from types import ModuleType
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
 __all__ = [
     "Backend",
+    "Family",
+    "FAMILIES",
+    "Kernels",
+    "kernels_for",
     "resolve_backend",
     "get_default_backend",
     "set_default_backend",
@@ -293,6 +297,99 @@ def _triton_interprets() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+class Family(NamedTuple):
+    """A kernel family's declared interface (the contracts are in the module docstring): the functions every
+    implementation of the family has (``required``), and those an implementation may leave to the torch reference
+    (``optional``: ``None`` on the backend object). ``rows``: whether the family reads or writes a table's value
+    rows, which the kernels serve for float32 tables only (:meth:`Kernels.for_rows`)."""
+
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    rows: bool = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.required + self.optional
+
+
+#: Every kernel family and the functions it declares. A backend module implements all ``required`` functions of its
+#: family and any of the ``optional`` ones, and nothing else under a declared name; ``tests/kernels/test_dispatch.py``
+#: holds each module to this list.
+FAMILIES: dict[str, Family] = {
+    # find_or_insert, erase and find_gather: Triton's one-launch table operations (table/fused.py)
+    "index": Family(("probe", "place"), ("find", "unique_by_hash", "find_or_insert", "erase", "find_gather")),
+    "pool": Family(("dedup", "pool", "row_grad"),
+                   ("gather", "rows_current", "spread", "fill_rows", "fill_pair", "mark_rows", "settle_marks",
+                    "touch_counts", "write_last", "decayed_scores", "scatter", "move_rows", "lowest_rows",
+                    "offsets_valid", "bag_of"), rows=True),
+    "optim": Family(("sparse_update",), rows=True),
+    "init": Family(("initial_rows",)),
+}
+
+
+class FamilyKernels:
+    """One family's functions on one backend: each declared name of :data:`FAMILIES` is an attribute, the kernel
+    or ``None`` where the torch reference serves (every name ``None`` on the torch backend). A name the family does
+    not declare is an ``AttributeError``: a call site cannot probe for a function nobody promised.
+
+    Example:
+        >>> kernels_for("torch", "cpu").pool.spread is None
+        True
+    """
+
+    def __init__(self, family: str, module: ModuleType | None) -> None:
+        self.family, self.module = family, module
+        self._names = frozenset(FAMILIES[family].names)
+
+    def __getattr__(self, name: str):
+        # read from the module at each call (a test may patch it), and only for the names the family declares
+        if name not in self.__dict__.get("_names", ()):
+            raise AttributeError(f"kernel family {self.__dict__.get('family')!r} declares no function {name!r}")
+        return getattr(self.module, name, None)
+
+    def __bool__(self) -> bool:
+        """Whether a kernel module serves the family (False: the torch reference runs all of it)."""
+        return self.module is not None
+
+
+class Kernels:
+    """The backend object: what runs each kernel family for one resolved backend on one device kind, chosen once
+    (:func:`kernels_for`) and asked by the operations that own the invariants (``kernels.pool.fill_rows``). The
+    families are attributes (:class:`FamilyKernels`), imported on first use: numba and triton load slowly."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._families: dict[str, FamilyKernels] = {}
+
+    def __getattr__(self, family: str) -> FamilyKernels:
+        if family not in FAMILIES:
+            raise AttributeError(family)
+        got = self._families.get(family)
+        if got is None:
+            name = _MODULES.get((family, self.backend))
+            got = self._families[family] = FamilyKernels(family, None if name is None else _module(name))
+        return got
+
+    def for_rows(self, dtype: torch.dtype) -> "Kernels":
+        """The kernels that work on value rows of ``dtype``: these for float32 rows, the torch reference for any
+        other dtype (the row families, ``pool`` and ``optim``, serve float32 only). Ask it for row work only."""
+        return self if dtype == torch.float32 else _TORCH
+
+    def __repr__(self) -> str:
+        return f"Kernels({self.backend.value})"
+
+
+def kernels_for(backend: Backend | str | None, device: torch.device | str | None = None) -> Kernels:
+    """The backend object for ``backend`` (``None``: the process default) on ``device``: see
+    :func:`resolve_backend` for the rules and errors.
+
+    Example:
+        >>> kernels_for("torch").backend
+        <Backend.TORCH: 'torch'>
+    """
+    return _KERNELS[resolve_backend(backend, device)]
+
+
 def table_kernels(family, table) -> ModuleType | None:
     """The kernel module of ``family`` (one of the functions below, such as :func:`pool_kernels`) for ``table``'s
     backend and device, or None for torch: the kernels serve float32 tables only."""
@@ -337,8 +434,11 @@ _MODULES = {
 
 
 def _kernels(family: str, backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
-    name = _MODULES.get((family, resolve_backend(backend, device)))  # remembered there
-    return None if name is None else _module(name)
+    return getattr(kernels_for(backend, device), family).module
+
+
+_KERNELS = {b: Kernels(b) for b in Backend if b is not Backend.AUTO}
+_TORCH = _KERNELS[Backend.TORCH]
 
 
 @functools.cache

@@ -22,11 +22,9 @@ from typing import Iterable
 import torch
 
 from ..functional import current_rows
-from ..functional.grads import PooledGrad, table_kernels
+from ..functional.grads import PooledGrad, row_kernels
 from ..functional.pooling import sorted_row_grad
-from ..kernels.dispatch import optim_kernels
-from ..table import KeyValueTable
-from ..table.static import StaticTable
+from ..table.protocol import is_table
 
 __all__ = ["SparseOptimizer", "GroupsOptimizer", "tables_of"]
 
@@ -35,12 +33,12 @@ _NO_CONTEXT = contextlib.nullcontext()
 
 def tables_of(obj) -> list:
     """The tables behind a DynamicEmbedding, an EmbeddingCollection, a table, or a list of those."""
-    if isinstance(obj, (KeyValueTable, StaticTable)):
+    if is_table(obj):
         return [obj]
     if hasattr(obj, "dynemb_tables"):
         return list(obj.dynemb_tables())
     table = getattr(obj, "table", None)
-    if isinstance(table, (KeyValueTable, StaticTable)):
+    if is_table(table):
         return [table]
     if isinstance(obj, Iterable) and not isinstance(obj, torch.Tensor):
         return [t for item in obj for t in tables_of(item)]
@@ -176,8 +174,8 @@ class SparseOptimizer(GroupsOptimizer):
         if rows.numel() == 0:
             return
         group = self.param_groups[i]
-        kernels = table_kernels(optim_kernels, table)
-        args = self.kernel_args(group, scalars) if kernels is not None else None
+        kernels = row_kernels(table).optim
+        args = self.kernel_args(group, scalars) if kernels else None
         # a fused update runs in the backward, already without grad: entering no_grad again costs microseconds
         with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT:
             if args is not None and all(table.slot(self.slot_key(n)).dtype == torch.float32 for n in args[2]):
