@@ -28,9 +28,12 @@ def _collection(tiered: bool, where: str = "host", optimizer=None) -> EmbeddingC
     opt = optimizer or dynemb.optim.Adagrad(lr=0.1)
     user = Tiers(fast_capacity=40, slow=where) if tiered else None
     item = Tiers(fast_bytes=4000, slow=where) if tiered else None
+    # lfu ranks the item rows the tiers move down; untiered, a bound no test reaches keeps the same scores (a
+    # policy needs a bound or tiers)
+    bound = None if tiered else 1_000_000
     tables = [TableConfig(name="user", dim=8, optimizer=opt, seed=1, tiers=user),
               TableConfig(name="item", dim=4, key_dtype=torch.int32, eviction="lfu", seed=2, tiers=item,
-                          optimizer=dynemb.optim.Adam(lr=0.05), admission=2)]
+                          max_capacity=bound, optimizer=dynemb.optim.Adam(lr=0.05), admission=2)]
     return EmbeddingCollection(tables, [FeatureConfig(name="user", table="user"),
                                         FeatureConfig(name="item", table="item", combiner="sum")])
 

@@ -68,12 +68,14 @@ def cmd_serve(args) -> int:
         raise ValueError("--watch serves the versions training publishes (the model of each step, not the best); "
                          "drop --use best, or serve the best without --watch")
     torch.set_num_threads(args.threads)
-    if args.watch is not None:  # following a run that is still training: wait for its first published version
+    if args.watch is not None:  # following a run that may still be training: its published versions
         from ...job.card import CHECKPOINT
         from ...job.publish import EXPORT
 
-        if not (Path(args.model) / CHECKPOINT / "latest").is_file():
-            wait_for_export(Path(args.export or Path(args.model) / EXPORT), args.watch)
+        published = Path(args.export or Path(args.model) / EXPORT)
+        if not (Path(args.model) / CHECKPOINT / "latest").is_file() or (published / "latest").is_file():
+            wait_for_export(published, args.watch)  # no checkpoint is needed (nor written yet) to serve them
+            args.export = published
     if args.export is None:
         from ...job.publish import serving_export
 
