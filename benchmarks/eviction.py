@@ -71,8 +71,8 @@ def touch_cost(args) -> list[dict]:
         index = torch.randperm(1 << 20, generator=g)[:n]
         counts = torch.randint(1, 4, (n,), generator=g)
         tick = iter(range(1, 1 << 30))
-        cases = {p: (lambda p=p: touch_scores(EvictionPolicy(p), scores[p], index, clock=next(tick), epoch=0,
-                                              counts=counts)) for p in scores}
+        cases = {p: (lambda p=p, scores=scores, index=index, tick=tick, counts=counts: touch_scores(
+            EvictionPolicy(p), scores[p], index, clock=next(tick), epoch=0, counts=counts)) for p in scores}
         times = median_times(cases, repeat=args.repeat or (5 if args.quick else 30), warmup=2)
         rows.append({"rows": n, **{f"{p}_ms": round(t * 1e3, 3) for p, t in times.items()},
                      "decayed_vs_lfu": round(times["decayed_lfu"] / times["lfu"], 1)})

@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     backend = "nccl" if args.cuda else "gloo"
     dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.cuda else torch.device("cpu")
     if args.cuda:
         torch.cuda.set_device(device)

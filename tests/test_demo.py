@@ -1,8 +1,10 @@
 """`dynemb demo` (what `make demo` runs), shortened: the same commands on a small training file."""
 
+import pytest
 from dynemb.demo import run_demo
 
 
+@pytest.mark.slow
 def test_demo_runs_train_eval_predict_export_and_serve_bench(tmp_path, capsys):
     summary = run_demo(seconds=2.0, out_dir=tmp_path / "report", train_batches=2)
     out = capsys.readouterr().out

@@ -274,7 +274,8 @@ class DynamicEmbedding(_TableModule):
     def counters(self) -> dict:
         """The table's counters (clock, epoch, inserted/removed/evicted counts, initializer calls)."""
         t = self.table
-        return {k: getattr(t, k) for k in ("clock", "save_ticks", "epoch", "inserted", "removed", "evicted", "_init_calls")}
+        names = ("clock", "save_ticks", "epoch", "inserted", "removed", "evicted", "_init_calls")
+        return {k: getattr(t, k) for k in names}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         rows = self.table.export()

@@ -42,6 +42,7 @@ def _shard_rows(run) -> dict:
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv"])
+@pytest.mark.slow
 def test_constant_columns_train_score_export_and_resume(tmp_path, dynemb, capsys, fmt):
     data = tmp_path / f"clicks.{fmt}"
     (pq.write_table if fmt == "parquet" else pcsv.write_csv)(clicks(), data)

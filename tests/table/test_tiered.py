@@ -347,12 +347,14 @@ def test_only_a_collection_with_a_tiered_table_prefetches(monkeypatch):
     assert not flat.tiered
     model = DLRM(2, flat, 4)
     calls, real_ahead = [], dynemb.train._ahead
-    monkeypatch.setattr(dynemb.train, "_ahead", lambda batches, prefetch: calls.append(1) or real_ahead(batches, prefetch))
+    monkeypatch.setattr(dynemb.train, "_ahead",
+                        lambda batches, prefetch: calls.append(1) or real_ahead(batches, prefetch))
     Trainer(model, TrainConfig(steps=3, dim=4, eval_every=3)).fit(data.batches("train"), [data.batch(0, "eval")],
                                                                 progress=False)
     assert calls == []
 
-    mixed = EmbeddingCollection([TableConfig(name="a", dim=2, tiers=Tiers(fast_capacity=4)), TableConfig(name="b", dim=2)],
+    mixed = EmbeddingCollection([TableConfig(name="a", dim=2, tiers=Tiers(fast_capacity=4)),
+                                 TableConfig(name="b", dim=2)],
                                 [FeatureConfig(name="fa", table="a"), FeatureConfig(name="fb", table="b")])
     assert mixed.tiered
     a, b = mixed.embeddings["a"].table, mixed.embeddings["b"].table

@@ -186,8 +186,8 @@ def write_payloads(directory: Path, payloads: dict, what: str) -> dict:
     return files
 
 
-def incremental_parent(root: Path, root_key: str, embeddings: dict[str, TableShard], stream: str, fmt: str, current: dict,
-                       what: str) -> str | None:
+def incremental_parent(root: Path, root_key: str, embeddings: dict[str, TableShard], stream: str, fmt: str,
+                       current: dict, what: str) -> str | None:
     """The directory an incremental write can build on, or None (the reason logged) to write a full one.
 
     ``current`` maps each table name to the manifest fields that must equal the parent's (configs, dtypes).

@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..table import Rows
 from .errors import CheckpointError
 from .tensorfile import FileRecord, verify_file
 
@@ -185,7 +184,7 @@ class StreamedShard(NamedTuple):
 def verify_sources(sources: dict, reshard: bool, config: dict, progress) -> StreamedShard:
     """Verify every file of ``sources`` (``{rank: steps}``, see the loader): size, sha256, header and the row
     count the manifest gives, without reading their rows into memory."""
-    from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, check_shard
+    from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, check_shard
 
     chains, rows, admission = [], 0, {}
     for steps in sources.values():

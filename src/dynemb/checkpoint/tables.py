@@ -108,7 +108,8 @@ def columns(shard: TableShard, *, state: bool = True) -> dict[str, torch.Tensor]
 def _live_rows(table) -> Rows:
     """Views of the live rows."""
     n = table.size()
-    return Rows(table.row_keys[:n], table.values[:n], table.scores[:n], {s: table.slot(s)[:n] for s in table.slot_names})
+    slots = {s: table.slot(s)[:n] for s in table.slot_names}
+    return Rows(table.row_keys[:n], table.values[:n], table.scores[:n], slots)
 
 
 def admission_columns(table) -> dict[str, torch.Tensor]:

@@ -16,5 +16,5 @@ from .config import FeatureConfig, TableConfig, split_max_bytes
 from .features import Bags, Jagged, PreparedFeature
 from .plan import ExecutionPlan, TableShard
 
-__all__ = ["EmbeddingCollection", "TableConfig", "FeatureConfig", "split_max_bytes", "Bags", "Jagged", "PreparedFeature", "ExecutionPlan",
-           "TableShard"]
+__all__ = ["EmbeddingCollection", "TableConfig", "FeatureConfig", "split_max_bytes", "Bags", "Jagged",
+           "PreparedFeature", "ExecutionPlan", "TableShard"]

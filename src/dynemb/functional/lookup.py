@@ -19,9 +19,9 @@ from ..table.checks import check_keys
 from ..table.ops import all_nonnegative
 from ..table.static import StaticTable
 from ..kernels.dispatch import Backend, pool_kernels, resolve_backend
-from .grads import PooledGrad, TableRows, deliver_gradient, deliver_pooled_gradient, read_rows, table_kernels
+from .grads import PooledGrad, TableRows, deliver_pooled_gradient, read_rows, table_kernels
 from .ops import anchor_of, eager_anchor, pooled_lookup_op
-from .pooling import (BagSet, BagSum, backward_bags, bag_sum_grad, check_combiner, combine_denoms, concat_bags, pool,
+from .pooling import (BagSet, BagSum, backward_bags, check_combiner, combine_denoms, concat_bags, pool,
                       split_bags, split_combine, to_bags)
 
 __all__ = ["embedding_lookup", "embedding_lookup_sparse", "pooled_lookup", "pooled_lookups", "unique_rows",

@@ -500,13 +500,14 @@ class KeyValueTable(RowStore):
         """Nothing to do: every row of an untiered table is in place (:class:`TieredTable` brings rows up), so a
         loader may call ``table.prefetch(next_keys)`` on any table."""
 
-    def _touch(self, rows: torch.Tensor, custom: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
+    def _touch(self, rows: torch.Tensor, custom: torch.Tensor | None = None,
+               counts: torch.Tensor | None = None) -> None:
         # A score change is a change: incremental checkpoints must carry it for eviction order to resume exactly.
         filled = fill_score(self.policy, clock=self.access_clock, epoch=self.epoch)
         if filled is not None:  # both stamps, deferred or in one pass (they share a cache line, RowStore)
             if not self._defer_stamps(rows, filled, self.clock):
                 fill_pair(self.scores, self._cols["version"], rows, filled, self.clock)
             return
-        touch_scores(self.policy, self.scores, rows, clock=self.access_clock, epoch=self.epoch, custom=custom, counts=counts,
-                     half_life=self.half_life)
+        touch_scores(self.policy, self.scores, rows, clock=self.access_clock, epoch=self.epoch, custom=custom,
+                     counts=counts, half_life=self.half_life)
         self.mark_updated(rows)

@@ -6,6 +6,7 @@ import shutil
 import threading
 import time
 
+import pytest
 import httpx
 import numpy as np
 import pyarrow.parquet as pq
@@ -31,6 +32,7 @@ def infer_body(run, prep) -> dict:
     return {"inputs": inputs + [{"name": c, "datatype": "FP32", "shape": [ROWS], "data": rows[c]} for c in prep.dense]}
 
 
+@pytest.mark.slow
 def test_three_deltas_published_during_traffic_are_served_in_order_without_mixed_or_failed_responses(run, tmp_path):
     out = tmp_path / "run"
     spec = RunSpec(out=str(out), data=str(run / "train.parquet"), label="click", categorical=("user", "item"),

@@ -1,7 +1,6 @@
 """``dynemb serve --watch``: new export versions (full, then deltas) applied in order; the served model then scores
 like the updated training model."""
 
-import pyarrow.parquet as pq
 import torch
 
 from dynemb.checkpoint import export_for_serving
