@@ -26,7 +26,7 @@ from .collection import EmbeddingCollection
 from .data.batch import Batch
 from .data.metrics import held_out_auc
 from .models import DLRM, dlrm_tables
-from .table.checks import check_int
+from .checks import check_int
 
 __all__ = ["TrainConfig", "Trainer", "History", "SPARSE_OPTIMIZERS", "DEFAULT_PATIENCE", "build_dlrm"]
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..distributed.plan import ShardingKind
-from ..table.checks import VALUE_DTYPES, check_dtype
+from ..checks import VALUE_DTYPES, check_dtype
 from ..table.initializers import resolve_initializer
 from . import lineage
 from .dense import dense_state

@@ -15,7 +15,7 @@ from ..collection.plan import TableShard
 from ..distributed.plan import ShardingKind
 
 from .._version import __version__
-from ..table.checks import check_positive_int
+from ..checks import check_positive_int
 from . import lineage
 from .codec import encode
 from .dense import dense_state

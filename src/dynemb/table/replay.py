@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .checks import check_int
+from ..checks import check_int
 from .kv import KeyValueTable
 from .policy import EvictionPolicy
 
