@@ -12,7 +12,7 @@
 Each command is printed before it runs, as a user would type it. The report directory gets ``summary.json``,
 ``summary.md`` and plots: ``run/loss_auc.png``, ``tables.png`` (rows held by step), ``cache_hit_rate.png`` and
 ``eviction_hit_rate.png``: the hit rate of each eviction policy and of Belady's optimum at 10% and 30% capacity on a
-drifting id trace (:func:`dynemb.table.replay.compare`), which is how the default policy was chosen.
+drifting id trace (:func:`dynemb.data.replay.compare`), which is how the default policy was chosen.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .data.traces import DriftingTrace
 from .data.writers import write_synthetic
 from .serving.bench import summary_table
 from .table.policy import DEFAULT_BOUNDED
-from .table.replay import compare, summarize, unique_accesses
+from .data.replay import compare, summarize, unique_accesses
 
 __all__ = ["run_demo", "plot_policies", "DEMO_LOG", "TRAIN_BATCHES", "EVAL_BATCHES"]
 
@@ -208,7 +208,7 @@ def _plots(out: Path, serving: dict, policies: list[dict]) -> None:
 
 
 def plot_policies(plt, rows: list[dict], path: Path) -> None:
-    """Grouped bars of :func:`~dynemb.table.replay.compare` rows: hit rate of each policy and of Belady's optimum
+    """Grouped bars of :func:`~dynemb.data.replay.compare` rows: hit rate of each policy and of Belady's optimum
     at each capacity, one panel per ``trace`` (when the rows name traces); the default policy is marked."""
     traces = list(dict.fromkeys(r.get("trace", "") for r in rows))
     names = list(dict.fromkeys(r["policy"] for r in rows))

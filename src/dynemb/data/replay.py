@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ..checks import check_int
-from .kv import KeyValueTable
-from .policy import EvictionPolicy
+from ..table.kv import KeyValueTable
+from ..table.policy import EvictionPolicy
 
 __all__ = ["replay", "belady", "unique_accesses", "compare", "policies", "summarize"]
 
