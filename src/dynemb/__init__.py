@@ -2,7 +2,8 @@
 
 from . import checkpoint, functional, optim, table
 from ._version import __version__
-from .collection import Bags, EmbeddingCollection, FeatureConfig, TableConfig
+from .collection import (All2AllDenseEmbedding, Bags, DistributedEmbeddingCollection, EmbeddingCollection,
+                         FeatureConfig, TableConfig)
 from .embedding import DynamicEmbedding, StaticEmbedding
 from .optim import OptimizerWrapper
 from .table import EvictionPolicy, KeyValueTable
@@ -11,6 +12,8 @@ __all__ = [
     "DynamicEmbedding",
     "StaticEmbedding",
     "EmbeddingCollection",
+    "DistributedEmbeddingCollection",
+    "All2AllDenseEmbedding",
     "TableConfig",
     "FeatureConfig",
     "Bags",

@@ -5,9 +5,8 @@ import numpy as np
 import torch
 
 import dynemb
-from dynemb import FeatureConfig, TableConfig
+from dynemb import DistributedEmbeddingCollection, FeatureConfig, TableConfig
 from dynemb.checkpoint import load, save
-from dynemb.distributed import DistributedEmbeddingCollection
 from dynemb.distributed.comm import all_gather_varsize
 
 from distributed.harness import run
