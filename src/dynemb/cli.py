@@ -375,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the full result as one JSON line instead of a "
                        "table")
 
-    from .serving.endpoint.command import add_serve_args, cmd_serve
+    from .endpoint.command import add_serve_args, cmd_serve
 
     add_serve_args(command("serve", "serve a run over HTTP (Open Inference Protocol / KServe v2)", cmd_serve))
 
