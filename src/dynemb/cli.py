@@ -230,7 +230,7 @@ def cmd_serve_bench(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(seconds=args.seconds, out_dir=args.out, threads=args.threads)
+    run_demo(seconds=args.seconds, out_dir=args.out, threads=args.threads, command=main)
     return 0
 
 
