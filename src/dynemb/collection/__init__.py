@@ -20,5 +20,5 @@ from .features import Bags, Jagged, PreparedFeature
 from .plan import ExecutionPlan, TableShard
 from .sok import All2AllDenseEmbedding
 
-__all__ = ["EmbeddingCollection", "TableConfig", "FeatureConfig", "split_max_bytes", "Bags", "Jagged", "PreparedFeature", "ExecutionPlan",
-           "TableShard", "DistributedEmbeddingCollection", "All2AllDenseEmbedding"]
+__all__ = ["EmbeddingCollection", "DistributedEmbeddingCollection", "All2AllDenseEmbedding", "TableConfig",
+           "FeatureConfig", "split_max_bytes", "Bags", "Jagged", "PreparedFeature", "ExecutionPlan", "TableShard"]
