@@ -4,7 +4,7 @@ CUDA), the sharding specs, and the launcher of local worker processes.
 ======================  ============================================================================
 module                  job
 ======================  ============================================================================
-``comm``                all-to-all and all-gather of tensors and config agreement, with a timeout
+``comm``                all-to-all, all-gather and config agreement; a failed collective raises DistributedError
 ``plan``                Sharding, ShardingKind, auto_plan: which tables are row-, table- or data-sharded
 ``launch``              start N local processes on a free port (tests, examples, benchmarks)
 ======================  ============================================================================
