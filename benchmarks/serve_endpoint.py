@@ -55,11 +55,11 @@ from redis_process import RedisServer  # noqa: E402
 from dynemb.checkpoint.export_format import read_export  # noqa: E402
 from dynemb.distributed.launch import free_port  # noqa: E402
 from dynemb.job import RunSpec, read_card, train_run  # noqa: E402
-from dynemb.serving.endpoint import ServedModel, build_app, running  # noqa: E402
-from dynemb.serving.endpoint.command import WATCH_INTERVAL_S  # noqa: E402
-from dynemb.serving.endpoint.protocol import decode_request  # noqa: E402
-from dynemb.serving.endpoint.wire import parse_body  # noqa: E402
-from dynemb.serving.endpoint.watch import ExportWatcher  # noqa: E402
+from dynemb.endpoint import ServedModel, build_app, running  # noqa: E402
+from dynemb.endpoint.command import WATCH_INTERVAL_S  # noqa: E402
+from dynemb.endpoint.protocol import decode_request  # noqa: E402
+from dynemb.endpoint.wire import parse_body  # noqa: E402
+from dynemb.endpoint.watch import ExportWatcher  # noqa: E402
 from dynemb.train import TrainConfig  # noqa: E402
 
 CLIENTS, UPDATES, UPDATE_CLIENTS = (1, 4, 16), 20, 4

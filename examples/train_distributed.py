@@ -16,8 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import dynemb
-from dynemb import FeatureConfig, TableConfig
-from dynemb.distributed import DistributedEmbeddingCollection
+from dynemb import DistributedEmbeddingCollection, FeatureConfig, TableConfig
 
 FEATURES = ["user", "item", "category"]
 

@@ -231,7 +231,7 @@ def cmd_serve_bench(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(seconds=args.seconds, out_dir=args.out, threads=args.threads)
+    run_demo(seconds=args.seconds, out_dir=args.out, threads=args.threads, command=main)
     return 0
 
 
@@ -379,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the full result as one JSON line instead of a "
                        "table")
 
-    from .serving.endpoint.command import add_serve_args, cmd_serve
+    from .endpoint.command import add_serve_args, cmd_serve
 
     add_serve_args(command("serve", "serve a run over HTTP (Open Inference Protocol / KServe v2)", cmd_serve))
 

@@ -9,7 +9,7 @@ from .functional.ops import register_table
 from .table import EvictionPolicy, KeyValueTable, Rows, TieredTable, Tiers
 from .table.admission import FrequencyAdmission
 from .table.static import StaticTable
-from .table.checks import VALUE_DTYPES, check_keys, check_rows_like, fit_keys, resolve_device
+from .checks import VALUE_DTYPES, check_keys, check_rows_like, fit_keys, resolve_device
 from .table.initializers import InitializerSpec
 from .table import EvictHook
 
@@ -122,7 +122,7 @@ class DynamicEmbedding(_TableModule):
 
     Shape:
         ``forward(ids)``: ids of any shape ``S`` -> ``S + (D,)``. Ids may be int32 or int64 whatever the
-        ``key_dtype``: int64 ids of an int32 table are cast when they fit (see :func:`dynemb.table.checks.fit_keys`;
+        ``key_dtype``: int64 ids of an int32 table are cast when they fit (see :func:`dynemb.checks.fit_keys`;
         on CPU one that does not is a ``ValueError`` before the table changes).
 
     Example:

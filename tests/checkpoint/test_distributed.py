@@ -6,9 +6,8 @@ import pytest
 import torch
 
 import dynemb
-from dynemb import FeatureConfig, TableConfig
+from dynemb import DistributedEmbeddingCollection, FeatureConfig, TableConfig
 from dynemb.checkpoint import load, save
-from dynemb.distributed import DistributedEmbeddingCollection
 from dynemb.distributed.comm import all_gather_varsize
 
 from distributed.harness import run

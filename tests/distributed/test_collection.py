@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import dynemb
-from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
-from dynemb.distributed import All2AllDenseEmbedding, DistributedEmbeddingCollection, DistributedError
+from dynemb import (All2AllDenseEmbedding, DistributedEmbeddingCollection, EmbeddingCollection, FeatureConfig,
+                    TableConfig)
+from dynemb.distributed import DistributedError
 
 from .harness import run
 

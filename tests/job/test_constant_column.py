@@ -17,7 +17,7 @@ from dynemb.checkpoint import read_chain, read_export
 from dynemb.cli import main
 from dynemb.data import FileReader, hash_strings
 from dynemb.job import read_card
-from dynemb.serving.endpoint import ServedModel
+from dynemb.endpoint import ServedModel
 
 ROWS = 300
 TINY = ["--batch-size", "64", "--dim", "4", "--eval-batches", "1", "--no-progress"]

@@ -8,7 +8,7 @@ from dynemb.checkpoint.fsutil import read_pointer
 from dynemb.checkpoint.export_format import read_chain, read_dense
 from dynemb.cli import main
 from dynemb.data import FileReader
-from dynemb.serving.endpoint import ServedModel
+from dynemb.endpoint import ServedModel
 
 from .test_fit import SMALL, random_labels
 

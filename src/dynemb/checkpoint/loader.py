@@ -14,6 +14,7 @@ from ..optim.combined import CombinedOptimizer
 from ..table import TieredTable
 from . import lineage
 from .codec import read_state
+from .columns import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, check_shard
 from .dense import check_dense
 from .errors import CheckpointError
 from .manifest import MANIFEST, chain, file_record, resolve
@@ -21,8 +22,7 @@ from .progress import logger, transfer
 from .ranks import RankContext, merge_states, rank_context
 from .saver import STREAM
 from .stream import StreamedShard, stream_into, verify_sources
-from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, apply_delta, check_shard, find_tables, restore, \
-    table_config, table_rows
+from .tables import apply_delta, find_tables, restore, table_config, table_rows
 from .tensorfile import read_tensors
 
 __all__ = ["load"]

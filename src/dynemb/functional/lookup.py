@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..table import KeyValueTable
-from ..table.checks import check_keys
+from ..checks import check_keys
 from ..table.ops import all_nonnegative
 from ..table.static import StaticTable
 from ..kernels.dispatch import Backend, pool_kernels, resolve_backend

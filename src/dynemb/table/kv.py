@@ -17,7 +17,7 @@ from ..kernels.dispatch import Backend
 from . import budget
 from . import fused
 from .admission import FrequencyAdmission
-from .checks import (
+from ..checks import (
     KEY_DTYPES,
     VALUE_DTYPES,
     check_dtype,

@@ -21,7 +21,7 @@ from dynemb.cli import main
 
 from test_command import SRC, free_port, wait_ready
 
-DOC = Path(__file__).resolve().parents[3] / "docs" / "serving.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 @contextlib.contextmanager

@@ -17,8 +17,8 @@ from dynemb.checkpoint.fsutil import write_pointer
 from dynemb.cli import main
 from dynemb.data import FileReader
 from dynemb.job import RunSpec, read_card, train_run
-from dynemb.serving.endpoint import ServedModel, build_app, running
-from dynemb.serving.endpoint.watch import ExportWatcher
+from dynemb.endpoint import ServedModel, build_app, running
+from dynemb.endpoint.watch import ExportWatcher
 from dynemb.serving.ps import ParameterServer
 from dynemb.train import TrainConfig
 

@@ -34,9 +34,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from ...data.batch import Batch
-from ...data.columns import categorical_ids, dense_values, multi_hot_ids
-from ...data.preprocess import Preprocessing
+from ..data.batch import Batch
+from ..data.columns import categorical_ids, dense_values, multi_hot_ids
+from ..data.preprocess import Preprocessing
 from .wire import RequestError
 
 __all__ = ["LENGTHS", "OUTPUT", "model_metadata", "decode_request", "encode_response"]

@@ -18,9 +18,9 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .checks import check_int
-from .kv import KeyValueTable
-from .policy import EvictionPolicy
+from ..checks import check_int
+from ..table.kv import KeyValueTable
+from ..table.policy import EvictionPolicy
 
 __all__ = ["replay", "belady", "unique_accesses", "compare", "policies", "summarize"]
 

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 from dynemb.distributed.launch import free_port
 
-SRC = str(Path(__file__).resolve().parents[3] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 120.0, token: str | None = "t0k") -> None:

@@ -28,7 +28,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"dynemb serve needs starlette and uvicorn: pip install 'dynemb[serving]' ({exc})") from exc
 
-from ...data.batch import Batch, concat_batches
+from ..data.batch import Batch, concat_batches
 from .model import ServedModel
 from .protocol import decode_request, encode_response, model_metadata
 from .wire import RequestError, dumps_json, parse_body
