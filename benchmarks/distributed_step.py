@@ -29,8 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import machine_info, parser, print_table, write_json  # noqa: E402
 
 import dynemb  # noqa: E402
-from dynemb import FeatureConfig, TableConfig  # noqa: E402
-from dynemb.distributed import DistributedEmbeddingCollection  # noqa: E402
+from dynemb import DistributedEmbeddingCollection, FeatureConfig, TableConfig  # noqa: E402
 from dynemb.distributed.launch import spawn  # noqa: E402
 
 TABLES, DIM, POOL, VOCAB, ALPHA = 4, 64, 10, 1_000_000, 1.05

@@ -1,6 +1,6 @@
 """Eviction: what a bounded table keeps, per policy: hit rate on drifting traces against Belady, and model AUC.
 
-Hit rate (``dynemb.table.replay``). Each trace is a :class:`dynemb.data.traces.DriftingTrace`: a power law
+Hit rate (``dynemb.data.replay``). Each trace is a :class:`dynemb.data.traces.DriftingTrace`: a power law
 (alpha 1.05) over ``--slots`` popularity slots whose ids are replaced by new ids after a lifetime (log-uniform in
 ``[L/4, 4L]`` batches; 10% of the slots never turn over). Four drift speeds: ``L`` = 20, 100 and 1000 batches,
 and no drift. Each batch's distinct ids go through ``find_or_insert`` of a real ``KeyValueTable`` with
@@ -39,7 +39,7 @@ from dynemb.data.traces import DriftingTrace  # noqa: E402
 from dynemb.demo import plot_policies  # noqa: E402
 from dynemb.table.hashing import mix64  # noqa: E402
 from dynemb.table.policy import DEFAULT_BOUNDED, EvictionPolicy, touch_scores  # noqa: E402
-from dynemb.table.replay import compare, policies, summarize, unique_accesses  # noqa: E402
+from dynemb.data.replay import compare, policies, summarize, unique_accesses  # noqa: E402
 from dynemb.train import Trainer, TrainConfig, build_dlrm  # noqa: E402
 
 LIFETIMES = {"fast drift (L=20)": 20.0, "drift (L=100)": 100.0, "slow drift (L=1000)": 1000.0, "no drift": 1e12}
@@ -71,8 +71,8 @@ def touch_cost(args) -> list[dict]:
         index = torch.randperm(1 << 20, generator=g)[:n]
         counts = torch.randint(1, 4, (n,), generator=g)
         tick = iter(range(1, 1 << 30))
-        cases = {p: (lambda p=p: touch_scores(EvictionPolicy(p), scores[p], index, clock=next(tick), epoch=0,
-                                              counts=counts)) for p in scores}
+        cases = {p: (lambda p=p, scores=scores, index=index, tick=tick, counts=counts: touch_scores(
+            EvictionPolicy(p), scores[p], index, clock=next(tick), epoch=0, counts=counts)) for p in scores}
         times = median_times(cases, repeat=args.repeat or (5 if args.quick else 30), warmup=2)
         rows.append({"rows": n, **{f"{p}_ms": round(t * 1e3, 3) for p, t in times.items()},
                      "decayed_vs_lfu": round(times["decayed_lfu"] / times["lfu"], 1)})

@@ -83,7 +83,8 @@ def index_ops(backends: list[str], n: int, batch: int, dim: int, repeat: int, de
             cases["find+gather"] = lambda table=table, idx=idx: triton_index.find_gather(*table, query, idx._shift,
                                                                                          values)
             cases["find_or_insert"] = Case(  # new keys, one launch, no host sync; erased again untimed
-                lambda table=table, idx=idx: triton_index.find_or_insert(*table, new, idx._shift, counter),
+                lambda table=table, idx=idx, counter=counter: triton_index.find_or_insert(*table, new, idx._shift,
+                                                                                          counter),
                 teardown=lambda table=table, idx=idx: triton_index.erase(*table, new, idx._shift))
         with use_backend(backend):
             t = median_times(cases, repeat=repeat, clock=_clock(device))

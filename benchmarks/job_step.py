@@ -136,7 +136,7 @@ def same_process_trees(args, sizes: list[int], steps: int, rounds: int) -> list[
     for size in sizes:
         n = max(2, steps * 512 // size)
 
-        def stepper(lib):
+        def stepper(lib, size=size, n=n):
             trainer, made = _job(lib, size, max(n, 4))
             return lambda r: [trainer.train_step(made[(r * n + i) % len(made)]) for i in range(n)]
 

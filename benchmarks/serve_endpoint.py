@@ -1,20 +1,19 @@
 """The ``dynemb serve`` endpoint: latency under closed-loop load, freshness of published versions, updates under load.
 
-Model: a DLRM trained by ``dynemb train`` on synthetic click logs (26 categorical columns, 13 dense, dim 16), or
-the run given with ``--model``. Its tables are served by the parameter server (20% of each table's rows cached)
-with the in-process memory store or a real ``redis-server`` on a free loopback port, by a ``dynemb serve`` process
-on 127.0.0.1 (as deployed: its own process and GIL). Clients are threads, each with its own keep-alive ``geventhttpclient``
-connection (the HTTP client under ``tritonclient.http``),
-sending infer requests of ``--rows`` rows (default 256: INT64 ids drawn from the ids training saw, 5% unseen; FP32
-dense values) one after another: JSON bodies, and (``binary``) the KServe binary tensor extension tritonclient
-uses. Bodies are encoded beforehand; a client sends one and parses the JSON reply. Latency is per request, send to
-parsed reply; req/s is requests over the wall time of the timed phase, after warm-up requests. ``inproc_p50_ms`` is
-``ServedModel.predict`` on the same (already decoded) batches in this thread; ``added_p50_ms`` (1 client) the
-median of (request latency - in-process call) over pairs timed back to back, one pair per body, so that a busy
-machine slows both alike; ``added_cpu_ms`` the same in CPU time (the client's CPU per request plus the server
-process's, against the in-process call's: what the endpoint costs, unaffected by time spent descheduled).
-``requests_per_forward`` comes from the server's statistics route (``execution_count``). The freshness run below
-serves from a uvicorn thread of this process, to compare each reply with the training model's own predictions.
+Model: a DLRM trained by ``dynemb train`` on synthetic click logs (26 categorical columns, 13 dense, dim 16), or the run
+given with ``--model``. Its tables are served by the parameter server (20% of each table's rows cached) with the
+in-process memory store or a real ``redis-server`` on a free loopback port, by a ``dynemb serve`` process on 127.0.0.1
+(as deployed: its own process and GIL). Clients are threads, each with its own keep-alive ``geventhttpclient``
+connection (the HTTP client under ``tritonclient.http``), sending infer requests of ``--rows`` rows (default 256: INT64
+ids drawn from the ids training saw, 5% unseen; FP32 dense values) one after another: JSON bodies, and (``binary``) the
+KServe binary tensor extension tritonclient uses. Bodies are encoded beforehand; a client sends one and parses the JSON
+reply. Latency is per request, send to parsed reply; req/s is requests over the wall time of the timed phase, after
+warm-up requests. ``inproc_p50_ms`` is ``ServedModel.predict`` on the same (already decoded) batches in this thread;
+``added_p50_ms`` (1 client) the median of (request latency - in-process call) over pairs timed back to back, one pair
+per body, so that a busy machine slows both alike; ``added_cpu_ms`` the same in CPU time (the client's CPU per request
+plus the server process's, against the in-process call's: what the endpoint costs, unaffected by time spent
+descheduled). ``requests_per_forward`` comes from the server's statistics route (``execution_count``). The freshness run
+below serves from a uvicorn thread of this process, to compare each reply with the training model's own predictions.
 
 Freshness and updates under load: a second run trains while it publishes (``--publish-every 2``: a full export,
 then 20 deltas) into the export a server follows with ``--watch`` at its default interval, while 4 clients send
@@ -56,11 +55,11 @@ from redis_process import RedisServer  # noqa: E402
 from dynemb.checkpoint.export_format import read_export  # noqa: E402
 from dynemb.distributed.launch import free_port  # noqa: E402
 from dynemb.job import RunSpec, read_card, train_run  # noqa: E402
-from dynemb.serving.endpoint import ServedModel, build_app, running  # noqa: E402
-from dynemb.serving.endpoint.command import WATCH_INTERVAL_S  # noqa: E402
-from dynemb.serving.endpoint.protocol import decode_request  # noqa: E402
-from dynemb.serving.endpoint.wire import parse_body  # noqa: E402
-from dynemb.serving.endpoint.watch import ExportWatcher  # noqa: E402
+from dynemb.endpoint import ServedModel, build_app, running  # noqa: E402
+from dynemb.endpoint.command import WATCH_INTERVAL_S  # noqa: E402
+from dynemb.endpoint.protocol import decode_request  # noqa: E402
+from dynemb.endpoint.wire import parse_body  # noqa: E402
+from dynemb.endpoint.watch import ExportWatcher  # noqa: E402
 from dynemb.train import TrainConfig  # noqa: E402
 
 CLIENTS, UPDATES, UPDATE_CLIENTS = (1, 4, 16), 20, 4
@@ -289,7 +288,8 @@ def latency_rows(run: Path, tier: str, volatile: dict, rows: int, total: int) ->
                 for clients in CLIENTS:
                     before = forward_passes(url)
                     r = load(url, bodies, clients, max(1, total // clients), 10, encoding == "binary")
-                    r["requests_per_forward"] = round((r["requests"] + 10 * clients) / (forward_passes(url) - before), 2)
+                    passes = forward_passes(url) - before
+                    r["requests_per_forward"] = round((r["requests"] + 10 * clients) / passes, 2)
                     if clients == 1:
                         with one_cpu(pid):
                             r.update(paired(url, pid, model, bodies, total, encoding == "binary"))

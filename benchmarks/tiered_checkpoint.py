@@ -19,6 +19,7 @@ Run: ``.venv/bin/python benchmarks/tiered_checkpoint.py [--quick] [--json PATH]`
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -83,7 +84,7 @@ def child(impl: str, rows: int, where: str) -> dict:
         for start in range(0, n, 20_000):
             keys = torch.arange(start, min(n, start + 20_000)) * 7 - n
             emb.table.insert_or_assign(keys, torch.randn(keys.numel(), DIM))
-        saving = measured(lambda: save(f"{where}/ckpt-{tag}", emb, step=1))
+        saving = measured(functools.partial(save, f"{where}/ckpt-{tag}", emb, step=1))
         del emb
         fresh = table(n, tag + "-loaded")
         loading = measured(lambda: load(f"{where}/ckpt-{tag}", fresh))

@@ -24,7 +24,8 @@ Ratios are of CPU-time steps/s within one measurement, two ways: of the medians 
 ``ratio_vs_torch_bag``), and ``paired``: the median of each round's own ratio, which holds steady when the machine's
 load drifts between rounds. A target is met when both reach it. Beside each contestant's speed: the share of its
 process's memory on transparent huge pages (read after its trainer is built), the share of its CPU time spent in
-the kernel and its minor page faults a step, which tell a contestant that runs slow for its own reasons from a slow machine.
+the kernel and its minor page faults a step, which tell a contestant that runs slow for its own reasons from a slow
+machine.
 
 ``--sessions K`` repeats the whole measurement K times, each with fresh contestant processes, and reports the
 median over sessions of each number (each session's own numbers are kept in the JSON). On a shared virtual machine

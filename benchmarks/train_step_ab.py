@@ -39,7 +39,7 @@ def _worker(contestant: str, opt: str, dist: str, quick: bool, steps: int, threa
     import torch
 
     sys.path.insert(0, HERE)
-    from train_step_impls import CONTESTANTS, alternated_steps, make_batches
+    from train_step_impls import CONTESTANTS, make_batches
 
     torch.set_num_threads(threads)
     w = _workload(quick, *[v or None for v in shape])
@@ -49,7 +49,7 @@ def _worker(contestant: str, opt: str, dist: str, quick: bool, steps: int, threa
     for b in batches[:2]:  # warm-up (numba compiles, first-touch page faults)
         trainer.step(b)
     print("ready", flush=True)
-    for i, line in enumerate(sys.stdin):
+    for i, _ in enumerate(sys.stdin):  # one line a step
         t = time.process_time()
         trainer.step(batches[2 + i % steps])
         print(time.process_time() - t, flush=True)

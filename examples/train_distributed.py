@@ -16,8 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import dynemb
-from dynemb import FeatureConfig, TableConfig
-from dynemb.distributed import DistributedEmbeddingCollection
+from dynemb import DistributedEmbeddingCollection, FeatureConfig, TableConfig
 
 FEATURES = ["user", "item", "category"]
 
@@ -39,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     backend = "nccl" if args.cuda else "gloo"
     dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.cuda else torch.device("cpu")
     if args.cuda:
         torch.cuda.set_device(device)

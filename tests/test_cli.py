@@ -74,6 +74,7 @@ def _restore_threads():
 
 
 # ---------------------------------------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_parquet_with_string_ids_trains_resumes_and_exports(tmp_path):
     table = clicks("string")
     pq.write_table(table, tmp_path / "clicks.parquet")
@@ -95,6 +96,7 @@ def test_parquet_with_string_ids_trains_resumes_and_exports(tmp_path):
     assert set(hash_strings(trained).tolist()) <= exported_keys(out, "user") <= set(hash_strings(users).tolist())
 
 
+@pytest.mark.slow
 def test_csv_with_int64_ids_trains_on_the_training_rows_only(tmp_path):
     table = clicks("int")
     pcsv.write_csv(table, tmp_path / "clicks.csv")
@@ -169,6 +171,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, capsys, error, fmt):
     assert str(info.value) == lines[0].removeprefix("dynemb train: error: ")
 
 
+@pytest.mark.slow
 def test_process_exit_status_and_traceback_only_with_debug(tmp_path):
     path = _bad_file(tmp_path, "parquet")
     quiet, debug = (subprocess.Popen([sys.executable, "-m", "dynemb", *train_args(str(path)), *flag],
@@ -197,6 +200,7 @@ def test_dynemb_numba_0_selects_the_torch_kernels(monkeypatch, value, expected):
 
 
 # ---------------------------------------------------------------------------------------------- hygiene
+@pytest.mark.slow
 def test_piped_output_stays_short(tmp_path):
     """Not a terminal: no progress bar, a progress line every --log-every seconds, the JSON summary last."""
     pq.write_table(clicks("string"), tmp_path / "clicks.parquet")
@@ -277,6 +281,7 @@ def test_synthetic_training_for_smoke_runs(tmp_path, capsys):
     assert (tmp_path / "run" / "model.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_missing_optional_package_names_its_extra(tmp_path):
     """Without the ``data`` extra, ``dynemb train`` on a file says which package is missing and what to install, in
     one line; a missing part of an installed package keeps its own message (a fresh interpreter in which that
@@ -295,7 +300,8 @@ def test_a_missing_optional_package_names_its_extra(tmp_path):
     assert run("pyarrow") == ("dynemb train: error: needs the Python package 'pyarrow', which is not installed: "
                               "pip install 'dynemb[data]'")
     partial = run("pyarrow._parquet")  # pyarrow's own message: "not built with support for the Parquet ..."
-    assert partial.startswith("dynemb train: error: ") and "pyarrow._parquet" in partial and "pip install" not in partial
+    assert partial.startswith("dynemb train: error: ") and "pyarrow._parquet" in partial
+    assert "pip install" not in partial
 
 
 def test_the_extras_named_in_errors_are_the_ones_in_pyproject():
@@ -306,7 +312,8 @@ def test_the_extras_named_in_errors_are_the_ones_in_pyproject():
 
     from dynemb.cli import _EXTRAS
 
-    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
     distribution = {"simdjson": "pysimdjson"}  # import name -> the distribution that provides it
     for package, extra in _EXTRAS.items():
         names = {Requirement(r).name for r in extras[extra]}

@@ -1,10 +1,14 @@
 """`dynemb demo` (what `make demo` runs), shortened: the same commands on a small training file."""
 
+import pytest
+
+from dynemb.cli import main
 from dynemb.demo import run_demo
 
 
+@pytest.mark.slow
 def test_demo_runs_train_eval_predict_export_and_serve_bench(tmp_path, capsys):
-    summary = run_demo(seconds=2.0, out_dir=tmp_path / "report", train_batches=2)
+    summary = run_demo(seconds=2.0, out_dir=tmp_path / "report", train_batches=2, command=main)
     out = capsys.readouterr().out
     for command in ("$ dynemb train --data", "$ dynemb eval --model", "$ dynemb predict --model",
                     "$ dynemb export --model", "$ dynemb serve-bench --export"):

@@ -124,7 +124,7 @@ def test_int64_ids_that_do_not_fit_an_int32_table_are_named_and_change_nothing(b
 
 def test_int64_ids_that_do_not_fit_fail_without_a_sync_where_unchecked():
     """Where the check would sync (CUDA), a device-side assert says it instead; on CPU it fires at once."""
-    from dynemb.table.checks import fit_keys
+    from dynemb.checks import fit_keys
 
     keys = torch.tensor([1, 2**31])
     with pytest.raises(RuntimeError, match="ids are torch.int64 .* but one of them does not"):

@@ -63,6 +63,7 @@ _batch = st.lists(st.one_of(st.integers(0, 40), st.sampled_from(_EXTREMES)), min
 @pytest.mark.parametrize("table", sorted(_TABLES))
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batches=st.lists(_batch, min_size=1, max_size=4), data=st.data())
+@pytest.mark.slow
 def test_grouping_by_row_gives_the_bits_of_grouping_by_key(probe_path, optimizer, table, batches, data):
     prepared = []
     for ids in batches:

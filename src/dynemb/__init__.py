@@ -1,17 +1,19 @@
 """dynemb: dynamic, sharded, trainable embedding tables for PyTorch recommenders."""
 
 from . import checkpoint, functional, optim, table
-from .collection import Bags, EmbeddingCollection, FeatureConfig, TableConfig
+from ._version import __version__
+from .collection import (All2AllDenseEmbedding, Bags, DistributedEmbeddingCollection, EmbeddingCollection,
+                         FeatureConfig, TableConfig)
 from .embedding import DynamicEmbedding, StaticEmbedding
 from .optim import OptimizerWrapper
 from .table import EvictionPolicy, KeyValueTable
-
-__version__ = "0.1.0"
 
 __all__ = [
     "DynamicEmbedding",
     "StaticEmbedding",
     "EmbeddingCollection",
+    "DistributedEmbeddingCollection",
+    "All2AllDenseEmbedding",
     "TableConfig",
     "FeatureConfig",
     "Bags",

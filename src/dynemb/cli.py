@@ -102,8 +102,9 @@ def cmd_train(args) -> int:
     args.out = args.out or str(_timestamped(Path("runs")))  # main's resume hint names it
     spec = RunSpec(out=args.out, data=args.data, eval_data=args.eval_data, format=args.format, label=args.label,
                    categorical=_csv(args.categorical), multi_hot=_csv(args.multi_hot), dense=_csv(args.dense),
-                   positive_label=args.positive_label, list_separator=args.list_separator, eval_fraction=args.eval_fraction or 0.05, seed=args.seed,
-                   epochs=epochs, batch_size=args.batch_size, shuffle_buffer=args.shuffle_buffer,
+                   positive_label=args.positive_label, list_separator=args.list_separator,
+                   eval_fraction=args.eval_fraction or 0.05, seed=args.seed, epochs=epochs,
+                   batch_size=args.batch_size, shuffle_buffer=args.shuffle_buffer,
                    eval_batches=args.eval_batches, device=args.device, resume=args.resume,
                    publish_every=args.publish_every, publish_dir=args.publish_dir)
     cfg = TrainConfig(steps=steps, seconds=args.seconds, dim=args.dim, optimizer=args.optimizer, lr=args.lr,
@@ -230,7 +231,7 @@ def cmd_serve_bench(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(seconds=args.seconds, out_dir=args.out, threads=args.threads)
+    run_demo(seconds=args.seconds, out_dir=args.out, threads=args.threads, command=main)
     return 0
 
 
@@ -268,11 +269,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                      "metrics.jsonl, loss_auc.png (default: runs/<UTC timestamp>)")
     stop = run.add_mutually_exclusive_group()
     stop.add_argument("--epochs", type=int, metavar="N", help="passes over the training rows, fewer when early "
-                      "stopping ends the run (default: up to 20, within 20000 steps; one pass of a data set over 1M rows; 500 "
-                      "steps of synthetic data)")
+                      "stopping ends the run (default: up to 20, within 20000 steps; one pass of a data set over 1M "
+                      "rows; 500 steps of synthetic data)")
     stop.add_argument("--steps", type=int, metavar="N", help="stop after N steps, over as many epochs as needed "
                       "(default: see --epochs)")
-    stop.add_argument("--seconds", type=float, metavar="S", help="stop after S seconds of training (default: no time limit)")
+    stop.add_argument("--seconds", type=float, metavar="S", help="stop after S seconds of training (default: no time "
+                      "limit)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint "
                      "(from step 0 when it has none: a run stopped before its first save)")
     run.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also checkpoint every N steps "
@@ -291,7 +293,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                      "--model RUN_DIR --watch`; each is the model being trained at that step, not the best so far "
                      "(0: none)")
     run.add_argument("--publish-dir", metavar="EXPORT_DIR", help="where --publish-every writes (default: "
-                     "RUN_DIR/export, what `dynemb serve --model RUN_DIR --watch` follows; elsewhere, serve it with --export)")
+                     "RUN_DIR/export, what `dynemb serve --model RUN_DIR --watch` follows; elsewhere, serve it with "
+                     "--export)")
     run.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     run.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     run.add_argument("--log-every", type=float, default=10.0, metavar="S", help="without a terminal: seconds "
@@ -306,7 +309,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                        "0.05)")
     model.add_argument("--max-capacity", type=int, metavar="ROWS", help="rows per table; evicts beyond it "
                        "(default: unbounded)")
-    model.add_argument("--eviction", choices=EVICTIONS, help="eviction policy; needs --max-capacity (default: decayed_lfu)")
+    model.add_argument("--eviction", choices=EVICTIONS, help="eviction policy; needs --max-capacity (default: "
+                       "decayed_lfu)")
     model.add_argument("--admission", type=int, metavar="N", help="store an id from its N-th sighting (default: "
                        "at once)")
 
@@ -375,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the full result as one JSON line instead of a "
                        "table")
 
-    from .serving.endpoint.command import add_serve_args, cmd_serve
+    from .endpoint.command import add_serve_args, cmd_serve
 
     add_serve_args(command("serve", "serve a run over HTTP (Open Inference Protocol / KServe v2)", cmd_serve))
 

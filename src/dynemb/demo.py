@@ -12,7 +12,7 @@
 Each command is printed before it runs, as a user would type it. The report directory gets ``summary.json``,
 ``summary.md`` and plots: ``run/loss_auc.png``, ``tables.png`` (rows held by step), ``cache_hit_rate.png`` and
 ``eviction_hit_rate.png``: the hit rate of each eviction policy and of Belady's optimum at 10% and 30% capacity on a
-drifting id trace (:func:`dynemb.table.replay.compare`), which is how the default policy was chosen.
+drifting id trace (:func:`dynemb.data.replay.compare`), which is how the default policy was chosen.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -31,7 +32,7 @@ from .data.traces import DriftingTrace
 from .data.writers import write_synthetic
 from .serving.bench import summary_table
 from .table.policy import DEFAULT_BOUNDED
-from .table.replay import compare, summarize, unique_accesses
+from .data.replay import compare, summarize, unique_accesses
 
 __all__ = ["run_demo", "plot_policies", "DEMO_LOG", "TRAIN_BATCHES", "EVAL_BATCHES"]
 
@@ -47,8 +48,12 @@ EVICTION_TRACE = DriftingTrace(num_slots=20_000, batch_size=2048, num_batches=10
 
 
 def run_demo(seconds: float = 75.0, out_dir: str | Path = "demo-report", threads: int = 1,
-             train_batches: int = TRAIN_BATCHES) -> dict:
-    """Run the steps of the module docstring; returns (and writes) the summary."""
+             train_batches: int = TRAIN_BATCHES, *, command: Callable[[list[str]], int]) -> dict:
+    """Run the steps of the module docstring; returns (and writes) the summary.
+
+    ``command`` is the ``dynemb`` command's entry point, :func:`dynemb.cli.main` (``argv -> exit status``), which
+    ``dynemb demo`` passes in: the demo runs the commands as a user would, yet sits below the cli that offers it.
+    """
     out = Path(out_dir)
     for sub in ("data", "run", "run-bounded", "export", "lmdb", "predictions.parquet"):
         path = out / sub
@@ -67,14 +72,14 @@ def run_demo(seconds: float = 75.0, out_dir: str | Path = "demo-report", threads
     columns = ["--data", train_file, "--label", "label", "--categorical", ",".join(log.categorical_names),
                "--dense", ",".join(log.dense_names), "--eval-batches", PERIODIC_EVAL_BATCHES]
     rng = torch.get_rng_state()  # the dense layers of the bounded run start as these: runs differ by the bound only
-    trained = _dynemb("2/5", "train", *columns, "--out", out / "run", "--seconds", seconds, *threads_arg)
+    trained = _dynemb(command, "2/5", "train", *columns, "--out", out / "run", "--seconds", seconds, *threads_arg)
     torch.set_rng_state(rng)
-    bounded = _bounded_run(out, columns, trained, threads_arg)
-    evaluated = _dynemb("3/5", "eval", "--model", out / "run", "--data", eval_file, *threads_arg)
-    predicted = _dynemb("4/5", "predict", "--model", out / "run", "--data", eval_file, "--out",
+    bounded = _bounded_run(command, out, columns, trained, threads_arg)
+    evaluated = _dynemb(command, "3/5", "eval", "--model", out / "run", "--data", eval_file, *threads_arg)
+    predicted = _dynemb(command, "4/5", "predict", "--model", out / "run", "--data", eval_file, "--out",
                         out / "predictions.parquet", *threads_arg)
-    _dynemb("5/5", "export", "--model", out / "run", "--out", out / "export", parse=False)
-    serving = _dynemb("   ", "serve-bench", "--export", out / "export", "--persistent-path", out / "lmdb",
+    _dynemb(command, "5/5", "export", "--model", out / "run", "--out", out / "export", parse=False)
+    serving = _dynemb(command, "   ", "serve-bench", "--export", out / "export", "--persistent-path", out / "lmdb",
                       "--batches", "120", "--json", echo=summary_table)
     shutil.rmtree(out / "lmdb", ignore_errors=True)
     print("   eviction policies on a drifting id trace (hit rate at 10% and 30% of its ids, and Belady's)", flush=True)
@@ -98,13 +103,13 @@ def run_demo(seconds: float = 75.0, out_dir: str | Path = "demo-report", threads
     return summary
 
 
-def _bounded_run(out: Path, columns: list, trained: dict, threads_arg: list) -> dict:
+def _bounded_run(command: Callable, out: Path, columns: list, trained: dict, threads_arg: list) -> dict:
     """Train the first steps again with every table bounded (default policy); compare held-out AUC at that step."""
     steps = min(BOUNDED_STEPS, trained["step"])
     if steps < trained["step"]:
         steps -= steps % EVAL_EVERY  # a step both runs evaluated
     capacity = max(1, round(BOUNDED_FRACTION * trained["table_rows"] / DEMO_LOG.num_categorical))
-    run = _dynemb("   ", "train", *columns, "--out", out / "run-bounded", "--steps", steps, "--max-capacity",
+    run = _dynemb(command, "   ", "train", *columns, "--out", out / "run-bounded", "--steps", steps, "--max-capacity",
                   capacity, "--eval-every", EVAL_EVERY, *threads_arg)
     unbounded, bounded = _auc_at(out / "run", steps), _auc_at(out / "run-bounded", steps)
     return {"bounded_capacity": capacity, "bounded_steps": steps, "unbounded_auc_at_step": round(unbounded, 4),
@@ -128,16 +133,14 @@ def _eviction_summary(rows: list[dict]) -> dict:
     return out
 
 
-def _dynemb(step: str, *args, parse: bool = True, echo=None):
-    """Print ``$ dynemb ARGS``, run it in this process, echo its output (through ``echo(result)`` when given);
-    returns the last line as JSON when ``parse``."""
-    from .cli import main  # the command itself, as a user runs it (cli imports this module when asked to)
-
+def _dynemb(command: Callable[[list[str]], int], step: str, *args, parse: bool = True, echo=None):
+    """Print ``$ dynemb ARGS``, run it in this process through ``command`` (the cli's ``main``), echo its output
+    (through ``echo(result)`` when given); returns the last line as JSON when ``parse``."""
     argv = [str(a) for a in args]
     print(f"{step} $ dynemb {' '.join(argv)}", flush=True)
     captured = io.StringIO()
     with contextlib.redirect_stdout(captured):
-        code = main(argv)
+        code = command(argv)
     text = captured.getvalue().strip()
     if code != 0:
         raise RuntimeError(f"dynemb {argv[0]} failed with status {code}")
@@ -208,7 +211,7 @@ def _plots(out: Path, serving: dict, policies: list[dict]) -> None:
 
 
 def plot_policies(plt, rows: list[dict], path: Path) -> None:
-    """Grouped bars of :func:`~dynemb.table.replay.compare` rows: hit rate of each policy and of Belady's optimum
+    """Grouped bars of :func:`~dynemb.data.replay.compare` rows: hit rate of each policy and of Belady's optimum
     at each capacity, one panel per ``trace`` (when the rows name traces); the default policy is marked."""
     traces = list(dict.fromkeys(r.get("trace", "") for r in rows))
     names = list(dict.fromkeys(r["policy"] for r in rows))

@@ -9,7 +9,7 @@ from .functional.ops import register_table
 from .table import EvictionPolicy, KeyValueTable, Rows, TieredTable, Tiers
 from .table.admission import FrequencyAdmission
 from .table.static import StaticTable
-from .table.checks import VALUE_DTYPES, check_keys, check_rows_like, fit_keys, resolve_device
+from .checks import VALUE_DTYPES, check_keys, check_rows_like, fit_keys, resolve_device
 from .table.initializers import InitializerSpec
 from .table import EvictHook
 
@@ -122,7 +122,7 @@ class DynamicEmbedding(_TableModule):
 
     Shape:
         ``forward(ids)``: ids of any shape ``S`` -> ``S + (D,)``. Ids may be int32 or int64 whatever the
-        ``key_dtype``: int64 ids of an int32 table are cast when they fit (see :func:`dynemb.table.checks.fit_keys`;
+        ``key_dtype``: int64 ids of an int32 table are cast when they fit (see :func:`dynemb.checks.fit_keys`;
         on CPU one that does not is a ``ValueError`` before the table changes).
 
     Example:
@@ -274,7 +274,8 @@ class DynamicEmbedding(_TableModule):
     def counters(self) -> dict:
         """The table's counters (clock, epoch, inserted/removed/evicted counts, initializer calls)."""
         t = self.table
-        return {k: getattr(t, k) for k in ("clock", "save_ticks", "epoch", "inserted", "removed", "evicted", "_init_calls")}
+        names = ("clock", "save_ticks", "epoch", "inserted", "removed", "evicted", "_init_calls")
+        return {k: getattr(t, k) for k in names}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         rows = self.table.export()

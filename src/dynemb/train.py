@@ -26,7 +26,7 @@ from .collection import EmbeddingCollection
 from .data.batch import Batch
 from .data.metrics import held_out_auc
 from .models import DLRM, dlrm_tables
-from .table.checks import check_int
+from .checks import check_int
 
 __all__ = ["TrainConfig", "Trainer", "History", "SPARSE_OPTIMIZERS", "DEFAULT_PATIENCE", "build_dlrm"]
 
@@ -94,7 +94,7 @@ def build_dlrm(num_dense: int, features: Iterable[str], cfg: TrainConfig) -> DLR
     tables, feats = dlrm_tables(list(features), cfg.dim, optimizer=spec, max_capacity=cfg.max_capacity,
                                 eviction=cfg.eviction, admission=cfg.admission)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from .distributed import DistributedEmbeddingCollection
+        from .collection import DistributedEmbeddingCollection
 
         embeddings = DistributedEmbeddingCollection(tables, feats)
     else:

@@ -61,6 +61,6 @@ def test_a_half_cast_collection_round_trips(tmp_path):
     save(tmp_path, ec, ec.optimizer, step=1)
     resumed = _collection(user_seed=9).half()
     load(tmp_path, resumed, resumed.optimizer)
-    for name, module in ec.embeddings.items():
+    for name in ec.embeddings:
         assert resumed.embeddings[name].table.dtype == torch.float16
         assert torch.equal(resumed.export(name)[1], ec.export(name)[1])

@@ -56,6 +56,7 @@ def _expected() -> dynemb.DynamicEmbedding:
 
 
 @pytest.mark.parametrize("where", ["between_files", "before_rename", "before_latest"])
+@pytest.mark.slow
 def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, where):
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), where], stdout=subprocess.PIPE, text=True)
     try:

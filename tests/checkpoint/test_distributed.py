@@ -2,12 +2,12 @@
 run at the same world size equals an uninterrupted one exactly."""
 
 import numpy as np
+import pytest
 import torch
 
 import dynemb
-from dynemb import FeatureConfig, TableConfig
+from dynemb import DistributedEmbeddingCollection, FeatureConfig, TableConfig
 from dynemb.checkpoint import load, save
-from dynemb.distributed import DistributedEmbeddingCollection
 from dynemb.distributed.comm import all_gather_varsize
 
 from distributed.harness import run
@@ -24,8 +24,8 @@ def build():
 
 def step(ec, step_index, rank):
     g = torch.Generator().manual_seed(1000 * step_index + rank)
-    batch = {"user": torch.randint(-(2**62), 2**62, (7,), generator=g), "item": torch.randint(-99, 99, (7,), generator=g),
-             "cat": torch.randint(0, 13, (7,), generator=g)}
+    batch = {"user": torch.randint(-(2**62), 2**62, (7,), generator=g),
+             "item": torch.randint(-99, 99, (7,), generator=g), "cat": torch.randint(0, 13, (7,), generator=g)}
     out = ec(batch)
     sum((o * (i + 1)).sum() for i, o in enumerate(out.values())).backward()
     ec.optimizer.step()
@@ -67,6 +67,7 @@ def _reload_and_save(rank, world, root, new_step):
     return result if rank == 0 else None
 
 
+@pytest.mark.slow
 def test_reshard_4_2_3_1_keeps_every_row(tmp_path):
     root = tmp_path / "ckpt"
     (tmp_path / "w4").mkdir()
@@ -94,11 +95,12 @@ def _resume(rank, world, root, interrupted):
     return result if rank == 0 else None
 
 
+@pytest.mark.slow
 def test_resume_at_same_world_size_is_exact(tmp_path):
     root = tmp_path / "ckpt"
     (tmp_path / "a").mkdir()
     run(_train_and_save, 2, tmp_path / "a", root)
-    for name, interrupted in (("b", False), ("c", True)):
+    for name, _interrupted in (("b", False), ("c", True)):
         (tmp_path / name).mkdir()
     straight = run(_resume, 2, tmp_path / "b", root, False)
     resumed = run(_resume, 2, tmp_path / "c", root, True)

@@ -3,6 +3,7 @@
 and each table's own optimizer. Every (key, value, slot) row, every optimizer step count and the serving export
 stay the same."""
 
+import pytest
 import numpy as np
 import torch
 
@@ -88,6 +89,7 @@ def _load_single(root):
     return everything(ec)
 
 
+@pytest.mark.slow
 def test_checkpoints_and_exports_survive_every_layout_change(tmp_path):
     root = tmp_path / "ckpt"
     want = _first(0, 1, root, tmp_path / "export-1")

@@ -82,6 +82,7 @@ def twins():
     return tiered, flat
 
 
+@pytest.mark.slow
 def test_save_load_export_equal_untiered(twins, tmp_path, monkeypatch):
     tiered, flat = twins
     monkeypatch.setattr(stream, "CHUNK_ROWS", 16_384)
@@ -164,6 +165,7 @@ def test_chunks_do_not_grow_with_the_table(monkeypatch, tmp_path):
     assert 0 < small == big <= 1000 * DIM * 4
 
 
+@pytest.mark.slow
 def test_peak_memory_of_save_and_load_is_bounded(tmp_path):
     """Measured in a fresh process (RssAnon sampled every millisecond, slow tier on disk): a save and a load of
     a 200k-row table (105 MiB of rows) need a few MiB beyond the table, where one whole-table export needs more

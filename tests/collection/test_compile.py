@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent('''
     import json, torch, dynemb
     from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
@@ -69,6 +71,7 @@ def run(kind: str, tmp_path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_compiled_pooled_lookups_equal_eager_bit_for_bit(tmp_path):
     result = run("plain", tmp_path)
     assert result["same"] == {"user": True, "cat": True}
@@ -76,6 +79,7 @@ def test_compiled_pooled_lookups_equal_eager_bit_for_bit(tmp_path):
     assert result["steps"] == 4
 
 
+@pytest.mark.slow
 def test_compiled_sequence_and_max_norm_features_within_float_tolerance(tmp_path):
     """Sequence and max_norm features sum a row's gradient in another order when compiled (each id's row, then
     torch ops): equal to eager within 1e-5 after 4 Adam steps."""

@@ -4,7 +4,6 @@ which other tables share the collection, and hostile names work everywhere a nam
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch

@@ -184,7 +184,8 @@ def test_label_not_0_1_in_csv(tmp_path, text, shown):
 
 def test_label_not_0_1_in_parquet_names_the_row(tmp_path):
     pq.write_table(pa.table({"y": [0.0, 1.0, 0.5], "c": [1, 2, 3]}), tmp_path / "t.parquet", row_group_size=2)
-    with pytest.raises(ValueError, match=r"t\.parquet: column 'y': labels must be 0 or 1, got 0\.5 at row 2; other labels need --positive-label"):
+    with pytest.raises(ValueError, match=r"t\.parquet: column 'y': labels must be 0 or 1, got 0\.5 at row 2; other "
+                                         r"labels need --positive-label"):
         list(FileReader(tmp_path / "t.parquet", label="y", categorical=["c"], batch_size=2))
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import dynemb
-from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
-from dynemb.distributed import All2AllDenseEmbedding, DistributedEmbeddingCollection, DistributedError
+from dynemb import (All2AllDenseEmbedding, DistributedEmbeddingCollection, EmbeddingCollection, FeatureConfig,
+                    TableConfig)
+from dynemb.distributed import DistributedError
 
 from .harness import run
 
@@ -101,6 +102,7 @@ def _sorted(keys, values):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("opt_name,fused,policy", [("sgd", False, None), ("adam", False, None), ("adam", True, None),
                                                    ("sgd", False, "lfu")])
+@pytest.mark.slow
 def test_sharded_training_equals_single_process(tmp_path, world, opt_name, fused, policy):
     got = run(_sharded, world, tmp_path, opt_name, fused, policy)
     assert got is not None, [p.read_text() for p in tmp_path.glob("*.err")]
@@ -128,6 +130,7 @@ def _sok(rank, world, use_hashtable, dynamic_input):
 
 @pytest.mark.parametrize("use_hashtable", [True, False])
 @pytest.mark.parametrize("dynamic_input", [False, True])
+@pytest.mark.slow
 def test_all2all_dense_embedding_matches_single_process(tmp_path, use_hashtable, dynamic_input):
     got = run(_sok, 2, tmp_path, use_hashtable, dynamic_input)
     assert got is not None, [p.read_text() for p in tmp_path.glob("*.err")]
@@ -143,6 +146,7 @@ def _out_of_range(rank, world):
     return {"msg": np.array("no error")}
 
 
+@pytest.mark.slow
 def test_static_sok_rejects_out_of_range_keys(tmp_path):
     got = run(_out_of_range, 2, tmp_path)
     assert "[0, 8)" in str(got["msg"])
@@ -158,6 +162,7 @@ def _mismatch(rank, world):
     return {"msg": np.array("no error")}
 
 
+@pytest.mark.slow
 def test_mismatched_config_is_a_clear_error(tmp_path):
     got = run(_mismatch, 2, tmp_path)
     assert "tables[0].dim" in str(got["msg"])
@@ -179,6 +184,7 @@ def _dies(rank, world, out_dir):
     return None
 
 
+@pytest.mark.slow
 def test_dead_rank_gives_clear_error_within_timeout(tmp_path):
     ctx = run(_dies, 2, tmp_path, str(tmp_path), join=False)
     deadline = time.monotonic() + 90
@@ -214,6 +220,7 @@ def _frozen_and_half(rank, world):
             "half": np.array([str(v.dtype) == "torch.float16" for v in out.values()])}
 
 
+@pytest.mark.slow
 def test_frozen_sharded_table_is_read_only_and_half_outputs_half(tmp_path):
     got = run(_frozen_and_half, 2, tmp_path)
     assert got is not None, [p.read_text() for p in tmp_path.glob("*.err")]

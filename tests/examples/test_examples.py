@@ -46,6 +46,7 @@ def example_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
+@pytest.mark.slow
 def test_example_runs(script, example_runs):
     proc = example_runs[script]
     stdout, stderr = proc.communicate(timeout=240)
@@ -66,11 +67,12 @@ def _torchrun(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
     proc = launch()
     if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
         warnings.warn(f"torchrun {args}: a rank aborted in torch's C++; relaunched once. stdout: "
-                      f"{proc.stdout[-500:]!r}")
+                      f"{proc.stdout[-500:]!r}", stacklevel=2)
         proc = launch()
     return proc
 
 
+@pytest.mark.slow
 def test_train_distributed_under_torchrun_world_2():
     proc = _torchrun(str(ROOT / "examples" / "train_distributed.py"), "--steps", "12")
     assert proc.returncode == 0, f"stdout: {proc.stdout[-1500:]}\nstderr: {proc.stderr[-3000:]}"
@@ -103,6 +105,7 @@ def test_docs_exist():
 
 
 @pytest.mark.parametrize("doc", DOCS)
+@pytest.mark.slow
 def test_doc_snippets_run(doc, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # snippets that write files write them here
     namespace = {"__name__": "__doc_snippet__"}

@@ -17,7 +17,7 @@ from dynemb.checkpoint import read_chain, read_export
 from dynemb.cli import main
 from dynemb.data import FileReader, hash_strings
 from dynemb.job import read_card
-from dynemb.serving.endpoint import ServedModel
+from dynemb.endpoint import ServedModel
 
 ROWS = 300
 TINY = ["--batch-size", "64", "--dim", "4", "--eval-batches", "1", "--no-progress"]
@@ -42,6 +42,7 @@ def _shard_rows(run) -> dict:
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv"])
+@pytest.mark.slow
 def test_constant_columns_train_score_export_and_resume(tmp_path, dynemb, capsys, fmt):
     data = tmp_path / f"clicks.{fmt}"
     (pq.write_table if fmt == "parquet" else pcsv.write_csv)(clicks(), data)

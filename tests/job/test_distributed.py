@@ -22,13 +22,14 @@ def _train(rank, world, out):
         trainer = Trainer(build_dlrm(2, data.categorical_names, cfg), cfg)
         # Each rank evaluates rows of its own: their losses differ, rank 0's decides.
         evals = [data.batch(rank, "eval")]
-        stop = (lambda: rank == 1 and trainer.step == 7) if scenario == "interrupt" else None
+        stop = (lambda trainer=trainer: rank == 1 and trainer.step == 7) if scenario == "interrupt" else None
         trainer.fit(data.batches("train", start=rank, step=world), evals, progress=False, should_stop=stop)
         losses = [e["loss"] for e in trainer.history.evals]
         (root / f"rank{rank}.json").write_text(json.dumps({"step": trainer.step, "best": trainer.best_step,
                                                            "stopped": trainer.stopped, "losses": losses}))
 
 
+@pytest.mark.slow
 def test_every_rank_stops_at_the_same_step_early_or_on_ctrl_c(tmp_path):
     ctx = run(_train, 2, tmp_path, str(tmp_path), join=False)
     deadline = time.monotonic() + 240

@@ -38,6 +38,7 @@ def memorized(tmp_path_factory):
     return tmp, data
 
 
+@pytest.mark.slow
 def test_training_stops_after_patience_evaluations_without_a_better_loss(memorized, capsys):
     tmp, _ = memorized
     from dynemb.cli import main
@@ -105,6 +106,7 @@ def test_patience_0_trains_every_epoch_and_still_keeps_the_best(tmp_path, dynemb
     assert result["best_step"] == min(evals, key=lambda e: e["loss"])["step"]
 
 
+@pytest.mark.slow
 def test_resume_continues_the_early_stopping_where_it_was(memorized, tmp_path, dynemb):
     """Stopped at step 20 and resumed: the same evaluations, the same best and the same stop as one run."""
     tmp, data = memorized
@@ -125,6 +127,7 @@ def test_resume_continues_the_early_stopping_where_it_was(memorized, tmp_path, d
     assert dynemb(*_steps(args, 70), "--resume", "--patience", "0")["step"] == 70
 
 
+@pytest.mark.slow
 def test_a_run_interrupted_between_saves_resumes_from_its_best_checkpoint(memorized, tmp_path, dynemb):
     """Only the best checkpoint was written (a crash before the last save): --resume starts from it."""
     import shutil

@@ -27,6 +27,7 @@ def random_labels(path, rows: int = 8000):
     return path
 
 
+@pytest.mark.slow
 def test_held_out_rows_never_reach_training(tmp_path, dynemb):
     data = random_labels(tmp_path / "random.parquet")
     run = tmp_path / "run"
@@ -63,6 +64,7 @@ def test_the_run_directory(tmp_path, dynemb):
     assert (run / "loss_auc.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_steps_a_multiple_of_checkpoint_every(tmp_path, dynemb):
     data = random_labels(tmp_path / "random.parquet", rows=1000)
     run = tmp_path / "run"

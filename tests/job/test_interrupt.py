@@ -22,6 +22,7 @@ def _metrics(run) -> list:
     return read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_after_the_step_saves_and_resume_continues(tmp_path):
     data = random_labels(tmp_path / "random.parquet", rows=4000)
     run = tmp_path / "run"
@@ -85,6 +86,7 @@ def _fail_saves(monkeypatch, when):
     return calls
 
 
+@pytest.mark.slow
 def test_a_failure_at_the_final_save_keeps_the_previous_checkpoint_and_resume_finishes_the_run(tmp_path, monkeypatch,
                                                                                              capsys):
     data = random_labels(tmp_path / "random.parquet", rows=1000)

@@ -25,6 +25,7 @@ def _texts(table: pa.Table, yes: str, no: str) -> pa.Array:
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv"])
+@pytest.mark.slow
 def test_string_labels_train_exactly_as_their_0_1_form(tmp_path, dynemb, fmt):
     table = clicks(0, rows=800).drop_columns(["tags"])
     write = pq.write_table if fmt == "parquet" else pcsv.write_csv
@@ -44,6 +45,7 @@ def test_string_labels_train_exactly_as_their_0_1_form(tmp_path, dynemb, fmt):
     assert pcsv.read_csv(tmp_path / "p.csv").column("click").to_pylist() == table.column("click").to_pylist()
 
 
+@pytest.mark.slow
 def test_boolean_labels_need_no_positive_label(tmp_path, dynemb):
     table = clicks(0, rows=800).drop_columns(["tags"])
     pq.write_table(table, tmp_path / "ints.parquet")

@@ -1,6 +1,5 @@
 """``dynemb train``'s seed and ``--resume``'s model options."""
 
-import pytest
 import torch
 
 from dynemb.cli import main

@@ -1,5 +1,6 @@
 """``dynemb train --publish-every``: a full export, then deltas, each with the MLPs; the last version is the run."""
 
+import pytest
 import numpy as np
 import pyarrow.parquet as pq
 
@@ -7,7 +8,7 @@ from dynemb.checkpoint.fsutil import read_pointer
 from dynemb.checkpoint.export_format import read_chain, read_dense
 from dynemb.cli import main
 from dynemb.data import FileReader
-from dynemb.serving.endpoint import ServedModel
+from dynemb.endpoint import ServedModel
 
 from .test_fit import SMALL, random_labels
 
@@ -50,6 +51,7 @@ def test_publish_options_are_checked(tmp_path, capsys):
     assert "publish_every" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_publish_dir_elsewhere_holds_the_versions(tmp_path, dynemb):
     data = random_labels(tmp_path / "random.parquet", rows=1000)
     result = dynemb("train", "--data", data, "--label", "y", "--categorical", "id", "--out", tmp_path / "run",
@@ -59,6 +61,7 @@ def test_a_publish_dir_elsewhere_holds_the_versions(tmp_path, dynemb):
     assert len(result["published"]) == 2
 
 
+@pytest.mark.slow
 def test_serve_serves_the_best_model_by_default_and_the_last_on_request(tmp_path, dynemb, capsys):
     from dynemb.job import serving_export
 

@@ -39,7 +39,8 @@ def test_the_documented_torchrun_command_trains_saves_and_exports(tmp_path):
     proc = _torchrun(args, tmp_path / "run")
     # As tests/examples/test_examples.py: a rank may abort inside torch's C++ on a fresh machine; relaunch once then.
     if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
-        warnings.warn(f"torchrun: a rank aborted in torch's C++; relaunched once. stdout: {proc.stdout[-500:]!r}")
+        warnings.warn(f"torchrun: a rank aborted in torch's C++; relaunched once. stdout: {proc.stdout[-500:]!r}",
+                      stacklevel=2)
         proc = _torchrun(args, tmp_path / "run2")
     assert proc.returncode == 0, f"stdout: {proc.stdout[-1500:]}\nstderr: {proc.stderr[-3000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -6,6 +6,7 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
 import pyarrow.parquet as pq
 
 from dynemb.cli import main
@@ -13,6 +14,7 @@ from dynemb.cli import main
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
 
+@pytest.mark.slow
 def test_cli_walkthroughs_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     text = DOC.read_text()

@@ -66,6 +66,7 @@ def test_triton_is_cuda_or_the_interpreter_on_cpu(monkeypatch):
     assert resolve_backend("auto", "cpu") in (Backend.NUMBA, Backend.TORCH)  # triton is never picked for CPU
 
 
+@pytest.mark.slow
 def test_the_package_imports_without_loading_triton():
     import subprocess
     import sys
@@ -149,6 +150,7 @@ def test_a_table_keeps_its_backend_through_growth_moves_and_admission():
 
 
 @pytest.mark.skipif(not dispatch.triton_available(), reason="needs triton")
+@pytest.mark.slow
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
     import os
     import subprocess

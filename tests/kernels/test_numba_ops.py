@@ -408,7 +408,8 @@ def test_decayed_lfu_scores_stay_when_the_arithmetic_fails(monkeypatch):
     scores back."""
     from dynemb.table import policy
 
-    scores, rows = torch.arange(10_000) * 3, torch.randint(0, 10_000, (5000,), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    scores, rows = torch.arange(10_000) * 3, torch.randint(0, 10_000, (5000,), generator=g)
     before = scores.clone()
 
     def fail(*args):
@@ -523,6 +524,7 @@ def test_move_rows_declines_layouts_it_cannot_take_and_copy_rows_moves_them_as_t
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), size=st.integers(1, 3000), now=st.integers(0, 2**45),
        spread=st.sampled_from([1 << 10, 1 << 22, 1 << 40, 1 << 62]), chunk=st.integers(1, 40))
+@pytest.mark.slow
 def test_decayed_scores_are_the_same_bits_at_any_position_on_both_paths(seed, size, now, spread, chunk):
     """A row's new decayed_lfu score depends on its old score and count alone: not on where the batch puts it (the
     dedup orders keys differently by backend and by rank count) nor on the batch's length, and the kernel gives the

@@ -93,6 +93,7 @@ def _train(backend: str, static: bool, key_dtype, optimizer: str, fused: bool, c
        static=st.booleans(), dim=st.sampled_from([D, 8, 24, 64, 96]))
 @example(data=[([0, 0], [2], [0.0, 2.802596928649634e-45], 0)], optimizer="adagrad", fused=False, combiner="mean",
          key_dtype=torch.int64, static=False, dim=D)  # a weight sum that underflows: NaN on both paths, alike
+@pytest.mark.slow
 def test_training_matches_torch(data, optimizer, fused, combiner, key_dtype, static, dim):
     # dim: the kernels' gradient sums run in vector registers by blocks of 64, 32, 16 or 8 columns where one divides
     # the dimension (64 and 96: more than one block), in place otherwise (D)

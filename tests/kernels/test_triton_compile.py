@@ -110,6 +110,7 @@ def _run(full: bool) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_one_variant_of_every_kernel_compiles_for_sm90():
     _run(full=False)
 

@@ -53,6 +53,7 @@ def _same_semantics(ref: HashIndex, kern: HashIndex, query: torch.Tensor) -> Non
 
 @SETTINGS
 @given(data=st.data(), key64=st.booleans())
+@pytest.mark.slow
 def test_place_and_probe_equal_the_torch_path(pools, data, key64):
     dtype, pool = _pool(pools, key64)
     first = torch.unique(pool[data.draw(_picks(pool.numel(), 60), "first")])
@@ -73,6 +74,7 @@ def test_place_and_probe_equal_the_torch_path(pools, data, key64):
 
 @SETTINGS
 @given(data=st.data(), key64=st.booleans())
+@pytest.mark.slow
 def test_erase_then_reinsert(pools, data, key64):
     dtype, pool = _pool(pools, key64)
     keys = torch.unique(pool[data.draw(_picks(pool.numel(), 70))])
@@ -91,6 +93,7 @@ def test_erase_then_reinsert(pools, data, key64):
 
 @SETTINGS
 @given(data=st.data(), key64=st.booleans())
+@pytest.mark.slow
 def test_find_or_insert_resolves_duplicates_to_one_row(pools, data, key64):
     dtype, pool = _pool(pools, key64)
     present = torch.unique(pool[data.draw(_picks(pool.numel(), 40), "present")])
@@ -113,6 +116,7 @@ def test_find_or_insert_resolves_duplicates_to_one_row(pools, data, key64):
     _same_semantics(ref, kern, pool)
 
 
+@pytest.mark.slow
 def test_place_across_programs_keeps_semantics(colliding_keys):
     """More keys than one program holds, many sharing buckets: programs contend for slots through CAS."""
     keys = torch.unique(torch.cat([colliding_keys(torch.int64, "last", 24), colliding_keys(torch.int64, "first", 24),
@@ -169,6 +173,7 @@ def test_bad_init_spec_is_a_value_error():
 
 @SETTINGS
 @given(data=st.data())
+@pytest.mark.slow
 def test_a_table_on_the_triton_index_equals_one_on_torch(pools, data):
     """KeyValueTable end to end (find_or_insert with duplicates, erase, growth by rehash) over each backend."""
     from dynemb.table import KeyValueTable
@@ -185,6 +190,7 @@ def test_a_table_on_the_triton_index_equals_one_on_torch(pools, data):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_copies_of_a_key_in_different_programs_get_one_row():
     """1,000 new keys, each 4 times at random positions of a 4,000-key batch (about 32 programs)."""
     gen = torch.Generator().manual_seed(5)

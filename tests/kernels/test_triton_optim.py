@@ -42,7 +42,9 @@ def _train(backend: str, make_opt, fused: bool, dim: int = DIM) -> dict:
         emb = dynemb.DynamicEmbedding(dim, seed=3, device=DEVICE)
         opt = make_opt(emb, fused)
         for ids, offsets, weights, combiner, target in _batches(dim):
-            to = (lambda t: None if t is None else t.to(DEVICE))
+            def to(t):
+                return None if t is None else t.to(DEVICE)
+
             out = embedding_lookup_sparse(emb, ids.to(DEVICE), to(offsets), to(weights), combiner)
             loss = (out * target.to(DEVICE)).sum()
             if not fused:  # step mode also gets a plain (unpooled) lookup: a [U, D] gradient, order None

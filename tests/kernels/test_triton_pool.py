@@ -43,6 +43,7 @@ def _to(d):
 
 @settings(max_examples=25, deadline=None)
 @given(case=bags())
+@pytest.mark.slow
 def test_pool_equals_embedding_bag(case):
     c = _to(case)
     s = sort_ids(c["ids"])
@@ -58,6 +59,7 @@ def test_pool_equals_embedding_bag(case):
 
 @settings(max_examples=25, deadline=None)
 @given(case=bags())
+@pytest.mark.slow
 def test_row_grad_equals_the_torch_reference(case):
     c = _to(case)
     s = sort_ids(c["ids"])

@@ -101,6 +101,7 @@ def _run(tables, evicted, pool: torch.Tensor, ops) -> None:
 
 @SETTINGS
 @given(ops=st.lists(_OP, min_size=1, max_size=8), key64=st.booleans(), bounded=st.booleans())
+@pytest.mark.slow
 def test_operation_sequences_equal_torch(pools, ops, key64, bounded):
     """Rows, ``found``, values (stored and initializer rows), scores, slots, version stamps, the deletion log,
     counters and evicted rows all equal the torch table's after every call; a small start grows and rehashes."""
@@ -133,6 +134,7 @@ def test_one_launch_paths_run_and_fall_back(pools, spied):
     assert spied == {"find_or_insert", "find_gather", "erase"}
 
 
+@pytest.mark.slow
 def test_rehash_rule_as_torch(monkeypatch):
     """Keys crowded into an eighth of the buckets, inserted and erased: stale overflow flags pile up and the
     one-launch path rehashes when the torch path does (same bucket count, same flags after the rebuild)."""
@@ -213,6 +215,7 @@ def _train(backend: str) -> dict:
         return {name: ec.export(name) for name in ("t", "u")}
 
 
+@pytest.mark.slow
 def test_training_step_through_embedding_collection_equals_torch(spied):
     want = _train("torch")
     assert not spied

@@ -40,8 +40,8 @@ def ref_ftrl(w, acc, lin, idx, g, lr, l1, l2, power=-0.5):
     sigma = (a_new ** (-power) - a_old ** (-power)) / lr
     lin[rows] += grad - sigma * w[rows]
     quad = a_new ** (-power) / lr + 2 * l2
-    l = lin[rows]
-    w[rows] = torch.where(l.abs() > l1, (torch.sign(l) * l1 - l) / quad, torch.zeros_like(l))
+    z = lin[rows]
+    w[rows] = torch.where(z.abs() > l1, (torch.sign(z) * l1 - z) / quad, torch.zeros_like(z))
     acc[rows] = a_new
 
 

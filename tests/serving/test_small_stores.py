@@ -132,6 +132,7 @@ def _assert_serves(ps, emb, dtype, absent: torch.Tensor) -> None:
 @example(data=None, spec=edge_spec(1, torch.int32, dim=2), dtype=torch.bfloat16)
 @example(data=None, spec=edge_spec(2, dim=2), dtype=torch.float16)
 @given(data=st.data(), spec=table_specs(), dtype=st.sampled_from(VALUE_DTYPES))
+@pytest.mark.slow
 def test_parameter_server_serves_exports_of_0_1_2_rows(tiers, data, spec, dtype, redis_server):
     if data is None:
         changes, more = [("erase", [0])], [("clear",)]

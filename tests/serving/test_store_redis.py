@@ -83,7 +83,8 @@ def test_killed_server_raises_typed_error_then_recovers(redis_server, redis_addr
     store = redis_store(redis_address, timeout_s=0.5)
     store.put("t", torch.tensor([1]), torch.ones(1, 4))
     redis_server.kill()
-    for call in (lambda: store.get("t", torch.tensor([1])), lambda: store.put("t", torch.tensor([2]), torch.ones(1, 4))):
+    calls = (lambda: store.get("t", torch.tensor([1])), lambda: store.put("t", torch.tensor([2]), torch.ones(1, 4)))
+    for call in calls:
         with pytest.raises(StoreUnavailableError, match=f"Redis at {redis_address} is unavailable"):
             call()
     redis_server.start()

@@ -136,6 +136,7 @@ class DeferredMatchesEager(RuleBasedStateMachine):
 
 
 @pytest.mark.parametrize("max_deferred", [255, 2])
+@pytest.mark.slow
 def test_deferred_stamps_match_eager(monkeypatch, max_deferred):
     """A small ``_MAX_DEFERRED`` makes the tag space run out, and settle mid-stream, within a few calls."""
     assert stamp_kernels(torch.device("cpu")) is not None, "numba kernels absent: nothing here defers"
@@ -292,7 +293,7 @@ def test_growth_and_moves_keep_deferred_stamps():
 def test_nbytes_counts_the_tags():
     t = KeyValueTable(8, init_capacity=64)
     t.insert_or_assign(torch.arange(10), torch.zeros(10, 8))  # a write: its stamps too are deferred
-    t._cols  # settle: the tags stay allocated
+    _ = t._cols  # settle: the tags stay allocated
     before = t.nbytes()
     t._marks = None
     assert before - t.nbytes() == t.capacity

@@ -7,7 +7,6 @@ import sys
 import pytest
 import torch
 
-import dynemb
 from dynemb.table import KeyValueTable
 from dynemb.table import initializers as inits
 from dynemb.table.memory import HUGE_PAGE, MIN_BYTES, empty_storage

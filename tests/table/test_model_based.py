@@ -341,6 +341,7 @@ def pools(colliding_keys):
     }
 
 
+@pytest.mark.slow
 def test_table_matches_dict_model(key_dtype, device, pools, probe_paths):
     run_state_machine_as_test(
         lambda: TableModel(key_dtype, device, pools[key_dtype], probe_paths),

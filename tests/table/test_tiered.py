@@ -28,9 +28,12 @@ def _collection(tiered: bool, where: str = "host", optimizer=None) -> EmbeddingC
     opt = optimizer or dynemb.optim.Adagrad(lr=0.1)
     user = Tiers(fast_capacity=40, slow=where) if tiered else None
     item = Tiers(fast_bytes=4000, slow=where) if tiered else None
+    # lfu ranks the item rows the tiers move down; untiered, a bound no test reaches keeps the same scores (a
+    # policy needs a bound or tiers)
+    bound = None if tiered else 1_000_000
     tables = [TableConfig(name="user", dim=8, optimizer=opt, seed=1, tiers=user),
               TableConfig(name="item", dim=4, key_dtype=torch.int32, eviction="lfu", seed=2, tiers=item,
-                          optimizer=dynemb.optim.Adam(lr=0.05), admission=2)]
+                          max_capacity=bound, optimizer=dynemb.optim.Adam(lr=0.05), admission=2)]
     return EmbeddingCollection(tables, [FeatureConfig(name="user", table="user"),
                                         FeatureConfig(name="item", table="item", combiner="sum")])
 
@@ -344,12 +347,14 @@ def test_only_a_collection_with_a_tiered_table_prefetches(monkeypatch):
     assert not flat.tiered
     model = DLRM(2, flat, 4)
     calls, real_ahead = [], dynemb.train._ahead
-    monkeypatch.setattr(dynemb.train, "_ahead", lambda batches, prefetch: calls.append(1) or real_ahead(batches, prefetch))
+    monkeypatch.setattr(dynemb.train, "_ahead",
+                        lambda batches, prefetch: calls.append(1) or real_ahead(batches, prefetch))
     Trainer(model, TrainConfig(steps=3, dim=4, eval_every=3)).fit(data.batches("train"), [data.batch(0, "eval")],
                                                                 progress=False)
     assert calls == []
 
-    mixed = EmbeddingCollection([TableConfig(name="a", dim=2, tiers=Tiers(fast_capacity=4)), TableConfig(name="b", dim=2)],
+    mixed = EmbeddingCollection([TableConfig(name="a", dim=2, tiers=Tiers(fast_capacity=4)),
+                                 TableConfig(name="b", dim=2)],
                                 [FeatureConfig(name="fa", table="a"), FeatureConfig(name="fb", table="b")])
     assert mixed.tiered
     a, b = mixed.embeddings["a"].table, mixed.embeddings["b"].table

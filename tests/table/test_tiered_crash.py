@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 import dynemb
@@ -58,6 +59,7 @@ def step(emb, opt, i: int) -> None:
     opt.zero_grad()
 
 
+@pytest.mark.slow
 def test_a_process_killed_during_a_write_back_loses_no_row(tmp_path):
     marker = tmp_path / "writing"
     code = CHILD.format(here=os.path.dirname(__file__), steps=CHECKPOINT_STEP)

@@ -61,7 +61,8 @@ class TieredModel(TableModel):
 
 
 @pytest.mark.parametrize("slow", ["host", "disk"])
-def test_tiered_table_matches_dict_model(slow, key_dtype, device, pools, probe_paths, tmp_path):
+@pytest.mark.slow
+def test_tiered_table_matches_dict_model(slow, key_dtype, device, pools, probe_paths, tmp_path):  # noqa: F811
     where = "host" if slow == "host" else str(tmp_path)
     model = type("Model", (TieredModel,), {"slow": where})
     run_state_machine_as_test(

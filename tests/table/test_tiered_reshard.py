@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import numpy as np
 import torch
 
@@ -70,6 +71,7 @@ def _two_ranks(rank, world, root):
     return result if rank == 0 else None
 
 
+@pytest.mark.slow
 def test_a_tiered_checkpoint_reshards_and_trains_as_untiered(tmp_path):
     ec = build(1, tiered=True)
     train(ec, range(4))
@@ -90,6 +92,7 @@ def _two_ranks_in_chunks(rank, world, root):
     return _two_ranks(rank, world, root)
 
 
+@pytest.mark.slow
 def test_an_incremental_tiered_chain_reshards_a_chunk_at_a_time(tmp_path):
     """The chain (a full checkpoint and a delta with deleted keys) streams into 2 tiered ranks, equal to the same
     chain applied in memory for 2 untiered ranks."""

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from ..distributed.plan import ShardingKind
-from ..table.checks import VALUE_DTYPES, check_dtype
+from ..checks import VALUE_DTYPES, check_dtype
 from ..table.initializers import resolve_initializer
 from . import lineage
+from .columns import DELETED, KEYS, VALUES
 from .dense import dense_state
 from .errors import CheckpointError
 from .fsutil import read_json, staging, write_json, write_pointer
@@ -26,7 +27,7 @@ from .manifest import FORMAT_VERSION, MANIFEST, SERVING_FORMAT, chain, complete,
 from .ranks import rank_context
 from .saver import incremental_parent, write_payloads, writes as _writes
 from .stream import ColumnStream
-from .tables import DELETED, KEYS, VALUES, columns, delta_columns, find_tables, shard_file
+from .tables import columns, delta_columns, find_tables, shard_file
 from .tensorfile import read_tensors
 
 __all__ = ["export_for_serving", "read_export", "read_chain", "read_dense", "manifest_digest", "version_name"]

@@ -14,6 +14,7 @@ from ..optim.combined import CombinedOptimizer
 from ..table import TieredTable
 from . import lineage
 from .codec import read_state
+from .columns import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, check_shard
 from .dense import check_dense
 from .errors import CheckpointError
 from .manifest import MANIFEST, chain, file_record, resolve
@@ -21,8 +22,7 @@ from .progress import logger, transfer
 from .ranks import RankContext, merge_states, rank_context
 from .saver import STREAM
 from .stream import StreamedShard, stream_into, verify_sources
-from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, apply_delta, check_shard, find_tables, restore, \
-    table_config, table_rows
+from .tables import apply_delta, find_tables, restore, table_config, table_rows
 from .tensorfile import read_tensors
 
 __all__ = ["load"]
@@ -140,8 +140,8 @@ def _check_config(saved: dict, shard, directory: Path, name: str, strict: bool) 
     fields = _ALWAYS_MATCH + (_STRICT_MATCH if strict else ())
     for field in fields:
         if config.get(field) != mine.get(field):
-            raise CheckpointError(f"{where}: {field} is {config.get(field)!r} in the checkpoint but {mine.get(field)!r} "
-                                  "in the model")
+            raise CheckpointError(f"{where}: {field} is {config.get(field)!r} in the checkpoint but "
+                                  f"{mine.get(field)!r} in the model")
     if config.get("initializer") != mine["initializer"]:
         # The seed is restored from the checkpoint, the initializer cannot be: new keys will start differently.
         logger.warning("%s: initializer %s in the checkpoint, %s in the model; new keys use the model's", where,
@@ -246,7 +246,8 @@ def _counters(sources: dict, reshard: bool, kept: int | None) -> dict:
     saved = [steps[-1][3]["counters"] for steps in sources.values()]
     if not reshard:
         return saved[0]
-    merged = {key: max(c[key] for c in saved) for key in ("clock", "save_ticks", "epoch", "_init_calls") if key in saved[0]}
+    clocks = [key for key in ("clock", "save_ticks", "epoch", "_init_calls") if key in saved[0]]
+    merged = {key: max(c[key] for c in saved) for key in clocks}
     return {**merged, **({} if kept is None else {"inserted": kept, "removed": 0, "evicted": 0})}
 
 

@@ -1,6 +1,6 @@
 """Which rank writes what, and which saved rows a rank takes back: multi-rank saves and resharding loads.
 
-A model holding a :class:`~dynemb.distributed.DistributedEmbeddingCollection` is saved collectively: every rank
+A model holding a :class:`~dynemb.DistributedEmbeddingCollection` is saved collectively: every rank
 writes the shards it owns (row- and table-sharded tables; replicated ``data`` tables and the dense state by rank 0
 only) into one staging directory, rank 0 gathers the file records, writes the manifest last and publishes the
 directory. Loading reads, for each table, the delta chain of every saved rank's shard and keeps the rows the

@@ -14,7 +14,8 @@ from torch import nn
 from ..collection.plan import TableShard
 from ..distributed.plan import ShardingKind
 
-from ..table.checks import check_positive_int
+from .._version import __version__
+from ..checks import check_positive_int
 from . import lineage
 from .codec import encode
 from .dense import dense_state
@@ -114,7 +115,7 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
             if ctx.rank == 0:
                 write_json(tmp / MANIFEST, {
                     "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "incremental" if parent else "full",
-                    "parent": parent, "step": step, "created_unix": time.time(), "dynemb_version": _version(),
+                    "parent": parent, "step": step, "created_unix": time.time(), "dynemb_version": __version__,
                     "world_size": ctx.world, "partitioner": PARTITIONER, "tables": _merge_entries(parts),
                     "dense": DENSE_FILE, "optimizer": _optimizer_entry(optimizer, ctx),
                     "files": {rel: rec for part in parts for rel, rec in part["files"].items()}, "extra": extra,
@@ -186,8 +187,8 @@ def write_payloads(directory: Path, payloads: dict, what: str) -> dict:
     return files
 
 
-def incremental_parent(root: Path, root_key: str, embeddings: dict[str, TableShard], stream: str, fmt: str, current: dict,
-                       what: str) -> str | None:
+def incremental_parent(root: Path, root_key: str, embeddings: dict[str, TableShard], stream: str, fmt: str,
+                       current: dict, what: str) -> str | None:
     """The directory an incremental write can build on, or None (the reason logged) to write a full one.
 
     ``current`` maps each table name to the manifest fields that must equal the parent's (configs, dtypes).
@@ -253,8 +254,3 @@ def _check_args(model, optimizer, step, extra, incremental, keep_last) -> None:
         raise TypeError(f"extra must be JSON-serializable (dicts with str keys, lists, str, finite numbers, bool, "
                         f"None), got {type(extra).__name__}: {e}") from None
 
-
-def _version() -> str:
-    from .. import __version__
-
-    return __version__

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..table import Rows
+from .columns import ADMISSION_COUNTS, ADMISSION_KEYS, DELETED, KEYS, ORDER, check_shard
 from .errors import CheckpointError
 from .tensorfile import FileRecord, verify_file
 
@@ -143,7 +143,7 @@ def verify_shard(path: Path, record: FileRecord | None) -> tuple[dict, dict]:
     """Check ``path``'s size and sha256 against ``record`` in one streaming pass and parse its header.
 
     Returns ``(layout, meta)``: ``{name: (dtype, shape, offset)}`` (offsets from the file start) and a ``meta``
-    tensor of every column (dtype and shape, no data) for :func:`~dynemb.checkpoint.tables.check_shard`.
+    tensor of every column (dtype and shape, no data) for :func:`~dynemb.checkpoint.columns.check_shard`.
     """
     layout = verify_file(path, record)
     meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (dtype, shape, _) in layout.items()}
@@ -185,8 +185,6 @@ class StreamedShard(NamedTuple):
 def verify_sources(sources: dict, reshard: bool, config: dict, progress) -> StreamedShard:
     """Verify every file of ``sources`` (``{rank: steps}``, see the loader): size, sha256, header and the row
     count the manifest gives, without reading their rows into memory."""
-    from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, check_shard
-
     chains, rows, admission = [], 0, {}
     for steps in sources.values():
         chain = []
@@ -214,8 +212,6 @@ def stream_into(streamed: StreamedShard, shard, table_rows: Callable) -> Callabl
     through :meth:`~dynemb.table.TieredTable.replace_chunks`, then each delta's deleted keys and rows through
     :meth:`~dynemb.table.TieredTable.load_chunk` (only ``shard``'s own rows when resharding). ``table_rows`` turns
     a chunk of file columns into the table's :class:`Rows`."""
-    from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, DELETED, KEYS, ORDER
-
     def chunks(path, layout):
         names = [n for n in layout if n not in (ADMISSION_KEYS, ADMISSION_COUNTS, DELETED, ORDER)]
         for chunk in read_chunks(path, layout, names):

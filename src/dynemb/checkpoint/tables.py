@@ -7,7 +7,8 @@ Tables are found by :func:`find_tables`: the tables of every :class:`~dynemb.Emb
 A shard is a dict of *columns* named as in the files: ``keys [N]``, ``values [N, D]``, ``scores [N]`` and
 ``slot.<name> [N, d]``, row-aligned; a delta shard adds ``deleted_keys [K]`` and, when rows were deleted,
 ``order [N']``, the key of every live row in row order. A table with admission adds the pending candidates'
-``admission.keys [M]`` and ``admission.counts [M]`` (whole in every file, full or delta).
+``admission.keys [M]`` and ``admission.counts [M]`` (whole in every file, full or delta). The names, and
+:func:`~.columns.check_shard`, are in :mod:`.columns`.
 """
 
 from __future__ import annotations
@@ -22,16 +23,15 @@ from ..collection.plan import TableShard, whole_table
 from ..embedding import DynamicEmbedding, StaticEmbedding
 from ..table import Rows, TieredTable
 from ..table.ops import gather_rows
+from .columns import ADMISSION_COUNTS, ADMISSION_KEYS, DELETED, KEYS, ORDER, SCORES, SLOT, VALUES
 from .errors import CheckpointError
 from .stream import tiered_columns, tiered_delta_columns
 
-__all__ = ["find_tables", "table_config", "counters", "columns", "delta_columns", "check_shard", "apply_delta",
-           "restore", "shard_file", "ROOT_NAME", "COUNTERS"]
+__all__ = ["find_tables", "table_config", "counters", "columns", "delta_columns", "apply_delta", "restore",
+           "shard_file", "ROOT_NAME", "COUNTERS"]
 
 #: Table name used when the model itself is a DynamicEmbedding (its module name is empty).
 ROOT_NAME = "embedding"
-KEYS, VALUES, SCORES, DELETED, ORDER, SLOT = "keys", "values", "scores", "deleted_keys", "order", "slot."
-ADMISSION_KEYS, ADMISSION_COUNTS = "admission.keys", "admission.counts"
 #: Table counters a bit-exact resume needs (the ones a table has).
 COUNTERS = ("clock", "save_ticks", "epoch", "inserted", "removed", "evicted", "_init_calls")
 
@@ -108,7 +108,8 @@ def columns(shard: TableShard, *, state: bool = True) -> dict[str, torch.Tensor]
 def _live_rows(table) -> Rows:
     """Views of the live rows."""
     n = table.size()
-    return Rows(table.row_keys[:n], table.values[:n], table.scores[:n], {s: table.slot(s)[:n] for s in table.slot_names})
+    slots = {s: table.slot(s)[:n] for s in table.slot_names}
+    return Rows(table.row_keys[:n], table.values[:n], table.scores[:n], slots)
 
 
 def admission_columns(table) -> dict[str, torch.Tensor]:
@@ -137,36 +138,6 @@ def delta_columns(shard: TableShard, since: int, *, state: bool = True) -> dict[
         # loader put every row back in its position (positions break eviction ties, so exact resume needs them).
         delta[ORDER] = cols[KEYS]
     return delta
-
-
-def check_shard(cols: dict, config: dict, file, *, delta: bool) -> int:
-    """Check names, dtypes and shapes of a shard's tensors against the table config; returns its row count.
-
-    Raises:
-        CheckpointError: naming ``file`` and the tensor.
-    """
-    if KEYS not in cols or cols[KEYS].dim() != 1:
-        raise CheckpointError(f"{file}: tensor 'keys' is missing or not 1-D")
-    n = cols[KEYS].shape[0]
-    expected = {KEYS: (config["key_dtype"], [n]), VALUES: (config["dtype"], [n, config["dim"]]),
-                SCORES: ("torch.int64", [n])}
-    expected.update({SLOT + s: (spec["dtype"], [n, spec["dim"]]) for s, spec in config["slots"].items()})
-    if ADMISSION_KEYS in cols or ADMISSION_COUNTS in cols:
-        m = len(cols.get(ADMISSION_KEYS, ()))
-        expected.update({ADMISSION_KEYS: (config["key_dtype"], [m]), ADMISSION_COUNTS: ("torch.int64", [m])})
-    if delta:
-        expected[DELETED] = (config["key_dtype"], [len(cols.get(DELETED, ()))])
-        if ORDER in cols:
-            expected[ORDER] = (config["key_dtype"], [len(cols[ORDER])])
-    for name in sorted(set(cols) | set(expected)):
-        if name not in expected:
-            raise CheckpointError(f"{file}: unexpected tensor {name!r}")
-        if name not in cols:
-            raise CheckpointError(f"{file}: tensor {name!r} is missing")
-        got, (dtype, shape) = cols[name], expected[name]
-        if str(got.dtype) != dtype or list(got.shape) != shape:
-            raise CheckpointError(f"{file}: tensor {name!r} is {got.dtype} {list(got.shape)}, expected {dtype} {shape}")
-    return n
 
 
 def apply_delta(base: dict, delta: dict, file) -> dict:

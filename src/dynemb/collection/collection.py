@@ -15,7 +15,7 @@ from ..distributed.comm import check_agreement
 from ..distributed.plan import Sharding, resolve_plan
 from ..embedding import DynamicEmbedding, check_cuda, check_move
 from ..optim.combined import CombinedOptimizer
-from ..table.checks import resolve_device
+from ..checks import resolve_device
 from .config import FeatureConfig, TableConfig
 from .features import as_feature_dict, prepare_features
 from .local import LocalExecutor

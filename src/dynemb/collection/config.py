@@ -15,7 +15,7 @@ import torch
 from ..functional import COMBINERS
 from ..optim.base import SparseOptimizer
 from ..table.admission import FrequencyAdmission
-from ..table.checks import KEY_DTYPES, VALUE_DTYPES, check_positive_int
+from ..checks import KEY_DTYPES, VALUE_DTYPES, check_positive_int
 from ..table.initializers import InitializerSpec, resolve_initializer
 from ..table.policy import DEFAULT_BOUNDED, EvictionPolicy
 from ..table.tiered import Tiers

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..functional import BagSet, clip_rows, pool_many, to_bags
-from ..table.checks import check_keys, fit_keys
+from ..checks import check_keys, fit_keys
 from .config import FeatureConfig, TableConfig
 
 __all__ = ["Bags", "Jagged", "PreparedFeature", "prepare_features", "as_feature_dict", "finish"]
@@ -80,7 +80,7 @@ def prepare_features(features: dict, weights: dict, feature_configs: dict[str, F
     Dtypes, devices and shapes are always checked. int64 ids of an int32 table (TorchRec's ``KeyedJaggedTensor``
     carries int64) are cast to int32 when they fit. ``check_ranges`` checks that they fit, and that a static
     table's ids are in ``[0, V)``: both read the ids' min and max (a device sync on CUDA). Without it an id that
-    does not fit in int32 fails a device-side assert (see :func:`dynemb.table.checks.fit_keys`): it is never
+    does not fit in int32 fails a device-side assert (see :func:`dynemb.checks.fit_keys`): it is never
     wrapped onto another id.
 
     Raises:

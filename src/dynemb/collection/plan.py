@@ -178,8 +178,8 @@ class ExecutionPlan:
             return module
         return DynamicEmbedding(cfg.dim, key_dtype=cfg.key_dtype, dtype=cfg.dtype, initializer=cfg.initializer,
                                 device=device, init_capacity=cfg.init_capacity, max_capacity=cfg.max_capacity,
-                                max_bytes=cfg.max_bytes, tiers=cfg.tiers,
-                                eviction=cfg.eviction, half_life=cfg.half_life, admission=cfg.admission, seed=shard.seed)
+                                max_bytes=cfg.max_bytes, tiers=cfg.tiers, eviction=cfg.eviction,
+                                half_life=cfg.half_life, admission=cfg.admission, seed=shard.seed)
 
     def modules(self) -> dict[str, Module]:
         """The physical modules on this rank by table name."""

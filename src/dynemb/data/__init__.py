@@ -1,4 +1,5 @@
-"""Click-log data: a synthetic generator, Parquet/CSV readers and stable string-id hashing.
+"""Click-log data: a synthetic generator, Parquet/CSV readers and stable string-id hashing; id traces, and their
+replay through a bounded table (:mod:`.replay`, which measures eviction policies).
 
 The readers and :func:`hash_strings` need the ``data`` extra (pyarrow, xxhash); they are imported on first use,
 so the synthetic generator works without it.

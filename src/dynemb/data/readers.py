@@ -26,7 +26,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import torch
 
-from ..table.checks import check_int
+from ..checks import check_int
 from .batch import Batch
 from .columns import ID_TYPES, categorical_ids, decimal_int64, dense_values, first_line, label_values, multi_hot_ids
 from .formats import CRITEO_COLUMNS, FORMATS, delimiter_of, list_files, open_text

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..table.checks import check_int, is_int
+from ..checks import check_int, is_int
 from ..table.hashing import GOLDEN, mix64
 from ..table.initializers import Normal
 from .batch import Batch

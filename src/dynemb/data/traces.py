@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ..table.checks import check_int
+from ..checks import check_int
 from ..table.hashing import mix64
 
 __all__ = ["DriftingTrace", "zipf_ranks"]

@@ -17,7 +17,7 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import torch
 
-from ..table.checks import check_int
+from ..checks import check_int
 from .batch import Batch
 from .formats import create_text
 from .synthetic import SyntheticClickLog

@@ -1,24 +1,20 @@
-"""Model-parallel sharded embeddings over torch.distributed (gloo on CPU, NCCL on CUDA).
+"""What sharding needs below the collection: communication primitives over torch.distributed (gloo on CPU, NCCL on
+CUDA), the sharding specs, and the launcher of local worker processes.
 
-This package holds the communication primitives and the sharding specs; the sharded executor itself is part of
-:mod:`dynemb.collection`, so the local and sharded paths share one collection class.
+======================  ============================================================================
+module                  job
+======================  ============================================================================
+``comm``                all-to-all, all-gather and config agreement; a failed collective raises DistributedError
+``plan``                Sharding, ShardingKind, auto_plan: which tables are row-, table- or data-sharded
+``launch``              start N local processes on a free port (tests, examples, benchmarks)
+======================  ============================================================================
+
+The sharded executor itself is part of :mod:`dynemb.collection` (so the local and sharded paths share one
+collection class), as are :class:`~dynemb.DistributedEmbeddingCollection` and SOK's
+:class:`~dynemb.All2AllDenseEmbedding`, which build on it; this package imports nothing of the collection.
 """
 
 from .comm import DistributedError
 from .plan import Sharding, ShardingKind, auto_plan, mod_partitioner
 
-__all__ = ["DistributedEmbeddingCollection", "All2AllDenseEmbedding", "DistributedError", "Sharding",
-           "ShardingKind", "auto_plan", "mod_partitioner"]
-
-
-def __getattr__(name):
-    # The modules build on dynemb.collection, which itself uses this package's comm and plan: import them late.
-    if name == "DistributedEmbeddingCollection":
-        from .collection import DistributedEmbeddingCollection
-
-        return DistributedEmbeddingCollection
-    if name == "All2AllDenseEmbedding":
-        from .sok import All2AllDenseEmbedding
-
-        return All2AllDenseEmbedding
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["DistributedError", "Sharding", "ShardingKind", "auto_plan", "mod_partitioner"]

@@ -15,5 +15,5 @@ from .lookup import (clip_rows, counts_occurrences, embedding_lookup, embedding_
 from .pooling import COMBINERS, BagSet, check_combiner, pool, pool_many, to_bags
 
 __all__ = ["embedding_lookup", "embedding_lookup_sparse", "SparseGrad", "COMBINERS", "BagSet", "to_bags", "pool",
-           "pool_many", "pooled_lookup", "pooled_lookups", "unique_rows", "read_rows", "deliver_gradient", "current_rows",
-           "clip_rows", "check_combiner", "counts_occurrences"]
+           "pool_many", "pooled_lookup", "pooled_lookups", "unique_rows", "read_rows", "deliver_gradient",
+           "current_rows", "clip_rows", "check_combiner", "counts_occurrences"]

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.dispatch import Backend, kernels_for, resolve_backend
-from ..table.ops import all_nonnegative
 from ..table.protocol import EmbeddingTable, is_table
 from .grads import PooledGrad, TableRows, deliver_pooled_gradient, read_rows, row_kernels
 from .ops import anchor_of, eager_anchor, pooled_lookup_op

@@ -1,11 +1,12 @@
 """Pooled lookups as registered custom ops (``torch.library``), so ``torch.compile`` sees one opaque op per table.
 
-The hash table, its numba kernels and the optimizer update are Python and data-dependent: traced by Dynamo they
-would break the graph (or crash, when Dynamo follows a call into numba). Under ``torch.compile`` a pooled lookup is
-instead ``dynemb::pooled_lookup``, whose fake kernel only states shapes (``[B, D]`` sums and ``U`` unique keys, a
-size known only at run time, so they come padded to ``N`` with the count beside them), and whose backward is ``dynemb::pooled_backward``, which hands the row gradient to the
-table's optimizer. Both run the eager path's own functions (find/insert, pooling straight from the table, the
-bag-sum backward, ``deliver_gradient``), so compiled and eager results are bit-identical.
+The hash table, its numba kernels and the optimizer update are Python and data-dependent: traced by Dynamo they would
+break the graph (or crash, when Dynamo follows a call into numba). Under ``torch.compile`` a pooled lookup is instead
+``dynemb::pooled_lookup``, whose fake kernel only states shapes (``[B, D]`` sums and ``U`` unique keys, a size known
+only at run time, so they come padded to ``N`` with the count beside them), and whose backward is
+``dynemb::pooled_backward``, which hands the row gradient to the table's optimizer. Both run the eager path's own
+functions (find/insert, pooling straight from the table, the bag-sum backward, ``deliver_gradient``), so compiled and
+eager results are bit-identical.
 
 Tables cannot be op arguments, so an op names its table by a handle (``table.op_handle``) in a registry of weak
 references, filled when an embedding module is built.

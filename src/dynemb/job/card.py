@@ -30,7 +30,7 @@ from typing import Optional
 from ..checkpoint.fsutil import write_json
 from ..data.preprocess import Preprocessing
 from ..models import DLRM
-from ..table.checks import resolve_device
+from ..checks import resolve_device
 from ..train import TrainConfig, build_dlrm
 
 __all__ = ["ModelCard", "read_card", "write_card", "load_model", "model_checkpoint", "CARD", "CHECKPOINT",

@@ -33,7 +33,7 @@ from ..checkpoint import load
 from ..data import FileReader, SyntheticClickLog
 from ..data.formats import CRITEO_CATEGORICAL, CRITEO_DENSE, CRITEO_LABEL, list_files
 from ..data.preprocess import Preprocessing, dense_statistics
-from ..table.checks import check_int, resolve_device
+from ..checks import check_int, resolve_device
 from ..train import Trainer, TrainConfig, build_dlrm
 from .card import CARD, CHECKPOINT, CHECKPOINT_BEST, METRICS, ModelCard, read_card, write_card
 from .publish import EXPORT, Publisher

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from torch import nn
 
 from ..checkpoint.export_format import export_for_serving
-from ..table.checks import check_int
+from ..checks import check_int
 
 __all__ = ["Publisher", "EXPORT", "EXPORT_BEST", "serving_export"]
 

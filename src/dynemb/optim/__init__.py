@@ -5,4 +5,5 @@ from .base import SparseOptimizer
 from .combined import CombinedOptimizer
 from .wrapper import OptimizerWrapper
 
-__all__ = ["SparseOptimizer", "CombinedOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "FTRL", "OptimizerWrapper"]
+__all__ = ["SparseOptimizer", "CombinedOptimizer", "SGD", "Adagrad", "RowWiseAdagrad", "Adam", "FTRL",
+           "OptimizerWrapper"]

@@ -1,5 +1,5 @@
-"""The parameter server's JSON config (HPS-style field names; HPS-only fields in :mod:`.hps`), validated with errors that
-name the field."""
+"""The parameter server's JSON config (HPS-style field names; HPS-only fields in :mod:`.hps`), validated with errors
+that name the field."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from .checks import check_int
+from ..checks import check_int
 from .rows import Rows
 
 __all__ = ["FrequencyAdmission"]

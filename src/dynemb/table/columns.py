@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import VALUE_DTYPES, check_dtype
+from ..checks import VALUE_DTYPES, check_dtype
 from .memory import to_storage
 
 __all__ = ["RowColumns"]

@@ -17,7 +17,7 @@ from ..kernels.dispatch import Backend
 from . import budget
 from . import fused
 from .admission import FrequencyAdmission
-from .checks import (
+from ..checks import (
     KEY_DTYPES,
     VALUE_DTYPES,
     check_dtype,
@@ -526,7 +526,8 @@ class KeyValueTable(RowStore):
         """Nothing to do: every row of an untiered table is in place (:class:`TieredTable` brings rows up), so a
         loader may call ``table.prefetch(next_keys)`` on any table."""
 
-    def _touch(self, rows: torch.Tensor, custom: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
+    def _touch(self, rows: torch.Tensor, custom: torch.Tensor | None = None,
+               counts: torch.Tensor | None = None) -> None:
         # A score change is a change: incremental checkpoints must carry it for eviction order to resume exactly.
         filled = fill_score(self.policy, clock=self.access_clock, epoch=self.epoch)
         if filled is not None:  # both stamps, deferred or in one pass (they share a cache line, RowStore)

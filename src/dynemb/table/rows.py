@@ -16,7 +16,7 @@ import torch
 
 from ..kernels.dispatch import kernels_for
 from .changes import ChangeLog
-from .checks import check_int, resolve_device
+from ..checks import check_int, resolve_device
 from .columns import RowColumns
 from .hashing import key_hash, mix64
 from .index import HashIndex

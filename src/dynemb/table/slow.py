@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from .checks import check_keys
+from ..checks import check_keys
 from .hashing import unique_by_hash
 from .rows import Rows, RowStore
 

@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from . import budget
-from .checks import check_int, check_keys, check_rows_like, check_scores
+from ..checks import check_int, check_keys, check_rows_like, check_scores
 from .kv import KeyValueTable
 from .ops import all_nonnegative, lowest_rows
 from .rows import Rows

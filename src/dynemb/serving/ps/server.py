@@ -11,7 +11,7 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from ...table.checks import KEY_DTYPES, check_keys, check_positive_int
+from ...checks import KEY_DTYPES, check_keys, check_positive_int
 from ..config import ModelConfig, ServerConfig
 from ...checkpoint.export_format import read_chain, read_export, version_name
 from ...checkpoint.manifest import MANIFEST, SERVING_FORMAT, complete

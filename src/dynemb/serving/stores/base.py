@@ -30,7 +30,7 @@ from typing import Mapping
 import torch
 
 from dynemb.table.ops import last_occurrence
-from dynemb.table.checks import VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like
+from dynemb.checks import VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like
 
 __all__ = [
     "RowStore",

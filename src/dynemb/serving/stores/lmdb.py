@@ -12,7 +12,7 @@ import itertools
 
 import lmdb
 
-from dynemb.table.checks import check_positive_int
+from dynemb.checks import check_positive_int
 from .base import StoreError, StoreFullError
 from .persistent import PersistentStore, PersistentStoreConfig
 

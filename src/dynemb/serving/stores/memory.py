@@ -14,7 +14,7 @@ import threading
 import torch
 
 from dynemb.table import EvictionPolicy, KeyValueTable
-from dynemb.table.checks import check_positive_int
+from dynemb.checks import check_positive_int
 from .base import OverflowPolicy, RowStore, StoreConfig, StoreFullError, TableSchema
 
 __all__ = ["MemoryStore", "MemoryStoreConfig"]

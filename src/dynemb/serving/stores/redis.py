@@ -43,7 +43,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from dynemb.table.checks import check_positive_int
+from dynemb.checks import check_positive_int
 from dynemb.table.hashing import mix64
 
 from .base import OverflowPolicy, RowStore, StoreConfig, StoreError, StoreFullError, StoreUnavailableError, TableSchema

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 from dynemb.cli import main
 
 from test_command import SRC, free_port, wait_ready
 
-DOC = Path(__file__).resolve().parents[3] / "docs" / "serving.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 @contextlib.contextmanager
@@ -45,6 +46,7 @@ def block(language: str, contains: str) -> str:
     return next(b for b in blocks if contains in b)
 
 
+@pytest.mark.slow
 def test_the_curl_and_tritonclient_examples_answer(run):
     with dynemb_serve("--model", str(run / "run"), "--name", "ctr", "--token", "T") as (proc, port):
         wait_ready(f"http://127.0.0.1:{port}", proc, token="T")
@@ -66,6 +68,7 @@ def test_the_curl_and_tritonclient_examples_answer(run):
         assert proc.poll() is None
 
 
+@pytest.mark.slow
 def test_serve_watch_waits_for_a_training_run_and_follows_its_versions(run, tmp_path):
     out = tmp_path / "run"
     with dynemb_serve("--model", str(out), "--name", "ctr", "--watch", "0.2") as (proc, port):

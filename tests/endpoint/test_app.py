@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dynemb.serving.endpoint import ServedModel, build_app, running
+from dynemb.endpoint import ServedModel, build_app, running
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 
@@ -181,7 +181,7 @@ def test_waiting_requests_share_a_forward_pass_up_to_max_batch_size(run, served)
 
     from dynemb.data import FileReader
     from dynemb.data.batch import slice_rows
-    from dynemb.serving.endpoint.app import _Batcher
+    from dynemb.endpoint.app import _Batcher
 
     prep = served.preprocessing
     batch = next(iter(FileReader(run / "test.parquet", label=None, categorical=prep.categorical,

@@ -6,6 +6,7 @@ import shutil
 import threading
 import time
 
+import pytest
 import httpx
 import numpy as np
 import pyarrow.parquet as pq
@@ -16,8 +17,8 @@ from dynemb.checkpoint.fsutil import write_pointer
 from dynemb.cli import main
 from dynemb.data import FileReader
 from dynemb.job import RunSpec, read_card, train_run
-from dynemb.serving.endpoint import ServedModel, build_app, running
-from dynemb.serving.endpoint.watch import ExportWatcher
+from dynemb.endpoint import ServedModel, build_app, running
+from dynemb.endpoint.watch import ExportWatcher
 from dynemb.serving.ps import ParameterServer
 from dynemb.train import TrainConfig
 
@@ -31,6 +32,7 @@ def infer_body(run, prep) -> dict:
     return {"inputs": inputs + [{"name": c, "datatype": "FP32", "shape": [ROWS], "data": rows[c]} for c in prep.dense]}
 
 
+@pytest.mark.slow
 def test_three_deltas_published_during_traffic_are_served_in_order_without_mixed_or_failed_responses(run, tmp_path):
     out = tmp_path / "run"
     spec = RunSpec(out=str(out), data=str(run / "train.parquet"), label="click", categorical=("user", "item"),

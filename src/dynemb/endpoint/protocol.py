@@ -15,14 +15,14 @@ tensor                   datatype                shape     holds
                                                            ``null``, NaN and ``±inf`` allowed
 =======================  ======================  ========  ==============================================
 
-Output: ``probability``, FP64 ``[B]`` (the bits ``dynemb predict`` writes). Ids and dense values go through :mod:`dynemb.data.columns`, the code the
-file readers use, and the model's :class:`~dynemb.data.preprocess.Preprocessing`, so a request scores exactly as
-the same rows read from a Parquet or CSV file. Each id column has the model's id type (the metadata reports it as
-the input's datatype): an ``INT64`` column takes integers, and BYTES text that is a canonical decimal int64
-(other text is a 400 naming the input and the value); a ``BYTES`` column hashes text, and hashes an integer as its
-decimal text, so ``85711`` and ``"85711"`` are one id. Dense ``null``/NaN, ``inf`` and ``-inf`` read as the
-training mean, max and min (the rule of docs/cli.md), silently: the endpoint counts nothing per request.
-"""
+Output: ``probability``, FP64 ``[B]`` (the bits ``dynemb predict`` writes). Ids and dense values go through
+:mod:`dynemb.data.columns`, the code the file readers use, and the model's
+:class:`~dynemb.data.preprocess.Preprocessing`, so a request scores exactly as the same rows read from a Parquet or
+CSV file. Each id column has the model's id type (the metadata reports it as the input's datatype): an ``INT64``
+column takes integers, and BYTES text that is a canonical decimal int64 (other text is a 400 naming the input and
+the value); a ``BYTES`` column hashes text, and hashes an integer as its decimal text, so ``85711`` and ``"85711"``
+are one id. Dense ``null``/NaN, ``inf`` and ``-inf`` read as the training mean, max and min (the rule of
+docs/cli.md), silently: the endpoint counts nothing per request."""
 
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from ...data.batch import Batch
-from ...data.columns import categorical_ids, dense_values, multi_hot_ids
-from ...data.preprocess import Preprocessing
-from .wire import RequestError, dumps_json, parse_body
+from ..data.batch import Batch
+from ..data.columns import categorical_ids, dense_values, multi_hot_ids
+from ..data.preprocess import Preprocessing
+from .wire import RequestError
 
 __all__ = ["LENGTHS", "OUTPUT", "model_metadata", "decode_request", "encode_response"]
 

@@ -1,4 +1,5 @@
-"""Argument checks for public entry points. Messages name the argument, the expected form and what came in."""
+"""Argument checks for public entry points, shared by every layer above the kernels. Messages name the argument, the
+expected form and what came in."""
 
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
 """``dynemb serve --watch``: new export versions (full, then deltas) applied in order; the served model then scores
 like the updated training model."""
 
-import pyarrow.parquet as pq
 import torch
 
 from dynemb.checkpoint import export_for_serving
 from dynemb.data import FileReader
 from dynemb.job import load_model
 from dynemb.job.score import probabilities
-from dynemb.serving.endpoint import ServedModel
-from dynemb.serving.endpoint.watch import ExportWatcher, pending_versions
+from dynemb.endpoint import ServedModel
+from dynemb.endpoint.watch import ExportWatcher, pending_versions
 
 
 def test_new_versions_are_applied_in_order_and_served(run, tmp_path):

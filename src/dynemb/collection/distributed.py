@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..collection import EmbeddingCollection, FeatureConfig, TableConfig
-from ..collection.collection import PlanSpec
+from .collection import EmbeddingCollection, PlanSpec
+from .config import FeatureConfig, TableConfig
 
 __all__ = ["DistributedEmbeddingCollection"]
 

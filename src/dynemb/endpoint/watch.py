@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ...checkpoint.fsutil import read_pointer
-from .command import WATCH_INTERVAL_S
+from ..checkpoint.fsutil import read_pointer
+from . import WATCH_INTERVAL_S
 from .model import ServedModel
 
 __all__ = ["ExportWatcher", "pending_versions", "wait_for_export", "WATCH_INTERVAL_S"]

@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynemb.data import replay as replay_module
+from dynemb.data.replay import belady, compare, replay, unique_accesses
 from dynemb.data.traces import DriftingTrace
-from dynemb.table import replay as replay_module
 from dynemb.table.hashing import mix64
-from dynemb.table.replay import belady, compare, replay, unique_accesses
 
 POLICIES = ["lru", "lfu", "epoch_lru", "epoch_lfu", "decayed_lfu"]
 batches_st = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), min_size=1, max_size=7)

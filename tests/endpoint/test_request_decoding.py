@@ -14,8 +14,8 @@ from hypothesis import given, settings, strategies as st
 from dynemb.data import hash_strings, null_key
 from dynemb.data.columns import categorical_ids, dense_values
 from dynemb.data.preprocess import Preprocessing
-from dynemb.serving.endpoint.protocol import _numeric_batch, decode_request
-from dynemb.serving.endpoint.wire import RequestError, parse_body
+from dynemb.endpoint.protocol import _numeric_batch, decode_request
+from dynemb.endpoint.wire import RequestError, parse_body
 
 
 

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collection import FeatureConfig, TableConfig
-from .collection import DistributedEmbeddingCollection
+from .config import FeatureConfig, TableConfig
+from .distributed import DistributedEmbeddingCollection
 
 __all__ = ["All2AllDenseEmbedding"]
 

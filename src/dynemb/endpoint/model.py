@@ -20,12 +20,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ...checkpoint.dense import check_dense, dense_state
-from ...checkpoint.export_format import read_dense, read_export, version_name
-from ...data.batch import Batch
-from ...functional import clip_rows, pool, to_bags
-from ...job.score import probabilities
-from ..ps import ParameterServer
+from ..checkpoint.dense import check_dense, dense_state
+from ..checkpoint.export_format import read_dense, read_export, version_name
+from ..data.batch import Batch
+from ..functional import clip_rows, pool, to_bags
+from ..job.score import probabilities
+from ..serving.ps import ParameterServer
 
 __all__ = ["ServedModel", "ensure_export"]
 
@@ -40,8 +40,8 @@ def ensure_export(run: Path, export: Optional[Path]) -> Path:
     Raises:
         ValueError: ``export`` was given but holds no serving export.
     """
-    from ...checkpoint import export_for_serving
-    from ...job import load_model
+    from ..checkpoint import export_for_serving
+    from ..job import load_model
 
     if export is not None:
         if not (Path(export) / "latest").is_file():
@@ -193,8 +193,8 @@ class ServedModel:
 
 def _skeleton(run: Path):
     """``(the run's model with untrained weights, its card)``: the dense part is filled by :func:`_dense_of`."""
-    from ...job import read_card
-    from ...train import build_dlrm
+    from ..job import read_card
+    from ..train import build_dlrm
 
     card = read_card(run)
     prep = card.preprocessing
@@ -203,7 +203,7 @@ def _skeleton(run: Path):
 
 def _dense_of(run: Path, version_dir: Path, model: nn.Module) -> dict:
     """The checked dense state of export ``version_dir`` when it carries one, else of the run's final checkpoint."""
-    from ...job import load_model
+    from ..job import load_model
 
     dense, source = read_dense(version_dir), version_dir
     if dense is None:

@@ -18,9 +18,9 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from .checks import check_int
-from .kv import KeyValueTable
-from .policy import EvictionPolicy
+from ..checks import check_int
+from ..table.kv import KeyValueTable
+from ..table.policy import EvictionPolicy
 
 __all__ = ["replay", "belady", "unique_accesses", "compare", "policies", "summarize"]
 
@@ -169,7 +169,8 @@ def compare(accesses: list[tuple[torch.Tensor, torch.Tensor]], fractions=(0.1, 0
     """
     _check_accesses(accesses)
     if any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1 for f in fractions):
-        raise ValueError(f"fractions must be numbers in (0, 1] (shares of the trace's distinct keys), got {fractions!r}")
+        raise ValueError(f"fractions must be numbers in (0, 1] (shares of the trace's distinct keys), "
+                         f"got {fractions!r}")
     candidates = policies(max(1, len(accesses) // 8)) if candidates is None else candidates
     distinct = torch.unique(torch.cat([keys for keys, _ in accesses])).numel()
     rows = []

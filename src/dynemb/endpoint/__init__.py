@@ -1,5 +1,8 @@
 """``dynemb serve``: a trained run as an Open Inference Protocol (KServe v2) HTTP endpoint.
 
+It serves what :mod:`dynemb.job` trained, with the run's tables in a :mod:`dynemb.serving` parameter server, so it
+sits above both; ``serving`` keeps what needs no run directory (the parameter server, its stores, lookup layers).
+
 ======================  ============================================================================
 module                  job
 ======================  ============================================================================
@@ -18,7 +21,13 @@ Starlette and uvicorn are imported on first use, so ``dynemb --help`` works with
 
 import importlib
 
-__all__ = ["ServedModel", "build_app", "serve", "running", "RequestError"]
+__all__ = ["ServedModel", "build_app", "serve", "running", "RequestError", "WATCH_INTERVAL_S"]
+
+# Here, not in ``command``: ``command`` imports ``watch`` (when the command runs), so ``watch`` reading the default
+# from ``command`` was an import cycle.
+WATCH_INTERVAL_S = 1.0
+"""``--watch`` without a value: a published version is served about a second (plus its apply time) after it lands."""
+
 _HOME = {"ServedModel": "model", "build_app": "app", "serve": "server", "running": "server", "RequestError": "wire"}
 
 

@@ -8,13 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import httpx
 import numpy as np
 import pyarrow.parquet as pq
 
 from dynemb.distributed.launch import free_port
 
-SRC = str(Path(__file__).resolve().parents[3] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 120.0, token: str | None = "t0k") -> None:
@@ -32,6 +33,7 @@ def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 120.0, token: 
     raise TimeoutError(f"dynemb serve did not come up within {seconds} s")
 
 
+@pytest.mark.slow
 def test_dynemb_serve_scores_like_predict_with_lmdb_and_a_token(run, tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}

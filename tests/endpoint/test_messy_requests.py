@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dynemb.cli import main
-from dynemb.serving.endpoint import ServedModel, build_app, running
+from dynemb.endpoint import ServedModel, build_app, running
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 

@@ -1,12 +1,12 @@
 """The HTTP/REST endpoint (Open Inference Protocol, KServe v2) of a :class:`ServedModel`, on Starlette.
 
-Routes: ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2/models/{name}`` (metadata),
-``POST /v2/models/{name}/infer`` and ``GET /v2/models[/{name}[/versions/{version}]]/stats`` (Triton's statistics
-extension: requests, rows scored, forward passes, their time). A request the model cannot score (bad JSON, a
-missing, unknown or mistyped input, sizes that disagree, a body over ``max_body_bytes``, more than
-``max_batch_size`` rows) is answered 400 with ``{"error": "..."}`` naming the input; an unknown model is 404; with a token, a request without
-``Authorization: Bearer <token>`` is 401, on every route. Concurrent requests are scored together: a single
-worker runs one forward pass over all the requests waiting (up to ``max_batch_size`` rows), then splits the output.
+Routes: ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2/models/{name}`` (metadata), ``POST
+/v2/models/{name}/infer`` and ``GET /v2/models[/{name}[/versions/{version}]]/stats`` (Triton's statistics extension:
+requests, rows scored, forward passes, their time). A request the model cannot score (bad JSON, a missing, unknown or
+mistyped input, sizes that disagree, a body over ``max_body_bytes``, more than ``max_batch_size`` rows) is answered 400
+with ``{"error": "..."}`` naming the input; an unknown model is 404; with a token, a request without ``Authorization:
+Bearer <token>`` is 401, on every route. Concurrent requests are scored together: a single worker runs one forward pass
+over all the requests waiting (up to ``max_batch_size`` rows), then splits the output.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"dynemb serve needs starlette and uvicorn: pip install 'dynemb[serving]' ({exc})") from exc
 
-from ...data.batch import Batch, concat_batches
+from ..data.batch import Batch, concat_batches
 from .model import ServedModel
 from .protocol import decode_request, encode_response, model_metadata
 from .wire import RequestError, dumps_json, parse_body
@@ -105,7 +105,7 @@ class _Batcher:
                 continue
             finally:
                 self._running = False
-            for (batch, done), p in zip(waiting, torch.split(probs, [len(b) for b, _ in waiting])):
+            for (_, done), p in zip(waiting, torch.split(probs, [len(b) for b, _ in waiting])):
                 if not done.done():
                     done.set_result((p, version))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynemb.table.checks import check_int, check_positive_int, is_int
+from dynemb.checks import check_int, check_positive_int, is_int
 
 
 @pytest.mark.parametrize(
