@@ -26,11 +26,12 @@ import torch
 
 from ..distributed.plan import Sharding, ShardingKind
 from ..embedding import DynamicEmbedding, StaticEmbedding
+from ..functional.grouped import GroupedLookup, group_tables
 from ..optim.base import SparseOptimizer
 from ..table.policy import EvictionPolicy
 from .config import TableConfig
 
-__all__ = ["TableShard", "ExecutionPlan", "draw_seeds", "whole_table"]
+__all__ = ["TableShard", "ExecutionPlan", "ExecutionGroup", "draw_seeds", "whole_table"]
 
 Module = Union[DynamicEmbedding, StaticEmbedding]
 
@@ -105,6 +106,16 @@ class TableShard:
         return self.sharding.describe() if self.sharding is not None else None
 
 
+@dataclasses.dataclass(frozen=True)
+class ExecutionGroup:
+    """Tables of this rank whose training lookups run as one call of each group kernel: their ``names`` (config
+    order) and the :class:`~dynemb.functional.grouped.GroupedLookup` that runs them. An execution detail: nothing
+    of it is saved, exported or named in an error."""
+
+    names: tuple[str, ...]
+    lookup: GroupedLookup
+
+
 def whole_table(name: str, module: Module) -> TableShard:
     """A standalone Dynamic/StaticEmbedding as a logical table ``name`` (its config read from the module)."""
     t = module.table
@@ -152,6 +163,20 @@ class ExecutionPlan:
             if shard.module is not None and cfg.optimizer is not None:
                 shard.optimizer = cfg.optimizer.bind([shard.module])
             self.shards[cfg.name] = shard
+        self.groups = self._groups()
+
+    def _groups(self) -> list[ExecutionGroup]:
+        """The tables on this rank whose training lookups run together, one kernel call an operation for a group
+        (:mod:`dynemb.functional.grouped`): dynamic tables of one device and key dtype whose fused optimizers share
+        an update kernel (dims may differ). A table in no group runs its own lookups; so does a grouped table on a
+        call the group cannot take it (frozen, a bound it would pass) or a backend without group kernels."""
+        tables = {name: s.table for name, s in self.shards.items() if s.table is not None}
+        return [ExecutionGroup(tuple(names), GroupedLookup([tables[n] for n in names]))
+                for names in group_tables(tables)]
+
+    def describe_groups(self) -> list[list[str]]:
+        """The execution groups by table name (see :meth:`_groups`)."""
+        return [list(g.names) for g in self.groups]
 
     def __getitem__(self, name: str) -> TableShard:
         return self.shards[name]

@@ -51,13 +51,15 @@ _ONE_ID_BAGS: dict = {}
 
 class BagSet(NamedTuple):
     """Bags of one feature over a slice of concatenated ids: ``num_ids`` ids in ``num_bags`` bags starting at
-    ``offsets [B]`` (relative to the slice), optional ``weights [num_ids]``, pooled by ``combiner``."""
+    ``offsets [B]`` (relative to the slice), optional ``weights [num_ids]``, pooled by ``combiner``; ``one_id``:
+    known to be bags of one id each (``offsets`` is ``arange(B)``), which a grouped lookup needs no offsets for."""
 
     num_ids: int
     offsets: torch.Tensor
     weights: Optional[torch.Tensor]
     num_bags: int
     combiner: str
+    one_id: bool = False
 
 
 
@@ -327,7 +329,7 @@ def split_bags(pooled: torch.Tensor, bag_sets: list[BagSet]) -> list[torch.Tenso
 
 
 def split_combine(summed: torch.Tensor, bag_sets: list[BagSet]) -> list[torch.Tensor]:
-    return [_combine(part, *s) for part, s in zip(split_bags(summed, bag_sets), bag_sets)]
+    return [_combine(part, *s[:5]) for part, s in zip(split_bags(summed, bag_sets), bag_sets)]
 
 
 
@@ -335,7 +337,7 @@ def combine_denoms(bag_sets: list[BagSet], dtype: torch.dtype, device) -> torch.
     """``[B]`` divisors of the concatenated bags (ones for ``sum`` sets), or None when every set sums."""
     if all(s.combiner == "sum" for s in bag_sets):
         return None
-    return torch.cat([_denom(*s, dtype=dtype, device=device) if s.combiner != "sum"
+    return torch.cat([_denom(*s[:5], dtype=dtype, device=device) if s.combiner != "sum"
                       else torch.ones(s.num_bags, dtype=dtype, device=device) for s in bag_sets])
 
 

@@ -142,6 +142,32 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
   a slice of the table's values). ``kind, params`` come from ``Initializer.kernel_spec()``: ``("uniform", (low,
   high))`` or ``("constant", (value,))``; an initializer without a spec always runs in torch.
 
+``group_kernels`` (:mod:`~dynemb.kernels.triton_group`): the operations of a training step over a group of
+dynamic tables, one launch (or call) each for all of them. Each work item carries its table ``t``, whose storage
+the kernel reads from row ``t`` of ``meta [G, len(GROUP_META)]`` (int64: addresses, ``data_ptr()`` of the
+table's own tensors, and sizes; see :data:`GROUP_META`) and ``fmeta [G, len(GROUP_FMETA)]`` (float32); a table's
+storage never moves into a shared buffer. ``G`` tables, ``N`` ids, ``B`` bags; no call reads anything back to the
+host, and every tensor is sized by ``N`` or ``B``.
+
+- ``find_or_insert(meta, fmeta, keys [N], seg [N] int64, seg_first [N] int64, sizes [G] int64, stamps [G, 2]
+  int64) -> rows [N] int64``: key ``i`` belongs to table ``seg[i]`` (the tables' keys come in contiguous runs,
+  ``seg_first[i]`` the first position of ``i``'s run); found, or inserted as the table's own ``find_or_insert``
+  inserts it (rows ``sizes[t]`` on, numbered in the order of the keys' hashes, initial values of the table's
+  initializer, slots at their initial values), duplicates sharing one row; every row read gets the score and
+  version ``stamps[t]``; ``sizes`` advances by each table's new keys. The caller leaves room for every key to be
+  new (rows, index load).
+- ``pool(meta, rows [N], offsets [B], bag_seg [B] int64, weights [N] | None, denom [B] | None, out [*] float32,
+  out_at [B] int64, max_dim) -> out``: bag ``b`` (of table ``bag_seg[b]``, its ids ``offsets[b]`` up to the next
+  offset or ``N``) summed in id order, weighted, divided by ``denom[b]``, into ``out[out_at[b]:][:dim]``.
+- ``sparse_update(kind, meta, hparams [G, 8] float32, versions [G] int64, keyed [N] int64, order [N], grad [*]
+  float32, grad_at [B] int64, bag [N] | None, weights [N] | None, max_dim) -> None``: ``keyed`` are the ids'
+  ``t << 32 | row`` sorted stably (``order``: their positions); each distinct one is updated once, as the
+  ``sparse_update`` contract above, with the sum of ``weights[j] * grad[grad_at[bag[j]]:][:dim]`` over its ids
+  ``j`` in input order (``bag`` None: id ``j`` is bag ``j``) and table ``t``'s ``hparams[t]``: the kind's 4
+  hyper-parameters (Adam's first two as ``1 - beta``), weight decay at 4, and at 7 whether the table is updated
+  (0: its rows moved since the lookup; it is updated apart); ``versions[t] >= 0`` is a version stamp to write (the
+  table's clock moved since the lookup stamped the rows).
+
 Example:
     >>> resolve_backend("torch", "cuda")
     <Backend.TORCH: 'torch'>
@@ -167,6 +193,9 @@ __all__ = [
     "FAMILIES",
     "Kernels",
     "kernels_for",
+    "GROUP_META",
+    "GROUP_FMETA",
+    "group_hparams",
     "resolve_backend",
     "get_default_backend",
     "set_default_backend",
@@ -324,7 +353,29 @@ FAMILIES: dict[str, Family] = {
                     "offsets_valid", "bag_of"), rows=True),
     "optim": Family(("sparse_update",), rows=True),
     "init": Family(("initial_rows",)),
+    "group": Family(("find_or_insert", "pool", "sparse_update"), rows=True),
 }
+
+#: The columns of a group's ``meta`` (``group`` family): addresses of a table's index buckets (int32 words),
+#: overflow flags (uint8), values (float32 ``[capacity, dim]``), row keys, score/version pairs (int64, interleaved),
+#: two optimizer slots (float32 ``[capacity, width]``, 0 when absent); the index's hash shift and bucket count, the
+#: row width, the slots' widths, the initializer's mixed seed and kind (1 uniform, 2 constant) and the capacity.
+GROUP_META = ("buckets", "overflow", "shift", "num_buckets", "values", "dim", "row_keys", "stamps", "slot0",
+              "slot0_width", "slot1", "slot1_width", "seed", "init", "capacity")
+def group_hparams(kind: str, hparams: tuple[float, ...], runs: bool = True) -> list[float]:
+    """A table's row of the group ``sparse_update``'s ``hparams [G, 8]`` from its optimizer's ``kernel_args``
+    (``kind, hparams``; see the ``sparse_update`` table above): the four hyper-parameters (Adam's betas as ``1 -
+    beta``, computed in double as torch does), the weight decay at 4, and at 7 whether the table runs."""
+    h = [float(x) for x in hparams] + [0.0] * (4 - len(hparams))
+    decay = {"sgd": h[2], "adagrad": h[1], "rowwise_adagrad": h[1]}.get(kind, 0.0)
+    if kind == "adam":
+        h[0], h[1] = 1.0 - h[0], 1.0 - h[1]
+    return h + [decay, 0.0, 0.0, 1.0 if runs else 0.0]
+
+
+#: The columns of a group's ``fmeta`` (float32): the initializer's low and width (uniform; a constant's value is the
+#: low), and each slot's initial value.
+GROUP_FMETA = ("init_low", "init_width", "slot0_init", "slot1_init")
 
 
 class FamilyKernels:
@@ -430,6 +481,7 @@ _MODULES = {
     ("pool", Backend.TRITON): "triton_pool",
     ("optim", Backend.TRITON): "triton_optim",
     ("init", Backend.TRITON): "triton_init",
+    ("group", Backend.TRITON): "triton_group",
 }
 
 

@@ -161,6 +161,34 @@ class SparseOptimizer(GroupsOptimizer):
         return {"step": 0}
 
     # ------------------------------------------------------------------ stepping
+    def _index(self, table) -> int:
+        return next(i for i, t in enumerate(self.tables) if t is table)
+
+    def kernel_slots(self, table) -> tuple[str, tuple[str, ...]] | None:
+        """``(kind, slot column names)`` of the ``sparse_update`` kernel that would update ``table`` (bound here),
+        or None when no kernel implements this optimizer or a slot is not float32: what a grouped update needs to
+        know before it runs (:mod:`dynemb.functional.grouped`)."""
+        i = self._index(table)
+        scalars = self._scalars[i]
+        args = self.kernel_args(self.param_groups[i], {**scalars, "step": scalars["step"] + 1})  # the next update's
+        if args is None:
+            return None
+        kind, _, slots = args
+        keys = tuple(self.slot_key(name) for name in slots)
+        if any(table.slot(k).dtype != torch.float32 for k in keys):
+            return None
+        return kind, keys
+
+    def next_update(self, table) -> tuple[str, tuple]:
+        """Count one update of ``table`` (its step, as :meth:`apply_gradient` does) and return the kernel's ``(kind,
+        hparams)`` for it, from the table's param group: a grouped update applies it in one launch for many tables
+        (only for an optimizer with a kernel, :meth:`kernel_slots`)."""
+        i = self._index(table)
+        scalars = self._scalars[i]
+        scalars["step"] += 1
+        kind, hparams, _ = self.kernel_args(self.param_groups[i], scalars)
+        return kind, hparams
+
     def apply_gradient(self, table, rows: torch.Tensor, grad: torch.Tensor, pooled: PooledGrad | None = None,
                        stamped: bool = False) -> None:
         """Update ``rows`` (``[U]`` int64, unique, >= 0) of ``table`` with the hyper-parameters of the table's param
@@ -168,7 +196,7 @@ class SparseOptimizer(GroupsOptimizer):
         row sums over its ids (see :class:`PooledGrad`): a kernel then applies it without a ``[U, D]`` tensor.
         ``stamped``: the rows already carry the table's current version stamp (a fused update right after the
         lookup that touched them), so :meth:`mark_updated` is skipped."""
-        i = next(i for i, t in enumerate(self.tables) if t is table)
+        i = self._index(table)
         scalars = self._scalars[i]
         scalars["step"] += 1
         if rows.numel() == 0:

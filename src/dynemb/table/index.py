@@ -92,7 +92,11 @@ class HashIndex:
         need = max(2, math.ceil(max(capacity, 1) / (cls.width_for(key_dtype) * cls.MAX_LOAD)))
         return 1 << (need - 1).bit_length()
 
+    #: advances whenever the buckets are reallocated (a group's kernels hold their address)
+    generation = 0
+
     def _alloc(self, num_buckets: int) -> None:
+        self.generation += 1
         self.num_buckets = num_buckets
         self._shift = 64 - (num_buckets.bit_length() - 1)
         self._buckets = empty_storage((num_buckets, self.BUCKET_WORDS), torch.int32, self.device)

@@ -60,6 +60,45 @@ class RowStore(ChangeLog, RowColumns):
     _marks: torch.Tensor | None = None  # [capacity] uint8 tags of the rows with deferred stamps (0: none)
     _clock = 0
     _clock_high = 0  # the highest clock since the last load: no version written since is above it
+    #: the :class:`~dynemb.table.group.TableGroup` whose device counter holds this table's size while its grouped
+    #: lookups run (``size`` and ``inserted`` are read back from it, once for the group, when asked); or None
+    _ledger = None
+    _live = 0
+    _inserted = 0
+    #: advances whenever a column or the index is reallocated (a group's kernels hold the tensors' addresses)
+    storage_generation = 0
+
+    @property
+    def _size(self) -> int:
+        """Live rows (``size()``); read back from the device once for a whole group after grouped lookups."""
+        ledger = self._ledger
+        if ledger is not None and ledger.pending:
+            ledger.settle()
+        return self._live
+
+    @_size.setter
+    def _size(self, value: int) -> None:
+        ledger = self._ledger
+        if ledger is not None:
+            if ledger.pending:
+                ledger.settle()
+            ledger.stale = True  # the host's count is the truth now: the group uploads it before its next call
+        self._live = value
+
+    @property
+    def inserted(self) -> int:
+        """Keys inserted (a counter of ``size == inserted - removed - evicted``); settled as ``size`` is."""
+        ledger = self._ledger
+        if ledger is not None and ledger.pending:
+            ledger.settle()
+        return self._inserted
+
+    @inserted.setter
+    def inserted(self, value: int) -> None:
+        ledger = self._ledger
+        if ledger is not None and ledger.pending:
+            ledger.settle()
+        self._inserted = value
 
     @property
     def clock(self) -> int:
@@ -106,6 +145,7 @@ class RowStore(ChangeLog, RowColumns):
     @_cols.setter
     def _cols(self, columns: dict) -> None:
         self._columns = columns
+        self.storage_generation += 1
 
     def _column(self, name: str) -> torch.Tensor:
         return self._columns[name]  # keys, values and slots: deferred stamps never touch them
@@ -173,6 +213,7 @@ class RowStore(ChangeLog, RowColumns):
             return
         self._cols[key] = empty_storage((self.capacity, dim), dtype, self.device).fill_(init)
         self._slot_init[name] = init
+        self.storage_generation += 1
 
     @property
     def capacity(self) -> int:
