@@ -68,7 +68,8 @@ class TableGroup:
     Args:
         tables: the tables, in a fixed order: table ``t`` is row ``t`` of the kernels' ``meta``.
         slots: for each table, the slot names its optimizer's kernel reads, in the kernel's order (at most two;
-            ``()`` without an optimizer).
+            ``()`` without an optimizer). New rows get every one of them at its initial value; a table with a slot
+            not named here runs its own lookups (:meth:`admit`), whose inserts initialize all of them.
 
     Raises:
         ValueError: a table the group cannot hold, or tables of different group keys.
@@ -97,6 +98,7 @@ class TableGroup:
         self._signature: tuple | None = None
         self.meta = self.fmeta = None
         self._headroom: list[int] = []
+        self._covered: list[bool] = []
 
     def __len__(self) -> int:
         return len(self.tables)
@@ -133,10 +135,11 @@ class TableGroup:
     def admit(self, counts: dict[int, int]) -> list[int]:
         """Make room for a call that passes ``counts[t]`` keys to table ``t`` and return the tables that can run in
         it (every key of theirs could be new: rows, bound and index load hold them); the others must run their own
-        lookup this call (a bounded table that would evict). Settles (one read) and grows tables only when the
-        bound says a table might run out."""
+        lookup this call (a bounded table that would evict, a table with a slot the group does not fill). Settles
+        (one read) and grows tables only when the bound says a table might run out."""
         self._attach()
         self._refresh()
+        counts = {t: n for t, n in counts.items() if self._covered[t]}
         short = [t for t, n in counts.items() if self._bound[t] + n > self._headroom[t]]
         if not short:
             return list(counts)
@@ -181,6 +184,7 @@ class TableGroup:
         if signature == self._signature:
             return
         rows, frows, headroom = [], [], []
+        self._covered = [set(table.slot_names) <= set(slots) for table, slots in zip(self.tables, self.slots)]
         for table, slots in zip(self.tables, self.slots):
             row, frow = _meta_row(table, slots)
             rows.append(row)

@@ -1,0 +1,189 @@
+"""Grouped execution of a collection's training lookups (one call of each group kernel for a group of tables)
+against the per-table path on the torch backend, its reference: every optimizer, mixed dims, both key dtypes,
+combiners, weights, multi-hot bags; tables that leave the group for a call (a bound they would pass, rows moved
+between forward and backward) or never join it (frozen, step mode, lfu, admission, static); and a table trains the
+same alone as in a group.
+
+Without a GPU they run under Triton's interpreter on CPU tensors (the repository's conftest.py sets it up)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import dynemb  # noqa: E402
+from dynemb import EmbeddingCollection, FeatureConfig, TableConfig  # noqa: E402
+from dynemb.functional import grouped  # noqa: E402
+from dynemb.kernels import use_backend  # noqa: E402
+
+pytestmark = pytest.mark.triton
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+OPTIMIZERS = {
+    "sgd": lambda: dynemb.optim.SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, fused=True),
+    "sgd_plain": lambda: dynemb.optim.SGD(lr=0.1, fused=True),
+    "adagrad": lambda: dynemb.optim.Adagrad(lr=0.1, lr_decay=0.01, weight_decay=0.01, fused=True),
+    "rowwise_adagrad": lambda: dynemb.optim.RowWiseAdagrad(lr=0.1, weight_decay=0.01, fused=True),
+    "adam": lambda: dynemb.optim.Adam(lr=0.05, fused=True),
+    "ftrl": lambda: dynemb.optim.FTRL(lr=0.05, l1=0.001, l2=0.01, fused=True),
+}
+
+
+def _collection(opt: str, names=("a", "b", "c", "d"), **extra) -> EmbeddingCollection:
+    spec = OPTIMIZERS[opt]
+    tables = {"a": TableConfig(name="a", dim=4, optimizer=spec(), seed=1, init_capacity=16),
+              "b": TableConfig(name="b", dim=8, optimizer=spec(), seed=2, key_dtype=torch.int32, combiner="sqrtn"),
+              "c": TableConfig(name="c", dim=3, optimizer=spec(), seed=3, initializer=0.25, combiner="mean"),
+              "d": TableConfig(name="d", dim=4, optimizer=spec(), seed=4, init_capacity=16)}
+    tables.update(extra)
+    features = {"a": [FeatureConfig(name="a1", table="a"), FeatureConfig(name="a2", table="a", combiner="mean")],
+                "b": [FeatureConfig(name="b1", table="b")], "c": [FeatureConfig(name="c1", table="c")],
+                "d": [FeatureConfig(name="d1", table="d")]}
+    picked = [tables[n] for n in names]
+    return EmbeddingCollection(picked, [f for n in names for f in features.get(n, [FeatureConfig(name=f"{n}1",
+                                                                                                table=n)])],
+                               device=DEVICE)
+
+
+def _batch(step: int, names) -> tuple[dict, dict]:
+    g = torch.Generator().manual_seed(step)
+    ids = {"a1": torch.randint(0, 60, (5,), generator=g),
+           "a2": torch.randint(-(2**62), 2**62, (5, 3), generator=g),
+           "b1": (torch.randint(-(2**31), 2**31 - 1, (9,), generator=g, dtype=torch.int32),
+                  torch.tensor([0, 2, 2, 5, 6]), torch.rand(9, generator=g)),
+           "c1": torch.randint(0, 40, (5, 2), generator=g),
+           "d1": torch.randint(0, 10 + 20 * step, (5,), generator=g)}
+    batch = {f: v for f, v in ids.items() if f[0] in names or f[:-1] in names}
+    return {f: tuple(x.to(DEVICE) for x in v) if isinstance(v, tuple) else v.to(DEVICE) for f, v in batch.items()}, \
+        {f: 1.0 + i for i, f in enumerate(ids) if f in batch}  # each feature's own loss weight
+
+
+def _train(ec: EmbeddingCollection, steps, names) -> None:
+    for step in steps:
+        batch, scale = _batch(step, names)
+        out = ec(batch)
+        sum((o * scale[f]).square().sum() for f, o in out.items()).backward()
+        ec.optimizer.step()
+        ec.optimizer.zero_grad()
+
+
+def _state(ec: EmbeddingCollection, name: str) -> dict:
+    rows = ec.embeddings[name].table.export()
+    return {"keys": rows.keys, "values": rows.values, "scores": rows.scores, **rows.slots}
+
+
+def _close(a: dict, b: dict, exact: bool = False) -> None:
+    assert torch.equal(a["keys"], b["keys"]) and torch.equal(a["scores"], b["scores"])  # rows in the same order
+    for col in a:
+        if exact:
+            assert torch.equal(a[col], b[col]), col
+        else:
+            torch.testing.assert_close(a[col], b[col], rtol=1e-5, atol=1e-6)
+
+
+def _spied(monkeypatch) -> list:
+    """Calls of the grouped path (a table count a call)."""
+    calls = []
+    real = grouped.GroupedLookup.pooled
+
+    def spy(self, lookups):
+        got = real(self, lookups)
+        calls.append(len(got))
+        return got
+    monkeypatch.setattr(grouped.GroupedLookup, "pooled", spy)
+    return calls
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_grouped_training_is_the_per_table_path(monkeypatch, opt):
+    calls = _spied(monkeypatch)
+    results = {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            ec = _collection(opt)
+            _train(ec, range(5), "abcd")
+            results[backend] = ec
+    # triton: every table, every step, in its group (int32 "b" in one of its own)
+    assert results["triton"].plan.describe_groups() == [["a", "c", "d"], ["b"]] and sum(calls[-10:]) == 20
+    for name in "abcd":
+        _close(_state(results["torch"], name), _state(results["triton"], name))
+        assert results["torch"].embeddings[name].table.clock == results["triton"].embeddings[name].table.clock
+    assert results["torch"].optimizer.state_dict() == results["triton"].optimizer.state_dict()
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgd"])
+def test_a_table_trains_the_same_alone_or_in_a_group(opt):
+    with use_backend("triton"):
+        together = _collection(opt)
+        _train(together, range(5), "abcd")
+        for name in "abcd":
+            alone = _collection(opt, (name,))
+            _train(alone, range(5), name)
+            _close(_state(alone, name), _state(together, name), exact=True)
+            assert alone.optimizer.state_dict()["optimizers"][name] == \
+                together.optimizer.state_dict()["optimizers"][name]
+
+
+def test_tables_outside_the_group_run_beside_it(monkeypatch):
+    calls = _spied(monkeypatch)
+    extra = {"lfu": TableConfig(name="lfu", dim=4, optimizer=OPTIMIZERS["adagrad"](), eviction="lfu", max_capacity=30,
+                                seed=5),
+             "adm": TableConfig(name="adm", dim=4, optimizer=OPTIMIZERS["adagrad"](), admission=2, seed=6),
+             "stat": TableConfig(name="stat", dim=4, vocabulary_size=60, optimizer=OPTIMIZERS["adagrad"](), seed=7),
+             "step": TableConfig(name="step", dim=4, optimizer=dynemb.optim.Adagrad(lr=0.1), seed=8),
+             "bound": TableConfig(name="bound", dim=4, optimizer=OPTIMIZERS["adagrad"](), max_capacity=40, seed=9,
+                                  eviction="lru")}
+    names = ("a", "d", *extra)
+    results = {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            ec = _collection("adagrad", names, **extra)
+            if backend == "triton":
+                assert ec.plan.describe_groups() == [["a", "d", "bound"]]
+            ec.embeddings["d"].requires_grad_(False)  # frozen: read-only, its own lookups
+            for step in range(6):
+                g = torch.Generator().manual_seed(step)
+                batch = {f"{n}1": torch.randint(0, 60, (6, 2), generator=g).to(DEVICE) for n in extra}
+                batch.update({"a1": torch.randint(0, 60, (6,), generator=g).to(DEVICE),
+                              "d1": torch.randint(0, 60, (6,), generator=g).to(DEVICE)})
+                sum(o.square().sum() for o in ec(batch).values()).backward()
+                ec.optimizer.step()
+                ec.optimizer.zero_grad()
+            results[backend] = ec
+    assert calls and calls[-1] == 1  # the bound table passed its bound's room: only "a" ran grouped at the end
+    for name in names:
+        _close(_state(results["torch"], name), _state(results["triton"], name))
+    assert results["triton"].embeddings["bound"].table.evicted > 0
+
+
+def test_rows_moved_between_forward_and_backward_are_found_again():
+    results = {}
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            ec = _collection("adagrad", ("a", "d"))
+            _train(ec, range(3), "ad")
+            batch, _ = _batch(3, "ad")
+            out = ec(batch)
+            ec.embeddings["a"].table.erase(batch["a1"][:2])  # compaction moves other rows of "a"
+            sum(o.square().sum() for o in out.values()).backward()
+            results[backend] = ec
+    for name in "ad":
+        _close(_state(results["torch"], name), _state(results["triton"], name))
+
+
+def test_sizes_counters_and_checkpoints_after_grouped_steps(tmp_path):
+    with use_backend("triton"):
+        ec = _collection("adam")
+        _train(ec, range(4), "abcd")
+        sizes = {n: len(ec.embeddings[n]) for n in "abcd"}
+        dynemb.checkpoint.save(tmp_path, ec, step=4)
+        again = _collection("adam")
+        dynemb.checkpoint.load(tmp_path, again)
+        _train(ec, range(4, 7), "abcd")
+        _train(again, range(4, 7), "abcd")
+    for name in "abcd":
+        table = ec.embeddings[name].table
+        assert table.size() == table.inserted - table.removed - table.evicted >= sizes[name] > 0
+        _close(_state(ec, name), _state(again, name), exact=True)
