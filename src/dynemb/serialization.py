@@ -54,7 +54,7 @@ from typing import Any, Mapping, TypeVar
 import torch
 
 __all__ = ["Serializable", "serializable", "from_dict", "registered", "lookup", "type_name", "NotSerializableError",
-           "dtype_name", "parse_dtype", "TYPE"]
+           "dtype_name", "parse_dtype", "canonical_dtype", "TYPE"]
 
 #: The key that names a config's type in its dict.
 TYPE = "type"
@@ -114,6 +114,20 @@ def parse_dtype(value, what: str = "dtype") -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"{what} must name one of the dtypes {sorted(_DTYPES)}, got {value!r}")
     return _DTYPES[name]
+
+
+def canonical_dtype(value):
+    """The canonical name of a dtype or of any spelling :func:`parse_dtype` reads (``"torch.float32"`` ->
+    ``"float32"``); anything else is returned as it is, for a comparison to report.
+
+    Example:
+        >>> canonical_dtype("torch.int32"), canonical_dtype(torch.bfloat16), canonical_dtype("complex")
+        ('int32', 'bfloat16', 'complex')
+    """
+    try:
+        return dtype_name(parse_dtype(value))
+    except (TypeError, ValueError):
+        return value
 
 
 def serializable(name: str, *, aliases: tuple = (), nested: tuple = ()):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..distributed.plan import ShardingKind
+from ..serialization import dtype_name
 from ..table.checks import VALUE_DTYPES, check_dtype
 from ..table.initializers import resolve_initializer
 from . import lineage
@@ -89,8 +90,8 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
         >>> tmp = tempfile.TemporaryDirectory()
         >>> out = export_for_serving(tmp.name, emb, dtype=torch.float16)
         >>> table = json.loads((out / "manifest.json").read_text())["tables"]["embedding"]
-        >>> table["rows"], table["dtype"]
-        (2, 'torch.float16')
+        >>> table["rows"], table["dtype"], table["initializer"]["type"]
+        (2, 'float16', 'uniform')
         >>> tmp.cleanup()
     """
     if not isinstance(model, nn.Module):
@@ -212,7 +213,7 @@ def manifest_digest(manifest: dict) -> str:
 
 
 def _fields(cfg, dtype: torch.dtype) -> dict:
-    return {"dim": cfg.dim, "dtype": str(dtype), "key_dtype": str(cfg.key_dtype)}
+    return {"dim": cfg.dim, "dtype": dtype_name(dtype), "key_dtype": dtype_name(cfg.key_dtype)}
 
 
 def read_export(path) -> tuple[dict, dict]:

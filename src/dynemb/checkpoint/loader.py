@@ -21,8 +21,8 @@ from .progress import logger, transfer
 from .ranks import RankContext, merge_states, rank_context
 from .saver import STREAM
 from .stream import StreamedShard, stream_into, verify_sources
-from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, apply_delta, check_shard, find_tables, restore, \
-    table_config, table_rows
+from .tables import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, apply_delta, canonical_config, check_shard, find_tables, \
+    restore, table_config, table_rows
 from .tensorfile import read_tensors
 
 __all__ = ["load"]
@@ -135,7 +135,7 @@ def _matching_tables(manifest: dict, directory: Path, tables: dict, strict: bool
 
 
 def _check_config(saved: dict, shard, directory: Path, name: str, strict: bool) -> None:
-    config, mine = saved["config"], table_config(shard)
+    config, mine = canonical_config(saved["config"]), table_config(shard)
     where = f"{directory / saved['shards'][0]['file']}: table {name!r}"
     fields = _ALWAYS_MATCH + (_STRICT_MATCH if strict else ())
     for field in fields:

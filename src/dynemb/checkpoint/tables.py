@@ -20,12 +20,13 @@ from torch import nn
 from ..collection import EmbeddingCollection
 from ..collection.plan import TableShard, whole_table
 from ..embedding import DynamicEmbedding, StaticEmbedding
+from ..serialization import canonical_dtype, dtype_name, lookup, type_name
 from ..table import Rows, TieredTable
 from ..table.ops import gather_rows
 from .errors import CheckpointError
 from .stream import tiered_columns, tiered_delta_columns
 
-__all__ = ["find_tables", "table_config", "counters", "columns", "delta_columns", "check_shard", "apply_delta",
+__all__ = ["find_tables", "table_config", "canonical_config", "counters", "columns", "delta_columns", "check_shard", "apply_delta",
            "restore", "shard_file", "ROOT_NAME", "COUNTERS"]
 
 #: Table name used when the model itself is a DynamicEmbedding (its module name is empty).
@@ -70,18 +71,45 @@ def shard_file(index: int, name: str, rank: int, world_size: int, suffix: str = 
 
 
 def table_config(shard: TableShard) -> dict:
-    """The table's config as saved: dim, dtypes, vocabulary, policy, initializer, seed, slots, admission."""
+    """The table's config as saved: dim, dtypes, vocabulary, policy, initializer, seed, slots, admission.
+
+    Dtypes are named by :func:`~dynemb.serialization.dtype_name`, the initializer and admission filter are their
+    ``describe()`` records (``to_dict()``; a callable initializer by name)."""
     cfg, t = shard.config, shard.table
-    config = {"dim": cfg.dim, "key_dtype": str(cfg.key_dtype), "dtype": str(t.dtype),  # .half() casts the table
+    config = {"dim": cfg.dim, "key_dtype": dtype_name(cfg.key_dtype), "dtype": dtype_name(t.dtype),  # .half() casts
               "vocabulary_size": cfg.vocabulary_size, "max_capacity": cfg.max_capacity,
               "eviction": t.policy.value if cfg.vocabulary_size is None else None,
               "initializer": t.initializer.describe(), "seed": shard.seed,
-              "slots": {n: {"dim": t.slot(n).shape[1], "dtype": str(t.slot(n).dtype)} for n in t.slot_names}}
+              "slots": {n: {"dim": t.slot(n).shape[1], "dtype": dtype_name(t.slot(n).dtype)} for n in t.slot_names}}
     if getattr(t, "admission", None) is not None:
         config["admission"] = t.admission.describe()
     if config["eviction"] == "decayed_lfu":  # its scores are in units of the half-life
         config["half_life"] = t.half_life
     return config
+
+
+def canonical_config(config: dict) -> dict:
+    """A saved table config (a manifest's ``config``, or an export entry) as this dynemb writes it, for comparing.
+
+    The reader of the older shape: manifests of format version 2 wrote dtypes as ``str(dtype)``
+    (``"torch.float32"``) and named initializers by class (``{"type": "Uniform", ...}``); both become today's
+    names (``"float32"``, ``"uniform"``). Values that name nothing known are kept as they are, for the comparison
+    to report.
+    """
+    if not isinstance(config, dict):
+        return config
+    out = dict(config)
+    for field in ("dtype", "key_dtype"):
+        if field in out:
+            out[field] = canonical_dtype(out[field])
+    if isinstance(out.get("slots"), dict):
+        out["slots"] = {n: {**s, "dtype": canonical_dtype(s.get("dtype"))} if isinstance(s, dict) else s
+                        for n, s in out["slots"].items()}
+    for field in ("initializer", "admission"):
+        record = out.get(field)
+        if isinstance(record, dict) and lookup(record.get("type")) is not None:
+            out[field] = {**record, "type": type_name(lookup(record["type"]))}
+    return out
 
 
 def counters(table) -> dict:
@@ -148,12 +176,13 @@ def check_shard(cols: dict, config: dict, file, *, delta: bool) -> int:
     if KEYS not in cols or cols[KEYS].dim() != 1:
         raise CheckpointError(f"{file}: tensor 'keys' is missing or not 1-D")
     n = cols[KEYS].shape[0]
+    config = canonical_config(config)
     expected = {KEYS: (config["key_dtype"], [n]), VALUES: (config["dtype"], [n, config["dim"]]),
-                SCORES: ("torch.int64", [n])}
+                SCORES: ("int64", [n])}
     expected.update({SLOT + s: (spec["dtype"], [n, spec["dim"]]) for s, spec in config["slots"].items()})
     if ADMISSION_KEYS in cols or ADMISSION_COUNTS in cols:
         m = len(cols.get(ADMISSION_KEYS, ()))
-        expected.update({ADMISSION_KEYS: (config["key_dtype"], [m]), ADMISSION_COUNTS: ("torch.int64", [m])})
+        expected.update({ADMISSION_KEYS: (config["key_dtype"], [m]), ADMISSION_COUNTS: ("int64", [m])})
     if delta:
         expected[DELETED] = (config["key_dtype"], [len(cols.get(DELETED, ()))])
         if ORDER in cols:
@@ -164,8 +193,9 @@ def check_shard(cols: dict, config: dict, file, *, delta: bool) -> int:
         if name not in cols:
             raise CheckpointError(f"{file}: tensor {name!r} is missing")
         got, (dtype, shape) = cols[name], expected[name]
-        if str(got.dtype) != dtype or list(got.shape) != shape:
-            raise CheckpointError(f"{file}: tensor {name!r} is {got.dtype} {list(got.shape)}, expected {dtype} {shape}")
+        if canonical_dtype(got.dtype) != dtype or list(got.shape) != shape:
+            raise CheckpointError(f"{file}: tensor {name!r} is {canonical_dtype(got.dtype)} {list(got.shape)}, "
+                                  f"expected {dtype} {shape}")
     return n
 
 

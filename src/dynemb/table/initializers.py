@@ -197,8 +197,8 @@ class CallableInitializer(Initializer):
     @classmethod
     def from_dict(cls, data, where: str | None = None):
         name = data.get("name") if isinstance(data, dict) else None
-        raise NotSerializableError(f"{where or 'initializer'} was a Python callable ({name}); a callable cannot be "
-                                   "rebuilt from a file")
+        raise NotSerializableError(f"{where or 'initializer'} is the Python callable {name!r} (a callable is not "
+                                   "data: no file can rebuild it)")
 
     def __call__(self, keys, dim, dtype, seed):
         n = keys.numel()
