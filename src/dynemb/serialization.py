@@ -224,10 +224,10 @@ class Serializable:
             TypeError: ``data`` is not a dict. ValueError: an unknown type, another class's type, an unknown field
             or a missing required one (the message names it). The constructor's own errors for bad values.
         """
-        return _decode(data, where or cls.__name__, cls)
+        return _decode(data, where, cls)
 
 
-def from_dict(data: Mapping, where: str = "config"):
+def from_dict(data: Mapping, where: str | None = None):
     """The registered config that ``data`` describes; its ``"type"`` picks the class.
 
     Raises:
@@ -284,24 +284,27 @@ def _encode(value, where: str):
 _NONE = object()
 
 
-def _decode(data, where: str, expected: type | None):
+def _decode(data, where: str | None, expected: type | None):
+    """``where`` names the dict in errors; None: the class asked for, or the one its type names."""
+    label = where or (expected.__name__ if expected is not None else "config")
     if not isinstance(data, Mapping):
-        raise TypeError(f"{where} must be a dict (a config's to_dict()), got {type(data).__name__}")
+        raise TypeError(f"{label} must be a dict (a config's to_dict()), got {type(data).__name__}")
     kind = data.get(TYPE)
     if kind is None:
         if expected is None or type_name(expected) is None:
             choices = sorted(registered(expected or object))
-            raise ValueError(f"{where}: no {TYPE!r}; expected one of {choices}")
+            raise ValueError(f"{label}: no {TYPE!r}; expected one of {choices}")
         cls = expected
     else:
         cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
         if cls is None:
-            raise ValueError(f"{where}: unknown {TYPE} {kind!r}; this dynemb knows "
+            raise ValueError(f"{label}: unknown {TYPE} {kind!r}; this dynemb knows "
                              f"{sorted(registered(expected or object))} (a file written by a newer dynemb?)")
         if expected is not None and not issubclass(cls, expected):
-            raise ValueError(f"{where}: {TYPE} {kind!r} is a {cls.__name__}, expected a {expected.__name__}")
+            raise ValueError(f"{label}: {TYPE} {kind!r} is a {cls.__name__}, expected a {expected.__name__}")
         if cls.__dict__.get("from_dict") is not None and cls is not expected:
             return cls.from_dict(data, where)  # a class that reads its dicts its own way
+    where = where or cls.__name__
     fields = {k: v for k, v in data.items() if k != TYPE}
     accepted = _accepted(cls)
     unknown = sorted(set(fields) - set(accepted))
