@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Iterable
 
 import torch
@@ -136,7 +137,7 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
         (``"sgd"``, ``"adagrad"``, ``"rowwise_adagrad"``, ``"adam"``, ``"ftrl"``), which the kernels,
         ``TrainConfig.optimizer``, the CLI and saved state use; None for one of no registered kind
         (``OptimizerWrapper``)."""
-        return next((k for c in type(self).__mro__ if (k := type_name(c)) is not None), None)
+        return _kind_of(type(self))
 
     @property
     def name(self) -> str:
@@ -289,6 +290,12 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
         for group, saved in zip(self.param_groups, groups):
             group.update(_as_before(group, saved))
         self._scalars = [dict(s) for s in state["tables"]]
+
+
+@functools.cache
+def _kind_of(cls: type) -> str | None:
+    """The type name of ``cls`` or of its nearest registered base (once per class: kernel_args asks every update)."""
+    return next((k for c in cls.__mro__ if (k := type_name(c)) is not None), None)
 
 
 def _as_before(current: dict, saved: dict) -> dict:
