@@ -26,8 +26,8 @@ from ..table.ops import gather_rows
 from .errors import CheckpointError
 from .stream import tiered_columns, tiered_delta_columns
 
-__all__ = ["find_tables", "table_config", "canonical_config", "counters", "columns", "delta_columns", "check_shard", "apply_delta",
-           "restore", "shard_file", "ROOT_NAME", "COUNTERS"]
+__all__ = ["find_tables", "table_config", "canonical_config", "counters", "columns", "delta_columns", "check_shard",
+           "apply_delta", "restore", "shard_file", "ROOT_NAME", "COUNTERS"]
 
 #: Table name used when the model itself is a DynamicEmbedding (its module name is empty).
 ROOT_NAME = "embedding"

@@ -188,8 +188,9 @@ class FeatureConfig(Serializable):
     name).
 
     Example:
-        >>> FeatureConfig(name="clicked", table="item", combiner="sum").to_dict()
-        {'type': 'feature', 'name': 'clicked', 'table': 'item', 'combiner': 'sum', 'padding_value': None, 'max_norm': None}
+        >>> FeatureConfig(name="clicked", table="item", combiner="sum").to_dict()  # doctest: +NORMALIZE_WHITESPACE
+        {'type': 'feature', 'name': 'clicked', 'table': 'item', 'combiner': 'sum', 'padding_value': None,
+         'max_norm': None}
     """
 
     name: str

@@ -177,7 +177,8 @@ class FTRL(SparseOptimizer):
                          initial_accumulator_value=initial_accumulator_value, l1=l1, l2=l2)
 
     def kernel_args(self, group, scalars):
-        return self.kind, (group["lr"], -group["learning_rate_power"], group["l1"], group["l2"]), ("accumulator", "linear")
+        hparams = (group["lr"], -group["learning_rate_power"], group["l1"], group["l2"])
+        return self.kind, hparams, ("accumulator", "linear")
 
     def _update(self, table, rows, grad, group, scalars):
         power = -group["learning_rate_power"]
