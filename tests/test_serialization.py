@@ -27,12 +27,12 @@ from dynemb.serialization import (NotSerializableError, Serializable, canonical_
                                   parse_dtype, registered)
 from dynemb.serving.config import ModelConfig, ServerConfig
 from dynemb.table import Constant, FrequencyAdmission, Initializer, Normal, Tiers, TruncatedNormal, Uniform
-from dynemb.table.checks import KEY_DTYPES, VALUE_DTYPES
 from dynemb.table.initializers import CallableInitializer
 from dynemb.table.policy import EvictionPolicy
 from dynemb.train import TrainConfig
 
 SRC = Path(dynemb.__file__).resolve().parent
+KEY_DTYPES, VALUE_DTYPES = (torch.int32, torch.int64), (torch.float32, torch.float16, torch.bfloat16)
 EXAMPLES = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 floats = st.floats(allow_nan=False, allow_infinity=False)
