@@ -9,6 +9,7 @@ import torch
 
 import dynemb
 from dynemb import DynamicEmbedding, EmbeddingCollection, FeatureConfig, StaticEmbedding, TableConfig
+from dynemb.serialization import dtype_name
 from dynemb.table import Tiers
 
 
@@ -330,11 +331,11 @@ def test_state_dict_into_module_with_wrong_dim_or_dtype(key_dtype, device, fails
         (DynamicEmbedding(8, key_dtype=key_dtype, **bounded), "dim is 4 in the state dict but 8"),
         (
             DynamicEmbedding(4, key_dtype=key_dtype, dtype=torch.float16, **bounded),
-            "dtype is torch.float32 in the state dict but torch.float16",
+            "dtype is float32 in the state dict but float16",
         ),
         (
             DynamicEmbedding(4, key_dtype=other_key, **bounded),
-            f"key_dtype is {key_dtype} in the state dict but {other_key}",
+            f"key_dtype is {dtype_name(key_dtype)} in the state dict but {dtype_name(other_key)}",
         ),
     ]
     for dst, message in cases:
@@ -454,7 +455,7 @@ def test_dtype_casts_convert_the_rows_and_keep_slots_float32(kind, cast, via_col
     apply, dtype = CASTS[cast]
     assert apply(owner) is owner
     rows = module.table.export()
-    assert module.table.dtype == dtype and module.config()["dtype"] == str(dtype)
+    assert module.table.dtype == dtype and module.config()["dtype"] == dtype_name(dtype)
     assert rows.values.dtype == dtype and torch.equal(rows.values, before.values.to(dtype))
     assert all(s.dtype == torch.float32 and torch.equal(s, before.slots[n]) for n, s in rows.slots.items())
     out = lookup(ids)

@@ -22,6 +22,7 @@ DOC = ROOT / "docs" / "architecture.md"
 LAYERS = (
     "kernels",
     "_version",
+    "serialization",
     "checks",
     "table",
     "functional",

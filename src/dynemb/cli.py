@@ -20,7 +20,6 @@ from pathlib import Path
 __all__ = ["main", "build_parser"]
 
 EVICTIONS = ("lru", "lfu", "epoch_lru", "epoch_lfu", "decayed_lfu")
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
 DEFAULT_PATIENCE = 5  # = dynemb.train.DEFAULT_PATIENCE (not imported: `--help` stays free of torch)
 MODEL_DEFAULTS = {"batch_size": 512, "dim": 16, "optimizer": "adagrad", "lr": 0.05, "max_capacity": None,
                   "eviction": None, "admission": None}
@@ -29,6 +28,14 @@ MODEL_DEFAULTS = {"batch_size": 512, "dim": 16, "optimizer": "adagrad", "lr": 0.
 _EXTRAS = {"pyarrow": "data", "xxhash": "data", "matplotlib": "plot", "triton": "gpu",
            **dict.fromkeys(["redis", "rocksdict", "lmdb", "starlette", "uvicorn", "httptools", "uvloop", "orjson",
                             "simdjson"], "serving")}
+
+
+def _optimizer_kinds() -> tuple:
+    """The sparse optimizers' kinds, from the config registry (the one place that names them)."""
+    from .optim import SparseOptimizer
+    from .serialization import registered
+
+    return tuple(registered(SparseOptimizer))
 
 
 class CliError(Exception):
@@ -304,7 +311,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     model.description = "with --resume, an option not given keeps the run's value (one given must equal it)"
     model.add_argument("--batch-size", type=int, help="samples per step (default: 512)")
     model.add_argument("--dim", type=int, help="embedding width (default: 16)")
-    model.add_argument("--optimizer", choices=OPTIMIZERS, help="sparse optimizer of the tables (default: adagrad)")
+    model.add_argument("--optimizer", choices=_optimizer_kinds(),
+                       help="sparse optimizer of the tables (default: adagrad)")
     model.add_argument("--lr", type=float, help="learning rate of the tables (the MLPs use Adam, 1e-3) (default: "
                        "0.05)")
     model.add_argument("--max-capacity", type=int, metavar="ROWS", help="rows per table; evicts beyond it "

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .functional.ops import register_table
+from .serialization import canonical_dtype, dtype_name
 from .table import EvictionPolicy, KeyValueTable, Rows, TieredTable, Tiers
 from .table.admission import FrequencyAdmission
 from .table.static import StaticTable
@@ -261,8 +262,8 @@ class DynamicEmbedding(_TableModule):
         return {
             "format": _FORMAT,
             "dim": t.dim,
-            "key_dtype": str(t.key_dtype),
-            "dtype": str(t.dtype),
+            "key_dtype": dtype_name(t.key_dtype),
+            "dtype": dtype_name(t.dtype),
             "max_capacity": t.max_capacity,
             "eviction": t.policy.value,
             "half_life": t.half_life,
@@ -296,7 +297,8 @@ class DynamicEmbedding(_TableModule):
         extra = state_dict[prefix + "_extra_state"]
         config = extra["config"]
         for field in ("dim", "key_dtype", "dtype"):
-            if config[field] != self.config()[field]:
+            saved = config[field] if field == "dim" else canonical_dtype(config[field])  # or str(dtype), as of 0.1
+            if saved != self.config()[field]:
                 errors.append(
                     f"{prefix}: {field} is {config[field]} in the state dict but {self.config()[field]} in this "
                     f"DynamicEmbedding"
@@ -354,7 +356,7 @@ class StaticEmbedding(_TableModule):
 
     def config(self) -> dict:
         t = self.table
-        return {"format": _FORMAT, "dim": t.dim, "key_dtype": str(t.key_dtype), "dtype": str(t.dtype),
+        return {"format": _FORMAT, "dim": t.dim, "key_dtype": dtype_name(t.key_dtype), "dtype": dtype_name(t.dtype),
                 "vocabulary_size": t.num_rows, "initializer": t.initializer.describe(), "seed": t.seed}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

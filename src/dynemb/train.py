@@ -27,19 +27,21 @@ from .data.batch import Batch
 from .data.metrics import held_out_auc
 from .models import DLRM, dlrm_tables
 from .checks import check_int
+from .serialization import Serializable, registered, serializable
 
 __all__ = ["TrainConfig", "Trainer", "History", "SPARSE_OPTIMIZERS", "DEFAULT_PATIENCE", "build_dlrm"]
 
 DEFAULT_PATIENCE = 5
 """Evaluations without improvement before training stops (see ``TrainConfig.patience``)."""
 
-SPARSE_OPTIMIZERS = {"sgd": optim.SGD, "adagrad": optim.Adagrad, "rowwise_adagrad": optim.RowWiseAdagrad,
-                     "adam": optim.Adam, "ftrl": optim.FTRL}
+SPARSE_OPTIMIZERS = registered(optim.SparseOptimizer)
+"""The sparse optimizers by kind (``"sgd"``, ``"adagrad"``, ...): the registry's (:mod:`dynemb.serialization`)."""
 
 
+@serializable("train")
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Training settings.
+class TrainConfig(Serializable):
+    """Training settings; ``to_dict()``/``from_dict()`` write and read them (the model card's ``config``).
 
     Attributes:
         steps: most training steps (``None``: until the batches run out).

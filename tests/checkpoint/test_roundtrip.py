@@ -128,8 +128,8 @@ def test_files_are_standard_safetensors_and_json(tmp_path):
     manifest = json.loads((directory / "manifest.json").read_text())
     shard = manifest["tables"]["user"]["shards"][0]
     assert shard["rank"] == 0 and "rank-00000-of-00001" in shard["file"]
-    assert manifest["world_size"] == 1 and manifest["partitioner"] == "mod" and manifest["format_version"] == 2
-    assert manifest["tables"]["item"]["config"]["key_dtype"] == "torch.int32"
+    assert manifest["world_size"] == 1 and manifest["partitioner"] == "mod" and manifest["format_version"] == 3
+    assert manifest["tables"]["item"]["config"]["key_dtype"] == "int32"
     tensors = safetensors.torch.load_file(directory / shard["file"])
     assert torch.equal(tensors["values"], trained.user.table.export().values)
     dense = safetensors.torch.load_file(directory / "dense.safetensors")

@@ -38,9 +38,9 @@ def test_full_export_has_keys_and_values_only(tmp_path, dtype):
     assert manifest["format"] == "dynemb.serving" and manifest["version"] == 1 and manifest["kind"] == "full"
     assert json.loads((tmp_path / "latest").read_text())["name"] == "version-00000001"
     user = manifest["tables"]["user"]
-    assert (user["dim"], user["dtype"], user["key_dtype"]) == (8, str(dtype), "torch.int64")
+    assert (user["dim"], user["dtype"], user["key_dtype"]) == (8, str(dtype).removeprefix("torch."), "int64")
     assert user["rows"] == user["size"] == len(model.user)
-    assert user["seed"] == model.user.table.seed and user["initializer"]["type"] == "Uniform"
+    assert user["seed"] == model.user.table.seed and user["initializer"]["type"] == "uniform"
     keys, values, deleted = tables["user"]
     rows = model.user.table.export()
     assert torch.equal(keys, rows.keys) and torch.equal(values, rows.values.to(dtype)) and deleted is None

@@ -115,7 +115,8 @@ def test_constants(spec, value, key_dtype, value_dtype, device):
 def test_describe_is_json():
     for spec in ["uniform", "normal", "truncated_normal", "zeros", 0.5, lambda n, d: torch.zeros(n, d)]:
         json.dumps(resolve_initializer(spec).describe())
-    assert resolve_initializer("normal").describe() == {"type": "Normal", "mean": 0.0, "std": 0.05}
+    assert resolve_initializer("normal").describe() == {"type": "normal", "mean": 0.0, "std": 0.05}
+    assert resolve_initializer(_randn).describe() == {"type": "callable", "name": "_randn"}
 
 
 # ----------------------------------------------------------------------------------------------------------- callables

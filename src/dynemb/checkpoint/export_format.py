@@ -17,6 +17,7 @@ from torch import nn
 
 from ..distributed.plan import ShardingKind
 from ..checks import VALUE_DTYPES, check_dtype
+from ..serialization import dtype_name
 from ..table.initializers import resolve_initializer
 from . import lineage
 from .columns import DELETED, KEYS, VALUES
@@ -90,8 +91,8 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
         >>> tmp = tempfile.TemporaryDirectory()
         >>> out = export_for_serving(tmp.name, emb, dtype=torch.float16)
         >>> table = json.loads((out / "manifest.json").read_text())["tables"]["embedding"]
-        >>> table["rows"], table["dtype"]
-        (2, 'torch.float16')
+        >>> table["rows"], table["dtype"], table["initializer"]["type"]
+        (2, 'float16', 'uniform')
         >>> tmp.cleanup()
     """
     if not isinstance(model, nn.Module):
@@ -213,7 +214,7 @@ def manifest_digest(manifest: dict) -> str:
 
 
 def _fields(cfg, dtype: torch.dtype) -> dict:
-    return {"dim": cfg.dim, "dtype": str(dtype), "key_dtype": str(cfg.key_dtype)}
+    return {"dim": cfg.dim, "dtype": dtype_name(dtype), "key_dtype": dtype_name(cfg.key_dtype)}
 
 
 def read_export(path) -> tuple[dict, dict]:

@@ -14,7 +14,7 @@ from ..optim.combined import CombinedOptimizer
 from ..table import TieredTable
 from . import lineage
 from .codec import read_state
-from .columns import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, check_shard
+from .columns import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, canonical_config, check_shard
 from .dense import check_dense
 from .errors import CheckpointError
 from .manifest import MANIFEST, chain, file_record, resolve
@@ -135,7 +135,7 @@ def _matching_tables(manifest: dict, directory: Path, tables: dict, strict: bool
 
 
 def _check_config(saved: dict, shard, directory: Path, name: str, strict: bool) -> None:
-    config, mine = saved["config"], table_config(shard)
+    config, mine = canonical_config(saved["config"]), table_config(shard)
     where = f"{directory / saved['shards'][0]['file']}: table {name!r}"
     fields = _ALWAYS_MATCH + (_STRICT_MATCH if strict else ())
     for field in fields:

@@ -13,8 +13,10 @@ __all__ = ["FORMAT", "SERVING_FORMAT", "FORMAT_VERSION", "MANIFEST", "checkpoint
 
 FORMAT = "dynemb.checkpoint"
 SERVING_FORMAT = "dynemb.serving"
-FORMAT_VERSION = 2
-#: Version 1 named tables by module path (and merged stacked tables); version 2 names the user's tables.
+FORMAT_VERSION = 3
+#: Version 1 named tables by module path (and merged stacked tables); version 2 names the user's tables; version 3
+#: writes dtypes and initializers as dynemb.serialization names them ("float32", {"type": "uniform", ...}) where
+#: version 2 wrote str(dtype) and class names, which tables.canonical_config reads.
 MIN_FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 

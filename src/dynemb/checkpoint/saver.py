@@ -24,6 +24,7 @@ from .fsutil import TMP_PREFIX, remove_dir, staging, write_json, write_pointer
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, checkpoint_name, complete, read_manifest
 from .progress import logger, transfer
 from .ranks import RankContext, rank_context
+from .columns import canonical_config
 from .tables import columns, counters, delta_columns, find_tables, shard_file, table_config
 from .tensorfile import write_tensors
 
@@ -202,12 +203,18 @@ def incremental_parent(root: Path, root_key: str, embeddings: dict[str, TableSha
             saved = read_manifest(root / parent, fmt)["tables"]
         except CheckpointError as e:
             saved, reason = {}, f"its parent is unreadable ({e})"
-        fields = {name: {k: entry.get(k) for k in current.get(name, {})} for name, entry in saved.items()}
+        fields = {name: _canonical({k: entry.get(k) for k in current.get(name, {})}) for name, entry in saved.items()}
         if reason is None and fields != current:
             reason = f"the tables or their configs (e.g. slots, dtype) changed since {parent}"
     if reason is not None:
         logger.warning("incremental %s: %s; writing a full one", what, reason)
     return parent if reason is None else None
+
+
+def _canonical(fields: dict) -> dict:
+    """Saved manifest fields of a table (its ``config``, or an export's dtypes) as this dynemb writes them: older
+    manifests spelled dtypes and initializers otherwise."""
+    return {k: canonical_config(v) if k == "config" else v for k, v in canonical_config(fields).items()}
 
 
 def _prune(root: Path, keep_last: int, current: str) -> None:

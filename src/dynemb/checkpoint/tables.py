@@ -21,6 +21,7 @@ from torch import nn
 from ..collection import EmbeddingCollection
 from ..collection.plan import TableShard, whole_table
 from ..embedding import DynamicEmbedding, StaticEmbedding
+from ..serialization import dtype_name
 from ..table import Rows, TieredTable
 from ..table.ops import gather_rows
 from .columns import ADMISSION_COUNTS, ADMISSION_KEYS, DELETED, KEYS, ORDER, SCORES, SLOT, VALUES
@@ -70,13 +71,16 @@ def shard_file(index: int, name: str, rank: int, world_size: int, suffix: str = 
 
 
 def table_config(shard: TableShard) -> dict:
-    """The table's config as saved: dim, dtypes, vocabulary, policy, initializer, seed, slots, admission."""
+    """The table's config as saved: dim, dtypes, vocabulary, policy, initializer, seed, slots, admission.
+
+    Dtypes are named by :func:`~dynemb.serialization.dtype_name`, the initializer and admission filter are their
+    ``describe()`` records (``to_dict()``; a callable initializer by name)."""
     cfg, t = shard.config, shard.table
-    config = {"dim": cfg.dim, "key_dtype": str(cfg.key_dtype), "dtype": str(t.dtype),  # .half() casts the table
+    config = {"dim": cfg.dim, "key_dtype": dtype_name(cfg.key_dtype), "dtype": dtype_name(t.dtype),  # .half() casts
               "vocabulary_size": cfg.vocabulary_size, "max_capacity": cfg.max_capacity,
               "eviction": t.policy.value if cfg.vocabulary_size is None else None,
               "initializer": t.initializer.describe(), "seed": shard.seed,
-              "slots": {n: {"dim": t.slot(n).shape[1], "dtype": str(t.slot(n).dtype)} for n in t.slot_names}}
+              "slots": {n: {"dim": t.slot(n).shape[1], "dtype": dtype_name(t.slot(n).dtype)} for n in t.slot_names}}
     if getattr(t, "admission", None) is not None:
         config["admission"] = t.admission.describe()
     if config["eviction"] == "decayed_lfu":  # its scores are in units of the half-life

@@ -14,6 +14,7 @@ import torch
 
 from ..functional import COMBINERS
 from ..optim.base import SparseOptimizer
+from ..serialization import Serializable, parse_dtype, serializable
 from ..table.admission import FrequencyAdmission
 from ..checks import KEY_DTYPES, VALUE_DTYPES, check_positive_int
 from ..table.initializers import InitializerSpec, resolve_initializer
@@ -41,8 +42,9 @@ def check_name(name, what: str) -> str:
     return name
 
 
+@serializable("table", nested=("initializer", "optimizer", "admission", "tiers"))
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TableConfig:
+class TableConfig(Serializable):
     """One embedding table.
 
     Attributes:
@@ -54,8 +56,9 @@ class TableConfig:
         optimizer: an unbound sparse optimizer spec, e.g. ``dynemb.optim.Adagrad(lr=0.1)``; each table gets its
             own bound copy, with its own step count.
         combiner: default pooling of the table's features: ``"sum"``, ``"mean"`` or ``"sqrtn"``.
-        dtype: value dtype (float32, float16, bfloat16).
-        key_dtype: id dtype (int32 or int64); every value of the dtype is a valid id of a dynamic table.
+        dtype: value dtype (float32, float16, bfloat16), or its name (``"bfloat16"``).
+        key_dtype: id dtype (int32 or int64), or its name; every value of the dtype is a valid id of a dynamic
+            table.
         max_capacity: dynamic tables: most rows kept (per rank for row-sharded tables); ``None``: unbounded.
         max_bytes: dynamic tables: the bound in bytes instead (values, slots, scores and index, per rank); see
             :mod:`dynemb.table.budget`, and :func:`split_max_bytes` to share one budget among a collection's tables.
@@ -71,6 +74,9 @@ class TableConfig:
         admission: dynamic tables: a threshold (int >= 1) or :class:`~dynemb.table.FrequencyAdmission`.
         init_capacity: rows allocated up front (dynamic tables).
         seed: initializer seed (int >= 0); ``None`` draws one from torch's RNG when the collection is built.
+
+    ``to_dict()`` / ``TableConfig.from_dict()`` (:mod:`dynemb.serialization`) save and rebuild a config made of
+    data; a callable initializer or an ``OptimizerWrapper`` (a torch class) is refused, naming the field.
 
     Example:
         >>> TableConfig(name="user", dim=8, eviction="lfu", max_capacity=1000).eviction
@@ -109,6 +115,9 @@ class TableConfig:
         check_positive_int(self.init_capacity, f"{where}.init_capacity")
         check_positive_int(self.max_bytes, f"{where}.max_bytes", allow_none=True)
         check_positive_int(self.half_life, f"{where}.half_life", allow_none=True)
+        for field in ("dtype", "key_dtype"):  # a name, as from_dict gives it, becomes the dtype
+            if isinstance(getattr(self, field), str):
+                object.__setattr__(self, field, parse_dtype(getattr(self, field), f"{where}.{field}"))
         if self.tiers is not None and not isinstance(self.tiers, Tiers):
             raise TypeError(f"{where}.tiers must be None or a dynemb.table.Tiers, got {self.tiers!r}")
         bounds = {k: v for k, v in (("max_capacity", self.max_capacity), ("max_bytes", self.max_bytes),
@@ -162,8 +171,9 @@ class TableConfig:
         return not self.is_static and (self.admission is not None or policy.value.endswith("lfu"))
 
 
+@serializable("feature", nested=("table",))
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class FeatureConfig:
+class FeatureConfig(Serializable):
     """One input feature looked up in ``table`` (a table name or its TableConfig).
 
     Attributes:
@@ -173,6 +183,14 @@ class FeatureConfig:
             ``"none"`` returns the sequence of rows without pooling.
         padding_value: for dense ``[B, M]`` inputs, entries equal to it are skipped.
         max_norm: clip each row's L2 norm before combining (float > 0).
+
+    ``to_dict()`` / ``FeatureConfig.from_dict()`` save and rebuild it, its TableConfig nested (or the table's
+    name).
+
+    Example:
+        >>> FeatureConfig(name="clicked", table="item", combiner="sum").to_dict()  # doctest: +NORMALIZE_WHITESPACE
+        {'type': 'feature', 'name': 'clicked', 'table': 'item', 'combiner': 'sum', 'padding_value': None,
+         'max_norm': None}
     """
 
     name: str

@@ -21,6 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..serialization import Serializable, serializable
+
 __all__ = ["Sharding", "ShardingKind", "auto_plan", "mod_partitioner", "resolve_plan"]
 
 Partitioner = Callable[[torch.Tensor, int], torch.Tensor]
@@ -47,9 +49,17 @@ class ShardingKind(str, enum.Enum):
         return self.value
 
 
+@serializable("sharding")
 @dataclasses.dataclass(frozen=True)
-class Sharding:
-    """How one table is sharded. ``partitioner`` applies to ``row``; ``owner`` to ``table``."""
+class Sharding(Serializable):
+    """How one table is sharded. ``partitioner`` applies to ``row``; ``owner`` to ``table``.
+
+    ``to_dict`` leaves out the default partitioner and refuses any other (a callable), naming the field.
+
+    Example:
+        >>> Sharding("table", owner=1).to_dict()
+        {'type': 'sharding', 'kind': 'table', 'owner': 1}
+    """
 
     kind: ShardingKind
     owner: Optional[int] = None

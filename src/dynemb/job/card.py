@@ -10,7 +10,7 @@ Layout::
                         {"kind": "eval", "step", "auc", "loss"} after every evaluation, then {"kind": "final", ...}
       loss_auc.png      training loss and held-out AUC by step
 
-The model card (format ``dynemb.run``, version 1) holds what scoring a new file needs: the preprocessing
+The model card (format ``dynemb.run``, version 2) holds what scoring a new file needs: the preprocessing
 (columns, dense normalization statistics from the training rows, the id rule and each column's null key), the
 training config (which fixes the model's shape), where the data came from and how it was split (and the
 ``positive_label``, when labels are not 0/1), and the final held-out metrics, which are the best model's.
@@ -40,7 +40,9 @@ CARD, CHECKPOINT, METRICS, PLOT = "model.json", "checkpoint", "metrics.jsonl", "
 CHECKPOINT_BEST = "checkpoint-best"
 USES = ("best", "last")
 """Which model of a run the scoring commands load (``--use``)."""
-FORMAT, VERSION = "dynemb.run", 1
+FORMAT, VERSION = "dynemb.run", 2
+# Version 1 held the training config without its "type" (it read the same: TrainConfig.from_dict needs none).
+_READS = (1, 2)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,7 +64,7 @@ class ModelCard:
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "model": "dlrm",
-                "preprocessing": self.preprocessing.to_json(), "config": dataclasses.asdict(self.config),
+                "preprocessing": self.preprocessing.to_json(), "config": self.config.to_dict(),
                 "data": self.data, "metrics": self.metrics}
 
 
@@ -85,10 +87,11 @@ def read_card(run: Path) -> ModelCard:
         obj = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: unreadable JSON ({exc})") from None
-    if obj.get("format") != FORMAT or obj.get("version") != VERSION:
-        raise ValueError(f"{path}: format must be {FORMAT!r} version {VERSION}, got {obj.get('format')!r} "
-                         f"version {obj.get('version')!r}")
-    config = TrainConfig(**{**obj["config"], "resume": False, "checkpoint_dir": None, "best_dir": None})
+    if obj.get("format") != FORMAT or obj.get("version") not in _READS:
+        raise ValueError(f"{path}: format must be {FORMAT!r} version {' or '.join(map(str, _READS))}, got "
+                         f"{obj.get('format')!r} version {obj.get('version')!r}")
+    config = TrainConfig.from_dict({**obj["config"], "resume": False, "checkpoint_dir": None, "best_dir": None},
+                                   f"{path}: config")
     return ModelCard(preprocessing=Preprocessing.from_json(obj["preprocessing"], obj.get("data")), config=config,
                      data=obj["data"], metrics=obj.get("metrics"))
 

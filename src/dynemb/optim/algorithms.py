@@ -6,9 +6,12 @@ import math
 
 import torch
 
+from ..serialization import serializable
 from .base import SparseOptimizer
 
 __all__ = ["SGD", "Adagrad", "RowWiseAdagrad", "Adam", "FTRL"]
+
+# Each class's type name is its kind (SparseOptimizer.kind); the alias is how dynemb 0.1 named it in saved state.
 
 
 def _check_range(name: str, value, low: float, high: float = math.inf) -> None:
@@ -16,6 +19,7 @@ def _check_range(name: str, value, low: float, high: float = math.inf) -> None:
         raise ValueError(f"{name} must be a float in [{low}, {high}), got {value!r}")
 
 
+@serializable("sgd", aliases=("SGD",))
 class SGD(SparseOptimizer):
     """SGD with optional momentum/Nesterov and weight decay, as ``torch.optim.SGD`` (dampening 0) on touched rows.
 
@@ -39,7 +43,7 @@ class SGD(SparseOptimizer):
 
     def kernel_args(self, group, scalars):
         slots = ("momentum_buffer",) if group["momentum"] else ()
-        return "sgd", (group["lr"], group["momentum"], group["weight_decay"], float(group["nesterov"])), slots
+        return self.kind, (group["lr"], group["momentum"], group["weight_decay"], float(group["nesterov"])), slots
 
     def _update(self, table, rows, grad, group, scalars):
         if group["weight_decay"]:
@@ -52,6 +56,7 @@ class SGD(SparseOptimizer):
         self._add(table, None, rows, grad.mul(-group["lr"]))
 
 
+@serializable("adagrad", aliases=("Adagrad",))
 class Adagrad(SparseOptimizer):
     """``torch.optim.Adagrad`` on touched rows (defaults ``lr=1e-2, eps=1e-10, initial_accumulator_value=0``)."""
 
@@ -71,7 +76,7 @@ class Adagrad(SparseOptimizer):
         return group["lr"] / (1 + (scalars["step"] - 1) * group["lr_decay"])
 
     def kernel_args(self, group, scalars):
-        return "adagrad", (self._lr(group, scalars), group["weight_decay"], group["eps"]), ("sum",)
+        return self.kind, (self._lr(group, scalars), group["weight_decay"], group["eps"]), ("sum",)
 
     def _update(self, table, rows, grad, group, scalars):
         if group["weight_decay"]:
@@ -83,6 +88,7 @@ class Adagrad(SparseOptimizer):
         self._add(table, None, rows, torch.div(grad, state.sqrt_().add_(group["eps"])).mul_(-clr))
 
 
+@serializable("rowwise_adagrad", aliases=("RowWiseAdagrad",))
 class RowWiseAdagrad(SparseOptimizer):
     """Adagrad with one accumulator per row (fbgemm/TorchRec): ``sum += mean(g**2)``; ``w -= lr g / (sqrt(sum)+eps)``.
 
@@ -100,7 +106,7 @@ class RowWiseAdagrad(SparseOptimizer):
                          initial_accumulator_value=initial_accumulator_value, eps=eps)
 
     def kernel_args(self, group, scalars):
-        return "rowwise_adagrad", (group["lr"], group["weight_decay"], group["eps"]), ("sum",)
+        return self.kind, (group["lr"], group["weight_decay"], group["eps"]), ("sum",)
 
     def _update(self, table, rows, grad, group, scalars):
         if group["weight_decay"]:
@@ -113,6 +119,7 @@ class RowWiseAdagrad(SparseOptimizer):
         self._add(table, None, rows, grad * state.sqrt_().add_(group["eps"]).reciprocal_().mul_(-group["lr"]))
 
 
+@serializable("adam", aliases=("Adam",))
 class Adam(SparseOptimizer):
     """Lazy Adam, exactly ``torch.optim.SparseAdam``: moments and values of touched rows only; bias correction
     uses the table's step count. Defaults ``lr=1e-3, betas=(0.9, 0.999), eps=1e-8``."""
@@ -136,7 +143,7 @@ class Adam(SparseOptimizer):
 
     def kernel_args(self, group, scalars):
         beta1, beta2 = group["betas"]
-        return "adam", (beta1, beta2, group["eps"], self._step_size(group, scalars)), ("exp_avg", "exp_avg_sq")
+        return self.kind, (beta1, beta2, group["eps"], self._step_size(group, scalars)), ("exp_avg", "exp_avg_sq")
 
     def _update(self, table, rows, grad, group, scalars):
         beta1, beta2 = group["betas"]
@@ -150,6 +157,7 @@ class Adam(SparseOptimizer):
         self._add(table, None, rows, m.div_(v.sqrt_().add_(group["eps"])).mul_(-step_size))
 
 
+@serializable("ftrl", aliases=("FTRL",))
 class FTRL(SparseOptimizer):
     """FTRL-proximal with TF's semantics (``tf.keras.optimizers.Ftrl``, ``l2_shrinkage=0``).
 
@@ -169,7 +177,8 @@ class FTRL(SparseOptimizer):
                          initial_accumulator_value=initial_accumulator_value, l1=l1, l2=l2)
 
     def kernel_args(self, group, scalars):
-        return "ftrl", (group["lr"], -group["learning_rate_power"], group["l1"], group["l2"]), ("accumulator", "linear")
+        hparams = (group["lr"], -group["learning_rate_power"], group["l1"], group["l2"])
+        return self.kind, hparams, ("accumulator", "linear")
 
     def _update(self, table, rows, grad, group, scalars):
         power = -group["learning_rate_power"]

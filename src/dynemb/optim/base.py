@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Iterable
 
 import torch
@@ -24,6 +25,7 @@ import torch
 from ..functional import current_rows
 from ..functional.grads import PooledGrad, row_kernels
 from ..functional.pooling import sorted_row_grad
+from ..serialization import Serializable, lookup, type_name
 from ..table.protocol import is_table
 
 __all__ = ["SparseOptimizer", "GroupsOptimizer", "tables_of"]
@@ -67,13 +69,17 @@ class GroupsOptimizer(torch.optim.Optimizer):
         self._patch_step_function()
 
 
-class SparseOptimizer(GroupsOptimizer):
-    """Base class. Subclasses define ``slots`` and ``_update``.
+class SparseOptimizer(GroupsOptimizer, Serializable):
+    """Base class. Subclasses define ``slots`` and ``_update``, and register their :attr:`kind` with
+    ``@serializable("<kind>")``.
 
     Args:
         tables: what to optimize (see :func:`tables_of`); ``None`` makes an unbound spec for a ``TableConfig``.
         fused: apply updates inside backward.
         **hparams: algorithm hyper-parameters (``lr``, ...): the ``defaults``.
+
+    A spec is a config (:mod:`dynemb.serialization`): ``to_dict()`` gives its kind, hyper-parameters and
+    ``fused`` (not its tables or state), and ``SparseOptimizer.from_dict`` builds an unbound spec of that kind.
 
     ``param_groups`` holds one group per table, in the order of ``tables``: a dict of the table's hyper-parameters,
     ``defaults`` when it is bound, as torch builds a param group (its ``"params"`` is empty: a table is not a
@@ -94,6 +100,7 @@ class SparseOptimizer(GroupsOptimizer):
 
     #: slot name -> (width, initial value); width ``None`` means the table's ``dim``.
     slots: dict = {}
+    _not_config = ("tables",)
 
     def __init__(self, tables=None, *, fused: bool = False, **hparams) -> None:
         lr = hparams.get("lr")
@@ -123,8 +130,20 @@ class SparseOptimizer(GroupsOptimizer):
         return hash((type(self).__name__, tuple(sorted(self.defaults.items())), self.fused))
 
     @property
+    def kind(self) -> str | None:
+        """The optimizer's kind: the registered type name of its class or of the nearest registered base
+        (``"sgd"``, ``"adagrad"``, ``"rowwise_adagrad"``, ``"adam"``, ``"ftrl"``), which the kernels,
+        ``TrainConfig.optimizer``, the CLI and saved state use; None for one of no registered kind
+        (``OptimizerWrapper``)."""
+        return _kind_of(type(self))
+
+    @property
     def name(self) -> str:
+        """The prefix of its slot columns (``"rowwiseadagrad.sum"``): kept as files of dynemb 0.1 name them."""
         return type(self).__name__.lower()
+
+    def _config_fields(self) -> dict:
+        return {**self.defaults, "fused": self.fused}
 
     def slot_key(self, slot: str) -> str:
         return f"{self.name}.{slot}"
@@ -280,13 +299,14 @@ class SparseOptimizer(GroupsOptimizer):
     def state_dict(self) -> dict:
         """Hyper-parameters (``defaults`` and each table's param group) and per-table scalar state, JSON-able.
         Per-row state is in the tables' slots."""
-        return {"type": type(self).__name__, "defaults": dict(self.defaults), "fused": self.fused,
+        return {"type": self.kind or type(self).__name__, "defaults": dict(self.defaults), "fused": self.fused,
                 "tables": [dict(s) for s in self._scalars],
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("type") != type(self).__name__:
-            raise ValueError(f"state is for optimizer {state.get('type')!r}, not {type(self).__name__!r}")
+        saved = state.get("type")
+        if saved != (self.kind or type(self).__name__) and lookup(saved) is not type(self):  # or a 0.1 class name
+            raise ValueError(f"state is for optimizer {saved!r}, not {self.kind or type(self).__name__!r}")
         if len(state["tables"]) != len(self.tables):
             raise ValueError(f"state has {len(state['tables'])} tables, this optimizer has {len(self.tables)}")
         groups = state.get("param_groups", [state["defaults"]] * len(self.tables))  # saved before groups existed
@@ -296,6 +316,12 @@ class SparseOptimizer(GroupsOptimizer):
         for group, saved in zip(self.param_groups, groups):
             group.update(_as_before(group, saved))
         self._scalars = [dict(s) for s in state["tables"]]
+
+
+@functools.cache
+def _kind_of(cls: type) -> str | None:
+    """The type name of ``cls`` or of its nearest registered base (once per class: kernel_args asks every update)."""
+    return next((k for c in cls.__mro__ if (k := type_name(c)) is not None), None)
 
 
 def _as_before(current: dict, saved: dict) -> dict:

@@ -58,6 +58,10 @@ class OptimizerWrapper(SparseOptimizer):
     def name(self) -> str:
         return "wrap_" + self._cls.__name__.lower()
 
+    def _config_fields(self) -> dict:
+        # the torch class is code, not data: to_dict refuses it, naming this field
+        return {"optimizer": self._cls, **super()._config_fields()}
+
     def __eq__(self, other) -> bool:
         return super().__eq__(other) and self._cls is other._cls
 

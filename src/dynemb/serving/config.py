@@ -5,30 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
+from ..serialization import TYPE, Serializable, lookup, serializable
 from . import hps
 
 __all__ = ["ModelConfig", "ServerConfig"]
 
 
-def _check_fields(cls, data: Mapping, where: str) -> None:
-    if not isinstance(data, Mapping):
-        raise TypeError(f"{where} must be a JSON object, got {type(data).__name__}")
-    allowed = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(allowed))
-    if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; allowed fields are {allowed}")
-    missing = [f.name for f in dataclasses.fields(cls)
-               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in data]
-    if missing:
-        raise ValueError(f"{where}: missing required field(s) {missing}")
-
-
+@serializable("served_model")
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """One served model.
+class ModelConfig(Serializable):
+    """One served model. ``to_dict()``/``from_dict()`` (:mod:`dynemb.serialization`) write and read it; its
+    lists are kept as lists and its paths as str.
 
     Attributes:
         model: its name.
@@ -84,6 +75,10 @@ class ModelConfig:
         if len(self.sparse_files) not in (1, n):
             raise ValueError(f"{where}.sparse_files must have 1 entry or one per table ({n}), "
                              f"got {len(self.sparse_files)}")
+        # lists and str paths, as JSON gives them back: a config read from its to_dict() equals it
+        object.__setattr__(self, "sparse_files", [os.fspath(f) for f in self.sparse_files])
+        for name in ("embedding_table_names", "embedding_vecsize_per_table", "default_value_for_each_table"):
+            object.__setattr__(self, name, list(getattr(self, name)))
         for name in ("cache_fraction", "hit_rate_threshold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -107,25 +102,33 @@ class ModelConfig:
         """Every export root of the model, once each."""
         return list(dict.fromkeys(Path(f) for f in self.sparse_files))
 
-    @classmethod
-    def from_dict(cls, data: Mapping, where: str) -> "ModelConfig":
-        _check_fields(cls, data, where)
-        return cls(**data)
 
 
+@serializable("parameter_server", nested=("models",))
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ServerConfig:
+class ServerConfig(Serializable):
     """``{"models": [...], "volatile_db": {...}, "persistent_db": {...} | null}``.
 
     ``volatile_db`` defaults to the in-process store ``{"type": "memory"}``; ``persistent_db`` (``rocksdb`` or
     ``lmdb`` with a ``path``) is optional. Store fields are those of :func:`dynemb.serving.stores.make_store`.
     :meth:`load` also takes an HPS ``ps.json``: its fields are renamed where they map onto ours and dropped with a
-    warning where they mean nothing here (see :mod:`dynemb.serving.hps`).
+    warning where they mean nothing here (see :mod:`dynemb.serving.hps`). :meth:`to_dict` writes what
+    :meth:`from_dict` (that is, :meth:`load`) reads back.
     """
 
     models: tuple
     volatile_db: dict = dataclasses.field(default_factory=lambda: {"type": "memory"})
     persistent_db: Optional[dict] = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping, where: Optional[str] = None) -> "ServerConfig":
+        """:meth:`load` of a dict, which may name its type (``"parameter_server"``), as :meth:`to_dict` does."""
+        if isinstance(data, Mapping) and TYPE in data:
+            if lookup(data[TYPE]) is not cls:
+                raise ValueError(f"{where or 'parameter server config'}: {TYPE} {data[TYPE]!r} is not "
+                                 f"'parameter_server'")
+            data = {k: v for k, v in data.items() if k != TYPE}
+        return cls.load(data)
 
     @classmethod
     def load(cls, source: Union[str, Path, Mapping]) -> "ServerConfig":
@@ -141,7 +144,14 @@ class ServerConfig:
         else:
             data = source
         data = hps.translate(data)
-        _check_fields(cls, data, "parameter server config")
+        if not isinstance(data, Mapping):
+            raise TypeError(f"parameter server config must be a JSON object, got {type(data).__name__}")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ValueError(f"parameter server config: unknown field(s) {unknown}; allowed fields are {fields}")
+        if "models" not in data:
+            raise ValueError("parameter server config: missing required field(s) ['models']")
         models = data["models"]
         if not isinstance(models, list) or not models:
             raise ValueError("parameter server config: models must be a non-empty list")

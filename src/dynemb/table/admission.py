@@ -17,17 +17,22 @@ from typing import Any, Callable
 import torch
 
 from ..checks import check_int
+from ..serialization import Serializable, serializable
 from .rows import Rows
 
 __all__ = ["FrequencyAdmission"]
 
 
-class FrequencyAdmission:
+@serializable("frequency")
+class FrequencyAdmission(Serializable):
     """Admit a key on its ``threshold``-th sighting (each occurrence in a batch counts).
 
     Args:
         threshold: sightings needed; 1 admits every key.
         max_tracked: most candidate keys counted at once.
+
+    As a config it is ``(threshold, max_tracked)``: two filters with equal settings are equal, whatever they
+    counted, and ``to_dict``/``from_dict`` give ``{"type": "frequency", "threshold": ..., "max_tracked": ...}``.
 
     Example:
         >>> from dynemb.table import KeyValueTable
@@ -81,5 +86,18 @@ class FrequencyAdmission:
         values = torch.zeros(keys.numel(), 1, dtype=table.dtype, device=keys.device)
         table.replace(Rows(keys, values, counts, {}))
 
+    def _config_fields(self) -> dict:
+        return {"threshold": self.threshold, "max_tracked": self.max_tracked}
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and self._config_fields() == other._config_fields()
+
+    def __hash__(self) -> int:
+        return hash((self.threshold, self.max_tracked))
+
+    def __repr__(self) -> str:
+        return f"FrequencyAdmission(threshold={self.threshold}, max_tracked={self.max_tracked})"
+
     def describe(self) -> dict:
-        return {"type": "frequency", "threshold": self.threshold, "max_tracked": self.max_tracked}
+        """The record kept in checkpoint manifests: :meth:`to_dict`."""
+        return self.to_dict()

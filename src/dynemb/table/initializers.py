@@ -15,6 +15,7 @@ from typing import Callable, Union
 import torch
 
 from ..kernels.dispatch import kernels_for
+from ..serialization import NotSerializableError, Serializable, serializable, type_name
 from .hashing import mix64
 
 __all__ = [
@@ -56,8 +57,18 @@ def _unit_uniform(keys: torch.Tensor, dim: int, seed: int) -> torch.Tensor:
     return ((x >> 8).to(torch.float32) + 0.5) * _U24
 
 
-class Initializer:
-    """Base class: ``init(keys, dim, dtype, seed) -> [N, dim]`` on ``keys.device``."""
+class Initializer(Serializable):
+    """Base class: ``init(keys, dim, dtype, seed) -> [N, dim]`` on ``keys.device``.
+
+    The built-in initializers are configs (:mod:`dynemb.serialization`): ``to_dict()`` and
+    ``Initializer.from_dict(d)``, which picks the class by ``d["type"]``.
+
+    Example:
+        >>> Normal(std=0.1).to_dict()
+        {'type': 'normal', 'mean': 0.0, 'std': 0.1}
+        >>> Initializer.from_dict({"type": "uniform", "low": -1.0, "high": 1.0})
+        Uniform(low=-1.0, high=1.0)
+    """
 
     def __call__(self, keys: torch.Tensor, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
         raise NotImplementedError
@@ -68,16 +79,40 @@ class Initializer:
         return None
 
     def describe(self) -> dict:
-        """A JSON-able description, kept in state dicts and checkpoint manifests."""
-        return {"type": type(self).__name__, **dataclasses.asdict(self)}
+        """The record kept in state dicts, checkpoint manifests and serving exports: :meth:`to_dict`, which
+        ``Initializer.from_dict`` rebuilds. An initializer that is code, not data (a callable, or a subclass of
+        this class that is not registered), is recorded by name, ``{"type": "callable", "name": ...}``, and
+        cannot be rebuilt."""
+        if type_name(self) in (None, "callable"):
+            return {"type": "callable", "name": type(self).__qualname__}
+        return self.to_dict()
 
 
+def _check_floats(config, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{type(config).__name__}.{name} must be a finite float, got {value!r}")
+        object.__setattr__(config, name, float(value))  # Uniform(-1, 1) is Uniform(-1.0, 1.0), saved alike
+
+
+# Type names: the user's names of resolve_initializer; files of dynemb 0.1 named them by class.
+@serializable("uniform", aliases=("Uniform",))
 @dataclasses.dataclass(frozen=True)
 class Uniform(Initializer):
-    """U(low, high). The default initializer is ``Uniform(-0.05, 0.05)``."""
+    """U(low, high). The default initializer is ``Uniform(-0.05, 0.05)``.
+
+    Raises:
+        ValueError: ``low`` or ``high`` is not a finite float, or ``low > high``.
+    """
 
     low: float = -0.05
     high: float = 0.05
+
+    def __post_init__(self):
+        _check_floats(self, "low", "high")
+        if self.low > self.high:
+            raise ValueError(f"Uniform needs low <= high, got low={self.low!r}, high={self.high!r}")
 
     def __call__(self, keys, dim, dtype, seed):
         u = _unit_uniform(keys, dim, seed)
@@ -87,24 +122,39 @@ class Uniform(Initializer):
         return "uniform", (self.low, self.high)
 
 
+@serializable("normal", aliases=("Normal",))
 @dataclasses.dataclass(frozen=True)
 class Normal(Initializer):
-    """N(mean, std²), by the inverse normal CDF of a counter-based uniform."""
+    """N(mean, std²), by the inverse normal CDF of a counter-based uniform. ``std`` >= 0, both finite."""
 
     mean: float = 0.0
     std: float = 0.05
+
+    def __post_init__(self):
+        _check_std(self)
 
     def __call__(self, keys, dim, dtype, seed):
         z = torch.special.ndtri(_unit_uniform(keys, dim, seed))
         return (self.mean + self.std * z).to(dtype)
 
 
+def _check_std(config) -> None:
+    _check_floats(config, "mean", "std")
+    if config.std < 0:
+        raise ValueError(f"{type(config).__name__}.std must be >= 0, got {config.std!r}")
+
+
+@serializable("truncated_normal", aliases=("TruncatedNormal",))
 @dataclasses.dataclass(frozen=True)
 class TruncatedNormal(Initializer):
-    """N(mean, std²) truncated to ±2 std (TF's convention), sampled exactly by inverse CDF, no rejection."""
+    """N(mean, std²) truncated to ±2 std (TF's convention), sampled exactly by inverse CDF, no rejection.
+    ``std`` >= 0, both finite."""
 
     mean: float = 0.0
     std: float = 0.05
+
+    def __post_init__(self):
+        _check_std(self)
 
     def __call__(self, keys, dim, dtype, seed):
         lo = 0.5 * math.erfc(2.0 / math.sqrt(2.0))  # Phi(-2)
@@ -112,11 +162,15 @@ class TruncatedNormal(Initializer):
         return (self.mean + self.std * torch.special.ndtri(u)).to(dtype)
 
 
+@serializable("constant", aliases=("Constant",))
 @dataclasses.dataclass(frozen=True)
 class Constant(Initializer):
-    """Every element equals ``value``; ``"zeros"`` is ``Constant(0.0)``."""
+    """Every element equals ``value`` (a finite float); ``"zeros"`` is ``Constant(0.0)``."""
 
     value: float = 0.0
+
+    def __post_init__(self):
+        _check_floats(self, "value")
 
     def __call__(self, keys, dim, dtype, seed):
         return torch.full((keys.numel(), dim), self.value, dtype=dtype, device=keys.device)
@@ -125,11 +179,26 @@ class Constant(Initializer):
         return "constant", (self.value,)
 
 
+@serializable("callable")
 class CallableInitializer(Initializer):
-    """Wraps a user callable ``fn(n, dim) -> Tensor[n, dim]``; validates what it returns."""
+    """Wraps a user callable ``fn(n, dim) -> Tensor[n, dim]``; validates what it returns.
+
+    It is no data: ``to_dict`` refuses it, naming the field. Files record it as ``{"type": "callable", "name":
+    <the callable's name>}`` (:meth:`describe`), and ``from_dict`` of that record raises
+    :class:`~dynemb.serialization.NotSerializableError`.
+    """
 
     def __init__(self, fn: Callable[[int, int], torch.Tensor]) -> None:
         self.fn = fn
+
+    def _config_fields(self) -> dict:
+        return {"fn": self.fn}
+
+    @classmethod
+    def from_dict(cls, data, where: str | None = None):
+        name = data.get("name") if isinstance(data, dict) else None
+        raise NotSerializableError(f"{where or 'initializer'} is the Python callable {name!r} (a callable is not "
+                                   "data: no file can rebuild it)")
 
     def __call__(self, keys, dim, dtype, seed):
         n = keys.numel()

@@ -22,6 +22,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
+from ..serialization import Serializable, serializable
 from . import budget
 from ..checks import check_int, check_keys, check_rows_like, check_scores
 from .kv import KeyValueTable
@@ -35,8 +36,9 @@ __all__ = ["Tiers", "TieredTable"]
 SLACK = 1 / 16
 
 
+@serializable("tiers")
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Tiers:
+class Tiers(Serializable):
     """Where a tiered table keeps its rows: a fast tier of bounded size over an unbounded slow tier.
 
     Attributes:
@@ -44,7 +46,8 @@ class Tiers:
         fast_bytes: the fast tier's budget in bytes instead (values, slots, scores, version stamps and index,
             see :mod:`dynemb.table.budget`).
         slow: ``"host"``: host memory (pinned when the fast tier is on CUDA); or a directory where the slow tier
-            keeps memory-mapped row files (a private subdirectory, removed with the table).
+            keeps memory-mapped row files (a private subdirectory, removed with the table). A path is saved as its
+            ``str`` (``to_dict``).
 
     Example:
         >>> Tiers(fast_capacity=1000, slow="host").slow

@@ -11,8 +11,9 @@ from typing import Optional, Union
 
 import torch
 
+from ...serialization import NotSerializableError, parse_dtype
 from ...table import KeyValueTable
-from ...table.initializers import Constant, Initializer, Normal, TruncatedNormal, Uniform
+from ...table.initializers import Initializer
 from ..config import ModelConfig
 from .lineage import Lineage
 from .writeback import PendingRows, batch_rows
@@ -20,7 +21,6 @@ from .writeback import PendingRows, batch_rows
 __all__ = ["TableState", "new_table"]
 
 _SMALL_TABLE_ROWS = 4096
-_INITIALIZERS = {"Uniform": Uniform, "Normal": Normal, "TruncatedNormal": TruncatedNormal, "Constant": Constant}
 
 
 @dataclasses.dataclass
@@ -73,20 +73,21 @@ def new_table(cfg: ModelConfig, i: int, name: str, dim: int, dtype: torch.dtype,
                           init_capacity=min(capacity, 1 << 16), eviction="lru", initializer="zeros")
     return TableState(name, dim, dtype, store_name(cfg.model, name), cache, default, int(entry.get("seed") or 0),
                       PendingRows(batch_rows(capacity), jitter),
-                      key_dtype=getattr(torch, str(entry.get("key_dtype", "torch.int64")).replace("torch.", "")))
+                      key_dtype=parse_dtype(entry.get("key_dtype", "int64"), f"table {name!r}: key_dtype"))
 
 
 def _initializer(name: str, entry: dict, explicit: bool) -> Union[float, Initializer]:
-    """The initializer of the export ``entry``, rebuilt for default rows. One that cannot be rebuilt (a Python
-    callable) is an error when ``"initializer"`` was asked for, and zero rows with a warning by default."""
-    spec = dict(entry["initializer"])
-    kind = spec.pop("type")
-    if kind in _INITIALIZERS:
-        return _INITIALIZERS[kind](**spec)
-    if explicit:
-        raise ValueError(f"table {name!r}: its initializer {kind!r} cannot be rebuilt for default rows")
-    warnings.warn(f"table {name!r}: its initializer {kind!r} cannot be rebuilt for default rows; unseen ids get "
-                  "zero rows (set default_value_for_each_table to choose)", stacklevel=5)
+    """The initializer of the export ``entry``, rebuilt for default rows (``Initializer.from_dict``). One that
+    cannot be rebuilt (a Python callable, or a type this dynemb does not know) is an error when ``"initializer"``
+    was asked for, and zero rows with a warning by default."""
+    record = entry["initializer"]
+    try:
+        return Initializer.from_dict(record, f"table {name!r}: initializer")
+    except (NotSerializableError, ValueError) as e:
+        if explicit:
+            raise ValueError(f"{e}; it cannot be rebuilt for default rows") from None
+        warnings.warn(f"{e}; it cannot be rebuilt for default rows; unseen ids get zero rows (set "
+                      "default_value_for_each_table to choose)", stacklevel=5)
     return 0.0
 
 

@@ -12,6 +12,7 @@ from typing import Mapping, Optional, Union
 import torch
 
 from ...checks import KEY_DTYPES, check_keys, check_positive_int
+from ...serialization import parse_dtype
 from ..config import ModelConfig, ServerConfig
 from ...checkpoint.export_format import read_chain, read_export, version_name
 from ...checkpoint.manifest import MANIFEST, SERVING_FORMAT, complete
@@ -145,7 +146,7 @@ class ParameterServer:
                 manifest = chain[-1][0]
                 entry = self._entry(cfg, i, manifest)
                 keys, values = updates.replay(chain, name)
-                dtype = getattr(torch, entry["dtype"].replace("torch.", ""))
+                dtype = parse_dtype(entry["dtype"], f"table {name!r}: dtype")
                 table = new_table(cfg, i, name, dim, dtype, entry, keys.numel(), self._jitter)
                 table.lineage = Lineage.of(manifest)
                 self.tiers.create_table(table.store_name, dim, dtype)

@@ -29,6 +29,7 @@ from typing import Mapping
 
 import torch
 
+from dynemb.serialization import dtype_name, parse_dtype
 from dynemb.table.ops import last_occurrence
 from dynemb.checks import VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like
 
@@ -45,7 +46,6 @@ __all__ = [
 ]
 
 _CPU = torch.device("cpu")
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 class StoreError(Exception):
@@ -110,12 +110,12 @@ class TableSchema:
 
     def to_dict(self) -> dict:
         """JSON-ready form, as stored by the out-of-process stores."""
-        return {"dim": self.dim, "dtype": _DTYPE_NAMES[self.dtype]}
+        return {"dim": self.dim, "dtype": dtype_name(self.dtype)}
 
     @classmethod
     def from_dict(cls, record: Mapping) -> "TableSchema":
         """Inverse of :meth:`to_dict`; other fields of ``record`` are ignored."""
-        return cls(dim=record["dim"], dtype=getattr(torch, record["dtype"]))
+        return cls(dim=record["dim"], dtype=parse_dtype(record["dtype"], "table schema dtype"))
 
 
 @dataclasses.dataclass(frozen=True)
