@@ -104,7 +104,8 @@ def test_each_kernel_module_implements_its_declared_family():
 
 
 # module-level names a family module exports beyond its family (constants and helpers for other kernels)
-_HELPERS = {"numba_optim": {"KINDS"}, "triton_optim": {"KINDS"}, "numba_init": {"KINDS"}, "triton_group": {"KINDS"},
+_HELPERS = {"numba_optim": {"KINDS"}, "triton_optim": {"KINDS"}, "numba_init": {"KINDS", "uniform_salted"},
+            "triton_group": {"KINDS"}, "numba_group": {"KINDS"},
             "numba_pool": {"block_width", "grouped_bags", "sum_rows", "sum_terms"}}
 
 

@@ -75,6 +75,7 @@ class _Layout(NamedTuple):
     id_starts: tuple
     bag_starts: tuple
     out_starts: tuple
+    table_bags: torch.Tensor
     dim: Optional[int]
     total: int
     max_dim: int
@@ -134,13 +135,14 @@ class GroupedLookup:
         if not runnable:
             return {}
         layout = self._layout(runnable)
-        keys = runnable[0][1] if len(runnable) == 1 else torch.cat([ids for _, ids, _ in runnable])
+        # the backward may need the keys: the caller's buffer is copied (a loader may refill it before the backward)
+        keys = runnable[0][1].clone() if len(runnable) == 1 else torch.cat([ids for _, ids, _ in runnable])
         offsets, weights, denom, bags = self._bags(runnable, keys.numel(), layout)
         counts = {t: ids.numel() for t, ids, _ in runnable}
         rows = group.find_or_insert(keys, layout.seg, layout.seg_first, counts)
         state = _Call(self, group, layout, runnable, keys, rows, offsets, weights, denom, bags)
-        out = _GroupedPool.apply(state, self._anchor)
-        return self._split(out, runnable, layout)
+        blocks = _GroupedPool.apply(state, self._anchor)
+        return self._split(blocks, runnable, layout)
 
     # ------------------------------------------------------------------ the call's layout
     def _layout(self, runnable) -> _Layout:
@@ -176,8 +178,13 @@ class GroupedLookup:
         width = torch.tensor(dims, device=device).repeat_interleave(bags_per, output_size=bag_starts[-1])
         out_at = block + (torch.arange(bag_starts[-1], device=device) - first_bag) * width
         uniform = dims[0] if len(set(dims)) == 1 else None
+        # each group table's first bag in the call, its count, and where its block of the flat output starts
+        table_bags = [[0, 0, 0] for _ in self.tables]
+        for (t, _, _), lo, count, at in zip(runnable, bag_starts, n_bags, out_starts):
+            table_bags[t] = [lo, count, at]
         return _Layout(seg, seg_first, seg << 32, bag_seg, out_at, tuple(id_starts), tuple(bag_starts),
-                       tuple(out_starts), uniform, out_starts[-1], max(dims))
+                       tuple(out_starts), torch.tensor(table_bags, dtype=torch.int64, device=device), uniform,
+                       out_starts[-1], max(dims))
 
     def _bags(self, runnable, n: int, layout: _Layout):
         """``(offsets [B], weights [N] | None, denom [B] | None, bag [N] | None)`` of the call's bags, in the
@@ -216,30 +223,24 @@ class GroupedLookup:
             got = self._arange[n] = torch.arange(n, device=device)
         return got
 
-    def _split(self, out: torch.Tensor, runnable, layout: _Layout) -> dict[int, list[torch.Tensor]]:
-        sizes = [s.num_bags for _, _, sets in runnable for s in sets]
-        if layout.dim is not None:
-            parts = list(out.split(sizes)) if len(sizes) > 1 else [out]
-        else:  # mixed dims: each table's block of the flat output as its [B_t, D_t], then its bag sets
-            parts = []
-            for (t, _, sets), at, lo, hi in zip(runnable, layout.out_starts, layout.bag_starts, layout.bag_starts[1:]):
-                dim = self.tables[t].dim
-                block = out.narrow(0, at, (hi - lo) * dim).view(-1, dim)
-                parts.extend(block.split([s.num_bags for s in sets]) if len(sets) > 1 else [block])
-        result, at = {}, 0
-        for t, _, sets in runnable:
-            result[t] = parts[at: at + len(sets)]
-            at += len(sets)
+    def _split(self, blocks: tuple, runnable, layout: _Layout) -> dict[int, list[torch.Tensor]]:
+        """Each table's block of the output (``[B_t, D_t]``; flat ones for mixed dims) cut into its bag sets."""
+        result = {}
+        for (t, _, sets), block in zip(runnable, blocks):
+            if layout.dim is None:
+                block = block.view(-1, self.tables[t].dim)
+            result[t] = list(block.split([s.num_bags for s in sets])) if len(sets) > 1 else [block]
         return result
 
     # ------------------------------------------------------------------ the update
-    def _hparams_for(self, group: TableGroup, runnable, clocks: dict, moved: set) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hparams_for(self, group: TableGroup, runnable, clocks: dict, skipped: set
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hparams [G, 8], versions [G])`` of one grouped update: each running table counts a step of its
         optimizer and gives its hyper-parameters (made once while they repeat, as a constant lr does)."""
         rows = [[0.0] * 8 for _ in self.tables]
         versions = [-1] * len(self.tables)
         for t, _, _ in runnable:
-            if t in moved:  # updated apart, by its own path (which counts its step)
+            if t in skipped:  # no gradient (an unused output), or updated apart (its rows moved)
                 continue
             table = self.tables[t]
             kind, hparams = table.sparse_optimizer.next_update(table)
@@ -250,7 +251,7 @@ class GroupedLookup:
         cached_key, tensors = self._hparams
         if key != cached_key:
             device = self.tables[0].device
-            tensors = (torch.tensor(rows, dtype=torch.float32, device=device),
+            tensors = (torch.tensor(rows, dtype=torch.float64, device=device),
                        torch.tensor(versions, dtype=torch.int64, device=device))
             self._hparams = (key, tensors)
         return tensors
@@ -269,9 +270,10 @@ class _Call:
 
 
 class _GroupedPool(torch.autograd.Function):
-    """The pooling of a grouped call (forward: one ``pool`` launch) and its fused update (backward: one sort, one
-    ``sparse_update`` launch). Its one input is the group's anchor, a leaf that requires grad, so that autograd
-    runs the backward; the tables are no tensors."""
+    """The pooling of a grouped call (forward: one ``pool`` launch) and its fused update (backward: one
+    ``sparse_update`` launch). Outputs: each table's block of the output (``[B_t, D]``, flat for mixed dims), so that
+    a table whose output no loss used gets no gradient and is left untouched, as by its own lookup. Its one input is
+    the group's anchor, a leaf that requires grad, so that autograd runs the backward; the tables are no tensors."""
 
     @staticmethod
     def forward(ctx, call: _Call, anchor):
@@ -283,28 +285,48 @@ class _GroupedPool(torch.autograd.Function):
         keyed = layout.seg_high | rows  # (table, row) of each id: no two tables' rows meet
         ctx.save_for_backward(keys, keyed, weights, denom, bags)
         ctx.call = call
+        ctx.set_materialize_grads(False)
         call.saved = None  # the node holds the tensors now
-        return out.view(-1, layout.dim) if layout.dim is not None else out
+        counts = [hi - lo for lo, hi in zip(layout.bag_starts, layout.bag_starts[1:])]
+        if layout.dim is not None:
+            return out.view(-1, layout.dim).split(counts)
+        return out.split([hi - lo for lo, hi in zip(layout.out_starts, layout.out_starts[1:])])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         keys, keyed, weights, denom, bags = ctx.saved_tensors
         call = ctx.call
         lookup, group, layout = call.lookup, call.group, call.layout
         tables = lookup.tables
-        moved = {t for t in call.moves if not tables[t].rows_unmoved_since(call.moves[t])}
-        hparams, versions = lookup._hparams_for(group, call.runnable, call.clocks, moved)
-        grad = grad.contiguous().view(-1)
+        unused = {t for (t, _, _), g in zip(call.runnable, grads) if g is None}
+        if len(unused) == len(grads):
+            return None, None
+        moved = {t for t in call.moves if t not in unused and not tables[t].rows_unmoved_since(call.moves[t])}
+        hparams, versions = lookup._hparams_for(group, call.runnable, call.clocks, unused | moved)
+        grad = _flat_gradient(grads, layout)
         if denom is not None:
             grad = _divided(grad, denom, layout)
-        ordered, order = torch.sort(keyed, stable=True)
         group._refresh()  # a table grown since the forward has its storage elsewhere: its rows are the same
-        group.kernels.sparse_update(lookup.kind, group.meta, hparams, versions, ordered, order, grad, layout.out_at,
-                                    bags, weights, layout.max_dim)
+        group.kernels.sparse_update(lookup.kind, group.meta, hparams, versions, keyed, grad, layout.out_at,
+                                    layout.table_bags, bags, weights, layout.max_dim)
         for t in moved:
             _update_apart(call, t, keys, keyed, grad, weights, bags)
         return None, None
+
+
+def _flat_gradient(grads: tuple, layout: _Layout) -> torch.Tensor:
+    """The tables' output gradients as one flat tensor in the output's layout (an unused table's block left
+    unwritten: the update skips that table)."""
+    blocks = [hi - lo for lo, hi in zip(layout.out_starts, layout.out_starts[1:])]
+    if layout.dim is not None:
+        device = next(g for g in grads if g is not None).device
+        full = [g if g is not None else torch.empty(n // layout.dim, layout.dim, device=device)
+                for g, n in zip(grads, blocks)]
+        return (full[0].contiguous() if len(full) == 1 else torch.cat(full)).view(-1)
+    device = next(g for g in grads if g is not None).device
+    return torch.cat([g.reshape(-1) if g is not None else torch.empty(n, device=device)
+                      for g, n in zip(grads, blocks)])
 
 
 def _divided(grad: torch.Tensor, denom: torch.Tensor, layout: _Layout) -> torch.Tensor:

@@ -142,12 +142,12 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
   a slice of the table's values). ``kind, params`` come from ``Initializer.kernel_spec()``: ``("uniform", (low,
   high))`` or ``("constant", (value,))``; an initializer without a spec always runs in torch.
 
-``group_kernels`` (:mod:`~dynemb.kernels.triton_group`): the operations of a training step over a group of
-dynamic tables, one launch (or call) each for all of them. Each work item carries its table ``t``, whose storage
-the kernel reads from row ``t`` of ``meta [G, len(GROUP_META)]`` (int64: addresses, ``data_ptr()`` of the
-table's own tensors, and sizes; see :data:`GROUP_META`) and ``fmeta [G, len(GROUP_FMETA)]`` (float32); a table's
-storage never moves into a shared buffer. ``G`` tables, ``N`` ids, ``B`` bags; no call reads anything back to the
-host, and every tensor is sized by ``N`` or ``B``.
+``group_kernels`` (:mod:`~dynemb.kernels.triton_group`, :mod:`~dynemb.kernels.numba_group`): the operations of
+a training step over a group of dynamic tables, one launch (or call) each for all of them. Each work item carries
+its table ``t``, whose storage the kernel reads from row ``t`` of ``meta [G, len(GROUP_META)]`` (int64: addresses,
+``data_ptr()`` of the table's own tensors, and sizes; see :data:`GROUP_META`) and ``fmeta [G, len(GROUP_FMETA)]``
+(float32); a table's storage never moves into a shared buffer. ``G`` tables, ``N`` ids, ``B`` bags; no call
+reads anything back to the host, and every tensor is sized by ``N`` or ``B``.
 
 - ``find_or_insert(meta, fmeta, keys [N], seg [N] int64, seg_first [N] int64, sizes [G] int64, stamps [G, 2]
   int64) -> rows [N] int64``: key ``i`` belongs to table ``seg[i]`` (the tables' keys come in contiguous runs,
@@ -159,14 +159,15 @@ host, and every tensor is sized by ``N`` or ``B``.
 - ``pool(meta, rows [N], offsets [B], bag_seg [B] int64, weights [N] | None, denom [B] | None, out [*] float32,
   out_at [B] int64, max_dim) -> out``: bag ``b`` (of table ``bag_seg[b]``, its ids ``offsets[b]`` up to the next
   offset or ``N``) summed in id order, weighted, divided by ``denom[b]``, into ``out[out_at[b]:][:dim]``.
-- ``sparse_update(kind, meta, hparams [G, 8] float32, versions [G] int64, keyed [N] int64, order [N], grad [*]
-  float32, grad_at [B] int64, bag [N] | None, weights [N] | None, max_dim) -> None``: ``keyed`` are the ids'
-  ``t << 32 | row`` sorted stably (``order``: their positions); each distinct one is updated once, as the
-  ``sparse_update`` contract above, with the sum of ``weights[j] * grad[grad_at[bag[j]]:][:dim]`` over its ids
-  ``j`` in input order (``bag`` None: id ``j`` is bag ``j``) and table ``t``'s ``hparams[t]``: the kind's 4
-  hyper-parameters (Adam's first two as ``1 - beta``), weight decay at 4, and at 7 whether the table is updated
-  (0: its rows moved since the lookup; it is updated apart); ``versions[t] >= 0`` is a version stamp to write (the
-  table's clock moved since the lookup stamped the rows).
+- ``sparse_update(kind, meta, hparams [G, 8] float64, versions [G] int64, keyed [N] int64, grad [*] float32,
+  grad_at [B] int64, table_bags [G, 3] int64, bag [N] | None, weights [N] | None, max_dim) -> None``: ``keyed``
+  are the ids' ``t << 32 | row``; each distinct one is updated once, as the ``sparse_update`` contract above, with
+  the sum of ``weights[j] * grad[grad_at[bag[j]]:][:dim]`` over its ids ``j`` in input order (``bag`` None: id ``j``
+  is bag ``j``; table ``t``'s bags are the ``table_bags[t, 1]`` from bag ``table_bags[t, 0]`` on, and its block of
+  ``grad`` starts at ``table_bags[t, 2]``, bag after bag) and table ``t``'s
+  ``hparams[t]``: the kind's hyper-parameters of the table above (``kernel_args``, as they are), weight decay at 4,
+  and at 7 whether the table is updated (0: its rows moved since the lookup; it is updated apart); ``versions[t] >=
+  0`` is a version stamp to write (the table's clock moved since the lookup stamped the rows).
 
 Example:
     >>> resolve_backend("torch", "cuda")
@@ -363,13 +364,11 @@ FAMILIES: dict[str, Family] = {
 GROUP_META = ("buckets", "overflow", "shift", "num_buckets", "values", "dim", "row_keys", "stamps", "slot0",
               "slot0_width", "slot1", "slot1_width", "seed", "init", "capacity")
 def group_hparams(kind: str, hparams: tuple[float, ...], runs: bool = True) -> list[float]:
-    """A table's row of the group ``sparse_update``'s ``hparams [G, 8]`` from its optimizer's ``kernel_args``
-    (``kind, hparams``; see the ``sparse_update`` table above): the four hyper-parameters (Adam's betas as ``1 -
-    beta``, computed in double as torch does), the weight decay at 4, and at 7 whether the table runs."""
+    """A table's row of the group ``sparse_update``'s ``hparams [G, 8]`` (float64) from its optimizer's
+    ``kernel_args`` (``kind, hparams``; see the ``sparse_update`` table above): the hyper-parameters as they are,
+    the weight decay at 4, and at 7 whether the table runs."""
     h = [float(x) for x in hparams] + [0.0] * (4 - len(hparams))
     decay = {"sgd": h[2], "adagrad": h[1], "rowwise_adagrad": h[1]}.get(kind, 0.0)
-    if kind == "adam":
-        h[0], h[1] = 1.0 - h[0], 1.0 - h[1]
     return h + [decay, 0.0, 0.0, 1.0 if runs else 0.0]
 
 
@@ -482,6 +481,7 @@ _MODULES = {
     ("optim", Backend.TRITON): "triton_optim",
     ("init", Backend.TRITON): "triton_init",
     ("group", Backend.TRITON): "triton_group",
+    ("group", Backend.NUMBA): "numba_group",
 }
 
 

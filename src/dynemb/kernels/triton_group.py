@@ -98,16 +98,18 @@ def pool(meta: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, bag_seg:
 
 
 def sparse_update(kind: str, meta: torch.Tensor, hparams: torch.Tensor, versions: torch.Tensor, keyed: torch.Tensor,
-                  order: torch.Tensor, grad: torch.Tensor, grad_at: torch.Tensor, bag: torch.Tensor | None,
+                  grad: torch.Tensor, grad_at: torch.Tensor, table_bags: torch.Tensor, bag: torch.Tensor | None,
                   weights: torch.Tensor | None, max_dim: int) -> None:
-    """Each distinct ``(table, row)`` of the sorted ``keyed [N]`` (``table << 32 | row``, ids in ``order``)
-    updated once with its summed gradient, by the table's hyper-parameters: see the contract."""
+    """Each distinct ``(table, row)`` of ``keyed [N]`` (``table << 32 | row``) updated once with its summed
+    gradient, by the table's hyper-parameters: see the contract. One stable sort groups the ids (each row sums them
+    in input order); the launch's leaders are the first id of each group."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    check_device(meta, hparams, versions, keyed, order, grad, grad_at, bag, weights)
+    check_device(meta, hparams, versions, keyed, grad, grad_at, bag, weights)
     n = keyed.numel()
     if n == 0:
         return
+    keyed, order = torch.sort(keyed, stable=True)
     _, block = _blocks(keyed.device)
     _update_kernel[(triton.cdiv(n, block),)](
         meta, hparams, versions, keyed, order, grad, grad_at, order if bag is None else bag,
@@ -307,12 +309,18 @@ def _update_kernel(meta, hparams, versions, keyed, order, grad, grad_at, bag, we
         j += 1
         nxt = tl.load(keyed + j, mask=active & (j < n), other=-1)
         active = active & (j < n) & (nxt == ck)
-    # idle lanes get ones: their arithmetic (masked off) then divides by nothing that is zero
-    h0 = tl.load(h + 0, mask=lead, other=1.0)
-    h1 = tl.load(h + 1, mask=lead, other=1.0)
-    h2 = tl.load(h + 2, mask=lead, other=1.0)
-    h3 = tl.load(h + 3, mask=lead, other=1.0)
-    decay = tl.load(h + 4, mask=lead, other=0.0)
+    # the table's kernel_args (float64, as given) rounded to float32 as torch rounds Python scalars; Adam's 1 - beta
+    # in double first, as torch computes it; idle lanes get ones, so that their masked arithmetic divides by no 0
+    r0 = tl.load(h + 0, mask=lead, other=0.0)
+    r1 = tl.load(h + 1, mask=lead, other=0.0)
+    if KIND == 3:
+        r0 = 1.0 - r0
+        r1 = 1.0 - r1
+    h0 = tl.where(lead, r0, 1.0).to(tl.float32)
+    h1 = tl.where(lead, r1, 1.0).to(tl.float32)
+    h2 = tl.load(h + 2, mask=lead, other=1.0).to(tl.float32)
+    h3 = tl.load(h + 3, mask=lead, other=1.0).to(tl.float32)
+    decay = tl.load(h + 4, mask=lead, other=0.0).to(tl.float32)
     tt = tl.where(lead, t, 0)
     vp = _field(meta, tt, 4, M).to(tl.pointer_type(tl.float32))[:, None] + row[:, None] * dim[:, None] + cols[None, :]
     w = tl.load(vp, mask=cm, other=0.0)
@@ -324,7 +332,7 @@ def _update_kernel(meta, hparams, versions, keyed, order, grad, grad_at, bag, we
     if KIND != 3 and KIND != 4:  # weight decay (sgd, adagrad, rowwise_adagrad): only where the table has it
         g = tl.where(decay[:, None] != 0, g + w * decay[:, None], g)
     if KIND == 0:  # sgd: lr, momentum, -, nesterov (a momentum buffer where the table has momentum)
-        mom = cm & (w0[:, None] > 0)
+        mom = cm & (w0[:, None] > 0) & (h1[:, None] != 0)  # a buffer only with momentum, as torch's SGD
         buf = tl.load(sp0, mask=mom, other=0.0) * h1[:, None] + g
         tl.store(sp0, buf, mask=mom)
         g = tl.where(mom, tl.where(h3[:, None] != 0, g + buf * h1[:, None], buf), g)
