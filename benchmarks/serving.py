@@ -48,7 +48,7 @@ import dynemb  # noqa: E402
 from dynemb.checkpoint import export_for_serving  # noqa: E402
 from dynemb.serving import ParameterServer  # noqa: E402
 from dynemb.serving.bench import WARMUP_GROUP, hit_rate, traffic, warm_up  # noqa: E402
-from dynemb.serving.stores.codec import encode_keys, encode_rows  # noqa: E402
+from dynemb.serving.stores.row_bytes import encode_keys, encode_rows  # noqa: E402
 from dynemb.table.hashing import mix64  # noqa: E402
 
 DIM = 64
