@@ -71,7 +71,7 @@ def build_export(root: Path, rows_per_table: int) -> Path:
     tables = nn.ModuleDict()
     for i in range(FEATURES):
         emb = dynemb.DynamicEmbedding(DIM, initializer="zeros", init_capacity=rows_per_table, seed=i)
-        emb.upsert(*table_rows(i, rows_per_table))
+        emb.insert_or_assign(*table_rows(i, rows_per_table))
         tables[f"f{i}"] = emb
     return export_for_serving(root, tables)
 

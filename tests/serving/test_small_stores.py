@@ -120,7 +120,7 @@ def _assert_serves(ps, emb, dtype, absent: torch.Tensor) -> None:
     create for them (its initializer, in ``dtype``), twice: the second time from the cache."""
     rows = emb.table.export()
     fresh = dynemb.DynamicEmbedding(emb.dim, key_dtype=emb.table.key_dtype, dtype=dtype, seed=emb.table.seed)
-    want = torch.cat([rows.values.to(dtype), fresh.lookup(absent)])
+    want = torch.cat([rows.values.to(dtype), fresh.find(absent)])
     for _ in range(2):
         got = ps.lookup("m", "embedding", torch.cat([rows.keys, absent]))
         assert got.dtype == dtype and torch.equal(bits(got), bits(want)), (got, want)

@@ -50,7 +50,7 @@ class ParameterServer:
         >>> ps = ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [root],
         ...     "embedding_table_names": ["embedding"], "embedding_vecsize_per_table": [4]}]})
         >>> ps.load("m", progress=False)
-        >>> torch.equal(ps.lookup("m", "embedding", torch.tensor([3, 1])), emb.lookup(torch.tensor([3, 1])))
+        >>> torch.equal(ps.lookup("m", "embedding", torch.tensor([3, 1])), emb.find(torch.tensor([3, 1])))
         True
         >>> ps.close()
     """
