@@ -4,21 +4,20 @@ combiners, weights, multi-hot bags; tables that leave the group for a call (a bo
 between forward and backward) or never join it (frozen, step mode, lfu, admission, static); and a table trains the
 same alone as in a group.
 
-Without a GPU they run under Triton's interpreter on CPU tensors (the repository's conftest.py sets it up)."""
+Each runs on numba and on Triton (without a GPU under Triton's interpreter on CPU tensors: the repository's
+conftest.py sets it up)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-import dynemb  # noqa: E402
-from dynemb import EmbeddingCollection, FeatureConfig, TableConfig  # noqa: E402
-from dynemb.functional import grouped  # noqa: E402
-from dynemb.kernels import use_backend  # noqa: E402
-
-pytestmark = pytest.mark.triton
+import dynemb
+from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+from dynemb.functional import grouped
+from dynemb.kernels import use_backend
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 OPTIMIZERS = {
@@ -96,26 +95,33 @@ def _spied(monkeypatch) -> list:
     return calls
 
 
+#: the backends with group kernels (the torch backend runs each table's own lookup: the reference)
+GROUPED = ["numba", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed")])]
+
+
+@pytest.mark.parametrize("backend", GROUPED)
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
-def test_grouped_training_is_the_per_table_path(monkeypatch, opt):
+def test_grouped_training_is_the_per_table_path(monkeypatch, opt, backend):
     calls = _spied(monkeypatch)
     results = {}
-    for backend in ("torch", "triton"):
-        with use_backend(backend):
+    for name in ("torch", backend):
+        with use_backend(name):
             ec = _collection(opt)
             _train(ec, range(5), "abcd")
-            results[backend] = ec
-    # triton: every table, every step, in its group (int32 "b" in one of its own)
-    assert results["triton"].plan.describe_groups() == [["a", "c", "d"], ["b"]] and sum(calls[-10:]) == 20
+            results[name] = ec
+    # every table, every step, in its group (int32 "b" in one of its own)
+    assert results[backend].plan.describe_groups() == [["a", "c", "d"], ["b"]] and sum(calls[-10:]) == 20
     for name in "abcd":
-        _close(_state(results["torch"], name), _state(results["triton"], name))
-        assert results["torch"].embeddings[name].table.clock == results["triton"].embeddings[name].table.clock
-    assert results["torch"].optimizer.state_dict() == results["triton"].optimizer.state_dict()
+        _close(_state(results["torch"], name), _state(results[backend], name))
+        assert results["torch"].embeddings[name].table.clock == results[backend].embeddings[name].table.clock
+    assert results["torch"].optimizer.state_dict() == results[backend].optimizer.state_dict()
 
 
-@pytest.mark.parametrize("opt", ["adam", "sgd"])
-def test_a_table_trains_the_same_alone_or_in_a_group(opt):
-    with use_backend("triton"):
+@pytest.mark.parametrize("backend", GROUPED)
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_a_table_trains_the_same_alone_or_in_a_group(opt, backend):
+    with use_backend(backend):
         together = _collection(opt)
         _train(together, range(5), "abcd")
         for name in "abcd":
@@ -126,7 +132,8 @@ def test_a_table_trains_the_same_alone_or_in_a_group(opt):
                 together.optimizer.state_dict()["optimizers"][name]
 
 
-def test_tables_outside_the_group_run_beside_it(monkeypatch):
+@pytest.mark.parametrize("backend", GROUPED)
+def test_tables_outside_the_group_run_beside_it(monkeypatch, backend):
     calls = _spied(monkeypatch)
     extra = {"lfu": TableConfig(name="lfu", dim=4, optimizer=OPTIMIZERS["adagrad"](), eviction="lfu", max_capacity=30,
                                 seed=5),
@@ -137,10 +144,10 @@ def test_tables_outside_the_group_run_beside_it(monkeypatch):
                                   eviction="lru")}
     names = ("a", "d", *extra)
     results = {}
-    for backend in ("torch", "triton"):
-        with use_backend(backend):
+    for name in ("torch", backend):
+        with use_backend(name):
             ec = _collection("adagrad", names, **extra)
-            if backend == "triton":
+            if name != "torch":
                 assert ec.plan.describe_groups() == [["a", "d", "bound"]]
             ec.embeddings["d"].requires_grad_(False)  # frozen: read-only, its own lookups
             for step in range(6):
@@ -151,30 +158,32 @@ def test_tables_outside_the_group_run_beside_it(monkeypatch):
                 sum(o.square().sum() for o in ec(batch).values()).backward()
                 ec.optimizer.step()
                 ec.optimizer.zero_grad()
-            results[backend] = ec
+            results[name] = ec
     assert calls and calls[-1] == 1  # the bound table passed its bound's room: only "a" ran grouped at the end
     for name in names:
-        _close(_state(results["torch"], name), _state(results["triton"], name))
-    assert results["triton"].embeddings["bound"].table.evicted > 0
+        _close(_state(results["torch"], name), _state(results[backend], name))
+    assert results[backend].embeddings["bound"].table.evicted > 0
 
 
-def test_rows_moved_between_forward_and_backward_are_found_again():
+@pytest.mark.parametrize("backend", GROUPED)
+def test_rows_moved_between_forward_and_backward_are_found_again(backend):
     results = {}
-    for backend in ("torch", "triton"):
-        with use_backend(backend):
+    for name in ("torch", backend):
+        with use_backend(name):
             ec = _collection("adagrad", ("a", "d"))
             _train(ec, range(3), "ad")
             batch, _ = _batch(3, "ad")
             out = ec(batch)
             ec.embeddings["a"].table.erase(batch["a1"][:2])  # compaction moves other rows of "a"
             sum(o.square().sum() for o in out.values()).backward()
-            results[backend] = ec
+            results[name] = ec
     for name in "ad":
-        _close(_state(results["torch"], name), _state(results["triton"], name))
+        _close(_state(results["torch"], name), _state(results[backend], name))
 
 
-def test_sizes_counters_and_checkpoints_after_grouped_steps(tmp_path):
-    with use_backend("triton"):
+@pytest.mark.parametrize("backend", GROUPED)
+def test_sizes_counters_and_checkpoints_after_grouped_steps(tmp_path, backend):
+    with use_backend(backend):
         ec = _collection("adam")
         _train(ec, range(4), "abcd")
         sizes = {n: len(ec.embeddings[n]) for n in "abcd"}

@@ -8,14 +8,16 @@ device, key dtype and backend; fused optimizers of one kind). One training step 
    numbered as the table's own lookup numbers its new keys, every row stamped;
 3. one autograd node whose forward pools every bag of every table in one kernel call, straight from the tables'
    rows, into one output cut into the features' ``[B, D]``;
-4. its backward: one stable sort of the ids by ``(table, row)``, then one ``sparse_update`` call that sums each row's
-   gradient from its bags and applies its table's optimizer with that table's own hyper-parameters and step count.
+4. its backward: one ``sparse_update`` call that groups the ids by ``(table, row)`` (a stable sort on Triton, a radix
+   sort on numba), sums each row's gradient from its bags and applies its table's optimizer with that table's own
+   hyper-parameters and step count.
 
 Nothing in it reads from the device (the tables' sizes stay there, :mod:`dynemb.table.group`), every tensor is
 sized by the batch, and its op count does not grow with the number of tables. A table the group cannot take this
 call (frozen, a non-fused optimizer, a bound it would pass) runs its own lookup (:func:`~.lookup.pooled_lookups`)
-with the same results; so does everything when the backend has no group kernels (torch, and numba for now), which
-makes the per-table path the group's torch reference.
+with the same results. The group kernels are numba's (CPU) and Triton's (GPU, or its interpreter); the torch
+backend has none and runs every table's own lookup, which makes the per-table path the group's torch reference
+(``tests/collection/test_grouped.py`` compares both backends with it, for every optimizer).
 """
 
 from __future__ import annotations
