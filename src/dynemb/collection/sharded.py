@@ -5,7 +5,8 @@ For all row/table-sharded tables together:
 1. each table's ids are deduplicated locally and sorted by owner rank;
 2. one all-to-all of the per-(rank, table) counts, then one all-to-all of the keys (and, for tables that count
    occurrences, one of the per-key counts);
-3. each owner runs find_or_insert (admission and eviction happen at the owner) and gathers the rows;
+3. each owner runs :func:`~dynemb.functional.owner.owner_lookup` for all its tables (an execution group's tables
+   as one grouped call; admission and eviction happen at the owner) and gathers the rows;
 4. one all-to-all returns the rows, which are pooled locally exactly as by the local executor;
 5. backward: one all-to-all carries the per-unique-key gradients to the owners, which hand them to their
    optimizer (applied at once when fused, else on ``step()``).
@@ -18,7 +19,6 @@ key gets the same row whichever rank owns it, and N-rank training equals 1-rank 
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import torch
 
@@ -26,6 +26,7 @@ from ..distributed.comm import all_gather_varsize, all_to_all_known
 from ..distributed.sharding import ShardingKind
 from ..functional import deliver_gradient, read_rows
 from ..functional.lookup import find_ids, trains
+from ..functional.owner import owner_lookup
 from .features import PreparedFeature, finish
 from .plan import ExecutionPlan, TableShard
 
@@ -102,17 +103,6 @@ class ShardedExecutor:
         saved["row_index"], saved["data_index"] = row, data
         return values, saved
 
-    def _owner_lookup(self, shard: TableShard, keys: torch.Tensor, counts: Optional[torch.Tensor]):
-        """Owner side: the one lookup of :func:`~dynemb.functional.lookup.find_ids` (dedup, find or insert with the
-        requesters' occurrence counts when given), then the rows read. Returns (unique shard keys, rows, inverse,
-        rows per key received)."""
-        table = shard.table
-        # a frozen table is read-only, as under no_grad (the rule of functional.lookup.trains)
-        found = find_ids(table, shard.shard_keys(keys), insert=self.inserting[shard.name], counts=counts,
-                         inverse=True)
-        unique, rows, inverse = found.ids.unique, found.rows, found.ids.inverse
-        return unique, rows, inverse, read_rows(table, unique, rows).float().index_select(0, inverse)
-
     def _row_forward(self, shards: list[TableShard], keys: list[torch.Tensor], counts: list[torch.Tensor]) -> dict:
         world, tables = self.world, len(shards)
         if tables == 0:
@@ -135,18 +125,14 @@ class ShardedExecutor:
             recv_counts = self._a2a(torch.cat(counts).index_select(0, perm), sent.sum(1).tolist(),
                                     recv.sum(1).tolist(), "all-to-all of key counts per key")
         recv_table = torch.repeat_interleave(torch.arange(tables, device=device).repeat(world), recv.reshape(-1))
-        owned, blocks = [], []
-        for t, shard in enumerate(shards):
-            mine = recv_keys[recv_table == t]
-            if shard.module is None:
-                owned.append(None)
-                blocks.append(torch.empty(0, dims[t], device=device))
-                continue
-            mine_counts = recv_counts[recv_table == t] if recv_counts is not None and \
-                shard.config.counts_occurrences else None
-            unique, rows, inverse, vals = self._owner_lookup(shard, mine, mine_counts)
-            owned.append((unique, rows, inverse))
-            blocks.append(vals)
+        mine = [recv_keys[recv_table == t] for t in range(tables)]
+        mine_counts = [recv_counts[recv_table == t] if recv_counts is not None and s.config.counts_occurrences
+                       else None for t, s in enumerate(shards)]
+        # the owner side: one call for all of this rank's tables, an execution group's tables grouped
+        owned = owner_lookup([s.table for s in shards], [s.shard_keys(k) for s, k in zip(shards, mine)],
+                             insert=[s.table is not None and self.inserting[s.name] for s in shards],
+                             counts=mine_counts, groups=[g.lookup for g in self.plan.groups])
+        blocks = [v if v is not None else torch.empty(0, d, device=device) for v, d in zip(owned.values, dims)]
         send_rows = _interleave(blocks, recv)
         dims_t = torch.tensor(dims, device=device)
         got = self._a2a(send_rows, (recv * dims_t).sum(1).tolist(), (sent * dims_t).sum(1).tolist(),
@@ -169,17 +155,12 @@ class ShardedExecutor:
     def _row_backward(self, state: dict, grads: list) -> None:
         if not state.get("shards"):
             return
-        shards, sent, recv, dims = state["shards"], state["sent"], state["recv"], state["dims"]
+        sent, recv, dims = state["sent"], state["recv"], state["dims"]
         dims_t = torch.tensor(dims, device=sent.device)
         blocks = [g.float().index_select(0, idx) for g, idx in zip(grads, state["order"])]
         got = self._a2a(_interleave(blocks, sent), (sent * dims_t).sum(1).tolist(), (recv * dims_t).sum(1).tolist(),
                         "all-to-all of gradients")
-        for shard, owned, dim, grad in zip(shards, state["owned"], dims, _deinterleave(got, recv, dims)):
-            if owned is None:
-                continue
-            unique, rows, inverse = owned
-            total = torch.zeros(unique.numel(), dim, device=grad.device).index_add_(0, inverse, grad)
-            deliver_gradient(shard.table, unique, rows, total)
+        state["owned"].backward(_deinterleave(got, recv, dims))
 
     def _data_forward(self, shard: TableShard, keys: torch.Tensor, counts: torch.Tensor):
         parts = all_gather_varsize(keys, self.group, f"all-gather of keys of {shard.name!r}")

@@ -125,26 +125,73 @@ class GroupedLookup:
         """Pooled training lookups ``(table index, ids [N_t] checked, bag sets)`` (a table at most once), run as
         one grouped call for the tables that can take it; returns ``{table index: one [B, D] a bag set}`` for
         those. The caller runs the others (not in the result) through their own lookups."""
+        call = self.start(lookups)
+        if call is None:
+            return {}
+        blocks = _GroupedPool.apply(call, self._anchor)
+        return self._split(blocks, call.runnable, call.layout)
+
+    def start(self, lookups: list[tuple[int, torch.Tensor, list[BagSet]]]) -> "_Call | None":
+        """The find-or-insert of a grouped call (no autograd): the tables of ``lookups`` that can run grouped this
+        call, their rows found or inserted; None when none can. :meth:`forward` then pools them and :meth:`update`
+        applies their gradients (the autograd node of :meth:`pooled` does both; the sharded owner calls them
+        itself, see :func:`~.owner.owner_lookup`)."""
         group = self._group()
         if group is None:
-            return {}
+            return None
         runnable = [item for item in lookups if self._runs(item[0])
                     and not any(s.weights is not None and s.weights.requires_grad for s in item[2])]
         if not runnable:
-            return {}
+            return None
         admitted = set(group.admit({t: ids.numel() for t, ids, _ in runnable}))
         runnable = [item for item in runnable if item[0] in admitted]
         if not runnable:
-            return {}
+            return None
         layout = self._layout(runnable)
         # the backward may need the keys: the caller's buffer is copied (a loader may refill it before the backward)
         keys = runnable[0][1].clone() if len(runnable) == 1 else torch.cat([ids for _, ids, _ in runnable])
         offsets, weights, denom, bags = self._bags(runnable, keys.numel(), layout)
         counts = {t: ids.numel() for t, ids, _ in runnable}
         rows = group.find_or_insert(keys, layout.seg, layout.seg_first, counts)
-        state = _Call(self, group, layout, runnable, keys, rows, offsets, weights, denom, bags)
-        blocks = _GroupedPool.apply(state, self._anchor)
-        return self._split(blocks, runnable, layout)
+        return _Call(self, group, layout, runnable, keys, rows, offsets, weights, denom, bags)
+
+    @staticmethod
+    def forward(call: "_Call") -> tuple:
+        """Pool every bag of a started call in one kernel call: each table's block of the output (``[B_t, D]``,
+        flat for mixed dims), in the order of ``call.runnable``. Keeps what :meth:`update` needs in ``call``."""
+        keys, rows, offsets, weights, denom, bags = call.saved
+        layout, group = call.layout, call.group
+        out = torch.empty(layout.total, dtype=torch.float32, device=rows.device)
+        group.kernels.pool(group.meta, rows, offsets, layout.bag_seg, weights, denom, out, layout.out_at,
+                           layout.max_dim)
+        keyed = layout.seg_high | rows  # (table, row) of each id: no two tables' rows meet
+        call.saved = (keys, keyed, weights, denom, bags)
+        counts = [hi - lo for lo, hi in zip(layout.bag_starts, layout.bag_starts[1:])]
+        if layout.dim is not None:
+            return out.view(-1, layout.dim).split(counts)
+        return out.split([hi - lo for lo, hi in zip(layout.out_starts, layout.out_starts[1:])])
+
+    @staticmethod
+    def update(call: "_Call", grads: tuple) -> None:
+        """The fused update of a forwarded call from each table's output gradient (``grads``: one a table of
+        ``call.runnable``, None for an output no loss used: that table is left untouched): one ``sparse_update``
+        call, each table with its own hyper-parameters and step count."""
+        keys, keyed, weights, denom, bags = call.saved
+        lookup, group, layout = call.lookup, call.group, call.layout
+        tables = lookup.tables
+        unused = {t for (t, _, _), g in zip(call.runnable, grads) if g is None}
+        if len(unused) == len(grads):
+            return
+        moved = {t for t in call.moves if t not in unused and not tables[t].rows_unmoved_since(call.moves[t])}
+        hparams, versions = lookup._hparams_for(group, call.runnable, call.clocks, unused | moved)
+        grad = _flat_gradient(grads, layout)
+        if denom is not None:
+            grad = _divided(grad, denom, layout)
+        group._refresh()  # a table grown since the forward has its storage elsewhere: its rows are the same
+        group.kernels.sparse_update(lookup.kind, group.meta, hparams, versions, keyed, grad, layout.out_at,
+                                    layout.table_bags, bags, weights, layout.max_dim)
+        for t in moved:
+            _update_apart(call, t, keys, keyed, grad, weights, bags)
 
     # ------------------------------------------------------------------ the call's layout
     def _layout(self, runnable) -> _Layout:
@@ -272,48 +319,28 @@ class _Call:
 
 
 class _GroupedPool(torch.autograd.Function):
-    """The pooling of a grouped call (forward: one ``pool`` launch) and its fused update (backward: one
-    ``sparse_update`` launch). Outputs: each table's block of the output (``[B_t, D]``, flat for mixed dims), so that
-    a table whose output no loss used gets no gradient and is left untouched, as by its own lookup. Its one input is
-    the group's anchor, a leaf that requires grad, so that autograd runs the backward; the tables are no tensors."""
+    """The pooling of a grouped call (forward: :meth:`GroupedLookup.forward`, one ``pool`` launch) and its fused
+    update (backward: :meth:`GroupedLookup.update`, one ``sparse_update`` launch). Outputs: each table's block of
+    the output, so that a table whose output no loss used gets no gradient and is left untouched, as by its own
+    lookup. Its one input is the group's anchor, a leaf that requires grad, so that autograd runs the backward; the
+    tables are no tensors."""
 
     @staticmethod
     def forward(ctx, call: _Call, anchor):
-        keys, rows, offsets, weights, denom, bags = call.saved
-        layout, group = call.layout, call.group
-        out = torch.empty(layout.total, dtype=torch.float32, device=rows.device)
-        group.kernels.pool(group.meta, rows, offsets, layout.bag_seg, weights, denom, out, layout.out_at,
-                           layout.max_dim)
-        keyed = layout.seg_high | rows  # (table, row) of each id: no two tables' rows meet
-        ctx.save_for_backward(keys, keyed, weights, denom, bags)
+        blocks = GroupedLookup.forward(call)
+        ctx.save_for_backward(*call.saved)
         ctx.call = call
         ctx.set_materialize_grads(False)
         call.saved = None  # the node holds the tensors now
-        counts = [hi - lo for lo, hi in zip(layout.bag_starts, layout.bag_starts[1:])]
-        if layout.dim is not None:
-            return out.view(-1, layout.dim).split(counts)
-        return out.split([hi - lo for lo, hi in zip(layout.out_starts, layout.out_starts[1:])])
+        return blocks
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        keys, keyed, weights, denom, bags = ctx.saved_tensors
         call = ctx.call
-        lookup, group, layout = call.lookup, call.group, call.layout
-        tables = lookup.tables
-        unused = {t for (t, _, _), g in zip(call.runnable, grads) if g is None}
-        if len(unused) == len(grads):
-            return None, None
-        moved = {t for t in call.moves if t not in unused and not tables[t].rows_unmoved_since(call.moves[t])}
-        hparams, versions = lookup._hparams_for(group, call.runnable, call.clocks, unused | moved)
-        grad = _flat_gradient(grads, layout)
-        if denom is not None:
-            grad = _divided(grad, denom, layout)
-        group._refresh()  # a table grown since the forward has its storage elsewhere: its rows are the same
-        group.kernels.sparse_update(lookup.kind, group.meta, hparams, versions, keyed, grad, layout.out_at,
-                                    layout.table_bags, bags, weights, layout.max_dim)
-        for t in moved:
-            _update_apart(call, t, keys, keyed, grad, weights, bags)
+        call.saved = ctx.saved_tensors
+        GroupedLookup.update(call, grads)
+        call.saved = None
         return None, None
 
 
