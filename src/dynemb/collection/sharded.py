@@ -25,7 +25,7 @@ import torch
 from ..distributed.comm import all_gather_varsize, all_to_all_known
 from ..distributed.sharding import ShardingKind
 from ..functional import deliver_gradient, read_rows
-from ..functional.lookup import find_ids, trains
+from ..functional.find import find_ids, trains
 from ..functional.owner import owner_lookup
 from .features import PreparedFeature, finish
 from .plan import ExecutionPlan, TableShard
@@ -48,7 +48,7 @@ class ShardedExecutor:
         # Tables insert, evict and count only when training with grad mode on; otherwise they are read-only.
         # (Every rank must be in the same mode: the exchange below depends on it.)
         training = self.training = training and torch.is_grad_enabled()
-        # which tables insert and train (the rule of functional.lookup.trains), decided here: the owner side runs
+        # which tables insert and train (the rule of functional.find.trains), decided here: the owner side runs
         # inside an autograd node's forward, where grad mode is off
         self.inserting = {s.name: s.table is not None and trains(s.table, training) for s in self.plan}
         names = list(self.plan.shards)

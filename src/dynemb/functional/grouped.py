@@ -30,7 +30,7 @@ import torch
 from ..kernels.dispatch import group_hparams, kernels_for, resolve_backend
 from ..table.group import TableGroup, refusal
 from .grads import PooledGrad, deliver_pooled_gradient
-from .lookup import sort_ids, _first_of_groups
+from .find import first_of_groups, sort_ids
 from .pooling import BagSet, bag_of, combine_denoms, concat_bags, is_one_id_bags, one_id_bags
 
 __all__ = ["GroupedLookup", "group_refusal", "group_tables"]
@@ -64,7 +64,7 @@ def group_tables(tables: dict) -> list[list[str]]:
     return list(groups.values())
 
 
-class _Layout(NamedTuple):
+class _CallLayout(NamedTuple):
     """What a call's sizes fix (made once a layout): each id's table (``seg``), the start of its table's ids
     (``seg_first``), ``seg << 32``, each bag's table and its output's place in the flat output (``out_at``), the
     bags per table and the output's shape."""
@@ -194,7 +194,7 @@ class GroupedLookup:
             _update_apart(call, t, keys, keyed, grad, weights, bags)
 
     # ------------------------------------------------------------------ the call's layout
-    def _layout(self, runnable) -> _Layout:
+    def _layout(self, runnable) -> _CallLayout:
         key = tuple((t, ids.numel(), tuple(s.num_bags for s in sets)) for t, ids, sets in runnable)
         layout = self._layouts.get(key)
         if layout is None:
@@ -203,7 +203,7 @@ class GroupedLookup:
             layout = self._layouts[key] = self._make_layout(runnable)
         return layout
 
-    def _make_layout(self, runnable) -> _Layout:
+    def _make_layout(self, runnable) -> _CallLayout:
         device = self.tables[0].device
         n_ids = [ids.numel() for _, ids, _ in runnable]
         n_bags = [sum(s.num_bags for s in sets) for _, _, sets in runnable]
@@ -231,11 +231,11 @@ class GroupedLookup:
         table_bags = [[0, 0, 0] for _ in self.tables]
         for (t, _, _), lo, count, at in zip(runnable, bag_starts, n_bags, out_starts):
             table_bags[t] = [lo, count, at]
-        return _Layout(seg, seg_first, seg << 32, bag_seg, out_at, tuple(id_starts), tuple(bag_starts),
+        return _CallLayout(seg, seg_first, seg << 32, bag_seg, out_at, tuple(id_starts), tuple(bag_starts),
                        tuple(out_starts), torch.tensor(table_bags, dtype=torch.int64, device=device), uniform,
                        out_starts[-1], max(dims))
 
-    def _bags(self, runnable, n: int, layout: _Layout):
+    def _bags(self, runnable, n: int, layout: _CallLayout):
         """``(offsets [B], weights [N] | None, denom [B] | None, bag [N] | None)`` of the call's bags, in the
         concatenated ids (``bag`` None: bags of one id each, id ``j`` is bag ``j``)."""
         device = self.tables[0].device
@@ -272,7 +272,7 @@ class GroupedLookup:
             got = self._arange[n] = torch.arange(n, device=device)
         return got
 
-    def _split(self, blocks: tuple, runnable, layout: _Layout) -> dict[int, list[torch.Tensor]]:
+    def _split(self, blocks: tuple, runnable, layout: _CallLayout) -> dict[int, list[torch.Tensor]]:
         """Each table's block of the output (``[B_t, D_t]``; flat ones for mixed dims) cut into its bag sets."""
         result = {}
         for (t, _, sets), block in zip(runnable, blocks):
@@ -309,7 +309,7 @@ class GroupedLookup:
 class _Call:
     """One grouped call's state, from its forward to its backward (the autograd node keeps it)."""
 
-    def __init__(self, lookup: GroupedLookup, group: TableGroup, layout: _Layout, runnable, keys, rows, offsets,
+    def __init__(self, lookup: GroupedLookup, group: TableGroup, layout: _CallLayout, runnable, keys, rows, offsets,
                  weights, denom, bags) -> None:
         self.lookup, self.group, self.layout, self.runnable = lookup, group, layout, runnable
         tables = lookup.tables
@@ -344,7 +344,7 @@ class _GroupedPool(torch.autograd.Function):
         return None, None
 
 
-def _flat_gradient(grads: tuple, layout: _Layout) -> torch.Tensor:
+def _flat_gradient(grads: tuple, layout: _CallLayout) -> torch.Tensor:
     """The tables' output gradients as one flat tensor in the output's layout (an unused table's block left
     unwritten: the update skips that table)."""
     blocks = [hi - lo for lo, hi in zip(layout.out_starts, layout.out_starts[1:])]
@@ -358,7 +358,7 @@ def _flat_gradient(grads: tuple, layout: _Layout) -> torch.Tensor:
                       for g, n in zip(grads, blocks)])
 
 
-def _divided(grad: torch.Tensor, denom: torch.Tensor, layout: _Layout) -> torch.Tensor:
+def _divided(grad: torch.Tensor, denom: torch.Tensor, layout: _CallLayout) -> torch.Tensor:
     """The flat bag gradient divided by each bag's combiner divisor (the gradient of its bag sum)."""
     if layout.dim is not None:
         return (grad.view(-1, layout.dim) / denom.unsqueeze(1)).view(-1)
@@ -378,5 +378,5 @@ def _update_apart(call: _Call, t: int, keys, keyed, grad, weights, bags) -> None
     table_grad = grad.narrow(0, layout.out_starts[i], (b_hi - b_lo) * table.dim).view(-1, table.dim)
     local_bags = None if bags is None else bags[lo:hi] - b_lo
     pooled = PooledGrad(by_row.order, by_row.starts, local_bags, None if weights is None else weights[lo:hi])
-    key_fn = functools.partial(_first_of_groups, keys[lo:hi], by_row.order, by_row.starts)
+    key_fn = functools.partial(first_of_groups, keys[lo:hi], by_row.order, by_row.starts)
     deliver_pooled_gradient(table, key_fn, by_row.unique, table_grad, pooled, call.clocks[t], call.moves[t])

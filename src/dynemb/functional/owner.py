@@ -4,7 +4,7 @@
 table- or column-wise shards alike: whatever the strategy, the owner gets keys and returns rows, then gets
 gradients). It runs the tables of one execution group (:class:`~.grouped.GroupedLookup`, the plan's groups) as one
 call of each group kernel, and every other table through the one per-table lookup
-(:func:`~.lookup.find_ids`), with the same results: the rows and updates of the per-table path, bit for bit where
+(:func:`~.find.find_ids`), with the same results: the rows and updates of the per-table path, bit for bit where
 the group kernels are (within float32 summation order otherwise; ``tests/collection/test_owner.py``).
 
 Example:
@@ -26,7 +26,7 @@ import torch
 
 from .grads import deliver_gradient, read_rows
 from .grouped import GroupedLookup
-from .lookup import find_ids
+from .find import find_ids
 from .pooling import BagSet, one_id_bags
 
 __all__ = ["owner_lookup", "OwnerRows"]
@@ -76,7 +76,7 @@ def owner_lookup(tables: Sequence, keys: Sequence[torch.Tensor], *, insert: Sequ
         keys: ``keys[t] [N_t]``, table ``t``'s received keys in its key dtype (a sharded table's shard keys), in
             arrival order; a key may come several times (from several requesters).
         insert: ``insert[t]``: whether the lookup inserts and trains table ``t`` (the caller's
-            :func:`~.lookup.trains`; False: read-only, absent keys read their initializer row).
+            :func:`~.find.trains`; False: read-only, absent keys read their initializer row).
         counts: ``counts[t] [N_t]`` int64 or None: the occurrences each received key stands for (tables that
             count occurrences: lfu scores, admission); such a table runs the per-table lookup.
         groups: the execution groups whose tables may run grouped (the plan's ``ExecutionGroup.lookup`` s); a table
