@@ -196,3 +196,67 @@ def test_sizes_counters_and_checkpoints_after_grouped_steps(tmp_path, backend):
         table = ec.embeddings[name].table
         assert table.size() == table.inserted - table.removed - table.evicted >= sizes[name] > 0
         _close(_state(ec, name), _state(again, name), exact=True)
+
+
+#: every kind of table, each beside a grouped neighbour: tables the group takes (plain, bounded lru) and those that
+#: run their own lookups, the documented fallback (tiered, admission, lfu, static, step-mode), with pooled,
+#: sequence (unpooled), weighted and max_norm features
+KINDS = {
+    "plain": dict(dim=4),
+    "mixed": dict(dim=3),  # a table the group takes, whose sequence and max_norm features make it run its own
+    "bounded": dict(dim=4, max_capacity=40, eviction="lru"),
+    "tiered": dict(dim=4, tiers=dynemb.table.Tiers(fast_capacity=12)),
+    "admission": dict(dim=4, admission=2),
+    "lfu": dict(dim=4, eviction="lfu", max_capacity=30),
+    "static": dict(dim=4, vocabulary_size=80),
+}
+FEATURES = {"pooled": {}, "sequence": {"combiner": "none"}, "max_norm": {"max_norm": 0.5}, "weighted": {}}
+#: the features of each table (the rest get all four)
+PLAIN = {"plain": ("pooled", "weighted"), "bounded": ("pooled", "weighted")}
+
+
+def _kinds_collection(opt: str, names) -> EmbeddingCollection:
+    tables = [TableConfig(name=n, optimizer=OPTIMIZERS[opt](), seed=i + 1, **KINDS[n])
+              for i, n in enumerate(KINDS) if n in names]
+    features = [FeatureConfig(name=f"{n}_{f}", table=n, **FEATURES[f]) for n in KINDS if n in names
+                for f in PLAIN.get(n, FEATURES)]
+    return EmbeddingCollection(tables, features, device=DEVICE)
+
+
+def _kinds_train(ec: EmbeddingCollection, names, steps=6) -> None:
+    for step in steps if not isinstance(steps, int) else range(steps):
+        g = torch.Generator().manual_seed(step)
+        batch = {}
+        for n in KINDS:
+            ids = {f: torch.randint(0, 25 + 8 * step, (6, 2), generator=g) for f in FEATURES}
+            weights = torch.rand(12, generator=g)
+            if n in names:
+                batch.update({f"{n}_{f}": ids[f].to(DEVICE) for f in ("pooled", "sequence", "max_norm")
+                              if f in PLAIN.get(n, FEATURES)})
+                batch[f"{n}_weighted"] = (ids["weighted"].reshape(-1).to(DEVICE), torch.arange(0, 12, 2).to(DEVICE),
+                                          weights.to(DEVICE))
+        out = ec(batch)
+        scale = {f"{n}_{f}": 1 + i for i, (n, f) in enumerate((n, f) for n in KINDS for f in FEATURES)}
+        sum(o.square().sum() * scale[f] for f, o in out.items()).backward()  # each feature's own weight
+        ec.optimizer.step()
+        ec.optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("backend", GROUPED)
+@pytest.mark.parametrize("opt", ["adagrad", "sgd_plain"])
+def test_every_kind_of_table_trains_the_same_alone_or_beside_a_group(opt, backend, monkeypatch):
+    calls = _spied(monkeypatch)
+    with use_backend(backend):
+        together = _kinds_collection(opt, KINDS)
+        _kinds_train(together, KINDS)
+        assert together.plan.describe_groups() == [["plain", "mixed", "bounded"]]
+        assert calls[0] == 2  # "mixed" runs its own lookups; "bounded" too once it may have to evict
+        for name in KINDS:
+            alone = _kinds_collection(opt, (name,))
+            _kinds_train(alone, (name,))
+            want, got = alone.state_dict(), together.state_dict()
+            mine = [k for k in want if k.split(".")[1] == name]
+            assert mine
+            for key in mine:
+                a, b = want[key], got[key]
+                assert torch.equal(a, b) if torch.is_tensor(a) else a == b, key
