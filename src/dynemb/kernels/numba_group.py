@@ -23,9 +23,8 @@ from . import numba_cache  # noqa: F401  (first: it sets the cache directory of 
 from .dispatch import GROUP_META
 from .numba_index import _place_kernel, _probe_kernel, _unique_kernel
 from .numba_init import uniform_salted
-from .numba_math import fma
 from .numba_optim import _adagrad, _adam, _ftrl, _rowwise_adagrad, _sgd
-from .numba_pool import _RADIX_PASSES, _radix_dedup_kernel, block_width
+from .numba_pool import _AHEAD, _RADIX_PASSES, _radix_dedup_kernel, block_width, sum_terms
 
 __all__ = ["find_or_insert", "pool", "sparse_update", "KINDS"]
 
@@ -58,9 +57,12 @@ def pool(meta: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, bag_seg:
          max_dim: int) -> torch.Tensor:
     """Bag ``b`` of table ``bag_seg[b]`` summed from its ids' ``rows`` into ``out`` (flat) at ``out_at[b]``: see
     the contract. Returns ``out``."""
-    _pool_kernel(meta.numpy(), rows.numpy(), offsets.numpy(), bag_seg.numpy(),
+    m = meta.numpy()
+    dims = {int(d) for d in m[:, _DIM]}
+    width = block_width(dims.pop()) if len(dims) == 1 else ()  # one dim: summed in vector registers
+    _pool_kernel(m, rows.numpy(), offsets.numpy(), bag_seg.numpy(),
                  _NO_F32 if weights is None else weights.detach().numpy(), _NO_F32 if denom is None else denom.numpy(),
-                 out.numpy(), out_at.numpy(), rows.shape[0])
+                 out.numpy(), out_at.numpy(), rows.shape[0], width)
     return out
 
 
@@ -150,32 +152,27 @@ def _find_or_insert_kernel(meta, fmeta, keys, seg, sizes, stamps, rows, key_cols
 
 
 @numba.njit(nogil=True, cache=True)
-def _pool_kernel(meta, rows, offsets, bag_seg, weights, denom, out, out_at, n):
+def _pool_kernel(meta, rows, offsets, bag_seg, weights, denom, out, out_at, n, width):
     nbags = offsets.shape[0]
-    weighted, divided = weights.shape[0] > 0, denom.shape[0] > 0
-    t, dim = -1, 0
-    values = np.empty((0, 0), np.float32)
-    for b in range(nbags):
-        if bag_seg[b] != t:  # a table's bags are one run: its rows are viewed once
-            t = bag_seg[b]
-            dim = meta[t, _DIM]
-            values = numba.carray(_pointer(meta[t, _VALUES], _F32), (meta[t, _CAPACITY], dim))
-        end = offsets[b + 1] if b + 1 < nbags else n
-        o = out_at[b]
-        for d in range(dim):
-            out[o + d] = 0.0
-        for j in range(offsets[b], end):  # in id order, as torch's embedding_bag (FMA where weighted)
-            r = rows[j]
-            if weighted:
-                w = weights[j]
+    starts = np.empty(nbags + 1, np.int64)  # each bag's first id, and the end
+    starts[:nbags] = offsets
+    starts[nbags] = n
+    lo = 0
+    while lo < nbags:  # a table's bags are one run: pooled by the per-table kernels' bag sum
+        t = bag_seg[lo]
+        hi = lo + 1
+        while hi < nbags and bag_seg[hi] == t:
+            hi += 1
+        dim = meta[t, _DIM]
+        values = numba.carray(_pointer(meta[t, _VALUES], _F32), (meta[t, _CAPACITY], dim))
+        at = out_at[lo]
+        block = out[at:at + (hi - lo) * dim].reshape((hi - lo, dim))
+        sum_terms(lo, hi, block, values, starts, rows, weights, _AHEAD, width)
+        if denom.shape[0] > 0:
+            for b in range(lo, hi):
                 for d in range(dim):
-                    out[o + d] = fma(w, values[r, d], out[o + d])
-            else:
-                for d in range(dim):
-                    out[o + d] += values[r, d]
-        if divided:
-            for d in range(dim):
-                out[o + d] /= denom[b]
+                    block[b - lo, d] /= denom[b]
+        lo = hi
 
 
 @numba.njit(nogil=True, cache=True)
