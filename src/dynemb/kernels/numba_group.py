@@ -26,9 +26,19 @@ from .numba_init import uniform_salted
 from .numba_optim import _adagrad, _adam, _ftrl, _rowwise_adagrad, _sgd
 from .numba_pool import _AHEAD, _RADIX_PASSES, _radix_dedup_kernel, block_width, sum_terms
 
-__all__ = ["find_or_insert", "pool", "sparse_update", "KINDS"]
+__all__ = ["find_or_insert", "pool", "sparse_update", "KINDS", "max_ids_per_table"]
 
 KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
+#: A table passes at most this many ids to a grouped call; above it, its own lookup (which deduplicates before it
+#: probes, and pools and updates unique rows) costs no more than its share of the group's call: on the Xeon guest
+#: (1 thread) the main job's step ran 1.40x faster grouped at 512 ids a table, the same at 4,096, and a train step
+#: of 81,920 zipf ids a table 0.88x (``benchmarks/job_step.py``, ``benchmarks/train_step_ab.py --same-process``).
+_MAX_IDS_PER_TABLE = 4096
+
+
+def max_ids_per_table() -> int | None:
+    """The most ids a table passes to one grouped call (None: any); above it the table runs its own lookup."""
+    return _MAX_IDS_PER_TABLE
 (_BUCKETS, _OVERFLOW, _SHIFT, _NB, _VALUES, _DIM, _KEYS, _STAMPS, _SLOT0, _W0, _SLOT1, _W1, _SEED, _INIT,
  _CAPACITY) = range(len(GROUP_META))
 _F32 = np.empty(0, np.float32)  # the dtypes the tables' tensors are viewed in (numba arrays carry them)
