@@ -57,7 +57,7 @@ from dynemb.distributed.launch import free_port  # noqa: E402
 from dynemb.job import RunSpec, read_card, train_run  # noqa: E402
 from dynemb.endpoint import ServedModel, build_app, running  # noqa: E402
 from dynemb.endpoint.command import WATCH_INTERVAL_S  # noqa: E402
-from dynemb.endpoint.protocol import decode_request  # noqa: E402
+from dynemb.endpoint.inference_protocol import decode_request  # noqa: E402
 from dynemb.endpoint.wire import parse_body  # noqa: E402
 from dynemb.endpoint.watch import ExportWatcher  # noqa: E402
 from dynemb.train import TrainConfig  # noqa: E402

@@ -48,7 +48,7 @@ import dynemb  # noqa: E402
 from dynemb.checkpoint import export_for_serving  # noqa: E402
 from dynemb.serving import ParameterServer  # noqa: E402
 from dynemb.serving.bench import WARMUP_GROUP, hit_rate, traffic, warm_up  # noqa: E402
-from dynemb.serving.stores.codec import encode_keys, encode_rows  # noqa: E402
+from dynemb.serving.stores.row_bytes import encode_keys, encode_rows  # noqa: E402
 from dynemb.table.hashing import mix64  # noqa: E402
 
 DIM = 64
@@ -71,7 +71,7 @@ def build_export(root: Path, rows_per_table: int) -> Path:
     tables = nn.ModuleDict()
     for i in range(FEATURES):
         emb = dynemb.DynamicEmbedding(DIM, initializer="zeros", init_capacity=rows_per_table, seed=i)
-        emb.upsert(*table_rows(i, rows_per_table))
+        emb.insert_or_assign(*table_rows(i, rows_per_table))
         tables[f"f{i}"] = emb
     return export_for_serving(root, tables)
 

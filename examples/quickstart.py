@@ -52,7 +52,7 @@ def main() -> None:
 
     emb.eval()  # eval mode: lookups of unseen ids return their initializer row and insert nothing
     probe = torch.tensor([2**63 - 1, 123456789])
-    values, found = emb.lookup(probe, return_exists=True)
+    values, found = emb.find(probe, return_exists=True)
     print(f"lookup {probe.tolist()}: found {found.tolist()}, shape {tuple(values.shape)}")
 
     keys, values = emb.export()

@@ -1,4 +1,5 @@
-"""DynamicEmbedding: the user's module. Forward in train and eval, the TFRA/SOK methods, state dicts, devices."""
+"""DynamicEmbedding: the user's module. Forward in train and eval, the table's verbs and TFRA's names for them,
+state dicts, devices."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def test_forward_train_inserts_and_keeps_shape(key_dtype, device, extreme_keys):
     assert out.shape == (2, 4, 4) and out.dtype == torch.float32 and out.device.type == device.type
     assert len(emb) == emb.size() == 8
     assert torch.equal(emb(ids), out)  # the same rows on the next call
-    assert torch.equal(out.view(8, 4), emb.lookup(ids.view(-1)))
+    assert torch.equal(out.view(8, 4), emb.find(ids.view(-1)))
 
 
 def test_forward_duplicates_share_a_row(key_dtype, device):
@@ -43,7 +44,7 @@ def test_forward_duplicates_share_a_row(key_dtype, device):
 
 def test_forward_eval_inserts_nothing_and_returns_initial_rows(key_dtype, device):
     emb = _emb(key_dtype, device)
-    emb.upsert(_k([1], key_dtype, device), torch.ones(1, 4, device=device))
+    emb.insert_or_assign(_k([1], key_dtype, device), torch.ones(1, 4, device=device))
     emb.eval()
     ids = _k([1, 2, 2**20], key_dtype, device)
     out = emb(ids)
@@ -100,9 +101,9 @@ def test_int64_ids_of_an_int32_table_are_cast_when_they_fit(device):
     emb, twin = _emb(torch.int32, device), _emb(torch.int32, device)
     ids = torch.tensor([[-(2**31), 7], [2**31 - 1, 7]], device=device)
     assert torch.equal(emb(ids), twin(ids.int()))
-    assert torch.equal(emb.lookup(ids), twin.lookup(ids.int())) and bool(emb.contains(ids).all())
-    emb.upsert(torch.tensor([9], device=device), torch.ones(1, 4, device=device))
-    assert emb.remove(torch.tensor([7, 8], device=device)) == 1
+    assert torch.equal(emb.find(ids), twin.find(ids.int())) and bool(emb.contains(ids).all())
+    emb.insert_or_assign(torch.tensor([9], device=device), torch.ones(1, 4, device=device))
+    assert emb.erase(torch.tensor([7, 8], device=device)) == 1
     assert sorted(emb.export()[0].tolist()) == [-(2**31), 9, 2**31 - 1] and emb.export()[0].dtype == torch.int32
 
 
@@ -117,7 +118,7 @@ def test_int64_ids_that_do_not_fit_an_int32_table_are_named_and_change_nothing(b
         with fails_cleanly(emb, ValueError, "^ids " + message):
             emb(keys)
     for call in (emb.lookup, emb.contains, emb.remove,
-                 lambda k: emb.upsert(k, torch.zeros(1, 2, 4)),
+                 lambda k: emb.insert_or_assign(k, torch.zeros(1, 2, 4)),
                  lambda k: emb.accum(k, torch.zeros(1, 2, 4), torch.ones(1, 2, 4), torch.ones(1, 2).bool())):
         with fails_cleanly(emb, ValueError, "^keys " + message):
             call(keys)
@@ -134,48 +135,54 @@ def test_int64_ids_that_do_not_fit_fail_without_a_sync_where_unchecked():
 
 
 # ------------------------------------------------------------------------------------------------------------- methods
-def test_lookup_with_and_without_exists(key_dtype, device):
+def test_find_with_and_without_exists(key_dtype, device):
     emb = _emb(key_dtype, device)
-    emb.upsert(_k([5], key_dtype, device), torch.full((1, 4), 2.0, device=device))
+    emb.insert_or_assign(_k([5], key_dtype, device), torch.full((1, 4), 2.0, device=device))
     keys = _k([[5, 6]], key_dtype, device)
-    values = emb.lookup(keys)
-    values2, exists = emb.lookup(keys, return_exists=True)
+    values = emb.find(keys)
+    values2, exists = emb.find(keys, return_exists=True)
     assert values.shape == (1, 2, 4) and exists.shape == (1, 2)
     assert exists.tolist() == [[True, False]]
     assert torch.equal(values, values2) and values[0, 0].eq(2.0).all()
     assert len(emb) == 1
 
 
-@pytest.mark.parametrize("method", ["upsert"])
-def test_upsert(method, key_dtype, device, value_dtype):
+def test_tfra_names_are_the_table_verbs():
+    """TFRA's lookup / upsert / remove are the table's find / insert_or_assign / erase: the same methods."""
+    for tfra, verb in (("lookup", "find"), ("upsert", "insert_or_assign"), ("remove", "erase")):
+        assert getattr(DynamicEmbedding, tfra) is getattr(DynamicEmbedding, verb), tfra
+        assert verb in vars(DynamicEmbedding) and verb in vars(dynemb.KeyValueTable), verb
+
+
+def test_insert_or_assign(key_dtype, device, value_dtype):
     emb = _emb(key_dtype, device, dtype=value_dtype)
     keys = _k([1, 2, 1], key_dtype, device)
     vals = torch.arange(12, device=device).view(3, 4).to(value_dtype)
-    getattr(emb, method)(keys, vals)
+    emb.insert_or_assign(keys, vals)
     assert len(emb) == 2
-    assert torch.equal(emb.lookup(_k([1, 2], key_dtype, device)), vals[[2, 1]])  # the last duplicate wins
-    getattr(emb, method)(_k([2], key_dtype, device), torch.zeros(1, 4, dtype=value_dtype, device=device))
-    assert emb.lookup(_k([2], key_dtype, device)).eq(0).all()
+    assert torch.equal(emb.find(_k([1, 2], key_dtype, device)), vals[[2, 1]])  # the last duplicate wins
+    emb.insert_or_assign(_k([2], key_dtype, device), torch.zeros(1, 4, dtype=value_dtype, device=device))
+    assert emb.find(_k([2], key_dtype, device)).eq(0).all()
 
 
 def test_accum_tfra_flow(key_dtype, device):
     emb = _emb(key_dtype, device, initializer="zeros")
-    emb.upsert(_k([1, 2], key_dtype, device), torch.ones(2, 4, device=device))
+    emb.insert_or_assign(_k([1, 2], key_dtype, device), torch.ones(2, 4, device=device))
     keys = _k([1, 2, 3], key_dtype, device)
-    old, exists = emb.lookup(keys, return_exists=True)
-    emb.remove(_k([2], key_dtype, device))  # removed by someone else in between
+    old, exists = emb.find(keys, return_exists=True)
+    emb.erase(_k([2], key_dtype, device))  # removed by someone else in between
     emb.accum(keys, old, old + 0.5, exists)
-    values, exists = emb.lookup(keys, return_exists=True)
+    values, exists = emb.find(keys, return_exists=True)
     assert exists.tolist() == [True, False, True]
     assert values[0].eq(1.5).all() and values[2].eq(0.5).all()
 
 
-def test_remove_contains_size_clear(key_dtype, device, extreme_keys):
+def test_erase_contains_size_clear(key_dtype, device, extreme_keys):
     emb = _emb(key_dtype, device)
     keys = extreme_keys.to(device)
     emb(keys)
     assert emb.contains(keys).all()
-    assert emb.remove(torch.cat([keys[:3], keys[:3], _k([77], key_dtype, device)])) == 3
+    assert emb.erase(torch.cat([keys[:3], keys[:3], _k([77], key_dtype, device)])) == 3
     assert emb.contains(keys).tolist() == [False] * 3 + [True] * 5
     assert emb.size() == len(emb) == 5
     emb.clear()
@@ -185,7 +192,7 @@ def test_remove_contains_size_clear(key_dtype, device, extreme_keys):
 def test_export_with_and_without_scores(key_dtype, device):
     emb = _emb(key_dtype, device, eviction="lfu", max_capacity=100)
     keys = _k([4, 9], key_dtype, device)
-    emb.upsert(torch.cat([keys, keys[:1]]), torch.ones(3, 4, device=device))
+    emb.insert_or_assign(torch.cat([keys, keys[:1]]), torch.ones(3, 4, device=device))
     k, v = emb.export()
     k2, v2, s = emb.export(with_scores=True)
     assert torch.equal(k, k2) and torch.equal(v, v2) and v.eq(1).all()
@@ -195,7 +202,7 @@ def test_export_with_and_without_scores(key_dtype, device):
 
 def test_restrict_with_and_without_trigger(key_dtype, device):
     emb = _emb(key_dtype, device, eviction="lfu", max_capacity=100)
-    emb.upsert(_k([1, 1, 1, 2, 2, 3], key_dtype, device), torch.zeros(6, 4, device=device))
+    emb.insert_or_assign(_k([1, 1, 1, 2, 2, 3], key_dtype, device), torch.zeros(6, 4, device=device))
     assert emb.restrict(2, trigger=3).keys.numel() == 0 and len(emb) == 3
     assert emb.restrict(2).keys.tolist() == [3]
     assert sorted(emb.export()[0].tolist()) == [1, 2]
@@ -253,13 +260,13 @@ def test_method_errors_change_nothing(key_dtype, device, fails_cleanly):
     emb(_k([1, 2], key_dtype, device))
     keys = _k([1, 3], key_dtype, device)
     with fails_cleanly(emb, ValueError, r"values must have shape \(2, 4\)"):
-        emb.upsert(keys, torch.zeros(2, 5, device=device))
+        emb.insert_or_assign(keys, torch.zeros(2, 5, device=device))
     with fails_cleanly(emb, TypeError, "values must have dtype torch.float32"):
-        emb.upsert(keys, torch.zeros(2, 4, dtype=torch.float16, device=device))
+        emb.insert_or_assign(keys, torch.zeros(2, 4, dtype=torch.float16, device=device))
     with fails_cleanly(emb, TypeError, "keys must have dtype"):
-        emb.remove(torch.tensor([1.0], device=device))
+        emb.erase(torch.tensor([1.0], device=device))
     with fails_cleanly(emb, TypeError, "keys must have dtype"):
-        emb.lookup(torch.tensor([1.0], device=device))
+        emb.find(torch.tensor([1.0], device=device))
     with fails_cleanly(emb, TypeError, "exists must be a bool tensor"):
         emb.accum(keys, torch.zeros(2, 4, device=device), torch.zeros(2, 4, device=device), [True, False])
     with fails_cleanly(emb, ValueError, "num_reserved"):
@@ -292,8 +299,8 @@ def _populated(key_dtype, device, **kw) -> DynamicEmbedding:
     emb.table.add_slot("acc", 2, init=0.1)
     info = torch.iinfo(key_dtype)
     emb(_k([info.min, info.max, -1, 0, 0x5851F42D, 7, 7], key_dtype, device))
-    emb.upsert(_k([9, 7], key_dtype, device), torch.full((2, 4), 3.0, device=device))
-    emb.remove(_k([0], key_dtype, device))
+    emb.insert_or_assign(_k([9, 7], key_dtype, device), torch.full((2, 4), 3.0, device=device))
+    emb.erase(_k([0], key_dtype, device))
     emb.table.epoch = 3
     return emb
 
@@ -531,7 +538,7 @@ def test_cuda_module_accepts_tensors_on_the_default_cuda_device(key_dtype, cuda_
     emb = DynamicEmbedding(4, key_dtype=key_dtype, device="cuda", seed=0)
     ids = _k([1, 2], key_dtype, "cuda:0")
     assert emb(ids).device == ids.device
-    emb.upsert(ids, torch.ones(2, 4, device="cuda:0"))
+    emb.insert_or_assign(ids, torch.ones(2, 4, device="cuda:0"))
     assert emb.contains(ids).all()
 
 

@@ -17,7 +17,7 @@ KEYS = torch.tensor([0, -1, 2**63 - 1, -(2**63), 11, 12, 13, 2**33], dtype=torch
 
 def make():
     emb = dynemb.DynamicEmbedding(D, seed=3, initializer="normal")
-    weight = emb.lookup(KEYS)  # same rows the table will create
+    weight = emb.find(KEYS)  # same rows the table will create
     return emb, weight
 
 

@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 import dynemb
 from dynemb import FeatureConfig, TableConfig
-from dynemb.distributed.plan import Sharding, ShardingKind
+from dynemb.distributed.sharding import Sharding, ShardingKind
 from dynemb.functional import COMBINERS
 from dynemb.optim import FTRL, SGD, Adagrad, Adam, OptimizerWrapper, RowWiseAdagrad, SparseOptimizer
 from dynemb.serialization import (NotSerializableError, Serializable, canonical_dtype, dtype_name, from_dict,
                                   parse_dtype, registered)
-from dynemb.serving.config import ModelConfig, ServerConfig
+from dynemb.serving.server_config import ModelConfig, ServerConfig
 from dynemb.table import Constant, FrequencyAdmission, Initializer, Normal, Tiers, TruncatedNormal, Uniform
 from dynemb.table.initializers import CallableInitializer
 from dynemb.table.policy import EvictionPolicy

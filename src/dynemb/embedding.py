@@ -198,10 +198,12 @@ class DynamicEmbedding(_TableModule):
         """int64 keys of an int32 table cast when they fit (the table's own checks judge the rest)."""
         return fit_keys(keys, self.key_dtype, self.device, name)
 
-    def lookup(self, keys: torch.Tensor, return_exists: bool = False):
-        """Read rows without inserting. Missing keys get their initializer row.
+    def find(self, keys: torch.Tensor, return_exists: bool = False):
+        """Read rows without inserting (:meth:`dynemb.table.KeyValueTable.find`). Missing keys get their
+        initializer row.
 
-        Returns ``values`` ``S + (D,)``, and ``exists`` ``S`` bool when ``return_exists``.
+        Returns ``values`` ``S + (D,)``, and ``exists`` ``S`` bool when ``return_exists`` (the table's ``find``
+        returns both always).
         """
         values, found = self.table.find(self._fit(keys))
         return (values, found) if return_exists else values
@@ -211,12 +213,12 @@ class DynamicEmbedding(_TableModule):
         return self.table.contains(self._fit(keys))
 
     # ------------------------------------------------------------------ updates
-    def upsert(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def insert_or_assign(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Insert or overwrite rows (``keys`` ``S``, ``values`` ``S + (D,)``); the last duplicate wins."""
         self.table.insert_or_assign(self._fit(keys), values)
 
     def accum(self, keys, old_values, new_values, exists) -> None:
-        """TFRA's ``accum``: apply updates made to rows read earlier with ``lookup(keys, return_exists=True)``.
+        """TFRA's ``accum``: apply updates made to rows read earlier with ``find(keys, return_exists=True)``.
 
         By ``exists`` (when read) and whether the key is present now: both -> ``new - old`` is added; read
         but removed since -> nothing; not read but inserted since -> nothing (that insert wins); neither -> inserted
@@ -226,7 +228,7 @@ class DynamicEmbedding(_TableModule):
         """
         self.table.accum(self._fit(keys), old_values, new_values, exists)
 
-    def remove(self, keys: torch.Tensor) -> int:
+    def erase(self, keys: torch.Tensor) -> int:
         """Remove keys (missing keys are ignored); returns how many were removed."""
         return self.table.erase(self._fit(keys))
 
@@ -323,6 +325,16 @@ class DynamicEmbedding(_TableModule):
         t.seed = int(config["seed"])
         for name, value in extra.get("counters", {}).items():
             setattr(t, name, int(value))
+
+    # ------------------------------------------------------------------ TFRA's names
+    # TensorFlow Recommenders-Addons' DynamicEmbedding calls three of the table's verbs by other names. They are
+    # the same methods, here and only here, for code written against TFRA (docs/tables.md).
+    #: TFRA's name for :meth:`find`.
+    lookup = find
+    #: TFRA's name for :meth:`insert_or_assign`.
+    upsert = insert_or_assign
+    #: TFRA's name for :meth:`erase`.
+    remove = erase
 
 
 class StaticEmbedding(_TableModule):

@@ -52,11 +52,11 @@ def train_step(model: TwoTables, i: int) -> None:
             t.values[rows] -= (0.1 * m / (v.sqrt() + 1)).to(t.dtype)
             t.mark_updated(rows)
         keys = torch.unique(user_ids)[:5]
-        old, exists = model.user.lookup(keys, return_exists=True)
+        old, exists = model.user.find(keys, return_exists=True)
         model.user.accum(keys, old, old + 0.5, exists)
-        model.item.upsert(item_ids[:3], torch.full((3, 4), float(i), dtype=torch.bfloat16))
+        model.item.insert_or_assign(item_ids[:3], torch.full((3, 4), float(i), dtype=torch.bfloat16))
         if i % 3 == 2:
-            model.user.remove(torch.unique(user_ids)[-4:])
+            model.user.erase(torch.unique(user_ids)[-4:])
         if i % 4 == 3:
             model.item.restrict(30)
         model.dense.weight.mul_(0.99).add_(float(model.user.table.values[:5].sum()))

@@ -33,7 +33,7 @@ from dynemb.checkpoint import save
 
 root, where = sys.argv[1], sys.argv[2]
 save(root, emb, step=1)
-emb.upsert(torch.arange(100), torch.ones(100, 16))
+emb.insert_or_assign(torch.arange(100), torch.ones(100, 16))
 
 def announce_and_sleep(fn, before):
     def wrapped(*args, **kwargs):

@@ -42,11 +42,11 @@ def test_delta_holds_only_changed_rows(tmp_path):
     emb = dynemb.DynamicEmbedding(4, seed=0)
     emb(torch.arange(1000))
     save(tmp_path, emb, step=0)
-    emb.upsert(torch.tensor([3, 500, 5000]), torch.ones(3, 4))
+    emb.insert_or_assign(torch.tensor([3, 500, 5000]), torch.ones(3, 4))
     directory = save(tmp_path, emb, step=1, incremental=True)
     shard = _manifest(directory)["tables"]["embedding"]["shards"][0]
     assert shard["changed_rows"] == 3 and shard["deleted"] == 0 and shard["rows"] == 1001
-    emb.remove(torch.tensor([7]))
+    emb.erase(torch.tensor([7]))
     directory = save(tmp_path, emb, step=2, incremental=True)
     shard = _manifest(directory)["tables"]["embedding"]["shards"][0]
     assert shard["deleted"] == 1 and shard["changed_rows"] == 0  # the last row moved into the hole: "order" has it
@@ -107,7 +107,7 @@ def test_a_save_between_forward_and_optimizer_step_is_not_lost(tmp_path):
     save(tmp_path, emb, step=2, incremental=True)
     fresh = dynemb.DynamicEmbedding(2, initializer="zeros", seed=0)
     load(tmp_path, fresh)
-    assert fresh.lookup(torch.tensor([1, 2])).tolist() == [[-1.0, -1.0], [-1.0, -1.0]]
+    assert fresh.find(torch.tensor([1, 2])).tolist() == [[-1.0, -1.0], [-1.0, -1.0]]
 
 
 def test_score_only_changes_reach_the_incremental_checkpoint(tmp_path):

@@ -95,7 +95,7 @@ def test_a_version_2_serving_export_serves_its_initializer_rows(tmp_path):
     try:
         unseen = torch.tensor([99, -5])
         assert torch.equal(ps.lookup("m", "embedding", unseen), emb.eval()(unseen).half())
-        assert torch.equal(ps.lookup("m", "embedding", torch.arange(3)), emb.lookup(torch.arange(3)).half())
+        assert torch.equal(ps.lookup("m", "embedding", torch.arange(3)), emb.find(torch.arange(3)).half())
     finally:
         ps.close()
 
@@ -109,4 +109,4 @@ def test_a_state_dict_with_str_dtypes_loads():
     state["_extra_state"]["config"] = {**config, "dtype": "torch.float16", "key_dtype": "torch.int64"}
     fresh = dynemb.DynamicEmbedding(4, seed=1, dtype=torch.float16)
     fresh.load_state_dict(state)
-    assert torch.equal(fresh.lookup(torch.arange(5)), emb.lookup(torch.arange(5)))
+    assert torch.equal(fresh.find(torch.arange(5)), emb.find(torch.arange(5)))

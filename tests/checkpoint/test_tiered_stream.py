@@ -16,7 +16,7 @@ import torch
 
 import dynemb
 from dynemb.checkpoint import export_for_serving, load, read_export, save
-from dynemb.checkpoint import stream
+from dynemb.checkpoint import tiered_stream
 from dynemb.checkpoint.tensorfile import read_tensors
 from dynemb.table import KeyValueTable, TieredTable, Tiers
 from dynemb.table.slow import SlowStore
@@ -85,7 +85,7 @@ def twins():
 @pytest.mark.slow
 def test_save_load_export_equal_untiered(twins, tmp_path, monkeypatch):
     tiered, flat = twins
-    monkeypatch.setattr(stream, "CHUNK_ROWS", 16_384)
+    monkeypatch.setattr(tiered_stream, "CHUNK_ROWS", 16_384)
     a, b = save(tmp_path / "a", tiered, step=1), save(tmp_path / "b", flat, step=1)
     assert_same(file_rows(a), file_rows(b))  # the tiers never show in the file
     for source in ("a", "b"):
@@ -103,7 +103,7 @@ def test_save_load_export_equal_untiered(twins, tmp_path, monkeypatch):
 
 def test_incremental_save_and_load_equal_untiered(twins, tmp_path, monkeypatch):
     tiered, flat = twins
-    monkeypatch.setattr(stream, "CHUNK_ROWS", 16_384)
+    monkeypatch.setattr(tiered_stream, "CHUNK_ROWS", 16_384)
     save(tmp_path / "a", tiered, step=1)
     save(tmp_path / "b", flat, step=1)
     g = torch.Generator().manual_seed(11)
@@ -142,11 +142,11 @@ def chunk_bound(rows: int, monkeypatch, tmp_path) -> int:
     replace = KeyValueTable.replace
 
     def bounded(self, rows_):
-        assert rows_.keys.numel() <= stream.CHUNK_ROWS
+        assert rows_.keys.numel() <= tiered_stream.CHUNK_ROWS
         replace(self, rows_)
 
     monkeypatch.setattr(KeyValueTable, "replace", bounded)
-    stream.largest_chunk(reset=True)
+    tiered_stream.largest_chunk(reset=True)
     save(tmp_path, emb, step=1)
     emb.table.insert_or_assign(torch.arange(3), torch.zeros(3, DIM))
     save(tmp_path, emb, step=2, incremental=True)
@@ -155,11 +155,11 @@ def chunk_bound(rows: int, monkeypatch, tmp_path) -> int:
     fresh = model(True, rows)
     load(tmp_path, fresh)  # the full checkpoint and the delta after it
     assert fresh.table.size() == emb.table.size() and fresh.table.clock == clock
-    return stream.largest_chunk()
+    return tiered_stream.largest_chunk()
 
 
 def test_chunks_do_not_grow_with_the_table(monkeypatch, tmp_path):
-    monkeypatch.setattr(stream, "CHUNK_ROWS", 1000)
+    monkeypatch.setattr(tiered_stream, "CHUNK_ROWS", 1000)
     small = chunk_bound(20_000, monkeypatch, tmp_path / "small")
     big = chunk_bound(80_000, monkeypatch, tmp_path / "big")
     assert 0 < small == big <= 1000 * DIM * 4

@@ -12,7 +12,7 @@ import torch
 
 import dynemb
 from dynemb.checkpoint import load, save
-from dynemb.checkpoint import stream
+from dynemb.checkpoint import tiered_stream
 from dynemb.table import Tiers
 
 
@@ -71,7 +71,7 @@ def round_trip(rows: int, where: str) -> dict:
 
 def main(rows: int, where: str) -> None:
     torch.set_num_threads(1)
-    stream.CHUNK_ROWS = 4096
+    tiered_stream.CHUNK_ROWS = 4096
     round_trip(2000, f"{where}/warm")  # compiles the kernels first: JIT memory is not the save's or the load's
     print(json.dumps(round_trip(rows, where)))
 

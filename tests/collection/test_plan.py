@@ -8,7 +8,7 @@ import torch
 
 from dynemb import TableConfig
 from dynemb.collection.plan import ExecutionPlan
-from dynemb.distributed.plan import Sharding
+from dynemb.distributed.sharding import Sharding
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dynemb.data import hash_strings, null_key
-from dynemb.data.columns import categorical_ids, dense_values
+from dynemb.data.arrow_columns import categorical_ids, dense_values
 from dynemb.data.preprocess import Preprocessing
-from dynemb.endpoint.protocol import _numeric_batch, decode_request
+from dynemb.endpoint.inference_protocol import _numeric_batch, decode_request
 from dynemb.endpoint.wire import RequestError, parse_body
 
 

@@ -24,10 +24,10 @@ def test_new_versions_are_applied_in_order_and_served(run, tmp_path):
         batch = next(iter(FileReader(run / "test.parquet", label=prep.label, categorical=prep.categorical,
                                      multi_hot=prep.multi_hot, dense=prep.dense, batch_size=64)))
         users = batch.sparse["user"][:8]
-        user.upsert(users[:4], torch.full((4, 8), 0.5))
+        user.insert_or_assign(users[:4], torch.full((4, 8), 0.5))
         export_for_serving(tmp_path / "exp", model, incremental=True)  # version 2: a delta
-        user.upsert(users[4:8], torch.full((4, 8), -0.5))
-        user.remove(users[:2])
+        user.insert_or_assign(users[4:8], torch.full((4, 8), -0.5))
+        user.erase(users[:2])
         export_for_serving(tmp_path / "exp", model, incremental=True)  # version 3: a delta on top of 2
         model.eval()
         assert [p.name for p in pending_versions(tmp_path / "exp", 1)] == ["version-00000002", "version-00000003"]

@@ -122,7 +122,7 @@ def test_a_zero_divisor_gives_torchs_nan_not_an_exception(optimizer):
             out = embedding_lookup_sparse(emb, torch.tensor([3, 4]), torch.tensor([0, 1]), combiner="sum")
             (out * torch.tensor([[0.0] * D, [1.0] * D])).sum().backward()  # key 3: a zero gradient
             opt.step()
-            results.append(emb.lookup(torch.tensor([3, 4])))
+            results.append(emb.find(torch.tensor([3, 4])))
     assert results[1][0].isnan().all() and not results[1][1].isnan().any()  # what torch does
     torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-6, equal_nan=True)
 
@@ -142,9 +142,9 @@ def test_a_kernel_step_changes_the_table_like_torch(fused):
             (embedding_lookup_sparse(emb, ids, offsets, combiner="mean") * grad).sum().backward()
             opt.step()
             keys = torch.arange(-500, 500)
-            results.append((emb.lookup(keys), emb.table.slot(emb.table.slot_names[0])[emb.table.find_rows(keys)]))
+            results.append((emb.find(keys), emb.table.slot(emb.table.slot_names[0])[emb.table.find_rows(keys)]))
     torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-6)
-    assert not torch.equal(results[1][0], dynemb.DynamicEmbedding(D, seed=1).lookup(torch.arange(-500, 500)))
+    assert not torch.equal(results[1][0], dynemb.DynamicEmbedding(D, seed=1).find(torch.arange(-500, 500)))
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -164,6 +164,6 @@ def test_rows_moved_between_forward_and_backward_get_their_gradient(fused):
             assert emb.table.erase(torch.tensor([3, 50])) == 2  # key 59 (last row) moves into key 3's row
             (out * grad).sum().backward()
             opt.step()
-            results.append(emb.lookup(torch.arange(60)))
+            results.append(emb.find(torch.arange(60)))
     assert torch.equal(results[0], results[1])
-    assert not torch.equal(results[0][10:40], dynemb.DynamicEmbedding(D, seed=1).lookup(torch.arange(10, 40)))
+    assert not torch.equal(results[0][10:40], dynemb.DynamicEmbedding(D, seed=1).find(torch.arange(10, 40)))

@@ -55,7 +55,7 @@ def _train(backend: str, make_opt, fused: bool, dim: int = DIM) -> dict:
         table = emb.table
         rows = table.find_rows(KEYS.to(DEVICE))
         unseen = torch.tensor([123456789, -5], device=DEVICE)  # eval reads of absent keys: initializer rows
-        return {"values": emb.lookup(KEYS.to(DEVICE)), "initial": emb.lookup(unseen),
+        return {"values": emb.find(KEYS.to(DEVICE)), "initial": emb.find(unseen),
                 **{name: table.slot(name)[rows] for name in table.slot_names}}
 
 

@@ -53,11 +53,11 @@ def dynamic_run(make_opt, cover_all, fused):
         (emb(KEYS[idx]) * r).sum().backward()
         opt.step()
         opt.zero_grad()
-    return emb.lookup(KEYS)
+    return emb.find(KEYS)
 
 
 def initial_rows():
-    return dynemb.DynamicEmbedding(D, seed=11).lookup(KEYS)
+    return dynemb.DynamicEmbedding(D, seed=11).find(KEYS)
 
 
 def torch_run(make_torch_opt, cover_all, sparse=False):

@@ -28,7 +28,7 @@ def _scheduled_run(make_opt, schedule, cover_all, fused):
         opt.step()
         opt.zero_grad()
         sched.step()
-    return emb.lookup(KEYS)
+    return emb.find(KEYS)
 
 
 def _torch_scheduled_run(make_torch_opt, schedule, cover_all, sparse):
@@ -105,7 +105,7 @@ def test_one_param_group_per_table_each_with_its_own_lr():
             (emb(KEYS[idx]) * r).sum().backward()
             o.step()
             o.zero_grad()
-    assert torch.equal(a.lookup(KEYS), alone[0].lookup(KEYS)) and torch.equal(b.lookup(KEYS), alone[1].lookup(KEYS))
+    assert torch.equal(a.find(KEYS), alone[0].find(KEYS)) and torch.equal(b.find(KEYS), alone[1].find(KEYS))
 
 
 @pytest.mark.parametrize("make", [lambda e: optim.Adam([e], lr=0.1), lambda e: optim.FTRL([e], lr=0.1),
@@ -137,7 +137,7 @@ def test_state_dict_round_trip_keeps_the_schedule(make):
     assert resumed_opt.param_groups == opt.param_groups and resumed_opt.state_dict() == opt.state_dict()
     run(emb, opt, sched, all_steps[5:])
     run(resumed, resumed_opt, resumed_sched, all_steps[5:])
-    assert torch.equal(emb.lookup(KEYS), resumed.lookup(KEYS))
+    assert torch.equal(emb.find(KEYS), resumed.find(KEYS))
     assert resumed_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 0.1 * 0.5**5
 
 
@@ -228,4 +228,4 @@ def test_a_tensor_lr_changed_in_place_reaches_every_update(fused):
         emb(torch.tensor([7])).sum().backward()
         opt.step()
         opt.zero_grad()
-    assert emb.lookup(torch.tensor([7])).item() == -1.75
+    assert emb.find(torch.tensor([7])).item() == -1.75

@@ -25,7 +25,7 @@ def test_wrapped_sparse_adam_equals_embedding_bag_with_sparse_adam(given, fused)
     else:
         instance = torch.optim.SparseAdam([torch.zeros(1, requires_grad=True)], lr=0.05, betas=(0.8, 0.99))
         opt = dynemb.OptimizerWrapper(instance, [emb], fused=fused)
-    initial = emb.lookup(KEYS)
+    initial = emb.find(KEYS)
     ref = torch.nn.EmbeddingBag(V, D, mode="mean", sparse=True)
     with torch.no_grad():
         ref.weight.copy_(initial)
@@ -40,8 +40,8 @@ def test_wrapped_sparse_adam_equals_embedding_bag_with_sparse_adam(given, fused)
         ref_opt.zero_grad()
     want = ref.weight.detach()
     assert not torch.equal(want[: V // 2], initial[: V // 2])
-    assert torch.equal(emb.lookup(KEYS[V // 2 :]), initial[V // 2 :])  # rows no bag touched did not move
-    assert float((emb.lookup(KEYS) - want).norm() / want.norm()) <= 1e-6
+    assert torch.equal(emb.find(KEYS[V // 2 :]), initial[V // 2 :])  # rows no bag touched did not move
+    assert float((emb.find(KEYS) - want).norm() / want.norm()) <= 1e-6
     assert emb.table.slot_names == ["wrap_sparseadam.exp_avg", "wrap_sparseadam.exp_avg_sq"]
 
 

@@ -50,7 +50,7 @@ def test_an_hps_config_loads_and_serves(tmp_path):
     assert ps.config.persistent_db == {"type": "rocksdb", "path": str(tmp_path / "rocksdb")}
     ps.load("demo", progress=False)
     assert torch.equal(ps.lookup("demo", "embedding", torch.tensor([3, 99])),
-                       torch.cat([emb.lookup(torch.tensor([3])), torch.ones(1, 4)]))
+                       torch.cat([emb.find(torch.tensor([3])), torch.ones(1, 4)]))
     ps.close()
 
 
@@ -99,5 +99,5 @@ def test_sparse_files_as_one_path_is_one_export_root(tmp_path):
         warnings.simplefilter("ignore")
         ps = ParameterServer(config)
     ps.load("demo", progress=False)
-    assert torch.equal(ps.lookup("demo", "embedding", torch.tensor([3])), emb.lookup(torch.tensor([3])))
+    assert torch.equal(ps.lookup("demo", "embedding", torch.tensor([3])), emb.find(torch.tensor([3])))
     ps.close()

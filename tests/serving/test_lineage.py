@@ -21,8 +21,8 @@ def training_table(seed=0):
 
 def step(emb, value):
     """A training step: some rows written, some keys removed."""
-    emb.upsert(KEYS[::7] + int(value), torch.full((len(KEYS[::7]), D), float(value)))
-    emb.remove(KEYS[int(value) % 5::11])
+    emb.insert_or_assign(KEYS[::7] + int(value), torch.full((len(KEYS[::7]), D), float(value)))
+    emb.erase(KEYS[int(value) % 5::11])
 
 
 def expected(emb):
@@ -116,8 +116,8 @@ def test_full_export_as_an_update_deletes_what_it_lacks_from_every_tier(tmp_path
     ps = make_server(root, tmp_path, volatile)
     served(ps)
     gone = KEYS[:10]
-    emb.remove(gone)
-    emb.upsert(KEYS[10:12], torch.ones(2, D))
+    emb.erase(gone)
+    emb.insert_or_assign(KEYS[10:12], torch.ones(2, D))
     stats = ps.apply_update(export_for_serving(root, emb))  # a full export
     assert stats["ctr"]["version"] == 2
     t = ps._tables["ctr"]["embedding"]

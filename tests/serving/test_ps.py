@@ -19,7 +19,7 @@ KEYS = torch.tensor([0, -1, 2**63 - 1, -(2**63)] + list(range(10, 410)), dtype=t
 def trained_table(seed=0):
     emb = dynemb.DynamicEmbedding(D, seed=seed, initializer="normal")
     emb(KEYS)
-    emb.upsert(KEYS[:50], torch.randn(50, D) * 2)  # some rows with norms above max_norm
+    emb.insert_or_assign(KEYS[:50], torch.randn(50, D) * 2)  # some rows with norms above max_norm
     return emb.eval()
 
 
@@ -66,7 +66,7 @@ def test_missing_keys_get_the_default_row(exported):
     assert torch.equal(ps.lookup("ctr", "embedding", unknown), torch.full((2, D), 0.25))
     ps.close()
     ps = server(root, default_value_for_each_table=["initializer"])
-    assert torch.equal(ps.lookup("ctr", "embedding", unknown), emb.lookup(unknown))  # what eval training reads
+    assert torch.equal(ps.lookup("ctr", "embedding", unknown), emb.find(unknown))  # what eval training reads
     ps.close()
 
 
@@ -78,7 +78,7 @@ def test_tiers_fill_the_cache_and_hit_rate_grows(exported, tmp_path, redis_addre
                 hit_rate_threshold=1.0)
     hot = KEYS[:40]
     for _ in range(20):
-        assert torch.equal(ps.lookup("ctr", "embedding", hot), emb.lookup(hot))
+        assert torch.equal(ps.lookup("ctr", "embedding", hot), emb.find(hot))
     stats = ps.stats("ctr")["tables"]["embedding"]
     assert stats["volatile"] == 40 and stats["lookups"] == 800 and stats["hit_rate"] > 0.9
     assert stats["cache_rows"] <= stats["cache_capacity"]
@@ -96,7 +96,7 @@ def test_lookups_survive_redis_going_away(exported, tmp_path, redis_server, redi
             redis_server.kill()
         keys = KEYS[torch.randint(0, len(KEYS), (32,), generator=g)]
         start = time.monotonic()
-        assert torch.equal(ps.lookup("ctr", "embedding", keys), emb.lookup(keys))  # from cache or LMDB
+        assert torch.equal(ps.lookup("ctr", "embedding", keys), emb.find(keys))  # from cache or LMDB
         assert time.monotonic() - start < 5
         answered += 1
     assert answered == 60 and ps.stats("ctr")["errors"]["volatile"] >= 1
@@ -106,7 +106,7 @@ def test_lookups_survive_redis_going_away(exported, tmp_path, redis_server, redi
 
 def test_concurrent_updates_never_tear_rows(tmp_path):
     emb = dynemb.DynamicEmbedding(D, seed=0, initializer=0.0)
-    emb.upsert(KEYS, torch.zeros(len(KEYS), D))
+    emb.insert_or_assign(KEYS, torch.zeros(len(KEYS), D))
     root = tmp_path / "export"
     export_for_serving(root, emb)
     ps = server(root, cache_fraction=0.5)
@@ -124,7 +124,7 @@ def test_concurrent_updates_never_tear_rows(tmp_path):
     for t in threads:
         t.start()
     for version in range(1, 9):
-        emb.upsert(KEYS, torch.full((len(KEYS), D), float(version)))
+        emb.insert_or_assign(KEYS, torch.full((len(KEYS), D), float(version)))
         ps.apply_update(export_for_serving(root, emb, incremental=True))
     stop.set()
     for t in threads:
@@ -139,9 +139,9 @@ def test_delta_removes_deleted_keys(exported):
     emb, root = exported
     ps = server(root)
     ps.lookup("ctr", "embedding", KEYS[:10])  # cached
-    emb.remove(KEYS[:5])
+    emb.erase(KEYS[:5])
     ps.apply_update(export_for_serving(root, emb, incremental=True))
-    assert torch.equal(ps.lookup("ctr", "embedding", KEYS[:5]), emb.lookup(KEYS[:5]))  # the initializer rows
+    assert torch.equal(ps.lookup("ctr", "embedding", KEYS[:5]), emb.find(KEYS[:5]))  # the initializer rows
     ps.close()
 
 
@@ -175,7 +175,7 @@ def test_the_server_takes_a_dict_a_server_config_or_a_path(exported, tmp_path):
     for source in (config, ServerConfig.load(config), path, str(path)):
         ps = ParameterServer(source)
         ps.load("ctr", progress=False)
-        assert torch.equal(ps.lookup("ctr", "embedding", KEYS[:4]), emb.lookup(KEYS[:4]))
+        assert torch.equal(ps.lookup("ctr", "embedding", KEYS[:4]), emb.find(KEYS[:4]))
         ps.close()
     with pytest.raises(TypeError, match="parameter server config must be a JSON object, got int"):
         ParameterServer(3)
@@ -211,7 +211,7 @@ def test_static_tables_are_exported_and_served(tmp_path):
         "embedding_vecsize_per_table": [D, D]}]})
     ps.load("m", progress=False)
     assert torch.equal(ps.lookup("m", "s", torch.arange(10)), ec.embeddings["s"].table.values)
-    assert torch.equal(ps.lookup("m", "d", torch.tensor([6])), ec.embeddings["d"].lookup(torch.tensor([6])))
+    assert torch.equal(ps.lookup("m", "d", torch.tensor([6])), ec.embeddings["d"].find(torch.tensor([6])))
     ps.close()
 
 
@@ -234,7 +234,7 @@ def test_lookup_many_equals_per_table_and_training_lookups(tmp_path, request, vo
         ids = {name: KEYS[torch.randint(0, len(KEYS), (4, 16), generator=g)] for name in tables}
         got = ps.lookup_many("m", ids)
         for name, emb in tables.items():
-            assert torch.equal(got[name], emb.eval().lookup(ids[name]))
+            assert torch.equal(got[name], emb.eval().find(ids[name]))
             assert torch.equal(got[name], ps.lookup("m", name, ids[name]))
     ps.close()
 
@@ -278,7 +278,7 @@ def test_tables_are_served_by_the_users_names_and_keys(tmp_path, volatile, reque
                                       "volatile_db": store})
     ps.load("m", progress=False)
     for name in names:
-        want = ec.embeddings[name].lookup(ids)
+        want = ec.embeddings[name].find(ids)
         assert torch.equal(ps.lookup("m", name, ids), want), name  # int32 ids
         assert torch.equal(ps.lookup("m", name, ids.to(torch.int64)), want), name  # int64 ids, as HPS passes
     assert not torch.equal(ps.lookup("m", "tag_a", ids), ps.lookup("m", "tag_b", ids))
@@ -308,7 +308,7 @@ def test_bad_keys_roots_and_sparse_files_are_named_errors(tmp_path):
             with pytest.raises(ValueError, match=rf"table 't': {bad} is outside the int32 range"):
                 ps.lookup("m", "t", torch.tensor([1, bad]))
         assert ps.stats("m")["tables"]["t"]["lookups"] == 0  # refused before anything was looked up
-        assert torch.equal(ps.lookup("m", "t", ids.to(torch.int64)), ec.embeddings["t"].lookup(ids))
+        assert torch.equal(ps.lookup("m", "t", ids.to(torch.int64)), ec.embeddings["t"].find(ids))
     finally:
         ps.close()
     (tmp_path / "empty").mkdir()

@@ -19,7 +19,7 @@ from dynemb.data.traces import zipf_ranks
 from dynemb.serving import ParameterServer
 from dynemb.serving.bench import serve_bench
 from dynemb.serving.stores import TableSchema, make_store
-from dynemb.serving.stores.codec import decode_keys, decode_rows, encode_keys, encode_rows
+from dynemb.serving.stores.row_bytes import decode_keys, decode_rows, encode_keys, encode_rows
 
 from small_tables import VALUE_DTYPES, apply_changes, bits, change_lists, edge_keys, edge_spec, keys_of, table_specs
 
@@ -85,7 +85,7 @@ def test_store_round_trips_tables_of_0_1_2_rows(kind, case, redis_server):
 @example(case=([], 1, torch.float32, 0, []))
 @example(case=([-(2**63)], 1, torch.bfloat16, 0, []))
 @given(case=store_cases())
-def test_codec_round_trips_0_1_2_rows(case):
+def test_row_bytes_round_trips_0_1_2_rows(case):
     """The byte encoding every out-of-process store shares, on its own (the stores skip empty batches)."""
     keys, dim, dtype, seed, _ = case
     keys = torch.tensor(keys, dtype=torch.int64)
@@ -120,7 +120,7 @@ def _assert_serves(ps, emb, dtype, absent: torch.Tensor) -> None:
     create for them (its initializer, in ``dtype``), twice: the second time from the cache."""
     rows = emb.table.export()
     fresh = dynemb.DynamicEmbedding(emb.dim, key_dtype=emb.table.key_dtype, dtype=dtype, seed=emb.table.seed)
-    want = torch.cat([rows.values.to(dtype), fresh.lookup(absent)])
+    want = torch.cat([rows.values.to(dtype), fresh.find(absent)])
     for _ in range(2):
         got = ps.lookup("m", "embedding", torch.cat([rows.keys, absent]))
         assert got.dtype == dtype and torch.equal(bits(got), bits(want)), (got, want)

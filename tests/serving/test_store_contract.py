@@ -1,4 +1,4 @@
-"""The RowStore contract, run against every store type (memory, Redis, RocksDB, LMDB) on real backends."""
+"""The Store contract, run against every store type (memory, Redis, RocksDB, LMDB) on real backends."""
 
 from __future__ import annotations
 

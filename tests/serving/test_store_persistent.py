@@ -8,7 +8,7 @@ import rocksdict
 import torch
 
 from dynemb.serving.stores import StoreError, StoreFullError, StoreReadOnlyError, make_store
-from dynemb.serving.stores.codec import decode_keys
+from dynemb.serving.stores.row_bytes import decode_keys
 
 KINDS = ["rocksdb", "lmdb"]
 

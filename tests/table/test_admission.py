@@ -11,13 +11,13 @@ def test_key_is_stored_exactly_at_threshold(threshold):
     opt = dynemb.optim.SGD([emb], lr=1.0)
     key = torch.tensor([-(2**63)])
     for seen in range(1, threshold + 2):
-        before = emb.lookup(key)
+        before = emb.find(key)
         emb(key).sum().backward()
         opt.step()
         opt.zero_grad()
         stored = bool(emb.contains(key))
         assert stored == (seen >= threshold)
-        after = emb.lookup(key)
+        after = emb.find(key)
         if seen < threshold:
             assert torch.equal(after, before)  # reads the initializer row; gradient dropped
         else:

@@ -3,7 +3,7 @@
 import torch
 
 import dynemb
-from dynemb.checkpoint import lineage
+from dynemb.checkpoint import write_marks
 from dynemb.table import KeyValueTable
 from dynemb.table.protocol import EmbeddingTable
 from dynemb.table.static import StaticTable
@@ -20,9 +20,9 @@ def test_optimizer_binding_and_write_marks_belong_to_each_table(tmp_path):
     opt = dynemb.optim.SGD([a], lr=0.1)
     assert a.table.sparse_optimizer is opt and b.table.sparse_optimizer is None
     a(torch.tensor([1]))
-    with lineage.tick([a.table]):
+    with write_marks.tick([a.table]):
         pass
-    lineage.record([a.table], "checkpoint", str(tmp_path), "step-1")
-    assert lineage.parent([a.table], "checkpoint", str(tmp_path)) == "step-1"
-    assert lineage.parent([b.table], "checkpoint", str(tmp_path)) is None  # no shared registry
+    write_marks.record([a.table], "checkpoint", str(tmp_path), "step-1")
+    assert write_marks.parent([a.table], "checkpoint", str(tmp_path)) == "step-1"
+    assert write_marks.parent([b.table], "checkpoint", str(tmp_path)) is None  # no shared registry
     assert b.table.write_marks == {}

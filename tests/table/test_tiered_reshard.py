@@ -11,7 +11,7 @@ import torch
 
 import dynemb
 from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
-from dynemb.checkpoint import load, save, stream
+from dynemb.checkpoint import load, save, tiered_stream
 from dynemb.distributed.comm import all_gather_varsize
 from dynemb.table import Tiers
 
@@ -88,7 +88,7 @@ def test_a_tiered_checkpoint_reshards_and_trains_as_untiered(tmp_path):
 
 
 def _two_ranks_in_chunks(rank, world, root):
-    stream.CHUNK_ROWS = 7  # several chunks per file, of the full checkpoint and of the delta
+    tiered_stream.CHUNK_ROWS = 7  # several chunks per file, of the full checkpoint and of the delta
     return _two_ranks(rank, world, root)
 
 

@@ -15,19 +15,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..distributed.plan import ShardingKind
+from ..distributed.sharding import ShardingKind
 from ..checks import VALUE_DTYPES, check_dtype
 from ..serialization import dtype_name
 from ..table.initializers import resolve_initializer
-from . import lineage
-from .columns import DELETED, KEYS, VALUES
+from . import write_marks
+from .shard_tensors import DELETED, KEYS, VALUES
 from .dense import dense_state
 from .errors import CheckpointError
 from .fsutil import read_json, staging, write_json, write_pointer
 from .manifest import FORMAT_VERSION, MANIFEST, SERVING_FORMAT, chain, complete, file_record, read_manifest, resolve
 from .ranks import rank_context
 from .saver import incremental_parent, write_payloads, writes as _writes
-from .stream import ColumnStream
+from .tiered_stream import ColumnStream
 from .tables import columns, delta_columns, find_tables, shard_file
 from .tensorfile import read_tensors
 
@@ -121,7 +121,7 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
         parent = parent if all(p == parents[0] for p in parents) else None  # full unless every rank can chain
     name = version_name(version)
     tables = [shard.table for shard in local.values()]
-    with lineage.tick(tables):
+    with write_marks.tick(tables):
         payloads, entries = _table_payloads(shards, parent, dtype, ctx)
         if dense and ctx.rank == 0:
             payloads[DENSE_FILE] = ({k: v.detach().cpu().contiguous() for k, v in dense_state(model).items()
@@ -140,7 +140,7 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
                 write_json(tmp / MANIFEST, {**manifest, "digest": manifest_digest(manifest)})
             write_pointer(root, name, version=version)
         ctx.barrier()
-        lineage.record(tables, STREAM, root_key, name)
+        write_marks.record(tables, STREAM, root_key, name)
     return root / name
 
 
@@ -178,7 +178,7 @@ def _local_columns(shard, parent: str | None, ctx) -> dict:
         return {k: v.to(device) if device is not None else v for k, v in cols.items()}
     if parent is None:
         return columns(shard, state=False)
-    return delta_columns(shard, lineage.since(shard.table, STREAM), state=False)
+    return delta_columns(shard, write_marks.since(shard.table, STREAM), state=False)
 
 
 def version_name(version: int) -> str:

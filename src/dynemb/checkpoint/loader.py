@@ -9,19 +9,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..distributed.plan import ShardingKind
+from ..distributed.sharding import ShardingKind
 from ..optim.combined import CombinedOptimizer
 from ..table import TieredTable
-from . import lineage
+from . import write_marks
 from .codec import read_state
-from .columns import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, canonical_config, check_shard
+from .shard_tensors import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, canonical_config, check_shard
 from .dense import check_dense
 from .errors import CheckpointError
 from .manifest import MANIFEST, chain, file_record, resolve
 from .progress import logger, transfer
 from .ranks import RankContext, merge_states, rank_context
 from .saver import STREAM
-from .stream import StreamedShard, stream_into, verify_sources
+from .tiered_stream import StreamedShard, stream_into, verify_sources
 from .tables import apply_delta, find_tables, restore, table_config, table_rows
 from .tensorfile import read_tensors
 
@@ -111,7 +111,7 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
                 restore(tables[name], cols, saved)
             if table_optimizers[name] is not None:
                 tables[name].optimizer.load_state_dict(table_optimizers[name])
-    lineage.record([tables[n].table for n in shards], STREAM, os.path.realpath(directory.parent),
+    write_marks.record([tables[n].table for n in shards], STREAM, os.path.realpath(directory.parent),
                    directory.name, reset=True)
     return {**manifest, "path": str(directory)}
 
@@ -217,7 +217,7 @@ def _optimizer_state(manifest: dict, directory: Path, name: str, shard, sources:
 
 def _read_sources(sources: dict, reshard: bool, config: dict, shard, progress):
     """``(columns, counters)`` of this rank's part of the table; for a tiered table (any chain of files),
-    a :class:`~dynemb.checkpoint.stream.StreamedShard` (files verified, rows not read) instead of columns."""
+    a :class:`~dynemb.checkpoint.tiered_stream.StreamedShard` (files verified, rows not read) instead of columns."""
     if isinstance(shard.table, TieredTable):
         streamed = verify_sources(sources, reshard, config, progress)
         if reshard and streamed.admission:

@@ -12,11 +12,11 @@ from pathlib import Path
 from torch import nn
 
 from ..collection.plan import TableShard
-from ..distributed.plan import ShardingKind
+from ..distributed.sharding import ShardingKind
 
 from .._version import __version__
 from ..checks import check_positive_int
-from . import lineage
+from . import write_marks
 from .codec import encode
 from .dense import dense_state
 from .errors import CheckpointError
@@ -24,7 +24,7 @@ from .fsutil import TMP_PREFIX, remove_dir, staging, write_json, write_pointer
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, checkpoint_name, complete, read_manifest
 from .progress import logger, transfer
 from .ranks import RankContext, rank_context
-from .columns import canonical_config
+from .shard_tensors import canonical_config
 from .tables import columns, counters, delta_columns, find_tables, shard_file, table_config
 from .tensorfile import write_tensors
 
@@ -101,7 +101,7 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
         parents = ctx.gather(parent)
         parent = parent if all(p == parents[0] for p in parents) else None  # full unless every rank can chain
     name = checkpoint_name(step)
-    with lineage.tick(tables):
+    with write_marks.tick(tables):
         payloads, entries = _table_payloads(embeddings, parent, index, ctx)
         if ctx.rank == 0:
             payloads[DENSE_FILE] = encode(dense_state(model), "the model's dense state")
@@ -124,7 +124,7 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
         if ctx.rank == 0:
             write_pointer(root, name, step=step)
         ctx.barrier()
-        lineage.record(tables, STREAM, root_key, name)
+        write_marks.record(tables, STREAM, root_key, name)
     if keep_last is not None and ctx.rank == 0:
         _prune(root, keep_last, name)
     ctx.barrier()
@@ -164,7 +164,7 @@ def _table_payloads(shards: dict, parent: str | None, index: dict, ctx: RankCont
     for name, shard in shards.items():
         rel = shard_file(index[name], name, ctx.rank, ctx.world)
         t = shard.table
-        cols = columns(shard) if parent is None else delta_columns(shard, lineage.since(t, STREAM))
+        cols = columns(shard) if parent is None else delta_columns(shard, write_marks.since(t, STREAM))
         payloads[rel] = (cols, None)
         entry = {"rank": ctx.rank, "file": rel, "rows": t.size(), "counters": counters(t),
                  "sharding": shard.describe_sharding()}
@@ -194,7 +194,7 @@ def incremental_parent(root: Path, root_key: str, embeddings: dict[str, TableSha
 
     ``current`` maps each table name to the manifest fields that must equal the parent's (configs, dtypes).
     """
-    parent = lineage.parent([shard.table for shard in embeddings.values()], stream, root_key)
+    parent = write_marks.parent([shard.table for shard in embeddings.values()], stream, root_key)
     reason = None
     if parent is None:
         reason = "these tables were not written to (or loaded from) this path before"

@@ -8,7 +8,7 @@ A shard is a dict of *columns* named as in the files: ``keys [N]``, ``values [N,
 ``slot.<name> [N, d]``, row-aligned; a delta shard adds ``deleted_keys [K]`` and, when rows were deleted,
 ``order [N']``, the key of every live row in row order. A table with admission adds the pending candidates'
 ``admission.keys [M]`` and ``admission.counts [M]`` (whole in every file, full or delta). The names, and
-:func:`~.columns.check_shard`, are in :mod:`.columns`.
+:func:`~.shard_tensors.check_shard`, are in :mod:`.shard_tensors`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from ..embedding import DynamicEmbedding, StaticEmbedding
 from ..serialization import dtype_name
 from ..table import Rows, TieredTable
 from ..table.ops import gather_rows
-from .columns import ADMISSION_COUNTS, ADMISSION_KEYS, DELETED, KEYS, ORDER, SCORES, SLOT, VALUES
+from .shard_tensors import ADMISSION_COUNTS, ADMISSION_KEYS, DELETED, KEYS, ORDER, SCORES, SLOT, VALUES
 from .errors import CheckpointError
-from .stream import tiered_columns, tiered_delta_columns
+from .tiered_stream import tiered_columns, tiered_delta_columns
 
 __all__ = ["find_tables", "table_config", "counters", "columns", "delta_columns", "apply_delta", "restore",
            "shard_file", "ROOT_NAME", "COUNTERS"]
@@ -95,8 +95,8 @@ def counters(table) -> dict:
 
 def columns(shard: TableShard, *, state: bool = True) -> dict[str, torch.Tensor]:
     """The live rows of every column, keys in the user's keys (views where no key transform is needed); with
-    ``state=False`` keys and values only (serving). A tiered table's row columns are
-    streamed columns (:class:`~dynemb.checkpoint.stream.ColumnStream`), read a chunk at a time as they are written."""
+    ``state=False`` keys and values only (serving). A tiered table's row columns are streamed columns
+    (:class:`~dynemb.checkpoint.tiered_stream.ColumnStream`), read a chunk at a time as they are written."""
     table = shard.table
     if isinstance(table, TieredTable):  # streamed a chunk at a time: the table may be far bigger than memory
         return {**tiered_columns(shard, state=state), **(admission_columns(table) if state else {})}
@@ -178,12 +178,12 @@ def restore(shard: TableShard, cols: dict, saved: dict, load_rows=None) -> None:
     """Make the table hold exactly ``cols``, with the saved counters and seed, so training continues bit-exactly.
 
     ``load_rows(table)``: loads the rows instead of ``cols`` (which then holds only the admission columns), a chunk
-    at a time for a tiered table (see :func:`~dynemb.checkpoint.stream.stream_into`)."""
+    at a time for a tiered table (see :func:`~dynemb.checkpoint.tiered_stream.stream_into`)."""
     t = shard.table
     device = t.device
     previous = t.clock
     # replace() stamps every row with the current clock; the save closed its tick, so one below the saved clock
-    # is what the rows carried right after that save (see lineage), and a later delta skips them.
+    # is what the rows carried right after that save (see write_marks), and a later delta skips them.
     t.clock = saved["clock"] - 1
     try:
         if load_rows is None:

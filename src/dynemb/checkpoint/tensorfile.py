@@ -105,8 +105,8 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 def _byte_chunks(t) -> Iterator[tuple[memoryview, bool]]:
     """``(bytes, copied)`` chunks of a tensor: views of contiguous CPU memory, or copies (device memory, strided
     columns such as a table's interleaved scores). A streamed column (``pieces()``, see
-    :mod:`dynemb.checkpoint.stream`) is the chunks of its pieces, each counted as a copy so that the digest bounds
-    how many it holds."""
+    :mod:`dynemb.checkpoint.tiered_stream`) is the chunks of its pieces, each counted as a copy so that the digest
+    bounds how many it holds."""
     if hasattr(t, "pieces"):
         for piece in t.pieces():
             for chunk, _ in _byte_chunks(piece):

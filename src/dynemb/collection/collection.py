@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.comm import check_agreement
-from ..distributed.plan import Sharding, resolve_plan
+from ..distributed.sharding import Sharding, resolve_plan
 from ..embedding import DynamicEmbedding, check_cuda, check_move
 from ..optim.combined import CombinedOptimizer
 from ..checks import resolve_device

@@ -15,7 +15,7 @@ class DistributedEmbeddingCollection(EmbeddingCollection):
 
     Args:
         tables, features: as for EmbeddingCollection. ``max_capacity`` is per rank for row-sharded tables.
-        plan: explicit shardings by table name (see :mod:`dynemb.distributed.plan`); the rest is automatic.
+        plan: explicit shardings by table name (see :mod:`dynemb.distributed.sharding`); the rest is automatic.
         process_group: the group to shard over (default: the world).
         timeout: seconds before a collective gives up with :class:`DistributedError` (a dead or stuck rank).
         device: where this rank's shards live (``cuda`` for NCCL).

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..distributed.plan import Sharding, ShardingKind
+from ..distributed.sharding import Sharding, ShardingKind
 from ..embedding import DynamicEmbedding, StaticEmbedding
 from ..functional.grouped import GroupedLookup, group_tables
 from ..optim.base import SparseOptimizer

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from ..distributed.comm import all_gather_varsize, all_to_all_known
-from ..distributed.plan import ShardingKind
+from ..distributed.sharding import ShardingKind
 from ..functional import deliver_gradient, read_rows
 from ..functional.lookup import find_ids, trains
 from .features import PreparedFeature, finish

@@ -15,7 +15,7 @@ from .synthetic import SyntheticClickLog
 
 __all__ = ["Batch", "SyntheticClickLog", "auc", "FileReader", "hash_strings", "null_key"]
 
-_LAZY = {"FileReader": "readers", "hash_strings": "hashing", "null_key": "hashing"}
+_LAZY = {"FileReader": "readers", "hash_strings": "string_ids", "null_key": "string_ids"}
 
 
 def __getattr__(name: str):

@@ -9,7 +9,7 @@ the training rows (a column with ``std == 0`` is only centered); a null or NaN r
 standardization), ``inf`` as the column's largest finite training value and ``-inf`` as its smallest. The log
 compresses heavy-tailed counts and amounts; standardizing puts every column on the same scale for the bottom MLP.
 
-Ids are read by :mod:`dynemb.data.columns` by each column's id type (:attr:`Preprocessing.id_types`), decided
+Ids are read by :mod:`dynemb.data.arrow_columns` by each column's id type (:attr:`Preprocessing.id_types`), decided
 once when a run starts, so that every format and every endpoint datatype gives the same id for the same value.
 """
 
@@ -209,7 +209,7 @@ class Preprocessing:
         dense_rows: the number of training rows the statistics came from.
         list_separator: separator of the ids of a multi-hot CSV field.
         id_types: each categorical and multi-hot column's id type, ``"INT64"`` or ``"BYTES"`` (see
-            :mod:`dynemb.data.columns`); a column not named is ``BYTES``.
+            :mod:`dynemb.data.arrow_columns`); a column not named is ``BYTES``.
         dense_rule: :data:`DENSE_RULE`, or :data:`LEGACY_DENSE_RULE` for a model card written before it (then
             ``dense_min`` and ``dense_max`` are empty).
 
@@ -301,7 +301,7 @@ class Preprocessing:
 
     def to_json(self) -> dict:
         """A JSON object: the fields, the dense rule, the id rule and each column's null key."""
-        from .hashing import null_key
+        from .string_ids import null_key
 
         return {**dataclasses.asdict(self), "id_types": dict(self.id_types), "id_rule": ID_RULE,
                 "null_keys": {c: null_key(c) for c in self.features}}

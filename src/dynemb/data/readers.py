@@ -2,7 +2,7 @@
 
 The user names the label column, the categorical columns, the multi-hot (list) columns and the dense columns;
 other columns are not read. How values become ids, bags, dense values and labels, and what a null becomes, is in
-:mod:`dynemb.data.columns` (the rules are tables in docs/cli.md, "Ids, nulls and non-finite values"). In short:
+:mod:`dynemb.data.arrow_columns` (the rules are tables in docs/cli.md, "Ids, nulls and non-finite values"). In short:
 each id column is of type ``INT64`` (integers, and text that is a canonical decimal integer) or ``BYTES`` (text
 hashed with XXH64, :func:`dynemb.data.hash_strings`; integers hashed as their decimal text), given by the model or
 decided from the data (:class:`FileReader`'s ``id_types``); a null id becomes :func:`dynemb.data.null_key` of its
@@ -27,8 +27,9 @@ import pyarrow.parquet as pq
 import torch
 
 from ..checks import check_int
+from .arrow_columns import (ID_TYPES, categorical_ids, decimal_int64, dense_values, first_line, label_values,
+                            multi_hot_ids)
 from .batch import Batch
-from .columns import ID_TYPES, categorical_ids, decimal_int64, dense_values, first_line, label_values, multi_hot_ids
 from .formats import CRITEO_COLUMNS, FORMATS, delimiter_of, list_files, open_text
 from .stream import rebatch
 

@@ -5,7 +5,7 @@ CUDA), the sharding specs, and the launcher of local worker processes.
 module                  job
 ======================  ============================================================================
 ``comm``                all-to-all, all-gather and config agreement; a failed collective raises DistributedError
-``plan``                Sharding, ShardingKind, auto_plan: which tables are row-, table- or data-sharded
+``sharding``            Sharding, ShardingKind, auto_plan: which tables are row-, table- or data-sharded
 ``launch``              start N local processes on a free port (tests, examples, benchmarks)
 ======================  ============================================================================
 
@@ -15,6 +15,6 @@ collection class), as are :class:`~dynemb.DistributedEmbeddingCollection` and SO
 """
 
 from .comm import DistributedError
-from .plan import Sharding, ShardingKind, auto_plan, mod_partitioner
+from .sharding import Sharding, ShardingKind, auto_plan, mod_partitioner
 
 __all__ = ["DistributedError", "Sharding", "ShardingKind", "auto_plan", "mod_partitioner"]

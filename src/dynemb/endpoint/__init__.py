@@ -9,9 +9,9 @@ module                  job
 ``model``               the served model: the run's dense part, its tables in a ParameterServer
 ``wire``                an infer body as Python objects: JSON (simdjson) or binary tensors, numeric data
                         as numpy arrays
-``protocol``            the v2 tensors: metadata, request decoding and checks, responses
+``inference_protocol``  the v2 tensors: metadata, request decoding and checks, responses
 ``app``                 the Starlette app: routes, bearer token, body limit, batching of requests
-``server``              uvicorn, in the foreground or on a background thread
+``http_server``         uvicorn, in the foreground or on a background thread
 ``watch``               ``--watch``: new export versions applied in order while serving
 ``command``             the ``dynemb serve`` options
 ======================  ============================================================================
@@ -28,7 +28,8 @@ __all__ = ["ServedModel", "build_app", "serve", "running", "RequestError", "WATC
 WATCH_INTERVAL_S = 1.0
 """``--watch`` without a value: a published version is served about a second (plus its apply time) after it lands."""
 
-_HOME = {"ServedModel": "model", "build_app": "app", "serve": "server", "running": "server", "RequestError": "wire"}
+_HOME = {"ServedModel": "model", "build_app": "app", "serve": "http_server", "running": "http_server",
+         "RequestError": "wire"}
 
 
 def __getattr__(name: str):

@@ -30,7 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..data.batch import Batch, concat_batches
 from .model import ServedModel
-from .protocol import decode_request, encode_response, model_metadata
+from .inference_protocol import decode_request, encode_response, model_metadata
 from .wire import RequestError, dumps_json, parse_body
 
 __all__ = ["build_app", "MAX_BODY_BYTES", "MAX_BATCH_SIZE"]

@@ -56,7 +56,7 @@ def cmd_serve(args) -> int:
 
     from .app import build_app
     from .model import ServedModel
-    from .server import serve
+    from .http_server import serve
     from .watch import ExportWatcher, wait_for_export
 
     if not 0 < args.port < 65536:

@@ -2,7 +2,7 @@
 
 Numeric tensor data arrives as numpy arrays where it can (binary tensors; JSON ``data`` whose values are all of
 the datatype's JSON type), so that no Python object is made per value; anything else stays as JSON reads it, for
-:func:`~dynemb.endpoint.protocol.decode_request` to check and name.
+:func:`~dynemb.endpoint.inference_protocol.decode_request` to check and name.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class SGD(SparseOptimizer):
         >>> emb = dynemb.DynamicEmbedding(4, initializer="zeros")
         >>> opt = dynemb.optim.SGD([emb], lr=0.5)
         >>> emb(torch.tensor([3])).sum().backward(); opt.step()
-        >>> emb.lookup(torch.tensor([3])).tolist()
+        >>> emb.find(torch.tensor([3])).tolist()
         [[-0.5, -0.5, -0.5, -0.5]]
     """
 

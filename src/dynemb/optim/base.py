@@ -94,7 +94,7 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
         >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         >>> for _ in range(2):
         ...     emb(torch.tensor([7])).sum().backward(); opt.step(); opt.zero_grad(); sched.step()
-        >>> emb.lookup(torch.tensor([7])).tolist(), opt.param_groups[0]["lr"]  # steps of lr 1.0, then 0.5
+        >>> emb.find(torch.tensor([7])).tolist(), opt.param_groups[0]["lr"]  # steps of lr 1.0, then 0.5
         ([[-1.5, -1.5]], 0.25)
     """
 

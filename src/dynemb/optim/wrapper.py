@@ -35,7 +35,7 @@ class OptimizerWrapper(SparseOptimizer):
         >>> emb = dynemb.DynamicEmbedding(2, initializer="zeros")
         >>> opt = dynemb.OptimizerWrapper(torch.optim.Adagrad, [emb], lr=1.0)
         >>> emb(torch.tensor([5])).sum().backward(); opt.step()
-        >>> [round(x, 4) for x in emb.lookup(torch.tensor([5]))[0].tolist()]
+        >>> [round(x, 4) for x in emb.find(torch.tensor([5]))[0].tolist()]
         [-1.0, -1.0]
     """
 

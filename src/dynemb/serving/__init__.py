@@ -1,6 +1,6 @@
 """Serving: a hierarchical parameter server (device cache -> memory/Redis -> RocksDB/LMDB) and lookup layers."""
 
-from .config import ModelConfig, ServerConfig
+from .server_config import ModelConfig, ServerConfig
 from .layers import LookupLayer, SparseLookupLayer
 from ..checkpoint.export_format import read_chain, read_export
 from .ps import LineageError, ParameterServer

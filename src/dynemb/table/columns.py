@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import VALUE_DTYPES, check_dtype
-from .memory import to_storage
+from .huge_pages import to_storage
 
 __all__ = ["RowColumns"]
 
@@ -39,7 +39,7 @@ class RowColumns:
     @property
     def write_marks(self) -> dict:
         """Per stream (``"checkpoint"``, ``"serving"``): where this table was last written to or loaded from, and
-        the clock that covers (see :mod:`dynemb.checkpoint.lineage`). Kept by the table, not in a registry."""
+        the clock that covers (see :mod:`dynemb.checkpoint.write_marks`). Kept by the table, not in a registry."""
         marks = self.__dict__.get("_write_marks")
         if marks is None:
             marks = self.__dict__["_write_marks"] = {}

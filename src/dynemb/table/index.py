@@ -29,7 +29,7 @@ import torch
 
 from ..kernels.dispatch import Backend, kernels_for, resolve_backend
 from .hashing import key_hash
-from .memory import empty_storage
+from .huge_pages import empty_storage
 from .ops import all_nonnegative, gather_rows
 
 __all__ = ["HashIndex"]

@@ -21,7 +21,7 @@ from .columns import RowColumns
 from .hashing import key_hash, mix64
 from .index import HashIndex
 from .initializers import CallableInitializer, computed_by_kernel, initial_rows
-from .memory import empty_storage, to_storage
+from .huge_pages import empty_storage, to_storage
 from .ops import copy_rows, gather_rows, lowest_rows, scatter_rows, stamp_kernels
 
 __all__ = ["Rows", "EvictHook", "RowStore"]

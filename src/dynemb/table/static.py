@@ -13,7 +13,7 @@ from ..kernels.dispatch import Backend
 from ..checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_int, check_keys, check_rows_like, resolve_device
 from .columns import RowColumns
 from .initializers import CallableInitializer, InitializerSpec, initial_rows, resolve_initializer
-from .memory import empty_storage, to_storage
+from .huge_pages import empty_storage, to_storage
 from .rows import Rows
 
 __all__ = ["StaticTable"]

@@ -19,7 +19,7 @@ also moves the table's epoch on, which drops write-backs of rows read before it.
 themselves (one value per key in Redis, transactions in LMDB/RocksDB).
 
 Modules: :mod:`.server` (:class:`ParameterServer`: config, loading, lookups, statistics), :mod:`.tiers` (the stores,
-with back-off), :mod:`.cache` (the state of each served table), :mod:`.lookup` (one table's part of a lookup, down
+with back-off), :mod:`.cache` (the state of each served table), :mod:`.table_lookup` (one table's part of a lookup, down
 the tiers), :mod:`.writeback` (pending rows and the background thread), :mod:`.updates` (online updates and the
 replay of an export chain) and :mod:`.lineage` (which export each table holds; updates go only forward on their own
 model).

@@ -14,7 +14,7 @@ import torch
 from ...serialization import NotSerializableError, parse_dtype
 from ...table import KeyValueTable
 from ...table.initializers import Initializer
-from ..config import ModelConfig
+from ..server_config import ModelConfig
 from .lineage import Lineage
 from .writeback import PendingRows, batch_rows
 
@@ -92,7 +92,7 @@ def _initializer(name: str, entry: dict, explicit: bool) -> Union[float, Initial
 
 
 def store_name(model: str, table: str) -> str:
-    """The table's name in the row stores: ``<model>.<table>``, with the characters stores cannot hold in a name
+    """The table's name in the stores: ``<model>.<table>``, with the characters stores cannot hold in a name
     (Redis hash-tag braces) percent-encoded, so every table name the user can give is served. A name too long for
     the stores' 255 bytes becomes a digest of itself."""
     name = f"{model}.{table.replace('%', '%25').replace('{', '%7B').replace('}', '%7D').replace('~', '%7E')}"

@@ -13,14 +13,14 @@ import torch
 
 from ...checks import KEY_DTYPES, check_keys, check_positive_int
 from ...serialization import parse_dtype
-from ..config import ModelConfig, ServerConfig
+from ..server_config import ModelConfig, ServerConfig
 from ...checkpoint.export_format import read_chain, read_export, version_name
 from ...checkpoint.manifest import MANIFEST, SERVING_FORMAT, complete
 from . import updates
 from .cache import TableState, new_table
 from .lineage import Lineage, summary
-from .lookup import Lookup, read_tiers
-from .tiers import Tier, Tiers
+from .table_lookup import Lookup, read_tiers
+from .tiers import StoreTier, StoreTiers
 from .writeback import WriteBack
 
 __all__ = ["ParameterServer"]
@@ -50,7 +50,7 @@ class ParameterServer:
         >>> ps = ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [root],
         ...     "embedding_table_names": ["embedding"], "embedding_vecsize_per_table": [4]}]})
         >>> ps.load("m", progress=False)
-        >>> torch.equal(ps.lookup("m", "embedding", torch.tensor([3, 1])), emb.lookup(torch.tensor([3, 1])))
+        >>> torch.equal(ps.lookup("m", "embedding", torch.tensor([3, 1])), emb.find(torch.tensor([3, 1])))
         True
         >>> ps.close()
     """
@@ -60,7 +60,7 @@ class ParameterServer:
         config = config if isinstance(config, ServerConfig) else ServerConfig.load(config)
         self.config = config
         self.models = {m.model: m for m in config.models}
-        self.tiers = Tiers(config)
+        self.tiers = StoreTiers(config)
         self._tables: dict[str, dict[str, TableState]] = {}
         self._locks = {name: threading.RLock() for name in self.models}
         self.versions: dict[str, dict] = {}
@@ -73,12 +73,12 @@ class ParameterServer:
         return cls(source, seed=seed)
 
     @property
-    def volatile(self) -> Tier:
+    def volatile(self) -> StoreTier:
         """The volatile tier (memory or Redis)."""
         return self.tiers.volatile
 
     @property
-    def persistent(self) -> Tier:
+    def persistent(self) -> StoreTier:
         """The persistent tier (RocksDB or LMDB, or none)."""
         return self.tiers.persistent
 

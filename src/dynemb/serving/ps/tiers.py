@@ -8,18 +8,18 @@ from typing import Optional
 
 import torch
 
-from ..config import ServerConfig
-from ..stores import RowStore, StoreError, make_store
+from ..server_config import ServerConfig
+from ..stores import Store, StoreError, make_store
 
-__all__ = ["Tier", "Tiers"]
+__all__ = ["StoreTier", "StoreTiers"]
 
 _PUT_ROWS = 1 << 18  # most rows per store write while loading or updating
 
 
-class Tier:
+class StoreTier:
     """A store with failure accounting and exponential back-off."""
 
-    def __init__(self, name: str, store: Optional[RowStore]) -> None:
+    def __init__(self, name: str, store: Optional[Store]) -> None:
         self.name, self.store = name, store
         self.errors, self._down_until, self._backoff = 0, 0.0, 0.5
 
@@ -46,13 +46,13 @@ class Tier:
         return result
 
 
-class Tiers:
+class StoreTiers:
     """The volatile tier (memory or Redis) and the persistent tier (RocksDB or LMDB, or no store)."""
 
     def __init__(self, config: ServerConfig) -> None:
-        self.volatile = Tier("volatile", make_store(config.volatile_db, name="volatile_db"))
+        self.volatile = StoreTier("volatile", make_store(config.volatile_db, name="volatile_db"))
         persistent = make_store(config.persistent_db, name="persistent_db") if config.persistent_db else None
-        self.persistent = Tier("persistent", persistent)
+        self.persistent = StoreTier("persistent", persistent)
 
     def create_table(self, table: str, dim: int, dtype: torch.dtype) -> None:
         """Create ``table`` in every writable store. A store error raises."""
@@ -61,7 +61,7 @@ class Tiers:
 
     def put(self, table: str, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write rows to every writable store, the persistent one first. A store error is counted (see
-        :meth:`Tier.call`) and the write to that store given up."""
+        :meth:`StoreTier.call`) and the write to that store given up."""
         for tier in self._writable(self.persistent, self.volatile):
             for start in range(0, keys.numel(), _PUT_ROWS):
                 tier.call(tier.store.put, table, keys[start: start + _PUT_ROWS], values[start: start + _PUT_ROWS])
@@ -83,7 +83,7 @@ class Tiers:
         self.put(table, keys, values)
 
     @staticmethod
-    def _writable(*order: Tier) -> list[Tier]:
+    def _writable(*order: StoreTier) -> list[StoreTier]:
         """The tiers of ``order``, in that order, that take writes."""
         return [tier for tier in order if tier.writable]
 

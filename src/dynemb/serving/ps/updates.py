@@ -16,13 +16,13 @@ import torch
 
 from .cache import TableState
 from .lineage import Lineage, update_targets
-from .tiers import Tiers
+from .tiers import StoreTiers
 
 __all__ = ["apply_update", "replay"]
 
 
 def apply_update(manifest: dict, payload: Mapping[str, dict], served: Mapping[str, Mapping[str, TableState]],
-                 tiers: Tiers) -> dict[str, dict]:
+                 tiers: StoreTiers) -> dict[str, dict]:
     """Apply an export (``manifest`` and ``payload`` as :func:`~dynemb.checkpoint.read_export` returns them) to
     the tables of ``served`` (``{model: {table: state}}``) it updates (see :func:`.lineage.update_targets`).
 
@@ -48,7 +48,7 @@ def apply_update(manifest: dict, payload: Mapping[str, dict], served: Mapping[st
     return targets
 
 
-def _update_table(t: TableState, cols: dict, full: bool, tiers: Tiers) -> None:
+def _update_table(t: TableState, cols: dict, full: bool, tiers: StoreTiers) -> None:
     keys, values = cols["keys"].to(torch.int64), cols["values"].to(t.dtype)
     deleted = None if full else cols["deleted_keys"].to(torch.int64)
     if full:

@@ -1,15 +1,15 @@
-"""Storage tiers of the serving parameter server: in-process memory, Redis, RocksDB and LMDB row stores.
+"""Storage tiers of the serving parameter server: in-process memory, Redis, RocksDB and LMDB stores.
 
-Every store implements :class:`RowStore` (``create_table``, ``get``, ``put``, ``delete``, ``size``, ``keys``,
+Every store implements :class:`Store` (``create_table``, ``get``, ``put``, ``delete``, ``size``, ``keys``,
 ``tables``, ``close``) over int64 keys and binary rows; :func:`make_store` builds one from its JSON config. Backend
 failures raise :class:`StoreError` subclasses, which the parameter server catches to fall through to the next tier.
 The Redis, RocksDB and LMDB stores and their configs import their bindings (the ``serving`` extra) when first
 named, not here: naming one whose package is missing raises ImportError, and ``from ... import *`` leaves them out.
 """
 
-from .base import (
+from .store import (
     OverflowPolicy,
-    RowStore,
+    Store,
     StoreConfig,
     StoreCorruptError,
     StoreError,
@@ -22,7 +22,7 @@ from .factory import STORE_TYPES, make_store, store_classes
 from .memory import MemoryStore, MemoryStoreConfig
 
 __all__ = [
-    "RowStore",
+    "Store",
     "TableSchema",
     "StoreConfig",
     "OverflowPolicy",

@@ -1,11 +1,11 @@
-"""``make_store``: build a row store from its JSON config (the ``volatile_db`` / ``persistent_db`` entries)."""
+"""``make_store``: build a store from its JSON config (the ``volatile_db`` / ``persistent_db`` entries)."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Mapping
 
-from .base import RowStore
+from .store import Store
 
 __all__ = ["make_store", "STORE_TYPES", "store_classes"]
 
@@ -19,7 +19,7 @@ STORE_TYPES = {
 }
 
 
-def store_classes(kind: str) -> tuple[type, type[RowStore]]:
+def store_classes(kind: str) -> tuple[type, type[Store]]:
     """The config and store classes of store type ``kind`` (a key of :data:`STORE_TYPES`), importing its module.
 
     Raises:
@@ -36,7 +36,7 @@ def store_classes(kind: str) -> tuple[type, type[RowStore]]:
     return getattr(loaded, config_name), getattr(loaded, store_name)
 
 
-def make_store(config: Mapping, name: str = "store config") -> RowStore:
+def make_store(config: Mapping, name: str = "store config") -> Store:
     """Build the store described by ``config``.
 
     Args:

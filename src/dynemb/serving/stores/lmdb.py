@@ -13,7 +13,7 @@ import itertools
 import lmdb
 
 from dynemb.checks import check_positive_int
-from .base import StoreError, StoreFullError
+from .store import StoreError, StoreFullError
 from .persistent import PersistentStore, PersistentStoreConfig
 
 __all__ = ["LMDBStore", "LMDBStoreConfig"]

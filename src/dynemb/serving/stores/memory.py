@@ -15,7 +15,7 @@ import torch
 
 from dynemb.table import EvictionPolicy, KeyValueTable
 from dynemb.checks import check_positive_int
-from .base import OverflowPolicy, RowStore, StoreConfig, StoreFullError, TableSchema
+from .store import OverflowPolicy, Store, StoreConfig, StoreFullError, TableSchema
 
 __all__ = ["MemoryStore", "MemoryStoreConfig"]
 
@@ -46,7 +46,7 @@ class MemoryStoreConfig(StoreConfig):
             raise ValueError(f"eviction must be 'lru' or 'lfu', got {self.eviction!r}")
 
 
-class MemoryStore(RowStore):
+class MemoryStore(Store):
     """Volatile rows in this process's memory; thread-safe (one lock per store).
 
     Args:

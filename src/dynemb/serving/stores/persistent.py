@@ -27,8 +27,8 @@ import threading
 import numpy as np
 import torch
 
-from .base import RowStore, StoreConfig, TableSchema
-from .codec import decode_keys, decode_rows, encode_keys, encode_rows, sort_keys, unsort
+from .store import Store, StoreConfig, TableSchema
+from .row_bytes import decode_keys, decode_rows, encode_keys, encode_rows, sort_keys, unsort
 
 __all__ = ["PersistentStore", "PersistentStoreConfig"]
 
@@ -57,7 +57,7 @@ class PersistentStoreConfig(StoreConfig):
             raise FileNotFoundError(f"path {os.fspath(self.path)!r} is not an existing database (read_only=True)")
 
 
-class PersistentStore(RowStore):
+class PersistentStore(Store):
     """Base of the embedded key-value stores; subclasses supply ``_read`` and ``_commit`` on raw bytes."""
 
     def __init__(self, config: PersistentStoreConfig) -> None:

@@ -46,8 +46,8 @@ from redis.retry import Retry
 from dynemb.checks import check_positive_int
 from dynemb.table.hashing import mix64
 
-from .base import OverflowPolicy, RowStore, StoreConfig, StoreError, StoreFullError, StoreUnavailableError, TableSchema
-from .codec import decode_keys, decode_rows, encode_keys, encode_rows, unsort
+from .store import OverflowPolicy, Store, StoreConfig, StoreError, StoreFullError, StoreUnavailableError, TableSchema
+from .row_bytes import decode_keys, decode_rows, encode_keys, encode_rows, unsort
 
 __all__ = ["RedisStore", "RedisStoreConfig", "parse_address"]
 
@@ -156,7 +156,7 @@ def _translated(method):
     return wrapper
 
 
-class RedisStore(RowStore):
+class RedisStore(Store):
     """Rows in a Redis server or cluster. Thread-safe (redis-py pools connections).
 
     Args:

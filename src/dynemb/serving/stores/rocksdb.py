@@ -13,7 +13,7 @@ import itertools
 
 import rocksdict
 
-from .base import StoreError
+from .store import StoreError
 from .persistent import PersistentStore, PersistentStoreConfig
 
 __all__ = ["RocksDBStore", "RocksDBStoreConfig"]

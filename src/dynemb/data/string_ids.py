@@ -18,7 +18,7 @@ try:
     import pyarrow as pa
     import xxhash
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(f"dynemb.data.hashing needs pyarrow and xxhash: pip install 'dynemb[data]' ({exc})") from exc
+    raise ImportError(f"dynemb.data.string_ids needs pyarrow and xxhash: pip install 'dynemb[data]' ({exc})") from exc
 import torch
 
 __all__ = ["hash_strings", "null_key", "NULL_SEED"]

@@ -1,6 +1,6 @@
-"""The row-store interface shared by every storage tier of the serving parameter server.
+"""The store interface (:class:`Store`) shared by every storage tier of the serving parameter server.
 
-A *row store* maps ``(table, key)`` to one row of ``D`` values of the table's dtype. Keys are int64 and every
+A *store* maps ``(table, key)`` to one row of ``D`` values of the table's dtype. Keys are int64 and every
 value is a valid key. Rows travel as raw little-endian bytes, so a row written by one store type reads back
 bit-exact from any other. All operations are batched: one call moves ``N`` keys with a bounded number of round
 trips, never one per key.
@@ -34,7 +34,7 @@ from dynemb.table.ops import last_occurrence
 from dynemb.checks import VALUE_DTYPES, check_dtype, check_keys, check_positive_int, check_rows_like
 
 __all__ = [
-    "RowStore",
+    "Store",
     "TableSchema",
     "StoreConfig",
     "OverflowPolicy",
@@ -156,7 +156,7 @@ def check_table_name(table) -> str:
     return table
 
 
-class RowStore(abc.ABC):
+class Store(abc.ABC):
     """A batched key -> row store holding several named tables. Subclasses implement the ``_`` hooks.
 
     The public methods own the invariants: argument checks, the empty batch, read-only and closed stores, and
@@ -309,7 +309,7 @@ class RowStore(abc.ABC):
             self._closed = True
             self._close()
 
-    def __enter__(self) -> "RowStore":
+    def __enter__(self) -> "Store":
         return self
 
     def __exit__(self, *exc) -> None:

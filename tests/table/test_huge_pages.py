@@ -1,4 +1,4 @@
-"""Table storage on transparent huge pages (dynemb.table.memory), and a static table's initial rows."""
+"""Table storage on transparent huge pages (dynemb.table.huge_pages), and a static table's initial rows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from dynemb.table import KeyValueTable
 from dynemb.table import initializers as inits
-from dynemb.table.memory import HUGE_PAGE, MIN_BYTES, empty_storage
+from dynemb.table.huge_pages import HUGE_PAGE, MIN_BYTES, empty_storage
 from dynemb.table.static import StaticTable
 
 
@@ -50,10 +50,10 @@ needs_thp = pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode
 def test_the_advice_covers_whole_huge_pages_inside_large_tensors_only(monkeypatch):
     """What is advised, whatever the platform: whole 2 MiB pages inside the tensor, and nothing under MIN_BYTES.
     (smaps cannot show that small tensors are left alone: advice stays on heap memory that glibc hands out again.)"""
-    from dynemb.table import memory
+    from dynemb.table import huge_pages
 
     calls = []
-    monkeypatch.setattr(memory, "_madvise", lambda start, size, advice: calls.append((start, size, advice)) or 0)
+    monkeypatch.setattr(huge_pages, "_madvise", lambda start, size, advice: calls.append((start, size, advice)) or 0)
     for nbytes in (MIN_BYTES - 4, MIN_BYTES, 3 * MIN_BYTES + 4):
         t = empty_storage((nbytes // 4,), torch.float32, torch.device("cpu"))
         if nbytes < MIN_BYTES:
@@ -61,7 +61,7 @@ def test_the_advice_covers_whole_huge_pages_inside_large_tensors_only(monkeypatc
             continue
         start, size, advice = calls.pop()
         lo, hi = t.data_ptr(), t.data_ptr() + t.nbytes
-        assert advice == memory._MADV_HUGEPAGE and start % HUGE_PAGE == 0 and size % HUGE_PAGE == 0 and size > 0
+        assert advice == huge_pages._MADV_HUGEPAGE and start % HUGE_PAGE == 0 and size % HUGE_PAGE == 0 and size > 0
         assert lo <= start and start + size <= hi and start - lo < HUGE_PAGE and hi - (start + size) < HUGE_PAGE
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .cache import TableState
-from .tiers import Tiers
+from .tiers import StoreTiers
 
 __all__ = ["Lookup", "read_tiers"]
 
@@ -113,7 +113,7 @@ class Lookup:
         return self.picked(self.fetched[0] if len(self.fetched) == 1 else torch.cat(self.fetched))
 
 
-def read_tiers(tiers: Tiers, lookups: list[Lookup]) -> None:
+def read_tiers(tiers: StoreTiers, lookups: list[Lookup]) -> None:
     """Ask the volatile tier, then the persistent one, for the keys of ``lookups`` that are still missing: one call
     per tier for every table. Rows found in the persistent tier are copied into the volatile one."""
     volatile = tiers.volatile

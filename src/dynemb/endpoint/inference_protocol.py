@@ -16,7 +16,7 @@ tensor                   datatype                shape     holds
 =======================  ======================  ========  ==============================================
 
 Output: ``probability``, FP64 ``[B]`` (the bits ``dynemb predict`` writes). Ids and dense values go through
-:mod:`dynemb.data.columns`, the code the file readers use, and the model's
+:mod:`dynemb.data.arrow_columns`, the code the file readers use, and the model's
 :class:`~dynemb.data.preprocess.Preprocessing`, so a request scores exactly as the same rows read from a Parquet or
 CSV file. Each id column has the model's id type (the metadata reports it as the input's datatype): an ``INT64``
 column takes integers, and BYTES text that is a canonical decimal int64 (other text is a 400 naming the input and
@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 import torch
 
 from ..data.batch import Batch
-from ..data.columns import categorical_ids, dense_values, multi_hot_ids
+from ..data.arrow_columns import categorical_ids, dense_values, multi_hot_ids
 from ..data.preprocess import Preprocessing
 from .wire import RequestError
 
@@ -254,7 +254,7 @@ def _joined(tensors: list, datas: list) -> pa.Array:
 
 
 def _one_hot_ids(inputs: dict, columns: tuple, rows: int, id_types: dict) -> dict[str, np.ndarray]:
-    """int64 ids ``[rows]`` of each one-hot column (see :func:`~dynemb.data.columns.categorical_ids`)."""
+    """int64 ids ``[rows]`` of each one-hot column (see :func:`~dynemb.data.arrow_columns.categorical_ids`)."""
     datas = {c: _data(inputs[c], ID_TYPES, rows) for c in columns}
     out = {}
     for datatype, id_type in itertools.product(ID_TYPES, ("INT64", "BYTES")):

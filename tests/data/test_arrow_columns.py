@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dynemb.data import hash_strings, null_key
-from dynemb.data.columns import categorical_ids, decimal_int64, dense_values, multi_hot_ids
+from dynemb.data.arrow_columns import categorical_ids, decimal_int64, dense_values, multi_hot_ids
 
 I64 = st.integers(-2**63, 2**63 - 1)
 # Digit-only text of every kind: canonical int64s, zeros, signs, leading zeros, 20 digits, just out of range.

@@ -1,7 +1,7 @@
 """The tensors of a shard file: their names, and :func:`check_shard`, which checks them against the table config.
 
-Below :mod:`.tables` (how tables become these tensors) and :mod:`.stream` (how a tiered table's rows stream to and
-from them), which both read them.
+Below :mod:`.tables` (how tables become these tensors) and :mod:`.tiered_stream` (how a tiered table's rows
+stream to and from them), which both read them.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from .columns import ADMISSION_COUNTS, ADMISSION_KEYS, DELETED, KEYS, ORDER, check_shard
+from .shard_tensors import ADMISSION_COUNTS, ADMISSION_KEYS, DELETED, KEYS, ORDER, check_shard
 from .errors import CheckpointError
 from .tensorfile import FileRecord, verify_file
 
@@ -143,7 +143,7 @@ def verify_shard(path: Path, record: FileRecord | None) -> tuple[dict, dict]:
     """Check ``path``'s size and sha256 against ``record`` in one streaming pass and parse its header.
 
     Returns ``(layout, meta)``: ``{name: (dtype, shape, offset)}`` (offsets from the file start) and a ``meta``
-    tensor of every column (dtype and shape, no data) for :func:`~dynemb.checkpoint.columns.check_shard`.
+    tensor of every column (dtype and shape, no data) for :func:`~dynemb.checkpoint.shard_tensors.check_shard`.
     """
     layout = verify_file(path, record)
     meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (dtype, shape, _) in layout.items()}

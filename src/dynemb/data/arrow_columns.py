@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .hashing import hash_strings, null_key
+from .string_ids import hash_strings, null_key
 
 __all__ = ["ID_TYPES", "categorical_ids", "multi_hot_ids", "dense_values", "label_values", "decimal_int64",
            "first_line"]

@@ -1,4 +1,4 @@
-"""Binary encoding of keys and rows shared by the out-of-process stores (Redis, RocksDB, LMDB).
+"""Keys and rows as bytes: the binary encoding shared by the out-of-process stores (Redis, RocksDB, LMDB).
 
 A key is 8 bytes big-endian with the sign bit flipped, so byte order equals numeric order (``int64 min`` encodes
 as all zeros); it follows a per-table (and per-shard) byte prefix. A row is the raw little-endian bytes of its
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ...checkpoint.tensorfile import byte_view
-from .base import StoreCorruptError, TableSchema
+from .store import StoreCorruptError, TableSchema
 
 __all__ = ["encode_keys", "decode_keys", "encode_rows", "decode_rows", "sort_keys", "unsort"]
 
