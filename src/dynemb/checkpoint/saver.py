@@ -12,7 +12,6 @@ from pathlib import Path
 from torch import nn
 
 from ..collection.plan import TableShard
-from ..distributed.sharding import ShardingKind
 
 from .._version import __version__
 from ..checks import check_positive_int
@@ -153,9 +152,9 @@ def _merge_entries(parts: list) -> dict:
 def writes(shard: TableShard, ctx: RankContext) -> bool:
     """Whether this rank writes ``shard``: its own part of a sharded table, or rank 0 the one copy of a whole or
     replicated table."""
-    if shard.sharding is None or shard.sharding.kind == ShardingKind.DATA:
+    if shard.strategy is None:
         return ctx.rank == 0
-    return True
+    return shard.strategy.writes(ctx.rank)
 
 
 def _table_payloads(shards: dict, parent: str | None, index: dict, ctx: RankContext) -> tuple[dict, dict]:

@@ -80,12 +80,18 @@ def table_config(shard: TableShard) -> dict:
               "vocabulary_size": cfg.vocabulary_size, "max_capacity": cfg.max_capacity,
               "eviction": t.policy.value if cfg.vocabulary_size is None else None,
               "initializer": t.initializer.describe(), "seed": shard.seed,
-              "slots": {n: {"dim": t.slot(n).shape[1], "dtype": dtype_name(t.slot(n).dtype)} for n in t.slot_names}}
+              "slots": {n: {"dim": _slot_width(t.slot(n).shape[1], t.dim, cfg.dim),
+                            "dtype": dtype_name(t.slot(n).dtype)} for n in t.slot_names}}
     if getattr(t, "admission", None) is not None:
         config["admission"] = t.admission.describe()
     if config["eviction"] == "decayed_lfu":  # its scores are in units of the half-life
         config["half_life"] = t.half_life
     return config
+
+
+def _slot_width(width: int, shard_dim: int, dim: int) -> int:
+    """A slot's width in the user's table: a column shard's per-column slot spans the whole dim there."""
+    return dim if width == shard_dim else width
 
 
 def counters(table) -> dict:
