@@ -110,6 +110,11 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
                 restore(tables[name], cols, saved)
             if table_optimizers[name] is not None:
                 tables[name].optimizer.load_state_dict(table_optimizers[name])
+        for name, shard in tables.items():  # what training had looked up, counted on (by rank 0) from here
+            seen = manifest["tables"].get(name, {}).get("observed")
+            if isinstance(seen, dict):
+                shard.observed_before = {k: seen.get(k, 0) for k in ("accesses", "unique_accesses", "steps")} \
+                    if ctx.rank == 0 else None
     write_marks.record([tables[n].table for n in shards], STREAM, os.path.realpath(directory.parent),
                    directory.name, reset=True)
     return {**manifest, "path": str(directory)}

@@ -147,6 +147,12 @@ class EmbeddingCollection(nn.Module):
         check = self.validate if self.validate is not None else device.type == "cpu"
         prepared = prepare_features(features, weights or {}, self.feature_configs, self.table_configs, device,
                                     check_ranges=check)
+        if self.training and torch.is_grad_enabled():  # what training looks up, for the planner (no device sync)
+            for name, parts in prepared.items():
+                seen = self.plan[name].observed
+                seen["accesses"] += sum(p.ids.numel() for p in parts)
+            for shard in self.plan:
+                shard.observed["steps"] += 1
         out = self.executor.forward(prepared, self.training)
         return {name: out[name] for name in features}
 

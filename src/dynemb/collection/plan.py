@@ -57,6 +57,10 @@ class TableShard:
     optimizer: Optional[SparseOptimizer] = None
     #: the rows' dtype after a cast of the collection (``.half()``); ``None``: the config's
     cast_dtype: Optional[torch.dtype] = None
+    #: what training on this rank looked up (for the planner, saved in checkpoint manifests): ids, unique ids
+    #: (sharded collections) and training steps; plus what a loaded checkpoint had seen (rank 0 keeps it)
+    observed: dict = dataclasses.field(default_factory=lambda: {"accesses": 0, "unique_accesses": 0, "steps": 0})
+    observed_before: Optional[dict] = None
 
     @property
     def name(self) -> str:

@@ -66,6 +66,8 @@ class ShardedExecutor:
             parts = prepared.get(name, [])
             flat = torch.cat([p.ids for p in parts]) if parts else torch.empty(0, dtype=cfg.key_dtype, device=device)
             unique, inverse, count = torch.unique(flat.to(torch.int64), return_inverse=True, return_counts=True)
+            if training:
+                self.plan[name].observed["unique_accesses"] += unique.numel()
             keys.append(unique)
             inverses.append(inverse)
             counts.append(count)
