@@ -118,7 +118,8 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
                 write_json(tmp / MANIFEST, {
                     "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "incremental" if parent else "full",
                     "parent": parent, "step": step, "created_unix": time.time(), "dynemb_version": __version__,
-                    "world_size": ctx.world, "partitioner": PARTITIONER, "tables": _with_observed(_merge_entries(parts), parts, every),
+                    "world_size": ctx.world, "partitioner": PARTITIONER,
+                    "tables": _with_observed(_merge_entries(parts), parts, every),
                     "dense": DENSE_FILE, "optimizer": _optimizer_entry(optimizer, ctx),
                     "files": {rel: rec for part in parts for rel, rec in part["files"].items()}, "extra": extra,
                 })
