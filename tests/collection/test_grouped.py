@@ -4,21 +4,20 @@ combiners, weights, multi-hot bags; tables that leave the group for a call (a bo
 between forward and backward) or never join it (frozen, step mode, lfu, admission, static); and a table trains the
 same alone as in a group.
 
-Without a GPU they run under Triton's interpreter on CPU tensors (the repository's conftest.py sets it up)."""
+Each runs on numba and on Triton (without a GPU under Triton's interpreter on CPU tensors: the repository's
+conftest.py sets it up)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-import dynemb  # noqa: E402
-from dynemb import EmbeddingCollection, FeatureConfig, TableConfig  # noqa: E402
-from dynemb.functional import grouped  # noqa: E402
-from dynemb.kernels import use_backend  # noqa: E402
-
-pytestmark = pytest.mark.triton
+import dynemb
+from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+from dynemb.functional import grouped
+from dynemb.kernels import use_backend
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 OPTIMIZERS = {
@@ -96,26 +95,33 @@ def _spied(monkeypatch) -> list:
     return calls
 
 
+#: the backends with group kernels (the torch backend runs each table's own lookup: the reference)
+GROUPED = ["numba", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed")])]
+
+
+@pytest.mark.parametrize("backend", GROUPED)
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
-def test_grouped_training_is_the_per_table_path(monkeypatch, opt):
+def test_grouped_training_is_the_per_table_path(monkeypatch, opt, backend):
     calls = _spied(monkeypatch)
     results = {}
-    for backend in ("torch", "triton"):
-        with use_backend(backend):
+    for name in ("torch", backend):
+        with use_backend(name):
             ec = _collection(opt)
             _train(ec, range(5), "abcd")
-            results[backend] = ec
-    # triton: every table, every step, in its group (int32 "b" in one of its own)
-    assert results["triton"].plan.describe_groups() == [["a", "c", "d"], ["b"]] and sum(calls[-10:]) == 20
+            results[name] = ec
+    # every table, every step, in its group (int32 "b" in one of its own)
+    assert results[backend].plan.describe_groups() == [["a", "c", "d"], ["b"]] and sum(calls[-10:]) == 20
     for name in "abcd":
-        _close(_state(results["torch"], name), _state(results["triton"], name))
-        assert results["torch"].embeddings[name].table.clock == results["triton"].embeddings[name].table.clock
-    assert results["torch"].optimizer.state_dict() == results["triton"].optimizer.state_dict()
+        _close(_state(results["torch"], name), _state(results[backend], name))
+        assert results["torch"].embeddings[name].table.clock == results[backend].embeddings[name].table.clock
+    assert results["torch"].optimizer.state_dict() == results[backend].optimizer.state_dict()
 
 
-@pytest.mark.parametrize("opt", ["adam", "sgd"])
-def test_a_table_trains_the_same_alone_or_in_a_group(opt):
-    with use_backend("triton"):
+@pytest.mark.parametrize("backend", GROUPED)
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_a_table_trains_the_same_alone_or_in_a_group(opt, backend):
+    with use_backend(backend):
         together = _collection(opt)
         _train(together, range(5), "abcd")
         for name in "abcd":
@@ -126,7 +132,8 @@ def test_a_table_trains_the_same_alone_or_in_a_group(opt):
                 together.optimizer.state_dict()["optimizers"][name]
 
 
-def test_tables_outside_the_group_run_beside_it(monkeypatch):
+@pytest.mark.parametrize("backend", GROUPED)
+def test_tables_outside_the_group_run_beside_it(monkeypatch, backend):
     calls = _spied(monkeypatch)
     extra = {"lfu": TableConfig(name="lfu", dim=4, optimizer=OPTIMIZERS["adagrad"](), eviction="lfu", max_capacity=30,
                                 seed=5),
@@ -137,10 +144,10 @@ def test_tables_outside_the_group_run_beside_it(monkeypatch):
                                   eviction="lru")}
     names = ("a", "d", *extra)
     results = {}
-    for backend in ("torch", "triton"):
-        with use_backend(backend):
+    for name in ("torch", backend):
+        with use_backend(name):
             ec = _collection("adagrad", names, **extra)
-            if backend == "triton":
+            if name != "torch":
                 assert ec.plan.describe_groups() == [["a", "d", "bound"]]
             ec.embeddings["d"].requires_grad_(False)  # frozen: read-only, its own lookups
             for step in range(6):
@@ -151,30 +158,32 @@ def test_tables_outside_the_group_run_beside_it(monkeypatch):
                 sum(o.square().sum() for o in ec(batch).values()).backward()
                 ec.optimizer.step()
                 ec.optimizer.zero_grad()
-            results[backend] = ec
+            results[name] = ec
     assert calls and calls[-1] == 1  # the bound table passed its bound's room: only "a" ran grouped at the end
     for name in names:
-        _close(_state(results["torch"], name), _state(results["triton"], name))
-    assert results["triton"].embeddings["bound"].table.evicted > 0
+        _close(_state(results["torch"], name), _state(results[backend], name))
+    assert results[backend].embeddings["bound"].table.evicted > 0
 
 
-def test_rows_moved_between_forward_and_backward_are_found_again():
+@pytest.mark.parametrize("backend", GROUPED)
+def test_rows_moved_between_forward_and_backward_are_found_again(backend):
     results = {}
-    for backend in ("torch", "triton"):
-        with use_backend(backend):
+    for name in ("torch", backend):
+        with use_backend(name):
             ec = _collection("adagrad", ("a", "d"))
             _train(ec, range(3), "ad")
             batch, _ = _batch(3, "ad")
             out = ec(batch)
             ec.embeddings["a"].table.erase(batch["a1"][:2])  # compaction moves other rows of "a"
             sum(o.square().sum() for o in out.values()).backward()
-            results[backend] = ec
+            results[name] = ec
     for name in "ad":
-        _close(_state(results["torch"], name), _state(results["triton"], name))
+        _close(_state(results["torch"], name), _state(results[backend], name))
 
 
-def test_sizes_counters_and_checkpoints_after_grouped_steps(tmp_path):
-    with use_backend("triton"):
+@pytest.mark.parametrize("backend", GROUPED)
+def test_sizes_counters_and_checkpoints_after_grouped_steps(tmp_path, backend):
+    with use_backend(backend):
         ec = _collection("adam")
         _train(ec, range(4), "abcd")
         sizes = {n: len(ec.embeddings[n]) for n in "abcd"}
@@ -187,3 +196,67 @@ def test_sizes_counters_and_checkpoints_after_grouped_steps(tmp_path):
         table = ec.embeddings[name].table
         assert table.size() == table.inserted - table.removed - table.evicted >= sizes[name] > 0
         _close(_state(ec, name), _state(again, name), exact=True)
+
+
+#: every kind of table, each beside a grouped neighbour: tables the group takes (plain, bounded lru) and those that
+#: run their own lookups, the documented fallback (tiered, admission, lfu, static, step-mode), with pooled,
+#: sequence (unpooled), weighted and max_norm features
+KINDS = {
+    "plain": dict(dim=4),
+    "mixed": dict(dim=3),  # a table the group takes, whose sequence and max_norm features make it run its own
+    "bounded": dict(dim=4, max_capacity=40, eviction="lru"),
+    "tiered": dict(dim=4, tiers=dynemb.table.Tiers(fast_capacity=12)),
+    "admission": dict(dim=4, admission=2),
+    "lfu": dict(dim=4, eviction="lfu", max_capacity=30),
+    "static": dict(dim=4, vocabulary_size=80),
+}
+FEATURES = {"pooled": {}, "sequence": {"combiner": "none"}, "max_norm": {"max_norm": 0.5}, "weighted": {}}
+#: the features of each table (the rest get all four)
+PLAIN = {"plain": ("pooled", "weighted"), "bounded": ("pooled", "weighted")}
+
+
+def _kinds_collection(opt: str, names) -> EmbeddingCollection:
+    tables = [TableConfig(name=n, optimizer=OPTIMIZERS[opt](), seed=i + 1, **KINDS[n])
+              for i, n in enumerate(KINDS) if n in names]
+    features = [FeatureConfig(name=f"{n}_{f}", table=n, **FEATURES[f]) for n in KINDS if n in names
+                for f in PLAIN.get(n, FEATURES)]
+    return EmbeddingCollection(tables, features, device=DEVICE)
+
+
+def _kinds_train(ec: EmbeddingCollection, names, steps=6) -> None:
+    for step in steps if not isinstance(steps, int) else range(steps):
+        g = torch.Generator().manual_seed(step)
+        batch = {}
+        for n in KINDS:
+            ids = {f: torch.randint(0, 25 + 8 * step, (6, 2), generator=g) for f in FEATURES}
+            weights = torch.rand(12, generator=g)
+            if n in names:
+                batch.update({f"{n}_{f}": ids[f].to(DEVICE) for f in ("pooled", "sequence", "max_norm")
+                              if f in PLAIN.get(n, FEATURES)})
+                batch[f"{n}_weighted"] = (ids["weighted"].reshape(-1).to(DEVICE), torch.arange(0, 12, 2).to(DEVICE),
+                                          weights.to(DEVICE))
+        out = ec(batch)
+        scale = {f"{n}_{f}": 1 + i for i, (n, f) in enumerate((n, f) for n in KINDS for f in FEATURES)}
+        sum(o.square().sum() * scale[f] for f, o in out.items()).backward()  # each feature's own weight
+        ec.optimizer.step()
+        ec.optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("backend", GROUPED)
+@pytest.mark.parametrize("opt", ["adagrad", "sgd_plain"])
+def test_every_kind_of_table_trains_the_same_alone_or_beside_a_group(opt, backend, monkeypatch):
+    calls = _spied(monkeypatch)
+    with use_backend(backend):
+        together = _kinds_collection(opt, KINDS)
+        _kinds_train(together, KINDS)
+        assert together.plan.describe_groups() == [["plain", "mixed", "bounded"]]
+        assert calls[0] == 2  # "mixed" runs its own lookups; "bounded" too once it may have to evict
+        for name in KINDS:
+            alone = _kinds_collection(opt, (name,))
+            _kinds_train(alone, (name,))
+            want, got = alone.state_dict(), together.state_dict()
+            mine = [k for k in want if k.split(".")[1] == name]
+            assert mine
+            for key in mine:
+                a, b = want[key], got[key]
+                assert torch.equal(a, b) if torch.is_tensor(a) else a == b, key

@@ -3,21 +3,24 @@ on the torch backend: rows, new rows' order, initial values, slots, stamps, size
 answers; batches of 0, 1 and many keys a table, duplicates, extreme keys, keys sharing a bucket, growth ahead of a
 call and the one read a group makes.
 
-Without a GPU they run under Triton's interpreter on CPU tensors (the repository's conftest.py sets it up)."""
+On numba and Triton (without a GPU under Triton's interpreter on CPU tensors: the repository's conftest.py sets
+it up)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("triton")
+from dynemb.table import KeyValueTable
+from dynemb.table.group import TableGroup, refusal
 
-from dynemb.table import KeyValueTable  # noqa: E402
-from dynemb.table.group import TableGroup, refusal  # noqa: E402
-
-pytestmark = pytest.mark.triton
+#: the backends with group kernels, each against the torch backend's own find_or_insert
+GROUPED = ["numba", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed")])]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -60,11 +63,12 @@ def _same(grouped: KeyValueTable, ref: KeyValueTable) -> None:
 KEYS = {torch.int64: st.integers(-(2**63), 2**63 - 1), torch.int32: st.integers(-(2**31), 2**31 - 1)}
 
 
+@pytest.mark.parametrize("backend", GROUPED)
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
 @given(data=st.data())
 @SETTINGS
-def test_grouped_find_or_insert_is_each_tables_own(key_dtype, data):
-    grouped, ref = _tables("triton", key_dtype), _tables("torch", key_dtype)
+def test_grouped_find_or_insert_is_each_tables_own(key_dtype, backend, data):
+    grouped, ref = _tables(backend, key_dtype), _tables("torch", key_dtype)
     group = TableGroup(grouped, [("state", "wide")] * 3)
     info = torch.iinfo(key_dtype)
     specials = [info.min, info.max, -1, 0, 1, 0x5851F42D]
@@ -82,9 +86,10 @@ def test_grouped_find_or_insert_is_each_tables_own(key_dtype, data):
         _same(g, r)
 
 
-def test_keys_sharing_a_bucket_spill_and_are_found(colliding_keys):
+@pytest.mark.parametrize("backend", GROUPED)
+def test_keys_sharing_a_bucket_spill_and_are_found(colliding_keys, backend):
     for key_dtype in (torch.int32, torch.int64):
-        grouped, ref = _tables("triton", key_dtype, dims=(2, 2)), _tables("torch", key_dtype, dims=(2, 2))
+        grouped, ref = _tables(backend, key_dtype, dims=(2, 2)), _tables("torch", key_dtype, dims=(2, 2))
         group = TableGroup(grouped, [("state", "wide")] * 2)
         crowd = colliding_keys(key_dtype, "last", 24)
         for batch in (crowd[:10], torch.cat([crowd, crowd[:3]])):
@@ -95,8 +100,9 @@ def test_keys_sharing_a_bucket_spill_and_are_found(colliding_keys):
             _same(g, r)
 
 
-def test_sizes_stay_on_the_device_until_asked_and_are_read_once_for_the_group():
-    grouped = _tables("triton", torch.int64)
+@pytest.mark.parametrize("backend", GROUPED)
+def test_sizes_stay_on_the_device_until_asked_and_are_read_once_for_the_group(backend):
+    grouped = _tables(backend, torch.int64)
     group = TableGroup(grouped, [("state", "wide")] * 3)
     _call(group, [torch.arange(5, device=DEVICE), torch.arange(3, device=DEVICE), torch.arange(0, device=DEVICE)])
     assert group.pending and [t._live for t in grouped] == [0, 0, 0]  # nothing read back yet
@@ -111,8 +117,9 @@ def test_sizes_stay_on_the_device_until_asked_and_are_read_once_for_the_group():
     assert [t.inserted for t in grouped] == [5, 3, 0]
 
 
-def test_a_group_grows_its_tables_before_a_call_that_might_fill_them():
-    grouped, ref = _tables("triton", torch.int64), _tables("torch", torch.int64)
+@pytest.mark.parametrize("backend", GROUPED)
+def test_a_group_grows_its_tables_before_a_call_that_might_fill_them(backend):
+    grouped, ref = _tables(backend, torch.int64), _tables("torch", torch.int64)
     group = TableGroup(grouped, [("state", "wide")] * 3)
     g = torch.Generator().manual_seed(3)
     for step in range(6):  # 16 rows at first: every table grows, and its index rehashes, several times
@@ -126,8 +133,8 @@ def test_a_group_grows_its_tables_before_a_call_that_might_fill_them():
 
 
 def test_a_bounded_table_that_might_evict_is_left_to_its_own_lookup():
-    bounded = KeyValueTable(2, max_capacity=10, init_capacity=10, backend="triton", device=DEVICE)
-    free = KeyValueTable(2, backend="triton", device=DEVICE)
+    bounded = KeyValueTable(2, max_capacity=10, init_capacity=10, backend="numba", device=DEVICE)
+    free = KeyValueTable(2, backend="numba", device=DEVICE)
     group = TableGroup([bounded, free])
     assert group.admit({0: 8, 1: 8}) == [0, 1]
     assert group.admit({0: 11, 1: 8}) == [1]  # 11 new keys could not all fit in 10 rows
@@ -136,13 +143,13 @@ def test_a_bounded_table_that_might_evict_is_left_to_its_own_lookup():
 
 
 def test_which_tables_a_group_takes():
-    assert refusal(KeyValueTable(2, backend="triton")) is None
-    assert "admission" in refusal(KeyValueTable(2, backend="triton", admission=2))
-    assert "counts accesses" in refusal(KeyValueTable(2, backend="triton", eviction="lfu", max_capacity=8))
-    assert "initializer" in refusal(KeyValueTable(2, backend="triton", initializer=lambda n, d: torch.zeros(n, d)))
+    assert refusal(KeyValueTable(2, backend="numba")) is None
+    assert "admission" in refusal(KeyValueTable(2, backend="numba", admission=2))
+    assert "counts accesses" in refusal(KeyValueTable(2, backend="numba", eviction="lfu", max_capacity=8))
+    assert "initializer" in refusal(KeyValueTable(2, backend="numba", initializer=lambda n, d: torch.zeros(n, d)))
     assert "no group kernels" in refusal(KeyValueTable(2, backend="torch"))
     assert refusal(KeyValueTable(2, backend="torch"), kernels=False) is None
     with pytest.raises(ValueError, match="cannot join a kernel group"):
         TableGroup([KeyValueTable(2, backend="torch")])
     with pytest.raises(ValueError, match="share device, key dtype and backend"):
-        TableGroup([KeyValueTable(2, backend="triton"), KeyValueTable(2, backend="triton", key_dtype=torch.int32)])
+        TableGroup([KeyValueTable(2, backend="numba"), KeyValueTable(2, backend="numba", key_dtype=torch.int32)])

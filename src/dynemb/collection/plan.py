@@ -166,7 +166,10 @@ class ExecutionPlan:
         (:mod:`dynemb.functional.grouped`): dynamic tables of one device and key dtype whose fused optimizers share
         an update kernel (dims may differ). A table in no group runs its own lookups; so does a grouped table on a
         call the group cannot take it (frozen, a bound it would pass) or a backend without group kernels."""
-        tables = {name: s.table for name, s in self.shards.items() if s.table is not None}
+        # a column shard whose optimizer shares a row statistic updates through the optimizer's own path, which
+        # takes the other shards' parts of it (the group kernels cannot)
+        tables = {name: s.table for name, s in self.shards.items() if s.table is not None
+                  and not (s.strategy is not None and s.strategy.shares_row_statistic)}
         return [ExecutionGroup(tuple(names), GroupedLookup([tables[n] for n in names]))
                 for names in group_tables(tables)]
 

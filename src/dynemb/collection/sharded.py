@@ -6,8 +6,10 @@ For all tables of keyed kinds (row, table, table_row, column) together:
    (:meth:`~dynemb.distributed.strategy.ShardingStrategy.route`), and the copies are sorted by rank;
 2. one all-to-all of the per-(rank, table) counts, then one all-to-all of the keys (and, for tables that count
    occurrences, one of the per-key counts);
-3. each owner runs the collection's owner-side lookup (:meth:`ShardedExecutor.owner_lookup`: find_or_insert with
-   the requesters' counts, so admission and eviction happen at the owner) and reads its columns of the rows;
+3. each owner runs the collection's owner-side lookup (:meth:`ShardedExecutor.owner_lookup`, which is
+   :func:`~dynemb.functional.owner.owner_lookup` over all its tables: an execution group's tables as one grouped
+   call; find_or_insert with the requesters' counts, so admission and eviction happen at the owner) and reads its
+   columns of the rows;
 4. one all-to-all returns them, and each table's strategy puts its rows together
    (:meth:`~dynemb.distributed.strategy.ShardingStrategy.assemble`); they are pooled locally exactly as by the
    local executor;
@@ -30,9 +32,9 @@ from typing import Optional
 import torch
 
 from ..distributed.comm import all_gather_varsize, all_to_all_known
-from ..distributed.strategy import KeyedRecord, OwnedKeys
-from ..functional import read_rows
-from ..functional.lookup import find_ids, trains
+from ..distributed.strategy import KeyedRecord
+from ..functional.find import trains
+from ..functional.owner import OwnerRows, owner_lookup
 from .features import PreparedFeature, finish
 from .plan import ExecutionPlan, TableShard
 
@@ -113,17 +115,14 @@ class ShardedExecutor:
             saved["replicated"].append(state)
         return values, saved
 
-    def owner_lookup(self, shard: TableShard, keys: torch.Tensor, counts: Optional[torch.Tensor]):
-        """The collection's owner-side lookup, which every strategy calls: the one lookup of
-        :func:`~dynemb.functional.lookup.find_ids` (dedup, find or insert with the requesters' occurrence counts
-        when given), then this rank's columns of the rows read. Returns (:class:`OwnedKeys`, rows per key received,
-        float32)."""
-        table = shard.table
-        # a frozen table is read-only, as under no_grad (the rule of functional.lookup.trains)
-        found = find_ids(table, shard.shard_keys(keys), insert=self.inserting[shard.name], counts=counts,
-                         inverse=True)
-        owned = OwnedKeys(found.ids.unique, found.rows, found.ids.inverse)
-        return owned, read_rows(table, owned.unique, owned.rows).float().index_select(0, owned.inverse)
+    def owner_lookup(self, shards: list[TableShard], keys: list[torch.Tensor],
+                     counts: list[Optional[torch.Tensor]]) -> OwnerRows:
+        """The collection's owner-side lookup, which every strategy calls: the received ``keys[t]`` (the user's) of
+        ``shards[t]`` found or inserted (with the requesters' occurrence ``counts[t]`` where given) by
+        :func:`~dynemb.functional.owner.owner_lookup`, an execution group's tables as one grouped call."""
+        return owner_lookup([s.table for s in shards], [s.shard_keys(k) for s, k in zip(shards, keys)],
+                            insert=[s.table is not None and self.inserting[s.name] for s in shards],
+                            counts=counts, groups=[g.lookup for g in self.plan.groups])
 
     def _widths(self, strategies: list) -> torch.Tensor:
         """``[W, T]``: the columns each rank holds of each table (fixed by the plan: computed once)."""
@@ -160,19 +159,13 @@ class ShardedExecutor:
             recv_counts = self._a2a(all_counts.index_select(0, perm), sent.sum(1).tolist(), recv.sum(1).tolist(),
                                     "all-to-all of key counts per key")
         recv_table = torch.repeat_interleave(torch.arange(tables, device=device).repeat(world), recv.reshape(-1))
-        owned, blocks = [], []
-        for t, shard in enumerate(shards):
-            width = int(widths[self.rank, t])
-            if shard.module is None:
-                owned.append(None)
-                blocks.append(torch.empty(0, width, device=device))
-                continue
-            mine = recv_keys[recv_table == t]
-            mine_counts = recv_counts[recv_table == t] if recv_counts is not None and \
-                shard.config.counts_occurrences else None
-            found, vals = self.owner_lookup(shard, mine, mine_counts)
-            owned.append(found)
-            blocks.append(vals)
+        mine = [recv_keys[recv_table == t] for t in range(tables)]
+        mine_counts = [recv_counts[recv_table == t] if recv_counts is not None and s.config.counts_occurrences
+                       else None for t, s in enumerate(shards)]
+        # the owner side: one call for all of this rank's tables
+        owner = self.owner_lookup(shards, mine, mine_counts)
+        blocks = [v if v is not None else torch.empty(0, int(widths[self.rank, t]), device=device)
+                  for t, v in enumerate(owner.values)]
         send_rows = _interleave([list(b.split(recv[:, t].tolist())) for t, b in enumerate(blocks)])
         got = self._a2a(send_rows, (recv * widths[self.rank]).sum(1).tolist(), (sent * widths).sum(1).tolist(),
                         "all-to-all of rows")
@@ -186,9 +179,8 @@ class ShardedExecutor:
             order = route.index.index_select(0, perm[perm_table == t] - offsets[t])  # unique-key positions
             values.append(shard.strategy.assemble(keys[t].numel(), order, pieces[t], shard.dtype))
             copies.append(order)
-        record = KeyedRecord(strategies, shards, sent, recv, widths, copies, owned)
-        record.values = values
-        return record
+        received = [s.shard_keys(k) for s, k in zip(shards, mine)]
+        return KeyedRecord(strategies, shards, sent, recv, widths, copies, received, owner, values)
 
     def _keyed_backward(self, record: Optional[KeyedRecord], grads: list) -> None:
         if record is None:
@@ -199,51 +191,40 @@ class ShardedExecutor:
         got = self._a2a(_interleave(pieces), (sent * widths).sum(1).tolist(),
                         (recv * widths[self.rank]).sum(1).tolist(), "all-to-all of gradients")
         mine = [torch.cat(p) for p in _deinterleave(got, recv, widths[self.rank].expand_as(recv))]
-        totals: list = []
-        for owned, grad in zip(record.owned, mine):
-            if owned is None:
-                totals.append(None)
-                continue
-            totals.append(torch.zeros(owned.unique.numel(), grad.shape[1], device=grad.device)
-                          .index_add_(0, owned.inverse, grad))
-        shared = self._share(record, totals)
-        for t, (shard, owned, total) in enumerate(zip(record.shards, record.owned, totals)):
-            if owned is not None:
-                shard.strategy.deliver(shard, owned, total, shared[t])
+        self._share(record, mine)
+        record.owner.backward([g if v is not None else None for g, v in zip(mine, record.owner.values)])
 
-    def _share(self, record: KeyedRecord, totals: list) -> list:
+    def _share(self, record: KeyedRecord, grads: list) -> None:
         """What each owner shares with the table's other owners before its update (a column shard's part of each
-        row's statistic), summed over the others: one all-to-all for every table that needs it. Which tables share
-        is fixed by the plan, and a shard's unique keys are the same on every rank of its group (the same keys
-        arrive in the same order), so the sizes are known on both sides."""
-        parts = [st.before_delivery(shard, owned, total) if owned is not None else None
-                 for st, shard, owned, total in zip(record.strategies, record.shards, record.owned, totals)]
-        # which tables share is decided from configs and the plan, the same on every rank (all join the collective)
+        row's statistic), summed over the others and handed to the strategy: one all-to-all for every table that
+        needs it. Which tables share is fixed by the plan, the same on every rank (all join the collective), and a
+        shard's unique keys are the same on every rank of its group (the same keys arrive in the same order), so
+        the sizes are known on both sides."""
         sharing = [t for t, st in enumerate(record.strategies) if st.shares_row_statistic]
         if not sharing:
-            return [None] * len(totals)
-        sharing = [t for t in sharing if parts[t] is not None]
-        send, send_counts, recv_counts = [], [0] * self.world, [0] * self.world
+            return
+        parts = {t: record.strategies[t].before_delivery(record.shards[t], record.received[t],
+                                                         record.owner.values[t], grads[t])
+                 for t in sharing if record.owner.values[t] is not None}
+        parts = {t: p for t, p in parts.items() if p is not None}
+        send, counts = [], [0] * self.world
         for r in range(self.world):
-            for t in sharing:
+            for t, (_, part) in parts.items():
                 if r != self.rank and record.strategies[t].holds(r):
-                    send.append(parts[t])
-                    send_counts[r] += parts[t].numel()
-                    recv_counts[r] += parts[t].numel()
-        device = totals[sharing[0]].device if sharing else None
-        buf = torch.cat(send) if send else torch.empty(0, device=device)
-        got = self._a2a(buf, send_counts, recv_counts, "all-to-all of row statistics")
-        shared: list = [None] * len(totals)
-        for t in sharing:
-            shared[t] = torch.zeros_like(parts[t])
+                    send.append(part)
+                    counts[r] += part.numel()
+        device = record.sent.device
+        got = self._a2a(torch.cat(send) if send else torch.empty(0, device=device), counts, counts,
+                        "all-to-all of row statistics")
+        shared = {t: torch.zeros_like(part) for t, (_, part) in parts.items()}
         start = 0
         for r in range(self.world):
-            for t in sharing:
+            for t, (_, part) in parts.items():
                 if r != self.rank and record.strategies[t].holds(r):
-                    n = parts[t].numel()
-                    shared[t] += got[start: start + n]
-                    start += n
-        return shared
+                    shared[t] += got[start: start + part.numel()]
+                    start += part.numel()
+        for t, (unique, _) in parts.items():
+            record.strategies[t].deliver(record.shards[t], unique, shared[t])
 
     def gather(self, shard: TableShard, keys: torch.Tensor, values: torch.Tensor):
         """Every rank's ``(keys, values)`` of a table put together by its strategy (a collective; a replica is one

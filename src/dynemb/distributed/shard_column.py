@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .sharding import Sharding
-from .strategy import ColumnSlice, OwnedKeys, Route, ShardingStrategy, TableLoad, TableStats, even_widths, register
+from .strategy import ColumnSlice, Route, ShardingStrategy, TableLoad, TableStats, even_widths, register
 
 __all__ = ["ColumnWise", "couples_columns"]
 
@@ -90,18 +90,19 @@ class ColumnWise(ShardingStrategy):
             start += n
         return out
 
-    def before_delivery(self, shard, owned: OwnedKeys, grad: torch.Tensor):
+    def before_delivery(self, shard, keys: torch.Tensor, values: torch.Tensor, grad: torch.Tensor):
         optimizer = shard.optimizer
-        if optimizer is None or not optimizer.row_statistic or len(self.group) == 1:
+        if optimizer is None or not self.shares_row_statistic:
             return None
-        from ..functional import current_rows
+        # sorted unique keys: every column shard received the same keys, so every one has them in this order
+        unique, inverse = torch.unique(keys.to(torch.int64), return_inverse=True)
+        total = torch.zeros(unique.numel(), grad.shape[1], device=grad.device).index_add_(0, inverse, grad.float())
+        rows = torch.zeros(unique.numel(), values.shape[1], device=values.device).index_copy_(0, inverse, values)
+        return unique, optimizer.row_square_part(shard.table, total, rows)
 
-        return optimizer.row_square_part(shard.table, current_rows(shard.table, owned.unique, owned.rows), grad)
-
-    def deliver(self, shard, owned: OwnedKeys, grad: torch.Tensor, shared) -> None:
-        if shared is not None:  # the other column shards' parts of each row's statistic, for the optimizer
-            shard.optimizer.share_row_squares(shard.table, owned.unique, shared, self.config.dim)
-        super().deliver(shard, owned, grad, shared)
+    def deliver(self, shard, unique: torch.Tensor, shared: torch.Tensor) -> None:
+        # the other column shards' parts of each row's statistic, for the optimizer's next update
+        shard.optimizer.share_row_squares(shard.table, unique, shared, self.config.dim)
 
     # ------------------------------------------------------------------ checkpoints
     def select(self, cols: dict, columnar: set) -> dict:

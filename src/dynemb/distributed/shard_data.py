@@ -43,26 +43,21 @@ class DataParallel(ShardingStrategy):
 
     # ------------------------------------------------------------------ exchange
     def forward(self, shard, keys: torch.Tensor, counts: torch.Tensor, lookup, insert: bool, group):
-        """Rows of this rank's unique ``keys`` and the record for :meth:`backward`. ``lookup(shard, keys, counts)``
-        is the collection's owner-side lookup; ``insert``: whether the table inserts and counts this step."""
+        """Rows of this rank's unique ``keys`` and the record for :meth:`backward`. ``lookup(shards, keys,
+        counts)`` is the collection's owner-side lookup; ``insert``: whether the table inserts and counts."""
         parts = all_gather_varsize(keys, group, f"all-gather of keys of {shard.name!r}")
         every_count = None
         if insert and shard.config.counts_occurrences:
             every_count = torch.cat(all_gather_varsize(counts, group, f"all-gather of counts of {shard.name!r}"))
         # every replica finds or inserts the union of the ranks' keys, with their counts: the same rows everywhere
-        owned, values = lookup(shard, torch.cat(parts), every_count)
+        owner = lookup([shard], [torch.cat(parts)], [every_count])
         start = sum(p.numel() for p in parts[: self.rank])
-        record = ReplicatedRecord(shard, owned.inverse, owned.unique, owned.rows)
-        return values[start: start + keys.numel()].to(shard.dtype), record
+        return owner.values[0][start: start + keys.numel()].to(shard.dtype), ReplicatedRecord(shard, owner)
 
     def backward(self, record: ReplicatedRecord, grad: torch.Tensor, group) -> None:
-        from ..functional import deliver_gradient
-
         shard = record.shard
         grads = all_gather_varsize(grad.float(), group, f"all-gather of gradients of {shard.name!r}")
-        total = torch.zeros(record.local.numel(), grad.shape[1], device=grad.device)
-        total.index_add_(0, record.where, torch.cat(grads))
-        deliver_gradient(shard.table, record.local, record.rows, total)
+        record.owner.backward([torch.cat(grads)])  # each row gets the sum of its keys' gradients
 
     # ------------------------------------------------------------------ estimates
     @classmethod

@@ -37,7 +37,7 @@ from ..embedding import DynamicEmbedding, StaticEmbedding
 from ..table.initializers import Initializer, resolve_initializer
 from .sharding import Sharding, ShardingKind
 
-__all__ = ["ShardingStrategy", "Route", "OwnedKeys", "KeyedRecord", "TableLoad", "TableStats", "register",
+__all__ = ["ShardingStrategy", "Route", "KeyedRecord", "ReplicatedRecord", "TableLoad", "TableStats", "register",
            "strategy_for", "strategy_from_record", "KINDS", "bytes_per_row", "ColumnSlice", "even_widths"]
 
 #: kind -> strategy class (filled by :func:`register`)
@@ -60,24 +60,15 @@ class Route:
     index: torch.Tensor  # [C] int64
 
 
-@dataclasses.dataclass(frozen=True)
-class OwnedKeys:
-    """What the owner-side lookup found for one table: the received keys' unique shard keys, their rows, and each
-    received key's position among them."""
-
-    unique: torch.Tensor
-    rows: torch.Tensor
-    inverse: torch.Tensor
-
-
 @dataclasses.dataclass
 class KeyedRecord:
     """A keyed exchange (every table of a keyed kind together) saved from forward for backward.
 
     ``sent[r, t]`` / ``recv[r, t]``: key copies of table ``t`` this rank sent to / received from rank ``r``;
     ``widths[r, t]``: the columns rank ``r`` holds of table ``t``; ``copies[t]``: table ``t``'s routed copies in
-    send order (sorted by destination) as positions among its unique keys; ``owned[t]``: the owner side's lookup
-    (None where this rank holds none of the table)."""
+    send order (sorted by destination) as positions among its unique keys; ``received[t]``: the shard keys this
+    rank received of table ``t`` (arrival order); ``owner``: the owner-side lookup's
+    :class:`~dynemb.functional.owner.OwnerRows` (its ``values`` and ``backward``)."""
 
     strategies: list
     shards: list
@@ -85,17 +76,17 @@ class KeyedRecord:
     recv: torch.Tensor
     widths: torch.Tensor
     copies: list
-    owned: list
+    received: list
+    owner: object
+    values: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class ReplicatedRecord:
-    """A replicated table's forward, saved for backward: the keys of every rank found once here."""
+    """A replicated table's forward, saved for backward: the owner-side lookup of every rank's keys."""
 
     shard: object
-    where: torch.Tensor
-    local: torch.Tensor
-    rows: torch.Tensor
+    owner: object
 
 
 # ---------------------------------------------------------------------------------------------- estimates
@@ -262,17 +253,16 @@ class ShardingStrategy:
     #: whether owners share a row statistic before updating (see :meth:`before_delivery`); fixed by the plan
     shares_row_statistic: bool = False
 
-    def before_delivery(self, shard, owned: OwnedKeys, grad: torch.Tensor):
-        """What this owner shares with the table's other owners before its optimizer runs (a column shard: its
-        part of each row's statistic), as a ``[U]`` tensor, or None."""
+    def before_delivery(self, shard, keys: torch.Tensor, values: torch.Tensor, grad: torch.Tensor):
+        """What this owner shares with the table's other owners before its optimizer runs (a column shard: its part
+        of each row's statistic), from the received ``keys [N]`` (shard keys), their rows ``values [N, d]`` and
+        gradients ``grad [N, d]``: ``(unique keys [U], part [U])``, the same keys in the same order on every owner
+        of the table, or None."""
         return None
 
-    def deliver(self, shard, owned: OwnedKeys, grad: torch.Tensor, shared) -> None:
-        """Hand the owner side's per-key gradient to the table (``shared``: the other owners' parts of
-        :meth:`before_delivery`, summed)."""
-        from ..functional import deliver_gradient
-
-        deliver_gradient(shard.table, owned.unique, owned.rows, grad)
+    def deliver(self, shard, unique: torch.Tensor, shared: torch.Tensor) -> None:
+        """Before the owner-side backward: hand the table the other owners' parts of :meth:`before_delivery`,
+        summed (``shared [U]`` for ``unique``)."""
 
     # ------------------------------------------------------------------ checkpoints and exports
     def writes(self, rank: Optional[int] = None) -> bool:

@@ -8,14 +8,16 @@ device, key dtype and backend; fused optimizers of one kind). One training step 
    numbered as the table's own lookup numbers its new keys, every row stamped;
 3. one autograd node whose forward pools every bag of every table in one kernel call, straight from the tables'
    rows, into one output cut into the features' ``[B, D]``;
-4. its backward: one stable sort of the ids by ``(table, row)``, then one ``sparse_update`` call that sums each row's
-   gradient from its bags and applies its table's optimizer with that table's own hyper-parameters and step count.
+4. its backward: one ``sparse_update`` call that groups the ids by ``(table, row)`` (a stable sort on Triton, a radix
+   sort on numba), sums each row's gradient from its bags and applies its table's optimizer with that table's own
+   hyper-parameters and step count.
 
 Nothing in it reads from the device (the tables' sizes stay there, :mod:`dynemb.table.group`), every tensor is
 sized by the batch, and its op count does not grow with the number of tables. A table the group cannot take this
 call (frozen, a non-fused optimizer, a bound it would pass) runs its own lookup (:func:`~.lookup.pooled_lookups`)
-with the same results; so does everything when the backend has no group kernels (torch, and numba for now), which
-makes the per-table path the group's torch reference.
+with the same results. The group kernels are numba's (CPU) and Triton's (GPU, or its interpreter); the torch
+backend has none and runs every table's own lookup, which makes the per-table path the group's torch reference
+(``tests/collection/test_grouped.py`` compares both backends with it, for every optimizer).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from ..kernels.dispatch import group_hparams, kernels_for, resolve_backend
 from ..table.group import TableGroup, refusal
 from .grads import PooledGrad, deliver_pooled_gradient
-from .lookup import sort_ids, _first_of_groups
+from .find import first_of_groups, sort_ids
 from .pooling import BagSet, bag_of, combine_denoms, concat_bags, is_one_id_bags, one_id_bags
 
 __all__ = ["GroupedLookup", "group_refusal", "group_tables"]
@@ -62,7 +64,7 @@ def group_tables(tables: dict) -> list[list[str]]:
     return list(groups.values())
 
 
-class _Layout(NamedTuple):
+class _CallLayout(NamedTuple):
     """What a call's sizes fix (made once a layout): each id's table (``seg``), the start of its table's ids
     (``seg_first``), ``seg << 32``, each bag's table and its output's place in the flat output (``out_at``), the
     bags per table and the output's shape."""
@@ -123,29 +125,76 @@ class GroupedLookup:
         """Pooled training lookups ``(table index, ids [N_t] checked, bag sets)`` (a table at most once), run as
         one grouped call for the tables that can take it; returns ``{table index: one [B, D] a bag set}`` for
         those. The caller runs the others (not in the result) through their own lookups."""
+        call = self.start(lookups)
+        if call is None:
+            return {}
+        blocks = _GroupedPool.apply(call, self._anchor)
+        return self._split(blocks, call.runnable, call.layout)
+
+    def start(self, lookups: list[tuple[int, torch.Tensor, list[BagSet]]]) -> "_Call | None":
+        """The find-or-insert of a grouped call (no autograd): the tables of ``lookups`` that can run grouped this
+        call, their rows found or inserted; None when none can. :meth:`forward` then pools them and :meth:`update`
+        applies their gradients (the autograd node of :meth:`pooled` does both; the sharded owner calls them
+        itself, see :func:`~.owner.owner_lookup`)."""
         group = self._group()
         if group is None:
-            return {}
+            return None
         runnable = [item for item in lookups if self._runs(item[0])
                     and not any(s.weights is not None and s.weights.requires_grad for s in item[2])]
         if not runnable:
-            return {}
+            return None
         admitted = set(group.admit({t: ids.numel() for t, ids, _ in runnable}))
         runnable = [item for item in runnable if item[0] in admitted]
         if not runnable:
-            return {}
+            return None
         layout = self._layout(runnable)
         # the backward may need the keys: the caller's buffer is copied (a loader may refill it before the backward)
         keys = runnable[0][1].clone() if len(runnable) == 1 else torch.cat([ids for _, ids, _ in runnable])
         offsets, weights, denom, bags = self._bags(runnable, keys.numel(), layout)
         counts = {t: ids.numel() for t, ids, _ in runnable}
         rows = group.find_or_insert(keys, layout.seg, layout.seg_first, counts)
-        state = _Call(self, group, layout, runnable, keys, rows, offsets, weights, denom, bags)
-        blocks = _GroupedPool.apply(state, self._anchor)
-        return self._split(blocks, runnable, layout)
+        return _Call(self, group, layout, runnable, keys, rows, offsets, weights, denom, bags)
+
+    @staticmethod
+    def forward(call: "_Call") -> tuple:
+        """Pool every bag of a started call in one kernel call: each table's block of the output (``[B_t, D]``,
+        flat for mixed dims), in the order of ``call.runnable``. Keeps what :meth:`update` needs in ``call``."""
+        keys, rows, offsets, weights, denom, bags = call.saved
+        layout, group = call.layout, call.group
+        out = torch.empty(layout.total, dtype=torch.float32, device=rows.device)
+        group.kernels.pool(group.meta, rows, offsets, layout.bag_seg, weights, denom, out, layout.out_at,
+                           layout.max_dim)
+        keyed = layout.seg_high | rows  # (table, row) of each id: no two tables' rows meet
+        call.saved = (keys, keyed, weights, denom, bags)
+        counts = [hi - lo for lo, hi in zip(layout.bag_starts, layout.bag_starts[1:])]
+        if layout.dim is not None:
+            return out.view(-1, layout.dim).split(counts)
+        return out.split([hi - lo for lo, hi in zip(layout.out_starts, layout.out_starts[1:])])
+
+    @staticmethod
+    def update(call: "_Call", grads: tuple) -> None:
+        """The fused update of a forwarded call from each table's output gradient (``grads``: one a table of
+        ``call.runnable``, None for an output no loss used: that table is left untouched): one ``sparse_update``
+        call, each table with its own hyper-parameters and step count."""
+        keys, keyed, weights, denom, bags = call.saved
+        lookup, group, layout = call.lookup, call.group, call.layout
+        tables = lookup.tables
+        unused = {t for (t, _, _), g in zip(call.runnable, grads) if g is None}
+        if len(unused) == len(grads):
+            return
+        moved = {t for t in call.moves if t not in unused and not tables[t].rows_unmoved_since(call.moves[t])}
+        hparams, versions = lookup._hparams_for(group, call.runnable, call.clocks, unused | moved)
+        grad = _flat_gradient(grads, layout)
+        if denom is not None:
+            grad = _divided(grad, denom, layout)
+        group._refresh()  # a table grown since the forward has its storage elsewhere: its rows are the same
+        group.kernels.sparse_update(lookup.kind, group.meta, hparams, versions, keyed, grad, layout.out_at,
+                                    layout.table_bags, bags, weights, layout.max_dim)
+        for t in moved:
+            _update_apart(call, t, keys, keyed, grad, weights, bags)
 
     # ------------------------------------------------------------------ the call's layout
-    def _layout(self, runnable) -> _Layout:
+    def _layout(self, runnable) -> _CallLayout:
         key = tuple((t, ids.numel(), tuple(s.num_bags for s in sets)) for t, ids, sets in runnable)
         layout = self._layouts.get(key)
         if layout is None:
@@ -154,7 +203,7 @@ class GroupedLookup:
             layout = self._layouts[key] = self._make_layout(runnable)
         return layout
 
-    def _make_layout(self, runnable) -> _Layout:
+    def _make_layout(self, runnable) -> _CallLayout:
         device = self.tables[0].device
         n_ids = [ids.numel() for _, ids, _ in runnable]
         n_bags = [sum(s.num_bags for s in sets) for _, _, sets in runnable]
@@ -182,11 +231,11 @@ class GroupedLookup:
         table_bags = [[0, 0, 0] for _ in self.tables]
         for (t, _, _), lo, count, at in zip(runnable, bag_starts, n_bags, out_starts):
             table_bags[t] = [lo, count, at]
-        return _Layout(seg, seg_first, seg << 32, bag_seg, out_at, tuple(id_starts), tuple(bag_starts),
+        return _CallLayout(seg, seg_first, seg << 32, bag_seg, out_at, tuple(id_starts), tuple(bag_starts),
                        tuple(out_starts), torch.tensor(table_bags, dtype=torch.int64, device=device), uniform,
                        out_starts[-1], max(dims))
 
-    def _bags(self, runnable, n: int, layout: _Layout):
+    def _bags(self, runnable, n: int, layout: _CallLayout):
         """``(offsets [B], weights [N] | None, denom [B] | None, bag [N] | None)`` of the call's bags, in the
         concatenated ids (``bag`` None: bags of one id each, id ``j`` is bag ``j``)."""
         device = self.tables[0].device
@@ -223,7 +272,7 @@ class GroupedLookup:
             got = self._arange[n] = torch.arange(n, device=device)
         return got
 
-    def _split(self, blocks: tuple, runnable, layout: _Layout) -> dict[int, list[torch.Tensor]]:
+    def _split(self, blocks: tuple, runnable, layout: _CallLayout) -> dict[int, list[torch.Tensor]]:
         """Each table's block of the output (``[B_t, D_t]``; flat ones for mixed dims) cut into its bag sets."""
         result = {}
         for (t, _, sets), block in zip(runnable, blocks):
@@ -260,7 +309,7 @@ class GroupedLookup:
 class _Call:
     """One grouped call's state, from its forward to its backward (the autograd node keeps it)."""
 
-    def __init__(self, lookup: GroupedLookup, group: TableGroup, layout: _Layout, runnable, keys, rows, offsets,
+    def __init__(self, lookup: GroupedLookup, group: TableGroup, layout: _CallLayout, runnable, keys, rows, offsets,
                  weights, denom, bags) -> None:
         self.lookup, self.group, self.layout, self.runnable = lookup, group, layout, runnable
         tables = lookup.tables
@@ -270,52 +319,32 @@ class _Call:
 
 
 class _GroupedPool(torch.autograd.Function):
-    """The pooling of a grouped call (forward: one ``pool`` launch) and its fused update (backward: one
-    ``sparse_update`` launch). Outputs: each table's block of the output (``[B_t, D]``, flat for mixed dims), so that
-    a table whose output no loss used gets no gradient and is left untouched, as by its own lookup. Its one input is
-    the group's anchor, a leaf that requires grad, so that autograd runs the backward; the tables are no tensors."""
+    """The pooling of a grouped call (forward: :meth:`GroupedLookup.forward`, one ``pool`` launch) and its fused
+    update (backward: :meth:`GroupedLookup.update`, one ``sparse_update`` launch). Outputs: each table's block of
+    the output, so that a table whose output no loss used gets no gradient and is left untouched, as by its own
+    lookup. Its one input is the group's anchor, a leaf that requires grad, so that autograd runs the backward; the
+    tables are no tensors."""
 
     @staticmethod
     def forward(ctx, call: _Call, anchor):
-        keys, rows, offsets, weights, denom, bags = call.saved
-        layout, group = call.layout, call.group
-        out = torch.empty(layout.total, dtype=torch.float32, device=rows.device)
-        group.kernels.pool(group.meta, rows, offsets, layout.bag_seg, weights, denom, out, layout.out_at,
-                           layout.max_dim)
-        keyed = layout.seg_high | rows  # (table, row) of each id: no two tables' rows meet
-        ctx.save_for_backward(keys, keyed, weights, denom, bags)
+        blocks = GroupedLookup.forward(call)
+        ctx.save_for_backward(*call.saved)
         ctx.call = call
         ctx.set_materialize_grads(False)
         call.saved = None  # the node holds the tensors now
-        counts = [hi - lo for lo, hi in zip(layout.bag_starts, layout.bag_starts[1:])]
-        if layout.dim is not None:
-            return out.view(-1, layout.dim).split(counts)
-        return out.split([hi - lo for lo, hi in zip(layout.out_starts, layout.out_starts[1:])])
+        return blocks
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        keys, keyed, weights, denom, bags = ctx.saved_tensors
         call = ctx.call
-        lookup, group, layout = call.lookup, call.group, call.layout
-        tables = lookup.tables
-        unused = {t for (t, _, _), g in zip(call.runnable, grads) if g is None}
-        if len(unused) == len(grads):
-            return None, None
-        moved = {t for t in call.moves if t not in unused and not tables[t].rows_unmoved_since(call.moves[t])}
-        hparams, versions = lookup._hparams_for(group, call.runnable, call.clocks, unused | moved)
-        grad = _flat_gradient(grads, layout)
-        if denom is not None:
-            grad = _divided(grad, denom, layout)
-        group._refresh()  # a table grown since the forward has its storage elsewhere: its rows are the same
-        group.kernels.sparse_update(lookup.kind, group.meta, hparams, versions, keyed, grad, layout.out_at,
-                                    layout.table_bags, bags, weights, layout.max_dim)
-        for t in moved:
-            _update_apart(call, t, keys, keyed, grad, weights, bags)
+        call.saved = ctx.saved_tensors
+        GroupedLookup.update(call, grads)
+        call.saved = None
         return None, None
 
 
-def _flat_gradient(grads: tuple, layout: _Layout) -> torch.Tensor:
+def _flat_gradient(grads: tuple, layout: _CallLayout) -> torch.Tensor:
     """The tables' output gradients as one flat tensor in the output's layout (an unused table's block left
     unwritten: the update skips that table)."""
     blocks = [hi - lo for lo, hi in zip(layout.out_starts, layout.out_starts[1:])]
@@ -329,7 +358,7 @@ def _flat_gradient(grads: tuple, layout: _Layout) -> torch.Tensor:
                       for g, n in zip(grads, blocks)])
 
 
-def _divided(grad: torch.Tensor, denom: torch.Tensor, layout: _Layout) -> torch.Tensor:
+def _divided(grad: torch.Tensor, denom: torch.Tensor, layout: _CallLayout) -> torch.Tensor:
     """The flat bag gradient divided by each bag's combiner divisor (the gradient of its bag sum)."""
     if layout.dim is not None:
         return (grad.view(-1, layout.dim) / denom.unsqueeze(1)).view(-1)
@@ -349,5 +378,5 @@ def _update_apart(call: _Call, t: int, keys, keyed, grad, weights, bags) -> None
     table_grad = grad.narrow(0, layout.out_starts[i], (b_hi - b_lo) * table.dim).view(-1, table.dim)
     local_bags = None if bags is None else bags[lo:hi] - b_lo
     pooled = PooledGrad(by_row.order, by_row.starts, local_bags, None if weights is None else weights[lo:hi])
-    key_fn = functools.partial(_first_of_groups, keys[lo:hi], by_row.order, by_row.starts)
+    key_fn = functools.partial(first_of_groups, keys[lo:hi], by_row.order, by_row.starts)
     deliver_pooled_gradient(table, key_fn, by_row.unique, table_grad, pooled, call.clocks[t], call.moves[t])

@@ -43,7 +43,7 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
 
 - ``dedup(ids [N] int32/int64, inverse: bool = True) -> (unique [U] ids' dtype, inverse [N] | None, order [N],
   starts [U + 1])``: the call's one grouping of its ids (torch reference:
-  :func:`~dynemb.functional.lookup.sort_ids`, a stable sort): ``unique[inverse] == ids`` (None when not asked
+  :func:`~dynemb.functional.find.sort_ids`, a stable sort): ``unique[inverse] == ids`` (None when not asked
   for); ``order`` lists the ids grouped by unique id, in input order within one; unique id ``u``'s ids are
   ``order[starts[u]:starts[u + 1]]``. The order of ``unique`` is the module's choice.
 - ``pool(values [R, D], rows [U], inverse [N] | None, offsets [B], weights [N] | None, denom [B] | None) -> [B,
@@ -106,11 +106,11 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
 - ``spread(values [U] int32/int64, order [N], starts [U + 1]) -> [N]`` (values' dtype; optional: a lookup on a
   module without it keeps the sort's ``inverse``): ``out[order[k]] = values[u]`` for every ``k`` in
   ``starts[u]:starts[u + 1]`` (a grouping of ``dedup``); how a training lookup gives each id its key's row
-  (reference: :func:`~dynemb.functional.lookup.spread_groups`).
+  (reference: :func:`~dynemb.functional.find.spread_groups`).
 - ``row_grad(grad [B, D] float32, order [N], starts [U + 1], bag [N] | None, weights [N] | None) -> [U, D]
   float32``: the gradient of a sum-pooling for each unique row, ``g[u] = sum(weights[j] * grad[bag[j]] for j in
   order[starts[u]:starts[u + 1]])``, summed in that order (``order`` lists the ids grouped by unique row, in input
-  order within a row: the one stable sort of the call, :func:`~dynemb.functional.lookup.sort_ids`; ``bag[j]`` is
+  order within a row: the one stable sort of the call, :func:`~dynemb.functional.find.sort_ids`; ``bag[j]`` is
   id ``j``'s bag; None: ``bag[j] == j``, bags of one id each). The caller has already divided ``grad`` by the
   combiner's ``denom``.
 

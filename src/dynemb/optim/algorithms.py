@@ -119,11 +119,10 @@ class RowWiseAdagrad(SparseOptimizer):
         self._scatter(table, key, rows, state)
         self._add(table, None, rows, grad * state.sqrt_().add_(group["eps"]).reciprocal_().mul_(-group["lr"]))
 
-    def row_square_part(self, table, rows, grad):
-        rows = rows.clamp(min=0)
+    def row_square_part(self, table, grad, values):
         grad, decay = grad.float(), self.param_groups[self._index(table)]["weight_decay"]
         if decay:  # the update's gradient, as _update_shared forms it
-            grad = grad.add(self._gather(table, None, rows), alpha=decay)
+            grad = grad.add(values.float(), alpha=decay)
         return torch.linalg.vector_norm(grad, dim=1).square_()
 
     def _update_shared(self, table, rows, grad, group, scalars, shared):

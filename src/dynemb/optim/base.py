@@ -249,9 +249,9 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
             table.mark_updated(rows)
 
     # ------------------------------------------------------------------ column shards
-    def row_square_part(self, table, rows: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """``[U]``: this column shard's part of each row's statistic for the update of ``rows`` by ``grad [U, d]``
-        (only where :attr:`row_statistic`)."""
+    def row_square_part(self, table, grad: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``[U]``: this column shard's part of each row's statistic for an update by ``grad [U, d]`` of rows that
+        hold ``values [U, d]`` (only where :attr:`row_statistic`)."""
         raise NotImplementedError
 
     def share_row_squares(self, table, keys: torch.Tensor, others: torch.Tensor, dim: int) -> None:

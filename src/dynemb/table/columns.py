@@ -20,7 +20,7 @@ class RowColumns:
     sparse_optimizer = None
     #: gradients recorded in backward and waiting for ``step()`` (step mode), a ``functional.SparseGrad``
     sparse_grad = None
-    #: how compiled lookups (``dynemb.functional.ops``) name this table; set when a module registers it
+    #: how compiled lookups (``dynemb.functional.custom_ops``) name this table; set when a module registers it
     op_handle = None
     #: whether lookups with autograd pass gradients to this table; False freezes it (``requires_grad_(False)``)
     requires_grad = True
