@@ -45,8 +45,10 @@ def observed_tables(path) -> list[TableStats]:
             rows = _saved_rows(entry.get("shards", []))
         steps = seen.get("steps") or 0
         ids = seen.get("unique_accesses") or seen.get("accesses") or 0
+        columnar = sum(s["dim"] * torch.empty(0, dtype=parse_dtype(s["dtype"])).element_size()
+                       for s in config.get("slots", {}).values() if s["dim"] == config["dim"]) // config["dim"]
         out.append(TableStats(name, config["dim"], int(rows), ids / steps if steps else 0.0, row_bytes, size,
-                              "rowwiseadagrad.sum" in config.get("slots", {})))
+                              "rowwiseadagrad.sum" in config.get("slots", {}), size + columnar))
     return out
 
 

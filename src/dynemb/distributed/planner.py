@@ -123,8 +123,11 @@ def table_stats(config, observed: Optional[Mapping] = None, accesses: Optional[f
     if accesses is None:
         accesses = observed.get("accesses", 0.0)
     row_statistic = bool(config.optimizer is not None and config.optimizer.row_statistic)
-    return TableStats(config.name, config.dim, int(rows), float(accesses), row_bytes,
-                      torch.empty(0, dtype=config.dtype).element_size(), row_statistic)
+    value_bytes = torch.empty(0, dtype=config.dtype).element_size()
+    columnar = sum(1 for width, _ in config.optimizer.slot_widths(config.dim).values() if width == config.dim) \
+        if config.optimizer is not None else 0
+    return TableStats(config.name, config.dim, int(rows), float(accesses), row_bytes, value_bytes, row_statistic,
+                      value_bytes + 4 * columnar)
 
 
 def plan_tables(tables, world_size: int, *, memory_per_rank: Optional[int] = None,

@@ -134,7 +134,7 @@ class ColumnWise(ShardingStrategy):
         widths = list(sharding.columns) if sharding.columns else even_widths(stats.dim, len(group))
         out = {}
         for r, w in zip(group, widths):
-            row_bytes = stats.row_bytes - (stats.dim - w) * stats.value_bytes
+            row_bytes = stats.row_bytes - (stats.dim - w) * (stats.column_bytes or stats.value_bytes)
             per_key = 8 + 2 * w * stats.value_bytes + 4 * stats.row_statistic
             out[r] = TableLoad(stats.rows, stats.rows * row_bytes, stats.accesses, stats.accesses * per_key)
         return out

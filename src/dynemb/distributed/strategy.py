@@ -93,7 +93,8 @@ class ReplicatedRecord:
 @dataclasses.dataclass
 class TableStats:
     """What the planner knows of one table: ``rows`` (expected live rows), ``accesses`` (unique ids looked up per
-    step over all ranks), ``dim`` and ``row_bytes`` (a row with its key, score and optimizer slots)."""
+    step over all ranks), ``dim`` and ``row_bytes`` (a row with its key, score and optimizer slots), of which
+    ``column_bytes`` a column."""
 
     name: str
     dim: int
@@ -102,6 +103,8 @@ class TableStats:
     row_bytes: int
     value_bytes: int = 4
     row_statistic: bool = False
+    #: bytes a column takes in a row (its value and the per-column optimizer slots; 0: ``value_bytes``)
+    column_bytes: int = 0
 
 
 @dataclasses.dataclass
