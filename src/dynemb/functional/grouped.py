@@ -101,6 +101,7 @@ class GroupedLookup:
         self._hparams: tuple = (None, None)
         self._arange: dict = {}
         self._anchor = torch.empty(0, requires_grad=True)
+        self._recording: list[dict] = []
 
     def __len__(self) -> int:
         return len(self.tables)
@@ -152,6 +153,8 @@ class GroupedLookup:
         keys = runnable[0][1].clone() if len(runnable) == 1 else torch.cat([ids for _, ids, _ in runnable])
         offsets, weights, denom, bags = self._bags(runnable, keys.numel(), layout)
         counts = {t: ids.numel() for t, ids, _ in runnable}
+        if self.tables[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._recording.append({"counts": counts})
         rows = group.find_or_insert(keys, layout.seg, layout.seg_first, counts)
         return _Call(self, group, layout, runnable, keys, rows, offsets, weights, denom, bags)
 
@@ -282,13 +285,12 @@ class GroupedLookup:
         return result
 
     # ------------------------------------------------------------------ the update
-    def _hparams_for(self, group: TableGroup, runnable, clocks: dict, skipped: set
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(hparams [G, 8], versions [G])`` of one grouped update: each running table counts a step of its
-        optimizer and gives its hyper-parameters (made once while they repeat, as a constant lr does)."""
+    def _hparam_values(self, tables, clocks: dict, skipped: set) -> tuple[list, list]:
+        """``(hparams, versions)`` rows of one grouped update of ``tables`` (indices): each running table counts a
+        step of its optimizer and gives its hyper-parameters."""
         rows = [[0.0] * 8 for _ in self.tables]
         versions = [-1] * len(self.tables)
-        for t, _, _ in runnable:
+        for t in tables:
             if t in skipped:  # no gradient (an unused output), or updated apart (its rows moved)
                 continue
             table = self.tables[t]
@@ -296,14 +298,55 @@ class GroupedLookup:
             rows[t] = group_hparams(kind, hparams)
             if table.clock != clocks[t]:  # the lookup's version stamp is no longer the table's clock
                 versions[t] = table.clock
+        return rows, versions
+
+    def _hparams_for(self, group: TableGroup, runnable, clocks: dict, skipped: set
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hparams [G, 8], versions [G])`` of one grouped update (made once while they repeat, as a constant
+        lr does; kept in the group's staging while a CUDA graph is captured)."""
+        rows, versions = self._hparam_values([t for t, _, _ in runnable], clocks, skipped)
+        device = self.tables[0].device
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return (group.staging.put("hparams", rows, torch.float64),
+                    group.staging.put("versions", versions, torch.int64))
         key = (tuple(map(tuple, rows)), tuple(versions))
         cached_key, tensors = self._hparams
         if key != cached_key:
-            device = self.tables[0].device
             tensors = (torch.tensor(rows, dtype=torch.float64, device=device),
                        torch.tensor(versions, dtype=torch.int64, device=device))
             self._hparams = (key, tensors)
         return tensors
+
+    # ------------------------------------------------------------------ CUDA-graph replays
+    def recorded(self) -> list[dict]:
+        """The grouped calls of the step being captured (:mod:`dynemb.collection.step_graph`), in order: each one's
+        tables with their key counts; cleared by :meth:`record`."""
+        return self._recording
+
+    def record(self) -> None:
+        """Start recording the grouped calls of a step to be captured."""
+        self._recording = []
+
+    def replay_fits(self, calls: list[dict]) -> bool:
+        """Whether recorded ``calls`` can replay now: every table still runs grouped, and no table would read,
+        grow or evict (:meth:`TableGroup.fits`)."""
+        group = self._groups.get(resolve_backend(self.tables[0].backend, self.tables[0].device))
+        return group is not None and len(calls) <= 1 and all(  # one call a step: one staging a group
+            all(self._runs(t) for t in call["counts"]) and group.fits(call["counts"]) for call in calls)
+
+    def replayed(self, calls: list[dict]) -> None:
+        """The host's part of recorded ``calls``, before a replay: bounds, clocks and stamps
+        (:meth:`TableGroup.replayed`), then each table's optimizer step and hyper-parameters, written to the
+        staging the graph reads."""
+        group = self._groups[resolve_backend(self.tables[0].backend, self.tables[0].device)]
+        for call in calls:
+            counts = call["counts"]
+            clocks_before = {t: self.tables[t].clock for t in counts}
+            group.replayed(counts)
+            clocks = {t: clocks_before[t] + 1 for t in counts}
+            rows, versions = self._hparam_values(list(counts), clocks, set())
+            group.staging.fill("hparams", rows)
+            group.staging.fill("versions", versions)
 
 
 class _Call:

@@ -153,10 +153,13 @@ def _find_or_insert_kernel(meta, fmeta, keys, seg, sizes, stamps, rows, key_cols
 def _pool_kernel(meta, rows, offsets, bag_seg, weights, denom, out, out_at, n):
     nbags = offsets.shape[0]
     weighted, divided = weights.shape[0] > 0, denom.shape[0] > 0
+    t, dim = -1, 0
+    values = np.empty((0, 0), np.float32)
     for b in range(nbags):
-        t = bag_seg[b]
-        dim = meta[t, _DIM]
-        values = numba.carray(_pointer(meta[t, _VALUES], _F32), (meta[t, _CAPACITY], dim))
+        if bag_seg[b] != t:  # a table's bags are one run: its rows are viewed once
+            t = bag_seg[b]
+            dim = meta[t, _DIM]
+            values = numba.carray(_pointer(meta[t, _VALUES], _F32), (meta[t, _CAPACITY], dim))
         end = offsets[b + 1] if b + 1 < nbags else n
         o = out_at[b]
         for d in range(dim):

@@ -30,7 +30,7 @@ from .initializers import CallableInitializer
 from .kv import KeyValueTable
 from .policy import EvictionPolicy, fill_score
 
-__all__ = ["TableGroup", "refusal", "group_key"]
+__all__ = ["TableGroup", "HostValues", "refusal", "group_key"]
 
 _STAMPED = (EvictionPolicy.LRU, EvictionPolicy.EPOCH_LRU)
 
@@ -99,6 +99,7 @@ class TableGroup:
         self.meta = self.fmeta = None
         self._headroom: list[int] = []
         self._covered: list[bool] = []
+        self.staging = HostValues(self.device)
 
     def __len__(self) -> int:
         return len(self.tables)
@@ -156,12 +157,16 @@ class TableGroup:
         self._refresh()
         return [t for t in counts if t not in refused]
 
-    def find_or_insert(self, keys: torch.Tensor, seg: torch.Tensor, seg_first: torch.Tensor,
-                       counts: dict[int, int]) -> torch.Tensor:
-        """``rows [N]`` int64 of ``keys [N]`` (key ``i`` of table ``seg[i]``, runs of a table contiguous,
-        ``seg_first[i]`` the start of ``i``'s run), inserting the absent ones, for the tables :meth:`admit` let
-        run (``counts``: their keys in this call). Each table's clock advances and every row read is stamped, as
-        its own ``find_or_insert`` does."""
+    def fits(self, counts: dict[int, int]) -> bool:
+        """Whether a call passing ``counts[t]`` keys to table ``t`` runs with no read, growth or eviction: the
+        check :meth:`admit` makes first, on Python numbers only (a CUDA-graph replay asks it before it replays)."""
+        return (not self.stale and all(t._ledger is self for t in self.tables)
+                and self._signature == tuple((t.storage_generation, t.index, t.index.generation) for t in self.tables)
+                and all(self._covered[t] and self._bound[t] + n <= self._headroom[t] for t, n in counts.items()))
+
+    def stamp_values(self, counts: dict[int, int]) -> list[tuple[int, int]]:
+        """Advance the clock of each table of a call (``counts``: its tables) and return every table's
+        ``(score, version)`` stamp of it, as :meth:`find_or_insert` writes them."""
         stamps = []
         for t, table in enumerate(self.tables):
             if t in counts:
@@ -170,7 +175,24 @@ class TableGroup:
             stamps.append((fill_score(table.policy, clock=table.access_clock, epoch=table.epoch), table.clock))
             if table._pending:  # deferred stamps of the table's own lookups land first
                 table._settle_stamps()
-        stamps = torch.tensor(stamps, dtype=torch.int64, device=self.device)
+        return stamps
+
+    def replayed(self, counts: dict[int, int]) -> None:
+        """The host's part of a call replayed in a CUDA graph (:mod:`dynemb.collection.step_graph`): what
+        :meth:`admit` and :meth:`find_or_insert` do on the host, the stamps written to the staging the graph reads.
+        The caller checked :meth:`fits`."""
+        self.staging.fill("stamps", self.stamp_values(counts))
+        for t, n in counts.items():
+            self._bound[t] += n
+        self.pending = True
+
+    def find_or_insert(self, keys: torch.Tensor, seg: torch.Tensor, seg_first: torch.Tensor,
+                       counts: dict[int, int]) -> torch.Tensor:
+        """``rows [N]`` int64 of ``keys [N]`` (key ``i`` of table ``seg[i]``, runs of a table contiguous,
+        ``seg_first[i]`` the start of ``i``'s run), inserting the absent ones, for the tables :meth:`admit` let
+        run (``counts``: their keys in this call). Each table's clock advances and every row read is stamped, as
+        its own ``find_or_insert`` does."""
+        stamps = self.staging.put("stamps", self.stamp_values(counts), torch.int64)
         rows = self.kernels.find_or_insert(self.meta, self.fmeta, keys, seg, seg_first, self.sizes, stamps)
         for t, n in counts.items():
             self._bound[t] += n
@@ -218,3 +240,31 @@ def _meta_row(table: KeyValueTable, slots: tuple[str, ...]) -> tuple[list[int], 
     inits = [float(table._slot_init[name]) for name in slots] + [0.0] * (2 - len(slots))
     return [fields[name] for name in GROUP_META], [float(low), float(width), *inits]
 
+
+
+class HostValues:
+    """Small per-call values the host computes (stamps, hyper-parameters) on their way to the device.
+
+    Eagerly, :meth:`put` makes a new device tensor of them. While a CUDA graph is being captured it instead writes
+    them into a pinned host tensor kept under ``name`` and copies that into a device tensor kept beside it: the
+    graph records the copy from the pinned memory, so that before each replay :meth:`fill` writes the next step's
+    values there and the replay carries them over.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def put(self, name: str, values: list, dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        host = torch.tensor(values, dtype=dtype).pin_memory()
+        device = torch.empty(host.shape, dtype=dtype, device=self.device)
+        device.copy_(host, non_blocking=True)
+        self.kept[name] = (host, device)
+        return device
+
+    def fill(self, name: str, values: list) -> None:
+        """The next replay's ``values`` for ``name`` (kept by a capture)."""
+        host, _ = self.kept[name]
+        host.copy_(torch.tensor(values, dtype=host.dtype))
