@@ -31,6 +31,7 @@ from dynemb import EmbeddingCollection, FeatureConfig, TableConfig  # noqa: E402
 from dynemb.checkpoint import load, save  # noqa: E402
 from dynemb.distributed.launch import spawn  # noqa: E402
 from dynemb.distributed.sharding import Sharding  # noqa: E402
+from dynemb.distributed.strategy import KINDS  # noqa: E402
 
 WORLD = 4
 # (name, dim, vocabulary (static) or None, id range, power-law alpha or 0 for uniform, ids a sample)
@@ -85,8 +86,10 @@ def _planned(rank, world, root, plan_json, size, steps, out):
         step(ec, batch(g, size))
     received = (ec.comm_stats["keys_received"] - before["keys_received"]) / steps
     sent = (ec.comm_stats["bytes_sent"] - before["bytes_sent"]) / steps
+    remote = (ec.comm_stats["bytes_remote"] - before["bytes_remote"]) / steps
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rows": rows, "bytes": nbytes, "rows_after": held(ec)[0], "lookups": received, "sent": sent}, f)
+        json.dump({"rows": rows, "bytes": nbytes, "rows_after": held(ec)[0], "lookups": received, "sent": sent,
+                   "remote": remote}, f)
 
 
 def held(ec) -> tuple[int, int]:
@@ -126,8 +129,14 @@ def main() -> None:
                      "sent/step": f"{got['sent']:.0f}", "sent/est wire": f"{got['sent'] / est.wire:.3f}"
                      if est.wire else "n/a"})
     print_table(rows, list(rows[0]))
+    # every kind's own floor (stated in its module), at the accesses the checkpoint observed, over what was sent
+    floor = sum(KINDS[s.kind].wire_floor(s, plan.stats[n], WORLD) for n, s in plan.shardings.items())
+    sent = sum(m["remote"] for m in measured)
+    print(f"\nbytes on the wire a step (to other ranks), all ranks: {sent:,.0f}; the kinds' floors: {floor:,.0f}; "
+          f"wire/floor {sent / floor:.3f} (target <= 1.1)")
     if args.json:
-        write_json(args.json, {"machine": machine_info(), "rows": rows, "plan": plan.to_dict()})
+        write_json(args.json, {"machine": machine_info(), "rows": rows, "plan": plan.to_dict(),
+                               "wire_over_floor": sent / floor})
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ class ShardedExecutor:
     def __init__(self, plan: ExecutionPlan, group) -> None:
         self.plan, self.group = plan, group
         self.world, self.rank = plan.world, plan.rank
-        self.comm_stats = {"bytes_sent": 0, "seconds": 0.0, "calls": 0, "keys_received": 0}
+        self.comm_stats = {"bytes_sent": 0, "bytes_remote": 0, "seconds": 0.0, "calls": 0, "keys_received": 0}
         self.training = True
         self.inserting: dict[str, bool] = {}
         self._width_cache: dict = {}
@@ -88,11 +88,15 @@ class ShardedExecutor:
 
     # ------------------------------------------------------------------ exchange
     def _a2a(self, send: torch.Tensor, send_counts: list, recv_counts: list, what: str) -> torch.Tensor:
-        """all-to-all with accounting: bytes this rank hands to the collective, and seconds spent in it."""
+        """all-to-all with accounting: bytes this rank hands to the collective (``bytes_remote``: those for other
+        ranks, what crosses the wire), and seconds spent in it."""
         start = time.perf_counter()
         out = send if self.world == 1 else all_to_all_known(send, send_counts, recv_counts, self.group, what)
         stats = self.comm_stats
-        stats["bytes_sent"] += send.numel() * send.element_size()
+        total = send.numel() * send.element_size()
+        stats["bytes_sent"] += total
+        units = sum(send_counts)
+        stats["bytes_remote"] += total - (total // units * send_counts[self.rank] if units else 0)
         stats["seconds"] += time.perf_counter() - start
         stats["calls"] += 1
         return out
