@@ -19,8 +19,9 @@ collection class), as are :class:`~dynemb.DistributedEmbeddingCollection` and SO
 
 from . import shard_column, shard_data, shard_row, shard_table, shard_table_row  # noqa: F401  (they register)
 from .comm import DistributedError
+from .planner import PlanError, TablePlan, plan_tables
 from .sharding import Sharding, ShardingKind, auto_plan, mod_partitioner
 from .strategy import ShardingStrategy, strategy_for
 
 __all__ = ["DistributedError", "Sharding", "ShardingKind", "ShardingStrategy", "auto_plan", "mod_partitioner",
-           "strategy_for"]
+           "strategy_for", "plan_tables", "TablePlan", "PlanError"]
