@@ -9,9 +9,10 @@ import torch
 
 import dynemb
 from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
-from dynemb.checkpoint import load, save
+from dynemb.checkpoint import export_for_serving, load, save
 from dynemb.collection.plan import ExecutionPlan
 from dynemb.distributed.sharding import Sharding
+from dynemb.serving import read_export
 
 from .harness import run
 
@@ -94,6 +95,7 @@ def _scenarios(rank, world, root):
     first = EmbeddingCollection(tables, features, plan=plans(world)["column"], timeout=60)
     train(first, (lo, lo + splits[rank]))
     save(root, first, step=1)
+    export_for_serving(root + "-export", first)  # rank 0 writes the one export, column shards joined
     want = gathered(first, tables)
     as_row = EmbeddingCollection(tables, features, plan=plans(world)["row"], timeout=60)
     load(root, as_row)
@@ -137,6 +139,11 @@ def test_column_and_table_row_sharding_equal_one_process(tmp_path, world):
     for stage, saved in (("ckpt-row", "want"), ("ckpt-col", "after")):
         for key in (k for k in got if k.startswith(saved + "/")):
             np.testing.assert_array_equal(got[f"{stage}/{key[len(saved) + 1:]}"], got[key], err_msg=f"{stage} {key}")
+    _, exported = read_export(tmp_path / "ckpt-export")
+    for name, cols in exported.items():
+        order = np.argsort(cols["keys"].numpy(), kind="stable")
+        np.testing.assert_array_equal(cols["keys"].numpy()[order], got[f"want/{name}.keys"], err_msg=name)
+        np.testing.assert_array_equal(cols["values"].numpy()[order], got[f"want/{name}.values"], err_msg=name)
     # back to one process: the row-wise checkpoint of world N loads into one process and equals it
     one, tables = _single("rowwise", False, steps=[])
     load(tmp_path / "ckpt", one)
