@@ -107,6 +107,11 @@ class Sharding(Serializable):
                 raise ValueError(f"Sharding.columns {self.columns!r} needs ranks of the same length, got "
                                  f"ranks={self.ranks!r}")
 
+    def _config_fields(self) -> dict:
+        # ranks and columns only where given: the dicts of the row, table and data kinds stay as they were
+        fields = super()._config_fields()
+        return {k: v for k, v in fields.items() if k not in ("ranks", "columns") or v is not None}
+
     def __repr__(self) -> str:
         """As the plan entry would be written: ``Sharding('row')``, ``Sharding('table', owner=1)``."""
         parts = [repr(self.kind.value)]

@@ -38,7 +38,7 @@ from ..table.initializers import Initializer, resolve_initializer
 from .sharding import Sharding, ShardingKind
 
 __all__ = ["ShardingStrategy", "Route", "KeyedRecord", "ReplicatedRecord", "TableLoad", "TableStats", "register",
-           "strategy_for", "strategy_from_record", "KINDS", "bytes_per_row", "ColumnSlice", "even_widths"]
+           "strategy_for", "strategy_from_record", "KINDS", "bytes_per_row", "even_widths"]
 
 #: kind -> strategy class (filled by :func:`register`)
 KINDS: dict[ShardingKind, type] = {}
