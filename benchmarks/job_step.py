@@ -13,8 +13,9 @@ after the other, not interleaved: compare them within one run.
 random 62-bit ids in place of the first ids), as in training on a live log; the tables then keep growing, and a
 step that must grow one pays for it. The batches are made before the timing.
 
-``--one-table`` also times the same model with every feature in one shared table, in interleaved rounds: one
-dedup, find, pool and update a step for all features, about what a lookup grouped across tables would cost.
+``--one-table`` also times, in interleaved rounds, the same model with its tables' own lookups (``tables, no
+groups``: the step before grouped execution) and with every feature in one shared table (``one table``: one dedup,
+find, pool and update a step for all features, an upper bound on what grouping across tables can gain).
 
 ``--before TREE`` compares two source trees (``--after``: default this checkout) on CPU: each pair of rounds runs
 this script once for each tree, each in a fresh process (``PYTHONPATH=<tree>/src``, CPU clock), in an order that
@@ -86,12 +87,16 @@ def _job(lib, batch_size: int, batches: int, new_ids: float = 0.0, count: int = 
     return trainer, (with_new_ids(made, new_ids, count) if new_ids else made)
 
 
-def _model(data: SyntheticClickLog, cfg: TrainConfig, one_table: bool):
-    """The job's DLRM; ``one_table``: its features share one table (one dedup, find, pool and update a step for
-    all of them: about what a lookup grouped across tables would cost, an upper bound on its gain)."""
+def _model(data: SyntheticClickLog, cfg: TrainConfig, layout: str):
+    """The job's DLRM in ``layout``: ``tables`` (the job's: its tables in execution groups), ``tables, no groups``
+    (each table its own lookups, as before grouped execution), ``one table`` (its features share one table: one
+    dedup, find, pool and update a step for all of them, an upper bound on what grouping can gain)."""
     torch.manual_seed(0)
-    if not one_table:
-        return build_dlrm(data.num_dense, data.categorical_names, cfg)
+    if layout != "one table":
+        model = build_dlrm(data.num_dense, data.categorical_names, cfg)
+        if layout == "tables, no groups":
+            model.embeddings.plan.groups = []
+        return model
     spec = SPARSE_OPTIMIZERS[cfg.optimizer](lr=cfg.lr, fused=True)
     tables = [TableConfig(name="shared", dim=cfg.dim, optimizer=spec)]
     features = [FeatureConfig(name=f, table="shared") for f in data.categorical_names]
@@ -100,14 +105,14 @@ def _model(data: SyntheticClickLog, cfg: TrainConfig, one_table: bool):
 
 def measure(device: torch.device, batch_size: int, steps: int, repeat: int, batches: int,
             layouts: list[str], clock=CLOCKS["wall"], new_ids: float = 0.0) -> list[dict]:
-    """One row per layout (``tables``: the job's; ``one table``: see :func:`_model`), timed in interleaved rounds;
+    """One row per layout (see :func:`_model`), timed in interleaved rounds;
     ``new_ids``: the share of never-seen ids in each timed batch."""
     data = SyntheticClickLog(batch_size=batch_size, seed=0)
     cfg = TrainConfig()  # the job's defaults: dim 16, adagrad, lr 0.05
     made = [data.batch(i).to(device) for i in range(batches)]
     runs = {}
     for layout in layouts:
-        model = _model(data, cfg, layout == "one table").to(device)
+        model = _model(data, cfg, layout).to(device)
         runs[layout] = (model, Trainer(model, cfg))
 
     def sync() -> None:
@@ -202,8 +207,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="steps per timed round at batch 512, fewer in proportion "
                    "at larger batches, at least 2 (default 20; quick 10)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--one-table", action="store_true", help="also time the model with every feature in one shared "
-                   "table, interleaved: an upper bound on what a lookup grouped across tables would save")
+    p.add_argument("--one-table", action="store_true", help="also time the model without execution groups and with "
+                   "every feature in one shared table, interleaved (an upper bound on what grouping can save)")
     p.add_argument("--new-ids", type=float, default=0.0, metavar="FRACTION", help="share of never-seen ids in each "
                    "timed batch (default 0: every id already stored)")
     p.add_argument("--before", metavar="TREE", help="compare the source tree TREE with --after, fresh processes")
@@ -245,8 +250,8 @@ def main() -> None:
     for size in sizes:
         n = max(2, steps * 512 // size)  # about the same samples a round at every batch size
         for device in devices:
-            rows += measure(device, size, n, repeat, max(n, 4), ["tables"] + (["one table"] if args.one_table else []),
-                            CLOCKS[args.clock], args.new_ids)
+            layouts = ["tables"] + (["tables, no groups", "one table"] if args.one_table else [])
+            rows += measure(device, size, n, repeat, max(n, 4), layouts, CLOCKS[args.clock], args.new_ids)
             print_table(rows[-1:], columns)
     print()
     print_table(rows, columns)

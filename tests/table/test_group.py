@@ -138,6 +138,7 @@ def test_a_bounded_table_that_might_evict_is_left_to_its_own_lookup():
     group = TableGroup([bounded, free])
     assert group.admit({0: 8, 1: 8}) == [0, 1]
     assert group.admit({0: 11, 1: 8}) == [1]  # 11 new keys could not all fit in 10 rows
+    assert group.admit({0: 8, 1: 4097}) == [0]  # more ids than numba groups for a table: its own lookup
     free.add_slot("unknown", 2)
     assert group.admit({0: 8, 1: 8}) == [0]  # new rows of free would miss a slot the group does not fill
 

@@ -149,6 +149,9 @@ its table ``t``, whose storage the kernel reads from row ``t`` of ``meta [G, len
 (float32); a table's storage never moves into a shared buffer. ``G`` tables, ``N`` ids, ``B`` bags; no call
 reads anything back to the host, and every tensor is sized by ``N`` or ``B``.
 
+- ``max_ids_per_table() -> int | None``: the most ids a table passes to one grouped call (None: any), above which
+  the table's own lookup costs no more (numba: 4,096; Triton: any).
+
 - ``find_or_insert(meta, fmeta, keys [N], seg [N] int64, seg_first [N] int64, sizes [G] int64, stamps [G, 2]
   int64) -> rows [N] int64``: key ``i`` belongs to table ``seg[i]`` (the tables' keys come in contiguous runs,
   ``seg_first[i]`` the first position of ``i``'s run); found, or inserted as the table's own ``find_or_insert``
@@ -354,7 +357,7 @@ FAMILIES: dict[str, Family] = {
                     "offsets_valid", "bag_of"), rows=True),
     "optim": Family(("sparse_update",), rows=True),
     "init": Family(("initial_rows",)),
-    "group": Family(("find_or_insert", "pool", "sparse_update"), rows=True),
+    "group": Family(("find_or_insert", "pool", "sparse_update", "max_ids_per_table"), rows=True),
 }
 
 #: The columns of a group's ``meta`` (``group`` family): addresses of a table's index buckets (int32 words),

@@ -23,13 +23,22 @@ from . import numba_cache  # noqa: F401  (first: it sets the cache directory of 
 from .dispatch import GROUP_META
 from .numba_index import _place_kernel, _probe_kernel, _unique_kernel
 from .numba_init import uniform_salted
-from .numba_math import fma
 from .numba_optim import _adagrad, _adam, _ftrl, _rowwise_adagrad, _sgd
-from .numba_pool import _RADIX_PASSES, _radix_dedup_kernel, block_width
+from .numba_pool import _AHEAD, _RADIX_PASSES, _radix_dedup_kernel, block_width, sum_terms
 
-__all__ = ["find_or_insert", "pool", "sparse_update", "KINDS"]
+__all__ = ["find_or_insert", "pool", "sparse_update", "KINDS", "max_ids_per_table"]
 
 KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
+#: A table passes at most this many ids to a grouped call; above it, its own lookup (which deduplicates before it
+#: probes, and pools and updates unique rows) costs no more than its share of the group's call: on the Xeon guest
+#: (1 thread) the main job's step ran 1.40x faster grouped at 512 ids a table, the same at 4,096, and a train step
+#: of 81,920 zipf ids a table 0.88x (``benchmarks/job_step.py``, ``benchmarks/train_step_ab.py --same-process``).
+_MAX_IDS_PER_TABLE = 4096
+
+
+def max_ids_per_table() -> int | None:
+    """The most ids a table passes to one grouped call (None: any); above it the table runs its own lookup."""
+    return _MAX_IDS_PER_TABLE
 (_BUCKETS, _OVERFLOW, _SHIFT, _NB, _VALUES, _DIM, _KEYS, _STAMPS, _SLOT0, _W0, _SLOT1, _W1, _SEED, _INIT,
  _CAPACITY) = range(len(GROUP_META))
 _F32 = np.empty(0, np.float32)  # the dtypes the tables' tensors are viewed in (numba arrays carry them)
@@ -58,9 +67,12 @@ def pool(meta: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, bag_seg:
          max_dim: int) -> torch.Tensor:
     """Bag ``b`` of table ``bag_seg[b]`` summed from its ids' ``rows`` into ``out`` (flat) at ``out_at[b]``: see
     the contract. Returns ``out``."""
-    _pool_kernel(meta.numpy(), rows.numpy(), offsets.numpy(), bag_seg.numpy(),
+    m = meta.numpy()
+    dims = {int(d) for d in m[:, _DIM]}
+    width = block_width(dims.pop()) if len(dims) == 1 else ()  # one dim: summed in vector registers
+    _pool_kernel(m, rows.numpy(), offsets.numpy(), bag_seg.numpy(),
                  _NO_F32 if weights is None else weights.detach().numpy(), _NO_F32 if denom is None else denom.numpy(),
-                 out.numpy(), out_at.numpy(), rows.shape[0])
+                 out.numpy(), out_at.numpy(), rows.shape[0], width)
     return out
 
 
@@ -150,32 +162,27 @@ def _find_or_insert_kernel(meta, fmeta, keys, seg, sizes, stamps, rows, key_cols
 
 
 @numba.njit(nogil=True, cache=True)
-def _pool_kernel(meta, rows, offsets, bag_seg, weights, denom, out, out_at, n):
+def _pool_kernel(meta, rows, offsets, bag_seg, weights, denom, out, out_at, n, width):
     nbags = offsets.shape[0]
-    weighted, divided = weights.shape[0] > 0, denom.shape[0] > 0
-    t, dim = -1, 0
-    values = np.empty((0, 0), np.float32)
-    for b in range(nbags):
-        if bag_seg[b] != t:  # a table's bags are one run: its rows are viewed once
-            t = bag_seg[b]
-            dim = meta[t, _DIM]
-            values = numba.carray(_pointer(meta[t, _VALUES], _F32), (meta[t, _CAPACITY], dim))
-        end = offsets[b + 1] if b + 1 < nbags else n
-        o = out_at[b]
-        for d in range(dim):
-            out[o + d] = 0.0
-        for j in range(offsets[b], end):  # in id order, as torch's embedding_bag (FMA where weighted)
-            r = rows[j]
-            if weighted:
-                w = weights[j]
+    starts = np.empty(nbags + 1, np.int64)  # each bag's first id, and the end
+    starts[:nbags] = offsets
+    starts[nbags] = n
+    lo = 0
+    while lo < nbags:  # a table's bags are one run: pooled by the per-table kernels' bag sum
+        t = bag_seg[lo]
+        hi = lo + 1
+        while hi < nbags and bag_seg[hi] == t:
+            hi += 1
+        dim = meta[t, _DIM]
+        values = numba.carray(_pointer(meta[t, _VALUES], _F32), (meta[t, _CAPACITY], dim))
+        at = out_at[lo]
+        block = out[at:at + (hi - lo) * dim].reshape((hi - lo, dim))
+        sum_terms(lo, hi, block, values, starts, rows, weights, _AHEAD, width)
+        if denom.shape[0] > 0:
+            for b in range(lo, hi):
                 for d in range(dim):
-                    out[o + d] = fma(w, values[r, d], out[o + d])
-            else:
-                for d in range(dim):
-                    out[o + d] += values[r, d]
-        if divided:
-            for d in range(dim):
-                out[o + d] /= denom[b]
+                    block[b - lo, d] /= denom[b]
+        lo = hi
 
 
 @numba.njit(nogil=True, cache=True)

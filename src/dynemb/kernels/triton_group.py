@@ -27,9 +27,16 @@ from .triton_common import check_device, mix64_tl, unit_uniform_tl
 from .triton_index import _find, _ptrs
 from .triton_optim import _pow
 
-__all__ = ["find_or_insert", "pool", "sparse_update", "KINDS"]
+__all__ = ["find_or_insert", "pool", "sparse_update", "KINDS", "max_ids_per_table"]
 
 KINDS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
+#: A table passes any number of ids to a grouped call (None): on a GPU every call saved is launches and host time.
+_MAX_IDS_PER_TABLE = None
+
+
+def max_ids_per_table() -> int | None:
+    """The most ids a table passes to one grouped call (None: any); above it the table runs its own lookup."""
+    return _MAX_IDS_PER_TABLE
 _M = len(GROUP_META)
 _F = len(GROUP_FMETA)
 _IDLE = -(2**31)  # a compare value no row word holds: placeholders stop at -(2**31 - 2) (N < 2**31 - 4)

@@ -136,11 +136,13 @@ class TableGroup:
     def admit(self, counts: dict[int, int]) -> list[int]:
         """Make room for a call that passes ``counts[t]`` keys to table ``t`` and return the tables that can run in
         it (every key of theirs could be new: rows, bound and index load hold them); the others must run their own
-        lookup this call (a bounded table that would evict, a table with a slot the group does not fill). Settles
+        lookup this call (a bounded table that would evict, a table with a slot the group does not fill, a table
+        with more keys than the backend's ``max_ids_per_table()``). Settles
         (one read) and grows tables only when the bound says a table might run out."""
         self._attach()
         self._refresh()
-        counts = {t: n for t, n in counts.items() if self._covered[t]}
+        limit = self.kernels.max_ids_per_table()  # the backend's: above it a table's own lookup costs no more
+        counts = {t: n for t, n in counts.items() if self._covered[t] and (limit is None or n <= limit)}
         short = [t for t, n in counts.items() if self._bound[t] + n > self._headroom[t]]
         if not short:
             return list(counts)
