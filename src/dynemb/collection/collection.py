@@ -42,7 +42,8 @@ class EmbeddingCollection(nn.Module):
         plan: ``None`` keeps every table whole on this process. Otherwise the tables are sharded over
             ``process_group``: ``"auto"`` (dynamic tables row-wise, small static tables replicated, large ones
             whole on one rank), or ``{table: "row" | "data" | "column" | ("table", rank) | ("table_row", ranks) |
-            Sharding}`` with the rest automatic (or a planned one: :func:`dynemb.distributed.plan_tables`). Every rank must then call ``forward`` and ``backward`` each step (batches may differ).
+            Sharding}`` with the rest automatic (or a planned one: :func:`dynemb.distributed.plan_tables`).
+            Every rank must then call ``forward`` and ``backward`` each step (batches may differ).
         process_group: the group to shard over (default: the world); only with ``plan``.
         timeout: seconds before a collective gives up with :class:`~dynemb.distributed.DistributedError`.
         device: where the tables live (``cuda`` for NCCL); one this process cannot use (``cuda`` where
