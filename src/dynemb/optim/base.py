@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 from typing import Iterable
 
@@ -101,6 +102,9 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
     #: slot name -> (width, initial value); width ``None`` means the table's ``dim``.
     slots: dict = {}
     _not_config = ("tables",)
+    #: whether an update reads a statistic of the whole row (RowWiseAdagrad's mean square): a column shard of the
+    #: table then gets the other shards' parts of it (:meth:`share_row_squares`) before it updates
+    row_statistic: bool = False
 
     def __init__(self, tables=None, *, fused: bool = False, **hparams) -> None:
         lr = hparams.get("lr")
@@ -218,9 +222,16 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
         i = self._index(table)
         scalars = self._scalars[i]
         scalars["step"] += 1
+        shared = table.__dict__.pop("shared_row_squares", None)
         if rows.numel() == 0:
             return
         group = self.param_groups[i]
+        if shared is not None:  # a column shard: the row statistic spans the other shards' columns too
+            with torch.no_grad():
+                self._update_shared(table, rows, grad.float(), group, scalars, shared)
+            if not stamped:
+                table.mark_updated(rows)
+            return
         kernels = row_kernels(table).optim
         args = self.kernel_args(group, scalars) if kernels else None
         # a fused update runs in the backward, already without grad: entering no_grad again costs microseconds
@@ -236,6 +247,30 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
                 self._update(table, rows, grad.float(), group, scalars)
         if not stamped:
             table.mark_updated(rows)
+
+    # ------------------------------------------------------------------ column shards
+    def row_square_part(self, table, grad: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``[U]``: this column shard's part of each row's statistic for an update by ``grad [U, d]`` of rows that
+        hold ``values [U, d]`` (only where :attr:`row_statistic`)."""
+        raise NotImplementedError
+
+    def share_row_squares(self, table, keys: torch.Tensor, others: torch.Tensor, dim: int) -> None:
+        """Before the next update of ``table`` (a column shard of a ``dim``-wide table), record ``others [U]``, the
+        other shards' parts of the statistic of the rows of ``keys [U]`` (unique, the table's keys). Several
+        backwards before one ``step()`` add up."""
+        keys, others = keys.to(torch.int64), others.float()
+        previous = table.__dict__.get("shared_row_squares")
+        if previous is not None:
+            keys, inverse = torch.unique(torch.cat([previous.keys, keys]), return_inverse=True)
+            others = torch.zeros(keys.numel(), device=others.device).index_add_(
+                0, inverse, torch.cat([previous.others, others]))
+        else:
+            keys, order = torch.sort(keys)
+            others = others.index_select(0, order)
+        table.shared_row_squares = SharedRowSquares(keys, others, dim)
+
+    def _update_shared(self, table, rows, grad, group, scalars, shared: "SharedRowSquares") -> None:
+        raise NotImplementedError
 
     def kernel_args(self, group: dict, scalars: dict) -> tuple[str, tuple, tuple] | None:
         """``(kind, hparams, slot names)`` of the ``sparse_update`` kernel contract (:mod:`dynemb.kernels.dispatch`)
@@ -319,6 +354,23 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
 
 
 @functools.cache
+@dataclasses.dataclass(frozen=True)
+class SharedRowSquares:
+    """The other column shards' parts of a row statistic, by key (sorted), for a table ``dim`` columns wide."""
+
+    keys: torch.Tensor
+    others: torch.Tensor
+    dim: int
+
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """``[N]`` parts of ``keys`` (0 for a key not recorded)."""
+        keys = keys.to(torch.int64)
+        at = torch.searchsorted(self.keys, keys).clamp_(max=max(self.keys.numel() - 1, 0))
+        if self.keys.numel() == 0:
+            return torch.zeros(keys.numel(), device=keys.device)
+        return torch.where(self.keys[at] == keys, self.others[at], torch.zeros((), device=keys.device))
+
+
 def _kind_of(cls: type) -> str | None:
     """The type name of ``cls`` or of its nearest registered base (once per class: kernel_args asks every update)."""
     return next((k for c in cls.__mro__ if (k := type_name(c)) is not None), None)
