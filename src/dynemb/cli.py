@@ -418,8 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "Loading that checkpoint into a collection built with the plan reshards it.")
     plan.add_argument("--checkpoint", required=True, metavar="CKPT", help="a checkpoint root or directory")
     plan.add_argument("--world", required=True, type=int, help="ranks of the next run")
-    plan.add_argument("--memory-per-rank", type=float, metavar="BYTES", help="bytes each rank may hold (1e9, ...)")
-    plan.add_argument("--ranks-per-node", type=int, help="ranks of one node (row-sharded tables stay in one)")
+    plan.add_argument("--memory-per-rank", type=float, metavar="BYTES",
+                      help="bytes each rank may hold, e.g. 8e10 (default: no limit)")
+    plan.add_argument("--ranks-per-node", type=int,
+                      help="ranks of one node; row-sharded tables stay in one (default: all ranks are one node)")
     plan.add_argument("--pin", action="append", default=[], metavar="TABLE=KIND",
                       help="give TABLE the kind KIND (row, data, column, table_row, table:RANK); repeatable")
     plan.add_argument("--json", action="store_true", help="print the shardings as JSON (to_dict) after the plan")
