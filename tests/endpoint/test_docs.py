@@ -28,7 +28,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 def dynemb_serve(*args: str):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", *args, "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", *args, "--port", str(port),
+                             "--grpc-port", str(free_port())], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield proc, port
