@@ -98,7 +98,8 @@ def test_every_http_call_of_tritonclient(server, rows):
                     for version in ("", "1"):
                         out = [http.InferRequestedOutput("probability", binary_data=binary_out)]
                         result = client.infer("ctr", inputs(http, arrays, binary_in), model_version=version,
-                                              outputs=out, headers=dict(HEADERS), request_compression_algorithm=compress,
+                                              outputs=out, headers=dict(HEADERS),
+                                              request_compression_algorithm=compress,
                                               response_compression_algorithm=compress)
                         answers[binary_in, binary_out, compress, version] = result.as_numpy("probability")
                         response = result.get_response()
@@ -132,7 +133,8 @@ def test_every_grpc_call_of_tritonclient(server, rows):
     headers = {"authorization": f"Bearer {TOKEN}"}
     try:
         assert client.is_server_live(headers=dict(headers)) and client.is_server_ready(headers=dict(headers))
-        assert client.is_model_ready("ctr", headers=dict(headers)) and client.is_model_ready("ctr", "1", headers=dict(headers))
+        assert client.is_model_ready("ctr", headers=dict(headers))
+        assert client.is_model_ready("ctr", "1", headers=dict(headers))
         assert not client.is_model_ready("ctr", "2", headers=dict(headers))
         meta = client.get_server_metadata(headers=dict(headers), as_json=True)
         assert meta["name"] == "dynemb"
@@ -150,8 +152,8 @@ def test_every_grpc_call_of_tritonclient(server, rows):
                 np.testing.assert_allclose(result.as_numpy("probability"), expected, atol=1e-6, rtol=0)
                 assert result.get_response().model_version == "1" and result.get_response().id == "r7"
         answer = []
-        client.async_infer("ctr", inputs(grpcclient, arrays), callback=lambda result, error: answer.append((result, error)),
-                           headers=dict(headers))
+        client.async_infer("ctr", inputs(grpcclient, arrays), headers=dict(headers),
+                           callback=lambda result, error: answer.append((result, error)))
         deadline = time.monotonic() + 30
         while not answer and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -1,4 +1,4 @@
-"""The Open Inference Protocol's operations, once for both transports (HTTP in :mod:`.app`, gRPC in :mod:`.grpc_server`).
+"""The Open Inference Protocol's operations, once for both transports (HTTP: :mod:`.app`, gRPC: :mod:`.grpc_server`).
 
 An :class:`InferenceService` answers server and model liveness, readiness, metadata, configuration, inference and
 statistics for one served model, under one name. It holds a slot for the model: while ``dynemb serve --watch``
@@ -6,8 +6,8 @@ waits for the first version the slot is empty, the server is live but not ready,
 :class:`ProtocolError` 503. Errors are :class:`ProtocolError` s carrying an HTTP status; :data:`GRPC_CODES` maps
 them onto gRPC status codes, so both transports answer a request the same way.
 
-The model in the slot is anything with the :class:`Servable` methods: the CLI's :class:`~dynemb.endpoint.model.ServedModel`
-and :class:`~dynemb.endpoint.exported.ExportedModel` both are.
+The model in the slot is anything with the :class:`Servable` methods, as the CLI's
+:class:`~dynemb.endpoint.model.ServedModel` has.
 """
 
 from __future__ import annotations
