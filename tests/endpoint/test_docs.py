@@ -94,3 +94,10 @@ def test_serve_watch_waits_for_a_training_run_and_follows_its_versions(run, tmp_
     first = int(re.search(r"version (\d+)\)", proc.stdout.read()).group(1))
     assert first < 4
     assert re.findall(r"now serving version (\d+)", proc.stderr.read()) == [str(v) for v in range(first + 1, 5)]
+
+
+def test_the_docs_name_every_metric():
+    from dynemb.endpoint.prometheus_metrics import METRIC_NAMES
+
+    text = DOC.read_text()
+    assert [n for n in METRIC_NAMES if f"`{n}`" not in text] == []

@@ -114,6 +114,7 @@ def test_every_http_call_of_tritonclient(server, rows):
         stats = client.get_inference_statistics("ctr", headers=dict(HEADERS))["model_stats"][0]
         assert stats["name"] == "ctr" and stats["inference_count"] >= 25 * ROWS
         assert client.get_inference_statistics(headers=dict(HEADERS))["model_stats"][0]["name"] == "ctr"
+        assert client.get_inference_statistics("ctr", "1", headers=dict(HEADERS))["model_stats"][0]["version"] == "1"
         for call in (lambda: client.get_system_shared_memory_status(headers=dict(HEADERS)),
                      lambda: client.get_cuda_shared_memory_status(headers=dict(HEADERS)),
                      lambda: client.get_model_repository_index(headers=dict(HEADERS)),
@@ -162,6 +163,16 @@ def test_every_grpc_call_of_tritonclient(server, rows):
         np.testing.assert_allclose(result.as_numpy("probability"), expected, atol=1e-6, rtol=0)
         stats = client.get_inference_statistics("ctr", headers=dict(headers), as_json=True)["model_stats"][0]
         assert stats["name"] == "ctr" and int(stats["inference_count"]) >= 7 * ROWS
+        stats = client.get_inference_statistics("ctr", "1", headers=dict(headers), as_json=True)["model_stats"][0]
+        assert stats["version"] == "1"
+        # The limits of HTTP: more rows than --max-batch-size (4096) is a 400 there, INVALID_ARGUMENT here.
+        n = 4097
+        big = {"user": (np.array(["u1"] * n, dtype=object), "BYTES"), "item": (np.zeros(n, np.int64), "INT64"),
+               "tags": (np.array([], dtype=object), "BYTES"), "tags__lengths": (np.zeros(n, np.int32), "INT32"),
+               "price": (np.ones(n, np.float32), "FP32")}
+        with pytest.raises(InferenceServerException, match="4096") as error:
+            client.infer("ctr", inputs(grpcclient, big), headers=dict(headers))
+        assert "INVALID_ARGUMENT" in str(error.value.status())
         # The same errors as over HTTP: a bad input names it; no token is UNAUTHENTICATED; unsupported calls say so.
         bad = inputs(grpcclient, {**arrays, "item": (arrays["item"][0][:-1], "INT64")})
         with pytest.raises(InferenceServerException, match="input 'item'") as error:
@@ -292,3 +303,46 @@ def test_a_watching_server_is_live_before_its_first_version_and_ready_after(run,
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_metrics_are_prometheus_text_that_its_parser_reads(server, rows):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dynemb.endpoint.prometheus_metrics import METRIC_NAMES
+
+    arrays, _ = rows
+    client = http.InferenceServerClient(server[0], network_timeout=30)
+    try:
+        client.infer("ctr", inputs(http, arrays), headers=dict(HEADERS))
+        with pytest.raises(InferenceServerException):
+            client.infer("ctr", inputs(http, {**arrays, "item": (arrays["item"][0][:-1], "INT64")}),
+                         headers=dict(HEADERS))
+    finally:
+        client.close()
+    with grpcclient.InferenceServerClient(server[1]) as g:
+        g.infer("ctr", inputs(grpcclient, arrays), headers={"authorization": f"Bearer {TOKEN}"})
+    assert httpx.get(f"http://{server[0]}/metrics", timeout=30).status_code == 401  # the token guards it too
+    r = httpx.get(f"http://{server[0]}/metrics", headers=dict(HEADERS), timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    # The parser names a counter without its _total suffix.
+    assert {n.removesuffix("_total") for n in METRIC_NAMES} <= set(families), sorted(families)
+
+    def value(family, suffix="", **labels):
+        return sum(s.value for s in families[family].samples
+                   if s.name == family + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    for protocol in ("http", "grpc"):
+        assert value("dynemb_requests", "_total", model="ctr", route="infer", protocol=protocol) >= 1
+        assert value("dynemb_request_duration_seconds", "_count", route="infer", protocol=protocol) >= 1
+        assert value("dynemb_request_rows", "_sum", protocol=protocol) >= ROWS
+    assert value("dynemb_request_failures", "_total", route="infer", protocol="http") >= 1
+    assert value("dynemb_forward_rows", "_sum", model="ctr") >= 2 * ROWS
+    looked = {tier: value("dynemb_rows_looked_up", "_total", tier=tier)
+              for tier in ("cache", "volatile", "persistent", "default")}
+    assert looked["cache"] + looked["volatile"] > 0
+    rates = [value("dynemb_tier_hit_rate", tier=tier) for tier in looked]
+    assert all(0 <= r <= 1 for r in rates) and abs(sum(rates) - 1) < 1e-9
+    assert value("dynemb_model_ready", model="ctr") == 1 and value("dynemb_model_version", model="ctr") == 1
+    assert value("dynemb_newest_version", model="ctr") == 1
+    assert 0 <= value("dynemb_newest_version_age_seconds", model="ctr") < 3600

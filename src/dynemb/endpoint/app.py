@@ -12,7 +12,7 @@ the one served)
 ``GET /v2/models/{m}[/versions/{v}]/config``                           Triton's model configuration
 ``POST /v2/models/{m}[/versions/{v}]/infer``                           inference: JSON or binary tensors in and out
 ``GET /v2/models[/{m}[/versions/{v}]]/stats``                          Triton's statistics extension
-``GET /metrics``                                                       Prometheus text (:mod:`.metrics`)
+``GET /metrics``                                                       Prometheus text (:mod:`.prometheus_metrics`)
 shared memory, repository, trace and logging routes                    501: not supported
 =====================================================================  ============================================
 
@@ -360,7 +360,7 @@ def build_app(model=None, *, name: Optional[str] = None, token: Optional[str] = 
             raise ValueError("build_app needs a model, or the name of the model it will serve")
         service = InferenceService(name or model.name, model, max_batch_size=max_batch_size)
         if metrics:
-            from .metrics import Metrics
+            from .prometheus_metrics import Metrics
 
             service.attach_metrics(Metrics(service))
     return HttpApp(service, token=token, max_body_bytes=max_body_bytes)

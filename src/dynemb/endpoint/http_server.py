@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 try:
     import uvicorn
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(f"dynemb serve needs starlette and uvicorn: pip install 'dynemb[serving]' ({exc})") from exc
+    raise ImportError(f"dynemb serve needs uvicorn: pip install 'dynemb[serving]' ({exc})") from exc
 
 __all__ = ["serve", "running", "attach_grpc"]
 

@@ -212,7 +212,8 @@ class InferenceService:
             self.batcher, self.model = batcher, model
 
     def attach_metrics(self, metrics) -> None:
-        """Count requests and forward passes into ``metrics`` (a :class:`~dynemb.endpoint.metrics.Metrics`)."""
+        """Count requests and forward passes into ``metrics`` (a
+        :class:`~dynemb.endpoint.prometheus_metrics.Metrics`)."""
         with self._lock:
             self.metrics = metrics
             if self.batcher is not None:
@@ -224,7 +225,7 @@ class InferenceService:
 
     # ------------------------------------------------------------------ server
     def server_metadata(self) -> dict:
-        from .. import __version__
+        from .._version import __version__
 
         return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
 
