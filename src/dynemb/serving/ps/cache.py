@@ -12,13 +12,13 @@ from typing import Optional, Union
 import torch
 
 from ...serialization import NotSerializableError, parse_dtype
-from ...table import KeyValueTable
 from ...table.initializers import Initializer
 from ..server_config import ModelConfig
+from .group_cache import TableCache
 from .lineage import Lineage
 from .writeback import PendingRows, batch_rows
 
-__all__ = ["TableState", "new_table"]
+__all__ = ["TableState", "new_table", "cache_capacity"]
 
 _SMALL_TABLE_ROWS = 4096
 
@@ -32,18 +32,30 @@ class TableState:
     dim: int
     dtype: torch.dtype
     store_name: str  # the table's name in the stores: "<model>.<table>"
-    cache: KeyValueTable
+    cache: TableCache  # the table's view of its group's cache (see .group_cache)
     default: Union[float, Initializer]
     seed: int
     pending: PendingRows  # rows waiting for a background write-back into the cache
     stats: dict = dataclasses.field(default_factory=lambda: {"lookups": 0, "cache": 0, "volatile": 0,
                                                              "persistent": 0, "default": 0})
-    cache_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     stats_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     epoch: int = 0  # moved on by each update, under both locks; write-backs of rows read before are dropped
-    filling: bool = False  # a background write-back is inserting into the cache (or about to)
     lineage: Optional[Lineage] = None  # the export the table holds; replaced by each update, under the model's lock
     key_dtype: torch.dtype = torch.int64  # the trained table's key dtype: an int32 one serves only int32-range ids
+
+    @property
+    def cache_lock(self) -> threading.Lock:
+        """The lock of the group cache the table's rows are in (shared by the tables of the group)."""
+        return self.cache.group.lock
+
+    @property
+    def filling(self) -> bool:
+        """A background write-back is inserting into the (group) cache, or about to."""
+        return self.cache.group.filling
+
+    @filling.setter
+    def filling(self, value: bool) -> None:
+        self.cache.group.filling = value
 
     def default_rows(self, keys: torch.Tensor) -> torch.Tensor:
         if isinstance(self.default, Initializer):
@@ -61,18 +73,20 @@ class TableState:
                 self.cache.insert_or_assign(keys.to(self.cache.device), rows.to(self.cache.device))
 
 
-def new_table(cfg: ModelConfig, i: int, name: str, dim: int, dtype: torch.dtype, entry: dict, rows: int,
+def cache_capacity(cfg: ModelConfig, rows: int) -> int:
+    """Rows of the cache for a table of ``rows`` rows: ``cache_fraction`` of them; a small table whole (a fraction
+    of a 10-row table would only cost misses)."""
+    return max(1, int(rows * cfg.cache_fraction), min(rows, _SMALL_TABLE_ROWS))
+
+
+def new_table(cfg: ModelConfig, i: int, name: str, dim: int, dtype: torch.dtype, entry: dict, cache: TableCache,
               jitter: random.Random) -> TableState:
-    """The state of table ``i`` of ``cfg``, ``name`` with ``rows`` rows, from its export manifest ``entry``."""
+    """The state of table ``i`` of ``cfg``, ``name``, from its export manifest ``entry``, cached in ``cache``."""
     default = cfg.default_for(i)
     if default == "initializer":
         default = _initializer(name, entry, explicit=bool(cfg.default_value_for_each_table))
-    # Small tables are cached whole: a fraction of a 10-row table would only cost misses.
-    capacity = max(1, int(rows * cfg.cache_fraction), min(rows, _SMALL_TABLE_ROWS))
-    cache = KeyValueTable(dim, dtype=dtype, device=cfg.device, max_capacity=capacity,
-                          init_capacity=min(capacity, 1 << 16), eviction="lru", initializer="zeros")
     return TableState(name, dim, dtype, store_name(cfg.model, name), cache, default, int(entry.get("seed") or 0),
-                      PendingRows(batch_rows(capacity), jitter),
+                      PendingRows(batch_rows(cache.capacity), jitter),
                       key_dtype=parse_dtype(entry.get("key_dtype", "int64"), f"table {name!r}: key_dtype"))
 
 

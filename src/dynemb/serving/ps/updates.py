@@ -63,7 +63,7 @@ def _update_table(t: TableState, cols: dict, full: bool, tiers: StoreTiers) -> N
             t.epoch += 1
             t.pending.clear()
         if full:  # the keys cached that the export no longer has
-            cached = t.cache.row_keys[: t.cache.size()]
+            cached = t.cache.keys()
             deleted = cached[~torch.isin(cached, keys.to(device))]
         if deleted.numel():
             t.cache.erase(deleted.to(device))
