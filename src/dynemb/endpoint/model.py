@@ -137,7 +137,9 @@ class ServedModel:
 
     def _scores(self, batch: Batch) -> torch.Tensor:
         bags = {f: self._bags(batch, f) for f in self.features}
-        ids = {f: torch.unique(bags[f][0], return_inverse=True) for f in self.features}
+        # One id a row: its rows are the answer, looked up as they come (the parameter server takes repeats).
+        ids = {f: (bags[f][0], None) if bags[f][1] is None else torch.unique(bags[f][0], return_inverse=True)
+               for f in self.features}
         keys: dict[str, list] = {}
         for f, (unique, _) in ids.items():
             keys.setdefault(self._tables[f], []).append(unique)
@@ -149,7 +151,7 @@ class ServedModel:
             if self._pooling[f]["max_norm"] is not None:
                 rows = clip_rows(rows, self._pooling[f]["max_norm"])
             if bags[f][1] is None:
-                pooled[f] = rows.index_select(0, inverse)  # one id a row: every combiner gives the row itself
+                pooled[f] = rows  # one id a row: every combiner gives the row itself
             else:
                 pooled[f] = pool(rows, inverse, *bags[f][1:], self._pooling[f]["combiner"])
         return probabilities(self.model(batch, pooled=pooled))
