@@ -46,8 +46,10 @@ class GroupCache:
         return self.kv.device
 
     def carried_keys(self, raw: torch.Tensor) -> torch.Tensor:
-        """The key each row of ``raw`` (``[N, dim + key_cols]``, as found) carries: int64 ``[N]``."""
-        return raw[:, self.dim:].contiguous().view(torch.int64).view(-1)
+        """The key each row of ``raw`` (``[N, dim + key_cols]``) carries: int64 ``[N]``."""
+        # A copy of its own: a view at an offset that is not a multiple of 8 bytes cannot be read as int64.
+        cols = torch.empty(raw.shape[0], self.key_cols, dtype=self.dtype, device=raw.device)
+        return cols.copy_(raw[:, self.dim:]).view(torch.int64).view(-1)
 
     def with_keys(self, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``[N, dim + key_cols]``: ``rows`` followed by the bits of ``keys``."""
@@ -101,7 +103,7 @@ class TableCache:
     def _mine(self) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self.group.kv
         n = kv.size()
-        carried = kv.values[:n, self.group.dim:].contiguous().view(torch.int64).view(-1)
+        carried = self.group.carried_keys(kv.values[:n])
         return carried, (kv.row_keys[:n] ^ self.salt) == carried
 
     def keys(self) -> torch.Tensor:
