@@ -106,11 +106,12 @@ class MemoryStore(Store):
             kv = self._tables_by_name[table]
             if self.config.max_rows_per_table is not None:  # scores order evictions: count the read
                 return kv.find(keys, update_scores=True)
-            # An unbounded store never evicts: the index and a gather, no scores, no initializer rows for misses.
-            rows = kv.find_rows(keys)
-            values = kv.values.index_select(0, rows.clamp(min=0))
+            # An unbounded store never evicts: the index and a gather, no scores, no initializer rows for misses
+            # (the keys were checked by get/get_many).
+            rows, every = kv.index.find_all(keys)
+            values = kv.values.index_select(0, rows if every else rows.clamp(min=0))
         found = rows >= 0
-        if not bool(found.all()):
+        if not every:
             values.masked_fill_(~found.unsqueeze(1), 0)
         return values, found
 
