@@ -111,7 +111,7 @@ def main() -> None:
             finally:
                 redis.kill()
     info = machine_info()
-    print(f"ServedModel.predict in process, {args.rows} rows, 1 thread; {info.get('cpu', '')}")
+    print(f"ServedModel.predict in process, {args.rows} rows, 1 thread; {info['cpu_model']}")
     print_table(results, list(results[0]))
     if args.json:
         write_json(args.json, {"benchmark": "serve_predict", "machine": info, "results": results})
