@@ -13,10 +13,10 @@ a back-off period that doubles on each failure (up to 30 s) and retried after; i
 answering from the other tiers.
 
 Thread safety: any number of threads may call :meth:`~ParameterServer.lookup`. Reads and writes of a table's cache take
-the lock of its group's cache, and :meth:`~ParameterServer.apply_update` replaces each row under it, so no reader sees half of
-an old row and half of a new one. Statistics and pending write-backs have a lock of their own. An update also moves the
-table's epoch on, which drops write-backs of rows read before it. The stores are row-atomic themselves (one value per
-key in Redis, transactions in LMDB/RocksDB).
+the lock of its group's cache, and :meth:`~ParameterServer.apply_update` replaces each row under it, so no reader sees
+half of an old row and half of a new one. Statistics and pending write-backs have a lock of their own. An update also
+moves the table's epoch on, which drops write-backs of rows read before it. The stores are row-atomic themselves (one
+value per key in Redis, transactions in LMDB/RocksDB).
 
 Modules: :mod:`.server` (:class:`ParameterServer`: config, loading, lookups, statistics), :mod:`.tiers` (the stores,
 with back-off), :mod:`.cache` (the state of each served table), :mod:`.group_cache` (one cache for the tables of a row

@@ -11,6 +11,7 @@ from typing import Optional, Union
 
 import torch
 
+from ...checkpoint.row_codec import decode_rows, encode_rows
 from ...serialization import NotSerializableError, parse_dtype
 from ...table.initializers import Initializer
 from ..server_config import ModelConfig
@@ -42,6 +43,27 @@ class TableState:
     epoch: int = 0  # moved on by each update, under both locks; write-backs of rows read before are dropped
     lineage: Optional[Lineage] = None  # the export the table holds; replaced by each update, under the model's lock
     key_dtype: torch.dtype = torch.int64  # the trained table's key dtype: an int32 one serves only int32-range ids
+    codec: Optional[str] = None  # 8-bit rows (checkpoint.row_codec): stored packed, `dim` 16-bit words a row
+    row_dim: int = 0  # values a row as the lookup answers it (`dim` unless packed)
+
+    def __post_init__(self) -> None:
+        self.row_dim = self.row_dim or self.dim
+
+    def stored(self, values: torch.Tensor, kind: Optional[str]) -> torch.Tensor:
+        """Rows of an export whose dtype is ``kind`` (a packed 8-bit kind, or None for float rows) as this table
+        stores them: float rows in its dtype, or packed rows as 16-bit words."""
+        if kind != self.codec:  # an export of another precision: through float32
+            values = decode_rows(values, kind, self.row_dim) if kind else values
+            values = encode_rows(values, self.codec) if self.codec else values
+        return values.contiguous().view(torch.float16) if self.codec else values.to(self.dtype)
+
+    def answer(self, values: torch.Tensor) -> torch.Tensor:
+        """Stored rows ``[N, dim]`` -> the rows a lookup answers, ``[N, row_dim]`` (8-bit rows dequantized)."""
+        return decode_rows(values, self.codec, self.row_dim) if self.codec else values
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Float rows ``[N, row_dim]`` as stored."""
+        return encode_rows(rows, self.codec).view(torch.float16) if self.codec else rows.to(self.dtype)
 
     @property
     def cache_lock(self) -> threading.Lock:
@@ -58,9 +80,11 @@ class TableState:
         self.cache.group.filling = value
 
     def default_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """Default rows of ``keys`` as stored (8-bit rows: the initializer's rows, quantized as the export's are)."""
+        dtype = torch.float32 if self.codec else self.dtype
         if isinstance(self.default, Initializer):
-            return self.default(keys, self.dim, self.dtype, self.seed)
-        return torch.full((keys.numel(), self.dim), float(self.default), dtype=self.dtype)
+            return self.encode(self.default(keys, self.row_dim, dtype, self.seed))
+        return self.encode(torch.full((keys.numel(), self.row_dim), float(self.default), dtype=dtype))
 
     @property
     def hit_rate(self) -> float:

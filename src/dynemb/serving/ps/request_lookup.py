@@ -140,16 +140,18 @@ def _default_rows(part: _Part) -> None:
         return
     tables = [part.tables[k] for k, n in enumerate(per_table) if n]
     first = tables[0].default
+    one = tables[0]  # the tables of a group share dim, dtype and 8-bit kind
+    dtype = torch.float32 if one.codec else one.dtype
     if all(t.default == first for t in tables) and isinstance(first, (float, int, *_SEEDED)):
         if isinstance(first, (float, int)):
-            rows = torch.full((at.numel(), part.group.dim), float(first), dtype=part.group.dtype)
+            rows = one.encode(torch.full((at.numel(), one.row_dim), float(first), dtype=dtype))
         else:
             # The seeded initializers' row of key k under seed s is f(mix64(k ^ mix64(s))) (initializers'
             # _unit_uniform): under seed 0 the key k ^ mix64(s) ^ mix64(0) gets the same row, so one call serves
             # every table, bit for bit.
             seeds = torch.tensor([t.seed for t in part.tables], dtype=torch.int64)
             keys = part.ukey.index_select(0, at) ^ mix64(seeds.index_select(0, part.utid.index_select(0, at))) ^ _MIX0
-            rows = first(keys, part.group.dim, part.group.dtype, 0)
+            rows = one.encode(first(keys, one.row_dim, dtype, 0))
     else:
         rows = torch.cat([t.default_rows(keys) for t, keys in
                           zip(tables, [k for k in part.ukey.index_select(0, at).split(per_table) if k.numel()])])

@@ -16,6 +16,7 @@ from ...serialization import parse_dtype
 from ..server_config import ModelConfig, ServerConfig
 from ...checkpoint.export_format import read_chain, read_export, version_name
 from ...checkpoint.manifest import MANIFEST, SERVING_FORMAT, complete
+from ...checkpoint.row_codec import packed_width, quantized_kind
 from . import updates
 from .cache import TableState, cache_capacity, new_table, store_name
 from .group_cache import GroupCache, TableCache
@@ -150,22 +151,28 @@ class ParameterServer:
                 manifest = chain[-1][0]
                 entry = self._entry(cfg, i, manifest)
                 keys, values = updates.replay(chain, name)
-                dtype = parse_dtype(entry["dtype"], f"table {name!r}: dtype")
+                # 8-bit rows stay packed in every tier and cache, as 16-bit words (their bytes unchanged)
+                kind = quantized_kind(entry["dtype"])
+                dtype = torch.float16 if kind else parse_dtype(entry["dtype"], f"table {name!r}: dtype")
+                width = packed_width(kind, dim) // 2 if kind else dim
                 store = store_name(cfg.model, name)
-                self.tiers.create_table(store, dim, dtype)
-                self.tiers.replace(store, keys, values.to(dtype))
-                loaded.append((i, name, dim, dtype, entry, keys.numel(), manifest))
+                self.tiers.create_table(store, width, dtype)
+                self.tiers.replace(store, keys, values.view(dtype) if kind else values.to(dtype))
+                loaded.append((i, name, (width, dtype, kind, dim), entry, keys.numel(), manifest))
                 del keys, values
                 bar.update(1)
-            # One cache per row shape (dim, dtype): a request reads all the tables of a group in one pass.
+            # One cache per row shape (stored width, dtype, 8-bit kind): a request reads all the tables of a group
+            # in one pass.
             groups: dict[tuple, list] = {}
             for item in loaded:
-                groups.setdefault((item[2], item[3]), []).append(item)
-            for (dim, dtype), members in groups.items():
-                capacities = [cache_capacity(cfg, rows) for *_, rows, _ in members]
-                group = GroupCache(dim, dtype, cfg.device, sum(capacities), len(members))
-                for k, ((i, name, _, _, entry, _, manifest), capacity) in enumerate(zip(members, capacities)):
-                    table = new_table(cfg, i, name, dim, dtype, entry, TableCache(group, k, capacity), self._jitter)
+                groups.setdefault(item[2], []).append(item)
+            for (width, dtype, kind, dim), members in groups.items():
+                capacities = [cache_capacity(cfg, item[4]) for item in members]
+                group = GroupCache(width, dtype, cfg.device, sum(capacities), len(members))
+                for k, ((i, name, _, entry, _, manifest), capacity) in enumerate(zip(members, capacities)):
+                    table = new_table(cfg, i, name, width, dtype, entry, TableCache(group, k, capacity),
+                                      self._jitter)
+                    table.codec, table.row_dim = kind, dim
                     table.lineage = Lineage.of(manifest)
                     tables[name] = table
             tables = {name: tables[name] for name in names}
@@ -231,13 +238,13 @@ class ParameterServer:
         if self.grouped:
             rows = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, list(batches.values()))
             if rows is not None:
-                return {name: r.view(*keys_per_table[name].shape, batches[name][0].dim)
+                return {name: (t := batches[name][0]).answer(r).view(*keys_per_table[name].shape, t.row_dim)
                         for name, r in zip(batches, rows)}
         lookups = [Lookup.from_cache(t, flat) for t, flat in batches.values()]
         read_tiers(self.tiers, lookups)
         for lookup in lookups:
             self._write_back(cfg, lookup, lookup.finish())
-        return {name: lookup.values.view(*keys_per_table[name].shape, lookup.t.dim)
+        return {name: lookup.t.answer(lookup.values).view(*keys_per_table[name].shape, lookup.t.row_dim)
                 for name, lookup in zip(batches, lookups)}
 
     @staticmethod
