@@ -79,13 +79,37 @@ def encode_rows(values: torch.Tensor, kind: str) -> torch.Tensor:
 
 def decode_rows(packed: torch.Tensor, kind: str, dim: int) -> torch.Tensor:
     """Packed rows ``[N, W]`` (``uint8``, or the same bytes as 16-bit words ``[N, W / 2]``) -> ``float32 [N, dim]``,
-    on ``packed``'s device."""
+    on ``packed``'s device. On the CPU one numba pass (:mod:`dynemb.kernels.numba_rows`), bit for bit what the torch
+    code below computes."""
     raw = packed.contiguous().view(torch.uint8)
     k = 4 * _params(kind)
     # A copy of its own (offset 0, row stride k): a view of the packed bytes cannot always be read as float32.
     params = torch.empty(raw.shape[0], k, dtype=torch.uint8, device=raw.device).copy_(raw[:, dim:dim + k])
     params = params.view(torch.float32)
+    if raw.device.type == "cpu" and raw.shape[0]:
+        kernel = _kernel()
+        if kernel is not None:
+            return kernel.decode(raw, dim, _lut(kind), params, kind == "int8")
     codes = raw[:, :dim].contiguous().view(QUANTIZED[kind]).to(torch.float32)
     if kind == "int8":
-        return torch.addcmul(params[:, 1:2], codes + 128.0, params[:, 0:1])
+        return (codes + 128.0) * params[:, 0:1] + params[:, 1:2]
     return codes * params
+
+
+_LUTS: dict = {}
+
+
+def _lut(kind: str) -> torch.Tensor:
+    """``float32 [256]``: the value of each code byte (int8: ``q + 128``), by torch's own cast."""
+    if kind not in _LUTS:
+        codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(QUANTIZED[kind]).to(torch.float32)
+        _LUTS[kind] = codes + 128.0 if kind == "int8" else codes
+    return _LUTS[kind]
+
+
+def _kernel():
+    try:
+        from ..kernels import numba_rows
+    except ImportError:  # pragma: no cover - numba is a dependency; without it the torch code decodes
+        return None
+    return numba_rows

@@ -190,8 +190,9 @@ def _finish(part: _Part, threshold: float, writeback) -> None:
 
 def lookup_request(tiers: StoreTiers, writeback, threshold: float,
                    batches: list[tuple[TableState, torch.Tensor]]) -> Optional[list[torch.Tensor]]:
-    """Rows ``[N_t, D_t]`` of each ``(table, flat int64 keys [N_t])`` of a request (module docstring); None when a
-    group cache is being filled by a write-back (the per-table path, which reads around it, answers then)."""
+    """Rows ``[N_t, D_t]`` (as answered: 8-bit rows dequantized) of each ``(table, flat int64 keys [N_t])`` of a
+    request (module docstring); None when a group cache is being filled by a write-back (the per-table path, which
+    reads around it, answers then)."""
     by_group: dict[int, tuple] = {}
     for slot, (t, flat) in enumerate(batches):
         entry = by_group.setdefault(id(t.cache.group), (t.cache.group, [], [], []))
@@ -207,6 +208,7 @@ def lookup_request(tiers: StoreTiers, writeback, threshold: float,
         if part.rows is not None:
             _default_rows(part)
         _finish(part, threshold, writeback)
-        for slot, rows in zip(part.slots, part.values.split(part.sizes)):
+        # 8-bit rows are dequantized once for the whole part (its tables share their kind and dim)
+        for slot, rows in zip(part.slots, part.tables[0].answer(part.values).split(part.sizes)):
             out[slot] = rows
     return out

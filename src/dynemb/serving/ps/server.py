@@ -238,7 +238,7 @@ class ParameterServer:
         if self.grouped:
             rows = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, list(batches.values()))
             if rows is not None:
-                return {name: (t := batches[name][0]).answer(r).view(*keys_per_table[name].shape, t.row_dim)
+                return {name: r.view(*keys_per_table[name].shape, batches[name][0].row_dim)
                         for name, r in zip(batches, rows)}
         lookups = [Lookup.from_cache(t, flat) for t, flat in batches.values()]
         read_tiers(self.tiers, lookups)
