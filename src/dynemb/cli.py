@@ -389,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .endpoint.command import add_serve_args, cmd_serve
 
-    add_serve_args(command("serve", "serve a run over HTTP (Open Inference Protocol / KServe v2)", cmd_serve))
+    add_serve_args(command("serve", "serve a run over HTTP and gRPC (Open Inference Protocol / KServe v2)", cmd_serve))
 
     demo = command("demo", "synthetic data -> train -> eval -> predict -> export -> serve-bench, with a report",
                    cmd_demo)
