@@ -26,8 +26,8 @@ MODEL_DEFAULTS = {"batch_size": 512, "dim": 16, "optimizer": "adagrad", "lr": 0.
 """``dynemb train``'s model options and their defaults; on ``--resume`` the run's saved values instead."""
 # The optional packages the commands import, by the extra (pyproject.toml) that installs them.
 _EXTRAS = {"pyarrow": "data", "xxhash": "data", "matplotlib": "plot", "triton": "gpu",
-           **dict.fromkeys(["redis", "rocksdict", "lmdb", "starlette", "uvicorn", "httptools", "uvloop", "orjson",
-                            "simdjson"], "serving")}
+           **dict.fromkeys(["redis", "rocksdict", "lmdb", "uvicorn", "httptools", "uvloop", "orjson", "simdjson",
+                            "grpc", "tritonclient", "prometheus_client"], "serving")}
 
 
 def _optimizer_kinds() -> tuple:
@@ -410,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .endpoint.command import add_serve_args, cmd_serve
 
-    add_serve_args(command("serve", "serve a run over HTTP (Open Inference Protocol / KServe v2)", cmd_serve))
+    add_serve_args(command("serve", "serve a run over HTTP and gRPC (Open Inference Protocol / KServe v2)", cmd_serve))
 
     plan = command("plan", "print a sharding plan for the next run from a checkpoint's observed tables", cmd_plan,
                    "Print a sharding plan (a kind per table, per rank: tables, rows, bytes, lookups and bytes on the "

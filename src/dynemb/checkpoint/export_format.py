@@ -17,6 +17,7 @@ from torch import nn
 
 from ..checks import VALUE_DTYPES, check_dtype
 from ..serialization import dtype_name
+from .row_codec import QUANTIZED, encode_rows, quantized_kind
 from ..table.initializers import resolve_initializer
 from . import write_marks
 from .shard_tensors import DELETED, KEYS, VALUES
@@ -64,7 +65,9 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     Args:
         path: the export root directory (created if needed); keep it apart from checkpoint roots.
         model: an ``nn.Module`` holding DynamicEmbeddings (or one itself).
-        dtype: value dtype of the export: float32, float16 or bfloat16.
+        dtype: value dtype of the export: float32, float16 or bfloat16; or 8-bit rows, ``torch.int8`` (row-wise
+            scale and bias), ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (row-wise scale), stored packed
+            (``values`` ``uint8 [N, W]``, see :mod:`~dynemb.checkpoint.row_codec`) and served dequantized.
         incremental: write a delta against the previous export.
         model_name: the id of the model this root holds. The first export to ``path`` stores it in
             ``path/model.json`` (without ``model_name``, a new id: the root's name and a random suffix), and every
@@ -96,7 +99,7 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    check_dtype(dtype, VALUE_DTYPES, "dtype")
+    check_dtype(dtype, (*VALUE_DTYPES, *QUANTIZED.values()), "dtype")
     if not isinstance(incremental, bool):
         raise TypeError(f"incremental must be a bool, got {incremental!r}")
     if not isinstance(dense, bool):
@@ -165,7 +168,8 @@ def _table_payloads(shards: dict, parent: str | None, dtype: torch.dtype, ctx) -
             if shard.strategy is not None else sum(sizes)
         if ctx.rank != 0:
             continue
-        cols[VALUES] = cols[VALUES].to(dtype)
+        kind = quantized_kind(dtype)  # 8-bit rows: packed bytes (row_codec)
+        cols[VALUES] = encode_rows(cols[VALUES], kind) if kind else cols[VALUES].to(dtype)
         rel = shard_file(i, name, 0, 1)
         payloads[rel] = (cols, None)
         entries[name] = {**_fields(cfg, dtype), "file": rel, "rows": int(cols[KEYS].numel()), "size": size,
@@ -221,7 +225,7 @@ def manifest_digest(manifest: dict) -> str:
 
 
 def _fields(cfg, dtype: torch.dtype) -> dict:
-    return {"dim": cfg.dim, "dtype": dtype_name(dtype), "key_dtype": dtype_name(cfg.key_dtype)}
+    return {"dim": cfg.dim, "dtype": quantized_kind(dtype) or dtype_name(dtype), "key_dtype": dtype_name(cfg.key_dtype)}
 
 
 def read_export(path) -> tuple[dict, dict]:
