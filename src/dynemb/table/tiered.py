@@ -35,7 +35,7 @@ from .tier_moves import SLOW_BASE, SlowIndex, TieredIndex, VictimQueue, exchange
 __all__ = ["Tiers", "TieredTable"]
 
 #: fraction of the fast tier one scan of its scores picks to move down over the next calls (:class:`VictimQueue`)
-QUEUE = 1 / 8
+QUEUE = 1 / 4
 
 
 @serializable("tiers")
@@ -116,7 +116,7 @@ class TieredTable(KeyValueTable):
         self.fast_capacity = tiers.fast_capacity or 1
         # The fast tier is allocated at its budget once (doubling growth would overshoot a byte budget).
         super().__init__(dim, **{**kwargs, "init_capacity": self.fast_capacity})
-        self.link = link_for(self.device)
+        self.link = link_for(self.device, self.backend)
         self._queue = VictimQueue(self.fast_capacity * QUEUE)
         self.index = self._tiered_index(self.device)
         self._fit_fast()
@@ -328,7 +328,7 @@ class TieredTable(KeyValueTable):
             self.index = self._tiered_index(self.device)
             self.index.rehash(self.row_keys[: self._size], torch.arange(self._size, device=self.device), self._size)
             self.slow.index = SlowIndex(self.index, self.slow)
-            self.link = link_for(self.device)
+            self.link = link_for(self.device, self.backend)
             self._queue.clear()
         if self.slow.directory is None and self.slow.pin != (self.device.type == "cuda"):
             self.slow.pin = self.device.type == "cuda"
