@@ -206,11 +206,15 @@ def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_
     v, u = victims.numel(), up_keys.numel()
     k = min(u, v)
     index = fast.index
-    # The keys stay as many (the index keeps its size and flags): only a tier's columns may have to grow.
+    # The keys stay as many (the index keeps its size and flags): only a tier's columns may have to grow, and with
+    # them (sized for the larger tier) the index, whose slots found before are then stale.
+    rebuilds = index.rebuilds
     if fast._size + u - k > fast.capacity:
         fast._reserve(fast._size + u - k)
     if slow._size + v - k > slow.capacity:
         slow._reserve(slow._size + v - k)
+    if index.rebuilds != rebuilds:
+        up_slots = index.find_slots(up_keys)
     fast_cols, slow_cols = fast._cols, slow._cols
     down_slots = index.find_slots(gather_rows(fast_cols["key"], victims))
     fast_dest = torch.cat([victims[:k], torch.arange(fast._size, fast._size + u - k, device=fast.device)])
@@ -245,6 +249,11 @@ class TieredIndex(HashIndex):
     """
 
     table = None
+    rebuilds = 0  # counts reallocations: slots found before one are stale
+
+    def _alloc(self, num_buckets: int) -> None:
+        super()._alloc(num_buckets)
+        self.rebuilds += 1
 
     def _slow_size(self) -> int:
         slow = getattr(self.table, "slow", None)
