@@ -196,12 +196,13 @@ def _row_bytes(col: torch.Tensor) -> int:
 
 
 def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_slots: torch.Tensor,
-             up_at: torch.Tensor) -> None:
+             up_at: torch.Tensor) -> torch.Tensor | None:
     """Move the fast rows ``victims [V]`` (unique, live) down and the slow rows ``up_at [U]`` of keys ``up_keys``
     (unique; ``up_slots``: their slots in the table's :class:`TieredIndex`) up, every column with them (keys,
     values, scores, version stamps, optimizer slots). The first ``min(U, V)`` of each swap places; the rest append
     at the end of the other tier, whose holes then fill from its end. Every key keeps its index slot: only the row
-    ids there change. Changes no value, score, stamp or counter.
+    ids there change. Changes no value, score, stamp or counter. Returns the fast rows ``[U]`` the keys came up
+    to, or None where fast rows were compacted (more went down than came up: rows of the call may have moved).
     """
     v, u = victims.numel(), up_keys.numel()
     k = min(u, v)
@@ -231,6 +232,8 @@ def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_
         slow._compact(up_at[k:])
     if v > k:
         fast._compact(victims[k:])
+        return None
+    return fast_dest
 
 
 #: row ids from which a :class:`TieredIndex` points into the slow tier (row ``SLOW_BASE + r`` is slow row ``r``)

@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ..serialization import Serializable, serializable
-from . import budget
+from . import budget, fused
 from ..checks import check_int, check_keys, check_rows_like, check_scores
 from .kv import KeyValueTable
 from .ops import lowest_rows
@@ -149,7 +149,12 @@ class TieredTable(KeyValueTable):
     def find_or_insert(self, keys, scores=None, counts=None):
         """As :meth:`KeyValueTable.find_or_insert`: ``found`` is True for keys stored in either tier, whose rows
         come up with their slots and scores (never re-initialized); the rows returned are fast-tier rows."""
-        self._resident(keys)
+        rows = self._resident(keys)
+        if rows is not None and scores is None and counts is None and fused.kernels(self) is None:
+            # every key was found and its row is known: what KeyValueTable does then, without probing them again
+            self.clock += 1
+            self._touch(rows)
+            return rows.view(keys.shape), torch.ones(keys.shape, dtype=torch.bool, device=self.device)
         return super().find_or_insert(keys, scores, counts)
 
     def insert_or_assign(self, keys, values, scores=None) -> None:
@@ -376,12 +381,14 @@ class TieredTable(KeyValueTable):
         if self.capacity != max(cap, n):
             self._resize_columns(max(cap, n), n)
 
-    def _resident(self, keys: torch.Tensor, new_ok: bool = True, count: bool = True) -> None:
+    def _resident(self, keys: torch.Tensor, new_ok: bool = True, count: bool = True) -> Optional[torch.Tensor]:
         """Bring the rows of ``keys`` found in the slow tier up, moving other rows down if the fast tier would pass
-        its budget (``new_ok``: counting room for the keys stored in neither tier, which the call may insert)."""
+        its budget (``new_ok``: counting room for the keys stored in neither tier, which the call may insert).
+        Returns the fast row of each key ``[N]`` where every key is stored and each one's row is known (no fast
+        row moved but those exchanged), else None."""
         flat = check_keys(keys, self.key_dtype, self.device)
         if flat.numel() == 0:
-            return
+            return None
         slots, rows = self.index.lookup(flat)  # one probe for both tiers; duplicates are harmless
         fast = (rows >= 0) & (rows < SLOW_BASE)
         up, up_slots, up_at = self._in_slow(flat, slots, rows)
@@ -393,10 +400,15 @@ class TieredTable(KeyValueTable):
             self.hits["miss"] += new
         over = self._size + up.numel() + (new if new_ok else 0) - self.fast_capacity
         victims = self._queue.take(self, over, rows[fast]) if over > 0 else rows[:0]
-        if up.numel() or victims.numel():
-            exchange(self, self.slow, self.link, victims, up, up_slots, up_at)
+        dest = exchange(self, self.slow, self.link, victims, up, up_slots, up_at) \
+            if up.numel() or victims.numel() else up
         if self.capacity > self.fast_capacity >= self._size:  # grown by an earlier call larger than the budget
             self._fit_fast()
+        if new or dest is None or (up.numel() and up.numel() != int((rows >= SLOW_BASE).sum())):
+            return None
+        if up.numel():
+            rows = rows.index_copy(0, (rows >= SLOW_BASE).nonzero().squeeze(1), dest)
+        return rows
 
     def _in_slow(self, keys: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
