@@ -29,11 +29,7 @@ __all__ = ["SLOW_BASE", "HostLink", "Link", "SlowIndex", "StagedLink", "TieredIn
 
 
 class Link:
-    """Moves rows between a fast and a slow tier's columns (see the module docstring); counts the bytes it moved."""
-
-    def __init__(self) -> None:
-        self.bytes_up = 0
-        self.bytes_down = 0
+    """Moves rows between a fast and a slow tier's columns (see the module docstring)."""
 
     def move(self, fast: torch.Tensor, fast_dest: torch.Tensor, victims: torch.Tensor,
              slow: torch.Tensor, slow_dest: torch.Tensor, up_from: torch.Tensor) -> None:
@@ -55,7 +51,6 @@ class HostLink(Link):
     """
 
     def __init__(self, backend=None) -> None:
-        super().__init__()
         self.backend = backend
 
     def move(self, fast, fast_dest, victims, slow, slow_dest, up_from) -> None:
@@ -70,9 +65,6 @@ class HostLink(Link):
             copy_rows(slow, slow_dest[k:], fast, victims[k:])
         if up_from.numel() > k:
             copy_rows(fast, fast_dest[k:], slow, up_from[k:])
-        row = _row_bytes(fast)
-        self.bytes_up += up_from.numel() * row
-        self.bytes_down += victims.numel() * row
 
 
 def _swap_kernel(backend):
@@ -98,7 +90,6 @@ class StagedLink(Link):
     """
 
     def __init__(self, device: torch.device, *, stand_in: bool = False) -> None:
-        super().__init__()
         self.device = torch.device(device)
         self.stand_in = bool(stand_in) or self.device.type != "cuda"
         self._stream = None if self.stand_in else torch.cuda.Stream(self.device)
@@ -158,8 +149,6 @@ class StagedLink(Link):
             _put(fast, fast_dest, up)
         # the download has landed (fenced): the host scatters it
         _put(slow, slow_dest, down)
-        self.bytes_up += _nbytes(staged)
-        self.bytes_down += _nbytes(down)
 
 
 @contextlib.contextmanager
@@ -185,10 +174,6 @@ def _put(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[rows] = src`` (rows unique)."""
     if rows.numel():
         scatter_rows(dst, rows, src)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _row_bytes(col: torch.Tensor) -> int:
@@ -223,6 +208,12 @@ def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_
     for name, col in fast_cols.items():
         link.move(col, fast_dest, victims, slow_cols[name], slow_dest, up_at)
     link.finish()
+    row = sum(_row_bytes(col) for col in fast_cols.values())
+    moved = fast.moved
+    moved["rows_up"] += u
+    moved["rows_down"] += v
+    moved["bytes_up"] += u * row
+    moved["bytes_down"] += v * row
     index.set_rows(up_slots, fast_dest)
     index.set_rows(down_slots, slow_dest.to(index.device) + SLOW_BASE)
     fast._size += u - k

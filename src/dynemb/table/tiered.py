@@ -32,7 +32,7 @@ from .rows import Rows
 from .slow import SlowStore, swap_rows
 from .tier_moves import SLOW_BASE, SlowIndex, TieredIndex, VictimQueue, exchange, link_for
 
-__all__ = ["Tiers", "TieredTable"]
+__all__ = ["Tiers", "TieredTable", "tier_traffic"]
 
 #: fraction of the fast tier one scan of its scores picks to move down over the next calls (:class:`VictimQueue`)
 QUEUE = 1 / 4
@@ -123,6 +123,8 @@ class TieredTable(KeyValueTable):
         self.slow = SlowStore(self, tiers.slow, pin=self.device.type == "cuda")
         self.slow.index = SlowIndex(self.index, self.slow)
         self.hits = {"fast": 0, "slow": 0, "miss": 0}
+        #: rows and bytes (every column) moved up to the fast tier and down to the slow one, since construction
+        self.moved = {"rows_up": 0, "rows_down": 0, "bytes_up": 0, "bytes_down": 0}
 
     def rows_unmoved_since(self, moves: int) -> bool:
         """Never assumed: rows move between the tiers on their own, so a backward always re-checks them."""
@@ -349,7 +351,10 @@ class TieredTable(KeyValueTable):
         """As :meth:`KeyValueTable.stats` (``size`` counts both tiers), plus ``tiers``: per tier ``rows``,
         ``bytes`` (its columns), ``hit_rate`` (the share of the keys calls looked up that were found there; lookups
         pass each id once per batch) and ``where``; ``index``: the ``bytes`` and ``where`` of the one index of both
-        tiers' keys (kept with the fast tier); ``miss_rate``: keys stored in neither tier."""
+        tiers' keys (kept with the fast tier); ``miss_rate``: keys stored in neither tier; ``looked_up``: the counts
+        behind the rates (``fast``, ``slow``, ``miss``); ``moved``: ``rows_up``, ``rows_down``, ``bytes_up`` and
+        ``bytes_down`` (every column of a row) moved between the tiers. All counts run since construction: the
+        change between two calls is one step's traffic (see :func:`tier_traffic`)."""
         stats = super().stats()
         looked = max(1, sum(self.hits.values()))
         index_bytes = self.index.nbytes()
@@ -360,7 +365,7 @@ class TieredTable(KeyValueTable):
             "slow": {"rows": self.slow.size(), "bytes": self.slow.nbytes(), "hit_rate": self.hits["slow"] / looked,
                      "where": "host" if self.slow.directory is None else self.slow.directory},
             "index": {"bytes": index_bytes, "where": str(self.device)},
-            "miss_rate": self.hits["miss"] / looked})
+            "miss_rate": self.hits["miss"] / looked, "looked_up": dict(self.hits), "moved": dict(self.moved)})
         return stats
 
     # ------------------------------------------------------------------ moving rows
@@ -435,6 +440,34 @@ def _first_occurrences(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     position = torch.arange(keys.numel(), device=keys.device)
     first = torch.full_like(unique, keys.numel(), dtype=torch.int64).scatter_reduce_(0, inverse, position, "amin")
     return unique, first
+
+
+def tier_traffic(tables, since: Optional[dict] = None) -> dict:
+    """The tiers' traffic of ``tables`` (any tables; the tiered ones count) since the snapshot ``since`` (a
+    previous return value; None: since construction): ``tier_bytes_moved`` (both directions, every column),
+    ``tier_rows_up``/``tier_rows_down``, the fast and slow tiers' hit rates over the keys looked up
+    (``tier_fast_hit_rate``, ``tier_slow_hit_rate``; 0 when none was), and ``counts``, the snapshot to pass next
+    time.
+
+    Example:
+        >>> t = TieredTable(2, tiers=Tiers(fast_capacity=2), initializer="zeros")
+        >>> before = tier_traffic([t])["counts"]
+        >>> rows, found = t.find_or_insert(torch.tensor([0, 1]))
+        >>> rows, found = t.find_or_insert(torch.tensor([2, 3]))  # 0 and 1 move down: 32 bytes a row
+        >>> step = tier_traffic([t], before)
+        >>> step["tier_rows_down"], step["tier_bytes_moved"], step["tier_fast_hit_rate"]
+        (2, 64, 0.0)
+    """
+    counts = {"fast": 0, "slow": 0, "miss": 0, "rows_up": 0, "rows_down": 0, "bytes_up": 0, "bytes_down": 0}
+    for table in tables:
+        if isinstance(table, TieredTable):
+            for name, n in {**table.hits, **table.moved}.items():
+                counts[name] += n
+    d = {k: v - (since or {}).get(k, 0) for k, v in counts.items()}
+    looked = d["fast"] + d["slow"] + d["miss"]
+    return {"tier_bytes_moved": d["bytes_up"] + d["bytes_down"], "tier_rows_up": d["rows_up"],
+            "tier_rows_down": d["rows_down"], "tier_fast_hit_rate": d["fast"] / looked if looked else 0.0,
+            "tier_slow_hit_rate": d["slow"] / looked if looked else 0.0, "counts": counts}
 
 
 def _sliced(rows: Rows, part: slice, device) -> Rows:
