@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine should check, in one call: versions, the CUDA- and Triton-marked tests on the
-# device (no interpreter), then the GPU benchmarks. $OUT (default /tmp/dynemb-gpu) gets 8 files, what a device
+# device (no interpreter), then the GPU benchmarks. $OUT (default /tmp/dynemb-gpu) gets 9 files, what a device
 # call brings back: summary.txt (versions, each part's status), tests.txt, junit.xml, bench.txt (every benchmark's
 # output) and a JSON file a benchmark; the last lines printed are a short summary. Run from the repository root,
 # with the image's python3 (torch, triton, numba, pytest-xdist, pytest-timeout, hypothesis; no install needed, the
 # package is read from src/):
 #
-#   bash benchmarks/gpu_lease.sh [test_seconds] [bench_seconds] [pytest -k expression]
+#   bash benchmarks/gpu_lease.sh [test_seconds] [bench_seconds] [pytest -k expression] [tiered_seconds]
+#
+# tiered_seconds (default 150, 0 skips it): issue 47's tiered-table target (4 tables x 25M rows x dim 64, 10% in
+# device memory over pinned host memory, zipf 1.05, 65,536 ids a table a step), its own time after the others.
 #
 # The serving stores (redis, RocksDB, LMDB) are not exercised: their tests are CPU-only and need packages a GPU
 # image may lack; collection errors from such modules do not stop the run.
@@ -16,6 +19,7 @@ mkdir -p "$OUT"
 TEST_S=${1:-200}
 BENCH_S=${2:-200}
 KEXPR=${3:-}
+TIERED_S=${4:-150}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 unset TRITON_INTERPRET
@@ -59,6 +63,7 @@ bench table_ops "$(( $(left) * 5 / 10 ))" $PY benchmarks/table_ops.py --device c
   --json "$OUT/table_ops.json"
 bench distributed "$(left)" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick \
   --json "$OUT/distributed.json"
+bench tiered_gpu "$TIERED_S" $PY benchmarks/tiered_gpu.py --device cuda --prefetch --json "$OUT/tiered_gpu.json"
 
 echo "== summary ($(( $(date +%s) - start )) s)"
 cat "$OUT/summary.txt"
