@@ -89,10 +89,11 @@ def test_staging_buffers_are_reused_and_grow():
     assert c.shape == (9, 3) and link.staging("up", (16, 3), torch.float32).shape == (16, 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["torch", "numba"])
-def test_host_link_moves_equal_the_reference(backend):
+def test_host_link_moves_equal_the_reference(backend, dtype):
     g = torch.Generator().manual_seed(0)
-    fast, slow = torch.randn(50, 6, generator=g), torch.randn(80, 6, generator=g)
+    fast, slow = torch.randn(50, 6, generator=g).to(dtype), torch.randn(80, 6, generator=g).to(dtype)
     pair = torch.randint(0, 100, (50, 2), generator=g)  # a strided column, as the fast tier's stamps
     stamps, slow_stamps = pair[:, 0], torch.randint(0, 100, (80,), generator=g)
     victims, up_from = torch.tensor([3, 7, 11, 40]), torch.tensor([5, 60, 2])

@@ -18,6 +18,7 @@ from .numba_math import prefetch_row_for_write
 __all__ = ["swap_rows"]
 
 _AHEAD = 16  # pairs between a prefetch and the swap (two random rows each)
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integer views
 
 
 def swap_rows(a: torch.Tensor, a_rows: torch.Tensor, b: torch.Tensor, b_rows: torch.Tensor) -> bool:
@@ -29,7 +30,10 @@ def swap_rows(a: torch.Tensor, a_rows: torch.Tensor, b: torch.Tensor, b_rows: to
             and a_rows.dtype == b_rows.dtype == torch.int64 and a.shape[0] and b.shape[0]
             and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()):
         return False
-    x, y = a.numpy(), b.numpy()
+    bits = _BITS.get(a.element_size())
+    if bits is None or a.is_complex():
+        return False
+    x, y = a.view(bits).numpy(), b.view(bits).numpy()  # rows move as their bits (numba has no float16/bfloat16)
     if a.dim() == 1:  # one value a row (keys, stamps): as [R, 1], any stride
         x, y = x[:, None], y[:, None]
     return bool(_swap_kernel(x, a_rows.contiguous().numpy(), y, b_rows.contiguous().numpy()))
