@@ -1,10 +1,11 @@
 """The slow tier of a :class:`~dynemb.table.tiered.TieredTable`: rows that left the fast tier, with every column.
 
 A :class:`SlowStore` is a row store of its own (an index and row-aligned columns, as a table has) whose columns
-live either in host memory (pinned when the fast tier is on CUDA, so copies to the device can overlap) or in
-memory-mapped row files, one file per column, in a private directory under a path. The index stays in RAM: about
-26-52 bytes per row for int64 keys, against the row itself (a ``dim=64`` float32 row with one Adagrad slot is 536
-bytes).
+are views of one row-interleaved buffer, either in host memory (pinned when the fast tier is on CUDA, so copies to
+the device can overlap) or in a memory-mapped row file in a private directory under a path. Inside a tiered table
+its index is a view of the table's one index of both tiers (:class:`~dynemb.table.tier_moves.SlowIndex`), kept
+with the fast tier: about 26-52 bytes per key for int64 keys, against the row itself (a ``dim=64`` float32 row
+with one Adagrad slot is 536 bytes).
 
 Memory-mapped files were measured against RocksDB (``rocksdict``) and LMDB for row-sized values
 (``benchmarks/slow_stores.py``): moving a batch of rows is one gather or scatter over the mapped columns, with no
