@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine should check, in one call: versions, the CUDA- and Triton-marked tests on the
-# device (no interpreter), then the GPU benchmarks. $OUT (default /tmp/dynemb-gpu) gets 9 files, what a device
+# device (no interpreter), then the GPU benchmarks. $OUT (default /tmp/dynemb-gpu) gets 13 files, what a device
 # call brings back: summary.txt (versions, each part's status), tests.txt, junit.xml, bench.txt (every benchmark's
 # output) and a JSON file a benchmark; the last lines printed are a short summary. Run from the repository root,
 # with the image's python3 (torch, triton, numba, pytest-xdist, pytest-timeout, hypothesis; no install needed, the
 # package is read from src/):
 #
-#   bash benchmarks/gpu_lease.sh [test_seconds] [bench_seconds] [pytest -k expression] [tiered_seconds]
+#   bash benchmarks/gpu_lease.sh [test_seconds] [bench_seconds] [pytest -k expression] [grouped_seconds] \
+#     [tiered_seconds]
 #
-# tiered_seconds (default 150, 0 skips it): issue 47's tiered-table target (4 tables x 25M rows x dim 64, 10% in
-# device memory over pinned host memory, zipf 1.05, 65,536 ids a table a step), its own time after the others.
+# The grouped-execution slot (issue 43; grouped_seconds, default 150, out of bench_seconds) comes first: the
+# collection's reads, ops and launches a steady step at 2 and 26 tables (step_counts.py), the main job's step on
+# the GPU at batch 512 and 32,768 with 0% and 5% new ids (job_step.py; targets <= 3 ms and <= 15 ms), and three runs
+# of the gpu_ops.py train step (targets >= 1.0x nn.EmbeddingBag + Adagrad, >= 0.9x the static tables on dynemb's
+# Triton kernels: the "vs static" column).
+#
+# The tiered-table slot (issue 47; tiered_seconds, default 150, 0 skips it, after the others and on top of
+# bench_seconds): 4 tables x 25M rows x dim 64, 10% in device memory over pinned host memory, zipf 1.05, 65,536 ids
+# a table a step; steps/s against all in device memory, bytes moved / move time against pinned H2D bandwidth.
 #
 # The serving stores (redis, RocksDB, LMDB) are not exercised: their tests are CPU-only and need packages a GPU
 # image may lack; collection errors from such modules do not stop the run.
@@ -17,9 +25,10 @@ set -u
 OUT=${OUT:-/tmp/dynemb-gpu}
 mkdir -p "$OUT"
 TEST_S=${1:-200}
-BENCH_S=${2:-200}
+BENCH_S=${2:-350}
 KEXPR=${3:-}
-TIERED_S=${4:-150}
+GROUPED_S=${4:-150}
+TIERED_S=${5:-150}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 unset TRITON_INTERPRET
@@ -57,7 +66,16 @@ bench() {  # name seconds command...: skipped when under 5 s are left (timeout 0
 left() { echo $(( BENCH_S - ($(date +%s) - bstart) )); }
 bstart=$(date +%s)
 : > "$OUT/bench.txt"
-bench gpu_ops "$(( $(left) * 4 / 10 ))" $PY benchmarks/gpu_ops.py --device cuda --json "$OUT/gpu_ops.json"
+gstart=$(date +%s)
+gleft() { echo $(( GROUPED_S - ($(date +%s) - gstart) )); }
+bench step_counts 30 $PY benchmarks/step_counts.py --device cuda --json "$OUT/step_counts.json"
+bench job_step_grouped "$(( $(gleft) * 5 / 10 ))" $PY benchmarks/job_step.py --devices cuda --batch-sizes 512 32768 \
+  --repeat 5 --json "$OUT/job_step_grouped.json"
+bench job_step_new_ids "$(( $(gleft) * 4 / 10 ))" $PY benchmarks/job_step.py --devices cuda --batch-sizes 512 32768 \
+  --repeat 5 --new-ids 0.05 --json "$OUT/job_step_new_ids.json"
+bench gpu_ops_train "$(gleft)" $PY benchmarks/gpu_ops.py --device cuda --only train --train-runs 3 --repeat 5 \
+  --json "$OUT/gpu_ops_train.json"
+bench gpu_ops "$(( $(left) * 4 / 10 ))" $PY benchmarks/gpu_ops.py --device cuda --only index --json "$OUT/gpu_ops.json"
 bench job_step "$(( $(left) * 5 / 10 ))" $PY benchmarks/job_step.py --devices cpu cuda --json "$OUT/job_step.json"
 bench table_ops "$(( $(left) * 5 / 10 ))" $PY benchmarks/table_ops.py --device cuda --quick --threads 1 \
   --json "$OUT/table_ops.json"

@@ -11,7 +11,11 @@ Measured (``--device cuda``: backends triton and torch; ``--device cpu``: auto (
   (torch), ``triton_index.find_gather`` (one launch), and ``index_select`` of known rows (the floor); GB/s of
   bytes read and written and the fraction of ``--hbm-tbs`` (3.0 TB/s: the issue's H100 roofline);
 - ``train``: ``T`` tables x ``V`` rows, dim 64, batch ``B``, pooling 20, sum, RowWiseAdagrad fused into backward
-  (dynemb, each backend) vs ``T x nn.EmbeddingBag(sparse=True)`` with ``torch.optim.Adagrad``; steps/s.
+  vs ``T x nn.EmbeddingBag(sparse=True)`` with ``torch.optim.Adagrad``; steps/s. dynemb runs the tables as
+  ``DynamicEmbedding`` s looked up one by one (each backend), as an ``EmbeddingCollection`` (its tables in one
+  execution group: one launch an operation for all), and, with triton, as an ``EmbeddingCollection`` of static
+  tables (``vocabulary_size``: no hash table, dynemb's own Triton pooling and update): the cost of the hash table
+  alone is the grouped dynamic collection against it. ``--train-runs N`` repeats the comparison N times.
 
 Timings: medians of ``--repeat`` interleaved rounds; on CUDA each timed call ends with a device synchronize.
 Run: ``python benchmarks/gpu_ops.py --device cuda [--quick] [--json PATH]``; ``benchmarks/train_step.py --device
@@ -153,6 +157,34 @@ class _Dynemb(_Step):
             super().__call__(batch)
 
 
+class _Collection(_Step):
+    """The tables as one EmbeddingCollection (dynamic, or static with ``static``), each a feature of bags."""
+
+    def __init__(self, tables, vocab, dim, device, backend, static: bool = False) -> None:
+        super().__init__(tables, dim, device)
+        self.backend = backend
+        with use_backend(backend):
+            configs = [dynemb.TableConfig(name=f"t{t}", dim=dim, seed=t,
+                                          optimizer=dynemb.optim.RowWiseAdagrad(lr=0.01, fused=True),
+                                          **({"vocabulary_size": vocab} if static else {"init_capacity": vocab}))
+                       for t in range(tables)]
+            self.ec = dynemb.EmbeddingCollection(configs, [dynemb.FeatureConfig(name=f"f{t}", table=f"t{t}")
+                                                           for t in range(tables)], device=device)
+            if not static:
+                ids = torch.randperm(vocab, device=device)
+                for name in self.ec.embeddings:  # every id stored: steps measure the steady state
+                    for part in ids.split(1 << 20):
+                        self.ec.embeddings[name].table.find_or_insert(part)
+
+    def pooled(self, batch):
+        out = self.ec({f"f{t}": (ids, offsets) for t, (ids, offsets) in enumerate(batch)})
+        return [out[f"f{t}"] for t in range(len(batch))]
+
+    def __call__(self, batch) -> None:
+        with use_backend(self.backend):
+            super().__call__(batch)
+
+
 class _Bag(_Step):
     def __init__(self, tables, vocab, dim, device) -> None:
         super().__init__(tables, dim, device)
@@ -175,6 +207,9 @@ def train(backends: list[str], tables: int, vocab: int, batch: int, repeat: int,
     batches = [[(torch.randint(0, vocab, (batch * pooling,), generator=g).to(device), offsets)
                 for _ in range(tables)] for _ in range(4)]
     contestants = {f"dynemb {b}": _Dynemb(tables, vocab, dim, device, b) for b in backends}
+    contestants.update({f"dynemb collection {b}": _Collection(tables, vocab, dim, device, b) for b in backends})
+    if "triton" in backends:  # the same model on static tables through dynemb's Triton kernels
+        contestants["dynemb static triton"] = _Collection(tables, vocab, dim, device, "triton", static=True)
     contestants["nn.EmbeddingBag"] = _Bag(tables, vocab, dim, device)
     calls = {name: 0 for name in contestants}
 
@@ -185,8 +220,10 @@ def train(backends: list[str], tables: int, vocab: int, batch: int, repeat: int,
     t = median_times({name: (lambda name=name: run(name)) for name in contestants}, repeat=repeat, warmup=2,
                      clock=_clock(device))
     floor = 1 / t["nn.EmbeddingBag"]
+    static = t.get("dynemb static triton")
     return [{"contestant": name, "steps/s": f"{1 / s:.1f}", "vs EmbeddingBag": f"{(1 / s) / floor:.2f}",
-             "_ratio": (1 / s) / floor} for name, s in t.items()]
+             "vs static": "-" if static is None else f"{static / s:.2f}", "_ratio": (1 / s) / floor}
+            for name, s in t.items()]
 
 
 def main(argv=None, only: str | None = None) -> None:
@@ -199,6 +236,7 @@ def main(argv=None, only: str | None = None) -> None:
     p.add_argument("--backends", nargs="+", default=None, help="default: triton torch on cuda, auto torch on cpu")
     p.add_argument("--hbm-tbs", type=float, default=3.0, help="roofline bandwidth in TB/s (default 3.0)")
     p.add_argument("--only", choices=["index", "train"], default=only)
+    p.add_argument("--train-runs", type=int, default=1, help="train: how many times to run the comparison")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -221,10 +259,13 @@ def main(argv=None, only: str | None = None) -> None:
                            "find+gather GB/s", "roofline"])
         result["index"] = rows
     if args.only in (None, "train"):
-        rows = train(backends, 4, vocab, tbatch, repeat, device)
-        print(f"\ntrain step: 4 tables x {vocab} rows, dim 64, batch {tbatch}, pooling 20, RowWiseAdagrad fused")
-        print_table(rows, ["contestant", "steps/s", "vs EmbeddingBag"])
-        result["train"] = rows
+        result["train"] = []
+        for run in range(args.train_runs):
+            rows = train(backends, 4, vocab, tbatch, repeat, device)
+            print(f"\ntrain step (run {run + 1} of {args.train_runs}): 4 tables x {vocab} rows, dim 64, batch "
+                  f"{tbatch}, pooling 20, RowWiseAdagrad fused")
+            print_table(rows, ["contestant", "steps/s", "vs EmbeddingBag", "vs static"])
+            result["train"].append(rows)
     if args.json:
         write_json(args.json, result)
 

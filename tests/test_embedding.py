@@ -570,7 +570,7 @@ def test_a_copied_module_trains_once_its_original_is_gone(how, static):
         torch.save(emb, buffer)
         buffer.seek(0)
         twin = torch.load(buffer, weights_only=False)  # our own bytes, written just above
-    from dynemb.functional.ops import is_registered
+    from dynemb.functional.custom_ops import is_registered
 
     assert is_registered(twin.table) and twin.table.op_handle != emb.table.op_handle  # compiled ops reach the copy
     del emb
@@ -594,7 +594,7 @@ def test_a_copy_rebuilt_table_first_gets_a_handle_of_its_own():
     lookups reached the original (found by review)."""
     import pickle
 
-    from dynemb.functional.ops import is_registered
+    from dynemb.functional.custom_ops import is_registered
 
     model = _EvictionWatchingModel()
     optimizer = dynemb.optim.SGD([model.emb], lr=0.1)

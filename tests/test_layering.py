@@ -45,12 +45,7 @@ LAYERS = (
 
 # Imports that close a known cycle inside a package, (importer, imported), each with why it is still there. The
 # cycle check leaves these edges out; empty is the goal.
-KNOWN_CYCLES = {
-    # The compiled path's custom op (ops.pooled_lookup_op) runs the eager find (lookup.find_unique) through a
-    # function-level import, and lookup calls the op. Splitting the find out of lookup.py belongs to the grouped
-    # execution work, which is rewriting that module.
-    ("dynemb.functional.ops", "dynemb.functional.lookup"),
-}
+KNOWN_CYCLES: set = set()  # (importer, imported) pairs of a cycle being removed, each with its reason
 
 
 def _module_name(path: Path) -> str:

@@ -15,15 +15,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dynemb"
 
 # (kind, name) -> (the files that hold it, relative to src/dynemb; why it stays). Empty is the goal.
-KNOWN = {
-    ("module", "ops"): (
-        ("functional/ops.py", "table/ops.py"),
-        # functional/ops.py holds the lookups as torch.library custom ops, table/ops.py the row gathers and copies;
-        # both are being rewritten by the grouped-execution work (functional/ and table/ops.py), which renames
-        # neither while it is under way. Rename one of them once it has landed.
-        "both files belong to the grouped-execution rewrite in progress",
-    ),
-}
+KNOWN: dict = {}
 
 
 def _sources() -> list[Path]:

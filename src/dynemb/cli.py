@@ -235,6 +235,27 @@ def cmd_serve_bench(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    import json
+
+    from .checkpoint.planning import plan_from_checkpoint
+
+    pins = {}
+    for pin in args.pin:
+        table, sep, kind = pin.partition("=")
+        if not sep or not table or not kind:
+            raise ValueError(f"--pin must be TABLE=KIND, got {pin!r}")
+        owner = kind.partition(":")[2]
+        pins[table] = ("table", int(owner)) if kind.startswith("table:") else kind
+    memory = int(args.memory_per_rank) if args.memory_per_rank is not None else None
+    plan = plan_from_checkpoint(args.checkpoint, args.world, memory_per_rank=memory,
+                                ranks_per_node=args.ranks_per_node, pins=pins)
+    print(plan)
+    if args.json:
+        print(json.dumps(plan.to_dict(), sort_keys=True))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -390,6 +411,18 @@ def build_parser() -> argparse.ArgumentParser:
     from .endpoint.command import add_serve_args, cmd_serve
 
     add_serve_args(command("serve", "serve a run over HTTP (Open Inference Protocol / KServe v2)", cmd_serve))
+
+    plan = command("plan", "print a sharding plan for the next run from a checkpoint's observed tables", cmd_plan,
+                   "Print a sharding plan (a kind per table, per rank: tables, rows, bytes, lookups and bytes on the "
+                   "wire a step) for --world ranks from the rows and accesses training recorded in a checkpoint. "
+                   "Loading that checkpoint into a collection built with the plan reshards it.")
+    plan.add_argument("--checkpoint", required=True, metavar="CKPT", help="a checkpoint root or directory")
+    plan.add_argument("--world", required=True, type=int, help="ranks of the next run")
+    plan.add_argument("--memory-per-rank", type=float, metavar="BYTES", help="bytes each rank may hold (1e9, ...)")
+    plan.add_argument("--ranks-per-node", type=int, help="ranks of one node (row-sharded tables stay in one)")
+    plan.add_argument("--pin", action="append", default=[], metavar="TABLE=KIND",
+                      help="give TABLE the kind KIND (row, data, column, table_row, table:RANK); repeatable")
+    plan.add_argument("--json", action="store_true", help="print the shardings as JSON (to_dict) after the plan")
 
     demo = command("demo", "synthetic data -> train -> eval -> predict -> export -> serve-bench, with a report",
                    cmd_demo)

@@ -23,6 +23,7 @@ from torch import nn
 from . import optim
 from .optim.combined import CombinedOptimizer
 from .collection import EmbeddingCollection
+from .collection.step_graph import StepGraph
 from .data.batch import Batch
 from .data.metrics import held_out_auc
 from .table import tier_traffic
@@ -137,7 +138,7 @@ class Trainer:
         (3, True, 3)
     """
 
-    def __init__(self, model: DLRM, cfg: TrainConfig) -> None:
+    def __init__(self, model: DLRM, cfg: TrainConfig, cuda_graph: Optional[bool] = None) -> None:
         self.model, self.cfg = model, cfg
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.distributed else 0
@@ -145,8 +146,14 @@ class Trainer:
         if self.distributed:
             self.model.bottom = nn.parallel.DistributedDataParallel(model.bottom)
             self.model.top = nn.parallel.DistributedDataParallel(model.top)
+        on_cuda = bool(dense) and dense[0].device.type == "cuda"
+        # capturable: Adam's step counts live on the device, so that a CUDA graph replays its step
         self.optimizer = CombinedOptimizer({"sparse": model.embeddings.optimizer,
-                                            "dense": torch.optim.Adam(dense, lr=cfg.dense_lr)})
+                                            "dense": torch.optim.Adam(dense, lr=cfg.dense_lr, capturable=on_cuda)})
+        # On a CUDA device the steady steps replay one captured CUDA graph (collection.step_graph); the others,
+        # and every step of a collection that never replays, run eagerly. cuda_graph False: always eager.
+        self.graph = StepGraph(self._eager_step, model.embeddings, enabled=cuda_graph) \
+            if on_cuda and cuda_graph is not False else None
         self.step = 0
         self._saved_step: Optional[int] = None
         self.best_step: Optional[int] = None
@@ -311,7 +318,13 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> torch.Tensor:
         """One optimization step on ``batch`` (forward, BCE loss, backward, the optimizers' step): what :meth:`fit`
-        runs for each batch, without its counting and logging. Returns the loss (a 0-d tensor)."""
+        runs for each batch, without its counting and logging. Returns the loss (a 0-d tensor; on a CUDA graph's
+        replay the graph's own, which the next step overwrites)."""
+        if self.graph is not None:
+            return self.graph(batch)
+        return self._eager_step(batch)
+
+    def _eager_step(self, batch: Batch) -> torch.Tensor:
         loss = self.loss_fn(self.model(batch), batch.labels)
         loss.backward()
         self.optimizer.step()

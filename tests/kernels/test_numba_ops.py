@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 
 from dynemb import optim
-from dynemb.functional.lookup import sort_ids, spread_groups
+from dynemb.functional.find import sort_ids, spread_groups
 from dynemb.functional.pooling import _offsets_valid, bag_of, sorted_row_grad
 from dynemb.kernels import optim_kernels, pool_kernels, use_backend
 from dynemb.table import EvictionPolicy, KeyValueTable

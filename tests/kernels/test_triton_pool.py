@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from dynemb.functional.lookup import sort_ids  # noqa: E402
+from dynemb.functional.find import sort_ids  # noqa: E402
 from dynemb.functional.pooling import bag_of, sorted_row_grad  # noqa: E402
 from dynemb.kernels import triton_init, triton_pool  # noqa: E402
 from dynemb.table.initializers import Constant, Uniform  # noqa: E402

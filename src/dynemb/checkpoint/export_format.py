@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..distributed.sharding import ShardingKind
 from ..checks import VALUE_DTYPES, check_dtype
 from ..serialization import dtype_name
 from ..table.initializers import resolve_initializer
@@ -150,12 +149,20 @@ def _table_payloads(shards: dict, parent: str | None, dtype: torch.dtype, ctx) -
     for i, (name, shard) in enumerate(shards.items()):
         cfg = shard.config
         cols = _local_columns(shard, parent, ctx)
-        if ctx.distributed and shard.sharding is not None and shard.sharding.kind != ShardingKind.DATA:
+        if ctx.distributed and shard.strategy is not None and not shard.strategy.replicated:
             # (a tiered table's streamed columns are materialized here: the gather needs whole tensors)
-            cols = {col: torch.cat(ctx.gather_tensor(t.materialize() if isinstance(t, ColumnStream) else t,
-                                                     f"gathering {col} of table {name!r} for serving"))
-                    for col, t in cols.items()}
-        size = sum(ctx.gather(shard.table.size() if shard.module is not None and _writes(shard, ctx) else 0))
+            # (2-D columns travel flat: column shards' widths differ by rank)
+            gathered = {col: ctx.gather_tensor((t.materialize() if isinstance(t, ColumnStream) else t).reshape(-1),
+                                               f"gathering {col} of table {name!r} for serving")
+                        for col, t in cols.items()}
+            widths = [hi - lo for lo, hi in (shard.strategy.column_range(r) for r in range(ctx.world))]
+            # the strategy puts the ranks' parts together (column shards side by side)
+            cols = shard.strategy.join({r: {col: parts[r].view(-1, widths[r]) if col == VALUES else parts[r]
+                                            for col, parts in gathered.items()}
+                                        for r in range(ctx.world) if shard.strategy.writes(r)}, {VALUES})
+        sizes = ctx.gather(shard.table.size() if shard.module is not None and _writes(shard, ctx) else 0)
+        size = shard.strategy.logical_rows([n for r, n in enumerate(sizes) if shard.strategy.writes(r)]) \
+            if shard.strategy is not None else sum(sizes)
         if ctx.rank != 0:
             continue
         cols[VALUES] = cols[VALUES].to(dtype)

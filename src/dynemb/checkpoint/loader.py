@@ -6,15 +6,14 @@ import os
 import warnings
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from ..distributed.sharding import ShardingKind
+from ..distributed.strategy import strategy_from_record
 from ..optim.combined import CombinedOptimizer
 from ..table import TieredTable
 from . import write_marks
 from .codec import read_state
-from .shard_tensors import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, canonical_config, check_shard
+from .shard_tensors import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, SLOT, VALUES, canonical_config, check_shard
 from .dense import check_dense
 from .errors import CheckpointError
 from .manifest import MANIFEST, chain, file_record, resolve
@@ -111,6 +110,11 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
                 restore(tables[name], cols, saved)
             if table_optimizers[name] is not None:
                 tables[name].optimizer.load_state_dict(table_optimizers[name])
+        for name, shard in tables.items():  # what training had looked up, counted on (by rank 0) from here
+            seen = manifest["tables"].get(name, {}).get("observed")
+            if isinstance(seen, dict):
+                shard.observed_before = {k: seen.get(k, 0) for k in ("accesses", "unique_accesses", "steps")} \
+                    if ctx.rank == 0 else None
     write_marks.record([tables[n].table for n in shards], STREAM, os.path.realpath(directory.parent),
                    directory.name, reset=True)
     return {**manifest, "path": str(directory)}
@@ -175,7 +179,7 @@ def _sources(links: list, name: str, shard, ctx: RankContext) -> tuple[dict, boo
     mine = [s for s in shards if s["rank"] == ctx.rank]
     if world == ctx.world and mine and mine[0].get("sharding") == shard.describe_sharding():
         wanted, reshard = [ctx.rank], False
-    elif ranks == [0] and (shard.sharding is None or shard.sharding.kind == ShardingKind.DATA):
+    elif ranks == [0] and (shard.strategy is None or shard.strategy.replicated):
         wanted, reshard = [0], False  # one copy of a replicated (or whole) table
     else:
         wanted, reshard = ranks, True
@@ -193,7 +197,8 @@ def _sources(links: list, name: str, shard, ctx: RankContext) -> tuple[dict, boo
             rel = record["file"]
             if not (directory / rel).is_file():
                 raise CheckpointError(f"{directory / rel}: shard file of table {name!r} rank {rank} is missing")
-            steps.append((directory / rel, manifest["kind"] != "full", file_record(manifest, directory, rel), record))
+            steps.append((directory / rel, manifest["kind"] != "full", file_record(manifest, directory, rel),
+                          {**record, "world_size": manifest.get("world_size")}))
         sources[rank] = steps
     return sources, reshard
 
@@ -225,19 +230,32 @@ def _read_sources(sources: dict, reshard: bool, config: dict, shard, progress):
             streamed = streamed._replace(admission={k: t.index_select(0, pending)
                                                     for k, t in streamed.admission.items()})
         return streamed, _counters(sources, reshard, None)
-    parts = {rank: _read_shard(steps, config, progress) for rank, steps in sources.items()}
+    # the saved layout's strategy reads its parts (a column shard's file holds its columns) and joins them; the
+    # current one keeps this rank's rows and columns of the whole
+    saved = _saved_strategy(sources, shard)
+    parts = {rank: _read_shard(steps, saved.part_config(config, rank), progress) for rank, steps in sources.items()}
     if not reshard:
         return next(iter(parts.values())), _counters(sources, reshard, None)
-    admission = {col: torch.cat([p[col] for p in parts.values()]) for col in (ADMISSION_KEYS, ADMISSION_COUNTS)
-                 if all(col in p for p in parts.values())}
-    cols = {col: torch.cat([p[col] for p in parts.values()]) for col in next(iter(parts.values()))
-            if col not in admission}
-    kept = shard.owned(cols[KEYS]).nonzero().squeeze(1)
-    cols = {col: t.index_select(0, kept) for col, t in cols.items()}
-    if admission:
-        pending = shard.owned(admission[ADMISSION_KEYS]).nonzero().squeeze(1)
-        cols.update({col: t.index_select(0, pending) for col, t in admission.items()})
-    return cols, _counters(sources, reshard, int(kept.numel()))
+    columnar = {VALUES} | {SLOT + n for n, s in config.get("slots", {}).items() if s["dim"] == config["dim"]}
+    admission = {}
+    if all(ADMISSION_KEYS in p for p in parts.values()):
+        pending = saved.join({r: {KEYS: p.pop(ADMISSION_KEYS), ADMISSION_COUNTS: p.pop(ADMISSION_COUNTS)}
+                              for r, p in parts.items()}, set())
+        admission = _select(shard, pending, set())
+        admission = {ADMISSION_KEYS: admission[KEYS], ADMISSION_COUNTS: admission[ADMISSION_COUNTS]}
+    cols = _select(shard, saved.join(parts, columnar), columnar)
+    return {**cols, **admission}, _counters(sources, reshard, int(cols[KEYS].numel()))
+
+
+def _saved_strategy(sources: dict, shard):
+    """The strategy of the layout the table was saved in (from its shard records)."""
+    record = next(iter(sources.values()))[-1][3]
+    return strategy_from_record(record.get("sharding"), shard.config, None, record.get("world_size") or 1)
+
+
+def _select(shard, cols: dict, columnar: set) -> dict:
+    """This rank's part of the whole table's ``cols`` (the whole of it without sharding)."""
+    return shard.strategy.select(cols, columnar) if shard.strategy is not None else cols
 
 
 def _counters(sources: dict, reshard: bool, kept: int | None) -> dict:

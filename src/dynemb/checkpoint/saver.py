@@ -12,7 +12,6 @@ from pathlib import Path
 from torch import nn
 
 from ..collection.plan import TableShard
-from ..distributed.sharding import ShardingKind
 
 from .._version import __version__
 from ..checks import check_positive_int
@@ -90,7 +89,8 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
     root = Path(path)
     root_key = os.path.realpath(root)
     ctx = rank_context(model)
-    local = {name: shard for name, shard in find_tables(model).items() if shard.module is not None}
+    every = find_tables(model)
+    local = {name: shard for name, shard in every.items() if shard.module is not None}
     embeddings = {name: shard for name, shard in local.items() if writes(shard, ctx)}
     tables = [shard.table for shard in local.values()]  # replicas tick too, so they stay identical
     index = {n: i for i, n in enumerate(sorted({n for names in ctx.gather(sorted(embeddings)) for n in names}))}
@@ -112,12 +112,14 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
             tmp = stack.enter_context(staging(root, name)) if ctx.rank == 0 else None
             tmp = Path(ctx.gather(str(tmp) if tmp is not None else None)[0])
             files = write_payloads(tmp, payloads, f"saved {root / name}")
-            parts = ctx.gather({"files": files, "entries": entries})
+            parts = ctx.gather({"files": files, "entries": entries,
+                                "observed": {n: _observed(shard) for n, shard in every.items()}})
             if ctx.rank == 0:
                 write_json(tmp / MANIFEST, {
                     "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "incremental" if parent else "full",
                     "parent": parent, "step": step, "created_unix": time.time(), "dynemb_version": __version__,
-                    "world_size": ctx.world, "partitioner": PARTITIONER, "tables": _merge_entries(parts),
+                    "world_size": ctx.world, "partitioner": PARTITIONER,
+                    "tables": _with_observed(_merge_entries(parts), parts, every),
                     "dense": DENSE_FILE, "optimizer": _optimizer_entry(optimizer, ctx),
                     "files": {rel: rec for part in parts for rel, rec in part["files"].items()}, "extra": extra,
                 })
@@ -150,12 +152,35 @@ def _merge_entries(parts: list) -> dict:
     return merged
 
 
+def _observed(shard: TableShard) -> list:
+    """``[ids, unique ids, steps]`` this rank's training looked up in the table (with what a loaded checkpoint had
+    seen, kept by rank 0)."""
+    seen, before = shard.observed, shard.observed_before or {}
+    return [int(seen["accesses"] + before.get("accesses", 0)),
+            int(seen["unique_accesses"] + before.get("unique_accesses", 0)),
+            int(seen["steps"] + before.get("steps", 0))]
+
+
+def _with_observed(tables: dict, parts: list, shards: dict) -> dict:
+    """Each table's entry with ``observed``: its rows (all ranks together, as its layout counts them), and the ids,
+    unique ids (sharded collections) and steps training looked up, for the planner (:mod:`dynemb.distributed.
+    planner`; ``dynemb plan --checkpoint``)."""
+    for name, entry in tables.items():
+        rows = [s["rows"] for s in entry["shards"]]
+        strategy = shards[name].strategy if name in shards else None
+        seen = [p["observed"].get(name, [0, 0, 0]) for p in parts]
+        entry["observed"] = {"rows": strategy.logical_rows(rows) if strategy is not None else int(sum(rows)),
+                             "accesses": sum(s[0] for s in seen), "unique_accesses": sum(s[1] for s in seen),
+                             "steps": max(s[2] for s in seen)}
+    return tables
+
+
 def writes(shard: TableShard, ctx: RankContext) -> bool:
     """Whether this rank writes ``shard``: its own part of a sharded table, or rank 0 the one copy of a whole or
     replicated table."""
-    if shard.sharding is None or shard.sharding.kind == ShardingKind.DATA:
+    if shard.strategy is None:
         return ctx.rank == 0
-    return True
+    return shard.strategy.writes(ctx.rank)
 
 
 def _table_payloads(shards: dict, parent: str | None, index: dict, ctx: RankContext) -> tuple[dict, dict]:

@@ -76,16 +76,26 @@ def table_config(shard: TableShard) -> dict:
     Dtypes are named by :func:`~dynemb.serialization.dtype_name`, the initializer and admission filter are their
     ``describe()`` records (``to_dict()``; a callable initializer by name)."""
     cfg, t = shard.config, shard.table
+    # a slot's width in the user's table (a column shard holds its columns of a per-column slot): the optimizer's
+    # own slots by its widths at the table's dim, any other by whether it spans the shard's columns
+    opt = shard.optimizer
+    logical = {opt.slot_key(n): w for n, (w, _) in opt.slot_widths(cfg.dim).items()} if opt is not None else {}
     config = {"dim": cfg.dim, "key_dtype": dtype_name(cfg.key_dtype), "dtype": dtype_name(t.dtype),  # .half() casts
               "vocabulary_size": cfg.vocabulary_size, "max_capacity": cfg.max_capacity,
               "eviction": t.policy.value if cfg.vocabulary_size is None else None,
               "initializer": t.initializer.describe(), "seed": shard.seed,
-              "slots": {n: {"dim": t.slot(n).shape[1], "dtype": dtype_name(t.slot(n).dtype)} for n in t.slot_names}}
+              "slots": {n: {"dim": logical.get(n) or _slot_width(t.slot(n).shape[1], t.dim, cfg.dim),
+                            "dtype": dtype_name(t.slot(n).dtype)} for n in t.slot_names}}
     if getattr(t, "admission", None) is not None:
         config["admission"] = t.admission.describe()
     if config["eviction"] == "decayed_lfu":  # its scores are in units of the half-life
         config["half_life"] = t.half_life
     return config
+
+
+def _slot_width(width: int, shard_dim: int, dim: int) -> int:
+    """A slot's width in the user's table: a column shard's per-column slot spans the whole dim there."""
+    return dim if width == shard_dim else width
 
 
 def counters(table) -> dict:

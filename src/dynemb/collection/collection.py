@@ -41,8 +41,9 @@ class EmbeddingCollection(nn.Module):
         features: the :class:`FeatureConfig` s; several may share a table.
         plan: ``None`` keeps every table whole on this process. Otherwise the tables are sharded over
             ``process_group``: ``"auto"`` (dynamic tables row-wise, small static tables replicated, large ones
-            whole on one rank), or ``{table: "row" | "data" | ("table", rank) | Sharding}`` with the rest
-            automatic. Every rank must then call ``forward`` and ``backward`` each step (batches may differ).
+            whole on one rank), or ``{table: "row" | "data" | "column" | ("table", rank) | ("table_row", ranks) |
+            Sharding}`` with the rest automatic (or a planned one: :func:`dynemb.distributed.plan_tables`).
+            Every rank must then call ``forward`` and ``backward`` each step (batches may differ).
         process_group: the group to shard over (default: the world); only with ``plan``.
         timeout: seconds before a collective gives up with :class:`~dynemb.distributed.DistributedError`.
         device: where the tables live (``cuda`` for NCCL); one this process cannot use (``cuda`` where
@@ -147,6 +148,12 @@ class EmbeddingCollection(nn.Module):
         check = self.validate if self.validate is not None else device.type == "cpu"
         prepared = prepare_features(features, weights or {}, self.feature_configs, self.table_configs, device,
                                     check_ranges=check)
+        if self.training and torch.is_grad_enabled():  # what training looks up, for the planner (no device sync)
+            for name, parts in prepared.items():
+                seen = self.plan[name].observed
+                seen["accesses"] += sum(p.ids.numel() for p in parts)
+            for shard in self.plan:
+                shard.observed["steps"] += 1
         out = self.executor.forward(prepared, self.training)
         return {name: out[name] for name in features}
 

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..functional import BagSet, clip_rows, pool_many, to_bags
+from ..functional.pooling import one_id_bags
 from ..checks import check_keys, fit_keys
 from .config import FeatureConfig, TableConfig
 
@@ -181,6 +182,11 @@ def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, 
         flat, offsets, w, num_bags = to_bags(value.ids, value.offsets, value.weights if weight is None else weight,
                                              lengths=value.lengths, include_last_offset=value.include_last_offset,
                                              shared_offsets=True)
+    elif not value.is_sparse and value.dim() == 1 and weight is None and value.device.type == "cpu" \
+            and not torch.compiler.is_compiling():
+        # one id per sample, unweighted: its ids as they are and the shared offsets (see one_id_bags), without the
+        # reshapes of the [B, 1] form below (two ops a feature and step)
+        flat, offsets, w, num_bags = value, one_id_bags(value.numel(), value.device), None, value.numel()
     elif not value.is_sparse and value.dim() == 1:  # one id per sample
         column = weight.reshape(-1, 1) if isinstance(weight, torch.Tensor) and weight.dim() == 1 else weight
         # [B, 1]: offsets need no check, and are shared (see one_id_bags)
@@ -195,8 +201,10 @@ def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, 
         # backward its division (a CTR model's usual feature).
         combiner = "sum"
     flat = _check_ids(fname, flat, tcfg, device, check_ranges)
+    one_id = not isinstance(value, Bags) and not value.is_sparse and fcfg.padding_value is None \
+        and (value.dim() == 1 or (value.dim() == 2 and value.shape[1] == 1))
     return PreparedFeature(fname, tcfg.name, flat, fcfg.max_norm,
-                           bags=BagSet(flat.numel(), offsets, w, num_bags, combiner))
+                           bags=BagSet(flat.numel(), offsets, w, num_bags, combiner, one_id))
 
 
 def _check_ids(fname: str, ids, tcfg: TableConfig, device, check_ranges: bool) -> torch.Tensor:

@@ -24,8 +24,10 @@ class LocalExecutor:
 
     def forward(self, prepared: dict[str, list[PreparedFeature]], training: bool) -> dict:
         plain = [name for name, parts in prepared.items() if all(p.plain for p in parts)]
-        lookups = [(self.plan[name].module, _ids(prepared[name]), [p.bags for p in prepared[name]]) for name in plain]
-        pooled = dict(zip(plain, pooled_lookups(lookups, training=training, checked=True)))
+        pooled = self._grouped(prepared, plain) if training and torch.is_grad_enabled() else {}
+        rest = [name for name in plain if name not in pooled]
+        lookups = [(self.plan[name].module, _ids(prepared[name]), [p.bags for p in prepared[name]]) for name in rest]
+        pooled.update(zip(rest, pooled_lookups(lookups, training=training, checked=True)))
         out = {}
         for name, parts in prepared.items():
             if name in pooled:
@@ -33,6 +35,22 @@ class LocalExecutor:
             else:
                 out.update(_mixed_lookup(self.plan[name].module, parts, training))
         return out
+
+
+    def _grouped(self, prepared: dict[str, list[PreparedFeature]], plain: list[str]) -> dict:
+        """The plain features' outputs of the tables the plan's execution groups run this call (one grouped call a
+        group), by table name; the other tables are left to their own lookups."""
+        if torch.compiler.is_compiling() or not self.plan.groups:
+            return {}
+        wanted, pooled = set(plain), {}
+        for group in self.plan.groups:
+            members = [(i, name) for i, name in enumerate(group.names) if name in wanted]
+            if not members:
+                continue
+            got = group.lookup.pooled([(i, _ids(prepared[name]), [p.bags for p in prepared[name]])
+                                       for i, name in members])
+            pooled.update((name, got[i]) for i, name in members if i in got)
+        return pooled
 
 
 def _ids(parts: list[PreparedFeature]) -> torch.Tensor:

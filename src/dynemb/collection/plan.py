@@ -6,15 +6,9 @@ between the user's keys and the shard's keys, and the optimizer bound to that sh
 loads or serves state asks the plan for logical tables and speaks the user's names and keys; only the executors
 know about ranks.
 
-==================  ========================================================================================
-sharding            rows on this rank, and their keys
-==================  ========================================================================================
-``None``            the whole table; shard keys are the user's keys (one process)
-``row``             keys with ``partitioner(key, W) == rank``; a static table's id ``i`` is row ``i // W``
-                    (nothing on a rank at or past the vocabulary size, which owns no id)
-``table``           the whole table on its owner rank; nothing elsewhere
-``data``            a replica of the whole table on every rank
-==================  ========================================================================================
+How a table is spread over ranks, and which of its keys and columns live here, is its sharding strategy's
+(:mod:`dynemb.distributed.strategy`, one module per kind: row, table, table_row, column, data); without sharding
+the shard is the whole table and its keys are the user's.
 """
 
 from __future__ import annotations
@@ -24,13 +18,15 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from ..distributed.sharding import Sharding, ShardingKind
+from ..distributed.sharding import Sharding
+from ..distributed.strategy import ShardingStrategy, strategy_for
 from ..embedding import DynamicEmbedding, StaticEmbedding
+from ..functional.grouped import GroupedLookup, group_tables
 from ..optim.base import SparseOptimizer
 from ..table.policy import EvictionPolicy
 from .config import TableConfig
 
-__all__ = ["TableShard", "ExecutionPlan", "draw_seeds", "whole_table"]
+__all__ = ["TableShard", "ExecutionPlan", "ExecutionGroup", "draw_seeds", "whole_table"]
 
 Module = Union[DynamicEmbedding, StaticEmbedding]
 
@@ -44,6 +40,7 @@ class TableShard:
         seed: the initializer seed every rank uses.
         sharding: how the table is spread over ranks (``None``: not sharded).
         rank, world: this process in the sharding group.
+        strategy: the sharding's strategy for this table on this rank (``None``: not sharded).
         module: the physical table's module (``None`` on a rank that holds none of the table: a table-sharded
             table's other ranks, and the ranks that own no id of a row-sharded static table whose vocabulary is
             smaller than the world).
@@ -55,10 +52,15 @@ class TableShard:
     sharding: Optional[Sharding] = None
     rank: int = 0
     world: int = 1
+    strategy: Optional[ShardingStrategy] = None
     module: Optional[Module] = None
     optimizer: Optional[SparseOptimizer] = None
     #: the rows' dtype after a cast of the collection (``.half()``); ``None``: the config's
     cast_dtype: Optional[torch.dtype] = None
+    #: what training on this rank looked up (for the planner, saved in checkpoint manifests): ids, unique ids
+    #: (sharded collections) and training steps; plus what a loaded checkpoint had seen (rank 0 keeps it)
+    observed: dict = dataclasses.field(default_factory=lambda: {"accesses": 0, "unique_accesses": 0, "steps": 0})
+    observed_before: Optional[dict] = None
 
     @property
     def name(self) -> str:
@@ -79,30 +81,34 @@ class TableShard:
         """The physical table (``KeyValueTable`` or ``StaticTable``), or None."""
         return self.module.table if self.module is not None else None
 
-    @property
-    def _row_static(self) -> bool:
-        return self.config.is_static and self.sharding is not None and self.sharding.kind == ShardingKind.ROW
-
     def shard_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """The user's keys (owned by this rank) -> this shard's keys, in the table's key dtype."""
-        if self._row_static:
-            keys = torch.div(keys.to(torch.int64), self.world, rounding_mode="floor")
+        if self.strategy is not None:
+            return self.strategy.shard_keys(keys)
         return keys.to(self.config.key_dtype)
 
     def user_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`shard_keys`."""
-        if self._row_static:
-            return (keys.to(torch.int64) * self.world + self.rank).to(self.config.key_dtype)
-        return keys
+        return self.strategy.user_keys(keys) if self.strategy is not None else keys
 
     def owned(self, keys: torch.Tensor) -> torch.Tensor:
-        """Bool mask of the user's ``keys`` that belong on this rank."""
-        if self.sharding is None or self.sharding.kind == ShardingKind.DATA:
+        """Bool mask of the user's ``keys`` whose rows (or columns of them) live on this rank."""
+        if self.strategy is None:
             return torch.ones_like(keys, dtype=torch.bool)
-        return self.sharding.owners(keys.to(torch.int64), self.world) == self.rank
+        return self.strategy.owned(keys)
 
     def describe_sharding(self) -> Optional[dict]:
         return self.sharding.describe() if self.sharding is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionGroup:
+    """Tables of this rank whose training lookups run as one call of each group kernel: their ``names`` (config
+    order) and the :class:`~dynemb.functional.grouped.GroupedLookup` that runs them. An execution detail: nothing
+    of it is saved, exported or named in an error."""
+
+    names: tuple[str, ...]
+    lookup: GroupedLookup
 
 
 def whole_table(name: str, module: Module) -> TableShard:
@@ -145,13 +151,31 @@ class ExecutionPlan:
         self.shards: dict[str, TableShard] = {}
         for cfg in tables:
             sharding = shardings[cfg.name] if shardings is not None else None
-            shard = TableShard(cfg, seeds[cfg.name], sharding, rank, world)
+            strategy = strategy_for(sharding, cfg, rank, world) if sharding is not None else None
+            shard = TableShard(cfg, seeds[cfg.name], sharding, rank, world, strategy)
             shard.module = self._build(shard, device)
             if shard.module is not None:
                 shard.module.table.name = cfg.name  # for messages about the table (gradients with no optimizer)
             if shard.module is not None and cfg.optimizer is not None:
                 shard.optimizer = cfg.optimizer.bind([shard.module])
             self.shards[cfg.name] = shard
+        self.groups = self._groups()
+
+    def _groups(self) -> list[ExecutionGroup]:
+        """The tables on this rank whose training lookups run together, one kernel call an operation for a group
+        (:mod:`dynemb.functional.grouped`): dynamic tables of one device and key dtype whose fused optimizers share
+        an update kernel (dims may differ). A table in no group runs its own lookups; so does a grouped table on a
+        call the group cannot take it (frozen, a bound it would pass) or a backend without group kernels."""
+        # a column shard whose optimizer shares a row statistic updates through the optimizer's own path, which
+        # takes the other shards' parts of it (the group kernels cannot)
+        tables = {name: s.table for name, s in self.shards.items() if s.table is not None
+                  and not (s.strategy is not None and s.strategy.shares_row_statistic)}
+        return [ExecutionGroup(tuple(names), GroupedLookup([tables[n] for n in names]))
+                for names in group_tables(tables)]
+
+    def describe_groups(self) -> list[list[str]]:
+        """The execution groups by table name (see :meth:`_groups`)."""
+        return [list(g.names) for g in self.groups]
 
     def __getitem__(self, name: str) -> TableShard:
         return self.shards[name]
@@ -160,22 +184,14 @@ class ExecutionPlan:
         return iter(self.shards.values())
 
     def _build(self, shard: TableShard, device) -> Optional[Module]:
-        """The physical table of ``shard`` on this rank (the only place one is built)."""
-        cfg, sharding = shard.config, shard.sharding
-        if sharding is not None and sharding.kind == ShardingKind.TABLE and sharding.owner != self.rank:
-            return None
+        """The physical table of ``shard`` on this rank (the only place one is built): its strategy's part, or the
+        whole table."""
+        if shard.strategy is not None:
+            return shard.strategy.build(shard.seed, device)
+        cfg = shard.config
         if cfg.is_static:
-            rows = cfg.vocabulary_size
-            if shard._row_static:  # this rank owns ids r, r + W, r + 2W, ...
-                rows = (cfg.vocabulary_size - self.rank + self.world - 1) // self.world
-                if rows == 0:  # none of them: a row here would stand for an id past the vocabulary, saved and served
-                    return None
-            module = StaticEmbedding(rows, cfg.dim, dtype=cfg.dtype, key_dtype=cfg.key_dtype, device=device,
-                                     initializer=cfg.initializer, seed=shard.seed)
-            if shard._row_static:  # rows start as the user's ids would: a shard equals its part of the whole
-                ids = shard.user_keys(module.table.row_keys)
-                module.table.values.copy_(module.table.initial_rows(ids))
-            return module
+            return StaticEmbedding(cfg.vocabulary_size, cfg.dim, dtype=cfg.dtype, key_dtype=cfg.key_dtype,
+                                   device=device, initializer=cfg.initializer, seed=shard.seed)
         return DynamicEmbedding(cfg.dim, key_dtype=cfg.key_dtype, dtype=cfg.dtype, initializer=cfg.initializer,
                                 device=device, init_capacity=cfg.init_capacity, max_capacity=cfg.max_capacity,
                                 max_bytes=cfg.max_bytes, tiers=cfg.tiers, eviction=cfg.eviction,

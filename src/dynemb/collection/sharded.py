@@ -1,18 +1,27 @@
-"""The sharded executor: tables spread over ranks, one step as input_dist -> compute -> output_dist.
+"""The sharded executor: drives each table's sharding strategy, one step as input_dist -> lookup -> output_dist.
 
-For all row/table-sharded tables together:
+For all tables of keyed kinds (row, table, table_row, column) together:
 
-1. each table's ids are deduplicated locally and sorted by owner rank;
+1. each table's ids are deduplicated locally; its strategy routes each unique key to one or more ranks
+   (:meth:`~dynemb.distributed.strategy.ShardingStrategy.route`), and the copies are sorted by rank;
 2. one all-to-all of the per-(rank, table) counts, then one all-to-all of the keys (and, for tables that count
    occurrences, one of the per-key counts);
-3. each owner runs find_or_insert (admission and eviction happen at the owner) and gathers the rows;
-4. one all-to-all returns the rows, which are pooled locally exactly as by the local executor;
-5. backward: one all-to-all carries the per-unique-key gradients to the owners, which hand them to their
-   optimizer (applied at once when fused, else on ``step()``).
+3. each owner runs the collection's owner-side lookup (:meth:`ShardedExecutor.owner_lookup`, which is
+   :func:`~dynemb.functional.owner.owner_lookup` over all its tables: an execution group's tables as one grouped
+   call; find_or_insert with the requesters' counts, so admission and eviction happen at the owner) and reads its
+   columns of the rows;
+4. one all-to-all returns them, and each table's strategy puts its rows together
+   (:meth:`~dynemb.distributed.strategy.ShardingStrategy.assemble`); they are pooled locally exactly as by the
+   local executor;
+5. backward: each strategy splits the per-unique-key gradients (:meth:`~.ShardingStrategy.split`), one
+   all-to-all carries them to the owners, an owner shares what its strategy must share before the update (a
+   column shard's part of a row statistic, one more all-to-all when any table needs it), and hands them to the
+   table's optimizer (applied at once when fused, else on ``step()``).
 
-Replicated (``data``) tables all-gather each step's unique keys so every replica inserts the same keys, and
-all-gather the gradients so every replica applies the same update. Initial rows depend only on (seed, key), so a
-key gets the same row whichever rank owns it, and N-rank training equals 1-rank training.
+Replicated (``data``) tables exchange by all-gathers (:mod:`dynemb.distributed.shard_data`). Initial rows depend
+only on (seed, key), so a key gets the same row whichever rank owns it, and N-rank training equals 1-rank
+training. The exchange records kept between forward and backward are typed
+(:class:`~dynemb.distributed.strategy.KeyedRecord`, :class:`~dynemb.distributed.strategy.ReplicatedRecord`).
 """
 
 from __future__ import annotations
@@ -23,8 +32,9 @@ from typing import Optional
 import torch
 
 from ..distributed.comm import all_gather_varsize, all_to_all_known
-from ..distributed.sharding import ShardingKind
-from ..functional import deliver_gradient, read_rows
+from ..distributed.strategy import KeyedRecord
+from ..functional.find import trains
+from ..functional.owner import OwnerRows, owner_lookup
 from .features import PreparedFeature, finish
 from .plan import ExecutionPlan, TableShard
 
@@ -38,13 +48,18 @@ class ShardedExecutor:
     def __init__(self, plan: ExecutionPlan, group) -> None:
         self.plan, self.group = plan, group
         self.world, self.rank = plan.world, plan.rank
-        self.comm_stats = {"bytes_sent": 0, "seconds": 0.0, "calls": 0, "keys_received": 0}
+        self.comm_stats = {"bytes_sent": 0, "bytes_remote": 0, "seconds": 0.0, "calls": 0, "keys_received": 0}
         self.training = True
+        self.inserting: dict[str, bool] = {}
+        self._width_cache: dict = {}
 
     def forward(self, prepared: dict[str, list[PreparedFeature]], training: bool) -> dict:
         # Tables insert, evict and count only when training with grad mode on; otherwise they are read-only.
         # (Every rank must be in the same mode: the exchange below depends on it.)
         training = self.training = training and torch.is_grad_enabled()
+        # which tables insert and train (the rule of functional.lookup.trains), decided here: the owner side runs
+        # inside an autograd node's forward, where grad mode is off
+        self.inserting = {s.name: s.table is not None and trains(s.table, training) for s in self.plan}
         names = list(self.plan.shards)
         device = next((p.ids.device for parts in prepared.values() for p in parts), None)
         keys, inverses, counts = [], [], []
@@ -53,6 +68,8 @@ class ShardedExecutor:
             parts = prepared.get(name, [])
             flat = torch.cat([p.ids for p in parts]) if parts else torch.empty(0, dtype=cfg.key_dtype, device=device)
             unique, inverse, count = torch.unique(flat.to(torch.int64), return_inverse=True, return_counts=True)
+            if training:
+                self.plan[name].observed["unique_accesses"] += unique.numel()
             keys.append(unique)
             inverses.append(inverse)
             counts.append(count)
@@ -71,149 +88,161 @@ class ShardedExecutor:
 
     # ------------------------------------------------------------------ exchange
     def _a2a(self, send: torch.Tensor, send_counts: list, recv_counts: list, what: str) -> torch.Tensor:
-        """all-to-all with accounting: bytes this rank hands to the collective, and seconds spent in it."""
+        """all-to-all with accounting: bytes this rank hands to the collective (``bytes_remote``: those for other
+        ranks, what crosses the wire), and seconds spent in it."""
         start = time.perf_counter()
         out = send if self.world == 1 else all_to_all_known(send, send_counts, recv_counts, self.group, what)
         stats = self.comm_stats
-        stats["bytes_sent"] += send.numel() * send.element_size()
+        total = send.numel() * send.element_size()
+        stats["bytes_sent"] += total
+        units = sum(send_counts)
+        stats["bytes_remote"] += total - (total // units * send_counts[self.rank] if units else 0)
         stats["seconds"] += time.perf_counter() - start
         stats["calls"] += 1
         return out
 
     def _exchange(self, keys: list[torch.Tensor], counts: list[torch.Tensor]):
         """Rows for each table's unique keys (``counts``: their occurrences); returns ``(values per table, saved
-        state for backward)``."""
+        records for backward)``."""
         shards = list(self.plan)
-        row = [i for i, s in enumerate(shards) if s.sharding.kind != ShardingKind.DATA]
-        data = [i for i, s in enumerate(shards) if s.sharding.kind == ShardingKind.DATA]
+        keyed = [i for i, s in enumerate(shards) if not s.strategy.replicated]
+        replicated = [i for i, s in enumerate(shards) if s.strategy.replicated]
         values: list = [None] * len(shards)
-        saved = {"row": self._row_forward([shards[i] for i in row], [keys[i] for i in row],
-                                          [counts[i] for i in row]), "data": []}
-        for i, v in zip(row, saved["row"]["values"]):
+        record = self._keyed_forward([shards[i] for i in keyed], [keys[i] for i in keyed], [counts[i] for i in keyed])
+        for i, v in zip(keyed, record.values if record is not None else []):
             values[i] = v
-        for i in data:
-            values[i], state = self._data_forward(shards[i], keys[i], counts[i])
-            saved["data"].append(state)
-        saved["row_index"], saved["data_index"] = row, data
+        saved = {"keyed": record, "keyed_index": keyed, "replicated": [], "replicated_index": replicated}
+        for i in replicated:
+            shard = shards[i]
+            values[i], state = shard.strategy.forward(shard, keys[i], counts[i], self.owner_lookup,
+                                                      self.inserting[shard.name], self.group)
+            saved["replicated"].append(state)
         return values, saved
 
-    def _insert(self, table, unique: torch.Tensor, inverse: torch.Tensor, counts: Optional[torch.Tensor]):
-        """find_or_insert of ``unique``, with occurrence counts summed from every requester when given."""
-        if counts is None:
-            return table.find_or_insert(unique)[0]
-        total = torch.zeros(unique.numel(), dtype=torch.int64, device=unique.device).index_add_(0, inverse, counts)
-        return table.find_or_insert(unique, counts=total)[0]
+    def owner_lookup(self, shards: list[TableShard], keys: list[torch.Tensor],
+                     counts: list[Optional[torch.Tensor]]) -> OwnerRows:
+        """The collection's owner-side lookup, which every strategy calls: the received ``keys[t]`` (the user's) of
+        ``shards[t]`` found or inserted (with the requesters' occurrence ``counts[t]`` where given) by
+        :func:`~dynemb.functional.owner.owner_lookup`, an execution group's tables as one grouped call."""
+        return owner_lookup([s.table for s in shards], [s.shard_keys(k) for s, k in zip(shards, keys)],
+                            insert=[s.table is not None and self.inserting[s.name] for s in shards],
+                            counts=counts, groups=[g.lookup for g in self.plan.groups])
 
-    def _owner_lookup(self, shard: TableShard, keys: torch.Tensor, counts: Optional[torch.Tensor]):
-        """Owner side: unique, find/insert, read. Returns (unique shard keys, rows, inverse, rows per key)."""
-        local = shard.shard_keys(keys)
-        unique, inverse = torch.unique(local, return_inverse=True)
-        table = shard.table
-        inserts = self.training and shard.trains  # a frozen table is read-only, as under no_grad
-        rows = self._insert(table, unique, inverse, counts) if inserts else table.find_rows(unique)
-        return unique, rows, inverse, read_rows(table, unique, rows).float().index_select(0, inverse)
+    def _widths(self, strategies: list) -> torch.Tensor:
+        """``[W, T]``: the columns each rank holds of each table (fixed by the plan: computed once)."""
+        key = tuple(id(s) for s in strategies)
+        if self._width_cache.get("key") != key:
+            self._width_cache = {"key": key, "widths": torch.tensor(
+                [[hi - lo for lo, hi in (s.column_range(r) for s in strategies)] for r in range(self.world)],
+                dtype=torch.int64).reshape(self.world, len(strategies))}
+        return self._width_cache["widths"]
 
-    def _row_forward(self, shards: list[TableShard], keys: list[torch.Tensor], counts: list[torch.Tensor]) -> dict:
+    def _keyed_forward(self, shards: list[TableShard], keys: list[torch.Tensor],
+                       counts: list[torch.Tensor]) -> Optional[KeyedRecord]:
         world, tables = self.world, len(shards)
         if tables == 0:
-            return {"values": []}
+            return None
         device = keys[0].device
-        dims = [s.config.dim for s in shards]
-        owners = [s.sharding.owners(k, world) for s, k in zip(shards, keys)]
-        sizes = [k.numel() for k in keys]
+        strategies = [s.strategy for s in shards]
+        widths = self._widths(strategies).to(device)
+        routes = [st.route(k) for st, k in zip(strategies, keys)]
+        sizes = [r.dest.numel() for r in routes]
         table_id = torch.repeat_interleave(torch.arange(tables, device=device), torch.tensor(sizes, device=device))
-        sort_key = torch.cat(owners) * tables + table_id
+        sort_key = torch.cat([r.dest for r in routes]) * tables + table_id
         perm = torch.sort(sort_key, stable=True).indices
         sent = torch.bincount(sort_key, minlength=world * tables).view(world, tables)
         recv = self._a2a(sent, [1] * world, [1] * world, "all-to-all of key counts")
-        recv_keys = self._a2a(torch.cat(keys).index_select(0, perm), sent.sum(1).tolist(), recv.sum(1).tolist(),
+        copies_all = torch.cat([k.index_select(0, r.index) for k, r in zip(keys, routes)])
+        recv_keys = self._a2a(copies_all.index_select(0, perm), sent.sum(1).tolist(), recv.sum(1).tolist(),
                               "all-to-all of keys")
         self.comm_stats["keys_received"] += recv_keys.numel()
         recv_counts = None
         if any(s.config.counts_occurrences for s in shards):  # from configs: every rank agrees
             # lfu/admission tables count occurrences: the counts travel with the keys (8 more bytes per key)
-            recv_counts = self._a2a(torch.cat(counts).index_select(0, perm), sent.sum(1).tolist(),
-                                    recv.sum(1).tolist(), "all-to-all of key counts per key")
+            all_counts = torch.cat([c.index_select(0, r.index) for c, r in zip(counts, routes)])
+            recv_counts = self._a2a(all_counts.index_select(0, perm), sent.sum(1).tolist(), recv.sum(1).tolist(),
+                                    "all-to-all of key counts per key")
         recv_table = torch.repeat_interleave(torch.arange(tables, device=device).repeat(world), recv.reshape(-1))
-        owned, blocks = [], []
-        for t, shard in enumerate(shards):
-            mine = recv_keys[recv_table == t]
-            if shard.module is None:
-                owned.append(None)
-                blocks.append(torch.empty(0, dims[t], device=device))
-                continue
-            mine_counts = recv_counts[recv_table == t] if recv_counts is not None and \
-                shard.config.counts_occurrences else None
-            unique, rows, inverse, vals = self._owner_lookup(shard, mine, mine_counts)
-            owned.append((unique, rows, inverse))
-            blocks.append(vals)
-        send_rows = _interleave(blocks, recv)
-        dims_t = torch.tensor(dims, device=device)
-        got = self._a2a(send_rows, (recv * dims_t).sum(1).tolist(), (sent * dims_t).sum(1).tolist(),
+        mine = [recv_keys[recv_table == t] for t in range(tables)]
+        mine_counts = [recv_counts[recv_table == t] if recv_counts is not None and s.config.counts_occurrences
+                       else None for t, s in enumerate(shards)]
+        # the owner side: one call for all of this rank's tables
+        owner = self.owner_lookup(shards, mine, mine_counts)
+        blocks = [v if v is not None else torch.empty(0, int(widths[self.rank, t]), device=device)
+                  for t, v in enumerate(owner.values)]
+        send_rows = _interleave([list(b.split(recv[:, t].tolist())) for t, b in enumerate(blocks)])
+        got = self._a2a(send_rows, (recv * widths[self.rank]).sum(1).tolist(), (sent * widths).sum(1).tolist(),
                         "all-to-all of rows")
-        per_table = _deinterleave(got, sent, dims)
+        pieces = _deinterleave(got, sent, widths)
         offsets = [0]
-        for s in sizes:
-            offsets.append(offsets[-1] + s)
-        values, order = [], []
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        values, copies = [], []
         perm_table = table_id.index_select(0, perm)
-        for t, shard in enumerate(shards):
-            idx = perm[perm_table == t] - offsets[t]
-            out = torch.empty(sizes[t], dims[t], device=device)
-            out[idx] = per_table[t]
-            values.append(out.to(shard.dtype))
-            order.append(idx)
-        return {"values": values, "shards": shards, "sent": sent, "recv": recv, "order": order, "owned": owned,
-                "dims": dims}
+        for t, (shard, route) in enumerate(zip(shards, routes)):
+            order = route.index.index_select(0, perm[perm_table == t] - offsets[t])  # unique-key positions
+            values.append(shard.strategy.assemble(keys[t].numel(), order, pieces[t], shard.dtype))
+            copies.append(order)
+        received = [s.shard_keys(k) for s, k in zip(shards, mine)]
+        return KeyedRecord(strategies, shards, sent, recv, widths, copies, received, owner, values)
 
-    def _row_backward(self, state: dict, grads: list) -> None:
-        if not state.get("shards"):
+    def _keyed_backward(self, record: Optional[KeyedRecord], grads: list) -> None:
+        if record is None:
             return
-        shards, sent, recv, dims = state["shards"], state["sent"], state["recv"], state["dims"]
-        dims_t = torch.tensor(dims, device=sent.device)
-        blocks = [g.float().index_select(0, idx) for g, idx in zip(grads, state["order"])]
-        got = self._a2a(_interleave(blocks, sent), (sent * dims_t).sum(1).tolist(), (recv * dims_t).sum(1).tolist(),
-                        "all-to-all of gradients")
-        for shard, owned, dim, grad in zip(shards, state["owned"], dims, _deinterleave(got, recv, dims)):
-            if owned is None:
-                continue
-            unique, rows, inverse = owned
-            total = torch.zeros(unique.numel(), dim, device=grad.device).index_add_(0, inverse, grad)
-            deliver_gradient(shard.table, unique, rows, total)
+        sent, recv, widths = record.sent, record.recv, record.widths
+        pieces = [st.split(g, order, sent[:, t].tolist())
+                  for t, (st, g, order) in enumerate(zip(record.strategies, grads, record.copies))]
+        got = self._a2a(_interleave(pieces), (sent * widths).sum(1).tolist(),
+                        (recv * widths[self.rank]).sum(1).tolist(), "all-to-all of gradients")
+        mine = [torch.cat(p) for p in _deinterleave(got, recv, widths[self.rank].expand_as(recv))]
+        self._share(record, mine)
+        record.owner.backward([g if v is not None else None for g, v in zip(mine, record.owner.values)])
 
-    def _data_forward(self, shard: TableShard, keys: torch.Tensor, counts: torch.Tensor):
-        parts = all_gather_varsize(keys, self.group, f"all-gather of keys of {shard.name!r}")
-        union, where = torch.unique(torch.cat(parts), return_inverse=True)
-        table = shard.table
-        local = shard.shard_keys(union)
-        if self.training and shard.trains:
-            every_count = None
-            if shard.config.counts_occurrences:
-                every_count = torch.cat(all_gather_varsize(counts, self.group,
-                                                           f"all-gather of counts of {shard.name!r}"))
-            rows = self._insert(table, local, where, every_count)
-        else:
-            rows = table.find_rows(local)
-        values = read_rows(table, local, rows)
-        pos = torch.searchsorted(union, keys)
-        return values.index_select(0, pos), {"shard": shard, "union": union, "local": local, "rows": rows,
-                                             "parts": parts}
-
-    def _data_backward(self, state: dict, grad: torch.Tensor) -> None:
-        shard = state["shard"]
-        grads = all_gather_varsize(grad.float(), self.group, f"all-gather of gradients of {shard.name!r}")
-        pos = torch.searchsorted(state["union"], torch.cat(state["parts"]))
-        total = torch.zeros(state["union"].numel(), grad.shape[1], device=grad.device)
-        total.index_add_(0, pos, torch.cat(grads))
-        deliver_gradient(shard.table, state["local"], state["rows"], total)
+    def _share(self, record: KeyedRecord, grads: list) -> None:
+        """What each owner shares with the table's other owners before its update (a column shard's part of each
+        row's statistic), summed over the others and handed to the strategy: one all-to-all for every table that
+        needs it. Which tables share is fixed by the plan, the same on every rank (all join the collective), and a
+        shard's unique keys are the same on every rank of its group (the same keys arrive in the same order), so
+        the sizes are known on both sides."""
+        sharing = [t for t, st in enumerate(record.strategies) if st.shares_row_statistic]
+        if not sharing:
+            return
+        parts = {t: record.strategies[t].before_delivery(record.shards[t], record.received[t],
+                                                         record.owner.values[t], grads[t])
+                 for t in sharing if record.owner.values[t] is not None}
+        parts = {t: p for t, p in parts.items() if p is not None}
+        send, counts = [], [0] * self.world
+        for r in range(self.world):
+            for t, (_, part) in parts.items():
+                if r != self.rank and record.strategies[t].holds(r):
+                    send.append(part)
+                    counts[r] += part.numel()
+        device = record.sent.device
+        got = self._a2a(torch.cat(send) if send else torch.empty(0, device=device), counts, counts,
+                        "all-to-all of row statistics")
+        shared = {t: torch.zeros_like(part) for t, (_, part) in parts.items()}
+        start = 0
+        for r in range(self.world):
+            for t, (_, part) in parts.items():
+                if r != self.rank and record.strategies[t].holds(r):
+                    shared[t] += got[start: start + part.numel()]
+                    start += part.numel()
+        for t, (unique, _) in parts.items():
+            record.strategies[t].deliver(record.shards[t], unique, shared[t])
 
     def gather(self, shard: TableShard, keys: torch.Tensor, values: torch.Tensor):
-        """Every rank's ``(keys, values)`` of a table, concatenated (a collective; a replica is one copy)."""
-        if shard.sharding.kind == ShardingKind.DATA:
+        """Every rank's ``(keys, values)`` of a table put together by its strategy (a collective; a replica is one
+        copy, column shards are joined)."""
+        if shard.strategy.replicated:
             return keys, values
         all_keys = all_gather_varsize(keys.to(torch.int64), self.group, f"all-gather of {shard.name!r} keys")
-        all_values = all_gather_varsize(values.float(), self.group, f"all-gather of {shard.name!r} values")
-        return torch.cat(all_keys).to(keys.dtype), torch.cat(all_values).to(values.dtype)
+        # flat: column shards' widths differ by rank
+        all_values = all_gather_varsize(values.float().reshape(-1), self.group, f"all-gather of {shard.name!r} values")
+        widths = [hi - lo for lo, hi in (shard.strategy.column_range(r) for r in range(self.world))]
+        parts = {r: {"keys": k, "values": v.view(k.numel(), widths[r])}
+                 for r, (k, v) in enumerate(zip(all_keys, all_values)) if shard.strategy.writes(r)}
+        whole = shard.strategy.join(parts, {"values"})
+        return whole["keys"].to(keys.dtype), whole["values"].to(values.dtype)
 
 
 class _ShardedLookup(torch.autograd.Function):
@@ -231,23 +260,23 @@ class _ShardedLookup(torch.autograd.Function):
         grads = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                  for g, (shape, dtype, device) in zip(grads, ctx.shapes)]
         saved, executor = ctx.saved, ctx.executor
-        executor._row_backward(saved["row"], [grads[i] for i in saved["row_index"]])
-        for i, state in zip(saved["data_index"], saved["data"]):
-            executor._data_backward(state, grads[i])
+        executor._keyed_backward(saved["keyed"], [grads[i] for i in saved["keyed_index"]])
+        for i, record in zip(saved["replicated_index"], saved["replicated"]):
+            record.shard.strategy.backward(record, grads[i], executor.group)
         return None, None, None, None
 
 
-def _interleave(blocks: list[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
-    """Flatten per-table row blocks into one buffer ordered by (rank, table). ``counts``: ``[W, T]`` rows."""
-    pieces = [b.split(counts[:, t].tolist()) for t, b in enumerate(blocks)]
-    world = counts.shape[0]
-    flat = [pieces[t][r].reshape(-1) for r in range(world) for t in range(len(blocks))]
+def _interleave(pieces: list) -> torch.Tensor:
+    """Flatten ``pieces[t][r]`` (table ``t``'s rows for rank ``r``) into one buffer ordered by (rank, table)."""
+    world = len(pieces[0]) if pieces else 0
+    flat = [pieces[t][r].reshape(-1) for r in range(world) for t in range(len(pieces))]
     return torch.cat(flat) if flat else torch.empty(0)
 
 
-def _deinterleave(flat: torch.Tensor, counts: torch.Tensor, dims: list[int]) -> list[torch.Tensor]:
-    """Inverse of :func:`_interleave`: per-table ``[rows, dim]`` tensors, ranks in order."""
+def _deinterleave(flat: torch.Tensor, counts: torch.Tensor, widths: torch.Tensor) -> list:
+    """Inverse of :func:`_interleave`: ``pieces[t][r]`` of ``counts[r, t]`` rows of ``widths[r, t]`` columns."""
     world, tables = counts.shape
-    sizes = (counts * torch.tensor(dims, device=counts.device)).reshape(-1).tolist()
-    chunks = flat.split(sizes)
-    return [torch.cat([chunks[r * tables + t].view(-1, dims[t]) for r in range(world)]) for t in range(tables)]
+    chunks = flat.split((counts * widths).reshape(-1).tolist())
+    widths = widths.tolist()
+    return [[chunks[r * tables + t].view(-1, widths[r][t]) if widths[r][t] else flat.new_empty(0)
+             for r in range(world)] for t in range(tables)]

@@ -1,16 +1,20 @@
 """Sharding plans: which rank owns which rows of each table.
 
-========  =====================================================================================================
-kind      meaning
-========  =====================================================================================================
-row       rows spread over all ranks by a partitioner ``(keys, world_size) -> owner``; default ``key % world``
-table     the whole table on one rank (``owner``); ranks are balanced by table bytes in the automatic plan
-data      replicated on every rank; each step's keys and gradients are all-gathered so replicas stay identical
-========  =====================================================================================================
+=========  ====================================================================================================
+kind       meaning
+=========  ====================================================================================================
+row        rows spread over all ranks by a partitioner ``(keys, world_size) -> owner``; default ``key % world``
+table      the whole table on one rank (``owner``); ranks are balanced by table bytes in the automatic plan
+data       replicated on every rank; each step's keys and gradients are all-gathered so replicas stay identical
+column     the table's dim split into column shards on ``ranks`` (default: every rank), each shard holding every
+           key (the same inserts, evictions and admissions); ``columns`` gives the widths (default: even)
+table_row  rows spread by the partitioner over ``ranks`` only (a group, say the ranks of one node)
+=========  ====================================================================================================
 
 Write a plan by hand as ``{"user": "row", "country": "data", "item": ("table", 1)}``; :func:`auto_plan` fills in
 what is missing: dynamic tables go row-wise, small static tables are replicated, large static ones go whole to
-the least loaded rank.
+the least loaded rank. :func:`~dynemb.distributed.planner.plan_tables` balances memory and traffic instead. Each
+kind is a strategy module (:mod:`dynemb.distributed.strategy`); a new kind is its module and one registration.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class ShardingKind(str, enum.Enum):
     ROW = "row"
     TABLE = "table"
     DATA = "data"
+    COLUMN = "column"
+    TABLE_ROW = "table_row"
 
     def __str__(self) -> str:  # what the user wrote in the plan ("row"), not "ShardingKind.ROW"
         return self.value
@@ -52,27 +58,59 @@ class ShardingKind(str, enum.Enum):
 @serializable("sharding")
 @dataclasses.dataclass(frozen=True)
 class Sharding(Serializable):
-    """How one table is sharded. ``partitioner`` applies to ``row``; ``owner`` to ``table``.
+    """How one table is sharded. ``partitioner`` applies to ``row`` and ``table_row``; ``owner`` to ``table``;
+    ``ranks`` to ``column`` and ``table_row`` (the ranks holding the table; ``None``: every rank); ``columns`` to
+    ``column`` (each shard's width, in ``ranks`` order; ``None``: as even as the dim allows).
 
     ``to_dict`` leaves out the default partitioner and refuses any other (a callable), naming the field.
 
     Example:
         >>> Sharding("table", owner=1).to_dict()
         {'type': 'sharding', 'kind': 'table', 'owner': 1}
+        >>> Sharding.from_dict(Sharding("column", ranks=(0, 1), columns=(96, 32)).to_dict())
+        Sharding('column', ranks=(0, 1), columns=(96, 32))
     """
 
     kind: ShardingKind
     owner: Optional[int] = None
     partitioner: Partitioner = mod_partitioner
+    ranks: Optional[tuple] = None
+    columns: Optional[tuple] = None
 
     def __post_init__(self):
         try:
             object.__setattr__(self, "kind", ShardingKind(self.kind))
         except ValueError:
-            raise ValueError(f"sharding kind must be 'row', 'table' or 'data', got {self.kind!r}") from None
+            raise ValueError(f"sharding kind must be one of {[k.value for k in ShardingKind]}, got "
+                             f"{self.kind!r}") from None
         if self.kind == ShardingKind.TABLE and (isinstance(self.owner, bool) or not isinstance(self.owner, int)
                                                 or self.owner < 0):
             raise ValueError(f"a 'table' sharding needs an owner rank >= 0, got {self.owner!r}")
+        for field in ("ranks", "columns"):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if not isinstance(value, (list, tuple)) or not value or any(
+                    isinstance(v, bool) or not isinstance(v, int) or v < (0 if field == "ranks" else 1)
+                    for v in value):
+                low = "ranks >= 0" if field == "ranks" else "widths >= 1"
+                raise ValueError(f"Sharding.{field} must be None or a non-empty tuple of {low}, got {value!r}")
+            object.__setattr__(self, field, tuple(value))
+        if self.ranks is not None and len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"Sharding.ranks must not repeat a rank, got {self.ranks!r}")
+        if self.ranks is not None and self.kind not in (ShardingKind.COLUMN, ShardingKind.TABLE_ROW):
+            raise ValueError(f"Sharding.ranks applies to 'column' and 'table_row', not {self.kind.value!r}")
+        if self.columns is not None:
+            if self.kind != ShardingKind.COLUMN:
+                raise ValueError(f"Sharding.columns applies to 'column', not {self.kind.value!r}")
+            if self.ranks is None or len(self.ranks) != len(self.columns):
+                raise ValueError(f"Sharding.columns {self.columns!r} needs ranks of the same length, got "
+                                 f"ranks={self.ranks!r}")
+
+    def _config_fields(self) -> dict:
+        # ranks and columns only where given: the dicts of the row, table and data kinds stay as they were
+        fields = super()._config_fields()
+        return {k: v for k, v in fields.items() if k not in ("ranks", "columns") or v is not None}
 
     def __repr__(self) -> str:
         """As the plan entry would be written: ``Sharding('row')``, ``Sharding('table', owner=1)``."""
@@ -81,20 +119,36 @@ class Sharding(Serializable):
             parts.append(f"owner={self.owner}")
         if self.partitioner is not mod_partitioner:
             parts.append(f"partitioner={getattr(self.partitioner, '__qualname__', repr(self.partitioner))}")
+        parts += [f"{f}={getattr(self, f)!r}" for f in ("ranks", "columns") if getattr(self, f) is not None]
         return f"Sharding({', '.join(parts)})"
 
+    def group(self, world_size: int) -> tuple:
+        """The ranks holding the table: ``ranks``, ``(owner,)`` or every rank."""
+        if self.kind == ShardingKind.TABLE:
+            return (self.owner,)
+        return self.ranks if self.ranks is not None else tuple(range(world_size))
+
     def owners(self, keys: torch.Tensor, world_size: int) -> torch.Tensor:
+        """The rank each of ``keys`` goes to (``row``, ``table``, ``table_row``; a column shard's key goes to
+        every rank of the group)."""
         if self.kind == ShardingKind.TABLE:
             return torch.full(keys.shape, self.owner, dtype=torch.int64, device=keys.device)
-        owners = self.partitioner(keys, world_size)
+        group = self.group(world_size)
+        owners = self.partitioner(keys, len(group))
         if owners.shape != keys.shape:
             raise ValueError(f"partitioner returned shape {tuple(owners.shape)} for keys {tuple(keys.shape)}")
-        return owners.to(torch.int64)
+        owners = owners.to(torch.int64)
+        if self.ranks is not None:
+            owners = torch.tensor(group, dtype=torch.int64, device=keys.device)[owners]
+        return owners
 
     def describe(self) -> dict:
+        """The record kept in checkpoint manifests (and compared across ranks)."""
         name = getattr(self.partitioner, "__qualname__", repr(self.partitioner))
-        return {"kind": self.kind.value, "owner": self.owner,
-                "partitioner": name if self.kind == ShardingKind.ROW else None}
+        record = {"kind": self.kind.value, "owner": self.owner,
+                  "partitioner": name if self.kind in (ShardingKind.ROW, ShardingKind.TABLE_ROW) else None}
+        record.update({f: list(getattr(self, f)) for f in ("ranks", "columns") if getattr(self, f) is not None})
+        return record
 
 
 def auto_plan(tables, world_size: int, data_max_bytes: int = 16 << 20) -> dict[str, Sharding]:
@@ -130,11 +184,17 @@ def resolve_plan(tables, world_size: int, plan: Optional[dict] = None) -> dict[s
             raise ValueError(f"plan names table {name!r}, which is not in tables {sorted(names)}")
         if isinstance(entry, str):
             entry = Sharding(entry, owner=0 if entry == "table" else None)
+        elif isinstance(entry, tuple) and len(entry) == 2 and entry[0] in ("column", "table_row"):
+            entry = Sharding(entry[0], ranks=entry[1])  # ("table_row", (0, 1, 2, 3))
         elif isinstance(entry, tuple):
             entry = Sharding(*entry)
         if not isinstance(entry, Sharding):
-            raise TypeError(f"plan[{name!r}] must be 'row', 'data', ('table', rank) or a Sharding, got {entry!r}")
+            raise TypeError(f"plan[{name!r}] must be 'row', 'data', 'column', 'table_row', ('table', rank) or a "
+                            f"Sharding, got {entry!r}")
         if entry.kind == "table" and entry.owner >= world_size:
             raise ValueError(f"plan[{name!r}] owner {entry.owner} is not a rank of a world of size {world_size}")
+        outside = [r for r in entry.ranks or () if r >= world_size]
+        if outside:
+            raise ValueError(f"plan[{name!r}] ranks {outside} are not ranks of a world of size {world_size}")
         result[name] = entry
     return result

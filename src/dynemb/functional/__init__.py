@@ -10,7 +10,8 @@ module      job
 """
 
 from .grads import SparseGrad, current_rows, deliver_gradient, read_rows
-from .lookup import (clip_rows, counts_occurrences, embedding_lookup, embedding_lookup_sparse, pooled_lookup,
+from .find import counts_occurrences
+from .lookup import (clip_rows, embedding_lookup, embedding_lookup_sparse, pooled_lookup,
                      pooled_lookups, unique_rows)
 from .pooling import COMBINERS, BagSet, check_combiner, pool, pool_many, to_bags
 

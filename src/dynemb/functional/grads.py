@@ -7,13 +7,18 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..kernels.dispatch import pool_kernels, table_kernels
+from ..kernels.dispatch import Kernels, kernels_for
 from ..table.ops import gather_rows
-from ..table.static import StaticTable
 from .pooling import sorted_row_grad
 
 __all__ = ["SparseGrad", "PooledGrad", "current_rows", "deliver_gradient", "deliver_pooled_gradient", "read_rows",
-           "TableRows", "table_kernels"]
+           "TableRows", "row_kernels"]
+
+
+def row_kernels(table) -> Kernels:
+    """The kernels of ``table``'s backend and device for work on its value rows (:meth:`Kernels.for_rows`: the row
+    families serve float32 rows only)."""
+    return kernels_for(table.backend, table.device).for_rows(table.dtype)
 
 
 class PooledGrad(NamedTuple):
@@ -66,14 +71,13 @@ def current_rows(table, keys: torch.Tensor | Callable[[], torch.Tensor], rows: t
     (A static table's rows never move.) ``moves``: the table's ``row_moves`` when the lookup found ``rows``
     (every one >= 0 then); when the table says no row moved since (``rows_unmoved_since``), the check is
     skipped. ``keys`` may be a function that returns them, called only when the check runs."""
-    if isinstance(table, StaticTable):
+    if table.ids_are_rows:
         return rows
     if moves is not None and table.rows_unmoved_since(moves):
         return rows
     keys = _keys(keys)
     size = table.live_rows()
-    kernels = pool_kernels(getattr(table, "backend", None), table.device)
-    check = getattr(kernels, "rows_current", None)  # optional in the pool family
+    check = kernels_for(table.backend, table.device).pool.rows_current  # optional in the pool family
     if check is not None and table.row_keys.is_contiguous() and check(table.row_keys, size, keys, rows):
         return rows
     stale = (rows < 0) | (rows >= size)
@@ -139,8 +143,8 @@ def deliver_pooled_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad:
         stamped = stamped_at is not None and stamped_at == getattr(table, "clock", None)
         optimizer.apply_gradient(table, rows, grad, pooled, stamped)
         return
-    kernels = table_kernels(pool_kernels, table)
-    if kernels is not None and grad.dtype == torch.float32:
+    kernels = row_kernels(table).pool
+    if kernels and grad.dtype == torch.float32:
         row_grad = kernels.row_grad(grad, *pooled)
     else:
         row_grad = sorted_row_grad(grad, *pooled)

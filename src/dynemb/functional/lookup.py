@@ -8,28 +8,20 @@ call; nothing of table size is ever built. A static table's id is its row, so it
 from __future__ import annotations
 
 import functools
-import weakref
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ..table import KeyValueTable
-from ..checks import check_keys
-from ..table.ops import all_nonnegative
-from ..table.static import StaticTable
-from ..kernels.dispatch import Backend, pool_kernels, resolve_backend
-from .grads import PooledGrad, TableRows, deliver_pooled_gradient, read_rows, table_kernels
-from .ops import anchor_of, eager_anchor, pooled_lookup_op
-from .pooling import (BagSet, BagSum, backward_bags, check_combiner, combine_denoms, concat_bags, pool,
-                      split_bags, split_combine, to_bags)
+from ..kernels.dispatch import kernels_for
+from ..table.protocol import EmbeddingTable
+from .grads import PooledGrad, TableRows, deliver_pooled_gradient, read_rows, row_kernels
+from .custom_ops import anchor_of, eager_anchor, pooled_lookup_op
+from .find import find_ids, find_unique, first_of_groups, mode_trains, sort_ids, table_of
+from .pooling import (BagSet, BagSum, backward_bags, check_combiner, combine_denoms, concat_bags, pool, split_bags,
+                      split_combine, to_bags)
 
 __all__ = ["embedding_lookup", "embedding_lookup_sparse", "pooled_lookup", "pooled_lookups", "unique_rows",
-           "counts_occurrences", "clip_rows", "find_unique", "id_rows", "SortedIds", "sort_ids", "spread_groups"]
-
-def _table_of(embedding) -> KeyValueTable:
-    return embedding if isinstance(embedding, (KeyValueTable, StaticTable)) else embedding.table
-
+           "clip_rows", "id_rows"]
 
 
 def unique_rows(embedding, ids: torch.Tensor, max_norm: float | None = None, *, training: bool | None = None,
@@ -46,228 +38,10 @@ def unique_rows(embedding, ids: torch.Tensor, max_norm: float | None = None, *, 
     return values, inverse
 
 
-
-def counts_occurrences(table) -> bool:
-    """Whether ``table`` needs each key's number of occurrences on insert: lfu scores and admission count them."""
-    return isinstance(table, KeyValueTable) and (table.admission is not None or table.policy.value.endswith("lfu"))
-
-
-
-def _trains(embedding, table, training: bool | None) -> bool:
-    """The mode rule, in one place: a lookup inserts and trains only when training (the module's mode unless
-    ``training`` overrides it), with grad mode on, and the table not frozen."""
-    if training is None:
-        training = getattr(embedding, "training", True)
-    return bool(training) and torch.is_grad_enabled() and table.requires_grad
-
-
-class SortedIds(NamedTuple):
-    """One grouping (a stable sort) of a call's ids ``[N]``, shared by dedup, the forward and the backward:
-    ``unique [U]`` (ascending, or in order of first occurrence from a ``dedup`` kernel; None from a training lookup
-    that grouped by row, whose keys are ``ids[order[starts[:-1]]]``, as they are for every grouping),
-    ``inverse [N]`` (``unique[inverse] == ids``; None where not asked for: a grouping by row pools from each id's
-    row), ``order [N]`` (the ids grouped by unique key, in input order within a key) and ``starts [U + 1]`` (key
-    ``u``'s ids are ``order[starts[u]:starts[u + 1]]``)."""
-
-    unique: torch.Tensor
-    inverse: torch.Tensor
-    order: torch.Tensor
-    starts: torch.Tensor
-
-    @property
-    def counts(self) -> torch.Tensor:
-        return torch.diff(self.starts)
-
-
-def sort_ids(flat: torch.Tensor, kernels=None, inverse: bool = True) -> SortedIds:
-    """Sort ``flat [N]`` once (stably) and derive everything dedup and the backward need from it; ``kernels``: a
-    ``pool`` kernel module (:mod:`dynemb.kernels.dispatch`) whose ``dedup`` does it instead, in one O(N) pass
-    (unique ids then come in order of first occurrence, not ascending). ``inverse`` False: ``inverse`` is None.
-
-    Example:
-        >>> s = sort_ids(torch.tensor([5, -1, 5]))
-        >>> s.unique.tolist(), s.inverse.tolist(), s.order.tolist(), s.starts.tolist()
-        ([-1, 5], [1, 0, 1], [1, 0, 2], [0, 1, 3])
-    """
-    if kernels is not None:
-        return SortedIds(*kernels.dedup(flat, inverse))
-    ordered, order = torch.sort(flat, stable=True)
-    first = torch.ones_like(ordered, dtype=torch.bool)
-    torch.ne(ordered[1:], ordered[:-1], out=first[1:])
-    starts = first.nonzero().squeeze(1)
-    where = None
-    if inverse:
-        where = torch.empty_like(order)
-        where[order] = first.cumsum(0) - 1
-    return SortedIds(ordered.index_select(0, starts), where, order,
-                     torch.cat([starts, starts.new_tensor([flat.numel()])]))
-
-
-def spread_groups(values: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, kernels=None) -> torch.Tensor:
-    """``[N]``: integer ``values [U]`` spread over a grouping's ids (see :class:`SortedIds`), ``out[order[k]] =
-    values[u]`` for ``k`` in ``starts[u]:starts[u + 1]``: each id's row from its key's, or (``values = arange(U)``)
-    the grouping's ``inverse``. ``kernels``: a ``pool`` kernel module whose optional ``spread`` does it in one pass.
-
-    Example:
-        >>> s = sort_ids(torch.tensor([5, -1, 5]), inverse=False)
-        >>> spread_groups(torch.tensor([10, 20]), s.order, s.starts).tolist()
-        [20, 10, 20]
-    """
-    fast = getattr(kernels, "spread", None)
-    if fast is not None:
-        return fast(values, order, starts)
-    out = torch.empty(order.numel(), dtype=values.dtype, device=values.device)
-    return out.index_put_((order,), values.repeat_interleave(torch.diff(starts), output_size=order.numel()))
-
-
-def _find_sorted(table, flat: torch.Tensor, trains: bool
-                 ) -> tuple[SortedIds, torch.Tensor, bool, torch.Tensor | None]:
-    """``(sorted ids, rows [U], every row >= 0, id_rows)`` of a dynamic table: found, or inserted when ``trains``
-    (see :func:`find_unique`). ``id_rows [N]``: each id's row, where the lookup has them (then the sorted ids carry
-    no ``inverse``), else None (each id's row is ``rows[inverse]``).
-
-    A training lookup may group the ids by row rather than by key (:func:`_groups_by_row` decides): it finds every
-    id, then sorts the rows, so that the fused update visits rows, and the optimizer state beside them, in address
-    order, as a static table does. The results are the same bits either way (each row still sums its ids in input
-    order); only the cost differs.
-    """
-    kernels = table_kernels(pool_kernels, table)
-    if trains and _groups_by_row(table):
-        ids, rows, stored, id_rows = _find_by_row(table, flat, kernels)
-    else:
-        # A kernel that spreads each key's row to its ids spares the sort its inverse and the forward a gather through
-        # it (about 1% of an SGD step on zipf ids, numba); without one (torch, Triton) the inverse costs no more.
-        spreads = trains and getattr(kernels, "spread", None) is not None
-        ids = sort_ids(flat, kernels, inverse=not spreads)
-        if not trains:
-            rows = table.find_rows(ids.unique)
-            return ids, rows, all_nonnegative(rows), None
-        # lfu scores and admission count every occurrence
-        rows, stored = _found_or_inserted(table, ids.unique, ids.counts if counts_occurrences(table) else None)
-        id_rows = None
-        if spreads and stored:
-            id_rows = spread_groups(rows, ids.order, ids.starts, kernels)
-        elif spreads:  # keys left without a row read initializer rows through the inverse
-            arange = torch.arange(rows.numel(), device=rows.device)
-            ids = ids._replace(inverse=spread_groups(arange, ids.order, ids.starts, kernels))
-    _note_share(table, (ids.starts.numel() - 1) / max(flat.numel(), 1))
-    return ids, rows, stored, id_rows
-
-
-#: Each table's share of distinct ids in its last training lookup (weakly held: tables come and go).
-_distinct_share: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# The share of distinct ids from which grouping by row pays: lower for a table with optimizer state, whose update
-# gains more from address order (see _groups_by_row).
-_BY_ROW_MIN_SHARE = {True: 0.5, False: 0.75}
-
-
-def _groups_by_row(table) -> bool:
-    """Whether the next training lookup of ``table`` groups its ids by row (see :func:`_find_sorted`): when it can
-    (:func:`_can_group_by_row`) and most ids of the table's last training lookup were distinct: half of them for a
-    table with optimizer state, three quarters without.
-
-    Measured with ``benchmarks/train_step_phases.py --contestants dynemb-dyn-by-key dynemb-dyn-fused`` (1M-row tables):
-    on uniform ids, where 96% of the ids are distinct, row order makes a RowWiseAdagrad step 1.17x and an Adam step
-    1.19x faster, an SGD step 0.99-1.06x. On zipf ids (a third distinct) finding every occurrence, not each distinct
-    key, costs about what the order saves with state (RowWiseAdagrad 1.0x, Adam 1.05x) and more without (SGD 0.94x). A
-    linear fit of gain against the share breaks even near 0.3-0.5 with state and 0.7 without.
-    """
-    if not _can_group_by_row(table):
-        return False
-    return _distinct_share.get(table, 0.0) >= _BY_ROW_MIN_SHARE[bool(table.slot_names)]
-
-
-def _can_group_by_row(table) -> bool:
-    """Whether grouping ``table``'s training lookups by row gives the bits and the side effects of grouping them by
-    key. Only a plain :class:`KeyValueTable` (its ``find_or_insert`` takes repeated keys; a tiered table would
-    count every occurrence as a hit and move rows down for them; the table protocol asks for distinct keys), on
-    CPU with the numba or torch kernels (the only place it was measured; Triton's one-launch insert sizes its
-    headroom by the keys passed). ``decayed_lfu`` groups by row too: its score of a row is the same bits whatever
-    the row's place in the batch (:func:`~dynemb.table.policy._decayed`)."""
-    return type(table) is KeyValueTable and table.device.type == "cpu" \
-        and resolve_backend(table.backend, table.device) is not Backend.TRITON
-
-
-def _note_share(table, share: float) -> None:
-    try:
-        _distinct_share[table] = share
-    except TypeError:  # a table type that cannot be weakly referenced or hashed: it cannot group by row anyway
-        pass
-
-
-def _find_by_row(table, flat: torch.Tensor, kernels
-                 ) -> tuple[SortedIds, torch.Tensor, bool, torch.Tensor | None]:
-    """:func:`_find_sorted` grouped by row: every occurrence is found or inserted (so lfu scores and admission count
-    each one, as the counts of a deduplicated call do), then the rows are sorted. The forward pools from each id's
-    row as found, so the sort skips ``inverse`` (its one pass of random writes). Where some id got no row
-    (admission, or more new keys than a bound holds) the ids are grouped by key instead."""
-    id_rows, stored = _found_or_inserted(table, flat)
-    if not stored:
-        ids = sort_ids(flat, kernels)
-        return ids, _first_of_groups(id_rows, ids.order, ids.starts), False, None
-    by_row = sort_ids(id_rows, kernels, inverse=False)
-    return by_row._replace(unique=None), by_row.unique, True, id_rows  # a row's key: _first_of_groups(flat, ...)
-
-
-def _found_or_inserted(table, keys: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
-    """``(rows [N], every key has a row)``: the table's ``find_or_insert`` of checked keys ``[N]`` (``counts``: of
-    each key's occurrences). A plain :class:`KeyValueTable` that found every key says so, so that neither its all-True
-    ``found`` nor a check of the rows is built: on a small batch each costs more than the kernel that finds them."""
-    if type(table) is KeyValueTable:
-        rows, found = table._find_or_insert(keys, counts=counts)
-        return rows, found is None or all_nonnegative(rows)
-    rows, _ = table.find_or_insert(keys) if counts is None else table.find_or_insert(keys, counts=counts)
-    return rows, all_nonnegative(rows)
-
-
-def _first_of_groups(values: torch.Tensor, order: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """``[U]``: ``values [N]`` (per id) at the first id of each group of a grouping (see :class:`SortedIds`): the
-    ids themselves give each group's key, their rows its row. A lookup grouped by row leaves the keys to this,
-    called only when needed (0.5 ms a table of 81,920 ids, which a fused update of unmoved rows never needs)."""
-    return values.index_select(0, order.index_select(0, starts[:-1]))
-
-
-def find_unique(embedding, ids: torch.Tensor, training: bool | None = None, checked: bool = False):
-    """``(table, unique, rows, inverse, trains)``: ``ids`` deduplicated and looked up. A table inserts, evicts and
-    counts only when training *and* grad mode is on (``trains``, which also says gradients flow to it); under
-    ``eval()`` or ``torch.no_grad()`` it is read-only and unseen keys read their initializer row."""
-    table = _table_of(embedding)
-    trains = _trains(embedding, table, training)
-    if isinstance(table, StaticTable):  # id i is row i: nothing to find or insert
-        flat = ids.reshape(-1) if checked else table.check_ids(ids)
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        return table, unique, unique.to(torch.int64), inverse, trains
-    flat = ids.reshape(-1) if checked else check_keys(ids, table.key_dtype, table.device, "ids")
-    if trains and counts_occurrences(table):
-        # lfu scores and admission count every occurrence, not every distinct id of the call
-        unique, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
-        rows, _ = table.find_or_insert(unique, counts=counts)
-    elif trains:
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        rows, _ = table.find_or_insert(unique)
-    else:
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        rows = table.find_rows(unique)
-    if trains:
-        unique, rows, inverse = _in_row_order(unique, rows, inverse)
-    return table, unique, rows, inverse, trains
-
-
-
 def _rows_tensor(table, unique: torch.Tensor, rows: torch.Tensor, trains: bool) -> torch.Tensor:
     if trains:
         return TableRows.apply(eager_anchor(table), table, unique, rows)
     return read_rows(table, unique, rows)
-
-
-
-def _in_row_order(unique: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor):
-    """``unique`` and ``rows`` sorted by row, ``inverse`` remapped. A dynamic table places keys in arbitrary rows;
-    visiting them in storage order makes the optimizer's ``index_add_``/``index_copy_`` about twice as fast on CPU."""
-    rows, order = rows.sort()
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=order.device)
-    return unique.index_select(0, order), rows, position.index_select(0, inverse)
 
 
 
@@ -297,7 +71,7 @@ def embedding_lookup(embedding, ids: torch.Tensor, max_norm: float | None = None
         >>> embedding_lookup(emb, torch.tensor([[4, 4]]), max_norm=1.0).shape
         torch.Size([1, 2, 3])
     """
-    table = _table_of(embedding)
+    table = table_of(embedding)
     if torch.compiler.is_compiling():
         rows = id_rows(embedding, ids.reshape(-1))
         return (clip_rows(rows, max_norm) if max_norm is not None else rows).view(*ids.shape, table.dim)
@@ -309,7 +83,7 @@ def id_rows(embedding, ids: torch.Tensor, training: bool | None = None) -> torch
     """``[N, D]``: the row of each of ``ids [N]``, as the compiled pooled-lookup op with one id per bag (what
     compiled code uses for unpooled lookups)."""
     bags = BagSet(ids.numel(), torch.arange(ids.numel(), device=ids.device), None, ids.numel(), "sum")
-    return _compiled_pooled_lookup(embedding, _table_of(embedding), ids, [bags], training)[0]
+    return _compiled_pooled_lookup(embedding, table_of(embedding), ids, [bags], training)[0]
 
 
 
@@ -350,7 +124,7 @@ class _FoundRows:
     without a ``[U, D]`` copy of them, and its backward hands the pooled gradient to the table
     (:func:`deliver_pooled_gradient`), with the ids' order from the forward's one sort.
 
-    ``keys`` None: a grouping by row, whose keys ``_first_of_groups(ids, ...)`` gives if the backward needs them; the
+    ``keys`` None: a grouping by row, whose keys ``first_of_groups(ids, ...)`` gives if the backward needs them; the
     ids are then copied (a sequential pass, far cheaper than that gather): they may be the caller's buffer.
     ``id_rows``: each id's row (then ``inverse`` is None), pooled from as they are."""
 
@@ -368,7 +142,7 @@ class _FoundRows:
     def deliver(self, grad, keys, rows, order, starts, offsets, weights, denom, ids) -> None:
         grad, pooled = _bags_gradient(self.table, grad, denom, order, starts, offsets, weights)
         if keys is None:
-            keys = functools.cache(functools.partial(_first_of_groups, ids, order, starts))  # gathered at most once
+            keys = functools.cache(functools.partial(first_of_groups, ids, order, starts))  # gathered at most once
         deliver_pooled_gradient(self.table, keys, rows, grad, pooled, self.clock, self.moves)
 
 
@@ -376,20 +150,16 @@ def _bags_gradient(table, grad, denom, order, starts, offsets, weights) -> tuple
     """``(grad [B, D], how each row sums it)``: the gradient of a lookup's bag sums (its bags' gradient divided by
     their combiner's divisors), and the ids grouped by row (``order``, ``starts``) with each id's bag and weight."""
     grad = (grad if denom is None else grad / denom.unsqueeze(1)).contiguous()
-    return grad, PooledGrad(order, starts, backward_bags(offsets, order.numel(), _any_kernels(table)), weights)
-
-
-def _any_kernels(table):
-    """The pool kernels of ``table``'s backend and device for its dtype-free helpers (``bag_of``), or None."""
-    return pool_kernels(getattr(table, "backend", None), table.device)
+    bags = backward_bags(offsets, order.numel(), kernels_for(table.backend, table.device).pool)
+    return grad, PooledGrad(order, starts, bags, weights)
 
 
 
 def _pool_rows(table, rows, inverse, offsets, weights, denom=None) -> torch.Tensor:
     """``[B, D]``: bag ``b`` is ``sum(weights[j] * values[rows[inverse[j]]]) / denom[b]`` (``inverse`` None:
     ``values[rows[j]]``; the ``pool`` kernel when one serves the table, else ``F.embedding_bag``)."""
-    kernels = table_kernels(pool_kernels, table)
-    if kernels is not None and (weights is None or weights.dtype == torch.float32):
+    kernels = row_kernels(table).pool
+    if kernels and (weights is None or weights.dtype == torch.float32):
         return kernels.pool(table.values, rows, inverse, offsets, weights, denom)
     summed = F.embedding_bag(rows if inverse is None else rows.index_select(0, inverse), table.values, offsets,
                              mode="sum", per_sample_weights=weights)
@@ -429,7 +199,7 @@ def pooled_lookups(lookups: list[tuple], *, training: bool | None = None, checke
     results: list = [None] * len(lookups)
     jobs, where = [], []
     for i, (embedding, ids, bag_sets) in enumerate(lookups):
-        table = _table_of(embedding)
+        table = table_of(embedding)
         if any(job.table is table for job in jobs):
             _run_jobs(jobs, where, results, lookups)
             jobs, where = [], []
@@ -456,9 +226,9 @@ def _start_pooled(embedding, table, ids: torch.Tensor, bag_sets: list[BagSet], t
     weights_train = any(s.weights is not None and s.weights.requires_grad for s in bag_sets)
     if torch.compiler.is_compiling() and not weights_train:
         return _compiled_pooled_lookup(embedding, table, ids, bag_sets, training)
-    if isinstance(table, StaticTable) and not weights_train:
+    if table.ids_are_rows and not weights_train:
         return _static_pooled_lookup(embedding, table, ids, bag_sets, training, checked)
-    if weights_train or isinstance(table, StaticTable):
+    if weights_train or table.ids_are_rows:
         table, unique, rows, inverse, trains = find_unique(embedding, ids, training, checked)
         offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
         summed = BagSum.apply(_rows_tensor(table, unique, rows, trains), inverse, offsets, weights)
@@ -466,9 +236,9 @@ def _start_pooled(embedding, table, ids: torch.Tensor, bag_sets: list[BagSet], t
     if checked:
         flat = ids if ids.dim() == 1 else ids.reshape(-1)
     else:
-        flat = check_keys(ids, table.key_dtype, table.device, "ids")
-    trains = _trains(embedding, table, training)
-    sorted_ids, rows, stored, id_rows = _find_sorted(table, flat, trains)
+        flat = table.check_ids(ids)
+    trains = mode_trains(embedding, table, training)
+    sorted_ids, rows, stored, id_rows = find_ids(table, flat, insert=trains)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
     if not stored:  # keys without a stored row read their initializer row
         summed = BagSum.apply(_rows_tensor(table, sorted_ids.unique, rows, trains), sorted_ids.inverse, offsets,
@@ -484,8 +254,8 @@ def _start_pooled(embedding, table, ids: torch.Tensor, bag_sets: list[BagSet], t
 
 def _compiled_pooled_lookup(embedding, table, ids: torch.Tensor, bag_sets: list[BagSet],
                             training: bool | None) -> list[torch.Tensor]:
-    """The pooled lookup as one custom op (see :mod:`dynemb.functional.ops`): what ``torch.compile`` traces."""
-    trains = _trains(embedding, table, training)
+    """The pooled lookup as one custom op (see :mod:`dynemb.functional.custom_ops`): what ``torch.compile`` traces."""
+    trains = mode_trains(embedding, table, training)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
     if table.op_handle is None:
         raise RuntimeError("dynemb: a table used in compiled code must belong to a DynamicEmbedding, StaticEmbedding "
@@ -495,19 +265,19 @@ def _compiled_pooled_lookup(embedding, table, ids: torch.Tensor, bag_sets: list[
     return split_combine(summed, bag_sets)
 
 
-def _static_pooled_lookup(embedding, table: StaticTable, ids: torch.Tensor, bag_sets: list[BagSet],
+def _static_pooled_lookup(embedding, table: EmbeddingTable, ids: torch.Tensor, bag_sets: list[BagSet],
                           training: bool | None, checked: bool):
     flat = ids.reshape(-1) if checked else table.check_ids(ids)
     offsets, weights = concat_bags(bag_sets, table.dtype, table.device)
     denom = combine_denoms(bag_sets, table.dtype, table.device)
-    if _trains(embedding, table, training):
+    if mode_trains(embedding, table, training):
         return _StaticIds(table, flat, offsets, weights, denom)
     return split_bags(_static_pool(table, flat, offsets, weights, denom), bag_sets)
 
 
 
-def _static_pool(table: StaticTable, ids: torch.Tensor, offsets, weights, denom) -> torch.Tensor:
-    if table_kernels(pool_kernels, table) is not None:  # id i is row i
+def _static_pool(table: EmbeddingTable, ids: torch.Tensor, offsets, weights, denom) -> torch.Tensor:
+    if row_kernels(table).pool:  # id i is row i
         return _pool_rows(table, ids.to(torch.int64), None, offsets, weights, denom)
     summed = F.embedding_bag(ids, table.values, offsets, mode="sum", per_sample_weights=weights)
     return summed if denom is None else summed / denom.unsqueeze(1)
@@ -520,7 +290,7 @@ class _StaticIds:
     does) and hands the pooled gradient to the table (:func:`deliver_pooled_gradient`). The ids are copied (a
     sequential pass): they may be the caller's buffer, refilled before the backward."""
 
-    def __init__(self, table: StaticTable, ids, offsets, weights, denom):
+    def __init__(self, table: EmbeddingTable, ids, offsets, weights, denom):
         self.table, self.anchor = table, eager_anchor(table)
         self.saved = (ids.clone(), offsets, weights, denom)
 
@@ -529,7 +299,7 @@ class _StaticIds:
 
     def deliver(self, grad, ids, offsets, weights, denom) -> None:
         table = self.table
-        s = sort_ids(ids, table_kernels(pool_kernels, table), inverse=False)
+        s = sort_ids(ids, row_kernels(table).pool, inverse=False)
         grad, pooled = _bags_gradient(table, grad, denom, s.order, s.starts, offsets, weights)
         deliver_pooled_gradient(table, s.unique, s.unique.to(torch.int64), grad, pooled)
 
@@ -565,7 +335,8 @@ def embedding_lookup_sparse(
     """
     check_combiner(combiner)
     flat, offsets, weights, num_bags = to_bags(ids, offsets, weights, padding_value=padding_value,
-                                                include_last_offset=include_last_offset)
+                                                include_last_offset=include_last_offset,
+                                                backend=table_of(embedding).backend)
     if max_norm is None:
         return pooled_lookup(embedding, flat, [BagSet(flat.numel(), offsets, weights, num_bags, combiner)])[0]
     values, inverse = unique_rows(embedding, flat, max_norm)

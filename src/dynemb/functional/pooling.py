@@ -8,7 +8,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from ..kernels.dispatch import pool_kernels
+from ..kernels.dispatch import kernels_for
 
 __all__ = ["COMBINERS", "BagSet", "check_combiner", "to_bags", "pool", "pool_many", "bag_of", "bag_sum_grad",
            "BagSum", "concat_bags", "split_bags", "split_combine", "combine_denoms", "sorted_row_grad", "one_id_bags",
@@ -51,13 +51,15 @@ _ONE_ID_BAGS: dict = {}
 
 class BagSet(NamedTuple):
     """Bags of one feature over a slice of concatenated ids: ``num_ids`` ids in ``num_bags`` bags starting at
-    ``offsets [B]`` (relative to the slice), optional ``weights [num_ids]``, pooled by ``combiner``."""
+    ``offsets [B]`` (relative to the slice), optional ``weights [num_ids]``, pooled by ``combiner``; ``one_id``:
+    known to be bags of one id each (``offsets`` is ``arange(B)``), which a grouped lookup needs no offsets for."""
 
     num_ids: int
     offsets: torch.Tensor
     weights: Optional[torch.Tensor]
     num_bags: int
     combiner: str
+    one_id: bool = False
 
 
 
@@ -69,7 +71,7 @@ def check_combiner(combiner: str) -> str:
 
 
 def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None, include_last_offset=False,
-            shared_offsets=False):
+            shared_offsets=False, backend=None):
     """Validate bag inputs and normalize them to ``(ids [N], offsets [B] starts, weights [N] or None, B)``.
 
     Accepted forms:
@@ -85,7 +87,8 @@ def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None
     weights are floating point, one per id, on the ids' device. Checking offsets and lengths reads their values
     (one device sync on CUDA): nothing is ever read out of bounds. ``shared_offsets``: CPU bags of one id each
     (dense ``[B, 1]`` ids, or lengths all 1) get the shared offsets of :func:`one_id_bags` (never write them), which
-    spare a lookup work; CUDA tensors are not shared (streams would have to order their uses).
+    spare a lookup work; CUDA tensors are not shared (streams would have to order their uses). ``backend``: the
+    kernel backend of the table the bags are for (None: the process default), which may check offsets.
 
     Raises:
         TypeError/ValueError: naming the argument, the expected form and what came in.
@@ -161,7 +164,7 @@ def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None
                                  f"({n}), got {_preview(offsets)}")
             offsets = offsets[:-1]
         # one read of the offsets for all three rules; the message then says which one failed
-        if check_values and offsets.numel() and not _offsets_valid(offsets, n):
+        if check_values and offsets.numel() and not _offsets_valid(offsets, n, backend):
             if int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()):
                 raise ValueError(f"offsets must start at 0 and never decrease (bag starts, nn.EmbeddingBag style), "
                                  f"got {_preview(offsets)}")
@@ -170,11 +173,11 @@ def to_bags(ids, offsets=None, weights=None, *, lengths=None, padding_value=None
     return ids, offsets, _check_weights(weights, ids), offsets.numel()
 
 
-def _offsets_valid(offsets: torch.Tensor, n: int) -> bool:
+def _offsets_valid(offsets: torch.Tensor, n: int, backend=None) -> bool:
     """Whether int64 ``offsets [B >= 1]`` start at 0, never decrease and end at most at ``n``: one pass of the pool
-    kernels' optional ``offsets_valid`` where the process default has it (a few microseconds on CPU), else one
-    torch expression read back once."""
-    check = getattr(pool_kernels(None, offsets.device), "offsets_valid", None)
+    kernels' optional ``offsets_valid`` where ``backend`` (None: the process default) has it (a few microseconds on
+    CPU), else one torch expression read back once."""
+    check = kernels_for(backend, offsets.device).pool.offsets_valid
     if check is not None:
         return check(offsets, n)
     return not bool(((offsets[0] != 0) | (offsets[1:] < offsets[:-1]).any() | (offsets[-1] > n)).item())
@@ -240,14 +243,14 @@ class BagSum(torch.autograd.Function):
 
 def bag_of(offsets: torch.Tensor, n: int, kernels=None) -> torch.Tensor:
     """``[n]`` int64: the bag of each of ``n`` ids, bag ``b`` holding ids ``offsets[b]`` up to the next offset (or
-    ``n``). ``kernels``: a ``pool`` kernel module whose optional ``bag_of`` writes it in one pass instead (in the
-    dtype that module chooses: int32 for numba).
+    ``n``). ``kernels``: a ``pool`` family (:func:`~dynemb.kernels.dispatch.kernels_for`) whose optional
+    ``bag_of`` writes it in one pass instead (in the dtype that module chooses: int32 for numba).
 
     Example:
         >>> bag_of(torch.tensor([0, 2, 2]), 4).tolist()
         [0, 0, 2, 2]
     """
-    fast = getattr(kernels, "bag_of", None)
+    fast = None if kernels is None else kernels.bag_of
     if fast is not None:
         return fast(offsets, n)
     counts = torch.diff(offsets, append=offsets.new_tensor([n]))
@@ -326,7 +329,7 @@ def split_bags(pooled: torch.Tensor, bag_sets: list[BagSet]) -> list[torch.Tenso
 
 
 def split_combine(summed: torch.Tensor, bag_sets: list[BagSet]) -> list[torch.Tensor]:
-    return [_combine(part, *s) for part, s in zip(split_bags(summed, bag_sets), bag_sets)]
+    return [_combine(part, *s[:5]) for part, s in zip(split_bags(summed, bag_sets), bag_sets)]
 
 
 
@@ -334,7 +337,7 @@ def combine_denoms(bag_sets: list[BagSet], dtype: torch.dtype, device) -> torch.
     """``[B]`` divisors of the concatenated bags (ones for ``sum`` sets), or None when every set sums."""
     if all(s.combiner == "sum" for s in bag_sets):
         return None
-    return torch.cat([_denom(*s, dtype=dtype, device=device) if s.combiner != "sum"
+    return torch.cat([_denom(*s[:5], dtype=dtype, device=device) if s.combiner != "sum"
                       else torch.ones(s.num_bags, dtype=dtype, device=device) for s in bag_sets])
 
 

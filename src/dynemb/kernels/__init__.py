@@ -7,7 +7,8 @@ The batched-torch code is the reference and runs on every device; it lives besid
 """
 
 from . import dispatch
-from .dispatch import Backend, get_default_backend, index_kernels, init_kernels, numba_available, optim_kernels
+from .dispatch import FAMILIES, Backend, Family, Kernels, get_default_backend, index_kernels, init_kernels, kernels_for
+from .dispatch import numba_available, optim_kernels
 from .dispatch import pool_kernels, resolve_backend, table_kernels, triton_available
 from .dispatch import set_default_backend, use_backend
 

@@ -43,7 +43,7 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
 
 - ``dedup(ids [N] int32/int64, inverse: bool = True) -> (unique [U] ids' dtype, inverse [N] | None, order [N],
   starts [U + 1])``: the call's one grouping of its ids (torch reference:
-  :func:`~dynemb.functional.lookup.sort_ids`, a stable sort): ``unique[inverse] == ids`` (None when not asked
+  :func:`~dynemb.functional.find.sort_ids`, a stable sort): ``unique[inverse] == ids`` (None when not asked
   for); ``order`` lists the ids grouped by unique id, in input order within one; unique id ``u``'s ids are
   ``order[starts[u]:starts[u + 1]]``. The order of ``unique`` is the module's choice.
 - ``pool(values [R, D], rows [U], inverse [N] | None, offsets [B], weights [N] | None, denom [B] | None) -> [B,
@@ -106,11 +106,11 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
 - ``spread(values [U] int32/int64, order [N], starts [U + 1]) -> [N]`` (values' dtype; optional: a lookup on a
   module without it keeps the sort's ``inverse``): ``out[order[k]] = values[u]`` for every ``k`` in
   ``starts[u]:starts[u + 1]`` (a grouping of ``dedup``); how a training lookup gives each id its key's row
-  (reference: :func:`~dynemb.functional.lookup.spread_groups`).
+  (reference: :func:`~dynemb.functional.find.spread_groups`).
 - ``row_grad(grad [B, D] float32, order [N], starts [U + 1], bag [N] | None, weights [N] | None) -> [U, D]
   float32``: the gradient of a sum-pooling for each unique row, ``g[u] = sum(weights[j] * grad[bag[j]] for j in
   order[starts[u]:starts[u + 1]])``, summed in that order (``order`` lists the ids grouped by unique row, in input
-  order within a row: the one stable sort of the call, :func:`~dynemb.functional.lookup.sort_ids`; ``bag[j]`` is
+  order within a row: the one stable sort of the call, :func:`~dynemb.functional.find.sort_ids`; ``bag[j]`` is
   id ``j``'s bag; None: ``bag[j] == j``, bags of one id each). The caller has already divided ``grad`` by the
   combiner's ``denom``.
 
@@ -142,6 +142,36 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
   a slice of the table's values). ``kind, params`` come from ``Initializer.kernel_spec()``: ``("uniform", (low,
   high))`` or ``("constant", (value,))``; an initializer without a spec always runs in torch.
 
+``group_kernels`` (:mod:`~dynemb.kernels.triton_group`, :mod:`~dynemb.kernels.numba_group`): the operations of
+a training step over a group of dynamic tables, one launch (or call) each for all of them. Each work item carries
+its table ``t``, whose storage the kernel reads from row ``t`` of ``meta [G, len(GROUP_META)]`` (int64: addresses,
+``data_ptr()`` of the table's own tensors, and sizes; see :data:`GROUP_META`) and ``fmeta [G, len(GROUP_FMETA)]``
+(float32); a table's storage never moves into a shared buffer. ``G`` tables, ``N`` ids, ``B`` bags; no call
+reads anything back to the host, and every tensor is sized by ``N`` or ``B``.
+
+- ``max_ids_per_table() -> int | None``: the most ids a table passes to one grouped call (None: any), above which
+  the table's own lookup costs no more (numba: 4,096; Triton: any).
+
+- ``find_or_insert(meta, fmeta, keys [N], seg [N] int64, seg_first [N] int64, sizes [G] int64, stamps [G, 2]
+  int64) -> rows [N] int64``: key ``i`` belongs to table ``seg[i]`` (the tables' keys come in contiguous runs,
+  ``seg_first[i]`` the first position of ``i``'s run); found, or inserted as the table's own ``find_or_insert``
+  inserts it (rows ``sizes[t]`` on, numbered in the order of the keys' hashes, initial values of the table's
+  initializer, slots at their initial values), duplicates sharing one row; every row read gets the score and
+  version ``stamps[t]``; ``sizes`` advances by each table's new keys. The caller leaves room for every key to be
+  new (rows, index load).
+- ``pool(meta, rows [N], offsets [B], bag_seg [B] int64, weights [N] | None, denom [B] | None, out [*] float32,
+  out_at [B] int64, max_dim) -> out``: bag ``b`` (of table ``bag_seg[b]``, its ids ``offsets[b]`` up to the next
+  offset or ``N``) summed in id order, weighted, divided by ``denom[b]``, into ``out[out_at[b]:][:dim]``.
+- ``sparse_update(kind, meta, hparams [G, 8] float64, versions [G] int64, keyed [N] int64, grad [*] float32,
+  grad_at [B] int64, table_bags [G, 3] int64, bag [N] | None, weights [N] | None, max_dim) -> None``: ``keyed``
+  are the ids' ``t << 32 | row``; each distinct one is updated once, as the ``sparse_update`` contract above, with
+  the sum of ``weights[j] * grad[grad_at[bag[j]]:][:dim]`` over its ids ``j`` in input order (``bag`` None: id ``j``
+  is bag ``j``; table ``t``'s bags are the ``table_bags[t, 1]`` from bag ``table_bags[t, 0]`` on, and its block of
+  ``grad`` starts at ``table_bags[t, 2]``, bag after bag) and table ``t``'s
+  ``hparams[t]``: the kind's hyper-parameters of the table above (``kernel_args``, as they are), weight decay at 4,
+  and at 7 whether the table is updated (0: its rows moved since the lookup; it is updated apart); ``versions[t] >=
+  0`` is a version stamp to write (the table's clock moved since the lookup stamped the rows).
+
 Example:
     >>> resolve_backend("torch", "cuda")
     <Backend.TORCH: 'torch'>
@@ -157,12 +187,19 @@ import enum
 import functools
 import importlib.util
 from types import ModuleType
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
 __all__ = [
     "Backend",
+    "Family",
+    "FAMILIES",
+    "Kernels",
+    "kernels_for",
+    "GROUP_META",
+    "GROUP_FMETA",
+    "group_hparams",
     "resolve_backend",
     "get_default_backend",
     "set_default_backend",
@@ -293,6 +330,119 @@ def _triton_interprets() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+class Family(NamedTuple):
+    """A kernel family's declared interface (the contracts are in the module docstring): the functions every
+    implementation of the family has (``required``), and those an implementation may leave to the torch reference
+    (``optional``: ``None`` on the backend object). ``rows``: whether the family reads or writes a table's value
+    rows, which the kernels serve for float32 tables only (:meth:`Kernels.for_rows`)."""
+
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    rows: bool = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.required + self.optional
+
+
+#: Every kernel family and the functions it declares. A backend module implements all ``required`` functions of its
+#: family and any of the ``optional`` ones, and nothing else under a declared name; ``tests/kernels/test_dispatch.py``
+#: holds each module to this list.
+FAMILIES: dict[str, Family] = {
+    # find_or_insert, erase and find_gather: Triton's one-launch table operations (table/fused.py)
+    "index": Family(("probe", "place"), ("find", "unique_by_hash", "find_or_insert", "erase", "find_gather")),
+    "pool": Family(("dedup", "pool", "row_grad"),
+                   ("gather", "rows_current", "spread", "fill_rows", "fill_pair", "mark_rows", "settle_marks",
+                    "touch_counts", "write_last", "decayed_scores", "scatter", "move_rows", "lowest_rows",
+                    "offsets_valid", "bag_of"), rows=True),
+    "optim": Family(("sparse_update",), rows=True),
+    "init": Family(("initial_rows",)),
+    "group": Family(("find_or_insert", "pool", "sparse_update", "max_ids_per_table"), rows=True),
+}
+
+#: The columns of a group's ``meta`` (``group`` family): addresses of a table's index buckets (int32 words),
+#: overflow flags (uint8), values (float32 ``[capacity, dim]``), row keys, score/version pairs (int64, interleaved),
+#: two optimizer slots (float32 ``[capacity, width]``, 0 when absent); the index's hash shift and bucket count, the
+#: row width, the slots' widths, the initializer's mixed seed and kind (1 uniform, 2 constant) and the capacity.
+GROUP_META = ("buckets", "overflow", "shift", "num_buckets", "values", "dim", "row_keys", "stamps", "slot0",
+              "slot0_width", "slot1", "slot1_width", "seed", "init", "capacity")
+def group_hparams(kind: str, hparams: tuple[float, ...], runs: bool = True) -> list[float]:
+    """A table's row of the group ``sparse_update``'s ``hparams [G, 8]`` (float64) from its optimizer's
+    ``kernel_args`` (``kind, hparams``; see the ``sparse_update`` table above): the hyper-parameters as they are,
+    the weight decay at 4, and at 7 whether the table runs."""
+    h = [float(x) for x in hparams] + [0.0] * (4 - len(hparams))
+    decay = {"sgd": h[2], "adagrad": h[1], "rowwise_adagrad": h[1]}.get(kind, 0.0)
+    return h + [decay, 0.0, 0.0, 1.0 if runs else 0.0]
+
+
+#: The columns of a group's ``fmeta`` (float32): the initializer's low and width (uniform; a constant's value is the
+#: low), and each slot's initial value.
+GROUP_FMETA = ("init_low", "init_width", "slot0_init", "slot1_init")
+
+
+class FamilyKernels:
+    """One family's functions on one backend: each declared name of :data:`FAMILIES` is an attribute, the kernel
+    or ``None`` where the torch reference serves (every name ``None`` on the torch backend). A name the family does
+    not declare is an ``AttributeError``: a call site cannot probe for a function nobody promised.
+
+    Example:
+        >>> kernels_for("torch", "cpu").pool.spread is None
+        True
+    """
+
+    def __init__(self, family: str, module: ModuleType | None) -> None:
+        self.family, self.module = family, module
+        self._names = frozenset(FAMILIES[family].names)
+
+    def __getattr__(self, name: str):
+        # read from the module at each call (a test may patch it), and only for the names the family declares
+        if name not in self.__dict__.get("_names", ()):
+            raise AttributeError(f"kernel family {self.__dict__.get('family')!r} declares no function {name!r}")
+        return getattr(self.module, name, None)
+
+    def __bool__(self) -> bool:
+        """Whether a kernel module serves the family (False: the torch reference runs all of it)."""
+        return self.module is not None
+
+
+class Kernels:
+    """The backend object: what runs each kernel family for one resolved backend on one device kind, chosen once
+    (:func:`kernels_for`) and asked by the operations that own the invariants (``kernels.pool.fill_rows``). The
+    families are attributes (:class:`FamilyKernels`), imported on first use: numba and triton load slowly."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._families: dict[str, FamilyKernels] = {}
+
+    def __getattr__(self, family: str) -> FamilyKernels:
+        if family not in FAMILIES:
+            raise AttributeError(family)
+        got = self._families.get(family)
+        if got is None:
+            name = _MODULES.get((family, self.backend))
+            got = self._families[family] = FamilyKernels(family, None if name is None else _module(name))
+        return got
+
+    def for_rows(self, dtype: torch.dtype) -> "Kernels":
+        """The kernels that work on value rows of ``dtype``: these for float32 rows, the torch reference for any
+        other dtype (the row families, ``pool`` and ``optim``, serve float32 only). Ask it for row work only."""
+        return self if dtype == torch.float32 else _TORCH
+
+    def __repr__(self) -> str:
+        return f"Kernels({self.backend.value})"
+
+
+def kernels_for(backend: Backend | str | None, device: torch.device | str | None = None) -> Kernels:
+    """The backend object for ``backend`` (``None``: the process default) on ``device``: see
+    :func:`resolve_backend` for the rules and errors.
+
+    Example:
+        >>> kernels_for("torch").backend
+        <Backend.TORCH: 'torch'>
+    """
+    return _KERNELS[resolve_backend(backend, device)]
+
+
 def table_kernels(family, table) -> ModuleType | None:
     """The kernel module of ``family`` (one of the functions below, such as :func:`pool_kernels`) for ``table``'s
     backend and device, or None for torch: the kernels serve float32 tables only."""
@@ -333,12 +483,17 @@ _MODULES = {
     ("pool", Backend.TRITON): "triton_pool",
     ("optim", Backend.TRITON): "triton_optim",
     ("init", Backend.TRITON): "triton_init",
+    ("group", Backend.TRITON): "triton_group",
+    ("group", Backend.NUMBA): "numba_group",
 }
 
 
 def _kernels(family: str, backend: Backend | str | None, device: torch.device | str | None) -> ModuleType | None:
-    name = _MODULES.get((family, resolve_backend(backend, device)))  # remembered there
-    return None if name is None else _module(name)
+    return getattr(kernels_for(backend, device), family).module
+
+
+_KERNELS = {b: Kernels(b) for b in Backend if b is not Backend.AUTO}
+_TORCH = _KERNELS[Backend.TORCH]
 
 
 @functools.cache

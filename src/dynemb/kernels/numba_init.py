@@ -16,7 +16,7 @@ from . import numba_cache  # noqa: F401  (first: it sets the cache directory of 
 from .numba_index import _mix64
 from .numba_math import cell_bits
 
-__all__ = ["initial_rows", "KINDS"]
+__all__ = ["initial_rows", "uniform_salted", "KINDS"]
 
 KINDS = ("uniform", "constant")
 
@@ -36,7 +36,14 @@ def initial_rows(kind: str, params: tuple, keys: torch.Tensor, seed: int, out: t
 @numba.njit(nogil=True, cache=True)
 def _uniform(keys, seed, low, width, out):
     # initializers._unit_uniform, then Uniform: low + (high - low) * u, each op rounded to float32 as torch does.
-    salt = np.uint64(_mix64(seed))
+    uniform_salted(keys, np.int64(_mix64(seed)), low, width, out)
+
+
+@numba.njit(nogil=True, cache=True)
+def uniform_salted(keys, salt, low, width, out):
+    """:func:`initial_rows`' uniform rows of ``keys`` into ``out``, the seed given mixed (``salt``: ``mix64(seed)``,
+    as the group kernels keep it)."""
+    salt = np.uint64(salt)
     for i in range(keys.shape[0]):
         row = np.uint64(_mix64(np.int64(np.uint64(np.int64(keys[i])) ^ salt)))
         for c in range(out.shape[1]):

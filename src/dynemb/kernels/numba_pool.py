@@ -136,7 +136,7 @@ def dedup(ids: torch.Tensor, inverse: bool = True) -> tuple[torch.Tensor, torch.
 
     When the call's ids span at most ``2**33`` values (ids of a vocabulary, hashed into a bucket range, or int32),
     a radix sort of at most three passes groups them: unique ids ascending, exactly as
-    :func:`~dynemb.functional.lookup.sort_ids`. Wider spans (64-bit hashes) take a hash table and a counting
+    :func:`~dynemb.functional.find.sort_ids`. Wider spans (64-bit hashes) take a hash table and a counting
     sort: unique ids in order of first occurrence. Both O(N); 82k ids of a 1M vocabulary take the radix sort
     about half the time of the hash table (5.6 against 9.3 ns an id).
 

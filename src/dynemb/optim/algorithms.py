@@ -96,6 +96,7 @@ class RowWiseAdagrad(SparseOptimizer):
     """
 
     slots = {"sum": (1, "initial_accumulator_value")}
+    row_statistic = True
 
     def __init__(self, tables=None, *, lr: float = 1e-2, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10, fused: bool = False) -> None:
@@ -115,6 +116,23 @@ class RowWiseAdagrad(SparseOptimizer):
         # Row reductions and a per-row scale keep this to two passes over the [U, D] gradient.
         mean_square = torch.linalg.vector_norm(grad, dim=1, keepdim=True).square_().div_(grad.shape[1])
         state = self._gather(table, key, rows).add_(mean_square)
+        self._scatter(table, key, rows, state)
+        self._add(table, None, rows, grad * state.sqrt_().add_(group["eps"]).reciprocal_().mul_(-group["lr"]))
+
+    def row_square_part(self, table, grad, values):
+        grad, decay = grad.float(), self.param_groups[self._index(table)]["weight_decay"]
+        if decay:  # the update's gradient, as _update_shared forms it
+            grad = grad.add(values.float(), alpha=decay)
+        return torch.linalg.vector_norm(grad, dim=1).square_()
+
+    def _update_shared(self, table, rows, grad, group, scalars, shared):
+        # a column shard: the sum of squares over the whole row is this shard's plus the others' (shared)
+        if group["weight_decay"]:
+            grad = grad.add(self._gather(table, None, rows), alpha=group["weight_decay"])
+        key = self.slot_key("sum")
+        square = torch.linalg.vector_norm(grad, dim=1).square_()
+        square = square.add_(shared.lookup(table.row_keys.index_select(0, rows)))
+        state = self._gather(table, key, rows).add_(square.div_(shared.dim).unsqueeze(1))
         self._scatter(table, key, rows, state)
         self._add(table, None, rows, grad * state.sqrt_().add_(group["eps"]).reciprocal_().mul_(-group["lr"]))
 

@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 from typing import Iterable
 
 import torch
 
 from ..functional import current_rows
-from ..functional.grads import PooledGrad, table_kernels
+from ..functional.grads import PooledGrad, row_kernels
 from ..functional.pooling import sorted_row_grad
-from ..kernels.dispatch import optim_kernels
 from ..serialization import Serializable, lookup, type_name
-from ..table import KeyValueTable
-from ..table.static import StaticTable
+from ..table.protocol import is_table
 
 __all__ = ["SparseOptimizer", "GroupsOptimizer", "tables_of"]
 
@@ -37,12 +36,12 @@ _NO_CONTEXT = contextlib.nullcontext()
 
 def tables_of(obj) -> list:
     """The tables behind a DynamicEmbedding, an EmbeddingCollection, a table, or a list of those."""
-    if isinstance(obj, (KeyValueTable, StaticTable)):
+    if is_table(obj):
         return [obj]
     if hasattr(obj, "dynemb_tables"):
         return list(obj.dynemb_tables())
     table = getattr(obj, "table", None)
-    if isinstance(table, (KeyValueTable, StaticTable)):
+    if is_table(table):
         return [table]
     if isinstance(obj, Iterable) and not isinstance(obj, torch.Tensor):
         return [t for item in obj for t in tables_of(item)]
@@ -103,6 +102,9 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
     #: slot name -> (width, initial value); width ``None`` means the table's ``dim``.
     slots: dict = {}
     _not_config = ("tables",)
+    #: whether an update reads a statistic of the whole row (RowWiseAdagrad's mean square): a column shard of the
+    #: table then gets the other shards' parts of it (:meth:`share_row_squares`) before it updates
+    row_statistic: bool = False
 
     def __init__(self, tables=None, *, fused: bool = False, **hparams) -> None:
         lr = hparams.get("lr")
@@ -182,6 +184,34 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
         return {"step": 0}
 
     # ------------------------------------------------------------------ stepping
+    def _index(self, table) -> int:
+        return next(i for i, t in enumerate(self.tables) if t is table)
+
+    def kernel_slots(self, table) -> tuple[str, tuple[str, ...]] | None:
+        """``(kind, slot column names)`` of the ``sparse_update`` kernel that would update ``table`` (bound here),
+        or None when no kernel implements this optimizer or a slot is not float32: what a grouped update needs to
+        know before it runs (:mod:`dynemb.functional.grouped`)."""
+        i = self._index(table)
+        scalars = self._scalars[i]
+        args = self.kernel_args(self.param_groups[i], {**scalars, "step": scalars["step"] + 1})  # the next update's
+        if args is None:
+            return None
+        kind, _, slots = args
+        keys = tuple(self.slot_key(name) for name in slots)
+        if any(table.slot(k).dtype != torch.float32 for k in keys):
+            return None
+        return kind, keys
+
+    def next_update(self, table) -> tuple[str, tuple]:
+        """Count one update of ``table`` (its step, as :meth:`apply_gradient` does) and return the kernel's ``(kind,
+        hparams)`` for it, from the table's param group: a grouped update applies it in one launch for many tables
+        (only for an optimizer with a kernel, :meth:`kernel_slots`)."""
+        i = self._index(table)
+        scalars = self._scalars[i]
+        scalars["step"] += 1
+        kind, hparams, _ = self.kernel_args(self.param_groups[i], scalars)
+        return kind, hparams
+
     def apply_gradient(self, table, rows: torch.Tensor, grad: torch.Tensor, pooled: PooledGrad | None = None,
                        stamped: bool = False) -> None:
         """Update ``rows`` (``[U]`` int64, unique, >= 0) of ``table`` with the hyper-parameters of the table's param
@@ -189,14 +219,21 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
         row sums over its ids (see :class:`PooledGrad`): a kernel then applies it without a ``[U, D]`` tensor.
         ``stamped``: the rows already carry the table's current version stamp (a fused update right after the
         lookup that touched them), so :meth:`mark_updated` is skipped."""
-        i = next(i for i, t in enumerate(self.tables) if t is table)
+        i = self._index(table)
         scalars = self._scalars[i]
         scalars["step"] += 1
+        shared = table.__dict__.pop("shared_row_squares", None)
         if rows.numel() == 0:
             return
         group = self.param_groups[i]
-        kernels = table_kernels(optim_kernels, table)
-        args = self.kernel_args(group, scalars) if kernels is not None else None
+        if shared is not None:  # a column shard: the row statistic spans the other shards' columns too
+            with torch.no_grad():
+                self._update_shared(table, rows, grad.float(), group, scalars, shared)
+            if not stamped:
+                table.mark_updated(rows)
+            return
+        kernels = row_kernels(table).optim
+        args = self.kernel_args(group, scalars) if kernels else None
         # a fused update runs in the backward, already without grad: entering no_grad again costs microseconds
         with torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT:
             if args is not None and all(table.slot(self.slot_key(n)).dtype == torch.float32 for n in args[2]):
@@ -210,6 +247,30 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
                 self._update(table, rows, grad.float(), group, scalars)
         if not stamped:
             table.mark_updated(rows)
+
+    # ------------------------------------------------------------------ column shards
+    def row_square_part(self, table, grad: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``[U]``: this column shard's part of each row's statistic for an update by ``grad [U, d]`` of rows that
+        hold ``values [U, d]`` (only where :attr:`row_statistic`)."""
+        raise NotImplementedError
+
+    def share_row_squares(self, table, keys: torch.Tensor, others: torch.Tensor, dim: int) -> None:
+        """Before the next update of ``table`` (a column shard of a ``dim``-wide table), record ``others [U]``, the
+        other shards' parts of the statistic of the rows of ``keys [U]`` (unique, the table's keys). Several
+        backwards before one ``step()`` add up."""
+        keys, others = keys.to(torch.int64), others.float()
+        previous = table.__dict__.get("shared_row_squares")
+        if previous is not None:
+            keys, inverse = torch.unique(torch.cat([previous.keys, keys]), return_inverse=True)
+            others = torch.zeros(keys.numel(), device=others.device).index_add_(
+                0, inverse, torch.cat([previous.others, others]))
+        else:
+            keys, order = torch.sort(keys)
+            others = others.index_select(0, order)
+        table.shared_row_squares = SharedRowSquares(keys, others, dim)
+
+    def _update_shared(self, table, rows, grad, group, scalars, shared: "SharedRowSquares") -> None:
+        raise NotImplementedError
 
     def kernel_args(self, group: dict, scalars: dict) -> tuple[str, tuple, tuple] | None:
         """``(kind, hparams, slot names)`` of the ``sparse_update`` kernel contract (:mod:`dynemb.kernels.dispatch`)
@@ -293,6 +354,23 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
 
 
 @functools.cache
+@dataclasses.dataclass(frozen=True)
+class SharedRowSquares:
+    """The other column shards' parts of a row statistic, by key (sorted), for a table ``dim`` columns wide."""
+
+    keys: torch.Tensor
+    others: torch.Tensor
+    dim: int
+
+    def lookup(self, keys: torch.Tensor) -> torch.Tensor:
+        """``[N]`` parts of ``keys`` (0 for a key not recorded)."""
+        keys = keys.to(torch.int64)
+        at = torch.searchsorted(self.keys, keys).clamp_(max=max(self.keys.numel() - 1, 0))
+        if self.keys.numel() == 0:
+            return torch.zeros(keys.numel(), device=keys.device)
+        return torch.where(self.keys[at] == keys, self.others[at], torch.zeros((), device=keys.device))
+
+
 def _kind_of(cls: type) -> str | None:
     """The type name of ``cls`` or of its nearest registered base (once per class: kernel_args asks every update)."""
     return next((k for c in cls.__mro__ if (k := type_name(c)) is not None), None)

@@ -31,7 +31,7 @@ class ChangeLog:
 
         Stamps a lookup deferred stay deferred (``RowStore._defer_stamps``): the version written now is at least
         any deferred one, and a settle keeps the larger. An unfused optimizer marks every step."""
-        fill_rows(self._columns["version"], rows, self.clock)
+        fill_rows(self._columns["version"], rows, self.clock, getattr(self, "backend", None))
 
     def track_deletions(self, enabled: bool = True) -> None:
         """Keep a log of deleted keys (erase, evict, restrict, clear) for :meth:`changes_since`."""

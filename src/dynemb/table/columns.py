@@ -20,7 +20,7 @@ class RowColumns:
     sparse_optimizer = None
     #: gradients recorded in backward and waiting for ``step()`` (step mode), a ``functional.SparseGrad``
     sparse_grad = None
-    #: how compiled lookups (``dynemb.functional.ops``) name this table; set when a module registers it
+    #: how compiled lookups (``dynemb.functional.custom_ops``) name this table; set when a module registers it
     op_handle = None
     #: whether lookups with autograd pass gradients to this table; False freezes it (``requires_grad_(False)``)
     requires_grad = True
@@ -28,8 +28,12 @@ class RowColumns:
     def __getstate__(self) -> dict:
         # A copy (deepcopy, pickle) carries no op handle: its original's would lead compiled lookups to the
         # original. The module that holds the copy registers it (whatever order a copier rebuilds them in).
+        ledger = self.__dict__.get("_ledger")
+        if ledger is not None and ledger.pending:  # a copy carries its size, not the group's device counter
+            ledger.settle()
         state = self.__dict__.copy()
         state.pop("op_handle", None)
+        state.pop("_ledger", None)
         return state
 
     @property
@@ -67,6 +71,7 @@ class RowColumns:
         if dtype != self.dtype:
             self._cols["value"] = to_storage(self._cols["value"], dtype=dtype)
             self.dtype = dtype
+            self.storage_generation = getattr(self, "storage_generation", 0) + 1
 
     def slot(self, name: str) -> torch.Tensor:
         """Storage ``[capacity, d]`` of optimizer slot ``name``."""

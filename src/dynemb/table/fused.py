@@ -28,7 +28,7 @@ from types import ModuleType
 
 import torch
 
-from ..kernels.dispatch import Backend, index_kernels, resolve_backend
+from ..kernels.dispatch import Backend, kernels_for, resolve_backend
 from .hashing import key_hash
 from .initializers import CallableInitializer
 
@@ -39,7 +39,7 @@ def kernels(table) -> ModuleType | None:
     """:mod:`~dynemb.kernels.triton_index` when ``table``'s backend resolves to triton for this call, else None."""
     if resolve_backend(table.backend, table.device) is not Backend.TRITON:
         return None
-    return index_kernels(Backend.TRITON, table.device)
+    return kernels_for(Backend.TRITON, table.device).index
 
 
 def _index_args(index) -> tuple:

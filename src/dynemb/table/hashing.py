@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.dispatch import Backend, index_kernels
+from ..kernels.dispatch import Backend, kernels_for
 
 __all__ = ["mix64", "key_hash", "unique_by_hash", "UniqueKeys", "GOLDEN"]
 
@@ -66,7 +66,7 @@ def unique_by_hash(keys: torch.Tensor, backend: Backend | str | None = None) -> 
         >>> sorted(u.keys.tolist()), u.keys[u.inverse].tolist(), u.last[u.keys == 5].tolist()
         ([-1, 5], [5, -1, 5], [2])
     """
-    fast = getattr(index_kernels(backend, keys.device), "unique_by_hash", None)  # optional in the index family
+    fast = kernels_for(backend, keys.device).index.unique_by_hash  # optional in the index family
     if fast is not None:
         return UniqueKeys(*fast(keys))
     hashes, order = key_hash(keys).sort(stable=True)

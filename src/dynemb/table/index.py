@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ..kernels.dispatch import Backend, index_kernels, resolve_backend
+from ..kernels.dispatch import Backend, kernels_for, resolve_backend
 from .hashing import key_hash
 from .huge_pages import empty_storage
 from .ops import all_nonnegative, gather_rows
@@ -92,7 +92,11 @@ class HashIndex:
         need = max(2, math.ceil(max(capacity, 1) / (cls.width_for(key_dtype) * cls.MAX_LOAD)))
         return 1 << (need - 1).bit_length()
 
+    #: advances whenever the buckets are reallocated (a group's kernels hold their address)
+    generation = 0
+
     def _alloc(self, num_buckets: int) -> None:
+        self.generation += 1
         self.num_buckets = num_buckets
         self._shift = 64 - (num_buckets.bit_length() - 1)
         self._buckets = empty_storage((num_buckets, self.BUCKET_WORDS), torch.int32, self.device)
@@ -128,9 +132,9 @@ class HashIndex:
         self.insert(keys, rows)
 
     def _kernels(self):
-        """The kernels serving this call (see :func:`~dynemb.kernels.dispatch.index_kernels`), or None for the
-        torch code below."""
-        return index_kernels(self.backend, self.device)
+        """The index family serving this call (:func:`~dynemb.kernels.dispatch.kernels_for`); false (no module) for
+        the torch code below."""
+        return kernels_for(self.backend, self.device).index
 
     # ---------------------------------------------------------------- addressing
     def _home(self, hashes: torch.Tensor) -> torch.Tensor:
@@ -164,7 +168,7 @@ class HashIndex:
     def find_all(self, keys: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """``(find(keys), whether every key is present)``: on CPU one kernel pass does both (no int32 copy and no
         second pass over the rows to count the absent ones)."""
-        fast = getattr(self._kernels(), "find", None)  # optional in the index family
+        fast = self._kernels().find  # optional in the index family
         if fast is None:
             rows = self.find(keys)
             return rows, all_nonnegative(rows)
@@ -198,7 +202,7 @@ class HashIndex:
         if keys.numel() == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device), torch.empty_like(keys, dtype=torch.int32)
         kernels = self._kernels()
-        if kernels is not None:
+        if kernels:
             return kernels.probe(*self._kernel_args(keys))
         bucket = self._home(key_hash(keys) if hashes is None else hashes)
         # Only a key equal to the fill value can match a free slot; one check per call keeps the common case lean.
@@ -262,7 +266,7 @@ class HashIndex:
 
     def _place(self, bucket: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor) -> None:
         kernels = self._kernels()
-        if kernels is not None:
+        if kernels:
             if not kernels.place(self._buckets.view(self.key_dtype), self._key_cols, self.overflow, bucket, keys, rows):
                 raise RuntimeError(_FULL)
             return

@@ -14,7 +14,7 @@ from typing import Callable, Union
 
 import torch
 
-from ..kernels.dispatch import init_kernels
+from ..kernels.dispatch import kernels_for
 from ..serialization import NotSerializableError, Serializable, serializable, type_name
 from .hashing import mix64
 
@@ -255,7 +255,7 @@ def computed_by_kernel(init: Initializer, dtype: torch.dtype, backend, device) -
     """Whether :func:`initial_rows` computes ``init``'s rows with a kernel (a built-in initializer, float32, a backend
     with an ``initial_rows`` kernel for ``device``): a pure function of the key that cannot fail, so a table may
     write its rows straight into its storage."""
-    return init.kernel_spec() is not None and dtype == torch.float32 and init_kernels(backend, device) is not None
+    return init.kernel_spec() is not None and dtype == torch.float32 and bool(kernels_for(backend, device).init)
 
 
 def initial_rows(init: Initializer, keys: torch.Tensor, dim: int, dtype: torch.dtype, seed: int, backend=None,
@@ -273,8 +273,8 @@ def initial_rows(init: Initializer, keys: torch.Tensor, dim: int, dtype: torch.d
     """
     n = keys.numel()
     spec = init.kernel_spec()
-    kernels = init_kernels(backend, keys.device) if spec is not None and dtype == torch.float32 else None
-    if kernels is not None:
+    kernels = kernels_for(backend, keys.device).init if spec is not None and dtype == torch.float32 else None
+    if kernels:
         out = torch.empty(n, dim, dtype=dtype, device=keys.device) if out is None else out
         kernels.initial_rows(*spec, keys, seed, out)
         return out

@@ -137,7 +137,33 @@ class KeyValueTable(RowStore):
         if admission is not None:
             admission.attach(self._new_counter)
 
+    #: a key is never its own row (see :class:`~dynemb.table.protocol.EmbeddingTable`)
+    ids_are_rows = False
+    #: ``lookup_rows`` of repeated keys counts each occurrence, as a deduplicated call with counts does
+    keys_may_repeat = True
+
+    @property
+    def counts_occurrences(self) -> bool:
+        """Whether inserts need each key's number of occurrences: lfu scores and admission count them."""
+        return self.admission is not None or self.policy.value.endswith("lfu")
+
     # ------------------------------------------------------------------ queries
+    def check_ids(self, ids: torch.Tensor, name: str = "ids") -> torch.Tensor:
+        """``ids`` of this table's key dtype and device, flattened to ``[N]`` (see :func:`~.checks.check_keys`)."""
+        return check_keys(ids, self.key_dtype, self.device, name)
+
+    def lookup_rows(self, keys: torch.Tensor, *, insert: bool, counts: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, bool]:
+        """``(rows [N] int64, every key has a row)`` of checked keys ``[N]``: :meth:`find_or_insert`'s rows with
+        ``insert`` (``counts``: each key's occurrences, as it takes them, >= 1 and not checked again), else
+        :meth:`find_rows`'. A table that found every key says so without building ``found`` or checking the rows
+        again: on a small batch each costs more than the kernel that finds them."""
+        if not insert:
+            rows = self.find_rows(keys)
+            return rows, all_nonnegative(rows)
+        rows, found = self._find_or_insert(self.check_ids(keys), None, counts)
+        return rows, found is None or all_nonnegative(rows)
+
     def find_rows(self, keys: torch.Tensor) -> torch.Tensor:
         """Row id of each key. Hit: its row; miss: -1. Changes nothing.
 
@@ -288,7 +314,7 @@ class KeyValueTable(RowStore):
         if hit.numel() == flat.numel():  # every key present, once: copy the batch in place, no gather
             self.values.index_copy_(0, rows.index_select(0, inverse), vals)
         elif hit.numel():
-            copy_rows(self.values, hit_rows, vals, last.index_select(0, hit))
+            copy_rows(self.values, hit_rows, vals, last.index_select(0, hit), self.backend)
         if hit.numel():
             self.mark_updated(hit_rows)
         self._touch_valid(rows.index_select(0, inverse), custom)
@@ -400,7 +426,7 @@ class KeyValueTable(RowStore):
         n = min(n, self._size)
         if n == 0:
             return self._take(torch.empty(0, dtype=torch.int64, device=self.device))
-        victims = lowest_rows(self.scores[: self._size], n)
+        victims = lowest_rows(self.scores[: self._size], n, backend=self.backend)
         return self._evict_rows(victims)
 
     def restrict(self, num_reserved: int, trigger: int | None = None) -> Rows:
@@ -506,8 +532,8 @@ class KeyValueTable(RowStore):
         filled = fill_score(self.policy, clock=self.access_clock, epoch=self.epoch)
         if filled is not None:  # both stamps, deferred or in one pass (they share a cache line, RowStore)
             if not self._defer_stamps(rows, filled, self.clock):
-                fill_pair(self.scores, self._cols["version"], rows, filled, self.clock)
+                fill_pair(self.scores, self._cols["version"], rows, filled, self.clock, self.backend)
             return
         touch_scores(self.policy, self.scores, rows, clock=self.access_clock, epoch=self.epoch, custom=custom,
-                     counts=counts, half_life=self.half_life)
+                     counts=counts, half_life=self.half_life, backend=self.backend)
         self.mark_updated(rows)

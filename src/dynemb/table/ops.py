@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..kernels.dispatch import pool_kernels
+from ..kernels.dispatch import Backend, kernels_for
 
 __all__ = ["all_nonnegative", "column_kernel", "copy_rows", "fill_pair", "fill_rows", "gather_rows", "last_occurrence",
            "lowest_rows", "scatter_rows", "stamp_kernels"]
@@ -31,59 +31,64 @@ def all_nonnegative(rows: torch.Tensor) -> bool:
     return rows.numel() == 0 or int(rows.min()) >= 0
 
 
-def fill_rows(dst: torch.Tensor, rows: torch.Tensor, value: int) -> None:
+def fill_rows(dst: torch.Tensor, rows: torch.Tensor, value: int, backend: Backend | str | None = None) -> None:
     """``dst.index_fill_(0, rows, value)`` for a 1-D int64 column (score and version stamps). Large batches on CPU
-    go to the pool kernels' ``fill_rows`` (rows prefetched ahead), when the default backend has it."""
-    fill = column_kernel(dst, rows, "fill_rows")
+    go to the pool kernels' ``fill_rows`` (rows prefetched ahead) where ``backend`` (the table's; None: the process
+    default) has it."""
+    fill = column_kernel(dst, rows, "fill_rows", backend)
     if fill is None or not fill(dst, rows, value):
         dst.index_fill_(0, rows, value)
 
 
-def fill_pair(first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor, a: int, b: int) -> None:
+def fill_pair(first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor, a: int, b: int,
+              backend: Backend | str | None = None) -> None:
     """:func:`fill_rows` of ``a`` into ``first`` and ``b`` into ``second`` (a lookup's score and version stamps):
     one pass of the pool kernels' optional ``fill_pair`` where it serves, else one fill after the other."""
-    fill = column_kernel(first, rows, "fill_pair")
-    if fill is None or column_kernel(second, rows, "fill_pair") is None or not fill(first, second, rows, a, b):
-        fill_rows(first, rows, a)
-        fill_rows(second, rows, b)
+    fill = column_kernel(first, rows, "fill_pair", backend)
+    if fill is None or column_kernel(second, rows, "fill_pair", backend) is None \
+            or not fill(first, second, rows, a, b):
+        fill_rows(first, rows, a, backend)
+        fill_rows(second, rows, b, backend)
 
 
-def column_kernel(column: torch.Tensor, rows: torch.Tensor, name: str):
-    """The default backend's pool kernel ``name`` for an access of ``rows`` (``[N]`` int64) to a 1-D int64
-    ``column`` of any stride (scores, version stamps), or None where the torch code serves better: off CPU, for a
-    module without it, or below a few thousand rows (a kernel call costs a few microseconds more than
+def column_kernel(column: torch.Tensor, rows: torch.Tensor, name: str, backend: Backend | str | None = None):
+    """``backend``'s pool kernel ``name`` (None: the process default's) for an access of ``rows`` (``[N]`` int64) to
+    a 1-D int64 ``column`` of any stride (scores, version stamps), or None where the torch code serves better: off
+    CPU, for a backend without it, or below a few thousand rows (a kernel call costs a few microseconds more than
     ``index_fill_``)."""
     if column.device.type == "cpu" and rows.numel() >= _KERNEL_FILL_MIN and column.dim() == rows.dim() == 1 \
             and column.dtype == rows.dtype == torch.int64 and rows.is_contiguous():
-        return getattr(pool_kernels(None, column.device), name, None)
+        return getattr(kernels_for(backend, column.device).pool, name)
     return None
 
 
 _KERNEL_FILL_MIN = 4096
 
 
-def stamp_kernels(device: torch.device):
-    """The default backend's pool kernels on ``device`` when they defer stamps (``mark_rows`` and
-    ``settle_marks``, see :meth:`~dynemb.table.rows.RowStore._defer_stamps`), else None."""
-    kernels = pool_kernels(None, device)
-    if getattr(kernels, "mark_rows", None) is None or getattr(kernels, "settle_marks", None) is None:
+def stamp_kernels(device: torch.device, backend: Backend | str | None = None):
+    """``backend``'s pool kernels on ``device`` (None: the process default's) when they defer stamps
+    (``mark_rows`` and ``settle_marks``, see :meth:`~dynemb.table.rows.RowStore._defer_stamps`), else None."""
+    kernels = kernels_for(backend, device).pool
+    if kernels.mark_rows is None or kernels.settle_marks is None:
         return None
     return kernels
 
 
-def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, backend: Backend | str | None = None
+                 ) -> None:
     """``dst.index_copy_(0, rows, src)`` for unique ``rows``. Large 2-D float32 copies on CPU go to the pool
-    kernels' ``scatter`` (rows claimed for writing ahead), when the default backend has it."""
+    kernels' ``scatter`` (rows claimed for writing ahead) where ``backend`` (None: the process default) has it."""
     if dst.device.type == "cpu" and rows.numel() >= _KERNEL_FILL_MIN and dst.dim() == 2 and dst.is_contiguous() \
             and src.is_contiguous() and dst.dtype == src.dtype == torch.float32 and rows.dtype == torch.int64 \
             and rows.is_contiguous() and src.shape == (rows.numel(), dst.shape[1]):
-        kernel = getattr(pool_kernels(None, dst.device), "scatter", None)
+        kernel = kernels_for(backend, dst.device).pool.scatter
         if kernel is not None and kernel(dst, rows, src):
             return
     dst.index_copy_(0, rows, src)
 
 
-def lowest_rows(scores: torch.Tensor, k: int, pinned: torch.Tensor | None = None) -> torch.Tensor:
+def lowest_rows(scores: torch.Tensor, k: int, pinned: torch.Tensor | None = None,
+                backend: Backend | str | None = None) -> torch.Tensor:
     """The ``min(k, unpinned)`` positions of ``scores`` (``[S]`` int64) not in ``pinned`` (``[P]`` int64 positions in
     ``[0, S)``, duplicates allowed) with the lowest scores, lowest first; equal scores go lowest position first, so
     every path and device picks the same rows. ``[k']`` int64: eviction's victims. Large CPU columns go to the pool
@@ -96,7 +101,7 @@ def lowest_rows(scores: torch.Tensor, k: int, pinned: torch.Tensor | None = None
     """
     if scores.device.type == "cpu" and scores.numel() >= _KERNEL_LOWEST_MIN and scores.dtype == torch.int64 \
             and scores.dim() == 1:
-        kernel = getattr(pool_kernels(None, scores.device), "lowest_rows", None)
+        kernel = kernels_for(backend, scores.device).pool.lowest_rows
         if kernel is not None:
             return kernel(scores, k, None if pinned is None else pinned.contiguous())
     candidates = None
@@ -132,10 +137,12 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None
     return src.view(view).index_select(0, index).view(src.dtype)
 
 
-def copy_rows(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src_index: torch.Tensor) -> None:
+def copy_rows(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src_index: torch.Tensor,
+              backend: Backend | str | None = None) -> None:
     """``dst[dst_index] = src[src_index]`` row-wise; ``dst_index`` unique. ``src`` may be ``dst`` if the two index
-    sets are disjoint. On CPU, 256 rows or more go to the pool kernels' ``move_rows`` when the default backend has it
-    (one pass, rows as raw words); otherwise the rows move in cache-sized chunks on CPU, in one step elsewhere.
+    sets are disjoint. On CPU, 256 rows or more go to the pool kernels' ``move_rows`` where ``backend`` (None: the
+    process default) has it (one pass, rows as raw words); otherwise the rows move in cache-sized chunks on CPU, in
+    one step elsewhere.
 
     Example:
         >>> dst = torch.zeros(3, 2)
@@ -145,7 +152,7 @@ def copy_rows(dst: torch.Tensor, dst_index: torch.Tensor, src: torch.Tensor, src
     """
     n = dst_index.numel()
     if n >= _KERNEL_MOVE_MIN and dst.device.type == "cpu":
-        kernel = getattr(pool_kernels(None, dst.device), "move_rows", None)
+        kernel = kernels_for(backend, dst.device).pool.move_rows
         if kernel is not None and kernel(dst, dst_index, src, src_index):
             return  # else a row out of range (the torch code below raises as it does) or a layout it does not take
     step = max(1, n if dst.device.type != "cpu" else _CPU_CHUNK_ELEMENTS // max(1, math.prod(src.shape[1:])))

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.dispatch import pool_kernels
+from ..kernels.dispatch import Backend, kernels_for
 from .ops import column_kernel, fill_rows, last_occurrence
 
 __all__ = ["EvictionPolicy", "fill_score", "touch_scores", "DEFAULT_HALF_LIFE", "DEFAULT_BOUNDED"]
@@ -80,24 +80,26 @@ def touch_scores(
     custom: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     half_life: int = DEFAULT_HALF_LIFE,
+    backend: Backend | str | None = None,
 ) -> None:
     """Apply one access of ``rows`` (``[N]`` int64, duplicates allowed, all >= 0) to ``scores`` in place.
 
     ``custom`` (``[N]`` int64) is used by the ``custom`` policy only; duplicates take the last occurrence.
     ``counts`` (``[N]`` int64) is how many accesses each entry stands for under the lfu policies (default 1).
-    ``half_life`` (clock ticks) is used by ``decayed_lfu`` only.
+    ``half_life`` (clock ticks) is used by ``decayed_lfu`` only. ``backend``: the table's kernel backend (None: the
+    process default), which may run large CPU batches.
     """
     if counts is not None and counts.shape != rows.shape:
         raise ValueError(f"counts must have the shape of rows {tuple(rows.shape)}, got {tuple(counts.shape)}")
     if rows.numel() == 0:
         return
     counted = _COUNTED.get(policy)
-    if counted is not None and _touch_counted(scores, rows, counts, counted, clock=clock, epoch=epoch,
+    if counted is not None and _touch_counted(scores, rows, counts, counted, backend, clock=clock, epoch=epoch,
                                               half_life=half_life):
         return
     filled = fill_score(policy, clock=clock, epoch=epoch)
     if filled is not None:
-        fill_rows(scores, rows, filled)
+        fill_rows(scores, rows, filled, backend)
     elif policy is EvictionPolicy.LFU:
         scores.index_add_(0, rows, torch.ones_like(rows) if counts is None else counts)
     elif policy is EvictionPolicy.EPOCH_LFU:
@@ -106,7 +108,7 @@ def touch_scores(
         scores.index_copy_(0, rows, fresh)
         scores.index_add_(0, rows, torch.ones_like(rows) if counts is None else counts)
     elif policy is EvictionPolicy.DECAYED_LFU:
-        _touch_decayed(scores, rows, counts, clock / half_life)
+        _touch_decayed(scores, rows, counts, clock / half_life, backend)
     elif custom is not None:
         scores.index_copy_(0, *last_occurrence(rows, custom))
 
@@ -121,7 +123,8 @@ def fill_score(policy: EvictionPolicy, *, clock: int, epoch: int) -> int | None:
     return None
 
 
-def _touch_counted(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor | None, score, **when) -> bool:
+def _touch_counted(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor | None, score, backend,
+                   **when) -> bool:
     """A counting policy's access through the pool kernels (large CPU batches; False: not taken, nothing written).
 
     ``touch_counts`` reads each occurrence's score before the call and, at each row's last occurrence, its total
@@ -129,8 +132,8 @@ def _touch_counted(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tenso
     n, **when)`` computes the new scores on all ``[N]`` positions (what the torch code computes for those rows,
     on the same positions for decayed_lfu, so every path gives the same bits); ``write_last`` writes them back.
     """
-    gather = column_kernel(scores, rows, "touch_counts")
-    write = column_kernel(scores, rows, "write_last")
+    gather = column_kernel(scores, rows, "touch_counts", backend)
+    write = column_kernel(scores, rows, "write_last", backend)
     if gather is None or write is None:  # a module with one and not the other: the torch code serves
         return False
     got = gather(scores, rows, None if counts is None else counts.contiguous())
@@ -138,7 +141,7 @@ def _touch_counted(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tenso
         return False
     old, n, last = got
     try:
-        new = score(old, n, **when)
+        new = score(old, n, backend=backend, **when)
     except BaseException:
         write(scores, rows, old, last)  # the rows hold scratch values until written: put the scores back
         raise
@@ -146,7 +149,8 @@ def _touch_counted(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tenso
     return True
 
 
-def _touch_decayed(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor | None, now: float) -> None:
+def _touch_decayed(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor | None, now: float,
+                   backend: Backend | str | None = None) -> None:
     """``score = log2(2**score + n * 2**now)`` per distinct row (``n`` its accesses here), in fixed point.
 
     Written as ``now + log2(2**(score - now) + n)``: the difference is small for live rows (float32 is exact to
@@ -158,20 +162,21 @@ def _touch_decayed(scores: torch.Tensor, rows: torch.Tensor, counts: torch.Tenso
     scores.index_fill_(0, rows, 0)
     scores.index_add_(0, rows, torch.ones_like(rows) if counts is None else counts)
     n = scores.index_select(0, rows)
-    scores.index_copy_(0, rows, _decayed(old, n, round(now * _DECAY_SCALE)))
+    scores.index_copy_(0, rows, _decayed(old, n, round(now * _DECAY_SCALE), backend))
 
 
-def _decayed(old: torch.Tensor, n: torch.Tensor, now_fixed: int) -> torch.Tensor:
+def _decayed(old: torch.Tensor, n: torch.Tensor, now_fixed: int, backend: Backend | str | None = None) -> torch.Tensor:
     """The new fixed-point score of rows scored ``old`` (``[N]`` int64) accessed ``n`` times now (``[N]`` int64,
     >= 1): ``now + log2(2**(old - now) + n)``, in the arithmetic of :data:`DECAY_MATH`. The pool kernels'
-    ``decayed_scores`` computes it where the default backend has them, else these torch ops, with the same bits.
+    ``decayed_scores`` computes it where ``backend`` (None: the process default) has them, else these torch ops,
+    with the same bits.
 
     Every step is an IEEE operation rounded once (or exact: ``frexp``, ``ldexp``), so an element's result does not
     depend on its position: torch's ``exp2``/``log2`` round an element in a vector's tail (scalar libm) differently
     from one in its body (SIMD), and the dedup order of a batch, which differs between backends and between 1 and N
     ranks, then moved scores by a unit and changed which row is evicted (found by review).
     """
-    kernel = getattr(pool_kernels(None, old.device), "decayed_scores", None)
+    kernel = kernels_for(backend, old.device).pool.decayed_scores
     if kernel is not None:
         return kernel(old, n, now_fixed, DECAY_MATH)
     exp2, log2 = DECAY_MATH.exp2, DECAY_MATH.log2
@@ -216,8 +221,8 @@ DECAY_MATH = _DecayMath(tuple(math.log(2) ** i / math.factorial(i) for i in rang
 _COUNTED = {  # the new score of a counting policy from the old one and the row's accesses: see _touch_counted
     EvictionPolicy.LFU: lambda old, n, **when: old + n,
     EvictionPolicy.EPOCH_LFU: lambda old, n, *, epoch, **when: torch.where((old >> 32) == epoch, old, epoch << 32) + n,
-    EvictionPolicy.DECAYED_LFU: lambda old, n, *, clock, half_life, **when: _decayed(
-        old, n, round(clock / half_life * _DECAY_SCALE)),
+    EvictionPolicy.DECAYED_LFU: lambda old, n, *, clock, half_life, backend, **when: _decayed(
+        old, n, round(clock / half_life * _DECAY_SCALE), backend),
 }
 
 

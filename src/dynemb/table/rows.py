@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..kernels.dispatch import pool_kernels, table_kernels
+from ..kernels.dispatch import kernels_for
 from .changes import ChangeLog
 from ..checks import check_int, resolve_device
 from .columns import RowColumns
@@ -60,6 +60,45 @@ class RowStore(ChangeLog, RowColumns):
     _marks: torch.Tensor | None = None  # [capacity] uint8 tags of the rows with deferred stamps (0: none)
     _clock = 0
     _clock_high = 0  # the highest clock since the last load: no version written since is above it
+    #: the :class:`~dynemb.table.group.TableGroup` whose device counter holds this table's size while its grouped
+    #: lookups run (``size`` and ``inserted`` are read back from it, once for the group, when asked); or None
+    _ledger = None
+    _live = 0
+    _inserted = 0
+    #: advances whenever a column or the index is reallocated (a group's kernels hold the tensors' addresses)
+    storage_generation = 0
+
+    @property
+    def _size(self) -> int:
+        """Live rows (``size()``); read back from the device once for a whole group after grouped lookups."""
+        ledger = self._ledger
+        if ledger is not None and ledger.pending:
+            ledger.settle()
+        return self._live
+
+    @_size.setter
+    def _size(self, value: int) -> None:
+        ledger = self._ledger
+        if ledger is not None:
+            if ledger.pending:
+                ledger.settle()
+            ledger.stale = True  # the host's count is the truth now: the group uploads it before its next call
+        self._live = value
+
+    @property
+    def inserted(self) -> int:
+        """Keys inserted (a counter of ``size == inserted - removed - evicted``); settled as ``size`` is."""
+        ledger = self._ledger
+        if ledger is not None and ledger.pending:
+            ledger.settle()
+        return self._inserted
+
+    @inserted.setter
+    def inserted(self, value: int) -> None:
+        ledger = self._ledger
+        if ledger is not None and ledger.pending:
+            ledger.settle()
+        self._inserted = value
 
     @property
     def clock(self) -> int:
@@ -106,6 +145,7 @@ class RowStore(ChangeLog, RowColumns):
     @_cols.setter
     def _cols(self, columns: dict) -> None:
         self._columns = columns
+        self.storage_generation += 1
 
     def _column(self, name: str) -> torch.Tensor:
         return self._columns[name]  # keys, values and slots: deferred stamps never touch them
@@ -138,7 +178,7 @@ class RowStore(ChangeLog, RowColumns):
                 or getattr(self, "max_bytes", None) is not None \
                 or (self.max_capacity is not None and self._size >= self.max_capacity) or version < self._clock_high:
             return False
-        kernels = stamp_kernels(self.device)
+        kernels = stamp_kernels(self.device, self.backend)
         if kernels is None:
             return False
         # what settles these tags, whatever the default backend is by then (a function: tables deep-copy and pickle)
@@ -173,6 +213,7 @@ class RowStore(ChangeLog, RowColumns):
             return
         self._cols[key] = empty_storage((self.capacity, dim), dtype, self.device).fill_(init)
         self._slot_init[name] = init
+        self.storage_generation += 1
 
     @property
     def capacity(self) -> int:
@@ -372,7 +413,7 @@ class RowStore(ChangeLog, RowColumns):
         """``source[rows]`` of ``[R, ...]`` rows (row 0 where ``rows`` is -1), written into ``out`` when given: for
         float32 ``[R, D]`` rows by the pool family's ``gather`` kernel where one serves this table (it prefetches rows
         ahead: 0.8-0.85x the time of ``index_select`` for random rows of a large tensor), else by ``index_select``."""
-        gather = getattr(table_kernels(pool_kernels, self), "gather", None)  # optional in the pool family
+        gather = kernels_for(self.backend, self.device).for_rows(self.dtype).pool.gather  # optional in the family
         if (gather is None or source.dtype != torch.float32 or source.dim() != 2 or not source.is_contiguous()
                 or (out is not None and not out.is_contiguous())):
             return gather_rows(source, rows.clamp(min=0), out=out)
@@ -398,11 +439,11 @@ class RowStore(ChangeLog, RowColumns):
                 source, index = src
                 self._read_rows(source, index[k:], col[appended])
                 if k:
-                    copy_rows(col, rows[:k], source, index[:k])
+                    copy_rows(col, rows[:k], source, index[:k], self.backend)
             elif isinstance(src, torch.Tensor):
                 col[appended] = src[k:]
                 if k:
-                    scatter_rows(col, rows[:k], src[:k])
+                    scatter_rows(col, rows[:k], src[:k], self.backend)
             else:
                 col[appended] = src
                 if k:
@@ -410,7 +451,7 @@ class RowStore(ChangeLog, RowColumns):
 
     # ------------------------------------------------------------------ eviction
     def _pick_victims(self, need: int, pinned: torch.Tensor) -> torch.Tensor:
-        return lowest_rows(self.scores[: self._size], need, pinned)
+        return lowest_rows(self.scores[: self._size], need, pinned, self.backend)
 
     def _take(self, rows: torch.Tensor) -> Rows:
         cols = {name: gather_rows(col, rows) for name, col in self._cols.items()}
@@ -469,7 +510,7 @@ class RowStore(ChangeLog, RowColumns):
         holes = dead[dead < new_size]
         if holes.numel():
             for col in self._cols.values():
-                copy_rows(col, holes, col, movers)
+                copy_rows(col, holes, col, movers, self.backend)
             moved_keys = self.row_keys.index_select(0, holes)
             self.index.set_rows(self.index.find_slots(moved_keys), holes)
         self._size = new_size

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.dispatch import Backend
 from ..checks import KEY_DTYPES, VALUE_DTYPES, check_dtype, check_int, check_keys, check_rows_like, resolve_device
 from .columns import RowColumns
 from .initializers import CallableInitializer, InitializerSpec, initial_rows, resolve_initializer
@@ -21,6 +22,8 @@ __all__ = ["StaticTable"]
 class StaticTable(RowColumns):
     """Dense rows for ids ``0 .. num_rows-1``.
 
+    ``backend``: the kernels of its lookups (see :mod:`dynemb.kernels.dispatch`); None follows the process default.
+
     Example:
         >>> t = StaticTable(3, 2, initializer="zeros")
         >>> t.find_or_insert(torch.tensor([2, 0]))[0].tolist()
@@ -29,7 +32,7 @@ class StaticTable(RowColumns):
 
     def __init__(self, num_rows: int, dim: int, *, key_dtype: torch.dtype = torch.int64,
                  dtype: torch.dtype = torch.float32, device=None, initializer: InitializerSpec = "uniform",
-                 seed: int = 0) -> None:
+                 seed: int = 0, backend: Backend | str | None = None) -> None:
         self.num_rows = check_int(num_rows, "vocabulary_size", minimum=1)
         self.dim = check_int(dim, "dim", minimum=1)
         self.key_dtype = check_dtype(key_dtype, KEY_DTYPES, "key_dtype")
@@ -37,6 +40,7 @@ class StaticTable(RowColumns):
         self.device = resolve_device(device)
         self.initializer = resolve_initializer(initializer)
         self.seed = seed
+        self.backend = None if backend is None else Backend.parse(backend)
         self.max_capacity = num_rows
         self.clock = 0
         self.save_ticks = 0
@@ -45,7 +49,28 @@ class StaticTable(RowColumns):
         self._cols = {"value": self.initial_rows(self._ids, empty_storage((num_rows, dim), self.dtype, self.device)),
                       "score": empty_storage((num_rows,), torch.int64, self.device).zero_()}
 
+    #: id ``i`` is row ``i`` (see :class:`~dynemb.table.protocol.EmbeddingTable`)
+    ids_are_rows = True
+    counts_occurrences = False
+    keys_may_repeat = True
+    #: rows never move
+    row_moves = 0
+
     # ------------------------------------------------------------------ row interface
+    def rows_unmoved_since(self, moves: int) -> bool:
+        return True
+
+    def live_rows(self) -> int:
+        return self.num_rows
+
+    def lookup_rows(self, keys: torch.Tensor, *, insert: bool, counts: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, bool]:
+        """``(rows [N], True)``: each id is its row (range-checked); an inserting lookup advances the clock, as
+        :meth:`find_or_insert` does."""
+        rows = self.find_rows(keys)
+        if insert:
+            self.clock += 1
+        return rows, True
 
     @property
     def row_keys(self) -> torch.Tensor:
@@ -105,7 +130,7 @@ class StaticTable(RowColumns):
         own tensor, called once for all of them)."""
         if isinstance(self.initializer, CallableInitializer):
             return self.initializer(keys, self.dim, self.dtype, self.seed)
-        return initial_rows(self.initializer, keys, self.dim, self.dtype, self.seed, out=out)
+        return initial_rows(self.initializer, keys, self.dim, self.dtype, self.seed, self.backend, out=out)
 
     def export(self) -> Rows:
         slots = {n: self.slot(n).clone() for n in self._slot_init}

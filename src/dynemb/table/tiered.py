@@ -27,7 +27,7 @@ from ..serialization import Serializable, serializable
 from . import budget, fused
 from ..checks import check_int, check_keys, check_rows_like, check_scores
 from .kv import KeyValueTable
-from .ops import lowest_rows
+from .ops import all_nonnegative, lowest_rows
 from .rows import Rows
 from .slow import SlowStore, swap_rows
 from .tier_moves import SLOW_BASE, SlowIndex, TieredIndex, VictimQueue, exchange, link_for
@@ -159,6 +159,15 @@ class TieredTable(KeyValueTable):
             return rows.view(keys.shape), torch.ones(keys.shape, dtype=torch.bool, device=self.device)
         return super().find_or_insert(keys, scores, counts)
 
+    #: every occurrence of a key would count as a hit and move rows down for it: lookups pass distinct keys
+    keys_may_repeat = False
+
+    def lookup_rows(self, keys, *, insert, counts=None):
+        """As :meth:`KeyValueTable.lookup_rows`, through this table's :meth:`find_or_insert` and :meth:`find_rows`
+        (which bring rows up from the slow tier first)."""
+        rows = self.find_or_insert(keys, counts=counts)[0] if insert else self.find_rows(keys)
+        return rows, all_nonnegative(rows)
+
     def insert_or_assign(self, keys, values, scores=None) -> None:
         """As :meth:`KeyValueTable.insert_or_assign` (a key stored in the slow tier is a hit: its slots stay)."""
         self._resident(keys)
@@ -189,7 +198,7 @@ class TieredTable(KeyValueTable):
             m = self.slow.size()
             scores = torch.cat([self.scores[: self._size], self.slow.scores[:m].to(self.device)])
             keys = torch.cat([self.row_keys[: self._size], self.slow.row_keys[:m].to(self.device)])
-            self._resident(keys.index_select(0, lowest_rows(scores, n)), new_ok=False)
+            self._resident(keys.index_select(0, lowest_rows(scores, n, backend=self.backend)), new_ok=False)
         return super().evict(n)
 
     def clear(self) -> None:

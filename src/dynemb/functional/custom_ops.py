@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..table.ops import all_nonnegative
+from .find import find_unique
 from .grads import deliver_gradient, read_rows
 from .pooling import bag_sum_grad
 
@@ -84,8 +85,6 @@ def pooled_lookup_op(anchor: torch.Tensor, handle: int, ids: torch.Tensor, offse
     unique keys and rows are real. Padding them to ``N`` keeps every shape static, so the compiler needs no
     data-dependent size.
     """
-    from .lookup import find_unique  # lookup imports this module
-
     table = _table(handle)
     _check_offsets(ids, offsets)
     with torch.set_grad_enabled(train):  # find_unique inserts only with grad mode on, as eager lookups do

@@ -1,0 +1,122 @@
+"""The planner: balanced plans without starting ranks, pins, the can't-fit error, printed plans, plans from what a
+checkpoint observed (and older checkpoints' rows), `dynemb plan`, and sharding specs that round-trip as configs."""
+
+import json
+
+import pytest
+import torch
+
+import dynemb
+from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+from dynemb.checkpoint import save
+from dynemb.checkpoint.planning import observed_tables, plan_from_checkpoint
+from dynemb.cli import main
+from dynemb.distributed.planner import PlanError, plan_tables
+from dynemb.distributed.sharding import Sharding
+from dynemb.serialization import from_dict
+
+# the 26 categorical features of Criteo's Kaggle display-advertising data set (public cardinalities)
+CRITEO_KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
+                 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+
+
+def criteo(big: int = 0):
+    tables = [TableConfig(name=f"c{i}", dim=128, vocabulary_size=v) for i, v in enumerate(CRITEO_KAGGLE)]
+    return tables + [TableConfig(name=f"big{i}", dim=128, vocabulary_size=10**8) for i in range(big)]
+
+
+@pytest.mark.parametrize("world", [8, 64])
+@pytest.mark.parametrize("big", [0, 4])
+def test_criteo_plans_balance_within_the_budget(world, big):
+    budget = 80 << 30
+    plan = plan_tables(criteo(big), world, memory_per_rank=budget, ranks_per_node=8)
+    sizes = [t.bytes for t in plan.rank_totals()]
+    assert max(sizes) <= 1.1 * (sum(sizes) / world) and max(sizes) <= budget
+    total = sum(s.rows * s.row_bytes for s in plan.stats.values())
+    assert sum(sizes) >= total  # every row is on some rank (replicas more than once)
+    assert set(plan.shardings) == {t.name for t in criteo(big)}
+
+
+def test_pins_are_kept_and_a_plan_that_cannot_fit_names_the_table_and_by_how_much():
+    tables = [TableConfig(name="user", dim=64, max_capacity=10**6), TableConfig(name="item", dim=256,
+                                                                                   vocabulary_size=10**5)]
+    plan = plan_tables(tables, 4, pins={"item": "column", "user": ("table", 2)})
+    assert plan.shardings == {"user": Sharding("table", owner=2), "item": Sharding("column")}
+    assert sorted(plan.loads[2]) == ["item", "user"] and sorted(plan.loads[0]) == ["item"]
+    with pytest.raises(PlanError, match=r"table 'user' \(table\) does not fit: rank 2 would hold .* over "
+                                        r"memory_per_rank"):
+        plan_tables(tables, 4, pins={"user": ("table", 2)}, memory_per_rank=50 << 20)
+    with pytest.raises(PlanError, match="table 'free': its rows are unknown"):
+        plan_tables([TableConfig(name="free", dim=8)], 2)
+    with pytest.raises(ValueError, match="pins name table 'nope'"):
+        plan_tables(tables, 2, pins={"nope": "row"})
+
+
+def test_a_printed_plan_shows_every_table_and_rank():
+    text = str(plan_tables(criteo(), 8, memory_per_rank=80 << 30))
+    assert text.splitlines()[0].split()[:3] == ["table", "kind", "ranks"]
+    assert all(f"c{i} " in text for i in range(26))
+    assert "lookups/step" in text and "x the mean" in text
+
+
+@pytest.mark.parametrize("sharding", [Sharding("row"), Sharding("table", owner=3), Sharding("data"),
+                                      Sharding("column", ranks=(1, 0), columns=(3, 5)),
+                                      Sharding("table_row", ranks=(4, 5, 6, 7))])
+def test_sharding_specs_round_trip_as_configs(sharding):
+    data = sharding.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert from_dict(data) == sharding and Sharding.from_dict(data) == sharding
+
+
+def test_bad_sharding_specs_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="Sharding.ranks must not repeat"):
+        Sharding("column", ranks=(0, 0))
+    with pytest.raises(ValueError, match="Sharding.columns .* needs ranks of the same length"):
+        Sharding("column", ranks=(0, 1), columns=(4,))
+    with pytest.raises(ValueError, match="Sharding.ranks applies to 'column' and 'table_row', not 'row'"):
+        Sharding("row", ranks=(0, 1))
+
+
+def _trained_checkpoint(path):
+    ec = EmbeddingCollection([TableConfig(name="user", dim=8, optimizer=dynemb.optim.Adagrad(lr=0.1)),
+                              TableConfig(name="cat", dim=4, vocabulary_size=100,
+                                          optimizer=dynemb.optim.SGD(lr=0.1))],
+                             [FeatureConfig(name="u", table="user"), FeatureConfig(name="c", table="cat")])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        out = ec({"u": torch.randint(0, 1000, (64,), generator=g), "c": torch.randint(0, 100, (64,), generator=g)})
+        sum(o.sum() for o in out.values()).backward()
+        ec.optimizer.step()
+        ec.optimizer.zero_grad()
+    save(path, ec, step=3)
+    return ec
+
+
+def test_a_checkpoint_records_rows_and_accesses_and_plans_the_next_run(tmp_path, capsys):
+    ec = _trained_checkpoint(tmp_path)
+    manifest = json.loads(next(tmp_path.glob("step-*/manifest.json")).read_text())
+    seen = manifest["tables"]["user"]["observed"]
+    assert seen == {"rows": len(ec.embeddings["user"].table), "accesses": 192, "unique_accesses": 0, "steps": 3}
+    stats = {s.name: s for s in observed_tables(tmp_path)}
+    assert stats["user"].rows == seen["rows"] and stats["user"].accesses == 64.0
+    assert stats["user"].row_bytes == 8 * 4 + 8 + 8 + 8 * 4  # values, key, score, Adagrad's sum
+    plan = plan_from_checkpoint(tmp_path, 4, memory_per_rank=1 << 20)
+    assert set(plan.shardings) == {"user", "cat"}
+    assert main(["plan", "--checkpoint", str(tmp_path), "--world", "4", "--memory-per-rank", "1e6", "--pin",
+                 "user=row", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "user" in out and json.loads(out.splitlines()[-1])["user"]["kind"] == "row"
+    assert main(["plan", "--checkpoint", str(tmp_path), "--world", "2", "--memory-per-rank", "100"]) != 0
+    assert "does not fit" in capsys.readouterr().err
+
+
+def test_an_older_checkpoint_gives_rows_only(tmp_path):
+    ec = _trained_checkpoint(tmp_path)
+    file = next(tmp_path.glob("step-*/manifest.json"))
+    manifest = json.loads(file.read_text())
+    for entry in manifest["tables"].values():
+        del entry["observed"]
+    file.write_text(json.dumps(manifest))
+    stats = {s.name: s for s in observed_tables(tmp_path)}
+    assert stats["user"].rows == len(ec.embeddings["user"].table) and stats["user"].accesses == 0.0
+    assert stats["cat"].rows == 100
