@@ -238,22 +238,58 @@ def cmd_serve_bench(args) -> int:
 def cmd_plan(args) -> int:
     import json
 
+    from .checkpoint.errors import CheckpointError
     from .checkpoint.planning import plan_from_checkpoint
 
+    if args.world < 1:
+        raise CliError(f"--world must be a number of ranks >= 1, got {args.world}")
+    if args.ranks_per_node is not None and (args.ranks_per_node < 1 or args.world % args.ranks_per_node):
+        raise CliError(f"--ranks-per-node must be >= 1 and divide --world {args.world}, got {args.ranks_per_node}")
+    memory = _parse_bytes("--memory-per-rank", args.memory_per_rank) if args.memory_per_rank is not None else None
     pins = {}
     for pin in args.pin:
         table, sep, kind = pin.partition("=")
         if not sep or not table or not kind:
-            raise ValueError(f"--pin must be TABLE=KIND, got {pin!r}")
-        owner = kind.partition(":")[2]
-        pins[table] = ("table", int(owner)) if kind.startswith("table:") else kind
-    memory = int(args.memory_per_rank) if args.memory_per_rank is not None else None
-    plan = plan_from_checkpoint(args.checkpoint, args.world, memory_per_rank=memory,
-                                ranks_per_node=args.ranks_per_node, pins=pins)
+            raise CliError(f"--pin must be TABLE=KIND (KIND: {_PIN_KINDS}), got {pin!r}")
+        if table in pins:
+            raise CliError(f"--pin gives table {table!r} twice ({pins[table]!r} and {kind!r}); give it once")
+        name, colon, owner = kind.partition(":")
+        if name not in ("row", "data", "column", "table_row", "table") or (colon and name != "table"):
+            raise CliError(f"--pin {pin}: KIND must be one of {_PIN_KINDS}, got {kind!r}")
+        if colon and not (owner.isdigit() and int(owner) < args.world):
+            raise CliError(f"--pin {pin}: RANK of table:RANK must be a rank of --world {args.world} "
+                           f"(0 to {args.world - 1}), got {owner!r}")
+        pins[table] = ("table", int(owner)) if colon else kind
+    try:
+        plan = plan_from_checkpoint(args.checkpoint, args.world, memory_per_rank=memory,
+                                    ranks_per_node=args.ranks_per_node, pins=pins)
+    except CheckpointError as e:
+        raise CliError(f"--checkpoint: {e}") from e
     print(plan)
     if args.json:
         print(json.dumps(plan.to_dict(), sort_keys=True))
     return 0
+
+
+_PIN_KINDS = "row, data, column, table_row, table or table:RANK"
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def _parse_bytes(option: str, text: str) -> int:
+    """``8e10``, ``80GB``, ``80G`` (10**9) or ``64GiB`` (2**30) as a positive whole number of bytes."""
+    import math
+    import re
+
+    match = re.fullmatch(r"\s*([0-9.eE+-]+?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    try:
+        value = float(match.group(1)) * _BYTE_UNITS[unit] if match else math.nan
+    except (ValueError, KeyError):
+        value = math.nan
+    if not math.isfinite(value) or value < 1:
+        raise CliError(f"{option} must be a positive number of bytes (8e10, 80GB, 64GiB), got {text!r}")
+    return int(value)
 
 
 def cmd_demo(args) -> int:
@@ -416,14 +452,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "Print a sharding plan (a kind per table, per rank: tables, rows, bytes, lookups and bytes on the "
                    "wire a step) for --world ranks from the rows and accesses training recorded in a checkpoint. "
                    "Loading that checkpoint into a collection built with the plan reshards it.")
-    plan.add_argument("--checkpoint", required=True, metavar="CKPT", help="a checkpoint root or directory")
+    plan.add_argument("--checkpoint", required=True, metavar="CKPT",
+                      help="a checkpoint root or directory (of a run: RUN_DIR/checkpoint or RUN_DIR/checkpoint-best)")
     plan.add_argument("--world", required=True, type=int, help="ranks of the next run")
-    plan.add_argument("--memory-per-rank", type=float, metavar="BYTES",
-                      help="bytes each rank may hold, e.g. 8e10 (default: no limit)")
+    plan.add_argument("--memory-per-rank", metavar="BYTES",
+                      help="bytes each rank may hold: 8e10, 80GB (10**9 bytes a GB) or 64GiB (default: no limit)")
     plan.add_argument("--ranks-per-node", type=int,
                       help="ranks of one node; row-sharded tables stay in one (default: all ranks are one node)")
     plan.add_argument("--pin", action="append", default=[], metavar="TABLE=KIND",
-                      help="give TABLE the kind KIND (row, data, column, table_row, table:RANK); repeatable")
+                      help="give TABLE the kind KIND (row, data, column, table_row, table: whole on the least loaded "
+                      "rank, table:RANK: whole on RANK); repeatable")
     plan.add_argument("--json", action="store_true", help="print the shardings as JSON (to_dict) after the plan")
 
     demo = command("demo", "synthetic data -> train -> eval -> predict -> export -> serve-bench, with a report",

@@ -2,6 +2,7 @@
 checkpoint observed (and older checkpoints' rows), `dynemb plan`, and sharding specs that round-trip as configs."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -108,6 +109,36 @@ def test_a_checkpoint_records_rows_and_accesses_and_plans_the_next_run(tmp_path,
     assert "user" in out and json.loads(out.splitlines()[-1])["user"]["kind"] == "row"
     assert main(["plan", "--checkpoint", str(tmp_path), "--world", "2", "--memory-per-rank", "100"]) != 0
     assert "does not fit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, expected", [
+    (["--world", "0"], "--world must be a number of ranks >= 1, got 0"),
+    (["--world", "2", "--ranks-per-node", "3"], "--ranks-per-node must be >= 1 and divide --world 2, got 3"),
+    (["--world", "2", "--memory-per-rank", "inf"], "--memory-per-rank must be a positive number of bytes .* 'inf'"),
+    (["--world", "2", "--memory-per-rank", "8 parsecs"], "--memory-per-rank must be .*, got '8 parsecs'"),
+    (["--world", "2", "--memory-per-rank", "-5"], "--memory-per-rank must be .*, got '-5'"),
+    (["--world", "2", "--pin", "user"], "--pin must be TABLE=KIND .*, got 'user'"),
+    (["--world", "2", "--pin", "user=colum"], "--pin user=colum: KIND must be one of row, .*, got 'colum'"),
+    (["--world", "2", "--pin", "user=table:x"], "--pin user=table:x: RANK .* --world 2 .*, got 'x'"),
+    (["--world", "2", "--pin", "user=table:2"], "--pin user=table:2: RANK .* \\(0 to 1\\), got '2'"),
+    (["--world", "2", "--pin", "user=row", "--pin", "user=data"], "--pin gives table 'user' twice"),
+])
+def test_dynemb_plan_names_the_option_the_expected_form_and_what_came_in(tmp_path, capsys, options, expected):
+    _trained_checkpoint(tmp_path)
+    assert main(["plan", "--checkpoint", str(tmp_path), *options]) == 2
+    err = capsys.readouterr().err
+    assert re.search(expected, err) and len(err.splitlines()) == 1, err
+
+
+def test_dynemb_plan_reads_byte_units_and_names_a_run_directory_s_checkpoints(tmp_path, capsys):
+    ckpt = tmp_path / "run" / "checkpoint"
+    _trained_checkpoint(ckpt)
+    assert main(["plan", "--checkpoint", str(ckpt), "--world", "2", "--memory-per-rank", "1GiB"]) == 0
+    assert "of 1.0 GiB a rank" in capsys.readouterr().out
+    for path, expected in [(tmp_path / "run", f"a directory of checkpoints, not one .* give one of {ckpt}"),
+                           (tmp_path / "nope", "no such directory"), (tmp_path, "no checkpoint here")]:
+        assert main(["plan", "--checkpoint", str(path), "--world", "2"]) == 2
+        assert re.search(f"--checkpoint: {path}: {expected}", capsys.readouterr().err)
 
 
 def test_an_older_checkpoint_gives_rows_only(tmp_path):
