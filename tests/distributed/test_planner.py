@@ -13,7 +13,7 @@ from dynemb.checkpoint import save
 from dynemb.checkpoint.planning import observed_tables, plan_from_checkpoint
 from dynemb.cli import main
 from dynemb.distributed.planner import PlanError, plan_tables
-from dynemb.distributed.sharding import Sharding
+from dynemb.distributed.sharding import Sharding, resolve_plan
 from dynemb.serialization import from_dict
 
 # the 26 categorical features of Criteo's Kaggle display-advertising data set (public cardinalities)
@@ -76,6 +76,16 @@ def test_bad_sharding_specs_are_refused_naming_the_field():
         Sharding("column", ranks=(0, 1), columns=(4,))
     with pytest.raises(ValueError, match="Sharding.ranks applies to 'column' and 'table_row', not 'row'"):
         Sharding("row", ranks=(0, 1))
+
+
+def test_column_widths_without_ranks_are_one_per_rank_of_the_world():
+    # docs/distributed.md: ranks default to every rank, columns= the widths
+    tables = [TableConfig(name="wide", dim=8, vocabulary_size=100)]
+    sharding = Sharding("column", columns=(3, 5))
+    assert resolve_plan(tables, 2, {"wide": sharding})["wide"] == sharding
+    assert plan_tables(tables, 2, pins={"wide": sharding}).shardings["wide"] == sharding
+    with pytest.raises(ValueError, match=r"plan\['wide'\] columns \(3, 5\) need one width per rank: .* or 4 widths"):
+        resolve_plan(tables, 4, {"wide": sharding})
 
 
 def _trained_checkpoint(path):

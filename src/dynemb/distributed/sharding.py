@@ -60,7 +60,8 @@ class ShardingKind(str, enum.Enum):
 class Sharding(Serializable):
     """How one table is sharded. ``partitioner`` applies to ``row`` and ``table_row``; ``owner`` to ``table``;
     ``ranks`` to ``column`` and ``table_row`` (the ranks holding the table; ``None``: every rank); ``columns`` to
-    ``column`` (each shard's width, in ``ranks`` order; ``None``: as even as the dim allows).
+    ``column`` (each shard's width, in ``ranks`` order, one per rank of the world when ``ranks`` is ``None``;
+    ``None``: as even as the dim allows).
 
     ``to_dict`` leaves out the default partitioner and refuses any other (a callable), naming the field.
 
@@ -103,7 +104,8 @@ class Sharding(Serializable):
         if self.columns is not None:
             if self.kind != ShardingKind.COLUMN:
                 raise ValueError(f"Sharding.columns applies to 'column', not {self.kind.value!r}")
-            if self.ranks is None or len(self.ranks) != len(self.columns):
+            # without ranks, one width per rank of the world: checked where the world is known (resolve_plan)
+            if self.ranks is not None and len(self.ranks) != len(self.columns):
                 raise ValueError(f"Sharding.columns {self.columns!r} needs ranks of the same length, got "
                                  f"ranks={self.ranks!r}")
 
@@ -196,5 +198,8 @@ def resolve_plan(tables, world_size: int, plan: Optional[dict] = None) -> dict[s
         outside = [r for r in entry.ranks or () if r >= world_size]
         if outside:
             raise ValueError(f"plan[{name!r}] ranks {outside} are not ranks of a world of size {world_size}")
+        if entry.columns is not None and len(entry.group(world_size)) != len(entry.columns):
+            raise ValueError(f"plan[{name!r}] columns {entry.columns!r} need one width per rank: give ranks= of "
+                             f"the same length, or {world_size} widths (one per rank of the world)")
         result[name] = entry
     return result
