@@ -53,6 +53,24 @@ def test_pins_are_kept_and_a_plan_that_cannot_fit_names_the_table_and_by_how_muc
         plan_tables(tables, 2, pins={"nope": "row"})
 
 
+def test_pin_errors_name_the_pin_and_a_can_t_fit_error_gives_advice_that_applies():
+    tables = [TableConfig(name="user", dim=64, max_capacity=10**6), TableConfig(name="item", dim=256,
+                                                                                   vocabulary_size=10**5)]
+    with pytest.raises(ValueError, match=r"pins\['user'\]: sharding kind must be one of .* got 'colum'"):
+        plan_tables(tables, 2, pins={"user": "colum"})
+    with pytest.raises(ValueError, match=r"pins\['user'\] owner 9 is not a rank of a world of size 2"):
+        plan_tables(tables, 2, pins={"user": ("table", 9)})
+    # 'row' already spreads over every rank: "pin a wider kind" would be no help
+    with pytest.raises(PlanError, match=r"table 'user' \(row\) does not fit: .* already spread over all 4 ranks: "
+                                        r"give more ranks or memory$"):
+        plan_tables(tables, 4, memory_per_rank=10 << 20)
+    with pytest.raises(PlanError, match=r"it is pinned to Sharding\('table', owner=2\): pin a kind that spreads"):
+        plan_tables(tables, 4, pins={"user": ("table", 2)}, memory_per_rank=50 << 20)
+    # the kind alone: the planner picks the owner (the least loaded rank), not rank 0
+    plan = plan_tables(tables, 2, pins={"item": ("table", 0), "user": "table"})
+    assert plan.shardings["user"] == Sharding("table", owner=1)
+
+
 def test_a_printed_plan_shows_every_table_and_rank():
     text = str(plan_tables(criteo(), 8, memory_per_rank=80 << 30))
     assert text.splitlines()[0].split()[:3] == ["table", "kind", "ranks"]

@@ -143,7 +143,7 @@ def plan_tables(tables, world_size: int, *, memory_per_rank: Optional[int] = Non
         memory_per_rank: bytes each rank may hold; ``None``: unbounded.
         ranks_per_node: ranks of one node: row-sharded tables stay within a node where their share allows.
         pins: ``{table: kind}`` as a collection's ``plan`` takes it (``"column"``, ``("table", 3)``, a
-            Sharding): these tables take that kind.
+            Sharding): these tables take that kind (``"table"`` alone: whole on the least loaded rank).
         observed: ``{table: {"rows": int, "accesses": float}}``: what training saw (unique ids a step).
         accesses: ``{table: float}``: unique ids a step, overriding ``observed``.
         small_fraction: tables up to this fraction of the mean rank's bytes go whole to one rank.
@@ -177,7 +177,7 @@ def plan_tables(tables, world_size: int, *, memory_per_rank: Optional[int] = Non
                 raise ValueError(f"pins name table {name!r}, which is not in tables {sorted(known)}")
         # resolve_plan checks the entries as a collection's plan does
         pinned = {n: s for n, s in resolve_plan(configs or [_Named(n) for n in known], world_size,
-                                                dict(pins)).items() if n in pins}
+                                                dict(pins), what="pins").items() if n in pins}
     loads: list[dict] = [{} for _ in range(world_size)]
     totals = [0.0] * world_size
     shardings: dict = {}
@@ -187,16 +187,24 @@ def plan_tables(tables, world_size: int, *, memory_per_rank: Optional[int] = Non
         for rank, load in per_rank.items():
             if memory_per_rank is not None and totals[rank] + load.bytes > memory_per_rank:
                 over = totals[rank] + load.bytes - memory_per_rank
+                if name in pinned:
+                    hint = (f"it is pinned to {sharding!r}: pin a kind that spreads it wider, or give more ranks "
+                            "or memory")
+                elif len(per_rank) == world_size and sharding.kind != "data":
+                    hint = f"it is already spread over all {world_size} ranks: give more ranks or memory"
+                else:
+                    hint = "give more ranks or memory, or pin it to a kind that spreads it wider"
                 raise PlanError(f"table {name!r} ({sharding.kind.value}) does not fit: rank {rank} would hold "
                                 f"{_size(totals[rank] + load.bytes)}, {_size(over)} ({int(over):,} bytes) over "
-                                f"memory_per_rank={_size(memory_per_rank)}; give more ranks or memory, or pin it "
-                                "to a kind that spreads it wider")
+                                f"memory_per_rank={_size(memory_per_rank)}; {hint}")
         for rank, load in per_rank.items():
             loads[rank][name] = load
             totals[rank] += load.bytes
         shardings[name] = sharding
 
     for name, sharding in pinned.items():
+        if pins[name] == "table":  # the kind alone: the planner picks the owner, as for the tables it places
+            sharding = Sharding("table", owner=min(range(world_size), key=lambda r: (totals[r], r)))
         place(name, sharding)
     rest = sorted((n for n in stats if n not in pinned), key=lambda n: -stats[n].rows * stats[n].row_bytes)
     total = sum(s.rows * s.row_bytes for s in stats.values())
