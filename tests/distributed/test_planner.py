@@ -53,7 +53,7 @@ def test_pins_are_kept_and_a_plan_that_cannot_fit_names_the_table_and_by_how_muc
         plan_tables(tables, 2, pins={"nope": "row"})
 
 
-def test_pin_errors_name_the_pin_and_a_can_t_fit_error_gives_advice_that_applies():
+def test_pin_errors_name_the_pin_can_t_fit_advice_applies_and_tight_memory_spreads_tables():
     tables = [TableConfig(name="user", dim=64, max_capacity=10**6), TableConfig(name="item", dim=256,
                                                                                    vocabulary_size=10**5)]
     with pytest.raises(ValueError, match=r"pins\['user'\]: sharding kind must be one of .* got 'colum'"):
@@ -62,10 +62,20 @@ def test_pin_errors_name_the_pin_and_a_can_t_fit_error_gives_advice_that_applies
         plan_tables(tables, 2, pins={"user": ("table", 9)})
     # 'row' already spreads over every rank: "pin a wider kind" would be no help
     with pytest.raises(PlanError, match=r"table 'user' \(row\) does not fit: .* already spread over all 4 ranks: "
-                                        r"give more ranks or memory$"):
+                                        r"give more ranks or memory \(the tables need at least .* a rank\)$"):
         plan_tables(tables, 4, memory_per_rank=10 << 20)
     with pytest.raises(PlanError, match=r"it is pinned to Sharding\('table', owner=2\): pin a kind that spreads"):
         plan_tables(tables, 4, pins={"user": ("table", 2)}, memory_per_rank=50 << 20)
+    # replicas that overflow a rank give way to kinds that spread the tables: the plan fits when it can
+    small = [TableConfig(name=f"t{i}", dim=16, vocabulary_size=v) for i, v in enumerate([40, 16, 15, 9, 7, 5, 2])]
+    roomy = plan_tables(small, 2)
+    budget = int(max(t.bytes for t in roomy.rank_totals()) * 0.7)
+    assert set(roomy.shardings.values()) == {Sharding("data")}
+    tight = plan_tables(small, 2, memory_per_rank=budget)
+    assert max(t.bytes for t in tight.rank_totals()) <= budget
+    assert Sharding("data") not in tight.shardings.values()
+    with pytest.raises(PlanError, match=r"already spread over all 2 ranks"):
+        plan_tables(small, 2, memory_per_rank=budget // 3)
     # the kind alone: the planner picks the owner (the least loaded rank), not rank 0
     plan = plan_tables(tables, 2, pins={"item": ("table", 0), "user": "table"})
     assert plan.shardings["user"] == Sharding("table", owner=1)
