@@ -265,9 +265,11 @@ def cmd_plan(args) -> int:
                                     ranks_per_node=args.ranks_per_node, pins=pins)
     except CheckpointError as e:
         raise CliError(f"--checkpoint: {e}") from e
-    print(plan)
-    if args.json:
+    if args.json:  # stdout one JSON line (for jq or a script), the table still shown on stderr
+        print(plan, file=sys.stderr)
         print(json.dumps(plan.to_dict(), sort_keys=True))
+    else:
+        print(plan)
     return 0
 
 
@@ -462,7 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pin", action="append", default=[], metavar="TABLE=KIND",
                       help="give TABLE the kind KIND (row, data, column, table_row, table: whole on the least loaded "
                       "rank, table:RANK: whole on RANK); repeatable")
-    plan.add_argument("--json", action="store_true", help="print the shardings as JSON (to_dict) after the plan")
+    plan.add_argument("--json", action="store_true", help="print the shardings as one JSON line (to_dict: the "
+                      "collection's plan=) on stdout, the table on stderr")
 
     demo = command("demo", "synthetic data -> train -> eval -> predict -> export -> serve-bench, with a report",
                    cmd_demo)
