@@ -190,3 +190,15 @@ def test_an_older_checkpoint_gives_rows_only(tmp_path):
     stats = {s.name: s for s in observed_tables(tmp_path)}
     assert stats["user"].rows == len(ec.embeddings["user"].table) and stats["user"].accesses == 0.0
     assert stats["cat"].rows == 100
+
+
+def test_a_plan_reaches_a_collection_as_printed_json_or_as_the_plan_itself():
+    from dynemb.collection.collection import _check_plan_spec
+
+    tables = [TableConfig(name="user", dim=8, max_capacity=1000), TableConfig(name="cat", dim=4, vocabulary_size=9)]
+    plan = plan_tables(tables, 2, pins={"cat": ("table", 1)})
+    assert _check_plan_spec(plan) == plan.shardings  # the docstring's "a planned one"
+    printed = json.loads(json.dumps(plan.to_dict()))  # what `dynemb plan --json` prints
+    assert resolve_plan(tables, 2, printed) == plan.shardings
+    with pytest.raises(ValueError, match=r"plan\['cat'\]: sharding kind must be one of .* got 'colum'"):
+        resolve_plan(tables, 2, {"cat": {"type": "sharding", "kind": "colum"}})

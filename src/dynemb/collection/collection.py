@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 from types import MappingProxyType
-from typing import Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from .sharded import ShardedExecutor
 
 __all__ = ["EmbeddingCollection"]
 
-PlanSpec = Union[str, Mapping[str, Union[str, tuple, Sharding]]]
+PlanSpec = Union[str, Mapping[str, Union[str, tuple, dict, Sharding]], Any]
 _TABLES = "tables."  # state_dict keys: tables.<table name>.<column>
 
 
@@ -42,7 +42,8 @@ class EmbeddingCollection(nn.Module):
         plan: ``None`` keeps every table whole on this process. Otherwise the tables are sharded over
             ``process_group``: ``"auto"`` (dynamic tables row-wise, small static tables replicated, large ones
             whole on one rank), or ``{table: "row" | "data" | "column" | ("table", rank) | ("table_row", ranks) |
-            Sharding}`` with the rest automatic (or a planned one: :func:`dynemb.distributed.plan_tables`).
+            Sharding | a Sharding's to_dict}`` with the rest automatic, or a planned one
+            (:func:`dynemb.distributed.plan_tables`' result, or ``json.load`` of ``dynemb plan --json``).
             Every rank must then call ``forward`` and ``backward`` each step (batches may differ).
         process_group: the group to shard over (default: the world); only with ``plan``.
         timeout: seconds before a collective gives up with :class:`~dynemb.distributed.DistributedError`.
@@ -297,8 +298,11 @@ def _index_configs(tables: list[TableConfig], features: list[FeatureConfig]):
 
 
 def _check_plan_spec(plan) -> dict:
+    if isinstance(getattr(plan, "shardings", None), Mapping):  # a TablePlan (plan_tables): its shardings
+        return dict(plan.shardings)
     if not isinstance(plan, Mapping):
-        raise TypeError(f"plan must be None, 'auto' or a dict {{table: sharding}}, got {plan!r}")
+        raise TypeError(f"plan must be None, 'auto', a dict {{table: sharding}} or a plan_tables() plan, got "
+                        f"{plan!r}")
     return dict(plan)
 
 

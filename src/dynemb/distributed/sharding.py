@@ -178,7 +178,8 @@ def auto_plan(tables, world_size: int, data_max_bytes: int = 16 << 20) -> dict[s
 
 
 def resolve_plan(tables, world_size: int, plan: Optional[dict] = None, *, what: str = "plan") -> dict[str, Sharding]:
-    """The automatic plan with the explicit entries of ``plan`` (a str kind, ``("table", rank)`` or Sharding);
+    """The automatic plan with the explicit entries of ``plan`` (a str kind, ``("table", rank)``, a Sharding or
+    its ``to_dict``);
     errors name an entry as ``what[table]``."""
     result = auto_plan(tables, world_size)
     names = {t.name for t in tables}
@@ -192,11 +193,13 @@ def resolve_plan(tables, world_size: int, plan: Optional[dict] = None, *, what: 
                 entry = Sharding(entry[0], ranks=entry[1])  # ("table_row", (0, 1, 2, 3))
             elif isinstance(entry, tuple):
                 entry = Sharding(*entry)
+            elif isinstance(entry, dict):  # a Sharding's to_dict, as `dynemb plan --json` prints it
+                entry = Sharding.from_dict(entry)
         except ValueError as e:
             raise ValueError(f"{what}[{name!r}]: {e}") from None
         if not isinstance(entry, Sharding):
-            raise TypeError(f"{what}[{name!r}] must be 'row', 'data', 'column', 'table_row', ('table', rank) or a "
-                            f"Sharding, got {entry!r}")
+            raise TypeError(f"{what}[{name!r}] must be 'row', 'data', 'column', 'table_row', ('table', rank), a "
+                            f"Sharding or its to_dict, got {entry!r}")
         if entry.kind == "table" and entry.owner >= world_size:
             raise ValueError(f"{what}[{name!r}] owner {entry.owner} is not a rank of a world of size {world_size}")
         outside = [r for r in entry.ranks or () if r >= world_size]
