@@ -28,7 +28,7 @@ emb(torch.arange(2000))
 
 CHILD = BUILD + """
 import sys, time
-import dynemb.checkpoint.saver as save_module
+import dynemb.checkpoint.commit as save_module
 from dynemb.checkpoint import save
 
 root, where = sys.argv[1], sys.argv[2]

@@ -13,6 +13,7 @@ from ..distributed.sharding import ShardingKind
 from ..optim.combined import CombinedOptimizer
 from ..table import TieredTable
 from . import write_marks
+from .background import wait_for_saves
 from .codec import read_state
 from .shard_tensors import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, canonical_config, check_shard
 from .dense import check_dense
@@ -72,6 +73,7 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {strict!r}")
+    wait_for_saves()  # a background save still writing may be the checkpoint asked for
     ctx = rank_context(model)
     tables = find_tables(model)
     directory = resolve(path)
