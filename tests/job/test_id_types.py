@@ -38,15 +38,6 @@ def write_csv(table: pa.Table, path) -> None:
     pcsv.write_csv(table.set_column(3, "cats", pa.array(cats, pa.string())), path)
 
 
-def dynemb(capsys, *args) -> dict:
-    threads = torch.get_num_threads()
-    try:
-        code = main([str(a) for a in args])
-    finally:
-        torch.set_num_threads(threads)
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    return json.loads(out.splitlines()[-1])
 
 
 COLUMNS = ["--label", "click", "--categorical", "zip,shop", "--multi-hot", "cats", "--dense", "price"]
@@ -79,12 +70,12 @@ def test_the_card_records_the_id_types_the_training_file_decided(trained):
     assert prep["id_types"] == {"zip": "BYTES", "shop": "INT64", "cats": "INT64"}
 
 
-def test_predict_and_eval_are_bit_identical_across_formats_in_the_same_batches(trained, capsys):
+def test_predict_and_eval_are_bit_identical_across_formats_in_the_same_batches(trained, dynemb):
     probs = {}
     for name in ("rows.parquet", "rows.csv", "swapped.parquet"):
         for batch in (256, 600):
             out = trained / f"p-{name}-{batch}.parquet"
-            dynemb(capsys, "predict", "--model", trained / "run", "--data", trained / name, "--out", out,
+            dynemb("predict", "--model", trained / "run", "--data", trained / name, "--out", out,
                    "--batch-size", batch)
             probs[name, batch] = pq.read_table(out).column("probability").to_numpy()
     for batch in (256, 600):
@@ -93,7 +84,7 @@ def test_predict_and_eval_are_bit_identical_across_formats_in_the_same_batches(t
         for name in ("rows.csv", "swapped.parquet"):
             np.testing.assert_array_equal(probs[name, batch], reference, err_msg=name)
     np.testing.assert_allclose(probs["rows.csv", 256], probs["rows.parquet", 600], rtol=0, atol=1e-6)
-    metrics = [dynemb(capsys, "eval", "--model", trained / "run", "--data", trained / name, "--batch-size", 256)
+    metrics = [dynemb("eval", "--model", trained / "run", "--data", trained / name, "--batch-size", 256)
                for name in ("rows.parquet", "rows.csv", "swapped.parquet")]
     assert metrics[0] == metrics[1] == metrics[2]
 
@@ -110,14 +101,14 @@ def test_text_an_int64_column_cannot_read_is_a_one_line_error_naming_the_column(
                    "id, and the model reads 'shop' as INT64 ids (id_types in model.json)\n")
 
 
-def test_resume_on_csv_reads_the_ids_as_the_run_was_trained(tmp_path, capsys):
+def test_resume_on_csv_reads_the_ids_as_the_run_was_trained(tmp_path, dynemb):
     table = zips_and_shops(400)
     pq.write_table(table, tmp_path / "train.parquet")
     write_csv(table, tmp_path / "train.csv")  # on its own, CSV would make the all-digit zip column INT64
     run = tmp_path / "run"
-    first = dynemb(capsys, "train", "--data", tmp_path / "train.parquet", *COLUMNS, "--out", run, "--steps", "2",
+    first = dynemb("train", "--data", tmp_path / "train.parquet", *COLUMNS, "--out", run, "--steps", "2",
                    *SMALL)
-    resumed = dynemb(capsys, "train", "--data", tmp_path / "train.csv", *COLUMNS, "--out", run, "--steps", "4",
+    resumed = dynemb("train", "--data", tmp_path / "train.csv", *COLUMNS, "--out", run, "--steps", "4",
                      "--resume", *SMALL[2:])
     assert (first["step"], resumed["step"]) == (2, 4)
     assert json.loads((run / "model.json").read_text())["preprocessing"]["id_types"]["zip"] == "BYTES"
