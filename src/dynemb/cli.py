@@ -285,7 +285,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint "
                      "(from step 0 when it has none: a run stopped before its first save)")
     run.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also checkpoint every N steps "
-                     "(0: only the final checkpoint; the 3 newest are kept)")
+                     "(0: only the final checkpoint; the 3 newest are kept), written in the background while training "
+                     "goes on (a host copy of the rows at that step)")
     run.add_argument("--eval-every", type=int, default=100, metavar="N", help="evaluate --eval-batches held-out "
                      "batches every N steps and at the end, keeping the model with the lowest log loss as the best "
                      "(and every held-out row at the end, with the best model)")

@@ -56,7 +56,9 @@ class TrainConfig(Serializable):
         patience: stop after this many evaluations in a row without a lower held-out log loss than the best so
             far (early stopping); 0 never stops early. The best model is tracked either way.
         checkpoint_dir: save checkpoints there every ``checkpoint_every`` steps and at the end (once: a final
-            step that is a multiple of ``checkpoint_every`` is saved once).
+            step that is a multiple of ``checkpoint_every`` is saved once). The periodic saves are written in the
+            background (``save(..., blocking=False)``: a host snapshot of the rows, then a thread) while training
+            goes on; the last one is written before ``fit`` returns. Tiered tables are saved blocking.
         best_dir: save the model of each new best evaluation there (a checkpoint root of its own, holding one
             checkpoint: pruning of ``checkpoint_dir`` never removes it); ``None``: the best is not saved.
         resume: continue from the newest checkpoint in ``checkpoint_dir`` or ``best_dir``.
@@ -148,6 +150,7 @@ class Trainer:
                                             "dense": torch.optim.Adam(dense, lr=cfg.dense_lr)})
         self.step = 0
         self._saved_step: Optional[int] = None
+        self._pending = None  # the periodic background save still being written
         self.best_step: Optional[int] = None
         """The step of the evaluation with the lowest held-out log loss (``None`` before the first)."""
         self.best_loss = math.inf
@@ -181,14 +184,26 @@ class Trainer:
             self.best_step, self.best_loss = state["best_step"], float(state["best_loss"])
         return self.step
 
-    def save(self) -> None:
-        """Checkpoint the current step into ``checkpoint_dir`` (nothing if this step is saved already)."""
+    def save(self, blocking: bool = True) -> None:
+        """Checkpoint the current step into ``checkpoint_dir`` (nothing if this step is saved already). With
+        ``blocking=False`` the files are written in the background (not for tiered tables, whose rows may not fit a
+        snapshot); :meth:`wait_for_save` waits for them and raises what that save raised."""
         from .checkpoint import save
 
         if self._saved_step == self.step:
             return
-        save(self.cfg.checkpoint_dir, self.model, self.optimizer, step=self.step, keep_last=3, extra=self._extra())
+        self.wait_for_save()
+        blocking = blocking or self.model.embeddings.tiered
+        out = save(self.cfg.checkpoint_dir, self.model, self.optimizer, step=self.step, keep_last=3,
+                   extra=self._extra(), blocking=blocking)
+        self._pending = None if blocking else out
         self._saved_step = self.step
+
+    def wait_for_save(self) -> None:
+        """Wait for the background checkpoint still being written, if any; raise its error (on every rank)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
 
     def save_best(self) -> None:
         """Checkpoint the current step into ``best_dir``, replacing the best saved there."""
@@ -255,7 +270,7 @@ class Trainer:
             if self.step % cfg.eval_every == 0:
                 self._select(eval_batches, report)
             if cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                self.save()
+                self.save(blocking=False)
             last_auc = self.history.last_auc
             bar.set_postfix(loss=f"{row['loss']:.4f}", auc="-" if last_auc != last_auc else f"{last_auc:.4f}",
                             rows=row["rows"], evicted=row["evicted"], sps=f"{row['samples_per_s']:.0f}",
@@ -276,6 +291,7 @@ class Trainer:
             self._select(eval_batches, report, periodic=False)
         if cfg.checkpoint_dir:
             self.save()
+        self.wait_for_save()
         return self.history
 
     def _select(self, eval_batches: list[Batch], report: Callable[[str, dict], None], periodic: bool = True) -> None:

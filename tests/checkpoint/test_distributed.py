@@ -106,3 +106,28 @@ def test_resume_at_same_world_size_is_exact(tmp_path):
     resumed = run(_resume, 2, tmp_path / "c", root, True)
     for key, value in straight.items():
         np.testing.assert_array_equal(resumed[key], value, err_msg=key)
+
+
+def _background_while_training(rank, world, root):
+    import json
+
+    ec = build()
+    for i in range(3):
+        step(ec, i, rank)
+    save(root / "blocking", ec, ec.optimizer, step=3)
+    handle = save(root / "background", ec, ec.optimizer, step=3, blocking=False)
+    for i in range(3, 8):  # the training group's collectives go on while the save's own group gathers
+        step(ec, i, rank)
+    assert handle.wait(120) == root / "background" / "step-00000003"
+    files = [json.loads((root / kind / "step-00000003" / "manifest.json").read_text())["files"]
+             for kind in ("blocking", "background")]
+    # every file's sha256 (the tables' shards of both ranks, dense, both optimizer files) equals the blocking save's
+    return {"same": np.array([files[0] == files[1]]), "count": np.array([len(files[0])])} if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_background_save_at_two_ranks_equals_a_blocking_save(tmp_path):
+    (tmp_path / "out").mkdir()
+    got = run(_background_while_training, 2, tmp_path / "out", tmp_path)
+    assert got is not None, [p.read_text() for p in (tmp_path / "out").glob("*.err")]
+    assert got["same"][0] and got["count"][0] >= 5

@@ -124,6 +124,7 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
             payloads[optimizer_file(ctx)] = encode(optimizer.state_dict(), "optimizer.state_dict()")
         if not blocking:
             payloads = snapshot(payloads)  # the rows of this step: training may change the tables from here on
+            entries, extra = json.loads(json.dumps(entries)), json.loads(json.dumps(extra))  # and the caller's dicts
 
         def manifest_of(parts: list) -> dict:
             return {
