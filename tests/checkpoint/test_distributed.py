@@ -13,12 +13,15 @@ from dynemb.distributed.comm import all_gather_varsize
 from distributed.harness import run
 
 
-def build():
+def build(sharded: bool = True):
+    """The three tables, sharded over the process group, or (``sharded=False``) in one process."""
     opt = dynemb.optim.Adam(lr=0.05)
     tables = [TableConfig(name="user", dim=4, optimizer=opt, seed=1),
               TableConfig(name="item", dim=6, optimizer=opt, seed=2, combiner="sum"),
               TableConfig(name="cat", dim=4, vocabulary_size=13, optimizer=opt, seed=3)]
     features = [FeatureConfig(name=t.name, table=t.name) for t in tables]
+    if not sharded:
+        return dynemb.EmbeddingCollection(tables, features)
     return DistributedEmbeddingCollection(tables, features, timeout=60)
 
 
