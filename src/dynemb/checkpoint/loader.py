@@ -16,7 +16,7 @@ from . import write_marks
 from .background import wait_for_saves
 from .codec import read_state
 from .shard_tensors import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, canonical_config, check_shard
-from .dense import check_dense
+from .dense import check_dense, load_dense
 from .errors import CheckpointError
 from .manifest import MANIFEST, chain, file_record, resolve
 from .progress import logger, transfer
@@ -104,7 +104,7 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
         if opt_state is not None:  # a collection's optimizer skips tables added since, as the tables do, unless strict
             load_kwargs = {"strict": strict} if isinstance(optimizer, CombinedOptimizer) else {}
             optimizer.load_state_dict(opt_state, **load_kwargs)
-        model.load_state_dict(dense, strict=False)
+        load_dense(model, dense)
         for name, (cols, saved_counters) in shards.items():
             saved = {**saved_counters, "seed": configs[name]["seed"]}
             if isinstance(cols, StreamedShard):  # read again, a chunk at a time, into the tiers
