@@ -6,8 +6,9 @@ Each of ``--world`` gloo ranks (default 2) holds a row-sharded dynamic table of 
 rows (default 2.1M: 1.08 GB of values, 1.09 GB with the keys; ``--quick``: 200k) and calls ``export_for_serving``
 (a full export, float32). Every rank writes its own shard file, streamed ``CHUNK_ROWS`` rows at a time, and rank 0
 the manifest. The peak RSS of the call is read from the kernel (``VmHWM`` after resetting it through
-``/proc/self/clear_refs``), so short peaks count; "extra" is that peak minus the RSS before the call (after ``malloc_trim``, so that
-the allocator cannot hide an allocation in memory it kept); "largest chunk" is the biggest piece the export made. The target: at
+``/proc/self/clear_refs``), so short peaks count; "extra" is that peak minus the RSS before the call (after
+``malloc_trim``, so that the allocator cannot hide an allocation in memory it kept); "largest chunk" is the biggest
+piece the export made. The target: at
 most 1/10 of the rank's exported bytes (keys + values). Before per-rank exports, rank 0 gathered every rank's rows
 (world x its own), so its extra memory was above the rows of the whole model.
 """
