@@ -25,12 +25,14 @@ from dynemb.table.tiered import Tiers
 
 @pytest.fixture
 def held(monkeypatch):
-    """An Event: the background save's thread waits for it before writing its first file."""
+    """An Event: a background save's thread waits for it before writing its first file (blocking saves and exports
+    write on the caller's thread, unheld)."""
     gate = threading.Event()
     original = commit_module.write_tensors
 
     def write_tensors(*args, **kwargs):
-        assert gate.wait(60), "the test never released the save"
+        if threading.current_thread().name.startswith("dynemb-save-"):  # only a background save's thread
+            assert gate.wait(60), "the test never released the save"
         return original(*args, **kwargs)
 
     monkeypatch.setattr(commit_module, "write_tensors", write_tensors)
@@ -54,9 +56,7 @@ def test_background_save_equals_a_blocking_save_while_training_goes_on(tmp_path,
     for m, o in ((model, opt), (twin, twin_opt)):
         m.dense(torch.randn(3, 12, generator=torch.Generator().manual_seed(0))).sum().backward()
         o.step()
-    held.set()
     save(tmp_path / "blocking", twin, twin_opt, step=6, extra={"k": [1]})
-    held.clear()
 
     extra = {"k": [1]}
     moves, evicted = model.user.table.row_moves, model.user.table.evicted
@@ -104,9 +104,7 @@ def test_background_save_holds_rows_the_fused_kernels_write_afterwards(tmp_path,
     for i in range(4):
         _fused_step(ec, i)
         _fused_step(twin, i)
-    held.set()
     save(tmp_path / "blocking", twin, twin.optimizer, step=4)
-    held.clear()
     handle = save(tmp_path / "bg", ec, ec.optimizer, step=4, blocking=False)
     before = ec.embeddings["b"].table.row_moves
     for i in range(4, 10):
@@ -181,3 +179,21 @@ def test_a_full_background_save_of_a_tiered_table_is_refused(tmp_path):
     save(tmp_path, emb, step=2, incremental=True, blocking=False).wait(60)
     assert read_manifest(tmp_path / "step-00000002")["kind"] == "incremental"
 
+
+
+def test_a_serving_export_does_not_wait_for_a_background_save(tmp_path, held):
+    from dynemb.checkpoint import export_for_serving, read_export
+
+    model = trained_model()
+    handle = save(tmp_path / "ckpt", model, step=6, blocking=False)
+    train_step(model, 6)
+    export_for_serving(tmp_path / "export", model)  # while the save's thread is held
+    assert not handle.done()
+    _, tables = read_export(tmp_path / "export")
+    rows = model.user.table.export()
+    assert torch.equal(tables["user"]["keys"], rows.keys) and torch.equal(tables["user"]["values"], rows.values)
+    held.set()
+    handle.wait(60)
+    fresh = TwoTables(seed=3)
+    load(handle.path, fresh)
+    assert fresh.steps.item() == 6

@@ -8,8 +8,10 @@ equal a blocking save at that step. The copy costs host memory the size of the f
 every live row of this rank's tables; for an incremental one, its changed rows) until the files are written, and
 one memory copy of those bytes on the caller's thread (a device-to-host copy for CUDA tables).
 
-Saves run one at a time in a process: a save, export or load first waits for a background save still running
-(:func:`wait_for_saves`), so incremental chains and ``latest`` follow the order of the calls. Under
+Saves run one at a time in a process: a save or load first waits for a background save still running
+(:func:`wait_for_saves`), so incremental chains and ``latest`` follow the order of the calls. A serving export does
+not wait (it writes another root, from the live tables, on the caller's thread), so publishing at the step of a
+checkpoint does not stall training. Under
 torch.distributed the thread's collectives go over a gloo group of the same ranks made for this purpose
 (:func:`side_context`), never the training's group, whose collectives the caller's thread goes on issuing.
 """

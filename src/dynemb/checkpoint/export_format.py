@@ -20,7 +20,6 @@ from ..serialization import dtype_name
 from ..table import TieredTable
 from ..table.initializers import resolve_initializer
 from . import write_marks
-from .background import wait_for_saves
 from .commit import commit, open_shared
 from .shard_tensors import DELETED, KEYS, VALUES
 from .dense import dense_state
@@ -112,7 +111,6 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
         raise TypeError(f"dense must be a bool, got {dense!r}")
     if model_name is not None and (not isinstance(model_name, str) or not model_name):
         raise TypeError(f"model_name must be a non-empty str or None, got {model_name!r}")
-    wait_for_saves()
     root = Path(path)
     root_key = os.path.realpath(root)
     ctx = rank_context(model)

@@ -54,8 +54,8 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
     With ``blocking=False`` the save copies what it writes (a snapshot of the rows, the dense state and the
     optimizer state at this step, in host memory) and returns a :class:`~dynemb.checkpoint.background.SaveHandle`
     while a thread writes the files: training may go on, and the checkpoint equals a blocking save at this step.
-    The snapshot costs host memory the size of the files' tensors until they are written. Saves (and exports and
-    loads) of a process run one at a time: the next one waits for a background save still running.
+    The snapshot costs host memory the size of the files' tensors until they are written. Saves and loads of a
+    process run one at a time: the next one waits for a background save still running (a serving export does not).
 
     Args:
         path: the checkpoint root directory (created if needed).
