@@ -73,7 +73,7 @@ bench gpu_ops "$(( $(left) * 4 / 10 ))" $PY benchmarks/gpu_ops.py --device cuda 
 bench job_step "$(( $(left) * 5 / 10 ))" $PY benchmarks/job_step.py --devices cpu cuda --json "$OUT/job_step.json"
 bench table_ops "$(( $(left) * 5 / 10 ))" $PY benchmarks/table_ops.py --device cuda --quick --threads 1 \
   --json "$OUT/table_ops.json"
-bench distributed "$(left)" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick \
+bench distributed "$(left)" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick --background-save \
   --json "$OUT/distributed.json"
 
 echo "== summary ($(( $(date +%s) - start )) s)"
