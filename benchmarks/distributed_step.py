@@ -13,7 +13,12 @@ own batch of the same size, so world 2 does twice the global work of world 1. Wi
 defaults, as ``dynemb train`` builds them, 13 dense inputs) over the pooled rows, BCE loss, backward, the MLPs in
 DistributedDataParallel and stepped by Adam. "key a2a ms" is the exposed time of the key exchange per step: the
 wall time the step spends blocked in the all-to-alls of key counts and keys (the stages a pipelined step would run
-while the previous batch computes); today all of it is exposed.
+while the previous batch computes) on the step's own thread.
+
+``--pipeline`` instead runs paired rounds of plain and pipelined steps (:class:`dynemb.train.Pipeline`: the next
+batch's loading, copy, dedup and key all-to-alls on a worker thread over a process group of their own while the
+current batch computes) and reports each loop's median step and exposed key exchange: plain, the step's key
+all-to-alls; pipelined, the time the step waited for the worker.
 
 ``--background-save`` then goes on training while ``save(..., blocking=False)`` writes a checkpoint of the
 model (tables, MLPs, optimizer) and reports the median step in that window against the median without.
@@ -31,6 +36,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from types import SimpleNamespace
 
@@ -46,6 +52,7 @@ from dynemb import DistributedEmbeddingCollection, FeatureConfig, TableConfig  #
 from dynemb.checkpoint import save  # noqa: E402
 from dynemb.distributed.launch import spawn  # noqa: E402
 from dynemb.models.dlrm import DLRM  # noqa: E402
+from dynemb.train import Pipeline  # noqa: E402
 
 TABLES, DIM, POOL, VOCAB, ALPHA = 4, 64, 10, 1_000_000, 1.05
 NUM_DENSE = 13  # Criteo's dense columns
@@ -72,13 +79,14 @@ def _count_key_exchange(ec) -> dict:
     if a2a is None:
         return seen
 
-    def timed_a2a(send, send_counts, recv_counts, what):
+    def timed_a2a(send, send_counts, recv_counts, what, *rest):
         start = time.perf_counter()
         try:
-            return a2a(send, send_counts, recv_counts, what)
+            return a2a(send, send_counts, recv_counts, what, *rest)
         finally:
-            if "key" in what:
-                seen["key_seconds"] += time.perf_counter() - start
+            if "key" in what:  # the caller's thread (exposed) apart from a pipeline's worker (hidden)
+                into = "key_seconds" if threading.current_thread() is threading.main_thread() else "staged_seconds"
+                seen[into] = seen.get(into, 0.0) + time.perf_counter() - start
 
     executor._a2a = timed_a2a
     return seen
@@ -180,17 +188,114 @@ def _rank_main(rank: int, world: int, batch: int, steps: int, warmup: int, out: 
             json.dump(dict(zip(keys, (stats / world).tolist())), f)
 
 
+def _pipeline_main(rank: int, world: int, batch: int, steps: int, warmup: int, rounds: int, out: str,
+                   device: str = "cpu") -> None:
+    """Paired rounds of ``steps`` plain and ``steps`` pipelined steps of the DLRM step (alternating, so that load
+    hits both alike); per step: wall time and the exposed key exchange (plain: the step's key all-to-alls;
+    pipelined: the time the step waited for the worker, which also covers the batch's loading and dedup)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    tables = [TableConfig(name=f"t{i}", dim=DIM, seed=i, optimizer=dynemb.optim.Adagrad(lr=0.05, fused=True))
+              for i in range(TABLES)]
+    features = [FeatureConfig(name=f"f{i}", table=f"t{i}") for i in range(TABLES)]
+    ec = DistributedEmbeddingCollection(tables, features, timeout=120, device=device)
+    keyed = _count_key_exchange(ec)
+    model = DLRM(NUM_DENSE, ec, DIM).to(device)
+    if world > 1:
+        model.bottom = DistributedDataParallel(model.bottom)
+        model.top = DistributedDataParallel(model.top)
+    dense_opt = torch.optim.Adam([p for n, p in model.named_parameters() if not n.startswith("embeddings")], lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    offsets = (torch.arange(batch) * POOL).to(device)
+
+    def batches(n: int):
+        for _ in range(n):  # loading: drawn (and copied to the device) where the loop asks for the batch
+            yield SimpleNamespace(ids={f"f{i}": (zipf_ids(batch * POOL, g).to(device), offsets)
+                                       for i in range(TABLES)},
+                                  dense=torch.randn(batch, NUM_DENSE, generator=g).to(device),
+                                  labels=torch.randint(0, 2, (batch,), generator=g).float().to(device))
+
+    def step(b) -> None:
+        logits = model(b, pooled=ec(b.ids))
+        torch.nn.functional.binary_cross_entropy_with_logits(logits, b.labels).backward()
+        dense_opt.step()
+        dense_opt.zero_grad()
+
+    result = {"plain": {"step": [], "exposed": [], "hidden": []}, "pipelined": {"step": [], "exposed": [],
+                                                                                  "hidden": []}}
+    for r in range(rounds + 1):  # round 0: warm-up of both
+        for mode in ("plain", "pipelined"):
+            pipe = Pipeline(ec, batches(warmup + steps), enabled=mode == "pipelined", inputs=lambda b: b.ids)
+            it = iter(pipe)
+            for s in range(warmup + steps):
+                _sync(device)
+                dist.barrier()
+                k0, h0, w0 = keyed["key_seconds"], keyed.get("staged_seconds", 0.0), pipe.wait_s
+                start = time.perf_counter()
+                step(next(it))
+                _sync(device)
+                elapsed = time.perf_counter() - start
+                if r == 0 or s < warmup:
+                    continue
+                rec = result[mode]
+                rec["step"].append(elapsed)
+                rec["exposed"].append(keyed["key_seconds"] - k0 + pipe.wait_s - w0)
+                rec["hidden"].append(keyed.get("staged_seconds", 0.0) - h0)
+            next(it, None)  # the end of the batches: the pipeline's worker is done
+    med = [statistics.median(result[m][k]) for m in ("plain", "pipelined") for k in ("step", "exposed", "hidden")]
+    stats = torch.tensor(med, dtype=torch.float64)
+    stats = stats.to(device) if dist.get_backend(ec.group) == "nccl" else stats
+    dist.all_reduce(stats, group=ec.group)  # mean over ranks
+    if rank == 0:
+        names = [f"{m}_{k}_s" for m in ("plain", "pipelined") for k in ("step", "exposed", "hidden")]
+        with open(out, "w") as f:
+            json.dump({**dict(zip(names, (stats / world).tolist())), "load": os.getloadavg()}, f)
+
+
+def _pipeline_compare(args, p) -> None:
+    world = 1 if args.device == "cuda" and torch.cuda.device_count() < 2 else 2
+    batch, steps, warmup, rounds = (512, 4, 1, 3) if args.quick else (2048, 5, 1, args.repeat or 5)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "pipeline.json")
+        spawn(_pipeline_main, world, batch, steps, warmup, rounds, path, args.device, backend=args.backend,
+              threads=1)
+        with open(path) as f:
+            r = json.load(f)
+    rows = [{"loop": m, "world": world, "batch/rank": batch, "step ms": round(r[f"{m}_step_s"] * 1e3, 1),
+             "exposed key exchange ms": round(r[f"{m}_exposed_s"] * 1e3, 2),
+             "key a2a on the worker ms": round(r[f"{m}_hidden_s"] * 1e3, 2)} for m in ("plain", "pipelined")]
+    print(f"pipelined step, {world} rank(s), backend {args.backend}, device {args.device}; load average "
+          f"{load_before[0]:.1f} before, {r['load'][0]:.1f} after; {os.cpu_count()} CPUs")
+    print_table(rows, list(rows[0]))
+    ratio = r["pipelined_exposed_s"] / r["plain_exposed_s"] if r["plain_exposed_s"] else None
+    if ratio is not None:
+        print(f"\nexposed key exchange, pipelined / plain: {ratio:.3f} (target <= 0.2); step time "
+              f"{r['pipelined_step_s'] / r['plain_step_s']:.3f}x")
+    if args.json:
+        write_json(args.json, {"machine": machine_info(), "device": args.device, "backend": args.backend,
+                               "rows": rows, "exposed_ratio": ratio, "load": [load_before, r["load"]],
+                               "date": time.strftime("%Y-%m-%d")})
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where each rank's shards live")
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="process group backend")
     p.add_argument("--no-dense", action="store_true", help="the lookup and its backward alone, without the MLPs")
     p.add_argument("--background-save", action="store_true", help="then train during a background checkpoint")
+    p.add_argument("--pipeline", action="store_true", help="instead: plain against pipelined steps "
+                   "(dynemb.train.Pipeline), paired rounds, exposed key exchange per step")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
     if args.backend == "nccl" and args.device != "cuda":
         p.error(f"--backend nccl needs --device cuda, got --device {args.device}")
+    if args.pipeline:
+        _pipeline_compare(args, p)
+        return
     worlds = (1,) if args.device == "cuda" and torch.cuda.device_count() < 2 else (1, 2)
     batch, steps, warmup = (512, 5, 2) if args.quick else (2048, args.repeat or 15, 3)
     rows = []

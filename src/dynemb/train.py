@@ -407,11 +407,15 @@ class Pipeline:
     all-to-all) run on a worker thread (on CUDA in a side stream). Lookups, inserts, evictions and updates stay in
     batch order on the caller's thread, so results are bit-identical to the plain loop.
 
-    Iterate it as the batches themselves; each batch yielded must go through ``model`` (its collection's forward)
-    before the next is asked for, as a training loop does. Sharded, the key exchange runs over a process group of
-    the pipeline's own (made once per collection, a collective on the default group), one batch after another on
-    every rank, so the two groups' collectives never interleave differently across ranks. ``enabled=False`` (or
-    ``DYNEMB_PIPELINE=0``) yields the batches as they are: the plain loop, for debugging.
+    ``model``: a :class:`~dynemb.models.DLRM` (its ``embeddings`` and ``sparse_inputs``) or an
+    :class:`~dynemb.collection.EmbeddingCollection` with ``inputs(batch)``, the features the loop will pass to its
+    forward (the same tensors). Iterate it as the batches themselves; each batch yielded goes through the forward
+    before the next is asked for, as a training loop does (one that is not is dropped, its stages unused).
+
+    Sharded, the key exchange runs over a process group of the pipeline's own (made once per collection, a
+    collective on the default group), one batch after another on every rank, so the two groups' collectives never
+    interleave differently across ranks. ``enabled=False`` (or ``DYNEMB_PIPELINE=0``; ``dynemb train
+    --no-pipeline``) yields the batches as they are: the plain loop, for debugging.
 
     :attr:`wait_s` is the time the caller's thread waited for the staged stages (what the pipeline left exposed).
 
@@ -423,11 +427,13 @@ class Pipeline:
         ...     logits = model(batch)  # [8]
     """
 
-    def __init__(self, model: DLRM, batches: Iterable[Batch], enabled: Optional[bool] = None) -> None:
+    def __init__(self, model: nn.Module, batches: Iterable, enabled: Optional[bool] = None,
+                 inputs: Optional[Callable] = None) -> None:
         if enabled is None:
             enabled = os.environ.get("DYNEMB_PIPELINE", "1") != "0"
-        self.model, self.batches, self.enabled = model, iter(batches), bool(enabled)
-        self.collection: EmbeddingCollection = model.embeddings
+        self.batches, self.enabled = iter(batches), bool(enabled)
+        self.collection: EmbeddingCollection = model if isinstance(model, EmbeddingCollection) else model.embeddings
+        self.inputs = inputs if inputs is not None else model.sparse_inputs
         self.wait_s = 0.0
         self.group = _pipeline_group(self.collection) if self.enabled else None
         device = self.collection._device
@@ -438,7 +444,7 @@ class Pipeline:
         batch = next(self.batches, None)
         if batch is None:
             return None
-        features = self.model.sparse_inputs(batch)
+        features = self.inputs(batch)
         if self.stream is None:
             return batch, features, self.collection.stage(features, self.group), None
         with torch.cuda.stream(self.stream):
