@@ -17,6 +17,7 @@ import time
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
@@ -268,7 +269,7 @@ class Trainer:
         remaining = None if cfg.steps is None else max(cfg.steps - self.step, 0)
         self.stopped = "early" if self.patience_spent else None  # a resumed run that had stopped early
         batches = itertools.islice(batches, 0 if self.stopped else remaining)
-        if self.graph is None:  # (a CUDA graph's replays stage their own inputs)
+        if self.graph is None:  # (not under a CUDA graph: its replays read the inputs it captured)
             batches = iter(Pipeline(model, batches, enabled=self.pipeline))
         if model.embeddings.tiered:
             batches = _ahead(batches, lambda b: model.embeddings.prefetch(model.sparse_inputs(b)))
@@ -440,17 +441,23 @@ class Pipeline:
         self.stream = torch.cuda.Stream(device) if self.enabled and device.type == "cuda" else None
 
     def _stage(self) -> Optional[tuple]:
-        """Load the next batch and run its stateless stages (on the worker thread)."""
+        """Load the next batch and run its stateless stages (on the worker thread; on CUDA in the side stream,
+        the loader's copies to the device included)."""
+        if self.stream is None:
+            return self._load_and_stage(None)
+        with torch.cuda.stream(self.stream):
+            return self._load_and_stage(self.stream)
+
+    def _load_and_stage(self, stream) -> Optional[tuple]:
         batch = next(self.batches, None)
         if batch is None:
             return None
         features = self.inputs(batch)
-        if self.stream is None:
-            return batch, features, self.collection.stage(features, self.group), None
-        with torch.cuda.stream(self.stream):
-            staged = self.collection.stage(features, self.group)
+        staged = self.collection.stage(features, self.group)
+        done = None
+        if stream is not None:
             done = torch.cuda.Event()
-            done.record(self.stream)
+            done.record(stream)
         return batch, features, staged, done
 
     def __iter__(self) -> Iterator[Batch]:
@@ -468,7 +475,7 @@ class Pipeline:
                 batch, features, staged, done = got
                 if done is not None:  # the compute stream reads what the side stream wrote
                     torch.cuda.current_stream().wait_event(done)
-                    _record_stream(staged, torch.cuda.current_stream())
+                    _record_stream((batch, staged), torch.cuda.current_stream())
                 ready: Future = Future()
                 ready.set_result(staged)
                 self.collection.expect(features, ready)
@@ -514,9 +521,12 @@ def _record_stream(value, stream) -> None:
     elif isinstance(value, dict):
         for v in value.values():
             _record_stream(v, stream)
-    elif dataclasses.is_dataclass(value):
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
             _record_stream(getattr(value, f.name), stream)
+    elif isinstance(value, SimpleNamespace):  # a batch of a script's own
+        for v in vars(value).values():
+            _record_stream(v, stream)
 
 
 def _pipeline_group(collection: EmbeddingCollection):
