@@ -11,7 +11,6 @@ reference path instead of the numba CPU kernels (``dynemb.kernels.set_default_ba
 from __future__ import annotations
 
 import argparse
-import os
 import contextlib
 import sys
 import time
@@ -104,8 +103,6 @@ def cmd_train(args) -> int:
     _model_options(args)
     torch.set_num_threads(args.threads)
     _init_distributed()
-    if args.no_pipeline:  # the plain loop: each batch's stages on the step's thread (dynemb.train.Pipeline)
-        os.environ["DYNEMB_PIPELINE"] = "0"
     stop_given = args.epochs or args.steps or args.seconds
     epochs = args.epochs if stop_given else ("auto" if args.data else None)
     steps = args.steps if stop_given else (None if args.data else SYNTHETIC_STEPS)
@@ -121,7 +118,7 @@ def cmd_train(args) -> int:
                       max_capacity=args.max_capacity, eviction=args.eviction, admission=args.admission,
                       eval_every=args.eval_every, patience=args.patience, checkpoint_every=args.checkpoint_every)
     summary = train_run(spec, cfg, progress=False if args.no_progress else None, log_every=args.log_every,
-                        interruptible=True)
+                        interruptible=True, pipeline=not args.no_pipeline)
     if not (_distributed_rank() or 0):
         print(_json(summary))
     return 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import os
 import sys
 import threading
 import time
@@ -133,6 +132,9 @@ class Trainer:
     training (:attr:`stopped` is then ``"early"``). Under torch.distributed every rank takes rank 0's loss for
     these decisions, so all ranks stop at the same step and save together.
 
+    :meth:`fit`'s eager steps are pipelined (:class:`Pipeline`: the next batch's loading, copy, dedup and key
+    exchange run while the current batch computes; bit-identical results); ``pipeline=False`` runs the plain loop.
+
     Example:
         >>> from dynemb.data import SyntheticClickLog
         >>> data = SyntheticClickLog(num_categorical=2, num_dense=2, batch_size=64)
@@ -144,9 +146,9 @@ class Trainer:
     """
 
     def __init__(self, model: DLRM, cfg: TrainConfig, cuda_graph: Optional[bool] = None,
-                 pipeline: Optional[bool] = None) -> None:
+                 pipeline: bool = True) -> None:
         self.model, self.cfg = model, cfg
-        self.pipeline = pipeline  # Pipeline's enabled: None = on unless DYNEMB_PIPELINE=0
+        self.pipeline = pipeline  # fit's loop is a Pipeline (False: the plain loop, for debugging)
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.distributed else 0
         dense = [p for n, p in model.named_parameters()]
@@ -415,8 +417,8 @@ class Pipeline:
 
     Sharded, the key exchange runs over a process group of the pipeline's own (made once per collection, a
     collective on the default group), one batch after another on every rank, so the two groups' collectives never
-    interleave differently across ranks. ``enabled=False`` (or ``DYNEMB_PIPELINE=0``; ``dynemb train
-    --no-pipeline``) yields the batches as they are: the plain loop, for debugging.
+    interleave differently across ranks. ``enabled=False`` (``Trainer(..., pipeline=False)``;
+    ``dynemb train --no-pipeline``) yields the batches as they are: the plain loop, for debugging.
 
     :attr:`wait_s` is the time the caller's thread waited for the staged stages (what the pipeline left exposed).
 
@@ -428,10 +430,8 @@ class Pipeline:
         ...     logits = model(batch)  # [8]
     """
 
-    def __init__(self, model: nn.Module, batches: Iterable, enabled: Optional[bool] = None,
+    def __init__(self, model: nn.Module, batches: Iterable, enabled: bool = True,
                  inputs: Optional[Callable] = None) -> None:
-        if enabled is None:
-            enabled = os.environ.get("DYNEMB_PIPELINE", "1") != "0"
         self.batches, self.enabled = iter(batches), bool(enabled)
         self.collection: EmbeddingCollection = model if isinstance(model, EmbeddingCollection) else model.embeddings
         self.inputs = inputs if inputs is not None else model.sparse_inputs

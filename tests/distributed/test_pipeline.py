@@ -55,12 +55,11 @@ def test_pipelined_training_is_bit_identical_at_two_gloo_ranks(tmp_path):
     _check_equal(plain, piped)
 
 
-def test_pipeline_off_yields_the_batches_as_they_are(monkeypatch):
+def test_pipeline_off_yields_the_batches_as_they_are():
     data = SyntheticClickLog(num_categorical=2, num_dense=2, batch_size=8)
     model = build_dlrm(2, data.categorical_names, TrainConfig(dim=4))
     batches = list(data.batches("train", num_batches=3))
-    monkeypatch.setenv("DYNEMB_PIPELINE", "0")
-    assert list(Pipeline(model, batches)) == batches
+    assert list(Pipeline(model, batches, enabled=False)) == batches
     staged = Pipeline(model, batches, enabled=True)
     assert [b is a for a, b in zip(batches, staged)] == [True] * 3
     assert model.embeddings._staged == {}  # a batch never looked up leaves nothing behind
