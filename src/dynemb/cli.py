@@ -26,8 +26,8 @@ MODEL_DEFAULTS = {"batch_size": 512, "dim": 16, "optimizer": "adagrad", "lr": 0.
 """``dynemb train``'s model options and their defaults; on ``--resume`` the run's saved values instead."""
 # The optional packages the commands import, by the extra (pyproject.toml) that installs them.
 _EXTRAS = {"pyarrow": "data", "xxhash": "data", "matplotlib": "plot", "triton": "gpu",
-           **dict.fromkeys(["redis", "rocksdict", "lmdb", "starlette", "uvicorn", "httptools", "uvloop", "orjson",
-                            "simdjson"], "serving")}
+           **dict.fromkeys(["redis", "rocksdict", "lmdb", "uvicorn", "httptools", "uvloop", "orjson", "simdjson",
+                            "grpc", "tritonclient", "prometheus_client"], "serving")}
 
 
 def _optimizer_kinds() -> tuple:
@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .endpoint.command import add_serve_args, cmd_serve
 
-    add_serve_args(command("serve", "serve a run over HTTP (Open Inference Protocol / KServe v2)", cmd_serve))
+    add_serve_args(command("serve", "serve a run over HTTP and gRPC (Open Inference Protocol / KServe v2)", cmd_serve))
 
     plan = command("plan", "print a sharding plan for the next run from a checkpoint's observed tables", cmd_plan,
                    "Print a sharding plan (a kind per table, per rank: tables, rows, bytes, lookups and bytes on the "
@@ -422,8 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "Loading that checkpoint into a collection built with the plan reshards it.")
     plan.add_argument("--checkpoint", required=True, metavar="CKPT", help="a checkpoint root or directory")
     plan.add_argument("--world", required=True, type=int, help="ranks of the next run")
-    plan.add_argument("--memory-per-rank", type=float, metavar="BYTES", help="bytes each rank may hold (1e9, ...)")
-    plan.add_argument("--ranks-per-node", type=int, help="ranks of one node (row-sharded tables stay in one)")
+    plan.add_argument("--memory-per-rank", type=float, metavar="BYTES",
+                      help="bytes each rank may hold, e.g. 8e10 (default: no limit)")
+    plan.add_argument("--ranks-per-node", type=int,
+                      help="ranks of one node; row-sharded tables stay in one (default: all ranks are one node)")
     plan.add_argument("--pin", action="append", default=[], metavar="TABLE=KIND",
                       help="give TABLE the kind KIND (row, data, column, table_row, table:RANK); repeatable")
     plan.add_argument("--json", action="store_true", help="print the shardings as JSON (to_dict) after the plan")

@@ -29,6 +29,7 @@ from .collection import EmbeddingCollection
 from .collection.step_graph import StepGraph
 from .data.batch import Batch
 from .data.metrics import held_out_auc
+from .table import tier_traffic
 from .models import DLRM, dlrm_tables
 from .checks import check_int
 from .serialization import Serializable, registered, serializable
@@ -275,6 +276,7 @@ class Trainer:
             batches = iter(Pipeline(model, batches, enabled=self.pipeline))
         if model.embeddings.tiered:
             batches = _ahead(batches, lambda b: model.embeddings.prefetch(model.sparse_inputs(b)))
+            self._tier_counts = tier_traffic(model.embeddings.dynemb_tables())["counts"]  # a step's traffic from here
         for batch in batches:
             loss = self.train_step(batch)
             self.step += 1
@@ -371,9 +373,17 @@ class Trainer:
         return row
 
     def table_stats(self) -> dict:
+        """Rows, evictions and bytes of every table; with tiered tables also the tiers' traffic since the previous
+        call (one training step): ``tier_bytes_moved``, ``tier_rows_up``/``tier_rows_down`` and the step's
+        ``tier_fast_hit_rate``/``tier_slow_hit_rate`` (see :func:`dynemb.table.tier_traffic`)."""
         tables = self.model.embeddings.dynemb_tables()
-        return {"rows": sum(t.size() for t in tables), "evicted": sum(getattr(t, "evicted", 0) for t in tables),
-                "table_bytes": sum(t.nbytes() for t in tables)}
+        row = {"rows": sum(t.size() for t in tables), "evicted": sum(getattr(t, "evicted", 0) for t in tables),
+               "table_bytes": sum(t.nbytes() for t in tables)}
+        if self.model.embeddings.tiered:
+            traffic = tier_traffic(tables, getattr(self, "_tier_counts", None))
+            self._tier_counts = traffic.pop("counts")
+            row.update(traffic)
+        return row
 
 
 def _collective_device() -> torch.device:

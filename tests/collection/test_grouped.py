@@ -98,6 +98,9 @@ def _spied(monkeypatch) -> list:
 #: the backends with group kernels (the torch backend runs each table's own lookup: the reference)
 GROUPED = ["numba", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed")])]
+#: the same, Triton's interpreter marked slow (> 5 s a test on CPU)
+GROUPED_SLOW = ["numba", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.slow, pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed")])]
 
 
 @pytest.mark.parametrize("backend", GROUPED)
@@ -118,7 +121,7 @@ def test_grouped_training_is_the_per_table_path(monkeypatch, opt, backend):
     assert results["torch"].optimizer.state_dict() == results[backend].optimizer.state_dict()
 
 
-@pytest.mark.parametrize("backend", GROUPED)
+@pytest.mark.parametrize("backend", GROUPED_SLOW)
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 def test_a_table_trains_the_same_alone_or_in_a_group(opt, backend):
     with use_backend(backend):
@@ -132,7 +135,7 @@ def test_a_table_trains_the_same_alone_or_in_a_group(opt, backend):
                 together.optimizer.state_dict()["optimizers"][name]
 
 
-@pytest.mark.parametrize("backend", GROUPED)
+@pytest.mark.parametrize("backend", GROUPED_SLOW)
 def test_tables_outside_the_group_run_beside_it(monkeypatch, backend):
     calls = _spied(monkeypatch)
     extra = {"lfu": TableConfig(name="lfu", dim=4, optimizer=OPTIMIZERS["adagrad"](), eviction="lfu", max_capacity=30,
@@ -242,7 +245,7 @@ def _kinds_train(ec: EmbeddingCollection, names, steps=6) -> None:
         ec.optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("backend", GROUPED)
+@pytest.mark.parametrize("backend", GROUPED_SLOW)
 @pytest.mark.parametrize("opt", ["adagrad", "sgd_plain"])
 def test_every_kind_of_table_trains_the_same_alone_or_beside_a_group(opt, backend, monkeypatch):
     calls = _spied(monkeypatch)

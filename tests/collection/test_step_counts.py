@@ -155,6 +155,7 @@ def _steady_step_cost(tables: int, backend: str = "triton"
     return counter.ops, counter.reads, launches
 
 
+@pytest.mark.slow  # about 25 s under the interpreter: make test runs it, make test-quick the numba one below
 def test_a_steady_step_reads_nothing_back_and_costs_the_same_at_2_and_26_tables():
     few_ops, few_reads, few_launches = _steady_step_cost(2)
     ops, reads, launches = _steady_step_cost(26)

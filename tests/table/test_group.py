@@ -21,6 +21,8 @@ from dynemb.table.group import TableGroup, refusal
 #: the backends with group kernels, each against the torch backend's own find_or_insert
 GROUPED = ["numba", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed")])]
+GROUPED_SLOW = ["numba", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.slow, pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed")])]  # > 5 s a test on CPU
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -63,7 +65,7 @@ def _same(grouped: KeyValueTable, ref: KeyValueTable) -> None:
 KEYS = {torch.int64: st.integers(-(2**63), 2**63 - 1), torch.int32: st.integers(-(2**31), 2**31 - 1)}
 
 
-@pytest.mark.parametrize("backend", GROUPED)
+@pytest.mark.parametrize("backend", GROUPED_SLOW)
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
 @given(data=st.data())
 @SETTINGS

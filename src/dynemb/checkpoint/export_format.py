@@ -18,6 +18,7 @@ from torch import nn
 from ..checks import VALUE_DTYPES, check_dtype
 from ..serialization import dtype_name
 from ..table import TieredTable
+from .row_codec import QUANTIZED, encode_rows, packed_width, quantized_kind
 from ..table.initializers import resolve_initializer
 from . import write_marks
 from .commit import commit, open_shared
@@ -72,7 +73,9 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     Args:
         path: the export root directory (created if needed); keep it apart from checkpoint roots.
         model: an ``nn.Module`` holding DynamicEmbeddings (or one itself).
-        dtype: value dtype of the export: float32, float16 or bfloat16.
+        dtype: value dtype of the export: float32, float16 or bfloat16; or 8-bit rows, ``torch.int8`` (row-wise
+            scale and bias), ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (row-wise scale), stored packed
+            (``values`` ``uint8 [N, W]``, see :mod:`~dynemb.checkpoint.row_codec`) and served dequantized.
         incremental: write a delta against the previous export.
         model_name: the id of the model this root holds. The first export to ``path`` stores it in
             ``path/model.json`` (without ``model_name``, a new id: the root's name and a random suffix), and every
@@ -104,7 +107,7 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    check_dtype(dtype, VALUE_DTYPES, "dtype")
+    check_dtype(dtype, (*VALUE_DTYPES, *QUANTIZED.values()), "dtype")
     if not isinstance(incremental, bool):
         raise TypeError(f"incremental must be a bool, got {incremental!r}")
     if not isinstance(dense, bool):
@@ -188,10 +191,10 @@ def _joined_payload(shard, parent: str | None, dtype: torch.dtype, i: int, ctx):
     file: ``(payloads, entries)`` on rank 0, None elsewhere. A collective over every rank."""
     strategy, name = shard.strategy, shard.config.name
     if shard.module is not None and _writes(shard, ctx):
-        cols = _served_columns(shard, parent, dtype)
+        cols = _served_columns(shard, parent, None)  # encoded once joined (8-bit rows pack whole rows)
     else:
         cfg = shard.config
-        cols = {KEYS: torch.empty(0, dtype=cfg.key_dtype), VALUES: torch.empty(0, 0, dtype=dtype)}
+        cols = {KEYS: torch.empty(0, dtype=cfg.key_dtype), VALUES: torch.empty(0, 0, dtype=cfg.dtype)}
         if parent is not None:
             cols[DELETED] = torch.empty(0, dtype=cfg.key_dtype)
     # (2-D columns travel flat: column shards' widths differ by rank; streamed columns are materialized here)
@@ -205,6 +208,7 @@ def _joined_payload(shard, parent: str | None, dtype: torch.dtype, i: int, ctx):
     cols = strategy.join({r: {col: parts[r].view(-1, widths[r]) if col == VALUES else parts[r]
                               for col, parts in gathered.items()}
                           for r in range(ctx.world) if strategy.writes(r)}, {VALUES})
+    cols[VALUES] = _encoded(cols[VALUES], dtype)
     rel = shard_file(i, name, 0, 1)
     part = {"rank": 0, "file": rel, "rows": int(cols[KEYS].numel()),
             "deleted": int(cols[DELETED].numel()) if DELETED in cols else 0,
@@ -214,9 +218,22 @@ def _joined_payload(shard, parent: str | None, dtype: torch.dtype, i: int, ctx):
     return {rel: (cols, None)}, {name: entry}
 
 
-def _served_columns(shard, parent: str | None, dtype: torch.dtype) -> dict:
-    """``keys`` and ``values`` (cast to ``dtype``) of the table's live rows, or of the rows written since the last
-    export (with ``deleted_keys``), as streams: no copy of the rows is made, only of one chunk at a time."""
+def _encoded(values, dtype: torch.dtype):
+    """``values`` (a tensor or a stream) as served in ``dtype``: cast, or 8-bit rows packed a piece at a time."""
+    kind = quantized_kind(dtype)  # 8-bit rows: packed bytes (row_codec)
+    if kind is None:
+        return values.to(dtype)
+    if isinstance(values, ColumnStream):
+        rows, dim = values.shape
+        return ColumnStream(torch.uint8, (rows, packed_width(kind, dim)),
+                            lambda: (encode_rows(p, kind) for p in values.pieces()))
+    return encode_rows(values, kind)
+
+
+def _served_columns(shard, parent: str | None, dtype: torch.dtype | None) -> dict:
+    """``keys`` and ``values`` (as served in ``dtype``; None: as stored) of the table's live rows, or of the rows
+    written since the last export (with ``deleted_keys``), as streams: no copy of the rows is made, only of one
+    chunk at a time."""
     t = shard.table
     rows = deleted = None
     if parent is not None:
@@ -227,7 +244,8 @@ def _served_columns(shard, parent: str | None, dtype: torch.dtype) -> dict:
         n = t.size()
         cols = {KEYS: stream_column([t.row_keys[:n]], rows).map(shard.user_keys),
                 VALUES: stream_column([t.values[:n]], rows)}
-    cols[VALUES] = cols[VALUES].to(dtype)
+    if dtype is not None:
+        cols[VALUES] = _encoded(cols[VALUES], dtype)
     if deleted is not None:
         cols[DELETED] = shard.user_keys(deleted)
     return cols
@@ -284,7 +302,7 @@ def manifest_digest(manifest: dict) -> str:
 
 
 def _fields(cfg, dtype: torch.dtype) -> dict:
-    return {"dim": cfg.dim, "dtype": dtype_name(dtype), "key_dtype": dtype_name(cfg.key_dtype)}
+    return {"dim": cfg.dim, "dtype": quantized_kind(dtype) or dtype_name(dtype), "key_dtype": dtype_name(cfg.key_dtype)}
 
 
 def read_export(path) -> tuple[dict, dict]:
