@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine should check, in one call: versions, the CUDA- and Triton-marked tests on the
-# device (no interpreter), then the GPU benchmarks. $OUT (default /tmp/dynemb-gpu) gets 13 files, what a device
+# device (no interpreter), then the GPU benchmarks. $OUT (default /tmp/dynemb-gpu) gets 14 files, what a device
 # call brings back: summary.txt (versions, each part's status), tests.txt, junit.xml, bench.txt (every benchmark's
 # output) and a JSON file a benchmark; the last lines printed are a short summary. Run from the repository root,
 # with the image's python3 (torch, triton, numba, pytest-xdist, pytest-timeout, hypothesis; no install needed, the
@@ -79,8 +79,12 @@ bench gpu_ops "$(( $(left) * 4 / 10 ))" $PY benchmarks/gpu_ops.py --device cuda 
 bench job_step "$(( $(left) * 5 / 10 ))" $PY benchmarks/job_step.py --devices cpu cuda --json "$OUT/job_step.json"
 bench table_ops "$(( $(left) * 5 / 10 ))" $PY benchmarks/table_ops.py --device cuda --quick --threads 1 \
   --json "$OUT/table_ops.json"
-bench distributed "$(left)" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick \
-  --json "$OUT/distributed.json"
+bench distributed "$(( $(left) * 6 / 10 ))" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick \
+  --background-save --json "$OUT/distributed.json"
+# issue 45 item 1: the pipelined step (dynemb.train.Pipeline: the next batch's loading, copy and dedup in a side
+# stream on a worker thread) against the plain loop, world 1 on NCCL; step ms and the exposed wait a step
+bench distributed_pipeline "$(left)" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick --pipeline \
+  --json "$OUT/distributed_pipeline.json"
 bench tiered_gpu "$TIERED_S" $PY benchmarks/tiered_gpu.py --device cuda --prefetch --json "$OUT/tiered_gpu.json"
 
 echo "== summary ($(( $(date +%s) - start )) s)"

@@ -118,7 +118,7 @@ def cmd_train(args) -> int:
                       max_capacity=args.max_capacity, eviction=args.eviction, admission=args.admission,
                       eval_every=args.eval_every, patience=args.patience, checkpoint_every=args.checkpoint_every)
     summary = train_run(spec, cfg, progress=False if args.no_progress else None, log_every=args.log_every,
-                        interruptible=True)
+                        interruptible=True, pipeline=not args.no_pipeline)
     if not (_distributed_rank() or 0):
         print(_json(summary))
     return 0
@@ -344,7 +344,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint "
                      "(from step 0 when it has none: a run stopped before its first save)")
     run.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also checkpoint every N steps "
-                     "(0: only the final checkpoint; the 3 newest are kept)")
+                     "(0: only the final checkpoint; the 3 newest are kept), written in the background while training "
+                     "goes on (a host copy of the rows at that step)")
     run.add_argument("--eval-every", type=int, default=100, metavar="N", help="evaluate --eval-batches held-out "
                      "batches every N steps and at the end, keeping the model with the lowest log loss as the best "
                      "(and every held-out row at the end, with the best model)")
@@ -366,6 +367,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--log-every", type=float, default=10.0, metavar="S", help="without a terminal: seconds "
                      "between progress lines on stderr (a terminal gets a progress bar)")
     run.add_argument("--no-progress", action="store_true", help="neither a progress bar nor progress lines")
+    run.add_argument("--no-pipeline", action="store_true", help="run each batch's loading, copy and key exchange "
+                     "on the step's thread instead of ahead of it, while the previous batch computes (for "
+                     "debugging: results are the same)")
     model = p.add_argument_group("model")
     model.description = "with --resume, an option not given keeps the run's value (one given must equal it)"
     model.add_argument("--batch-size", type=int, help="samples per step (default: 512)")
