@@ -202,3 +202,10 @@ def test_a_plan_reaches_a_collection_as_printed_json_or_as_the_plan_itself():
     assert resolve_plan(tables, 2, printed) == plan.shardings
     with pytest.raises(ValueError, match=r"plan\['cat'\]: sharding kind must be one of .* got 'colum'"):
         resolve_plan(tables, 2, {"cat": {"type": "sharding", "kind": "colum"}})
+
+
+def test_a_dynamic_table_s_observed_rows_come_before_its_bound():
+    # docs/distributed.md: a dynamic table's rows are what training observed, else max_capacity
+    table = TableConfig(name="user", dim=8, max_capacity=10**6)
+    assert plan_tables([table], 2, observed={"user": {"rows": 500}}).stats["user"].rows == 500
+    assert plan_tables([table], 2).stats["user"].rows == 10**6
