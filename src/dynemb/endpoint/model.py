@@ -9,6 +9,12 @@ and MLPs are always of one version, even when training publishes while the serve
 
 A new version (:meth:`ServedModel.apply_update`) is read and checked first, then swapped in (tables and dense part)
 under the lock every forward pass holds: a forward pass sees exactly one version, the one it reports.
+
+Features are pooled by the collection's own code: the batch's features are prepared as the collection's forward
+prepares them (:func:`~dynemb.collection.features.prepare_features`: bags, padding, combiner, ``max_norm``) and
+each feature's output is formed from its rows by :func:`~dynemb.collection.features.finish`, the same function
+the collection's executors finish features with; only the rows come from elsewhere (one parameter-server call for
+all the tables of a request).
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ import torch
 from torch import nn
 
 from ..checkpoint.dense import check_dense, dense_state
+from ..collection.features import finish, prepare_features
 from ..checkpoint.fsutil import read_pointer
 from ..checkpoint.export_format import read_dense, read_export, version_name
 from ..data.batch import Batch, concat_batches
-from ..functional import clip_rows, pool, to_bags
+from ..functional.pooling import one_id_bags
 from ..job.score import probabilities
 from ..serving.ps import ParameterServer
 from .inference_protocol import OUTPUT, decode_request, model_metadata
@@ -104,11 +111,10 @@ class ServedModel:
             self.ps.close()
             raise
         model.to(torch.device(device))
-        self._pooling = {}
-        for f in self.features:
-            fcfg, tcfg = collection.feature_configs[f], collection.table_configs[self._tables[f]]
-            self._pooling[f] = dict(combiner=fcfg.combiner or tcfg.combiner, max_norm=fcfg.max_norm,
-                                    padding_value=fcfg.padding_value)
+        # The collection's feature and table configs, which say how each feature pools (its tables' rows are not
+        # kept: they come from the parameter server).
+        self.feature_configs = {f: collection.feature_configs[f] for f in self.features}
+        self.table_configs = {t: collection.table_configs[t] for t in table_names}
         self.device = torch.device(device)
         self._lock = threading.Lock()  # held by each forward pass and by each update
         self._updating = False
@@ -136,33 +142,26 @@ class ServedModel:
             return self._scores(batch), self.version
 
     def _scores(self, batch: Batch) -> torch.Tensor:
-        bags = {f: self._bags(batch, f) for f in self.features}
-        # One id a row: its rows are the answer, looked up as they come (the parameter server takes repeats).
-        ids = {f: (bags[f][0], None) if bags[f][1] is None else torch.unique(bags[f][0], return_inverse=True)
-               for f in self.features}
-        keys: dict[str, list] = {}
-        for f, (unique, _) in ids.items():
-            keys.setdefault(self._tables[f], []).append(unique)
-        found = self.ps.lookup_many(self.name, {t: torch.cat(parts) for t, parts in keys.items()})  # one call
-        split = {t: list(torch.split(found[t], [u.numel() for u in keys[t]])) for t in keys}
-        pooled = {}
-        for f in self.features:
-            rows, inverse = split[self._tables[f]].pop(0), ids[f][1]
-            if self._pooling[f]["max_norm"] is not None:
-                rows = clip_rows(rows, self._pooling[f]["max_norm"])
-            if bags[f][1] is None:
-                pooled[f] = rows  # one id a row: every combiner gives the row itself
-            else:
-                pooled[f] = pool(rows, inverse, *bags[f][1:], self._pooling[f]["combiner"])
-        return probabilities(self.model(batch, pooled=pooled))
+        return probabilities(self.model(batch, pooled=self.pooled(batch)))
 
-    def _bags(self, batch: Batch, f: str) -> tuple:
-        """``(ids [N], offsets, weights, B)`` as the collection forms them; offsets ``None`` for one id a row."""
-        padding = self._pooling[f]["padding_value"]
-        if f not in batch.offsets and padding is None:
-            return batch.sparse[f], None
-        offsets = batch.offsets[f][:-1] if f in batch.offsets else torch.arange(len(batch), device=self.device)
-        return to_bags(batch.sparse[f], offsets, None, padding_value=padding)
+    def pooled(self, batch: Batch) -> dict:
+        """``{feature: [B, D]}``: the features' outputs of a normalized ``batch`` (on :attr:`device`), as the
+        run's ``EmbeddingCollection`` gives them from the same rows (what :meth:`predict` feeds the dense part)."""
+        # Prepared as EmbeddingCollection.forward prepares them (ids checked, bags formed, combiner chosen).
+        prepared = prepare_features(self.model.sparse_inputs(batch), {}, self.feature_configs, self.table_configs,
+                                    self.device)
+        keys, inverses = {}, {}
+        for table, parts in prepared.items():
+            ids = parts[0].ids if len(parts) == 1 else torch.cat([p.ids for p in parts])
+            if len(parts) == 1 and parts[0].bags is not None and parts[0].bags.one_id:
+                # One id a row: its rows are looked up as they come (the parameter server takes repeats).
+                keys[table], inverse = ids, one_id_bags(ids.numel(), ids.device)
+            else:
+                keys[table], inverse = torch.unique(ids, return_inverse=True)
+            inverses[table] = inverse.split([p.ids.numel() for p in parts])
+        found = self.ps.lookup_many(self.name, keys)  # one call for all the tables
+        return {p.name: finish(p, found[table], inverse)
+                for table, parts in prepared.items() for p, inverse in zip(parts, inverses[table])}
 
     def updating(self) -> bool:
         """Whether an update is being swapped in now (a forward pass would wait for it)."""
