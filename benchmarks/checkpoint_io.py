@@ -15,7 +15,19 @@ on a busy machine, and the cost that an idle core would hide).
 * incremental: ``save(incremental=True)`` after 1% of rows were updated (and, second case, 0.1% erased, which
   adds the key order to the delta) vs the full save.
 
-Run: ``python benchmarks/checkpoint_io.py [--quick] [--json PATH] [--repeat R] [--keys N] [--threads T] [--dir D]``.
+``--background`` measures ``save(..., blocking=False)`` instead, against a blocking save in the same run: a training
+loop (a batch of 4096 ids, 1/64 of them new, looked up, inserted, updated with their two slots and stamped, plus a
+dense MLP's forward and backward, on one torch thread) runs while a background save is written, then as many steps
+again without a save. Reported: the median step in the save window over the median of the steps right after it
+(the median over repeats of that paired ratio; target <= 1.1x; "step CPU": the same of the training thread's CPU
+time, which on a machine without an idle core shows the interference apart from sharing the cores), the save's
+write rate (bytes / seconds from the
+call until the files are published) over a blocking save's (target >= 0.9x), the pause of the call itself (the
+snapshot: a memory copy of the rows, on the caller's thread) and the snapshot's bytes; at nice 0 and at +10 (what
+dynemb uses) for the save's threads.
+
+Run: ``python benchmarks/checkpoint_io.py [--quick] [--json PATH] [--repeat R] [--keys N] [--threads T] [--dir D]
+[--background]``.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine_info, parser, print_table, write_json  # noqa: E402
 
 import dynemb  # noqa: E402
+from dynemb.checkpoint import background as background_module  # noqa: E402
 from dynemb.checkpoint import load, save  # noqa: E402
 from dynemb.checkpoint.tensorfile import read_tensors  # noqa: E402
 from dynemb.table import Rows  # noqa: E402
@@ -153,6 +166,106 @@ def one_repeat(emb, work: Path, rep: int, g: torch.Generator, cold: bool) -> dic
     return samples
 
 
+BATCH, HIDDEN = 4096, 512
+
+
+class Stepper:
+    """A training step on the table being saved: ids looked up and inserted (1/64 new), rows and both slots
+    updated Adam-like and stamped, and a dense MLP's forward and backward (the share of a step that is not the
+    table's)."""
+
+    def __init__(self, emb: dynemb.DynamicEmbedding, seed: int) -> None:
+        self.emb, self.g = emb, torch.Generator().manual_seed(seed)
+        self.next_new = emb.table.size()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN),
+                                       torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1))
+
+    def __call__(self) -> tuple[float, float]:
+        """``(wall seconds, this thread's CPU seconds)`` of one step."""
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        t = self.emb.table
+        old = torch.randint(0, self.next_new, (BATCH - BATCH // 64,), generator=self.g)
+        new = torch.arange(self.next_new, self.next_new + BATCH // 64)
+        self.next_new += new.numel()
+        keys = torch.cat([old, new]) * _GOLDEN
+        rows = torch.unique(t.find_or_insert(keys)[0])
+        x = t.values[rows].requires_grad_()
+        self.mlp(x).sum().backward()
+        with torch.no_grad():
+            grad = x.grad
+            m = t.slot("exp_avg")[rows] * 0.9 + 0.1 * grad
+            v = t.slot("exp_avg_sq")[rows] * 0.999 + 0.001 * grad * grad
+            t.slot("exp_avg")[rows], t.slot("exp_avg_sq")[rows] = m, v
+            t.values[rows] -= 0.01 * m / (v.sqrt() + 1e-8)
+            t.mark_updated(rows)
+            self.mlp.zero_grad()
+        return time.perf_counter() - start, time.thread_time() - start_cpu
+
+
+NICENESS = (0, 10)  # the background save's threads at the caller's priority, then at dynemb's default
+
+
+def background_repeat(emb, work: Path, rep: int, stepper: Stepper, steps: int) -> dict:
+    """``steps`` steps without a save, one blocking save and one background save per niceness with steps until it
+    is written; the order of the saves rotates between repeats."""
+    out: dict = {}
+
+    def blocking():
+        out["blocking s"] = timed(lambda: save(work, emb, step=10 * rep))[0]
+
+    def background(nice: int):
+        def run():
+            background_module.NICENESS = nice
+            start = time.perf_counter()
+            handle = save(work, emb, step=10 * rep + 1 + nice, blocking=False)
+            out[f"pause s @{nice}"] = time.perf_counter() - start
+            during = []
+            while not handle.done():
+                during.append(stepper())
+            handle.wait()
+            out[f"background s @{nice}"] = time.perf_counter() - start
+            out[f"steps during @{nice}"] = during
+            # as many steps right after, without a save: the pair sees the same table size and machine load
+            out[f"steps after @{nice}"] = [stepper() for _ in range(max(len(during), 5))]
+        return run
+
+    out["steps without"] = [stepper() for _ in range(steps)]
+    runs = [blocking] + [background(nice) for nice in NICENESS]
+    for fn in runs[rep % len(runs):] + runs[: rep % len(runs)]:
+        fn()
+    background_module.NICENESS = NICENESS[-1]
+    shutil.rmtree(work)
+    work.mkdir()
+    return out
+
+
+def run_background(emb, work: Path, repeat: int, warmup: int, nbytes: int) -> tuple[list[dict], dict]:
+    stepper = Stepper(emb, seed=2)
+    samples = [background_repeat(emb, work, rep, stepper, steps=30) for rep in range(warmup + repeat)][warmup:]
+    without = statistics.median(t for s in samples for t, _ in s["steps without"])
+    blocking = statistics.median(s["blocking s"] for s in samples)
+    rows = [{"save": "none", "median step ms": round(without * 1e3, 2)},
+            {"save": "blocking", "MB/s": round(nbytes / 1e6 / blocking)}]
+    for nice in NICENESS:
+        during = statistics.median(t for s in samples for t, _ in s[f"steps during @{nice}"])
+        background = statistics.median(s[f"background s @{nice}"] for s in samples)
+
+        def paired(i: int, nice: int = nice) -> float:  # 0: wall time, 1: the training thread's CPU time
+            return statistics.median(statistics.median(x[i] for x in s[f"steps during @{nice}"]) /
+                                     statistics.median(x[i] for x in s[f"steps after @{nice}"]) for s in samples)
+        rows.append({"save": f"background, nice +{nice}", "median step ms": round(during * 1e3, 2),
+                     "step / no save": round(paired(0), 3), "step CPU / no save": round(paired(1), 3),
+                     "steps in window": statistics.median(len(s[f"steps during @{nice}"]) for s in samples),
+                     "MB/s": round(nbytes / 1e6 / background), "MB/s / blocking": round(blocking / background, 3),
+                     "pause ms": round(statistics.median(s[f"pause s @{nice}"] for s in samples) * 1e3, 1),
+                     "snapshot MB": round(nbytes / 1e6)})
+    for s in samples:
+        for k, v in s.items():
+            if isinstance(v, list):
+                s[k] = [[round(t, 5) for t in x] for x in v]
+    return rows, {"results": rows, "samples": samples}
+
+
 _ORDER = ["save", "raw save + fsync", "raw save (no fsync)", "load (warm)", "raw load (warm)",
           "of which table.replace", "load (cold)", "raw load (cold)", "incremental, 1% updated",
           "incremental, 1% updated + 0.1% erased"]
@@ -188,6 +301,7 @@ def main() -> None:
     p.add_argument("--keys", type=int, default=None, help="rows in the table (default 4M, 1M with --quick)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir, removed at the end)")
+    p.add_argument("--background", action="store_true", help="measure save(blocking=False) during training steps")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     n = args.keys or (1 << 20 if args.quick else 4 << 20)
@@ -197,10 +311,23 @@ def main() -> None:
     try:
         emb = build_table(n)
         nbytes = sum(a.nbytes for a in live_columns(emb.table))
-        g = torch.Generator().manual_seed(1)
-        samples = [one_repeat(emb, work, rep, g, cold=not args.quick) for rep in range(warmup + repeat)][warmup:]
+        if args.background:
+            rows, result = run_background(emb, work, repeat, warmup, nbytes)
+        else:
+            g = torch.Generator().manual_seed(1)
+            samples = [one_repeat(emb, work, rep, g, cold=not args.quick) for rep in range(warmup + repeat)][warmup:]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if args.background:
+        print(f"table: {n} keys x dim {DIM}, 2 slots: {nbytes / 1e6:.0f} MB; {args.threads} torch threads; "
+              f"batch {BATCH}, MLP {DIM}-{HIDDEN}-{HIDDEN}-1; median of {repeat}")
+        print_table(rows, ["save", "median step ms", "step / no save", "step CPU / no save", "steps in window",
+                           "MB/s", "MB/s / blocking", "pause ms", "snapshot MB"])
+        print("targets: step / no save <= 1.1, MB/s / blocking >= 0.9; nice +10 is what save(blocking=False) uses")
+        if args.json:
+            write_json(args.json, {"benchmark": "checkpoint_io --background", "keys": n, "dim": DIM, "bytes": nbytes,
+                                   "threads": args.threads, "repeat": repeat, "machine": machine_info(), **result})
+        return
     rows = summarize(samples, nbytes)
     print(f"table: {n} keys x dim {DIM}, 2 slots: {nbytes / 1e6:.0f} MB; {args.threads} threads; "
           f"median of {repeat}")

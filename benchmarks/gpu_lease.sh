@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine should check, in one call: versions, the CUDA- and Triton-marked tests on the
-# device (no interpreter), then the GPU benchmarks. $OUT (default /tmp/dynemb-gpu) gets 12 files, what a device
+# device (no interpreter), then the GPU benchmarks. $OUT (default /tmp/dynemb-gpu) gets 14 files, what a device
 # call brings back: summary.txt (versions, each part's status), tests.txt, junit.xml, bench.txt (every benchmark's
 # output) and a JSON file a benchmark; the last lines printed are a short summary. Run from the repository root,
 # with the image's python3 (torch, triton, numba, pytest-xdist, pytest-timeout, hypothesis; no install needed, the
 # package is read from src/):
 #
-#   bash benchmarks/gpu_lease.sh [test_seconds] [bench_seconds] [pytest -k expression] [grouped_seconds]
+#   bash benchmarks/gpu_lease.sh [test_seconds] [bench_seconds] [pytest -k expression] [grouped_seconds] \
+#     [tiered_seconds]
 #
 # The grouped-execution slot (issue 43; grouped_seconds, default 150, out of bench_seconds) comes first: the
 # collection's reads, ops and launches a steady step at 2 and 26 tables (step_counts.py), the main job's step on
 # the GPU at batch 512 and 32,768 with 0% and 5% new ids (job_step.py; targets <= 3 ms and <= 15 ms), and three runs
 # of the gpu_ops.py train step (targets >= 1.0x nn.EmbeddingBag + Adagrad, >= 0.9x the static tables on dynemb's
 # Triton kernels: the "vs static" column).
+#
+# The tiered-table slot (issue 47; tiered_seconds, default 150, 0 skips it, after the others and on top of
+# bench_seconds): 4 tables x 25M rows x dim 64, 10% in device memory over pinned host memory, zipf 1.05, 65,536 ids
+# a table a step; steps/s against all in device memory, bytes moved / move time against pinned H2D bandwidth.
 #
 # The serving stores (redis, RocksDB, LMDB) are not exercised: their tests are CPU-only and need packages a GPU
 # image may lack; collection errors from such modules do not stop the run.
@@ -23,6 +28,7 @@ TEST_S=${1:-200}
 BENCH_S=${2:-350}
 KEXPR=${3:-}
 GROUPED_S=${4:-150}
+TIERED_S=${5:-150}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 unset TRITON_INTERPRET
@@ -73,8 +79,13 @@ bench gpu_ops "$(( $(left) * 4 / 10 ))" $PY benchmarks/gpu_ops.py --device cuda 
 bench job_step "$(( $(left) * 5 / 10 ))" $PY benchmarks/job_step.py --devices cpu cuda --json "$OUT/job_step.json"
 bench table_ops "$(( $(left) * 5 / 10 ))" $PY benchmarks/table_ops.py --device cuda --quick --threads 1 \
   --json "$OUT/table_ops.json"
-bench distributed "$(left)" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick \
-  --json "$OUT/distributed.json"
+bench distributed "$(( $(left) * 6 / 10 ))" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick \
+  --background-save --json "$OUT/distributed.json"
+# issue 45 item 1: the pipelined step (dynemb.train.Pipeline: the next batch's loading, copy and dedup in a side
+# stream on a worker thread) against the plain loop, world 1 on NCCL; step ms and the exposed wait a step
+bench distributed_pipeline "$(left)" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick --pipeline \
+  --json "$OUT/distributed_pipeline.json"
+bench tiered_gpu "$TIERED_S" $PY benchmarks/tiered_gpu.py --device cuda --prefetch --json "$OUT/tiered_gpu.json"
 
 echo "== summary ($(( $(date +%s) - start )) s)"
 cat "$OUT/summary.txt"

@@ -6,9 +6,11 @@ in-process memory store or a real ``redis-server`` on a free loopback port, by a
 (as deployed: its own process and GIL). Clients are threads, each with its own keep-alive ``geventhttpclient``
 connection (the HTTP client under ``tritonclient.http``), sending infer requests of ``--rows`` rows (default 256: INT64
 ids drawn from the ids training saw, 5% unseen; FP32 dense values) one after another: JSON bodies, and (``binary``) the
-KServe binary tensor extension tritonclient uses. Bodies are encoded beforehand; a client sends one and parses the JSON
-reply. Latency is per request, send to parsed reply; req/s is requests over the wall time of the timed phase, after
-warm-up requests. ``inproc_p50_ms`` is ``ServedModel.predict`` on the same (already decoded) batches in this thread;
+KServe binary tensor extension tritonclient uses; ``grpc``: a ``ModelInferRequest`` with ``raw_input_contents`` (what
+``tritonclient.grpc`` sends) on the server's ``--grpc-port``, over a grpcio channel. Bodies are encoded beforehand; a
+client sends one and parses the reply (JSON; gRPC: the response message and its raw output tensor). Latency is per
+request, send to parsed reply; req/s is requests over the wall time of the timed phase, after warm-up requests.
+``inproc_p50_ms`` is ``ServedModel.predict`` on the same (already decoded) batches in this thread;
 ``added_p50_ms`` (1 client) the median of (request latency - in-process call) over pairs timed back to back, one pair
 per body, so that a busy machine slows both alike; ``added_cpu_ms`` the same in CPU time (the client's CPU per request
 plus the server process's, against the in-process call's: what the endpoint costs, unaffected by time spent
@@ -42,9 +44,11 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import grpc
 import orjson
 import torch
 from geventhttpclient import HTTPClient
+from tritonclient.grpc import service_pb2 as pb
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -76,10 +80,13 @@ def one_cpu(pid: int) -> Iterator[None]:
         yield
         return
     cpu = {min(os.sched_getaffinity(0))}
-    threads = [int(t) for p in (pid, os.getpid()) for t in os.listdir(f"/proc/{p}/task")]
-    before = {t: os.sched_getaffinity(t) for t in threads}
-    for t in threads:
-        os.sched_setaffinity(t, cpu)
+    before = {}
+    for t in (int(t) for p in (pid, os.getpid()) for t in os.listdir(f"/proc/{p}/task")):
+        try:  # grpcio starts and ends threads of its own: one listed may be gone already
+            before[t] = os.sched_getaffinity(t)
+            os.sched_setaffinity(t, cpu)
+        except ProcessLookupError:
+            before.pop(t, None)
     try:
         yield
     finally:
@@ -89,14 +96,16 @@ def one_cpu(pid: int) -> Iterator[None]:
             except OSError:  # the thread has ended
                 pass
 NAME, INFER = "ctr", "/v2/models/ctr/infer"
+ENCODINGS = ("json", "binary", "grpc")
 
 
 @dataclasses.dataclass
 class Body:
-    """One request, encoded both ways, and its decoded batch (for the in-process reference)."""
+    """One request, encoded each way, and its decoded batch (for the in-process reference)."""
     json: bytes
     binary: bytes
     header_length: int
+    grpc: bytes  # a serialized ModelInferRequest
     batch: object
 
 
@@ -127,7 +136,12 @@ def make_bodies(model: ServedModel, rows: int, count: int, seed: int = 0) -> lis
                                        "parameters": {"binary_data_size": a.nbytes}}
                                       for f, (d, a) in arrays.items()]}).encode()
         binary = head + b"".join(a.tobytes() for _, a in arrays.values())
-        out.append(Body(text, binary, len(head), decode_request(parse_body(text), prep, 1 << 20)))
+        request = pb.ModelInferRequest(model_name=NAME)
+        for f, (d, a) in arrays.items():
+            request.inputs.add(name=f, datatype=d, shape=[rows])
+            request.raw_input_contents.append(a.tobytes())
+        out.append(Body(text, binary, len(head), request.SerializeToString(),
+                        decode_request(parse_body(text), prep, 1 << 20)))
     return out
 
 
@@ -150,13 +164,43 @@ class Client:
         self.conn.close()
 
 
-def load(url: str, bodies: list[Body], clients: int, per_client: int, warmup: int, binary: bool) -> dict:
+class GrpcClient:
+    """A gRPC channel to the server's ``--grpc-port`` sending serialized ``ModelInferRequest`` s (grpcio, the
+    transport under ``tritonclient.grpc``); the reply as the JSON one reads: ``(200, {"model_version", "outputs"})``,
+    or ``(status code name, {"error": ...})``."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 1 << 30),
+                                                               ("grpc.max_send_message_length", 1 << 30)])
+        self.call = self.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                             response_deserializer=pb.ModelInferResponse.FromString)
+
+    def infer(self, body: Body, binary: bool) -> tuple[int, dict]:
+        try:
+            reply = self.call(body.grpc, timeout=60)
+        except grpc.RpcError as exc:
+            return exc.code().name, {"error": exc.details()}
+        data = np.frombuffer(reply.raw_output_contents[0], "<f8")
+        return 200, {"model_version": reply.model_version, "outputs": [{"data": data}]}
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def connect(server, encoding: str):
+    """A client of ``server`` (``(http url, grpc address)``) for ``encoding``."""
+    return GrpcClient(server[1]) if encoding == "grpc" else Client(server[0])
+
+
+def load(server, bodies: list[Body], clients: int, per_client: int, warmup: int, encoding: str) -> dict:
     latencies: list[list[float]] = [[] for _ in range(clients)]
     barrier = threading.Barrier(clients + 1)
     errors = []
 
+    binary = encoding == "binary"
+
     def client(i: int) -> None:
-        c = Client(url)
+        c = connect(server, encoding)
         try:
             for k in range(warmup):
                 c.infer(bodies[(i * 7919 + k) % len(bodies)], binary)
@@ -203,11 +247,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def paired(url: str, server_pid: int, model: ServedModel, bodies: list[Body], count: int, binary: bool) -> dict:
+def paired(server, server_pid: int, model: ServedModel, bodies: list[Body], count: int, encoding: str) -> dict:
     """One client, each request next to an in-process call on the same batch (interleaved: a busy machine slows
     both alike): the medians of both and of their differences, and the same in CPU time (this process's for the
     in-process call; this process's plus the server's per request for the request)."""
-    c = Client(url)
+    c, binary = connect(server, encoding), encoding == "binary"
     wall = {True: [], False: []}  # in-process?: ms per call
     cpu = {True: [], False: []}  # CPU ms of this process per call
     try:
@@ -247,12 +291,14 @@ def forward_passes(url: str) -> int:
 
 
 @contextlib.contextmanager
-def serve_process(run: Path, tier_args: list) -> Iterator[tuple[str, int]]:
-    """``dynemb serve`` on a free loopback port, in its own process as deployed; yields ``(url, pid)``."""
-    port = free_port()
+def serve_process(run: Path, tier_args: list) -> Iterator[tuple[tuple[str, str], int]]:
+    """``dynemb serve`` on free loopback ports, in its own process as deployed; yields
+    ``((http url, grpc address), pid)``."""
+    port, grpc_port = free_port(), free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run), "--port", str(port),
-                             "--name", NAME, "--threads", "1", *tier_args], env=env, stdout=subprocess.DEVNULL)
+                             "--grpc-port", str(grpc_port), "--name", NAME, "--threads", "1", *tier_args], env=env,
+                            stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -266,7 +312,7 @@ def serve_process(run: Path, tier_args: list) -> Iterator[tuple[str, int]]:
                 if time.monotonic() > deadline:
                     raise TimeoutError("dynemb serve did not start within 300 s") from None
                 time.sleep(0.2)
-        yield url, proc.pid
+        yield (url, f"127.0.0.1:{grpc_port}"), proc.pid
     finally:
         proc.terminate()
         try:
@@ -275,24 +321,26 @@ def serve_process(run: Path, tier_args: list) -> Iterator[tuple[str, int]]:
             proc.kill()
 
 
-def latency_rows(run: Path, tier: str, volatile: dict, rows: int, total: int) -> list[dict]:
+def latency_rows(run: Path, tier: str, volatile: dict, rows: int, total: int, encodings=ENCODINGS,
+                 clients_list=CLIENTS) -> list[dict]:
     tier_args = [] if tier == "memory" else ["--volatile", "redis", "--redis-address", volatile["address"]]
     results = []
-    with serve_process(run, tier_args) as (url, pid):
+    with serve_process(run, tier_args) as (server, pid):
+        url = server[0]
         model = ServedModel(run, name=NAME, volatile_db=volatile)  # the in-process reference
         try:
             bodies = make_bodies(model, rows, 64)
             gc.collect()
             gc.freeze()  # as `dynemb serve` does after loading
-            for encoding in ("json", "binary"):
-                for clients in CLIENTS:
+            for encoding in encodings:
+                for clients in clients_list:
                     before = forward_passes(url)
-                    r = load(url, bodies, clients, max(1, total // clients), 10, encoding == "binary")
+                    r = load(server, bodies, clients, max(1, total // clients), 10, encoding)
                     passes = forward_passes(url) - before
                     r["requests_per_forward"] = round((r["requests"] + 10 * clients) / passes, 2)
                     if clients == 1:
                         with one_cpu(pid):
-                            r.update(paired(url, pid, model, bodies, total, encoding == "binary"))
+                            r.update(paired(server, pid, model, bodies, total, encoding))
                     else:
                         r["inproc_p50_ms"] = inprocess_p50(model, bodies, min(total, 200))
                     results.append({"tier": tier, "encoding": encoding, **r})
@@ -387,11 +435,18 @@ def main() -> None:
                    "--quick: 60)")
     p.add_argument("--tiers", default="memory,redis", help="volatile stores to serve from")
     p.add_argument("--no-pin", action="store_true", help="leave the server and the clients to the scheduler")
+    p.add_argument("--encodings", default=",".join(ENCODINGS), help="request encodings to time")
+    p.add_argument("--clients", default=",".join(map(str, CLIENTS)), help="closed-loop client counts")
+    p.add_argument("--no-updates", action="store_true", help="skip the freshness / updates-under-load run")
     args = p.parse_args()
     global PIN
     PIN = PIN and not args.no_pin
     torch.set_num_threads(1)
     total = args.requests or (60 if args.quick else 600)
+    encodings = tuple(args.encodings.split(","))
+    clients = tuple(int(c) for c in args.clients.split(","))
+    if not set(encodings) <= set(ENCODINGS):
+        p.error(f"--encodings must be among {ENCODINGS}, got {args.encodings!r}")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(args.model) if args.model else Path(tmp) / "run"
@@ -399,22 +454,24 @@ def main() -> None:
             synthetic_run(run, 30 if args.quick else 300)
         for tier in args.tiers.split(","):
             if tier == "memory":
-                results += latency_rows(run, tier, {"type": "memory"}, args.rows, total)
+                results += latency_rows(run, tier, {"type": "memory"}, args.rows, total, encodings, clients)
                 continue
             redis = RedisServer(tmp)
             redis.start()
             try:
-                results += latency_rows(run, tier, {"type": "redis", "address": redis.address}, args.rows, total)
+                results += latency_rows(run, tier, {"type": "redis", "address": redis.address}, args.rows, total,
+                                        encodings, clients)
             finally:
                 redis.kill()
-        updates = updates_under_load(Path(tmp), args.rows)
+        updates = None if args.no_updates else updates_under_load(Path(tmp), args.rows)
     print(f"dynemb serve (its own process), {args.rows} rows per request, loopback"
           + ("; added_*: server and client on one CPU" if PIN else ""))
     print_table(results, ["tier", "encoding", "clients", "requests", "p50_ms", "p99_ms", "req_per_s",
                           "inproc_p50_ms", "added_p50_ms", "inproc_cpu_ms", "added_cpu_ms", "requests_per_forward"])
-    print(f"\nupdates under load ({UPDATE_CLIENTS} clients, a delta every 2 training steps, --watch "
-          f"{WATCH_INTERVAL_S} s)")
-    print_table([updates], list(updates))
+    if updates is not None:
+        print(f"\nupdates under load ({UPDATE_CLIENTS} clients, a delta every 2 training steps, --watch "
+              f"{WATCH_INTERVAL_S} s)")
+        print_table([updates], list(updates))
     if args.json:
         write_json(args.json, {"benchmark": "serve_endpoint", "machine": machine_info(), "rows_per_request": args.rows,
                                "pinned": PIN,

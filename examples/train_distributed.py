@@ -2,9 +2,14 @@
 
     torchrun --nproc_per_node=2 examples/train_distributed.py            # CPU, gloo
     torchrun --nproc_per_node=8 examples/train_distributed.py --cuda     # GPUs, NCCL
+    torchrun --nproc_per_node=2 examples/train_distributed.py --checkpoint ckpt --save-every 20
 
 Embedding rows live on their owner rank (row-wise sharding, key % world_size); the dense MLP is replicated with
 torch's DistributedDataParallel. Each rank reads its own slice of the data.
+
+With ``--checkpoint DIR`` it resumes from DIR's latest checkpoint (saved at any world size) and saves there every
+``--save-every`` steps in the background (``save(..., blocking=False)``: training goes on while the files are
+written) and at the end.
 """
 
 import argparse
@@ -17,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dynemb
 from dynemb import DistributedEmbeddingCollection, FeatureConfig, TableConfig
+from dynemb.checkpoint import load, save
 
 FEATURES = ["user", "item", "category"]
 
@@ -35,6 +41,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--cuda", action="store_true", help="use NCCL and one GPU per rank")
+    parser.add_argument("--checkpoint", help="checkpoint directory: resume from it, save into it")
+    parser.add_argument("--save-every", type=int, default=0, help="steps between background saves (0: at the end)")
     args = parser.parse_args()
     backend = "nccl" if args.cuda else "gloo"
     dist.init_process_group(backend)
@@ -52,7 +60,17 @@ def main() -> None:
     mlp = DistributedDataParallel(mlp, device_ids=[device.index] if args.cuda else None)
     dense_opt = torch.optim.Adam(mlp.parameters(), lr=1e-2)
 
-    for step in range(args.steps):
+    # What a checkpoint holds: the tables (with their optimizer state) and the MLP (not its DDP wrapper).
+    model = nn.ModuleDict({"embeddings": embeddings, "mlp": mlp.module})
+    first, pending = 0, None
+    if args.checkpoint and os.path.exists(os.path.join(args.checkpoint, "latest")):
+        manifest = load(args.checkpoint, model, dense_opt)  # any saved world size: rows move to their new owners
+        first = manifest["step"]
+        if rank == 0:
+            print(f"resumed at step {first} (saved by {manifest['world_size']} ranks, now {dist.get_world_size()})",
+                  flush=True)
+
+    for step in range(first, args.steps):
         ids, labels = batch(step, rank, args.batch_size + 37 * rank)  # uneven batches across ranks
         out = embeddings({f: v.to(device) for f, v in ids.items()})
         logits = mlp(torch.cat([out[f] for f in FEATURES], 1)).squeeze(1)
@@ -65,6 +83,16 @@ def main() -> None:
         if rank == 0 and (step % 20 == 0 or step == args.steps - 1):
             rows = sum(len(m) for m in embeddings.embeddings.values())
             print(f"step {step:4d}  loss {loss.item():.4f}  rows on rank 0: {rows}", flush=True)
+        if args.checkpoint and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            if pending is not None:
+                pending.wait()  # raises, on every rank, what the previous save raised
+            pending = save(args.checkpoint, model, dense_opt, step=step + 1, keep_last=2, blocking=False)
+    if args.checkpoint and first < args.steps:
+        save(args.checkpoint, model, dense_opt, step=args.steps, keep_last=2)  # waits for `pending` first
+        if pending is not None:
+            pending.wait()
+        if rank == 0:
+            print(f"saved step {args.steps} to {args.checkpoint}", flush=True)
     # Leave together: a rank that tears its group down while a peer still talks to it can abort that peer.
     dist.barrier()
     dist.destroy_process_group()

@@ -314,7 +314,7 @@ def test_the_extras_named_in_errors_are_the_ones_in_pyproject():
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     extras = pyproject["project"]["optional-dependencies"]
-    distribution = {"simdjson": "pysimdjson"}  # import name -> the distribution that provides it
+    distribution = {"simdjson": "pysimdjson", "grpc": "grpcio"}  # import name -> the distribution that provides it
     for package, extra in _EXTRAS.items():
         names = {Requirement(r).name for r in extras[extra]}
         assert distribution.get(package, package) in names, (package, extra, names)

@@ -222,3 +222,14 @@ def test_only_the_cli_reads_the_environment():
                 if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv")
                 or isinstance(node, ast.alias) and node.name in ("environ", "getenv")]
         assert name in allowed or not uses, f"{path} touches the environment at lines {uses}"
+
+
+def test_the_architecture_doc_s_group_diagram_names_every_meta_field():
+    """The execution-group diagram's ``meta [G, 15]`` lists the columns the group kernels read, as the code has them."""
+    from dynemb.kernels.dispatch import GROUP_META
+
+    text = DOC.read_text()
+    diagram = text[text.index("TableGroup meta ["):text.index("One grouped training step")]
+    assert f"meta [G, {len(GROUP_META)}]" in diagram
+    missing = [name for name in GROUP_META if not re.search(rf"\b{name}\b", diagram)]
+    assert not missing, f"docs/architecture.md's group diagram lacks {missing}"

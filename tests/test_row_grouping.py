@@ -1,4 +1,4 @@
-"""A training lookup of a table with optimizer state groups its ids by row, not by key (``lookup._find_sorted``):
+"""A training lookup of a table with optimizer state groups its ids by row, not by key (``find._find_by_row``):
 an execution detail, so every result must be the same bits as grouping by key, for every policy, bound, admission
 filter, optimizer and kernel path."""
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import dynemb
 from dynemb.functional import embedding_lookup_sparse
-from dynemb.functional import lookup
+from dynemb.functional import find as lookup
 from dynemb.kernels import use_backend
 
 

@@ -26,8 +26,8 @@ MODEL_DEFAULTS = {"batch_size": 512, "dim": 16, "optimizer": "adagrad", "lr": 0.
 """``dynemb train``'s model options and their defaults; on ``--resume`` the run's saved values instead."""
 # The optional packages the commands import, by the extra (pyproject.toml) that installs them.
 _EXTRAS = {"pyarrow": "data", "xxhash": "data", "matplotlib": "plot", "triton": "gpu",
-           **dict.fromkeys(["redis", "rocksdict", "lmdb", "starlette", "uvicorn", "httptools", "uvloop", "orjson",
-                            "simdjson"], "serving")}
+           **dict.fromkeys(["redis", "rocksdict", "lmdb", "uvicorn", "httptools", "uvloop", "orjson", "simdjson",
+                            "grpc", "tritonclient", "prometheus_client"], "serving")}
 
 
 def _optimizer_kinds() -> tuple:
@@ -118,7 +118,7 @@ def cmd_train(args) -> int:
                       max_capacity=args.max_capacity, eviction=args.eviction, admission=args.admission,
                       eval_every=args.eval_every, patience=args.patience, checkpoint_every=args.checkpoint_every)
     summary = train_run(spec, cfg, progress=False if args.no_progress else None, log_every=args.log_every,
-                        interruptible=True)
+                        interruptible=True, pipeline=not args.no_pipeline)
     if not (_distributed_rank() or 0):
         print(_json(summary))
     return 0
@@ -238,22 +238,60 @@ def cmd_serve_bench(args) -> int:
 def cmd_plan(args) -> int:
     import json
 
+    from .checkpoint.errors import CheckpointError
     from .checkpoint.planning import plan_from_checkpoint
 
+    if args.world < 1:
+        raise CliError(f"--world must be a number of ranks >= 1, got {args.world}")
+    if args.ranks_per_node is not None and (args.ranks_per_node < 1 or args.world % args.ranks_per_node):
+        raise CliError(f"--ranks-per-node must be >= 1 and divide --world {args.world}, got {args.ranks_per_node}")
+    memory = _parse_bytes("--memory-per-rank", args.memory_per_rank) if args.memory_per_rank is not None else None
     pins = {}
     for pin in args.pin:
         table, sep, kind = pin.partition("=")
         if not sep or not table or not kind:
-            raise ValueError(f"--pin must be TABLE=KIND, got {pin!r}")
-        owner = kind.partition(":")[2]
-        pins[table] = ("table", int(owner)) if kind.startswith("table:") else kind
-    memory = int(args.memory_per_rank) if args.memory_per_rank is not None else None
-    plan = plan_from_checkpoint(args.checkpoint, args.world, memory_per_rank=memory,
-                                ranks_per_node=args.ranks_per_node, pins=pins)
-    print(plan)
-    if args.json:
+            raise CliError(f"--pin must be TABLE=KIND (KIND: {_PIN_KINDS}), got {pin!r}")
+        if table in pins:
+            raise CliError(f"--pin gives table {table!r} twice ({pins[table]!r} and {kind!r}); give it once")
+        name, colon, owner = kind.partition(":")
+        if name not in ("row", "data", "column", "table_row", "table") or (colon and name != "table"):
+            raise CliError(f"--pin {pin}: KIND must be one of {_PIN_KINDS}, got {kind!r}")
+        if colon and not (owner.isdigit() and int(owner) < args.world):
+            raise CliError(f"--pin {pin}: RANK of table:RANK must be a rank of --world {args.world} "
+                           f"(0 to {args.world - 1}), got {owner!r}")
+        pins[table] = ("table", int(owner)) if colon else kind
+    try:
+        plan = plan_from_checkpoint(args.checkpoint, args.world, memory_per_rank=memory,
+                                    ranks_per_node=args.ranks_per_node, pins=pins)
+    except CheckpointError as e:
+        raise CliError(f"--checkpoint: {e}") from e
+    if args.json:  # stdout one JSON line (for jq or a script), the table still shown on stderr
+        print(plan, file=sys.stderr)
         print(json.dumps(plan.to_dict(), sort_keys=True))
+    else:
+        print(plan)
     return 0
+
+
+_PIN_KINDS = "row, data, column, table_row, table or table:RANK"
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def _parse_bytes(option: str, text: str) -> int:
+    """``8e10``, ``80GB``, ``80G`` (10**9) or ``64GiB`` (2**30) as a positive whole number of bytes."""
+    import math
+    import re
+
+    match = re.fullmatch(r"\s*([0-9.eE+-]+?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    try:
+        value = float(match.group(1)) * _BYTE_UNITS[unit] if match else math.nan
+    except (ValueError, KeyError):
+        value = math.nan
+    if not math.isfinite(value) or value < 1:
+        raise CliError(f"{option} must be a positive number of bytes (8e10, 80GB, 64GiB), got {text!r}")
+    return int(value)
 
 
 def cmd_demo(args) -> int:
@@ -306,7 +344,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint "
                      "(from step 0 when it has none: a run stopped before its first save)")
     run.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also checkpoint every N steps "
-                     "(0: only the final checkpoint; the 3 newest are kept)")
+                     "(0: only the final checkpoint; the 3 newest are kept), written in the background while training "
+                     "goes on (a host copy of the rows at that step)")
     run.add_argument("--eval-every", type=int, default=100, metavar="N", help="evaluate --eval-batches held-out "
                      "batches every N steps and at the end, keeping the model with the lowest log loss as the best "
                      "(and every held-out row at the end, with the best model)")
@@ -328,6 +367,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     run.add_argument("--log-every", type=float, default=10.0, metavar="S", help="without a terminal: seconds "
                      "between progress lines on stderr (a terminal gets a progress bar)")
     run.add_argument("--no-progress", action="store_true", help="neither a progress bar nor progress lines")
+    run.add_argument("--no-pipeline", action="store_true", help="run each batch's loading, copy and key exchange "
+                     "on the step's thread instead of ahead of it, while the previous batch computes (for "
+                     "debugging: results are the same)")
     model = p.add_argument_group("model")
     model.description = "with --resume, an option not given keeps the run's value (one given must equal it)"
     model.add_argument("--batch-size", type=int, help="samples per step (default: 512)")
@@ -410,19 +452,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .endpoint.command import add_serve_args, cmd_serve
 
-    add_serve_args(command("serve", "serve a run over HTTP (Open Inference Protocol / KServe v2)", cmd_serve))
+    add_serve_args(command("serve", "serve a run over HTTP and gRPC (Open Inference Protocol / KServe v2)", cmd_serve))
 
     plan = command("plan", "print a sharding plan for the next run from a checkpoint's observed tables", cmd_plan,
                    "Print a sharding plan (a kind per table, per rank: tables, rows, bytes, lookups and bytes on the "
                    "wire a step) for --world ranks from the rows and accesses training recorded in a checkpoint. "
                    "Loading that checkpoint into a collection built with the plan reshards it.")
-    plan.add_argument("--checkpoint", required=True, metavar="CKPT", help="a checkpoint root or directory")
+    plan.add_argument("--checkpoint", required=True, metavar="CKPT",
+                      help="a checkpoint root or directory (of a run: RUN_DIR/checkpoint or RUN_DIR/checkpoint-best)")
     plan.add_argument("--world", required=True, type=int, help="ranks of the next run")
-    plan.add_argument("--memory-per-rank", type=float, metavar="BYTES", help="bytes each rank may hold (1e9, ...)")
-    plan.add_argument("--ranks-per-node", type=int, help="ranks of one node (row-sharded tables stay in one)")
+    plan.add_argument("--memory-per-rank", metavar="BYTES",
+                      help="bytes each rank may hold: 8e10, 80GB (10**9 bytes a GB) or 64GiB (default: no limit)")
+    plan.add_argument("--ranks-per-node", type=int,
+                      help="ranks of one node; row-sharded tables stay in one (default: all ranks are one node)")
     plan.add_argument("--pin", action="append", default=[], metavar="TABLE=KIND",
-                      help="give TABLE the kind KIND (row, data, column, table_row, table:RANK); repeatable")
-    plan.add_argument("--json", action="store_true", help="print the shardings as JSON (to_dict) after the plan")
+                      help="give TABLE the kind KIND (row, data, column, table_row, table: whole on the least loaded "
+                      "rank, table:RANK: whole on RANK); repeatable")
+    plan.add_argument("--json", action="store_true", help="print the shardings as one JSON line (to_dict: the "
+                      "collection's plan=) on stdout, the table on stderr")
 
     demo = command("demo", "synthetic data -> train -> eval -> predict -> export -> serve-bench, with a report",
                    cmd_demo)

@@ -11,9 +11,12 @@ import dataclasses
 import itertools
 import math
 import sys
+import threading
 import time
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
@@ -26,11 +29,12 @@ from .collection import EmbeddingCollection
 from .collection.step_graph import StepGraph
 from .data.batch import Batch
 from .data.metrics import held_out_auc
+from .table import tier_traffic
 from .models import DLRM, dlrm_tables
 from .checks import check_int
 from .serialization import Serializable, registered, serializable
 
-__all__ = ["TrainConfig", "Trainer", "History", "SPARSE_OPTIMIZERS", "DEFAULT_PATIENCE", "build_dlrm"]
+__all__ = ["TrainConfig", "Trainer", "History", "Pipeline", "SPARSE_OPTIMIZERS", "DEFAULT_PATIENCE", "build_dlrm"]
 
 DEFAULT_PATIENCE = 5
 """Evaluations without improvement before training stops (see ``TrainConfig.patience``)."""
@@ -57,7 +61,9 @@ class TrainConfig(Serializable):
         patience: stop after this many evaluations in a row without a lower held-out log loss than the best so
             far (early stopping); 0 never stops early. The best model is tracked either way.
         checkpoint_dir: save checkpoints there every ``checkpoint_every`` steps and at the end (once: a final
-            step that is a multiple of ``checkpoint_every`` is saved once).
+            step that is a multiple of ``checkpoint_every`` is saved once). The periodic saves are written in the
+            background (``save(..., blocking=False)``: a host snapshot of the rows, then a thread) while training
+            goes on; the last one is written before ``fit`` returns. Tiered tables are saved blocking.
         best_dir: save the model of each new best evaluation there (a checkpoint root of its own, holding one
             checkpoint: pruning of ``checkpoint_dir`` never removes it); ``None``: the best is not saved.
         resume: continue from the newest checkpoint in ``checkpoint_dir`` or ``best_dir``.
@@ -127,6 +133,9 @@ class Trainer:
     training (:attr:`stopped` is then ``"early"``). Under torch.distributed every rank takes rank 0's loss for
     these decisions, so all ranks stop at the same step and save together.
 
+    :meth:`fit`'s eager steps are pipelined (:class:`Pipeline`: the next batch's loading, copy, dedup and key
+    exchange run while the current batch computes; bit-identical results); ``pipeline=False`` runs the plain loop.
+
     Example:
         >>> from dynemb.data import SyntheticClickLog
         >>> data = SyntheticClickLog(num_categorical=2, num_dense=2, batch_size=64)
@@ -137,8 +146,10 @@ class Trainer:
         (3, True, 3)
     """
 
-    def __init__(self, model: DLRM, cfg: TrainConfig, cuda_graph: Optional[bool] = None) -> None:
+    def __init__(self, model: DLRM, cfg: TrainConfig, cuda_graph: Optional[bool] = None,
+                 pipeline: bool = True) -> None:
         self.model, self.cfg = model, cfg
+        self.pipeline = pipeline  # fit's loop is a Pipeline (False: the plain loop, for debugging)
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.distributed else 0
         dense = [p for n, p in model.named_parameters()]
@@ -155,6 +166,7 @@ class Trainer:
             if on_cuda and cuda_graph is not False else None
         self.step = 0
         self._saved_step: Optional[int] = None
+        self._pending = None  # the periodic background save still being written
         self.best_step: Optional[int] = None
         """The step of the evaluation with the lowest held-out log loss (``None`` before the first)."""
         self.best_loss = math.inf
@@ -188,14 +200,26 @@ class Trainer:
             self.best_step, self.best_loss = state["best_step"], float(state["best_loss"])
         return self.step
 
-    def save(self) -> None:
-        """Checkpoint the current step into ``checkpoint_dir`` (nothing if this step is saved already)."""
+    def save(self, blocking: bool = True) -> None:
+        """Checkpoint the current step into ``checkpoint_dir`` (nothing if this step is saved already). With
+        ``blocking=False`` the files are written in the background (not for tiered tables, whose rows may not fit a
+        snapshot); :meth:`wait_for_save` waits for them and raises what that save raised."""
         from .checkpoint import save
 
         if self._saved_step == self.step:
             return
-        save(self.cfg.checkpoint_dir, self.model, self.optimizer, step=self.step, keep_last=3, extra=self._extra())
+        self.wait_for_save()
+        blocking = blocking or self.model.embeddings.tiered
+        out = save(self.cfg.checkpoint_dir, self.model, self.optimizer, step=self.step, keep_last=3,
+                   extra=self._extra(), blocking=blocking)
+        self._pending = None if blocking else out
         self._saved_step = self.step
+
+    def wait_for_save(self) -> None:
+        """Wait for the background checkpoint still being written, if any; raise its error (on every rank)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
 
     def save_best(self) -> None:
         """Checkpoint the current step into ``best_dir``, replacing the best saved there."""
@@ -248,8 +272,11 @@ class Trainer:
         remaining = None if cfg.steps is None else max(cfg.steps - self.step, 0)
         self.stopped = "early" if self.patience_spent else None  # a resumed run that had stopped early
         batches = itertools.islice(batches, 0 if self.stopped else remaining)
+        if self.graph is None:  # (not under a CUDA graph: its replays read the inputs it captured)
+            batches = iter(Pipeline(model, batches, enabled=self.pipeline))
         if model.embeddings.tiered:
             batches = _ahead(batches, lambda b: model.embeddings.prefetch(model.sparse_inputs(b)))
+            self._tier_counts = tier_traffic(model.embeddings.dynemb_tables())["counts"]  # a step's traffic from here
         for batch in batches:
             loss = self.train_step(batch)
             self.step += 1
@@ -262,7 +289,7 @@ class Trainer:
             if self.step % cfg.eval_every == 0:
                 self._select(eval_batches, report)
             if cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                self.save()
+                self.save(blocking=False)
             last_auc = self.history.last_auc
             bar.set_postfix(loss=f"{row['loss']:.4f}", auc="-" if last_auc != last_auc else f"{last_auc:.4f}",
                             rows=row["rows"], evicted=row["evicted"], sps=f"{row['samples_per_s']:.0f}",
@@ -283,6 +310,7 @@ class Trainer:
             self._select(eval_batches, report, periodic=False)
         if cfg.checkpoint_dir:
             self.save()
+        self.wait_for_save()
         return self.history
 
     def _select(self, eval_batches: list[Batch], report: Callable[[str, dict], None], periodic: bool = True) -> None:
@@ -345,9 +373,17 @@ class Trainer:
         return row
 
     def table_stats(self) -> dict:
+        """Rows, evictions and bytes of every table; with tiered tables also the tiers' traffic since the previous
+        call (one training step): ``tier_bytes_moved``, ``tier_rows_up``/``tier_rows_down`` and the step's
+        ``tier_fast_hit_rate``/``tier_slow_hit_rate`` (see :func:`dynemb.table.tier_traffic`)."""
         tables = self.model.embeddings.dynemb_tables()
-        return {"rows": sum(t.size() for t in tables), "evicted": sum(getattr(t, "evicted", 0) for t in tables),
-                "table_bytes": sum(t.nbytes() for t in tables)}
+        row = {"rows": sum(t.size() for t in tables), "evicted": sum(getattr(t, "evicted", 0) for t in tables),
+               "table_bytes": sum(t.nbytes() for t in tables)}
+        if self.model.embeddings.tiered:
+            traffic = tier_traffic(tables, getattr(self, "_tier_counts", None))
+            self._tier_counts = traffic.pop("counts")
+            row.update(traffic)
+        return row
 
 
 def _collective_device() -> torch.device:
@@ -376,6 +412,143 @@ def _best_of(root: Optional[str]) -> Optional[tuple[int, float]]:
     if state.get("best_loss") is None:
         return None
     return int(state["best_step"]), float(state["best_loss"])
+
+
+class Pipeline:
+    """A pipelined training loop's batches: while batch ``i`` computes, batch ``i + 1``'s stages that change no
+    state (loading from ``batches``, validation, the copy to the device, deduplication and, sharded, the key
+    all-to-all) run on a worker thread (on CUDA in a side stream). Lookups, inserts, evictions and updates stay in
+    batch order on the caller's thread, so results are bit-identical to the plain loop.
+
+    ``model``: a :class:`~dynemb.models.DLRM` (its ``embeddings`` and ``sparse_inputs``) or an
+    :class:`~dynemb.collection.EmbeddingCollection` with ``inputs(batch)``, the features the loop will pass to its
+    forward (the same tensors). Iterate it as the batches themselves; each batch yielded goes through the forward
+    before the next is asked for, as a training loop does (one that is not is dropped, its stages unused).
+
+    Sharded, the key exchange runs over a process group of the pipeline's own (made once per collection, a
+    collective on the default group), one batch after another on every rank, so the two groups' collectives never
+    interleave differently across ranks. ``enabled=False`` (``Trainer(..., pipeline=False)``;
+    ``dynemb train --no-pipeline``) yields the batches as they are: the plain loop, for debugging.
+
+    :attr:`wait_s` is the time the caller's thread waited for the staged stages (what the pipeline left exposed).
+
+    Example:
+        >>> from dynemb.data import SyntheticClickLog
+        >>> data = SyntheticClickLog(num_categorical=2, num_dense=2, batch_size=8)
+        >>> model = build_dlrm(2, data.categorical_names, TrainConfig(dim=4))
+        >>> for batch in Pipeline(model, itertools.islice(data.batches("train"), 3)):
+        ...     logits = model(batch)  # [8]
+    """
+
+    def __init__(self, model: nn.Module, batches: Iterable, enabled: bool = True,
+                 inputs: Optional[Callable] = None) -> None:
+        self.batches, self.enabled = iter(batches), bool(enabled)
+        self.collection: EmbeddingCollection = model if isinstance(model, EmbeddingCollection) else model.embeddings
+        self.inputs = inputs if inputs is not None else model.sparse_inputs
+        self.wait_s = 0.0
+        self.group = _pipeline_group(self.collection) if self.enabled else None
+        device = self.collection._device
+        self.stream = torch.cuda.Stream(device) if self.enabled and device.type == "cuda" else None
+
+    def _stage(self) -> Optional[tuple]:
+        """Load the next batch and run its stateless stages (on the worker thread; on CUDA in the side stream,
+        the loader's copies to the device included)."""
+        if self.stream is None:
+            return self._load_and_stage(None)
+        with torch.cuda.stream(self.stream):
+            return self._load_and_stage(self.stream)
+
+    def _load_and_stage(self, stream) -> Optional[tuple]:
+        batch = next(self.batches, None)
+        if batch is None:
+            return None
+        features = self.inputs(batch)
+        staged = self.collection.stage(features, self.group)
+        done = None
+        if stream is not None:
+            done = torch.cuda.Event()
+            done.record(stream)
+        return batch, features, staged, done
+
+    def __iter__(self) -> Iterator[Batch]:
+        if not self.enabled:
+            yield from self.batches
+            return
+        ahead = _Worker(self._stage)
+        try:
+            while True:
+                start = time.perf_counter()
+                got = ahead.result()
+                self.wait_s += time.perf_counter() - start
+                if got is None:
+                    return
+                batch, features, staged, done = got
+                if done is not None:  # the compute stream reads what the side stream wrote
+                    torch.cuda.current_stream().wait_event(done)
+                    _record_stream((batch, staged), torch.cuda.current_stream())
+                ready: Future = Future()
+                ready.set_result(staged)
+                self.collection.expect(features, ready)
+                ahead = _Worker(self._stage)  # batch i + 1's stages, while the caller computes batch i
+                try:
+                    yield batch
+                finally:
+                    self.collection.forget(features)
+        finally:
+            ahead.result()  # the staged collective ran on every rank: wait for it before leaving
+
+
+class _Worker:
+    """One call of ``fn`` on a thread of its own; :meth:`result` waits for it (and raises what it raised)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self._out: Optional[tuple] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="dynemb-pipeline", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable) -> None:
+        try:
+            self._out = fn()
+        except BaseException as e:  # noqa: BLE001  (raised on the caller's thread)
+            self._error = e
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out
+
+
+def _record_stream(value, stream) -> None:
+    """Every tensor in ``value`` (nested lists, tuples, dicts, dataclasses) is in use on ``stream`` too."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            value.record_stream(stream)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _record_stream(v, stream)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _record_stream(v, stream)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _record_stream(getattr(value, f.name), stream)
+    elif isinstance(value, SimpleNamespace):  # a batch of a script's own
+        for v in vars(value).values():
+            _record_stream(v, stream)
+
+
+def _pipeline_group(collection: EmbeddingCollection):
+    """The process group of a pipeline's key exchange (the collection's ranks and backend; made once)."""
+    if not collection.sharded or collection.world == 1:
+        return None
+    group = getattr(collection, "_pipeline_group", None)
+    if group is None:
+        group = dist.new_group(ranks=dist.get_process_group_ranks(collection.group),
+                               backend=dist.get_backend(collection.group))
+        collection._pipeline_group = group
+    return group
 
 
 def _ahead(batches: Iterator[Batch], prefetch: Callable[[Batch], None]) -> Iterator[Batch]:

@@ -28,7 +28,7 @@ emb(torch.arange(2000))
 
 CHILD = BUILD + """
 import sys, time
-import dynemb.checkpoint.saver as save_module
+import dynemb.checkpoint.commit as save_module
 from dynemb.checkpoint import save
 
 root, where = sys.argv[1], sys.argv[2]
@@ -79,3 +79,53 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, where):
 
     save(tmp_path, restored, step=3, keep_last=1)  # the next save prunes what the crash left behind
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000003"]
+
+
+BACKGROUND_CHILD = BUILD + """
+import sys, threading, time
+import dynemb.checkpoint.commit as save_module
+from dynemb.checkpoint import save
+
+root = sys.argv[1]
+save(root, emb, step=1)
+original = save_module.write_tensors
+calls = []
+
+def announce_and_sleep(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:  # one file written, the second one half way
+        print("PAUSED", flush=True)
+        time.sleep(600)
+    return original(*args, **kwargs)
+
+save_module.write_tensors = announce_and_sleep
+handle = save(root, emb, step=2, blocking=False)
+for i in range(10**9):  # training goes on while the save's thread writes
+    emb(torch.arange(i % 3000, i % 3000 + 64))
+"""
+
+
+@pytest.mark.slow
+def test_a_save_after_a_killed_background_save_succeeds_and_leaves_no_temp_dir(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", BACKGROUND_CHILD, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "PAUSED"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-step-00000002")]
+    assert json.loads((tmp_path / "latest").read_text())["name"] == "step-00000001"
+
+    restored = dynemb.DynamicEmbedding(16, seed=0)
+    restored.table.add_slot("m", 16)
+    assert load(tmp_path, restored)["step"] == 1
+    # no keep_last: the dead writer's temp directory goes because its process is gone
+    save(tmp_path, restored, step=2, blocking=False).wait(60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001", "step-00000002"]
+    again = dynemb.DynamicEmbedding(16, seed=1)
+    again.table.add_slot("m", 16)
+    assert load(tmp_path, again)["step"] == 2
+    for got, want in zip(again.table.export()[:3], restored.table.export()[:3]):
+        assert torch.equal(got, want)

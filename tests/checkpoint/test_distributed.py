@@ -13,12 +13,15 @@ from dynemb.distributed.comm import all_gather_varsize
 from distributed.harness import run
 
 
-def build():
+def build(sharded: bool = True):
+    """The three tables, sharded over the process group, or (``sharded=False``) in one process."""
     opt = dynemb.optim.Adam(lr=0.05)
     tables = [TableConfig(name="user", dim=4, optimizer=opt, seed=1),
               TableConfig(name="item", dim=6, optimizer=opt, seed=2, combiner="sum"),
               TableConfig(name="cat", dim=4, vocabulary_size=13, optimizer=opt, seed=3)]
     features = [FeatureConfig(name=t.name, table=t.name) for t in tables]
+    if not sharded:
+        return dynemb.EmbeddingCollection(tables, features)
     return DistributedEmbeddingCollection(tables, features, timeout=60)
 
 
@@ -106,3 +109,28 @@ def test_resume_at_same_world_size_is_exact(tmp_path):
     resumed = run(_resume, 2, tmp_path / "c", root, True)
     for key, value in straight.items():
         np.testing.assert_array_equal(resumed[key], value, err_msg=key)
+
+
+def _background_while_training(rank, world, root):
+    import json
+
+    ec = build()
+    for i in range(3):
+        step(ec, i, rank)
+    save(root / "blocking", ec, ec.optimizer, step=3)
+    handle = save(root / "background", ec, ec.optimizer, step=3, blocking=False)
+    for i in range(3, 8):  # the training group's collectives go on while the save's own group gathers
+        step(ec, i, rank)
+    assert handle.wait(120) == root / "background" / "step-00000003"
+    files = [json.loads((root / kind / "step-00000003" / "manifest.json").read_text())["files"]
+             for kind in ("blocking", "background")]
+    # every file's sha256 (the tables' shards of both ranks, dense, both optimizer files) equals the blocking save's
+    return {"same": np.array([files[0] == files[1]]), "count": np.array([len(files[0])])} if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_background_save_at_two_ranks_equals_a_blocking_save(tmp_path):
+    (tmp_path / "out").mkdir()
+    got = run(_background_while_training, 2, tmp_path / "out", tmp_path)
+    assert got is not None, [p.read_text() for p in (tmp_path / "out").glob("*.err")]
+    assert got["same"][0] and got["count"][0] >= 5

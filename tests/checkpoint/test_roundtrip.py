@@ -253,7 +253,7 @@ def test_bad_arguments_write_nothing(tmp_path):
     save(tmp_path, trained, step=1)
     with pytest.raises(ValueError, match="step-00000001 already exists"):
         save(tmp_path, trained, step=1)
-    with pytest.raises(CheckpointError, match="no checkpoint here"):
+    with pytest.raises(CheckpointError, match="nothing: no such directory"):
         load(tmp_path / "nothing", trained)
 
 
@@ -283,3 +283,26 @@ def test_load_a_given_checkpoint_directory_and_log_throughput(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="dynemb.checkpoint"):
         assert load(first, fresh)["step"] == 1
     assert "MB/s" in caplog.text and "step-00000001" in caplog.text
+
+
+def test_dense_state_names_skip_the_ddp_wrapper_and_old_wrapped_names_still_load(tmp_path):
+    """A DistributedDataParallel wrapper is layout: its ``module.`` never shows in a file (it made ``dynemb serve``
+    refuse the MLPs a torchrun run published), and files written with it load into the unwrapped model."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dynemb.checkpoint.dense import check_dense, dense_state, load_dense
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = torch.nn.ModuleDict({"top": torch.nn.Sequential(torch.nn.Linear(3, 2))})
+        wrapped = torch.nn.ModuleDict({"top": DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(3, 2)))})
+        assert sorted(dense_state(wrapped)) == sorted(dense_state(plain)) == ["top.0.bias", "top.0.weight"]
+        load_dense(wrapped, check_dense(wrapped, dense_state(plain), True, tmp_path))
+        assert torch.equal(wrapped["top"].module[0].weight, plain["top"][0].weight)
+        old = {k.replace("top.", "top.module."): v + 1 for k, v in dense_state(plain).items()}
+        load_dense(plain, check_dense(plain, old, True, tmp_path))
+        assert torch.equal(plain["top"][0].bias, old["top.module.0.bias"])
+    finally:
+        dist.destroy_process_group()

@@ -181,7 +181,7 @@ def test_waiting_requests_share_a_forward_pass_up_to_max_batch_size(run, served)
 
     from dynemb.data import FileReader
     from dynemb.data.batch import slice_rows
-    from dynemb.endpoint.app import _Batcher
+    from dynemb.endpoint.service import Batcher
 
     prep = served.preprocessing
     batch = next(iter(FileReader(run / "test.parquet", label=None, categorical=prep.categorical,
@@ -190,25 +190,25 @@ def test_waiting_requests_share_a_forward_pass_up_to_max_batch_size(run, served)
     expected = served.predict(batch)
 
     async def score_all(max_rows):
-        batcher = _Batcher(served, max_rows)
+        batcher = Batcher(served, max_rows)
         try:
             got = await asyncio.gather(*(batcher.score(p) for p in parts))
         finally:
             batcher.close()
         assert {version for _, version in got} == {served.version} and batcher.inline_passes == 0
-        return torch.cat([p for p, _ in got]), batcher.forward_passes
+        return torch.cat([p["probability"] for p, _ in got]), batcher.forward_passes
 
     got, passes = asyncio.run(score_all(40))
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     assert passes == 1
 
     async def alone():  # a request alone is scored on the event loop's thread, no hand-off
-        batcher = _Batcher(served, 40)
+        batcher = Batcher(served, 40)
         try:
-            probs, version = await batcher.score(parts[0])
+            outputs, version = await batcher.score(parts[0])
         finally:
             batcher.close()
-        return probs, batcher.inline_passes
+        return outputs["probability"], batcher.inline_passes
 
     probs, inline = asyncio.run(alone())
     torch.testing.assert_close(probs, expected[:10], atol=1e-6, rtol=0)

@@ -38,6 +38,7 @@ def test_dynemb_serve_scores_like_predict_with_lmdb_and_a_token(run, tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run / "run"), "--port", str(port),
+                             "--grpc-port", str(free_port()),
                              "--name", "ctr", "--token", "t0k", "--persistent", "lmdb", "--persistent-path",
                              str(tmp_path / "lmdb"), "--cache-fraction", "0.1"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -74,6 +75,6 @@ def test_a_port_in_use_is_one_error_and_no_serving_line(run, capsys):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert main(["serve", "--model", str(run / "run"), "--port", str(port)]) == 2
+        assert main(["serve", "--model", str(run / "run"), "--port", str(port), "--no-grpc"]) == 2
     out, err = capsys.readouterr()
     assert "serving" not in out and f"cannot listen on 127.0.0.1:{port}" in err, (out, err)

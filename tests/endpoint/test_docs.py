@@ -28,7 +28,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 def dynemb_serve(*args: str):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", *args, "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", *args, "--port", str(port),
+                             "--grpc-port", str(free_port())], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield proc, port
@@ -93,3 +94,10 @@ def test_serve_watch_waits_for_a_training_run_and_follows_its_versions(run, tmp_
     first = int(re.search(r"version (\d+)\)", proc.stdout.read()).group(1))
     assert first < 4
     assert re.findall(r"now serving version (\d+)", proc.stderr.read()) == [str(v) for v in range(first + 1, 5)]
+
+
+def test_the_docs_name_every_metric():
+    from dynemb.endpoint.prometheus_metrics import METRIC_NAMES
+
+    text = DOC.read_text()
+    assert [n for n in METRIC_NAMES if f"`{n}`" not in text] == []

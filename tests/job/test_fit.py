@@ -1,6 +1,7 @@
 """``dynemb train`` on real files: the held-out split, the run directory, checkpoints and resume."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -65,9 +66,27 @@ def test_the_run_directory(tmp_path, dynemb):
 
 
 @pytest.mark.slow
-def test_steps_a_multiple_of_checkpoint_every(tmp_path, dynemb):
+def test_steps_a_multiple_of_checkpoint_every(tmp_path, dynemb, monkeypatch):
+    import dynemb.checkpoint as checkpoint
+
+    calls, save = [], checkpoint.save
+
+    def spy(path, model, optimizer=None, **kwargs):  # the periodic saves go to the background, the last one not
+        out = save(path, model, optimizer, **kwargs)
+        if Path(path).name == "checkpoint":  # not the best model's saves
+            calls.append((kwargs["step"], kwargs.get("blocking", True), type(out).__name__))
+        return out
+
+    monkeypatch.setattr(checkpoint, "save", spy)
     data = random_labels(tmp_path / "random.parquet", rows=1000)
     run = tmp_path / "run"
+    common = ["--data", data, "--label", "y", "--categorical", "id", "--out", run, "--checkpoint-every", "2", *SMALL]
+    assert dynemb("train", *common, "--steps", "5")["step"] == 5
+    assert calls == [(2, False, "SaveHandle"), (4, False, "SaveHandle"),
+                                                        (5, True, "PosixPath")]
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["latest", "step-00000002", "step-00000004",
+                                                                       "step-00000005"]
+    run = tmp_path / "run4"
     common = ["--data", data, "--label", "y", "--categorical", "id", "--out", run, "--checkpoint-every", "2", *SMALL]
     assert dynemb("train", *common, "--steps", "4")["step"] == 4
     assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["latest", "step-00000002", "step-00000004"]

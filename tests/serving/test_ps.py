@@ -320,3 +320,59 @@ def test_bad_keys_roots_and_sparse_files_are_named_errors(tmp_path):
         ps.close()
     with pytest.raises(ValueError, match=r"sparse_files must be a list of export roots .* got 7"):
         ParameterServer.from_config(config(7))
+
+
+@pytest.mark.parametrize("persistent", [None, "lmdb"])
+def test_the_grouped_request_path_answers_as_the_per_table_path(tmp_path, persistent):
+    # Tables of two row shapes (two group caches), initializers differing in kind and seed, ids of every tier and
+    # ids nowhere, repeats, an empty and a one-id request, and keys of two tables that meet on one cache key.
+    from dynemb.table.hashing import mix64
+
+    specs = {"a": (8, "normal", 0), "b": (8, "normal", 1), "c": (4, "uniform", 2), "d": (8, "zeros", 3)}
+    tables = {n: dynemb.DynamicEmbedding(d, seed=s, initializer=i) for n, (d, i, s) in specs.items()}
+    for emb in tables.values():
+        emb(KEYS)
+    export_for_serving(tmp_path / "export", torch.nn.ModuleDict(tables))
+    store = None if persistent is None else {"type": persistent, "path": str(tmp_path / persistent)}
+    servers = []
+    for grouped in (True, False):
+        ps = ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [str(tmp_path / "export")],
+                                                      "embedding_table_names": list(specs),
+                                                      "embedding_vecsize_per_table": [d for d, _, _ in specs.values()],
+                                                      "cache_fraction": 0.05, "hit_rate_threshold": 0.5}],
+                                          "persistent_db": store and {**store, "path": f"{store['path']}{grouped}"}})
+        ps.load("m", progress=False)
+        ps.grouped = grouped
+        servers.append(ps)
+    # "a" and "b" are tables 0 and 1 of the dim-8 group: this key of "b" has the cache key of KEYS[5] in "a".
+    salts = mix64(torch.tensor([1, 2]))
+    met = KEYS[5] ^ salts[0] ^ salts[1]
+    unseen = torch.tensor([2**40, 2**40 + 1, -7], dtype=torch.int64)
+    g = torch.Generator().manual_seed(5)
+    requests = [{"a": KEYS[:0], "b": KEYS[:1], "c": KEYS[:0], "d": KEYS[:1]},
+                {"a": unseen, "b": unseen.flip(0), "c": KEYS[:2], "d": KEYS[:2]}]  # one call, two seeds
+    for _ in range(6):
+        requests.append({n: torch.cat([KEYS[torch.randint(0, len(KEYS), (40,), generator=g)], unseen,
+                                       KEYS[:3]]) for n in specs})
+        requests[-1]["a"] = torch.cat([requests[-1]["a"], KEYS[5:6]])
+        requests[-1]["b"] = torch.cat([requests[-1]["b"], met.view(1), KEYS[5:6]])
+    if persistent:  # rows only the persistent tier has: the volatile one lost them
+        for ps in servers:
+            ps.volatile.store.delete("m.a", KEYS[100:300])
+    for ids in requests:
+        got = [ps.lookup_many("m", ids) for ps in servers]
+        for n, emb in tables.items():
+            want = emb.eval().find(ids[n])
+            assert torch.equal(got[0][n], want), n
+            assert torch.equal(got[1][n], want), n
+    for ps in servers:
+        ps.flush()
+    stats = [ps.stats("m")["tables"] for ps in servers]
+    for n in specs:
+        assert stats[0][n]["lookups"] == stats[1][n]["lookups"] == sum(r[n].numel() for r in requests)
+        assert stats[0][n]["default"] > 0
+        assert sum(stats[0][n][t] for t in ("cache", "volatile", "persistent", "default")) == stats[0][n]["lookups"]
+    if persistent:
+        assert stats[0]["a"]["persistent"] > 0
+    for ps in servers:
+        ps.close()

@@ -23,7 +23,7 @@ import os, sys, time
 import torch, dynemb
 from dynemb.checkpoint import save
 from dynemb.table import Tiers
-from dynemb.table.slow import SlowStore
+from dynemb.table.tier_moves import HostLink
 sys.path.insert(0, {here!r})
 from test_tiered_crash import build, step
 
@@ -32,16 +32,15 @@ emb, opt = build(Tiers(fast_capacity=32, slow=os.path.join(root, "slow")))
 for i in range({steps}):
     step(emb, opt, i)
 save(os.path.join(root, "ckpt"), emb, step={steps})
-exchange = SlowStore.exchange
-def slow_exchange(self, keys, rows, versions):  # a write-back: write half the rows going down, then hang
-    if rows is not None and rows.keys.numel() > 1:
-        half = rows.keys.numel() // 2
-        exchange(self, keys[:0], type(rows)(rows.keys[:half], rows.values[:half], rows.scores[:half],
-                                            {{k: v[:half] for k, v in rows.slots.items()}}), versions[:half])
+move = HostLink.move
+def slow_move(self, fast, fast_dest, victims, slow, slow_dest, up_from):  # a write-back: half a column, then hang
+    if victims.numel() > 1:
+        half = victims.numel() // 2
+        move(self, fast, fast_dest[:0], victims[:half], slow, slow_dest[:half], up_from[:0])
         open(marker, "w").close()
         time.sleep(120)
-    return exchange(self, keys, rows, versions)
-SlowStore.exchange = slow_exchange
+    return move(self, fast, fast_dest, victims, slow, slow_dest, up_from)
+HostLink.move = slow_move
 for i in range({steps}, 10 * {steps}):
     step(emb, opt, i)
 """

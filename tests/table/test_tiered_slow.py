@@ -45,7 +45,6 @@ def test_rows_survive_growth_slots_casts_and_exchanges(where, tmp_path):
     assert torch.equal(everything.values[order], want.values.half())
     if where == "disk":
         (directory,) = os.listdir(tmp_path)
-        files = os.listdir(tmp_path / directory)
-        assert sorted(f.split(".", 1)[1] for f in files) == sorted(
-            ["key.rows", "value.rows", "score.rows", "version.rows", "slot_m.rows", "slot_v.rows"])
+        (name,) = os.listdir(tmp_path / directory)  # one file: a row of every column side by side
+        assert name.endswith(".rows")
     store.close()

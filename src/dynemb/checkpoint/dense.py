@@ -10,18 +10,31 @@ from __future__ import annotations
 from pathlib import Path
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..collection import EmbeddingCollection
 from ..embedding import DynamicEmbedding, StaticEmbedding
 from .errors import CheckpointError
 
-__all__ = ["dense_state", "check_dense"]
+__all__ = ["dense_state", "check_dense", "load_dense"]
+
+
+def _modules(module: nn.Module, prefix: str = ""):
+    """``(name, module)`` as ``named_modules(remove_duplicate=False)``, but through a DistributedDataParallel
+    wrapper as if it were not there: wrapping is layout, and the names in a file are the user's model's."""
+    while isinstance(module, DistributedDataParallel):
+        module = module.module
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _modules(child, f"{prefix}.{name}" if prefix else name)
 
 
 def dense_state(model: nn.Module, keep_vars: bool = False) -> dict:
-    """Parameters, persistent buffers and extra state of every module except the tables (no copies)."""
+    """Parameters, persistent buffers and extra state of every module except the tables (no copies), named as
+    in the model without its DistributedDataParallel wrappers (``top.0.weight``, never ``top.module.0.weight``)."""
     state: dict = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
+    for prefix, module in _modules(model):
         if isinstance(module, (DynamicEmbedding, StaticEmbedding)):
             continue
         # A collection's own _save_to_state_dict adds its tables: take only what nn.Module itself would.
@@ -38,6 +51,9 @@ def check_dense(model: nn.Module, state: dict, strict: bool, source: Path) -> di
         CheckpointError: names differ under ``strict``, or a tensor's shape differs; the message names ``source``.
     """
     expected = dense_state(model, keep_vars=True)
+    # Files written under torchrun before wrappers were skipped name the wrapper's ``module``: read them too.
+    state = {k if k in expected or k.replace(".module.", ".") not in expected else k.replace(".module.", "."): v
+             for k, v in state.items()}
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if strict and (missing or unexpected):
@@ -49,3 +65,17 @@ def check_dense(model: nn.Module, state: dict, strict: bool, source: Path) -> di
             raise CheckpointError(f"{source}: {name!r} has shape {tuple(value.shape)} in the checkpoint but "
                                   f"{tuple(mine.shape)} in the model")
     return {k: v for k, v in state.items() if k in expected}
+
+
+def load_dense(model: nn.Module, state: dict) -> None:
+    """Load ``state`` (names as :func:`dense_state` gives them, checked by :func:`check_dense`) into ``model``'s
+    modules other than the tables, through DistributedDataParallel wrappers."""
+    errors: list = []
+    for prefix, module in _modules(model):
+        if isinstance(module, (DynamicEmbedding, StaticEmbedding)):
+            continue
+        load = nn.Module._load_from_state_dict if isinstance(module, EmbeddingCollection) \
+            else type(module)._load_from_state_dict
+        load(module, state, f"{prefix}." if prefix else "", {}, False, [], [], errors)
+    if errors:
+        raise CheckpointError("; ".join(errors))

@@ -17,20 +17,24 @@ from torch import nn
 
 from ..checks import VALUE_DTYPES, check_dtype
 from ..serialization import dtype_name
+from ..table import TieredTable
+from .row_codec import QUANTIZED, encode_rows, packed_width, quantized_kind
 from ..table.initializers import resolve_initializer
 from . import write_marks
+from .commit import commit, open_shared
 from .shard_tensors import DELETED, KEYS, VALUES
 from .dense import dense_state
 from .errors import CheckpointError
-from .fsutil import read_json, staging, write_json, write_pointer
+from .fsutil import read_json, write_json
 from .manifest import FORMAT_VERSION, MANIFEST, SERVING_FORMAT, chain, complete, file_record, read_manifest, resolve
 from .ranks import rank_context
-from .saver import incremental_parent, write_payloads, writes as _writes
-from .tiered_stream import ColumnStream
-from .tables import columns, delta_columns, find_tables, shard_file
+from .saver import incremental_parent, writes as _writes
+from .tiered_stream import ColumnStream, stream_column, tiered_columns, tiered_delta_columns
+from .tables import find_tables, shard_file
 from .tensorfile import read_tensors
 
-__all__ = ["export_for_serving", "read_export", "read_chain", "read_dense", "manifest_digest", "version_name"]
+__all__ = ["export_for_serving", "read_export", "read_chain", "read_dense", "export_files", "manifest_digest",
+           "version_name"]
 
 STREAM = "serving"
 MODEL_FILE = "model.json"  # in the export root: {"model": id}, written by its first export
@@ -54,8 +58,13 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     and, through ``parent_digest``, the chain it builds on. A parameter server applies an export only on top of
     the version it names (see :meth:`~dynemb.serving.ParameterServer.apply_update`).
 
-    With a sharded collection this is a collective call: every rank calls it, the rows of every rank are gathered
-    and rank 0 writes the one export. Nothing in it depends on the world size or the sharding plan.
+    With a sharded collection this is a collective call: every rank calls it and writes the rows it holds, a chunk
+    at a time, into the shard files of each table (``tables/<i>-<name>.rank-<r>-of-<w>.safetensors``; a
+    replicated table's one copy by rank 0), and rank 0 writes the one manifest, which lists each table's
+    ``shards`` (``rank``, ``file``, ``rows``, ``sha256``). No rank gathers another's rows: each holds its own rows
+    and a chunk of ``CHUNK_ROWS`` of them at a time (:mod:`~dynemb.checkpoint.tiered_stream`). A table of one file
+    also has its ``file`` and ``sha256`` in its entry, as exports of one process always had. :func:`read_export`
+    reads either; the rows it returns do not depend on the world size or the sharding plan (their order does).
 
     A delta export (``incremental=True``) holds the rows written since the previous export of these tables to
     ``path`` and ``deleted_keys [K]``; a reader deletes those keys first, then upserts the rows. Without a
@@ -64,7 +73,9 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     Args:
         path: the export root directory (created if needed); keep it apart from checkpoint roots.
         model: an ``nn.Module`` holding DynamicEmbeddings (or one itself).
-        dtype: value dtype of the export: float32, float16 or bfloat16.
+        dtype: value dtype of the export: float32, float16 or bfloat16; or 8-bit rows, ``torch.int8`` (row-wise
+            scale and bias), ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (row-wise scale), stored packed
+            (``values`` ``uint8 [N, W]``, see :mod:`~dynemb.checkpoint.row_codec`) and served dequantized.
         incremental: write a delta against the previous export.
         model_name: the id of the model this root holds. The first export to ``path`` stores it in
             ``path/model.json`` (without ``model_name``, a new id: the root's name and a random suffix), and every
@@ -96,7 +107,7 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    check_dtype(dtype, VALUE_DTYPES, "dtype")
+    check_dtype(dtype, (*VALUE_DTYPES, *QUANTIZED.values()), "dtype")
     if not isinstance(incremental, bool):
         raise TypeError(f"incremental must be a bool, got {incremental!r}")
     if not isinstance(dense, bool):
@@ -108,6 +119,7 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     ctx = rank_context(model)
     shards = find_tables(model)
     local = {name: shard for name, shard in shards.items() if shard.module is not None}
+    writing = {name: shard for name, shard in local.items() if _writes(shard, ctx)}
     previous = complete(root, SERVING_FORMAT) if ctx.rank == 0 else {}
     model_id = _model_id(root, model_name) if ctx.rank == 0 else None
     version = ctx.gather(1 + max((m["version"] for m in previous.values()), default=0))[0]
@@ -120,72 +132,141 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
         parent = parent if all(p == parents[0] for p in parents) else None  # full unless every rank can chain
     name = version_name(version)
     tables = [shard.table for shard in local.values()]
+    index = {n: i for i, n in enumerate(sorted({n for names in ctx.gather(sorted(writing)) for n in names}))}
     with write_marks.tick(tables):
-        payloads, entries = _table_payloads(shards, parent, dtype, ctx)
+        columnar = sorted(n for n, shard in shards.items() if _column_split(shard, ctx))
+        payloads, entries = _table_payloads({n: s for n, s in writing.items() if n not in columnar}, parent, dtype,
+                                            index, ctx)
+        for name in columnar:  # the same order on every rank: each is a collective
+            joined = _joined_payload(shards[name], parent, dtype, index[name], ctx)
+            if joined is not None:
+                payloads.update(joined[0])
+                entries.update(joined[1])
         if dense and ctx.rank == 0:
             payloads[DENSE_FILE] = ({k: v.detach().cpu().contiguous() for k, v in dense_state(model).items()
                                      if isinstance(v, torch.Tensor)}, None)
-        if ctx.rank == 0:
-            with staging(root, name) as tmp:
-                files = write_payloads(tmp, payloads, f"exported {root / name}")
-                for entry in entries.values():
-                    entry["sha256"] = files[entry["file"]]["sha256"]
-                manifest = {
-                    "format": SERVING_FORMAT, "format_version": FORMAT_VERSION, "model": model_id,
-                    "version": version, "kind": "delta" if parent else "full", "parent": parent,
-                    **_parent_lineage(previous, parent), "created_unix": time.time(), "tables": entries,
-                    "dense": {"file": DENSE_FILE} if dense else None, "files": files,
-                }
-                write_json(tmp / MANIFEST, {**manifest, "digest": manifest_digest(manifest)})
-            write_pointer(root, name, version=version)
-        ctx.barrier()
+
+        def manifest_of(parts: list) -> dict:
+            files = {rel: rec for part in parts for rel, rec in part["files"].items()}
+            manifest = {
+                "format": SERVING_FORMAT, "format_version": FORMAT_VERSION, "model": model_id,
+                "version": version, "kind": "delta" if parent else "full", "parent": parent,
+                **_parent_lineage(previous, parent), "created_unix": time.time(),
+                "tables": _merge_entries(parts, files), "dense": {"file": DENSE_FILE} if dense else None,
+                "files": files,
+            }
+            return {**manifest, "digest": manifest_digest(manifest)}
+
+        tmp = open_shared(root, name, ctx)
+        commit(ctx, root, name, tmp, payloads, entries, f"exported {root / name}", manifest_of, {"version": version})
         write_marks.record(tables, STREAM, root_key, name)
     return root / name
 
 
-def _table_payloads(shards: dict, parent: str | None, dtype: torch.dtype, ctx) -> tuple[dict, dict]:
-    """Every table's rows in the user's keys, gathered from every rank to rank 0 (which alone writes them)."""
+def _table_payloads(shards: dict, parent: str | None, dtype: torch.dtype, index: dict, ctx) -> tuple[dict, dict]:
+    """This rank's file of every table it writes (keys and values streamed a chunk at a time, in the user's keys)
+    and its entry: ``{name: {fields..., "shards": [{"rank", "file", "rows", "deleted", "size"}]}}``."""
     payloads, entries = {}, {}
-    for i, (name, shard) in enumerate(shards.items()):
+    for name, shard in shards.items():
         cfg = shard.config
-        cols = _local_columns(shard, parent, ctx)
-        if ctx.distributed and shard.strategy is not None and not shard.strategy.replicated:
-            # (a tiered table's streamed columns are materialized here: the gather needs whole tensors)
-            # (2-D columns travel flat: column shards' widths differ by rank)
-            gathered = {col: ctx.gather_tensor((t.materialize() if isinstance(t, ColumnStream) else t).reshape(-1),
-                                               f"gathering {col} of table {name!r} for serving")
-                        for col, t in cols.items()}
-            widths = [hi - lo for lo, hi in (shard.strategy.column_range(r) for r in range(ctx.world))]
-            # the strategy puts the ranks' parts together (column shards side by side)
-            cols = shard.strategy.join({r: {col: parts[r].view(-1, widths[r]) if col == VALUES else parts[r]
-                                            for col, parts in gathered.items()}
-                                        for r in range(ctx.world) if shard.strategy.writes(r)}, {VALUES})
-        sizes = ctx.gather(shard.table.size() if shard.module is not None and _writes(shard, ctx) else 0)
-        size = shard.strategy.logical_rows([n for r, n in enumerate(sizes) if shard.strategy.writes(r)]) \
-            if shard.strategy is not None else sum(sizes)
-        if ctx.rank != 0:
-            continue
-        cols[VALUES] = cols[VALUES].to(dtype)
-        rel = shard_file(i, name, 0, 1)
+        cols = _served_columns(shard, parent, dtype)
+        rel = shard_file(index[name], name, ctx.rank, ctx.world)
         payloads[rel] = (cols, None)
-        entries[name] = {**_fields(cfg, dtype), "file": rel, "rows": int(cols[KEYS].numel()), "size": size,
-                         "deleted": int(cols[DELETED].numel()) if DELETED in cols else 0,
-                         "initializer": resolve_initializer(cfg.initializer).describe(), "seed": shard.seed}
+        part = {"rank": ctx.rank, "file": rel, "rows": int(cols[KEYS].numel()),
+                "deleted": int(cols[DELETED].numel()) if DELETED in cols else 0, "size": shard.table.size()}
+        entries[name] = {**_fields(cfg, dtype), "initializer": resolve_initializer(cfg.initializer).describe(),
+                         "seed": shard.seed, "shards": [part]}
     return payloads, entries
 
 
-def _local_columns(shard, parent: str | None, ctx) -> dict:
-    """This rank's keys and values of ``shard`` (empty where another rank writes them)."""
-    cfg = shard.config
-    if shard.module is None or not _writes(shard, ctx):
-        cols = {KEYS: torch.empty(0, dtype=cfg.key_dtype), VALUES: torch.empty(0, cfg.dim, dtype=cfg.dtype)}
+def _column_split(shard, ctx) -> bool:
+    """Whether ``shard``'s ranks hold column parts of the same rows (joined side by side, not one file each)."""
+    strategy = shard.strategy
+    return bool(ctx.distributed and strategy is not None and not strategy.replicated
+                and any(strategy.column_range(r) not in ((0, 0), (0, shard.config.dim)) for r in range(ctx.world)))
+
+
+def _joined_payload(shard, parent: str | None, dtype: torch.dtype, i: int, ctx):
+    """A column-sharded table gathered to rank 0 and joined by its strategy (column shards side by side) into one
+    file: ``(payloads, entries)`` on rank 0, None elsewhere. A collective over every rank."""
+    strategy, name = shard.strategy, shard.config.name
+    if shard.module is not None and _writes(shard, ctx):
+        cols = _served_columns(shard, parent, None)  # encoded once joined (8-bit rows pack whole rows)
+    else:
+        cfg = shard.config
+        cols = {KEYS: torch.empty(0, dtype=cfg.key_dtype), VALUES: torch.empty(0, 0, dtype=cfg.dtype)}
         if parent is not None:
             cols[DELETED] = torch.empty(0, dtype=cfg.key_dtype)
-        device = shard.table.device if shard.module is not None else None
-        return {k: v.to(device) if device is not None else v for k, v in cols.items()}
-    if parent is None:
-        return columns(shard, state=False)
-    return delta_columns(shard, write_marks.since(shard.table, STREAM), state=False)
+    # (2-D columns travel flat: column shards' widths differ by rank; streamed columns are materialized here)
+    gathered = {col: ctx.gather_tensor((t.materialize() if isinstance(t, ColumnStream) else t).reshape(-1),
+                                       f"gathering {col} of table {name!r} for serving")
+                for col, t in cols.items()}
+    sizes = ctx.gather(shard.table.size() if shard.module is not None and _writes(shard, ctx) else 0)
+    if ctx.rank != 0:
+        return None
+    widths = [hi - lo for lo, hi in (strategy.column_range(r) for r in range(ctx.world))]
+    cols = strategy.join({r: {col: parts[r].view(-1, widths[r]) if col == VALUES else parts[r]
+                              for col, parts in gathered.items()}
+                          for r in range(ctx.world) if strategy.writes(r)}, {VALUES})
+    cols[VALUES] = _encoded(cols[VALUES], dtype)
+    rel = shard_file(i, name, 0, 1)
+    part = {"rank": 0, "file": rel, "rows": int(cols[KEYS].numel()),
+            "deleted": int(cols[DELETED].numel()) if DELETED in cols else 0,
+            "size": strategy.logical_rows([n for r, n in enumerate(sizes) if strategy.writes(r)])}
+    entry = {**_fields(shard.config, dtype), "initializer": resolve_initializer(shard.config.initializer).describe(),
+             "seed": shard.seed, "shards": [part]}
+    return {rel: (cols, None)}, {name: entry}
+
+
+def _encoded(values, dtype: torch.dtype):
+    """``values`` (a tensor or a stream) as served in ``dtype``: cast, or 8-bit rows packed a piece at a time."""
+    kind = quantized_kind(dtype)  # 8-bit rows: packed bytes (row_codec)
+    if kind is None:
+        return values.to(dtype)
+    if isinstance(values, ColumnStream):
+        rows, dim = values.shape
+        return ColumnStream(torch.uint8, (rows, packed_width(kind, dim)),
+                            lambda: (encode_rows(p, kind) for p in values.pieces()))
+    return encode_rows(values, kind)
+
+
+def _served_columns(shard, parent: str | None, dtype: torch.dtype | None) -> dict:
+    """``keys`` and ``values`` (as served in ``dtype``; None: as stored) of the table's live rows, or of the rows
+    written since the last export (with ``deleted_keys``), as streams: no copy of the rows is made, only of one
+    chunk at a time."""
+    t = shard.table
+    rows = deleted = None
+    if parent is not None:
+        rows, deleted = t.changes_since(write_marks.since(t, STREAM))
+    if isinstance(t, TieredTable):
+        cols = tiered_columns(shard, state=False) if rows is None else tiered_delta_columns(shard, rows, state=False)
+    else:
+        n = t.size()
+        cols = {KEYS: stream_column([t.row_keys[:n]], rows).map(shard.user_keys),
+                VALUES: stream_column([t.values[:n]], rows)}
+    if dtype is not None:
+        cols[VALUES] = _encoded(cols[VALUES], dtype)
+    if deleted is not None:
+        cols[DELETED] = shard.user_keys(deleted)
+    return cols
+
+
+def _merge_entries(parts: list, files: dict) -> dict:
+    """One entry per table from every rank's: its shards in rank order (with their sha256), their rows, sizes and
+    deleted keys summed; a table of one file also names it in ``file`` and ``sha256``."""
+    merged: dict = {}
+    for part in parts:
+        for name, entry in part["entries"].items():
+            merged.setdefault(name, {**entry, "shards": []})["shards"].extend(entry["shards"])
+    for entry in merged.values():
+        shards = sorted(entry["shards"], key=lambda s: s["rank"])
+        entry["shards"] = [{**{k: s[k] for k in ("rank", "file", "rows", "deleted")},
+                            "sha256": files[s["file"]]["sha256"]} for s in shards]
+        entry.update(rows=sum(s["rows"] for s in shards), deleted=sum(s["deleted"] for s in shards),
+                     size=sum(s["size"] for s in shards))
+        if len(shards) == 1:  # what readers of one-process exports before per-rank files read
+            entry.update(file=shards[0]["file"], sha256=entry["shards"][0]["sha256"])
+    return merged
 
 
 def version_name(version: int) -> str:
@@ -221,7 +302,7 @@ def manifest_digest(manifest: dict) -> str:
 
 
 def _fields(cfg, dtype: torch.dtype) -> dict:
-    return {"dim": cfg.dim, "dtype": dtype_name(dtype), "key_dtype": dtype_name(cfg.key_dtype)}
+    return {"dim": cfg.dim, "dtype": quantized_kind(dtype) or dtype_name(dtype), "key_dtype": dtype_name(cfg.key_dtype)}
 
 
 def read_export(path) -> tuple[dict, dict]:
@@ -236,11 +317,32 @@ def read_export(path) -> tuple[dict, dict]:
     directory = resolve(path)
     manifest = _checked_manifest(directory)
     tables = {}
-    for name, entry in manifest["tables"].items():
-        tensors, _ = read_tensors(directory / entry["file"], file_record(manifest, directory, entry["file"]))
-        tables[name] = tensors
+    for name in manifest["tables"]:
+        parts = [read_tensors(directory / rel, file_record(manifest, directory, rel))[0]
+                 for rel in export_files(manifest, name)]
+        tables[name] = parts[0] if len(parts) == 1 else {col: torch.cat([p[col] for p in parts]) for col in parts[0]}
     manifest["path"] = str(directory)
     return manifest, tables
+
+
+def export_files(manifest: dict, name: str) -> list[str]:
+    """The files of table ``name`` of an export's ``manifest``, in rank order: one per rank that wrote a part of
+    it (an export from N ranks), or its one ``file``.
+
+    Raises:
+        CheckpointError: the entry lists neither a non-empty ``shards`` list of files nor a ``file``.
+    """
+    entry = manifest["tables"][name]
+    shards = entry.get("shards")
+    if shards is None:
+        files = [entry.get("file")]
+    else:
+        files = [s.get("file") if isinstance(s, dict) else None for s in shards] if isinstance(shards, list) else []
+    if not files or not all(isinstance(f, str) and f for f in files):
+        raise CheckpointError(f"{manifest.get('path', 'the export')}: table {name!r} must list its files as "
+                              f"'shards' [{{'file': ...}}, ...] or 'file', got shards={shards!r}, "
+                              f"file={entry.get('file')!r}")
+    return files
 
 
 def _checked_manifest(directory: Path) -> dict:

@@ -12,9 +12,10 @@ from ..distributed.strategy import strategy_from_record
 from ..optim.combined import CombinedOptimizer
 from ..table import TieredTable
 from . import write_marks
+from .background import wait_for_saves
 from .codec import read_state
 from .shard_tensors import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, SLOT, VALUES, canonical_config, check_shard
-from .dense import check_dense
+from .dense import check_dense, load_dense
 from .errors import CheckpointError
 from .manifest import MANIFEST, chain, file_record, resolve
 from .progress import logger, transfer
@@ -71,6 +72,7 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {strict!r}")
+    wait_for_saves()  # a background save still writing may be the checkpoint asked for
     ctx = rank_context(model)
     tables = find_tables(model)
     directory = resolve(path)
@@ -101,7 +103,7 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
         if opt_state is not None:  # a collection's optimizer skips tables added since, as the tables do, unless strict
             load_kwargs = {"strict": strict} if isinstance(optimizer, CombinedOptimizer) else {}
             optimizer.load_state_dict(opt_state, **load_kwargs)
-        model.load_state_dict(dense, strict=False)
+        load_dense(model, dense)
         for name, (cols, saved_counters) in shards.items():
             saved = {**saved_counters, "seed": configs[name]["seed"]}
             if isinstance(cols, StreamedShard):  # read again, a chunk at a time, into the tiers

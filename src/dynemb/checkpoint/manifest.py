@@ -32,6 +32,18 @@ def resolve(path) -> Path:
         return path
     name = read_pointer(path)
     if name is None:
+        if not path.exists():
+            raise CheckpointError(f"{path}: no such directory (expected a checkpoint: a directory with a {MANIFEST} "
+                                  f"or a '{LATEST}' pointer)")
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: a file, not a checkpoint (a directory with a {MANIFEST} or a '{LATEST}' "
+                                  "pointer)")
+        # a run directory (dynemb train --out) holds checkpoints rather than being one: name them
+        inner = sorted(str(c) for c in path.iterdir() if c.is_dir() and ((c / MANIFEST).is_file()
+                                                                         or (c / LATEST).is_file()))
+        if inner:
+            raise CheckpointError(f"{path}: a directory of checkpoints, not one (a run directory?); give one of "
+                                  f"{', '.join(inner)}")
         raise CheckpointError(f"{path}: no checkpoint here (neither a {MANIFEST} nor a '{LATEST}' pointer)")
     return path / name
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -15,19 +14,21 @@ from ..collection.plan import TableShard
 
 from .._version import __version__
 from ..checks import check_positive_int
+from ..table import TieredTable
 from . import write_marks
+from .background import SaveHandle, side_context, snapshot, wait_for_saves
 from .codec import encode
+from .commit import commit, open_shared
 from .dense import dense_state
 from .errors import CheckpointError
-from .fsutil import TMP_PREFIX, remove_dir, staging, write_json, write_pointer
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, checkpoint_name, complete, read_manifest
-from .progress import logger, transfer
+from .fsutil import TMP_PREFIX, remove_dir
+from .manifest import FORMAT, FORMAT_VERSION, checkpoint_name, complete, read_manifest
+from .progress import logger
 from .ranks import RankContext, rank_context
 from .shard_tensors import canonical_config
 from .tables import columns, counters, delta_columns, find_tables, shard_file, table_config
-from .tensorfile import write_tensors
 
-__all__ = ["save", "write_payloads", "incremental_parent", "writes"]
+__all__ = ["save", "incremental_parent", "writes"]
 
 DENSE_FILE = "dense.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -41,12 +42,19 @@ def optimizer_file(ctx: RankContext) -> str:
 
 
 def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incremental: bool = False,
-         keep_last: int | None = None) -> Path:
+         keep_last: int | None = None, blocking: bool = True) -> Path | SaveHandle:
     """Save every table of ``model`` (with the optimizers it owns), its dense state and ``optimizer``, atomically.
 
     Writes ``path/step-<step>/`` (one safetensors shard per table per rank, ``dense.safetensors``,
     ``optimizer.safetensors`` and ``manifest.json`` last) through a temp directory that is fsynced and renamed,
-    then points ``path/latest`` at it. A crash at any moment leaves ``latest`` at the previous complete checkpoint.
+    then points ``path/latest`` at it. A crash at any moment leaves ``latest`` at the previous complete checkpoint,
+    and the next save in ``path`` removes what the crashed one left (on the same host).
+
+    With ``blocking=False`` the save copies what it writes (a snapshot of the rows, the dense state and the
+    optimizer state at this step, in host memory) and returns a :class:`~dynemb.checkpoint.background.SaveHandle`
+    while a thread writes the files: training may go on, and the checkpoint equals a blocking save at this step.
+    The snapshot costs host memory the size of the files' tensors until they are written. Saves and loads of a
+    process run one at a time: the next one waits for a background save still running (a serving export does not).
 
     Args:
         path: the checkpoint root directory (created if needed).
@@ -65,12 +73,16 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
             tables under ``path``; falls back to a full save (with a warning) when there is none.
         keep_last: keep the ``keep_last`` most recent checkpoints (plus every checkpoint their incremental chains
             need) and delete the others; ``None`` keeps all.
+        blocking: ``False`` writes in the background (see above) and returns a handle; under torch.distributed
+            every rank gets one, and their ``wait()`` all return or all raise. A full save of a tiered table
+            cannot be made in the background (its rows may not fit in memory): ``ValueError``.
 
     Returns:
-        The new checkpoint directory.
+        The new checkpoint directory; with ``blocking=False``, a handle whose ``wait()`` returns it.
 
     Raises:
         TypeError/ValueError: a bad argument, a state that is not serializable, or an existing ``step``.
+        CheckpointError: another rank failed to write its part (every rank raises; nothing is published).
 
     Example:
         >>> import tempfile, torch, dynemb
@@ -85,7 +97,8 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
         (7, 3)
         >>> tmp.cleanup()
     """
-    _check_args(model, optimizer, step, extra, incremental, keep_last)
+    _check_args(model, optimizer, step, extra, incremental, keep_last, blocking)
+    wait_for_saves()
     root = Path(path)
     root_key = os.path.realpath(root)
     ctx = rank_context(model)
@@ -100,37 +113,59 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
         parent = incremental_parent(root, root_key, embeddings, STREAM, FORMAT, current, f"save of step {step}")
         parents = ctx.gather(parent)
         parent = parent if all(p == parents[0] for p in parents) else None  # full unless every rank can chain
-    name = checkpoint_name(step)
+    if not blocking and parent is None:
+        _refuse_tiered_in_background(embeddings, ctx)
+    name, created = checkpoint_name(step), time.time()
     with write_marks.tick(tables):
         payloads, entries = _table_payloads(embeddings, parent, index, ctx)
         if ctx.rank == 0:
             payloads[DENSE_FILE] = encode(dense_state(model), "the model's dense state")
         if optimizer is not None:
             payloads[optimizer_file(ctx)] = encode(optimizer.state_dict(), "optimizer.state_dict()")
-        with contextlib.ExitStack() as stack:
-            # Rank 0 owns the staging directory; every rank writes its files into it, rank 0 publishes it.
-            tmp = stack.enter_context(staging(root, name)) if ctx.rank == 0 else None
-            tmp = Path(ctx.gather(str(tmp) if tmp is not None else None)[0])
-            files = write_payloads(tmp, payloads, f"saved {root / name}")
-            parts = ctx.gather({"files": files, "entries": entries,
-                                "observed": {n: _observed(shard) for n, shard in every.items()}})
-            if ctx.rank == 0:
-                write_json(tmp / MANIFEST, {
-                    "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "incremental" if parent else "full",
-                    "parent": parent, "step": step, "created_unix": time.time(), "dynemb_version": __version__,
-                    "world_size": ctx.world, "partitioner": PARTITIONER,
-                    "tables": _with_observed(_merge_entries(parts), parts, every),
-                    "dense": DENSE_FILE, "optimizer": _optimizer_entry(optimizer, ctx),
-                    "files": {rel: rec for part in parts for rel, rec in part["files"].items()}, "extra": extra,
-                })
-        if ctx.rank == 0:
-            write_pointer(root, name, step=step)
-        ctx.barrier()
+        if not blocking:
+            payloads = snapshot(payloads)  # the rows of this step: training may change the tables from here on
+            entries, extra = json.loads(json.dumps(entries)), json.loads(json.dumps(extra))  # and the caller's dicts
+
+        # what training looked up so far, gathered now (a collective over the main group, and a background
+        # save must record this step's counts, not later ones)
+        observed = ctx.gather({n: _observed(shard) for n, shard in every.items()})
+
+        def manifest_of(parts: list) -> dict:
+            return {
+                "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "incremental" if parent else "full",
+                "parent": parent, "step": step, "created_unix": created, "dynemb_version": __version__,
+                "world_size": ctx.world, "partitioner": PARTITIONER,
+                "tables": _with_observed(_merge_entries(parts), [{"observed": o} for o in observed], every),
+                "dense": DENSE_FILE, "optimizer": _optimizer_entry(optimizer, ctx),
+                "files": {rel: rec for part in parts for rel, rec in part["files"].items()}, "extra": extra,
+            }
+
+        after = (lambda: _prune(root, keep_last, name)) if keep_last is not None else None
+        side = side_context(ctx) if not blocking else ctx
+        tmp = open_shared(root, name, ctx)
+
+        def write(over: RankContext) -> Path:
+            return commit(over, root, name, tmp, payloads, entries, f"saved {root / name}", manifest_of,
+                          {"step": step}, after)
+
+        if blocking:
+            write(ctx)
+        # A background save that fails leaves these marks naming a directory that never appears: the next
+        # incremental save finds no readable parent there and writes a full checkpoint.
         write_marks.record(tables, STREAM, root_key, name)
-    if keep_last is not None and ctx.rank == 0:
-        _prune(root, keep_last, name)
-    ctx.barrier()
+    if not blocking:
+        return SaveHandle(root / name, lambda: write(side))
     return root / name
+
+
+def _refuse_tiered_in_background(embeddings: dict, ctx: RankContext) -> None:
+    """A full background save of a tiered table is refused on every rank (its snapshot could exceed memory)."""
+    tiered = sorted(name for name, shard in embeddings.items() if isinstance(shard.table, TieredTable))
+    tiered = sorted({n for names in ctx.gather(tiered) for n in names})
+    if tiered:
+        raise ValueError(f"blocking=False: a full save of the tiered table(s) {tiered} cannot run in the background "
+                         "(it copies every row it writes into memory, and a tiered table's rows may not fit); "
+                         "save with blocking=True, or in the background incrementally once a full save exists")
 
 
 def _optimizer_entry(optimizer, ctx: RankContext):
@@ -201,18 +236,6 @@ def _table_payloads(shards: dict, parent: str | None, index: dict, ctx: RankCont
     return payloads, entries
 
 
-def write_payloads(directory: Path, payloads: dict, what: str) -> dict:
-    """Write ``{relative path: (tensors, metadata)}`` under ``directory``; returns the manifest's file records."""
-    total = sum(t.numel() * t.element_size() for tensors, _ in payloads.values() for t in tensors.values())
-    files = {}
-    with transfer(what, total) as progress:
-        for rel, (tensors, metadata) in payloads.items():
-            (directory / rel).parent.mkdir(parents=True, exist_ok=True)
-            record = write_tensors(directory / rel, tensors, metadata, progress)
-            files[rel] = {"sha256": record.sha256, "bytes": record.bytes}
-    return files
-
-
 def incremental_parent(root: Path, root_key: str, embeddings: dict[str, TableShard], stream: str, fmt: str,
                        current: dict, what: str) -> str | None:
     """The directory an incremental write can build on, or None (the reason logged) to write a full one.
@@ -269,7 +292,7 @@ def _prune(root: Path, keep_last: int, current: str) -> None:
             stale.unlink()
 
 
-def _check_args(model, optimizer, step, extra, incremental, keep_last) -> None:
+def _check_args(model, optimizer, step, extra, incremental, keep_last, blocking) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if optimizer is not None and not (callable(getattr(optimizer, "state_dict", None))
@@ -279,6 +302,8 @@ def _check_args(model, optimizer, step, extra, incremental, keep_last) -> None:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     if not isinstance(incremental, bool):
         raise TypeError(f"incremental must be a bool, got {incremental!r}")
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking must be a bool, got {blocking!r}")
     check_positive_int(keep_last, "keep_last", allow_none=True)
     try:
         json.dumps(extra, allow_nan=False)

@@ -21,8 +21,8 @@ from .shard_tensors import ADMISSION_COUNTS, ADMISSION_KEYS, DELETED, KEYS, ORDE
 from .errors import CheckpointError
 from .tensorfile import FileRecord, verify_file
 
-__all__ = ["CHUNK_ROWS", "ColumnStream", "StreamedShard", "tiered_columns", "tiered_delta_columns", "verify_shard",
-           "verify_sources", "stream_into", "read_chunks", "largest_chunk"]
+__all__ = ["CHUNK_ROWS", "ColumnStream", "StreamedShard", "stream_column", "tiered_columns", "tiered_delta_columns",
+           "verify_shard", "verify_sources", "stream_into", "read_chunks", "largest_chunk"]
 
 #: rows per chunk moved between a tiered table and a file (a dim-64 float32 chunk of values is 4 MiB)
 CHUNK_ROWS = 1 << 14
@@ -94,46 +94,57 @@ def _chunked(parts: list[torch.Tensor]) -> Callable[[], Iterator[torch.Tensor]]:
 
 
 def _gathered(parts: list[torch.Tensor], rows: torch.Tensor) -> Callable[[], Iterator[torch.Tensor]]:
-    """Pieces of ``cat(parts)[rows]``, gathered ``CHUNK_ROWS`` rows at a time, for ``rows`` that list fast-tier
-    positions before slow-tier ones (as ``changes_since`` does)."""
+    """Pieces of ``cat(parts)[rows]``, gathered ``CHUNK_ROWS`` rows at a time, for ``rows`` that list the first
+    part's positions before the second's (as a tiered table's ``changes_since`` does; any order with one part)."""
     from ..table.ops import gather_rows
 
-    n_fast = parts[0].shape[0]
+    starts = [0]
+    for p in parts:
+        starts.append(starts[-1] + p.shape[0])
 
     def pieces():
         for i in range(0, rows.numel(), CHUNK_ROWS):
             chunk = rows[i : i + CHUNK_ROWS]
-            fast = chunk[chunk < n_fast]
-            if fast.numel():
-                yield _noted(gather_rows(parts[0], fast.to(parts[0].device)))
-            slow = chunk[chunk >= n_fast] - n_fast
-            if slow.numel():
-                yield _noted(gather_rows(parts[1], slow.to(parts[1].device)))
+            for part, start, stop in zip(parts, starts, starts[1:]):
+                mine = chunk[(chunk >= start) & (chunk < stop)] - start
+                if mine.numel():
+                    yield _noted(gather_rows(part, mine.to(part.device)))
     return pieces
+
+
+def stream_column(parts: list[torch.Tensor], rows: torch.Tensor | None = None) -> ColumnStream:
+    """The column ``cat(parts)`` (its rows at positions ``rows`` when given) as a :class:`ColumnStream` read
+    ``CHUNK_ROWS`` rows at a time: slices of ``parts`` themselves, or, with ``rows``, chunks gathered from them.
+
+    Example:
+        >>> col = stream_column([torch.arange(6).view(3, 2)], rows=torch.tensor([2, 0]))
+        >>> col.shape, torch.cat(list(col.pieces())).tolist()
+        (torch.Size([2, 2]), [[4, 5], [0, 1]])
+    """
+    tail = tuple(parts[0].shape[1:])
+    if rows is None:
+        return ColumnStream(parts[0].dtype, (sum(p.shape[0] for p in parts),) + tail, _chunked(parts))
+    rows = rows.cpu()
+    return ColumnStream(parts[0].dtype, (rows.numel(),) + tail, _gathered(parts, rows))
 
 
 def tiered_columns(shard, *, state: bool = True) -> dict[str, ColumnStream]:
     """A tiered table's live rows as streamed columns named as in the files (``keys``, ``values``, with
     ``state`` also ``scores`` and ``slot.<name>``), in :meth:`~dynemb.table.TieredTable.export`'s row order."""
-    table = shard.table
-    cols = {}
-    for name, parts in _tier_columns(table).items():
-        if not state and name not in ("keys", "values"):
-            continue
-        stream = ColumnStream(parts[0].dtype, (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:]),
-                              _chunked(parts))
-        cols[name.replace("slot:", "slot.")] = stream.map(shard.user_keys) if name == "keys" else stream
-    return cols
+    return _streamed(shard, None, state)
 
 
 def tiered_delta_columns(shard, rows: torch.Tensor, *, state: bool = True) -> dict[str, ColumnStream]:
     """The rows at positions ``rows`` (in export order, from ``changes_since``) of every column, streamed."""
-    rows = rows.cpu()
+    return _streamed(shard, rows, state)
+
+
+def _streamed(shard, rows: torch.Tensor | None, state: bool) -> dict[str, ColumnStream]:
     cols = {}
     for name, parts in _tier_columns(shard.table).items():
         if not state and name not in ("keys", "values"):
             continue
-        stream = ColumnStream(parts[0].dtype, (rows.numel(),) + tuple(parts[0].shape[1:]), _gathered(parts, rows))
+        stream = stream_column(parts, rows)
         cols[name.replace("slot:", "slot.")] = stream.map(shard.user_keys) if name == "keys" else stream
     return cols
 

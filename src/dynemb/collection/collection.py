@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 from types import MappingProxyType
-from typing import Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from .sharded import ShardedExecutor
 
 __all__ = ["EmbeddingCollection"]
 
-PlanSpec = Union[str, Mapping[str, Union[str, tuple, Sharding]]]
+PlanSpec = Union[str, Mapping[str, Union[str, tuple, dict, Sharding]], Any]
 _TABLES = "tables."  # state_dict keys: tables.<table name>.<column>
 
 
@@ -42,7 +42,8 @@ class EmbeddingCollection(nn.Module):
         plan: ``None`` keeps every table whole on this process. Otherwise the tables are sharded over
             ``process_group``: ``"auto"`` (dynamic tables row-wise, small static tables replicated, large ones
             whole on one rank), or ``{table: "row" | "data" | "column" | ("table", rank) | ("table_row", ranks) |
-            Sharding}`` with the rest automatic (or a planned one: :func:`dynemb.distributed.plan_tables`).
+            Sharding | a Sharding's to_dict}`` with the rest automatic, or a planned one
+            (:func:`dynemb.distributed.plan_tables`' result, or ``json.load`` of ``dynemb plan --json``).
             Every rank must then call ``forward`` and ``backward`` each step (batches may differ).
         process_group: the group to shard over (default: the world); only with ``plan``.
         timeout: seconds before a collective gives up with :class:`~dynemb.distributed.DistributedError`.
@@ -96,6 +97,8 @@ class EmbeddingCollection(nn.Module):
             self.plan = ExecutionPlan(tables, seeds, shardings=shardings, rank=rank, world=world, device=device)
             self.executor = ShardedExecutor(self.plan, self.group)
         self.optimizer = CombinedOptimizer(self.plan.optimizers())
+        self._staged: dict = {}  # batches whose stateless stages run ahead (expect)
+        self.staged_hits = 0  # forwards that took staged stages (a pipeline's check)
 
     # ------------------------------------------------------------------ what the user configured
     @property
@@ -144,18 +147,47 @@ class EmbeddingCollection(nn.Module):
         on; under ``eval()`` or ``torch.no_grad()`` they are read-only. Sharded: a collective call that every
         rank makes."""
         features = as_feature_dict(features)
-        device = self._device
-        check = self.validate if self.validate is not None else device.type == "cpu"
-        prepared = prepare_features(features, weights or {}, self.feature_configs, self.table_configs, device,
-                                    check_ranges=check)
+        staged = self._staged.pop(_identity(features), None) if weights is None and self._staged else None
+        exchange = None
+        if staged is not None:  # its stateless stages ran ahead (dynemb.train.Pipeline)
+            prepared, exchange = staged.result()
+            self.staged_hits += 1
+        else:
+            prepared = self._prepare(features, weights)
         if self.training and torch.is_grad_enabled():  # what training looks up, for the planner (no device sync)
             for name, parts in prepared.items():
                 seen = self.plan[name].observed
                 seen["accesses"] += sum(p.ids.numel() for p in parts)
             for shard in self.plan:
                 shard.observed["steps"] += 1
-        out = self.executor.forward(prepared, self.training)
+        out = self.executor.forward(prepared, self.training, exchange) if exchange is not None else \
+            self.executor.forward(prepared, self.training)
         return {name: out[name] for name in features}
+
+    def _prepare(self, features: dict, weights: Optional[dict]) -> dict:
+        check = self.validate if self.validate is not None else self._device.type == "cpu"
+        return prepare_features(features, weights or {}, self.feature_configs, self.table_configs, self._device,
+                                check_ranges=check)
+
+    def stage(self, features, group=None):
+        """The stages of :meth:`forward` that change no state, for a batch that a later forward will look up:
+        validation, the copy to the device, and (sharded) deduplication and the key all-to-all over ``group`` (a
+        process group of the caller's, so that it can run on another thread while the current batch computes).
+        Returns ``(prepared, key exchange)``; :meth:`expect` hands it to the forward of the same ``features``.
+        Sharded: a collective on ``group``, in the same batch order on every rank."""
+        features = as_feature_dict(features)
+        prepared = self._prepare(features, None)
+        return prepared, (self.executor.input_dist(prepared, group) if self.sharded else None)
+
+    def expect(self, features, staged) -> None:
+        """The forward of ``features`` (the same tensors) takes ``staged`` (a future of :meth:`stage`'s result)
+        instead of running those stages itself."""
+        features = as_feature_dict(features)
+        self._staged[_identity(features)] = _Staged(features, staged)
+
+    def forget(self, features) -> None:
+        """Drop what :meth:`expect` registered for ``features`` (a batch that was never looked up)."""
+        self._staged.pop(_identity(as_feature_dict(features)), None)
 
     def prefetch(self, features) -> None:
         """Bring the rows that ``features`` (the next batch, in any form :meth:`forward` takes) will read into the
@@ -275,6 +307,27 @@ def _state_names(shard: TableShard) -> list[str]:
     return names
 
 
+class _Staged:
+    """A batch's staged stages: holds its features (so that their tensors' ids stay theirs) and the future."""
+
+    def __init__(self, features: dict, future) -> None:
+        self.features, self.future = features, future
+
+    def result(self):
+        return self.future.result()
+
+
+def _identity(features: dict) -> tuple:
+    """A batch's identity: its features' names and where their tensors lie (kept alive by :class:`_Staged`)."""
+    def ids(value):
+        if isinstance(value, torch.Tensor):  # (a view made again of the same memory is the same input)
+            return value.data_ptr(), tuple(value.shape), value.stride(), value.dtype, value.device
+        if isinstance(value, (tuple, list)):
+            return tuple(ids(v) for v in value)
+        return id(value)
+    return tuple((name, ids(value)) for name, value in features.items())
+
+
 def _index_configs(tables: list[TableConfig], features: list[FeatureConfig]):
     if not isinstance(tables, (list, tuple)) or not all(isinstance(t, TableConfig) for t in tables):
         raise TypeError(f"tables must be a list of TableConfig, got {tables!r}")
@@ -297,8 +350,11 @@ def _index_configs(tables: list[TableConfig], features: list[FeatureConfig]):
 
 
 def _check_plan_spec(plan) -> dict:
+    if isinstance(getattr(plan, "shardings", None), Mapping):  # a TablePlan (plan_tables): its shardings
+        return dict(plan.shardings)
     if not isinstance(plan, Mapping):
-        raise TypeError(f"plan must be None, 'auto' or a dict {{table: sharding}}, got {plan!r}")
+        raise TypeError(f"plan must be None, 'auto', a dict {{table: sharding}} or a plan_tables() plan, got "
+                        f"{plan!r}")
     return dict(plan)
 
 

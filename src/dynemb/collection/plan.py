@@ -174,7 +174,8 @@ class ExecutionPlan:
                 for names in group_tables(tables)]
 
     def describe_groups(self) -> list[list[str]]:
-        """The execution groups by table name (see :meth:`_groups`)."""
+        """The execution groups by table name (see :meth:`_groups`). On a backend without group kernels (torch) a
+        group's tables each run their own lookup, the reference the group kernels are held to."""
         return [list(g.names) for g in self.groups]
 
     def __getitem__(self, name: str) -> TableShard:

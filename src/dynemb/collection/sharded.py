@@ -27,6 +27,7 @@ training. The exchange records kept between forward and backward are typed
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -53,13 +54,11 @@ class ShardedExecutor:
         self.inserting: dict[str, bool] = {}
         self._width_cache: dict = {}
 
-    def forward(self, prepared: dict[str, list[PreparedFeature]], training: bool) -> dict:
-        # Tables insert, evict and count only when training with grad mode on; otherwise they are read-only.
-        # (Every rank must be in the same mode: the exchange below depends on it.)
-        training = self.training = training and torch.is_grad_enabled()
-        # which tables insert and train (the rule of functional.lookup.trains), decided here: the owner side runs
-        # inside an autograd node's forward, where grad mode is off
-        self.inserting = {s.name: s.table is not None and trains(s.table, training) for s in self.plan}
+    def input_dist(self, prepared: dict[str, list[PreparedFeature]], group=None) -> "KeyDist":
+        """The stages of a step that change no state: each table's ids deduplicated, routed, and the keys (with
+        their counts) exchanged with their owners, over ``group`` (default: the collection's). A collective on
+        ``group``; :class:`~dynemb.train.Pipeline` runs it for the next batch, over a group of its own, while this
+        batch computes, and hands the result to :meth:`forward`."""
         names = list(self.plan.shards)
         device = next((p.ids.device for parts in prepared.values() for p in parts), None)
         keys, inverses, counts = [], [], []
@@ -68,15 +67,35 @@ class ShardedExecutor:
             parts = prepared.get(name, [])
             flat = torch.cat([p.ids for p in parts]) if parts else torch.empty(0, dtype=cfg.key_dtype, device=device)
             unique, inverse, count = torch.unique(flat.to(torch.int64), return_inverse=True, return_counts=True)
-            if training:
-                self.plan[name].observed["unique_accesses"] += unique.numel()
             keys.append(unique)
             inverses.append(inverse)
             counts.append(count)
+        shards = list(self.plan)
+        keyed = [i for i, s in enumerate(shards) if not s.strategy.replicated]
+        sent = self._keyed_input([shards[i] for i in keyed], [keys[i] for i in keyed], [counts[i] for i in keyed],
+                                 self.group if group is None else group)
+        return KeyDist(keys, inverses, counts, sent)
+
+    def forward(self, prepared: dict[str, list[PreparedFeature]], training: bool,
+                dist: Optional["KeyDist"] = None) -> dict:
+        """Rows of ``prepared``'s features; ``dist``: their :meth:`input_dist`, done already (else done here)."""
+        # Tables insert, evict and count only when training with grad mode on; otherwise they are read-only.
+        # (Every rank must be in the same mode: the exchange below depends on it.)
+        training = self.training = training and torch.is_grad_enabled()
+        # which tables insert and train (the rule of functional.lookup.trains), decided here: the owner side runs
+        # inside an autograd node's forward, where grad mode is off
+        self.inserting = {s.name: s.table is not None and trains(s.table, training) for s in self.plan}
+        names = list(self.plan.shards)
+        if dist is None:
+            dist = self.input_dist(prepared)
+        keys, inverses, counts = dist.keys, dist.inverses, dist.counts
         if training:
-            values = _ShardedLookup.apply(torch.empty(0, requires_grad=True), self, keys, counts)
+            for name, unique in zip(names, keys):
+                self.plan[name].observed["unique_accesses"] += unique.numel()
+        if training:
+            values = _ShardedLookup.apply(torch.empty(0, requires_grad=True), self, keys, counts, dist.sent)
         else:
-            values, _ = self._exchange(keys, counts)
+            values, _ = self._exchange(keys, counts, dist.sent)
         out = {}
         for name, vals, inverse in zip(names, values, inverses):
             start = 0
@@ -87,11 +106,12 @@ class ShardedExecutor:
         return out
 
     # ------------------------------------------------------------------ exchange
-    def _a2a(self, send: torch.Tensor, send_counts: list, recv_counts: list, what: str) -> torch.Tensor:
-        """all-to-all with accounting: bytes this rank hands to the collective (``bytes_remote``: those for other
-        ranks, what crosses the wire), and seconds spent in it."""
+    def _a2a(self, send: torch.Tensor, send_counts: list, recv_counts: list, what: str, group=None) -> torch.Tensor:
+        """all-to-all (over ``group``, default the collection's) with accounting: bytes this rank hands to the
+        collective (``bytes_remote``: those for other ranks, what crosses the wire), and seconds spent in it."""
         start = time.perf_counter()
-        out = send if self.world == 1 else all_to_all_known(send, send_counts, recv_counts, self.group, what)
+        group = self.group if group is None else group
+        out = send if self.world == 1 else all_to_all_known(send, send_counts, recv_counts, group, what)
         stats = self.comm_stats
         total = send.numel() * send.element_size()
         stats["bytes_sent"] += total
@@ -101,14 +121,14 @@ class ShardedExecutor:
         stats["calls"] += 1
         return out
 
-    def _exchange(self, keys: list[torch.Tensor], counts: list[torch.Tensor]):
+    def _exchange(self, keys: list[torch.Tensor], counts: list[torch.Tensor], sent: Optional["KeysSent"]):
         """Rows for each table's unique keys (``counts``: their occurrences); returns ``(values per table, saved
         records for backward)``."""
         shards = list(self.plan)
         keyed = [i for i, s in enumerate(shards) if not s.strategy.replicated]
         replicated = [i for i, s in enumerate(shards) if s.strategy.replicated]
         values: list = [None] * len(shards)
-        record = self._keyed_forward([shards[i] for i in keyed], [keys[i] for i in keyed], [counts[i] for i in keyed])
+        record = self._keyed_forward([shards[i] for i in keyed], [keys[i] for i in keyed], sent)
         for i, v in zip(keyed, record.values if record is not None else []):
             values[i] = v
         saved = {"keyed": record, "keyed_index": keyed, "replicated": [], "replicated_index": replicated}
@@ -137,31 +157,44 @@ class ShardedExecutor:
                 dtype=torch.int64).reshape(self.world, len(strategies))}
         return self._width_cache["widths"]
 
-    def _keyed_forward(self, shards: list[TableShard], keys: list[torch.Tensor],
-                       counts: list[torch.Tensor]) -> Optional[KeyedRecord]:
+    def _keyed_input(self, shards: list[TableShard], keys: list[torch.Tensor], counts: list[torch.Tensor],
+                     group) -> Optional["KeysSent"]:
+        """input_dist of the keyed tables: route each unique key, then the all-to-alls of the counts, the keys and
+        (for tables that count occurrences) the per-key counts, over ``group``. Changes no state."""
         world, tables = self.world, len(shards)
         if tables == 0:
             return None
         device = keys[0].device
         strategies = [s.strategy for s in shards]
-        widths = self._widths(strategies).to(device)
         routes = [st.route(k) for st, k in zip(strategies, keys)]
         sizes = [r.dest.numel() for r in routes]
         table_id = torch.repeat_interleave(torch.arange(tables, device=device), torch.tensor(sizes, device=device))
         sort_key = torch.cat([r.dest for r in routes]) * tables + table_id
         perm = torch.sort(sort_key, stable=True).indices
         sent = torch.bincount(sort_key, minlength=world * tables).view(world, tables)
-        recv = self._a2a(sent, [1] * world, [1] * world, "all-to-all of key counts")
+        recv = self._a2a(sent, [1] * world, [1] * world, "all-to-all of key counts", group)
         copies_all = torch.cat([k.index_select(0, r.index) for k, r in zip(keys, routes)])
         recv_keys = self._a2a(copies_all.index_select(0, perm), sent.sum(1).tolist(), recv.sum(1).tolist(),
-                              "all-to-all of keys")
-        self.comm_stats["keys_received"] += recv_keys.numel()
+                              "all-to-all of keys", group)
         recv_counts = None
         if any(s.config.counts_occurrences for s in shards):  # from configs: every rank agrees
             # lfu/admission tables count occurrences: the counts travel with the keys (8 more bytes per key)
             all_counts = torch.cat([c.index_select(0, r.index) for c, r in zip(counts, routes)])
             recv_counts = self._a2a(all_counts.index_select(0, perm), sent.sum(1).tolist(), recv.sum(1).tolist(),
-                                    "all-to-all of key counts per key")
+                                    "all-to-all of key counts per key", group)
+        return KeysSent(routes, sizes, table_id, perm, sent, recv, recv_keys, recv_counts)
+
+    def _keyed_forward(self, shards: list[TableShard], keys: list[torch.Tensor],
+                       kin: Optional["KeysSent"]) -> Optional[KeyedRecord]:
+        world, tables = self.world, len(shards)
+        if tables == 0:
+            return None
+        device = keys[0].device
+        strategies = [s.strategy for s in shards]
+        widths = self._widths(strategies).to(device)
+        routes, sizes, table_id, perm = kin.routes, kin.sizes, kin.table_id, kin.perm
+        sent, recv, recv_keys, recv_counts = kin.sent, kin.recv, kin.recv_keys, kin.recv_counts
+        self.comm_stats["keys_received"] += recv_keys.numel()
         recv_table = torch.repeat_interleave(torch.arange(tables, device=device).repeat(world), recv.reshape(-1))
         mine = [recv_keys[recv_table == t] for t in range(tables)]
         mine_counts = [recv_counts[recv_table == t] if recv_counts is not None and s.config.counts_occurrences
@@ -245,12 +278,38 @@ class ShardedExecutor:
         return whole["keys"].to(keys.dtype), whole["values"].to(values.dtype)
 
 
+@dataclass
+class KeysSent:
+    """The keyed tables' input_dist of one batch: each unique key's route, the per-(rank, table) counts sent and
+    received (``[W, T]``), and the keys (and per-key counts) this rank received as an owner."""
+
+    routes: list
+    sizes: list
+    table_id: torch.Tensor
+    perm: torch.Tensor
+    sent: torch.Tensor
+    recv: torch.Tensor
+    recv_keys: torch.Tensor
+    recv_counts: Optional[torch.Tensor]
+
+
+@dataclass
+class KeyDist:
+    """One batch's :meth:`ShardedExecutor.input_dist`: per table (plan order) its unique keys, each id's position
+    among them, their occurrences, and the keyed tables' exchange (None without keyed tables)."""
+
+    keys: list
+    inverses: list
+    counts: list
+    sent: Optional[KeysSent]
+
+
 class _ShardedLookup(torch.autograd.Function):
     """All tables' exchanges as one autograd node, so backward runs its collectives in one fixed order."""
 
     @staticmethod
-    def forward(ctx, anchor, executor, keys, counts):
-        values, saved = executor._exchange(keys, counts)
+    def forward(ctx, anchor, executor, keys, counts, sent):
+        values, saved = executor._exchange(keys, counts, sent)
         ctx.executor, ctx.saved = executor, saved
         ctx.shapes = [(v.shape, v.dtype, v.device) for v in values]
         return tuple(values)
@@ -263,7 +322,7 @@ class _ShardedLookup(torch.autograd.Function):
         executor._keyed_backward(saved["keyed"], [grads[i] for i in saved["keyed_index"]])
         for i, record in zip(saved["replicated_index"], saved["replicated"]):
             record.shard.strategy.backward(record, grads[i], executor.group)
-        return None, None, None, None
+        return None, None, None, None, None
 
 
 def _interleave(pieces: list) -> torch.Tensor:

@@ -11,7 +11,10 @@ lookups and bytes on the wire it has each step, through each kind's own estimate
 2. the rest, largest first: a table of at most ``small_fraction`` of a rank's mean share goes whole (``table``)
    to the least loaded rank; a larger one is row-sharded over the smallest group of ranks (a node of
    ``ranks_per_node`` ranks, or the world) that brings its share under that bound, on the least loaded such
-   group (``table_row``, or ``row`` over the world); tables under ``replicate_bytes`` are replicated (``data``).
+   group (``table_row``, or ``row`` over the world); tables under ``replicate_bytes`` are replicated (``data``);
+3. a kind that would overflow a rank's ``memory_per_rank`` gives way to the next one that spreads the table wider
+   and fits: a replica to one rank, one rank to a node's ranks, a node's to every rank (``row``); when the tables
+   still do not fit, the plan is made again without replicas, then with every table spread over its widest group.
 
 Placing items no bigger than ``small_fraction`` of the mean onto the least loaded rank keeps the largest rank
 within ``1 + small_fraction`` of the mean. A plan that does not fit ``memory_per_rank`` raises
@@ -143,7 +146,7 @@ def plan_tables(tables, world_size: int, *, memory_per_rank: Optional[int] = Non
         memory_per_rank: bytes each rank may hold; ``None``: unbounded.
         ranks_per_node: ranks of one node: row-sharded tables stay within a node where their share allows.
         pins: ``{table: kind}`` as a collection's ``plan`` takes it (``"column"``, ``("table", 3)``, a
-            Sharding): these tables take that kind.
+            Sharding): these tables take that kind (``"table"`` alone: whole on the least loaded rank).
         observed: ``{table: {"rows": int, "accesses": float}}``: what training saw (unique ids a step).
         accesses: ``{table: float}``: unique ids a step, overriding ``observed``.
         small_fraction: tables up to this fraction of the mean rank's bytes go whole to one rank.
@@ -177,45 +180,85 @@ def plan_tables(tables, world_size: int, *, memory_per_rank: Optional[int] = Non
                 raise ValueError(f"pins name table {name!r}, which is not in tables {sorted(known)}")
         # resolve_plan checks the entries as a collection's plan does
         pinned = {n: s for n, s in resolve_plan(configs or [_Named(n) for n in known], world_size,
-                                                dict(pins)).items() if n in pins}
+                                                dict(pins), what="pins").items() if n in pins}
     loads: list[dict] = [{} for _ in range(world_size)]
     totals = [0.0] * world_size
     shardings: dict = {}
+
+    def fits(name: str, sharding: Sharding) -> bool:
+        per_rank = KINDS[sharding.kind].estimate(sharding, stats[name], world_size)
+        return memory_per_rank is None or all(totals[r] + load.bytes <= memory_per_rank for r, load in per_rank.items())
+
+    def least_loaded_group(g: int) -> Sharding:
+        if g == world_size:
+            return Sharding("row")
+        start = min(range(0, world_size, g), key=lambda s: (max(totals[s: s + g]), s))
+        return Sharding("table_row", ranks=tuple(range(start, start + g)))
+
+    def place_widening(name: str, preferred: Sharding) -> None:
+        """``preferred``, or when it overflows a rank the next kind that spreads the table wider and fits (a
+        replica, then one rank, then a node's ranks, then every rank); the widest one's error when none fits."""
+        size = stats[name].rows * stats[name].row_bytes
+        wider = [Sharding("table", owner=min(range(world_size), key=lambda r: (totals[r], r)))] if world_size > 1 \
+            else []
+        wider += [least_loaded_group(g) for g in groups if g > 1 and (preferred.kind != "table_row"
+                                                                       or g > len(preferred.ranks))]
+        if preferred.kind == "row":
+            wider = []
+        elif preferred.kind in ("table", "table_row"):
+            wider = [w for w in wider if w.kind != "table"]
+        for sharding in [preferred, *wider]:
+            if fits(name, sharding) or size == 0:
+                return place(name, sharding)
+        place(name, wider[-1] if wider else preferred)  # raises, naming the widest kind tried
 
     def place(name: str, sharding: Sharding) -> None:
         per_rank = KINDS[sharding.kind].estimate(sharding, stats[name], world_size)
         for rank, load in per_rank.items():
             if memory_per_rank is not None and totals[rank] + load.bytes > memory_per_rank:
                 over = totals[rank] + load.bytes - memory_per_rank
+                if name in pinned:
+                    hint = (f"it is pinned to {sharding!r}: pin a kind that spreads it wider, or give more ranks "
+                            "or memory")
+                elif len(per_rank) == world_size and sharding.kind != "data":
+                    need = sum(st.rows * st.row_bytes for st in stats.values()) / world_size
+                    hint = (f"it is already spread over all {world_size} ranks: give more ranks or memory (the "
+                            f"tables need at least {_size(need)} a rank)")
+                else:
+                    hint = "give more ranks or memory, or pin it to a kind that spreads it wider"
                 raise PlanError(f"table {name!r} ({sharding.kind.value}) does not fit: rank {rank} would hold "
                                 f"{_size(totals[rank] + load.bytes)}, {_size(over)} ({int(over):,} bytes) over "
-                                f"memory_per_rank={_size(memory_per_rank)}; give more ranks or memory, or pin it "
-                                "to a kind that spreads it wider")
+                                f"memory_per_rank={_size(memory_per_rank)}; {hint}")
         for rank, load in per_rank.items():
             loads[rank][name] = load
             totals[rank] += load.bytes
         shardings[name] = sharding
 
     for name, sharding in pinned.items():
+        if pins[name] == "table":  # the kind alone: the planner picks the owner, as for the tables it places
+            sharding = Sharding("table", owner=min(range(world_size), key=lambda r: (totals[r], r)))
         place(name, sharding)
     rest = sorted((n for n in stats if n not in pinned), key=lambda n: -stats[n].rows * stats[n].row_bytes)
     total = sum(s.rows * s.row_bytes for s in stats.values())
     bound = small_fraction * total / world_size
     groups = sorted({g for g in (ranks_per_node, world_size) if g} | {world_size})
-    for name in rest:
-        size = stats[name].rows * stats[name].row_bytes
-        if size <= replicate_bytes and world_size > 1:
-            place(name, Sharding("data"))
-        elif size <= bound or world_size == 1:
-            place(name, Sharding("table", owner=min(range(world_size), key=lambda r: (totals[r], r))))
-        else:
-            g = next((g for g in groups if size / g <= bound), world_size)
-            if g == world_size:
-                place(name, Sharding("row"))
+    try:
+        for name in rest:
+            size = stats[name].rows * stats[name].row_bytes
+            if size <= replicate_bytes and world_size > 1:
+                place_widening(name, Sharding("data"))
+            elif size <= bound or world_size == 1:
+                place_widening(name, Sharding("table", owner=min(range(world_size), key=lambda r: (totals[r], r))))
             else:
-                starts = range(0, world_size, g)
-                start = min(starts, key=lambda s: (max(totals[s: s + g]), s))
-                place(name, Sharding("table_row", ranks=tuple(range(start, start + g))))
+                place_widening(name, least_loaded_group(next((g for g in groups if size / g <= bound), world_size)))
+    except PlanError:
+        # the larger tables, placed first, took memory the kinds that spread them less need: plan again with
+        # no replicas, then with every table spread as wide as its group allows, before giving up
+        if replicate_bytes <= 0 and small_fraction <= 0:
+            raise
+        return plan_tables(tables, world_size, memory_per_rank=memory_per_rank, ranks_per_node=ranks_per_node,
+                           pins=pins, observed=observed, accesses=accesses,
+                           small_fraction=small_fraction if replicate_bytes > 0 else 0.0, replicate_bytes=0)
     order = [t.name for t in tables]
     return TablePlan({n: shardings[n] for n in order}, {n: stats[n] for n in order}, loads, memory_per_rank)
 

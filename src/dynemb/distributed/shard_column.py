@@ -32,7 +32,7 @@ class ColumnWise(ShardingStrategy):
     def __init__(self, sharding: Sharding, config, rank, world: int) -> None:
         super().__init__(sharding, config, rank, world)
         widths = list(sharding.columns) if sharding.columns is not None else even_widths(config.dim, len(self.group))
-        if sum(widths) != config.dim or min(widths) < 1:
+        if len(widths) != len(self.group) or sum(widths) != config.dim or min(widths) < 1:
             raise ValueError(f"table {config.name!r}: column sharding widths {widths} over ranks {self.group} must "
                              f"be >= 1 and add up to its dim {config.dim}")
         starts = [0]

@@ -60,7 +60,8 @@ class ShardingKind(str, enum.Enum):
 class Sharding(Serializable):
     """How one table is sharded. ``partitioner`` applies to ``row`` and ``table_row``; ``owner`` to ``table``;
     ``ranks`` to ``column`` and ``table_row`` (the ranks holding the table; ``None``: every rank); ``columns`` to
-    ``column`` (each shard's width, in ``ranks`` order; ``None``: as even as the dim allows).
+    ``column`` (each shard's width, in ``ranks`` order, one per rank of the world when ``ranks`` is ``None``;
+    ``None``: as even as the dim allows).
 
     ``to_dict`` leaves out the default partitioner and refuses any other (a callable), naming the field.
 
@@ -103,7 +104,8 @@ class Sharding(Serializable):
         if self.columns is not None:
             if self.kind != ShardingKind.COLUMN:
                 raise ValueError(f"Sharding.columns applies to 'column', not {self.kind.value!r}")
-            if self.ranks is None or len(self.ranks) != len(self.columns):
+            # without ranks, one width per rank of the world: checked where the world is known (resolve_plan)
+            if self.ranks is not None and len(self.ranks) != len(self.columns):
                 raise ValueError(f"Sharding.columns {self.columns!r} needs ranks of the same length, got "
                                  f"ranks={self.ranks!r}")
 
@@ -175,26 +177,36 @@ def auto_plan(tables, world_size: int, data_max_bytes: int = 16 << 20) -> dict[s
     return plan
 
 
-def resolve_plan(tables, world_size: int, plan: Optional[dict] = None) -> dict[str, Sharding]:
-    """The automatic plan with the explicit entries of ``plan`` (a str kind, ``("table", rank)`` or Sharding)."""
+def resolve_plan(tables, world_size: int, plan: Optional[dict] = None, *, what: str = "plan") -> dict[str, Sharding]:
+    """The automatic plan with the explicit entries of ``plan`` (a str kind, ``("table", rank)``, a Sharding or
+    its ``to_dict``);
+    errors name an entry as ``what[table]``."""
     result = auto_plan(tables, world_size)
     names = {t.name for t in tables}
     for name, entry in (plan or {}).items():
         if name not in names:
-            raise ValueError(f"plan names table {name!r}, which is not in tables {sorted(names)}")
-        if isinstance(entry, str):
-            entry = Sharding(entry, owner=0 if entry == "table" else None)
-        elif isinstance(entry, tuple) and len(entry) == 2 and entry[0] in ("column", "table_row"):
-            entry = Sharding(entry[0], ranks=entry[1])  # ("table_row", (0, 1, 2, 3))
-        elif isinstance(entry, tuple):
-            entry = Sharding(*entry)
+            raise ValueError(f"{what} names table {name!r}, which is not in tables {sorted(names)}")
+        try:
+            if isinstance(entry, str):
+                entry = Sharding(entry, owner=0 if entry == "table" else None)
+            elif isinstance(entry, tuple) and len(entry) == 2 and entry[0] in ("column", "table_row"):
+                entry = Sharding(entry[0], ranks=entry[1])  # ("table_row", (0, 1, 2, 3))
+            elif isinstance(entry, tuple):
+                entry = Sharding(*entry)
+            elif isinstance(entry, dict):  # a Sharding's to_dict, as `dynemb plan --json` prints it
+                entry = Sharding.from_dict(entry)
+        except ValueError as e:
+            raise ValueError(f"{what}[{name!r}]: {e}") from None
         if not isinstance(entry, Sharding):
-            raise TypeError(f"plan[{name!r}] must be 'row', 'data', 'column', 'table_row', ('table', rank) or a "
-                            f"Sharding, got {entry!r}")
+            raise TypeError(f"{what}[{name!r}] must be 'row', 'data', 'column', 'table_row', ('table', rank), a "
+                            f"Sharding or its to_dict, got {entry!r}")
         if entry.kind == "table" and entry.owner >= world_size:
-            raise ValueError(f"plan[{name!r}] owner {entry.owner} is not a rank of a world of size {world_size}")
+            raise ValueError(f"{what}[{name!r}] owner {entry.owner} is not a rank of a world of size {world_size}")
         outside = [r for r in entry.ranks or () if r >= world_size]
         if outside:
-            raise ValueError(f"plan[{name!r}] ranks {outside} are not ranks of a world of size {world_size}")
+            raise ValueError(f"{what}[{name!r}] ranks {outside} are not ranks of a world of size {world_size}")
+        if entry.columns is not None and len(entry.group(world_size)) != len(entry.columns):
+            raise ValueError(f"{what}[{name!r}] columns {entry.columns!r} need one width per rank: give ranks= of "
+                             f"the same length, or {world_size} widths (one per rank of the world)")
         result[name] = entry
     return result

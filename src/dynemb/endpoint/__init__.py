@@ -1,4 +1,4 @@
-"""``dynemb serve``: a trained run as an Open Inference Protocol (KServe v2) HTTP endpoint.
+"""``dynemb serve``: a trained run as an Open Inference Protocol (KServe v2) endpoint, HTTP and gRPC.
 
 It serves what :mod:`dynemb.job` trained, with the run's tables in a :mod:`dynemb.serving` parameter server, so it
 sits above both; ``serving`` keeps what needs no run directory (the parameter server, its stores, lookup layers).
@@ -10,13 +10,16 @@ module                  job
 ``wire``                an infer body as Python objects: JSON (simdjson) or binary tensors, numeric data
                         as numpy arrays
 ``inference_protocol``  the v2 tensors: metadata, request decoding and checks, responses
-``app``                 the Starlette app: routes, bearer token, body limit, batching of requests
-``http_server``         uvicorn, in the foreground or on a background thread
+``service``             the protocol's operations, once for both transports; batching of requests
+``app``                 the HTTP transport (an ASGI app): routes, bearer token, body limit, compression
+``grpc_server``         the gRPC transport, with tritonclient's generated message and service classes
+``prometheus_metrics``  ``GET /metrics``: Prometheus text
+``http_server``         uvicorn (and the gRPC server on its event loop), in the foreground or on a thread
 ``watch``               ``--watch``: new export versions applied in order while serving
 ``command``             the ``dynemb serve`` options
 ======================  ============================================================================
 
-Starlette and uvicorn are imported on first use, so ``dynemb --help`` works without them.
+uvicorn, grpcio and prometheus_client are imported on first use, so ``dynemb --help`` works without them.
 """
 
 import importlib

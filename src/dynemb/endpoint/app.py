@@ -1,142 +1,56 @@
-"""The HTTP/REST endpoint (Open Inference Protocol, KServe v2) of a :class:`ServedModel`, on Starlette.
+"""The HTTP/REST transport of the Open Inference Protocol (KServe v2, with Triton's extensions) as an ASGI app.
 
-Routes: ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2/models/{name}`` (metadata), ``POST
-/v2/models/{name}/infer`` and ``GET /v2/models[/{name}[/versions/{version}]]/stats`` (Triton's statistics extension:
-requests, rows scored, forward passes, their time). A request the model cannot score (bad JSON, a missing, unknown or
-mistyped input, sizes that disagree, a body over ``max_body_bytes``, more than ``max_batch_size`` rows) is answered 400
-with ``{"error": "..."}`` naming the input; an unknown model is 404; with a token, a request without ``Authorization:
-Bearer <token>`` is 401, on every route. Concurrent requests are scored together: a single worker runs one forward pass
-over all the requests waiting (up to ``max_batch_size`` rows), then splits the output.
+=====================================================================  ============================================
+route (``[/versions/{v}]``: the same with a version, which must be      answer
+the one served)
+=====================================================================  ============================================
+``GET /v2``                                                            server metadata (name, version, extensions)
+``GET /v2/health/live``, ``/v2/health/ready``                          200 ``{"live": true}``; ``{"ready": true}``,
+                                                                       503 while the first version is awaited
+``GET /v2/models/{m}[/versions/{v}]``                                  model metadata
+``GET /v2/models/{m}[/versions/{v}]/ready``                            200 when served, else 503 (loading) or 404
+``GET /v2/models/{m}[/versions/{v}]/config``                           Triton's model configuration
+``POST /v2/models/{m}[/versions/{v}]/infer``                           inference: JSON or binary tensors in and out
+``GET /v2/models[/{m}[/versions/{v}]]/stats``                          Triton's statistics extension
+``GET /metrics``                                                       Prometheus text (:mod:`.prometheus_metrics`)
+shared memory, repository, trace and logging routes                    501: not supported
+=====================================================================  ============================================
+
+Every answer but ``/metrics`` is JSON; an error is ``{"error": "..."}``, 404s and 405s included. A request body
+may be compressed (``Content-Encoding: gzip`` or ``deflate``; the limit applies to the body as sent and as
+inflated); an answer is compressed when ``Accept-Encoding`` asks for gzip or deflate. Outputs come back as binary
+tensors (``Inference-Header-Content-Length``) when the request asks (``outputs[].parameters.binary_data``, or
+``parameters.binary_data_output``). With a token, every route wants ``Authorization: Bearer <token>`` (the
+scheme in any case, as RFC 7235 has it), else 401. Concurrent requests are scored together (:class:`.service.Batcher`).
+The router is a few comparisons of path parts: every route answers without a framework's request objects, which
+cost a measurable share of a 2 ms request.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import time
-from concurrent.futures import ThreadPoolExecutor
+import zlib
 from typing import Optional
 
-import torch
+import numpy as np
 
-try:
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
-    from starlette.routing import Route
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(f"dynemb serve needs starlette and uvicorn: pip install 'dynemb[serving]' ({exc})") from exc
-
-from ..data.batch import Batch, concat_batches
-from .model import ServedModel
-from .inference_protocol import decode_request, encode_response, model_metadata
+from .service import NOT_SUPPORTED, InferenceService, ProtocolError, numpy_datatype, requested_outputs
 from .wire import RequestError, dumps_json, parse_body
 
-__all__ = ["build_app", "MAX_BODY_BYTES", "MAX_BATCH_SIZE"]
+__all__ = ["build_app", "HttpApp", "MAX_BODY_BYTES", "MAX_BATCH_SIZE"]
 
 MAX_BODY_BYTES = 8 << 20
 MAX_BATCH_SIZE = 4096
-BINARY_HEADER = "inference-header-content-length"
+BINARY_HEADER = b"inference-header-content-length"
 DRAIN_FACTOR = 4
-NOT_POST = ["GET", "HEAD", "PUT", "PATCH", "DELETE", "OPTIONS"]  # on the infer path: a JSON 405
+_JSON_TYPE = (b"content-type", b"application/json")
+_BINARY_TYPE = (b"content-type", b"application/octet-stream")
+_ROUTE_METHOD = {"infer": "POST"}  # every other route is a GET (HEAD too)
 
 
-class _JSON(JSONResponse):
-    def render(self, content) -> bytes:
-        return dumps_json(content)
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return _JSON({"error": message}, status_code=status)
-
-
-class _Batcher:
-    """Scores the batches of concurrent requests together, one forward pass at a time, on one worker thread.
-
-    A request alone (after one turn of the event loop, no other request has come to be scored, no forward pass
-    runs or waits, no update is being swapped in) is scored on the event loop's thread instead: two thread
-    hand-offs less. Requests that arrive meanwhile wait in their sockets and are batched next.
-    """
-
-    def __init__(self, model: ServedModel, max_rows: int, inline: bool = True) -> None:
-        self.model, self.max_rows, self.inline = model, max_rows, inline
-        self._queue: Optional[asyncio.Queue] = None
-        self._worker: Optional[asyncio.Task] = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dynemb-serve")
-        self._arrived = 0  # requests in score() that have not yet chosen where to run
-        self._running = False  # a forward pass on the worker thread
-        self.forward_passes = self.inline_passes = self.forward_ns = 0
-
-    async def score(self, batch: Batch) -> tuple[torch.Tensor, int]:
-        """``(probabilities [B], the version that scored them)`` of one request's rows."""
-        if self.inline:
-            self._arrived += 1
-            try:
-                await asyncio.sleep(0)  # the other requests ready now get here too
-                alone = self._arrived == 1 and not self._running and (self._queue is None or self._queue.empty())
-            finally:
-                self._arrived -= 1
-            if alone and not self.model.updating():
-                self.inline_passes += 1
-                return self._forward([batch])
-        if self._queue is None:
-            self._queue = asyncio.Queue()
-            self._worker = asyncio.get_running_loop().create_task(self._run())
-        done = asyncio.get_running_loop().create_future()
-        await self._queue.put((batch, done))
-        return await done
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            waiting = [await self._queue.get()]
-            rows = len(waiting[0][0])
-            while not self._queue.empty() and rows + len(self._queue._queue[0][0]) <= self.max_rows:
-                waiting.append(self._queue.get_nowait())
-                rows += len(waiting[-1][0])
-            self._running = True
-            try:
-                probs, version = await loop.run_in_executor(self._pool, self._forward, [b for b, _ in waiting])
-            except Exception as exc:  # noqa: BLE001 - each waiting request gets the error, the worker goes on
-                for _, done in waiting:
-                    if not done.done():
-                        done.set_exception(exc)
-                continue
-            finally:
-                self._running = False
-            for (_, done), p in zip(waiting, torch.split(probs, [len(b) for b, _ in waiting])):
-                if not done.done():
-                    done.set_result((p, version))
-
-    def _forward(self, batches: list) -> tuple[torch.Tensor, int]:
-        start = time.perf_counter_ns()
-        batch = batches[0] if len(batches) == 1 else concat_batches(batches)
-        out = self.model.predict_versioned(batch) if len(batch) else (torch.zeros(0), self.model.version)
-        self.forward_passes += 1
-        self.forward_ns += time.perf_counter_ns() - start
-        return out
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class _BearerToken:
-    """ASGI middleware: 401 unless ``Authorization: Bearer <token>`` (compared in constant time)."""
-
-    def __init__(self, app, token: str) -> None:
-        self.app, self.expected = app, f"Bearer {token}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = _error(401, "missing or wrong bearer token")
-                response.headers["WWW-Authenticate"] = "Bearer"
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+def _read_limit(declared: Optional[bytes], limit: int) -> Optional[int]:
+    return int(declared) if declared is not None and declared.isdigit() else None
 
 
 async def _read_body(receive, declared: Optional[bytes], limit: int) -> bytes:
@@ -144,7 +58,7 @@ async def _read_body(receive, declared: Optional[bytes], limit: int) -> bytes:
 
     An oversized body is still read to its end (and dropped), up to ``DRAIN_FACTOR * limit`` bytes, so that a
     client that sends the whole body before it reads the answer gets the 400 instead of a broken pipe."""
-    size = int(declared) if declared is not None and declared.isdigit() else None
+    size = _read_limit(declared, limit)
     chunks, received, more = [], 0, True
     while more:
         message = await receive()
@@ -164,148 +78,289 @@ async def _read_body(receive, declared: Optional[bytes], limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-_JSON_HEADERS = [(b"content-type", b"application/json")]
+def inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    """``body`` decoded by its ``Content-Encoding`` (``gzip``, ``deflate`` as zlib or raw, ``identity``), at most
+    ``limit`` bytes once inflated (a small body must not inflate into gigabytes).
+
+    Raises:
+        RequestError: another encoding, a body that does not decode, or one over the limit once inflated.
+    """
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "x-gzip", "deflate"):
+        raise RequestError(f"Content-Encoding must be gzip, deflate or identity, got {encoding!r}")
+    # gzip: a gzip header (wbits 16+); deflate: the zlib stream RFC 9110 means, or the raw one some clients send
+    for wbits in ((31,) if encoding != "deflate" else (15, -15)):
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out = inflater.decompress(body, limit + 1)
+        except zlib.error as exc:
+            error = exc
+            continue
+        if len(out) > limit or inflater.unconsumed_tail:
+            raise RequestError(f"the request body is over the limit ({limit} bytes) once inflated ({encoding})")
+        if not inflater.eof:
+            error = "the stream is truncated"
+            continue
+        return out
+    raise RequestError(f"the request body is not valid {encoding} data ({error})")
 
 
-async def _send_json(send, status: int, content) -> None:
-    body = dumps_json(content)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+def _accepted_encoding(accept: Optional[bytes]) -> Optional[str]:
+    """``gzip`` or ``deflate`` when ``Accept-Encoding`` asks for it (q > 0), gzip first; else None."""
+    if not accept:
+        return None
+    wanted = {}
+    for part in accept.decode("latin-1").lower().split(","):
+        coding, _, params = part.strip().partition(";")
+        q = 1.0
+        if params.strip().startswith("q="):
+            try:
+                q = float(params.strip()[2:])
+            except ValueError:
+                q = 0.0
+        wanted[coding.strip()] = q
+    for coding in ("gzip", "deflate"):
+        if wanted.get(coding, 0) > 0:
+            return coding
+    return None
 
 
-def _unknown_model(name: str, model: ServedModel) -> str:
-    return f"unknown model {name!r}; this server has {model.name!r}"
+def _compress(body: bytes, coding: str) -> bytes:
+    # level 1: most of the size gone for a small share of the time of the default level
+    if coding == "gzip":
+        z = zlib.compressobj(1, zlib.DEFLATED, 31)
+    else:
+        z = zlib.compressobj(1)
+    return z.compress(body) + z.flush()
 
 
-class _Stats:
-    """Counts behind the statistics route: requests answered 200 and not, their time, rows scored."""
-
-    def __init__(self) -> None:
-        self.success = [0, 0]  # count, ns
-        self.fail = [0, 0]
-        self.rows = 0
-        self.last_ms = 0
-
-    def record(self, ok: bool, ns: int, rows: int) -> None:
-        counter = self.success if ok else self.fail
-        counter[0] += 1
-        counter[1] += ns
-        self.rows += rows
-        if ok:
-            self.last_ms = time.time_ns() // 1_000_000
-
-    def model_stats(self, model: ServedModel, batcher: "_Batcher") -> dict:
-        """One entry of the Triton statistics extension's ``model_stats`` (durations in ns, as it counts)."""
-        duration = lambda count, ns: {"count": count, "ns": ns}  # noqa: E731
-        return {"name": model.name, "version": str(model.version), "last_inference": self.last_ms,
-                "inference_count": self.rows, "execution_count": batcher.forward_passes,
-                "inference_stats": {"success": duration(*self.success), "fail": duration(*self.fail),
-                                    "compute_infer": duration(batcher.forward_passes, batcher.forward_ns)}}
+def encode_infer_response(name: str, version: int, request, outputs: dict, model_outputs: list) -> tuple[bytes, int]:
+    """The infer response body and its JSON header's length (``-1``: all JSON, no binary tensors)."""
+    binary, tensors = [], []
+    for out_name, as_binary in requested_outputs(request, model_outputs):
+        value = np.ascontiguousarray(outputs[out_name])
+        tensor = {"name": out_name, "datatype": numpy_datatype(value.dtype), "shape": list(value.shape)}
+        if as_binary:
+            raw = value.astype(value.dtype.newbyteorder("<"), copy=False).tobytes()
+            tensor["parameters"] = {"binary_data_size": len(raw)}
+            binary.append(raw)
+        else:
+            tensor["data"] = value.ravel().tolist()
+        tensors.append(tensor)
+    out = {"model_name": name, "model_version": str(version), "outputs": tensors}
+    if isinstance(request, dict) and "id" in request:
+        out["id"] = request["id"]
+    head = dumps_json(out)
+    return (head + b"".join(binary), len(head)) if binary else (head, -1)
 
 
-class _Infer:
-    """``POST /v2/models/{name}/infer`` as a plain ASGI app in front of the Starlette one: the route every
-    prediction takes skips the router, the request and response objects and the exception middleware (about
-    0.3 ms of a request's 2 ms budget, most of it code the forward pass pushed out of the caches). The other
-    routes, and other methods on this path, go to ``routes``."""
+class HttpApp:
+    """The ASGI app of an :class:`~dynemb.endpoint.service.InferenceService` (module docstring).
 
-    PREFIX, SUFFIX = "/v2/models/", "/infer"
+    Args:
+        service: the service answered.
+        token: when given, every route wants ``Authorization: Bearer <token>``.
+        max_body_bytes: larger request bodies (as sent or inflated) are refused (400).
+        on_startup, on_shutdown: callables run in the server's event loop (coroutines awaited) at its ASGI
+            lifespan's start and end: the gRPC server starts there, on the same loop and batcher.
+    """
 
-    def __init__(self, routes, model: ServedModel, batcher: "_Batcher", max_body_bytes: int, max_batch_size: int):
-        self.routes, self.model, self.batcher = routes, model, batcher
-        self.max_body_bytes, self.max_batch_size = max_body_bytes, max_batch_size
-        self.stats = _Stats()
+    def __init__(self, service: InferenceService, *, token: Optional[str] = None,
+                 max_body_bytes: int = MAX_BODY_BYTES, on_startup=(), on_shutdown=()) -> None:
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        if token is not None and not token:
+            raise ValueError("token must not be empty")
+        self.service, self.max_body_bytes = service, max_body_bytes
+        self.token = None if token is None else token.encode()
+        self.on_startup, self.on_shutdown = list(on_startup), list(on_shutdown)
+
+    def authorized(self, header: Optional[bytes]) -> bool:
+        """Whether an ``Authorization`` header value carries the token (always, without a token)."""
+        if self.token is None:
+            return True
+        scheme, _, given = (header or b"").strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token)
 
     async def __call__(self, scope, receive, send):
-        path = scope.get("path", "")
-        if not (scope["type"] == "http" and scope["method"] == "POST" and path.startswith(self.PREFIX)
-                and path.endswith(self.SUFFIX) and "/" not in path[len(self.PREFIX):-len(self.SUFFIX)]
-                and len(path) > len(self.PREFIX) + len(self.SUFFIX)):
-            return await self.routes(scope, receive, send)
-        start = time.perf_counter_ns()
+        if scope["type"] == "lifespan":
+            return await self._lifespan(receive, send)
+        if scope["type"] != "http":
+            return
+        start = time.perf_counter()
+        headers = dict(scope["headers"])
+        coding = _accepted_encoding(headers.get(b"accept-encoding"))
+        route, rows = "other", 0
         try:
-            status, content = await self.infer(path[len(self.PREFIX):-len(self.SUFFIX)], scope, receive)
+            if not self.authorized(headers.get(b"authorization")):
+                raise ProtocolError(401, "missing or wrong bearer token")
+            route, params = _route(scope["path"])
+            wanted = _ROUTE_METHOD.get(route, "GET")
+            method = scope["method"]
+            if method != wanted and not (wanted == "GET" and method == "HEAD"):
+                if route == "infer":
+                    self.service.served(*params)  # an unknown model is a 404 before a wrong method
+                raise ProtocolError(405, f"{route} takes {wanted}, got {method}")
+            if route == "infer":
+                status, body, extra, rows = await self._infer(params, headers, receive)
+            elif route == "metrics":
+                status, body, extra = 200, self._metrics(), [(b"content-type", b"text/plain; version=0.0.4")]
+            else:
+                status, body, extra = 200, dumps_json(self._get(route, params)), [_JSON_TYPE]
         except ConnectionResetError:
             return
-        except Exception as exc:  # noqa: BLE001 - a bug answers 500 and the server goes on, as Starlette's would
-            status, content = 500, {"error": f"internal error: {type(exc).__name__}: {exc}"[:500]}
-        await _send_json(send, status, content)
-        self.stats.record(status == 200, time.perf_counter_ns() - start,
-                          content["outputs"][0]["shape"][0] if status == 200 else 0)
+        except ProtocolError as exc:
+            status, body, extra = exc.status, dumps_json({"error": str(exc)}), [_JSON_TYPE]
+        except Exception as exc:  # noqa: BLE001 - a bug answers 500 and the server goes on
+            status = 500
+            body, extra = dumps_json({"error": f"internal error: {type(exc).__name__}: {exc}"[:500]}), [_JSON_TYPE]
+        if status == 401:
+            extra = [*extra, (b"www-authenticate", b"Bearer")]
+        # Errors go out plain: clients read them before (tritonclient: without) looking at Content-Encoding.
+        if coding is not None and route != "metrics" and status == 200:
+            body = _compress(body, coding)
+            extra = [*extra, (b"content-encoding", coding.encode())]
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [*extra, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body if scope["method"] != "HEAD" else b""})
+        if route != "other" or status != 404:
+            self.service.record(route, status == 200, time.perf_counter() - start, rows, "http")
 
-    async def infer(self, name: str, scope, receive) -> tuple[int, dict]:
-        model = self.model
-        if name != model.name:
-            return 404, {"error": _unknown_model(name, model)}
-        headers = dict(scope["headers"])
+    async def _infer(self, params: tuple, headers: dict, receive) -> tuple:
+        service = self.service
+        model = service.served(*params)  # an unknown model or version: 404 before the body is read
         try:
             body = await _read_body(receive, headers.get(b"content-length"), self.max_body_bytes)
-            header = headers.get(BINARY_HEADER.encode())
-            parsed = parse_body(body, int(header) if header and header.isdigit() else None)
-            batch = decode_request(parsed, model.preprocessing, self.max_batch_size)
+            encoding = headers.get(b"content-encoding")
+            if encoding:
+                body = inflate(body, encoding.decode("latin-1"), self.max_body_bytes)
+            header = headers.get(BINARY_HEADER)
+            request = parse_body(body, int(header) if header and header.isdigit() else None)
         except RequestError as exc:
-            return 400, {"error": str(exc)}
-        try:
-            probs, version = await self.batcher.score(batch)
-        except (RequestError, ValueError, TypeError) as exc:
-            return 400, {"error": str(exc).splitlines()[0]}
-        return 200, encode_response(model.name, version, parsed, probs)
+            raise ProtocolError(400, str(exc)) from None
+        outputs, version, model = await service.infer(*params, request)
+        body, head = encode_infer_response(service.name, version, request, outputs, model.metadata()["outputs"])
+        extra = [_JSON_TYPE] if head < 0 else [_BINARY_TYPE, (BINARY_HEADER, str(head).encode())]
+        rows = len(next(iter(outputs.values()))) if outputs else 0
+        return 200, body, extra, rows
+
+    def _get(self, route: str, params: tuple) -> dict:
+        service = self.service
+        if route == "server_metadata":
+            return service.server_metadata()
+        if route == "live":
+            return {"live": True}
+        if route == "server_ready":
+            if not service.ready:
+                raise ProtocolError(503, f"not ready: waiting for {service.waiting_for}")
+            return {"ready": True}
+        if route == "metadata":
+            return service.model_metadata(*params)
+        if route == "ready":
+            service.served(*params)
+            return {"name": service.name, "ready": True}
+        if route == "config":
+            return service.model_config(*params)
+        if route == "stats":
+            return service.statistics(*params)
+        raise ProtocolError(404, f"no route {route!r}")  # pragma: no cover - _route names only these
+
+    def _metrics(self) -> bytes:
+        if self.service.metrics is None:
+            raise ProtocolError(404, "metrics are off on this server")
+        return self.service.metrics.render()
+
+    async def _lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    for hook in self.on_startup:
+                        result = hook()
+                        if hasattr(result, "__await__"):
+                            await result
+                except Exception as exc:  # noqa: BLE001 - reported to the server, which stops
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                for hook in self.on_shutdown:
+                    result = hook()
+                    if hasattr(result, "__await__"):
+                        await result
+                self.service.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
 
-def build_app(model: ServedModel, *, token: Optional[str] = None, max_body_bytes: int = MAX_BODY_BYTES,
-              max_batch_size: int = MAX_BATCH_SIZE):
+def _route(path: str) -> tuple[str, tuple]:
+    """``(route, (model, version))`` of a request path.
+
+    Raises:
+        ProtocolError: 404 for a path no route has, 501 for a route of an extension this server lacks.
+    """
+    parts = path.split("/")[1:]
+    if parts and parts[-1] == "" and len(parts) > 1:
+        parts = parts[:-1]  # a trailing slash
+    if parts == ["metrics"]:
+        return "metrics", ()
+    if not parts or parts[0] != "v2" or "" in parts:
+        raise ProtocolError(404, f"no route for {path!r}; the routes are under /v2 (and /metrics)")
+    rest = parts[1:]
+    if not rest:
+        return "server_metadata", ()
+    if rest[0] == "health" and len(rest) == 2 and rest[1] in ("live", "ready"):
+        return ("live" if rest[1] == "live" else "server_ready"), ()
+    if rest[0] in NOT_SUPPORTED:
+        raise ProtocolError(501, f"{NOT_SUPPORTED[rest[0]]} is not supported by dynemb serve ({path})")
+    if rest[0] == "models" and len(rest) >= 2:
+        if rest[1:] == ["stats"]:
+            return "stats", ()
+        name, tail, version = rest[1], rest[2:], None
+        if tail[:1] == ["versions"] and len(tail) >= 2:
+            version, tail = tail[1], tail[2:]
+        if tail[:1] == ["trace"]:
+            raise ProtocolError(501, f"{NOT_SUPPORTED['trace']} is not supported by dynemb serve ({path})")
+        if not tail:
+            return "metadata", (name, version)
+        if len(tail) == 1 and tail[0] in ("ready", "config", "infer", "stats"):
+            return tail[0], (name, version)
+    raise ProtocolError(404, f"no route for {path!r}")
+
+
+def build_app(model=None, *, name: Optional[str] = None, token: Optional[str] = None,
+              max_body_bytes: int = MAX_BODY_BYTES, max_batch_size: int = MAX_BATCH_SIZE,
+              metrics: bool = True, service: Optional[InferenceService] = None) -> HttpApp:
     """The ASGI app serving ``model`` under its name (``model.name``).
 
     Args:
-        model: the served model.
+        model: the served model (a :class:`~dynemb.endpoint.ServedModel` or any
+            :class:`~dynemb.endpoint.service.Servable`); ``None`` with ``name``: live, not ready, until
+            ``app.service.install(model)``.
+        name: the model's name when ``model`` is None.
         token: when given, every route wants ``Authorization: Bearer <token>``.
         max_body_bytes: larger request bodies are refused (400).
         max_batch_size: most rows of one request, and of one forward pass over concurrent requests.
+        metrics: serve ``GET /metrics`` (Prometheus text).
+        service: an existing service to answer (its own model and limits); the others are then ignored.
 
     Raises:
-        ValueError: ``max_body_bytes`` or ``max_batch_size`` is not positive, or ``token`` is empty.
+        ValueError: ``max_body_bytes`` or ``max_batch_size`` is not positive, ``token`` is empty, or neither
+            ``model`` nor ``name`` is given.
+
+    Example:
+        >>> app = build_app(name="ctr")  # nothing to serve yet: live, not ready
+        >>> app.service.ready
+        False
     """
-    if max_body_bytes < 1 or max_batch_size < 1:
-        raise ValueError(f"max_body_bytes and max_batch_size must be >= 1, got {max_body_bytes}, {max_batch_size}")
-    if token is not None and not token:
-        raise ValueError("token must not be empty")
-    batcher = _Batcher(model, max_batch_size)
+    if service is None:
+        if model is None and name is None:
+            raise ValueError("build_app needs a model, or the name of the model it will serve")
+        service = InferenceService(name or model.name, model, max_batch_size=max_batch_size)
+        if metrics:
+            from .prometheus_metrics import Metrics
 
-    def known(request: Request) -> Optional[Response]:
-        name = request.path_params["name"]
-        return None if name == model.name else _error(404, _unknown_model(name, model))
-
-    async def live(request: Request) -> Response:
-        return _JSON({"live": True})
-
-    async def ready(request: Request) -> Response:
-        return _JSON({"ready": True})
-
-    async def metadata(request: Request) -> Response:
-        return known(request) or _JSON(model_metadata(model.name, model.version, model.preprocessing))
-
-    async def stats(request: Request) -> Response:
-        name = request.path_params.get("name")
-        if name is not None and (missing := known(request)) is not None:
-            return missing
-        version = request.path_params.get("version")
-        if version is not None and version != str(model.version):
-            return _error(404, f"model {model.name!r} serves version {model.version}, not {version!r}")
-        return _JSON({"model_stats": [infer.stats.model_stats(model, batcher)]})
-
-    async def wrong_method(request: Request) -> Response:
-        return known(request) or _error(405, "infer takes POST")
-
-    routes = [Route("/v2/health/live", live), Route("/v2/health/ready", ready),
-              Route("/v2/models/stats", stats), Route("/v2/models/{name}/stats", stats),
-              Route("/v2/models/{name}/versions/{version}/stats", stats),
-              Route("/v2/models/{name}", metadata), Route("/v2/models/{name}/infer", wrong_method, methods=NOT_POST)]
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        batcher.close()
-
-    app = infer = _Infer(Starlette(routes=routes, lifespan=lifespan), model, batcher, max_body_bytes, max_batch_size)
-    return _BearerToken(app, token) if token is not None else app
+            service.attach_metrics(Metrics(service))
+    return HttpApp(service, token=token, max_body_bytes=max_body_bytes)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import signal
+import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from . import WATCH_INTERVAL_S
@@ -22,7 +25,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "publishes, each the model of its step (default: best, last with --watch)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; anything but loopback exposes the "
                    "model to the network")
-    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--port", type=int, default=8000, help="TCP port of HTTP/REST")
+    p.add_argument("--grpc-port", type=int, default=8001, help="TCP port of gRPC (KServe v2's "
+                   "GRPCInferenceService, as Triton's port 8001), on --host too")
+    p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     p.add_argument("--name", default="dynemb", help="model name in the URL: /v2/models/NAME/infer")
     p.add_argument("--token", help="require `Authorization: Bearer TOKEN` on every route (default: none, no token "
                    "asked)")
@@ -55,55 +61,127 @@ def cmd_serve(args) -> int:
     import torch
 
     from .app import build_app
-    from .model import ServedModel
     from .http_server import serve
-    from .watch import ExportWatcher, wait_for_export
 
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    for option, port in (("--port", args.port), ("--grpc-port", None if args.no_grpc else args.grpc_port)):
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"{option} must be in 1..65535, got {port}")
+    if not args.no_grpc and args.grpc_port == args.port:
+        raise ValueError(f"--grpc-port and --port must differ, both are {args.port}")
     if args.watch is not None and not args.watch > 0:
         raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
     if args.watch is not None and args.use == "best":
         raise ValueError("--watch serves the versions training publishes (the model of each step, not the best); "
                          "drop --use best, or serve the best without --watch")
     torch.set_num_threads(args.threads)
+    waiting = None  # the export root whose first version is awaited while the server already listens
     if args.watch is not None:  # following a run that may still be training: its published versions
+        from ..checkpoint.fsutil import read_pointer
         from ..job.card import CHECKPOINT
         from ..job.publish import EXPORT
 
         published = Path(args.export or Path(args.model) / EXPORT)
-        if not (Path(args.model) / CHECKPOINT / "latest").is_file() or (published / "latest").is_file():
-            wait_for_export(published, args.watch)  # no checkpoint is needed (nor written yet) to serve them
-            args.export = published
+        if (args.export is not None or not (Path(args.model) / CHECKPOINT / "latest").is_file()
+                or (published / "latest").is_file()):
+            args.export = published  # no checkpoint is needed (nor written yet) to serve them
+            if read_pointer(published) is None:
+                waiting = published
+                print(f"waiting for the first version in {published} (dynemb train --publish-every writes it); "
+                      "live meanwhile, ready once it is served", flush=True)
     if args.export is None:
         from ..job.publish import serving_export
 
         args.export = serving_export(Path(args.model), args.use or ("best" if args.watch is None else "last"))
-    volatile, persistent = stores(args)
-    model = ServedModel(args.model, export=args.export, name=args.name, volatile_db=volatile,
-                        persistent_db=persistent, cache_fraction=args.cache_fraction, device=args.device)
-    if args.watch is not None:  # "now serving version N" lines on stderr, next to uvicorn's
-        import logging
-
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-        logger = logging.getLogger(ExportWatcher.__module__)
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-    watcher = ExportWatcher(model, args.watch).start() if args.watch is not None else None
+    app = build_app(name=args.name, token=args.token, max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                    max_batch_size=args.max_batch_size)
+    if waiting is not None:
+        app.service.waiting_for = f"the first version in {waiting}"
+    loader = _Loader(args, app.service)
+    if waiting is None:
+        loader.load()  # a bad run or export is an error before anything listens
+    grpc_port = None if args.no_grpc else args.grpc_port
+    grpc_line = "" if grpc_port is None else f" and grpc://{args.host}:{grpc_port}"
     try:
-        app = build_app(model, token=args.token, max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                        max_batch_size=args.max_batch_size)
         # The ~300k objects torch and the model keep alive would make every full collection a 200 ms stall of
         # one request: keep them out of the collector, as latency-sensitive Python servers do.
         gc.collect()
         gc.freeze()
-        serve(app, args.host, args.port, on_bound=lambda: print(
-            f"serving {args.model} (export {model.export}, version {model.version}) as {args.name!r} on "
-            f"http://{args.host}:{args.port}/v2/models/{args.name}/infer", flush=True))
+
+        def bound():
+            if waiting is not None:
+                print(f"listening on http://{args.host}:{args.port}{grpc_line} as {args.name!r}, not ready until "
+                      "the first version is served", flush=True)
+                loader.start_waiting(waiting)
+            else:
+                print(loader.serving_line(grpc_line), flush=True)
+
+        serve(app, args.host, args.port, on_bound=bound, grpc_port=grpc_port)
     finally:
         gc.unfreeze()  # so that native extensions' objects are freed at exit, not reported as leaked
-        if watcher is not None:
-            watcher.stop()
-        model.close()
-    return 0
+        loader.close()
+    return 1 if loader.failed else 0
+
+
+class _Loader:
+    """Loads the served model into the service, now or (``--watch`` before the first version) on a thread once
+    the version is there, then starts the watcher. A failure on the thread is reported and stops the server."""
+
+    def __init__(self, args, service) -> None:
+        self.args, self.service = args, service
+        self.model = self.watcher = None
+        self.failed = False
+        self._stop = threading.Event()
+        self._thread = None
+
+    def load(self) -> None:
+        from .model import ServedModel
+        from .watch import ExportWatcher
+
+        args = self.args
+        volatile, persistent = stores(args)
+        self.model = ServedModel(args.model, export=args.export, name=args.name, volatile_db=volatile,
+                                 persistent_db=persistent, cache_fraction=args.cache_fraction, device=args.device)
+        if args.watch is not None:  # "now serving version N" lines on stderr, next to uvicorn's
+            import logging
+
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+            logger = logging.getLogger(ExportWatcher.__module__)
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+        self.service.install(self.model)
+        if args.watch is not None:
+            self.watcher = ExportWatcher(self.model, args.watch).start()
+
+    def serving_line(self, grpc_line: str = "") -> str:
+        args, model = self.args, self.model
+        return (f"serving {args.model} (export {model.export}, version {model.version}) as {args.name!r} on "
+                f"http://{args.host}:{args.port}/v2/models/{args.name}/infer{grpc_line}")
+
+    def start_waiting(self, root: Path) -> None:
+        self._thread = threading.Thread(target=self._wait_and_load, args=(root,), name="dynemb-serve-load",
+                                        daemon=True)
+        self._thread.start()
+
+    def _wait_and_load(self, root: Path) -> None:
+        from ..checkpoint.fsutil import read_pointer
+
+        try:
+            while read_pointer(root) is None:
+                if self._stop.wait(self.args.watch):
+                    return
+            self.load()
+            print(self.serving_line(), flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported, and the server stops: it would never be ready
+            self.failed = True
+            print(f"dynemb serve: cannot serve {root}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            signal.raise_signal(signal.SIGTERM)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self.model is not None:
+            self.model.close()

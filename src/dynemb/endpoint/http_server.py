@@ -6,14 +6,14 @@ import contextlib
 import socket
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
 try:
     import uvicorn
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(f"dynemb serve needs starlette and uvicorn: pip install 'dynemb[serving]' ({exc})") from exc
+    raise ImportError(f"dynemb serve needs uvicorn: pip install 'dynemb[serving]' ({exc})") from exc
 
-__all__ = ["serve", "running"]
+__all__ = ["serve", "running", "attach_grpc"]
 
 
 def _server(app, sock: socket.socket, log_level: str) -> uvicorn.Server:
@@ -40,11 +40,33 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", on_bound=None) -> None:
-    """Serve ``app`` on ``host:port`` until interrupted (Ctrl-C, SIGTERM); ``on_bound()`` is called once the port
-    is bound (a port in use raises OSError before it)."""
+def attach_grpc(app, host: str, port: int):
+    """Start a :class:`~dynemb.endpoint.grpc_server.GrpcServer` of ``app``'s service with the app (its lifespan),
+    on the same event loop, with the app's token and body limit. Returns the server (``bound_port`` once up)."""
+    from .grpc_server import GrpcServer
+
+    token = None if app.token is None else app.token.decode()
+    server = GrpcServer(app.service, host, port, token=token, max_message_bytes=app.max_body_bytes)
+    app.on_startup.append(server.start)
+    app.on_shutdown.insert(0, server.stop)
+    return server
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError naming ``host:port`` when it cannot be bound now (the gRPC server binds it later, in the
+    event loop, where a failure would be one log line among uvicorn's)."""
+    _bind(host, port).close()
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", on_bound=None,
+          grpc_port: Optional[int] = None) -> None:
+    """Serve ``app`` on ``host:port`` (and gRPC on ``host:grpc_port`` when given) until interrupted (Ctrl-C,
+    SIGTERM); ``on_bound()`` is called once the ports are bound (a port in use raises OSError before it)."""
     sock = _bind(host, port)
     try:
+        if grpc_port is not None:
+            check_port_free(host, grpc_port)
+            attach_grpc(app, host, grpc_port)
         if on_bound is not None:
             on_bound()
         _server(app, sock, log_level).run(sockets=[sock])
@@ -53,13 +75,15 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info
 
 
 @contextlib.contextmanager
-def running(app, host: str = "127.0.0.1", startup_timeout_s: float = 30.0) -> Iterator[str]:
+def running(app, host: str = "127.0.0.1", startup_timeout_s: float = 30.0, grpc: bool = False) -> Iterator[str]:
     """Serve ``app`` on a free port of ``host`` from a background thread; yields its base URL, then stops it.
+    With ``grpc``, its gRPC server too, on another free port: ``app.grpc_address`` is ``host:port`` then.
 
     Raises:
         TimeoutError: the server did not start within ``startup_timeout_s``.
     """
     sock = _bind(host, 0)
+    grpc_server = attach_grpc(app, host, 0) if grpc else None
     server = _server(app, sock, "warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dynemb-endpoint", daemon=True)
     thread.start()
@@ -69,8 +93,13 @@ def running(app, host: str = "127.0.0.1", startup_timeout_s: float = 30.0) -> It
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise TimeoutError(f"the endpoint did not start within {startup_timeout_s} s")
             time.sleep(0.01)
+        if grpc_server is not None:
+            app.grpc_address = f"{host}:{grpc_server.bound_port}"
         yield f"http://{host}:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+        if grpc_server is not None:
+            app.on_startup.remove(grpc_server.start)
+            app.on_shutdown.remove(grpc_server.stop)

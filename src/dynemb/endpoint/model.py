@@ -21,11 +21,13 @@ import torch
 from torch import nn
 
 from ..checkpoint.dense import check_dense, dense_state
+from ..checkpoint.fsutil import read_pointer
 from ..checkpoint.export_format import read_dense, read_export, version_name
-from ..data.batch import Batch
+from ..data.batch import Batch, concat_batches
 from ..functional import clip_rows, pool, to_bags
 from ..job.score import probabilities
 from ..serving.ps import ParameterServer
+from .inference_protocol import OUTPUT, decode_request, model_metadata
 
 __all__ = ["ServedModel", "ensure_export"]
 
@@ -135,7 +137,9 @@ class ServedModel:
 
     def _scores(self, batch: Batch) -> torch.Tensor:
         bags = {f: self._bags(batch, f) for f in self.features}
-        ids = {f: torch.unique(bags[f][0], return_inverse=True) for f in self.features}
+        # One id a row: its rows are the answer, looked up as they come (the parameter server takes repeats).
+        ids = {f: (bags[f][0], None) if bags[f][1] is None else torch.unique(bags[f][0], return_inverse=True)
+               for f in self.features}
         keys: dict[str, list] = {}
         for f, (unique, _) in ids.items():
             keys.setdefault(self._tables[f], []).append(unique)
@@ -147,7 +151,7 @@ class ServedModel:
             if self._pooling[f]["max_norm"] is not None:
                 rows = clip_rows(rows, self._pooling[f]["max_norm"])
             if bags[f][1] is None:
-                pooled[f] = rows.index_select(0, inverse)  # one id a row: every combiner gives the row itself
+                pooled[f] = rows  # one id a row: every combiner gives the row itself
             else:
                 pooled[f] = pool(rows, inverse, *bags[f][1:], self._pooling[f]["combiner"])
         return probabilities(self.model(batch, pooled=pooled))
@@ -163,6 +167,33 @@ class ServedModel:
     def updating(self) -> bool:
         """Whether an update is being swapped in now (a forward pass would wait for it)."""
         return self._updating
+
+    # The endpoint's view of the model (:class:`~dynemb.endpoint.service.Servable`).
+    def metadata(self) -> dict:
+        """The v2 metadata's ``platform``, ``inputs`` and ``outputs`` (see :mod:`.inference_protocol`)."""
+        return model_metadata(self.name, self.version, self.preprocessing)
+
+    def decode_request(self, request, max_rows: int) -> Batch:
+        """The batch of an infer request (:func:`~dynemb.endpoint.inference_protocol.decode_request`)."""
+        return decode_request(request, self.preprocessing, max_rows)
+
+    @staticmethod
+    def join(batches: list) -> Batch:
+        return concat_batches(batches)
+
+    def infer(self, batch: Batch) -> tuple[dict, int]:
+        """``({"probability": [B] float64}, the version that scored them)``."""
+        probs, version = self.predict_versioned(batch) if len(batch) else (torch.zeros(0, dtype=torch.float64),
+                                                                            self.version)
+        return {OUTPUT: probs}, version
+
+    def table_stats(self) -> dict:
+        """The parameter server's statistics of this model (ids served per tier, per table)."""
+        return self.ps.stats(self.name)
+
+    def newest_version(self) -> Optional[tuple[int, float]]:
+        """``(version, unix time it appeared)`` of the newest version in the export (what ``latest`` names)."""
+        return newest_version(self.export)
 
     def apply_update(self, export_dir) -> int:
         """Apply a serving export version (full or delta) to the served tables, and its dense part when it has
@@ -189,6 +220,17 @@ class ServedModel:
 
     def close(self) -> None:
         self.ps.close()
+
+
+def newest_version(root: Path) -> Optional[tuple[int, float]]:
+    """``(version, unix time its directory appeared)`` of what export ``root``'s ``latest`` names; None without."""
+    try:
+        name = read_pointer(Path(root))
+        if name is None or not name.startswith("version-"):
+            return None
+        return int(name.removeprefix("version-")), (Path(root) / name).stat().st_mtime
+    except (OSError, ValueError):
+        return None
 
 
 def _skeleton(run: Path):

@@ -25,14 +25,14 @@ try:  # numeric `data` arrays straight into numpy, no Python object per value: 0
 except ImportError:  # pragma: no cover - depends on the environment
     simdjson = None
 
-__all__ = ["RequestError", "parse_body", "dumps_json"]
+__all__ = ["RequestError", "parse_body", "dumps_json", "binary_strings", "NUMPY_DTYPES"]
 
 
 class RequestError(ValueError):
     """A request the model cannot score; the message names the input. Answered with HTTP 400."""
 
 
-_NUMPY = {"INT64": "<i8", "INT32": "<i4", "FP32": "<f4", "FP64": "<f8"}
+NUMPY_DTYPES = {"INT64": "<i8", "INT32": "<i4", "FP32": "<f4", "FP64": "<f8"}
 
 
 def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
@@ -50,7 +50,7 @@ def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
     try:
         request = _loads(head)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON ({exc})") from None
+        request = _loads_non_finite(head, exc)
     if json_length is None or not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
         return request
     at = json_length
@@ -63,16 +63,29 @@ def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
             raise RequestError(f"input {name!r}: binary_data_size {size!r} does not fit the body")
         raw, at = body[at:at + size], at + size
         if t.get("datatype") == "BYTES":
-            t["data"] = _binary_strings(raw, name)
-        elif t.get("datatype") not in _NUMPY:
+            t["data"] = binary_strings(raw, name)
+        elif t.get("datatype") not in NUMPY_DTYPES:
             raise RequestError(f"input {name!r}: datatype {t.get('datatype')!r} is none this server reads "
-                               f"({', '.join(['BYTES', *_NUMPY])})")
-        elif size % np.dtype(_NUMPY[t["datatype"]]).itemsize:
+                               f"({', '.join(['BYTES', *NUMPY_DTYPES])})")
+        elif size % np.dtype(NUMPY_DTYPES[t["datatype"]]).itemsize:
             raise RequestError(f"input {name!r}: binary_data_size {size} is not a whole number of "
                                f"{t['datatype']} values")
         else:
-            t["data"] = np.frombuffer(raw, dtype=_NUMPY[t["datatype"]])  # no Python objects per value
+            t["data"] = np.frombuffer(raw, dtype=NUMPY_DTYPES[t["datatype"]])  # no Python objects per value
     return request
+
+
+def _loads_non_finite(text: bytes, error: Exception) -> Any:
+    """JSON with the bare ``NaN``, ``Infinity`` and ``-Infinity`` tokens that JSON lacks but many writers emit
+    (tritonclient's JSON mode among them), read by the standard library, which takes them as floats: the values
+    then meet the model's rules for non-finite values like any other. Text that is not JSON even so raises
+    a RequestError with ``error``, the fast parser's reason."""
+    if not any(token in text for token in (b"NaN", b"Infinity")):
+        raise RequestError(f"the request body is not valid JSON ({error})")
+    try:
+        return json.loads(text)
+    except (ValueError, UnicodeDecodeError):
+        raise RequestError(f"the request body is not valid JSON ({error})") from None
 
 
 _BUFFER = {"INT64": ("i", np.int64), "INT32": ("i", np.int64), "FP32": ("d", np.float64), "FP64": ("d", np.float64)}
@@ -124,7 +137,7 @@ def _parse_json(text: bytes) -> Any:
     return request
 
 
-def _binary_strings(raw: bytes, name) -> list:
+def binary_strings(raw: bytes, name) -> list:
     """BYTES elements of the binary extension: each a 4-byte little-endian length, then the bytes (UTF-8)."""
     out, at = [], 0
     while at < len(raw):

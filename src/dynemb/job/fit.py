@@ -124,7 +124,7 @@ class RunSpec:
 
 
 def train_run(spec: RunSpec, cfg: TrainConfig, *, progress: Optional[bool] = None, log_every: float = 10.0,
-              echo=print, on_publish=None, interruptible: bool = False) -> dict:
+              echo=print, on_publish=None, interruptible: bool = False, pipeline: bool = True) -> dict:
     """Train into ``spec.out`` and return the summary: held-out ``auc``, ``logloss`` and ``rows``, plus the
     ``step``, the training ``samples`` of this call, ``table_rows``, ``evicted``, ``seconds`` and ``run`` (and
     ``published``, the version directories written, with ``spec.publish_every``; ``on_publish`` is called after
@@ -142,6 +142,9 @@ def train_run(spec: RunSpec, cfg: TrainConfig, *, progress: Optional[bool] = Non
     after the current step: the last checkpoint is saved, then :class:`Interrupted` (a KeyboardInterrupt) is
     raised. A second SIGINT raises KeyboardInterrupt at once.
 
+    ``pipeline`` (:class:`~dynemb.train.Pipeline`): the next batch's loading, copy, dedup and key exchange run
+    while the current batch computes; ``False`` runs them in the step (the same results; for debugging).
+
     Torch's random numbers (the MLPs' initial weights, ...) are drawn from ``spec.seed`` inside the call (the
     caller's generator state is restored after it): identical calls give identical runs.
 
@@ -152,10 +155,11 @@ def train_run(spec: RunSpec, cfg: TrainConfig, *, progress: Optional[bool] = Non
     devices = [torch.device(spec.device)] if torch.device(spec.device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(spec.seed)
-        return _train_run(spec, cfg, progress, log_every, echo, on_publish, interruptible)
+        return _train_run(spec, cfg, progress, log_every, echo, on_publish, interruptible, pipeline)
 
 
-def _train_run(spec: RunSpec, cfg: TrainConfig, progress, log_every, echo, on_publish, interruptible) -> dict:
+def _train_run(spec: RunSpec, cfg: TrainConfig, progress, log_every, echo, on_publish, interruptible,
+               pipeline: bool = True) -> dict:
     started = time.perf_counter()
     run = Path(spec.out)
     cfg = dataclasses.replace(cfg, checkpoint_dir=str(run / CHECKPOINT), best_dir=str(run / CHECKPOINT_BEST),
@@ -180,7 +184,7 @@ def _train_run(spec: RunSpec, cfg: TrainConfig, progress, log_every, echo, on_pu
     if rank == 0 and not cfg.resume:
         write_card(run, card)
     model = build_dlrm(len(prep.dense), prep.features, cfg).to(device)
-    trainer = Trainer(model, cfg)
+    trainer = Trainer(model, cfg, pipeline=pipeline)
     if cfg.resume:
         if trainer.resume() is None:
             echo(f"no checkpoint in {run} yet: training it from step 0")

@@ -5,7 +5,7 @@ from .index import HashIndex
 from .initializers import Constant, Initializer, Normal, TruncatedNormal, Uniform, resolve_initializer
 from .policy import EvictionPolicy
 from .kv import KeyValueTable
-from .tiered import TieredTable, Tiers
+from .tiered import TieredTable, Tiers, tier_traffic
 from .rows import EvictHook, Rows
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "KeyValueTable",
     "TieredTable",
     "Tiers",
+    "tier_traffic",
     "Rows",
     "EvictHook",
     "EvictionPolicy",

@@ -9,8 +9,9 @@ clock, so results equal those of one untiered table, bit for bit; only ``export`
 
 The fast tier's budget is soft in one way: the rows of a single call all stay resident (an optimizer updates them
 in place afterwards), so a call with more distinct keys than the budget leaves the fast tier over it until the next
-call. When it is over, rows move down in chunks (to ``1 - SLACK`` of the budget) so that the score scan that picks
-them runs once per many calls, not once per call.
+call. A full fast tier frees exactly the rows a call needs, and the rows coming up take their places (one exchange
+a call, :mod:`dynemb.table.tier_moves`): no row is compacted on either side. The rows to free come from a queue
+that one scan of the scores fills for many calls (:class:`~dynemb.table.tier_moves.VictimQueue`).
 """
 
 from __future__ import annotations
@@ -23,17 +24,18 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ..serialization import Serializable, serializable
-from . import budget
+from . import budget, fused
 from ..checks import check_int, check_keys, check_rows_like, check_scores
 from .kv import KeyValueTable
 from .ops import all_nonnegative, lowest_rows
 from .rows import Rows
 from .slow import SlowStore, swap_rows
+from .tier_moves import SLOW_BASE, SlowIndex, TieredIndex, VictimQueue, exchange, link_for
 
-__all__ = ["Tiers", "TieredTable"]
+__all__ = ["Tiers", "TieredTable", "tier_traffic"]
 
-#: fraction of the fast tier freed at once when it is over budget
-SLACK = 1 / 16
+#: fraction of the fast tier one scan of its scores picks to move down over the next calls (:class:`VictimQueue`)
+QUEUE = 1 / 4
 
 
 @serializable("tiers")
@@ -43,8 +45,10 @@ class Tiers(Serializable):
 
     Attributes:
         fast_capacity: rows kept in the fast tier (the table's device); exclusive with ``fast_bytes``.
-        fast_bytes: the fast tier's budget in bytes instead (values, slots, scores, version stamps and index,
-            see :mod:`dynemb.table.budget`).
+        fast_bytes: the fast tier's budget in bytes instead: its rows (values, slots, scores, version stamps) and
+            an index sized for them (see :mod:`dynemb.table.budget`). The table keeps one index of both tiers' keys
+            on the fast tier's device; the slow keys' entries, 26-52 bytes a key, come on top (``stats()``:
+            ``tiers.index``).
         slow: ``"host"``: host memory (pinned when the fast tier is on CUDA); or a directory where the slow tier
             keeps memory-mapped row files (a private subdirectory, removed with the table). A path is saved as its
             ``str`` (``to_dict``).
@@ -112,9 +116,15 @@ class TieredTable(KeyValueTable):
         self.fast_capacity = tiers.fast_capacity or 1
         # The fast tier is allocated at its budget once (doubling growth would overshoot a byte budget).
         super().__init__(dim, **{**kwargs, "init_capacity": self.fast_capacity})
+        self.link = link_for(self.device, self.backend)
+        self._queue = VictimQueue(self.fast_capacity * QUEUE)
+        self.index = self._tiered_index(self.device)
         self._fit_fast()
         self.slow = SlowStore(self, tiers.slow, pin=self.device.type == "cuda")
+        self.slow.index = SlowIndex(self.index, self.slow)
         self.hits = {"fast": 0, "slow": 0, "miss": 0}
+        #: rows and bytes (every column) moved up to the fast tier and down to the slow one, since construction
+        self.moved = {"rows_up": 0, "rows_down": 0, "bytes_up": 0, "bytes_down": 0}
 
     def rows_unmoved_since(self, moves: int) -> bool:
         """Never assumed: rows move between the tiers on their own, so a backward always re-checks them."""
@@ -141,7 +151,12 @@ class TieredTable(KeyValueTable):
     def find_or_insert(self, keys, scores=None, counts=None):
         """As :meth:`KeyValueTable.find_or_insert`: ``found`` is True for keys stored in either tier, whose rows
         come up with their slots and scores (never re-initialized); the rows returned are fast-tier rows."""
-        self._resident(keys)
+        rows = self._resident(keys)
+        if rows is not None and scores is None and counts is None and fused.kernels(self) is None:
+            # every key was found and its row is known: what KeyValueTable does then, without probing them again
+            self.clock += 1
+            self._touch(rows)
+            return rows.view(keys.shape), torch.ones(keys.shape, dtype=torch.bool, device=self.device)
         return super().find_or_insert(keys, scores, counts)
 
     #: every occurrence of a key would count as a hit and move rows down for it: lookups pass distinct keys
@@ -165,8 +180,9 @@ class TieredTable(KeyValueTable):
 
     def erase(self, keys: torch.Tensor) -> int:
         """Remove keys from both tiers; returns the number removed (as one table: one clock tick if any)."""
+        check_keys(keys, self.key_dtype, self.device)
+        gone = self.slow.erase(keys.to(self.slow.device)).to(self.device)  # first: they leave the one index
         n_fast = super().erase(keys)
-        gone = self.slow.erase(keys.to(self.slow.device)).to(self.device)
         if gone.numel():
             if n_fast == 0:
                 self.clock += 1
@@ -238,8 +254,7 @@ class TieredTable(KeyValueTable):
             self.slow._reserve(total - self._size)
         for rows in itertools.chain([rest] if rest.keys.numel() else [], it):
             rows = self._checked(rows)
-            if rows.keys.numel() and (bool((self.index.find(rows.keys.to(self.device)) >= 0).any())
-                                      or bool((self.slow.find(rows.keys) >= 0).any())):
+            if rows.keys.numel() and bool((self.index.find(rows.keys.to(self.device)) >= 0).any()):  # both tiers
                 raise ValueError("keys must be unique to load a table (a key of this chunk was loaded by an earlier "
                                  "chunk)")
             self._store_slow(rows)
@@ -257,8 +272,9 @@ class TieredTable(KeyValueTable):
         for keys in gone + ([] if checked is None else [checked.keys]):
             keys = torch.unique(keys.to(self.device))
             at = self.index.find(keys)
-            if bool((at >= 0).any()):
-                swap_rows(self, at[at >= 0], None, None)
+            fast = at[(at >= 0) & (at < SLOW_BASE)]
+            if fast.numel():
+                swap_rows(self, fast, None, None)
             self.slow.erase(keys.to(self.slow.device))
         if checked is not None:
             self._store_slow(checked)
@@ -299,6 +315,16 @@ class TieredTable(KeyValueTable):
         """
         self._resident(keys, count=False)
 
+    def _tiered_index(self, device) -> TieredIndex:
+        index = TieredIndex(self.key_dtype, device, self.fast_capacity, backend=self.backend)
+        index.table = self
+        return index
+
+    def _load(self, keys, values, scores, slots) -> None:
+        self.slow._size = 0  # the slow tier's keys leave with the index's clear (replace then clears the tier)
+        self._queue.clear()
+        super()._load(keys, values, scores, slots)
+
     # ------------------------------------------------------------------ layout changes reach both tiers
     def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
         super().add_slot(name, dim, init, dtype)
@@ -312,7 +338,14 @@ class TieredTable(KeyValueTable):
         self._fit_fast()
 
     def to(self, device):
-        super().to(device)
+        before = self.device
+        super().to(device)  # a plain index of the fast keys: the one index of both tiers is rebuilt below
+        if self.device != before:
+            self.index = self._tiered_index(self.device)
+            self.index.rehash(self.row_keys[: self._size], torch.arange(self._size, device=self.device), self._size)
+            self.slow.index = SlowIndex(self.index, self.slow)
+            self.link = link_for(self.device, self.backend)
+            self._queue.clear()
         if self.slow.directory is None and self.slow.pin != (self.device.type == "cuda"):
             self.slow.pin = self.device.type == "cuda"
             self.slow._cols = {n: self.slow._placed(n, c) for n, c in self.slow._cols.items()}
@@ -325,73 +358,125 @@ class TieredTable(KeyValueTable):
 
     def stats(self) -> dict:
         """As :meth:`KeyValueTable.stats` (``size`` counts both tiers), plus ``tiers``: per tier ``rows``,
-        ``bytes`` and ``hit_rate`` (the share of the keys calls looked up that were found there; lookups pass each id
-        once per batch), and ``where``; ``miss_rate``: keys stored in neither tier."""
+        ``bytes`` (its columns), ``hit_rate`` (the share of the keys calls looked up that were found there; lookups
+        pass each id once per batch) and ``where``; ``index``: the ``bytes`` and ``where`` of the one index of both
+        tiers' keys (kept with the fast tier); ``miss_rate``: keys stored in neither tier; ``looked_up``: the counts
+        behind the rates (``fast``, ``slow``, ``miss``); ``moved``: ``rows_up``, ``rows_down``, ``bytes_up`` and
+        ``bytes_down`` (every column of a row) moved between the tiers. All counts run since construction: the
+        change between two calls is one step's traffic (see :func:`tier_traffic`)."""
         stats = super().stats()
         looked = max(1, sum(self.hits.values()))
-        fast_bytes = super().nbytes()
-        stats.update(size=self.size(), bytes=fast_bytes + self.slow.nbytes(), tiers={
+        index_bytes = self.index.nbytes()
+        fast_bytes = super().nbytes() - index_bytes
+        stats.update(size=self.size(), bytes=self.nbytes(), index_load=self.size() / self.index.slots, tiers={
             "fast": {"rows": self._size, "bytes": fast_bytes, "capacity": self.fast_capacity,
                      "hit_rate": self.hits["fast"] / looked, "where": str(self.device)},
             "slow": {"rows": self.slow.size(), "bytes": self.slow.nbytes(), "hit_rate": self.hits["slow"] / looked,
                      "where": "host" if self.slow.directory is None else self.slow.directory},
-            "miss_rate": self.hits["miss"] / looked})
+            "index": {"bytes": index_bytes, "where": str(self.device)},
+            "miss_rate": self.hits["miss"] / looked, "looked_up": dict(self.hits), "moved": dict(self.moved)})
         return stats
 
     # ------------------------------------------------------------------ moving rows
     def _fit_fast(self) -> None:
         """Derive the fast tier's row budget (from ``Tiers.fast_bytes`` and the columns it has now, if given in
-        bytes), move rows past it down, and size the columns and index to it exactly (a call larger than the budget
-        or a checkpoint load grows them past it)."""
+        bytes), move rows past it down, and size the columns to it exactly (a call larger than the budget or a
+        checkpoint load grows them past it; the one index of both tiers grows with the table)."""
         if self.tiers.fast_bytes is not None:
             slots = {n: (self.slot(n).shape[1], self.slot(n).dtype) for n in self.slot_names}
             per_row = budget.row_bytes(self.dim, self.dtype, self.key_dtype, slots)
             self.fast_capacity = budget.rows_for_bytes(self.tiers.fast_bytes, per_row, self.key_dtype,
                                                        "Tiers.fast_bytes")
         cap = self.fast_capacity
+        self._queue.refill = max(1, int(cap * QUEUE))
         if getattr(self, "slow", None) is not None and self._size > cap:
             self._demote(self._size - cap, torch.empty(0, dtype=torch.int64, device=self.device))
         n = self._size
         if self.capacity != max(cap, n):
             self._resize_columns(max(cap, n), n)
-        if self.index.num_buckets != self.index.buckets_for(max(cap, n), self.index.key_dtype):
-            self.index.rehash(self.row_keys[:n], torch.arange(n, device=self.device), max(cap, n))
 
-    def _resident(self, keys: torch.Tensor, new_ok: bool = True, count: bool = True) -> None:
+    def _resident(self, keys: torch.Tensor, new_ok: bool = True, count: bool = True) -> Optional[torch.Tensor]:
         """Bring the rows of ``keys`` found in the slow tier up, moving other rows down if the fast tier would pass
-        its budget (``new_ok``: counting room for the keys stored in neither tier, which the call may insert)."""
+        its budget (``new_ok``: counting room for the keys stored in neither tier, which the call may insert).
+        Returns the fast row of each key ``[N]`` where every key is stored and each one's row is known (no fast
+        row moved but those exchanged), else None."""
         flat = check_keys(keys, self.key_dtype, self.device)
         if flat.numel() == 0:
-            return
-        rows = self.index.find(flat)  # duplicates are harmless: only the keys coming up must be unique
-        hit = rows >= 0
-        absent = flat[~hit]
-        up = absent[(self.slow.find(absent) >= 0).to(self.device)] if absent.numel() else absent
-        if up.numel() > 1:
-            up = torch.unique(up)
-        new = absent.numel() - up.numel()  # an upper bound when keys repeat: at worst a little more room is made
+            return None
+        slots, rows = self.index.lookup(flat)  # one probe for both tiers; duplicates are harmless
+        fast = (rows >= 0) & (rows < SLOW_BASE)
+        up, up_slots, up_at = self._in_slow(flat, slots, rows)
+        n_fast = int(fast.sum())
+        new = flat.numel() - n_fast - up.numel()  # an upper bound when keys repeat: at worst more room is made
         if count:
-            self.hits["fast"] += flat.numel() - absent.numel()
+            self.hits["fast"] += n_fast
             self.hits["slow"] += up.numel()
             self.hits["miss"] += new
         over = self._size + up.numel() + (new if new_ok else 0) - self.fast_capacity
-        victims = rows[:0]
-        if over > 0:
-            victims = self._pick_victims(over + int(self.fast_capacity * SLACK), rows[hit])
-        if up.numel() or victims.numel():
-            self._move(victims, up)
+        victims = self._queue.take(self, over, rows[fast]) if over > 0 else rows[:0]
+        dest = exchange(self, self.slow, self.link, victims, up, up_slots, up_at) \
+            if up.numel() or victims.numel() else up
         if self.capacity > self.fast_capacity >= self._size:  # grown by an earlier call larger than the budget
             self._fit_fast()
+        if new or dest is None or (up.numel() and up.numel() != int((rows >= SLOW_BASE).sum())):
+            return None
+        if up.numel():
+            rows = rows.index_copy(0, (rows >= SLOW_BASE).nonzero().squeeze(1), dest)
+        return rows
+
+    def _in_slow(self, keys: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, slots, rows)`` of the distinct ``keys`` whose index ``rows`` (at ``slots``) are in the slow tier:
+        the key, its index slot, its slow row (on the slow tier's device), each ``[U]``."""
+        at = (rows >= SLOW_BASE).nonzero().squeeze(1)
+        keys, slots, rows = keys.index_select(0, at), slots.index_select(0, at), rows.index_select(0, at)
+        # a lookup passes its keys sorted and distinct: checking that costs one pass, deduplicating a sort
+        if keys.numel() > 1 and not bool((keys[1:] > keys[:-1]).all()):
+            keys, first = _first_occurrences(keys)
+            slots, rows = slots.index_select(0, first), rows.index_select(0, first)
+        return keys, slots, (rows - SLOW_BASE).to(self.slow.device)
 
     def _demote(self, n: int, pinned: torch.Tensor) -> None:
         """Move the ``n`` lowest-score fast rows not in ``pinned`` to the slow tier."""
-        self._move(self._pick_victims(n, pinned), torch.empty(0, dtype=self.key_dtype, device=self.device))
+        victims = self._queue.take(self, n, pinned)
+        none = torch.empty(0, dtype=torch.int64, device=self.device)
+        exchange(self, self.slow, self.link, victims, none.to(self.key_dtype), none, none.cpu())
 
-    def _move(self, victims: torch.Tensor, up: torch.Tensor) -> None:
-        """Fast rows ``victims`` go down, slow-tier ``up`` keys (unique) come up into the rows they free."""
-        down = self._take(victims)
-        rows, versions = self.slow.exchange(up, down, self._cols["version"].index_select(0, victims))
-        swap_rows(self, victims, rows, versions)
+
+def _first_occurrences(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(unique keys, position of each one's first occurrence in keys)``."""
+    unique, inverse = torch.unique(keys, return_inverse=True)
+    position = torch.arange(keys.numel(), device=keys.device)
+    first = torch.full_like(unique, keys.numel(), dtype=torch.int64).scatter_reduce_(0, inverse, position, "amin")
+    return unique, first
+
+
+def tier_traffic(tables, since: Optional[dict] = None) -> dict:
+    """The tiers' traffic of ``tables`` (any tables; the tiered ones count) since the snapshot ``since`` (a
+    previous return value; None: since construction): ``tier_bytes_moved`` (both directions, every column),
+    ``tier_rows_up``/``tier_rows_down``, the fast and slow tiers' hit rates over the keys looked up
+    (``tier_fast_hit_rate``, ``tier_slow_hit_rate``; 0 when none was), and ``counts``, the snapshot to pass next
+    time.
+
+    Example:
+        >>> t = TieredTable(2, tiers=Tiers(fast_capacity=2), initializer="zeros")
+        >>> before = tier_traffic([t])["counts"]
+        >>> rows, found = t.find_or_insert(torch.tensor([0, 1]))
+        >>> rows, found = t.find_or_insert(torch.tensor([2, 3]))  # 0 and 1 move down: 32 bytes a row
+        >>> step = tier_traffic([t], before)
+        >>> step["tier_rows_down"], step["tier_bytes_moved"], step["tier_fast_hit_rate"]
+        (2, 64, 0.0)
+    """
+    counts = {"fast": 0, "slow": 0, "miss": 0, "rows_up": 0, "rows_down": 0, "bytes_up": 0, "bytes_down": 0}
+    for table in tables:
+        if isinstance(table, TieredTable):
+            for name, n in {**table.hits, **table.moved}.items():
+                counts[name] += n
+    d = {k: v - (since or {}).get(k, 0) for k, v in counts.items()}
+    looked = d["fast"] + d["slow"] + d["miss"]
+    return {"tier_bytes_moved": d["bytes_up"] + d["bytes_down"], "tier_rows_up": d["rows_up"],
+            "tier_rows_down": d["rows_down"], "tier_fast_hit_rate": d["fast"] / looked if looked else 0.0,
+            "tier_slow_hit_rate": d["slow"] / looked if looked else 0.0, "counts": counts}
 
 
 def _sliced(rows: Rows, part: slice, device) -> Rows:

@@ -11,14 +11,15 @@ from typing import Optional, Union
 
 import torch
 
+from ...checkpoint.row_codec import decode_rows, encode_rows
 from ...serialization import NotSerializableError, parse_dtype
-from ...table import KeyValueTable
 from ...table.initializers import Initializer
 from ..server_config import ModelConfig
+from .group_cache import TableCache
 from .lineage import Lineage
 from .writeback import PendingRows, batch_rows
 
-__all__ = ["TableState", "new_table"]
+__all__ = ["TableState", "new_table", "cache_capacity"]
 
 _SMALL_TABLE_ROWS = 4096
 
@@ -32,23 +33,58 @@ class TableState:
     dim: int
     dtype: torch.dtype
     store_name: str  # the table's name in the stores: "<model>.<table>"
-    cache: KeyValueTable
+    cache: TableCache  # the table's view of its group's cache (see .group_cache)
     default: Union[float, Initializer]
     seed: int
     pending: PendingRows  # rows waiting for a background write-back into the cache
     stats: dict = dataclasses.field(default_factory=lambda: {"lookups": 0, "cache": 0, "volatile": 0,
                                                              "persistent": 0, "default": 0})
-    cache_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     stats_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     epoch: int = 0  # moved on by each update, under both locks; write-backs of rows read before are dropped
-    filling: bool = False  # a background write-back is inserting into the cache (or about to)
     lineage: Optional[Lineage] = None  # the export the table holds; replaced by each update, under the model's lock
     key_dtype: torch.dtype = torch.int64  # the trained table's key dtype: an int32 one serves only int32-range ids
+    codec: Optional[str] = None  # 8-bit rows (checkpoint.row_codec): stored packed, `dim` 16-bit words a row
+    row_dim: int = 0  # values a row as the lookup answers it (`dim` unless packed)
+
+    def __post_init__(self) -> None:
+        self.row_dim = self.row_dim or self.dim
+
+    def stored(self, values: torch.Tensor, kind: Optional[str]) -> torch.Tensor:
+        """Rows of an export whose dtype is ``kind`` (a packed 8-bit kind, or None for float rows) as this table
+        stores them: float rows in its dtype, or packed rows as 16-bit words."""
+        if kind != self.codec:  # an export of another precision: through float32
+            values = decode_rows(values, kind, self.row_dim) if kind else values
+            values = encode_rows(values, self.codec) if self.codec else values
+        return values.contiguous().view(torch.float16) if self.codec else values.to(self.dtype)
+
+    def answer(self, values: torch.Tensor) -> torch.Tensor:
+        """Stored rows ``[N, dim]`` -> the rows a lookup answers, ``[N, row_dim]`` (8-bit rows dequantized)."""
+        return decode_rows(values, self.codec, self.row_dim) if self.codec else values
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Float rows ``[N, row_dim]`` as stored."""
+        return encode_rows(rows, self.codec).view(torch.float16) if self.codec else rows.to(self.dtype)
+
+    @property
+    def cache_lock(self) -> threading.Lock:
+        """The lock of the group cache the table's rows are in (shared by the tables of the group)."""
+        return self.cache.group.lock
+
+    @property
+    def filling(self) -> bool:
+        """A background write-back is inserting into the (group) cache, or about to."""
+        return self.cache.group.filling
+
+    @filling.setter
+    def filling(self, value: bool) -> None:
+        self.cache.group.filling = value
 
     def default_rows(self, keys: torch.Tensor) -> torch.Tensor:
+        """Default rows of ``keys`` as stored (8-bit rows: the initializer's rows, quantized as the export's are)."""
+        dtype = torch.float32 if self.codec else self.dtype
         if isinstance(self.default, Initializer):
-            return self.default(keys, self.dim, self.dtype, self.seed)
-        return torch.full((keys.numel(), self.dim), float(self.default), dtype=self.dtype)
+            return self.encode(self.default(keys, self.row_dim, dtype, self.seed))
+        return self.encode(torch.full((keys.numel(), self.row_dim), float(self.default), dtype=dtype))
 
     @property
     def hit_rate(self) -> float:
@@ -61,18 +97,20 @@ class TableState:
                 self.cache.insert_or_assign(keys.to(self.cache.device), rows.to(self.cache.device))
 
 
-def new_table(cfg: ModelConfig, i: int, name: str, dim: int, dtype: torch.dtype, entry: dict, rows: int,
+def cache_capacity(cfg: ModelConfig, rows: int) -> int:
+    """Rows of the cache for a table of ``rows`` rows: ``cache_fraction`` of them; a small table whole (a fraction
+    of a 10-row table would only cost misses)."""
+    return max(1, int(rows * cfg.cache_fraction), min(rows, _SMALL_TABLE_ROWS))
+
+
+def new_table(cfg: ModelConfig, i: int, name: str, dim: int, dtype: torch.dtype, entry: dict, cache: TableCache,
               jitter: random.Random) -> TableState:
-    """The state of table ``i`` of ``cfg``, ``name`` with ``rows`` rows, from its export manifest ``entry``."""
+    """The state of table ``i`` of ``cfg``, ``name``, from its export manifest ``entry``, cached in ``cache``."""
     default = cfg.default_for(i)
     if default == "initializer":
         default = _initializer(name, entry, explicit=bool(cfg.default_value_for_each_table))
-    # Small tables are cached whole: a fraction of a 10-row table would only cost misses.
-    capacity = max(1, int(rows * cfg.cache_fraction), min(rows, _SMALL_TABLE_ROWS))
-    cache = KeyValueTable(dim, dtype=dtype, device=cfg.device, max_capacity=capacity,
-                          init_capacity=min(capacity, 1 << 16), eviction="lru", initializer="zeros")
     return TableState(name, dim, dtype, store_name(cfg.model, name), cache, default, int(entry.get("seed") or 0),
-                      PendingRows(batch_rows(capacity), jitter),
+                      PendingRows(batch_rows(cache.capacity), jitter),
                       key_dtype=parse_dtype(entry.get("key_dtype", "int64"), f"table {name!r}: key_dtype"))
 
 

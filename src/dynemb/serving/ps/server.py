@@ -16,9 +16,12 @@ from ...serialization import parse_dtype
 from ..server_config import ModelConfig, ServerConfig
 from ...checkpoint.export_format import read_chain, read_export, version_name
 from ...checkpoint.manifest import MANIFEST, SERVING_FORMAT, complete
+from ...checkpoint.row_codec import packed_width, quantized_kind
 from . import updates
-from .cache import TableState, new_table
+from .cache import TableState, cache_capacity, new_table, store_name
+from .group_cache import GroupCache, TableCache
 from .lineage import Lineage, summary
+from .request_lookup import lookup_request
 from .table_lookup import Lookup, read_tiers
 from .tiers import StoreTier, StoreTiers
 from .writeback import WriteBack
@@ -65,6 +68,7 @@ class ParameterServer:
         self._locks = {name: threading.RLock() for name in self.models}
         self.versions: dict[str, dict] = {}
         self._writeback = WriteBack()
+        self.grouped = True  # lookups take every table of a request together (.request_lookup); False: table by table
 
     @classmethod
     def from_config(cls, source: Union[str, Path, Mapping], *, seed: int = 0) -> "ParameterServer":
@@ -141,18 +145,37 @@ class ParameterServer:
         names = cfg.embedding_table_names
         with self._locks[cfg.model], tqdm(total=len(names), desc=f"loading {cfg.model}", unit="table",
                                           disable=not progress) as bar:
+            loaded = []
             for i, (name, dim) in enumerate(zip(names, cfg.embedding_vecsize_per_table)):
                 chain = chains[cfg.export_root(i)]
                 manifest = chain[-1][0]
                 entry = self._entry(cfg, i, manifest)
                 keys, values = updates.replay(chain, name)
-                dtype = parse_dtype(entry["dtype"], f"table {name!r}: dtype")
-                table = new_table(cfg, i, name, dim, dtype, entry, keys.numel(), self._jitter)
-                table.lineage = Lineage.of(manifest)
-                self.tiers.create_table(table.store_name, dim, dtype)
-                self.tiers.replace(table.store_name, keys, values.to(dtype))
-                tables[name] = table
+                # 8-bit rows stay packed in every tier and cache, as 16-bit words (their bytes unchanged)
+                kind = quantized_kind(entry["dtype"])
+                dtype = torch.float16 if kind else parse_dtype(entry["dtype"], f"table {name!r}: dtype")
+                width = packed_width(kind, dim) // 2 if kind else dim
+                store = store_name(cfg.model, name)
+                self.tiers.create_table(store, width, dtype)
+                self.tiers.replace(store, keys, values.view(dtype) if kind else values.to(dtype))
+                loaded.append((i, name, (width, dtype, kind, dim), entry, keys.numel(), manifest))
+                del keys, values
                 bar.update(1)
+            # One cache per row shape (stored width, dtype, 8-bit kind): a request reads all the tables of a group
+            # in one pass.
+            groups: dict[tuple, list] = {}
+            for item in loaded:
+                groups.setdefault(item[2], []).append(item)
+            for (width, dtype, kind, dim), members in groups.items():
+                capacities = [cache_capacity(cfg, item[4]) for item in members]
+                group = GroupCache(width, dtype, cfg.device, sum(capacities), len(members))
+                for k, ((i, name, _, entry, _, manifest), capacity) in enumerate(zip(members, capacities)):
+                    table = new_table(cfg, i, name, width, dtype, entry, TableCache(group, k, capacity),
+                                      self._jitter)
+                    table.codec, table.row_dim = kind, dim
+                    table.lineage = Lineage.of(manifest)
+                    tables[name] = table
+            tables = {name: tables[name] for name in names}
             self._tables[cfg.model] = tables
             self.versions[cfg.model] = {**summary(tables), "loaded_unix": time.time()}
 
@@ -177,8 +200,9 @@ class ParameterServer:
     def lookup_many(self, model: str, keys_per_table: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rows from several tables of ``model`` in one call, as HPS looks up every table of a request at once.
 
-        Each lower tier answers the cache misses of all the tables in one call: one round trip to Redis per
-        request instead of one per table.
+        The tables of one row shape share a cache, read in one pass for all of them; each lower tier answers the
+        cache misses of all the tables in one call (one round trip to Redis per request instead of one per table),
+        and default rows are computed only for the ids missing everywhere (:mod:`.request_lookup`).
 
         Args:
             model: a loaded model.
@@ -211,11 +235,16 @@ class ParameterServer:
             raise TypeError(f"keys_per_table must be a dict {{table: keys}}, got {type(keys_per_table).__name__}")
         batches = {name: (t := self._table(model, name), self._check_batch(cfg, t, keys))
                    for name, keys in keys_per_table.items()}
+        if self.grouped:
+            rows = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, list(batches.values()))
+            if rows is not None:
+                return {name: r.view(*keys_per_table[name].shape, batches[name][0].row_dim)
+                        for name, r in zip(batches, rows)}
         lookups = [Lookup.from_cache(t, flat) for t, flat in batches.values()]
         read_tiers(self.tiers, lookups)
         for lookup in lookups:
             self._write_back(cfg, lookup, lookup.finish())
-        return {name: lookup.values.view(*keys_per_table[name].shape, lookup.t.dim)
+        return {name: lookup.t.answer(lookup.values).view(*keys_per_table[name].shape, lookup.t.row_dim)
                 for name, lookup in zip(batches, lookups)}
 
     @staticmethod

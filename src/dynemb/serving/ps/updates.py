@@ -10,10 +10,11 @@ epoch on and drops its pending write-backs: rows read before the update may be s
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
+from ...checkpoint.row_codec import quantized_kind
 from .cache import TableState
 from .lineage import Lineage, update_targets
 from .tiers import StoreTiers
@@ -36,20 +37,20 @@ def apply_update(manifest: dict, payload: Mapping[str, dict], served: Mapping[st
     targets = update_targets(manifest, served)
     for tables in targets.values():
         for name, t in tables.items():
-            dim = payload[name]["values"].shape[1]
-            if dim != t.dim:
-                raise ValueError(f"{manifest['path']}: table {name!r} has dim {dim}, served as {t.dim} "
+            dim = manifest["tables"][name]["dim"]
+            if dim != t.row_dim:
+                raise ValueError(f"{manifest['path']}: table {name!r} has dim {dim}, served as {t.row_dim} "
                                  "(nothing was changed)")
     full = manifest["kind"] == "full"
     for tables in targets.values():
         for name, t in tables.items():
-            _update_table(t, payload[name], full, tiers)
+            _update_table(t, payload[name], full, tiers, quantized_kind(manifest["tables"][name]["dtype"]))
             t.lineage = Lineage.of(manifest)
     return targets
 
 
-def _update_table(t: TableState, cols: dict, full: bool, tiers: StoreTiers) -> None:
-    keys, values = cols["keys"].to(torch.int64), cols["values"].to(t.dtype)
+def _update_table(t: TableState, cols: dict, full: bool, tiers: StoreTiers, kind: Optional[str]) -> None:
+    keys, values = cols["keys"].to(torch.int64), t.stored(cols["values"], kind)
     deleted = None if full else cols["deleted_keys"].to(torch.int64)
     if full:
         tiers.replace(t.store_name, keys, values)
@@ -63,7 +64,7 @@ def _update_table(t: TableState, cols: dict, full: bool, tiers: StoreTiers) -> N
             t.epoch += 1
             t.pending.clear()
         if full:  # the keys cached that the export no longer has
-            cached = t.cache.row_keys[: t.cache.size()]
+            cached = t.cache.keys()
             deleted = cached[~torch.isin(cached, keys.to(device))]
         if deleted.numel():
             t.cache.erase(deleted.to(device))

@@ -102,9 +102,18 @@ class MemoryStore(Store):
         return None  # every schema this store knows was created through it, so it is already cached
 
     def _get(self, table, schema, keys):
-        # Scores only order evictions, and an unbounded store never evicts: skip their update.
         with self._lock:
-            return self._tables_by_name[table].find(keys, update_scores=self.config.max_rows_per_table is not None)
+            kv = self._tables_by_name[table]
+            if self.config.max_rows_per_table is not None:  # scores order evictions: count the read
+                return kv.find(keys, update_scores=True)
+            # An unbounded store never evicts: the index and a gather, no scores, no initializer rows for misses
+            # (the keys were checked by get/get_many).
+            rows, every = kv.index.find_all(keys)
+            values = kv.values.index_select(0, rows if every else rows.clamp(min=0))
+        found = rows >= 0
+        if not every:
+            values.masked_fill_(~found.unsqueeze(1), 0)
+        return values, found
 
     def _put(self, table, schema, keys, values) -> None:
         with self._lock:

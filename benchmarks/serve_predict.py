@@ -1,0 +1,121 @@
+"""In-process ``ServedModel.predict`` of the demo model: the grouped request path against the per-table one.
+
+Model: the DLRM ``dynemb train`` trains on the demo's synthetic click logs (26 categorical columns, 13 dense, dim 16),
+or the run given with ``--model`` (it is copied: serving writes an export into the run). Its tables are served by a
+parameter server (20% of each table's rows cached) with the in-process memory tier or a real ``redis-server`` on a
+free loopback port. Requests of ``--rows`` rows (default 256: ids drawn from the ids training saw, 5% unseen; the
+bodies of ``benchmarks/serve_endpoint.py``), already decoded; each call scores one. The two paths
+(``ParameterServer.grouped`` True / False) take turns call by call, the first of a pair alternating, so load hits
+both alike; reported: the median and minimum per call of this thread's CPU time (what the call costs, unaffected by
+time spent descheduled on a busy machine) and of wall time, and the paired ratio (median of per-pair ratios), after
+warm-up calls. ``dense_ms`` is the dense part alone (``model(batch, pooled=...)`` on rows looked up beforehand).
+
+Run: ``python benchmarks/serve_predict.py [--quick] [--json PATH] [--model RUN_DIR] [--rows N] [--calls N]``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "serving"))
+from _common import machine_info, parser, print_table, write_json  # noqa: E402
+from redis_process import RedisServer  # noqa: E402
+from serve_endpoint import make_bodies, synthetic_run  # noqa: E402
+
+from dynemb.endpoint import ServedModel  # noqa: E402
+from dynemb.job.score import probabilities  # noqa: E402
+
+
+def dense_ms(model: ServedModel, bodies: list, calls: int) -> float:
+    """Median thread CPU ms of the dense part alone on rows looked up beforehand."""
+    prepared = []
+    for b in bodies:
+        batch = model.preprocessing.normalize(b.batch)
+        pooled = {f: model.ps.lookup(model.name, model._tables[f], batch.sparse[f]) for f in model.features}
+        prepared.append((batch, pooled))
+    times = []
+    with torch.no_grad():
+        for k in range(calls):
+            batch, pooled = prepared[k % len(prepared)]
+            t0 = time.thread_time()
+            probabilities(model.model(batch, pooled=pooled))
+            times.append(time.thread_time() - t0)
+    return round(1e3 * statistics.median(times), 3)
+
+
+def measure(run: Path, tier: str, volatile: dict, rows: int, calls: int) -> dict:
+    model = ServedModel(run, name="ctr", volatile_db=volatile)
+    try:
+        bodies = make_bodies(model, rows, 32)
+        cpu = {True: [], False: []}
+        wall = {True: [], False: []}
+        for k in range(calls + 20):
+            body = bodies[k % len(bodies)]
+            for grouped in ((True, False) if k % 2 else (False, True)):
+                model.ps.grouped = grouped
+                t0, w0 = time.thread_time(), time.perf_counter()
+                model.predict(body.batch)
+                if k >= 20:  # warm-up: the caches fill
+                    cpu[grouped].append(1e3 * (time.thread_time() - t0))
+                    wall[grouped].append(1e3 * (time.perf_counter() - w0))
+        model.ps.grouped = True
+        ratio = statistics.median(np.divide(cpu[False], cpu[True]))
+        out = {"tier": tier, "rows": rows, "calls": calls}
+        for grouped, label in ((True, "grouped"), (False, "per_table")):
+            out[f"{label}_cpu_ms"] = round(statistics.median(cpu[grouped]), 3)
+            out[f"{label}_cpu_min_ms"] = round(min(cpu[grouped]), 3)
+            out[f"{label}_wall_ms"] = round(statistics.median(wall[grouped]), 3)
+        out["speedup_paired"] = round(ratio, 2)
+        out["dense_ms"] = dense_ms(model, bodies, min(calls, 200))
+        out["hit_rate"] = round(sum(t["cache"] for t in model.ps.stats("ctr")["tables"].values())
+                                / max(1, sum(t["lookups"] for t in model.ps.stats("ctr")["tables"].values())), 4)
+        return out
+    finally:
+        model.close()
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--model", metavar="RUN_DIR", help="a `dynemb train` run (default: train one on synthetic data)")
+    p.add_argument("--rows", type=int, default=256, help="rows per request")
+    p.add_argument("--calls", type=int, default=None, help="timed calls per path (default 300; --quick: 60)")
+    p.add_argument("--tiers", default="memory,redis", help="volatile stores to serve from")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    calls = args.calls or (60 if args.quick else 300)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        if args.model:
+            shutil.copytree(args.model, run, ignore=shutil.ignore_patterns("export*"))
+        else:
+            synthetic_run(run, 30 if args.quick else 300)
+        for tier in args.tiers.split(","):
+            if tier == "memory":
+                results.append(measure(run, tier, {"type": "memory"}, args.rows, calls))
+                continue
+            redis = RedisServer(tmp)
+            redis.start()
+            try:
+                results.append(measure(run, tier, {"type": "redis", "address": redis.address}, args.rows, calls))
+            finally:
+                redis.kill()
+    info = machine_info()
+    print(f"ServedModel.predict in process, {args.rows} rows, 1 thread; {info['cpu_model']}")
+    print_table(results, list(results[0]))
+    if args.json:
+        write_json(args.json, {"benchmark": "serve_predict", "machine": info, "results": results})
+
+
+if __name__ == "__main__":
+    main()

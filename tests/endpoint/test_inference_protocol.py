@@ -1,0 +1,348 @@
+"""Every call a Triton user makes, from ``tritonclient.http`` and ``tritonclient.grpc``, against a real ``dynemb
+serve`` process (one for the module, HTTP and gRPC, with a token given in a lower-case ``bearer`` scheme); and a
+server that listens before its first version. Probabilities are compared with ``dynemb predict``'s (atol 1e-6)."""
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+
+import httpx
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from test_command import SRC, free_port, wait_ready
+
+http = pytest.importorskip("tritonclient.http")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+TOKEN = "t0k"
+ROWS = 60
+
+
+@pytest.fixture(scope="module")
+def server(run):
+    port, grpc_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run / "run"), "--name", "ctr",
+                             "--token", TOKEN, "--port", str(port), "--grpc-port", str(grpc_port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc, token=TOKEN)
+        yield f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def rows(run):
+    table = pq.read_table(run / "test.parquet").slice(0, ROWS).to_pydict()
+    expected = np.asarray(pq.read_table(run / "preds.parquet").column("probability").to_pylist()[:ROWS])
+    arrays = {"user": (np.array(table["user"], dtype=object), "BYTES"),
+              "item": (np.array(table["item"], dtype=np.int64), "INT64"),
+              "tags": (np.array([t for bag in table["tags"] for t in bag], dtype=object), "BYTES"),
+              "tags__lengths": (np.array([len(bag) for bag in table["tags"]], dtype=np.int32), "INT32"),
+              "price": (np.array(table["price"], dtype=np.float32), "FP32")}
+    return arrays, expected
+
+
+def inputs(module, arrays, binary=None):
+    out = []
+    for name, (values, datatype) in arrays.items():
+        out.append(module.InferInput(name, list(values.shape), datatype))
+        if binary is None:
+            out[-1].set_data_from_numpy(values)
+        else:
+            out[-1].set_data_from_numpy(values, binary_data=binary)
+    return out
+
+
+HEADERS = {"Authorization": f"bearer {TOKEN}"}  # the scheme is case-insensitive
+
+
+@pytest.mark.slow
+def test_every_http_call_of_tritonclient(server, rows):
+    arrays, expected = rows
+    client = http.InferenceServerClient(server[0], network_timeout=30)
+    try:
+        assert client.is_server_live(headers=dict(HEADERS)) and client.is_server_ready(headers=dict(HEADERS))
+        assert client.is_model_ready("ctr", headers=dict(HEADERS))
+        assert client.is_model_ready("ctr", "1", headers=dict(HEADERS))
+        assert not client.is_model_ready("ctr", "2", headers=dict(HEADERS))
+        assert not client.is_model_ready("other", headers=dict(HEADERS))
+        meta = client.get_server_metadata(headers=dict(HEADERS))
+        assert meta["name"] == "dynemb" and "binary_tensor_data" in meta["extensions"]
+        for version in ("", "1"):
+            model = client.get_model_metadata("ctr", version, headers=dict(HEADERS))
+            assert model["versions"] == ["1"] and [t["name"] for t in model["inputs"]] == list(arrays)
+            config = client.get_model_config("ctr", version, headers=dict(HEADERS))
+            assert [t["name"] for t in config["input"]] == list(arrays)
+            assert config["output"] == [{"name": "probability", "data_type": "TYPE_FP64", "dims": [-1]}]
+        with pytest.raises(InferenceServerException, match="serves version 1, not '7'"):
+            client.get_model_metadata("ctr", "7", headers=dict(HEADERS))
+        answers = {}
+        for binary_in in (False, True):
+            for binary_out in (False, True):
+                for compress in (None, "gzip", "deflate"):
+                    for version in ("", "1"):
+                        out = [http.InferRequestedOutput("probability", binary_data=binary_out)]
+                        result = client.infer("ctr", inputs(http, arrays, binary_in), model_version=version,
+                                              outputs=out, headers=dict(HEADERS),
+                                              request_compression_algorithm=compress,
+                                              response_compression_algorithm=compress)
+                        answers[binary_in, binary_out, compress, version] = result.as_numpy("probability")
+                        response = result.get_response()
+                        assert response["model_version"] == "1"
+                        assert ("data" not in response["outputs"][0]) == binary_out
+        for got in answers.values():
+            np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
+        done = client.async_infer("ctr", inputs(http, arrays, True), headers=dict(HEADERS))
+        np.testing.assert_allclose(done.get_result().as_numpy("probability"), expected, atol=1e-6, rtol=0)
+        with pytest.raises(InferenceServerException, match="serves version 1, not '3'"):
+            client.infer("ctr", inputs(http, arrays), model_version="3", headers=dict(HEADERS))
+        stats = client.get_inference_statistics("ctr", headers=dict(HEADERS))["model_stats"][0]
+        assert stats["name"] == "ctr" and stats["inference_count"] >= 25 * ROWS
+        assert client.get_inference_statistics(headers=dict(HEADERS))["model_stats"][0]["name"] == "ctr"
+        assert client.get_inference_statistics("ctr", "1", headers=dict(HEADERS))["model_stats"][0]["version"] == "1"
+        for call in (lambda: client.get_system_shared_memory_status(headers=dict(HEADERS)),
+                     lambda: client.get_cuda_shared_memory_status(headers=dict(HEADERS)),
+                     lambda: client.get_model_repository_index(headers=dict(HEADERS)),
+                     lambda: client.load_model("ctr", headers=dict(HEADERS)),
+                     lambda: client.get_trace_settings(headers=dict(HEADERS)),
+                     lambda: client.get_log_settings(headers=dict(HEADERS))):
+            with pytest.raises(InferenceServerException, match="not supported"):
+                call()
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_every_grpc_call_of_tritonclient(server, rows):
+    arrays, expected = rows
+    client = grpcclient.InferenceServerClient(server[1])
+    headers = {"authorization": f"Bearer {TOKEN}"}
+    try:
+        assert client.is_server_live(headers=dict(headers)) and client.is_server_ready(headers=dict(headers))
+        assert client.is_model_ready("ctr", headers=dict(headers))
+        assert client.is_model_ready("ctr", "1", headers=dict(headers))
+        assert not client.is_model_ready("ctr", "2", headers=dict(headers))
+        meta = client.get_server_metadata(headers=dict(headers), as_json=True)
+        assert meta["name"] == "dynemb"
+        for version in ("", "1"):
+            model = client.get_model_metadata("ctr", version, headers=dict(headers), as_json=True)
+            assert model["versions"] == ["1"] and [t["name"] for t in model["inputs"]] == list(arrays)
+            config = client.get_model_config("ctr", version, headers=dict(headers), as_json=True)["config"]
+            assert [t["name"] for t in config["input"]] == list(arrays)
+            assert config["output"][0]["data_type"] == "TYPE_FP64"
+        for compress in (None, "gzip", "deflate"):
+            for version in ("", "1"):
+                result = client.infer("ctr", inputs(grpcclient, arrays), model_version=version, headers=dict(headers),
+                                      outputs=[grpcclient.InferRequestedOutput("probability")],
+                                      compression_algorithm=compress, request_id="r7")
+                np.testing.assert_allclose(result.as_numpy("probability"), expected, atol=1e-6, rtol=0)
+                assert result.get_response().model_version == "1" and result.get_response().id == "r7"
+        answer = []
+        client.async_infer("ctr", inputs(grpcclient, arrays), headers=dict(headers),
+                           callback=lambda result, error: answer.append((result, error)))
+        deadline = time.monotonic() + 30
+        while not answer and time.monotonic() < deadline:
+            time.sleep(0.01)
+        result, error = answer[0]
+        assert error is None
+        np.testing.assert_allclose(result.as_numpy("probability"), expected, atol=1e-6, rtol=0)
+        stats = client.get_inference_statistics("ctr", headers=dict(headers), as_json=True)["model_stats"][0]
+        assert stats["name"] == "ctr" and int(stats["inference_count"]) >= 7 * ROWS
+        stats = client.get_inference_statistics("ctr", "1", headers=dict(headers), as_json=True)["model_stats"][0]
+        assert stats["version"] == "1"
+        # The limits of HTTP: more rows than --max-batch-size (4096) is a 400 there, INVALID_ARGUMENT here.
+        n = 4097
+        big = {"user": (np.array(["u1"] * n, dtype=object), "BYTES"), "item": (np.zeros(n, np.int64), "INT64"),
+               "tags": (np.array([], dtype=object), "BYTES"), "tags__lengths": (np.zeros(n, np.int32), "INT32"),
+               "price": (np.ones(n, np.float32), "FP32")}
+        with pytest.raises(InferenceServerException, match="4096") as error:
+            client.infer("ctr", inputs(grpcclient, big), headers=dict(headers))
+        assert "INVALID_ARGUMENT" in str(error.value.status())
+        # The same errors as over HTTP: a bad input names it; no token is UNAUTHENTICATED; unsupported calls say so.
+        bad = inputs(grpcclient, {**arrays, "item": (arrays["item"][0][:-1], "INT64")})
+        with pytest.raises(InferenceServerException, match="input 'item'") as error:
+            client.infer("ctr", bad, headers=dict(headers))
+        assert "INVALID_ARGUMENT" in str(error.value.status())
+        with pytest.raises(InferenceServerException, match="bearer token"):
+            client.is_server_live()
+        with pytest.raises(InferenceServerException, match="unknown model 'other'"):
+            client.infer("other", inputs(grpcclient, arrays), headers=dict(headers))
+        for call in (lambda: client.get_system_shared_memory_status(headers=dict(headers)),
+                     lambda: client.get_cuda_shared_memory_status(headers=dict(headers)),
+                     lambda: client.get_model_repository_index(headers=dict(headers)),
+                     lambda: client.unload_model("ctr", headers=dict(headers)),
+                     lambda: client.get_trace_settings(headers=dict(headers)),
+                     lambda: client.get_log_settings(headers=dict(headers))):
+            with pytest.raises(InferenceServerException, match="not supported"):
+                call()
+    finally:
+        client.close()
+
+
+def post(server, path, body: bytes, headers=None):
+    return httpx.post(f"http://{server[0]}{path}", content=body, headers={**HEADERS, **(headers or {})}, timeout=30)
+
+
+def test_errors_are_json_on_every_route_404s_included(server):
+    for method, path, status in [("GET", "/nowhere", 404), ("GET", "/v2/models/ctr/nothing", 404),
+                                 ("POST", "/v2/models/ctr", 405), ("GET", "/v2/models/ctr/infer", 405),
+                                 ("GET", "/v2/models/other", 404), ("GET", "/v2/models/other/ready", 404),
+                                 ("POST", "/v2/models/other/versions/1/infer", 404),
+                                 ("POST", "/v2/repository/index", 501), ("GET", "/v2/logging", 501),
+                                 ("GET", "/v2/models/ctr/trace/setting", 501)]:
+        r = httpx.request(method, f"http://{server[0]}{path}", headers=dict(HEADERS), timeout=30)
+        assert r.status_code == status and r.headers["content-type"] == "application/json", (path, r.text)
+        assert r.json()["error"], path
+    r = httpx.get(f"http://{server[0]}/v2", timeout=30)
+    assert r.status_code == 401 and "bearer" in r.json()["error"]
+
+
+def one_row(price="1.5", item="3"):
+    return ('{"inputs": [{"name": "user", "datatype": "BYTES", "shape": [1], "data": ["u1"]},'
+            f'{{"name": "item", "datatype": "INT64", "shape": [1], "data": [{item}]}},'
+            '{"name": "tags", "datatype": "BYTES", "shape": [0], "data": []},'
+            '{"name": "tags__lengths", "datatype": "INT32", "shape": [1], "data": [0]},'
+            f'{{"name": "price", "datatype": "FP32", "shape": [1], "data": [{price}]}}]}}').encode()
+
+
+def test_bare_nan_and_infinity_follow_the_dense_rule_and_a_nan_id_is_a_400_naming_it(server, run):
+    from dynemb.job import read_card
+
+    prep = read_card(run / "run").preprocessing
+    mean_raw = float(np.expm1(prep.dense_mean[0]))  # the value whose signed log is the mean
+    scored = {}
+    for token, same_as in (("NaN", repr(mean_raw)), ("Infinity", repr(prep.dense_max[0])),
+                           ("-Infinity", repr(prep.dense_min[0]))):
+        r, s = post(server, "/v2/models/ctr/infer", one_row(token)), post(server, "/v2/models/ctr/infer",
+                                                                           one_row(same_as))
+        assert r.status_code == s.status_code == 200, (r.text, s.text)
+        got = r.json()["outputs"][0]["data"][0]
+        assert np.isfinite(got), token
+        np.testing.assert_allclose(got, s.json()["outputs"][0]["data"][0], atol=1e-5)
+        scored[token] = got
+    for bad in ("NaN", "Infinity"):
+        r = post(server, "/v2/models/ctr/infer", one_row(item=bad))
+        assert r.status_code == 400 and "input 'item'" in r.json()["error"], r.text
+    r = post(server, "/v2/models/ctr/infer", b'{"inputs": NaNx}')
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+
+
+def test_compressed_bodies_both_ways_and_their_limits(server):
+    plain = post(server, "/v2/models/ctr/infer", one_row())
+    assert plain.status_code == 200
+    for encoding, packed in (("gzip", gzip.compress(one_row())), ("deflate", zlib.compress(one_row())),
+                             ("deflate", zlib.compress(one_row())[2:-4])):  # raw deflate too
+        r = post(server, "/v2/models/ctr/infer", packed, {"Content-Encoding": encoding, "Accept-Encoding": encoding})
+        assert r.status_code == 200 and r.headers["content-encoding"] == encoding, r.text
+        assert r.json() == plain.json()  # httpx inflates it
+    r = post(server, "/v2/models/ctr/infer", b"not gzip", {"Content-Encoding": "gzip"})
+    assert r.status_code == 400 and "gzip" in r.json()["error"]
+    r = post(server, "/v2/models/ctr/infer", one_row(), {"Content-Encoding": "br"})
+    assert r.status_code == 400 and "Content-Encoding" in r.json()["error"]
+    bomb = gzip.compress(b" " * (9 << 20))  # 9 MiB of spaces: under 10 KB sent, over the 8 MiB limit inflated
+    r = post(server, "/v2/models/ctr/infer", bomb, {"Content-Encoding": "gzip"})
+    assert r.status_code == 400 and "once inflated" in r.json()["error"]
+
+
+@pytest.mark.slow
+def test_a_watching_server_is_live_before_its_first_version_and_ready_after(run, tmp_path):
+    from dynemb.checkpoint import export_for_serving
+    from dynemb.job import load_model
+
+    port, grpc_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run / "run"), "--name", "ctr",
+                             "--export", str(tmp_path / "exp"), "--watch", "0.2", "--port", str(port),
+                             "--grpc-port", str(grpc_port)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert "waiting for the first version" in proc.stdout.readline()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                live = httpx.get(f"{url}/v2/health/live", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        assert live.status_code == 200
+        ready = httpx.get(f"{url}/v2/health/ready", timeout=5)
+        assert ready.status_code == 503 and "waiting for the first version" in ready.json()["error"]
+        client = http.InferenceServerClient(f"127.0.0.1:{port}")
+        assert client.is_server_live() and not client.is_server_ready() and not client.is_model_ready("ctr")
+        r = httpx.post(f"{url}/v2/models/ctr/infer", content=one_row(), timeout=5)
+        assert r.status_code == 503 and "not ready" in r.json()["error"]
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as g:
+            assert g.is_server_live() and not g.is_server_ready()
+        export_for_serving(tmp_path / "exp", load_model(run / "run")[0])
+        wait_ready(url, proc, token=None)
+        assert client.is_model_ready("ctr", "1")
+        assert json.loads(httpx.post(f"{url}/v2/models/ctr/infer", content=one_row(), timeout=30).text)[
+            "model_version"] == "1"
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_metrics_are_prometheus_text_that_its_parser_reads(server, rows):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dynemb.endpoint.prometheus_metrics import METRIC_NAMES
+
+    arrays, _ = rows
+    client = http.InferenceServerClient(server[0], network_timeout=30)
+    try:
+        client.infer("ctr", inputs(http, arrays), headers=dict(HEADERS))
+        with pytest.raises(InferenceServerException):
+            client.infer("ctr", inputs(http, {**arrays, "item": (arrays["item"][0][:-1], "INT64")}),
+                         headers=dict(HEADERS))
+    finally:
+        client.close()
+    with grpcclient.InferenceServerClient(server[1]) as g:
+        g.infer("ctr", inputs(grpcclient, arrays), headers={"authorization": f"Bearer {TOKEN}"})
+    assert httpx.get(f"http://{server[0]}/metrics", timeout=30).status_code == 401  # the token guards it too
+    r = httpx.get(f"http://{server[0]}/metrics", headers=dict(HEADERS), timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    # The parser names a counter without its _total suffix.
+    assert {n.removesuffix("_total") for n in METRIC_NAMES} <= set(families), sorted(families)
+
+    def value(family, suffix="", **labels):
+        return sum(s.value for s in families[family].samples
+                   if s.name == family + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    for protocol in ("http", "grpc"):
+        assert value("dynemb_requests", "_total", model="ctr", route="infer", protocol=protocol) >= 1
+        assert value("dynemb_request_duration_seconds", "_count", route="infer", protocol=protocol) >= 1
+        assert value("dynemb_request_rows", "_sum", protocol=protocol) >= ROWS
+    assert value("dynemb_request_failures", "_total", route="infer", protocol="http") >= 1
+    assert value("dynemb_forward_rows", "_sum", model="ctr") >= 2 * ROWS
+    looked = {tier: value("dynemb_rows_looked_up", "_total", tier=tier)
+              for tier in ("cache", "volatile", "persistent", "default")}
+    assert looked["cache"] + looked["volatile"] > 0
+    rates = [value("dynemb_tier_hit_rate", tier=tier) for tier in looked]
+    assert all(0 <= r <= 1 for r in rates) and abs(sum(rates) - 1) < 1e-9
+    assert value("dynemb_model_ready", model="ctr") == 1 and value("dynemb_model_version", model="ctr") == 1
+    assert value("dynemb_newest_version", model="ctr") == 1
+    assert 0 <= value("dynemb_newest_version_age_seconds", model="ctr") < 3600
