@@ -57,3 +57,14 @@ def test_each_known_duplicate_is_still_one():
         assert reason, f"KNOWN[{kind!r}, {name!r}] gives no reason"
         assert sorted(found[kind].get(name, [])) == sorted(paths), (
             f"the {kind} name {name!r} is no longer held by exactly {paths}: update or remove its KNOWN entry")
+
+
+def test_test_modules_outside_packages_have_distinct_names():
+    """pytest imports a test file of a folder without ``__init__.py`` by its bare name, so two such files of one name
+    stop the whole suite's collection ("import file mismatch"), whichever folders are passed."""
+    tests = Path(__file__).resolve().parent
+    names = defaultdict(list)
+    for path in sorted(tests.rglob("test_*.py")):
+        if not (path.parent / "__init__.py").exists():
+            names[path.name].append(path.relative_to(tests).as_posix())
+    assert not {name: paths for name, paths in names.items() if len(paths) > 1}
