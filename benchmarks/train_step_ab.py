@@ -142,6 +142,10 @@ def main() -> None:
         from _common import load_tree_package
 
         args.after_lib, args.before_lib = dynemb, load_tree_package(args.before)
+    from train_step_impls import DYNEMB_OPTIMIZERS  # after the --after tree's dynemb is on the path
+
+    if unknown := [o for o in args.optimizers if o not in DYNEMB_OPTIMIZERS]:
+        ap.error(f"--optimizers: {unknown} are not among {list(DYNEMB_OPTIMIZERS)}")
     rows = []
     print(f"{'optimizer':<16} {'ids':<8} {'before ms':>12} {'after ms':>12} {'before/after':>13} {'paired':>8}")
     for opt in args.optimizers:

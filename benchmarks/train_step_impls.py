@@ -16,6 +16,8 @@ from torch import nn
 import dynemb
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
+# every sparse optimizer dynemb has; train_step_ab.py (dynemb against dynemb) takes any of them
+DYNEMB_OPTIMIZERS = (*OPTIMIZERS, "adagrad", "ftrl")
 DISTRIBUTIONS = ("uniform", "zipf")
 LR = 0.01
 
@@ -93,11 +95,12 @@ class Trainer:
 
 
 def dynemb_optimizer(opt: str, fused: bool, lib=dynemb):
-    if opt == "sgd":
-        return lib.optim.SGD(lr=LR, fused=fused)
-    if opt == "rowwise_adagrad":
-        return lib.optim.RowWiseAdagrad(lr=LR, fused=fused)
-    return lib.optim.Adam(lr=LR, fused=fused)
+    # an unknown name is an error, not a silent Adam (train_step_ab.py's "adagrad" and "ftrl" once ran Adam)
+    cls = {"sgd": lib.optim.SGD, "rowwise_adagrad": lib.optim.RowWiseAdagrad, "adam": lib.optim.Adam,
+           "adagrad": lib.optim.Adagrad, "ftrl": lib.optim.FTRL}.get(opt)
+    if cls is None:
+        raise ValueError(f"optimizer must be one of {DYNEMB_OPTIMIZERS}, got {opt!r}")
+    return cls(lr=LR, fused=fused)
 
 
 class Dynemb(Trainer):
@@ -145,8 +148,10 @@ class TorchBag(Trainer):
             self.opt = torch.optim.SGD(params, lr=LR)
         elif opt == "rowwise_adagrad":  # torch has no row-wise Adagrad; element-wise Adagrad takes sparse grads
             self.opt = torch.optim.Adagrad(params, lr=LR)
+        elif opt in ("adagrad", "adam"):
+            self.opt = (torch.optim.Adagrad if opt == "adagrad" else torch.optim.SparseAdam)(params, lr=LR)
         else:
-            self.opt = torch.optim.SparseAdam(params, lr=LR)
+            raise ValueError(f"torch-bag has no sparse {opt!r}")
         self.features = w.features
 
     def pooled(self, batch):

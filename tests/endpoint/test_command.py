@@ -33,6 +33,16 @@ def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 120.0, token: 
     raise TimeoutError(f"dynemb serve did not come up within {seconds} s")
 
 
+def stop(proc: subprocess.Popen, seconds: float = 30.0) -> int:
+    """SIGTERM, then SIGKILL if ``dynemb serve`` has not exited within ``seconds``; its exit code."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=seconds)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 @pytest.mark.slow
 def test_dynemb_serve_scores_like_predict_with_lmdb_and_a_token(run, tmp_path):
     port = free_port()
@@ -60,12 +70,7 @@ def test_dynemb_serve_scores_like_predict_with_lmdb_and_a_token(run, tmp_path):
         np.testing.assert_allclose(r.json()["outputs"][0]["data"], expected, atol=1e-6, rtol=0)
         assert httpx.get(f"{url}/v2/health/live", timeout=5).status_code == 401
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM after a clean shutdown
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        assert stop(proc) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM after a clean shutdown
 
 
 def test_a_port_in_use_is_one_error_and_no_serving_line(run, capsys):

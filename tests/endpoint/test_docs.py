@@ -7,7 +7,6 @@ import io
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 
 from dynemb.cli import main
 
-from test_command import SRC, free_port, wait_ready
+from test_command import SRC, free_port, stop, wait_ready
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
@@ -34,12 +33,7 @@ def dynemb_serve(*args: str):
     try:
         yield proc, port
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        stop(proc)
 
 
 def block(language: str, contains: str) -> str:

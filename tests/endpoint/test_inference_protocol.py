@@ -5,7 +5,6 @@ server that listens before its first version. Probabilities are compared with ``
 import gzip
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from test_command import SRC, free_port, wait_ready
+from test_command import SRC, free_port, stop, wait_ready
 
 http = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -37,12 +36,7 @@ def server(run):
         wait_ready(f"http://127.0.0.1:{port}", proc, token=TOKEN)
         yield f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -297,12 +291,7 @@ def test_a_watching_server_is_live_before_its_first_version_and_ready_after(run,
             "model_version"] == "1"
         client.close()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        stop(proc)
 
 
 def test_metrics_are_prometheus_text_that_its_parser_reads(server, rows):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 from typing import Iterable
 
 import torch
@@ -353,7 +352,6 @@ class SparseOptimizer(GroupsOptimizer, Serializable):
         self._scalars = [dict(s) for s in state["tables"]]
 
 
-@functools.cache
 @dataclasses.dataclass(frozen=True)
 class SharedRowSquares:
     """The other column shards' parts of a row statistic, by key (sorted), for a table ``dim`` columns wide."""
