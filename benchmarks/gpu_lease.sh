@@ -6,29 +6,35 @@
 # with the image's python3 (torch, triton, numba, pytest-xdist, pytest-timeout, hypothesis; no install needed, the
 # package is read from src/):
 #
-#   bash benchmarks/gpu_lease.sh [test_seconds] [bench_seconds] [pytest -k expression] [grouped_seconds] \
-#     [tiered_seconds]
+#   bash benchmarks/gpu_lease.sh [test_seconds] [ranks_seconds] [pytest -k expression] [grouped_seconds] \
+#     [tiered_seconds] [engine_seconds]
 #
-# The grouped-execution slot (issue 43; grouped_seconds, default 150, out of bench_seconds) comes first: the
-# collection's reads, ops and launches a steady step at 2 and 26 tables (step_counts.py), the main job's step on
-# the GPU at batch 512 and 32,768 with 0% and 5% new ids (job_step.py; targets <= 3 ms and <= 15 ms), and three runs
-# of the gpu_ops.py train step (targets >= 1.0x nn.EmbeddingBag + Adagrad, >= 0.9x the static tables on dynemb's
-# Triton kernels: the "vs static" column).
-#
-# The tiered-table slot (issue 47; tiered_seconds, default 150, 0 skips it, after the others and on top of
-# bench_seconds): 4 tables x 25M rows x dim 64, 10% in device memory over pinned host memory, zipf 1.05, 65,536 ids
-# a table a step; steps/s against all in device memory, bytes moved / move time against pinned H2D bandwidth.
+# Slots, in this order, each under its own limit (defaults: 90 + 150 + 60 + 150 s, about 8 minutes with the
+# machine's start, leaving 4 of a 15-minute lease for a rerun):
+# - tests (test_seconds, 90): the cuda- and triton-marked tests on the device.
+# - grouped execution (issue 43; grouped_seconds, 150): the collection's reads, ops and launches a steady step at 2
+#   and 26 tables (step_counts.py), the main job's step at batch 512 and 32,768 with 0% and 5% new ids (job_step.py;
+#   targets <= 3 ms and <= 15 ms), three runs of the gpu_ops.py train step (targets >= 1.0x nn.EmbeddingBag +
+#   Adagrad, >= 0.9x static tables on dynemb's Triton kernels: the "vs static" column).
+# - training across ranks (issue 45; ranks_seconds, 60): the world-1 NCCL step with a background save during
+#   training, then the pipelined step against the plain loop.
+# - tiered tables (issue 47; tiered_seconds, 150, 0 skips it): 4 tables x 25M rows x dim 64, 10% in device memory
+#   over pinned host memory, zipf 1.05, 65,536 ids a table a step; steps/s against all in device memory, bytes
+#   moved / move time against pinned H2D bandwidth.
+# - engine figures (engine_seconds, 0 by default: no open issue's target): gpu_ops index, job_step CPU against
+#   CUDA, table_ops.
 #
 # The serving stores (redis, RocksDB, LMDB) are not exercised: their tests are CPU-only and need packages a GPU
 # image may lack; collection errors from such modules do not stop the run.
 set -u
 OUT=${OUT:-/tmp/dynemb-gpu}
 mkdir -p "$OUT"
-TEST_S=${1:-200}
-BENCH_S=${2:-350}
+TEST_S=${1:-90}
+RANKS_S=${2:-60}
 KEXPR=${3:-}
 GROUPED_S=${4:-150}
 TIERED_S=${5:-150}
+ENGINE_S=${6:-0}
 PY=${PY:-python3}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 unset TRITON_INTERPRET
@@ -63,29 +69,30 @@ bench() {  # name seconds command...: skipped when under 5 s are left (timeout 0
   rm -f "$OUT/$name.log"
   echo "$name rc $rc in $(( $(date +%s) - t0 )) s" >> "$OUT/summary.txt"
 }
-left() { echo $(( BENCH_S - ($(date +%s) - bstart) )); }
-bstart=$(date +%s)
+slot() { sstart=$(date +%s); slot_s=$1; }  # a slot's limit, counted from now
+left() { echo $(( slot_s - ($(date +%s) - sstart) )); }
 : > "$OUT/bench.txt"
-gstart=$(date +%s)
-gleft() { echo $(( GROUPED_S - ($(date +%s) - gstart) )); }
-bench step_counts 30 $PY benchmarks/step_counts.py --device cuda --json "$OUT/step_counts.json"
-bench job_step_grouped "$(( $(gleft) * 5 / 10 ))" $PY benchmarks/job_step.py --devices cuda --batch-sizes 512 32768 \
+slot "$GROUPED_S"
+bench step_counts "$(( $(left) * 2 / 10 ))" $PY benchmarks/step_counts.py --device cuda --json "$OUT/step_counts.json"
+bench job_step_grouped "$(( $(left) * 4 / 10 ))" $PY benchmarks/job_step.py --devices cuda --batch-sizes 512 32768 \
   --repeat 5 --json "$OUT/job_step_grouped.json"
-bench job_step_new_ids "$(( $(gleft) * 4 / 10 ))" $PY benchmarks/job_step.py --devices cuda --batch-sizes 512 32768 \
+bench job_step_new_ids "$(( $(left) * 4 / 10 ))" $PY benchmarks/job_step.py --devices cuda --batch-sizes 512 32768 \
   --repeat 5 --new-ids 0.05 --json "$OUT/job_step_new_ids.json"
-bench gpu_ops_train "$(gleft)" $PY benchmarks/gpu_ops.py --device cuda --only train --train-runs 3 --repeat 5 \
+bench gpu_ops_train "$(left)" $PY benchmarks/gpu_ops.py --device cuda --only train --train-runs 3 --repeat 5 \
   --json "$OUT/gpu_ops_train.json"
-bench gpu_ops "$(( $(left) * 4 / 10 ))" $PY benchmarks/gpu_ops.py --device cuda --only index --json "$OUT/gpu_ops.json"
-bench job_step "$(( $(left) * 5 / 10 ))" $PY benchmarks/job_step.py --devices cpu cuda --json "$OUT/job_step.json"
-bench table_ops "$(( $(left) * 5 / 10 ))" $PY benchmarks/table_ops.py --device cuda --quick --threads 1 \
-  --json "$OUT/table_ops.json"
-bench distributed "$(( $(left) * 6 / 10 ))" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick \
+slot "$RANKS_S"
+bench distributed "$(( $(left) / 2 ))" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick \
   --background-save --json "$OUT/distributed.json"
 # issue 45 item 1: the pipelined step (dynemb.train.Pipeline: the next batch's loading, copy and dedup in a side
 # stream on a worker thread) against the plain loop, world 1 on NCCL; step ms and the exposed wait a step
 bench distributed_pipeline "$(left)" $PY benchmarks/distributed_step.py --device cuda --backend nccl --quick --pipeline \
   --json "$OUT/distributed_pipeline.json"
-bench tiered_gpu "$TIERED_S" $PY benchmarks/tiered_gpu.py --device cuda --prefetch --json "$OUT/tiered_gpu.json"
+slot "$TIERED_S"
+bench tiered_gpu "$(left)" $PY benchmarks/tiered_gpu.py --device cuda --prefetch --json "$OUT/tiered_gpu.json"
+slot "$ENGINE_S"
+bench gpu_ops "$(( $(left) * 4 / 10 ))" $PY benchmarks/gpu_ops.py --device cuda --only index --json "$OUT/gpu_ops.json"
+bench job_step "$(( $(left) / 2 ))" $PY benchmarks/job_step.py --devices cpu cuda --json "$OUT/job_step.json"
+bench table_ops "$(left)" $PY benchmarks/table_ops.py --device cuda --quick --threads 1 --json "$OUT/table_ops.json"
 
 echo "== summary ($(( $(date +%s) - start )) s)"
 cat "$OUT/summary.txt"
