@@ -4,8 +4,10 @@ For each group cache (the tables of one row shape, :mod:`.group_cache`) one pass
 the misses of every table are made unique as ``(table, key)`` pairs in one call; each lower tier is asked once for
 all of them (:meth:`Store.get_many`); default rows are computed for the ids found nowhere only, in one call per
 initializer (tables that differ only in their seed share it: the rows are a function of ``key ^ mix64(seed)``);
-the statistics of every table come from one count. What stays per table is a few Python operations: the dict of
-keys for a store, the counts added to its statistics, its write-back.
+the statistics of every table come from one count; the rows the stores answered for the cold tables (hit rate under
+the threshold) go into the group cache in one insert (one eviction scan a request, not one a table). What stays per
+table is a few Python operations: the dict of keys for a store, the counts added to its statistics, a deferred
+write-back.
 
 It answers exactly as the per-table path (:mod:`.table_lookup`) does, row for row (``tests/serving/test_ps.py``),
 which still serves a request while a background write-back fills a group's cache (the stores are read then).
@@ -49,6 +51,7 @@ class _Part:
     counts: torch.Tensor = None  # [M] times each pair was asked for
     rows: torch.Tensor = None  # [M, D] rows of the pairs, as tiers fill them in
     source: torch.Tensor = None  # [M] int64 code of the tier that answered (see _SOURCES)
+    salts: torch.Tensor = None  # [T] the cache salt of each table, on the CPU
 
 
 def _from_cache(group: GroupCache, tables: list, slots: list, flats: list) -> _Part:
@@ -66,7 +69,8 @@ def _from_cache(group: GroupCache, tables: list, slots: list, flats: list) -> _P
     if miss_at.numel():
         mt, mk = tid.index_select(0, miss_at).cpu(), ids.index_select(0, miss_at).cpu()
         part.missed = torch.bincount(mt, minlength=len(tables)).tolist()
-        part.utid, part.ukey, part.inverse, part.counts = _unique_pairs(mt, mk, salts.cpu())
+        part.salts = salts.cpu()
+        part.utid, part.ukey, part.inverse, part.counts = _unique_pairs(mt, mk, part.salts)
         part.rows = torch.empty(part.ukey.numel(), group.dim, dtype=group.dtype)
         part.source = torch.zeros(part.ukey.numel(), dtype=torch.int64)
     return part
@@ -178,14 +182,35 @@ def _finish(part: _Part, threshold: float, writeback) -> None:
     if not fetched.numel():
         return
     per_table = torch.bincount(part.utid.index_select(0, fetched), minlength=len(part.tables)).tolist()
+    cold = []
     for k, at in enumerate(fetched.split(per_table)):
         if not at.numel():
             continue
-        t, keys, rows = part.tables[k], part.ukey.index_select(0, at), part.rows.index_select(0, at)
         if part.sizes[k] - part.missed[k] < threshold * part.sizes[k]:  # cold: into the cache now
-            t.insert_if_current(keys, rows, part.epochs[k])
+            cold.append((k, at))
         else:
+            t, keys, rows = part.tables[k], part.ukey.index_select(0, at), part.rows.index_select(0, at)
             writeback.defer(t, keys, rows, part.epochs[k])
+    if cold:
+        _insert_cold(part, cold)
+
+
+def _insert_cold(part: _Part, cold: list) -> None:
+    """The rows of the cold tables (``[(index in part.tables, positions of its fetched pairs)]``) into the group
+    cache in one insert (one pass over the cache's index and one eviction scan for the request, not one a table), but
+    a table's only when no update came since they were read (they may be stale then), as
+    :meth:`~.cache.TableState.insert_if_current` does. Two tables' keys that meet on one cache key: the later
+    table's row wins, as it would inserted table by table."""
+    group = part.group
+    with group.lock:
+        cold = [(k, at) for k, at in cold if part.epochs[k] == part.tables[k].epoch]
+        if not cold:
+            return
+        at = torch.cat([a for _, a in cold]) if len(cold) > 1 else cold[0][1]
+        keys = part.ukey.index_select(0, at)
+        cache_keys = keys ^ part.salts.index_select(0, part.utid.index_select(0, at))
+        rows = group.with_keys(keys, part.rows.index_select(0, at))
+        group.kv.insert_or_assign(cache_keys.to(group.device), rows.to(group.device))
 
 
 def lookup_request(tiers: StoreTiers, writeback, threshold: float,
