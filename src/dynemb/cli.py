@@ -240,6 +240,7 @@ def cmd_plan(args) -> int:
 
     from .checkpoint.errors import CheckpointError
     from .checkpoint.planning import plan_from_checkpoint
+    from .distributed.planner import PlanError
 
     if args.world < 1:
         raise CliError(f"--world must be a number of ranks >= 1, got {args.world}")
@@ -265,6 +266,8 @@ def cmd_plan(args) -> int:
                                     ranks_per_node=args.ranks_per_node, pins=pins)
     except CheckpointError as e:
         raise CliError(f"--checkpoint: {e}") from e
+    except PlanError as e:  # the planner names its Python argument; here the user typed the option
+        raise CliError(str(e).replace("memory_per_rank=", "--memory-per-rank ")) from e
     if args.json:  # stdout one JSON line (for jq or a script), the table still shown on stderr
         print(plan, file=sys.stderr)
         print(json.dumps(plan.to_dict(), sort_keys=True))

@@ -147,7 +147,8 @@ def test_a_checkpoint_records_rows_and_accesses_and_plans_the_next_run(tmp_path,
     assert json.loads(captured.out)["user"]["kind"] == "row"  # only the JSON on stdout: it pipes into jq
     assert "lookups/step" in captured.err
     assert main(["plan", "--checkpoint", str(tmp_path), "--world", "2", "--memory-per-rank", "100"]) != 0
-    assert "does not fit" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "--memory-per-rank 100 B" in err and "memory_per_rank" not in err
 
 
 @pytest.mark.parametrize("options, expected", [
