@@ -37,17 +37,23 @@ _DATA_SHAPED = {"nonzero", "unique", "_unique", "_unique2", "unique_dim", "uniqu
 
 
 class _Counter(TorchDispatchMode):
+    """Every dispatched op by name, and the reads of device data among them, while not paused (the CI test,
+    tests/collection/test_step_counts.py, counts with this class)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.ops, self.reads, self.paused = 0, collections.Counter(), 0
+        self.ops, self.reads, self.paused = collections.Counter(), collections.Counter(), 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.paused:
             name = func._schema.name.split("::")[-1]
-            self.ops += 1
+            self.ops[name] += 1
             if name in _DATA_SHAPED or (name == "repeat_interleave" and kwargs.get("output_size") is None):
                 self.reads[name] += 1
+            if name in ("index", "index_put", "index_put_") and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()) if i is not None):
+                self.reads["boolean indexing"] += 1
             if name in ("_to_copy", "copy_") and any(isinstance(a, torch.Tensor) and a.device.type == "cuda"
                                                      for a in args) and kwargs.get("device", None) == "cpu":
                 self.reads["to cpu"] += 1
@@ -55,7 +61,9 @@ class _Counter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _counting(device: torch.device):
+def _counting(device: torch.device, numpy_reads: bool = True):
+    """``(counter, launches)`` of the block. ``numpy_reads=False``: ``.numpy()`` is numba's zero-copy view of host
+    rows, no read of device data."""
     counter, launches = _Counter(), collections.Counter()
     patches = []
     try:
@@ -86,13 +94,15 @@ def _counting(device: torch.device):
         del triton
     except ImportError:
         pass
-    tolist = torch.Tensor.tolist
-
-    def counted_tolist(self, *args, **kwargs):
-        if not counter.paused:
-            counter.reads["tolist"] += 1
-        return tolist(self, *args, **kwargs)
-    patches.append((torch.Tensor, "tolist", tolist, counted_tolist))
+    def reader(real, what):
+        def read(self, *args, **kwargs):
+            if not counter.paused:
+                counter.reads[what] += 1
+            return real(self, *args, **kwargs)
+        return read
+    for what in ("tolist", "numpy") if numpy_reads else ("tolist",):
+        method = getattr(torch.Tensor, what)
+        patches.append((torch.Tensor, what, method, reader(method, what)))
     for owner, name, _, new in patches:
         setattr(owner, name, new)
     caught: list = []
@@ -163,11 +173,11 @@ def steady_step(backend: str, tables: int, batch: int, new_ids: float, device: t
             step(make(), _Counter())
         [len(m) for m in ec.embeddings.values()]  # sizes read back before the counted step
         counted = make()
-        with _counting(device) as (counter, launches):
+        with _counting(device, numpy_reads=backend != "numba") as (counter, launches):
             step(counted, counter)
     reads = {k: v for k, v in counter.reads.items() if v}
-    return {"backend": backend, "tables": tables, "ops": counter.ops, "launches": sum(launches.values()),
-            "ops+launches": counter.ops + sum(launches.values()), "reads": sum(reads.values()),
+    return {"backend": backend, "tables": tables, "ops": sum(counter.ops.values()), "launches": sum(launches.values()),
+            "ops+launches": sum(counter.ops.values()) + sum(launches.values()), "reads": sum(reads.values()),
             "which reads": ", ".join(f"{k} {v}" for k, v in sorted(reads.items())) or "-"}
 
 

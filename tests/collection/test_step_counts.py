@@ -13,11 +13,12 @@ indexing). The loss and its backward are the test's, not counted. On a GPU the s
 from __future__ import annotations
 
 import collections
-import contextlib
+import functools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
@@ -25,89 +26,16 @@ import dynemb  # noqa: E402
 from dynemb import EmbeddingCollection, FeatureConfig, TableConfig  # noqa: E402
 from dynemb.kernels import use_backend  # noqa: E402
 
+# The counter is the benchmark's (benchmarks/step_counts.py), so that CI asserts what the benchmark prints.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from step_counts import _Counter, _counting, _Loss  # noqa: E402
+
+counting = functools.partial(_counting, torch.device("cpu"))  # CPU tensors: Triton's interpreter launches
+
 pytestmark = pytest.mark.triton
 
-#: ops whose output shape depends on the data: the host waits for the device to know it
-_DATA_SHAPED = {"nonzero", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "masked_select",
-                "bincount", "_local_scalar_dense"}
 BATCH = 256
 MAX_STEP_COST = 200  # torch ops plus Triton launches of the collection's part of a step
-
-
-class _Counter(TorchDispatchMode):
-    """Every dispatched op, and the reads of device data among them, while not paused."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-        self.reads: collections.Counter = collections.Counter()
-        self.paused = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not self.paused:
-            name = func._schema.name.split("::")[-1]
-            self.ops[name] += 1
-            if name in _DATA_SHAPED or (name == "repeat_interleave" and kwargs.get("output_size") is None):
-                self.reads[name] += 1
-            if name in ("index", "index_put", "index_put_") and any(
-                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()) if i is not None):
-                self.reads["boolean indexing"] += 1
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def counting():
-    """``(counter, launches)`` of the block: ops and reads, and Triton launches by kernel."""
-    import triton.runtime.interpreter as interpreter
-
-    counter, launches = _Counter(), collections.Counter()
-    launch, tolist, numpy = interpreter.GridExecutor.__call__, torch.Tensor.tolist, torch.Tensor.numpy
-
-    def counted_launch(self, *args, **kwargs):
-        launches[self.fn.__name__] += 1
-        counter.paused += 1  # the interpreter's own copies of the arguments are no ops of the step
-        try:
-            return launch(self, *args, **kwargs)
-        finally:
-            counter.paused -= 1
-
-    def reader(real, what):
-        def read(self, *args, **kwargs):
-            if not counter.paused:
-                counter.reads[what] += 1
-            return real(self, *args, **kwargs)
-        return read
-
-    interpreter.GridExecutor.__call__ = counted_launch
-    torch.Tensor.tolist, torch.Tensor.numpy = reader(tolist, "tolist"), reader(numpy, "numpy")
-    try:
-        with counter:
-            yield counter, launches
-    finally:
-        interpreter.GridExecutor.__call__ = launch
-        torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
-
-
-class _Loss(torch.autograd.Function):
-    """A sum of the outputs whose forward and backward the counter does not see (the model's part)."""
-
-    @staticmethod
-    def forward(ctx, counter, *outputs):
-        ctx.counter, ctx.shapes = counter, [o.shape for o in outputs]
-        counter.paused += 1
-        try:
-            return sum(o.sum() for o in outputs)
-        finally:
-            counter.paused -= 1
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.counter.paused += 1
-        try:
-            return (None, *(torch.ones(shape) * grad for shape in ctx.shapes))
-        finally:
-            ctx.counter.paused -= 1
 
 
 def _model(tables: int) -> EmbeddingCollection:
