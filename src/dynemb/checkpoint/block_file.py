@@ -36,10 +36,16 @@ def round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def page_buffer(nbytes: int) -> mmap.mmap:
+def page_buffer(nbytes: int, populate: bool = False) -> mmap.mmap:
     """``round_up(nbytes)`` (at least one page) of zeroed, page-aligned anonymous memory; the OS hands pages out
-    as they are first written, and takes them back with ``madvise(MADV_DONTNEED)`` or when the buffer is freed."""
-    return mmap.mmap(-1, max(ALIGN, round_up(nbytes)))
+    as they are first written (``populate``: all at once, now, which costs about half of taking a page fault for
+    each on the project's Xeon guest), and takes them back with ``madvise(MADV_DONTNEED)`` or when the buffer is
+    freed."""
+    flags = getattr(mmap, "MAP_POPULATE", 0) if populate else 0
+    size = max(ALIGN, round_up(nbytes))
+    if not flags:
+        return mmap.mmap(-1, size)
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
 
 
 class BlockFile:

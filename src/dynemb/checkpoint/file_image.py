@@ -55,7 +55,7 @@ class FileImage:
         self.size = self._layout.size
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._tensors: Optional[dict] = tensors
-        self._memory = page_buffer(self.size)
+        self._memory = page_buffer(self.size, populate=True)  # the pages now, cheaper than a fault each
         head = self._layout.head
         self._memory[: len(head)] = head
         self._filled = len(head)
