@@ -37,15 +37,15 @@ def round_up(n: int) -> int:
 
 
 def page_buffer(nbytes: int, populate: bool = False) -> mmap.mmap:
-    """``round_up(nbytes)`` (at least one page) of zeroed, page-aligned anonymous memory; the OS hands pages out
-    as they are first written (``populate``: all at once, now, which costs about half of taking a page fault for
-    each on the project's Xeon guest), and takes them back with ``madvise(MADV_DONTNEED)`` or when the buffer is
-    freed."""
-    flags = getattr(mmap, "MAP_POPULATE", 0) if populate else 0
+    """``round_up(nbytes)`` (at least one page) of zeroed, page-aligned private anonymous memory (counted as the
+    process's RssAnon); the OS hands pages out as they are first written (``populate``: all at once, now, which
+    costs about half of a page fault for each on the project's Xeon guest), and takes them back with
+    ``madvise(MADV_DONTNEED)`` or when the buffer is freed."""
     size = max(ALIGN, round_up(nbytes))
-    if not flags:
+    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no flags
         return mmap.mmap(-1, size)
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    return mmap.mmap(-1, size, flags=flags)
 
 
 class BlockFile:
