@@ -312,8 +312,19 @@ class ParameterServer:
             answers = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, plan, ids, sizes)
             if answers is not None:
                 return concat_answers(plan, sizes, answers)
-        runs = self._per_table(cfg, [(self._tables[model][t], run) for t, run in zip(tables, ids.split(sizes))])
-        return runs[0] if len(runs) == 1 else torch.cat(runs)
+        # table by table: each table's runs together (a table looked up twice in one call would count its misses
+        # as one)
+        runs = ids.split(sizes)
+        mine: dict[str, list] = {}
+        for i, t in enumerate(tables):
+            mine.setdefault(t, []).append(i)
+        found = self._per_table(cfg, [(self._tables[model][t], torch.cat([runs[i] for i in at]))
+                                      for t, at in mine.items()])
+        out: list = [None] * len(runs)
+        for at, rows in zip(mine.values(), found):
+            for i, part in zip(at, rows.split([sizes[i] for i in at])):
+                out[i] = part
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def _plan(self, model: str, tables: tuple) -> RequestPlan:
         """The kept plan of ``model``'s requests of ``tables`` (made now if none is, or the model was loaded again
