@@ -139,7 +139,9 @@ class ServedModel:
     @torch.no_grad()
     def predict_versioned(self, batch: Batch) -> tuple[torch.Tensor, int]:
         """``(probabilities [B], the export version that scored them)``: the whole pass runs on one version."""
-        batch = self.preprocessing.normalize(batch.to(self.device))
+        if not _on(batch, self.device):
+            batch = batch.to(self.device)
+        batch = self.preprocessing.normalize(batch)
         with self._lock:
             return self._scores(batch), self.version
 
@@ -310,6 +312,12 @@ class _FeaturePlan:
                 self._bags.clear()
             kept = self._bags[n] = ((n,) * len(self.features), None)
         return kept
+
+
+def _on(batch: Batch, device: torch.device) -> bool:
+    """Every tensor of ``batch`` is on ``device`` already (``Batch.to`` would make a new batch all the same)."""
+    tensors = (batch.dense, batch.labels, *batch.sparse.values(), *batch.offsets.values())
+    return all(t.device == device for t in tensors)
 
 
 def _plain_one_id(feature, table) -> bool:

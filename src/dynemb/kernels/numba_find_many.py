@@ -17,7 +17,7 @@ from . import numba_cache  # noqa: F401  (first: it sets the cache directory of 
 from .numba_group import _pointer
 from .numba_index import _probe_kernel
 
-__all__ = ["META", "find_rows"]
+__all__ = ["META", "find_rows", "find_carried"]
 
 META = ("buckets", "overflow", "shift", "num_buckets", "values", "capacity", "key_cols")
 """The columns of a table's row of ``meta`` (int64): its index's buckets and overflow flags (addresses), hash
@@ -55,6 +55,58 @@ def _find_rows_kernel(meta, keys, starts, out, found):
             r = rows[j]
             found[j] = r >= 0
             if r >= 0:
-                out[j, :] = values[r, :]
+                for d in range(width):
+                    out[j, d] = values[r, d]
             else:
-                out[j, :] = 0
+                for d in range(width):
+                    out[j, d] = 0
+
+
+def find_carried(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, shift: int, values: torch.Tensor,
+                 cache_keys: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass of a cache whose rows carry their own key (:mod:`dynemb.serving.ps.group_cache`): the index
+    (``table``, ``key_cols``, ``overflow``, ``shift``: ``HashIndex._kernel_args``) probed for ``cache_keys [N]``,
+    and where a row is found and the key in its last columns is ``keys[j]``, its first ``D`` columns copied into
+    ``out [N, D]`` (zeros elsewhere). ``values [R, D + K]`` holds the rows, the key's 8 bytes in the last ``K``
+    columns.
+
+    Returns:
+        ``(found [N] bool, touched [T] int64)``: whether each key's row was found (and carries it), and the rows
+        the index found, in order (what a lookup stamps).
+    """
+    word = _WORDS[values.element_size()]
+    n = cache_keys.shape[0]
+    found, touched = np.empty(n, np.bool_), np.empty(n, np.int64)
+    t = _find_carried_kernel(table.numpy(), key_cols, overflow.numpy(), shift, values.view(word).numpy(),
+                             cache_keys.contiguous().numpy(), keys.contiguous().numpy(), out.view(word).numpy(), found,
+                             touched)
+    return torch.from_numpy(found), torch.from_numpy(touched[:t])
+
+
+@numba.njit(nogil=True, cache=True)
+def _find_carried_kernel(table, key_cols, overflow, shift, values, cache_keys, keys, out, found, touched):
+    n, dim = cache_keys.shape[0], out.shape[1]
+    rows = np.empty(n, np.int64)
+    _probe_kernel(table, key_cols, overflow, cache_keys, shift, np.empty(0, np.int64), rows)
+    bits = values.itemsize * 8
+    mask = np.uint64((1 << bits) - 1)
+    words = values.shape[1] - dim
+    t = 0
+    for j in range(n):
+        r = rows[j]
+        ok = False
+        if r >= 0:
+            touched[t] = r
+            t += 1
+            carried = np.uint64(0)
+            for w in range(words):  # the key's words, little-endian
+                carried |= (np.uint64(np.int64(values[r, dim + w])) & mask) << np.uint64(w * bits)
+            ok = np.int64(carried) == keys[j]
+        found[j] = ok
+        if ok:
+            for d in range(dim):
+                out[j, d] = values[r, d]
+        else:
+            for d in range(dim):
+                out[j, d] = 0
+    return t

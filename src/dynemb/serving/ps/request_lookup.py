@@ -152,9 +152,8 @@ def _from_cache(gp: _GroupPlan, ids: torch.Tensor, tid: torch.Tensor, salt: torc
     group, tables = gp.group, gp.tables
     ids = ids.to(group.device)
     with group.lock:
-        raw, found = group.find(ids ^ salt, ids)
+        values, found = group.find(ids ^ salt, ids)
         epochs = [t.epoch for t in tables]
-    values = raw[:, :group.dim].contiguous()
     miss_at = (~found).nonzero().squeeze(1)
     part = _Part(group, tables, [], sizes, values, epochs, [0] * len(tables), miss_at, plan=gp)
     if miss_at.numel():
