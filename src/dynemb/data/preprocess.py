@@ -278,7 +278,7 @@ class Preprocessing:
         mean, std, nan, inf, ninf = self._constants(batch.dense.device)
         z = signed_log1p(batch.dense)
         z = torch.where(torch.isnan(z), nan, torch.where(z == math.inf, inf, torch.where(z == -math.inf, ninf, z)))
-        return Batch((z - mean) / std, batch.sparse, batch.labels, batch.offsets)
+        return batch.with_dense((z - mean) / std)
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """``(mean, std, what NaN, inf and -inf read as)`` of each column, in the ``z`` space, as float32 ``[K]``:

@@ -51,7 +51,7 @@ class _GroupPlan:
 
 
 @dataclasses.dataclass
-class _Layout:
+class _RunLayout:
     """Where the ids of one run-length pattern go: per group cache, ``(positions [N_g] in the request or None for
     all of them in order, table [N_g] in the group's list, cache salt [N_g] of each position, ids of each table)``.
     """
@@ -83,7 +83,9 @@ class RequestPlan:
             for k, i in enumerate(gp.members):
                 self.group_of[i], self.local[i] = g, k
         self.run_groups = [self.group_of[i] for i in self.slot_of]  # each run's group
-        self._layouts: dict[tuple, _Layout] = {}
+        self.one_width = len({t.row_dim for t in self.tables}) == 1
+        self.int32_keys = any(t.key_dtype == torch.int32 for t in self.tables)
+        self._layouts: dict[tuple, _RunLayout] = {}
 
     def _group_plan(self, members: list) -> _GroupPlan:
         tables = [self.tables[i] for i in members]
@@ -99,7 +101,7 @@ class RequestPlan:
         """A background write-back is filling one of the plan's group caches (the per-table path answers then)."""
         return any(gp.group.filling for gp in self.groups)
 
-    def layout(self, sizes: tuple) -> _Layout:
+    def layout(self, sizes: tuple) -> _RunLayout:
         """The layout of a request whose run ``i`` has ``sizes[i]`` ids."""
         kept = self._layouts.get(sizes)
         if kept is None:
@@ -108,7 +110,7 @@ class RequestPlan:
             kept = self._layouts[sizes] = self._new_layout(sizes)
         return kept
 
-    def _new_layout(self, sizes: tuple) -> _Layout:
+    def _new_layout(self, sizes: tuple) -> _RunLayout:
         counts = torch.tensor(sizes, dtype=torch.int64)
         n = int(counts.sum())
         group = torch.tensor(self.run_groups, dtype=torch.int64)
@@ -122,7 +124,7 @@ class RequestPlan:
             per_table = torch.bincount(tid, minlength=len(gp.tables)).tolist()
             device = gp.group.device
             parts.append((positions, tid.to(device), gp.salts.index_select(0, tid).to(device), per_table))
-        return _Layout(parts)
+        return _RunLayout(parts)
 
 
 @dataclasses.dataclass
@@ -264,15 +266,16 @@ def _finish(part: _Part, threshold: float, writeback) -> None:
     if part.rows is not None:
         part.values.index_copy_(0, part.miss_at, part.rows.index_select(0, part.inverse).to(part.values.device))
         served.index_put_((part.utid, part.source), part.counts, accumulate=True)
-    counts = served.tolist()
-    for k, t in enumerate(part.tables):
-        if not part.sizes[k]:
-            continue
-        with t.stats_lock:
-            t.stats["lookups"] += part.sizes[k]
-            t.stats["cache"] += part.sizes[k] - part.missed[k]
-            for j, tier in enumerate(_SOURCES):
-                t.stats[tier] += counts[k][j + 1]
+    for t, n, missed, (_, volatile, persistent, default) in zip(part.tables, part.sizes, part.missed,
+                                                                 served.tolist()):
+        if n:
+            with t.stats_lock:
+                stats = t.stats
+                stats["lookups"] += n
+                stats["cache"] += n - missed
+                stats["volatile"] += volatile
+                stats["persistent"] += persistent
+                stats["default"] += default
     if part.rows is None:
         return
     fetched = ((part.source == 1) | (part.source == 2)).nonzero().squeeze(1)

@@ -289,7 +289,7 @@ class ParameterServer:
         tables = tuple(tables)
         sizes = tuple(sizes)
         plan = self._plan(model, tables)
-        if len({t.row_dim for t in plan.tables}) > 1:
+        if not plan.one_width:
             raise ValueError(f"tables must share one row width for lookup_concat, got "
                              f"{ {t.name: t.row_dim for t in plan.tables} }; use lookup_many")
         if len(sizes) != len(tables) or not all(isinstance(n, int) and 0 <= n <= cfg.max_batch_size for n in sizes):
@@ -301,7 +301,7 @@ class ParameterServer:
             raise TypeError(f"ids must be a 1-D int64 tensor, got {got}")
         if sum(sizes) != ids.numel():
             raise ValueError(f"sizes sum to {sum(sizes)}, but ids has {ids.numel()} entries")
-        if any(t.key_dtype == torch.int32 for t in plan.tables):  # an int32 table's ids must fit int32
+        if plan.int32_keys:  # an int32 table's ids must fit int32
             for t, run in zip(tables, ids.split(sizes)):
                 self._check_batch(cfg, self._tables[model][t], run)
         if not ids.numel():

@@ -179,6 +179,7 @@ class Store(abc.ABC):
     def __init__(self, *, read_only: bool = False) -> None:
         self.read_only = read_only
         self._schemas: dict[str, TableSchema] = {}
+        self._concat_schemas: dict[tuple, TableSchema] = {}  # tables of get_concat -> their one schema
         self._schema_lock = threading.Lock()
         self._closed = False
 
@@ -288,16 +289,23 @@ class Store(abc.ABC):
             >>> values[:, 0].tolist(), found.tolist()
             ([0.0, 1.0, 0.0], [False, True, False])
         """
-        schemas = [(isinstance(t, str) and self._schemas.get(t)) or self.schema(t) for t in tables]
+        tables = tuple(tables)
+        schema = self._concat_schemas.get(tables)  # a table's schema never changes: checked once per list
+        if schema is None:
+            schemas = [self.schema(t) for t in tables]
+            if len(set(tables)) != len(tables):
+                raise ValueError(f"tables must be distinct, got {list(tables)}")
+            schema = schemas[0] if schemas else None
+            if any(s != schema for s in schemas):
+                raise ValueError(f"tables must share one schema, got {dict(zip(tables, schemas))}")
+            if schema is not None:
+                if len(self._concat_schemas) > 256:
+                    self._concat_schemas.clear()
+                self._concat_schemas[tables] = schema
         keys = self._check_keys(keys)
         if len(sizes) != len(tables) or sum(sizes) != keys.numel() or min(sizes, default=0) < 0:
             raise ValueError(f"sizes must give the keys of each of the {len(tables)} tables (ints >= 0 summing to "
                              f"{keys.numel()}), got {list(sizes)}")
-        if len(set(tables)) != len(tables):
-            raise ValueError(f"tables must be distinct, got {list(tables)}")
-        schema = schemas[0] if schemas else None
-        if any(s != schema for s in schemas):
-            raise ValueError(f"tables must share one schema, got {dict(zip(tables, schemas))}")
         if not keys.numel():
             return _no_rows(schema) if schema is not None else (torch.zeros(0, 0), torch.zeros(0, dtype=torch.bool))
         return self._get_concat(list(tables), schema, keys, list(sizes))
