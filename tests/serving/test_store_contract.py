@@ -144,7 +144,7 @@ def test_reopen_sees_tables_and_rows(store_config, kind):
 def test_get_concat_is_get_many_concatenated(store, dtype):
     # several tables of one schema, keys present, absent, repeated and extreme, tables with no keys; again after
     # one table grew past its first allocation (the in-process store keeps the tables' addresses between calls)
-    names = ["a", "b", "c", "d"]
+    names = ["a", "b", "cc", "dddd"]  # Redis: keys named by prefixes of three lengths
     for k, name in enumerate(names):
         store.create_table(name, dim=5, dtype=dtype)
         store.put(name, torch.cat([EXTREME[k:], torch.arange(100) * (k + 1)]), rows(100 + len(EXTREME) - k, 5, dtype,
