@@ -243,9 +243,8 @@ class ParameterServer:
             flats = [flat for _, flat in batches.values()]
             answers = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, plan,
                                      flats[0] if len(flats) == 1 else torch.cat(flats), sizes)
-            if answers is not None:
-                return {name: r.view(*keys_per_table[name].shape, batches[name][0].row_dim)
-                        for name, r in zip(batches, split_answers(plan, sizes, answers))}
+            return {name: r.view(*keys_per_table[name].shape, batches[name][0].row_dim)
+                    for name, r in zip(batches, split_answers(plan, sizes, answers))}
         rows = self._per_table(cfg, [(t, flat) for t, flat in batches.values()])
         return {name: r.view(*keys_per_table[name].shape, batches[name][0].row_dim) for name, r in zip(batches, rows)}
 
@@ -310,8 +309,7 @@ class ParameterServer:
                                device=t.cache.device)
         if self.grouped:
             answers = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, plan, ids, sizes)
-            if answers is not None:
-                return concat_answers(plan, sizes, answers)
+            return concat_answers(plan, sizes, answers)
         # table by table: each table's runs together (a table looked up twice in one call would count its misses
         # as one)
         runs = ids.split(sizes)
