@@ -87,6 +87,7 @@ class Batcher:
 
     def __init__(self, model: Servable, max_rows: int, inline: bool = True) -> None:
         self.model, self.max_rows, self.inline = model, max_rows, inline
+        self.joins = getattr(model, "joins_batches", True)  # False: each request is a forward pass of its own
         self._queue: Optional[asyncio.Queue] = None
         self._worker: Optional[asyncio.Task] = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dynemb-serve")
@@ -119,7 +120,7 @@ class Batcher:
         while True:
             waiting = [await self._queue.get()]
             rows = len(waiting[0][0])
-            while not self._queue.empty() and rows + len(self._queue._queue[0][0]) <= self.max_rows:
+            while self.joins and not self._queue.empty() and rows + len(self._queue._queue[0][0]) <= self.max_rows:
                 waiting.append(self._queue.get_nowait())
                 rows += len(waiting[-1][0])
             self._running = True

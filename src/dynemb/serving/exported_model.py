@@ -31,11 +31,12 @@ class _Program:
     """One version's program: the callable module, its inputs and outputs, its collections' configs."""
 
     def __init__(self, version_dir) -> None:
-        manifest, data = read_attached(version_dir, PROGRAM_FILE)
-        meta = manifest.get("program")
-        if not isinstance(meta, dict):
-            raise ValueError(f"{manifest['path']}: no 'program' in the manifest; this is a table export "
+        directory = resolve(version_dir)
+        if not isinstance(read_manifest(directory, SERVING_FORMAT).get("program"), dict):
+            raise ValueError(f"{directory}: no 'program' in its manifest; this is a table export "
                              "(export_for_serving), not a model export (dynemb.serving.export_model)")
+        manifest, data = read_attached(directory, PROGRAM_FILE)
+        meta = manifest["program"]
         self.module = torch.export.load(io.BytesIO(data)).module()
         self.inputs, self.outputs, self.batch_input = meta["inputs"], meta["outputs"], meta.get("batch_input")
         self.collections = {}
