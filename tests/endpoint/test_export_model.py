@@ -158,13 +158,14 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 
-def start(export, name, *extra):
+def start(export, name, *extra, wait: bool = True):
     port, grpc_port = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--export", str(export), "--name", name,
                              "--port", str(port), "--grpc-port", str(grpc_port), *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_ready(f"http://127.0.0.1:{port}", proc, token=None)
+    if wait:
+        wait_ready(f"http://127.0.0.1:{port}", proc, token=None)
     return proc, f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
 
 
@@ -172,8 +173,10 @@ def start(export, name, *extra):
 def servers(exported):
     procs = {}
     try:
-        for name in ("dlrm", "two_tower"):
-            procs[name] = start(exported / name, name)
+        for name in ("dlrm", "two_tower"):  # both start at once
+            procs[name] = start(exported / name, name, wait=False)
+        for proc, address, _ in procs.values():
+            wait_ready(f"http://{address}", proc, token=None)
         yield {name: p[1:] for name, p in procs.items()}
     finally:
         for proc, *_ in procs.values():
@@ -223,7 +226,10 @@ def test_model_metadata_lists_the_models_inputs(servers):
                               {"name": "sparse_values", "datatype": "INT64", "shape": [-1]},
                               {"name": "sparse_lengths", "datatype": "INT64", "shape": [-1]}]
     assert meta["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1]}]
-    grpc_meta = grpcclient.InferenceServerClient(grpc_address).get_model_metadata("two_tower", as_json=True)
+    assert grpcclient.InferenceServerClient(grpc_address).get_model_metadata("dlrm", as_json=True)["inputs"][0] == {
+        "name": "dense", "datatype": "FP32", "shape": ["-1", "4"]}  # (protobuf's JSON writes int64 as text)
+    grpc_meta = grpcclient.InferenceServerClient(servers["two_tower"][1]).get_model_metadata("two_tower",
+                                                                                              as_json=True)
     assert [(t["name"], t["datatype"]) for t in grpc_meta["inputs"]] == [
         ("user_id", "INT64"), ("history", "INT64"), ("history_lengths", "INT64"), ("item_id", "INT64")]
 
