@@ -151,6 +151,18 @@ def test_a_bad_input_is_a_value_error_naming_it(exported):
         served.close()
 
 
+def test_the_docs_example_runs(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    section = doc.split("## Serving your own model", 1)[1]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/serving.md", "exec"), {"__name__": "docs_example"})
+    assert (tmp_path / "exports" / "two_tower" / "version-00000001" / "program.pt2").is_file()
+
+
 # ------------------------------------------------------------------ a real `dynemb serve --export` process
 
 http = pytest.importorskip("tritonclient.http")

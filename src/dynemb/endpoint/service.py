@@ -62,6 +62,9 @@ class Servable(Protocol):
 
     def updating(self) -> bool: ...
 
+    # optional: ``joins_batches = False`` has each request scored in a forward pass of its own (inputs that cannot
+    # be concatenated row-wise, as an exported model's jagged ones)
+
 
 _DATATYPES = {np.dtype(np.float64): "FP64", np.dtype(np.float32): "FP32", np.dtype(np.float16): "FP16",
               np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.int16): "INT16",

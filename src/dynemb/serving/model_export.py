@@ -181,7 +181,6 @@ class _Flat(nn.Module):
         named: list = []  # the outputs' names, known once traced
         # the program's placeholders carry the inputs' names, so its shape checks name them too
         params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
-        self._sig = inspect.Signature(params)
 
         def forward(*flat):
             args, kwargs = pytree.tree_unflatten(list(flat), self.in_spec)
@@ -192,7 +191,7 @@ class _Flat(nn.Module):
             named[:] = _output_names([p for p, _ in leaves])
             return tuple(v for _, v in leaves)
 
-        forward.__signature__ = self._sig
+        forward.__signature__ = inspect.Signature(params)
         forward.output_names = named  # on the function: export restores the module's own attributes after tracing
         self.forward = forward
 

@@ -49,8 +49,14 @@ def feature_dict(tensors: list, spec: dict) -> tuple[dict, dict]:
         keys = spec["keys"]
         values, lengths = tensors[0], tensors[1]
         weights = tensors[2] if spec.get("weighted") else None
-        per_key = lengths.view(len(keys), -1) if keys else lengths.view(0, 0)
+        if lengths.dim() != 1 or (keys and lengths.numel() % len(keys)):
+            raise ValueError(f"collection {spec['collection']!r}: a KeyedJaggedTensor of {len(keys)} keys needs "
+                             f"lengths [keys x batch], got shape {list(lengths.shape)}")
+        per_key = lengths.view(len(keys), -1)
         sizes = per_key.sum(1).tolist()
+        if sum(sizes) != values.numel() or min(per_key.min().item() if per_key.numel() else 0, 0) < 0:
+            raise ValueError(f"collection {spec['collection']!r}: the KeyedJaggedTensor's lengths must be >= 0 and "
+                             f"sum to its {values.numel()} values, got a sum of {sum(sizes)}")
         parts = torch.split(values, sizes)
         wparts = torch.split(weights, sizes) if weights is not None else [None] * len(keys)
         return {k: Bags(v, lengths=n, weights=w) for k, v, n, w in zip(keys, parts, per_key, wparts)}, {}
