@@ -18,6 +18,7 @@ import torch
 from hand_models import DLRM, KJT, TwoTower, dlrm_batch, train, two_tower_batch
 from test_command import SRC, free_port, stop, wait_ready
 
+import dynemb
 from dynemb import DynamicEmbedding
 from dynemb.serving import ExportedModel, export_model
 
@@ -308,3 +309,76 @@ def test_watch_serves_a_second_version_published_while_serving(tmp_path):
         np.testing.assert_array_equal(got, second)
     finally:
         stop(proc)
+
+
+class Forms(torch.nn.Module):
+    """One collection fed every input form ``export_model`` serves, each feature pooled its own way."""
+
+    def __init__(self):
+        super().__init__()
+        from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+
+        self.ec = EmbeddingCollection(
+            [TableConfig(name="a", dim=4, optimizer=dynemb.optim.SGD(lr=0.5)),
+             TableConfig(name="b", dim=4, combiner="sum", optimizer=dynemb.optim.SGD(lr=0.5))],
+            [FeatureConfig(name="one", table="a"), FeatureConfig(name="padded", table="a", padding_value=-1),
+             FeatureConfig(name="starts", table="b", combiner="sqrtn", max_norm=0.01),
+             FeatureConfig(name="ends", table="b"), FeatureConfig(name="weighted", table="a", combiner="sum"),
+             FeatureConfig(name="sequence", table="b", combiner="none")])
+
+    def forward(self, one, padded, ids, starts, ends, w_ids, w_lengths, weights, sequence):
+        from dynemb.collection.features import Bags
+
+        out = self.ec({"one": one, "padded": padded, "starts": (ids, starts),
+                       "ends": Bags(ids, offsets=ends, include_last_offset=True),
+                       "weighted": Bags(w_ids, lengths=w_lengths), "sequence": sequence},
+                      weights={"weighted": weights})
+        return {"pooled": torch.cat([out[k] for k in ("one", "padded", "starts", "ends", "weighted")], 1),
+                "sequence": out["sequence"]}
+
+
+def forms_batch(rows: int, g: torch.Generator, ids: int = 30) -> tuple:
+    padded = torch.randint(0, ids, (rows, 3), generator=g)
+    padded[:, -1] = -1
+    lengths = torch.randint(0, 3, (rows,), generator=g)
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    w_lengths = torch.randint(0, 3, (rows,), generator=g)
+    n = int(lengths.sum())
+    return (torch.randint(0, ids, (rows,), generator=g), padded, torch.randint(0, ids, (n,), generator=g),
+            bounds[:-1].clone(), bounds, torch.randint(0, ids, (int(w_lengths.sum()),), generator=g), w_lengths,
+            torch.rand(int(w_lengths.sum()), generator=g), torch.randint(0, ids, (rows, 2), generator=g))
+
+
+def test_every_input_form_and_pooling_rule_serves_as_eager(tmp_path):
+    torch.manual_seed(5)
+    g = torch.Generator().manual_seed(6)
+    model = Forms()
+    for _ in range(3):
+        out = model(*forms_batch(16, g))
+        (out["pooled"].sum() + out["sequence"].sum()).backward()
+    export_model(tmp_path, model, forms_batch(5, g))
+    served = ExportedModel(tmp_path)
+    try:
+        assert [o["name"] for o in served.outputs] == ["pooled", "sequence"]
+        for rows in (1, 3, 8):
+            batch = forms_batch(rows, g, ids=60)  # ids 30..59 were never trained
+            got, _ = served(dict(zip([i["name"] for i in served.inputs], batch)))
+            want = eager(model, batch)
+            for name in ("pooled", "sequence"):
+                assert torch.equal(got[name], want[name]), (rows, name)
+    finally:
+        served.close()
+
+
+def test_8bit_rows_serve_within_their_quantization_error(trained, tmp_path):
+    dlrm, _, g = trained
+    export_model(tmp_path, dlrm, dlrm_batch(dlrm, 4, g), dtype=torch.int8)
+    served = ExportedModel(tmp_path)
+    try:
+        batch = dlrm_batch(dlrm, 32, g)
+        got, _ = served(dlrm_inputs(batch))
+        want = eager(dlrm, batch)
+        assert not torch.equal(got["output"], want)  # the rows are int8 ...
+        torch.testing.assert_close(got["output"], want, atol=0.02, rtol=0.02)  # ... within their error
+    finally:
+        served.close()
