@@ -283,17 +283,27 @@ def test_bad_inputs_get_a_400_naming_the_input(servers, trained):
 
 
 @pytest.mark.slow
-def test_watch_serves_a_second_version_published_while_serving(tmp_path):
+def test_watch_waits_for_the_first_version_then_serves_a_second_one_published_while_serving(tmp_path):
     torch.manual_seed(3)
     g = torch.Generator().manual_seed(4)
     model = TwoTower()
     train(model, lambda: two_tower_batch(32, g), 3)
     root = tmp_path / "two_tower"
-    export_model(root, model, two_tower_batch(4, g))
-    batch = two_tower_batch(6, g)
-    first = eager(model, batch).numpy()
-    proc, address, _ = start(root, "tt", "--watch", "0.2")
+    proc, address, _ = start(root, "tt", "--watch", "0.2", wait=False)  # before any version
     try:
+        deadline = time.monotonic() + 120
+        while True:  # live (listening), not ready
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://{address}/v2/health/live", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert httpx.get(f"http://{address}/v2/health/ready", timeout=2).status_code != 200
+        export_model(root, model, two_tower_batch(4, g))
+        batch = two_tower_batch(6, g)
+        first = eager(model, batch).numpy()
+        wait_ready(f"http://{address}", proc, token=None)
         got, version = infer(http, address, "tt", two_tower_inputs(batch))
         assert version == "1"
         np.testing.assert_array_equal(got, first)

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..checkpoint.export_format import read_attached, read_export, version_name
+from ..checkpoint.fsutil import read_pointer
 from ..checkpoint.manifest import SERVING_FORMAT, read_manifest, resolve
 from ..collection.config import FeatureConfig, TableConfig
 from .model_export import PROGRAM_FILE
@@ -50,7 +51,7 @@ class ExportedModel:
     """An ``export_model`` export served: its tables in a parameter server, its program bound to it.
 
     Args:
-        export: the export root (its ``latest`` version is served) or a version directory.
+        export: the export root (``export_model``'s ``path``): its ``latest`` version is served.
         name: the model's name in the parameter server (and on the endpoint).
         volatile_db: the parameter server's volatile store (``{"type": "memory"}`` or a Redis store).
         persistent_db: its persistent store (LMDB or RocksDB), or ``None``.
@@ -69,9 +70,11 @@ class ExportedModel:
     def __init__(self, export, *, name: str = "dynemb", volatile_db: Optional[dict] = None,
                  persistent_db: Optional[dict] = None, cache_fraction: float = 0.2, device: str = "cpu") -> None:
         self.name, self.device = name, torch.device(device)
-        directory = resolve(export)
-        self.export = directory.parent if directory.name.startswith("version-") else Path(export)
-        manifest = read_manifest(directory, SERVING_FORMAT)
+        self.export = Path(export)
+        if read_pointer(self.export) is None:
+            raise ValueError(f"{self.export}: no export there (no 'latest'); write one with "
+                             "dynemb.serving.export_model(path, model, example_inputs)")
+        manifest = read_manifest(resolve(self.export), SERVING_FORMAT)
         names = list(manifest["tables"])
         config = {"models": [{"model": name, "sparse_files": [str(self.export)], "embedding_table_names": names,
                               "embedding_vecsize_per_table": [manifest["tables"][t]["dim"] for t in names],

@@ -212,6 +212,8 @@ class _CollectionNode(nn.Module):
         where = f"collection {self.path or 'model'!r}"
         if not isinstance(features, dict) and callable(getattr(features, "keys", None)) \
                 and callable(getattr(features, "values", None)) and callable(getattr(features, "lengths", None)):
+            if weights:
+                raise ValueError(f"{where}: weights are given beside a KeyedJaggedTensor; put them in it")
             keys = list(features.keys())
             w = features.weights_or_none() if callable(getattr(features, "weights_or_none", None)) else None
             tensors = [features.values(), features.lengths(), *([w] if w is not None else [])]
