@@ -145,13 +145,16 @@ class _Loader:
 
         args = self.args
         volatile, persistent = stores(args)
-        if args.model is None:  # a model of the user's own (export_model)
-            from .served_export import ServedExport as served
+        options = dict(name=args.name, volatile_db=volatile, persistent_db=persistent,
+                       cache_fraction=args.cache_fraction, device=args.device)
+        if args.model is None:  # a model of the user's own (dynemb.serving.export_model)
+            from .served_export import ServedExport
+
+            self.model = ServedExport(args.export, **options)
         else:
-            from .model import ServedModel as served
-        self.model = served(*([args.model] if args.model is not None else []), export=args.export, name=args.name,
-                            volatile_db=volatile, persistent_db=persistent, cache_fraction=args.cache_fraction,
-                            device=args.device)
+            from .model import ServedModel
+
+            self.model = ServedModel(args.model, export=args.export, **options)
         if args.watch is not None:  # "now serving version N" lines on stderr, next to uvicorn's
             import logging
 
