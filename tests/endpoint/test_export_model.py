@@ -265,6 +265,9 @@ def test_bad_inputs_get_a_400_naming_the_input(servers, trained):
              (body(sparse_values={"data": [1.5] * len(good["sparse_values"])}), "input 'sparse_values': INT64"),
              (body(sparse_lengths=None), "input 'sparse_lengths' is missing"),
              (body(sparse_lengths={"shape": [2], "data": [0, 0]}), "sparse_lengths.size()[0] // 3 == dense.size()[0]"),
+             (body(sparse_values={"shape": [len(good["sparse_values"]) + 1],
+                                  "data": good["sparse_values"].tolist() + [1]}),
+              "collection 'sparse_arch': the KeyedJaggedTensor's lengths must be >= 0 and sum to its"),
              ({"inputs": body()["inputs"] + [{"name": "extra", "datatype": "INT64", "shape": [1], "data": [1]}]},
               "input 'extra' is not an input of this model")]
     with httpx.Client(base_url=f"http://{address}", timeout=30) as c:
