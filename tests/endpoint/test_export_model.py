@@ -115,6 +115,9 @@ def test_the_export_names_the_users_inputs_and_binds_lookups_by_name(exported):
 
     with zipfile.ZipFile(exported / "dlrm" / "version-00000001" / "program.pt2") as z:
         assert all("t_cat" not in n for n in z.namelist())
+        # no pickle: no example inputs (torch.save'd), and weights as raw bytes
+        assert all(z.getinfo(n).file_size == 0 for n in z.namelist() if "sample_inputs" in n)
+        assert all(b'"use_pickle": true' not in z.read(n) for n in z.namelist() if n.endswith("config.json"))
         graph = next(z.read(n) for n in z.namelist() if n.endswith(".json") and b"served_features" in z.read(n))
     assert b"dynemb::served_features" in graph or b"dynemb.served_features" in graph
 

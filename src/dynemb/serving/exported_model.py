@@ -18,6 +18,7 @@ from ..checkpoint.export_format import read_attached, read_export, version_name
 from ..checkpoint.fsutil import read_pointer
 from ..checkpoint.manifest import SERVING_FORMAT, read_manifest, resolve
 from ..collection.config import FeatureConfig, TableConfig
+from ..serialization import parse_dtype
 from .model_export import PROGRAM_FILE
 from .ps import ParameterServer
 from .served_features import bind, prepared_lookup
@@ -38,8 +39,13 @@ class _Program:
                              "(export_for_serving), not a model export (dynemb.serving.export_model)")
         manifest, data = read_attached(directory, PROGRAM_FILE)
         meta = manifest["program"]
-        self.module = torch.export.load(io.BytesIO(data)).module()
+        program = torch.export.load(io.BytesIO(data))
         self.inputs, self.outputs, self.batch_input = meta["inputs"], meta["outputs"], meta.get("batch_input")
+        # The export keeps no example inputs (see export_model); the program's shape checks are generated from
+        # inputs of its structure, so stand-ins of it come back here (only their placement in the call is read).
+        program.example_inputs = (tuple(torch.zeros([2 if d == -1 else d for d in t["shape"]],
+                                                    dtype=parse_dtype(t["dtype"])) for t in self.inputs), {})
+        self.module = program.module()
         self.collections = {}
         for path, record in meta["collections"].items():
             tables = {t["name"]: TableConfig(**t) for t in record["tables"]}

@@ -104,6 +104,9 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
     flat = [v for _, v in leaves]
     wrapper = _Flat(model, in_spec, names)
     program = _trace(wrapper, flat)
+    # without them the archive is the graph (JSON) and raw weight bytes: torch.export.save writes example inputs
+    # with torch.save (a pickle, of the user's example ids), and torch.export.load may unpickle them
+    program.example_inputs = None
     buffer = io.BytesIO()
     torch.export.save(program, buffer)
     meta = _describe(program, names, wrapper.output_names)
