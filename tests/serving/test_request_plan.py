@@ -3,6 +3,7 @@ the per-table path and to the training tables, with every tier (memory, Redis, L
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import dynemb
 from dynemb.checkpoint import export_for_serving
@@ -134,3 +135,38 @@ def test_lookup_concat_refuses_bad_requests_before_looking_anything_up(tmp_path)
         assert ps.lookup_concat("m", ["a", "b"], ids[:0], [0, 0]).shape == (0, 8)
     finally:
         ps.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), n=st.integers(0, 60), tables=st.integers(1, 4))
+def test_the_misses_pairs_in_one_pass_are_the_torch_codes(data, n, tables):
+    # numba_find_many.miss_pairs against request_lookup's torch code: the same distinct (table, key) pairs in the
+    # same order (by table, then cache key), counts, inverse and misses a table, keys of two tables that meet too
+    from dynemb.kernels.numba_find_many import miss_pairs
+    from dynemb.serving.ps.request_lookup import _unique_pairs
+    from dynemb.table.hashing import mix64
+
+    salts = mix64(torch.arange(1, tables + 1, dtype=torch.int64))
+    pool = data.draw(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=8))
+    pool = torch.tensor(pool, dtype=torch.int64)
+    tid = torch.tensor(data.draw(st.lists(st.integers(0, tables - 1), min_size=n, max_size=n)), dtype=torch.int64)
+    keys = pool[torch.tensor(data.draw(st.lists(st.integers(0, len(pool) - 1), min_size=n, max_size=n)),
+                             dtype=torch.int64)]
+    if n and tables > 1 and data.draw(st.booleans()):  # a key of table 1 on the cache key of one of table 0
+        keys[0], tid[0] = keys[-1] ^ salts[0] ^ salts[1], 1
+        tid[-1] = 0
+    found = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=torch.bool)
+    miss_at, utid, ukey, inverse, counts, missed = miss_pairs(found, keys, tid, salts, tables)
+    want_at = (~found).nonzero().squeeze(1)
+    assert torch.equal(miss_at, want_at)
+    assert missed.tolist() == torch.bincount(tid[want_at], minlength=tables).tolist()
+    assert torch.equal(utid[inverse], tid[want_at]) and torch.equal(ukey[inverse], keys[want_at])
+    assert torch.equal(counts, torch.bincount(inverse, minlength=len(ukey)))
+    if want_at.numel():
+        ref = _unique_pairs(tid[want_at], keys[want_at], salts)
+        assert sorted(zip(utid.tolist(), ukey.tolist(), counts.tolist())) == \
+            sorted(zip(ref[0].tolist(), ref[1].tolist(), ref[3].tolist()))
+        assert bool((utid[1:] >= utid[:-1]).all())  # by table
+        cache_keys = ukey ^ salts[utid]
+        same = utid[1:] == utid[:-1]
+        assert bool((cache_keys[1:][same] > cache_keys[:-1][same]).all())  # then by cache key

@@ -17,7 +17,7 @@ from . import numba_cache  # noqa: F401  (first: it sets the cache directory of 
 from .numba_group import _pointer
 from .numba_index import _probe_kernel
 
-__all__ = ["META", "find_rows", "find_carried"]
+__all__ = ["META", "find_rows", "find_carried", "miss_pairs"]
 
 META = ("buckets", "overflow", "shift", "num_buckets", "values", "capacity", "key_cols")
 """The columns of a table's row of ``meta`` (int64): its index's buckets and overflow flags (addresses), hash
@@ -110,3 +110,63 @@ def _find_carried_kernel(table, key_cols, overflow, shift, values, cache_keys, k
             for d in range(dim):
                 out[j, d] = 0
     return t
+
+
+def miss_pairs(found: torch.Tensor, keys: torch.Tensor, tid: torch.Tensor, salts: torch.Tensor,
+               tables: int) -> tuple:
+    """The misses of a cache pass, as the distinct ``(table, key)`` pairs a request's lower tiers are asked for.
+
+    Args:
+        found: ``[N]`` bool, whether the cache answered position ``j``.
+        keys: ``[N]`` int64 keys; ``tid``: ``[N]`` int64 table of each; ``salts``: ``[T]`` int64 each table's cache
+            salt (pairs are ordered by ``key ^ salt`` within a table, as the torch code's unique orders them).
+        tables: ``T``.
+
+    Returns:
+        ``(miss_at [K], table [M], key [M], inverse [K], counts [M], missed [T])`` int64: the positions missed, the
+        distinct pairs sorted by table, each miss's pair, how often each pair was asked for, each table's misses.
+    """
+    miss_at, utid, ukey, inverse, counts, missed = _miss_pairs_kernel(
+        found.numpy(), keys.contiguous().numpy(), tid.contiguous().numpy(), salts.contiguous().numpy(), tables)
+    return tuple(torch.from_numpy(a) for a in (miss_at, utid, ukey, inverse, counts, missed))
+
+
+@numba.njit(nogil=True, cache=True)
+def _miss_pairs_kernel(found, keys, tid, salts, tables):
+    n = found.shape[0]
+    k = 0
+    for j in range(n):
+        k += not found[j]
+    miss_at = np.empty(k, np.int64)
+    ckeys = np.empty(k, np.int64)
+    missed = np.zeros(tables, np.int64)
+    k = 0
+    for j in range(n):
+        if not found[j]:
+            miss_at[k] = j
+            t = tid[j]
+            ckeys[k] = keys[j] ^ salts[t]
+            missed[t] += 1
+            k += 1
+    by_key = np.argsort(ckeys, kind="mergesort")
+    starts = np.zeros(tables + 1, np.int64)  # a stable counting sort by table on top: (table, cache key) order
+    for t in range(tables):
+        starts[t + 1] = starts[t] + missed[t]
+    at = starts[:tables].copy()
+    order = np.empty(k, np.int64)
+    for i in range(k):
+        t = tid[miss_at[by_key[i]]]
+        order[at[t]] = by_key[i]
+        at[t] += 1
+    utid, ukey = np.empty(k, np.int64), np.empty(k, np.int64)
+    counts, inverse = np.zeros(k, np.int64), np.empty(k, np.int64)
+    m = -1
+    for i in range(k):
+        j = order[i]
+        t, key = tid[miss_at[j]], keys[miss_at[j]]
+        if m < 0 or utid[m] != t or ukey[m] != key:
+            m += 1
+            utid[m], ukey[m] = t, key
+        counts[m] += 1
+        inverse[j] = m
+    return miss_at, utid[:m + 1], ukey[:m + 1], inverse, counts[:m + 1], missed

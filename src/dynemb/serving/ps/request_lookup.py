@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ...kernels.dispatch import numba_available
 from ...table.hashing import mix64
 from ...table.initializers import Normal, TruncatedNormal, Uniform, initial_rows
 from .cache import TableState
@@ -153,13 +154,23 @@ def _from_cache(gp: _GroupPlan, ids: torch.Tensor, tid: torch.Tensor, salt: torc
     with group.lock:
         values, found = group.find(ids ^ salt, ids)
         epochs = [t.epoch for t in tables]
-    miss_at = (~found).nonzero().squeeze(1)
-    part = _Part(group, tables, [], sizes, values, epochs, [0] * len(tables), miss_at, plan=gp)
+    if group.device.type == "cpu" and numba_available():  # the misses' pairs in one numba pass
+        from ...kernels.numba_find_many import miss_pairs
+
+        miss_at, utid, ukey, inverse, counts, missed = miss_pairs(found, ids, tid, gp.salts, len(tables))
+        part = _Part(group, tables, [], sizes, values, epochs, [0] * len(tables), miss_at, plan=gp)
+        if miss_at.numel():
+            part.missed = missed.tolist()
+            part.utid, part.ukey, part.inverse, part.counts = utid, ukey, inverse, counts
+    else:
+        miss_at = (~found).nonzero().squeeze(1)
+        part = _Part(group, tables, [], sizes, values, epochs, [0] * len(tables), miss_at, plan=gp)
+        if miss_at.numel():
+            mt, mk = tid.index_select(0, miss_at).cpu(), ids.index_select(0, miss_at).cpu()
+            part.missed = torch.bincount(mt, minlength=len(tables)).tolist()
+            part.utid, part.ukey, part.inverse, part.counts = _unique_pairs(mt, mk, gp.salts)
     if miss_at.numel():
-        mt, mk = tid.index_select(0, miss_at).cpu(), ids.index_select(0, miss_at).cpu()
-        part.missed = torch.bincount(mt, minlength=len(tables)).tolist()
         part.salts = gp.salts
-        part.utid, part.ukey, part.inverse, part.counts = _unique_pairs(mt, mk, part.salts)
         part.rows = torch.empty(part.ukey.numel(), group.dim, dtype=group.dtype)
         part.source = torch.zeros(part.ukey.numel(), dtype=torch.int64)
     return part
@@ -279,6 +290,9 @@ def _finish(part: _Part, threshold: float, writeback) -> None:
     if not fetched.numel():
         return
     per_table = torch.bincount(part.utid.index_select(0, fetched), minlength=len(part.tables)).tolist()
+    # the fetched pairs' keys and rows gathered once, each table's a view of them (pairs are sorted by table)
+    keys = part.ukey.index_select(0, fetched).split(per_table)
+    rows = part.rows.index_select(0, fetched).split(per_table)
     cold = []
     for k, at in enumerate(fetched.split(per_table)):
         if not at.numel():
@@ -286,8 +300,7 @@ def _finish(part: _Part, threshold: float, writeback) -> None:
         if part.sizes[k] - part.missed[k] < threshold * part.sizes[k]:  # cold: into the cache now
             cold.append((k, at))
         else:
-            t, keys, rows = part.tables[k], part.ukey.index_select(0, at), part.rows.index_select(0, at)
-            writeback.defer(t, keys, rows, part.epochs[k])
+            writeback.defer(part.tables[k], keys[k], rows[k], part.epochs[k])
     if cold:
         _insert_cold(part, cold)
 
