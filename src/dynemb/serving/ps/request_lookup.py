@@ -49,7 +49,7 @@ class _GroupPlan:
     members: list  # index in RequestPlan.tables of each
     names: list  # their names in the stores
     salts: torch.Tensor  # [T] each table's cache salt, on the CPU
-    seeds: torch.Tensor  # [T] int64 each table's seed
+    seeds: torch.Tensor  # [T] int64 mix64(seed) ^ mix64(0) of each table (see _default_rows)
     shared_default: bool  # every table's default is the same constant or seeded initializer (one call for all)
 
 
@@ -97,7 +97,7 @@ class RequestPlan:
         shared = all(t.default == first for t in tables) and isinstance(first, (float, int, *_SEEDED))
         return _GroupPlan(group, tables, members, [t.store_name for t in tables],
                           group.salts[torch.tensor([t.cache.index for t in tables])].cpu(),
-                          torch.tensor([t.seed for t in tables], dtype=torch.int64), shared)
+                          mix64(torch.tensor([t.seed for t in tables], dtype=torch.int64)) ^ _MIX0, shared)
 
     def layout(self, sizes: tuple) -> _RunLayout:
         """The layout of a request whose run ``i`` has ``sizes[i]`` ids."""
@@ -257,8 +257,7 @@ def _default_rows(part: _Part) -> None:
             # The seeded initializers' row of key k under seed s is f(mix64(k ^ mix64(s))) (initializers'
             # _unit_uniform): under seed 0 the key k ^ mix64(s) ^ mix64(0) gets the same row, so one call serves
             # every table, bit for bit.
-            seeds = part.plan.seeds.index_select(0, part.utid.index_select(0, at))
-            keys = part.ukey.index_select(0, at) ^ mix64(seeds) ^ _MIX0
+            keys = part.ukey.index_select(0, at) ^ part.plan.seeds.index_select(0, part.utid.index_select(0, at))
             rows = one.encode(initial_rows(first, keys, one.row_dim, dtype, 0))
     else:
         tables = [t for t, n in zip(part.tables, per_table) if n]
