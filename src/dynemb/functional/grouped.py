@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..kernels.dispatch import group_hparams, kernels_for, resolve_backend
+from ..kernels.dispatch import group_hparams, resolve_backend
 from ..table.group import TableGroup, refusal
 from .grads import PooledGrad, deliver_pooled_gradient
 from .find import first_of_groups, sort_ids
@@ -110,7 +110,7 @@ class GroupedLookup:
         first = self.tables[0]
         backend = resolve_backend(first.backend, first.device)
         if backend not in self._groups:
-            ok = all(group_refusal(t) is None for t in self.tables) and bool(kernels_for(backend, first.device).group)
+            ok = all(group_refusal(t) is None for t in self.tables)
             self._groups[backend] = TableGroup(self.tables, [t.sparse_optimizer.kernel_slots(t)[1]
                                                               for t in self.tables]) if ok else None
         return self._groups[backend]
@@ -165,7 +165,7 @@ class GroupedLookup:
         keys, rows, offsets, weights, denom, bags = call.saved
         layout, group = call.layout, call.group
         out = torch.empty(layout.total, dtype=torch.float32, device=rows.device)
-        group.kernels.pool(group.meta, rows, offsets, layout.bag_seg, weights, denom, out, layout.out_at,
+        group.kernels.pool(group, rows, offsets, layout.bag_seg, weights, denom, out, layout.out_at,
                            layout.max_dim)
         keyed = layout.seg_high | rows  # (table, row) of each id: no two tables' rows meet
         call.saved = (keys, keyed, weights, denom, bags)
@@ -191,7 +191,7 @@ class GroupedLookup:
         if denom is not None:
             grad = _divided(grad, denom, layout)
         group._refresh()  # a table grown since the forward has its storage elsewhere: its rows are the same
-        group.kernels.sparse_update(lookup.kind, group.meta, hparams, versions, keyed, grad, layout.out_at,
+        group.kernels.sparse_update(lookup.kind, group, hparams, versions, keyed, grad, layout.out_at,
                                     layout.table_bags, bags, weights, layout.max_dim)
         for t in moved:
             _update_apart(call, t, keys, keyed, grad, weights, bags)
