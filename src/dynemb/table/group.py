@@ -39,10 +39,9 @@ __all__ = ["TableGroup", "HostValues", "refusal", "group_key", "group_ops"]
 _STAMPED = (EvictionPolicy.LRU, EvictionPolicy.EPOCH_LRU)
 
 
-def refusal(table, kernels: bool = True) -> str | None:
-    """Why ``table`` cannot join a kernel group, or None when it can (see the module). Every backend runs groups
-    (torch through :mod:`~dynemb.table.group_reference`); ``kernels`` is kept for callers that asked whether the
-    backend has group kernels, which no longer matters."""
+def refusal(table) -> str | None:
+    """Why ``table`` cannot join a kernel group, or None when it can (see the module). Its backend does not matter:
+    every backend runs groups (torch through :mod:`~dynemb.table.group_reference`)."""
     if type(table) is not KeyValueTable:
         return f"a {type(table).__name__} runs its own lookups"
     if table.dtype != torch.float32:
