@@ -51,61 +51,58 @@ def find_or_insert(group, keys: torch.Tensor, seg: torch.Tensor, seg_first: torc
     """``rows [N]`` int64 of ``keys [N]`` (key ``i`` of table ``seg[i]``, each table's keys one run), the absent
     ones inserted as each table's own ``find_or_insert`` inserts them: see the contract. Advances ``sizes [G]`` by
     each table's new keys."""
-    n, device = keys.numel(), keys.device
-    rows = torch.empty(n, dtype=torch.int64, device=device)
+    n = keys.numel()
     if n == 0:
-        return rows
-    runs = _runs(seg)
-    for t, lo, hi in runs:  # each table's own index
-        rows[lo:hi] = group.tables[t].index.find(keys[lo:hi])
-    absent = (rows < 0).nonzero().squeeze(1)
-    if absent.numel():
-        _insert(group, keys, seg, rows, absent, sizes)
-    marks = stamps.tolist()
-    for t, lo, hi in runs:  # every row read: the access's score and version stamps
-        table = group.tables[t]
-        columns, part = table._columns, rows[lo:hi]
-        columns["score"].index_fill_(0, part, marks[t][0])
-        columns["version"].index_fill_(0, part, marks[t][1])
-    return rows
-
-
-def _insert(group, keys, seg, rows, absent, sizes) -> None:
-    """Give rows to the absent keys (positions ``absent``): one sort of them all by (table, hash)."""
-    missed, tables = keys.index_select(0, absent), seg.index_select(0, absent)
-    hashes = key_hash(missed)
+        return torch.empty(0, dtype=torch.int64, device=keys.device)
+    # one dedup of all the group's keys: a stable sort by hash, then by table (the high key); the hash is a
+    # bijection, so equal (table, hash) is equal (table, key), and each table's keys come out in hash order
+    hashes = key_hash(keys)
     by_hash = hashes.sort(stable=True).indices
-    order = by_hash.index_select(0, tables.index_select(0, by_hash).sort(stable=True).indices)
-    s_tab, s_hash = tables.index_select(0, order), hashes.index_select(0, order)
-    first = torch.ones_like(s_tab, dtype=torch.bool)  # the first of each run of one (table, key)
-    first[1:] = (s_tab[1:] != s_tab[:-1]) | (s_hash[1:] != s_hash[:-1])
-    unique_index = first.cumsum(0) - 1  # each sorted key's unique key
+    order = by_hash.index_select(0, seg.index_select(0, by_hash).sort(stable=True).indices)
+    s_seg, s_hash = seg.index_select(0, order), hashes.index_select(0, order)
+    first = torch.ones_like(s_seg, dtype=torch.bool)  # the first of each run of one (table, key)
+    first[1:] = (s_seg[1:] != s_seg[:-1]) | (s_hash[1:] != s_hash[:-1])
     at = first.nonzero().squeeze(1)
-    u_keys, u_hash, u_tab = missed.index_select(0, order.index_select(0, at)), s_hash.index_select(0, at), \
-        s_tab.index_select(0, at)
-    counts = torch.bincount(u_tab, minlength=len(group.tables))
-    base = sizes.tolist()
+    u_keys, u_hash = keys.index_select(0, order.index_select(0, at)), s_hash.index_select(0, at)
+    counts = torch.bincount(s_seg.index_select(0, at), minlength=len(group.tables)).tolist()
+    u_rows = torch.empty(at.numel(), dtype=torch.int64, device=keys.device)
+    base, marks, new = sizes.tolist(), stamps.tolist(), [0] * len(counts)
     lo = 0
-    new_rows = torch.empty_like(u_tab)
-    for t, count in enumerate(counts.tolist()):  # each table's new keys, in hash order, from its size on
+    for t, count in enumerate(counts):  # each table's unique keys: probed in its own index, the absent inserted
         if not count:
             continue
-        hi, size = lo + count, base[t]
-        table = group.tables[t]
-        part = torch.arange(size, size + count, device=keys.device)
-        new_rows[lo:hi] = part
-        table.index.insert(u_keys[lo:hi], part, u_hash[lo:hi])
-        columns = table._columns
-        columns["key"][size:size + count] = u_keys[lo:hi]
-        initial_rows(table.initializer, u_keys[lo:hi], table.dim, table.dtype, table.seed, table.backend,
-                     out=columns["value"][size:size + count])
-        for name in group.slots[t]:
-            table.slot(name)[size:size + count] = table._slot_init[name]
-        if table._marks is not None:
-            table._marks[size:size + count] = 0  # a row cleared away may have left its deferred-stamp tag
+        hi, table = lo + count, group.tables[t]
+        rows = u_rows[lo:hi]
+        rows.copy_(table.index.find(u_keys[lo:hi], u_hash[lo:hi]))
+        absent = (rows < 0).nonzero().squeeze(1)
+        if absent.numel():  # in hash order, numbered from the table's size, as its own unique_by_hash numbers them
+            new[t] = absent.numel()
+            rows.index_copy_(0, absent, _insert(group, t, u_keys[lo:hi].index_select(0, absent),
+                                                u_hash[lo:hi].index_select(0, absent), base[t]))
+        columns = table._columns  # every row read: the access's score and version stamps
+        columns["score"].index_fill_(0, rows, marks[t][0])
+        columns["version"].index_fill_(0, rows, marks[t][1])
         lo = hi
-    rows.index_copy_(0, absent.index_select(0, order), new_rows.index_select(0, unique_index))
-    sizes.add_(counts)
+    if any(new):
+        sizes.add_(torch.tensor(new, dtype=sizes.dtype, device=sizes.device))
+    return torch.empty_like(order).index_copy_(0, order, u_rows.index_select(0, first.cumsum(0) - 1))
+
+
+def _insert(group, t: int, keys: torch.Tensor, hashes: torch.Tensor, size: int) -> torch.Tensor:
+    """Rows ``size`` on for table ``t``'s absent unique ``keys`` (in hash order): placed in its index, keyed,
+    initialized, slots at their initial values. The group made room for them before the call."""
+    table, count = group.tables[t], keys.numel()
+    rows = torch.arange(size, size + count, device=keys.device)
+    table.index.insert(keys, rows, hashes)
+    columns = table._columns
+    columns["key"][size:size + count] = keys
+    initial_rows(table.initializer, keys, table.dim, table.dtype, table.seed, table.backend,
+                 out=columns["value"][size:size + count])
+    for name in group.slots[t]:
+        table.slot(name)[size:size + count] = table._slot_init[name]
+    if table._marks is not None:
+        table._marks[size:size + count] = 0  # a row cleared away may have left its deferred-stamp tag
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------ pool
@@ -116,16 +113,21 @@ def pool(group, rows: torch.Tensor, offsets: torch.Tensor, bag_seg: torch.Tensor
     nbags, n = offsets.numel(), rows.numel()
     if nbags == 0:
         return out
-    dims = torch.tensor([t.dim for t in group.tables], device=rows.device)
+    uniform = out.numel() == nbags * max_dim  # every bag of the call is max_dim wide: out is [B, max_dim]
     id_tables = bag_seg.index_select(0, _bag_of(offsets, n)) if n else bag_seg[:0]
-    gathered = rows.new_zeros((n, max_dim), dtype=torch.float32)
+    gathered = rows.new_empty((n, max_dim), dtype=torch.float32) if uniform else \
+        rows.new_zeros((n, max_dim), dtype=torch.float32)
     for t, lo, hi in _runs(id_tables):  # each table's rows from its own values
         table = group.tables[t]
-        gathered[lo:hi, :table.dim] = table.values.index_select(0, rows[lo:hi])
+        torch.index_select(table.values, 0, rows[lo:hi], out=gathered[lo:hi, :table.dim])
     summed = F.embedding_bag(torch.arange(n, device=rows.device), gathered, offsets, mode="sum",
                              per_sample_weights=weights)
     if denom is not None:
         summed = summed / denom.unsqueeze(1)
+    if uniform:
+        out.view(nbags, max_dim).copy_(summed)
+        return out
+    dims = torch.tensor([t.dim for t in group.tables], device=rows.device)
     cols = torch.arange(max_dim, device=rows.device)
     inside = cols < dims.index_select(0, bag_seg).unsqueeze(1)  # [B, max_dim]: the bag's table's columns
     out.index_copy_(0, (out_at.unsqueeze(1) + cols).masked_select(inside), summed.masked_select(inside))
@@ -151,13 +153,17 @@ def sparse_update(kind: str, group, hparams: torch.Tensor, versions: torch.Tenso
     at = first.nonzero().squeeze(1)
     unique = ordered.index_select(0, at)
     # each bag's gradient as a row of max_dim columns (zero past its table's dim), then each row's sum of them
-    bag_dims = torch.zeros(grad_at.numel(), dtype=torch.int64, device=device)
-    for t, (lo, count, _) in enumerate(table_bags.tolist()):
-        bag_dims[lo:lo + count] = tables[t].dim
-    cols = torch.arange(max_dim, device=device)
-    inside = cols < bag_dims.unsqueeze(1)
-    at_col = (grad_at.unsqueeze(1) + cols).clamp_(max=max(grad.numel() - 1, 0))
-    bag_grad = torch.where(inside, grad.index_select(0, at_col.view(-1)).view(-1, max_dim), 0.0)
+    nbags = grad_at.numel()
+    if grad.numel() == nbags * max_dim:  # every bag max_dim wide: the gradient is [B, max_dim] as it is
+        bag_grad = grad.view(nbags, max_dim)
+    else:
+        bag_dims = torch.zeros(nbags, dtype=torch.int64, device=device)
+        for t, (lo, count, _) in enumerate(table_bags.tolist()):
+            bag_dims[lo:lo + count] = tables[t].dim
+        cols = torch.arange(max_dim, device=device)
+        inside = cols < bag_dims.unsqueeze(1)
+        at_col = (grad_at.unsqueeze(1) + cols).clamp_(max=max(grad.numel() - 1, 0))
+        bag_grad = torch.where(inside, grad.index_select(0, at_col.view(-1)).view(-1, max_dim), 0.0)
     ids_bags = order if bag is None else bag.index_select(0, order).to(torch.int64)
     row_grad = F.embedding_bag(ids_bags, bag_grad, at, mode="sum",
                                per_sample_weights=None if weights is None else weights.index_select(0, order))
@@ -200,13 +206,18 @@ def _update_shape(kind, group, parts, dim, h, u_rows, row_grad) -> None:
     v = gather(lambda t: tables[t].values)
     s0 = gather(lambda t: tables[t].slot(group.slots[t][0])) if group.slots[parts[0][0]] else None
     s1 = gather(lambda t: tables[t].slot(group.slots[t][1])) if len(group.slots[parts[0][0]]) > 1 else None
-    if kind in ("sgd", "adagrad", "rowwise_adagrad"):
-        g = torch.where(decay != 0, g + v * decay, g)
+    rows_h = [h[t] for t, _, _ in parts]  # the same branches as each table's torch update, where all agree
+    if kind in ("sgd", "adagrad", "rowwise_adagrad") and any(r[4] for r in rows_h):
+        g = g + v * decay if all(r[4] for r in rows_h) else torch.where(decay != 0, g + v * decay, g)
     if kind == "sgd":  # lr, momentum, weight decay, nesterov
-        if s0 is not None:
-            moving = h1 != 0
-            s0 = torch.where(moving, s0 * h1 + g, s0)
-            g = torch.where(moving, torch.where(h3 != 0, g + s0 * h1, s0), g)
+        if s0 is not None:  # a momentum buffer: the tables have momentum
+            s0 = s0 * h1 + g
+            if all(r[3] for r in rows_h):
+                g = g + s0 * h1
+            elif any(r[3] for r in rows_h):
+                g = torch.where(h3 != 0, g + s0 * h1, s0)
+            else:
+                g = s0
         v = v + g * -h0
     elif kind == "adagrad":  # clr, weight decay, eps
         s0 = s0 + g * g
