@@ -210,14 +210,19 @@ def _update_shape(kind, group, parts, dim, h, u_rows, row_grad) -> None:
     if kind in ("sgd", "adagrad", "rowwise_adagrad") and any(r[4] for r in rows_h):
         g = g + v * decay if all(r[4] for r in rows_h) else torch.where(decay != 0, g + v * decay, g)
     if kind == "sgd":  # lr, momentum, weight decay, nesterov
-        if s0 is not None:  # a momentum buffer: the tables have momentum
-            s0 = s0 * h1 + g
+        if s0 is not None and any(r[1] for r in rows_h):  # a momentum buffer, and momentum (torch: else untouched)
+            buf = s0 * h1 + g
             if all(r[3] for r in rows_h):
-                g = g + s0 * h1
+                step = g + buf * h1
             elif any(r[3] for r in rows_h):
-                g = torch.where(h3 != 0, g + s0 * h1, s0)
+                step = torch.where(h3 != 0, g + buf * h1, buf)
             else:
-                g = s0
+                step = buf
+            if all(r[1] for r in rows_h):
+                s0, g = buf, step
+            else:
+                moving = h1 != 0
+                s0, g = torch.where(moving, buf, s0), torch.where(moving, step, g)
         v = v + g * -h0
     elif kind == "adagrad":  # clr, weight decay, eps
         s0 = s0 + g * g
