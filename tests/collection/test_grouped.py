@@ -178,6 +178,43 @@ def test_a_table_trains_the_same_alone_or_in_a_group(opt, backend, monkeypatch):
     assert family == {op: 30 for op in OPS}  # alone, each table is a group of one
 
 
+MIXED = {  # one update kind, each table its own hyper-parameters
+    "sgd": {"a": dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01), "c": dict(lr=0.05, momentum=0.5),
+            "d": dict(lr=0.2, momentum=0.9)},
+    "adam": {"a": dict(lr=0.05), "c": dict(lr=0.01, betas=(0.8, 0.99)), "d": dict(lr=0.1, eps=1e-6)},
+}
+
+
+@pytest.mark.parametrize("backend", GROUPED)
+@pytest.mark.parametrize("opt", sorted(MIXED))
+def test_each_table_keeps_its_own_hyper_parameters_and_step_count(monkeypatch, opt, backend):
+    make = {"sgd": dynemb.optim.SGD, "adam": dynemb.optim.Adam}[opt]
+
+    def collection():
+        tables = [TableConfig(name=n, dim=d, seed=i, optimizer=make(fused=True, **MIXED[opt][n]))
+                  for i, (n, d) in enumerate((("a", 4), ("c", 3), ("d", 4)))]
+        features = [FeatureConfig(name=f"{n}1", table=n) for n in "acd"]
+        return EmbeddingCollection(tables, [*features, FeatureConfig(name="a2", table="a", combiner="mean")],
+                                   device=DEVICE)
+
+    def train(ec):
+        for step in range(5):
+            batch, _ = _batch(step, "acd")
+            if step % 2:
+                del batch["d1"]  # "d" steps less often: its own step count (Adam's bias correction)
+            sum(o.square().sum() for o in ec(batch).values()).backward()
+
+    reference = _reference(collection, train)
+    family = _family_calls(monkeypatch, backend)
+    with use_backend(backend):
+        ec = collection()
+        train(ec)
+    assert ec.plan.describe_groups() == [["a", "c", "d"]] and family["sparse_update"] == 5
+    for name in "acd":
+        _close(_state(reference, name), _state(ec, name))
+    assert reference.optimizer.state_dict() == ec.optimizer.state_dict()
+
+
 @pytest.mark.parametrize("backend", GROUPED_SLOW)
 def test_tables_outside_the_group_run_beside_it(monkeypatch, backend):
     extra = {"lfu": TableConfig(name="lfu", dim=4, optimizer=OPTIMIZERS["adagrad"](), eviction="lfu", max_capacity=30,
