@@ -54,9 +54,8 @@ def group_refusal(table) -> str | None:
 
 def group_tables(tables: dict) -> list[list[str]]:
     """The execution groups of ``tables`` (``{name: table}``, in order): the names of the tables that can run
-    their training lookups together (:func:`group_refusal`), by
-    device, key dtype, backend setting and update kind; each group in table order. Tables that cannot join one are
-    in no group (they run their own lookups)."""
+    their training lookups together (:func:`group_refusal`), by device, key dtype, backend setting and update kind;
+    each group in table order. Tables that cannot join one are in no group (they run their own lookups)."""
     groups: dict = {}
     for name, table in tables.items():
         if group_refusal(table) is None:
