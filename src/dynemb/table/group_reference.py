@@ -25,6 +25,11 @@ A short loop over the group's tables (never over keys) remains where each table'
 probing and placing keys in its index, writing its new rows and stamps, gathering and scattering its rows. The
 reference reads a few small tensors back to the host (the tables' runs of keys, sizes, stamps, hyper-parameters):
 it is the reference, and the torch backend's grouped path; the kernels make no such read.
+
+Cost: about the per-table torch path's at small batches of many tables, more at large ones (Xeon guest, 1 thread,
+fused Adagrad, dim 16, a step of forward and backward: 26 tables x 512 ids 30-33 ms against 28-37 ms per table;
+4 x 4,096 ids 16-24 against 13-15 ms), where the per-table path reuses its forward's sort in the backward and the
+group sorts again by ``(table, row)``. The torch backend is the reference; numba and Triton are the fast paths.
 """
 
 from __future__ import annotations
