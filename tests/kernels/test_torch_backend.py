@@ -8,7 +8,8 @@ import torch
 
 import dynemb
 from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
-from dynemb.functional import embedding_lookup_sparse
+from dynemb.functional import BagSet, embedding_lookup_sparse
+from dynemb.functional.grouped import GroupedLookup
 from dynemb.kernels import FAMILIES, dispatch, numba_available, use_backend
 from dynemb.table import KeyValueTable, TieredTable, Tiers, group_reference
 from dynemb.table.static import StaticTable
@@ -112,6 +113,20 @@ def test_a_torch_collection_runs_its_groups_without_kernels(no_kernels, monkeypa
     assert ec.plan.describe_groups() == [["a", "b", "c"]]
     assert calls == ["find_or_insert", "pool", "sparse_update"] * 3  # one group: each operation once a step
     assert len(ec.embeddings["b"]) > 0
+
+
+def test_torch_tables_run_a_group_without_kernels_beside_any_default(no_kernels):
+    """Tables set to ``backend="torch"`` group through the torch reference, whatever the process default is."""
+    tables = [KeyValueTable(d, backend="torch", seed=i) for i, d in enumerate((4, 3))]
+    dynemb.optim.Adam(tables, lr=0.1, fused=True)
+    lookup = GroupedLookup(tables)
+    ids = torch.tensor([3, 7, 7, 1])
+    bags = [BagSet(4, torch.tensor([0, 2]), None, 2, "mean")]
+    for _ in range(2):
+        out = lookup.pooled([(0, ids, bags), (1, ids + 1, bags)])
+        sum(o[0].square().sum() for o in out.values()).backward()
+    assert sorted(out) == [0, 1] and [len(t) for t in tables] == [3, 3]
+    assert lookup._group().kernels.module is group_reference
 
 
 def test_each_kernel_module_implements_its_declared_family():
