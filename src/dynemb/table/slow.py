@@ -120,6 +120,10 @@ class SlowStore(RowStore):
         if old_path is not None:
             os.unlink(old_path)  # Linux keeps the pages mapped until the old tensors go
 
+    def row_nbytes(self) -> int:
+        """Bytes a row takes here: every column, interleaved (see :meth:`_resize_columns`)."""
+        return _layout({name: (tuple(col.shape[1:]), col.dtype) for name, col in self._cols.items()})[1]
+
     def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
         had = f"slot:{name}" in self._cols
         super().add_slot(name, dim, init, dtype)
