@@ -24,8 +24,8 @@ from ..kernels.dispatch import Backend, resolve_backend
 from .index import HashIndex
 from .ops import copy_rows, gather_rows, lowest_rows, scatter_rows
 
-__all__ = ["DISK_BASE", "SLOW_BASE", "HostLink", "Link", "SlowIndex", "StagedLink", "TieredIndex", "VictimQueue", "exchange",
-           "link_for"]
+__all__ = ["DISK_BASE", "ROW_END", "SLOW_BASE", "HostLink", "Link", "SlowIndex", "StagedLink", "TieredIndex",
+           "VictimQueue", "exchange", "link_for"]
 
 
 class Link:
