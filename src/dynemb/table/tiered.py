@@ -59,7 +59,8 @@ class Tiers(Serializable):
         host_capacity: three levels: rows kept in host memory (pinned on CUDA) between the fast tier and the row
             files under ``slow`` (then a directory), for a table larger than host memory; exclusive with
             ``host_bytes``. The rows of a call pass through the host on their way up; the lowest-score host rows
-            go down to the files when the host passes its budget. At most ``2**27`` rows (the row files: ``2**29``).
+            go down to the files when the host passes its budget. At most ``2**27`` rows (the row files:
+            ``3 * 2**28``).
         host_bytes: the host level's budget in bytes instead: its rows, every column interleaved (the index stays
             with the fast tier).
 
