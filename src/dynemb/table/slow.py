@@ -63,7 +63,8 @@ class SlowStore(RowStore):
                  init_capacity: int = 1024) -> None:
         self.dim, self.dtype, self.key_dtype = table.dim, table.dtype, table.key_dtype
         self.device = torch.device("cpu")
-        self.backend = table.backend
+        # its rows are host memory: a CUDA table's backend (triton, say) is not the one for them
+        self.backend = table.backend if table.device.type == "cpu" else None
         self.max_capacity = None
         self.initializer, self.seed, self.on_evict = None, 0, None
         self.clock = 0

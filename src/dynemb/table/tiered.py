@@ -188,7 +188,7 @@ class TieredTable(KeyValueTable):
             self.disk = SlowStore(self, tiers.slow)
             self.disk.index = SlowIndex(self.index, self.disk, DISK_BASE, ROW_END, "row files")
             self.levels = (self.slow, self.disk)
-            self.disk_link = HostLink(self.backend)
+            self.disk_link = HostLink(self.slow.backend)  # host rows both sides: the host's kernels
             self._host_queue = VictimQueue(1)
             self.hits["disk"] = 0
             #: as ``moved``, between the host and the row files
@@ -438,6 +438,9 @@ class TieredTable(KeyValueTable):
             for level in self.levels:
                 view = level.index
                 level.index = SlowIndex(self.index, level, view.base, view.end, view.name)
+                level.backend = self.backend if self.device.type == "cpu" else None
+            if self.disk is not None:
+                self.disk_link = HostLink(self.slow.backend)
             self.link = link_for(self.device, self.backend)
             self._queue.clear()
         if self.slow.directory is None and self.slow.pin != (self.device.type == "cuda"):
