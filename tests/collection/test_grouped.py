@@ -1,14 +1,22 @@
-"""Grouped execution of a collection's training lookups (one call of each group kernel for a group of tables)
-against the per-table path on the torch backend, its reference: every optimizer, mixed dims, both key dtypes,
-combiners, weights, multi-hot bags; tables that leave the group for a call (a bound they would pass, rows moved
-between forward and backward) or never join it (frozen, step mode, lfu, admission, static); and a table trains the
-same alone as in a group.
+"""Grouped execution of a collection's training lookups (one call of each ``group`` family operation for a group of
+tables) against the per-table path (grouping switched off, torch backend: the reference): every optimizer, mixed
+dims, both key dtypes, combiners, weights, multi-hot bags; tables that leave the group for a call (a bound they would
+pass, rows moved between forward and backward) or never join it (frozen, step mode, lfu, admission, static); and a
+table trains the same alone as in a group.
 
-Each runs on numba and on Triton (without a GPU under Triton's interpreter on CPU tensors: the repository's
-conftest.py sets it up)."""
+Each runs on the three backends' grouped paths: torch (the family's torch reference,
+:mod:`dynemb.table.group_reference`), numba, and Triton (without a GPU under Triton's interpreter on CPU tensors: the
+repository's conftest.py sets it up). A spy on the family's module says that the grouped path ran.
+
+Tolerances: against the per-table path ``rtol=1e-5, atol=1e-6`` (float32 rounding: torch's per-table update fuses
+some multiply-adds, the numba and Triton kernels sum and fuse in their own order); a table alone against the same
+table in a group, on one backend, bit-identical."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import importlib
 import importlib.util
 
 import pytest
@@ -95,49 +103,120 @@ def _spied(monkeypatch) -> list:
     return calls
 
 
-#: the backends with group kernels (the torch backend runs each table's own lookup: the reference)
-GROUPED = ["numba", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed")])]
+_TRITON = [pytest.mark.triton, pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                                  reason="triton is not installed")]
+#: every backend runs groups: torch through the family's torch reference, numba and Triton through their kernels
+GROUPED = ["torch", "numba", pytest.param("triton", marks=_TRITON)]
 #: the same, Triton's interpreter marked slow (> 5 s a test on CPU)
-GROUPED_SLOW = ["numba", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.slow, pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed")])]
+GROUPED_SLOW = ["torch", "numba", pytest.param("triton", marks=[*_TRITON, pytest.mark.slow])]
+#: the module implementing the ``group`` family on each backend
+FAMILY = {"torch": "dynemb.table.group_reference", "numba": "dynemb.kernels.numba_group",
+          "triton": "dynemb.kernels.triton_group"}
+OPS = ("find_or_insert", "pool", "sparse_update")
+
+
+def _family_calls(monkeypatch, backend: str) -> collections.Counter:
+    """Calls of the ``group`` family's operations on ``backend`` (its module's functions, which the group reads at
+    each call): proof that the grouped path ran, on that backend's implementation."""
+    module = importlib.import_module(FAMILY[backend])
+    calls = collections.Counter()
+    for name in OPS:
+        def spy(*args, _real=getattr(module, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+@contextlib.contextmanager
+def _per_table():
+    """Grouping off: every table runs its own lookup and update, the path a group is held to."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grouped.GroupedLookup, "start", lambda self, lookups: None)
+        yield
+
+
+def _reference(make, train):
+    """The per-table path on the torch backend: ``make()`` trained by ``train``."""
+    with _per_table(), use_backend("torch"):
+        ec = make()
+        train(ec)
+    return ec
 
 
 @pytest.mark.parametrize("backend", GROUPED)
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 def test_grouped_training_is_the_per_table_path(monkeypatch, opt, backend):
-    calls = _spied(monkeypatch)
-    results = {}
-    for name in ("torch", backend):
-        with use_backend(name):
-            ec = _collection(opt)
-            _train(ec, range(5), "abcd")
-            results[name] = ec
-    # every table, every step, in its group (int32 "b" in one of its own)
-    assert results[backend].plan.describe_groups() == [["a", "c", "d"], ["b"]] and sum(calls[-10:]) == 20
+    reference = _reference(lambda: _collection(opt), lambda ec: _train(ec, range(5), "abcd"))
+    calls, family = _spied(monkeypatch), _family_calls(monkeypatch, backend)
+    with use_backend(backend):
+        ec = _collection(opt)
+        _train(ec, range(5), "abcd")
+    # every table, every step, in its group (int32 "b" in one of its own): each operation once a group a step
+    assert ec.plan.describe_groups() == [["a", "c", "d"], ["b"]] and sum(calls) == 20
+    assert family == {op: 10 for op in OPS}
     for name in "abcd":
-        _close(_state(results["torch"], name), _state(results[backend], name))
-        assert results["torch"].embeddings[name].table.clock == results[backend].embeddings[name].table.clock
-    assert results["torch"].optimizer.state_dict() == results[backend].optimizer.state_dict()
+        _close(_state(reference, name), _state(ec, name))
+        assert reference.embeddings[name].table.clock == ec.embeddings[name].table.clock
+    assert reference.optimizer.state_dict() == ec.optimizer.state_dict()
 
 
 @pytest.mark.parametrize("backend", GROUPED_SLOW)
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
-def test_a_table_trains_the_same_alone_or_in_a_group(opt, backend):
+def test_a_table_trains_the_same_alone_or_in_a_group(opt, backend, monkeypatch):
+    family = _family_calls(monkeypatch, backend)
     with use_backend(backend):
         together = _collection(opt)
         _train(together, range(5), "abcd")
+        assert family["sparse_update"] == 10  # two groups, five steps
         for name in "abcd":
             alone = _collection(opt, (name,))
             _train(alone, range(5), name)
             _close(_state(alone, name), _state(together, name), exact=True)
             assert alone.optimizer.state_dict()["optimizers"][name] == \
                 together.optimizer.state_dict()["optimizers"][name]
+    assert family == {op: 30 for op in OPS}  # alone, each table is a group of one
+
+
+MIXED = {  # one update kind, each table its own hyper-parameters
+    "sgd": {"a": dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01), "c": dict(lr=0.05, momentum=0.5),
+            "d": dict(lr=0.2, momentum=0.9)},
+    "adam": {"a": dict(lr=0.05), "c": dict(lr=0.01, betas=(0.8, 0.99)), "d": dict(lr=0.1, eps=1e-6)},
+}
+
+
+@pytest.mark.parametrize("backend", GROUPED)
+@pytest.mark.parametrize("opt", sorted(MIXED))
+def test_each_table_keeps_its_own_hyper_parameters_and_step_count(monkeypatch, opt, backend):
+    make = {"sgd": dynemb.optim.SGD, "adam": dynemb.optim.Adam}[opt]
+
+    def collection():
+        tables = [TableConfig(name=n, dim=d, seed=i, optimizer=make(fused=True, **MIXED[opt][n]))
+                  for i, (n, d) in enumerate((("a", 4), ("c", 3), ("d", 4)))]
+        features = [FeatureConfig(name=f"{n}1", table=n) for n in "acd"]
+        return EmbeddingCollection(tables, [*features, FeatureConfig(name="a2", table="a", combiner="mean")],
+                                   device=DEVICE)
+
+    def train(ec):
+        for step in range(5):
+            batch, _ = _batch(step, "acd")
+            if step % 2:
+                del batch["d1"]  # "d" steps less often: its own step count (Adam's bias correction)
+            sum(o.square().sum() for o in ec(batch).values()).backward()
+
+    reference = _reference(collection, train)
+    family = _family_calls(monkeypatch, backend)
+    with use_backend(backend):
+        ec = collection()
+        train(ec)
+    assert ec.plan.describe_groups() == [["a", "c", "d"]] and family["sparse_update"] == 5
+    for name in "acd":
+        _close(_state(reference, name), _state(ec, name))
+    assert reference.optimizer.state_dict() == ec.optimizer.state_dict()
 
 
 @pytest.mark.parametrize("backend", GROUPED_SLOW)
 def test_tables_outside_the_group_run_beside_it(monkeypatch, backend):
-    calls = _spied(monkeypatch)
     extra = {"lfu": TableConfig(name="lfu", dim=4, optimizer=OPTIMIZERS["adagrad"](), eviction="lfu", max_capacity=30,
                                 seed=5),
              "adm": TableConfig(name="adm", dim=4, optimizer=OPTIMIZERS["adagrad"](), admission=2, seed=6),
@@ -146,46 +225,53 @@ def test_tables_outside_the_group_run_beside_it(monkeypatch, backend):
              "bound": TableConfig(name="bound", dim=4, optimizer=OPTIMIZERS["adagrad"](), max_capacity=40, seed=9,
                                   eviction="lru")}
     names = ("a", "d", *extra)
-    results = {}
-    for name in ("torch", backend):
-        with use_backend(name):
-            ec = _collection("adagrad", names, **extra)
-            if name != "torch":
-                assert ec.plan.describe_groups() == [["a", "d", "bound"]]
-            ec.embeddings["d"].requires_grad_(False)  # frozen: read-only, its own lookups
-            for step in range(6):
-                g = torch.Generator().manual_seed(step)
-                batch = {f"{n}1": torch.randint(0, 60, (6, 2), generator=g).to(DEVICE) for n in extra}
-                batch.update({"a1": torch.randint(0, 60, (6,), generator=g).to(DEVICE),
-                              "d1": torch.randint(0, 60, (6,), generator=g).to(DEVICE)})
-                sum(o.square().sum() for o in ec(batch).values()).backward()
-                ec.optimizer.step()
-                ec.optimizer.zero_grad()
-            results[name] = ec
+
+    def train(ec):
+        ec.embeddings["d"].requires_grad_(False)  # frozen: read-only, its own lookups
+        for step in range(6):
+            g = torch.Generator().manual_seed(step)
+            batch = {f"{n}1": torch.randint(0, 60, (6, 2), generator=g).to(DEVICE) for n in extra}
+            batch.update({"a1": torch.randint(0, 60, (6,), generator=g).to(DEVICE),
+                          "d1": torch.randint(0, 60, (6,), generator=g).to(DEVICE)})
+            sum(o.square().sum() for o in ec(batch).values()).backward()
+            ec.optimizer.step()
+            ec.optimizer.zero_grad()
+
+    reference = _reference(lambda: _collection("adagrad", names, **extra), train)
+    calls, family = _spied(monkeypatch), _family_calls(monkeypatch, backend)
+    with use_backend(backend):
+        ec = _collection("adagrad", names, **extra)
+        assert ec.plan.describe_groups() == [["a", "d", "bound"]]
+        train(ec)
     assert calls and calls[-1] == 1  # the bound table passed its bound's room: only "a" ran grouped at the end
+    assert family["sparse_update"] == 6
     for name in names:
-        _close(_state(results["torch"], name), _state(results[backend], name))
-    assert results[backend].embeddings["bound"].table.evicted > 0
+        _close(_state(reference, name), _state(ec, name))
+    assert ec.embeddings["bound"].table.evicted > 0
 
 
 @pytest.mark.parametrize("backend", GROUPED)
-def test_rows_moved_between_forward_and_backward_are_found_again(backend):
-    results = {}
-    for name in ("torch", backend):
-        with use_backend(name):
-            ec = _collection("adagrad", ("a", "d"))
-            _train(ec, range(3), "ad")
-            batch, _ = _batch(3, "ad")
-            out = ec(batch)
-            ec.embeddings["a"].table.erase(batch["a1"][:2])  # compaction moves other rows of "a"
-            sum(o.square().sum() for o in out.values()).backward()
-            results[name] = ec
+def test_rows_moved_between_forward_and_backward_are_found_again(backend, monkeypatch):
+    def train(ec):
+        _train(ec, range(3), "ad")
+        batch, _ = _batch(3, "ad")
+        out = ec(batch)
+        ec.embeddings["a"].table.erase(batch["a1"][:2])  # compaction moves other rows of "a"
+        sum(o.square().sum() for o in out.values()).backward()
+
+    reference = _reference(lambda: _collection("adagrad", ("a", "d")), train)
+    family = _family_calls(monkeypatch, backend)
+    with use_backend(backend):
+        ec = _collection("adagrad", ("a", "d"))
+        train(ec)
+    assert family["sparse_update"] == 4
     for name in "ad":
-        _close(_state(results["torch"], name), _state(results[backend], name))
+        _close(_state(reference, name), _state(ec, name))
 
 
 @pytest.mark.parametrize("backend", GROUPED)
-def test_sizes_counters_and_checkpoints_after_grouped_steps(tmp_path, backend):
+def test_sizes_counters_and_checkpoints_after_grouped_steps(tmp_path, backend, monkeypatch):
+    family = _family_calls(monkeypatch, backend)
     with use_backend(backend):
         ec = _collection("adam")
         _train(ec, range(4), "abcd")
@@ -199,6 +285,7 @@ def test_sizes_counters_and_checkpoints_after_grouped_steps(tmp_path, backend):
         table = ec.embeddings[name].table
         assert table.size() == table.inserted - table.removed - table.evicted >= sizes[name] > 0
         _close(_state(ec, name), _state(again, name), exact=True)
+    assert family["find_or_insert"] == 20  # 7 + 3 steps of two groups
 
 
 #: every kind of table, each beside a grouped neighbour: tables the group takes (plain, bounded lru) and those that
@@ -245,15 +332,23 @@ def _kinds_train(ec: EmbeddingCollection, names, steps=6) -> None:
         ec.optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("backend", GROUPED_SLOW)
-@pytest.mark.parametrize("opt", ["adagrad", "sgd_plain"])
+#: Triton's interpreter takes about a minute an optimizer here; its per-optimizer arithmetic is held to the
+#: per-table path by the alone-vs-together test above, so this one runs it with the two kinds of slots (one
+#: row-wise, two element-wise)
+KIND_CASES = [(opt, backend) for opt in sorted(OPTIMIZERS) for backend in GROUPED_SLOW
+              if getattr(backend, "values", (backend,))[0] != "triton" or opt in ("rowwise_adagrad", "adam")]
+
+
+@pytest.mark.parametrize("opt, backend", [pytest.param(o, b.values[0], marks=b.marks) if hasattr(b, "values")
+                                          else (o, b) for o, b in KIND_CASES])
 def test_every_kind_of_table_trains_the_same_alone_or_beside_a_group(opt, backend, monkeypatch):
-    calls = _spied(monkeypatch)
+    calls, family = _spied(monkeypatch), _family_calls(monkeypatch, backend)
     with use_backend(backend):
         together = _kinds_collection(opt, KINDS)
         _kinds_train(together, KINDS)
         assert together.plan.describe_groups() == [["plain", "mixed", "bounded"]]
         assert calls[0] == 2  # "mixed" runs its own lookups; "bounded" too once it may have to evict
+        assert family["sparse_update"] == 6  # one grouped update a step
         for name in KINDS:
             alone = _kinds_collection(opt, (name,))
             _kinds_train(alone, (name,))

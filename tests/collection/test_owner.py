@@ -14,7 +14,8 @@ from dynemb.functional.grouped import GroupedLookup
 from dynemb.functional.owner import owner_lookup
 from dynemb.kernels import use_backend
 
-GROUPED = ["numba", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
+#: every backend runs groups (torch: the group family's torch reference)
+GROUPED = ["torch", "numba", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed")])]
 OPTIMIZERS = {
     "sgd": lambda m: dynemb.optim.SGD(m, lr=0.1, momentum=0.9, weight_decay=0.01, fused=True),

@@ -63,6 +63,13 @@ def test_collections_that_never_replay(extra, feature, why):
     assert why in reason
 
 
+def test_a_torch_backend_collection_never_replays():
+    with use_backend("torch"):
+        ec = _collection()
+        assert ec.plan.describe_groups() == [["a", "b"]]  # grouped, through the group family's torch reference
+        assert "backend 'torch'" in StepGraph(_stepper(ec), ec).tables_reason()
+
+
 def test_which_steps_of_a_replaying_collection_run_eagerly():
     with use_backend("numba"):
         ec = _collection(b={"max_capacity": 40, "eviction": "lru"})

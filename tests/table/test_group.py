@@ -3,8 +3,8 @@ on the torch backend: rows, new rows' order, initial values, slots, stamps, size
 answers; batches of 0, 1 and many keys a table, duplicates, extreme keys, keys sharing a bucket, growth ahead of a
 call and the one read a group makes.
 
-On numba and Triton (without a GPU under Triton's interpreter on CPU tensors: the repository's conftest.py sets
-it up)."""
+On the three backends: torch (the group family's torch reference, :mod:`dynemb.table.group_reference`), numba and
+Triton (without a GPU under Triton's interpreter on CPU tensors: the repository's conftest.py sets it up)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynemb.table import KeyValueTable
+from dynemb.table import group_reference
 from dynemb.table.group import TableGroup, refusal
 
-#: the backends with group kernels, each against the torch backend's own find_or_insert
-GROUPED = ["numba", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed")])]
-GROUPED_SLOW = ["numba", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.slow, pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed")])]  # > 5 s a test on CPU
+#: every backend's group family (torch: its torch reference), each against the torch backend's own find_or_insert
+_TRITON = [pytest.mark.triton, pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                                  reason="triton is not installed")]
+GROUPED = ["torch", "numba", pytest.param("triton", marks=_TRITON)]
+GROUPED_SLOW = ["torch", "numba", pytest.param("triton", marks=[*_TRITON, pytest.mark.slow])]  # > 5 s a test on CPU
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -150,9 +151,9 @@ def test_which_tables_a_group_takes():
     assert "admission" in refusal(KeyValueTable(2, backend="numba", admission=2))
     assert "counts accesses" in refusal(KeyValueTable(2, backend="numba", eviction="lfu", max_capacity=8))
     assert "initializer" in refusal(KeyValueTable(2, backend="numba", initializer=lambda n, d: torch.zeros(n, d)))
-    assert "no group kernels" in refusal(KeyValueTable(2, backend="torch"))
-    assert refusal(KeyValueTable(2, backend="torch"), kernels=False) is None
+    assert refusal(KeyValueTable(2, backend="torch")) is None  # torch groups run the family's torch reference
+    assert TableGroup([KeyValueTable(2, backend="torch")]).kernels.module is group_reference
     with pytest.raises(ValueError, match="cannot join a kernel group"):
-        TableGroup([KeyValueTable(2, backend="torch")])
+        TableGroup([KeyValueTable(2, backend="torch", admission=2)])
     with pytest.raises(ValueError, match="share device, key dtype and backend"):
         TableGroup([KeyValueTable(2, backend="numba"), KeyValueTable(2, backend="numba", key_dtype=torch.int32)])

@@ -25,7 +25,7 @@ from .commit import commit, open_shared
 from .shard_tensors import DELETED, KEYS, VALUES
 from .dense import dense_state
 from .errors import CheckpointError
-from .fsutil import read_json, write_json
+from .fsutil import abandon, read_json, write_json
 from .manifest import FORMAT_VERSION, MANIFEST, SERVING_FORMAT, chain, complete, file_record, read_manifest, resolve
 from .ranks import rank_context
 from .saver import incremental_parent, writes as _writes
@@ -33,16 +33,18 @@ from .tiered_stream import ColumnStream, stream_column, tiered_columns, tiered_d
 from .tables import find_tables, shard_file
 from .tensorfile import read_tensors
 
-__all__ = ["export_for_serving", "read_export", "read_chain", "read_dense", "export_files", "manifest_digest",
-           "version_name"]
+__all__ = ["export_for_serving", "read_export", "read_chain", "read_dense", "read_attached", "export_files",
+           "manifest_digest", "version_name"]
 
 STREAM = "serving"
+_FIELDS = {"format", "format_version", "model", "version", "kind", "parent", "parent_version", "parent_digest",
+           "created_unix", "tables", "dense", "files", "digest", "path"}  # a manifest's own fields
 MODEL_FILE = "model.json"  # in the export root: {"model": id}, written by its first export
 DENSE_FILE = "dense.safetensors"  # in a version directory: the dense part, when the export carries one
 
 
 def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float32, incremental: bool = False,
-                       model_name: str | None = None, dense: bool = False) -> Path:
+                       model_name: str | None = None, dense: bool = False, attach: dict | None = None) -> Path:
     """Export the keys and values (no slots, no scores) of every table of ``model`` for serving.
 
     Writes ``path/version-<n>/`` atomically (``n`` one above the newest export there) with one safetensors file
@@ -84,6 +86,10 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
             ``dense.safetensors`` in the version directory, named in the manifest's ``dense`` field and covered by
             its digest; :func:`read_dense` reads it back. A served model takes its MLPs from the newest version
             that has one, so a server following a training run serves the tables and the MLPs of one step.
+        attach: ``{"files": {relative name: bytes}, "fields": {manifest field: JSON value}}``: more files of the
+            version (their sha256 in the manifest's ``files``, read back checked by :func:`read_attached`) and
+            manifest fields, both covered by its digest; :func:`dynemb.serving.export_model` attaches the model's
+            ``torch.export`` program this way.
 
     Returns:
         The new export directory.
@@ -112,6 +118,10 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
         raise TypeError(f"incremental must be a bool, got {incremental!r}")
     if not isinstance(dense, bool):
         raise TypeError(f"dense must be a bool, got {dense!r}")
+    if attach is not None and (not isinstance(attach, dict) or set(attach) - {"files", "fields"}
+                               or set(attach.get("fields") or {}) & _FIELDS):
+        raise TypeError(f"attach must be a dict of 'files' and 'fields' (fields other than {sorted(_FIELDS)}), "
+                        f"got {attach!r}"[:400])
     if model_name is not None and (not isinstance(model_name, str) or not model_name):
         raise TypeError(f"model_name must be a non-empty str or None, got {model_name!r}")
     root = Path(path)
@@ -147,20 +157,39 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
                                      if isinstance(v, torch.Tensor)}, None)
 
         def manifest_of(parts: list) -> dict:
-            files = {rel: rec for part in parts for rel, rec in part["files"].items()}
+            files = {**{rel: rec for part in parts for rel, rec in part["files"].items()}, **attached}
             manifest = {
                 "format": SERVING_FORMAT, "format_version": FORMAT_VERSION, "model": model_id,
                 "version": version, "kind": "delta" if parent else "full", "parent": parent,
                 **_parent_lineage(previous, parent), "created_unix": time.time(),
                 "tables": _merge_entries(parts, files), "dense": {"file": DENSE_FILE} if dense else None,
-                "files": files,
+                "files": files, **(attach or {}).get("fields", {}),
             }
             return {**manifest, "digest": manifest_digest(manifest)}
 
         tmp = open_shared(root, name, ctx)
+        try:
+            attached = _write_attached(tmp, attach) if ctx.rank == 0 else {}
+        except BaseException:
+            abandon(tmp)
+            raise
         commit(ctx, root, name, tmp, payloads, entries, f"exported {root / name}", manifest_of, {"version": version})
         write_marks.record(tables, STREAM, root_key, name)
     return root / name
+
+
+def _write_attached(directory: Path, attach: dict | None) -> dict:
+    """Write ``attach``'s files into the version's staging ``directory``; their manifest file records."""
+    records = {}
+    for rel, data in ((attach or {}).get("files") or {}).items():
+        target = directory / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        records[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    return records
 
 
 def _table_payloads(shards: dict, parent: str | None, dtype: torch.dtype, index: dict, ctx) -> tuple[dict, dict]:
@@ -363,6 +392,27 @@ def read_chain(path) -> list[tuple[dict, dict]]:
         CheckpointError: an export of the chain is missing or does not match its checksums.
     """
     return [read_export(directory) for directory, _ in chain(resolve(path), SERVING_FORMAT)]
+
+
+def read_attached(version_dir, rel: str) -> tuple[dict, bytes]:
+    """``(manifest, bytes)`` of file ``rel`` that an export version carries (``export_for_serving(attach=...)``),
+    its sha256 and the manifest's digest verified.
+
+    Raises:
+        CheckpointError: the manifest does not list ``rel``, or a checksum does not match.
+    """
+    directory = resolve(version_dir)
+    manifest = _checked_manifest(directory)
+    record = manifest.get("files", {}).get(rel)
+    if not isinstance(record, dict) or not (directory / rel).is_file():
+        raise CheckpointError(f"{directory}: the export has no file {rel!r} (its manifest lists "
+                              f"{sorted(manifest.get('files', {}))})")
+    data = (directory / rel).read_bytes()
+    if hashlib.sha256(data).hexdigest() != record.get("sha256"):
+        raise CheckpointError(f"{directory / rel}: its sha256 does not match the manifest's; the file was changed "
+                              "or damaged after it was written")
+    manifest["path"] = str(directory)
+    return manifest, data
 
 
 def read_dense(version_dir) -> dict | None:

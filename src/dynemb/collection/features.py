@@ -16,7 +16,7 @@ from ..functional.pooling import one_id_bags
 from ..checks import check_keys, fit_keys
 from .config import FeatureConfig, TableConfig
 
-__all__ = ["Bags", "Jagged", "PreparedFeature", "prepare_features", "as_feature_dict", "finish"]
+__all__ = ["Bags", "Jagged", "PreparedFeature", "prepare_features", "as_feature_dict", "as_bags", "finish"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +138,7 @@ _FORMS = ("ids [B] (one per sample), dense [B, M], sparse COO [B, M], (ids, offs
           "Bags(ids, offsets=/lengths=, weights=), or a TorchRec JaggedTensor")
 
 
-def _as_bags(value):
+def as_bags(value):
     """The feature's value as Bags when it is a jagged form, else the tensor; errors say which forms work."""
     value = _from_jagged(value)
     if isinstance(value, (Bags, torch.Tensor)):
@@ -159,7 +159,7 @@ def _as_bags(value):
 
 def _prepare(fname: str, fcfg: FeatureConfig, tcfg: TableConfig, value, weight, device,
              check_ranges: bool) -> PreparedFeature:
-    value = _as_bags(value)
+    value = as_bags(value)
     combiner = fcfg.combiner or tcfg.combiner
     if combiner == "none":
         if weight is not None or (isinstance(value, Bags) and value.weights is not None):

@@ -165,7 +165,7 @@ class ExecutionPlan:
         """The tables on this rank whose training lookups run together, one kernel call an operation for a group
         (:mod:`dynemb.functional.grouped`): dynamic tables of one device and key dtype whose fused optimizers share
         an update kernel (dims may differ). A table in no group runs its own lookups; so does a grouped table on a
-        call the group cannot take it (frozen, a bound it would pass) or a backend without group kernels."""
+        call the group cannot take it (frozen, a bound it would pass)."""
         # a column shard whose optimizer shares a row statistic updates through the optimizer's own path, which
         # takes the other shards' parts of it (the group kernels cannot)
         tables = {name: s.table for name, s in self.shards.items() if s.table is not None
@@ -174,8 +174,9 @@ class ExecutionPlan:
                 for names in group_tables(tables)]
 
     def describe_groups(self) -> list[list[str]]:
-        """The execution groups by table name (see :meth:`_groups`). On a backend without group kernels (torch) a
-        group's tables each run their own lookup, the reference the group kernels are held to."""
+        """The execution groups by table name (see :meth:`_groups`). Every backend runs them grouped: numba and
+        Triton with their group kernels, torch with the group family's torch reference
+        (:mod:`~dynemb.table.group_reference`)."""
         return [list(g.names) for g in self.groups]
 
     def __getitem__(self, name: str) -> TableShard:

@@ -37,6 +37,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..kernels.dispatch import Backend, resolve_backend
+
 __all__ = ["StepGraph"]
 
 
@@ -91,6 +93,9 @@ class StepGraph:
         for fcfg in ec.feature_configs.values():
             if fcfg.combiner == "none" or fcfg.max_norm is not None:
                 return f"feature {fcfg.name!r} is a sequence or clips rows (its table runs its own lookups)"
+        for name, module in ec.plan.modules().items():
+            if resolve_backend(module.table.backend, module.table.device) is Backend.TORCH:
+                return f"table {name!r} runs on backend 'torch', whose group reference reads sizes back to the host"
         return None
 
     def eager_reason(self, batch) -> Optional[str]:

@@ -7,6 +7,7 @@ sits above both; ``serving`` keeps what needs no run directory (the parameter se
 module                  job
 ======================  ============================================================================
 ``model``               the served model: the run's dense part, its tables in a ParameterServer
+``served_export``       ``--export DIR`` without a run: a ``dynemb.serving.export_model`` export, its inputs
 ``wire``                an infer body as Python objects: JSON (simdjson) or binary tensors, numeric data
                         as numpy arrays
 ``inference_protocol``  the v2 tensors: metadata, request decoding and checks, responses

@@ -16,10 +16,11 @@ __all__ = ["add_serve_args", "cmd_serve", "WATCH_INTERVAL_S"]
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, metavar="RUN_DIR", help="a `dynemb train` run directory")
-    p.add_argument("--export", metavar="EXPORT_DIR", help="serving export of the run (default: the --use model's: "
-                   "RUN_DIR/export-best, or RUN_DIR/export for last and --watch, written from the checkpoint when "
-                   "missing)")
+    p.add_argument("--model", metavar="RUN_DIR", help="a `dynemb train` run directory")
+    p.add_argument("--export", metavar="EXPORT_DIR", help="with --model: serving export of the run (default: the "
+                   "--use model's: RUN_DIR/export-best, or RUN_DIR/export for last and --watch, written from the "
+                   "checkpoint when missing); without --model: an export of your own model written by "
+                   "dynemb.serving.export_model, served with its inputs and outputs (docs/serving.md)")
     p.add_argument("--use", choices=("best", "last"), help="serve the run's model with the lowest held-out log "
                    "loss (best) or the model of its last step (last); --watch follows the versions training "
                    "publishes, each the model of its step (default: best, last with --watch)")
@@ -73,6 +74,12 @@ def cmd_serve(args) -> int:
     if args.watch is not None and args.use == "best":
         raise ValueError("--watch serves the versions training publishes (the model of each step, not the best); "
                          "drop --use best, or serve the best without --watch")
+    if args.model is None and args.export is None:
+        raise ValueError("give --model RUN_DIR (a dynemb train run) or --export EXPORT_DIR (a model written by "
+                         "dynemb.serving.export_model)")
+    if args.model is None and args.use is not None:
+        raise ValueError("--use picks a model of a run (--model); an export of your own model serves its newest "
+                         "version")
     torch.set_num_threads(args.threads)
     waiting = None  # the export root whose first version is awaited while the server already listens
     if args.watch is not None:  # following a run that may still be training: its published versions
@@ -80,8 +87,8 @@ def cmd_serve(args) -> int:
         from ..job.card import CHECKPOINT
         from ..job.publish import EXPORT
 
-        published = Path(args.export or Path(args.model) / EXPORT)
-        if (args.export is not None or not (Path(args.model) / CHECKPOINT / "latest").is_file()
+        published = Path(args.export or Path(args.model) / EXPORT)  # --export without --model: always given
+        if (args.export is not None or args.model is None or not (Path(args.model) / CHECKPOINT / "latest").is_file()
                 or (published / "latest").is_file()):
             args.export = published  # no checkpoint is needed (nor written yet) to serve them
             if read_pointer(published) is None:
@@ -134,13 +141,20 @@ class _Loader:
         self._thread = None
 
     def load(self) -> None:
-        from .model import ServedModel
         from .watch import ExportWatcher
 
         args = self.args
         volatile, persistent = stores(args)
-        self.model = ServedModel(args.model, export=args.export, name=args.name, volatile_db=volatile,
-                                 persistent_db=persistent, cache_fraction=args.cache_fraction, device=args.device)
+        options = dict(name=args.name, volatile_db=volatile, persistent_db=persistent,
+                       cache_fraction=args.cache_fraction, device=args.device)
+        if args.model is None:  # a model of the user's own (dynemb.serving.export_model)
+            from .served_export import ServedExport
+
+            self.model = ServedExport(args.export, **options)
+        else:
+            from .model import ServedModel
+
+            self.model = ServedModel(args.model, export=args.export, **options)
         if args.watch is not None:  # "now serving version N" lines on stderr, next to uvicorn's
             import logging
 
@@ -155,7 +169,8 @@ class _Loader:
 
     def serving_line(self, grpc_line: str = "") -> str:
         args, model = self.args, self.model
-        return (f"serving {args.model} (export {model.export}, version {model.version}) as {args.name!r} on "
+        return (f"serving {args.model or 'your model'} (export {model.export}, version {model.version}) as "
+                f"{args.name!r} on "
                 f"http://{args.host}:{args.port}/v2/models/{args.name}/infer{grpc_line}")
 
     def start_waiting(self, root: Path) -> None:

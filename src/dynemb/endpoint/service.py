@@ -62,6 +62,9 @@ class Servable(Protocol):
 
     def updating(self) -> bool: ...
 
+    # optional: ``joins_batches = False`` has each request scored in a forward pass of its own (inputs that cannot
+    # be concatenated row-wise, as an exported model's jagged ones)
+
 
 _DATATYPES = {np.dtype(np.float64): "FP64", np.dtype(np.float32): "FP32", np.dtype(np.float16): "FP16",
               np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.int16): "INT16",
@@ -87,6 +90,7 @@ class Batcher:
 
     def __init__(self, model: Servable, max_rows: int, inline: bool = True) -> None:
         self.model, self.max_rows, self.inline = model, max_rows, inline
+        self.joins = getattr(model, "joins_batches", True)  # False: each request is a forward pass of its own
         self._queue: Optional[asyncio.Queue] = None
         self._worker: Optional[asyncio.Task] = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dynemb-serve")
@@ -119,7 +123,7 @@ class Batcher:
         while True:
             waiting = [await self._queue.get()]
             rows = len(waiting[0][0])
-            while not self._queue.empty() and rows + len(self._queue._queue[0][0]) <= self.max_rows:
+            while self.joins and not self._queue.empty() and rows + len(self._queue._queue[0][0]) <= self.max_rows:
                 waiting.append(self._queue.get_nowait())
                 rows += len(waiting[-1][0])
             self._running = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -107,7 +108,7 @@ def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.
     if optimizer is not None and optimizer.fused:
         optimizer.apply_gradient(table, rows, grad)
         return
-    if optimizer is None and not getattr(table, "_warned_unbound", False):  # the hot path's only cost: this flag
+    if optimizer is None and table not in _WARNED:  # the hot path's only cost: this check
         _warn_unbound(table)
     if table.sparse_grad is None:
         table.sparse_grad = SparseGrad()
@@ -115,11 +116,16 @@ def deliver_gradient(table, keys: torch.Tensor, rows: torch.Tensor, grad: torch.
 
 
 
+#: the tables warned about gradients with no optimizer (once a table object; kept here, not written onto the table,
+#: which functional/ knows only through the EmbeddingTable protocol)
+_WARNED: "weakref.WeakSet" = weakref.WeakSet()
+
+
 def _warn_unbound(table) -> None:
     """Warn, once per table object, that ``table`` got gradients with no optimizer bound to it: they accumulate
     (in its ``sparse_grad``) until an optimizer bound to it steps and zero_grads, which a model trained with only a
     ``torch.optim`` optimizer over its dense Parameters never does."""
-    table._warned_unbound = True
+    _WARNED.add(table)
     name = getattr(table, "name", None)
     what = f"table {name!r}" if name is not None else (
         f"a {type(table).__name__} (dim={table.dim}, key_dtype={table.key_dtype}, {table.size()} rows)")

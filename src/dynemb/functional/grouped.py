@@ -15,9 +15,11 @@ device, key dtype and backend; fused optimizers of one kind). One training step 
 Nothing in it reads from the device (the tables' sizes stay there, :mod:`dynemb.table.group`), every tensor is
 sized by the batch, and its op count does not grow with the number of tables. A table the group cannot take this
 call (frozen, a non-fused optimizer, a bound it would pass) runs its own lookup (:func:`~.lookup.pooled_lookups`)
-with the same results. The group kernels are numba's (CPU) and Triton's (GPU, or its interpreter); the torch
-backend has none and runs every table's own lookup, which makes the per-table path the group's torch reference
-(``tests/collection/test_grouped.py`` compares both backends with it, for every optimizer).
+with the same results. Each operation is a call of the ``group`` family (:func:`~dynemb.table.group.group_ops`):
+numba's kernels (CPU), Triton's (GPU, or its interpreter), or on ``backend="torch"`` the family's torch reference
+(:mod:`~dynemb.table.group_reference`), so that a torch collection runs each operation once a group too.
+``tests/collection/test_grouped.py`` holds all three to the per-table path (grouping off), for every optimizer, and a
+table alone to the same table in a group, bit for bit on each backend.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..kernels.dispatch import group_hparams, kernels_for, resolve_backend
+from ..kernels.dispatch import group_hparams, resolve_backend
 from ..table.group import TableGroup, refusal
 from .grads import PooledGrad, deliver_pooled_gradient
 from .find import first_of_groups, sort_ids
@@ -36,11 +38,10 @@ from .pooling import BagSet, bag_of, combine_denoms, concat_bags, is_one_id_bags
 __all__ = ["GroupedLookup", "group_refusal", "group_tables"]
 
 
-def group_refusal(table, kernels: bool = True) -> str | None:
+def group_refusal(table) -> str | None:
     """Why ``table``'s training lookups cannot run in a kernel group, or None when they can: the table's own rule
-    (:func:`~dynemb.table.group.refusal`; ``kernels`` False: whatever its backend) and a fused optimizer whose
-    update has a group kernel."""
-    why = refusal(table, kernels)
+    (:func:`~dynemb.table.group.refusal`) and a fused optimizer whose update the ``group`` family implements."""
+    why = refusal(table)
     if why is not None:
         return why
     optimizer = table.sparse_optimizer
@@ -53,12 +54,11 @@ def group_refusal(table, kernels: bool = True) -> str | None:
 
 def group_tables(tables: dict) -> list[list[str]]:
     """The execution groups of ``tables`` (``{name: table}``, in order): the names of the tables that can run
-    their training lookups together (:func:`group_refusal` without the backend, which is checked at each call), by
-    device, key dtype, backend setting and update kind; each group in table order. Tables that cannot join one are
-    in no group (they run their own lookups)."""
+    their training lookups together (:func:`group_refusal`), by device, key dtype, backend setting and update kind;
+    each group in table order. Tables that cannot join one are in no group (they run their own lookups)."""
     groups: dict = {}
     for name, table in tables.items():
-        if group_refusal(table, kernels=False) is None:
+        if group_refusal(table) is None:
             kind = table.sparse_optimizer.kernel_slots(table)[0]
             groups.setdefault((table.device, table.key_dtype, table.backend, kind), []).append(name)
     return list(groups.values())
@@ -96,7 +96,7 @@ class GroupedLookup:
             raise ValueError(f"the tables of a group update with one kernel kind, got {sorted(kinds)}")
         self.tables = list(tables)
         self.kind = kinds.pop()
-        self._groups: dict = {}  # resolved backend -> TableGroup (or None: no group kernels there)
+        self._groups: dict = {}  # resolved backend -> TableGroup (or None: a table the group cannot hold)
         self._layouts: dict = {}
         self._hparams: tuple = (None, None)
         self._arange: dict = {}
@@ -110,7 +110,7 @@ class GroupedLookup:
         first = self.tables[0]
         backend = resolve_backend(first.backend, first.device)
         if backend not in self._groups:
-            ok = all(group_refusal(t) is None for t in self.tables) and bool(kernels_for(backend, first.device).group)
+            ok = all(group_refusal(t) is None for t in self.tables)
             self._groups[backend] = TableGroup(self.tables, [t.sparse_optimizer.kernel_slots(t)[1]
                                                               for t in self.tables]) if ok else None
         return self._groups[backend]
@@ -165,7 +165,7 @@ class GroupedLookup:
         keys, rows, offsets, weights, denom, bags = call.saved
         layout, group = call.layout, call.group
         out = torch.empty(layout.total, dtype=torch.float32, device=rows.device)
-        group.kernels.pool(group.meta, rows, offsets, layout.bag_seg, weights, denom, out, layout.out_at,
+        group.kernels.pool(group, rows, offsets, layout.bag_seg, weights, denom, out, layout.out_at,
                            layout.max_dim)
         keyed = layout.seg_high | rows  # (table, row) of each id: no two tables' rows meet
         call.saved = (keys, keyed, weights, denom, bags)
@@ -191,7 +191,7 @@ class GroupedLookup:
         if denom is not None:
             grad = _divided(grad, denom, layout)
         group._refresh()  # a table grown since the forward has its storage elsewhere: its rows are the same
-        group.kernels.sparse_update(lookup.kind, group.meta, hparams, versions, keyed, grad, layout.out_at,
+        group.kernels.sparse_update(lookup.kind, group, hparams, versions, keyed, grad, layout.out_at,
                                     layout.table_bags, bags, weights, layout.max_dim)
         for t in moved:
             _update_apart(call, t, keys, keyed, grad, weights, bags)

@@ -142,27 +142,31 @@ as int64 (-1 where absent) and whether every key was found, in one pass (``HashI
   a slice of the table's values). ``kind, params`` come from ``Initializer.kernel_spec()``: ``("uniform", (low,
   high))`` or ``("constant", (value,))``; an initializer without a spec always runs in torch.
 
-``group_kernels`` (:mod:`~dynemb.kernels.triton_group`, :mod:`~dynemb.kernels.numba_group`): the operations of
-a training step over a group of dynamic tables, one launch (or call) each for all of them. Each work item carries
-its table ``t``, whose storage the kernel reads from row ``t`` of ``meta [G, len(GROUP_META)]`` (int64: addresses,
-``data_ptr()`` of the table's own tensors, and sizes; see :data:`GROUP_META`) and ``fmeta [G, len(GROUP_FMETA)]``
-(float32); a table's storage never moves into a shared buffer. ``G`` tables, ``N`` ids, ``B`` bags; no call
-reads anything back to the host, and every tensor is sized by ``N`` or ``B``.
+``group_kernels`` (:mod:`~dynemb.kernels.triton_group`, :mod:`~dynemb.kernels.numba_group`; torch reference
+:mod:`~dynemb.table.group_reference`, which :func:`~dynemb.table.group.group_ops` picks where no module serves):
+the operations of a training step over a group of dynamic tables, one launch (or call) each for all of them. Every
+function takes the ``group`` (a :class:`~dynemb.table.group.TableGroup`), which each backend reads its way: the
+kernels read row ``t`` of its ``meta [G, len(GROUP_META)]`` (int64: addresses, ``data_ptr()`` of table ``t``'s own
+tensors, and sizes; see :data:`GROUP_META`) and ``fmeta [G, len(GROUP_FMETA)]`` (float32); the torch reference,
+which cannot follow an address, reads ``group.tables[t]`` and the slot names ``group.slots[t]``. Each work item
+carries its table ``t``; a table's storage never moves into a shared buffer. ``G`` tables, ``N`` ids, ``B`` bags;
+no kernel call reads anything back to the host, and every tensor is sized by ``N`` or ``B`` (the torch reference
+reads a few ``[G]``-sized values back).
 
 - ``max_ids_per_table() -> int | None``: the most ids a table passes to one grouped call (None: any), above which
-  the table's own lookup costs no more (numba: 4,096; Triton: any).
+  the table's own lookup costs no more (numba: 4,096; Triton and torch: any).
 
-- ``find_or_insert(meta, fmeta, keys [N], seg [N] int64, seg_first [N] int64, sizes [G] int64, stamps [G, 2]
+- ``find_or_insert(group, keys [N], seg [N] int64, seg_first [N] int64, sizes [G] int64, stamps [G, 2]
   int64) -> rows [N] int64``: key ``i`` belongs to table ``seg[i]`` (the tables' keys come in contiguous runs,
   ``seg_first[i]`` the first position of ``i``'s run); found, or inserted as the table's own ``find_or_insert``
   inserts it (rows ``sizes[t]`` on, numbered in the order of the keys' hashes, initial values of the table's
   initializer, slots at their initial values), duplicates sharing one row; every row read gets the score and
   version ``stamps[t]``; ``sizes`` advances by each table's new keys. The caller leaves room for every key to be
   new (rows, index load).
-- ``pool(meta, rows [N], offsets [B], bag_seg [B] int64, weights [N] | None, denom [B] | None, out [*] float32,
+- ``pool(group, rows [N], offsets [B], bag_seg [B] int64, weights [N] | None, denom [B] | None, out [*] float32,
   out_at [B] int64, max_dim) -> out``: bag ``b`` (of table ``bag_seg[b]``, its ids ``offsets[b]`` up to the next
   offset or ``N``) summed in id order, weighted, divided by ``denom[b]``, into ``out[out_at[b]:][:dim]``.
-- ``sparse_update(kind, meta, hparams [G, 8] float64, versions [G] int64, keyed [N] int64, grad [*] float32,
+- ``sparse_update(kind, group, hparams [G, 8] float64, versions [G] int64, keyed [N] int64, grad [*] float32,
   grad_at [B] int64, table_bags [G, 3] int64, bag [N] | None, weights [N] | None, max_dim) -> None``: ``keyed``
   are the ids' ``t << 32 | row``; each distinct one is updated once, as the ``sparse_update`` contract above, with
   the sum of ``weights[j] * grad[grad_at[bag[j]]:][:dim]`` over its ids ``j`` in input order (``bag`` None: id ``j``
@@ -194,6 +198,7 @@ import torch
 __all__ = [
     "Backend",
     "Family",
+    "FamilyKernels",
     "FAMILIES",
     "Kernels",
     "kernels_for",

@@ -48,10 +48,12 @@ _NO_SLOTS = np.empty(0, np.int64)
 _NO_F32 = np.empty(0, np.float32)
 
 
-def find_or_insert(meta: torch.Tensor, fmeta: torch.Tensor, keys: torch.Tensor, seg: torch.Tensor,
-                   seg_first: torch.Tensor, sizes: torch.Tensor, stamps: torch.Tensor) -> torch.Tensor:
+def find_or_insert(group, keys: torch.Tensor, seg: torch.Tensor, seg_first: torch.Tensor, sizes: torch.Tensor,
+                   stamps: torch.Tensor) -> torch.Tensor:
     """``rows [N]`` int64 of ``keys [N]`` (key ``i`` of table ``seg[i]``), the absent ones inserted: see the
-    contract. Advances ``sizes [G]`` by each table's new keys."""
+    contract (``group.meta`` and ``group.fmeta`` say where each table's storage is). Advances ``sizes [G]`` by each
+    table's new keys."""
+    meta, fmeta = group.meta, group.fmeta
     flat = keys.contiguous().numpy()
     rows = np.empty(flat.shape[0], np.int64)
     key_cols = 10 if flat.dtype == np.int64 else 8  # HashIndex._key_cols: 5 int64 or 8 int32 keys a bucket
@@ -62,12 +64,12 @@ def find_or_insert(meta: torch.Tensor, fmeta: torch.Tensor, keys: torch.Tensor, 
     return torch.from_numpy(rows)
 
 
-def pool(meta: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, bag_seg: torch.Tensor,
+def pool(group, rows: torch.Tensor, offsets: torch.Tensor, bag_seg: torch.Tensor,
          weights: torch.Tensor | None, denom: torch.Tensor | None, out: torch.Tensor, out_at: torch.Tensor,
          max_dim: int) -> torch.Tensor:
     """Bag ``b`` of table ``bag_seg[b]`` summed from its ids' ``rows`` into ``out`` (flat) at ``out_at[b]``: see
     the contract. Returns ``out``."""
-    m = meta.numpy()
+    m = group.meta.numpy()
     dims = {int(d) for d in m[:, _DIM]}
     width = block_width(dims.pop()) if len(dims) == 1 else ()  # one dim: summed in vector registers
     _pool_kernel(m, rows.numpy(), offsets.numpy(), bag_seg.numpy(),
@@ -76,14 +78,14 @@ def pool(meta: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, bag_seg:
     return out
 
 
-def sparse_update(kind: str, meta: torch.Tensor, hparams: torch.Tensor, versions: torch.Tensor, keyed: torch.Tensor,
+def sparse_update(kind: str, group, hparams: torch.Tensor, versions: torch.Tensor, keyed: torch.Tensor,
                   grad: torch.Tensor, grad_at: torch.Tensor, table_bags: torch.Tensor, bag: torch.Tensor | None,
                   weights: torch.Tensor | None, max_dim: int) -> None:
     """Each distinct ``(table, row)`` of ``keyed [N]`` updated once with its summed gradient, by each table's own
     fused-update kernel and hyper-parameters: see the contract."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    m, h = meta.numpy(), hparams.numpy()
+    m, h = group.meta.numpy(), hparams.numpy()
     dims = {int(m[t, _DIM]) for t in range(m.shape[0]) if h[t, 7] != 0}
     width = block_width(dims.pop()) if len(dims) == 1 else ()  # one dim: summed in vector registers
     _UPDATES[kind](m, h, versions.numpy(), keyed.numpy(), grad.numpy(), table_bags.numpy(),

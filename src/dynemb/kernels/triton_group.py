@@ -56,10 +56,12 @@ def _key_layout(key_dtype: torch.dtype) -> dict:
     return dict(C=16, KEY_COLS=width * (2 if key64 else 1), KEY64=key64, W=width)
 
 
-def find_or_insert(meta: torch.Tensor, fmeta: torch.Tensor, keys: torch.Tensor, seg: torch.Tensor,
-                   seg_first: torch.Tensor, sizes: torch.Tensor, stamps: torch.Tensor) -> torch.Tensor:
+def find_or_insert(group, keys: torch.Tensor, seg: torch.Tensor, seg_first: torch.Tensor, sizes: torch.Tensor,
+                   stamps: torch.Tensor) -> torch.Tensor:
     """``rows [N]`` int64 of ``keys [N]`` (key ``i`` of table ``seg[i]``), the absent ones inserted: see the
-    contract. Advances ``sizes [G]`` by each table's new keys."""
+    contract (``group.meta`` and ``group.fmeta`` say where each table's storage is). Advances ``sizes [G]`` by each
+    table's new keys."""
+    meta, fmeta = group.meta, group.fmeta
     check_device(meta, fmeta, keys, seg, seg_first, sizes, stamps)
     n, device = keys.numel(), keys.device
     rows = torch.empty(n, dtype=torch.int64, device=device)
@@ -86,11 +88,12 @@ def find_or_insert(meta: torch.Tensor, fmeta: torch.Tensor, keys: torch.Tensor, 
     return rows
 
 
-def pool(meta: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, bag_seg: torch.Tensor,
+def pool(group, rows: torch.Tensor, offsets: torch.Tensor, bag_seg: torch.Tensor,
          weights: torch.Tensor | None, denom: torch.Tensor | None, out: torch.Tensor, out_at: torch.Tensor,
          max_dim: int) -> torch.Tensor:
     """Bag ``b`` of table ``bag_seg[b]`` summed from its ids' ``rows`` into ``out`` (flat) at ``out_at[b]``: see
     the contract. Returns ``out``."""
+    meta = group.meta
     check_device(meta, rows, offsets, bag_seg, weights, denom, out, out_at)
     nbags = offsets.numel()
     if nbags == 0:
@@ -104,7 +107,7 @@ def pool(meta: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, bag_seg:
     return out
 
 
-def sparse_update(kind: str, meta: torch.Tensor, hparams: torch.Tensor, versions: torch.Tensor, keyed: torch.Tensor,
+def sparse_update(kind: str, group, hparams: torch.Tensor, versions: torch.Tensor, keyed: torch.Tensor,
                   grad: torch.Tensor, grad_at: torch.Tensor, table_bags: torch.Tensor, bag: torch.Tensor | None,
                   weights: torch.Tensor | None, max_dim: int) -> None:
     """Each distinct ``(table, row)`` of ``keyed [N]`` (``table << 32 | row``) updated once with its summed
@@ -112,6 +115,7 @@ def sparse_update(kind: str, meta: torch.Tensor, hparams: torch.Tensor, versions
     in input order); the launch's leaders are the first id of each group."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    meta = group.meta
     check_device(meta, hparams, versions, keyed, grad, grad_at, bag, weights)
     n = keyed.numel()
     if n == 0:

@@ -16,28 +16,32 @@ evict runs its own lookup that call (:meth:`TableGroup.admit` says which).
 
 Which tables a group holds (:func:`refusal`): plain :class:`~dynemb.table.KeyValueTable` s of float32 values with a
 built-in initializer (uniform or constant), an ``lru`` or ``epoch_lru`` policy (their stamps are one value a call),
-no admission filter and no byte budget, on a device and backend with ``group`` kernels. The others run their own
-lookups, with the same results.
+no admission filter and no byte budget. The others run their own lookups, with the same results.
+
+Every backend runs groups: numba and Triton with their ``group`` kernels, which follow ``meta``'s addresses; torch
+with the family's torch reference (:mod:`~dynemb.table.group_reference`, chosen by :func:`group_ops`), which reads
+the group's tables instead. The family's functions take the group itself, and each implementation reads it its way.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.dispatch import GROUP_META, kernels_for, resolve_backend
+from ..kernels.dispatch import GROUP_META, FamilyKernels, kernels_for, resolve_backend
+from . import group_reference
 from .hashing import mix64
 from .initializers import CallableInitializer
 from .kv import KeyValueTable
 from .policy import EvictionPolicy, fill_score
 
-__all__ = ["TableGroup", "HostValues", "refusal", "group_key"]
+__all__ = ["TableGroup", "HostValues", "refusal", "group_key", "group_ops"]
 
 _STAMPED = (EvictionPolicy.LRU, EvictionPolicy.EPOCH_LRU)
 
 
-def refusal(table, kernels: bool = True) -> str | None:
-    """Why ``table`` cannot join a kernel group, or None when it can (see the module); ``kernels`` False leaves
-    out whether its backend has group kernels (which the process default may change later)."""
+def refusal(table) -> str | None:
+    """Why ``table`` cannot join a kernel group, or None when it can (see the module). Its backend does not matter:
+    every backend runs groups (torch through :mod:`~dynemb.table.group_reference`)."""
     if type(table) is not KeyValueTable:
         return f"a {type(table).__name__} runs its own lookups"
     if table.dtype != torch.float32:
@@ -50,10 +54,19 @@ def refusal(table, kernels: bool = True) -> str | None:
         return f"eviction {table.policy.value!r} counts accesses"
     if isinstance(table.initializer, CallableInitializer) or table.initializer.kernel_spec() is None:
         return "its initializer has no kernel"
-    if kernels and not kernels_for(table.backend, table.device).group:
-        return f"backend {resolve_backend(table.backend, table.device).value!r} has no group kernels on " \
-               f"{table.device.type}"
     return None
+
+
+def group_ops(backend, device) -> FamilyKernels:
+    """The ``group`` family that runs a group's operations on ``backend`` and ``device``: the kernels (numba, Triton)
+    where a module serves the family, else its torch reference (:mod:`~dynemb.table.group_reference`), which lives
+    here beside the group it serves, as every family's torch reference does, and reads the group's tables rather than
+    the addresses of ``meta``. Both implement the family's declared functions, and only those."""
+    kernels = kernels_for(backend, device).group
+    return kernels if kernels else _REFERENCE
+
+
+_REFERENCE = FamilyKernels("group", group_reference)
 
 
 def group_key(table) -> tuple:
@@ -90,7 +103,7 @@ class TableGroup:
         if len(self.slots) != len(self.tables) or any(len(s) > 2 for s in self.slots):
             raise ValueError(f"slots must name at most two slots for each of the {len(tables)} tables")
         self.device, self.key_dtype, self.backend = group_key(tables[0])
-        self.kernels = kernels_for(self.backend, self.device).group
+        self.kernels = group_ops(self.backend, self.device)
         self.pending = False  # the device sizes are ahead of the tables' own counts
         self.stale = True  # the tables' own counts are ahead of the device sizes
         self.sizes: torch.Tensor | None = None
@@ -195,7 +208,7 @@ class TableGroup:
         run (``counts``: their keys in this call). Each table's clock advances and every row read is stamped, as
         its own ``find_or_insert`` does."""
         stamps = self.staging.put("stamps", self.stamp_values(counts), torch.int64)
-        rows = self.kernels.find_or_insert(self.meta, self.fmeta, keys, seg, seg_first, self.sizes, stamps)
+        rows = self.kernels.find_or_insert(self, keys, seg, seg_first, self.sizes, stamps)
         for t, n in counts.items():
             self._bound[t] += n
         self.pending = True

@@ -1,0 +1,400 @@
+"""``dynemb.serving.export_model`` + ``dynemb serve --export``: two models written by hand (``hand_models``: a
+TorchRec-style DLRM fed by a KeyedJaggedTensor, a two-tower model) are exported after a few training steps and
+served, in process (:class:`~dynemb.serving.ExportedModel`) and by a real ``dynemb serve`` process over HTTP and
+gRPC with tritonclient. Served outputs are bit-equal to the eager model's in eval mode (``torch.equal``; over the
+wire too: FP32 values travel exactly), for a batch of 1 and for ids training never saw (their tables' initializer
+rows, as the eager model reads them). ``--watch`` follows a second version; bad inputs get a 400 naming them."""
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from hand_models import DLRM, KJT, TwoTower, dlrm_batch, train, two_tower_batch
+from test_command import SRC, free_port, stop, wait_ready
+
+import dynemb
+from dynemb import DynamicEmbedding
+from dynemb.serving import ExportedModel, export_model
+
+UNSEEN = 10_000  # ids from here on were never trained
+
+
+def dlrm_inputs(batch) -> dict:
+    dense, kjt = batch
+    return {"dense": dense, "sparse_values": kjt.values(), "sparse_lengths": kjt.lengths()}
+
+
+def two_tower_inputs(batch) -> dict:
+    return dict(zip(("user_id", "history", "history_lengths", "item_id"), batch))
+
+
+def with_unseen(batch, model=None):
+    """``batch`` with some ids shifted past every trained id."""
+    if model is not None:  # DLRM
+        dense, kjt = batch
+        values = kjt.values().clone()
+        values[::2] += UNSEEN
+        return dense, KJT(kjt.keys(), values, kjt.lengths())
+    user, history, lengths, item = (t.clone() for t in batch)
+    user[0] += UNSEEN
+    item[-1] += UNSEEN
+    history[::3] += UNSEEN
+    return user, history, lengths, item
+
+
+@pytest.fixture(scope="module")
+def trained():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    dlrm, two_tower = DLRM(), TwoTower()
+    train(dlrm, lambda: dlrm_batch(dlrm, 32, g), 4)
+    train(two_tower, lambda: two_tower_batch(32, g), 4)
+    return dlrm, two_tower, g
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    dlrm, two_tower, g = trained
+    root = tmp_path_factory.mktemp("export_model")
+    export_model(root / "dlrm", dlrm, dlrm_batch(dlrm, 8, g))
+    export_model(root / "two_tower", two_tower, two_tower_batch(8, g))
+    dlrm.eval()
+    two_tower.eval()
+    return root
+
+
+def eager(model, batch) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(*batch)
+
+
+def test_exported_models_serve_the_eager_outputs_in_process(trained, exported):
+    dlrm, two_tower, g = trained
+    sizes = [t.size() for t in dlrm.sparse_arch.dynemb_tables()]
+    for root, model, batches, inputs in (
+            (exported / "dlrm", dlrm, lambda n: dlrm_batch(dlrm, n, g), dlrm_inputs),
+            (exported / "two_tower", two_tower, lambda n: two_tower_batch(n, g), two_tower_inputs)):
+        served = ExportedModel(root, name="m")
+        try:
+            assert served.version == 1
+            for rows in (1, 2, 17):
+                batch = batches(rows)
+                for b in (batch, with_unseen(batch, model if model is dlrm else None)):
+                    got, version = served(inputs(b))
+                    assert version == 1 and list(got) == ["output"]
+                    assert torch.equal(got["output"], eager(model, b)), (root.name, rows)
+        finally:
+            served.close()
+    # the eager model in eval mode read the unseen ids' default rows without inserting them
+    assert [t.size() for t in dlrm.sparse_arch.dynemb_tables()] == sizes
+
+
+def test_the_export_names_the_users_inputs_and_binds_lookups_by_name(exported):
+    import json
+
+    manifest = json.loads((exported / "dlrm" / "version-00000001" / "manifest.json").read_text())
+    program = manifest["program"]
+    assert program["inputs"] == [{"name": "dense", "dtype": "float32", "shape": [-1, 4]},
+                                 {"name": "sparse_values", "dtype": "int64", "shape": [-1]},
+                                 {"name": "sparse_lengths", "dtype": "int64", "shape": [-1]}]
+    assert program["outputs"] == [{"name": "output", "dtype": "float32", "shape": [-1]}]
+    assert program["batch_input"] == "dense"
+    assert sorted(manifest["tables"]) == ["t_cat_0", "t_cat_1", "t_cat_2"]
+    assert list(program["collections"]) == ["sparse_arch"]
+    two = json.loads((exported / "two_tower" / "version-00000001" / "manifest.json").read_text())["program"]
+    assert sorted(two["collections"]) == ["item_tower_embeddings", "user_tower_embeddings"]
+    # the program holds the dense weights, not one table row
+    import zipfile
+
+    with zipfile.ZipFile(exported / "dlrm" / "version-00000001" / "program.pt2") as z:
+        assert all("t_cat" not in n for n in z.namelist())
+        # no pickle: no example inputs (torch.save'd), and weights as raw bytes
+        assert all(z.getinfo(n).file_size == 0 for n in z.namelist() if "sample_inputs" in n)
+        assert all(b'"use_pickle": true' not in z.read(n) for n in z.namelist() if n.endswith("config.json"))
+        graph = next(z.read(n) for n in z.namelist() if n.endswith(".json") and b"served_features" in z.read(n))
+    assert b"dynemb::served_features" in graph or b"dynemb.served_features" in graph
+
+
+def test_export_model_refuses_what_it_cannot_serve(tmp_path, trained):
+    dlrm, _, g = trained
+    with pytest.raises(ValueError, match="holds no EmbeddingCollection"):
+        export_model(tmp_path / "a", torch.nn.Linear(2, 1), (torch.zeros(1, 2),))
+
+    class Standalone(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = DLRM()
+            self.extra = DynamicEmbedding(4)
+
+        def forward(self, dense, kjt):
+            return self.inner(dense, kjt)
+
+    with pytest.raises(ValueError, match="'extra' is a standalone DynamicEmbedding"):
+        export_model(tmp_path / "b", Standalone(), dlrm_batch(dlrm, 2, g))
+    with pytest.raises(TypeError, match="input 'scale' must be a tensor"):
+        export_model(tmp_path / "c", dlrm, dlrm_batch(dlrm, 2, g), example_kwargs={"scale": 0.5})
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c" / "latest").exists()
+
+
+def test_a_bad_input_is_a_value_error_naming_it(exported):
+    served = ExportedModel(exported / "dlrm", name="m")
+    try:
+        with pytest.raises(ValueError, match="input 'sparse_lengths' is missing"):
+            served({"dense": torch.zeros(2, 4), "sparse_values": torch.zeros(0, dtype=torch.long)})
+        with pytest.raises(ValueError, match=r"sparse_lengths.size\(\)\[0\] // 3 == dense.size\(\)\[0\]"):
+            served({"dense": torch.zeros(2, 4), "sparse_values": torch.zeros(0, dtype=torch.long),
+                    "sparse_lengths": torch.zeros(5, dtype=torch.long)})
+    finally:
+        served.close()
+
+
+def test_the_docs_example_runs(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    section = doc.split("## Serving your own model", 1)[1]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/serving.md", "exec"), {"__name__": "docs_example"})
+    assert (tmp_path / "exports" / "two_tower" / "version-00000001" / "program.pt2").is_file()
+
+
+# ------------------------------------------------------------------ a real `dynemb serve --export` process
+
+http = pytest.importorskip("tritonclient.http")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+
+def start(export, name, *extra, wait: bool = True):
+    port, grpc_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--export", str(export), "--name", name,
+                             "--port", str(port), "--grpc-port", str(grpc_port), *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if wait:
+        wait_ready(f"http://127.0.0.1:{port}", proc, token=None)
+    return proc, f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
+
+
+@pytest.fixture(scope="module")
+def servers(exported):
+    procs = {}
+    try:
+        for name in ("dlrm", "two_tower"):  # both start at once
+            procs[name] = start(exported / name, name, wait=False)
+        for proc, address, _ in procs.values():
+            wait_ready(f"http://{address}", proc, token=None)
+        yield {name: p[1:] for name, p in procs.items()}
+    finally:
+        for proc, *_ in procs.values():
+            stop(proc)
+
+
+def infer(module, address: str, name: str, inputs: dict, binary: bool = True):
+    client = module.InferenceServerClient(address)
+    try:
+        tensors = []
+        for key, value in inputs.items():
+            array = value.numpy()
+            tensors.append(module.InferInput(key, list(array.shape), "FP32" if array.dtype == np.float32 else "INT64"))
+            if module is http:
+                tensors[-1].set_data_from_numpy(array, binary_data=binary)
+            else:
+                tensors[-1].set_data_from_numpy(array)
+        result = client.infer(name, tensors)
+        response = result.get_response()
+        version = response["model_version"] if module is http else response.model_version
+        return result.as_numpy("output"), version
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_dynemb_serve_export_answers_the_eager_outputs_over_http_and_grpc(trained, servers):
+    dlrm, two_tower, g = trained
+    cases = {"dlrm": (dlrm, lambda n: dlrm_batch(dlrm, n, g), dlrm_inputs),
+             "two_tower": (two_tower, lambda n: two_tower_batch(n, g), two_tower_inputs)}
+    for name, (model, batches, inputs) in cases.items():
+        for rows in (1, 9):
+            batch = with_unseen(batches(rows), model if model is dlrm else None)
+            want = eager(model, batch).numpy()
+            for module, binary in ((http, False), (http, True), (grpcclient, True)):
+                got, version = infer(module, servers[name][0 if module is http else 1], name, inputs(batch), binary)
+                assert version == "1" and got.dtype == np.float32
+                np.testing.assert_array_equal(got, want)  # bit-equal
+
+
+@pytest.mark.slow
+def test_model_metadata_lists_the_models_inputs(servers):
+    address, grpc_address = servers["dlrm"]
+    meta = http.InferenceServerClient(address).get_model_metadata("dlrm")
+    assert meta["platform"] == "dynemb_torch_export"
+    assert meta["inputs"] == [{"name": "dense", "datatype": "FP32", "shape": [-1, 4]},
+                              {"name": "sparse_values", "datatype": "INT64", "shape": [-1]},
+                              {"name": "sparse_lengths", "datatype": "INT64", "shape": [-1]}]
+    assert meta["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1]}]
+    assert grpcclient.InferenceServerClient(grpc_address).get_model_metadata("dlrm", as_json=True)["inputs"][0] == {
+        "name": "dense", "datatype": "FP32", "shape": ["-1", "4"]}  # (protobuf's JSON writes int64 as text)
+    grpc_meta = grpcclient.InferenceServerClient(servers["two_tower"][1]).get_model_metadata("two_tower",
+                                                                                              as_json=True)
+    assert [(t["name"], t["datatype"]) for t in grpc_meta["inputs"]] == [
+        ("user_id", "INT64"), ("history", "INT64"), ("history_lengths", "INT64"), ("item_id", "INT64")]
+
+
+@pytest.mark.slow
+def test_bad_inputs_get_a_400_naming_the_input(servers, trained):
+    dlrm, _, g = trained
+    address, grpc_address = servers["dlrm"]
+    good = {k: v.numpy() for k, v in dlrm_inputs(dlrm_batch(dlrm, 3, g)).items()}
+
+    def body(**change):
+        tensors = {**{k: {"name": k, "datatype": "FP32" if k == "dense" else "INT64", "shape": list(v.shape),
+                          "data": v.reshape(-1).tolist()} for k, v in good.items()}}
+        for key, fields in change.items():
+            tensors[key] = {**tensors[key], **fields} if fields is not None else None
+        return {"inputs": [t for t in tensors.values() if t is not None]}
+
+    cases = [(body(dense={"datatype": "INT64"}), "input 'dense': datatype must be FP32"),
+             (body(dense={"shape": [4, 3]}), "input 'dense': shape [4, 3], but size 1 must be 4"),
+             (body(sparse_values={"data": [1.5] * len(good["sparse_values"])}), "input 'sparse_values': INT64"),
+             (body(sparse_lengths=None), "input 'sparse_lengths' is missing"),
+             (body(sparse_lengths={"shape": [2], "data": [0, 0]}), "sparse_lengths.size()[0] // 3 == dense.size()[0]"),
+             (body(sparse_values={"shape": [len(good["sparse_values"]) + 1],
+                                  "data": good["sparse_values"].tolist() + [1]}),
+              "collection 'sparse_arch': the KeyedJaggedTensor's lengths must be >= 0 and sum to its"),
+             ({"inputs": body()["inputs"] + [{"name": "extra", "datatype": "INT64", "shape": [1], "data": [1]}]},
+              "input 'extra' is not an input of this model")]
+    with httpx.Client(base_url=f"http://{address}", timeout=30) as c:
+        for request, message in cases:
+            r = c.post("/v2/models/dlrm/infer", json=request)
+            assert r.status_code == 400 and message in r.json()["error"], (message, r.text)
+    client = grpcclient.InferenceServerClient(grpc_address)
+    bad = grpcclient.InferInput("dense", [3, 5], "FP32")
+    bad.set_data_from_numpy(np.zeros((3, 5), dtype=np.float32))
+    rest = []
+    for key in ("sparse_values", "sparse_lengths"):
+        rest.append(grpcclient.InferInput(key, list(good[key].shape), "INT64"))
+        rest[-1].set_data_from_numpy(good[key])
+    with pytest.raises(InferenceServerException, match="input 'dense': shape"):
+        client.infer("dlrm", [bad, *rest])
+
+
+@pytest.mark.slow
+def test_watch_waits_for_the_first_version_then_serves_a_second_one_published_while_serving(tmp_path):
+    torch.manual_seed(3)
+    g = torch.Generator().manual_seed(4)
+    model = TwoTower()
+    train(model, lambda: two_tower_batch(32, g), 3)
+    root = tmp_path / "two_tower"
+    proc, address, _ = start(root, "tt", "--watch", "0.2", wait=False)  # before any version
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # live (listening), not ready
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://{address}/v2/health/live", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert httpx.get(f"http://{address}/v2/health/ready", timeout=2).status_code != 200
+        export_model(root, model, two_tower_batch(4, g))
+        batch = two_tower_batch(6, g)
+        first = eager(model, batch).numpy()
+        wait_ready(f"http://{address}", proc, token=None)
+        got, version = infer(http, address, "tt", two_tower_inputs(batch))
+        assert version == "1"
+        np.testing.assert_array_equal(got, first)
+        train(model, lambda: two_tower_batch(32, g), 3)  # changes rows (and the towers)
+        export_model(root, model, two_tower_batch(4, g), incremental=True)
+        second = eager(model, batch).numpy()
+        assert not np.array_equal(first, second)
+        deadline = time.monotonic() + 60
+        while version != "2":
+            assert time.monotonic() < deadline, "version 2 was not served within 60 s"
+            time.sleep(0.1)
+            got, version = infer(http, address, "tt", two_tower_inputs(batch))
+        np.testing.assert_array_equal(got, second)
+    finally:
+        stop(proc)
+
+
+class Forms(torch.nn.Module):
+    """One collection fed every input form ``export_model`` serves, each feature pooled its own way."""
+
+    def __init__(self):
+        super().__init__()
+        from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+
+        self.ec = EmbeddingCollection(
+            [TableConfig(name="a", dim=4, optimizer=dynemb.optim.SGD(lr=0.5)),
+             TableConfig(name="b", dim=4, combiner="sum", optimizer=dynemb.optim.SGD(lr=0.5))],
+            [FeatureConfig(name="one", table="a"), FeatureConfig(name="padded", table="a", padding_value=-1),
+             FeatureConfig(name="starts", table="b", combiner="sqrtn", max_norm=0.01),
+             FeatureConfig(name="ends", table="b"), FeatureConfig(name="weighted", table="a", combiner="sum"),
+             FeatureConfig(name="sequence", table="b", combiner="none")])
+
+    def forward(self, one, padded, ids, starts, ends, w_ids, w_lengths, weights, sequence):
+        from dynemb.collection.features import Bags
+
+        out = self.ec({"one": one, "padded": padded, "starts": (ids, starts),
+                       "ends": Bags(ids, offsets=ends, include_last_offset=True),
+                       "weighted": Bags(w_ids, lengths=w_lengths), "sequence": sequence},
+                      weights={"weighted": weights})
+        return {"pooled": torch.cat([out[k] for k in ("one", "padded", "starts", "ends", "weighted")], 1),
+                "sequence": out["sequence"]}
+
+
+def forms_batch(rows: int, g: torch.Generator, ids: int = 30) -> tuple:
+    padded = torch.randint(0, ids, (rows, 3), generator=g)
+    padded[:, -1] = -1
+    lengths = torch.randint(0, 3, (rows,), generator=g)
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    w_lengths = torch.randint(0, 3, (rows,), generator=g)
+    n = int(lengths.sum())
+    return (torch.randint(0, ids, (rows,), generator=g), padded, torch.randint(0, ids, (n,), generator=g),
+            bounds[:-1].clone(), bounds, torch.randint(0, ids, (int(w_lengths.sum()),), generator=g), w_lengths,
+            torch.rand(int(w_lengths.sum()), generator=g), torch.randint(0, ids, (rows, 2), generator=g))
+
+
+def test_every_input_form_and_pooling_rule_serves_as_eager(tmp_path):
+    torch.manual_seed(5)
+    g = torch.Generator().manual_seed(6)
+    model = Forms()
+    for _ in range(3):
+        out = model(*forms_batch(16, g))
+        (out["pooled"].sum() + out["sequence"].sum()).backward()
+    export_model(tmp_path, model, forms_batch(5, g))
+    served = ExportedModel(tmp_path)
+    try:
+        assert [o["name"] for o in served.outputs] == ["pooled", "sequence"]
+        for rows in (1, 3, 8):
+            batch = forms_batch(rows, g, ids=60)  # ids 30..59 were never trained
+            got, _ = served(dict(zip([i["name"] for i in served.inputs], batch)))
+            want = eager(model, batch)
+            for name in ("pooled", "sequence"):
+                assert torch.equal(got[name], want[name]), (rows, name)
+    finally:
+        served.close()
+
+
+def test_8bit_rows_serve_within_their_quantization_error(trained, tmp_path):
+    dlrm, _, g = trained
+    export_model(tmp_path, dlrm, dlrm_batch(dlrm, 4, g), dtype=torch.int8)
+    served = ExportedModel(tmp_path)
+    try:
+        batch = dlrm_batch(dlrm, 32, g)
+        got, _ = served(dlrm_inputs(batch))
+        want = eager(dlrm, batch)
+        assert not torch.equal(got["output"], want)  # the rows are int8 ...
+        torch.testing.assert_close(got["output"], want, atol=0.02, rtol=0.02)  # ... within their error
+    finally:
+        served.close()
