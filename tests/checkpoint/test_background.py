@@ -40,7 +40,7 @@ def held(monkeypatch):
 
 
 def _files(directory) -> dict:
-    """The manifest's file records (sha256 and size of every file): equal records, equal bytes."""
+    """The manifest's file records (checksum and size of every file): equal records, equal bytes."""
     return read_manifest(directory)["files"]
 
 

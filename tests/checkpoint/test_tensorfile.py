@@ -12,8 +12,9 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
+import xxhash
 
-from dynemb.checkpoint import CheckpointError, block_file, file_image, tensorfile
+from dynemb.checkpoint import CheckpointError, block_file, checksum, file_image, tensorfile
 from dynemb.checkpoint.tensorfile import FileRecord, read_tensors, write_tensors
 
 
@@ -45,13 +46,13 @@ def test_byte_view_gives_the_row_major_bytes_of_any_tensor(name):
     assert tensorfile.byte_view(t).numpy().tobytes() == want
 
 
-def test_round_trip_matches_safetensors_and_hashlib(tmp_path, monkeypatch):
+def test_round_trip_matches_safetensors_and_xxhash(tmp_path, monkeypatch):
     monkeypatch.setattr(tensorfile, "CHUNK_BYTES", 8)  # many chunks per tensor
     path = tmp_path / "t.safetensors"
     tensors = _tensors()
     record = write_tensors(path, tensors, {"note": "hi"})
     raw = path.read_bytes()
-    assert record == FileRecord(hashlib.sha256(raw).hexdigest(), len(raw))
+    assert record == FileRecord(xxhash.xxh3_128(raw).hexdigest(), len(raw), "xxh3-128")
     got, metadata = read_tensors(path, record)
     official = safetensors.torch.load_file(path)
     with safetensors.safe_open(path, "pt") as f:
@@ -71,7 +72,7 @@ def test_truncated_and_garbled_files(tmp_path):
     with pytest.raises(CheckpointError, match="not a valid safetensors file"):
         read_tensors(path)
     path.write_bytes(b"\xff" * 8 + raw[8:])
-    with pytest.raises(CheckpointError, match="sha256 checksum mismatch"):
+    with pytest.raises(CheckpointError, match="xxh3-128 checksum mismatch"):
         read_tensors(path, record)
     with pytest.raises(CheckpointError, match="file is missing"):
         read_tensors(tmp_path / "nope.safetensors", record)
@@ -95,7 +96,7 @@ def test_strided_columns_are_written_exactly_from_views(tmp_path, monkeypatch):
     assert torch.equal(torch.cat(pieces), scores)
     path = tmp_path / "stamps.safetensors"
     record = write_tensors(path, {"scores": scores, "versions": versions})
-    got, _ = read_tensors(path, record)  # the sha256 of what was written
+    got, _ = read_tensors(path, record)  # the checksum of what was written
     assert torch.equal(got["scores"], scores) and torch.equal(got["versions"], versions)
 
 
@@ -116,7 +117,7 @@ def test_direct_and_buffered_writes_and_file_images_give_the_same_file(tmp_path,
     imaged = image.write(tmp_path / "image.safetensors")
     filler.join()
     raw = (tmp_path / "direct.safetensors").read_bytes()
-    assert direct == buffered == imaged == FileRecord(hashlib.sha256(raw).hexdigest(), len(raw))
+    assert direct == buffered == imaged == FileRecord(xxhash.xxh3_128(raw).hexdigest(), len(raw))
     assert raw == (tmp_path / "buffered.safetensors").read_bytes() == (tmp_path / "image.safetensors").read_bytes()
     got, metadata = read_tensors(tmp_path / "image.safetensors", imaged)
     assert metadata == {"note": "hi"} and all(torch.equal(got[n], t) for n, t in tensors.items())
@@ -158,3 +159,22 @@ def test_a_file_image_whose_fill_fails_fails_its_write(tmp_path):
         image.fill()
     with pytest.raises(CheckpointError, match="the snapshot for this file failed.*device lost"):
         image.write(tmp_path / "t.safetensors")
+
+
+def test_records_name_their_algorithm_and_sha256_records_still_verify(tmp_path):
+    path = tmp_path / "t.safetensors"
+    record = write_tensors(path, {"x": torch.arange(100)})
+    raw = path.read_bytes()
+    assert record.to_json() == {"algorithm": "xxh3-128", "checksum": xxhash.xxh3_128(raw).hexdigest(),
+                                "bytes": len(raw)}
+    assert checksum.record_from_json(record.to_json(), "here") == record
+    old = checksum.record_from_json({"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}, "here")
+    assert old.algorithm == "sha256"
+    assert torch.equal(read_tensors(path, old)[0]["x"], torch.arange(100))  # hashed with sha256 as it is read
+    assert tensorfile.verify_file(path, old)["x"][1] == torch.Size([100])
+    with pytest.raises(CheckpointError, match="sha256 checksum mismatch"):
+        read_tensors(path, old._replace(checksum="0" * 64))
+    for bad in ({"algorithm": "md5", "checksum": "00", "bytes": 1}, {"checksum": "00"}, {"sha256": 1, "bytes": 1},
+                None, {"algorithm": "xxh3-128", "checksum": "00", "bytes": True}):
+        with pytest.raises(CheckpointError, match="^here: "):
+            checksum.record_from_json(bad, "here")

@@ -63,7 +63,7 @@ def write_payloads(directory: Path, payloads: dict, what: str) -> dict:
                 record = tensors.write(directory / rel, progress)
             else:
                 record = write_tensors(directory / rel, tensors, metadata, progress)
-            files[rel] = {"sha256": record.sha256, "bytes": record.bytes}
+            files[rel] = record.to_json()
     return files
 
 

@@ -3,7 +3,7 @@
 :class:`FileImage` holds the bytes of one safetensors file (header, then each tensor at its offset) in
 page-aligned memory. ``save(..., blocking=False)`` makes one per file, starts its thread, and copies the tensors in
 on the caller's thread (:meth:`FileImage.fill`, a torch copy per chunk, GIL released); the thread meanwhile writes
-every chunk already copied (:meth:`FileImage.write`: sha256 on the digest's thread, the write with ``O_DIRECT``
+every chunk already copied (:meth:`FileImage.write`: the checksum on the digest's thread, the write with ``O_DIRECT``
 from this very memory), so hashing and writing overlap the copy, and the only copy of the bytes is the snapshot's.
 A chunk's memory goes back to the OS once it is hashed and on disk, so the snapshot's cost, the files' bytes, shrinks
 as the save goes.
@@ -123,7 +123,7 @@ class FileImage:
                     while pending and pending[0][2].done():
                         self._free(*pending.popleft()[:2])
                 sink.finish(self.size)
-                record = FileRecord(digest.hexdigest(), self.size)
+                record = digest.record(self.size)
         finally:
             self._free(0, self.size)
         return record

@@ -1,4 +1,4 @@
-"""Streaming safetensors files, hashed with sha256 while the bytes move.
+"""Streaming safetensors files, checksummed while the bytes move (:mod:`.checksum`).
 
 The layout is standard safetensors (8-byte little-endian header length, a JSON header, then the tensors' bytes
 back to back), so ``safetensors.safe_open`` reads these files too. We stream them ourselves because the library
@@ -11,25 +11,24 @@ between the tensor's memory and the file in chunks, and a helper thread hashes t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
 
 from .block_file import ALIGN, BlockFile, page_buffer, round_up
+from .checksum import Digest, FileRecord, verify
 from .errors import CheckpointError
 
-__all__ = ["FileRecord", "FileLayout", "Digest", "write_tensors", "read_tensors", "verify_file", "file_sha256",
-           "byte_view", "file_layout", "flat_pieces", "CHUNK_BYTES"]
+__all__ = ["FileRecord", "FileLayout", "Digest", "write_tensors", "read_tensors", "verify_file", "byte_view",
+           "file_layout", "flat_pieces", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 32 << 20
-_HASH_BYTES = 4 << 20  # file_sha256's read buffer
 _CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -40,41 +39,8 @@ _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 OnBytes = Callable[[int], object]
 
 
-class FileRecord(NamedTuple):
-    """What a manifest keeps about a file: its sha256 (hex) and size in bytes."""
-
-    sha256: str
-    bytes: int
-
-
 class _Malformed(Exception):
     """The file is not a well-formed safetensors file (reported with its checksum status)."""
-
-
-class Digest:
-    """sha256 computed in order by one helper thread that trails the I/O: a file is written (or read) at full speed
-    while hashing catches up, and the fsync ending a write overlaps the rest of the hashing. :meth:`feed` returns
-    the chunk's future: a caller reuses or frees a chunk's memory only once it is done."""
-
-    def __init__(self) -> None:
-        self._sha = hashlib.sha256()
-        self._pool = ThreadPoolExecutor(1)
-        self._last: Future | None = None
-
-    def feed(self, chunk: memoryview) -> Future:
-        self._last = self._pool.submit(self._sha.update, chunk)
-        return self._last
-
-    def hexdigest(self) -> str:
-        if self._last is not None:
-            self._last.result()
-        return self._sha.hexdigest()
-
-    def __enter__(self) -> Digest:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._pool.shutdown(wait=True)
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -233,36 +199,30 @@ def write_tensors(
         if staging.written != layout.size:  # a streamed column yielded other than its shape: no malformed file
             raise RuntimeError(f"{path}: wrote {staging.written} bytes, the header describes {layout.size}")
         sink.finish(layout.size)
-        return FileRecord(digest.hexdigest(), layout.size)
+        return digest.record(layout.size)
 
 
 def read_tensors(
     path: Path, expected: FileRecord | None = None, on_bytes: OnBytes | None = None
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read a safetensors file into CPU tensors, checking its sha256 and size against ``expected``.
+    """Read a safetensors file into CPU tensors, checking its checksum and size against ``expected``.
 
     Returns:
         ``(tensors, metadata)``.
 
     Raises:
-        CheckpointError: the file is missing, its size or sha256 differ from ``expected``, or it is malformed.
+        CheckpointError: the file is missing, its size or checksum differ from ``expected``, or it is malformed.
     """
     size = _checked_size(path, expected)
     try:
-        tensors, metadata, digest = _read(path, size, on_bytes)
+        tensors, metadata, digest = _read(path, size, expected, on_bytes)
     except _Malformed as e:
-        actual = file_sha256(path) if expected is not None else None
-        if actual is not None and actual != expected.sha256:
-            raise _mismatch(path, expected.sha256, actual) from None
+        if expected is not None:
+            verify(path, expected)  # a damaged file is reported as one, not as a malformed header
         raise CheckpointError(f"{path}: not a valid safetensors file: {e}") from None
-    if expected is not None and digest != expected.sha256:
-        raise _mismatch(path, expected.sha256, digest)
+    if expected is not None:
+        verify(path, expected, digest)
     return tensors, metadata
-
-
-def _mismatch(path: Path, want: str, got: str) -> CheckpointError:
-    return CheckpointError(f"{path}: sha256 checksum mismatch (manifest {want[:16]}..., file {got[:16]}...): "
-                           "the file is corrupt")
 
 
 def _checked_size(path: Path, expected: FileRecord | None) -> int:
@@ -276,17 +236,15 @@ def _checked_size(path: Path, expected: FileRecord | None) -> int:
 
 
 def verify_file(path: Path, expected: FileRecord | None = None) -> dict:
-    """Check ``path``'s size and sha256 against ``expected`` in one streaming pass (O(buffer) memory) and return
+    """Check ``path``'s size and checksum against ``expected`` in one streaming pass (O(buffer) memory) and return
     its layout, ``{name: (dtype, shape, offset of its data in the file)}``, without reading any tensor.
 
     Raises:
-        CheckpointError: the file is missing, its size or sha256 differ from ``expected``, or it is malformed.
+        CheckpointError: the file is missing, its size or checksum differ from ``expected``, or it is malformed.
     """
     size = _checked_size(path, expected)
     if expected is not None:
-        actual = file_sha256(path)
-        if actual != expected.sha256:
-            raise _mismatch(path, expected.sha256, actual)
+        verify(path, expected)
     try:
         with open(path, "rb") as f:
             prefix, head = _head(f, size)
@@ -311,8 +269,9 @@ def _head(f, size: int) -> tuple[bytes, bytes]:
     return prefix, f.read(n)
 
 
-def _read(path: Path, size: int, on_bytes: OnBytes | None):
-    with open(path, "rb") as f, Digest() as digest:
+def _read(path: Path, size: int, expected: FileRecord | None, on_bytes: OnBytes | None):
+    """``(tensors, metadata, checksum)``, the checksum by ``expected``'s algorithm (the default's without one)."""
+    with open(path, "rb") as f, (Digest(expected.algorithm) if expected is not None else Digest()) as digest:
         prefix, head = _head(f, size)
         digest.feed(memoryview(prefix + head))
         metadata, layout = _parse_header(head, size - 8 - len(head))
@@ -356,13 +315,3 @@ def _fill(f, t: torch.Tensor, digest: Digest, on_bytes: OnBytes | None) -> None:
         digest.feed(chunk)
         if on_bytes is not None:
             on_bytes(len(chunk))
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 (hex) of a whole file."""
-    sha = hashlib.sha256()
-    buffer = memoryview(bytearray(_HASH_BYTES))  # one buffer reused: memory stays O(buffer) for any file
-    with open(path, "rb") as f:
-        while n := f.readinto(buffer):
-            sha.update(buffer[:n])
-    return sha.hexdigest()
