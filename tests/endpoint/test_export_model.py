@@ -143,6 +143,24 @@ def test_export_model_refuses_what_it_cannot_serve(tmp_path, trained):
     assert not (tmp_path / "b").exists() and not (tmp_path / "c" / "latest").exists()
 
 
+def test_example_inputs_the_collection_refuses_are_refused_at_export(tmp_path, trained):
+    """Float ids export fine through the collection's stand-in, yet every request would then be refused: the
+    export runs the eager model once in eval mode and refuses them with the collection's message, writing
+    nothing and changing no table."""
+    _, two_tower, g = trained
+    user, history, lengths, item = two_tower_batch(4, g)
+    sizes = [t.size() for t in two_tower.user_tower_embeddings.embeddings.values()]
+    mode = two_tower.training
+    with pytest.raises(TypeError, match=r"example_inputs: feature 'user_id' \(table 'user'\): ids must have dtype "
+                                        r"torch.int64 .* got torch.float32"):
+        export_model(tmp_path / "f", two_tower, (user.float(), history, lengths, item))
+    with pytest.raises(ValueError, match=r"example_inputs: feature 'history' \(table 'tag'\): lengths"):
+        export_model(tmp_path / "l", two_tower, (user, history, lengths + 1, item))
+    assert not (tmp_path / "f").exists() and not (tmp_path / "l").exists()
+    assert [t.size() for t in two_tower.user_tower_embeddings.embeddings.values()] == sizes
+    assert two_tower.training == mode
+
+
 def test_a_bad_input_is_a_value_error_naming_it(exported):
     served = ExportedModel(exported / "dlrm", name="m")
     try:
