@@ -161,6 +161,16 @@ def test_example_inputs_the_collection_refuses_are_refused_at_export(tmp_path, t
     assert two_tower.training == mode
 
 
+def test_serving_a_version_directory_or_a_missing_one_says_what_to_pass(exported, tmp_path):
+    with pytest.raises(ValueError, match=r"version-00000001: this is one version of the export .*two_tower; serve "
+                                         r"the export's root"):
+        ExportedModel(exported / "two_tower" / "version-00000001")
+    with pytest.raises(ValueError, match=r"nowhere: no such directory; write one with dynemb.serving.export_model"):
+        ExportedModel(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"no export there \(no 'latest'\)"):
+        ExportedModel(tmp_path)
+
+
 def test_a_bad_input_is_a_value_error_naming_it(exported):
     served = ExportedModel(exported / "dlrm", name="m")
     try:

@@ -36,7 +36,8 @@ class _Program:
         directory = resolve(version_dir)
         if not isinstance(read_manifest(directory, SERVING_FORMAT).get("program"), dict):
             raise ValueError(f"{directory}: no 'program' in its manifest; this is a table export "
-                             "(export_for_serving), not a model export (dynemb.serving.export_model)")
+                             "(export_for_serving), not a model export (dynemb.serving.export_model); a `dynemb "
+                             "train` run is served with `dynemb serve --model RUN_DIR`")
         manifest, data = read_attached(directory, PROGRAM_FILE)
         meta = manifest["program"]
         program = torch.export.load(io.BytesIO(data))
@@ -78,7 +79,11 @@ class ExportedModel:
         self.name, self.device = name, torch.device(device)
         self.export = Path(export)
         if read_pointer(self.export) is None:
-            raise ValueError(f"{self.export}: no export there (no 'latest'); write one with "
+            if (self.export / "manifest.json").is_file() and read_pointer(self.export.parent) is not None:
+                raise ValueError(f"{self.export}: this is one version of the export {self.export.parent}; serve the "
+                                 "export's root (its 'latest' names the version served, and --watch follows it)")
+            where = "no such directory" if not self.export.exists() else "no export there (no 'latest')"
+            raise ValueError(f"{self.export}: {where}; write one with "
                              "dynemb.serving.export_model(path, model, example_inputs)")
         manifest = read_manifest(resolve(self.export), SERVING_FORMAT)
         names = list(manifest["tables"])
