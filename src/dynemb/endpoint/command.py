@@ -16,7 +16,8 @@ __all__ = ["add_serve_args", "cmd_serve", "WATCH_INTERVAL_S"]
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="RUN_DIR", help="a `dynemb train` run directory")
+    p.add_argument("--model", metavar="RUN_DIR", help="a `dynemb train` run directory (default: none: then "
+                   "--export names an export of your own model)")
     p.add_argument("--export", metavar="EXPORT_DIR", help="with --model: serving export of the run (default: the "
                    "--use model's: RUN_DIR/export-best, or RUN_DIR/export for last and --watch, written from the "
                    "checkpoint when missing); without --model: an export of your own model written by "
