@@ -109,6 +109,7 @@ def cmd_serve(args) -> int:
         loader.load()  # a bad run or export is an error before anything listens
     grpc_port = None if args.no_grpc else args.grpc_port
     grpc_line = "" if grpc_port is None else f" and grpc://{args.host}:{grpc_port}"
+    loader.grpc_line = grpc_line  # the line printed once --watch has loaded the first version names it too
     try:
         # The ~300k objects torch and the model keep alive would make every full collection a 200 ms stall of
         # one request: keep them out of the collector, as latency-sensitive Python servers do.
@@ -121,7 +122,7 @@ def cmd_serve(args) -> int:
                       "the first version is served", flush=True)
                 loader.start_waiting(waiting)
             else:
-                print(loader.serving_line(grpc_line), flush=True)
+                print(loader.serving_line(), flush=True)
 
         serve(app, args.host, args.port, on_bound=bound, grpc_port=grpc_port)
     finally:
@@ -138,6 +139,7 @@ class _Loader:
         self.args, self.service = args, service
         self.model = self.watcher = None
         self.failed = False
+        self.grpc_line = ""
         self._stop = threading.Event()
         self._thread = None
 
@@ -168,11 +170,11 @@ class _Loader:
         if args.watch is not None:
             self.watcher = ExportWatcher(self.model, args.watch).start()
 
-    def serving_line(self, grpc_line: str = "") -> str:
+    def serving_line(self) -> str:
         args, model = self.args, self.model
         return (f"serving {args.model or 'your model'} (export {model.export}, version {model.version}) as "
                 f"{args.name!r} on "
-                f"http://{args.host}:{args.port}/v2/models/{args.name}/infer{grpc_line}")
+                f"http://{args.host}:{args.port}/v2/models/{args.name}/infer{self.grpc_line}")
 
     def start_waiting(self, root: Path) -> None:
         self._thread = threading.Thread(target=self._wait_and_load, args=(root,), name="dynemb-serve-load",
