@@ -176,7 +176,8 @@ def test_a_bad_input_is_a_value_error_naming_it(exported):
     try:
         with pytest.raises(ValueError, match="input 'sparse_lengths' is missing"):
             served({"dense": torch.zeros(2, 4), "sparse_values": torch.zeros(0, dtype=torch.long)})
-        with pytest.raises(ValueError, match=r"sparse_lengths.size\(\)\[0\] // 3 == dense.size\(\)\[0\]"):
+        with pytest.raises(ValueError, match=r"sparse_lengths.size\(\)\[0\] // 3 == dense.size\(\)\[0\] "
+                                             r"\(got dense \[2, 4\], sparse_lengths \[5\]\)$"):
             served({"dense": torch.zeros(2, 4), "sparse_values": torch.zeros(0, dtype=torch.long),
                     "sparse_lengths": torch.zeros(5, dtype=torch.long)})
     finally:

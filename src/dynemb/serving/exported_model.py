@@ -8,6 +8,7 @@ forward pass holds), so a forward pass sees exactly one version, the one it repo
 from __future__ import annotations
 
 import io
+import re
 import threading
 from pathlib import Path
 from typing import Optional
@@ -135,7 +136,10 @@ class ExportedModel:
             try:
                 out = program.module(*[inputs[i["name"]].to(self.device) for i in program.inputs])
             except AssertionError as exc:  # the program's shape guards, in terms of the inputs' names
-                raise ValueError(f"the inputs' shapes do not fit the exported model: {exc}") from None
+                text = str(exc).splitlines()[0] if str(exc) else "a shape guard failed"
+                named = [i["name"] for i in program.inputs if re.search(rf"\b{re.escape(i['name'])}\b", text)]
+                given = ", ".join(f"{n} {list(inputs[n].shape)}" for n in named or [i["name"] for i in program.inputs])
+                raise ValueError(f"the inputs' shapes do not fit the exported model: {text} (got {given})") from None
             return {o["name"]: v for o, v in zip(program.outputs, out)}, self.version
 
     def lookup(self, collection: str, features: dict, weights: dict) -> dict:
