@@ -171,6 +171,24 @@ def test_serving_a_version_directory_or_a_missing_one_says_what_to_pass(exported
         ExportedModel(tmp_path)
 
 
+def test_an_integer_input_takes_a_narrower_integer_datatype_widened():
+    """INT32 ids (what many Triton clients send) for an input traced as int64 are widened, as a collection takes
+    ids of a narrower integer dtype; a float datatype is still refused, naming the ones taken."""
+    from dynemb.endpoint.served_export import _tensor
+    from dynemb.endpoint.wire import RequestError
+
+    spec = {"name": "user_id", "dtype": "int64", "shape": [-1]}
+    ids = np.array([-2**31, 7, 2**31 - 1], dtype=np.int32)
+    for data in (ids, ids.tolist()):  # a binary tensor, JSON
+        got = _tensor({"datatype": "INT32", "shape": [3], "data": data}, spec)
+        assert got.dtype == torch.int64 and got.tolist() == ids.tolist()
+    with pytest.raises(RequestError, match=r"^input 'user_id': datatype must be INT64 \(or the narrower INT32, "
+                                           r"INT16, INT8, UINT8\), got 'FP32'$"):
+        _tensor({"datatype": "FP32", "shape": [3], "data": [1.0, 2.0, 3.0]}, spec)
+    with pytest.raises(RequestError, match=r"^input 'x': datatype must be FP32, got 'FP64'$"):
+        _tensor({"datatype": "FP64", "shape": [1], "data": [1.0]}, {"name": "x", "dtype": "float32", "shape": [-1]})
+
+
 def test_a_bad_input_is_a_value_error_naming_it(exported):
     served = ExportedModel(exported / "dlrm", name="m")
     try:
