@@ -169,6 +169,11 @@ def test_serving_a_version_directory_or_a_missing_one_says_what_to_pass(exported
         ExportedModel(tmp_path / "nowhere")
     with pytest.raises(ValueError, match=r"no export there \(no 'latest'\)"):
         ExportedModel(tmp_path)
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "run" / "model.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"run: a `dynemb train` run directory, not an export of your own model; "
+                                         r"serve it with `dynemb serve --model RUN_DIR`"):
+        ExportedModel(tmp_path / "run")
 
 
 def test_an_integer_input_takes_a_narrower_integer_datatype_widened():

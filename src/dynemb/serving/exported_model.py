@@ -83,6 +83,9 @@ class ExportedModel:
             if (self.export / "manifest.json").is_file() and read_pointer(self.export.parent) is not None:
                 raise ValueError(f"{self.export}: this is one version of the export {self.export.parent}; serve the "
                                  "export's root (its 'latest' names the version served, and --watch follows it)")
+            if (self.export / "model.json").is_file() and (self.export / "checkpoint").is_dir():
+                raise ValueError(f"{self.export}: a `dynemb train` run directory, not an export of your own model; "
+                                 "serve it with `dynemb serve --model RUN_DIR`")
             where = "no such directory" if not self.export.exists() else "no export there (no 'latest')"
             raise ValueError(f"{self.export}: {where}; write one with "
                              "dynemb.serving.export_model(path, model, example_inputs)")
