@@ -63,3 +63,83 @@ def test_served_pooling_is_the_collections(both, change):
         served.feature_configs.update({k: before[k] for k in served.feature_configs})
         collection.feature_configs.update(before)
 
+
+
+@pytest.fixture(scope="module")
+def one_id_run(tmp_path_factory):
+    """A run whose features are all one id a row (a CTR model's usual case, as the demo's): the served model
+    pools them through its kept plan, without preparing each feature (``ServedModel.pooled``)."""
+    from dynemb.cli import main
+
+    from conftest import clicks
+
+    tmp = tmp_path_factory.mktemp("one-id")
+    pq.write_table(clicks(0, 1200).drop(["tags"]), tmp / "train.parquet")
+    threads = torch.get_num_threads()
+    try:
+        assert main(["train", "--data", str(tmp / "train.parquet"), "--label", "click", "--categorical", "user,item",
+                     "--dense", "price", "--out", str(tmp / "run"), "--epochs", "1", "--batch-size", "128", "--dim",
+                     "8", "--no-progress"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return tmp / "run"
+
+
+@pytest.mark.parametrize("tier", ["memory", "redis"])
+def test_one_id_features_pool_in_one_call_as_the_collection_does(one_id_run, tmp_path, tier):
+    # batches of 0, 1 and 300 rows, unseen ids among them, cold caches then warm ones: the plan's path (one id
+    # tensor, one lookup, one pooling call) gives the collection's outputs bit for bit, and the per-feature path's
+    volatile = None
+    if tier == "redis":
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
+        from redis_process import RedisServer
+
+        redis = RedisServer(str(tmp_path))
+        redis.start()
+        volatile = {"type": "redis", "address": redis.address}
+    served = ServedModel(one_id_run, name="one-id", volatile_db=volatile)
+    try:
+        model, _ = load_model(one_id_run)
+        g = torch.Generator().manual_seed(0)
+        rows = clicks_request(300, g)
+        for n in (0, 1, 300, 300, 7):
+            request = served.decode_request(rows(n), 10_000)
+            batch = served.preprocessing.normalize(request)
+            with torch.no_grad():
+                got = served.pooled(batch)
+                assert served._request_plan().one_id_ids(batch) is not None  # the plan's path ran
+                want = model.embeddings(model.sparse_inputs(batch))
+                plan = served._request_plan()
+                plan.one_id = False  # the per-feature path, once
+                try:
+                    per_feature = served.pooled(batch)
+                finally:
+                    plan.one_id = True
+                scores = served.predict(request)
+                eager = torch.sigmoid(model(batch).double()) if n else torch.zeros(0, dtype=torch.float64)
+            assert sorted(got) == sorted(want) == sorted(per_feature) == ["item", "user"]
+            for name in want:
+                assert got[name].shape == (n, 8)
+                assert torch.equal(got[name], want[name]) and torch.equal(per_feature[name], want[name]), name
+            assert torch.allclose(scores, eager, rtol=0, atol=1e-12)
+    finally:
+        served.close()
+        if tier == "redis":
+            redis.kill()
+
+
+def clicks_request(rows: int, g: torch.Generator):
+    """``rows(n)``: a v2 JSON request of ``n`` rows (users and items seen in training, and some never seen)."""
+
+    def make(n: int) -> dict:
+        user = [f"u{u}" if u < 40 else f"never-{u}" for u in torch.randint(0, 44, (n,), generator=g).tolist()]
+        item = [i if i < 60 else 10**12 + i for i in torch.randint(0, 64, (n,), generator=g).tolist()]
+        price = (torch.rand(n, generator=g) * 100).tolist()
+        columns = {"user": ("BYTES", user), "item": ("INT64", item), "price": ("FP32", price)}
+        return {"inputs": [{"name": name, "shape": [n], "datatype": datatype, "data": data}
+                           for name, (datatype, data) in columns.items()]}
+
+    return make

@@ -22,9 +22,10 @@ keys_st = st.lists(st.integers(-(2**63), 2**63 - 1), min_size=0, max_size=12, un
 
 @settings(max_examples=60, deadline=None)
 @given(a=keys_st, b=keys_st, meet=st.lists(st.integers(0, 11), max_size=6), capacity=st.integers(1, 16),
-       batched=st.booleans())
-def test_two_tables_whose_keys_meet_never_answer_with_each_others_rows(a, b, meet, capacity, batched):
+       batched=st.booleans(), fused=st.booleans())
+def test_two_tables_whose_keys_meet_never_answer_with_each_others_rows(a, b, meet, capacity, batched, fused):
     group = GroupCache(DIM, torch.float32, "cpu", capacity, tables=2)
+    group._fused = fused and group._fused  # the one-pass kernel, or the table's find and a check of the keys
     caches = [TableCache(group, 0, capacity), TableCache(group, 1, capacity)]
     keys = [torch.tensor(a, dtype=torch.int64), torch.tensor(b, dtype=torch.int64)]
     if a:  # keys of table 1 on the cache key of one of table 0: k1 ^ salt1 == k0 ^ salt0
@@ -53,3 +54,30 @@ def test_two_tables_whose_keys_meet_never_answer_with_each_others_rows(a, b, mee
         assert set(held.tolist()) <= set(keys[t].tolist())
         assert torch.equal(caches[t].export().values, _row(t, caches[t].export().keys))
     assert caches[0].size() + caches[1].size() == group.kv.size() <= capacity
+
+
+@settings(max_examples=40, deadline=None)
+@given(keys=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=0, max_size=40), asks=st.lists(
+    st.lists(st.integers(0, 45), max_size=30), min_size=1, max_size=4), capacity=st.integers(1, 24),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_the_one_pass_find_is_the_tables_find(keys, asks, capacity, dtype):
+    # the same rows, found flags and LRU stamps (so the same evictions after) as KeyValueTable.find and a check
+    # of the carried keys, for every row dtype (the key is carried in 2 or 4 columns)
+    keys = torch.tensor(keys, dtype=torch.int64).unique()
+    groups = [GroupCache(DIM, dtype, "cpu", capacity, tables=2) for _ in range(2)]
+    groups[1]._fused = False
+    for group in groups:
+        TableCache(group, 0, capacity).insert_or_assign(keys[: len(keys) // 2], _row(0, keys[: len(keys) // 2]))
+        TableCache(group, 1, capacity).insert_or_assign(keys, _row(1, keys))
+    pool = torch.cat([keys, torch.tensor([5, -5, 2**62], dtype=torch.int64)])
+    for ask in asks:
+        asked = pool[torch.tensor([i % len(pool) for i in ask], dtype=torch.int64)]
+        for t in (0, 1):
+            (rows, found), (ref_rows, ref_found) = (TableCache(g, t, capacity).find(asked) for g in groups)
+            assert torch.equal(found, ref_found) and torch.equal(rows.view(torch.int16), ref_rows.view(torch.int16))
+        TableCache(groups[0], 0, capacity).insert_or_assign(asked[:3], _row(0, asked[:3]))
+        TableCache(groups[1], 0, capacity).insert_or_assign(asked[:3], _row(0, asked[:3]))
+    n = groups[0].kv.size()
+    assert n == groups[1].kv.size()
+    assert torch.equal(groups[0].kv.scores[:n], groups[1].kv.scores[:n])
+    assert torch.equal(groups[0].kv.row_keys[:n], groups[1].kv.row_keys[:n])

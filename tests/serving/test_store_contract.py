@@ -138,3 +138,37 @@ def test_reopen_sees_tables_and_rows(store_config, kind):
         assert second.schema("t") == TableSchema(dim=3, dtype=torch.float16)
         assert second.size("t") == len(EXTREME)
         assert torch.equal(second.get("t", EXTREME)[0], rows(len(EXTREME), 3, torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_get_concat_is_get_many_concatenated(store, dtype):
+    # several tables of one schema, keys present, absent, repeated and extreme, tables with no keys; again after
+    # one table grew past its first allocation (the in-process store keeps the tables' addresses between calls)
+    names = ["a", "b", "cc", "dddd"]  # Redis: keys named by prefixes of three lengths
+    for k, name in enumerate(names):
+        store.create_table(name, dim=5, dtype=dtype)
+        store.put(name, torch.cat([EXTREME[k:], torch.arange(100) * (k + 1)]), rows(100 + len(EXTREME) - k, 5, dtype,
+                                                                                     seed=k))
+    g = torch.Generator().manual_seed(0)
+    for grow in (False, True):
+        if grow:
+            store.put("b", torch.arange(10_000, 12_000), rows(2000, 5, dtype, seed=9))
+        for sizes in ([3, 0, 7, 1], [0, 0, 0, 1], [0, 5, 0, 0], [20, 20, 20, 20]):
+            keys = torch.cat([torch.cat([EXTREME, torch.arange(0, 400, 3), torch.tensor([11_000])])[
+                torch.randint(0, len(EXTREME) + 135, (n,), generator=g)] for n in sizes])
+            values, found = store.get_concat(names, keys, sizes)
+            want = store.get_many({name: part for name, part in zip(names, keys.split(sizes))})
+            assert values.dtype == dtype and values.shape == (keys.numel(), 5)
+            assert torch.equal(found, torch.cat([want[name][1] for name in names]))
+            assert torch.equal(values.view(torch.int16), torch.cat([want[name][0] for name in names]).view(torch.int16))
+            assert not bool(values[~found].any())
+    assert store.get_concat(names, torch.zeros(0, dtype=torch.int64), [0, 0, 0, 0])[0].shape == (0, 5)
+    for args, match in [((["a", "a"], torch.tensor([1, 2]), [1, 1]), "tables must be distinct"),
+                        ((["a", "b"], torch.tensor([1, 2]), [1]), r"sizes must give the keys of each of the 2"),
+                        ((["a", "b"], torch.tensor([1, 2]), [2, 1]), r"summing to 2\), got \[2, 1\]"),
+                        ((["a", "nope"], torch.tensor([1, 2]), [1, 1]), "table 'nope' does not exist")]:
+        with pytest.raises(ValueError, match=match):
+            store.get_concat(*args)
+    store.create_table("wide", dim=6, dtype=dtype)
+    with pytest.raises(ValueError, match="tables must share one schema"):
+        store.get_concat(["a", "wide"], torch.tensor([1, 2]), [1, 1])

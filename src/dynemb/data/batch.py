@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 
@@ -72,6 +73,18 @@ class Batch:
 
     def __len__(self) -> int:
         return self.labels.shape[0]
+
+    def with_dense(self, dense: torch.Tensor) -> Batch:
+        """This batch with ``dense`` (float32 ``[B, num_dense]``) in place of its dense features; only they are
+        checked again (a served model normalizes every request's: checking its ids again would cost more).
+
+        Raises:
+            ValueError: ``dense`` has the wrong dtype or shape.
+        """
+        _check(dense, "dense", torch.float32, (len(self), None))
+        new = copy.copy(self)  # frozen: the fields are set as __init__ would, without __post_init__'s checks
+        object.__setattr__(new, "dense", dense)
+        return new
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """This batch with every tensor on ``device``."""

@@ -16,6 +16,7 @@ once when a run starts, so that every format and every endpoint datatype gives t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -277,10 +278,21 @@ class Preprocessing:
         mean, std, nan, inf, ninf = self._constants(batch.dense.device)
         z = signed_log1p(batch.dense)
         z = torch.where(torch.isnan(z), nan, torch.where(z == math.inf, inf, torch.where(z == -math.inf, ninf, z)))
-        return Batch((z - mean) / std, batch.sparse, batch.labels, batch.offsets)
+        return batch.with_dense((z - mean) / std)
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """``(mean, std, what NaN, inf and -inf read as)`` of each column, in the ``z`` space, as float32 ``[K]``."""
+        """``(mean, std, what NaN, inf and -inf read as)`` of each column, in the ``z`` space, as float32 ``[K]``:
+        made once per device (a served model normalizes every request with them)."""
+        kept = self._kept_constants.get(device)
+        if kept is None:
+            kept = self._kept_constants[device] = self._make_constants(device)
+        return kept
+
+    @functools.cached_property
+    def _kept_constants(self) -> dict:
+        return {}  # in the instance's __dict__: not a field (equality, to_dict and copies ignore it)
+
+    def _make_constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         mean = torch.tensor(self.dense_mean, dtype=torch.float32, device=device)
         std = torch.tensor(self.dense_std, dtype=torch.float32, device=device)
         if self.dense_rule == LEGACY_DENSE_RULE:

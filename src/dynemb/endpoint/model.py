@@ -19,6 +19,7 @@ all the tables of a request).
 
 from __future__ import annotations
 
+import operator
 import threading
 from pathlib import Path
 from typing import Optional
@@ -31,7 +32,7 @@ from ..collection.features import finish, prepare_features
 from ..checkpoint.fsutil import read_pointer
 from ..checkpoint.export_format import read_dense, read_export, version_name
 from ..data.batch import Batch, concat_batches
-from ..functional.pooling import one_id_bags
+from ..functional.pooling import BagSet, one_id_bags, pool_many
 from ..job.score import probabilities
 from ..serving.ps import ParameterServer
 from .inference_protocol import OUTPUT, decode_request, model_metadata
@@ -118,6 +119,7 @@ class ServedModel:
         self.device = torch.device(device)
         self._lock = threading.Lock()  # held by each forward pass and by each update
         self._updating = False
+        self._plan: Optional[_FeaturePlan] = None  # what every request's features reuse (see pooled)
 
     @property
     def preprocessing(self):
@@ -137,7 +139,9 @@ class ServedModel:
     @torch.no_grad()
     def predict_versioned(self, batch: Batch) -> tuple[torch.Tensor, int]:
         """``(probabilities [B], the export version that scored them)``: the whole pass runs on one version."""
-        batch = self.preprocessing.normalize(batch.to(self.device))
+        if not _on(batch, self.device):
+            batch = batch.to(self.device)
+        batch = self.preprocessing.normalize(batch)
         with self._lock:
             return self._scores(batch), self.version
 
@@ -146,22 +150,58 @@ class ServedModel:
 
     def pooled(self, batch: Batch) -> dict:
         """``{feature: [B, D]}``: the features' outputs of a normalized ``batch`` (on :attr:`device`), as the
-        run's ``EmbeddingCollection`` gives them from the same rows (what :meth:`predict` feeds the dense part)."""
+        run's ``EmbeddingCollection`` gives them from the same rows (what :meth:`predict` feeds the dense part).
+
+        The whole batch is one parameter-server call (:meth:`~dynemb.serving.ParameterServer.lookup_concat`: the
+        ids of every feature in one tensor, looked up as they come) and one pooling call
+        (:func:`~dynemb.functional.pooling.pool_many`, the collection's sum-pooling, for every pooled feature);
+        only features with ``max_norm`` or sequence outputs are finished one by one
+        (:func:`~dynemb.collection.features.finish`)."""
+        plan = self._request_plan()
+        ids = plan.one_id_ids(batch)
+        if ids is not None:  # every feature one id a row, pooled plainly: their BagSets are known beforehand
+            n = len(batch)
+            rows = self.ps.lookup_concat(self.name, plan.tables, ids, plan.sizes(n))
+            return dict(zip(plan.features, pool_many(rows, one_id_bags(ids.numel(), ids.device),
+                                                     plan.bag_sets(n, ids.device))))
         # Prepared as EmbeddingCollection.forward prepares them (ids checked, bags formed, combiner chosen).
         prepared = prepare_features(self.model.sparse_inputs(batch), {}, self.feature_configs, self.table_configs,
                                     self.device)
-        keys, inverses = {}, {}
-        for table, parts in prepared.items():
-            ids = parts[0].ids if len(parts) == 1 else torch.cat([p.ids for p in parts])
-            if len(parts) == 1 and parts[0].bags is not None and parts[0].bags.one_id:
-                # One id a row: its rows are looked up as they come (the parameter server takes repeats).
-                keys[table], inverse = ids, one_id_bags(ids.numel(), ids.device)
-            else:
-                keys[table], inverse = torch.unique(ids, return_inverse=True)
-            inverses[table] = inverse.split([p.ids.numel() for p in parts])
-        found = self.ps.lookup_many(self.name, keys)  # one call for all the tables
-        return {p.name: finish(p, found[table], inverse)
-                for table, parts in prepared.items() for p, inverse in zip(parts, inverses[table])}
+        parts = [p for table_parts in prepared.values() for p in table_parts]
+        plain, rest = [p for p in parts if p.plain], [p for p in parts if not p.plain]
+        order = plain + rest
+        if not order:
+            return {}
+        sizes = [p.ids.numel() for p in order]
+        ids = torch.cat([p.ids.to(torch.int64) for p in order])
+        if plan.one_width:
+            runs = self.ps.lookup_concat(self.name, [p.table for p in order], ids, sizes).split(sizes)
+        else:  # tables of several widths: one call all the same, rows by table
+            keys = {p.table: None for p in order}
+            for p, run in zip(order, ids.split(sizes)):
+                keys[p.table] = run if keys[p.table] is None else torch.cat([keys[p.table], run])
+            found = self.ps.lookup_many(self.name, keys)
+            taken = dict.fromkeys(keys, 0)
+            runs = []
+            for p, n in zip(order, sizes):
+                runs.append(found[p.table][taken[p.table]:taken[p.table] + n])
+                taken[p.table] += n
+        out = {}
+        if plain:
+            n = sum(sizes[:len(plain)])
+            values = runs[0] if len(plain) == 1 else torch.cat(runs[:len(plain)])
+            out.update(zip((p.name for p in plain), pool_many(values, one_id_bags(n, ids.device),
+                                                              [p.bags for p in plain])))
+        for p, values in zip(rest, runs[len(plain):]):
+            out[p.name] = finish(p, values, one_id_bags(values.shape[0], values.device))
+        return {p.name: out[p.name] for p in parts}
+
+    def _request_plan(self) -> "_FeaturePlan":
+        """The kept :class:`_FeaturePlan`, made again when a feature's config changed."""
+        plan = self._plan
+        if plan is None or not plan.current(self.feature_configs):
+            plan = self._plan = _FeaturePlan(self.features, self.feature_configs, self.table_configs, self.device)
+        return plan
 
     def updating(self) -> bool:
         """Whether an update is being swapped in now (a forward pass would wait for it)."""
@@ -219,6 +259,73 @@ class ServedModel:
 
     def close(self) -> None:
         self.ps.close()
+
+
+class _FeaturePlan:
+    """What :meth:`ServedModel.pooled` reuses from request to request: each feature's table, whether every feature
+    is one id a row pooled plainly (then a request's ids are one tensor and its bags are known beforehand), and
+    the bags of each batch size seen. Made again when a feature's config changes (:meth:`current`)."""
+
+    def __init__(self, features: list, feature_configs: dict, table_configs: dict, device: torch.device) -> None:
+        self.features = list(features)
+        self.configs = list(feature_configs.values())
+        self.tables = [feature_configs[f].table_name for f in self.features]
+        self.one_width = len({table_configs[t].dim for t in self.tables}) == 1
+        self.one_id = device.type == "cpu" and self.one_width and list(feature_configs) == self.features and all(
+            _plain_one_id(feature_configs[f], table_configs[t]) for f, t in zip(self.features, self.tables))
+        self._bags: dict[int, tuple] = {}
+
+    def current(self, feature_configs: dict) -> bool:
+        """The configs are the ones this plan was made from (the same objects)."""
+        configs = feature_configs.values()
+        return len(configs) == len(self.configs) and all(map(operator.is_, configs, self.configs))
+
+    def one_id_ids(self, batch: Batch) -> Optional[torch.Tensor]:
+        """The ids of every feature, one run a feature, as one int64 tensor ``[F * B]``; None unless every feature
+        is one id a row (no offsets) pooled plainly, the batch holding exactly the model's features."""
+        sparse = batch.sparse
+        if not self.one_id or batch.offsets or len(sparse) != len(self.features):
+            return None
+        try:
+            runs = [sparse[f] for f in self.features]  # int64 [B] each (Batch checks it)
+        except KeyError:
+            return None
+        return torch.cat(runs)
+
+    def sizes(self, n: int) -> tuple:
+        return self._bags_of(n)[0]
+
+    def bag_sets(self, n: int, device: torch.device) -> list:
+        """The features' bags of a batch of ``n`` rows as the collection prepares them: one id a bag, summed (a
+        bag of one id: the mean's and sqrtn's divisor is 1), offsets shared (:func:`one_id_bags`)."""
+        sizes, bags = self._bags_of(n)
+        offsets = one_id_bags(n, device)
+        if bags is None or bags[0].offsets is not offsets:  # one_id_bags makes its tensor again once written to
+            bags = [BagSet(n, offsets, None, n, "sum", True)] * len(self.features)
+            self._bags[n] = (sizes, bags)
+        return bags
+
+    def _bags_of(self, n: int) -> tuple:
+        kept = self._bags.get(n)
+        if kept is None:
+            if len(self._bags) >= 64:
+                self._bags.clear()
+            kept = self._bags[n] = ((n,) * len(self.features), None)
+        return kept
+
+
+def _on(batch: Batch, device: torch.device) -> bool:
+    """Every tensor of ``batch`` is on ``device`` already (``Batch.to`` would make a new batch all the same)."""
+    tensors = (batch.dense, batch.labels, *batch.sparse.values(), *batch.offsets.values())
+    return all(t.device == device for t in tensors)
+
+
+def _plain_one_id(feature, table) -> bool:
+    """A one-id-a-row input of ``feature`` is prepared as a bag of that id, summed (``prepare_features``): no
+    ``max_norm``, not a sequence, no padding, int64 ids of a dynamic table (no range to check)."""
+    combiner = feature.combiner or table.combiner
+    return (combiner != "none" and feature.max_norm is None and feature.padding_value is None
+            and table.key_dtype == torch.int64 and not table.is_static)
 
 
 def newest_version(root: Path) -> Optional[tuple[int, float]]:

@@ -78,6 +78,8 @@ class DLRM(nn.Module):
         dense = self.bottom(batch.dense)
         pooled = self.embeddings(self.sparse_inputs(batch)) if pooled is None else pooled
         vectors = [dense] + [pooled[f] for f in self.features]  # n x [B, D]
+        if dense.shape[0] <= INTERACTION_ROWS:  # one block (a served request): no split of each vector
+            return self._interact_and_top(vectors)
         blocks = zip(*(v.split(INTERACTION_ROWS) for v in vectors))
         return torch.cat([self._interact_and_top(list(block)) for block in blocks])
 

@@ -18,6 +18,7 @@ import threading
 
 import torch
 
+from ...kernels.dispatch import numba_available
 from ...table import KeyValueTable
 from ...table.hashing import mix64
 
@@ -40,6 +41,7 @@ class GroupCache:
         self.salts = mix64(torch.arange(1, tables + 1, dtype=torch.int64)).to(self.kv.device)
         self.lock = threading.Lock()
         self.filling = False
+        self._fused = self.kv.device.type == "cpu" and numba_available()
 
     @property
     def device(self) -> torch.device:
@@ -56,9 +58,21 @@ class GroupCache:
         return torch.cat([rows.to(self.dtype), keys.to(torch.int64).view(-1, 1).view(self.dtype)], dim=1)
 
     def find(self, cache_keys: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rows [N, dim + key_cols], found [N])`` of ``keys`` stored under ``cache_keys``; call under ``lock``."""
-        raw, found = self.kv.find(cache_keys, update_scores=True)
-        return raw, found & (self.carried_keys(raw) == keys)
+        """``(rows [N, dim], found [N])`` of ``keys`` stored under ``cache_keys`` (zero rows where not found); each
+        row the index finds counts as an access (LRU). Call under ``lock``."""
+        kv = self.kv
+        if self._fused:  # probe, gather and the carried keys' check in one pass (numba_find_many.find_carried)
+            from ...kernels.numba_find_many import find_carried
+
+            table, key_cols, overflow, _, shift = kv.index._kernel_args(cache_keys)
+            out = torch.empty(cache_keys.numel(), self.dim, dtype=self.dtype)
+            found, touched = find_carried(table, key_cols, overflow, shift, kv.values, cache_keys, keys, out)
+            kv.clock += 1  # what kv.find(update_scores=True) stamps: every row the index found
+            kv._touch(touched)
+            return out, found
+        raw, found = kv.find(cache_keys, update_scores=True)
+        found = found & (self.carried_keys(raw) == keys)
+        return raw[:, :self.dim].masked_fill(~found.unsqueeze(1), 0), found
 
 
 class TableCache:
@@ -83,11 +97,7 @@ class TableCache:
 
     def find(self, keys: torch.Tensor, update_scores: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows [N, dim], found [N])``; a miss's row is zeros."""
-        raw, found = self.group.find(self.cache_keys(keys), keys.to(torch.int64))
-        rows = raw[:, :self.group.dim]
-        if bool(found.all()):
-            return rows.contiguous(), found
-        return rows.masked_fill(~found.unsqueeze(1), 0), found
+        return self.group.find(self.cache_keys(keys), keys.to(torch.int64))
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
         return self.find(keys)[1]

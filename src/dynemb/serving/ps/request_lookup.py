@@ -1,45 +1,137 @@
-"""A request's lookup in a few calls: every table of a request together, not table by table.
+"""A request's lookup in a fixed number of calls: every table of a request together, not table by table.
 
-For each group cache (the tables of one row shape, :mod:`.group_cache`) one pass reads the ids of all its tables;
-the misses of every table are made unique as ``(table, key)`` pairs in one call; each lower tier is asked once for
-all of them (:meth:`Store.get_many`); default rows are computed for the ids found nowhere only, in one call per
-initializer (tables that differ only in their seed share it: the rows are a function of ``key ^ mix64(seed)``);
-the statistics of every table come from one count; the rows the stores answered for the cold tables (hit rate under
-the threshold) go into the group cache in one insert (one eviction scan a request, not one a table). What stays per
-table is a few Python operations: the dict of keys for a store, the counts added to its statistics, a deferred
-write-back.
+A request is one int64 tensor of ids, the ids of each of its tables one run after the other (a table may have
+several runs: two features of one table). What does not change from one request to the next is worked out once,
+in a :class:`RequestPlan` the parameter server keeps per model and list of tables (until the model is loaded
+again): the tables' group caches (:mod:`.group_cache`, one per row shape), their salts and seeds and, per run
+length pattern, the table and cache salt of every position. A request then costs, per group cache, one pass over
+the cache for the ids of all its tables; the misses of every table made unique as ``(table, key)`` pairs in one
+call; one call per lower tier for all of them (:meth:`Store.get_concat`); default rows for the ids found nowhere
+only, in one call per initializer (tables that differ only in their seed share it: the rows are a function of
+``key ^ mix64(seed)``); the statistics of every table from one count; the rows the stores answered for the cold
+tables (hit rate under the threshold) into the group cache in one insert. What stays per table is a few Python
+operations on numbers: the counts added to its statistics, a deferred write-back.
 
-It answers exactly as the per-table path (:mod:`.table_lookup`) does, row for row (``tests/serving/test_ps.py``),
-which still serves a request while a background write-back fills a group's cache (the stores are read then).
+It answers exactly as the per-table path (:mod:`.table_lookup`) does, row for row (``tests/serving/test_ps.py``).
+While a background write-back inserts into a group cache (a table's batch of rows, 1/16 of its share of the cache at
+most) a request waits for the insert: reading every id of the request from the stores instead, as the per-table path
+does, took 10-20x a request's time with the demo model.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from ...kernels.dispatch import numba_available
 from ...table.hashing import mix64
-from ...table.initializers import Normal, TruncatedNormal, Uniform
+from ...table.initializers import Normal, TruncatedNormal, Uniform, initial_rows
 from .cache import TableState
 from .group_cache import GroupCache
 from .tiers import StoreTiers
 
-__all__ = ["lookup_request"]
+__all__ = ["RequestPlan", "lookup_request", "concat_answers", "split_answers"]
 
 _SOURCES = ("volatile", "persistent", "default")  # codes 1, 2, 3 of _Part.source; 0: not found yet
 _SEEDED = (Uniform, Normal, TruncatedNormal)  # rows a function of (key ^ mix64(seed)) alone: see _default_rows
 _MIX0 = mix64(torch.zeros((), dtype=torch.int64))
+_LAYOUTS = 64  # run-length patterns a plan keeps (a server sees few: its batch sizes)
+
+
+@dataclasses.dataclass
+class _GroupPlan:
+    """The tables of a request that share a group cache (in the order they first appear in the request)."""
+
+    group: GroupCache
+    tables: list  # [TableState]
+    members: list  # index in RequestPlan.tables of each
+    names: list  # their names in the stores
+    salts: torch.Tensor  # [T] each table's cache salt, on the CPU
+    seeds: torch.Tensor  # [T] int64 mix64(seed) ^ mix64(0) of each table (see _default_rows)
+    shared_default: bool  # every table's default is the same constant or seeded initializer (one call for all)
+
+
+@dataclasses.dataclass
+class _RunLayout:
+    """Where the ids of one run-length pattern go: per group cache, ``(positions [N_g] in the request or None for
+    all of them in order, table [N_g] in the group's list, cache salt [N_g] of each position, ids of each table)``.
+    """
+
+    parts: list
+
+
+class RequestPlan:
+    """What the lookups of a model's list of tables reuse from request to request (module docstring).
+
+    ``tables``: the request's list of tables (a table may come more than once); a request's ids are their runs, in
+    that order. Built by :meth:`ParameterServer.lookup_concat`, which keeps it until the model's tables are loaded
+    again (:attr:`source`: the table dict it was built from).
+    """
+
+    def __init__(self, tables: Sequence[TableState], source: Optional[dict] = None) -> None:
+        self.source = source
+        distinct = {id(t): t for t in tables}  # in order of first appearance
+        self.tables: list[TableState] = list(distinct.values())
+        where = {key: i for i, key in enumerate(distinct)}
+        self.slot_of = [where[id(t)] for t in tables]  # each run's table, in self.tables
+        groups: dict[int, list] = {}
+        for i, t in enumerate(self.tables):
+            groups.setdefault(id(t.cache.group), []).append(i)
+        self.groups = [self._group_plan(members) for members in groups.values()]
+        self.group_of = [0] * len(self.tables)  # each table's group, and its index there
+        self.local = [0] * len(self.tables)
+        for g, gp in enumerate(self.groups):
+            for k, i in enumerate(gp.members):
+                self.group_of[i], self.local[i] = g, k
+        self.run_groups = [self.group_of[i] for i in self.slot_of]  # each run's group
+        self.one_width = len({t.row_dim for t in self.tables}) == 1
+        self.int32_keys = any(t.key_dtype == torch.int32 for t in self.tables)
+        self._layouts: dict[tuple, _RunLayout] = {}
+
+    def _group_plan(self, members: list) -> _GroupPlan:
+        tables = [self.tables[i] for i in members]
+        group = tables[0].cache.group
+        first = tables[0].default
+        shared = all(t.default == first for t in tables) and isinstance(first, (float, int, *_SEEDED))
+        return _GroupPlan(group, tables, members, [t.store_name for t in tables],
+                          group.salts[torch.tensor([t.cache.index for t in tables])].cpu(),
+                          mix64(torch.tensor([t.seed for t in tables], dtype=torch.int64)) ^ _MIX0, shared)
+
+    def layout(self, sizes: tuple) -> _RunLayout:
+        """The layout of a request whose run ``i`` has ``sizes[i]`` ids."""
+        kept = self._layouts.get(sizes)
+        if kept is None:
+            if len(self._layouts) >= _LAYOUTS:
+                self._layouts.clear()
+            kept = self._layouts[sizes] = self._new_layout(sizes)
+        return kept
+
+    def _new_layout(self, sizes: tuple) -> _RunLayout:
+        counts = torch.tensor(sizes, dtype=torch.int64)
+        n = int(counts.sum())
+        group = torch.tensor(self.run_groups, dtype=torch.int64)
+        local = torch.tensor([self.local[i] for i in self.slot_of], dtype=torch.int64)
+        parts = []
+        for g, gp in enumerate(self.groups):
+            mine = group == g
+            runs = mine.repeat_interleave(counts, output_size=n)
+            positions = None if len(self.groups) == 1 else runs.nonzero().squeeze(1)
+            tid = local[mine].repeat_interleave(counts[mine])
+            per_table = torch.bincount(tid, minlength=len(gp.tables)).tolist()
+            device = gp.group.device
+            parts.append((positions, tid.to(device), gp.salts.index_select(0, tid).to(device), per_table))
+        return _RunLayout(parts)
 
 
 @dataclasses.dataclass
 class _Part:
-    """The tables of one request that share a group cache, and their misses."""
+    """The ids of one request that share a group cache, and their misses."""
 
     group: GroupCache
     tables: list  # [TableState]
-    slots: list  # index into the caller's list of each table
+    slots: list  # unused (kept for callers that build parts by hand)
     sizes: list  # ids of each table
     values: torch.Tensor  # [N, D] the answer, on the cache's device
     epochs: list
@@ -52,25 +144,33 @@ class _Part:
     rows: torch.Tensor = None  # [M, D] rows of the pairs, as tiers fill them in
     source: torch.Tensor = None  # [M] int64 code of the tier that answered (see _SOURCES)
     salts: torch.Tensor = None  # [T] the cache salt of each table, on the CPU
+    plan: _GroupPlan = None
 
 
-def _from_cache(group: GroupCache, tables: list, slots: list, flats: list) -> _Part:
-    sizes = [f.numel() for f in flats]
-    device = group.device
-    ids = (flats[0] if len(flats) == 1 else torch.cat(flats)).to(device)
-    tid = torch.repeat_interleave(torch.arange(len(tables), device=device), torch.tensor(sizes, device=device))
-    salts = group.salts[torch.tensor([t.cache.index for t in tables], device=device)]
+def _from_cache(gp: _GroupPlan, ids: torch.Tensor, tid: torch.Tensor, salt: torch.Tensor, sizes: list) -> _Part:
+    """Look the ids ``[N]`` of a group's tables (table ``tid [N]``, cache salt ``salt [N]``) up in its cache."""
+    group, tables = gp.group, gp.tables
+    ids = ids.to(group.device)
     with group.lock:
-        raw, found = group.find(ids ^ salts.index_select(0, tid), ids)
+        values, found = group.find(ids ^ salt, ids)
         epochs = [t.epoch for t in tables]
-    values = raw[:, :group.dim].contiguous()
-    miss_at = (~found).nonzero().squeeze(1)
-    part = _Part(group, tables, slots, sizes, values, epochs, [0] * len(tables), miss_at)
+    if group.device.type == "cpu" and numba_available():  # the misses' pairs in one numba pass
+        from ...kernels.numba_find_many import miss_pairs
+
+        miss_at, utid, ukey, inverse, counts, missed = miss_pairs(found, ids, tid, gp.salts, len(tables))
+        part = _Part(group, tables, [], sizes, values, epochs, [0] * len(tables), miss_at, plan=gp)
+        if miss_at.numel():
+            part.missed = missed.tolist()
+            part.utid, part.ukey, part.inverse, part.counts = utid, ukey, inverse, counts
+    else:
+        miss_at = (~found).nonzero().squeeze(1)
+        part = _Part(group, tables, [], sizes, values, epochs, [0] * len(tables), miss_at, plan=gp)
+        if miss_at.numel():
+            mt, mk = tid.index_select(0, miss_at).cpu(), ids.index_select(0, miss_at).cpu()
+            part.missed = torch.bincount(mt, minlength=len(tables)).tolist()
+            part.utid, part.ukey, part.inverse, part.counts = _unique_pairs(mt, mk, gp.salts)
     if miss_at.numel():
-        mt, mk = tid.index_select(0, miss_at).cpu(), ids.index_select(0, miss_at).cpu()
-        part.missed = torch.bincount(mt, minlength=len(tables)).tolist()
-        part.salts = salts.cpu()
-        part.utid, part.ukey, part.inverse, part.counts = _unique_pairs(mt, mk, part.salts)
+        part.salts = gp.salts
         part.rows = torch.empty(part.ukey.numel(), group.dim, dtype=group.dtype)
         part.source = torch.zeros(part.ukey.numel(), dtype=torch.int64)
     return part
@@ -101,30 +201,35 @@ def _open(part: _Part) -> tuple[torch.Tensor, list]:
 
 
 def _read_tier(tiers: StoreTiers, tier, parts: list[_Part]) -> None:
-    """Ask ``tier`` once for the open pairs of every part; rows found there go up into the volatile tier when
-    ``tier`` is the persistent one."""
-    request, asked = {}, []
+    """Ask ``tier`` once for the open pairs of every part (one group's: :meth:`Store.get_concat`); rows found there
+    go up into the volatile tier when ``tier`` is the persistent one."""
+    asked = []
     for part in parts:
-        if part.rows is None:
-            continue
-        at, per_table = _open(part)
-        if not at.numel():
-            continue
-        keys = part.ukey.index_select(0, at).split(per_table)
-        for k, n in enumerate(per_table):
-            if n:
-                request[part.tables[k].store_name] = keys[k]
-        asked.append((part, at, per_table))
-    if not request:
+        if part.rows is not None:
+            at, per_table = _open(part)
+            if at.numel():
+                asked.append((part, at, per_table))
+    if not asked:
         return
-    got = tier.call(tier.store.get_many, request)
-    if got is None:  # the tier is unavailable: the next one answers
+    if len(asked) == 1:
+        part, at, per_table = asked[0]
+        names = [name for name, n in zip(part.plan.names, per_table) if n]
+        answer = tier.call(tier.store.get_concat, names, part.ukey.index_select(0, at), [n for n in per_table if n])
+        answers = None if answer is None else [answer]
+    else:
+        request = {}
+        for part, at, per_table in asked:
+            for name, keys in zip(part.plan.names, part.ukey.index_select(0, at).split(per_table)):
+                if keys.numel():
+                    request[name] = keys
+        got = tier.call(tier.store.get_many, request)
+        answers = None if got is None else [
+            tuple(torch.cat(cols) for cols in zip(*(got[name] for name, n in zip(part.plan.names, per_table) if n)))
+            for part, _, per_table in asked]
+    if answers is None:  # the tier is unavailable: the next one answers
         return
     code = 1 + _SOURCES.index(tier.name)
-    for part, at, per_table in asked:
-        names = [part.tables[k].store_name for k, n in enumerate(per_table) if n]
-        values = torch.cat([got[name][0] for name in names]) if len(names) > 1 else got[names[0]][0]
-        found = torch.cat([got[name][1] for name in names]) if len(names) > 1 else got[names[0]][1]
+    for (part, at, _), (values, found) in zip(asked, answers):
         hit = at[found]
         if not hit.numel():
             continue
@@ -142,21 +247,20 @@ def _default_rows(part: _Part) -> None:
     at, per_table = _open(part)
     if not at.numel():
         return
-    tables = [part.tables[k] for k, n in enumerate(per_table) if n]
-    first = tables[0].default
-    one = tables[0]  # the tables of a group share dim, dtype and 8-bit kind
+    one = part.tables[0]  # the tables of a group share dim, dtype and 8-bit kind
+    first = one.default
     dtype = torch.float32 if one.codec else one.dtype
-    if all(t.default == first for t in tables) and isinstance(first, (float, int, *_SEEDED)):
+    if part.plan.shared_default:
         if isinstance(first, (float, int)):
             rows = one.encode(torch.full((at.numel(), one.row_dim), float(first), dtype=dtype))
         else:
             # The seeded initializers' row of key k under seed s is f(mix64(k ^ mix64(s))) (initializers'
             # _unit_uniform): under seed 0 the key k ^ mix64(s) ^ mix64(0) gets the same row, so one call serves
             # every table, bit for bit.
-            seeds = torch.tensor([t.seed for t in part.tables], dtype=torch.int64)
-            keys = part.ukey.index_select(0, at) ^ mix64(seeds.index_select(0, part.utid.index_select(0, at))) ^ _MIX0
-            rows = one.encode(first(keys, one.row_dim, dtype, 0))
+            keys = part.ukey.index_select(0, at) ^ part.plan.seeds.index_select(0, part.utid.index_select(0, at))
+            rows = one.encode(initial_rows(first, keys, one.row_dim, dtype, 0))
     else:
+        tables = [t for t, n in zip(part.tables, per_table) if n]
         rows = torch.cat([t.default_rows(keys) for t, keys in
                           zip(tables, [k for k in part.ukey.index_select(0, at).split(per_table) if k.numel()])])
     part.rows.index_copy_(0, at, rows.to(part.group.dtype))
@@ -169,19 +273,25 @@ def _finish(part: _Part, threshold: float, writeback) -> None:
     if part.rows is not None:
         part.values.index_copy_(0, part.miss_at, part.rows.index_select(0, part.inverse).to(part.values.device))
         served.index_put_((part.utid, part.source), part.counts, accumulate=True)
-    counts = served.tolist()
-    for k, t in enumerate(part.tables):
-        with t.stats_lock:
-            t.stats["lookups"] += part.sizes[k]
-            t.stats["cache"] += part.sizes[k] - part.missed[k]
-            for j, tier in enumerate(_SOURCES):
-                t.stats[tier] += counts[k][j + 1]
+    for t, n, missed, (_, volatile, persistent, default) in zip(part.tables, part.sizes, part.missed,
+                                                                 served.tolist()):
+        if n:
+            with t.stats_lock:
+                stats = t.stats
+                stats["lookups"] += n
+                stats["cache"] += n - missed
+                stats["volatile"] += volatile
+                stats["persistent"] += persistent
+                stats["default"] += default
     if part.rows is None:
         return
     fetched = ((part.source == 1) | (part.source == 2)).nonzero().squeeze(1)
     if not fetched.numel():
         return
     per_table = torch.bincount(part.utid.index_select(0, fetched), minlength=len(part.tables)).tolist()
+    # the fetched pairs' keys and rows gathered once, each table's a view of them (pairs are sorted by table)
+    keys = part.ukey.index_select(0, fetched).split(per_table)
+    rows = part.rows.index_select(0, fetched).split(per_table)
     cold = []
     for k, at in enumerate(fetched.split(per_table)):
         if not at.numel():
@@ -189,8 +299,7 @@ def _finish(part: _Part, threshold: float, writeback) -> None:
         if part.sizes[k] - part.missed[k] < threshold * part.sizes[k]:  # cold: into the cache now
             cold.append((k, at))
         else:
-            t, keys, rows = part.tables[k], part.ukey.index_select(0, at), part.rows.index_select(0, at)
-            writeback.defer(t, keys, rows, part.epochs[k])
+            writeback.defer(part.tables[k], keys[k], rows[k], part.epochs[k])
     if cold:
         _insert_cold(part, cold)
 
@@ -213,27 +322,48 @@ def _insert_cold(part: _Part, cold: list) -> None:
         group.kv.insert_or_assign(cache_keys.to(group.device), rows.to(group.device))
 
 
-def lookup_request(tiers: StoreTiers, writeback, threshold: float,
-                   batches: list[tuple[TableState, torch.Tensor]]) -> Optional[list[torch.Tensor]]:
-    """Rows ``[N_t, D_t]`` (as answered: 8-bit rows dequantized) of each ``(table, flat int64 keys [N_t])`` of a
-    request (module docstring); None when a group cache is being filled by a write-back (the per-table path, which
-    reads around it, answers then)."""
-    by_group: dict[int, tuple] = {}
-    for slot, (t, flat) in enumerate(batches):
-        entry = by_group.setdefault(id(t.cache.group), (t.cache.group, [], [], []))
-        entry[1].append(t), entry[2].append(slot), entry[3].append(flat)
-    if any(group.filling for group, *_ in by_group.values()):
-        return None
-    parts = [_from_cache(*entry) for entry in by_group.values()]
+def lookup_request(tiers: StoreTiers, writeback, threshold: float, plan: RequestPlan, ids: torch.Tensor,
+                   sizes: tuple) -> list[torch.Tensor]:
+    """Rows (as answered: 8-bit rows dequantized) of the flat int64 ``ids [N]`` of a request whose run ``i``
+    (``sizes[i]`` ids) belongs to the ``i``-th table of ``plan`` (module docstring): ``[N, D]`` rows for each
+    group cache of the plan, of the ids of its tables in request order (:meth:`RequestPlan.layout` says which)."""
+    layout = plan.layout(sizes)
+    parts = []
+    for gp, (positions, tid, salt, per_table) in zip(plan.groups, layout.parts):
+        parts.append(_from_cache(gp, ids if positions is None else ids.index_select(0, positions), tid, salt,
+                                 per_table))
     for tier in (tiers.volatile, tiers.persistent):
         if tier.available:
             _read_tier(tiers, tier, parts)
-    out: list = [None] * len(batches)
+    answers = []
     for part in parts:
         if part.rows is not None:
             _default_rows(part)
         _finish(part, threshold, writeback)
-        # 8-bit rows are dequantized once for the whole part (its tables share their kind and dim)
-        for slot, rows in zip(part.slots, part.tables[0].answer(part.values).split(part.sizes)):
-            out[slot] = rows
+        answers.append(part.tables[0].answer(part.values))  # 8-bit rows dequantized once for the whole part
+    return answers
+
+
+def concat_answers(plan: RequestPlan, sizes: tuple, answers: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of every id of the request in request order, ``[N, D]``, from :func:`lookup_request`'s answers
+    (one group cache: its answer as it is)."""
+    if len(answers) == 1:
+        return answers[0]
+    dtypes = {a.dtype for a in answers}
+    if len(dtypes) > 1:
+        raise ValueError(f"the tables answer rows of several dtypes {sorted(map(str, dtypes))}: look them up with "
+                         "lookup_many")
+    layout = plan.layout(sizes)
+    out = torch.empty(sum(a.shape[0] for a in answers), answers[0].shape[1], dtype=answers[0].dtype,
+                      device=answers[0].device)
+    for (positions, *_), rows in zip(layout.parts, answers):
+        out.index_copy_(0, positions.to(out.device), rows)
     return out
+
+
+def split_answers(plan: RequestPlan, sizes: tuple, answers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The rows of each run of the request, ``[sizes[i], D_i]``, from :func:`lookup_request`'s answers."""
+    if len(answers) == 1:
+        return list(answers[0].split(list(sizes)))
+    pieces = [iter(a.split([n for n, g in zip(sizes, plan.run_groups) if g == k])) for k, a in enumerate(answers)]
+    return [next(pieces[g]) for g in plan.run_groups]

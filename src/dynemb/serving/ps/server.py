@@ -7,7 +7,7 @@ import random
 import threading
 import time
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -21,7 +21,7 @@ from . import updates
 from .cache import TableState, cache_capacity, new_table, store_name
 from .group_cache import GroupCache, TableCache
 from .lineage import Lineage, summary
-from .request_lookup import lookup_request
+from .request_lookup import RequestPlan, concat_answers, lookup_request, split_answers
 from .table_lookup import Lookup, read_tiers
 from .tiers import StoreTier, StoreTiers
 from .writeback import WriteBack
@@ -69,6 +69,7 @@ class ParameterServer:
         self.versions: dict[str, dict] = {}
         self._writeback = WriteBack()
         self.grouped = True  # lookups take every table of a request together (.request_lookup); False: table by table
+        self._plans: dict[tuple, RequestPlan] = {}  # (model, tables) -> the plan of their requests
 
     @classmethod
     def from_config(cls, source: Union[str, Path, Mapping], *, seed: int = 0) -> "ParameterServer":
@@ -177,6 +178,7 @@ class ParameterServer:
                     tables[name] = table
             tables = {name: tables[name] for name in names}
             self._tables[cfg.model] = tables
+            self._plans = {key: plan for key, plan in self._plans.items() if key[0] != cfg.model}
             self.versions[cfg.model] = {**summary(tables), "loaded_unix": time.time()}
 
     @staticmethod
@@ -235,17 +237,114 @@ class ParameterServer:
             raise TypeError(f"keys_per_table must be a dict {{table: keys}}, got {type(keys_per_table).__name__}")
         batches = {name: (t := self._table(model, name), self._check_batch(cfg, t, keys))
                    for name, keys in keys_per_table.items()}
+        if self.grouped and batches:
+            plan = self._plan(model, tuple(batches))
+            sizes = tuple(flat.numel() for _, flat in batches.values())
+            flats = [flat for _, flat in batches.values()]
+            answers = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, plan,
+                                     flats[0] if len(flats) == 1 else torch.cat(flats), sizes)
+            return {name: r.view(*keys_per_table[name].shape, batches[name][0].row_dim)
+                    for name, r in zip(batches, split_answers(plan, sizes, answers))}
+        rows = self._per_table(cfg, [(t, flat) for t, flat in batches.values()])
+        return {name: r.view(*keys_per_table[name].shape, batches[name][0].row_dim) for name, r in zip(batches, rows)}
+
+    def lookup_concat(self, model: str, tables: Sequence[str], ids: torch.Tensor,
+                      sizes: Sequence[int]) -> torch.Tensor:
+        """Rows of a request given as one tensor: ``ids [N]`` is the runs of ids of ``tables`` (run ``i``:
+        ``sizes[i]`` ids of ``tables[i]``; a table may have several runs), as a model's features come. The same
+        rows as :meth:`lookup_many`, without a dict of tensors in or out: what the model's list of tables needs
+        from request to request is worked out once and kept (:class:`~.request_lookup.RequestPlan`), until the
+        model is loaded again.
+
+        Args:
+            model: a loaded model.
+            tables: its tables, one per run, all of one row width ``D``.
+            ids: int64 ``[N]``.
+            sizes: ints >= 0 summing to ``N``, each at most ``max_batch_size``.
+
+        Returns:
+            ``[N, D]`` rows on the model's device, row ``j`` the row of ``ids[j]``.
+
+        Raises:
+            TypeError/ValueError: an unknown model or table, tables of several widths, or bad ids or sizes;
+            nothing is looked up then.
+
+        Example:
+            >>> import tempfile, torch, dynemb
+            >>> from dynemb.checkpoint import export_for_serving
+            >>> tables = torch.nn.ModuleDict({"user": dynemb.DynamicEmbedding(4), "item": dynemb.DynamicEmbedding(4)})
+            >>> _ = tables["user"](torch.tensor([1, 2])), tables["item"](torch.tensor([7]))
+            >>> root = tempfile.mkdtemp()
+            >>> _ = export_for_serving(root, tables)
+            >>> ps = ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [root],
+            ...     "embedding_table_names": ["user", "item"], "embedding_vecsize_per_table": [4, 4]}]})
+            >>> ps.load("m", progress=False)
+            >>> rows = ps.lookup_concat("m", ["user", "item"], torch.tensor([2, 1, 7]), [2, 1])
+            >>> torch.equal(rows[2], ps.lookup("m", "item", torch.tensor(7)))
+            True
+            >>> ps.close()
+        """
+        cfg = self._model(model)
+        tables = tuple(tables)
+        sizes = tuple(sizes)
+        plan = self._plan(model, tables)
+        if not plan.one_width:
+            raise ValueError(f"tables must share one row width for lookup_concat, got "
+                             f"{ {t.name: t.row_dim for t in plan.tables} }; use lookup_many")
+        if len(sizes) != len(tables) or not all(isinstance(n, int) and 0 <= n <= cfg.max_batch_size for n in sizes):
+            raise ValueError(f"sizes must give the ids of each of the {len(tables)} runs, ints in [0, "
+                             f"models[{model!r}].max_batch_size={cfg.max_batch_size}], got {list(sizes)}")
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+            got = f"{ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else \
+                type(ids).__name__
+            raise TypeError(f"ids must be a 1-D int64 tensor, got {got}")
+        if sum(sizes) != ids.numel():
+            raise ValueError(f"sizes sum to {sum(sizes)}, but ids has {ids.numel()} entries")
+        if plan.int32_keys:  # an int32 table's ids must fit int32
+            for t, run in zip(tables, ids.split(sizes)):
+                self._check_batch(cfg, self._tables[model][t], run)
+        if not ids.numel():
+            t = plan.tables[0]
+            return torch.empty(0, t.row_dim, dtype=t.answer(torch.empty(0, t.dim, dtype=t.dtype)).dtype,
+                               device=t.cache.device)
         if self.grouped:
-            rows = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, list(batches.values()))
-            if rows is not None:
-                return {name: r.view(*keys_per_table[name].shape, batches[name][0].row_dim)
-                        for name, r in zip(batches, rows)}
-        lookups = [Lookup.from_cache(t, flat) for t, flat in batches.values()]
+            answers = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, plan, ids, sizes)
+            return concat_answers(plan, sizes, answers)
+        # table by table: each table's runs together (a table looked up twice in one call would count its misses
+        # as one)
+        runs = ids.split(sizes)
+        mine: dict[str, list] = {}
+        for i, t in enumerate(tables):
+            mine.setdefault(t, []).append(i)
+        found = self._per_table(cfg, [(self._tables[model][t], torch.cat([runs[i] for i in at]))
+                                      for t, at in mine.items()])
+        out: list = [None] * len(runs)
+        for at, rows in zip(mine.values(), found):
+            for i, part in zip(at, rows.split([sizes[i] for i in at])):
+                out[i] = part
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _plan(self, model: str, tables: tuple) -> RequestPlan:
+        """The kept plan of ``model``'s requests of ``tables`` (made now if none is, or the model was loaded again
+        since). Raises ValueError for an unknown model or table."""
+        served = self._model_tables(model)
+        plan = self._plans.get((model, tables))
+        if plan is None or plan.source is not served:
+            if not tables:
+                raise ValueError("tables must name at least one table")
+            plan = RequestPlan([self._table(model, name) for name in tables], source=served)
+            if len(self._plans) > 256:
+                self._plans.clear()
+            self._plans[(model, tables)] = plan
+        return plan
+
+    def _per_table(self, cfg: ModelConfig, batches: list) -> list[torch.Tensor]:
+        """Rows ``[N_t, D_t]`` of each ``(table, flat keys)``, looked up table by table (:mod:`.table_lookup`)."""
+        lookups = [Lookup.from_cache(t, flat) for t, flat in batches]
         read_tiers(self.tiers, lookups)
         for lookup in lookups:
             self._write_back(cfg, lookup, lookup.finish())
-        return {name: lookup.t.answer(lookup.values).view(*keys_per_table[name].shape, lookup.t.row_dim)
-                for name, lookup in zip(batches, lookups)}
+        return [lookup.t.answer(lookup.values) for lookup in lookups]
 
     @staticmethod
     def _check_batch(cfg: ModelConfig, table: TableState, keys) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from dynemb.table import EvictionPolicy, KeyValueTable
 from dynemb.checks import check_positive_int
+from dynemb.kernels.dispatch import numba_available
 from .store import OverflowPolicy, Store, StoreConfig, StoreFullError, TableSchema
 
 __all__ = ["MemoryStore", "MemoryStoreConfig"]
@@ -70,6 +71,8 @@ class MemoryStore(Store):
         self.overflow = OverflowPolicy.parse(self.config.overflow)
         self._tables_by_name: dict[str, KeyValueTable] = {}
         self._lock = threading.Lock()
+        self._writes = 0  # moved on by every write: the tables' storage may have moved (see _meta)
+        self._metas: dict[tuple, tuple] = {}  # tables -> (writes, signature, meta) of _get_concat's kernel
 
     def __repr__(self) -> str:
         return f"MemoryStore(max_rows_per_table={self.config.max_rows_per_table}, overflow={self.overflow.value!r})"
@@ -87,6 +90,7 @@ class MemoryStore(Store):
     # ------------------------------------------------------------------ hooks
     def _create(self, table: str, schema: TableSchema) -> TableSchema:
         with self._lock:
+            self._writes += 1
             bound = self.config.max_rows_per_table
             self._tables_by_name[table] = KeyValueTable(
                 schema.dim,
@@ -115,8 +119,39 @@ class MemoryStore(Store):
             values.masked_fill_(~found.unsqueeze(1), 0)
         return values, found
 
+    def _get_concat(self, tables, schema, keys, sizes):
+        if self.config.max_rows_per_table is not None or not numba_available() or len(tables) < 2:
+            return super()._get_concat(tables, schema, keys, sizes)  # a bounded store counts each read in its scores
+        from dynemb.kernels.numba_find_many import find_rows
+
+        starts = torch.tensor([0, *sizes], dtype=torch.int64).cumsum_(0)
+        out = torch.empty(keys.numel(), schema.dim, dtype=schema.dtype)
+        with self._lock:
+            found = find_rows(self._meta(tuple(tables)), keys, starts, out)
+        return out, found
+
+    def _meta(self, tables: tuple) -> torch.Tensor:
+        """The rows of :func:`~dynemb.kernels.numba_find_many.find_rows`'s ``meta`` for ``tables`` (call under the
+        lock): kept while no write came, or none moved a table's storage."""
+        kept = self._metas.get(tables)
+        if kept is not None and kept[0] == self._writes:
+            return kept[2]
+        kvs = [self._tables_by_name[t] for t in tables]
+        signature = tuple((kv.storage_generation, kv.index, kv.index.generation) for kv in kvs)
+        if kept is None or kept[1] != signature:
+            if len(self._metas) > 64:  # requests name few distinct lists of tables; bound it all the same
+                self._metas.clear()
+            meta = torch.tensor([[kv.index._buckets.data_ptr(), kv.index.overflow.data_ptr(), kv.index._shift,
+                                  kv.index.num_buckets, kv.values.data_ptr(), kv.values.shape[0],
+                                  kv.index._key_cols] for kv in kvs], dtype=torch.int64)
+        else:
+            meta = kept[2]
+        self._metas[tables] = (self._writes, signature, meta)
+        return meta
+
     def _put(self, table, schema, keys, values) -> None:
         with self._lock:
+            self._writes += 1
             kv = self._tables_by_name[table]
             if self.overflow is OverflowPolicy.REFUSE:
                 new = keys.numel() - int(kv.contains(keys).sum())
@@ -129,6 +164,7 @@ class MemoryStore(Store):
 
     def _delete(self, table, schema, keys) -> int:
         with self._lock:
+            self._writes += 1
             return self._tables_by_name[table].erase(keys)
 
     def _size(self, table, schema) -> int:
@@ -144,4 +180,5 @@ class MemoryStore(Store):
 
     def _close(self) -> None:
         with self._lock:
+            self._metas.clear()
             self._tables_by_name.clear()

@@ -183,6 +183,7 @@ class RedisStore(Store):
         self.config = config
         self.overflow = OverflowPolicy.parse(config.overflow)
         self._layouts: dict[str, _Layout] = {}
+        self._concat_names_of: dict[tuple, tuple] = {}  # tables of get_concat -> how their keys are named
         self._client = self._connect()
 
     def __repr__(self) -> str:
@@ -280,6 +281,46 @@ class RedisStore(Store):
             out.update(zip(tables, zip(values.split(counts), found.split(counts))))
             start = end
         return out
+
+    @_translated
+    def _get_concat(self, tables, schema, keys, sizes):
+        if self.config.cluster:  # one MGET per shard of each table, as get_many sends them
+            return super()._get_concat(tables, schema, keys, sizes)
+        names = self._names(tuple(tables), keys, sizes)
+        step = self.config.chunk_size
+        blobs = list(itertools.chain.from_iterable(self._mget([names[lo: lo + step]
+                                                               for lo in range(0, len(names), step)])))
+        return decode_rows(blobs, schema, names)
+
+    def _names(self, tables: tuple, keys: torch.Tensor, sizes: list) -> list:
+        """The Redis names of ``keys`` (``sizes[i]`` of ``tables[i]``, one after the other): one ``encode_keys`` for
+        the tables of each prefix length, not one a table."""
+        kept = self._concat_names_of.get(tables)
+        if kept is None:
+            layouts = [self._layouts[t] for t in tables]
+            widths = sorted({layout.prefixes.shape[1] for layout in layouts})
+            group = [widths.index(layout.prefixes.shape[1]) for layout in layouts]
+            first, stacked = [], [[] for _ in widths]  # each table's first prefix row in its group's stack
+            for layout, g in zip(layouts, group):
+                first.append(sum(p.shape[0] for p in stacked[g]))
+                stacked[g].append(layout.prefixes)
+            if len(self._concat_names_of) > 256:
+                self._concat_names_of.clear()
+            kept = self._concat_names_of[tables] = (
+                torch.tensor([layout.shards for layout in layouts]), torch.tensor(first), torch.tensor(group),
+                [np.concatenate(p) for p in stacked])
+        shards, first, group, prefixes = kept
+        table_of = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(sizes), output_size=keys.numel())
+        row = (first.index_select(0, table_of) + mix64(keys).remainder(shards.index_select(0, table_of))).numpy()
+        if len(prefixes) == 1:
+            return encode_keys(keys, prefixes[0], row)
+        names = np.empty(keys.numel(), dtype=object)
+        group_of = group.index_select(0, table_of).numpy()
+        for g, stack in enumerate(prefixes):
+            at = np.flatnonzero(group_of == g)
+            if at.size:
+                names[at] = encode_keys(keys[torch.from_numpy(at)], stack, row[at])
+        return names.tolist()
 
     def _mget(self, commands: list) -> list:
         """The reply of one MGET per list of names in ``commands``, all sent in one round trip."""

@@ -25,7 +25,7 @@ import abc
 import dataclasses
 import enum
 import threading
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -179,6 +179,7 @@ class Store(abc.ABC):
     def __init__(self, *, read_only: bool = False) -> None:
         self.read_only = read_only
         self._schemas: dict[str, TableSchema] = {}
+        self._concat_schemas: dict[tuple, TableSchema] = {}  # tables of get_concat -> their one schema
         self._schema_lock = threading.Lock()
         self._closed = False
 
@@ -262,6 +263,53 @@ class Store(abc.ABC):
         got = self._get_many([request for request in checked if request[2].numel()])
         return {table: got[table] if keys.numel() else _no_rows(schema) for table, schema, keys in checked}
 
+    def get_concat(self, tables: Sequence[str], keys: torch.Tensor,
+                   sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`get_many` of tables that share one schema, their keys concatenated: what the parameter server
+        asks a tier for the misses of a whole request (the in-process store reads them in one kernel call).
+
+        Args:
+            tables: distinct created tables of one ``dim`` and ``dtype``.
+            keys: ``[N]`` int64 CPU, ``sizes[i]`` keys of ``tables[i]`` after those of the tables before it.
+            sizes: ``[len(tables)]`` ints >= 0 summing to ``N``.
+
+        Returns:
+            ``(values [N, D], found [N] bool)``, in the order of ``keys``.
+
+        Raises:
+            TypeError/ValueError: bad arguments (nothing is read). StoreError: the backend failed.
+
+        Example:
+            >>> from dynemb.serving.stores import make_store
+            >>> store = make_store({"type": "memory"})
+            >>> for name in ("a", "b"):
+            ...     _ = store.create_table(name, dim=1)
+            >>> store.put("b", torch.tensor([4]), torch.ones(1, 1))
+            >>> values, found = store.get_concat(["a", "b"], torch.tensor([4, 4, 5]), [1, 2])
+            >>> values[:, 0].tolist(), found.tolist()
+            ([0.0, 1.0, 0.0], [False, True, False])
+        """
+        tables = tuple(tables)
+        schema = self._concat_schemas.get(tables)  # a table's schema never changes: checked once per list
+        if schema is None:
+            schemas = [self.schema(t) for t in tables]
+            if len(set(tables)) != len(tables):
+                raise ValueError(f"tables must be distinct, got {list(tables)}")
+            schema = schemas[0] if schemas else None
+            if any(s != schema for s in schemas):
+                raise ValueError(f"tables must share one schema, got {dict(zip(tables, schemas))}")
+            if schema is not None:
+                if len(self._concat_schemas) > 256:
+                    self._concat_schemas.clear()
+                self._concat_schemas[tables] = schema
+        keys = self._check_keys(keys)
+        if len(sizes) != len(tables) or sum(sizes) != keys.numel() or min(sizes, default=0) < 0:
+            raise ValueError(f"sizes must give the keys of each of the {len(tables)} tables (ints >= 0 summing to "
+                             f"{keys.numel()}), got {list(sizes)}")
+        if not keys.numel():
+            return _no_rows(schema) if schema is not None else (torch.zeros(0, 0), torch.zeros(0, dtype=torch.bool))
+        return self._get_concat(list(tables), schema, keys, list(sizes))
+
     def put(self, table: str, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write rows. Hit: replaced. Miss: inserted. Duplicate keys: the last occurrence wins. Each row is
         replaced atomically (no reader sees a torn row). Bounded stores apply their overflow policy.
@@ -330,6 +378,14 @@ class Store(abc.ABC):
     def _get_many(self, requests: list) -> dict:
         """``_get`` of each ``(table, schema, keys)``; stores with round trips override it to send one."""
         return {table: self._get(table, schema, keys) for table, schema, keys in requests}
+
+    def _get_concat(self, tables: list, schema: TableSchema, keys: torch.Tensor, sizes: list) -> tuple:
+        """:meth:`get_concat` of checked arguments (``N > 0``): by default ``_get_many``'s answers, concatenated."""
+        got = self._get_many([(t, schema, k) for t, k in zip(tables, keys.split(sizes)) if k.numel()])
+        parts = [got[t] for t, n in zip(tables, sizes) if n]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([v for v, _ in parts]), torch.cat([f for _, f in parts])
 
     @abc.abstractmethod
     def _put(self, table: str, schema: TableSchema, keys: torch.Tensor, values: torch.Tensor) -> None: ...

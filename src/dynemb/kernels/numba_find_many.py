@@ -1,0 +1,172 @@
+"""One numba call that reads the rows of keys from several hash tables (the parameter server's in-process store).
+
+Each table keeps its own index and rows; the kernel views them at the addresses a row of ``meta`` holds (the way
+:mod:`~dynemb.kernels.numba_group` does) and runs the table's own index probe
+(:func:`~dynemb.kernels.numba_index._probe_kernel`) on its run of keys, then copies the rows found. A request that
+misses in a few keys of each of 26 tables thus costs one call, not 26 (tens of microseconds of Python each).
+Results are the per-table ``find_all`` and ``index_select``'s, bit for bit (rows are copied as integer words).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
+from .numba_group import _pointer
+from .numba_index import _probe_kernel
+
+__all__ = ["META", "find_rows", "find_carried", "miss_pairs"]
+
+META = ("buckets", "overflow", "shift", "num_buckets", "values", "capacity", "key_cols")
+"""The columns of a table's row of ``meta`` (int64): its index's buckets and overflow flags (addresses), hash
+shift, bucket count and key columns, its rows' address and capacity (rows)."""
+_BUCKETS, _OVERFLOW, _SHIFT, _NB, _VALUES, _CAPACITY, _KEY_COLS = range(len(META))
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # rows are copied as words of this size
+_BOOL = np.empty(0, np.bool_)
+
+
+def find_rows(meta: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Rows of int64 ``keys [N]`` (table ``t``'s from ``starts[t]`` to ``starts[t + 1]``, ``starts [T + 1]``) into
+    ``out [N, D]`` (zeros where absent), the tables' ``meta [T, len(META)]`` rows given; returns ``found [N]``
+    bool. Every table's rows are ``[capacity, D]`` of ``out``'s dtype."""
+    words = out.view(_WORDS[out.element_size()])
+    found = np.empty(keys.shape[0], np.bool_)
+    _find_rows_kernel(meta.numpy(), keys.contiguous().numpy(), starts.numpy(), words.numpy(), found)
+    return torch.from_numpy(found)
+
+
+@numba.njit(nogil=True, cache=True)
+def _find_rows_kernel(meta, keys, starts, out, found):
+    rows = np.empty(keys.shape[0], np.int64)
+    width = out.shape[1]
+    for t in range(meta.shape[0]):
+        lo, hi = starts[t], starts[t + 1]
+        if hi == lo:
+            continue
+        m = meta[t]
+        nb = m[_NB]
+        table = numba.carray(_pointer(m[_BUCKETS], keys), (nb, 64 // keys.itemsize))
+        overflow = numba.carray(_pointer(m[_OVERFLOW], _BOOL), (nb,))
+        _probe_kernel(table, m[_KEY_COLS], overflow, keys[lo:hi], m[_SHIFT], np.empty(0, np.int64), rows[lo:hi])
+        values = numba.carray(_pointer(m[_VALUES], out), (m[_CAPACITY], width))
+        for j in range(lo, hi):
+            r = rows[j]
+            found[j] = r >= 0
+            if r >= 0:
+                for d in range(width):
+                    out[j, d] = values[r, d]
+            else:
+                for d in range(width):
+                    out[j, d] = 0
+
+
+def find_carried(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, shift: int, values: torch.Tensor,
+                 cache_keys: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass of a cache whose rows carry their own key (:mod:`dynemb.serving.ps.group_cache`): the index
+    (``table``, ``key_cols``, ``overflow``, ``shift``: ``HashIndex._kernel_args``) probed for ``cache_keys [N]``,
+    and where a row is found and the key in its last columns is ``keys[j]``, its first ``D`` columns copied into
+    ``out [N, D]`` (zeros elsewhere). ``values [R, D + K]`` holds the rows, the key's 8 bytes in the last ``K``
+    columns.
+
+    Returns:
+        ``(found [N] bool, touched [T] int64)``: whether each key's row was found (and carries it), and the rows
+        the index found, in order (what a lookup stamps).
+    """
+    word = _WORDS[values.element_size()]
+    n = cache_keys.shape[0]
+    found, touched = np.empty(n, np.bool_), np.empty(n, np.int64)
+    t = _find_carried_kernel(table.numpy(), key_cols, overflow.numpy(), shift, values.view(word).numpy(),
+                             cache_keys.contiguous().numpy(), keys.contiguous().numpy(), out.view(word).numpy(), found,
+                             touched)
+    return torch.from_numpy(found), torch.from_numpy(touched[:t])
+
+
+@numba.njit(nogil=True, cache=True)
+def _find_carried_kernel(table, key_cols, overflow, shift, values, cache_keys, keys, out, found, touched):
+    n, dim = cache_keys.shape[0], out.shape[1]
+    rows = np.empty(n, np.int64)
+    _probe_kernel(table, key_cols, overflow, cache_keys, shift, np.empty(0, np.int64), rows)
+    bits = values.itemsize * 8
+    mask = np.uint64((1 << bits) - 1)
+    words = values.shape[1] - dim
+    t = 0
+    for j in range(n):
+        r = rows[j]
+        ok = False
+        if r >= 0:
+            touched[t] = r
+            t += 1
+            carried = np.uint64(0)
+            for w in range(words):  # the key's words, little-endian
+                carried |= (np.uint64(np.int64(values[r, dim + w])) & mask) << np.uint64(w * bits)
+            ok = np.int64(carried) == keys[j]
+        found[j] = ok
+        if ok:
+            for d in range(dim):
+                out[j, d] = values[r, d]
+        else:
+            for d in range(dim):
+                out[j, d] = 0
+    return t
+
+
+def miss_pairs(found: torch.Tensor, keys: torch.Tensor, tid: torch.Tensor, salts: torch.Tensor,
+               tables: int) -> tuple:
+    """The misses of a cache pass, as the distinct ``(table, key)`` pairs a request's lower tiers are asked for.
+
+    Args:
+        found: ``[N]`` bool, whether the cache answered position ``j``.
+        keys: ``[N]`` int64 keys; ``tid``: ``[N]`` int64 table of each; ``salts``: ``[T]`` int64 each table's cache
+            salt (pairs are ordered by ``key ^ salt`` within a table, as the torch code's unique orders them).
+        tables: ``T``.
+
+    Returns:
+        ``(miss_at [K], table [M], key [M], inverse [K], counts [M], missed [T])`` int64: the positions missed, the
+        distinct pairs sorted by table, each miss's pair, how often each pair was asked for, each table's misses.
+    """
+    miss_at, utid, ukey, inverse, counts, missed = _miss_pairs_kernel(
+        found.numpy(), keys.contiguous().numpy(), tid.contiguous().numpy(), salts.contiguous().numpy(), tables)
+    return tuple(torch.from_numpy(a) for a in (miss_at, utid, ukey, inverse, counts, missed))
+
+
+@numba.njit(nogil=True, cache=True)
+def _miss_pairs_kernel(found, keys, tid, salts, tables):
+    n = found.shape[0]
+    k = 0
+    for j in range(n):
+        k += not found[j]
+    miss_at = np.empty(k, np.int64)
+    ckeys = np.empty(k, np.int64)
+    missed = np.zeros(tables, np.int64)
+    k = 0
+    for j in range(n):
+        if not found[j]:
+            miss_at[k] = j
+            t = tid[j]
+            ckeys[k] = keys[j] ^ salts[t]
+            missed[t] += 1
+            k += 1
+    by_key = np.argsort(ckeys, kind="mergesort")
+    starts = np.zeros(tables + 1, np.int64)  # a stable counting sort by table on top: (table, cache key) order
+    for t in range(tables):
+        starts[t + 1] = starts[t] + missed[t]
+    at = starts[:tables].copy()
+    order = np.empty(k, np.int64)
+    for i in range(k):
+        t = tid[miss_at[by_key[i]]]
+        order[at[t]] = by_key[i]
+        at[t] += 1
+    utid, ukey = np.empty(k, np.int64), np.empty(k, np.int64)
+    counts, inverse = np.zeros(k, np.int64), np.empty(k, np.int64)
+    m = -1
+    for i in range(k):
+        j = order[i]
+        t, key = tid[miss_at[j]], keys[miss_at[j]]
+        if m < 0 or utid[m] != t or ukey[m] != key:
+            m += 1
+            utid[m], ukey[m] = t, key
+        counts[m] += 1
+        inverse[j] = m
+    return miss_at, utid[:m + 1], ukey[:m + 1], inverse, counts[:m + 1], missed
