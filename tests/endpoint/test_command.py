@@ -101,3 +101,16 @@ def test_the_line_printed_when_watch_loads_the_first_version_names_the_grpc_port
     loader._wait_and_load(tmp_path)
     (line,) = capsys.readouterr().out.splitlines()
     assert line.endswith("on http://127.0.0.1:8000/v2/models/m/infer and grpc://127.0.0.1:8001"), line
+
+
+@pytest.mark.parametrize("watch", [[], ["--watch"]])
+def test_a_run_directory_given_as_export_is_refused_even_with_watch(tmp_path, capsys, watch):
+    """With --watch it waited for a first version that a run directory never gets."""
+    from dynemb.cli import main
+
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "run" / "model.json").write_text("{}")
+    assert main(["serve", "--export", str(tmp_path / "run"), "--no-grpc", *watch]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"dynemb serve: error: --export {tmp_path / 'run'}: a `dynemb train` run directory, not an "
+                    "export of your own model; serve it with --model RUN_DIR"), line

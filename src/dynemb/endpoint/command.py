@@ -81,6 +81,11 @@ def cmd_serve(args) -> int:
     if args.model is None and args.use is not None:
         raise ValueError("--use picks a model of a run (--model); an export of your own model serves its newest "
                          "version")
+    own = None if args.model is not None else Path(args.export)
+    if own is not None and (own / "model.json").is_file() and (own / "checkpoint").is_dir():
+        # checked here too: with --watch, nothing would load it, and the server would wait for a version forever
+        raise ValueError(f"--export {args.export}: a `dynemb train` run directory, not an export of your own model; "
+                         "serve it with --model RUN_DIR")
     torch.set_num_threads(args.threads)
     waiting = None  # the export root whose first version is awaited while the server already listens
     if args.watch is not None:  # following a run that may still be training: its published versions
