@@ -68,8 +68,8 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     ``shards`` (``rank``, ``file``, ``rows``, ``algorithm``, ``checksum``). No rank gathers another's rows: each
     holds its own rows and a chunk of ``CHUNK_ROWS`` of them at a time (:mod:`~dynemb.checkpoint.tiered_stream`). A
     table of one file also has its ``file`` and checksum in its entry, as exports of one process always had.
-    :func:`read_export`
-    reads either; the rows it returns do not depend on the world size or the sharding plan (their order does).
+    :func:`read_export` reads either; the rows it returns do not depend on the world size or the sharding plan
+    (their order does).
 
     A delta export (``incremental=True``) holds the rows written since the previous export of these tables to
     ``path`` and ``deleted_keys [K]``; a reader deletes those keys first, then upserts the rows. Without a
