@@ -80,7 +80,7 @@ def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_si
         >>> # {"auc": 0.78, "logloss": 0.51, "rows": 6000, "model": "best", "step": 400}
     """
     _, kind, step = model_checkpoint(Path(run), use)
-    model, card = load_model(Path(run), device, use)
+    model, card = load_model(Path(run), device, use, optimizer=False)
     reader = _reader(card, data, format, batch_size, label=True)
     prep = card.preprocessing
     scored = evaluate(model, (b.to(device) for b in prep.normalized(reader, str(data))))
@@ -138,7 +138,7 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
     target = Path(out)
     out_format = _check_out(target, Path(run), Path(data), format)
     _, kind, step = model_checkpoint(Path(run), use)
-    model, card = load_model(Path(run), device, use)
+    model, card = load_model(Path(run), device, use, optimizer=False)
     prep = card.preprocessing
     has_label = prep.label is not None and prep.label in column_names(data, format)
     reader = _reader(card, data, format, batch_size, label=has_label)
