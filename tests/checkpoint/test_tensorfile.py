@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
+import os
+import threading
 
 import pytest
 import safetensors
 import safetensors.torch
 import torch
 
-from dynemb.checkpoint import CheckpointError, tensorfile
+from dynemb.checkpoint import CheckpointError, block_file, file_image, tensorfile
 from dynemb.checkpoint.tensorfile import FileRecord, read_tensors, write_tensors
 
 
@@ -80,17 +84,77 @@ def test_unsupported_tensors_are_rejected(tmp_path):
         write_tensors(tmp_path / "t.safetensors", {"s": torch.eye(2).to_sparse()})
 
 
-def test_strided_columns_are_written_exactly_and_their_chunks_count_as_copies(tmp_path, monkeypatch):
-    """A table's score and version columns are interleaved (stride 2): their bytes are written as a contiguous
-    column's, and each chunk is a fresh copy, so the digest must count it among the copies it bounds."""
+def test_strided_columns_are_written_exactly_from_views(tmp_path, monkeypatch):
+    """A table's score and version columns are interleaved (stride 2): their pieces are strided views (no copy of
+    the column), and their bytes land in the file as a contiguous column's, across many staging buffers."""
     monkeypatch.setattr(tensorfile, "CHUNK_BYTES", 4096)
     pair = torch.arange(20_000, dtype=torch.int64).view(10_000, 2) * 3 - 7
     scores, versions = pair[:, 0], pair[:, 1]
-    chunks = list(tensorfile._byte_chunks(scores))
-    assert len(chunks) > 1 and all(copied for _, copied in chunks)
-    assert b"".join(bytes(c) for c, _ in chunks) == scores.contiguous().numpy().tobytes()
-    assert not any(copied for _, copied in tensorfile._byte_chunks(versions.contiguous()))
+    pieces = list(tensorfile.flat_pieces(scores))
+    assert len(pieces) > 1 and all(p.data_ptr() >= pair.data_ptr() and p.stride() == (2,) for p in pieces)
+    assert torch.equal(torch.cat(pieces), scores)
     path = tmp_path / "stamps.safetensors"
     record = write_tensors(path, {"scores": scores, "versions": versions})
     got, _ = read_tensors(path, record)  # the sha256 of what was written
     assert torch.equal(got["scores"], scores) and torch.equal(got["versions"], versions)
+
+
+@pytest.mark.parametrize("chunk", [8, 4096, 1 << 20])
+def test_direct_and_buffered_writes_and_file_images_give_the_same_file(tmp_path, monkeypatch, chunk):
+    """O_DIRECT (where this file system takes it), the page cache, and a background save's FileImage filled by
+    another thread while it is written: the same bytes and record, whatever the chunk size."""
+    monkeypatch.setattr(tensorfile, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(file_image, "CHUNK_BYTES", chunk)
+    tensors = {**_tensors(), "big": torch.randn(3000, 7, generator=torch.Generator().manual_seed(1))}
+    direct = write_tensors(tmp_path / "direct.safetensors", tensors, {"note": "hi"})
+    monkeypatch.setattr(block_file, "DIRECT", False)
+    buffered = write_tensors(tmp_path / "buffered.safetensors", tensors, {"note": "hi"})
+    monkeypatch.undo()
+    image = file_image.FileImage(tensors, {"note": "hi"})
+    filler = threading.Thread(target=image.fill)
+    filler.start()
+    imaged = image.write(tmp_path / "image.safetensors")
+    filler.join()
+    raw = (tmp_path / "direct.safetensors").read_bytes()
+    assert direct == buffered == imaged == FileRecord(hashlib.sha256(raw).hexdigest(), len(raw))
+    assert raw == (tmp_path / "buffered.safetensors").read_bytes() == (tmp_path / "image.safetensors").read_bytes()
+    got, metadata = read_tensors(tmp_path / "image.safetensors", imaged)
+    assert metadata == {"note": "hi"} and all(torch.equal(got[n], t) for n, t in tensors.items())
+
+
+def test_a_direct_write_the_file_system_refuses_goes_through_the_page_cache(tmp_path, monkeypatch):
+    real_write, refused = block_file.os.write, []
+
+    def write(fd, data):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            refused.append(len(data))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(block_file.os, "write", write)
+    tensors = {"x": torch.arange(10_000.0)}
+    record = write_tensors(tmp_path / "t.safetensors", tensors)
+    monkeypatch.undo()
+    assert torch.equal(read_tensors(tmp_path / "t.safetensors", record)[0]["x"], tensors["x"])
+    with block_file.BlockFile(tmp_path / "probe") as probe:
+        assert len(refused) == int(probe.direct)  # one refusal where O_DIRECT opened, then buffered writes
+
+
+def test_a_file_image_whose_fill_fails_fails_its_write(tmp_path):
+    class Broken:
+        dtype, shape = torch.float32, torch.Size([4])
+
+        def numel(self):
+            return 4
+
+        def element_size(self):
+            return 4
+
+        def pieces(self):
+            raise RuntimeError("device lost")
+
+    image = file_image.FileImage({"x": Broken()})
+    with pytest.raises(RuntimeError, match="device lost"):
+        image.fill()
+    with pytest.raises(CheckpointError, match="the snapshot for this file failed.*device lost"):
+        image.write(tmp_path / "t.safetensors")

@@ -66,15 +66,13 @@ def test_served_pooling_is_the_collections(both, change):
 
 
 @pytest.fixture(scope="module")
-def one_id_run(tmp_path_factory):
+def one_id_run(tmp_path_factory, make_clicks):
     """A run whose features are all one id a row (a CTR model's usual case, as the demo's): the served model
     pools them through its kept plan, without preparing each feature (``ServedModel.pooled``)."""
     from dynemb.cli import main
 
-    from conftest import clicks
-
     tmp = tmp_path_factory.mktemp("one-id")
-    pq.write_table(clicks(0, 1200).drop(["tags"]), tmp / "train.parquet")
+    pq.write_table(make_clicks(0, 1200).drop(["tags"]), tmp / "train.parquet")
     threads = torch.get_num_threads()
     try:
         assert main(["train", "--data", str(tmp / "train.parquet"), "--label", "click", "--categorical", "user,item",

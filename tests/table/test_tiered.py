@@ -22,12 +22,15 @@ def _where(slow: str, tmp_path) -> str:
     return "host" if slow == "host" else str(tmp_path / "slow")
 
 
-def _collection(tiered: bool, where: str = "host", optimizer=None) -> EmbeddingCollection:
+def _collection(tiered: bool, where: str = "host", optimizer=None, host: int | None = None) -> EmbeddingCollection:
     """Two tables: int64 keys under lru with a fast tier of 40 rows, and int32 keys under lfu with admission (from
-    the second sighting) and a fast tier given in bytes."""
+    the second sighting) and a fast tier given in bytes. ``host``: three levels, host memory for that many user rows
+    (and a byte budget for about as many item rows) over row files in ``where``."""
     opt = optimizer or dynemb.optim.Adagrad(lr=0.1)
-    user = Tiers(fast_capacity=40, slow=where) if tiered else None
-    item = Tiers(fast_bytes=4000, slow=where) if tiered else None
+    user_host = {} if host is None else {"host_capacity": host}
+    item_host = {} if host is None else {"host_bytes": host * 72}
+    user = Tiers(fast_capacity=40, slow=where, **user_host) if tiered else None
+    item = Tiers(fast_bytes=4000, slow=where, **item_host) if tiered else None
     # lfu ranks the item rows the tiers move down; untiered, a bound no test reaches keeps the same scores (a
     # policy needs a bound or tiers)
     bound = None if tiered else 1_000_000

@@ -1,6 +1,8 @@
 """A process training a tiered table (slow tier on disk) is SIGKILLed in the middle of a write-back to the slow
 tier; reloading its last checkpoint loses no row: the table equals an untiered run of the same steps, bit for bit.
-The dead process's row files are removed by the next table opened under the same path."""
+The dead process's row files are removed by the next table opened under the same path. With three levels (a fast
+tier over host memory over row files, the fast tier's link the device stand-in), the write-back killed is the host's
+to the row files."""
 
 from __future__ import annotations
 
@@ -23,12 +25,14 @@ import os, sys, time
 import torch, dynemb
 from dynemb.checkpoint import save
 from dynemb.table import Tiers
-from dynemb.table.tier_moves import HostLink
+from dynemb.table.tier_moves import HostLink, StagedLink
 sys.path.insert(0, {here!r})
-from test_tiered_crash import build, step
+from test_tiered_crash import build, step, tiers
 
 root, marker = sys.argv[1], sys.argv[2]
-emb, opt = build(Tiers(fast_capacity=32, slow=os.path.join(root, "slow")))
+emb, opt = build(tiers({levels}, os.path.join(root, "slow")))
+if emb.table.disk is not None:  # the fast tier moves rows as on CUDA: the host link below is the host's to the files
+    emb.table.link = StagedLink(torch.device("cpu"), stand_in=True)
 for i in range({steps}):
     step(emb, opt, i)
 save(os.path.join(root, "ckpt"), emb, step={steps})
@@ -46,6 +50,10 @@ for i in range({steps}, 10 * {steps}):
 """
 
 
+def tiers(levels: int, path: str) -> Tiers:
+    return Tiers(fast_capacity=32, slow=path, **({"host_capacity": 24} if levels == 3 else {}))
+
+
 def build(tiers):
     emb = dynemb.DynamicEmbedding(8, seed=5, tiers=tiers)
     return emb, dynemb.optim.Adagrad([emb], lr=0.2)
@@ -59,9 +67,10 @@ def step(emb, opt, i: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_process_killed_during_a_write_back_loses_no_row(tmp_path):
+@pytest.mark.parametrize("levels", [2, 3])
+def test_a_process_killed_during_a_write_back_loses_no_row(levels, tmp_path):
     marker = tmp_path / "writing"
-    code = CHILD.format(here=os.path.dirname(__file__), steps=CHECKPOINT_STEP)
+    code = CHILD.format(here=os.path.dirname(__file__), steps=CHECKPOINT_STEP, levels=levels)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(marker)], env=env,
                              stderr=subprocess.PIPE)
@@ -83,10 +92,12 @@ def test_a_process_killed_during_a_write_back_loses_no_row(tmp_path):
         step(reference, opt, i)
     save(tmp_path / "reference", reference, step=CHECKPOINT_STEP)  # saving ticks the clock, as in the child
 
-    restored, _ = build(Tiers(fast_capacity=32, slow=str(tmp_path / "slow")))
+    restored, _ = build(tiers(levels, str(tmp_path / "slow")))
     assert orphan not in os.listdir(tmp_path / "slow"), "the next table removes a dead process's files"
     load(tmp_path / "ckpt", restored)
     assert restored.table.slow.size() > 0 and restored.table.size() == reference.table.size() > 32
+    if levels == 3:
+        assert restored.table.disk.size() > 0 and restored.table.slow.size() <= 24
     a, b = restored.table.export(), reference.table.export()
     oa, ob = torch.argsort(a.keys), torch.argsort(b.keys)
     assert torch.equal(a.keys[oa], b.keys[ob]) and torch.equal(a.values[oa], b.values[ob])

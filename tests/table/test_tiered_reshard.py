@@ -1,9 +1,11 @@
 """A tiered table's checkpoint from one process loads into 2 gloo ranks (a row-sharded and a table-sharded table,
-tiered there too), and training on there equals the same run with untiered tables, bit for bit."""
+tiered there too), and training on there equals the same run with untiered tables, bit for bit; also with three
+levels (fast tier over host memory over row files) on both sides."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import numpy as np
@@ -18,8 +20,13 @@ from dynemb.table import Tiers
 from distributed.harness import run
 
 
+#: a directory: tiered tables get three levels, 6 fast rows over 4 host rows over row files there
+THREE = None
+
+
 def build(world: int, tiered: bool) -> EmbeddingCollection:
-    tiers = Tiers(fast_capacity=6) if tiered else None
+    three = {} if THREE is None else {"host_capacity": 4, "slow": THREE}
+    tiers = Tiers(fast_capacity=6, **three) if tiered else None
     tables = [TableConfig(name="user", dim=4, optimizer=dynemb.optim.Adagrad(lr=0.1), seed=1, tiers=tiers),
               TableConfig(name="tag", dim=4, key_dtype=torch.int32, optimizer=dynemb.optim.Adam(lr=0.05), seed=2,
                           tiers=tiers)]
@@ -45,19 +52,20 @@ def rows(ec: EmbeddingCollection) -> dict:
             r = shard.table.export()
             cols = {"keys": shard.user_keys(r.keys).to(torch.int64), "values": r.values, "scores": r.scores,
                     **r.slots}
-            slow = torch.tensor([shard.table.slow.size() if hasattr(shard.table, "slow") else 0])
+            below = getattr(shard.table, "levels", ())  # rows below the fast tier, in every level; in row files
+            slow = torch.tensor([sum(level.size() for level in below), below[-1].size() if len(below) > 1 else 0])
         else:
             opt = shard.config.optimizer  # the same columns as the rank that holds the table, in order
             slots = {opt.slot_key(s): torch.empty(0, w) for s, (w, _) in opt.slot_widths(shard.config.dim).items()}
             cols = {"keys": torch.empty(0, dtype=torch.int64), "values": torch.empty(0, 4),
                     "scores": torch.empty(0, dtype=torch.int64), **slots}
-            slow = torch.tensor([0])
+            slow = torch.tensor([0, 0])
         if ec.sharded:
             cols = {k: torch.cat(all_gather_varsize(v, ec.group)) for k, v in cols.items()}
             slow = torch.cat(all_gather_varsize(slow, ec.group))
         order = cols["keys"].argsort()
         out.update({f"{name}/{k}": v[order].numpy() for k, v in cols.items()})
-        out[f"{name}/slow_rows"] = slow.sum().numpy()
+        out[f"{name}/slow_rows"], out[f"{name}/files_slow_rows"] = slow.view(-1, 2).sum(0).numpy()
     return out
 
 
@@ -108,6 +116,33 @@ def test_an_incremental_tiered_chain_reshards_a_chunk_at_a_time(tmp_path):
     got = run(_two_ranks_in_chunks, 2, out, tmp_path / "ckpt")
     assert got is not None, [p.read_text() for p in out.glob("*.err")]
     assert got["True/user/slow_rows"] > 0
+    for key, value in got.items():
+        if key.startswith("True/") and not key.endswith("slow_rows"):
+            np.testing.assert_array_equal(value, got["False/" + key[5:]], err_msg=key)
+
+
+def _two_ranks_three_levels(rank, world, root):
+    global THREE
+    THREE = os.path.join(os.path.dirname(str(root)), "rows")
+    return _two_ranks_in_chunks(rank, world, root)
+
+
+@pytest.mark.slow
+def test_an_incremental_chain_of_three_levels_reshards_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """As above, with three levels saving and loading: rows in the files on both sides."""
+    monkeypatch.setitem(globals(), "THREE", str(tmp_path / "rows"))
+    ec = build(1, tiered=True)
+    train(ec, range(4))
+    assert ec.embeddings["user"].table.disk.size() > 0
+    save(tmp_path / "ckpt", ec, step=4)
+    train(ec, range(4, 6))
+    assert ec.embeddings["user"].table.erase(torch.arange(-40, -20)) > 0
+    save(tmp_path / "ckpt", ec, step=6, incremental=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    got = run(_two_ranks_three_levels, 2, out, tmp_path / "ckpt")
+    assert got is not None, [p.read_text() for p in out.glob("*.err")]
+    assert got["True/user/slow_rows"] > 0 and got["True/user/files_slow_rows"] > 0
     for key, value in got.items():
         if key.startswith("True/") and not key.endswith("slow_rows"):
             np.testing.assert_array_equal(value, got["False/" + key[5:]], err_msg=key)

@@ -147,8 +147,8 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
         columnar = sorted(n for n, shard in shards.items() if _column_split(shard, ctx))
         payloads, entries = _table_payloads({n: s for n, s in writing.items() if n not in columnar}, parent, dtype,
                                             index, ctx)
-        for name in columnar:  # the same order on every rank: each is a collective
-            joined = _joined_payload(shards[name], parent, dtype, index[name], ctx)
+        for table in columnar:  # the same order on every rank: each is a collective
+            joined = _joined_payload(shards[table], parent, dtype, index[table], ctx)
             if joined is not None:
                 payloads.update(joined[0])
                 entries.update(joined[1])

@@ -82,11 +82,12 @@ class ColumnStream:
 
 
 def _tier_columns(table) -> dict[str, list[torch.Tensor]]:
-    """Each column's live rows as ``[fast rows, slow rows]`` views (names as in :class:`Rows`)."""
-    n_fast, n_slow = table.live_rows(), table.slow.size()
+    """Each column's live rows as ``[fast rows, rows of each level below]`` views (names as in :class:`Rows`)."""
+    n_fast = table.live_rows()
     names = {"keys": "key", "values": "value", "scores": "score",
              **{f"slot:{s}": f"slot:{s}" for s in table.slot_names}}
-    return {name: [table._cols[col][:n_fast], table.slow._cols[col][:n_slow]] for name, col in names.items()}
+    return {name: [table._cols[col][:n_fast]] + [level._cols[col][: level.size()] for level in table.levels]
+            for name, col in names.items()}
 
 
 def _chunked(parts: list[torch.Tensor]) -> Callable[[], Iterator[torch.Tensor]]:

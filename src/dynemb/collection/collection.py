@@ -110,6 +110,13 @@ class EmbeddingCollection(nn.Module):
         return self._combined
 
     # ------------------------------------------------------------------ what the user configured
+    def extra_repr(self) -> str:
+        # what ``print(model)`` shows: the user's tables and features (never the layout: groups, shards, ranks)
+        tables = ", ".join(f"{t.name}(dim={t.dim}" + (f", vocabulary_size={t.vocabulary_size}" if t.vocabulary_size
+                                                       else "") + ")" for t in self.table_configs.values())
+        features = ", ".join(f"{f.name}->{f.table_name}" for f in self.feature_configs.values())
+        return f"tables=[{tables}], features=[{features}]"
+
     @property
     def embeddings(self) -> Mapping[str, nn.Module]:
         """Each table's module on this rank by table name (read-only; absent: held by another rank)."""

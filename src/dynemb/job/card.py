@@ -84,7 +84,7 @@ def read_card(run: Path) -> ModelCard:
     """
     path = Path(run) / CARD
     if not path.is_file():
-        raise ValueError(f"{run}: no {CARD}; is this a `dynemb train --out` directory?")
+        raise ValueError(f"{run}: no {CARD}; is this a `dynemb train --out` directory?{_parent_run(Path(run))}")
     try:
         obj = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -118,8 +118,19 @@ def model_checkpoint(run: Path, use: str = "best") -> tuple[Path, str, int]:
         if (kind == "best" and use == "last") or not (root / "latest").is_file():
             continue
         return root, kind, int(read_json(root / "latest")["step"])
+    if (run / "latest").is_file():  # an export (its model.json is the export's) or a checkpoint root
+        raise ValueError(f"{run}: a serving export or a checkpoint, not a `dynemb train --out` directory"
+                         f"{_parent_run(run)}")
     raise ValueError(f"{run}: no checkpoint in {run / CHECKPOINT}; did the training run finish? (an interrupted "
                      "run continues with dynemb train ... --resume)")
+
+
+def _parent_run(path: Path) -> str:
+    """A hint when ``path`` lies inside a run directory (its ``checkpoint-best``, ``export``): pass the run."""
+    parent = path.resolve().parent
+    if (parent / CARD).is_file() and ((parent / CHECKPOINT).is_dir() or (parent / CHECKPOINT_BEST).is_dir()):
+        return f" ({path} lies in the run directory {parent}: pass that)"
+    return ""
 
 
 def load_model(run: Path, device: str = "cpu", use: str = "best", optimizer: bool = True

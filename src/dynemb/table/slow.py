@@ -63,7 +63,8 @@ class SlowStore(RowStore):
                  init_capacity: int = 1024) -> None:
         self.dim, self.dtype, self.key_dtype = table.dim, table.dtype, table.key_dtype
         self.device = torch.device("cpu")
-        self.backend = table.backend
+        # its rows are host memory: a CUDA table's backend (triton, say) is not the one for them
+        self.backend = table.backend if table.device.type == "cpu" else None
         self.max_capacity = None
         self.initializer, self.seed, self.on_evict = None, 0, None
         self.clock = 0
@@ -119,6 +120,10 @@ class SlowStore(RowStore):
         self._marks = None
         if old_path is not None:
             os.unlink(old_path)  # Linux keeps the pages mapped until the old tensors go
+
+    def row_nbytes(self) -> int:
+        """Bytes a row takes here: every column, interleaved (see :meth:`_resize_columns`)."""
+        return _layout({name: (tuple(col.shape[1:]), col.dtype) for name, col in self._cols.items()})[1]
 
     def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
         had = f"slot:{name}" in self._cols

@@ -24,8 +24,8 @@ from ..kernels.dispatch import Backend, resolve_backend
 from .index import HashIndex
 from .ops import copy_rows, gather_rows, lowest_rows, scatter_rows
 
-__all__ = ["SLOW_BASE", "HostLink", "Link", "SlowIndex", "StagedLink", "TieredIndex", "VictimQueue", "exchange",
-           "link_for"]
+__all__ = ["DISK_BASE", "ROW_END", "SLOW_BASE", "HostLink", "Link", "SlowIndex", "StagedLink", "TieredIndex",
+           "VictimQueue", "exchange", "link_for"]
 
 
 class Link:
@@ -181,19 +181,24 @@ def _row_bytes(col: torch.Tensor) -> int:
 
 
 def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_slots: torch.Tensor,
-             up_at: torch.Tensor) -> torch.Tensor | None:
-    """Move the fast rows ``victims [V]`` (unique, live) down and the slow rows ``up_at [U]`` of keys ``up_keys``
-    (unique; ``up_slots``: their slots in the table's :class:`TieredIndex`) up, every column with them (keys,
-    values, scores, version stamps, optimizer slots). The first ``min(U, V)`` of each swap places; the rest append
-    at the end of the other tier, whose holes then fill from its end. Every key keeps its index slot: only the row
-    ids there change. Changes no value, score, stamp or counter. Returns the fast rows ``[U]`` the keys came up
-    to, or None where fast rows were compacted (more went down than came up: rows of the call may have moved).
+             up_at: torch.Tensor, moved: dict | None = None) -> torch.Tensor | None:
+    """Move the ``fast`` level's rows ``victims [V]`` (unique, live) down and the ``slow`` level's rows ``up_at
+    [U]`` of keys ``up_keys`` (unique; ``up_slots``: their slots in the table's :class:`TieredIndex`) up, every
+    column with them (keys, values, scores, version stamps, optimizer slots). The first ``min(U, V)`` of each swap
+    places; the rest append at the end of the other level, whose holes then fill from its end. Every key keeps its
+    index slot: only the row ids there change. Changes no value, score, stamp or counter. Returns the fast rows
+    ``[U]`` the keys came up to, or None where fast rows were compacted (more went down than came up: rows of the
+    call may have moved).
+
+    Any two adjacent levels of a table: its fast tier over the host (``fast.index`` the :class:`TieredIndex`), or,
+    in a three-level table, the host over the row files (``fast.index`` a :class:`SlowIndex`); ``moved``: the
+    traffic counts to add to (default ``fast.moved``).
     """
     v, u = victims.numel(), up_keys.numel()
     k = min(u, v)
     index = fast.index
-    # The keys stay as many (the index keeps its size and flags): only a tier's columns may have to grow, and with
-    # them (sized for the larger tier) the index, whose slots found before are then stale.
+    # The keys stay as many (the index keeps its size and flags): only a level's columns may have to grow, and with
+    # them (sized for the larger level) the index, whose slots found before are then stale.
     rebuilds = index.rebuilds
     if fast._size + u - k > fast.capacity:
         fast._reserve(fast._size + u - k)
@@ -204,18 +209,18 @@ def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_
     fast_cols, slow_cols = fast._cols, slow._cols
     down_slots = index.find_slots(gather_rows(fast_cols["key"], victims))
     fast_dest = torch.cat([victims[:k], torch.arange(fast._size, fast._size + u - k, device=fast.device)])
-    slow_dest = torch.cat([up_at[:k], torch.arange(slow._size, slow._size + v - k)])
+    slow_dest = torch.cat([up_at[:k], torch.arange(slow._size, slow._size + v - k, device=slow.device)])
     for name, col in fast_cols.items():
         link.move(col, fast_dest, victims, slow_cols[name], slow_dest, up_at)
     link.finish()
     row = sum(_row_bytes(col) for col in fast_cols.values())
-    moved = fast.moved
+    moved = fast.moved if moved is None else moved
     moved["rows_up"] += u
     moved["rows_down"] += v
     moved["bytes_up"] += u * row
     moved["bytes_down"] += v * row
     index.set_rows(up_slots, fast_dest)
-    index.set_rows(down_slots, slow_dest.to(index.device) + SLOW_BASE)
+    slow.index.set_rows(down_slots, slow_dest)
     fast._size += u - k
     slow._size += v - k
     fast.row_moves += 1
@@ -227,19 +232,24 @@ def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_
     return fast_dest
 
 
-#: row ids from which a :class:`TieredIndex` points into the slow tier (row ``SLOW_BASE + r`` is slow row ``r``)
+#: row ids from which a :class:`TieredIndex` points into the levels below the fast tier (row ``SLOW_BASE + r`` is
+#: row ``r`` of the host, or of the row files of a two-level table)
 SLOW_BASE = 1 << 30
+#: where a three-level table's row files start (row ``DISK_BASE + r`` is file row ``r``); its host has the ids below
+DISK_BASE = SLOW_BASE + (1 << 28)
+#: the end of the row ids (the index stores int32)
+ROW_END = 1 << 31
 
 
 class TieredIndex(HashIndex):
-    """One hash index over both tiers of a tiered table: fast row ``r`` is stored as ``r``, slow row ``r`` as
-    ``SLOW_BASE + r``. One probe tells where a key is, and a key moving between the tiers keeps its slot: an
-    exchange rewrites row ids in place, and never hashes, places or removes a key. (Two indexes, one a tier, took
-    two inserts, two removals and a probe of the slow one per call: about a third of the time a call spent moving
-    rows.) Sizing and rehashing count the keys of both tiers; the slow tier reaches this index through a
-    :class:`SlowIndex`.
+    """One hash index over every level of a tiered table: fast row ``r`` is stored as ``r``, a lower level's row
+    ``r`` as its base plus ``r`` (``SLOW_BASE``; in a three-level table the row files from ``DISK_BASE``). One probe
+    tells where a key is, and a key moving between the levels keeps its slot: an exchange rewrites row ids in place,
+    and never hashes, places or removes a key. (Two indexes, one a tier, took two inserts, two removals and a probe
+    of the slow one per call: about a third of the time a call spent moving rows.) Sizing and rehashing count the
+    keys of every level; a lower level reaches this index through a :class:`SlowIndex`.
 
-    ``table``: the tiered table (its ``_size``, ``row_keys`` and ``slow``), set by it.
+    ``table``: the tiered table (its ``_size``, ``row_keys`` and ``levels``), set by it.
     """
 
     table = None
@@ -249,72 +259,110 @@ class TieredIndex(HashIndex):
         super()._alloc(num_buckets)
         self.rebuilds += 1
 
+    def _levels(self) -> tuple:
+        return getattr(self.table, "levels", ())
+
     def _slow_size(self) -> int:
-        slow = getattr(self.table, "slow", None)
-        return 0 if slow is None else slow._size
+        return sum(level._size for level in self._levels())
 
     def needs_rehash(self, num_keys: int) -> bool:
-        """As :meth:`HashIndex.needs_rehash` for ``num_keys`` fast keys beside the slow tier's."""
+        """As :meth:`HashIndex.needs_rehash` for ``num_keys`` fast keys beside the lower levels' keys."""
         return super().needs_rehash(num_keys + self._slow_size())
 
     def rehash(self, keys: torch.Tensor, rows: torch.Tensor, capacity: int) -> None:
-        """Rebuild holding the fast tier's ``keys -> rows`` and every slow key, sized for ``capacity`` fast keys
-        beside them."""
-        m = self._slow_size()
-        if m:
-            slow = self.table.slow
-            keys = torch.cat([keys, slow.row_keys[:m].to(self.device)])
-            rows = torch.cat([rows, torch.arange(SLOW_BASE, SLOW_BASE + m, device=self.device)])
-        super().rehash(keys, rows, capacity + m)
+        """Rebuild holding the fast tier's ``keys -> rows`` and every lower level's keys, sized for ``capacity`` fast
+        keys beside them."""
+        self._rebuild(None, keys, rows, capacity)
 
-    def rehash_slow(self, keys: torch.Tensor, rows: torch.Tensor, capacity: int) -> None:
-        """:meth:`rehash` called by the slow tier: ``keys -> rows`` are its own, ``capacity`` its keys."""
-        n = self.table._size
-        keys = torch.cat([self.table.row_keys[:n], keys.to(self.device)])
-        rows = torch.cat([torch.arange(n, device=self.device), rows.to(self.device) + SLOW_BASE])
-        HashIndex.rehash(self, keys, rows, capacity + n)
+    def rehash_level(self, level, keys: torch.Tensor, rows: torch.Tensor, capacity: int) -> None:
+        """:meth:`rehash` called by a lower ``level``: ``keys -> rows`` are its own, ``capacity`` its keys."""
+        self._rebuild(level, keys, rows, capacity)
+
+    def _rebuild(self, caller, keys: torch.Tensor, rows: torch.Tensor, capacity: int) -> None:
+        table, device = self.table, self.device
+        if caller is None:
+            all_keys, all_rows = [keys], [rows]
+        else:
+            n = table._size
+            all_keys, all_rows = [table.row_keys[:n]], [torch.arange(n, device=device)]
+            capacity += n
+        for level in self._levels():
+            base = level.index.base
+            if level is caller:
+                all_keys.append(keys.to(device))
+                all_rows.append(rows.to(device) + base)
+            elif level._size:
+                m = level._size
+                all_keys.append(level.row_keys[:m].to(device))
+                all_rows.append(torch.arange(base, base + m, device=device))
+                capacity += m
+        keys, rows = (all_keys[0], all_rows[0]) if len(all_keys) == 1 else (torch.cat(all_keys), torch.cat(all_rows))
+        HashIndex.rehash(self, keys, rows, capacity)
 
 
 class SlowIndex:
-    """The slow tier's view of its table's :class:`TieredIndex`: the :class:`HashIndex` methods a row store calls,
-    on slow row ids and on the slow tier's device. Clearing and counting bytes are the table's."""
+    """A lower level's view of its table's :class:`TieredIndex`: the :class:`HashIndex` methods a row store calls,
+    on the level's own row ids (``base .. end`` in the one index) and on its device. Clearing and counting bytes
+    are the table's.
 
-    def __init__(self, index: TieredIndex, slow) -> None:
+    Args:
+        index: the table's index.
+        slow: the level (a :class:`~dynemb.table.slow.SlowStore`).
+        base, end: the level's row ids in ``index``.
+        name: the level, in errors.
+    """
+
+    def __init__(self, index: TieredIndex, slow, base: int = SLOW_BASE, end: int = ROW_END,
+                 name: str = "slow tier") -> None:
         self.index, self.slow = index, slow
+        self.base, self.end, self.name = base, end, name
         self.key_dtype = index.key_dtype
+
+    @property
+    def rebuilds(self) -> int:
+        return self.index.rebuilds
+
+    @property
+    def device(self) -> torch.device:
+        return self.index.device
 
     def _there(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.index.device)
 
+    def _mine(self, rows: torch.Tensor) -> torch.Tensor:
+        return (rows >= self.base) & (rows < self.end)
+
     def find(self, keys: torch.Tensor, hashes: torch.Tensor | None = None) -> torch.Tensor:
         rows = self.index.find(self._there(keys))
-        return torch.where(rows >= SLOW_BASE, rows - SLOW_BASE, -1).to(self.slow.device)
+        return torch.where(self._mine(rows), rows - self.base, -1).to(self.slow.device)
 
     def lookup(self, keys: torch.Tensor, hashes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         slots, rows = self.index.lookup(self._there(keys))
-        slow = rows >= SLOW_BASE
-        return (torch.where(slow, slots, -1).to(self.slow.device),
-                torch.where(slow, rows - SLOW_BASE, -1).to(self.slow.device))
+        mine = self._mine(rows)
+        return (torch.where(mine, slots, -1).to(self.slow.device),
+                torch.where(mine, rows - self.base, -1).to(self.slow.device))
 
     def find_slots(self, keys: torch.Tensor, hashes: torch.Tensor | None = None) -> torch.Tensor:
         return self.index.find_slots(self._there(keys))
 
     def insert(self, keys: torch.Tensor, rows: torch.Tensor, hashes: torch.Tensor | None = None) -> None:
-        self.index.insert(self._there(keys), self._there(rows) + SLOW_BASE)
+        self.index.insert(self._there(keys), self._there(rows) + self.base)
 
     def remove(self, slots: torch.Tensor) -> None:
         self.index.remove(self._there(slots))
 
     def set_rows(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        self.index.set_rows(self._there(slots), self._there(rows) + SLOW_BASE)
+        self.index.set_rows(self._there(slots), self._there(rows) + self.base)
 
     def needs_rehash(self, num_keys: int) -> bool:
-        if num_keys > SLOW_BASE:
-            raise ValueError(f"a tiered table holds at most {SLOW_BASE} rows in its slow tier, asked for {num_keys}")
-        return HashIndex.needs_rehash(self.index, num_keys + self.index.table._size)
+        if num_keys > self.end - self.base:
+            raise ValueError(f"a tiered table holds at most {self.end - self.base} rows in its {self.name}, asked "
+                             f"for {num_keys}")
+        others = self.index.table._size + sum(level._size for level in self.index._levels() if level is not self.slow)
+        return HashIndex.needs_rehash(self.index, num_keys + others)
 
     def rehash(self, keys: torch.Tensor, rows: torch.Tensor, capacity: int) -> None:
-        self.index.rehash_slow(keys, rows, capacity)
+        self.index.rehash_level(self.slow, keys, rows, capacity)
 
     def clear(self) -> None:
         """Nothing: the table clears the one index (its ``clear`` and ``replace`` do)."""

@@ -30,9 +30,13 @@ from .kv import KeyValueTable
 from .ops import all_nonnegative, lowest_rows
 from .rows import Rows
 from .slow import SlowStore, swap_rows
-from .tier_moves import SLOW_BASE, SlowIndex, TieredIndex, VictimQueue, exchange, link_for
+from .tier_moves import DISK_BASE, ROW_END, SLOW_BASE, HostLink, SlowIndex, TieredIndex, VictimQueue, exchange, \
+    link_for
 
 __all__ = ["Tiers", "TieredTable", "tier_traffic"]
+
+#: the most rows a three-level table's host level may be given: half its row ids (a call may pass the budget)
+HOST_ROWS = (DISK_BASE - SLOW_BASE) // 2
 
 #: fraction of the fast tier one scan of its scores picks to move down over the next calls (:class:`VictimQueue`)
 QUEUE = 1 / 4
@@ -52,10 +56,23 @@ class Tiers(Serializable):
         slow: ``"host"``: host memory (pinned when the fast tier is on CUDA); or a directory where the slow tier
             keeps memory-mapped row files (a private subdirectory, removed with the table). A path is saved as its
             ``str`` (``to_dict``).
+        host_capacity: three levels: rows kept in host memory (pinned on CUDA) between the fast tier and the row
+            files under ``slow`` (then a directory), for a table larger than host memory; exclusive with
+            ``host_bytes``. The rows of a call pass through the host on their way up; the lowest-score host rows
+            go down to the files when the host passes its budget. At most ``2**27`` rows (the row files:
+            ``3 * 2**28``).
+        host_bytes: the host level's budget in bytes instead: its rows, every column interleaved (the index stays
+            with the fast tier).
 
     Example:
         >>> Tiers(fast_capacity=1000, slow="host").slow
         'host'
+        >>> Tiers(fast_capacity=1000, host_capacity=10_000, slow="/mnt/ssd/rows").host_capacity  # three levels
+        10000
+        >>> Tiers(fast_capacity=1000, host_capacity=10_000)
+        Traceback (most recent call last):
+        ...
+        ValueError: Tiers.host_capacity puts host memory over row files: slow must be their directory, got 'host'
         >>> Tiers(slow="host")
         Traceback (most recent call last):
         ...
@@ -65,6 +82,8 @@ class Tiers(Serializable):
     fast_capacity: Optional[int] = None
     fast_bytes: Optional[int] = None
     slow: Union[str, os.PathLike] = "host"
+    host_capacity: Optional[int] = None
+    host_bytes: Optional[int] = None
 
     def __post_init__(self):
         check_int(self.fast_capacity, "Tiers.fast_capacity", minimum=1, maximum=2**31 - 1, allow_none=True)
@@ -79,6 +98,19 @@ class Tiers(Serializable):
             # a bare word ("disk", "gpu", "ssd") is far likelier a guessed option than a directory meant to be made
             raise ValueError(f"Tiers.slow must be 'host' or a directory path, got {self.slow!r}; for a directory "
                              f"of that name here, pass './{self.slow}' or a pathlib.Path")
+        check_int(self.host_capacity, "Tiers.host_capacity", minimum=1, maximum=HOST_ROWS, allow_none=True)
+        check_int(self.host_bytes, "Tiers.host_bytes", minimum=1, allow_none=True)
+        if self.host_capacity is not None and self.host_bytes is not None:
+            raise ValueError("Tiers needs host_capacity (rows) or host_bytes for a host level, got both")
+        if self.three_levels and self.slow == "host":
+            what = "host_capacity" if self.host_bytes is None else "host_bytes"
+            raise ValueError(f"Tiers.{what} puts host memory over row files: slow must be their directory, got "
+                             f"'host'")
+
+    @property
+    def three_levels(self) -> bool:
+        """Whether host memory sits between the fast tier and row files (``host_capacity`` or ``host_bytes``)."""
+        return self.host_capacity is not None or self.host_bytes is not None
 
 
 class TieredTable(KeyValueTable):
@@ -88,10 +120,20 @@ class TieredTable(KeyValueTable):
     ``size()`` rows; the row ids it returns are fast-tier rows, valid until the next call. Unlike a bounded table
     it drops nothing: ``max_capacity`` is ``None`` and only ``erase``/``clear``/``evict``/``restrict`` remove rows.
 
+    Three levels (``Tiers(host_capacity=...)``): the slow tier is host memory over row files, moved between as the
+    fast tier and the host are (one index of every level's keys, one exchange a call between two levels; the same
+    code moves both pairs): a call's keys found in the files come up to the host, then with the host's to the fast
+    tier; a host over its budget sends its lowest-score rows down to the files.
+
     Args:
         dim: as for :class:`KeyValueTable`, like every other keyword except ``max_capacity``/``max_bytes`` (not
             allowed) and ``init_capacity`` (the fast tier is allocated at its budget).
         tiers: a :class:`Tiers`: the fast tier's budget and where the slow tier lives.
+
+    Attributes:
+        slow: the level below the fast tier (a :class:`~dynemb.table.slow.SlowStore`: host memory or row files).
+        disk: a three-level table's row files below the host (``slow``), else None.
+        levels: ``(slow,)`` or ``(slow, disk)``.
 
     Example:
         >>> t = TieredTable(2, tiers=Tiers(fast_capacity=2), initializer="zeros")
@@ -101,6 +143,19 @@ class TieredTable(KeyValueTable):
         (2, 2, 4)
         >>> t.find(torch.tensor([0, 9]))[0].tolist()  # key 0 comes back from the slow tier
         [[0.0, 1.0], [0.0, 0.0]]
+
+        Three levels, 1 row on the fast tier (the device, on CUDA), 1 in host memory, the rest in row files:
+
+        >>> import tempfile
+        >>> t = TieredTable(2, tiers=Tiers(fast_capacity=1, host_capacity=1, slow=tempfile.mkdtemp()),
+        ...                 initializer="zeros")
+        >>> t.insert_or_assign(torch.tensor([0, 1, 2]), torch.ones(3, 2))
+        >>> [t.stats()["tiers"][level]["rows"] for level in ("fast", "slow", "disk")]
+        [3, 0, 0]
+        >>> t.find(torch.tensor([5]))[0].tolist()  # a call of one key: two rows go down, one to each level
+        [[0.0, 0.0]]
+        >>> [t.stats()["tiers"][level]["rows"] for level in ("fast", "slow", "disk")]
+        [1, 1, 1]
     """
 
     _DEFERS_STAMPS = False  # every lookup reads scores to pick the rows to move down: nothing to gain
@@ -120,11 +175,25 @@ class TieredTable(KeyValueTable):
         self._queue = VictimQueue(self.fast_capacity * QUEUE)
         self.index = self._tiered_index(self.device)
         self._fit_fast()
-        self.slow = SlowStore(self, tiers.slow, pin=self.device.type == "cuda")
-        self.slow.index = SlowIndex(self.index, self.slow)
+        three = tiers.three_levels
+        self.slow = SlowStore(self, "host" if three else tiers.slow, pin=self.device.type == "cuda")
+        self.slow.index = SlowIndex(self.index, self.slow, SLOW_BASE, DISK_BASE if three else ROW_END,
+                                    "host level" if three else "slow tier")
+        self.levels = (self.slow,)
         self.hits = {"fast": 0, "slow": 0, "miss": 0}
         #: rows and bytes (every column) moved up to the fast tier and down to the slow one, since construction
         self.moved = {"rows_up": 0, "rows_down": 0, "bytes_up": 0, "bytes_down": 0}
+        self.disk = self.host_capacity = None
+        if three:  # the host over row files: the same store, index view and exchange as the fast tier over the host
+            self.disk = SlowStore(self, tiers.slow)
+            self.disk.index = SlowIndex(self.index, self.disk, DISK_BASE, ROW_END, "row files")
+            self.levels = (self.slow, self.disk)
+            self.disk_link = HostLink(self.slow.backend)  # host rows both sides: the host's kernels
+            self._host_queue = VictimQueue(1)
+            self.hits["disk"] = 0
+            #: as ``moved``, between the host and the row files
+            self.moved_disk = {"rows_up": 0, "rows_down": 0, "bytes_up": 0, "bytes_down": 0}
+            self._fit_host()
 
     def rows_unmoved_since(self, moves: int) -> bool:
         """Never assumed: rows move between the tiers on their own, so a backward always re-checks them."""
@@ -132,8 +201,8 @@ class TieredTable(KeyValueTable):
 
     # ------------------------------------------------------------------ one table
     def size(self) -> int:
-        """Rows in both tiers."""
-        return self._size + self.slow.size()
+        """Rows in every level."""
+        return self._size + sum(level.size() for level in self.levels)
 
     def __len__(self) -> int:
         return self.size()
@@ -181,7 +250,9 @@ class TieredTable(KeyValueTable):
     def erase(self, keys: torch.Tensor) -> int:
         """Remove keys from both tiers; returns the number removed (as one table: one clock tick if any)."""
         check_keys(keys, self.key_dtype, self.device)
-        gone = self.slow.erase(keys.to(self.slow.device)).to(self.device)  # first: they leave the one index
+        # first: they leave the one index
+        gone = [level.erase(keys.to(level.device)).to(self.device) for level in self.levels]
+        gone = gone[0] if len(gone) == 1 else torch.cat(gone)
         n_fast = super().erase(keys)
         if gone.numel():
             if n_fast == 0:
@@ -194,38 +265,45 @@ class TieredTable(KeyValueTable):
         """Evict the ``n`` lowest-score rows of the whole table (both tiers); reported to ``on_evict``."""
         check_int(n, "n", minimum=0)
         n = min(n, self.size())
-        if self.slow.size() and n:  # the n lowest of both tiers come up (pinned there); then the fast tier's n go
-            m = self.slow.size()
-            scores = torch.cat([self.scores[: self._size], self.slow.scores[:m].to(self.device)])
-            keys = torch.cat([self.row_keys[: self._size], self.slow.row_keys[:m].to(self.device)])
+        if n and self.size() > self._size:  # the n lowest of all levels come up (pinned there); then the fast n go
+            scores = torch.cat([self.scores[: self._size]] + [level.scores[: level._size].to(self.device)
+                                                              for level in self.levels])
+            keys = torch.cat([self.row_keys[: self._size]] + [level.row_keys[: level._size].to(self.device)
+                                                              for level in self.levels])
             self._resident(keys.index_select(0, lowest_rows(scores, n, backend=self.backend)), new_ok=False)
         return super().evict(n)
 
     def clear(self) -> None:
         super().clear()
-        n = self.slow.size()
-        self._log_deleted(self.slow.row_keys[:n].to(self.device, copy=True))
-        self.removed += n
-        self.slow.clear()
+        for level in self.levels:
+            n = level.size()
+            self._log_deleted(level.row_keys[:n].to(self.device, copy=True))
+            self.removed += n
+            level.clear()
 
     def export(self) -> Rows:
-        """Copies of every row: the fast tier's, then the slow tier's (see :meth:`changes_since`)."""
-        fast = super().export()
-        slow, _ = self.slow.export()
-        return _concat(fast, slow)
+        """Copies of every row: the fast tier's, then each level's below it (see :meth:`changes_since`)."""
+        rows = super().export()
+        for level in self.levels:
+            rows = _concat(rows, level.export()[0])
+        return rows
 
     def changes_since(self, version: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`KeyValueTable.changes_since`, rows counted in :meth:`export`'s order (fast, then slow)."""
+        """As :meth:`KeyValueTable.changes_since`, rows counted in :meth:`export`'s order (fast, then each level)."""
         rows, deleted = super().changes_since(version)
-        n = self.slow.size()
-        slow_rows = (self.slow._cols["version"][:n] > version).nonzero().squeeze(1).to(rows.device)
-        return torch.cat([rows, slow_rows + self._size]), deleted
+        parts, start = [rows], self._size
+        for level in self.levels:
+            n = level.size()
+            parts.append((level._cols["version"][:n] > version).nonzero().squeeze(1).to(rows.device) + start)
+            start += n
+        return torch.cat(parts), deleted
 
     def replace(self, rows: Rows) -> None:
         """Hold exactly ``rows``; the lowest-score ones past the fast tier's budget then move to the slow tier.
         (All of them pass through the fast tier's memory once.)"""
         super().replace(rows)  # checks every argument's form before anything changes
-        self.slow.clear()
+        for level in self.levels:
+            level.clear()
         self._fit_fast()
 
     def replace_chunks(self, chunks: Iterable[Rows], total: Optional[int] = None) -> None:
@@ -251,7 +329,10 @@ class TieredTable(KeyValueTable):
                       _sliced(first, slice(self.fast_capacity, None), None))
         self.replace(fast)
         if total is not None and total > self.size():
-            self.slow._reserve(total - self._size)
+            below = total - self._size
+            if self.disk is not None and below > self.host_capacity:
+                self.disk._reserve(below - self.host_capacity)
+            self.slow._reserve(below if self.disk is None else min(below, self.host_capacity))
         for rows in itertools.chain([rest] if rest.keys.numel() else [], it):
             rows = self._checked(rows)
             if rows.keys.numel() and bool((self.index.find(rows.keys.to(self.device)) >= 0).any()):  # both tiers
@@ -275,7 +356,8 @@ class TieredTable(KeyValueTable):
             fast = at[(at >= 0) & (at < SLOW_BASE)]
             if fast.numel():
                 swap_rows(self, fast, None, None)
-            self.slow.erase(keys.to(self.slow.device))
+            for level in self.levels:
+                level.erase(keys.to(level.device))
         if checked is not None:
             self._store_slow(checked)
 
@@ -301,9 +383,14 @@ class TieredTable(KeyValueTable):
         return Rows(keys, values.to(cpu), scores.to(cpu), {n: v.to(cpu) for n, v in slots.items()})
 
     def _store_slow(self, rows: Rows) -> None:
-        """Store checked ``rows`` (keys absent from both tiers) in the slow tier, stamped with the current clock."""
+        """Store checked ``rows`` (keys absent from every level) in the slow tier (a three-level table's host while
+        it has room, then its row files), stamped with the current clock."""
         m = rows.keys.numel()
-        self.slow.put(rows, torch.full((m,), self.clock, dtype=torch.int64))
+        room = m if self.disk is None else max(0, min(m, self.host_capacity - self.slow._size))
+        for level, part in ((self.slow, slice(0, room)), (self.disk, slice(room, m))):
+            if part.stop > part.start:
+                n = part.stop - part.start
+                level.put(_sliced(rows, part, None), torch.full((n,), self.clock, dtype=torch.int64))
         self.inserted += m
 
     def prefetch(self, keys: torch.Tensor) -> None:
@@ -321,20 +408,25 @@ class TieredTable(KeyValueTable):
         return index
 
     def _load(self, keys, values, scores, slots) -> None:
-        self.slow._size = 0  # the slow tier's keys leave with the index's clear (replace then clears the tier)
+        for level in self.levels:
+            level._size = 0  # the levels' keys leave with the index's clear (replace then clears them)
         self._queue.clear()
+        if self.disk is not None:
+            self._host_queue.clear()
         super()._load(keys, values, scores, slots)
 
     # ------------------------------------------------------------------ layout changes reach both tiers
     def add_slot(self, name: str, dim: int, init: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
         super().add_slot(name, dim, init, dtype)
         if getattr(self, "slow", None) is not None:
-            self.slow.add_slot(name, dim, init, dtype)
+            for level in self.levels:
+                level.add_slot(name, dim, init, dtype)
             self._fit_fast()
 
     def cast(self, dtype: torch.dtype) -> None:
         super().cast(dtype)
-        self.slow.cast(dtype)
+        for level in self.levels:
+            level.cast(dtype)
         self._fit_fast()
 
     def to(self, device):
@@ -343,18 +435,23 @@ class TieredTable(KeyValueTable):
         if self.device != before:
             self.index = self._tiered_index(self.device)
             self.index.rehash(self.row_keys[: self._size], torch.arange(self._size, device=self.device), self._size)
-            self.slow.index = SlowIndex(self.index, self.slow)
+            for level in self.levels:
+                view = level.index
+                level.index = SlowIndex(self.index, level, view.base, view.end, view.name)
+                level.backend = self.backend if self.device.type == "cpu" else None
+            if self.disk is not None:
+                self.disk_link = HostLink(self.slow.backend)
             self.link = link_for(self.device, self.backend)
             self._queue.clear()
         if self.slow.directory is None and self.slow.pin != (self.device.type == "cuda"):
             self.slow.pin = self.device.type == "cuda"
-            self.slow._cols = {n: self.slow._placed(n, c) for n, c in self.slow._cols.items()}
+            self.slow._resize_columns(self.slow.capacity, self.slow._size)  # placed again: pinned or not
         return self
 
     # ------------------------------------------------------------------ stats
     def nbytes(self) -> int:
         """Bytes of both tiers (see ``stats()["tiers"]`` for each)."""
-        return super().nbytes() + self.slow.nbytes()
+        return super().nbytes() + sum(level.nbytes() for level in self.levels)
 
     def stats(self) -> dict:
         """As :meth:`KeyValueTable.stats` (``size`` counts both tiers), plus ``tiers``: per tier ``rows``,
@@ -363,7 +460,10 @@ class TieredTable(KeyValueTable):
         tiers' keys (kept with the fast tier); ``miss_rate``: keys stored in neither tier; ``looked_up``: the counts
         behind the rates (``fast``, ``slow``, ``miss``); ``moved``: ``rows_up``, ``rows_down``, ``bytes_up`` and
         ``bytes_down`` (every column of a row) moved between the tiers. All counts run since construction: the
-        change between two calls is one step's traffic (see :func:`tier_traffic`)."""
+        change between two calls is one step's traffic (see :func:`tier_traffic`). A three-level table's ``slow``
+        is its host level (with its ``capacity``), and ``disk`` its row files: ``rows``, ``bytes``, ``hit_rate``
+        (keys found there), ``where``, and ``moved`` between the host and the files (``rows_up`` came up to the
+        host)."""
         stats = super().stats()
         looked = max(1, sum(self.hits.values()))
         index_bytes = self.index.nbytes()
@@ -375,6 +475,11 @@ class TieredTable(KeyValueTable):
                      "where": "host" if self.slow.directory is None else self.slow.directory},
             "index": {"bytes": index_bytes, "where": str(self.device)},
             "miss_rate": self.hits["miss"] / looked, "looked_up": dict(self.hits), "moved": dict(self.moved)})
+        if self.disk is not None:
+            stats["tiers"]["slow"]["capacity"] = self.host_capacity
+            stats["tiers"]["disk"] = {"rows": self.disk.size(), "bytes": self.disk.nbytes(),
+                                      "hit_rate": self.hits["disk"] / looked, "where": self.disk.directory,
+                                      "moved": dict(self.moved_disk)}
         return stats
 
     # ------------------------------------------------------------------ moving rows
@@ -394,6 +499,27 @@ class TieredTable(KeyValueTable):
         n = self._size
         if self.capacity != max(cap, n):
             self._resize_columns(max(cap, n), n)
+        if getattr(self, "disk", None) is not None:
+            self._fit_host()
+
+    def _fit_host(self) -> None:
+        """A three-level table's host budget (from ``Tiers.host_bytes`` and the row width now, if given in bytes);
+        the lowest-score host rows past it move down to the row files."""
+        host = self.slow
+        if self.tiers.host_bytes is not None:
+            width = host.row_nbytes()
+            if self.tiers.host_bytes < width:
+                raise ValueError(f"Tiers.host_bytes={self.tiers.host_bytes} is too small for one row: a row of this "
+                                 f"table takes {width} bytes in host memory")
+            self.host_capacity = min(HOST_ROWS, self.tiers.host_bytes // width)
+        else:
+            self.host_capacity = self.tiers.host_capacity
+        self._host_queue.refill = max(1, int(self.host_capacity * QUEUE))
+        over = host._size - self.host_capacity
+        if over > 0:
+            victims = self._host_queue.take(host, over, torch.empty(0, dtype=torch.int64))
+            none = torch.empty(0, dtype=torch.int64)
+            exchange(host, self.disk, self.disk_link, victims, none.to(self.key_dtype), none, none, self.moved_disk)
 
     def _resident(self, keys: torch.Tensor, new_ok: bool = True, count: bool = True) -> Optional[torch.Tensor]:
         """Bring the rows of ``keys`` found in the slow tier up, moving other rows down if the fast tier would pass
@@ -403,38 +529,61 @@ class TieredTable(KeyValueTable):
         flat = check_keys(keys, self.key_dtype, self.device)
         if flat.numel() == 0:
             return None
-        slots, rows = self.index.lookup(flat)  # one probe for both tiers; duplicates are harmless
+        slots, rows = self.index.lookup(flat)  # one probe for every level; duplicates are harmless
         fast = (rows >= 0) & (rows < SLOW_BASE)
-        up, up_slots, up_at = self._in_slow(flat, slots, rows)
+        from_disk = 0
+        if self.disk is not None and bool((rows >= DISK_BASE).any()):
+            from_disk = self._up_from_disk(flat, slots, rows)
+            slots, rows = self.index.lookup(flat)  # the fast rows are as they were; the files' are host rows now
+        up, up_slots, up_at = self._in_level(flat, slots, rows, self.slow)
         n_fast = int(fast.sum())
         new = flat.numel() - n_fast - up.numel()  # an upper bound when keys repeat: at worst more room is made
         if count:
             self.hits["fast"] += n_fast
-            self.hits["slow"] += up.numel()
+            self.hits["slow"] += up.numel() - from_disk
             self.hits["miss"] += new
+            if from_disk:
+                self.hits["disk"] += from_disk
         over = self._size + up.numel() + (new if new_ok else 0) - self.fast_capacity
         victims = self._queue.take(self, over, rows[fast]) if over > 0 else rows[:0]
         dest = exchange(self, self.slow, self.link, victims, up, up_slots, up_at) \
             if up.numel() or victims.numel() else up
         if self.capacity > self.fast_capacity >= self._size:  # grown by an earlier call larger than the budget
             self._fit_fast()
+        elif self.disk is not None and self.slow._size > self.host_capacity:
+            self._fit_host()
         if new or dest is None or (up.numel() and up.numel() != int((rows >= SLOW_BASE).sum())):
             return None
         if up.numel():
             rows = rows.index_copy(0, (rows >= SLOW_BASE).nonzero().squeeze(1), dest)
         return rows
 
-    def _in_slow(self, keys: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(keys, slots, rows)`` of the distinct ``keys`` whose index ``rows`` (at ``slots``) are in the slow tier:
-        the key, its index slot, its slow row (on the slow tier's device), each ``[U]``."""
-        at = (rows >= SLOW_BASE).nonzero().squeeze(1)
+    def _in_level(self, keys: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, level
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, slots, rows)`` of the distinct ``keys`` whose index ``rows`` (at ``slots``) are in ``level`` (one
+        of :attr:`levels`): the key, its index slot, its row there (on the level's device), each ``[U]``."""
+        base, end = level.index.base, level.index.end
+        at = ((rows >= base) & (rows < end)).nonzero().squeeze(1)
         keys, slots, rows = keys.index_select(0, at), slots.index_select(0, at), rows.index_select(0, at)
         # a lookup passes its keys sorted and distinct: checking that costs one pass, deduplicating a sort
         if keys.numel() > 1 and not bool((keys[1:] > keys[:-1]).all()):
             keys, first = _first_occurrences(keys)
             slots, rows = slots.index_select(0, first), rows.index_select(0, first)
-        return keys, slots, (rows - SLOW_BASE).to(self.slow.device)
+        return keys, slots, (rows - base).to(level.device)
+
+    def _up_from_disk(self, keys: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> int:
+        """Bring the rows of ``keys`` (index ``slots``, ``rows``) found in the row files up to the host, each paired
+        with a host row going down where the host is full (none of the call's own host rows, which go up next, and
+        never more than come up: no host row of the call moves). Returns the distinct keys brought up."""
+        host = self.slow
+        keys, key_slots, at = self._in_level(keys, slots, rows, self.disk)
+        over = min(keys.numel(), host._size + keys.numel() - self.host_capacity)
+        victims = torch.empty(0, dtype=torch.int64)
+        if over > 0:
+            mine = rows[(rows >= SLOW_BASE) & (rows < DISK_BASE)]
+            victims = self._host_queue.take(host, over, (mine - SLOW_BASE).to(host.device))
+        exchange(host, self.disk, self.disk_link, victims, keys, key_slots, at, self.moved_disk)
+        return keys.numel()
 
     def _demote(self, n: int, pinned: torch.Tensor) -> None:
         """Move the ``n`` lowest-score fast rows not in ``pinned`` to the slow tier."""
@@ -456,7 +605,8 @@ def tier_traffic(tables, since: Optional[dict] = None) -> dict:
     previous return value; None: since construction): ``tier_bytes_moved`` (both directions, every column),
     ``tier_rows_up``/``tier_rows_down``, the fast and slow tiers' hit rates over the keys looked up
     (``tier_fast_hit_rate``, ``tier_slow_hit_rate``; 0 when none was), and ``counts``, the snapshot to pass next
-    time.
+    time. With a three-level table, ``tier_bytes_moved`` counts the host's traffic with its row files as well, and
+    ``tier_disk_hit_rate`` the keys found in the files (``tier_slow_hit_rate``: in host memory).
 
     Example:
         >>> t = TieredTable(2, tiers=Tiers(fast_capacity=2), initializer="zeros")
@@ -471,12 +621,18 @@ def tier_traffic(tables, since: Optional[dict] = None) -> dict:
     for table in tables:
         if isinstance(table, TieredTable):
             for name, n in {**table.hits, **table.moved}.items():
-                counts[name] += n
+                counts[name] = counts.get(name, 0) + n
+            if table.disk is not None:  # the host's traffic with the row files counts too
+                for name in ("bytes_up", "bytes_down"):
+                    counts[name] += table.moved_disk[name]
     d = {k: v - (since or {}).get(k, 0) for k, v in counts.items()}
-    looked = d["fast"] + d["slow"] + d["miss"]
-    return {"tier_bytes_moved": d["bytes_up"] + d["bytes_down"], "tier_rows_up": d["rows_up"],
-            "tier_rows_down": d["rows_down"], "tier_fast_hit_rate": d["fast"] / looked if looked else 0.0,
-            "tier_slow_hit_rate": d["slow"] / looked if looked else 0.0, "counts": counts}
+    looked = d["fast"] + d["slow"] + d["miss"] + d.get("disk", 0)
+    out = {"tier_bytes_moved": d["bytes_up"] + d["bytes_down"], "tier_rows_up": d["rows_up"],
+           "tier_rows_down": d["rows_down"], "tier_fast_hit_rate": d["fast"] / looked if looked else 0.0,
+           "tier_slow_hit_rate": d["slow"] / looked if looked else 0.0, "counts": counts}
+    if "disk" in counts:
+        out["tier_disk_hit_rate"] = d["disk"] / looked if looked else 0.0
+    return out
 
 
 def _sliced(rows: Rows, part: slice, device) -> Rows:
