@@ -96,9 +96,18 @@ class EmbeddingCollection(nn.Module):
             seeds = draw_seeds(tables, agree=self._agree_on_seeds)
             self.plan = ExecutionPlan(tables, seeds, shardings=shardings, rank=rank, world=world, device=device)
             self.executor = ShardedExecutor(self.plan, self.group)
-        self.optimizer = CombinedOptimizer(self.plan.optimizers())
+        self._combined: Optional[CombinedOptimizer] = None  # made on first use (see optimizer)
         self._staged: dict = {}  # batches whose stateless stages run ahead (expect)
         self.staged_hits = 0  # forwards that took staged stages (a pipeline's check)
+
+    @property
+    def optimizer(self) -> CombinedOptimizer:
+        """The tables' sparse optimizers as one (``step``, ``zero_grad``, ``state_dict``). Made on first use: a
+        torch optimizer's first one imports ``torch._dynamo`` (about 2 s), which a model that only scores (``dynemb
+        predict``) never needs."""
+        if self._combined is None:
+            self._combined = CombinedOptimizer(self.plan.optimizers())
+        return self._combined
 
     # ------------------------------------------------------------------ what the user configured
     def extra_repr(self) -> str:

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Optional
 
 from ..checkpoint.fsutil import write_json
+from ..checkpoint.progress import logger as checkpoint_logger
 from ..data.preprocess import Preprocessing
 from ..models import DLRM
 from ..checks import resolve_device
@@ -131,9 +133,11 @@ def _parent_run(path: Path) -> str:
     return ""
 
 
-def load_model(run: Path, device: str = "cpu", use: str = "best") -> tuple[DLRM, ModelCard]:
+def load_model(run: Path, device: str = "cpu", use: str = "best", optimizer: bool = True
+               ) -> tuple[DLRM, ModelCard]:
     """The best model of a run directory, or with ``use="last"`` the last one (see :func:`model_checkpoint`), in
-    eval mode on ``device``.
+    eval mode on ``device``. ``optimizer`` False: its tables without their sparse optimizer and its state (the same
+    rows and outputs, bit for bit; what scoring needs, about 2 s sooner in a fresh process).
 
     Raises:
         ValueError: no model card, no checkpoint yet or a bad ``use`` (the message names the directory).
@@ -149,6 +153,20 @@ def load_model(run: Path, device: str = "cpu", use: str = "best") -> tuple[DLRM,
     card = read_card(run)
     root, _, _ = model_checkpoint(run, use)
     prep = card.preprocessing
-    model = build_dlrm(len(prep.dense), prep.features, card.config)
-    load(root, model, strict=False)
+    model = build_dlrm(len(prep.dense), prep.features, card.config, optimizer=optimizer)
+    skipped = None if optimizer else _SlotsSkipped()
+    if skipped:  # the checkpoint's optimizer slots are left out on purpose: no warning for each table's
+        checkpoint_logger.addFilter(skipped)
+    try:
+        load(root, model, strict=False)
+    finally:
+        if skipped:
+            checkpoint_logger.removeFilter(skipped)
     return model.to(device).eval(), card
+
+
+class _SlotsSkipped(logging.Filter):
+    """Drops the checkpoint loader's "slot ... is only in the checkpoint" records (a model loaded to score)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is only in the checkpoint" not in record.getMessage()
