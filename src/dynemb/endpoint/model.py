@@ -35,13 +35,12 @@ from ..data.batch import Batch, concat_batches
 from ..functional.pooling import BagSet, BagSum, concat_bags, one_id_bags, pool_many
 from ..job.score import probabilities
 from ..models.dlrm import DLRM
+from ..serving.exported_model import export_server_config
 from ..serving.ps import ParameterServer
 from .inference_protocol import OUTPUT, decode_request, model_metadata
 
 __all__ = ["ServedModel", "ensure_export"]
 
-MAX_IDS_PER_TABLE = 1 << 22
-"""The parameter server's ``max_batch_size``: most ids of one table in one forward pass."""
 
 
 def ensure_export(run: Path, export: Optional[Path]) -> Path:
@@ -97,12 +96,8 @@ class ServedModel:
         dims = [collection.table_configs[t].dim for t in table_names]
         model.embeddings = nn.Module()  # the tables live in the parameter server from here on; free the copies
         self.model = model.eval()
-        config = {"models": [{"model": name, "sparse_files": [str(self.export)], "embedding_table_names": table_names,
-                              "embedding_vecsize_per_table": dims,
-                              "default_value_for_each_table": ["initializer"] * len(table_names),
-                              "cache_fraction": cache_fraction, "max_batch_size": MAX_IDS_PER_TABLE,
-                              "device": device}],
-                  "volatile_db": volatile_db or {"type": "memory"}, "persistent_db": persistent_db}
+        config = export_server_config(name, self.export, table_names, dims, cache_fraction=cache_fraction,
+                                      device=device, volatile_db=volatile_db, persistent_db=persistent_db)
         self.ps = ParameterServer.from_config(config)
         try:
             self.ps.load(name, progress=False)

@@ -24,10 +24,21 @@ from .model_export import PROGRAM_FILE
 from .ps import ParameterServer
 from .served_features import bind, prepared_lookup
 
-__all__ = ["ExportedModel", "MAX_IDS_PER_TABLE"]
+__all__ = ["ExportedModel", "MAX_IDS_PER_TABLE", "export_server_config"]
 
 MAX_IDS_PER_TABLE = 1 << 22
 """The parameter server's ``max_batch_size``: most ids of one table in one forward pass."""
+
+
+def export_server_config(name: str, export, tables: list, dims: list, *, cache_fraction: float, device,
+                         volatile_db: Optional[dict], persistent_db: Optional[dict]) -> dict:
+    """The :class:`~dynemb.serving.ps.ParameterServer` configuration that serves the tables of one serving export
+    as model ``name``: ids never trained read their table's initializer row (as the trained model does)."""
+    return {"models": [{"model": name, "sparse_files": [str(export)], "embedding_table_names": list(tables),
+                        "embedding_vecsize_per_table": list(dims),
+                        "default_value_for_each_table": ["initializer"] * len(tables),
+                        "cache_fraction": cache_fraction, "max_batch_size": MAX_IDS_PER_TABLE, "device": device}],
+            "volatile_db": volatile_db or {"type": "memory"}, "persistent_db": persistent_db}
 
 
 class _Program:
@@ -91,12 +102,9 @@ class ExportedModel:
                              "dynemb.serving.export_model(path, model, example_inputs)")
         manifest = read_manifest(resolve(self.export), SERVING_FORMAT)
         names = list(manifest["tables"])
-        config = {"models": [{"model": name, "sparse_files": [str(self.export)], "embedding_table_names": names,
-                              "embedding_vecsize_per_table": [manifest["tables"][t]["dim"] for t in names],
-                              "default_value_for_each_table": ["initializer"] * len(names),
-                              "cache_fraction": cache_fraction, "max_batch_size": MAX_IDS_PER_TABLE,
-                              "device": device}],
-                  "volatile_db": volatile_db or {"type": "memory"}, "persistent_db": persistent_db}
+        config = export_server_config(name, self.export, names, [manifest["tables"][t]["dim"] for t in names],
+                                      cache_fraction=cache_fraction, device=device, volatile_db=volatile_db,
+                                      persistent_db=persistent_db)
         self.ps = ParameterServer.from_config(config)
         try:
             self.ps.load(name, progress=False)
