@@ -129,3 +129,24 @@ def test_read_export_refuses_a_changed_manifest_and_read_chain_follows_deltas(tm
     (last / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="does not match its content"):
         read_export(tmp_path)
+
+
+def test_a_first_export_never_writes_into_a_users_directory(tmp_path):
+    """An export writes ``model.json`` and ``latest`` into its root: a directory holding anything else (a user's
+    ``model.json`` included) is refused before anything is written, and its files stay as they were."""
+    model = trained_model()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match=r"mine is not empty and holds no serving export \(notes.txt\)"):
+        export_for_serving(mine, model)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "model.json").write_text('{"layers": 3}')
+    with pytest.raises(ValueError, match="is not a serving export's model file"):
+        export_for_serving(tmp_path / "theirs", model)
+    assert (tmp_path / "theirs" / "model.json").read_text() == '{"layers": 3}'
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    first = export_for_serving(empty, model)
+    assert export_for_serving(empty, model) != first  # the root's second export is a new version

@@ -134,7 +134,7 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     local = {name: shard for name, shard in shards.items() if shard.module is not None}
     writing = {name: shard for name, shard in local.items() if _writes(shard, ctx)}
     previous = complete(root, SERVING_FORMAT) if ctx.rank == 0 else {}
-    model_id = _model_id(root, model_name) if ctx.rank == 0 else None
+    model_id = _model_id(root, model_name, bool(previous)) if ctx.rank == 0 else None
     version = ctx.gather(1 + max((m["version"] for m in previous.values()), default=0))[0]
     parent = None
     if incremental:
@@ -307,10 +307,19 @@ def version_name(version: int) -> str:
     return f"version-{version:08d}"
 
 
-def _model_id(root: Path, model_name: str | None) -> str:
-    """The model id ``root`` holds (``root/model.json``), stored there by its first export."""
+def _model_id(root: Path, model_name: str | None, has_versions: bool) -> str:
+    """The model id ``root`` holds (``root/model.json``), stored there by its first export. A first export goes
+    only into a new or empty directory: it writes ``model.json`` and ``latest``, names a user's files may have."""
     file = root / MODEL_FILE
     stored = read_json(file).get("model") if file.is_file() else None
+    if file.is_file() and not isinstance(stored, str):
+        raise ValueError(f"{file} is not a serving export's model file (no 'model' field): {root} is not an export "
+                         "root; export to a new or empty directory")
+    if stored is None and not has_versions and root.is_dir():
+        foreign = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+        if foreign:
+            raise ValueError(f"path {root} is not empty and holds no serving export ({', '.join(foreign[:5])}"
+                             f"{', ...' if len(foreign) > 5 else ''}); export to a new or empty directory")
     if stored is not None:
         if model_name is not None and model_name != stored:
             raise ValueError(f"model_name is {model_name!r} but {root} holds exports of model {stored!r} "
