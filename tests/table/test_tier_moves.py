@@ -12,7 +12,8 @@ from dynemb.checkpoint import load, save
 from dynemb.table import TieredTable, Tiers
 from dynemb.table.tier_moves import SLOW_BASE, HostLink, StagedLink, VictimQueue
 
-from test_tiered import _batch, _collection, _step, assert_same_collections, assert_same_table
+from test_tiered import _batch, _collection, _step, assert_same_collections, assert_same_table, \
+    erase_evict_and_reinsert
 
 STEPS = 20
 
@@ -135,12 +136,7 @@ def test_victims_are_valid_rows_outside_the_call():
 def test_a_tiered_table_equals_untiered_through_erase_evict_and_replace():
     tiered = TieredTable(3, tiers=Tiers(fast_capacity=8), seed=1)
     flat = dynemb.table.KeyValueTable(3, seed=1)
-    for table in (tiered, flat):
-        for start in range(0, 60, 6):
-            table.find_or_insert(torch.arange(start, start + 9))
-        table.erase(torch.tensor([1, 20, 55, 1000]))
-        table.evict(5)
-        table.find_or_insert(torch.arange(0, 12))
+    erase_evict_and_reinsert(tiered, flat)
     assert_same_table(tiered, flat)
     tiered.replace(flat.export())
     flat.replace(flat.export())

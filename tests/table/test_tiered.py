@@ -73,6 +73,16 @@ def assert_same_table(a, b) -> None:
         assert getattr(a, counter) == getattr(b, counter), counter
 
 
+def erase_evict_and_reinsert(*tables) -> None:
+    """The same growth, erasures, eviction and re-insertion on each table (the tiered-vs-untiered checks)."""
+    for table in tables:
+        for start in range(0, 60, 6):
+            table.find_or_insert(torch.arange(start, start + 9))
+        table.erase(torch.tensor([1, 20, 55, 1000]))
+        table.evict(5)
+        table.find_or_insert(torch.arange(0, 12))
+
+
 def assert_same_collections(a: EmbeddingCollection, b: EmbeddingCollection) -> None:
     for name in ("user", "item"):
         assert_same_table(a.embeddings[name].table, b.embeddings[name].table)

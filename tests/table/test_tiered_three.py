@@ -16,7 +16,8 @@ from dynemb.table import KeyValueTable, TieredTable, Tiers, tier_traffic
 from dynemb.table.tier_moves import DISK_BASE, SLOW_BASE, HostLink
 
 from test_tier_moves import _staged
-from test_tiered import _batch, _collection, _step, assert_same_collections, assert_same_table
+from test_tiered import _batch, _collection, _step, assert_same_collections, assert_same_table, \
+    erase_evict_and_reinsert
 
 STEPS = 20
 HOST = 30
@@ -84,12 +85,7 @@ def test_three_levels_train_checkpoint_and_export_as_untiered(tmp_path):
 def test_three_levels_equal_untiered_through_erase_evict_and_replace(tmp_path):
     tiered = TieredTable(3, tiers=Tiers(fast_capacity=8, host_capacity=6, slow=str(tmp_path)), seed=1)
     flat = KeyValueTable(3, seed=1)
-    for table in (tiered, flat):
-        for start in range(0, 60, 6):
-            table.find_or_insert(torch.arange(start, start + 9))
-        table.erase(torch.tensor([1, 20, 55, 1000]))
-        table.evict(5)
-        table.find_or_insert(torch.arange(0, 12))
+    erase_evict_and_reinsert(tiered, flat)
     assert_same_table(tiered, flat)
     assert _levels(tiered)[2] > 0
     tiered.replace(flat.export())
