@@ -133,11 +133,12 @@ def _parent_run(path: Path) -> str:
     return ""
 
 
-def load_model(run: Path, device: str = "cpu", use: str = "best", optimizer: bool = True
-               ) -> tuple[DLRM, ModelCard]:
+def load_model(run: Path, device: str = "cpu", use: str = "best", optimizer: bool = True,
+               card: Optional[ModelCard] = None) -> tuple[DLRM, ModelCard]:
     """The best model of a run directory, or with ``use="last"`` the last one (see :func:`model_checkpoint`), in
     eval mode on ``device``. ``optimizer`` False: its tables without their sparse optimizer and its state (the same
-    rows and outputs, bit for bit; what scoring needs, about 2 s sooner in a fresh process).
+    rows and outputs, bit for bit; what scoring needs, about 2 s sooner in a fresh process). ``card``: the run's
+    model card when the caller has read it already.
 
     Raises:
         ValueError: no model card, no checkpoint yet or a bad ``use`` (the message names the directory).
@@ -150,7 +151,7 @@ def load_model(run: Path, device: str = "cpu", use: str = "best", optimizer: boo
 
     device = resolve_device(device, "device")  # before the work: a missing GPU is a clear error, not torch's
     run = Path(run)
-    card = read_card(run)
+    card = card or read_card(run)
     root, _, _ = model_checkpoint(run, use)
     prep = card.preprocessing
     model = build_dlrm(len(prep.dense), prep.features, card.config, optimizer=optimizer)

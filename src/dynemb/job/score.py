@@ -6,6 +6,7 @@ runs in eval mode, so unseen ids read their initializer row and nothing is inser
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import queue
@@ -27,7 +28,7 @@ from ..data.batch import Batch
 from ..data.formats import list_files
 from ..data.readers import column_names
 from ..data.metrics import held_out_auc
-from .card import ModelCard, load_model, model_checkpoint
+from .card import ModelCard, load_model, model_checkpoint, read_card
 
 __all__ = ["evaluate", "evaluate_file", "predict_file", "probabilities", "PROBABILITY_EPS", "OUT_FORMATS"]
 
@@ -138,22 +139,30 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
     target = Path(out)
     out_format = _check_out(target, Path(run), Path(data), format)
     _, kind, step = model_checkpoint(Path(run), use)
-    model, card = load_model(Path(run), device, use, optimizer=False)
+    card = read_card(Path(run))
     prep = card.preprocessing
     has_label = prep.label is not None and prep.label in column_names(data, format)
     reader = _reader(card, data, format, batch_size, label=has_label)
     fields = [pa.field("probability", pa.float64())] + ([pa.field(prep.label, pa.int8())] if has_label else [])
     schema = pa.schema(fields, metadata=_MARK if out_format == "parquet" else None)
+    # The model loads here while the thread reads and normalizes the first blocks (Arrow's reading releases the
+    # GIL); the thread then looks up each block's tables too, so that this thread only runs the dense layers.
+    loaded: concurrent.futures.Future = concurrent.futures.Future()
+    blocks = _Ahead(_looked_up(prep.normalized(reader, str(data)), loaded, device, buffers=4), depth=2)
     tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
     rows = 0
     try:
+        try:
+            model = load_model(Path(run), device, use, optimizer=False, card=card)[0]
+        except BaseException as error:
+            loaded.set_exception(error)
+            raise
+        loaded.set_result(model)
         with open(tmp, "wb") as sink:
             writer = pq.ParquetWriter(sink, schema) if out_format == "parquet" else pcsv.CSVWriter(sink, schema)
             with writer:
-                # The dense rule, its replacements counted; the next block is read and normalized in a thread while
-                # this one is scored (Arrow's reading and torch's kernels release the GIL).
-                for batch in _ahead(prep.normalized(reader, str(data))):
-                    p = probabilities(model(batch.to(device))).numpy()
+                for batch, pooled in blocks:
+                    p = probabilities(model(batch, pooled)).numpy()
                     columns = [pa.array(p)] + ([pa.array(batch.labels.numpy().astype("int8"))] if has_label else [])
                     writer.write_batch(pa.record_batch(columns, schema=schema))
                     rows += len(batch)
@@ -162,48 +171,83 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
         os.replace(tmp, target)
         fsync_dir(target.parent)
     finally:
+        blocks.close()
         tmp.unlink(missing_ok=True)
     seconds = time.perf_counter() - started
     return {"rows": rows, "seconds": round(seconds, 3), "rows_per_s": round(rows / max(seconds, 1e-9)),
             "out": str(target), "model": kind, "step": step}
 
 
-def _ahead(items: Iterator, depth: int = 1) -> Iterator:
-    """``items``, each one produced in a thread while the consumer works on the one before (up to ``depth``
-    waiting); an exception raised while producing is raised here, in order. Closing the generator stops the thread
-    at its next item."""
-    ready: queue.Queue = queue.Queue(depth)
-    stop = threading.Event()
-    done = object()
+def _looked_up(batches: Iterator[Batch], loaded: concurrent.futures.Future, device: str, buffers: int
+               ) -> Iterator[tuple[Batch, Optional[torch.Tensor]]]:
+    """``(batch on device, its features' pooled rows [B, F, D] or None)`` of each of ``batches``, the model taken
+    from ``loaded`` once it is there (``predict_file`` runs this in its reading thread). The rows are what the
+    model's forward would look up itself (``DLRM.forward`` takes them, the same logits bit for bit); on a GPU the
+    model looks them up in the scoring thread as before (None here).
 
-    def produce() -> None:
+    The rows are written into ``buffers`` tensors in turn, allocated once: a block's (about 100 MB at the default
+    batch size) freshly mapped each time cost more system time than the lookups. The consumer must be done with a
+    block before the one ``buffers`` later is produced (the reading thread's queue holds ``buffers - 2``)."""
+    model, ring = None, []
+    for i, batch in enumerate(batches):
+        model = model or loaded.result()
+        batch = batch.to(device)
+        if batch.dense.device.type != "cpu":
+            yield batch, None
+            continue
+        with torch.no_grad():  # grad mode is per thread: this one's too
+            by_feature = model.embeddings(model.sparse_inputs(batch))
+            first = by_feature[model.features[0]]
+            shape = (len(batch), len(model.features), first.shape[1])
+            if len(ring) < buffers:
+                ring.append(first.new_empty(shape))
+            out = ring[i % buffers]
+            if out.shape[0] < shape[0] or out.shape[1:] != shape[1:] or out.dtype != first.dtype:
+                out = ring[i % buffers] = first.new_empty(shape)
+            stacked = torch.stack([by_feature[f] for f in model.features], 1, out=out[:shape[0]])
+        yield batch, stacked
+
+
+class _Ahead:
+    """``items``, produced in a thread that starts at once and keeps up to ``depth`` of them waiting for the
+    consumer; an exception raised while producing is raised by the iteration, in order. :meth:`close` stops the
+    thread at its next item (call it whether or not the items were iterated)."""
+
+    _DONE = object()
+
+    def __init__(self, items: Iterator, depth: int = 1) -> None:
+        self._ready: queue.Queue = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._worker = threading.Thread(target=self._produce, args=(items,), name="dynemb-read-ahead", daemon=True)
+        self._worker.start()
+
+    def _produce(self, items: Iterator) -> None:
         try:
             for item in items:
-                if stop.is_set():
+                if self._stop.is_set():
                     return
-                ready.put((item, None))
-            ready.put((done, None))
+                self._ready.put((item, None))
+            self._ready.put((self._DONE, None))
         except BaseException as error:  # handed to the consumer, which raises it
-            ready.put((done, error))
+            self._ready.put((self._DONE, error))
 
-    worker = threading.Thread(target=produce, name="dynemb-read-ahead", daemon=True)
-    worker.start()
-    try:
+    def __iter__(self) -> Iterator:
         while True:
-            item, error = ready.get()
+            item, error = self._ready.get()
             if error is not None:
                 raise error
-            if item is done:
+            if item is self._DONE:
                 return
             yield item
-    finally:
-        stop.set()
-        while worker.is_alive():  # unblock a producer waiting on a full queue
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._worker.is_alive():  # unblock a producer waiting on a full queue
             try:
-                ready.get(timeout=0.05)
+                self._ready.get(timeout=0.05)
             except queue.Empty:
                 pass
-        worker.join()
+        self._worker.join()
 
 
 def _check_out(out: Path, run: Path, data: Path, format: Optional[str]) -> str:
