@@ -28,6 +28,7 @@ from ..data.batch import Batch
 from ..data.formats import list_files
 from ..data.readers import column_names
 from ..data.metrics import held_out_auc
+from ..table.huge_pages import empty_storage
 from .card import ModelCard, load_model, model_checkpoint, read_card
 
 __all__ = ["evaluate", "evaluate_file", "predict_file", "probabilities", "PROBABILITY_EPS", "OUT_FORMATS"]
@@ -148,7 +149,7 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
     # The model loads here while the thread reads and normalizes the first blocks (Arrow's reading releases the
     # GIL); the thread then looks up each block's tables too, so that this thread only runs the dense layers.
     loaded: concurrent.futures.Future = concurrent.futures.Future()
-    blocks = _Ahead(_looked_up(prep.normalized(reader, str(data)), loaded, device, buffers=4), depth=2)
+    blocks = _Ahead(_looked_up(prep.normalized(reader, str(data)), loaded, device, buffers=3), depth=1)
     tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
     rows = 0
     try:
@@ -161,8 +162,9 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
         with open(tmp, "wb") as sink:
             writer = pq.ParquetWriter(sink, schema) if out_format == "parquet" else pcsv.CSVWriter(sink, schema)
             with writer:
-                for batch, pooled in blocks:
-                    p = probabilities(model(batch, pooled)).numpy()
+                for batch, stacked in blocks:
+                    logits = model(batch) if stacked is None else model.forward_stacked(batch.dense, stacked)
+                    p = probabilities(logits).numpy()
                     columns = [pa.array(p)] + ([pa.array(batch.labels.numpy().astype("int8"))] if has_label else [])
                     writer.write_batch(pa.record_batch(columns, schema=schema))
                     rows += len(batch)
@@ -180,14 +182,15 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
 
 def _looked_up(batches: Iterator[Batch], loaded: concurrent.futures.Future, device: str, buffers: int
                ) -> Iterator[tuple[Batch, Optional[torch.Tensor]]]:
-    """``(batch on device, its features' pooled rows [B, F, D] or None)`` of each of ``batches``, the model taken
-    from ``loaded`` once it is there (``predict_file`` runs this in its reading thread). The rows are what the
-    model's forward would look up itself (``DLRM.forward`` takes them, the same logits bit for bit); on a GPU the
-    model looks them up in the scoring thread as before (None here).
+    """``(batch on device, stacked)`` of each of ``batches``: ``stacked [B, F + 1, D]`` holds the features' pooled
+    rows after a free first slot (what :meth:`DLRM.forward_stacked` takes), or is None on a GPU, where the model
+    looks them up itself in the scoring thread. The model comes from ``loaded`` once it is there
+    (``predict_file`` runs this in its reading thread while it loads the model).
 
-    The rows are written into ``buffers`` tensors in turn, allocated once: a block's (about 100 MB at the default
-    batch size) freshly mapped each time cost more system time than the lookups. The consumer must be done with a
-    block before the one ``buffers`` later is produced (the reading thread's queue holds ``buffers - 2``)."""
+    ``stacked`` is one of ``buffers`` tensors used in turn, allocated once, on huge pages: a block's (about 110 MB
+    at the default batch size) freshly mapped each time cost more system time than its lookups. The consumer must
+    be done with a block before the one ``buffers`` later is produced (the reading thread's queue holds
+    ``buffers - 2``)."""
     model, ring = None, []
     for i, batch in enumerate(batches):
         model = model or loaded.result()
@@ -196,15 +199,16 @@ def _looked_up(batches: Iterator[Batch], loaded: concurrent.futures.Future, devi
             yield batch, None
             continue
         with torch.no_grad():  # grad mode is per thread: this one's too
-            by_feature = model.embeddings(model.sparse_inputs(batch))
-            first = by_feature[model.features[0]]
-            shape = (len(batch), len(model.features), first.shape[1])
+            pooled = model.embeddings(model.sparse_inputs(batch))
+            rows = [pooled[f] for f in model.features]
+            shape = (len(batch), len(rows) + 1, rows[0].shape[1])
             if len(ring) < buffers:
-                ring.append(first.new_empty(shape))
+                ring.append(None)
             out = ring[i % buffers]
-            if out.shape[0] < shape[0] or out.shape[1:] != shape[1:] or out.dtype != first.dtype:
-                out = ring[i % buffers] = first.new_empty(shape)
-            stacked = torch.stack([by_feature[f] for f in model.features], 1, out=out[:shape[0]])
+            if out is None or out.shape[0] < shape[0] or out.shape[1:] != shape[1:] or out.dtype != rows[0].dtype:
+                out = ring[i % buffers] = empty_storage(shape, rows[0].dtype, rows[0].device)
+            stacked = out[:shape[0]]
+            torch.stack(rows, 1, out=stacked[:, 1:])
         yield batch, stacked
 
 

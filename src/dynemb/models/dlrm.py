@@ -92,6 +92,19 @@ class DLRM(nn.Module):
         blocks = zip(*(v.split(INTERACTION_ROWS) for v in vectors))
         return torch.cat([self._interact_and_top(list(block)) for block in blocks])
 
+    def forward_stacked(self, dense: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B]`` of dense features ``[B, num_dense]`` and the features' pooled rows already placed in
+        ``stacked[:, 1:]`` (``[B, n, D]``, contiguous, features in :attr:`features` order): the bottom MLP's output
+        is written into ``stacked[:, 0]`` and the interaction reads each block where it lies, with no stack or
+        concatenation of the ``n`` vectors (a bulk scorer fills ``stacked`` while the previous block is scored).
+        The same logits as :meth:`forward`, bit for bit."""
+        bottom = self.bottom(dense)
+        stacked[:, 0] = bottom
+        if bottom.shape[0] <= INTERACTION_ROWS:
+            return self._top(bottom, stacked)
+        return torch.cat([self._top(d, s) for d, s in zip(bottom.split(INTERACTION_ROWS),
+                                                           stacked.split(INTERACTION_ROWS))])
+
     def _interact_and_top(self, vectors: list[torch.Tensor], rest: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``[b]`` of ``b`` samples' ``n`` vectors ``[b, D]`` (dense first; ``rest``: the vectors after
         ``vectors`` as one ``[b, F, D]``): pairwise dots, then the top MLP."""
@@ -99,5 +112,10 @@ class DLRM(nn.Module):
             stacked = torch.stack(vectors, 1)  # [b, n, D]
         else:
             stacked = torch.cat([torch.stack(vectors, 1), rest], 1)
+        return self._top(vectors[0], stacked)
+
+    def _top(self, dense: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
+        """Logits ``[b]``: the pairwise dots of ``stacked [b, n, D]`` (``dense [b, D]`` its first vector), then
+        the top MLP."""
         dots = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1).index_select(1, self._pairs)
-        return self.top(torch.cat([vectors[0], dots], 1)).squeeze(1)
+        return self.top(torch.cat([dense, dots], 1)).squeeze(1)
