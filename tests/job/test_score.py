@@ -61,6 +61,60 @@ def test_predict_equals_the_forward_pass_in_input_order(trained, dynemb):
     assert table.column("click").to_pylist() == clicks(1).column("click").to_pylist() == labels.long().tolist()
 
 
+def test_predict_in_many_blocks_gives_the_forward_pass_bits(trained, tmp_path):
+    # blocks of 64 rows: the reading thread's lookups fill its ring of buffers many times over (a buffer is reused
+    # every third block), and the last block is short; each probability is the forward pass's, bit for bit
+    from dynemb.job import predict_file
+    from dynemb.job.score import probabilities
+
+    out = tmp_path / "p.parquet"
+    assert predict_file(str(trained / "run"), str(trained / "test.parquet"), str(out), batch_size=64)["rows"] == ROWS
+    model, card = load_model(trained / "run", optimizer=False)
+    prep = card.preprocessing
+    reader = FileReader(trained / "test.parquet", label=prep.label, categorical=prep.categorical,
+                        multi_hot=prep.multi_hot, dense=prep.dense, batch_size=500)
+    with torch.no_grad():
+        want = torch.cat([probabilities(model(prep.normalize(b))) for b in reader])
+    got = torch.tensor(pq.read_table(out).column("probability").to_numpy())
+    assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+
+
+def test_predict_stops_its_reading_thread_when_the_model_fails_to_load(trained, tmp_path, monkeypatch):
+    import threading
+
+    from dynemb.job import predict_file, score
+
+    def broken(*args, **kwargs):
+        raise ValueError("no model here")
+
+    monkeypatch.setattr(score, "load_model", broken)
+    with pytest.raises(ValueError, match="no model here"):
+        predict_file(str(trained / "run"), str(trained / "test.parquet"), str(tmp_path / "p.parquet"), batch_size=64)
+    assert not any(t.name == "dynemb-read-ahead" for t in threading.enumerate())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dlrm_forward_stacked_is_forward_bit_for_bit():
+    # the bulk scorer's entry: pooled rows already in stacked[:, 1:], the bottom MLP's output written into slot 0
+    from dynemb.collection import EmbeddingCollection
+    from dynemb.data.batch import Batch
+    from dynemb.models.dlrm import DLRM, INTERACTION_ROWS, dlrm_tables
+
+    torch.manual_seed(0)
+    tables, features = dlrm_tables(["a", "b", "c"], dim=4)
+    model = DLRM(2, EmbeddingCollection(tables, features), dim=4).eval()
+    for n in (0, 1, 300, 2 * INTERACTION_ROWS + 5):
+        batch = Batch(dense=torch.randn(n, 2), sparse={f: torch.randint(0, 50, (n,)) for f in "abc"},
+                      labels=torch.zeros(n))
+        pooled = {f: torch.randn(n, 4) for f in "abc"}
+        stacked = torch.full((n, 4, 4), float("nan"))
+        stacked[:, 1:] = torch.stack([pooled[f] for f in "abc"], 1)
+        with torch.no_grad():
+            got = model.forward_stacked(batch.dense, stacked)
+            assert torch.equal(got, model(batch, pooled=pooled)), n
+            assert torch.equal(stacked[:, 0], model.bottom(batch.dense))
+
+
 def test_a_model_loaded_to_score_has_no_optimizer_and_the_same_outputs(trained, caplog):
     # what predict and eval load: no sparse optimizer, its saved slots left out without a warning; the same bits
     scoring, _ = load_model(trained / "run", optimizer=False)
