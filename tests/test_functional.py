@@ -265,3 +265,41 @@ def test_pooled_lookups_of_one_table_twice_are_those_of_one_lookup_after_the_oth
     (want, want_rows), (got, got_rows) = results
     assert all(torch.equal(w, g) for w, g in zip(want, got))
     assert torch.equal(want_rows.keys, got_rows.keys) and torch.equal(want_rows.values, got_rows.values)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_read_only_pooled_lookups_without_dedup_give_the_dedup_paths_bits(combiner):
+    # a read-only lookup of a plain CPU table finds each id's row directly while every id has one; an unseen id
+    # sends it (and the table's next read-only lookups, until one finds every id) through the dedup path, which
+    # reads initializer rows: the same bits either way, nothing inserted
+    from dynemb.functional import lookup
+    from dynemb.functional.pooling import BagSet
+
+    emb, _ = make()
+    emb.train()
+    embedding_lookup(emb, KEYS)  # every key stored
+    emb.eval()
+    table = emb.table
+    ids = KEYS[torch.tensor([4, 4, 0, 7, 1, 4, 3, 2])]
+    offsets = torch.tensor([0, 3, 3, 5])
+    with_unseen = torch.cat([ids, torch.tensor([12345, 12345])])
+
+    def pooled(flat, offsets):
+        bags = [BagSet(offsets.numel(), offsets, None, flat.numel(), combiner)]
+        return lookup.pooled_lookup(emb, flat, bags, training=False)[0]
+
+    def by_dedup(flat, offsets):
+        lookup._missed[table] = True  # the dedup path, as after a lookup with an unseen id
+        try:
+            return pooled(flat, offsets)
+        finally:
+            lookup._missed.pop(table)
+
+    for flat, offs in ((ids, offsets), (with_unseen, torch.tensor([0, 3, 3, 8]))):
+        lookup._missed.pop(table, None)
+        direct = pooled(flat, offs)
+        assert torch.equal(direct.view(torch.int32), by_dedup(flat, offs).view(torch.int32))
+    pooled(with_unseen, torch.tensor([0, 3, 3, 8]))
+    assert lookup._missed[table] is True  # an unseen id: the next read-only lookups dedup ...
+    pooled(ids, offsets)
+    assert lookup._missed[table] is False and len(emb) == KEYS.numel()  # ... until one finds every id
