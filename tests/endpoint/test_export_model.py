@@ -124,23 +124,12 @@ def test_the_export_names_the_users_inputs_and_binds_lookups_by_name(exported):
 
 def test_export_model_refuses_what_it_cannot_serve(tmp_path, trained):
     dlrm, _, g = trained
-    with pytest.raises(ValueError, match="holds no EmbeddingCollection"):
+    with pytest.raises(ValueError, match=r"model holds no table \(an EmbeddingCollection, DynamicEmbedding or "
+                                         r"StaticEmbedding\)"):
         export_model(tmp_path / "a", torch.nn.Linear(2, 1), (torch.zeros(1, 2),))
-
-    class Standalone(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = DLRM()
-            self.extra = DynamicEmbedding(4)
-
-        def forward(self, dense, kjt):
-            return self.inner(dense, kjt)
-
-    with pytest.raises(ValueError, match="'extra' is a standalone DynamicEmbedding"):
-        export_model(tmp_path / "b", Standalone(), dlrm_batch(dlrm, 2, g))
     with pytest.raises(TypeError, match="input 'scale' must be a tensor"):
         export_model(tmp_path / "c", dlrm, dlrm_batch(dlrm, 2, g), example_kwargs={"scale": 0.5})
-    assert not (tmp_path / "b").exists() and not (tmp_path / "c" / "latest").exists()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c" / "latest").exists()
 
 
 def test_example_inputs_the_collection_refuses_are_refused_at_export(tmp_path, trained):
@@ -450,3 +439,78 @@ def test_8bit_rows_serve_within_their_quantization_error(trained, tmp_path):
         torch.testing.assert_close(got["output"], want, atol=0.02, rtol=0.02)  # ... within their error
     finally:
         served.close()
+
+
+class Tables(torch.nn.Module):
+    """Standalone tables, as a user of ``nn.Embedding`` writes a model: a DynamicEmbedding read twice (one id per
+    sample, and a [B, M] history the model pools itself, an ``EmbeddingBag`` by hand), an int32-keyed one, a
+    StaticEmbedding, beside a collection."""
+
+    def __init__(self):
+        super().__init__()
+        from dynemb import EmbeddingCollection, FeatureConfig, StaticEmbedding, TableConfig
+
+        self.user = DynamicEmbedding(4, seed=1)
+        self.tower = torch.nn.ModuleDict({"tags": DynamicEmbedding(3, seed=2, key_dtype=torch.int32,
+                                                                   initializer="normal")})
+        self.country = StaticEmbedding(10, 2, seed=3)
+        self.ec = EmbeddingCollection([TableConfig(name="item", dim=4, seed=4)],
+                                      [FeatureConfig(name="item_id", table="item")])
+        self.head = torch.nn.Linear(4 + 4 + 3 + 2 + 4, 1)
+
+    def forward(self, user_id, history, tags, country, item_id):
+        pooled = self.user(history).sum(1) / (history.shape[1] ** 0.5)
+        x = torch.cat([self.user(user_id), pooled, self.tower["tags"](tags).mean(1), self.country(country),
+                       self.ec({"item_id": item_id})["item_id"]], 1)
+        return self.head(x).squeeze(1)
+
+
+def tables_batch(rows: int, g: torch.Generator, ids: int = 30) -> tuple:
+    return (torch.randint(0, ids, (rows,), generator=g), torch.randint(0, ids, (rows, 3), generator=g),
+            torch.randint(0, ids, (rows, 2), generator=g), torch.randint(0, 10, (rows,), generator=g),
+            torch.randint(0, ids, (rows,), generator=g))
+
+
+def test_standalone_tables_serve_as_one_table_collections(tmp_path):
+    """A standalone Dynamic/StaticEmbedding is served as the one sequence feature of a one-table collection
+    named by its module path (the table ``export_for_serving`` writes): served outputs equal the eager model's in
+    eval mode, bit for bit, trained and never-trained ids alike."""
+    g = torch.Generator().manual_seed(8)
+    model = Tables()
+    model(*tables_batch(32, g))  # training mode: the tables insert their ids ...
+    with torch.no_grad():  # ... which then take rows other than their initializer's
+        for emb in (model.user, model.tower["tags"]):
+            keys, values = emb.export()
+            emb.insert_or_assign(keys, torch.randn(values.shape, generator=g))
+        model.country.table.values.copy_(torch.randn(10, 2, generator=g))
+    export_model(tmp_path, model, tables_batch(4, g))
+    manifest = __import__("json").loads((tmp_path / "version-00000001" / "manifest.json").read_text())
+    assert sorted(manifest["tables"]) == ["country", "item", "tower.tags", "user"]
+    assert sorted(manifest["program"]["collections"]) == ["country", "ec", "tower.tags", "user"]
+    served = ExportedModel(tmp_path)
+    try:
+        for rows in (1, 5):
+            batch = tables_batch(rows, g, ids=60)  # ids 30..59 were never trained
+            got, _ = served(dict(zip([i["name"] for i in served.inputs], batch)))
+            assert torch.equal(got["output"], eager(model, batch)), rows
+    finally:
+        served.close()
+
+
+def test_a_table_read_other_than_by_calling_it_is_refused(tmp_path):
+    """``emb(ids)`` is what serving answers for a standalone table; a model that reads anything else of it (its
+    ``table``, a functional lookup on it, its size) is refused at export, naming the module."""
+    from dynemb.functional import embedding_lookup_sparse
+
+    class Functional(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.user = DynamicEmbedding(4, seed=1)
+
+        def forward(self, ids):
+            return embedding_lookup_sparse(self.user, ids, combiner="sum")
+
+    with pytest.raises(ValueError, match=r"^module \(DynamicEmbedding\) 'user' is read as \.table in the model's "
+                                         r"forward: export_model serves its calls \(emb\(ids\) -> rows\)"):
+        export_model(tmp_path / "f", Functional(), (torch.tensor([[1, 2], [3, 4]]),))
+    assert not (tmp_path / "f").exists()
