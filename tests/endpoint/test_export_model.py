@@ -497,20 +497,72 @@ def test_standalone_tables_serve_as_one_table_collections(tmp_path):
         served.close()
 
 
-def test_a_table_read_other_than_by_calling_it_is_refused(tmp_path):
-    """``emb(ids)`` is what serving answers for a standalone table; a model that reads anything else of it (its
-    ``table``, a functional lookup on it, its size) is refused at export, naming the module."""
-    from dynemb.functional import embedding_lookup_sparse
+class Bagged(torch.nn.Module):
+    """A standalone table pooled as ``nn.EmbeddingBag`` pools, through ``embedding_lookup_sparse``: dense [B, M]
+    ids with padding and per-id weights, 1-D ids with bag starts, TorchRec's [B+1] offsets; and
+    ``embedding_lookup`` with ``max_norm``."""
 
-    class Functional(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = DynamicEmbedding(4, seed=5)
+
+    def forward(self, dense_ids, weights, ids, starts, bounds):
+        from dynemb.functional import embedding_lookup, embedding_lookup_sparse
+
+        d = self.emb.dim
+        return torch.cat([
+            embedding_lookup_sparse(self.emb, dense_ids, combiner="mean", padding_value=-1),
+            embedding_lookup_sparse(self.emb, dense_ids.clamp(min=0), weights=weights, combiner="sum"),
+            embedding_lookup_sparse(self.emb, ids, starts, combiner="sqrtn", max_norm=0.5),
+            embedding_lookup_sparse(self.emb, ids, bounds, combiner="mean", include_last_offset=True),
+            embedding_lookup(self.emb, dense_ids.clamp(min=0), max_norm=0.3).sum(1),
+            self.emb(dense_ids.clamp(min=0)).view(-1, dense_ids.shape[1] * d)], 1)
+
+
+def bagged_batch(rows: int, g: torch.Generator, ids: int = 30) -> tuple:
+    dense = torch.randint(0, ids, (rows, 3), generator=g)
+    dense[::2, -1] = -1
+    lengths = torch.randint(0, 3, (rows,), generator=g)
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    return (dense, torch.rand(rows, 3, generator=g), torch.randint(0, ids, (int(lengths.sum()),), generator=g),
+            bounds[:-1].clone(), bounds)
+
+
+def test_a_standalone_table_pooled_as_an_embedding_bag_serves_as_eager(tmp_path):
+    g = torch.Generator().manual_seed(9)
+    model = Bagged()
+    model.emb(torch.arange(30))
+    with torch.no_grad():
+        keys, values = model.emb.export()
+        model.emb.insert_or_assign(keys, torch.randn(values.shape, generator=g))
+    export_model(tmp_path, model, bagged_batch(4, g))
+    served = ExportedModel(tmp_path)
+    try:
+        for rows in (1, 6):
+            batch = bagged_batch(rows, g, ids=60)
+            got, _ = served(dict(zip([i["name"] for i in served.inputs], batch)))
+            assert torch.equal(got["output"], eager(model, batch)), rows
+    finally:
+        served.close()
+
+
+def test_a_table_read_other_than_by_a_lookup_is_refused(tmp_path):
+    """A lookup (``emb(ids)``, ``embedding_lookup``, ``embedding_lookup_sparse``) is what serving answers for a
+    standalone table; a model that reads anything else of it (``find``, its ``table``) is refused at export,
+    naming the module; so are ids the eager lookup refuses."""
+
+    class Finds(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.user = DynamicEmbedding(4, seed=1)
 
         def forward(self, ids):
-            return embedding_lookup_sparse(self.user, ids, combiner="sum")
+            return self.user.find(ids)
 
-    with pytest.raises(ValueError, match=r"^module \(DynamicEmbedding\) 'user' is read as \.table in the model's "
-                                         r"forward: export_model serves its calls \(emb\(ids\) -> rows\)"):
-        export_model(tmp_path / "f", Functional(), (torch.tensor([[1, 2], [3, 4]]),))
-    assert not (tmp_path / "f").exists()
+    with pytest.raises(ValueError, match=r"^module \(DynamicEmbedding\) 'user' is read as \.find in the model's "
+                                         r"forward: export_model serves its calls \(emb\(ids\), "):
+        export_model(tmp_path / "f", Finds(), (torch.tensor([[1, 2], [3, 4]]),))
+    with pytest.raises(ValueError, match=r"^example_inputs: offsets and lengths must be None for 2-D ids"):
+        export_model(tmp_path / "o", Bagged(), (torch.tensor([[1, 2, 3]]), torch.ones(1, 3), torch.tensor([[1, 2]]),
+                                                 torch.tensor([0]), torch.tensor([0, 2])))
+    assert not (tmp_path / "f").exists() and not (tmp_path / "o").exists()

@@ -37,6 +37,7 @@ from ..collection import EmbeddingCollection
 from ..collection.config import FeatureConfig, TableConfig
 from ..collection.features import Bags, as_bags, prepare_features
 from ..embedding import DynamicEmbedding, StaticEmbedding
+from ..functional.pooling import to_bags
 from ..serialization import dtype_name
 from .served_features import bind, pooled_from_server, served_features_op
 
@@ -389,25 +390,61 @@ class _CollectionNode(_StandIn):
 
 
 class _TableNode(_StandIn):
-    """Stands in for a standalone Dynamic/StaticEmbedding: ``emb(ids)`` (any shape ``S`` -> ``S + (D,)``) becomes
-    one ``dynemb::served_features`` node, served as the one feature (``combiner="none"``, dense ids) of a
-    one-table collection named by the module's path, as ``export_for_serving`` names its table."""
+    """Stands in for a standalone Dynamic/StaticEmbedding: each lookup of it becomes one ``dynemb::served_features``
+    node of a one-table collection named by the module's path (its table as ``export_for_serving`` names it):
+    ``emb(ids)`` and ``embedding_lookup(emb, ids, max_norm)`` a sequence feature (``combiner="none"``, dense ids),
+    ``embedding_lookup_sparse(emb, ...)`` a pooled one with that call's combiner, ``max_norm`` and padding."""
 
-    calls = "emb(ids) -> rows"
+    calls = "emb(ids), embedding_lookup(emb, ...), embedding_lookup_sparse(emb, ...)"
 
-    def __init__(self, path: str, table: TableConfig, module: nn.Module) -> None:
+    def __init__(self, path: str, table: TableConfig, module: nn.Module, features: dict) -> None:
         super().__init__()
         self.path, self.config, self.what = path, table, f"module ({type(module).__name__})"
+        self.features = features  # the record's: each call's feature config, added as the model calls
+
+    dim = property(lambda self: self.config.dim)  # what a forward may read of a table besides its rows
+    dtype = property(lambda self: self.config.dtype)
+    key_dtype = property(lambda self: self.config.key_dtype)
 
     def forward(self, ids) -> torch.Tensor:
+        return self.served_lookup(ids)
+
+    def served_lookup(self, ids, max_norm: Optional[float] = None) -> torch.Tensor:
+        """``embedding_lookup(emb, ids, max_norm)``: ids of any shape ``S`` -> rows ``S + (D,)``."""
+        return self._node({"ids": self._dense(ids)}, "tensor", "none", max_norm=max_norm)
+
+    def served_lookup_sparse(self, ids, offsets, weights, combiner: str, max_norm, padding_value,
+                             include_last_offset: bool) -> torch.Tensor:
+        """``embedding_lookup_sparse(emb, ...)``: one pooled row per bag, ``[B, D]``."""
+        ids = self._dense(ids)
+        if ids.dim() not in (1, 2) or (ids.dim() == 1) != (offsets is not None):
+            to_bags(ids, offsets)  # raises the eager lookup's error (a shape rule: no value is read)
+        if ids.dim() == 2:
+            fields = {"ids": ids, **({"weight": weights} if weights is not None else {})}
+            return self._node(fields, "tensor", combiner, max_norm, padding_value)
+        fields = {"ids": ids, "offsets": offsets, **({"weights": weights} if weights is not None else {})}
+        return self._node(fields, "bags", combiner, max_norm, include_last_offset=include_last_offset)
+
+    def _dense(self, ids) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor) or ids.is_sparse:
             got = "a sparse COO tensor" if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise TypeError(f"{self.what} {self.path or 'model'!r}: ids must be a dense tensor, got {got}")
+        return ids
+
+    def _node(self, fields: dict, form: str, combiner: str, max_norm=None, padding_value=None,
+              include_last_offset: bool = False) -> torch.Tensor:
         t = self.config
+        options = {"combiner": combiner if combiner != "none" else None, "max_norm": max_norm,
+                   "padding_value": padding_value}
+        name = "|".join([t.name, *(f"{k}={v}" for k, v in options.items() if v is not None)])
+        # a plain emb(ids) reads the feature named as its table; other calls one named by their options
+        self.features.setdefault(name, FeatureConfig(name=name, table=t.name, combiner=combiner,
+                                                     max_norm=max_norm, padding_value=padding_value))
         spec = {"collection": self.path, "kind": "dict",
-                "features": [{"name": t.name, "form": "tensor", "fields": ["ids"], "include_last_offset": False}],
-                "outputs": [{"name": t.name, "dim": t.dim, "dtype": dtype_name(t.dtype), "pooled": False}]}
-        return served_features_op([ids], json.dumps(spec, sort_keys=True))[0]
+                "features": [{"name": name, "form": form, "fields": list(fields),
+                              "include_last_offset": include_last_offset}],
+                "outputs": [{"name": name, "dim": t.dim, "dtype": dtype_name(t.dtype), "pooled": combiner != "none"}]}
+        return served_features_op(list(fields.values()), json.dumps(spec, sort_keys=True))[0]
 
 
 @contextlib.contextmanager
@@ -425,9 +462,9 @@ def _stand_ins(wrapper: _Flat, tables: dict):
                 records[user_path] = (inner.feature_configs, inner.table_configs, inner._device)
             elif isinstance(inner, (DynamicEmbedding, StaticEmbedding)):
                 config = tables[names[id(inner)]].config
-                node = _TableNode(user_path, config, inner)
-                feature = FeatureConfig(name=config.name, table=config.name, combiner="none")
-                records[user_path] = ({config.name: feature}, {config.name: config}, inner.table.device)
+                features: dict = {}
+                node = _TableNode(user_path, config, inner, features)
+                records[user_path] = (features, {config.name: config}, inner.table.device)
             elif inner is not child:
                 node = inner
             else:
