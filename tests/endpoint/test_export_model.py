@@ -566,3 +566,81 @@ def test_a_table_read_other_than_by_a_lookup_is_refused(tmp_path):
         export_model(tmp_path / "o", Bagged(), (torch.tensor([[1, 2, 3]]), torch.ones(1, 3), torch.tensor([[1, 2]]),
                                                  torch.tensor([0]), torch.tensor([0, 2])))
     assert not (tmp_path / "f").exists() and not (tmp_path / "o").exists()
+
+
+class Sequences(torch.nn.Module):
+    """Jagged sequences (``combiner="none"`` on bags: ``Jagged(values [N, D], offsets [B])``) in every form the
+    collection takes them: lengths, bag starts, TorchRec's [B+1] offsets, a KeyedJaggedTensor; the model attends
+    over them with its own code and returns one sequence as it is."""
+
+    def __init__(self):
+        super().__init__()
+        from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+
+        self.ec = EmbeddingCollection(
+            [TableConfig(name="item", dim=4, seed=1), TableConfig(name="tag", dim=4, seed=2, dtype=torch.float16)],
+            [FeatureConfig(name="clicks", table="item", combiner="none"),
+             FeatureConfig(name="views", table="item", combiner="none", max_norm=0.05),
+             FeatureConfig(name="tags", table="tag", combiner="none"), FeatureConfig(name="user", table="item"),
+             FeatureConfig(name="k_seq", table="tag", combiner="none"), FeatureConfig(name="k_sum", table="item",
+                                                                                       combiner="sum")])
+        self.query = torch.nn.Linear(4, 4)
+
+    @staticmethod
+    def attend(query, seq):
+        values, starts = seq
+        bag = torch.searchsorted(starts, torch.arange(values.shape[0]), right=True) - 1
+        scores = (values.float() * query[bag]).sum(1).exp()
+        total = query.new_zeros(query.shape[0]).index_add(0, bag, scores)
+        return query.new_zeros(query.shape).index_add(0, bag, values.float() * scores[:, None]) / \
+            total.clamp(min=1e-6)[:, None]
+
+    def forward(self, ids, lengths, v_ids, v_starts, t_ids, t_bounds, user, kjt):
+        from dynemb.collection.features import Bags
+
+        out = self.ec({"clicks": Bags(ids, lengths=lengths), "views": (v_ids, v_starts),
+                       "tags": Bags(t_ids, offsets=t_bounds, include_last_offset=True), "user": user})
+        keyed = self.ec(kjt)
+        q = self.query(out["user"] + keyed["k_sum"])
+        x = self.attend(q, out["clicks"]) + self.attend(q, out["views"]) + self.attend(q, out["tags"]) \
+            + self.attend(q, keyed["k_seq"])
+        return {"scores": x.sum(1), "clicks": out["clicks"].values, "clicks_offsets": out["clicks"].offsets}
+
+
+def sequences_batch(rows: int, g: torch.Generator, ids: int = 30) -> tuple:
+    from hand_models import KJT
+
+    def bags():
+        lengths = torch.randint(0, 4, (rows,), generator=g)
+        return torch.randint(0, ids, (int(lengths.sum()),), generator=g), lengths
+
+    c_ids, c_lengths = bags()
+    v_ids, v_lengths = bags()
+    t_ids, t_lengths = bags()
+    k_lengths = torch.randint(0, 3, (2 * rows,), generator=g)
+    kjt = KJT(["k_seq", "k_sum"], torch.randint(0, ids, (int(k_lengths.sum()),), generator=g), k_lengths)
+    return (c_ids, c_lengths, v_ids, v_lengths.cumsum(0) - v_lengths, t_ids,
+            torch.cat([torch.zeros(1, dtype=torch.long), t_lengths.cumsum(0)]), torch.randint(0, ids, (rows,),
+                                                                                                generator=g), kjt)
+
+
+def test_jagged_sequences_serve_as_eager(tmp_path):
+    g = torch.Generator().manual_seed(10)
+    model = Sequences()
+    with torch.no_grad():
+        model(*sequences_batch(32, g))  # inserts nothing (no grad): every row is its initializer's ...
+    model(*sequences_batch(32, g))  # ... but these, inserted by training mode
+    export_model(tmp_path, model, sequences_batch(4, g))
+    served = ExportedModel(tmp_path)
+    try:
+        assert [o["name"] for o in served.outputs] == ["scores", "clicks", "clicks_offsets"]
+        for rows in (1, 7):
+            batch = sequences_batch(rows, g, ids=60)
+            flat = [batch[0], batch[1], batch[2], batch[3], batch[4], batch[5], batch[6], batch[7].values(),
+                    batch[7].lengths()]
+            got, _ = served(dict(zip([i["name"] for i in served.inputs], flat)))
+            want = eager(model, batch)
+            for name in ("scores", "clicks", "clicks_offsets"):
+                assert torch.equal(got[name], want[name]), (rows, name)
+    finally:
+        served.close()

@@ -35,7 +35,7 @@ from ..checkpoint.ranks import rank_context
 from ..checkpoint.tables import find_tables
 from ..collection import EmbeddingCollection
 from ..collection.config import FeatureConfig, TableConfig
-from ..collection.features import Bags, as_bags, prepare_features
+from ..collection.features import Bags, Jagged, as_bags, prepare_features
 from ..embedding import DynamicEmbedding, StaticEmbedding
 from ..functional.pooling import to_bags
 from ..serialization import dtype_name
@@ -59,7 +59,8 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
     of the rows written since the last export with ``incremental``), and ``program.pt2``: ``model`` in eval mode
     traced by ``torch.export`` on ``example_inputs``, each collection call a ``dynemb::served_features`` node bound
     at serve time to the parameter server's lookup of its tables. Dim 0 of every input is dynamic (any batch size,
-    1 included; a jagged input's length too).
+    1 included; a jagged input's length too). A jagged sequence (``combiner="none"`` on bags) comes to the model as
+    the collection gives it, ``Jagged(values [N, D], offsets [B])``.
 
     A standalone ``DynamicEmbedding`` or ``StaticEmbedding`` (``emb(ids)``: ids of any shape ``S`` -> rows
     ``S + (D,)``, pooled if need be by the model's own code) is served as a one-table collection would be: its
@@ -96,8 +97,8 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
         TypeError: ``model`` is no module, an input is no tensor; ``model`` in eval mode refuses
             ``example_inputs`` (ids of a float dtype, ...): its message, after ``example_inputs:``.
         ValueError: ``model`` holds no table; its ``forward`` reads a standalone table other than by calling it;
-            a feature input the export does not support (a sparse COO tensor; a jagged sequence of
-            ``combiner="none"``); ``model`` in eval mode refuses ``example_inputs`` (as for TypeError).
+            a feature input the export does not support (a sparse COO tensor); ``model`` in eval mode refuses
+            ``example_inputs`` (as for TypeError).
         On ranks other than 0, rank 0's TypeError/ValueError (RuntimeError for others) as ``export_model failed
         on rank 0 ...``.
 
@@ -380,13 +381,13 @@ class _CollectionNode(_StandIn):
             fcfg = self.feature_configs[n]
             tcfg = self.table_configs[fcfg.table_name]
             pooled = (fcfg.combiner or tcfg.combiner) != "none"
-            if not pooled and (spec["kind"] == "kjt" or spec["features"][names.index(n)]["form"] != "tensor"):
-                raise ValueError(f"{where}: feature {n!r} is a jagged sequence (combiner='none'), which "
-                                 "export_model does not serve; pass its ids as a dense [B, M] tensor")
-            outputs.append({"name": n, "dim": tcfg.dim, "dtype": dtype_name(tcfg.dtype), "pooled": pooled})
+            # a sequence of bags: Jagged(values [N, D], offsets [B]), as the collection gives it
+            jagged = not pooled and (spec["kind"] == "kjt" or spec["features"][names.index(n)]["form"] != "tensor")
+            outputs.append({"name": n, "dim": tcfg.dim, "dtype": dtype_name(tcfg.dtype), "pooled": pooled,
+                            **({"jagged": True} if jagged else {})})
         spec = {"collection": self.path, **spec, "outputs": outputs}
-        out = served_features_op(tensors, json.dumps(spec, sort_keys=True))
-        return dict(zip(names, out))
+        out = iter(served_features_op(tensors, json.dumps(spec, sort_keys=True)))
+        return {o["name"]: Jagged(next(out), next(out)) if o.get("jagged") else next(out) for o in outputs}
 
 
 class _TableNode(_StandIn):

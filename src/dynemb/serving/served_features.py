@@ -81,7 +81,13 @@ def lookup_features(tensors: list, spec: dict) -> list:
                            "the parameter server")
     features, weights = feature_dict(tensors, spec)
     out = model.lookup(spec["collection"], features, weights)
-    return [out[o["name"]].to(parse_dtype(o["dtype"])) for o in spec["outputs"]]
+    result = []
+    for o in spec["outputs"]:  # a jagged sequence (combiner="none" on bags) as its two tensors (offsets copied:
+        # they may be the input's own, and an op's output must not alias its inputs)
+        value = out[o["name"]]
+        result += [value.values.to(parse_dtype(o["dtype"])), value.offsets.clone()] if o.get("jagged") else \
+            [value.to(parse_dtype(o["dtype"]))]
+    return result
 
 
 def pooled_from_server(ps, model: str, prepared: dict) -> dict:
@@ -116,21 +122,34 @@ def served_features_op(tensors: list[torch.Tensor], spec: str) -> list[torch.Ten
 @served_features_op.register_fake
 def _(tensors, spec):
     spec = json.loads(spec)
-    return [tensors[0].new_empty(shape, dtype=parse_dtype(o["dtype"]))
-            for o, shape in zip(spec["outputs"], output_shapes(list(tensors), spec))]
+    out = []
+    for o, shape in zip(spec["outputs"], output_shapes(list(tensors), spec)):
+        if o.get("jagged"):  # values [N, D] and bag starts [B] (int64, as the collection gives them)
+            out += [tensors[0].new_empty(shape[0], dtype=parse_dtype(o["dtype"])),
+                    tensors[0].new_empty(shape[1], dtype=torch.int64)]
+        else:
+            out.append(tensors[0].new_empty(shape, dtype=parse_dtype(o["dtype"])))
+    return out
 
 
 def output_shapes(tensors: list, spec: dict) -> list:
-    """Each output's shape from its input tensors' shapes alone (symbolic sizes while tracing)."""
+    """Each output's shape from its input tensors' shapes alone (symbolic sizes while tracing); a jagged
+    sequence's is ``((N, D), (B,))``, its values' and its offsets'."""
     if spec["kind"] == "kjt":
         rows = tensors[1].shape[0] // max(len(spec["keys"]), 1)
-        return [(rows, o["dim"]) for o in spec["outputs"]]
+        # a key's share of the values is data (its lengths' sum): a size known only when served
+        return [((torch.library.get_ctx().new_dynamic_size(), o["dim"]), (rows,)) if o.get("jagged")
+                else (rows, o["dim"]) for o in spec["outputs"]]
     shapes, i = [], 0
     for f, o in zip(spec["features"], spec["outputs"]):
         got = dict(zip(f["fields"], tensors[i:i + len(f["fields"])]))
         i += len(f["fields"])
         ids = got["ids"]
-        if f["form"] == "tensor":
+        if o.get("jagged"):
+            bags = got["lengths"].shape[0] if "lengths" in got else \
+                got["offsets"].shape[0] - int(f.get("include_last_offset", False))
+            shapes.append(((ids.shape[0], o["dim"]), (bags,)))
+        elif f["form"] == "tensor":
             shapes.append((ids.shape[0], o["dim"]) if o["pooled"] else (*ids.shape, o["dim"]))
         elif "lengths" in got:
             shapes.append((got["lengths"].shape[0], o["dim"]))
