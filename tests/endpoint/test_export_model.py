@@ -644,3 +644,73 @@ def test_jagged_sequences_serve_as_eager(tmp_path):
                 assert torch.equal(got[name], want[name]), (rows, name)
     finally:
         served.close()
+
+
+class Coo(torch.nn.Module):
+    """Sparse COO inputs ``[B, M]`` (``tf.SparseTensor`` style): ids of a pooled feature, with COO weights of the
+    same pattern; and ids with dense weights."""
+
+    def __init__(self):
+        super().__init__()
+        from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+
+        self.ec = EmbeddingCollection([TableConfig(name="tag", dim=4, seed=1, combiner="sqrtn")],
+                                      [FeatureConfig(name="tags", table="tag"),
+                                       FeatureConfig(name="topics", table="tag", combiner="mean")])
+
+    def forward(self, tags, tag_weights, topics):
+        out = self.ec({"tags": tags, "topics": topics}, weights={"tags": tag_weights})
+        return torch.cat([out["tags"], out["topics"]], 1)
+
+
+def coo_batch(rows: int, g: torch.Generator, ids: int = 30) -> tuple:
+    def coo(values):
+        n = values.shape[0]
+        index = torch.stack([torch.randint(0, rows, (n,), generator=g), torch.randint(0, 5, (n,), generator=g)])
+        return torch.sparse_coo_tensor(index, values, (rows, 5), check_invariants=True)
+
+    n = 2 * rows
+    tags = coo(torch.randint(0, ids, (n,), generator=g)).coalesce()
+    weights = torch.sparse_coo_tensor(tags.indices(), torch.rand(tags.values().shape, generator=g), (rows, 5),
+                                      check_invariants=True)
+    return tags, weights, coo(torch.randint(0, ids, (n,), generator=g))  # topics: not coalesced
+
+
+def test_sparse_coo_inputs_serve_as_eager(tmp_path):
+    """A sparse COO input is served as two dense inputs, ``name [B, M]`` (its values) and ``name_mask [B, M]``
+    (bool: where its entries are), rebuilt into the COO tensor the collection takes: outputs bit-equal to eager,
+    a row without entries and an entry of id 0 included."""
+    g = torch.Generator().manual_seed(11)
+    model = Coo()
+    model(*coo_batch(16, g))
+    export_model(tmp_path, model, coo_batch(4, g))
+    served = ExportedModel(tmp_path)
+    try:
+        assert [(i["name"], i["dtype"], i["shape"]) for i in served.inputs] == [
+            ("tags", "int64", [-1, -1]), ("tags_mask", "bool", [-1, -1]), ("tag_weights", "float32", [-1, -1]),
+            ("tag_weights_mask", "bool", [-1, -1]), ("topics", "int64", [-1, -1]), ("topics_mask", "bool", [-1, -1])]
+        for rows in (1, 6):
+            tags, weights, topics = coo_batch(rows, g, ids=60)
+            zeroed = tags.values() * (torch.arange(tags.values().numel()) % 3 > 0)  # ids 0 among them
+            tags = torch.sparse_coo_tensor(tags.indices(), zeroed, tags.shape, check_invariants=True)
+            request = {}
+            for name, value in (("tags", tags), ("tag_weights", weights), ("topics", topics)):
+                value = value.coalesce()
+                request[name] = value.to_dense()
+                request[f"{name}_mask"] = torch.zeros(value.shape, dtype=torch.bool).index_put_(
+                    tuple(value.indices()), torch.tensor(True))
+            got, _ = served(request)
+            assert torch.equal(got["output"], eager(model, (tags, weights, topics))), rows
+    finally:
+        served.close()
+
+
+def test_a_sparse_input_read_other_than_by_a_collection_is_refused(tmp_path):
+    class Densifies(Coo):
+        def forward(self, tags, tag_weights, topics):
+            return super().forward(tags, tag_weights, topics) + tags.to_dense().sum()
+
+    g = torch.Generator().manual_seed(12)
+    with pytest.raises(ValueError, match=r"^input 'tags' is a sparse COO tensor, read as \.to_dense in the model's "
+                                         r"forward: export_model serves a sparse input only as a collection"):
+        export_model(tmp_path, Densifies(), coo_batch(4, g))

@@ -77,7 +77,9 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
 
     The served inputs are the tensors of ``example_inputs`` (nested tuples, lists, dicts and pytree-registered
     classes such as TorchRec's ``KeyedJaggedTensor`` are flattened), named by ``forward``'s parameter and the path
-    inside it joined by ``_``: ``dense``, ``features_values``, ``features_lengths``, ``batch_user_id``. Outputs:
+    inside it joined by ``_``: ``dense``, ``features_values``, ``features_lengths``, ``batch_user_id``; a sparse COO
+    input ``tags [B, M]`` (a collection feature's ids or weights) as ``tags`` (its values, dense ``[B, M]``) and
+    ``tags_mask`` (bool ``[B, M]``: where its entries are), both dynamic in dims 0 and 1. Outputs:
     ``output`` for one tensor, else each by its path (``output_0``, a dict output's keys). The manifest's
     ``program`` field lists both with dtypes and shapes (``-1``: dynamic).
 
@@ -97,8 +99,8 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
         TypeError: ``model`` is no module, an input is no tensor; ``model`` in eval mode refuses
             ``example_inputs`` (ids of a float dtype, ...): its message, after ``example_inputs:``.
         ValueError: ``model`` holds no table; its ``forward`` reads a standalone table other than by calling it;
-            a feature input the export does not support (a sparse COO tensor); ``model`` in eval mode refuses
-            ``example_inputs`` (as for TypeError).
+            a sparse COO input that is not 2-D, or that the model reads other than as a collection's feature;
+            ``model`` in eval mode refuses ``example_inputs`` (as for TypeError).
         On ranks other than 0, rank 0's TypeError/ValueError (RuntimeError for others) as ``export_model failed
         on rank 0 ...``.
 
@@ -158,8 +160,17 @@ def _program(model: nn.Module, example_inputs, example_kwargs: Optional[dict]) -
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"input {name!r} must be a tensor (or a container of tensors registered with "
                             f"torch.utils._pytree), got {type(value).__name__}")
-    flat = [v for _, v in leaves]
-    wrapper = _Flat(model, in_spec, names)
+    flat, served, sparse = [], [], set()
+    for leaf, (name, (_, value)) in enumerate(zip(names, leaves)):
+        if value.layout == torch.sparse_coo:  # served as two dense inputs (see _SparseInput)
+            flat += _coo_inputs(name, value)
+            served += [name, f"{name}_mask"]
+            sparse.add(leaf)
+        else:
+            flat.append(value)
+            served.append(name)
+    served = _unique(served)
+    wrapper = _Flat(model, in_spec, names, served, sparse)
     training = model.training
     try:
         model.eval()
@@ -173,7 +184,7 @@ def _program(model: nn.Module, example_inputs, example_kwargs: Optional[dict]) -
     program.example_inputs = None
     buffer = io.BytesIO()
     torch.export.save(program, buffer)
-    meta = _describe(program, names, wrapper.output_names)
+    meta = _describe(program, served, wrapper.output_names)
     meta.update(file=PROGRAM_FILE, torch=torch.__version__,
                 collections={path: _record(features, tables) for path, (features, tables, _) in records.items()})
     return {"files": {PROGRAM_FILE: buffer.getvalue()}, "fields": {"program": meta}}
@@ -287,15 +298,25 @@ class _Flat(nn.Module):
     """The user's model with flat tensor inputs and outputs, so the program's interface needs none of the user's
     classes (a ``KeyedJaggedTensor`` is rebuilt inside the trace, and gone from the graph)."""
 
-    def __init__(self, model: nn.Module, in_spec, names: list) -> None:
+    def __init__(self, model: nn.Module, in_spec, leaf_names: list, names: list, sparse: set) -> None:
         super().__init__()
         self.model, self.in_spec = model, in_spec
         named: list = []  # the outputs' names, known once traced
         # the program's placeholders carry the inputs' names, so its shape checks name them too
         params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
+        # each leaf in ``sparse`` (a sparse COO tensor) is two inputs, values and mask, whose dim 1 is dynamic too
+        self.sparse, self.wide, i = sparse, set(), 0
+        for leaf in range(len(leaf_names)):
+            if leaf in sparse:
+                self.wide |= {i, i + 1}
+            i += 2 if leaf in sparse else 1
 
         def forward(*flat):
-            args, kwargs = pytree.tree_unflatten(list(flat), self.in_spec)
+            tensors, leaves = iter(flat), []
+            for leaf, name in enumerate(leaf_names):
+                leaves.append(_SparseInput(next(tensors), next(tensors), name) if leaf in self.sparse
+                              else next(tensors))
+            args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
             leaves, _ = pytree.tree_flatten_with_path(self.model(*args, **kwargs))
             bad = [pytree.keystr(p) for p, v in leaves if not isinstance(v, torch.Tensor)]
             if bad:
@@ -314,6 +335,32 @@ class _Flat(nn.Module):
 
 class _NotServed(AttributeError):
     """A stand-in's attribute read that serving cannot answer (the model reads a table other than by calling it)."""
+
+
+def _coo_inputs(name: str, value: torch.Tensor) -> list:
+    """A sparse COO input ``[B, M]`` as served: its values, dense ``[B, M]`` (duplicates summed, as coalescing
+    sums them), and ``{name}_mask [B, M]`` (bool: where it has an entry, an entry of value 0 included)."""
+    if value.dim() != 2 or value.dense_dim() != 0:
+        raise ValueError(f"input {name!r}: a sparse COO input must be 2-D [B, M] (ids, or their weights), got "
+                         f"shape {list(value.shape)} with {value.dense_dim()} dense dims")
+    value = value.coalesce()
+    mask = torch.zeros(value.shape, dtype=torch.bool, device=value.device)
+    mask[tuple(value.indices())] = True
+    return [value.to_dense(), mask]
+
+
+class _SparseInput:
+    """A sparse COO input inside the trace, as its request carries it: ``values [B, M]`` and ``mask [B, M]``. A
+    collection takes it as a feature's ids or weights (rebuilt as the COO tensor when served); nothing else of the
+    model may read it (a tensor op on it is a clear error)."""
+
+    def __init__(self, values: torch.Tensor, mask: torch.Tensor, name: str) -> None:
+        self.values, self.mask, self.name = values, mask, name
+
+    def __getattr__(self, attr: str):
+        raise _NotServed(f"input {self.name!r} is a sparse COO tensor, read as .{attr} in the model's forward: "
+                         "export_model serves a sparse input only as a collection feature's ids or weights (its "
+                         f"requests carry {self.name} [B, M] and {self.name}_mask [B, M])")
 
 
 class _StandIn(nn.Module):
@@ -355,6 +402,13 @@ class _CollectionNode(_StandIn):
         elif isinstance(features, dict):
             tensors, described, names = [], [], list(features)
             for name, value in features.items():
+                if isinstance(value, _SparseInput):  # ids, and weights when they are one too
+                    fields, w = {"ids": value.values, "mask": value.mask}, (weights or {}).get(name)
+                    fields.update({"weight": w.values, "weight_mask": w.mask} if isinstance(w, _SparseInput)
+                                  else {"weight": w} if w is not None else {})
+                    tensors += fields.values()
+                    described.append({"name": name, "form": "coo", "fields": list(fields)})
+                    continue
                 fields, value = {}, as_bags(value)
                 if isinstance(value, Bags):
                     fields = {k: getattr(value, k) for k in ("ids", "offsets", "lengths", "weights")
@@ -480,7 +534,9 @@ def _stand_ins(wrapper: _Flat, tables: dict):
 
 def _trace(wrapper: _Flat, flat: list):
     """``torch.export`` of ``wrapper`` (its model in eval mode, its stand-ins in place)."""
-    dynamic = tuple({0: torch.export.Dim.AUTO} if t.dim() else None for t in flat)
+    auto = torch.export.Dim.AUTO
+    dynamic = tuple(({0: auto, 1: auto} if i in wrapper.wide else {0: auto}) if t.dim() else None
+                    for i, t in enumerate(flat))
     try:
         # sizes 0 and 1 are sizes like any other (a batch of 1 is served by the same program)
         with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):

@@ -3,7 +3,8 @@ parameter server at serve time.
 
 :func:`dynemb.serving.export_model` traces a user's model with each :class:`~dynemb.EmbeddingCollection` call
 replaced by one ``dynemb::served_features(tensors, spec)`` node. ``tensors`` are the call's input tensors (a
-``KeyedJaggedTensor``'s values, lengths and weights; or each feature's ids, offsets/lengths and weights), ``spec``
+``KeyedJaggedTensor``'s values, lengths and weights; or each feature's ids, offsets/lengths and weights; a sparse
+COO input's dense values and mask of entries), ``spec``
 a JSON string naming the collection (its module path in the user's model) and, per feature, the form its input came
 in and the output it gives. The graph holds no table row and no table: only these names.
 
@@ -65,11 +66,26 @@ def feature_dict(tensors: list, spec: dict) -> tuple[dict, dict]:
         got = dict(zip(f["fields"], tensors[i:i + len(f["fields"])]))
         i += len(f["fields"])
         if "weight" in got:
-            weights[f["name"]] = got.pop("weight")
+            weight = got.pop("weight")
+            weights[f["name"]] = _coo(spec, f, weight, got.pop("weight_mask")) if "weight_mask" in got else weight
+        if f["form"] == "coo":
+            features[f["name"]] = _coo(spec, f, got["ids"], got["mask"])
+            continue
         features[f["name"]] = got["ids"] if f["form"] == "tensor" else Bags(
             got["ids"], offsets=got.get("offsets"), lengths=got.get("lengths"), weights=got.get("weights"),
             include_last_offset=f.get("include_last_offset", False))
     return features, weights
+
+
+def _coo(spec: dict, feature: dict, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The sparse COO tensor ``[B, M]`` a request carries as its dense ``values`` and the ``mask`` of its entries."""
+    if mask.dtype != torch.bool or values.dim() != 2 or values.shape != mask.shape:
+        raise ValueError(f"collection {spec['collection']!r}: feature {feature['name']!r}: a sparse input's values "
+                         f"and mask must be [B, M] of one shape, the mask bool; got values {list(values.shape)}, "
+                         f"mask {list(mask.shape)} {mask.dtype}")
+    # the mask's nonzero() is in row-major order and unique: the indices of a valid, coalesced tensor
+    return torch.sparse_coo_tensor(mask.nonzero().T, values[mask], tuple(values.shape), check_invariants=False,
+                                   is_coalesced=True)
 
 
 def lookup_features(tensors: list, spec: dict) -> list:
