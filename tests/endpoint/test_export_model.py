@@ -714,3 +714,29 @@ def test_a_sparse_input_read_other_than_by_a_collection_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"^input 'tags' is a sparse COO tensor, read as \.to_dense in the model's "
                                          r"forward: export_model serves a sparse input only as a collection"):
         export_model(tmp_path, Densifies(), coo_batch(4, g))
+
+
+@pytest.mark.slow
+def test_dynemb_serve_export_takes_a_sparse_input_as_values_and_a_bool_mask(tmp_path):
+    g = torch.Generator().manual_seed(13)
+    model = Coo()
+    model(*coo_batch(16, g))
+    export_model(tmp_path / "coo", model, coo_batch(4, g))
+    proc, address, grpc_address = start(tmp_path / "coo", "coo")
+    try:
+        batch = coo_batch(5, g, ids=60)
+        want = eager(model, batch).numpy()
+        for module in (http, grpcclient):
+            client, tensors = module.InferenceServerClient(grpc_address if module is grpcclient else address), []
+            for name, value in zip(("tags", "tag_weights", "topics"), batch):
+                value = value.coalesce()
+                mask = torch.zeros(value.shape, dtype=torch.bool).index_put_(tuple(value.indices()),
+                                                                            torch.tensor(True))
+                for key, array in ((name, value.to_dense().numpy()), (f"{name}_mask", mask.numpy())):
+                    kind = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(bool): "BOOL"}
+                    tensors.append(module.InferInput(key, list(array.shape), kind[array.dtype]))
+                    tensors[-1].set_data_from_numpy(array)
+            np.testing.assert_array_equal(client.infer("coo", tensors).as_numpy("output"), want)  # bit-equal
+            client.close()
+    finally:
+        stop(proc)
