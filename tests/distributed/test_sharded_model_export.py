@@ -1,11 +1,11 @@
 """``export_model`` of a model trained under torchrun: 2 gloo ranks, each holding its shards of a sharded
 collection (row, column and table plans) and the dense layers wrapped in DistributedDataParallel, call
 ``export_model`` together. Each rank writes its own rows (``export_for_serving``), rank 0 traces the program from
-the collection's logical view: the served model (:class:`~dynemb.serving.ExportedModel`) answers bit for bit
-(``torch.equal``) what the one-process export of the same weights (the checkpoint of that step loaded into an
-unsharded copy) answers, and what that copy computes eagerly in eval mode, for a full version and a delta after
-it, ids never trained and a batch of 1 included. Rank 0's example inputs refused: every rank raises, nothing is
-written."""
+the collection's logical view: its ``program.pt2`` is byte for byte the one-process export's, and the served model
+(:class:`~dynemb.serving.ExportedModel`) answers bit for bit (``torch.equal``) what the one-process export of the
+same weights (the checkpoint of that step loaded into an unsharded copy) answers, and what that copy computes
+eagerly in eval mode, for a full version and a delta after it, ids never trained and a batch of 1 included. Rank
+0's example inputs refused: every rank raises, nothing is written."""
 
 import json
 
@@ -122,6 +122,8 @@ def test_an_export_from_2_ranks_serves_what_the_one_process_export_serves(tmp_pa
     two = json.loads((tmp_path / "export" / "version-00000001" / "manifest.json").read_text())
     single = json.loads((tmp_path / "one-1" / "version-00000001" / "manifest.json").read_text())
     assert two["program"] == single["program"]  # the same program: no layout in it
+    program = "version-00000001/program.pt2"
+    assert (tmp_path / "export" / program).read_bytes() == (tmp_path / "one-1" / program).read_bytes()
     delta = json.loads((tmp_path / "export" / "version-00000002" / "manifest.json").read_text())
     assert delta["kind"] == "delta" and delta["program"] == two["program"]
     assert {t: e["rows"] for t, e in two["tables"].items()} == {t: e["rows"] for t, e in single["tables"].items()}
