@@ -235,9 +235,9 @@ def _check_tables(model: nn.Module) -> None:
 
 
 def _modules(module: nn.Module, path: str = ""):
-    """``(path, parent, name, child)`` of ``module``'s submodules, as ``named_modules`` but through
-    DistributedDataParallel wrappers as if they were not there (wrapping is layout: the paths are the model's),
-    and not into tables."""
+    """``(path, parent, name, child, inner)`` of ``module``'s submodules (``inner``: ``child`` without its
+    DistributedDataParallel wrappers), as ``named_modules`` but through those wrappers as if they were not there
+    (wrapping is layout: the paths are the model's), and not into tables."""
     for name, child in list(module._modules.items()):
         if child is None:
             continue
@@ -375,7 +375,8 @@ class _StandIn(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             pass
-        raise _NotServed(f"{self.what} {self.path or 'model'!r} is read as .{name} in the model's forward: "
+        path = self.__dict__.get("path") or "model"  # (never an attribute read: it could recurse here)
+        raise _NotServed(f"{self.what} {path!r} is read as .{name} in the model's forward: "
                          f"export_model serves its calls ({self.calls}), each bound to the parameter server, and "
                          "nothing else of it")
 
