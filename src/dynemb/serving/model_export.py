@@ -28,10 +28,10 @@ import torch
 import torch.fx.experimental._config as fx_config
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint.export_format import export_for_serving
 from ..checkpoint.ranks import rank_context
+from ..checkpoint.dense import unwrap
 from ..checkpoint.tables import find_tables
 from ..collection import EmbeddingCollection
 from ..collection.config import FeatureConfig, TableConfig
@@ -241,9 +241,7 @@ def _modules(module: nn.Module, path: str = ""):
     for name, child in list(module._modules.items()):
         if child is None:
             continue
-        inner = child
-        while isinstance(inner, DistributedDataParallel):
-            inner = inner.module
+        inner = unwrap(child)
         where = f"{path}.{name}" if path else name
         yield where, module, name, child, inner
         if not isinstance(inner, (EmbeddingCollection, DynamicEmbedding, StaticEmbedding)):
