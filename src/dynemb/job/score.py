@@ -183,9 +183,9 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
 def _looked_up(batches: Iterator[Batch], loaded: concurrent.futures.Future, device: str, buffers: int
                ) -> Iterator[tuple[Batch, Optional[torch.Tensor]]]:
     """``(batch on device, stacked)`` of each of ``batches``: ``stacked [B, F + 1, D]`` holds the features' pooled
-    rows after a free first slot (what :meth:`DLRM.forward_stacked` takes), or is None on a GPU, where the model
-    looks them up itself in the scoring thread. The model comes from ``loaded`` once it is there
-    (``predict_file`` runs this in its reading thread while it loads the model).
+    rows after a free first slot (what :meth:`DLRM.forward_stacked` takes), or is None on a GPU (or with no
+    categorical feature), where the model looks them up itself in the scoring thread. The model comes from
+    ``loaded`` once it is there (``predict_file`` runs this in its reading thread while it loads the model).
 
     ``stacked`` is one of ``buffers`` tensors used in turn, allocated once, on huge pages: a block's (about 110 MB
     at the default batch size) freshly mapped each time cost more system time than its lookups. The consumer must
@@ -193,9 +193,10 @@ def _looked_up(batches: Iterator[Batch], loaded: concurrent.futures.Future, devi
     ``buffers - 2``)."""
     model, ring = None, []
     for i, batch in enumerate(batches):
-        model = model or loaded.result()
+        if model is None:
+            model = loaded.result()
         batch = batch.to(device)
-        if batch.dense.device.type != "cpu":
+        if batch.dense.device.type != "cpu" or not model.features:
             yield batch, None
             continue
         with torch.no_grad():  # grad mode is per thread: this one's too
