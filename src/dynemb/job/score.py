@@ -28,7 +28,6 @@ from ..data.batch import Batch
 from ..data.formats import list_files
 from ..data.readers import column_names
 from ..data.metrics import held_out_auc
-from ..table.huge_pages import empty_storage
 from .card import ModelCard, load_model, model_checkpoint, read_card
 
 __all__ = ["evaluate", "evaluate_file", "predict_file", "probabilities", "PROBABILITY_EPS", "OUT_FORMATS"]
@@ -187,8 +186,9 @@ def _looked_up(batches: Iterator[Batch], loaded: concurrent.futures.Future, devi
     categorical feature), where the model looks them up itself in the scoring thread. The model comes from
     ``loaded`` once it is there (``predict_file`` runs this in its reading thread while it loads the model).
 
-    ``stacked`` is one of ``buffers`` tensors used in turn, allocated once, on huge pages: a block's (about 110 MB
-    at the default batch size) freshly mapped each time cost more system time than its lookups. The consumer must
+    ``stacked`` is one of ``buffers`` tensors used in turn, allocated once: a block's (about 110 MB at the default
+    batch size) freshly mapped each time cost more system time than its lookups (and on huge pages, more than
+    small pages touched once). The consumer must
     be done with a block before the one ``buffers`` later is produced (the reading thread's queue holds
     ``buffers - 2``)."""
     model, ring = None, []
@@ -207,7 +207,7 @@ def _looked_up(batches: Iterator[Batch], loaded: concurrent.futures.Future, devi
                 ring.append(None)
             out = ring[i % buffers]
             if out is None or out.shape[0] < shape[0] or out.shape[1:] != shape[1:] or out.dtype != rows[0].dtype:
-                out = ring[i % buffers] = empty_storage(shape, rows[0].dtype, rows[0].device)
+                out = ring[i % buffers] = torch.empty(shape, dtype=rows[0].dtype)
             stacked = out[:shape[0]]
             torch.stack(rows, 1, out=stacked[:, 1:])
         yield batch, stacked
