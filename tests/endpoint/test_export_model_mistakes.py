@@ -184,3 +184,20 @@ def test_a_program_this_torch_cannot_load_names_both_torch_versions(tmp_path, mo
                                          rf"wrote \(SerializeError: Serialized schema version 99.0 .*\); serve it "
                                          rf"with torch {wrote}, or export the model again"):
         ExportedModel(tmp_path)
+
+
+def test_a_wrapped_model_names_its_inputs_as_the_plain_model(tmp_path):
+    """Wrapping is layout: a ``torch.compile``'d or DataParallel model's forward takes ``*args``, and its inputs
+    were named ``input0``, ``input1``, ...; they are named by the wrapped model's forward, as the plain one's."""
+
+    class Two(Tower):
+        def forward(self, user_ids, bias):
+            return super().forward(user_ids) + bias.sum(1)
+
+    model = Two()
+    model(torch.arange(4), torch.zeros(4, 3))
+    example = (torch.tensor([1, 2]), torch.zeros(2, 3))
+    for i, wrapped in enumerate((model, torch.compile(model), torch.nn.DataParallel(model))):
+        export_model(tmp_path / str(i), wrapped, example)
+        manifest = json.loads((tmp_path / str(i) / "version-00000001" / "manifest.json").read_text())
+        assert [t["name"] for t in manifest["program"]["inputs"]] == ["user_ids", "bias"], type(wrapped).__name__

@@ -291,8 +291,8 @@ def _unique(names: list) -> list:
 
 def _input_names(model: nn.Module, args: tuple, kwargs: dict, paths: list) -> list:
     """Each input leaf's name: ``forward``'s parameter, then its path inside that argument, joined by ``_``."""
-    try:
-        params = [p.name for p in inspect.signature(model.forward).parameters.values()
+    try:  # the wrapped model's forward (a compiled or DataParallel model's forward takes *args: layout)
+        params = [p.name for p in inspect.signature(unwrap(model).forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         params = []
