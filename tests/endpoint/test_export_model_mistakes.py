@@ -201,3 +201,19 @@ def test_a_wrapped_model_names_its_inputs_as_the_plain_model(tmp_path):
         export_model(tmp_path / str(i), wrapped, example)
         manifest = json.loads((tmp_path / str(i) / "version-00000001" / "manifest.json").read_text())
         assert [t["name"] for t in manifest["program"]["inputs"]] == ["user_ids", "bias"], type(wrapped).__name__
+
+
+def test_a_refusal_of_the_example_run_keeps_the_traceback_of_where_it_was_raised(tmp_path):
+    """A TypeError from the user's own forward (a bug) is reported after ``example_inputs:`` as the collection's
+    refusals are; its cause is the original exception, whose traceback shows the line of ``forward``."""
+
+    class Buggy(Tower):
+        def forward(self, ids):
+            return torch.cat(super().forward(ids), 1)  # a tensor where a sequence of them is needed
+
+    with pytest.raises(TypeError, match=r"^example_inputs: cat\(\)") as e:
+        export_model(tmp_path, Buggy(), (torch.tensor([1, 2]),))
+    assert isinstance(e.value.__cause__, TypeError)
+    import traceback
+    assert any(f.name == "forward" and "torch.cat" in (f.line or "")
+               for f in traceback.extract_tb(e.value.__cause__.__traceback__))

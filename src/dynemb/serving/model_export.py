@@ -232,7 +232,7 @@ def _check_runs(wrapper: nn.Module, flat: list, records: dict) -> None:
     except (TypeError, ValueError) as e:
         if type(e) not in (TypeError, ValueError):
             raise
-        raise type(e)(f"example_inputs: {e}") from None
+        raise type(e)(f"example_inputs: {e}") from e  # (its traceback: where, in forward or in the collection)
 
 
 def _check_torch() -> None:
