@@ -13,35 +13,16 @@ per-key encoding, and ran 3-12x faster. The files are a cache, not a checkpoint:
 empty, and its directory is removed when it is closed or collected; a process that dies leaves its directory, which
 no later run reads and the next store opened under the same path (on the same host) removes. Durability comes from
 checkpoints, which see the table as one (see ``TieredTable.export``).
-
-Write faults, taken off the step: the kernel writes a mapped file's dirty pages back (30 s after they were
-dirtied, or sooner when the machine's dirty pages pass a share of its memory) and marks them read-only, so that the
-next store to each page faults (ext4's ``page_mkwrite``, 5-7 us, and a pause while the dirty pages are over their
-limit). Rows move at random, so every page of a row file is stored to again within a few steps: each write-back
-cost the train step about one fault a page over the next 30 steps (80,000 faults for 4 tables of 1M rows at a 20%
-fast tier, steps of 110-320 ms instead of 40). One thread a process (:class:`_PageToucher`) watches the process's
-page faults; when they pass ``TOUCH_FAULTS`` in ``TOUCH_PERIOD`` seconds it asks the kernel to make the resident
-pages of every row file's live rows writable again (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14 or later). That
-changes no byte, so it cannot race with the step, costs about 2 us a page against a fault's 5, and a page it
-reaches first never faults in the step: the same wave then cost 11,000 faults in 2 steps. Pages not in memory are
-left alone (a file larger than RAM is not read back), and a pass over pages already writable costs about 20 us a
-MiB, which ``TOUCH_DUTY`` bounds.
 """
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import math
 import os
 import re
-import resource
 import socket
 import shutil
-import sys
 import tempfile
-import threading
-import time
 import weakref
 
 import torch
@@ -100,7 +81,6 @@ class SlowStore(RowStore):
             self._finalizer = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self._files = 0
         self._path = None  # the row file of the columns now (disk tier)
-        self._mapped = None  # its mapping, [capacity, row bytes] uint8
         self._init_storage(init_capacity)
         self._resize_columns(self.capacity, 0)  # the columns, placed
         for name in table.slot_names:  # placed as they are added
@@ -130,8 +110,6 @@ class SlowStore(RowStore):
             self._path = os.path.join(self.directory, f"{self._files:06d}.rows")
             buf = torch.from_file(self._path, shared=True, size=capacity * width, dtype=torch.uint8)
             buf = buf.view(capacity, width)
-            self._mapped = buf  # what the page toucher reads (a reference keeps the mapping while it works)
-            _PageToucher.watch(self)
         fresh = {}
         for name, col in self._cols.items():
             start, nbytes, shape = layout[name]
@@ -162,7 +140,6 @@ class SlowStore(RowStore):
     def close(self) -> None:
         """Drop every row and remove the store's files."""
         self._cols = {}
-        self._mapped = None
         if self.directory is not None:
             self._finalizer()
 
@@ -239,125 +216,6 @@ def swap_rows(store: RowStore, freed: torch.Tensor, incoming: Rows | None, versi
         store._size += n - k
     if freed.numel() > k:
         store._compact(freed[k:])
-
-
-#: seconds between two looks of the page toucher at the process's page faults (see the module docstring)
-TOUCH_PERIOD = 0.05
-#: faults in one period (the toucher's own not counted) that start a pass over every row file
-TOUCH_FAULTS = 256
-#: the most of its time the toucher spends in passes (it waits after each in proportion)
-TOUCH_DUTY = 0.1
-_MADV_POPULATE_WRITE = 23  # Linux's value (5.14+); older kernels answer EINVAL and the toucher stops
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _libc_calls():
-    """``(madvise, mincore)`` from the C library on Linux, else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise, mincore = libc.madvise, libc.mincore
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    mincore.argtypes, mincore.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_int
-    return madvise, mincore
-
-
-class _PageToucher:
-    """The process's one thread that keeps the row files' resident pages writable (see the module docstring).
-
-    Stores register as they map a file (:meth:`watch`); the thread holds them weakly, and a pass holds a store's
-    mapping (``_mapped``) while it works on it, so a store resized or closed meanwhile is never touched unmapped.
-    It starts with the first file store of a process (again in a forked child) and stops, for good, where the
-    kernel has no ``MADV_POPULATE_WRITE``.
-    """
-
-    _lock = threading.Lock()
-    _stores: "weakref.WeakSet" = weakref.WeakSet()
-    _thread = None
-    _stop = threading.Event()  # set at exit: the thread must not run torch while the interpreter finalizes
-    _calls = _libc_calls()
-    enabled = _calls is not None
-
-    @classmethod
-    def watch(cls, store) -> None:
-        if not cls.enabled:
-            return
-        with cls._lock:
-            cls._stores.add(store)
-            if cls._thread is None or not cls._thread.is_alive():
-                cls._thread = threading.Thread(target=cls._run, name="dynemb-row-file-pages", daemon=True)
-                cls._thread.start()
-
-    @classmethod
-    def _run(cls) -> None:
-        seen, rest = _faults(), TOUCH_PERIOD
-        while cls.enabled and not cls._stop.wait(rest):
-            with cls._lock:
-                stores = list(cls._stores)
-                if not stores:  # the next store to map a file starts a thread again
-                    cls._thread = None
-                    return
-            faults, rest = _faults(), TOUCH_PERIOD
-            if faults - seen < TOUCH_FAULTS:
-                seen = faults
-                continue
-            start = time.perf_counter()
-            for store in stores:
-                if not cls.touch(store):
-                    cls.enabled = False
-                    return
-            seen = _faults()
-            rest = max(TOUCH_PERIOD, (time.perf_counter() - start) * (1 / TOUCH_DUTY - 1))
-
-    @classmethod
-    def touch(cls, store) -> bool:
-        """One pass over ``store``'s live rows: their resident pages made writable. False where the kernel
-        refuses the advice (then no pass will do anything)."""
-        buf, live = store._mapped, store._size
-        if buf is None or live == 0:
-            return True
-        madvise, mincore = cls._calls
-        start = buf.data_ptr() // _PAGE * _PAGE
-        end = buf.data_ptr() + min(live, buf.shape[0]) * buf.shape[1]
-        pages = -(-(end - start) // _PAGE)
-        resident = torch.zeros(pages + 2, dtype=torch.uint8)  # a page not resident at either end
-        if mincore(start, end - start, resident.data_ptr() + 1) != 0:
-            return True  # unmapped meanwhile: not this pass
-        edges = torch.diff((resident & 1).to(torch.int8)).nonzero().squeeze(1).tolist()  # run starts, stops
-        for first, stop in zip(edges[0::2], edges[1::2]):
-            if madvise(start + first * _PAGE, (stop - first) * _PAGE, _MADV_POPULATE_WRITE) != 0:
-                if ctypes.get_errno() == 22:  # EINVAL: no such advice in this kernel
-                    return False
-        return True
-
-    @classmethod
-    def stop(cls) -> None:
-        """End the thread (at exit)."""
-        cls._stop.set()
-        thread = cls._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
-
-
-def _faults() -> int:
-    """Minor faults of this process so far, less those of the calling thread (the toucher's own)."""
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            - resource.getrusage(resource.RUSAGE_THREAD).ru_minflt)
-
-
-def _after_fork_in_child() -> None:
-    _PageToucher._lock, _PageToucher._stop = threading.Lock(), threading.Event()
-    _PageToucher._thread = None  # a child has no threads: the next store it maps starts one
-
-
-atexit.register(_PageToucher.stop)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _remove_orphans(where: str) -> None:
