@@ -23,7 +23,7 @@ import torch
 from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
 from .numba_group import _pointer
 from .numba_index import _mix64, _probe_kernel
-from .numba_math import cell_bits
+from .numba_math import cell_bits, prefetch_row
 
 __all__ = ["META", "find_rows", "find_carried", "miss_pairs", "probe_request", "finish_request", "UNIFORM",
            "CONSTANT", "IN_PYTHON"]
@@ -34,6 +34,7 @@ shift, bucket count and key columns, its rows' address and capacity (rows)."""
 _BUCKETS, _OVERFLOW, _SHIFT, _NB, _VALUES, _CAPACITY, _KEY_COLS = range(len(META))
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # rows are copied as words of this size
 _BOOL = np.empty(0, np.bool_)
+_ROWS_AHEAD = 16  # probe_request's prefetch distance, in keys
 
 
 def find_rows(meta: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -229,6 +230,8 @@ def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, 
     for f in range(runs):
         for b in range(batch):
             j = f * batch + b
+            if j + _ROWS_AHEAD < n and rows[j + _ROWS_AHEAD] >= 0:  # the rows' lines in flight a few keys ahead
+                prefetch_row(words, rows[j + _ROWS_AHEAD])
             r = rows[j]
             if r < 0:
                 continue
