@@ -14,7 +14,10 @@ Features are pooled by the collection's own code: the batch's features are prepa
 prepares them (:func:`~dynemb.collection.features.prepare_features`: bags, padding, combiner, ``max_norm``) and
 each feature's output is formed from its rows by :func:`~dynemb.collection.features.finish`, the same function
 the collection's executors finish features with; only the rows come from elsewhere (one parameter-server call for
-all the tables of a request).
+all the tables of a request). One exception, the DLRM's usual case: when every feature is one id a row pooled
+plainly, a bag of one id pools to ``0.0 + row`` under every combiner, and the parameter server writes each row so
+straight into the dense part's ``[B, F, D]`` input (:meth:`ServedModel.pooled_stacked`);
+``tests/endpoint/test_served_pooling.py`` checks it against the collection bit for bit.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from ..serving.ps import ParameterServer
 from .inference_protocol import OUTPUT, decode_request, model_metadata
 
 __all__ = ["ServedModel", "ensure_export"]
+
+_BUFFER_ROWS = 4096  # the largest batch whose [B, F, D] input ServedModel keeps between requests
 
 
 
@@ -147,11 +152,14 @@ class ServedModel:
         stacked = self.pooled_stacked(batch, out=self._buffer(len(batch))) if isinstance(self.model, DLRM) else None
         return probabilities(self.model(batch, pooled=self.pooled(batch) if stacked is None else stacked))
 
-    def _buffer(self, n: int) -> torch.Tensor:
-        """A float32 ``[n, F, D]`` kept per batch size (a few of them) for :meth:`pooled_stacked`."""
+    def _buffer(self, n: int) -> Optional[torch.Tensor]:
+        """A float32 ``[n, F, D]`` kept per batch size (a few of them, up to :data:`_BUFFER_ROWS` rows: a server's
+        usual batches) for :meth:`pooled_stacked`; None for a larger batch (a new tensor then)."""
         out = self._buffers.get(n)
         if out is None:
-            if len(self._buffers) >= 8:
+            if n > _BUFFER_ROWS:
+                return None
+            if len(self._buffers) >= 4:
                 self._buffers.clear()
             dim = self.table_configs[self._tables[self.features[0]]].dim
             out = self._buffers[n] = torch.empty(n, len(self.features), dim, device=self.device)
