@@ -25,8 +25,8 @@ from .numba_group import _pointer
 from .numba_index import _mix64, _probe_kernel
 from .numba_math import cell_bits, prefetch_row
 
-__all__ = ["META", "find_rows", "find_carried", "miss_pairs", "probe_request", "finish_request", "UNIFORM",
-           "CONSTANT", "IN_PYTHON"]
+__all__ = ["META", "find_rows", "find_carried", "miss_pairs", "probe_request", "finish_request", "pack_mget",
+           "UNIFORM", "CONSTANT", "IN_PYTHON"]
 
 META = ("buckets", "overflow", "shift", "num_buckets", "values", "capacity", "key_cols")
 """The columns of a table's row of ``meta`` (int64): its index's buckets and overflow flags (addresses), hash
@@ -337,3 +337,65 @@ def _finish_request_kernel(meta, utid, ukey, counts, rows, source, kinds, params
         else:
             for d in range(dim):
                 out[o, d] = rows[p, d]
+
+
+def pack_mget(keys: torch.Tensor, table_of: torch.Tensor, shards: torch.Tensor, base: torch.Tensor,
+              width: torch.Tensor, prefixes: np.ndarray, chunk: int) -> tuple[bytes, int]:
+    """The Redis ``MGET`` commands of ``keys`` in RESP, ``chunk`` names a command: key ``j`` of table
+    ``t = table_of[j]`` is named ``prefix(t, s) + 8 bytes``, the key big-endian with its sign bit flipped, ``s =
+    mix64(key) mod shards[t]`` its shard and ``prefix(t, s)`` the ``width[t]`` bytes of ``prefixes`` from ``base[t]
+    + s * width[t]`` (:mod:`dynemb.serving.stores.redis`'s layout). What redis-py's ``execute_command("MGET",
+    *names)`` sends for each chunk, written in one pass instead of a Python object a name.
+
+    Returns:
+        ``(the commands' bytes, how many commands)``.
+    """
+    n = keys.shape[0]
+    commands = -(-n // chunk)
+    most = 32 * commands + n * (16 + int(width.max()) if width.shape[0] else 0)
+    out = np.empty(most, np.uint8)
+    used = _pack_mget_kernel(keys.numpy(), table_of.numpy(), shards.numpy(), base.numpy(), width.numpy(), prefixes,
+                             chunk, out)
+    return out[:used].tobytes(), commands
+
+
+@numba.njit(nogil=True, cache=True)
+def _put_int(out, at, value):
+    """``value`` >= 0 in decimal at ``out[at:]``; returns the position after it."""
+    digits = 1
+    while value >= 10**digits:
+        digits += 1
+    for k in range(digits - 1, -1, -1):
+        out[at + k] = 48 + value % 10
+        value //= 10
+    return at + digits
+
+
+@numba.njit(nogil=True, cache=True)
+def _pack_mget_kernel(keys, table_of, shards, base, width, prefixes, chunk, out):
+    n = keys.shape[0]
+    at = 0
+    for j in range(n):
+        if j % chunk == 0:  # *<names + 1>\r\n$4\r\nMGET\r\n
+            out[at] = 42
+            at = _put_int(out, at + 1, min(chunk, n - j) + 1)
+            for c in (13, 10, 36, 52, 13, 10, 77, 71, 69, 84, 13, 10):
+                out[at] = c
+                at += 1
+        t = table_of[j]
+        w = width[t]
+        out[at] = 36  # $<length>\r\n<name>\r\n
+        at = _put_int(out, at + 1, w + 8)
+        out[at], out[at + 1] = 13, 10
+        at += 2
+        start = base[t] + (_mix64(keys[j]) % shards[t]) * w  # a Python modulo: torch's remainder of the hash
+        for k in range(w):
+            out[at + k] = prefixes[start + k]
+        at += w
+        flipped = np.uint64(np.int64(keys[j])) ^ np.uint64(0x8000000000000000)
+        for k in range(8):
+            out[at + k] = np.uint8((flipped >> np.uint64(56 - 8 * k)) & np.uint64(0xFF))
+        at += 8
+        out[at], out[at + 1] = 13, 10
+        at += 2
+    return at
