@@ -384,12 +384,13 @@ def _insert_cold(part: _Part, cold: list) -> None:
         group.kv.insert_or_assign(cache_keys.to(group.device), rows.to(group.device))
 
 
-def lookup_request(tiers: StoreTiers, writeback, threshold: float, plan: RequestPlan, ids: torch.Tensor,
+def lookup_request(tiers: StoreTiers, writeback, threshold: float, plan: RequestPlan, fused: bool, ids: torch.Tensor,
                    sizes: tuple) -> list[torch.Tensor]:
     """Rows (as answered: 8-bit rows dequantized) of the flat int64 ``ids [N]`` of a request whose run ``i``
     (``sizes[i]`` ids) belongs to the ``i``-th table of ``plan`` (module docstring): ``[N, D]`` rows for each
-    group cache of the plan, of the ids of its tables in request order (:meth:`RequestPlan.layout` says which)."""
-    if plan.fused:
+    group cache of the plan, of the ids of its tables in request order (:meth:`RequestPlan.layout` says which).
+    ``fused``: take :func:`lookup_fused` where the plan allows it."""
+    if fused and plan.fused:
         out = torch.empty(ids.numel(), plan.groups[0].group.dim, dtype=torch.float32)
         lookup_fused(tiers, writeback, threshold, plan, ids, sizes, out, ids.numel(), False)
         return [out]

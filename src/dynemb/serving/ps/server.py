@@ -69,6 +69,7 @@ class ParameterServer:
         self.versions: dict[str, dict] = {}
         self._writeback = WriteBack()
         self.grouped = True  # lookups take every table of a request together (.request_lookup); False: table by table
+        self.fused = True  # grouped lookups of one float32 CPU cache in two numba calls (lookup_fused); False: not
         self._plans: dict[tuple, RequestPlan] = {}  # (model, tables) -> the plan of their requests
 
     @classmethod
@@ -245,7 +246,7 @@ class ParameterServer:
             plan = self._plan(model, tuple(batches))
             sizes = tuple(flat.numel() for _, flat in batches.values())
             flats = [flat for _, flat in batches.values()]
-            answers = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, plan,
+            answers = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, plan, self.fused,
                                      flats[0] if len(flats) == 1 else torch.cat(flats), sizes)
             return {name: r.view(*keys_per_table[name].shape, batches[name][0].row_dim)
                     for name, r in zip(batches, split_answers(plan, sizes, answers))}
@@ -294,7 +295,7 @@ class ParameterServer:
             return torch.empty(0, t.row_dim, dtype=t.answer(torch.empty(0, t.dim, dtype=t.dtype)).dtype,
                                device=t.cache.device)
         if self.grouped:
-            answers = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, plan, ids, sizes)
+            answers = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, plan, self.fused, ids, sizes)
             return concat_answers(plan, sizes, answers)
         # table by table: each table's runs together (a table looked up twice in one call would count its misses
         # as one)
@@ -355,7 +356,7 @@ class ParameterServer:
         t = plan.tables[0]
         shape = (rows, len(tables), t.row_dim)
         if out is None:
-            dtype = torch.float32 if plan.fused else t.answer(torch.empty(0, t.dim, dtype=t.dtype)).dtype
+            dtype = torch.float32 if plan.fused and self.fused else t.answer(torch.empty(0, t.dim, dtype=t.dtype)).dtype
             out = torch.empty(shape, dtype=dtype, device=t.cache.device)
         elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or not out.is_contiguous():
             got = f"{'a contiguous' if out.is_contiguous() else 'a strided'} tensor of shape {tuple(out.shape)}" \
@@ -363,7 +364,7 @@ class ParameterServer:
             raise ValueError(f"out must be a contiguous tensor of shape {list(shape)} (rows, features, dim), got {got}")
         if not ids.numel():
             return out
-        if self.grouped and plan.fused and out.dtype == torch.float32 and out.device.type == "cpu":
+        if self.grouped and self.fused and plan.fused and out.dtype == torch.float32 and out.device.type == "cpu":
             lookup_fused(self.tiers, self._writeback, cfg.hit_rate_threshold, plan, ids, sizes,
                          out.view(-1, shape[2]), rows, True)
             return out
