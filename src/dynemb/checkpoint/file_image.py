@@ -1,35 +1,48 @@
-"""A background save's snapshot, laid out as the file it becomes: copied in by the caller, written by the save.
+"""A background save's snapshot, laid out as the file it becomes: copied and checksummed by the caller, written by
+the save's threads.
 
 :class:`FileImage` holds the bytes of one safetensors file (header, then each tensor at its offset) in
 page-aligned memory. ``save(..., blocking=False)`` makes one per file, starts its thread, and copies the tensors in
-on the caller's thread (:meth:`FileImage.fill`, a torch copy per chunk, GIL released); the thread meanwhile writes
-every chunk already copied (:meth:`FileImage.write`: the checksum on the digest's thread, the write with ``O_DIRECT``
-from this very memory), so hashing and writing overlap the copy, and the only copy of the bytes is the snapshot's.
-A chunk's memory goes back to the OS once it is hashed and on disk, so the snapshot's cost, the files' bytes, shrinks
-as the save goes.
+on the caller's thread (:meth:`FileImage.fill`): a 32 MiB chunk's pages are taken (``MADV_POPULATE_WRITE``, cheaper
+than a fault each) just before they are needed, and each 1 MiB is copied (a torch copy) and then added to the file's
+checksum while it is still in the core's cache, so the checksum costs the caller little and the save's threads
+nothing. Those threads (:meth:`FileImage.write`) only write each chunk already copied, two in flight, with
+``O_DIRECT`` straight from this memory (the device reads it: almost no CPU), so a save whose threads get only a sliver
+of a core beside training still writes at the disk's pace. A chunk's memory goes back to the OS once it is on disk,
+so the snapshot's cost, the files' bytes, shrinks as the save goes.
 """
 
 from __future__ import annotations
 
 import mmap
+import sys
 import threading
-from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from .block_file import ALIGN, BlockFile, page_buffer, round_up
+from .checksum import ALGORITHM, FileRecord, hasher
 from .errors import CheckpointError
-from .tensorfile import CHUNK_BYTES, Digest, FileRecord, OnBytes, file_layout, flat_pieces
+from .tensorfile import CHUNK_BYTES, OnBytes, file_layout, flat_pieces
 
 __all__ = ["FileImage"]
 
+#: bytes copied, then hashed, at a time by the fill: they stay in the core's L2 cache between the two
+HASH_BYTES = 1 << 20
+#: chunks being written at once (each by a thread of its own): the next write is queued at the device while a
+#: starved thread waits to run again
+WRITES_IN_FLIGHT = 2
+#: madvise(2) advice that takes a range's pages now (Linux 5.14+; Python names it from 3.13 on)
+_POPULATE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
+
 
 class FileImage:
-    """The bytes of the safetensors file of ``tensors`` and ``metadata``, filled by :meth:`fill` and written by
-    :meth:`write` (another thread, at the same time).
+    """The bytes of the safetensors file of ``tensors`` and ``metadata``, filled (and checksummed) by :meth:`fill`
+    and written by :meth:`write` (another thread, at the same time).
 
     Args:
         tensors: name -> tensor (any device; a streamed column with ``materialize()`` is materialized).
@@ -55,38 +68,68 @@ class FileImage:
         self.size = self._layout.size
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._tensors: Optional[dict] = tensors
-        self._memory = page_buffer(self.size, populate=True)  # the pages now, cheaper than a fault each
+        self._memory = page_buffer(self.size, huge=True)  # its pages are taken by the fill, a chunk ahead of its copy
         head = self._layout.head
         self._memory[: len(head)] = head
-        self._filled = len(head)
+        self._populated = 0
+        self._filled = 0  # bytes copied and hashed, from the start; == size once the record is known too
+        self._waits: list = []  # the ends the writers wait for: the fill wakes them only once one is reached
+        self._record: Optional[FileRecord] = None
         self._error: Optional[BaseException] = None
         self._changed = threading.Condition()
 
     def fill(self) -> None:
-        """Copy the tensors in, in file order, a chunk at a time; :meth:`write` follows. Call it once, on the
-        thread that owns the tensors (they must not change until it returns).
+        """Copy the tensors in, in file order, and checksum them as they are copied; :meth:`write` follows. Call
+        it once, on the thread that owns the tensors (they must not change until it returns).
 
         Raises:
             Whatever the copy raised (say, a device error); :meth:`write` then fails too.
         """
+        hashed, digest = 0, hasher(ALGORITHM)
+        view = memoryview(self._memory)
         try:
             for name, offset in zip(self._layout.names, self._layout.offsets):
                 for piece in flat_pieces(self._tensors[name]):
-                    n = piece.numel()
-                    if n:
-                        torch.frombuffer(self._memory, dtype=piece.dtype, count=n, offset=offset).copy_(piece)
-                    offset += n * piece.element_size()
-                    self._advance(offset)
+                    n, size = piece.numel(), piece.element_size()
+                    # a CPU piece 1 MiB at a time (hashed while in cache); a device piece in one copy
+                    step = max(1, HASH_BYTES // size) if piece.device.type == "cpu" else max(n, 1)
+                    for start in range(0, n, step):
+                        part = piece[start : start + step]
+                        end = offset + part.numel() * size
+                        self._populate(end)
+                        torch.frombuffer(self._memory, dtype=piece.dtype, count=part.numel(), offset=offset).copy_(part)
+                        digest.update(view[hashed:end])  # the header and any padding before it too
+                        hashed = offset = end
+                        if end < self.size:
+                            self._advance(end)
+            digest.update(view[hashed : self.size])
+            with self._changed:
+                self._record = FileRecord(digest.hexdigest(), self.size, ALGORITHM)
+            self._advance(self.size)
         except BaseException as e:
             self.abort(e)
             raise
         finally:
             self._tensors = None  # the live columns are no longer needed: nothing keeps them from changing
 
+    def _populate(self, end: int) -> None:
+        """Take the pages up to ``end`` (rounded up to a chunk) now, in one call, if they are not yet."""
+        global _POPULATE
+        if end <= self._populated:
+            return
+        stop = min(len(self._memory), round_up(max(end, self._populated + CHUNK_BYTES)))
+        if _POPULATE is not None:
+            try:
+                self._memory.madvise(_POPULATE, self._populated, stop - self._populated)
+            except OSError:  # an older kernel: the copy takes them a fault at a time
+                _POPULATE = None
+        self._populated = stop
+
     def _advance(self, filled: int) -> None:
         with self._changed:
             self._filled = filled
-            self._changed.notify_all()
+            if self._waits and filled >= min(self._waits):
+                self._changed.notify_all()
 
     def abort(self, error: BaseException) -> None:
         """Make :meth:`write` fail (the fill will not complete)."""
@@ -96,37 +139,60 @@ class FileImage:
 
     def _wait(self, end: int) -> None:
         with self._changed:
-            while self._filled < end and self._error is None:
-                self._changed.wait()
+            self._waits.append(end)
+            try:
+                while self._filled < end and self._error is None:
+                    self._changed.wait()
+            finally:
+                self._waits.remove(end)
             if self._error is not None:
                 raise CheckpointError(f"the snapshot for this file failed: {self._error!r}") from self._error
 
     def write(self, path: Path, on_bytes: Optional[OnBytes] = None) -> FileRecord:
         """Write the file to ``path`` as the bytes are filled in, fsync it, return its record (the record
-        :func:`~dynemb.checkpoint.tensorfile.write_tensors` of the same tensors returns), and free the memory.
+        :func:`~dynemb.checkpoint.tensorfile.write_tensors` of the same tensors returns, computed by the fill), and
+        free the memory.
 
         Raises:
             CheckpointError: the fill failed. OSError: the write did.
         """
-        view = memoryview(self._memory)  # slices of it are what the hash and the write read: no copy
+        view = memoryview(self._memory)  # slices of it are what the writes read: no copy
         step = round_up(max(CHUNK_BYTES, ALIGN))
-        pending: deque = deque()  # (start, end, the hash's future) of chunks written, not yet freed
-        try:
-            with BlockFile(path) as sink, Digest() as digest:
-                for start in range(0, self.size, step):
+        starts = range(0, self.size, step)
+        lock, failed = threading.Lock(), threading.Event()
+
+        def write_every(first: int) -> None:  # chunks first, first + WRITES_IN_FLIGHT, ...
+            try:
+                for start in starts[first::WRITES_IN_FLIGHT]:
                     end = min(start + step, self.size)
                     self._wait(end)
-                    pending.append((start, end, digest.feed(view[start:end])))
-                    sink.write(view[start : round_up(end)])  # zeros beyond the file's end, cut by finish
+                    if failed.is_set():
+                        return
+                    sink.write_at(view[start : round_up(end)], start)  # zeros beyond the end, cut by finish
+                    self._free(start, end)
                     if on_bytes is not None:
-                        on_bytes(end - start)
-                    while pending and pending[0][2].done():
-                        self._free(*pending.popleft()[:2])
+                        with lock:
+                            on_bytes(end - start)
+            except BaseException:
+                failed.set()
+                raise
+
+        try:
+            with BlockFile(path) as sink, ThreadPoolExecutor(max(1, WRITES_IN_FLIGHT - 1)) as helpers:
+                # the helpers inherit this thread's priority (Linux: a new thread takes its creator's nice value)
+                others = [helpers.submit(write_every, k) for k in range(1, min(WRITES_IN_FLIGHT, len(starts)))]
+                try:
+                    write_every(0)
+                finally:
+                    errors = [f.exception() for f in others]
+                for error in errors:
+                    if error is not None:
+                        raise error
+                self._wait(self.size)
                 sink.finish(self.size)
-                record = digest.record(self.size)
+                return self._record
         finally:
             self._free(0, self.size)
-        return record
 
     def _free(self, start: int, end: int) -> None:
         """Give ``[start, end)``'s pages back to the OS (reads would see zeros; nothing reads them again)."""
