@@ -14,6 +14,7 @@ so the snapshot's cost, the files' bytes, shrinks as the save goes.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import sys
 import threading
@@ -36,8 +37,33 @@ HASH_BYTES = 1 << 20
 #: chunks being written at once (each by a thread of its own): the next write is queued at the device while a
 #: starved thread waits to run again
 WRITES_IN_FLIGHT = 2
-#: madvise(2) advice that takes a range's pages now (Linux 5.14+; Python names it from 3.13 on)
-_POPULATE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
+#: how far ahead of the copy the fill's helper takes pages (the memory it holds before the copy needs it)
+AHEAD_BYTES = 4 * CHUNK_BYTES
+_POPULATE_WRITE = 23  # madvise(2) advice (Linux 5.14+): take a range's pages now, without writing them
+
+
+def _libc_madvise():
+    """libc's ``madvise`` through ctypes, which releases the GIL for the call (``mmap.madvise`` keeps it), or
+    None (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    return madvise
+
+
+_MADVISE = _libc_madvise()
+
+
+def _take_pages(address: int, start: int, stop: int) -> None:
+    """Take the pages of ``[start, stop)`` of the memory at ``address`` now, in one call; where the kernel cannot
+    (before 5.14, not Linux) the copy takes them later, a fault at a time."""
+    global _MADVISE
+    if _MADVISE is not None and stop > start and _MADVISE(address + start, stop - start, _POPULATE_WRITE) != 0:
+        _MADVISE = None
 
 
 class FileImage:
@@ -68,10 +94,12 @@ class FileImage:
         self.size = self._layout.size
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._tensors: Optional[dict] = tensors
-        self._memory = page_buffer(self.size, huge=True)  # its pages are taken by the fill, a chunk ahead of its copy
+        self._memory = page_buffer(self.size, huge=True)  # its pages are taken by the fill, ahead of its copy
+        self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))  # (the export ends at once)
         head = self._layout.head
         self._memory[: len(head)] = head
-        self._populated = 0
+        self._claimed = 0  # pages up to here are taken, or being taken, by the fill or its helper
+        self._stopped = False  # the fill has ended: its helper stops
         self._filled = 0  # bytes copied and hashed, from the start; == size once the record is known too
         self._waits: list = []  # the ends the writers wait for: the fill wakes them only once one is reached
         self._record: Optional[FileRecord] = None
@@ -87,6 +115,10 @@ class FileImage:
         """
         hashed, digest = 0, hasher(ALGORITHM)
         view = memoryview(self._memory)
+        # Taking pages costs as much as the copy; a helper at the caller's priority does it ahead of the copy,
+        # while the caller (training) waits anyway, and whatever it has not reached yet the caller takes itself.
+        helper = threading.Thread(target=self._take_ahead, name="dynemb-snapshot-pages", daemon=True)
+        helper.start()
         try:
             for name, offset in zip(self._layout.names, self._layout.offsets):
                 for piece in flat_pieces(self._tensors[name]):
@@ -96,7 +128,7 @@ class FileImage:
                     for start in range(0, n, step):
                         part = piece[start : start + step]
                         end = offset + part.numel() * size
-                        self._populate(end)
+                        self._take(end)
                         torch.frombuffer(self._memory, dtype=piece.dtype, count=part.numel(), offset=offset).copy_(part)
                         digest.update(view[hashed:end])  # the header and any padding before it too
                         hashed = offset = end
@@ -111,24 +143,39 @@ class FileImage:
             raise
         finally:
             self._tensors = None  # the live columns are no longer needed: nothing keeps them from changing
+            with self._changed:
+                self._stopped = True
+                self._changed.notify_all()
+            helper.join()
 
-    def _populate(self, end: int) -> None:
-        """Take the pages up to ``end`` (rounded up to a chunk) now, in one call, if they are not yet."""
-        global _POPULATE
-        if end <= self._populated:
-            return
-        stop = min(len(self._memory), round_up(max(end, self._populated + CHUNK_BYTES)))
-        if _POPULATE is not None:
-            try:
-                self._memory.madvise(_POPULATE, self._populated, stop - self._populated)
-            except OSError:  # an older kernel: the copy takes them a fault at a time
-                _POPULATE = None
-        self._populated = stop
+    def _take(self, end: int) -> None:
+        """Take the pages up to ``end`` (rounded up to a chunk) that neither the fill nor its helper took yet."""
+        with self._changed:
+            start = self._claimed
+            if end <= start:
+                return
+            stop = self._claimed = min(len(self._memory), round_up(max(end, start + CHUNK_BYTES)))
+        _take_pages(self._address, start, stop)
+
+    def _take_ahead(self) -> None:
+        """The fill's helper: take a chunk's pages at a time, up to :data:`AHEAD_BYTES` beyond the copy (taking
+        them writes nothing: the copy may overtake it)."""
+        while True:
+            with self._changed:
+                while not self._stopped and self._claimed < len(self._memory) and (
+                        self._claimed >= self._filled + AHEAD_BYTES):
+                    self._changed.wait()
+                if self._stopped or self._claimed >= len(self._memory) or _MADVISE is None:
+                    return
+                start = self._claimed
+                stop = self._claimed = min(len(self._memory), start + CHUNK_BYTES)
+            _take_pages(self._address, start, stop)
 
     def _advance(self, filled: int) -> None:
         with self._changed:
-            self._filled = filled
-            if self._waits and filled >= min(self._waits):
+            before, self._filled = self._filled, filled
+            # writers wait for a chunk's end, the helper for the copy to move a chunk on
+            if (self._waits and filled >= min(self._waits)) or filled // CHUNK_BYTES != before // CHUNK_BYTES:
                 self._changed.notify_all()
 
     def abort(self, error: BaseException) -> None:
