@@ -111,11 +111,13 @@ def test_direct_and_buffered_writes_and_file_images_give_the_same_file(tmp_path,
     monkeypatch.setattr(block_file, "DIRECT", False)
     buffered = write_tensors(tmp_path / "buffered.safetensors", tensors, {"note": "hi"})
     monkeypatch.undo()
+    taking_pages = file_image._MADVISE  # None where the system cannot take pages ahead (the copy faults them in)
     image = file_image.FileImage(tensors, {"note": "hi"})
     filler = threading.Thread(target=image.fill)
     filler.start()
     imaged = image.write(tmp_path / "image.safetensors")
     filler.join()
+    assert file_image._MADVISE is taking_pages  # every range the fill and its helper took was page-aligned
     raw = (tmp_path / "direct.safetensors").read_bytes()
     assert direct == buffered == imaged == FileRecord(xxhash.xxh3_128(raw).hexdigest(), len(raw))
     assert raw == (tmp_path / "buffered.safetensors").read_bytes() == (tmp_path / "image.safetensors").read_bytes()

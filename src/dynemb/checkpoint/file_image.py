@@ -3,18 +3,21 @@ the save's threads.
 
 :class:`FileImage` holds the bytes of one safetensors file (header, then each tensor at its offset) in
 page-aligned memory. ``save(..., blocking=False)`` makes one per file, starts its thread, and copies the tensors in
-on the caller's thread (:meth:`FileImage.fill`): a 32 MiB chunk's pages are taken (``MADV_POPULATE_WRITE``, cheaper
-than a fault each) just before they are needed, and each 1 MiB is copied (a torch copy) and then added to the file's
-checksum while it is still in the core's cache, so the checksum costs the caller little and the save's threads
-nothing. Those threads (:meth:`FileImage.write`) only write each chunk already copied, two in flight, with
-``O_DIRECT`` straight from this memory (the device reads it: almost no CPU), so a save whose threads get only a sliver
-of a core beside training still writes at the disk's pace. A chunk's memory goes back to the OS once it is on disk,
-so the snapshot's cost, the files' bytes, shrinks as the save goes.
+on the caller's thread (:meth:`FileImage.fill`): the pages are taken a 32 MiB chunk at a time just before they are
+needed (``MADV_POPULATE_WRITE``, cheaper than a fault each, huge pages where the system gives them; a helper thread
+at the caller's priority takes them up to :data:`AHEAD_BYTES` ahead, while training waits anyway), and each 1 MiB is
+copied (a torch copy) and then added to the file's checksum while it is still in the core's cache, so the checksum
+costs the caller little and the save's threads nothing. Those threads (:meth:`FileImage.write`) only write each
+chunk already copied, two in flight, with ``O_DIRECT`` straight from this memory (the device reads it: almost no
+CPU), so a save whose threads get only a sliver of a core beside training still writes at the disk's pace. A chunk's
+memory goes back to the OS once it is on disk: the snapshot's cost is at most the files' bytes, and in practice what
+the copy gets ahead of the disk.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import sys
 import threading
@@ -63,7 +66,8 @@ def _take_pages(address: int, start: int, stop: int) -> None:
     (before 5.14, not Linux) the copy takes them later, a fault at a time."""
     global _MADVISE
     if _MADVISE is not None and stop > start and _MADVISE(address + start, stop - start, _POPULATE_WRITE) != 0:
-        _MADVISE = None
+        if ctypes.get_errno() == errno.EINVAL:  # a kernel without it (the ranges are page-aligned)
+            _MADVISE = None
 
 
 class FileImage:
@@ -168,7 +172,7 @@ class FileImage:
                 if self._stopped or self._claimed >= len(self._memory) or _MADVISE is None:
                     return
                 start = self._claimed
-                stop = self._claimed = min(len(self._memory), start + CHUNK_BYTES)
+                stop = self._claimed = min(len(self._memory), round_up(start + CHUNK_BYTES))
             _take_pages(self._address, start, stop)
 
     def _advance(self, filled: int) -> None:
