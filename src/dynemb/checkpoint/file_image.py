@@ -1,23 +1,20 @@
 """A background save's snapshot, laid out as the file it becomes: copied and checksummed by the caller, written by
 the save's threads.
 
-:class:`FileImage` holds the bytes of one safetensors file (header, then each tensor at its offset) in
-page-aligned memory. ``save(..., blocking=False)`` makes one per file, starts its thread, and copies the tensors in
-on the caller's thread (:meth:`FileImage.fill`): the pages are taken a 32 MiB chunk at a time just before they are
-needed (``MADV_POPULATE_WRITE``, cheaper than a fault each, huge pages where the system gives them; a helper thread
-at the caller's priority takes them up to :data:`AHEAD_BYTES` ahead, while training waits anyway), and each 1 MiB is
-copied (a torch copy) and then added to the file's checksum while it is still in the core's cache, so the checksum
-costs the caller little and the save's threads nothing. Those threads (:meth:`FileImage.write`) only write each
-chunk already copied, two in flight, with ``O_DIRECT`` straight from this memory (the device reads it: almost no
-CPU), so a save whose threads get only a sliver of a core beside training still writes at the disk's pace. A chunk's
-memory goes back to the OS once it is on disk: the snapshot's cost is at most the files' bytes, and in practice what
-the copy gets ahead of the disk.
+:class:`FileImage` holds the bytes of one safetensors file (header, then each tensor at its offset) in page-aligned
+chunks of 32 MiB. ``save(..., blocking=False)`` makes one per file, starts its thread, and copies the tensors in on
+the caller's thread (:meth:`FileImage.fill`): each 1 MiB is copied (a torch copy) and then added to the file's
+checksum while it is still in the core's cache, so the checksum costs the caller little and the save's threads
+nothing. Those threads (:meth:`FileImage.write`) only write each chunk already copied, two in flight, with
+``O_DIRECT`` straight from its memory (the device reads it: almost no CPU), so a save whose threads get only a sliver
+of a core beside training still writes at the disk's pace. A chunk written goes back to the copy, which fills it
+again with a later part of the file: its pages stay taken, and taking fresh pages (zeroed by the kernel; as costly as
+the copy) is only needed for as many chunks as the copy gets ahead of the disk. That is also the snapshot's memory:
+at most the file's bytes, in practice a fraction, given back when the file is written.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import mmap
 import sys
 import threading
@@ -40,34 +37,21 @@ HASH_BYTES = 1 << 20
 #: chunks being written at once (each by a thread of its own): the next write is queued at the device while a
 #: starved thread waits to run again
 WRITES_IN_FLIGHT = 2
-#: how far ahead of the copy the fill's helper takes pages (the memory it holds before the copy needs it)
-AHEAD_BYTES = 4 * CHUNK_BYTES
-_POPULATE_WRITE = 23  # madvise(2) advice (Linux 5.14+): take a range's pages now, without writing them
+#: madvise(2) advice that takes a range's pages now, without writing them (Linux 5.14+; Python names it from 3.13)
+_POPULATE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 
 
-def _libc_madvise():
-    """libc's ``madvise`` through ctypes, which releases the GIL for the call (``mmap.madvise`` keeps it), or
-    None (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
-    return madvise
-
-
-_MADVISE = _libc_madvise()
-
-
-def _take_pages(address: int, start: int, stop: int) -> None:
-    """Take the pages of ``[start, stop)`` of the memory at ``address`` now, in one call; where the kernel cannot
-    (before 5.14, not Linux) the copy takes them later, a fault at a time."""
-    global _MADVISE
-    if _MADVISE is not None and stop > start and _MADVISE(address + start, stop - start, _POPULATE_WRITE) != 0:
-        if ctypes.get_errno() == errno.EINVAL:  # a kernel without it (the ranges are page-aligned)
-            _MADVISE = None
+def _new_chunk(size: int) -> mmap.mmap:
+    """``size`` bytes of fresh page-aligned memory with its pages taken now, in one call (huge pages where the system
+    gives them), rather than a fault at a time during the copy."""
+    global _POPULATE
+    memory = page_buffer(size, huge=True)
+    if _POPULATE is not None:
+        try:
+            memory.madvise(_POPULATE)
+        except OSError:  # a kernel before 5.14: the copy takes them a fault at a time
+            _POPULATE = None
+    return memory
 
 
 class FileImage:
@@ -98,17 +82,45 @@ class FileImage:
         self.size = self._layout.size
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._tensors: Optional[dict] = tensors
-        self._memory = page_buffer(self.size, huge=True)  # its pages are taken by the fill, ahead of its copy
-        self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))  # (the export ends at once)
-        head = self._layout.head
-        self._memory[: len(head)] = head
-        self._claimed = 0  # pages up to here are taken, or being taken, by the fill or its helper
-        self._stopped = False  # the fill has ended: its helper stops
+        # a multiple of every element's size: no element straddles two chunks
+        self._chunk = round_up(max(CHUNK_BYTES, ALIGN))
+        self._chunks: list = [None] * -(-self.size // self._chunk)  # chunk k's memory, from its copy to its write
+        self._spare: list = []  # written chunks' memory, its pages still taken, for the copy to fill again
+        self._all: list = []  # every chunk's memory, to give back at the end
         self._filled = 0  # bytes copied and hashed, from the start; == size once the record is known too
-        self._waits: list = []  # the ends the writers wait for: the fill wakes them only once one is reached
         self._record: Optional[FileRecord] = None
         self._error: Optional[BaseException] = None
         self._changed = threading.Condition()
+
+    def _memory(self, k: int) -> mmap.mmap:
+        """Chunk ``k``'s memory (the fill's): a spare chunk's if there is one, else fresh."""
+        memory = self._chunks[k]  # only the fill sets it
+        if memory is not None:
+            return memory
+        with self._changed:
+            memory = self._spare.pop() if self._spare else None
+        if memory is None:
+            memory = _new_chunk(min(self._chunk, round_up(self.size)))  # (its pages taken outside the lock)
+            self._all.append(memory)
+        with self._changed:
+            self._chunks[k] = memory
+        return memory
+
+    def _put(self, offset: int, data) -> None:
+        """Copy ``data`` (a bytes-like object) into the image at ``offset``, across chunks."""
+        data = memoryview(data).cast("B")
+        while len(data):
+            k, at = divmod(offset, self._chunk)
+            n = min(len(data), self._chunk - at)
+            self._memory(k)[at : at + n] = data[:n]
+            data, offset = data[n:], offset + n
+
+    def _hash(self, digest, start: int, end: int) -> None:
+        while start < end:
+            k, at = divmod(start, self._chunk)
+            n = min(end - start, self._chunk - at)
+            digest.update(memoryview(self._memory(k))[at : at + n])
+            start += n
 
     def fill(self) -> None:
         """Copy the tensors in, in file order, and checksum them as they are copied; :meth:`write` follows. Call
@@ -118,27 +130,24 @@ class FileImage:
             Whatever the copy raised (say, a device error); :meth:`write` then fails too.
         """
         hashed, digest = 0, hasher(ALGORITHM)
-        view = memoryview(self._memory)
-        # Taking pages costs as much as the copy; a helper at the caller's priority does it ahead of the copy,
-        # while the caller (training) waits anyway, and whatever it has not reached yet the caller takes itself.
-        helper = threading.Thread(target=self._take_ahead, name="dynemb-snapshot-pages", daemon=True)
-        helper.start()
         try:
+            self._put(0, self._layout.head)
             for name, offset in zip(self._layout.names, self._layout.offsets):
                 for piece in flat_pieces(self._tensors[name]):
-                    n, size = piece.numel(), piece.element_size()
-                    # a CPU piece 1 MiB at a time (hashed while in cache); a device piece in one copy
-                    step = max(1, HASH_BYTES // size) if piece.device.type == "cpu" else max(n, 1)
-                    for start in range(0, n, step):
-                        part = piece[start : start + step]
-                        end = offset + part.numel() * size
-                        self._take(end)
-                        torch.frombuffer(self._memory, dtype=piece.dtype, count=part.numel(), offset=offset).copy_(part)
-                        digest.update(view[hashed:end])  # the header and any padding before it too
-                        hashed = offset = end
-                        if end < self.size:
-                            self._advance(end)
-            digest.update(view[hashed : self.size])
+                    n, size, done = piece.numel(), piece.element_size(), 0
+                    # a CPU piece 1 MiB at a time (hashed while in cache); a device piece a chunk at a time
+                    most = max(1, HASH_BYTES // size) if piece.device.type == "cpu" else n
+                    while done < n:
+                        k, at = divmod(offset, self._chunk)
+                        count = min(n - done, most, (self._chunk - at) // size)
+                        torch.frombuffer(self._memory(k), dtype=piece.dtype, count=count, offset=at).copy_(
+                            piece[done : done + count])
+                        done, offset = done + count, offset + count * size
+                        self._hash(digest, hashed, offset)  # the header and any padding before it too
+                        hashed = offset
+                        if offset < self.size:
+                            self._advance(offset)
+            self._hash(digest, hashed, self.size)
             with self._changed:
                 self._record = FileRecord(digest.hexdigest(), self.size, ALGORITHM)
             self._advance(self.size)
@@ -147,39 +156,11 @@ class FileImage:
             raise
         finally:
             self._tensors = None  # the live columns are no longer needed: nothing keeps them from changing
-            with self._changed:
-                self._stopped = True
-                self._changed.notify_all()
-            helper.join()
-
-    def _take(self, end: int) -> None:
-        """Take the pages up to ``end`` (rounded up to a chunk) that neither the fill nor its helper took yet."""
-        with self._changed:
-            start = self._claimed
-            if end <= start:
-                return
-            stop = self._claimed = min(len(self._memory), round_up(max(end, start + CHUNK_BYTES)))
-        _take_pages(self._address, start, stop)
-
-    def _take_ahead(self) -> None:
-        """The fill's helper: take a chunk's pages at a time, up to :data:`AHEAD_BYTES` beyond the copy (taking
-        them writes nothing: the copy may overtake it)."""
-        while True:
-            with self._changed:
-                while not self._stopped and self._claimed < len(self._memory) and (
-                        self._claimed >= self._filled + AHEAD_BYTES):
-                    self._changed.wait()
-                if self._stopped or self._claimed >= len(self._memory) or _MADVISE is None:
-                    return
-                start = self._claimed
-                stop = self._claimed = min(len(self._memory), round_up(start + CHUNK_BYTES))
-            _take_pages(self._address, start, stop)
 
     def _advance(self, filled: int) -> None:
         with self._changed:
             before, self._filled = self._filled, filled
-            # writers wait for a chunk's end, the helper for the copy to move a chunk on
-            if (self._waits and filled >= min(self._waits)) or filled // CHUNK_BYTES != before // CHUNK_BYTES:
+            if filled == self.size or filled // self._chunk != before // self._chunk:  # writers wait for chunks
                 self._changed.notify_all()
 
     def abort(self, error: BaseException) -> None:
@@ -190,12 +171,8 @@ class FileImage:
 
     def _wait(self, end: int) -> None:
         with self._changed:
-            self._waits.append(end)
-            try:
-                while self._filled < end and self._error is None:
-                    self._changed.wait()
-            finally:
-                self._waits.remove(end)
+            while self._filled < end and self._error is None:
+                self._changed.wait()
             if self._error is not None:
                 raise CheckpointError(f"the snapshot for this file failed: {self._error!r}") from self._error
 
@@ -207,20 +184,22 @@ class FileImage:
         Raises:
             CheckpointError: the fill failed. OSError: the write did.
         """
-        view = memoryview(self._memory)  # slices of it are what the writes read: no copy
-        step = round_up(max(CHUNK_BYTES, ALIGN))
-        starts = range(0, self.size, step)
         lock, failed = threading.Lock(), threading.Event()
 
         def write_every(first: int) -> None:  # chunks first, first + WRITES_IN_FLIGHT, ...
             try:
-                for start in starts[first::WRITES_IN_FLIGHT]:
-                    end = min(start + step, self.size)
+                for k in range(first, len(self._chunks), WRITES_IN_FLIGHT):
+                    start = k * self._chunk
+                    end = min(start + self._chunk, self.size)
                     self._wait(end)
                     if failed.is_set():
                         return
-                    sink.write_at(view[start : round_up(end)], start)  # zeros beyond the end, cut by finish
-                    self._free(start, end)
+                    memory = self._chunks[k]
+                    # zeros (or an earlier chunk's bytes) beyond the file's end, cut by finish
+                    sink.write_at(memoryview(memory)[: round_up(end - start)], start)
+                    with self._changed:
+                        self._chunks[k] = None
+                        self._spare.append(memory)  # its pages are kept for the copy of a later chunk
                     if on_bytes is not None:
                         with lock:
                             on_bytes(end - start)
@@ -231,7 +210,7 @@ class FileImage:
         try:
             with BlockFile(path) as sink, ThreadPoolExecutor(max(1, WRITES_IN_FLIGHT - 1)) as helpers:
                 # the helpers inherit this thread's priority (Linux: a new thread takes its creator's nice value)
-                others = [helpers.submit(write_every, k) for k in range(1, min(WRITES_IN_FLIGHT, len(starts)))]
+                others = [helpers.submit(write_every, k) for k in range(1, min(WRITES_IN_FLIGHT, len(self._chunks)))]
                 try:
                     write_every(0)
                 finally:
@@ -243,9 +222,12 @@ class FileImage:
                 sink.finish(self.size)
                 return self._record
         finally:
-            self._free(0, self.size)
+            self._give_back()
 
-    def _free(self, start: int, end: int) -> None:
-        """Give ``[start, end)``'s pages back to the OS (reads would see zeros; nothing reads them again)."""
-        if hasattr(self._memory, "madvise"):
-            self._memory.madvise(mmap.MADV_DONTNEED, start, round_up(end) - start)
+    def _give_back(self) -> None:
+        """Give every chunk's pages back to the OS (a failed write's fill may still copy: it takes them again)."""
+        with self._changed:
+            memories, self._spare = list(self._all), []
+        for memory in memories:
+            if hasattr(memory, "madvise"):
+                memory.madvise(mmap.MADV_DONTNEED)
