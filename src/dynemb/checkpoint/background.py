@@ -8,9 +8,10 @@ equal a blocking save at that step. The copy is laid out as the files themselves
 page-aligned, header and tensors at their offsets), and the thread starts before it: the caller checksums each MiB
 right after copying it (still in cache), and the thread only writes each chunk already copied, with ``O_DIRECT``
 straight from the snapshot where the file system allows (almost no CPU: it keeps the disk's pace at nice +10 beside
-training). The snapshot costs host memory the size of the files (for a full save, every live row of this rank's
-tables; for an incremental one, its changed rows), given back a chunk at a time as the chunks reach the disk, and
-one memory copy and checksum of those bytes on the caller's thread (a device-to-host copy for CUDA tables).
+training). The snapshot costs host memory of at most the size of the files (for a full save, every live row of
+this rank's tables; for an incremental one, its changed rows), in practice what the copy gets ahead of the disk (a
+chunk written is filled again with a later one), and one memory copy and checksum of those bytes on the caller's
+thread (a device-to-host copy for CUDA tables).
 
 Saves run one at a time in a process: a save or load first waits for a background save still running
 (:func:`wait_for_saves`), so incremental chains and ``latest`` follow the order of the calls. A serving export does
