@@ -14,6 +14,7 @@ from ckpt_util import TwoTables, assert_same_models, assert_same_tables, table_s
 import dynemb
 from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
 from dynemb.checkpoint import CheckpointError, load, save
+from dynemb.checkpoint.tables import find_tables
 
 
 def test_round_trip_is_bit_exact(tmp_path):
@@ -306,3 +307,42 @@ def test_dense_state_names_skip_the_ddp_wrapper_and_old_wrapped_names_still_load
         assert torch.equal(plain["top"][0].bias, old["top.module.0.bias"])
     finally:
         dist.destroy_process_group()
+
+
+class _Compiled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = dynemb.DynamicEmbedding(4, seed=3), torch.nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids))
+
+
+def test_a_compiled_model_names_its_tables_as_the_plain_model_and_old_wrapped_names_still_load(tmp_path, monkeypatch):
+    """``torch.compile`` is layout: a compiled model's checkpoint named its table ``_orig_mod.emb`` and its dense
+    weights ``_orig_mod.lin.weight``, so it did not load into the plain model (strict) and exports named the table
+    by the wrapper. Now both forms save the same names, each loads into the other, and files written the old way
+    still load."""
+    from dynemb.checkpoint import dense as dense_module
+    from dynemb.checkpoint import tables as tables_module
+
+    ids = torch.tensor([5, -1, 2**40])
+    plain = _Compiled()
+    plain.emb(ids)
+    compiled = torch.compile(plain)  # the module tree only: nothing is compiled until called
+    assert list(find_tables(compiled)) == ["emb"] and list(find_tables(torch.compile(plain.emb))) == ["embedding"]
+    save(tmp_path / "new", compiled, step=1)
+    fresh = _Compiled()
+    load(tmp_path / "new", fresh)  # strict
+    assert torch.equal(fresh.emb(ids), plain.emb(ids)) and torch.equal(fresh.lin.weight, plain.lin.weight)
+    again = _Compiled()
+    load(tmp_path / "new", torch.compile(again))
+    assert torch.equal(again.lin.bias, plain.lin.bias)
+    with monkeypatch.context() as old:  # as versions before this one wrote them
+        old.setattr(dense_module, "unwrap", lambda m: m)
+        old.setattr(tables_module, "unwrap", lambda m: m)
+        assert list(find_tables(compiled)) == ["_orig_mod.emb"]
+        save(tmp_path / "old", compiled, step=1)
+    fresh = _Compiled()
+    load(tmp_path / "old", fresh)
+    assert torch.equal(fresh.emb(ids), plain.emb(ids)) and torch.equal(fresh.lin.weight, plain.lin.weight)

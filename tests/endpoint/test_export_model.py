@@ -124,23 +124,12 @@ def test_the_export_names_the_users_inputs_and_binds_lookups_by_name(exported):
 
 def test_export_model_refuses_what_it_cannot_serve(tmp_path, trained):
     dlrm, _, g = trained
-    with pytest.raises(ValueError, match="holds no EmbeddingCollection"):
+    with pytest.raises(ValueError, match=r"model holds no table \(an EmbeddingCollection, DynamicEmbedding or "
+                                         r"StaticEmbedding\)"):
         export_model(tmp_path / "a", torch.nn.Linear(2, 1), (torch.zeros(1, 2),))
-
-    class Standalone(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = DLRM()
-            self.extra = DynamicEmbedding(4)
-
-        def forward(self, dense, kjt):
-            return self.inner(dense, kjt)
-
-    with pytest.raises(ValueError, match="'extra' is a standalone DynamicEmbedding"):
-        export_model(tmp_path / "b", Standalone(), dlrm_batch(dlrm, 2, g))
     with pytest.raises(TypeError, match="input 'scale' must be a tensor"):
         export_model(tmp_path / "c", dlrm, dlrm_batch(dlrm, 2, g), example_kwargs={"scale": 0.5})
-    assert not (tmp_path / "b").exists() and not (tmp_path / "c" / "latest").exists()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c" / "latest").exists()
 
 
 def test_example_inputs_the_collection_refuses_are_refused_at_export(tmp_path, trained):
@@ -450,3 +439,304 @@ def test_8bit_rows_serve_within_their_quantization_error(trained, tmp_path):
         torch.testing.assert_close(got["output"], want, atol=0.02, rtol=0.02)  # ... within their error
     finally:
         served.close()
+
+
+class Tables(torch.nn.Module):
+    """Standalone tables, as a user of ``nn.Embedding`` writes a model: a DynamicEmbedding read twice (one id per
+    sample, and a [B, M] history the model pools itself, an ``EmbeddingBag`` by hand), an int32-keyed one, a
+    StaticEmbedding, beside a collection."""
+
+    def __init__(self):
+        super().__init__()
+        from dynemb import EmbeddingCollection, FeatureConfig, StaticEmbedding, TableConfig
+
+        self.user = DynamicEmbedding(4, seed=1)
+        self.tower = torch.nn.ModuleDict({"tags": DynamicEmbedding(3, seed=2, key_dtype=torch.int32,
+                                                                   initializer="normal")})
+        self.country = StaticEmbedding(10, 2, seed=3)
+        self.ec = EmbeddingCollection([TableConfig(name="item", dim=4, seed=4)],
+                                      [FeatureConfig(name="item_id", table="item")])
+        self.head = torch.nn.Linear(4 + 4 + 3 + 2 + 4, 1)
+
+    def forward(self, user_id, history, tags, country, item_id):
+        pooled = self.user(history).sum(1) / (history.shape[1] ** 0.5)
+        x = torch.cat([self.user(user_id), pooled, self.tower["tags"](tags).mean(1), self.country(country),
+                       self.ec({"item_id": item_id})["item_id"]], 1)
+        return self.head(x).squeeze(1)
+
+
+def tables_batch(rows: int, g: torch.Generator, ids: int = 30) -> tuple:
+    return (torch.randint(0, ids, (rows,), generator=g), torch.randint(0, ids, (rows, 3), generator=g),
+            torch.randint(0, ids, (rows, 2), generator=g), torch.randint(0, 10, (rows,), generator=g),
+            torch.randint(0, ids, (rows,), generator=g))
+
+
+def test_standalone_tables_serve_as_one_table_collections(tmp_path):
+    """A standalone Dynamic/StaticEmbedding is served as the one sequence feature of a one-table collection
+    named by its module path (the table ``export_for_serving`` writes): served outputs equal the eager model's in
+    eval mode, bit for bit, trained and never-trained ids alike."""
+    g = torch.Generator().manual_seed(8)
+    model = Tables()
+    model(*tables_batch(32, g))  # training mode: the tables insert their ids ...
+    with torch.no_grad():  # ... which then take rows other than their initializer's
+        for emb in (model.user, model.tower["tags"]):
+            keys, values = emb.export()
+            emb.insert_or_assign(keys, torch.randn(values.shape, generator=g))
+        model.country.table.values.copy_(torch.randn(10, 2, generator=g))
+    export_model(tmp_path, model, tables_batch(4, g))
+    manifest = __import__("json").loads((tmp_path / "version-00000001" / "manifest.json").read_text())
+    assert sorted(manifest["tables"]) == ["country", "item", "tower.tags", "user"]
+    assert sorted(manifest["program"]["collections"]) == ["country", "ec", "tower.tags", "user"]
+    served = ExportedModel(tmp_path)
+    try:
+        for rows in (1, 5):
+            batch = tables_batch(rows, g, ids=60)  # ids 30..59 were never trained
+            got, _ = served(dict(zip([i["name"] for i in served.inputs], batch)))
+            assert torch.equal(got["output"], eager(model, batch)), rows
+    finally:
+        served.close()
+
+
+class Bagged(torch.nn.Module):
+    """A standalone table pooled as ``nn.EmbeddingBag`` pools, through ``embedding_lookup_sparse``: dense [B, M]
+    ids with padding and per-id weights, 1-D ids with bag starts, TorchRec's [B+1] offsets; and
+    ``embedding_lookup`` with ``max_norm``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = DynamicEmbedding(4, seed=5)
+
+    def forward(self, dense_ids, weights, ids, starts, bounds):
+        from dynemb.functional import embedding_lookup, embedding_lookup_sparse
+
+        d = self.emb.dim
+        return torch.cat([
+            embedding_lookup_sparse(self.emb, dense_ids, combiner="mean", padding_value=-1),
+            embedding_lookup_sparse(self.emb, dense_ids.clamp(min=0), weights=weights, combiner="sum"),
+            embedding_lookup_sparse(self.emb, ids, starts, combiner="sqrtn", max_norm=0.5),
+            embedding_lookup_sparse(self.emb, ids, bounds, combiner="mean", include_last_offset=True),
+            embedding_lookup(self.emb, dense_ids.clamp(min=0), max_norm=0.3).sum(1),
+            self.emb(dense_ids.clamp(min=0)).view(-1, dense_ids.shape[1] * d)], 1)
+
+
+def bagged_batch(rows: int, g: torch.Generator, ids: int = 30) -> tuple:
+    dense = torch.randint(0, ids, (rows, 3), generator=g)
+    dense[::2, -1] = -1
+    lengths = torch.randint(0, 3, (rows,), generator=g)
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    return (dense, torch.rand(rows, 3, generator=g), torch.randint(0, ids, (int(lengths.sum()),), generator=g),
+            bounds[:-1].clone(), bounds)
+
+
+def test_a_standalone_table_pooled_as_an_embedding_bag_serves_as_eager(tmp_path):
+    g = torch.Generator().manual_seed(9)
+    model = Bagged()
+    model.emb(torch.arange(30))
+    with torch.no_grad():
+        keys, values = model.emb.export()
+        model.emb.insert_or_assign(keys, torch.randn(values.shape, generator=g))
+    export_model(tmp_path, model, bagged_batch(4, g))
+    served = ExportedModel(tmp_path)
+    try:
+        for rows in (1, 6):
+            batch = bagged_batch(rows, g, ids=60)
+            got, _ = served(dict(zip([i["name"] for i in served.inputs], batch)))
+            assert torch.equal(got["output"], eager(model, batch)), rows
+    finally:
+        served.close()
+
+
+def test_a_table_read_other_than_by_a_lookup_is_refused(tmp_path):
+    """A lookup (``emb(ids)``, ``embedding_lookup``, ``embedding_lookup_sparse``) is what serving answers for a
+    standalone table; a model that reads anything else of it (``find``, its ``table``) is refused at export,
+    naming the module; so are ids the eager lookup refuses."""
+
+    class Finds(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.user = DynamicEmbedding(4, seed=1)
+
+        def forward(self, ids):
+            return self.user.find(ids)
+
+    with pytest.raises(ValueError, match=r"^module \(DynamicEmbedding\) 'user' is read as \.find in the model's "
+                                         r"forward: export_model serves its calls \(emb\(ids\), "):
+        export_model(tmp_path / "f", Finds(), (torch.tensor([[1, 2], [3, 4]]),))
+    with pytest.raises(ValueError, match=r"^example_inputs: offsets and lengths must be None for 2-D ids"):
+        export_model(tmp_path / "o", Bagged(), (torch.tensor([[1, 2, 3]]), torch.ones(1, 3), torch.tensor([[1, 2]]),
+                                                 torch.tensor([0]), torch.tensor([0, 2])))
+    assert not (tmp_path / "f").exists() and not (tmp_path / "o").exists()
+
+
+class Sequences(torch.nn.Module):
+    """Jagged sequences (``combiner="none"`` on bags: ``Jagged(values [N, D], offsets [B])``) in every form the
+    collection takes them: lengths, bag starts, TorchRec's [B+1] offsets, a KeyedJaggedTensor; the model attends
+    over them with its own code and returns one sequence as it is."""
+
+    def __init__(self):
+        super().__init__()
+        from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+
+        self.ec = EmbeddingCollection(
+            [TableConfig(name="item", dim=4, seed=1), TableConfig(name="tag", dim=4, seed=2, dtype=torch.float16)],
+            [FeatureConfig(name="clicks", table="item", combiner="none"),
+             FeatureConfig(name="views", table="item", combiner="none", max_norm=0.05),
+             FeatureConfig(name="tags", table="tag", combiner="none"), FeatureConfig(name="user", table="item"),
+             FeatureConfig(name="k_seq", table="tag", combiner="none"), FeatureConfig(name="k_sum", table="item",
+                                                                                       combiner="sum")])
+        self.query = torch.nn.Linear(4, 4)
+
+    @staticmethod
+    def attend(query, seq):
+        values, starts = seq
+        bag = torch.searchsorted(starts, torch.arange(values.shape[0]), right=True) - 1
+        scores = (values.float() * query[bag]).sum(1).exp()
+        total = query.new_zeros(query.shape[0]).index_add(0, bag, scores)
+        return query.new_zeros(query.shape).index_add(0, bag, values.float() * scores[:, None]) / \
+            total.clamp(min=1e-6)[:, None]
+
+    def forward(self, ids, lengths, v_ids, v_starts, t_ids, t_bounds, user, kjt):
+        from dynemb.collection.features import Bags
+
+        out = self.ec({"clicks": Bags(ids, lengths=lengths), "views": (v_ids, v_starts),
+                       "tags": Bags(t_ids, offsets=t_bounds, include_last_offset=True), "user": user})
+        keyed = self.ec(kjt)
+        q = self.query(out["user"] + keyed["k_sum"])
+        x = self.attend(q, out["clicks"]) + self.attend(q, out["views"]) + self.attend(q, out["tags"]) \
+            + self.attend(q, keyed["k_seq"])
+        return {"scores": x.sum(1), "clicks": out["clicks"].values, "clicks_offsets": out["clicks"].offsets}
+
+
+def sequences_batch(rows: int, g: torch.Generator, ids: int = 30) -> tuple:
+    from hand_models import KJT
+
+    def bags():
+        lengths = torch.randint(0, 4, (rows,), generator=g)
+        return torch.randint(0, ids, (int(lengths.sum()),), generator=g), lengths
+
+    c_ids, c_lengths = bags()
+    v_ids, v_lengths = bags()
+    t_ids, t_lengths = bags()
+    k_lengths = torch.randint(0, 3, (2 * rows,), generator=g)
+    kjt = KJT(["k_seq", "k_sum"], torch.randint(0, ids, (int(k_lengths.sum()),), generator=g), k_lengths)
+    return (c_ids, c_lengths, v_ids, v_lengths.cumsum(0) - v_lengths, t_ids,
+            torch.cat([torch.zeros(1, dtype=torch.long), t_lengths.cumsum(0)]), torch.randint(0, ids, (rows,),
+                                                                                                generator=g), kjt)
+
+
+def test_jagged_sequences_serve_as_eager(tmp_path):
+    g = torch.Generator().manual_seed(10)
+    model = Sequences()
+    with torch.no_grad():
+        model(*sequences_batch(32, g))  # inserts nothing (no grad): every row is its initializer's ...
+    model(*sequences_batch(32, g))  # ... but these, inserted by training mode
+    export_model(tmp_path, model, sequences_batch(4, g))
+    served = ExportedModel(tmp_path)
+    try:
+        assert [o["name"] for o in served.outputs] == ["scores", "clicks", "clicks_offsets"]
+        for rows in (1, 7):
+            batch = sequences_batch(rows, g, ids=60)
+            flat = [batch[0], batch[1], batch[2], batch[3], batch[4], batch[5], batch[6], batch[7].values(),
+                    batch[7].lengths()]
+            got, _ = served(dict(zip([i["name"] for i in served.inputs], flat)))
+            want = eager(model, batch)
+            for name in ("scores", "clicks", "clicks_offsets"):
+                assert torch.equal(got[name], want[name]), (rows, name)
+    finally:
+        served.close()
+
+
+class Coo(torch.nn.Module):
+    """Sparse COO inputs ``[B, M]`` (``tf.SparseTensor`` style): ids of a pooled feature, with COO weights of the
+    same pattern; and ids with dense weights."""
+
+    def __init__(self):
+        super().__init__()
+        from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
+
+        self.ec = EmbeddingCollection([TableConfig(name="tag", dim=4, seed=1, combiner="sqrtn")],
+                                      [FeatureConfig(name="tags", table="tag"),
+                                       FeatureConfig(name="topics", table="tag", combiner="mean")])
+
+    def forward(self, tags, tag_weights, topics):
+        out = self.ec({"tags": tags, "topics": topics}, weights={"tags": tag_weights})
+        return torch.cat([out["tags"], out["topics"]], 1)
+
+
+def coo_batch(rows: int, g: torch.Generator, ids: int = 30) -> tuple:
+    def coo(values):
+        n = values.shape[0]
+        index = torch.stack([torch.randint(0, rows, (n,), generator=g), torch.randint(0, 5, (n,), generator=g)])
+        return torch.sparse_coo_tensor(index, values, (rows, 5), check_invariants=True)
+
+    n = 2 * rows
+    tags = coo(torch.randint(0, ids, (n,), generator=g)).coalesce()
+    weights = torch.sparse_coo_tensor(tags.indices(), torch.rand(tags.values().shape, generator=g), (rows, 5),
+                                      check_invariants=True)
+    return tags, weights, coo(torch.randint(0, ids, (n,), generator=g))  # topics: not coalesced
+
+
+def test_sparse_coo_inputs_serve_as_eager(tmp_path):
+    """A sparse COO input is served as two dense inputs, ``name [B, M]`` (its values) and ``name_mask [B, M]``
+    (bool: where its entries are), rebuilt into the COO tensor the collection takes: outputs bit-equal to eager,
+    a row without entries and an entry of id 0 included."""
+    g = torch.Generator().manual_seed(11)
+    model = Coo()
+    model(*coo_batch(16, g))
+    export_model(tmp_path, model, coo_batch(4, g))
+    served = ExportedModel(tmp_path)
+    try:
+        assert [(i["name"], i["dtype"], i["shape"]) for i in served.inputs] == [
+            ("tags", "int64", [-1, -1]), ("tags_mask", "bool", [-1, -1]), ("tag_weights", "float32", [-1, -1]),
+            ("tag_weights_mask", "bool", [-1, -1]), ("topics", "int64", [-1, -1]), ("topics_mask", "bool", [-1, -1])]
+        for rows in (1, 6):
+            tags, weights, topics = coo_batch(rows, g, ids=60)
+            zeroed = tags.values() * (torch.arange(tags.values().numel()) % 3 > 0)  # ids 0 among them
+            tags = torch.sparse_coo_tensor(tags.indices(), zeroed, tags.shape, check_invariants=True)
+            request = {}
+            for name, value in (("tags", tags), ("tag_weights", weights), ("topics", topics)):
+                value = value.coalesce()
+                request[name] = value.to_dense()
+                request[f"{name}_mask"] = torch.zeros(value.shape, dtype=torch.bool).index_put_(
+                    tuple(value.indices()), torch.tensor(True))
+            got, _ = served(request)
+            assert torch.equal(got["output"], eager(model, (tags, weights, topics))), rows
+    finally:
+        served.close()
+
+
+def test_a_sparse_input_read_other_than_by_a_collection_is_refused(tmp_path):
+    class Densifies(Coo):
+        def forward(self, tags, tag_weights, topics):
+            return super().forward(tags, tag_weights, topics) + tags.to_dense().sum()
+
+    g = torch.Generator().manual_seed(12)
+    with pytest.raises(ValueError, match=r"^input 'tags' is a sparse COO tensor, read as \.to_dense in the model's "
+                                         r"forward: export_model serves a sparse input only as a collection"):
+        export_model(tmp_path, Densifies(), coo_batch(4, g))
+
+
+@pytest.mark.slow
+def test_dynemb_serve_export_takes_a_sparse_input_as_values_and_a_bool_mask(tmp_path):
+    g = torch.Generator().manual_seed(13)
+    model = Coo()
+    model(*coo_batch(16, g))
+    export_model(tmp_path / "coo", model, coo_batch(4, g))
+    proc, address, grpc_address = start(tmp_path / "coo", "coo")
+    try:
+        batch = coo_batch(5, g, ids=60)
+        want = eager(model, batch).numpy()
+        for module in (http, grpcclient):
+            client, tensors = module.InferenceServerClient(grpc_address if module is grpcclient else address), []
+            for name, value in zip(("tags", "tag_weights", "topics"), batch):
+                value = value.coalesce()
+                mask = torch.zeros(value.shape, dtype=torch.bool).index_put_(tuple(value.indices()),
+                                                                            torch.tensor(True))
+                for key, array in ((name, value.to_dense().numpy()), (f"{name}_mask", mask.numpy())):
+                    kind = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(bool): "BOOL"}
+                    tensors.append(module.InferInput(key, list(array.shape), kind[array.dtype]))
+                    tensors[-1].set_data_from_numpy(array)
+            np.testing.assert_array_equal(client.infer("coo", tensors).as_numpy("output"), want)  # bit-equal
+            client.close()
+    finally:
+        stop(proc)

@@ -15,7 +15,7 @@ from . import write_marks
 from .background import wait_for_saves
 from .codec import read_state
 from .shard_tensors import ADMISSION_COUNTS, ADMISSION_KEYS, KEYS, SLOT, VALUES, canonical_config, check_shard
-from .dense import check_dense, load_dense
+from .dense import check_dense, load_dense, wrapper_free
 from .errors import CheckpointError
 from .manifest import MANIFEST, chain, file_record, resolve
 from .progress import logger, transfer
@@ -77,6 +77,8 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
     tables = find_tables(model)
     directory = resolve(path)
     links = chain(directory)
+    for _, saved in links:  # tables an older version named through a wrapper (``_orig_mod.emb``): the model's names
+        saved["tables"] = {_model_name(k, tables, saved["tables"]): v for k, v in saved.get("tables", {}).items()}
     manifest = links[-1][1]
     names = _matching_tables(manifest, directory, tables, strict)
     plan = {name: _sources(links, name, tables[name], ctx) for name in names}
@@ -120,6 +122,11 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
     write_marks.record([tables[n].table for n in shards], STREAM, os.path.realpath(directory.parent),
                    directory.name, reset=True)
     return {**manifest, "path": str(directory)}
+
+
+def _model_name(name: str, tables: dict, saved: dict) -> str:
+    bare = wrapper_free(name, tables)
+    return bare if bare == name or bare not in saved else name
 
 
 def _matching_tables(manifest: dict, directory: Path, tables: dict, strict: bool) -> list[str]:

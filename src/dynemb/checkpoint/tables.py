@@ -25,6 +25,7 @@ from ..serialization import dtype_name
 from ..table import Rows, TieredTable
 from ..table.ops import gather_rows
 from .shard_tensors import ADMISSION_COUNTS, ADMISSION_KEYS, DELETED, KEYS, ORDER, SCORES, SLOT, VALUES
+from .dense import unwrap
 from .errors import CheckpointError
 from .tiered_stream import tiered_columns, tiered_delta_columns
 
@@ -39,7 +40,8 @@ COUNTERS = ("clock", "save_ticks", "epoch", "inserted", "removed", "evicted", "_
 
 def find_tables(model: nn.Module) -> dict[str, TableShard]:
     """Every logical table of ``model`` on this rank, by name: each collection's tables by their config names,
-    and each standalone Dynamic/StaticEmbedding by its module path (``"embedding"`` for the model itself).
+    and each standalone Dynamic/StaticEmbedding by its module path (``"embedding"`` for the model itself), the
+    path without wrappers (``torch.compile``, DistributedDataParallel: ``emb``, never ``_orig_mod.emb``).
 
     Raises:
         TypeError: ``model`` is not a module.
@@ -49,7 +51,7 @@ def find_tables(model: nn.Module) -> dict[str, TableShard]:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     found: dict[str, TableShard] = {}
     where: dict[str, str] = {}
-    for path, module in model.named_modules():
+    for path, module in _table_modules(model):
         if isinstance(module, EmbeddingCollection):
             tables = module.logical_tables()
         elif isinstance(module, (DynamicEmbedding, StaticEmbedding)):
@@ -62,6 +64,23 @@ def find_tables(model: nn.Module) -> dict[str, TableShard]:
                                  f"{path or 'the model'}); table names must be unique within a model")
             found[name], where[name] = shard, path
     return found
+
+
+def _table_modules(module: nn.Module, path: str = "", seen: set | None = None):
+    """``(path, module)`` of ``module`` and every submodule once (as ``named_modules``), through wrappers
+    (:func:`~.dense.unwrap`: a compiled or DistributedDataParallel model names its tables as the plain model
+    does), not into tables."""
+    seen = set() if seen is None else seen
+    module = unwrap(module)
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    yield path, module
+    if isinstance(module, (EmbeddingCollection, DynamicEmbedding, StaticEmbedding)):
+        return
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _table_modules(child, f"{path}.{name}" if path else name, seen)
 
 
 def shard_file(index: int, name: str, rank: int, world_size: int, suffix: str = "") -> str:

@@ -32,7 +32,8 @@ class RequestError(ValueError):
     """A request the model cannot score; the message names the input. Answered with HTTP 400."""
 
 
-NUMPY_DTYPES = {"INT64": "<i8", "INT32": "<i4", "FP32": "<f4", "FP64": "<f8"}
+NUMPY_DTYPES = {"INT64": "<i8", "INT32": "<i4", "FP32": "<f4", "FP64": "<f8",
+                "BOOL": "|u1"}  # read as bytes: a byte other than 0 is True once cast, never an invalid bool
 
 
 def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:

@@ -71,6 +71,9 @@ def embedding_lookup(embedding, ids: torch.Tensor, max_norm: float | None = None
         >>> embedding_lookup(emb, torch.tensor([[4, 4]]), max_norm=1.0).shape
         torch.Size([1, 2, 3])
     """
+    served = getattr(type(embedding), "served_lookup", None)
+    if served is not None:  # a table's stand-in while its model is exported (dynemb.serving.export_model)
+        return served(embedding, ids, max_norm)
     table = table_of(embedding)
     if torch.compiler.is_compiling():
         rows = id_rows(embedding, ids.reshape(-1))
@@ -334,6 +337,9 @@ def embedding_lookup_sparse(
         [[2.0, 2.0], [1.0, 1.0]]
     """
     check_combiner(combiner)
+    served = getattr(type(embedding), "served_lookup_sparse", None)
+    if served is not None:  # a table's stand-in while its model is exported (dynemb.serving.export_model)
+        return served(embedding, ids, offsets, weights, combiner, max_norm, padding_value, include_last_offset)
     flat, offsets, weights, num_bags = to_bags(ids, offsets, weights, padding_value=padding_value,
                                                 include_last_offset=include_last_offset,
                                                 backend=table_of(embedding).backend)

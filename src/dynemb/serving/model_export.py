@@ -1,14 +1,22 @@
-"""``export_model``: a serving export of a user's own ``nn.Module`` holding ``EmbeddingCollection`` s.
+"""``export_model``: a serving export of a user's own ``nn.Module`` holding ``EmbeddingCollection`` s or
+standalone tables, trained in one process or sharded over N ranks.
 
 The tables go through the table export (:func:`~dynemb.checkpoint.export_for_serving`: the same files, dtypes and
 versions ``dynemb serve --watch`` follows); the rest through ``torch.export``, saved with ``torch.export.save``
 (``program.pt2``, no pickle of code) in the same version directory, with the model's inputs and outputs described
 in the manifest's ``program`` field. Each collection call is traced as one ``dynemb::served_features`` node (see
 :mod:`.served_features`), which the served model binds to its parameter server: the graph holds no table rows.
+A standalone ``DynamicEmbedding``/``StaticEmbedding`` called on ids (``emb(ids)``, as ``nn.Embedding``) is traced
+the same way, as the one sequence feature of a one-table collection.
+
+Under torchrun every rank calls :func:`export_model`: each writes its rows, and rank 0 alone traces the program,
+from the collections' logical view (their configs, not their shards; DistributedDataParallel wrappers skipped),
+so the program, and what it serves, is the one a single process exporting the same weights writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import io
 import json
@@ -22,11 +30,16 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..checkpoint.export_format import export_for_serving
+from ..checkpoint.ranks import rank_context
+from ..checkpoint.dense import unwrap
+from ..checkpoint.tables import find_tables
 from ..collection import EmbeddingCollection
-from ..collection.features import Bags, as_bags
+from ..collection.config import FeatureConfig, TableConfig
+from ..collection.features import Bags, Jagged, as_bags, prepare_features
 from ..embedding import DynamicEmbedding, StaticEmbedding
+from ..functional.pooling import to_bags
 from ..serialization import dtype_name
-from .served_features import served_features_op
+from .served_features import bind, pooled_from_server, served_features_op
 
 __all__ = ["export_model", "PROGRAM_FILE"]
 
@@ -37,7 +50,8 @@ PROGRAM_FILE = "program.pt2"
 def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwargs: Optional[dict] = None,
                  dtype: torch.dtype = torch.float32, incremental: bool = False,
                  model_name: Optional[str] = None) -> Path:
-    """Write a serving export of ``model`` (an ``nn.Module`` holding one or more ``EmbeddingCollection`` s).
+    """Write a serving export of ``model`` (an ``nn.Module`` holding ``EmbeddingCollection`` s or standalone
+    ``DynamicEmbedding``/``StaticEmbedding`` s).
 
     Writes ``path/version-<n>/`` (``n`` one above the newest there; ``latest`` then names it, so ``dynemb serve
     --export path --watch`` follows new versions) with every table as :func:`~dynemb.checkpoint.export_for_serving`
@@ -45,17 +59,33 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
     of the rows written since the last export with ``incremental``), and ``program.pt2``: ``model`` in eval mode
     traced by ``torch.export`` on ``example_inputs``, each collection call a ``dynemb::served_features`` node bound
     at serve time to the parameter server's lookup of its tables. Dim 0 of every input is dynamic (any batch size,
-    1 included; a jagged input's length too).
+    1 included; a jagged input's length too). A jagged sequence (``combiner="none"`` on bags) comes to the model as
+    the collection gives it, ``Jagged(values [N, D], offsets [B])``.
+
+    A standalone ``DynamicEmbedding`` or ``StaticEmbedding`` (``emb(ids)``: ids of any shape ``S`` -> rows
+    ``S + (D,)``, pooled if need be by the model's own code) is served as a one-table collection would be: its
+    table (named by its module path, as ``export_for_serving`` names it) in the parameter server, each call a node.
+    A model that reads anything else of it in ``forward`` (``emb.table``, ``embedding_lookup_sparse(emb, ...)``) is
+    refused; hold such a table in an ``EmbeddingCollection``, whose features pool.
+
+    Sharded (a collection with a ``plan``, under torchrun): a collective; every rank calls it with the same
+    arguments. Each rank writes the rows it holds (see ``export_for_serving``); rank 0 runs and traces the model
+    on its ``example_inputs`` (the other ranks' are not read), with every collection by its logical configs and
+    every ``DistributedDataParallel`` as the module it wraps: the export is the one a single process holding the
+    same weights writes, and serves bit-equal outputs. When rank 0 refuses the inputs, every rank raises (the
+    others naming rank 0) and nothing is written.
 
     The served inputs are the tensors of ``example_inputs`` (nested tuples, lists, dicts and pytree-registered
     classes such as TorchRec's ``KeyedJaggedTensor`` are flattened), named by ``forward``'s parameter and the path
-    inside it joined by ``_``: ``dense``, ``features_values``, ``features_lengths``, ``batch_user_id``. Outputs:
+    inside it joined by ``_``: ``dense``, ``features_values``, ``features_lengths``, ``batch_user_id``; a sparse COO
+    input ``tags [B, M]`` (a collection feature's ids or weights) as ``tags`` (its values, dense ``[B, M]``) and
+    ``tags_mask`` (bool ``[B, M]``: where its entries are), both dynamic in dims 0 and 1. Outputs:
     ``output`` for one tensor, else each by its path (``output_0``, a dict output's keys). The manifest's
     ``program`` field lists both with dtypes and shapes (``-1``: dynamic).
 
     Args:
         path: the export root (created if needed).
-        model: the model; its collections must be unsharded, and its tables live in collections.
+        model: the model: its collections (sharded or not) and standalone tables are served.
         example_inputs: positional arguments of ``model.forward`` (tensors, or containers of them).
         example_kwargs: keyword arguments of ``model.forward``.
         dtype: the tables' served dtype (see ``export_for_serving``).
@@ -68,9 +98,11 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
     Raises:
         TypeError: ``model`` is no module, an input is no tensor; ``model`` in eval mode refuses
             ``example_inputs`` (ids of a float dtype, ...): its message, after ``example_inputs:``.
-        ValueError: ``model`` holds no collection, a sharded one, or a table outside a collection; a feature input
-            the export does not support (a sparse COO tensor; a jagged sequence of ``combiner="none"``); ``model``
-            in eval mode refuses ``example_inputs`` (as for TypeError).
+        ValueError: ``model`` holds no table; its ``forward`` reads a standalone table other than by calling it;
+            a sparse COO input that is not 2-D, or that the model reads other than as a collection's feature;
+            ``model`` in eval mode refuses ``example_inputs`` (as for TypeError).
+        On ranks other than 0, rank 0's TypeError/ValueError (RuntimeError for others) as ``export_model failed
+        on rank 0 ...``.
 
     Example:
         >>> import tempfile, torch, dynemb
@@ -92,6 +124,31 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    ctx = rank_context(model)
+    attach = failure = None
+    if ctx.rank == 0:  # the program is the same on every rank: rank 0 traces it, the others export their rows
+        try:
+            attach = _program(model, example_inputs, example_kwargs)
+        except Exception as e:  # noqa: BLE001  (every rank must learn of it, or the others wait in the export)
+            failure = e
+    _agree(ctx, failure)
+    return export_for_serving(path, model, dtype=dtype, incremental=incremental, model_name=model_name,
+                              attach=attach)
+
+
+def _agree(ctx, failure: Optional[BaseException]) -> None:
+    """Raise ``failure`` (rank 0's, the only rank that traces) on every rank, before any rank writes a file."""
+    told = ctx.gather(None if failure is None else [type(failure).__name__, str(failure)])[0] \
+        if ctx.distributed else None
+    if failure is not None:
+        raise failure
+    if told is not None:
+        kind = {"TypeError": TypeError, "ValueError": ValueError}.get(told[0], RuntimeError)
+        raise kind(f"export_model failed on rank 0 (which traces the model); nothing was written: {told[1]}")
+
+
+def _program(model: nn.Module, example_inputs, example_kwargs: Optional[dict]) -> dict:
+    """``export_for_serving``'s ``attach`` of ``model``: ``program.pt2`` and the manifest's ``program`` field."""
     if isinstance(example_inputs, (torch.Tensor, dict)) or not isinstance(example_inputs, (tuple, list)):
         raise TypeError(f"example_inputs must be a tuple of model.forward's positional arguments, got "
                         f"{type(example_inputs).__name__} (one tensor x: pass (x,))")
@@ -103,52 +160,92 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"input {name!r} must be a tensor (or a container of tensors registered with "
                             f"torch.utils._pytree), got {type(value).__name__}")
-    _check_runs(model, tuple(example_inputs), kwargs)
-    flat = [v for _, v in leaves]
-    wrapper = _Flat(model, in_spec, names)
-    program = _trace(wrapper, flat)
+    flat, served, sparse = [], [], set()
+    for leaf, (name, (_, value)) in enumerate(zip(names, leaves)):
+        if value.layout == torch.sparse_coo:  # served as two dense inputs (see _SparseInput)
+            flat += _coo_inputs(name, value)
+            served += [name, f"{name}_mask"]
+            sparse.add(leaf)
+        else:
+            flat.append(value)
+            served.append(name)
+    served = _unique(served)
+    wrapper = _Flat(model, in_spec, names, served, sparse)
+    training = model.training
+    try:
+        model.eval()
+        with _stand_ins(wrapper, find_tables(model)) as records:
+            _check_runs(wrapper, flat, records)
+            program = _trace(wrapper, flat)
+    finally:
+        model.train(training)
     # without them the archive is the graph (JSON) and raw weight bytes: torch.export.save writes example inputs
     # with torch.save (a pickle, of the user's example ids), and torch.export.load may unpickle them
     program.example_inputs = None
     buffer = io.BytesIO()
     torch.export.save(program, buffer)
-    meta = _describe(program, names, wrapper.output_names)
-    meta.update(file=PROGRAM_FILE, torch=torch.__version__, collections={
-        path: _collection_record(ec) for path, ec in model.named_modules() if isinstance(ec, EmbeddingCollection)})
-    return export_for_serving(path, model, dtype=dtype, incremental=incremental, model_name=model_name,
-                              attach={"files": {PROGRAM_FILE: buffer.getvalue()}, "fields": {"program": meta}})
+    meta = _describe(program, served, wrapper.output_names)
+    meta.update(file=PROGRAM_FILE, torch=torch.__version__,
+                collections={path: _record(features, tables) for path, (features, tables, _) in records.items()})
+    return {"files": {PROGRAM_FILE: buffer.getvalue()}, "fields": {"program": meta}}
 
 
-def _check_runs(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """One eager forward of ``model`` in eval mode on the example inputs (tables read-only: nothing inserted or
-    counted). The trace replaces each collection by a stand-in that checks no ids, so without this an input the
-    collection refuses (float ids, lengths that do not sum to the ids) would be exported and then refused by every
-    request; here it is refused at once, with the collection's message."""
-    training = model.training
+class _ZeroRows:
+    """The served lookups with every row zero: what :func:`_check_runs` binds the stand-ins to. The features are
+    prepared (checked) and pooled by the served code, without a table, a collective or a parameter server."""
+
+    def __init__(self, records: dict) -> None:
+        self.records = records
+
+    def lookup(self, collection: str, features: dict, weights: dict) -> dict:
+        feature_configs, table_configs, device = self.records[collection]
+        return pooled_from_server(self, "", prepare_features(features, weights, feature_configs, table_configs,
+                                                             device))
+
+    def lookup_many(self, model: str, keys: dict) -> dict:
+        return {t: torch.zeros(ids.numel(), self._dims[t][0], dtype=self._dims[t][1], device=ids.device)
+                for t, ids in keys.items()}
+
+    @property
+    def _dims(self) -> dict:
+        return {t.name: (t.dim, t.dtype) for _, tables, _ in self.records.values() for t in tables.values()}
+
+
+def _check_runs(wrapper: nn.Module, flat: list, records: dict) -> None:
+    """One run of the model in eval mode, with its stand-ins in place, on the example inputs, each lookup reading
+    zero rows (:class:`_ZeroRows`): the served code checks the features, and nothing reads or changes a table
+    (which, sharded, would be a collective). The trace checks no ids, so without this an input the served model
+    refuses (float ids, lengths that do not sum to the ids) would be exported and then refused by every request;
+    here it is refused at once, with the collection's message."""
     try:
-        model.eval()
-        with torch.no_grad():
-            model(*args, **kwargs)
+        with torch.no_grad(), bind(_ZeroRows(records)):
+            wrapper(*flat)
+    except _NotServed as e:
+        raise ValueError(str(e)) from None
     except (TypeError, ValueError) as e:
         if type(e) not in (TypeError, ValueError):
             raise
         raise type(e)(f"example_inputs: {e}") from None
-    finally:
-        model.train(training)
 
 
 def _check_tables(model: nn.Module) -> None:
-    collections = [p for p, m in model.named_modules() if isinstance(m, EmbeddingCollection)]
-    if not collections:
-        raise ValueError("model holds no EmbeddingCollection; export_model serves the tables of collections")
-    for path, m in model.named_modules():
-        inside = any(path == c or path.startswith(c + ".") for c in collections) if path else False
-        if isinstance(m, EmbeddingCollection) and m.sharded:
-            raise ValueError(f"collection {path or 'model'!r} is sharded: export_model traces one process's model; "
-                             "export the tables with export_for_serving and the model from an unsharded copy")
-        if isinstance(m, (DynamicEmbedding, StaticEmbedding)) and not inside:
-            raise ValueError(f"module {path or 'model'!r} is a standalone {type(m).__name__}: export_model serves "
-                             "the tables of EmbeddingCollections; hold it in a collection")
+    if not any(isinstance(m, (EmbeddingCollection, DynamicEmbedding, StaticEmbedding)) for m in model.modules()):
+        raise ValueError("model holds no table (an EmbeddingCollection, DynamicEmbedding or StaticEmbedding); "
+                         "export_model serves a model's tables")
+
+
+def _modules(module: nn.Module, path: str = ""):
+    """``(path, parent, name, child, inner)`` of ``module``'s submodules (``inner``: ``child`` without its
+    DistributedDataParallel wrappers), as ``named_modules`` but through those wrappers as if they were not there
+    (wrapping is layout: the paths are the model's), and not into tables."""
+    for name, child in list(module._modules.items()):
+        if child is None:
+            continue
+        inner = unwrap(child)
+        where = f"{path}.{name}" if path else name
+        yield where, module, name, child, inner
+        if not isinstance(inner, (EmbeddingCollection, DynamicEmbedding, StaticEmbedding)):
+            yield from _modules(inner, where)
 
 
 def _key(k) -> str:
@@ -199,15 +296,25 @@ class _Flat(nn.Module):
     """The user's model with flat tensor inputs and outputs, so the program's interface needs none of the user's
     classes (a ``KeyedJaggedTensor`` is rebuilt inside the trace, and gone from the graph)."""
 
-    def __init__(self, model: nn.Module, in_spec, names: list) -> None:
+    def __init__(self, model: nn.Module, in_spec, leaf_names: list, names: list, sparse: set) -> None:
         super().__init__()
         self.model, self.in_spec = model, in_spec
         named: list = []  # the outputs' names, known once traced
         # the program's placeholders carry the inputs' names, so its shape checks name them too
         params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
+        # each leaf in ``sparse`` (a sparse COO tensor) is two inputs, values and mask, whose dim 1 is dynamic too
+        self.sparse, self.wide, i = sparse, set(), 0
+        for leaf in range(len(leaf_names)):
+            if leaf in sparse:
+                self.wide |= {i, i + 1}
+            i += 2 if leaf in sparse else 1
 
         def forward(*flat):
-            args, kwargs = pytree.tree_unflatten(list(flat), self.in_spec)
+            tensors, leaves = iter(flat), []
+            for leaf, name in enumerate(leaf_names):
+                leaves.append(_SparseInput(next(tensors), next(tensors), name) if leaf in self.sparse
+                              else next(tensors))
+            args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
             leaves, _ = pytree.tree_flatten_with_path(self.model(*args, **kwargs))
             bad = [pytree.keystr(p) for p, v in leaves if not isinstance(v, torch.Tensor)]
             if bad:
@@ -224,7 +331,55 @@ class _Flat(nn.Module):
         return list(self.forward.output_names)
 
 
-class _CollectionNode(nn.Module):
+class _NotServed(AttributeError):
+    """A stand-in's attribute read that serving cannot answer (the model reads a table other than by calling it)."""
+
+
+def _coo_inputs(name: str, value: torch.Tensor) -> list:
+    """A sparse COO input ``[B, M]`` as served: its values, dense ``[B, M]`` (duplicates summed, as coalescing
+    sums them), and ``{name}_mask [B, M]`` (bool: where it has an entry, an entry of value 0 included)."""
+    if value.dim() != 2 or value.dense_dim() != 0:
+        raise ValueError(f"input {name!r}: a sparse COO input must be 2-D [B, M] (ids, or their weights), got "
+                         f"shape {list(value.shape)} with {value.dense_dim()} dense dims")
+    value = value.coalesce()
+    mask = torch.zeros(value.shape, dtype=torch.bool, device=value.device)
+    mask[tuple(value.indices())] = True
+    return [value.to_dense(), mask]
+
+
+class _SparseInput:
+    """A sparse COO input inside the trace, as its request carries it: ``values [B, M]`` and ``mask [B, M]``. A
+    collection takes it as a feature's ids or weights (rebuilt as the COO tensor when served); nothing else of the
+    model may read it (a tensor op on it is a clear error)."""
+
+    def __init__(self, values: torch.Tensor, mask: torch.Tensor, name: str) -> None:
+        self.values, self.mask, self.name = values, mask, name
+
+    def __getattr__(self, attr: str):
+        raise _NotServed(f"input {self.name!r} is a sparse COO tensor, read as .{attr} in the model's forward: "
+                         "export_model serves a sparse input only as a collection feature's ids or weights (its "
+                         f"requests carry {self.name} [B, M] and {self.name}_mask [B, M])")
+
+
+class _StandIn(nn.Module):
+    """A table or collection while its model is checked and traced: its calls become ``dynemb::served_features``
+    nodes, and anything else the model reads of it is a clear error."""
+
+    what = "collection"
+    calls = "ec(features) -> outputs"
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        path = self.__dict__.get("path") or "model"  # (never an attribute read: it could recurse here)
+        raise _NotServed(f"{self.what} {path!r} is read as .{name} in the model's forward: "
+                         f"export_model serves its calls ({self.calls}), each bound to the parameter server, and "
+                         "nothing else of it")
+
+
+class _CollectionNode(_StandIn):
     """Stands in for a collection while its model is traced: its call becomes one ``dynemb::served_features``
     node taking the call's input tensors (module :mod:`.served_features`)."""
 
@@ -246,6 +401,13 @@ class _CollectionNode(nn.Module):
         elif isinstance(features, dict):
             tensors, described, names = [], [], list(features)
             for name, value in features.items():
+                if isinstance(value, _SparseInput):  # ids, and weights when they are one too
+                    fields, w = {"ids": value.values, "mask": value.mask}, (weights or {}).get(name)
+                    fields.update({"weight": w.values, "weight_mask": w.mask} if isinstance(w, _SparseInput)
+                                  else {"weight": w} if w is not None else {})
+                    tensors += fields.values()
+                    described.append({"name": name, "form": "coo", "fields": list(fields)})
+                    continue
                 fields, value = {}, as_bags(value)
                 if isinstance(value, Bags):
                     fields = {k: getattr(value, k) for k in ("ids", "offsets", "lengths", "weights")
@@ -272,36 +434,114 @@ class _CollectionNode(nn.Module):
             fcfg = self.feature_configs[n]
             tcfg = self.table_configs[fcfg.table_name]
             pooled = (fcfg.combiner or tcfg.combiner) != "none"
-            if not pooled and (spec["kind"] == "kjt" or spec["features"][names.index(n)]["form"] != "tensor"):
-                raise ValueError(f"{where}: feature {n!r} is a jagged sequence (combiner='none'), which "
-                                 "export_model does not serve; pass its ids as a dense [B, M] tensor")
-            outputs.append({"name": n, "dim": tcfg.dim, "dtype": dtype_name(tcfg.dtype), "pooled": pooled})
+            # a sequence of bags: Jagged(values [N, D], offsets [B]), as the collection gives it
+            jagged = not pooled and (spec["kind"] == "kjt" or spec["features"][names.index(n)]["form"] != "tensor")
+            outputs.append({"name": n, "dim": tcfg.dim, "dtype": dtype_name(tcfg.dtype), "pooled": pooled,
+                            **({"jagged": True} if jagged else {})})
         spec = {"collection": self.path, **spec, "outputs": outputs}
-        out = served_features_op(tensors, json.dumps(spec, sort_keys=True))
-        return dict(zip(names, out))
+        out = iter(served_features_op(tensors, json.dumps(spec, sort_keys=True)))
+        return {o["name"]: Jagged(next(out), next(out)) if o.get("jagged") else next(out) for o in outputs}
+
+
+class _TableNode(_StandIn):
+    """Stands in for a standalone Dynamic/StaticEmbedding: each lookup of it becomes one ``dynemb::served_features``
+    node of a one-table collection named by the module's path (its table as ``export_for_serving`` names it):
+    ``emb(ids)`` and ``embedding_lookup(emb, ids, max_norm)`` a sequence feature (``combiner="none"``, dense ids),
+    ``embedding_lookup_sparse(emb, ...)`` a pooled one with that call's combiner, ``max_norm`` and padding."""
+
+    calls = "emb(ids), embedding_lookup(emb, ...), embedding_lookup_sparse(emb, ...)"
+
+    def __init__(self, path: str, table: TableConfig, module: nn.Module, features: dict) -> None:
+        super().__init__()
+        self.path, self.config, self.what = path, table, f"module ({type(module).__name__})"
+        self.features = features  # the record's: each call's feature config, added as the model calls
+
+    dim = property(lambda self: self.config.dim)  # what a forward may read of a table besides its rows
+    dtype = property(lambda self: self.config.dtype)
+    key_dtype = property(lambda self: self.config.key_dtype)
+
+    def forward(self, ids) -> torch.Tensor:
+        return self.served_lookup(ids)
+
+    def served_lookup(self, ids, max_norm: Optional[float] = None) -> torch.Tensor:
+        """``embedding_lookup(emb, ids, max_norm)``: ids of any shape ``S`` -> rows ``S + (D,)``."""
+        return self._node({"ids": self._dense(ids)}, "tensor", "none", max_norm=max_norm)
+
+    def served_lookup_sparse(self, ids, offsets, weights, combiner: str, max_norm, padding_value,
+                             include_last_offset: bool) -> torch.Tensor:
+        """``embedding_lookup_sparse(emb, ...)``: one pooled row per bag, ``[B, D]``."""
+        ids = self._dense(ids)
+        if ids.dim() not in (1, 2) or (ids.dim() == 1) != (offsets is not None):
+            to_bags(ids, offsets)  # raises the eager lookup's error (a shape rule: no value is read)
+        if ids.dim() == 2:
+            fields = {"ids": ids, **({"weight": weights} if weights is not None else {})}
+            return self._node(fields, "tensor", combiner, max_norm, padding_value)
+        fields = {"ids": ids, "offsets": offsets, **({"weights": weights} if weights is not None else {})}
+        return self._node(fields, "bags", combiner, max_norm, include_last_offset=include_last_offset)
+
+    def _dense(self, ids) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor) or ids.is_sparse:
+            got = "a sparse COO tensor" if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise TypeError(f"{self.what} {self.path or 'model'!r}: ids must be a dense tensor, got {got}")
+        return ids
+
+    def _node(self, fields: dict, form: str, combiner: str, max_norm=None, padding_value=None,
+              include_last_offset: bool = False) -> torch.Tensor:
+        t = self.config
+        options = {"combiner": combiner if combiner != "none" else None, "max_norm": max_norm,
+                   "padding_value": padding_value}
+        name = "|".join([t.name, *(f"{k}={v}" for k, v in options.items() if v is not None)])
+        # a plain emb(ids) reads the feature named as its table; other calls one named by their options
+        self.features.setdefault(name, FeatureConfig(name=name, table=t.name, combiner=combiner,
+                                                     max_norm=max_norm, padding_value=padding_value))
+        spec = {"collection": self.path, "kind": "dict",
+                "features": [{"name": name, "form": form, "fields": list(fields),
+                              "include_last_offset": include_last_offset}],
+                "outputs": [{"name": name, "dim": t.dim, "dtype": dtype_name(t.dtype), "pooled": combiner != "none"}]}
+        return served_features_op(list(fields.values()), json.dumps(spec, sort_keys=True))[0]
+
+
+@contextlib.contextmanager
+def _stand_ins(wrapper: _Flat, tables: dict):
+    """``wrapper``'s model with its DistributedDataParallel wrappers removed, each collection a
+    :class:`_CollectionNode` and each standalone table a :class:`_TableNode`, inside the block, which gets
+    ``{module path: (feature configs, table configs, device)}`` of each (the user's, logical: no layout)."""
+    names = {id(shard.module): name for name, shard in tables.items() if shard.module is not None}
+    swapped, records = [], {}
+    try:
+        for path, parent, name, child, inner in _modules(wrapper):
+            user_path = path.removeprefix("model").removeprefix(".")
+            if isinstance(inner, EmbeddingCollection):
+                node = _CollectionNode(user_path, inner)
+                records[user_path] = (inner.feature_configs, inner.table_configs, inner._device)
+            elif isinstance(inner, (DynamicEmbedding, StaticEmbedding)):
+                config = tables[names[id(inner)]].config
+                features: dict = {}
+                node = _TableNode(user_path, config, inner, features)
+                records[user_path] = (features, {config.name: config}, inner.table.device)
+            elif inner is not child:
+                node = inner
+            else:
+                continue
+            swapped.append((parent, name, child))
+            parent._modules[name] = node
+        yield records
+    finally:
+        for parent, name, child in reversed(swapped):
+            parent._modules[name] = child
 
 
 def _trace(wrapper: _Flat, flat: list):
-    """``torch.export`` of ``wrapper`` in eval mode with each collection a :class:`_CollectionNode`."""
-    swapped = []
-    for path, module in list(wrapper.named_modules()):
-        if isinstance(module, EmbeddingCollection):
-            parent_path, _, child = path.rpartition(".")
-            parent = wrapper.get_submodule(parent_path)
-            user_path = path.removeprefix("model").removeprefix(".")
-            parent._modules[child] = _CollectionNode(user_path, module)
-            swapped.append((parent, child, module))
-    training = wrapper.model.training
+    """``torch.export`` of ``wrapper`` (its model in eval mode, its stand-ins in place)."""
+    auto = torch.export.Dim.AUTO
+    dynamic = tuple(({0: auto, 1: auto} if i in wrapper.wide else {0: auto}) if t.dim() else None
+                    for i, t in enumerate(flat))
     try:
-        wrapper.model.eval()
-        dynamic = tuple({0: torch.export.Dim.AUTO} if t.dim() else None for t in flat)
         # sizes 0 and 1 are sizes like any other (a batch of 1 is served by the same program)
         with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
             return torch.export.export(wrapper, tuple(flat), dynamic_shapes=dynamic, strict=False)
-    finally:
-        wrapper.model.train(training)
-        for parent, child, module in swapped:
-            parent._modules[child] = module
+    except _NotServed as e:
+        raise ValueError(str(e)) from None
 
 
 def _shape(value) -> list:
@@ -325,10 +565,10 @@ def _describe(program, names: list, output_names: list) -> dict:
             "batch_input": batch_input}
 
 
-def _collection_record(ec: EmbeddingCollection) -> dict:
-    """What serving needs of a collection to prepare and finish its features: its feature configs and the fields
-    of its tables that shape a lookup (no optimizer, no initializer callable)."""
-    return {"features": [{**f.to_dict(), "table": f.table_name} for f in ec.feature_configs.values()],
+def _record(features: dict, tables: dict) -> dict:
+    """What serving needs of a collection (or a standalone table) to prepare and finish its features: its feature
+    configs and the fields of its tables that shape a lookup (no optimizer, no initializer callable)."""
+    return {"features": [{**f.to_dict(), "table": f.table_name} for f in features.values()],
             "tables": [{"name": t.name, "dim": t.dim, "vocabulary_size": t.vocabulary_size, "combiner": t.combiner,
                         "dtype": dtype_name(t.dtype), "key_dtype": dtype_name(t.key_dtype)}
-                       for t in ec.table_configs.values()]}
+                       for t in tables.values()]}

@@ -3,7 +3,8 @@ parameter server at serve time.
 
 :func:`dynemb.serving.export_model` traces a user's model with each :class:`~dynemb.EmbeddingCollection` call
 replaced by one ``dynemb::served_features(tensors, spec)`` node. ``tensors`` are the call's input tensors (a
-``KeyedJaggedTensor``'s values, lengths and weights; or each feature's ids, offsets/lengths and weights), ``spec``
+``KeyedJaggedTensor``'s values, lengths and weights; or each feature's ids, offsets/lengths and weights; a sparse
+COO input's dense values and mask of entries), ``spec``
 a JSON string naming the collection (its module path in the user's model) and, per feature, the form its input came
 in and the output it gives. The graph holds no table row and no table: only these names.
 
@@ -65,11 +66,26 @@ def feature_dict(tensors: list, spec: dict) -> tuple[dict, dict]:
         got = dict(zip(f["fields"], tensors[i:i + len(f["fields"])]))
         i += len(f["fields"])
         if "weight" in got:
-            weights[f["name"]] = got.pop("weight")
+            weight = got.pop("weight")
+            weights[f["name"]] = _coo(spec, f, weight, got.pop("weight_mask")) if "weight_mask" in got else weight
+        if f["form"] == "coo":
+            features[f["name"]] = _coo(spec, f, got["ids"], got["mask"])
+            continue
         features[f["name"]] = got["ids"] if f["form"] == "tensor" else Bags(
             got["ids"], offsets=got.get("offsets"), lengths=got.get("lengths"), weights=got.get("weights"),
             include_last_offset=f.get("include_last_offset", False))
     return features, weights
+
+
+def _coo(spec: dict, feature: dict, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The sparse COO tensor ``[B, M]`` a request carries as its dense ``values`` and the ``mask`` of its entries."""
+    if mask.dtype != torch.bool or values.dim() != 2 or values.shape != mask.shape:
+        raise ValueError(f"collection {spec['collection']!r}: feature {feature['name']!r}: a sparse input's values "
+                         f"and mask must be [B, M] of one shape, the mask bool; got values {list(values.shape)}, "
+                         f"mask {list(mask.shape)} {mask.dtype}")
+    # the mask's nonzero() is in row-major order and unique: the indices of a valid, coalesced tensor
+    return torch.sparse_coo_tensor(mask.nonzero().T, values[mask], tuple(values.shape), check_invariants=False,
+                                   is_coalesced=True)
 
 
 def lookup_features(tensors: list, spec: dict) -> list:
@@ -81,7 +97,13 @@ def lookup_features(tensors: list, spec: dict) -> list:
                            "the parameter server")
     features, weights = feature_dict(tensors, spec)
     out = model.lookup(spec["collection"], features, weights)
-    return [out[o["name"]].to(parse_dtype(o["dtype"])) for o in spec["outputs"]]
+    result = []
+    for o in spec["outputs"]:  # a jagged sequence (combiner="none" on bags) as its two tensors (offsets copied:
+        # they may be the input's own, and an op's output must not alias its inputs)
+        value = out[o["name"]]
+        result += [value.values.to(parse_dtype(o["dtype"])), value.offsets.clone()] if o.get("jagged") else \
+            [value.to(parse_dtype(o["dtype"]))]
+    return result
 
 
 def pooled_from_server(ps, model: str, prepared: dict) -> dict:
@@ -116,21 +138,34 @@ def served_features_op(tensors: list[torch.Tensor], spec: str) -> list[torch.Ten
 @served_features_op.register_fake
 def _(tensors, spec):
     spec = json.loads(spec)
-    return [tensors[0].new_empty(shape, dtype=parse_dtype(o["dtype"]))
-            for o, shape in zip(spec["outputs"], output_shapes(list(tensors), spec))]
+    out = []
+    for o, shape in zip(spec["outputs"], output_shapes(list(tensors), spec)):
+        if o.get("jagged"):  # values [N, D] and bag starts [B] (int64, as the collection gives them)
+            out += [tensors[0].new_empty(shape[0], dtype=parse_dtype(o["dtype"])),
+                    tensors[0].new_empty(shape[1], dtype=torch.int64)]
+        else:
+            out.append(tensors[0].new_empty(shape, dtype=parse_dtype(o["dtype"])))
+    return out
 
 
 def output_shapes(tensors: list, spec: dict) -> list:
-    """Each output's shape from its input tensors' shapes alone (symbolic sizes while tracing)."""
+    """Each output's shape from its input tensors' shapes alone (symbolic sizes while tracing); a jagged
+    sequence's is ``((N, D), (B,))``, its values' and its offsets'."""
     if spec["kind"] == "kjt":
         rows = tensors[1].shape[0] // max(len(spec["keys"]), 1)
-        return [(rows, o["dim"]) for o in spec["outputs"]]
+        # a key's share of the values is data (its lengths' sum): a size known only when served
+        return [((torch.library.get_ctx().new_dynamic_size(), o["dim"]), (rows,)) if o.get("jagged")
+                else (rows, o["dim"]) for o in spec["outputs"]]
     shapes, i = [], 0
     for f, o in zip(spec["features"], spec["outputs"]):
         got = dict(zip(f["fields"], tensors[i:i + len(f["fields"])]))
         i += len(f["fields"])
         ids = got["ids"]
-        if f["form"] == "tensor":
+        if o.get("jagged"):
+            bags = got["lengths"].shape[0] if "lengths" in got else \
+                got["offsets"].shape[0] - int(f.get("include_last_offset", False))
+            shapes.append(((ids.shape[0], o["dim"]), (bags,)))
+        elif f["form"] == "tensor":
             shapes.append((ids.shape[0], o["dim"]) if o["pooled"] else (*ids.shape, o["dim"]))
         elif "lengths" in got:
             shapes.append((got["lengths"].shape[0], o["dim"]))
