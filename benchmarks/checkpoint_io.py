@@ -21,9 +21,10 @@ dense MLP's forward and backward, on one torch thread) runs while a background s
 again without a save. Reported: the median step in the save window over the median of the steps right after it
 (the median over repeats of that paired ratio; target <= 1.1x; "step CPU": the same of the training thread's CPU
 time, which on a machine without an idle core shows the interference apart from sharing the cores), the save's
-write rate (bytes / seconds from the
-call until the files are published) over a blocking save's (target >= 0.9x), the pause of the call itself (the
-snapshot: a memory copy of the rows, on the caller's thread) and the snapshot's bytes; at nice 0 and at +10 (what
+write rate (bytes / seconds from the call until the files are published, as a thread waiting on the handle sees
+it, not at the end of the step then running) over a blocking save's (target >= 0.9x), the pause of the call itself
+(the snapshot: a memory copy and checksum of the rows, on the caller's thread), the snapshot's bytes and the
+process's peak RSS during the save over its RSS before (the snapshot's peak); at nice 0 and at +10 (what
 dynemb uses) for the save's threads.
 
 Run: ``python benchmarks/checkpoint_io.py [--quick] [--json PATH] [--repeat R] [--keys N] [--threads T] [--dir D]
@@ -32,11 +33,13 @@ Run: ``python benchmarks/checkpoint_io.py [--quick] [--json PATH] [--repeat R] [
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -106,6 +109,22 @@ def read_into_cache(path: Path) -> None:
         with open(file, "rb") as f:
             while f.read(32 << 20):
                 pass
+
+
+def memory_status(field: str) -> int:
+    """A ``/proc/self/status`` figure in bytes (``VmRSS``, ``VmHWM``: the peak since :func:`reset_peak`); 0 where
+    Linux does not tell."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def reset_peak() -> None:
+    """Start ``VmHWM`` over from the current RSS (Linux 4.0+)."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def timed(fn, before=None) -> tuple[float, float]:
@@ -225,14 +244,27 @@ def background_repeat(emb, work: Path, rep: int, stepper: Stepper, steps: int) -
     def background(nice, train: bool = True):
         def run():
             background_module.NICENESS = 10 if nice == IDLE else nice
+            reset_peak()
+            before = memory_status("VmRSS")
             start, start_cpu = time.perf_counter(), time.process_time()
             handle = save(work, emb, step=10 * rep + 1 + (5 if nice == IDLE else nice), blocking=False)
             out[f"pause s @{nice}"] = time.perf_counter() - start
+            ended = []  # when the save ended, not when the step running then does
+
+            def watch():
+                with contextlib.suppress(Exception):  # the error, if any, is raised below
+                    handle.wait()
+                ended.append(time.perf_counter())
+            watcher = threading.Thread(target=watch)
+            watcher.start()
             during = []
             while train and not handle.done():
                 during.append(stepper())
             handle.wait()
-            out[f"background s @{nice}"] = time.perf_counter() - start
+            watcher.join()
+            # the snapshot's peak (with training busy, also the steps' own temporaries: tens of MB)
+            out[f"snapshot bytes @{nice}"] = memory_status("VmHWM") - before
+            out[f"background s @{nice}"] = ended[0] - start
             # the save's CPU: the process's, less the training thread's steps
             out[f"save cpu s @{nice}"] = time.process_time() - start_cpu - sum(c for _, c in during)
             out[f"steps during @{nice}"] = during
@@ -264,7 +296,8 @@ def run_background(emb, work: Path, repeat: int, warmup: int, nbytes: int) -> tu
                "MB/s": round(nbytes / 1e6 / background), "MB/s / blocking": round(blocking / background, 3),
                "pause ms": round(statistics.median(s[f"pause s @{nice}"] for s in samples) * 1e3, 1),
                "save CPU s": round(statistics.median(s[f"save cpu s @{nice}"] for s in samples), 2),
-               "snapshot MB": round(nbytes / 1e6)}
+               "snapshot MB": round(nbytes / 1e6),
+               "peak extra RSS MB": round(statistics.median(s[f"snapshot bytes @{nice}"] for s in samples) / 1e6)}
         if nice != IDLE:
             def paired(i: int, nice: int = nice) -> float:  # 0: wall time, 1: the training thread's CPU time
                 return statistics.median(statistics.median(x[i] for x in s[f"steps during @{nice}"]) /
@@ -337,7 +370,8 @@ def main() -> None:
         print(f"table: {n} keys x dim {DIM}, 2 slots: {nbytes / 1e6:.0f} MB; {args.threads} torch threads; "
               f"batch {BATCH}, MLP {DIM}-{HIDDEN}-{HIDDEN}-1; median of {repeat}")
         print_table(rows, ["save", "median step ms", "step / no save", "step CPU / no save", "steps in window",
-                           "MB/s", "MB/s / blocking", "pause ms", "save CPU s", "snapshot MB"])
+                           "MB/s", "MB/s / blocking", "pause ms", "save CPU s", "snapshot MB",
+                           "peak extra RSS MB"])
         print("targets: step / no save <= 1.1, MB/s / blocking >= 0.9; nice +10 is what save(blocking=False) uses")
         if args.json:
             write_json(args.json, {"benchmark": "checkpoint_io --background", "keys": n, "dim": DIM, "bytes": nbytes,

@@ -1,14 +1,16 @@
-"""In-process ``ServedModel.predict`` of the demo model: the grouped request path against the per-table one.
+"""In-process ``ServedModel.predict`` of the demo model: the fused request path against the grouped and per-table ones.
 
 Model: the DLRM ``dynemb train`` trains on the demo's synthetic click logs (26 categorical columns, 13 dense, dim 16),
 or the run given with ``--model`` (it is copied: serving writes an export into the run). Its tables are served by a
 parameter server (20% of each table's rows cached) with the in-process memory tier or a real ``redis-server`` on a
 free loopback port. Requests of ``--rows`` rows (default 256: ids drawn from the ids training saw, 5% unseen; the
-bodies of ``benchmarks/serve_endpoint.py``), already decoded; each call scores one. The two paths
-(``ParameterServer.grouped`` True / False) take turns call by call, the first of a pair alternating, so load hits
-both alike; reported: the median and minimum per call of this thread's CPU time (what the call costs, unaffected by
-time spent descheduled on a busy machine) and of wall time, and the paired ratio (median of per-pair ratios), after
-warm-up calls. ``dense_ms`` is the dense part alone (``model(batch, pooled=...)`` on rows looked up beforehand).
+bodies of ``benchmarks/serve_endpoint.py``), already decoded; each call scores one. The three paths take turns call
+by call, in a rotating order, so load hits them alike: ``fused`` (the parameter server's two numba calls writing the
+DLRM's ``[B, F, D]`` input, ``ParameterServer.fused``), ``grouped`` (the same request in the grouped path's calls,
+``fused = False``) and ``per_table`` (``grouped = False``). Reported: the median and minimum per call of this
+thread's CPU time (what the call costs, unaffected by time spent descheduled on a busy machine) and of wall time,
+and the paired ratios to the fused path (median of per-round ratios), after warm-up calls. ``dense_ms`` is the dense
+part alone (``model(batch, pooled=...)`` on rows looked up beforehand).
 
 Run: ``python benchmarks/serve_predict.py [--quick] [--json PATH] [--model RUN_DIR] [--rows N] [--calls N]``.
 """
@@ -57,25 +59,27 @@ def measure(run: Path, tier: str, volatile: dict, rows: int, calls: int) -> dict
     model = ServedModel(run, name="ctr", volatile_db=volatile)
     try:
         bodies = make_bodies(model, rows, 32)
-        cpu = {True: [], False: []}
-        wall = {True: [], False: []}
+        paths = {"fused": (True, True), "grouped": (True, False), "per_table": (False, True)}
+        cpu = {name: [] for name in paths}
+        wall = {name: [] for name in paths}
+        names = list(paths)
         for k in range(calls + 20):
             body = bodies[k % len(bodies)]
-            for grouped in ((True, False) if k % 2 else (False, True)):
-                model.ps.grouped = grouped
+            for name in names[k % 3:] + names[:k % 3]:
+                model.ps.grouped, model.ps.fused = paths[name]
                 t0, w0 = time.thread_time(), time.perf_counter()
                 model.predict(body.batch)
                 if k >= 20:  # warm-up: the caches fill
-                    cpu[grouped].append(1e3 * (time.thread_time() - t0))
-                    wall[grouped].append(1e3 * (time.perf_counter() - w0))
-        model.ps.grouped = True
-        ratio = statistics.median(np.divide(cpu[False], cpu[True]))
+                    cpu[name].append(1e3 * (time.thread_time() - t0))
+                    wall[name].append(1e3 * (time.perf_counter() - w0))
+        model.ps.grouped = model.ps.fused = True
         out = {"tier": tier, "rows": rows, "calls": calls}
-        for grouped, label in ((True, "grouped"), (False, "per_table")):
-            out[f"{label}_cpu_ms"] = round(statistics.median(cpu[grouped]), 3)
-            out[f"{label}_cpu_min_ms"] = round(min(cpu[grouped]), 3)
-            out[f"{label}_wall_ms"] = round(statistics.median(wall[grouped]), 3)
-        out["speedup_paired"] = round(ratio, 2)
+        for name in names:
+            out[f"{name}_cpu_ms"] = round(statistics.median(cpu[name]), 3)
+            out[f"{name}_cpu_min_ms"] = round(min(cpu[name]), 3)
+            out[f"{name}_wall_ms"] = round(statistics.median(wall[name]), 3)
+        for name in names[1:]:
+            out[f"{name}_over_fused"] = round(statistics.median(np.divide(cpu[name], cpu["fused"])), 2)
         out["dense_ms"] = dense_ms(model, bodies, min(calls, 200))
         out["hit_rate"] = round(sum(t["cache"] for t in model.ps.stats("ctr")["tables"].values())
                                 / max(1, sum(t["lookups"] for t in model.ps.stats("ctr")["tables"].values())), 4)

@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import os
 import threading
+import time
 
 import pytest
 import safetensors
@@ -121,6 +122,31 @@ def test_direct_and_buffered_writes_and_file_images_give_the_same_file(tmp_path,
     assert raw == (tmp_path / "buffered.safetensors").read_bytes() == (tmp_path / "image.safetensors").read_bytes()
     got, metadata = read_tensors(tmp_path / "image.safetensors", imaged)
     assert metadata == {"note": "hi"} and all(torch.equal(got[n], t) for n, t in tensors.items())
+
+
+def test_a_file_image_copies_into_chunks_its_writes_gave_back(tmp_path, monkeypatch):
+    """A chunk written goes back to the copy of a later one (its pages stay taken): with the copy held until one has,
+    a file of many chunks needs two chunks' memory, and its bytes and record are a plain write's (stale bytes beyond
+    the end of a reused last chunk are cut)."""
+    monkeypatch.setattr(file_image, "CHUNK_BYTES", 4096)
+    tensors = {"big": torch.randn(3000, 7, generator=torch.Generator().manual_seed(1)), "ids": torch.arange(999)}
+    image = file_image.FileImage(tensors, {"note": "hi"})
+    fresh = image._memory
+
+    def reused(k):  # the copy waits for a written chunk rather than take a third one
+        deadline = time.monotonic() + 60
+        while image._chunks[k] is None and len(image._all) >= 2 and not image._spare and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return fresh(k)
+
+    image._memory = reused
+    filler = threading.Thread(target=image.fill)
+    filler.start()
+    record = image.write(tmp_path / "image.safetensors")
+    filler.join()
+    assert len(image._all) == 2 and len(image._chunks) > 20
+    assert record == write_tensors(tmp_path / "plain.safetensors", tensors, {"note": "hi"})
+    assert (tmp_path / "image.safetensors").read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
 
 
 def test_a_direct_write_the_file_system_refuses_goes_through_the_page_cache(tmp_path, monkeypatch):

@@ -83,7 +83,7 @@ def one_id_run(tmp_path_factory, make_clicks):
     return tmp / "run"
 
 
-@pytest.mark.parametrize("tier", ["memory", "redis"])
+@pytest.mark.parametrize("tier", ["memory", "redis", "memory+lmdb"])
 def test_one_id_features_pool_in_one_call_as_the_collection_does(one_id_run, tmp_path, tier):
     # batches of 0, 1 and 300 rows, unseen ids among them, cold caches then warm ones: the plan's path (one id
     # tensor, one lookup, one pooling call) gives the collection's outputs bit for bit, and the per-feature path's
@@ -98,7 +98,8 @@ def test_one_id_features_pool_in_one_call_as_the_collection_does(one_id_run, tmp
         redis = RedisServer(str(tmp_path))
         redis.start()
         volatile = {"type": "redis", "address": redis.address}
-    served = ServedModel(one_id_run, name="one-id", volatile_db=volatile)
+    persistent = {"type": "lmdb", "path": str(tmp_path / "lmdb")} if "lmdb" in tier else None
+    served = ServedModel(one_id_run, name="one-id", volatile_db=volatile, persistent_db=persistent)
     try:
         model, _ = load_model(one_id_run)
         g = torch.Generator().manual_seed(0)
@@ -117,6 +118,8 @@ def test_one_id_features_pool_in_one_call_as_the_collection_does(one_id_run, tmp
                 finally:
                     plan.one_id = True
                 scores = served.predict(request)
+                if n:  # the served DLRM's [B, F, D] buffer held this batch's pooled outputs
+                    assert torch.equal(served._buffer(n), torch.stack([want[f] for f in served.features], 1))
                 # the [B, F, D] path the served DLRM scores through: the same outputs, the same logits bit for bit
                 stacked = served.pooled_stacked(batch)
                 assert stacked.shape == (n, 2, 8)

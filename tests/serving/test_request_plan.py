@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 import dynemb
 from dynemb.checkpoint import export_for_serving
 from dynemb.serving import ParameterServer
+from dynemb.table.initializers import Uniform
 
 KEYS = torch.tensor([0, -1, 2**63 - 1, -(2**63)] + list(range(10, 410)), dtype=torch.int64)
 UNSEEN = torch.tensor([2**40, 2**40 + 1, -7], dtype=torch.int64)
@@ -188,3 +189,95 @@ def test_the_misses_pairs_in_one_pass_are_the_torch_codes(data, n, tables):
         cache_keys = ukey ^ salts[utid]
         same = utid[1:] == utid[:-1]
         assert bool((cache_keys[1:][same] > cache_keys[:-1][same]).all())  # then by cache key
+
+
+# dim-8 tables whose default rows the fused path computes in its kernel: uniform initializers of other bounds and
+# seeds, zeros, and (through the config) a constant; "n" (normal) makes torch compute its group's default rows.
+FUSED_SPECS = {"u": (8, "uniform", 2), "v": (8, Uniform(-0.3, 0.7), 9), "z": (8, "zeros", 3),
+               "k": (8, "uniform", 4)}
+
+
+@pytest.mark.parametrize("tiers", ["memory", "redis", "memory+lmdb"])
+def test_the_fused_path_answers_as_the_per_table_path_bit_for_bit(tmp_path, request, tiers):
+    # one float32 cache on the CPU: lookup_concat, lookup_many and lookup_stacked take the fused path (two numba
+    # calls); the same rows (default rows kernel-computed, "k" a constant 0.25 from the config) and counts as the
+    # per-table path, the grouped path without it (ps.fused = False) and the tables; a -0.0 kept by lookup_concat
+    # and summed to +0.0 by lookup_stacked
+    tables = {n: dynemb.DynamicEmbedding(d, seed=s, initializer=i) for n, (d, i, s) in FUSED_SPECS.items()}
+    for emb in tables.values():
+        emb(KEYS)
+    tables["u"].insert_or_assign(KEYS[4:6], torch.tensor([[-0.0] * 8, [0.0, -0.0] * 4]))
+    export_for_serving(tmp_path / "export", torch.nn.ModuleDict(tables))
+    volatile = ({"type": "redis", "address": request.getfixturevalue("redis_address")} if tiers == "redis"
+                else {"type": "memory"})
+    servers = []
+    for k, (grouped, fused) in enumerate([(True, True), (False, True), (True, False)]):  # fused, per table, not fused
+        persistent = {"type": "lmdb", "path": str(tmp_path / f"lmdb{k}")} if "lmdb" in tiers else None
+        if tiers == "redis" and k:  # two servers in one Redis would share their tables' rows
+            volatile = {"type": "memory"}
+        ps = ParameterServer.from_config({"models": [{
+            "model": "m", "sparse_files": [str(tmp_path / "export")], "embedding_table_names": list(FUSED_SPECS),
+            "embedding_vecsize_per_table": [8] * 4, "cache_fraction": 0.05, "hit_rate_threshold": 0.5,
+            "default_value_for_each_table": ["initializer", "initializer", "initializer", 0.25]}],
+            "volatile_db": volatile, "persistent_db": persistent})
+        ps.load("m", progress=False)
+        ps.grouped, ps.fused = grouped, fused
+        servers.append(ps)
+    assert servers[0]._plan("m", tuple(FUSED_SPECS)).fused
+    assert servers[0]._plan("m", tuple(FUSED_SPECS)).groups[0].kernel_defaults
+    if "lmdb" in tiers:  # rows only the persistent tier has
+        for ps in servers:
+            ps.volatile.store.delete("m.u", KEYS[100:300])
+    g = torch.Generator().manual_seed(11)
+    pool = torch.cat([KEYS, UNSEEN])
+    unseen = torch.isin(pool, KEYS, invert=True)
+
+    def want(t: str, ids: torch.Tensor) -> torch.Tensor:
+        rows = tables[t].eval().find(ids)
+        if t == "k":  # the config's constant for ids no tier holds
+            rows[torch.isin(ids, KEYS, invert=True)] = 0.25
+        return rows
+
+    try:
+        assert unseen.any()
+        for k in range(10):  # cold caches, then warmer ones; batches of 0, 1 and up to 300 rows
+            b = [0, 1, 300][k] if k < 3 else int(torch.randint(0, 120, (), generator=g))
+            names = ["u", "v", "z", "k", "u"] if k % 2 else ["k", "z", "v", "u"]
+            ids = torch.cat([pool[torch.randint(0, len(pool), (b,), generator=g)] for _ in names])
+            if names[0] == "u" and b >= 2:  # the rows holding -0.0
+                ids[:2] = KEYS[4:6]
+            expect = torch.cat([want(t, run) for t, run in zip(names, ids.split(b))]) if b else torch.zeros(0, 8)
+            got = [ps.lookup_concat("m", names, ids, [b] * len(names)) for ps in servers]
+            for rows in got:
+                assert torch.equal(rows, expect)
+                assert torch.equal(torch.signbit(rows), torch.signbit(got[1]))  # a stored -0.0 stays -0.0
+            for ps in servers:
+                stacked = ps.lookup_stacked("m", names, ids, b)
+                assert stacked.shape == (b, len(names), 8) and stacked.is_contiguous()
+                summed = torch.nn.functional.embedding_bag(torch.arange(ids.numel()), got[1],
+                                                           torch.arange(ids.numel()), mode="sum")
+                want_stacked = summed.view(len(names), b, 8).transpose(0, 1)
+                assert torch.equal(stacked, want_stacked) and not torch.signbit(stacked[stacked == 0]).any()
+            for ps in servers:
+                many = ps.lookup_many("m", {"z": ids[:b], "k": ids[b:2 * b]} if names[0] != "u" else {"u": ids[:b]})
+                for t, rows in many.items():
+                    assert torch.equal(rows, want(t, ids[:b] if t in ("z", "u") else ids[b:2 * b]))
+        for ps in servers:
+            ps.flush()
+        stats = [ps.stats("m")["tables"] for ps in servers]
+        for n in FUSED_SPECS:
+            for field in ("lookups", "default"):  # the tiers' shares depend on when background write-backs land
+                assert stats[0][n][field] == stats[1][n][field] == stats[2][n][field] > 0
+            assert sum(stats[0][n][t] for t in ("cache", "volatile", "persistent", "default")) == \
+                stats[0][n]["lookups"]
+        if "lmdb" in tiers:
+            assert stats[0]["u"]["persistent"] > 0
+        with pytest.raises(ValueError, match=r"rows must be an int in \[0, models\['m'\].max_batch_size=65536\], "
+                                             r"got -1"):
+            servers[0].lookup_stacked("m", ["u"], KEYS[:0], -1)
+        with pytest.raises(ValueError, match=r"out must be a contiguous tensor of shape \[2, 2, 8\] .* got a "
+                                             r"strided tensor of shape \(2, 2, 8\)"):
+            servers[0].lookup_stacked("m", ["u", "v"], KEYS[:4], 2, out=torch.empty(2, 8, 2).transpose(1, 2))
+    finally:
+        for ps in servers:
+            ps.close()

@@ -134,3 +134,39 @@ def test_password(tmp_path):
         assert server.client().hexists(SCHEMA_KEY, "t")
     finally:
         server.kill()
+
+
+def test_get_concat_sends_redis_py_s_bytes_and_answers_as_get_many(redis_server, redis_address):
+    # the MGET commands written by pack_mget are byte for byte what redis-py packs for the same names (prefixes of
+    # several lengths, 10 shards: a hash mod a non-power of two, negative hashes among them; chunks of 3 names),
+    # and get_concat answers as get_many; after a server restart it answers too (the pooled connection is
+    # replaced)
+    from dynemb.kernels.numba_find_many import pack_mget
+
+    store = RedisStore(RedisStoreConfig(address=redis_address, shards=10, chunk_size=3))
+    names = ["a", "bb", "a-much-longer-table-name"]
+    keys_of = {}
+    for k, name in enumerate(names):
+        store.create_table(name, dim=3)
+        keys_of[name] = torch.cat([torch.tensor([0, -1, 2**63 - 1, -(2**63)]), torch.arange(50) * (k + 7) - 100])
+        store.put(name, keys_of[name], torch.randn(len(keys_of[name]), 3, generator=torch.Generator().manual_seed(k)))
+    g = torch.Generator().manual_seed(1)
+    for sizes in ([5, 0, 7], [1, 1, 1], [0, 0, 2], [20, 13, 30]):
+        keys = torch.cat([torch.cat([keys_of[name], torch.tensor([5, -5, 2**40])])[
+            torch.randint(0, 57, (n,), generator=g)] for name, n in zip(names, sizes)])
+        table_of = torch.repeat_interleave(torch.arange(3), torch.tensor(sizes))
+        packed, commands = pack_mget(keys, table_of, *store._packing(tuple(names)), 3)
+        wire = store._names(tuple(names), keys, sizes)
+        conn = store._client.connection_pool.get_connection()
+        try:
+            want = b"".join(b"".join(conn.pack_command("MGET", *wire[lo:lo + 3])) for lo in range(0, len(wire), 3))
+        finally:
+            store._client.connection_pool.release(conn)
+        assert packed == want and commands == -(-len(wire) // 3)
+        values, found = store.get_concat(names, keys, sizes)
+        many = store.get_many({name: run for name, run in zip(names, keys.split(sizes))})
+        assert torch.equal(found, torch.cat([many[name][1] for name in names]))
+        assert torch.equal(values, torch.cat([many[name][0] for name in names]))
+    redis_server.restart()
+    assert not store.get_concat(names, keys, sizes)[1].any()  # a restart without persistence loses the rows
+    store.close()

@@ -36,16 +36,22 @@ def round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def page_buffer(nbytes: int, populate: bool = False) -> mmap.mmap:
+def page_buffer(nbytes: int, huge: bool = False) -> mmap.mmap:
     """``round_up(nbytes)`` (at least one page) of zeroed, page-aligned private anonymous memory (counted as the
-    process's RssAnon); the OS hands pages out as they are first written (``populate``: all at once, now, which
-    costs about half of a page fault for each on the project's Xeon guest), and takes them back with
-    ``madvise(MADV_DONTNEED)`` or when the buffer is freed."""
+    process's RssAnon); the OS hands pages out as they are first written (or taken with ``MADV_POPULATE_WRITE``),
+    and takes them back with ``madvise(MADV_DONTNEED)`` or when the buffer is freed. ``huge`` asks for transparent
+    huge pages (Linux, ``MADV_HUGEPAGE``; where the system gives them, taking and freeing the memory costs half as
+    much CPU)."""
     size = max(ALIGN, round_up(nbytes))
     if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no flags
         return mmap.mmap(-1, size)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-    return mmap.mmap(-1, size, flags=flags)
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            memory.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: small pages it is
+            pass
+    return memory
 
 
 class BlockFile:
@@ -93,6 +99,21 @@ class BlockFile:
                 continue
             data = data[n:]
             if len(data) and self.direct:  # a short direct write leaves an unaligned rest
+                self._buffered()
+
+    def write_at(self, data: memoryview, offset: int) -> None:
+        """Write ``data`` at ``offset`` (a multiple of :data:`ALIGN`), under the rules of :meth:`write`; threads may
+        write distinct ranges of the file at once."""
+        while len(data):
+            try:
+                n = os.pwrite(self.fd, data, offset)
+            except OSError as e:
+                if not (self.direct and e.errno == errno.EINVAL):
+                    raise
+                self._buffered()
+                continue
+            data, offset = data[n:], offset + n
+            if len(data) and self.direct:
                 self._buffered()
 
     def _buffered(self) -> None:

@@ -22,8 +22,8 @@ import xxhash
 
 from .errors import CheckpointError
 
-__all__ = ["ALGORITHM", "FileRecord", "Digest", "checksum", "file_checksum", "record_of", "record_from_json",
-           "verify"]
+__all__ = ["ALGORITHM", "FileRecord", "Digest", "checksum", "file_checksum", "hasher", "record_of",
+           "record_from_json", "verify"]
 
 #: the algorithm of every file written from now on
 ALGORITHM = "xxh3-128"
@@ -71,13 +71,22 @@ def record_from_json(entry, where: str) -> FileRecord:
     return FileRecord(value, entry["bytes"], algorithm)
 
 
-def _hasher(algorithm: str):
+def hasher(algorithm: str = ALGORITHM):
+    """A new hash object of ``algorithm`` (``update(buffer)``, ``hexdigest()``), for a caller that feeds a file's
+    bytes itself (a background save's snapshot hashes them as it copies them).
+
+    Example:
+        >>> h = hasher()
+        >>> h.update(b"ab"); h.update(b"c")
+        >>> h.hexdigest() == record_of(b"abc").checksum
+        True
+    """
     return _HASHES[algorithm]()
 
 
 def checksum(data, algorithm: str = ALGORITHM) -> str:
     """The checksum (hex) of ``data`` (bytes or any buffer) by ``algorithm``."""
-    h = _hasher(algorithm)
+    h = hasher(algorithm)
     h.update(data)
     return h.hexdigest()
 
@@ -89,7 +98,7 @@ def record_of(data, algorithm: str = ALGORITHM) -> FileRecord:
 
 def file_checksum(path: Path, algorithm: str = ALGORITHM) -> str:
     """The checksum (hex) of the whole file ``path``, read through one buffer (memory O(buffer) for any file)."""
-    h = _hasher(algorithm)
+    h = hasher(algorithm)
     buffer = memoryview(bytearray(_READ_BYTES))
     with open(path, "rb") as f:
         while n := f.readinto(buffer):
@@ -118,7 +127,7 @@ class Digest:
 
     def __init__(self, algorithm: str = ALGORITHM) -> None:
         self.algorithm = algorithm
-        self._hash = _hasher(algorithm)
+        self._hash = hasher(algorithm)
         self._pool = ThreadPoolExecutor(1)
         self._last: Future | None = None
 

@@ -36,6 +36,7 @@ _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_cont
              "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
              "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
              "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+_DTYPES = {datatype: np.dtype(spec) for datatype, spec in NUMPY_DTYPES.items()}
 
 
 def _utf8(values, name) -> list:
@@ -52,30 +53,34 @@ def request_dict(request) -> dict:
         RequestError: raw contents for some inputs but not all, or contents that do not fit their datatype.
     """
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise RequestError(f"raw_input_contents has {len(raw)} tensors for {len(request.inputs)} inputs; give one "
+    given = request.inputs
+    if raw and len(raw) != len(given):
+        raise RequestError(f"raw_input_contents has {len(raw)} tensors for {len(given)} inputs; give one "
                            "for each input, or none")
     inputs = []
-    for i, t in enumerate(request.inputs):
-        item = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
-        if raw:
-            if t.datatype == "BYTES":
-                item["data"] = binary_strings(raw[i], t.name)
-            elif t.datatype in NUMPY_DTYPES:
-                width = np.dtype(NUMPY_DTYPES[t.datatype]).itemsize
-                if len(raw[i]) % width:
-                    raise RequestError(f"input {t.name!r}: {len(raw[i])} raw bytes are not a whole number of "
-                                       f"{t.datatype} values")
-                item["data"] = np.frombuffer(raw[i], dtype=NUMPY_DTYPES[t.datatype])
+    # Each access to a protobuf field makes a Python object (a bytes copy for a raw tensor): every field is read
+    # once, and a raw tensor becomes an array over those bytes, no copy more (np.frombuffer).
+    for t, blob in zip(given, raw) if raw else ((t, None) for t in given):
+        datatype, name = t.datatype, t.name
+        item = {"name": name, "datatype": datatype, "shape": list(t.shape)}
+        if blob is not None:
+            dtype = _DTYPES.get(datatype)
+            if dtype is not None:
+                if len(blob) % dtype.itemsize:
+                    raise RequestError(f"input {name!r}: {len(blob)} raw bytes are not a whole number of "
+                                       f"{datatype} values")
+                item["data"] = np.frombuffer(blob, dtype=dtype)
+            elif datatype == "BYTES":
+                item["data"] = binary_strings(blob, name)
             else:
-                raise RequestError(f"input {t.name!r}: datatype {t.datatype!r} is none this server reads "
+                raise RequestError(f"input {name!r}: datatype {datatype!r} is none this server reads "
                                    f"({', '.join(['BYTES', *NUMPY_DTYPES])})")
-        elif t.datatype in _CONTENTS:
-            values = getattr(t.contents, _CONTENTS[t.datatype])
-            if t.datatype == "BYTES":
-                item["data"] = _utf8(values, t.name)
-            elif t.datatype in NUMPY_DTYPES:
-                item["data"] = np.asarray(values, dtype=NUMPY_DTYPES[t.datatype])
+        elif datatype in _CONTENTS:
+            values = getattr(t.contents, _CONTENTS[datatype])
+            if datatype == "BYTES":
+                item["data"] = _utf8(values, name)
+            elif datatype in NUMPY_DTYPES:
+                item["data"] = np.asarray(values, dtype=NUMPY_DTYPES[datatype])
             else:
                 item["data"] = list(values)
         else:
@@ -205,8 +210,7 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_answer("infer")
     async def ModelInfer(self, request):
-        if request.ByteSize() > self.server.max_message_bytes:  # pragma: no cover - grpc refuses it first
-            raise ProtocolError(400, f"the request is over the limit ({self.server.max_message_bytes} bytes)")
+        # grpc refuses a message over max_message_bytes before this runs (grpc.max_receive_message_length)
         parsed = request_dict(request)
         outputs, version, model = await self.service.infer(request.model_name, request.model_version or None,
                                                            parsed)

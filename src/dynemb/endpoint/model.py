@@ -14,7 +14,10 @@ Features are pooled by the collection's own code: the batch's features are prepa
 prepares them (:func:`~dynemb.collection.features.prepare_features`: bags, padding, combiner, ``max_norm``) and
 each feature's output is formed from its rows by :func:`~dynemb.collection.features.finish`, the same function
 the collection's executors finish features with; only the rows come from elsewhere (one parameter-server call for
-all the tables of a request).
+all the tables of a request). One exception, the DLRM's usual case: when every feature is one id a row pooled
+plainly, a bag of one id pools to ``0.0 + row`` under every combiner, and the parameter server writes each row so
+straight into the dense part's ``[B, F, D]`` input (:meth:`ServedModel.pooled_stacked`);
+``tests/endpoint/test_served_pooling.py`` checks it against the collection bit for bit.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ..collection.features import finish, prepare_features
 from ..checkpoint.fsutil import read_pointer
 from ..checkpoint.export_format import read_dense, read_export, version_name
 from ..data.batch import Batch, concat_batches
-from ..functional.pooling import BagSet, BagSum, concat_bags, one_id_bags, pool_many
+from ..functional.pooling import BagSet, one_id_bags, pool_many
 from ..job.score import probabilities
 from ..models.dlrm import DLRM
 from ..serving.exported_model import export_server_config
@@ -40,6 +43,8 @@ from ..serving.ps import ParameterServer
 from .inference_protocol import OUTPUT, decode_request, model_metadata
 
 __all__ = ["ServedModel", "ensure_export"]
+
+_BUFFER_ROWS = 4096  # the largest batch whose [B, F, D] input ServedModel keeps between requests
 
 
 
@@ -116,6 +121,7 @@ class ServedModel:
         self._lock = threading.Lock()  # held by each forward pass and by each update
         self._updating = False
         self._plan: Optional[_FeaturePlan] = None  # what every request's features reuse (see pooled)
+        self._buffers: dict[int, torch.Tensor] = {}  # [B, F, D] inputs of the dense part, per batch size
 
     @property
     def preprocessing(self):
@@ -142,25 +148,36 @@ class ServedModel:
             return self._scores(batch), self.version
 
     def _scores(self, batch: Batch) -> torch.Tensor:
-        stacked = self.pooled_stacked(batch) if isinstance(self.model, DLRM) else None
+        # the [B, F, D] buffer of this batch size, reused: a forward pass holds the lock, the logits do not alias it
+        stacked = self.pooled_stacked(batch, out=self._buffer(len(batch))) if isinstance(self.model, DLRM) else None
         return probabilities(self.model(batch, pooled=self.pooled(batch) if stacked is None else stacked))
 
-    def pooled_stacked(self, batch: Batch) -> Optional[torch.Tensor]:
+    def _buffer(self, n: int) -> Optional[torch.Tensor]:
+        """A float32 ``[n, F, D]`` kept per batch size (a few of them, up to :data:`_BUFFER_ROWS` rows: a server's
+        usual batches) for :meth:`pooled_stacked`; None for a larger batch (a new tensor then)."""
+        out = self._buffers.get(n)
+        if out is None:
+            if n > _BUFFER_ROWS:
+                return None
+            if len(self._buffers) >= 4:
+                self._buffers.clear()
+            dim = self.table_configs[self._tables[self.features[0]]].dim
+            out = self._buffers[n] = torch.empty(n, len(self.features), dim, device=self.device)
+        return out
+
+    def pooled_stacked(self, batch: Batch, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """``[B, F, D]``: :meth:`pooled`'s outputs as one tensor, features in :attr:`features` order, when every
         feature is one id a row pooled plainly (the DLRM's interaction takes it as it is); else None.
 
-        The ``F`` features' rows come as one ``[F * B, D]`` run (feature by feature) and are pooled in one call;
-        pooling one id a bag by sum reads ``[F * B, D]`` in that order, so the result is a view, not a copy."""
+        A bag of one id pools to ``0.0 + row`` by sum, mean or sqrtn alike, so the parameter server writes each
+        row to its place (:meth:`~dynemb.serving.ParameterServer.lookup_stacked`: with one float32 cache, the
+        cache probe, the misses' store reads and default rows and the writes are two numba calls); ``out``: a
+        contiguous ``[B, F, D]`` to write into (default a new tensor)."""
         plan = self._request_plan()
         ids = plan.one_id_ids(batch)
         if ids is None:
             return None
-        n = len(batch)
-        rows = self.ps.lookup_concat(self.name, plan.tables, ids, plan.sizes(n))
-        bag_sets = plan.bag_sets(n, ids.device)
-        offsets, weights = concat_bags(bag_sets, rows.dtype, rows.device)
-        summed = BagSum.apply(rows, one_id_bags(ids.numel(), ids.device), offsets, weights)  # pool_many's one op
-        return summed.view(len(plan.features), n, rows.shape[1]).transpose(0, 1)
+        return self.ps.lookup_stacked(self.name, plan.tables, ids, len(batch), out=out)
 
     def pooled(self, batch: Batch) -> dict:
         """``{feature: [B, D]}``: the features' outputs of a normalized ``batch`` (on :attr:`device`), as the

@@ -5,6 +5,13 @@ Each table keeps its own index and rows; the kernel views them at the addresses 
 (:func:`~dynemb.kernels.numba_index._probe_kernel`) on its run of keys, then copies the rows found. A request that
 misses in a few keys of each of 26 tables thus costs one call, not 26 (tens of microseconds of Python each).
 Results are the per-table ``find_all`` and ``index_select``'s, bit for bit (rows are copied as integer words).
+
+:func:`probe_request` and :func:`finish_request` are a whole request's lookup in two calls (the parameter server's
+fused path, :mod:`dynemb.serving.ps.request_lookup`): the first probes the group cache for every id of the request,
+writes the rows it finds straight to their place in the output and returns the misses as distinct ``(table, key)``
+pairs; the second reads those pairs from the in-process store (when it is the only tier), computes default rows for
+the pairs no tier answered (uniform and constant initializers: :mod:`.numba_init`'s bits) and writes every miss's
+row to its place, counting what each tier served per table.
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ import torch
 
 from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
 from .numba_group import _pointer
-from .numba_index import _probe_kernel
+from .numba_index import _mix64, _probe_kernel
+from .numba_math import cell_bits, prefetch_row
 
-__all__ = ["META", "find_rows", "find_carried", "miss_pairs"]
+__all__ = ["META", "find_rows", "find_carried", "miss_pairs", "probe_request", "finish_request", "pack_mget",
+           "UNIFORM", "CONSTANT", "IN_PYTHON"]
 
 META = ("buckets", "overflow", "shift", "num_buckets", "values", "capacity", "key_cols")
 """The columns of a table's row of ``meta`` (int64): its index's buckets and overflow flags (addresses), hash
@@ -25,6 +34,7 @@ shift, bucket count and key columns, its rows' address and capacity (rows)."""
 _BUCKETS, _OVERFLOW, _SHIFT, _NB, _VALUES, _CAPACITY, _KEY_COLS = range(len(META))
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # rows are copied as words of this size
 _BOOL = np.empty(0, np.bool_)
+_ROWS_AHEAD = 16  # probe_request's prefetch distance, in keys
 
 
 def find_rows(meta: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -170,3 +180,222 @@ def _miss_pairs_kernel(found, keys, tid, salts, tables):
         counts[m] += 1
         inverse[j] = m
     return miss_at, utid[:m + 1], ukey[:m + 1], inverse, counts[:m + 1], missed
+
+
+UNIFORM, CONSTANT, IN_PYTHON = 0, 1, 2
+"""Default-row kinds of :func:`finish_request`: ``low + width * u`` (the uniform initializer's bits), a constant, or
+rows the caller computed beforehand (no pair is left open then)."""
+
+
+def probe_request(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, shift: int, values: torch.Tensor,
+                  ids: torch.Tensor, tid: torch.Tensor, salts: torch.Tensor, out: torch.Tensor, batch: int,
+                  pool: bool) -> tuple:
+    """Probe a group cache (:func:`find_carried`'s index and rows) for every id of a request, write each row found
+    to its place in ``out``, and return the misses as :func:`miss_pairs` does.
+
+    Args:
+        table, key_cols, overflow, shift: the cache's index (``HashIndex._kernel_args``).
+        values: ``[R, D + K]`` float32 rows, each carrying its key's 8 bytes in the last ``K`` columns.
+        ids: ``[N]`` int64 keys, ``N = F * batch``: ``F`` runs of ``batch`` ids (one run of ``N``: ``batch = N``).
+        tid: ``[N]`` int64 table of each id; ``salts``: ``[T]`` int64 each table's cache salt.
+        out: ``[N, D]`` float32; the row of ``ids[f * batch + b]`` goes to ``out[b * F + f]`` (``[batch, F, D]``
+            seen flat; with ``batch = N`` that is ``out[j]``).
+        pool: write ``0.0 + row`` (what summing a bag of one id gives: a ``-0.0`` becomes ``+0.0``), else the row.
+
+    Returns:
+        ``(touched [H], miss_at [K], table [M], key [M], inverse [K], counts [M], missed [T])`` int64: the cache rows
+        the index found (what a lookup stamps), then :func:`miss_pairs`' arrays.
+    """
+    touched = np.empty(ids.shape[0], np.int64)
+    t, *pairs = _probe_request_kernel(table.numpy(), key_cols, overflow.numpy(), shift,
+                                      values.view(torch.int32).numpy(), values.numpy(), ids.numpy(), tid.numpy(),
+                                      salts.numpy(), out.numpy(), batch, pool, touched, salts.shape[0])
+    return (torch.from_numpy(touched[:t]), *(torch.from_numpy(a) for a in pairs))
+
+
+@numba.njit(nogil=True, cache=True)
+def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, batch, pool, touched,
+                          tables):
+    n, dim = ids.shape[0], out.shape[1]
+    cache_keys = np.empty(n, np.int64)
+    for j in range(n):
+        cache_keys[j] = ids[j] ^ salts[tid[j]]
+    rows = np.empty(n, np.int64)
+    _probe_kernel(table, key_cols, overflow, cache_keys, shift, np.empty(0, np.int64), rows)
+    found = np.zeros(n, np.bool_)
+    kwords = words.shape[1] - dim
+    t = 0
+    runs = n // batch if batch else 0
+    zero = np.float32(0.0)
+    for f in range(runs):
+        for b in range(batch):
+            j = f * batch + b
+            if j + _ROWS_AHEAD < n and rows[j + _ROWS_AHEAD] >= 0:  # the rows' lines in flight a few keys ahead
+                prefetch_row(words, rows[j + _ROWS_AHEAD])
+            r = rows[j]
+            if r < 0:
+                continue
+            touched[t] = r
+            t += 1
+            carried = np.uint64(0)
+            for w in range(kwords):  # the key's 32-bit words, little-endian
+                carried |= (np.uint64(np.int64(words[r, dim + w])) & np.uint64(0xFFFFFFFF)) << np.uint64(32 * w)
+            if np.int64(carried) != ids[j]:
+                continue
+            found[j] = True
+            o = b * runs + f
+            if pool:
+                for d in range(dim):
+                    out[o, d] = zero + values[r, d]
+            else:
+                for d in range(dim):
+                    out[o, d] = values[r, d]
+    miss_at, utid, ukey, inverse, counts, missed = _miss_pairs_kernel(found, ids, tid, salts, tables)
+    return t, miss_at, utid, ukey, inverse, counts, missed
+
+
+def finish_request(meta: torch.Tensor, utid: torch.Tensor, ukey: torch.Tensor, counts: torch.Tensor,
+                   rows: torch.Tensor, source: torch.Tensor, kinds: torch.Tensor, params: torch.Tensor,
+                   seeds: torch.Tensor, miss_at: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor, batch: int,
+                   pool: bool) -> torch.Tensor:
+    """The misses of :func:`probe_request` answered and written to their places in ``out``.
+
+    Args:
+        meta: ``[T, len(META)]`` the in-process store's tables (one a table of the group, in its order) to read
+            every pair from first, or ``[0, len(META)]`` when the caller asked the tiers itself.
+        utid, ukey, counts: ``[M]`` the distinct missed pairs (sorted by table) and how often each was asked for.
+        rows: ``[M, D]`` float32 the pairs' rows; ``source``: ``[M]`` int64 the tier that answered each (1
+            volatile, 2 persistent, 3 default; 0 none yet). Both are filled in here for the pairs still open: from
+            ``meta``'s store, else with default rows.
+        kinds, params, seeds: ``[T]`` each table's default: kind (:data:`UNIFORM`: ``params[t] = (low, width)``;
+            :data:`CONSTANT`: ``params[t, 0]``; :data:`IN_PYTHON`: none is open) and ``mix64(seed)``.
+        miss_at, inverse: ``[K]`` the positions missed and the pair of each; ``out``, ``batch``, ``pool``: as
+            :func:`probe_request` took them.
+
+    Returns:
+        ``served [T, 4]`` int64: the ids of each table answered by each source code.
+    """
+    served = np.zeros((kinds.shape[0], 4), np.int64)
+    _finish_request_kernel(meta.numpy(), utid.numpy(), ukey.numpy(), counts.numpy(), rows.numpy(), source.numpy(),
+                           kinds.numpy(), params.numpy(), seeds.numpy(), miss_at.numpy(), inverse.numpy(),
+                           out.numpy(), batch, pool, served)
+    return torch.from_numpy(served)
+
+
+@numba.njit(nogil=True, cache=True)
+def _finish_request_kernel(meta, utid, ukey, counts, rows, source, kinds, params, seeds, miss_at, inverse, out,
+                           batch, pool, served):
+    m_pairs, dim = ukey.shape[0], rows.shape[1]
+    if meta.shape[0]:  # the store's rows of every pair, table by table (the pairs are sorted by table)
+        at = np.empty(m_pairs, np.int64)
+        lo = 0
+        while lo < m_pairs:
+            t = utid[lo]
+            hi = lo
+            while hi < m_pairs and utid[hi] == t:
+                hi += 1
+            m = meta[t]
+            nb = m[_NB]
+            index = numba.carray(_pointer(m[_BUCKETS], ukey), (nb, 64 // ukey.itemsize))
+            overflow = numba.carray(_pointer(m[_OVERFLOW], _BOOL), (nb,))
+            _probe_kernel(index, m[_KEY_COLS], overflow, ukey[lo:hi], m[_SHIFT], np.empty(0, np.int64), at[lo:hi])
+            stored = numba.carray(_pointer(m[_VALUES], rows), (m[_CAPACITY], dim))
+            for i in range(lo, hi):
+                r = at[i]
+                if r >= 0 and source[i] == 0:
+                    for d in range(dim):
+                        rows[i, d] = stored[r, d]
+                    source[i] = 1
+            lo = hi
+    for i in range(m_pairs):  # default rows of the pairs no tier answered
+        if source[i] != 0:
+            continue
+        t = utid[i]
+        if kinds[t] == UNIFORM:  # numba_init.uniform_salted's bits
+            low, width = np.float32(params[t, 0]), np.float32(params[t, 1])
+            row = np.uint64(_mix64(np.int64(np.uint64(np.int64(ukey[i])) ^ np.uint64(seeds[t]))))
+            for c in range(dim):
+                u = (np.float32(cell_bits(row, c)) + np.float32(0.5)) * np.float32(2.0**-24)
+                rows[i, c] = low + width * u
+        else:
+            value = np.float32(params[t, 0])
+            for c in range(dim):
+                rows[i, c] = value
+        source[i] = 3
+    for i in range(m_pairs):
+        served[utid[i], source[i]] += counts[i]
+    n = out.shape[0]
+    runs = n // batch if batch else 0
+    zero = np.float32(0.0)
+    for k in range(miss_at.shape[0]):
+        j = miss_at[k]
+        o = (j % batch) * runs + j // batch
+        p = inverse[k]
+        if pool:
+            for d in range(dim):
+                out[o, d] = zero + rows[p, d]
+        else:
+            for d in range(dim):
+                out[o, d] = rows[p, d]
+
+
+def pack_mget(keys: torch.Tensor, table_of: torch.Tensor, shards: torch.Tensor, base: torch.Tensor,
+              width: torch.Tensor, prefixes: np.ndarray, chunk: int) -> tuple[bytes, int]:
+    """The Redis ``MGET`` commands of ``keys`` in RESP, ``chunk`` names a command: key ``j`` of table
+    ``t = table_of[j]`` is named ``prefix(t, s) + 8 bytes``, the key big-endian with its sign bit flipped, ``s =
+    mix64(key) mod shards[t]`` its shard and ``prefix(t, s)`` the ``width[t]`` bytes of ``prefixes`` from ``base[t]
+    + s * width[t]`` (:mod:`dynemb.serving.stores.redis`'s layout). What redis-py's ``execute_command("MGET",
+    *names)`` sends for each chunk, written in one pass instead of a Python object a name.
+
+    Returns:
+        ``(the commands' bytes, how many commands)``.
+    """
+    n = keys.shape[0]
+    commands = -(-n // chunk)
+    most = 32 * commands + n * (16 + int(width.max()) if width.shape[0] else 0)
+    out = np.empty(most, np.uint8)
+    used = _pack_mget_kernel(keys.numpy(), table_of.numpy(), shards.numpy(), base.numpy(), width.numpy(), prefixes,
+                             chunk, out)
+    return out[:used].tobytes(), commands
+
+
+@numba.njit(nogil=True, cache=True)
+def _put_int(out, at, value):
+    """``value`` >= 0 in decimal at ``out[at:]``; returns the position after it."""
+    digits = 1
+    while value >= 10**digits:
+        digits += 1
+    for k in range(digits - 1, -1, -1):
+        out[at + k] = 48 + value % 10
+        value //= 10
+    return at + digits
+
+
+@numba.njit(nogil=True, cache=True)
+def _pack_mget_kernel(keys, table_of, shards, base, width, prefixes, chunk, out):
+    n = keys.shape[0]
+    at = 0
+    for j in range(n):
+        if j % chunk == 0:  # *<names + 1>\r\n$4\r\nMGET\r\n
+            out[at] = 42
+            at = _put_int(out, at + 1, min(chunk, n - j) + 1)
+            for c in (13, 10, 36, 52, 13, 10, 77, 71, 69, 84, 13, 10):
+                out[at] = c
+                at += 1
+        t = table_of[j]
+        w = width[t]
+        out[at] = 36  # $<length>\r\n<name>\r\n
+        at = _put_int(out, at + 1, w + 8)
+        out[at], out[at + 1] = 13, 10
+        at += 2
+        start = base[t] + (_mix64(keys[j]) % shards[t]) * w  # a Python modulo: torch's remainder of the hash
+        for k in range(w):
+            out[at + k] = prefixes[start + k]
+        at += w
+        flipped = np.uint64(np.int64(keys[j])) ^ np.uint64(0x8000000000000000)
+        for k in range(8):
+            out[at + k] = np.uint8((flipped >> np.uint64(56 - 8 * k)) & np.uint64(0xFF))
+        at += 8
+        out[at], out[at + 1] = 13, 10
+        at += 2
+    return at

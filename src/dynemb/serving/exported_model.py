@@ -52,7 +52,14 @@ class _Program:
                              "train` run is served with `dynemb serve --model RUN_DIR`")
         manifest, data = read_attached(directory, PROGRAM_FILE)
         meta = manifest["program"]
-        program = torch.export.load(io.BytesIO(data))
+        self.tables = {name: t["dim"] for name, t in manifest["tables"].items()}
+        try:
+            program = torch.export.load(io.BytesIO(data))
+        except Exception as exc:  # noqa: BLE001  (torch.export's own errors: a schema or an op of another torch)
+            wrote = meta.get("torch", "an unknown version")
+            raise ValueError(f"{directory / PROGRAM_FILE}: torch {torch.__version__} cannot load this program, which "
+                             f"torch {wrote} wrote ({type(exc).__name__}: {exc}); serve it with torch {wrote}, or "
+                             "export the model again with this torch") from exc
         self.inputs, self.outputs, self.batch_input = meta["inputs"], meta["outputs"], meta.get("batch_input")
         # The export keeps no example inputs (see export_model); the program's shape checks are generated from
         # inputs of its structure, so stand-ins of it come back here (only their placement in the call is read).
@@ -64,6 +71,42 @@ class _Program:
             tables = {t["name"]: TableConfig(**t) for t in record["tables"]}
             features = {f["name"]: FeatureConfig.from_dict(f) for f in record["features"]}
             self.collections[path] = (features, tables)
+
+
+def _integer(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+def _checked_inputs(inputs: dict, specs: list) -> list:
+    """``inputs`` in the program's order, each checked against its spec (``{"name", "dtype", "shape"}``) as the
+    endpoint checks a request's; a narrower integer dtype widened (as a collection takes narrower ids)."""
+    names = [spec["name"] for spec in specs]
+    missing = [n for n in names if n not in inputs]
+    if missing:
+        raise ValueError(f"input {missing[0]!r} is missing (the model reads {names})")
+    unknown = sorted(set(inputs) - set(names))
+    if unknown:
+        raise ValueError(f"input {unknown[0]!r} is not an input of this model (it reads {names})")
+    out = []
+    for spec in specs:
+        name, want, expected, t = spec["name"], parse_dtype(spec["dtype"]), spec["shape"], inputs[spec["name"]]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"input {name!r} must be a tensor, got {type(t).__name__}")
+        if t.dtype != want:
+            if not (_integer(want) and _integer(t.dtype) and torch.iinfo(t.dtype).min >= torch.iinfo(want).min
+                    and torch.iinfo(t.dtype).max <= torch.iinfo(want).max):
+                also = " (or a narrower integer dtype)" if _integer(want) else ""
+                raise ValueError(f"input {name!r}: dtype must be {want}{also}, got {t.dtype}")
+            t = t.to(want)
+        if t.dim() != len(expected):
+            raise ValueError(f"input {name!r}: shape {list(t.shape)}, but the model's shape is {expected} (-1: any "
+                             f"size): a {len(expected)}-D tensor")
+        fixed = [(i, e) for i, (d, e) in enumerate(zip(t.shape, expected)) if e != -1 and d != e]
+        if fixed:
+            raise ValueError(f"input {name!r}: shape {list(t.shape)}, but size {fixed[0][0]} must be {fixed[0][1]} "
+                             f"(the model's shape is {expected})")
+        out.append(t)
+    return out
 
 
 class ExportedModel:
@@ -134,18 +177,19 @@ class ExportedModel:
     def __call__(self, inputs: dict) -> tuple[dict, int]:
         """``({output name: tensor}, the version that computed them)`` of ``{input name: tensor}``.
 
+        Inputs are checked as ``dynemb serve`` checks a request's: each of the program's dtype (an integer input
+        also takes a narrower integer dtype, widened), rank and fixed sizes (``inputs`` metadata).
+
         Raises:
-            ValueError: an input is missing, or the inputs' shapes do not fit the program (the message names the
-                inputs); a feature's ids are invalid (the message names the feature).
+            ValueError: an input is missing, unknown, of another dtype, rank or fixed size, or the inputs' shapes do
+                not fit the program (the message names the inputs); a feature's ids are invalid (the message names
+                the feature). TypeError: an input is not a tensor.
         """
         with self._lock, bind(self):
             program = self.program
-            missing = [i["name"] for i in program.inputs if i["name"] not in inputs]
-            if missing:
-                raise ValueError(f"input {missing[0]!r} is missing (the model reads "
-                                 f"{[i['name'] for i in program.inputs]})")
+            args = _checked_inputs(inputs, program.inputs)
             try:
-                out = program.module(*[inputs[i["name"]].to(self.device) for i in program.inputs])
+                out = program.module(*[t.to(self.device) for t in args])
             except AssertionError as exc:  # the program's shape guards, in terms of the inputs' names
                 text = str(exc).splitlines()[0] if str(exc) else "a shape guard failed"
                 named = [i["name"] for i in program.inputs if re.search(rf"\b{re.escape(i['name'])}\b", text)]
@@ -173,10 +217,25 @@ class ExportedModel:
         """
         export = read_export(export_dir)
         program = _Program(export[0]["path"])
+        config = self.ps.models[self.name]
+        served = dict(zip(config.embedding_table_names, config.embedding_vecsize_per_table))
+        if program.tables != served:  # the parameter server serves the tables it was built with: the program
+            # would look up tables it lacks (every request failing) while rows of the old ones stay served
+            added = sorted(set(program.tables) - set(served))
+            gone = sorted(set(served) - set(program.tables))
+            dims = sorted(t for t in set(served) & set(program.tables) if served[t] != program.tables[t])
+            change = "; ".join(part for part in (f"adds {added}" if added else "", f"drops {gone}" if gone else "",
+                                                 f"changes the dim of {dims}" if dims else "") if part)
+            raise ValueError(f"{export[0]['path']}: version {export[0]['version']} {change} (tables "
+                             f"{sorted(program.tables)}, served: {sorted(served)}): a version that changes the tables "
+                             "is served by a new server (restart dynemb serve, or a new ExportedModel); nothing "
+                             "changed")
         with self._lock:
             self._updating = True
             try:
-                self.ps.apply_update(export_dir, export=export)
+                updated = self.ps.apply_update(export_dir, export=export)
+                if self.name not in updated:  # (its tables are this model's: not reached, but never a program
+                    raise ValueError(f"{export[0]['path']}: no table of model {self.name!r} took it")  # w/o tables)
                 self.program = program
                 return self.version
             finally:

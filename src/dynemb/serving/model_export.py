@@ -65,8 +65,9 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
     A standalone ``DynamicEmbedding`` or ``StaticEmbedding`` (``emb(ids)``: ids of any shape ``S`` -> rows
     ``S + (D,)``, pooled if need be by the model's own code) is served as a one-table collection would be: its
     table (named by its module path, as ``export_for_serving`` names it) in the parameter server, each call a node.
-    A model that reads anything else of it in ``forward`` (``emb.table``, ``embedding_lookup_sparse(emb, ...)``) is
-    refused; hold such a table in an ``EmbeddingCollection``, whose features pool.
+    ``embedding_lookup(emb, ids, max_norm)`` is served the same way, and ``embedding_lookup_sparse(emb, ...)`` (the
+    ``nn.EmbeddingBag`` forms) as a pooled feature with that call's options. A model that reads anything else of it
+    in ``forward`` (``emb.table``, ``emb.find(ids)``) is refused, naming it.
 
     Sharded (a collection with a ``plan``, under torchrun): a collective; every rank calls it with the same
     arguments. Each rank writes the rows it holds (see ``export_for_serving``); rank 0 runs and traces the model
@@ -96,8 +97,9 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
         The version directory written.
 
     Raises:
-        TypeError: ``model`` is no module, an input is no tensor; ``model`` in eval mode refuses
-            ``example_inputs`` (ids of a float dtype, ...): its message, after ``example_inputs:``.
+        TypeError: ``model`` is no module, an input is no tensor, an output is no tensor; ``model`` in eval mode
+            refuses ``example_inputs`` (ids of a float dtype, ...): its message, after ``example_inputs:``.
+        RuntimeError: this torch lacks what the trace needs (torch 2.7 or newer).
         ValueError: ``model`` holds no table; its ``forward`` reads a standalone table other than by calling it;
             a sparse COO input that is not 2-D, or that the model reads other than as a collection's feature;
             ``model`` in eval mode refuses ``example_inputs`` (as for TypeError).
@@ -138,8 +140,9 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
 
 def _agree(ctx, failure: Optional[BaseException]) -> None:
     """Raise ``failure`` (rank 0's, the only rank that traces) on every rank, before any rank writes a file."""
-    told = ctx.gather(None if failure is None else [type(failure).__name__, str(failure)])[0] \
-        if ctx.distributed else None
+    # by its base class: the other ranks raise a TypeError or ValueError (whatever subclass rank 0 raised)
+    base = next((k.__name__ for k in (TypeError, ValueError) if isinstance(failure, k)), type(failure).__name__)
+    told = ctx.gather(None if failure is None else [base, str(failure)])[0] if ctx.distributed else None
     if failure is not None:
         raise failure
     if told is not None:
@@ -153,6 +156,7 @@ def _program(model: nn.Module, example_inputs, example_kwargs: Optional[dict]) -
         raise TypeError(f"example_inputs must be a tuple of model.forward's positional arguments, got "
                         f"{type(example_inputs).__name__} (one tensor x: pass (x,))")
     kwargs = dict(example_kwargs or {})
+    _check_torch()
     _check_tables(model)
     leaves, in_spec = pytree.tree_flatten_with_path((tuple(example_inputs), kwargs))
     names = _input_names(model, tuple(example_inputs), kwargs, [p for p, _ in leaves])
@@ -171,14 +175,17 @@ def _program(model: nn.Module, example_inputs, example_kwargs: Optional[dict]) -
             served.append(name)
     served = _unique(served)
     wrapper = _Flat(model, in_spec, names, served, sparse)
-    training = model.training
+    # each module's own mode, restored as it was: model.train(mode) would also flip a submodule the user keeps in
+    # eval mode (a frozen BatchNorm) in a model being trained
+    modes = [(m, m.training) for m in model.modules()]
     try:
         model.eval()
         with _stand_ins(wrapper, find_tables(model)) as records:
             _check_runs(wrapper, flat, records)
             program = _trace(wrapper, flat)
     finally:
-        model.train(training)
+        for m, mode in modes:
+            m.training = mode
     # without them the archive is the graph (JSON) and raw weight bytes: torch.export.save writes example inputs
     # with torch.save (a pickle, of the user's example ids), and torch.export.load may unpickle them
     program.example_inputs = None
@@ -225,7 +232,19 @@ def _check_runs(wrapper: nn.Module, flat: list, records: dict) -> None:
     except (TypeError, ValueError) as e:
         if type(e) not in (TypeError, ValueError):
             raise
-        raise type(e)(f"example_inputs: {e}") from None
+        raise type(e)(f"example_inputs: {e}") from e  # (its traceback: where, in forward or in the collection)
+
+
+def _check_torch() -> None:
+    """The trace's torch.export features (``Dim.AUTO``; ``backed_size_oblivious``, so that a batch of 1 is a size
+    like any other: torch 2.7) are there, or a clear error names the one missing (not torch's own AttributeError
+    from the middle of the trace)."""
+    needed = {"torch.export.Dim.AUTO": hasattr(getattr(torch.export, "Dim", None), "AUTO"),
+              "torch.fx.experimental._config.backed_size_oblivious": hasattr(fx_config, "backed_size_oblivious")}
+    missing = [name for name, there in needed.items() if not there]
+    if missing:
+        raise RuntimeError(f"export_model needs torch 2.7 or newer: it traces with {missing[0]}, which torch "
+                           f"{torch.__version__} lacks")
 
 
 def _check_tables(model: nn.Module) -> None:
@@ -272,8 +291,8 @@ def _unique(names: list) -> list:
 
 def _input_names(model: nn.Module, args: tuple, kwargs: dict, paths: list) -> list:
     """Each input leaf's name: ``forward``'s parameter, then its path inside that argument, joined by ``_``."""
-    try:
-        params = [p.name for p in inspect.signature(model.forward).parameters.values()
+    try:  # the wrapped model's forward (a compiled or DataParallel model's forward takes *args: layout)
+        params = [p.name for p in inspect.signature(unwrap(model).forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         params = []
@@ -316,9 +335,10 @@ class _Flat(nn.Module):
                               else next(tensors))
             args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
             leaves, _ = pytree.tree_flatten_with_path(self.model(*args, **kwargs))
-            bad = [pytree.keystr(p) for p, v in leaves if not isinstance(v, torch.Tensor)]
+            bad = [(pytree.keystr(p), type(v).__name__) for p, v in leaves if not isinstance(v, torch.Tensor)]
             if bad:
-                raise TypeError(f"model outputs must be tensors (or containers of them); output{bad[0]} is not")
+                raise _BadOutput(f"model outputs must be tensors (or containers of them); output{bad[0][0]} is "
+                                 f"{bad[0][1]}")
             named[:] = _output_names([p for p, _ in leaves])
             return tuple(v for _, v in leaves)
 
@@ -329,6 +349,10 @@ class _Flat(nn.Module):
     @property
     def output_names(self) -> list:
         return list(self.forward.output_names)
+
+
+class _BadOutput(TypeError):
+    """The model's output is not a tree of tensors: the model's fault, not its example inputs' (raised as is)."""
 
 
 class _NotServed(AttributeError):

@@ -12,6 +12,13 @@ only, in one call per initializer (tables that differ only in their seed share i
 tables (hit rate under the threshold) into the group cache in one insert. What stays per table is a few Python
 operations on numbers: the counts added to its statistics, a deferred write-back.
 
+The common case, every table of the request in one float32 cache on the CPU, takes the fused path
+(:func:`lookup_fused`): two numba calls (:func:`~dynemb.kernels.numba_find_many.probe_request`,
+:func:`~dynemb.kernels.numba_find_many.finish_request`) probe the cache, read the misses from the in-process store,
+compute default rows and write every row straight to its place in the output (a model's ``[B, F, D]`` input, for
+:meth:`~dynemb.serving.ParameterServer.lookup_stacked`); Redis and persistent tiers are still one call each in
+between, and initializers without a kernel (normal, truncated normal) compute their rows in torch as above.
+
 It answers exactly as the per-table path (:mod:`.table_lookup`) does, row for row (``tests/serving/test_ps.py``).
 While a background write-back inserts into a group cache (a table's batch of rows, 1/16 of its share of the cache at
 most) a request waits for the insert: reading every id of the request from the stores instead, as the per-table path
@@ -28,12 +35,12 @@ import torch
 
 from ...kernels.dispatch import numba_available
 from ...table.hashing import mix64
-from ...table.initializers import Normal, TruncatedNormal, Uniform, initial_rows
+from ...table.initializers import Initializer, Normal, TruncatedNormal, Uniform, initial_rows
 from .cache import TableState
 from .group_cache import GroupCache
 from .tiers import StoreTiers
 
-__all__ = ["RequestPlan", "lookup_request", "concat_answers", "split_answers"]
+__all__ = ["RequestPlan", "lookup_request", "lookup_fused", "concat_answers", "split_answers"]
 
 _SOURCES = ("volatile", "persistent", "default")  # codes 1, 2, 3 of _Part.source; 0: not found yet
 _SEEDED = (Uniform, Normal, TruncatedNormal)  # rows a function of (key ^ mix64(seed)) alone: see _default_rows
@@ -54,6 +61,10 @@ class _GroupPlan:
     shared_default: bool  # every table's default is the same constant or seeded initializer (one call for all)
     stats_lock: Optional[threading.Lock] = None  # the one stats_lock of all the tables (the loader gives a group's
     # tables one), taken once a request for all their counts; None: each table's own
+    kinds: Optional[torch.Tensor] = None  # [T] int64, params [T, 2] float64, salts [T] int64: each table's default
+    params: Optional[torch.Tensor] = None  # as numba_find_many.finish_request computes it (None: not fused)
+    default_salts: Optional[torch.Tensor] = None
+    kernel_defaults: bool = False  # every table's default rows come from finish_request (else from torch first)
 
 
 @dataclasses.dataclass
@@ -92,6 +103,12 @@ class RequestPlan:
         self.one_width = len({t.row_dim for t in self.tables}) == 1
         self.int32_keys = any(t.key_dtype == torch.int32 for t in self.tables)
         self._layouts: dict[tuple, _RunLayout] = {}
+        # The fused path (lookup_fused): one float32 cache on the CPU holds every table of the request.
+        group = self.groups[0].group if len(self.groups) == 1 else None
+        self.fused = group is not None and group.device.type == "cpu" and group.dtype == torch.float32 and \
+            not any(t.codec for t in self.tables) and numba_available()
+        if self.fused:
+            _kernel_defaults(self.groups[0])
 
     def _group_plan(self, members: list) -> _GroupPlan:
         tables = [self.tables[i] for i in members]
@@ -150,6 +167,29 @@ class _Part:
     source: torch.Tensor = None  # [M] int64 code of the tier that answered (see _SOURCES)
     salts: torch.Tensor = None  # [T] the cache salt of each table, on the CPU
     plan: _GroupPlan = None
+
+
+def _kernel_defaults(gp: _GroupPlan) -> None:
+    """Each table's default as :func:`~dynemb.kernels.numba_find_many.finish_request` takes it."""
+    from ...kernels.numba_find_many import CONSTANT, IN_PYTHON, UNIFORM
+
+    kinds, params = [], []
+    for t in gp.tables:
+        spec = t.default.kernel_spec() if isinstance(t.default, Initializer) else ("constant", (float(t.default),))
+        if spec is not None and spec[0] == "uniform":
+            low, high = spec[1]
+            kinds.append(UNIFORM)
+            params.append((float(low), float(high) - float(low)))  # rounded to float32 there, as numba_init does
+        elif spec is not None and spec[0] == "constant":
+            kinds.append(CONSTANT)
+            params.append((float(spec[1][0]), 0.0))
+        else:
+            kinds.append(IN_PYTHON)
+            params.append((0.0, 0.0))
+    gp.kinds = torch.tensor(kinds, dtype=torch.int64)
+    gp.params = torch.tensor(params, dtype=torch.float64)
+    gp.default_salts = mix64(torch.tensor([t.seed for t in gp.tables], dtype=torch.int64))
+    gp.kernel_defaults = IN_PYTHON not in kinds
 
 
 def _from_cache(gp: _GroupPlan, ids: torch.Tensor, tid: torch.Tensor, salt: torch.Tensor, sizes: list) -> _Part:
@@ -278,7 +318,13 @@ def _finish(part: _Part, threshold: float, writeback) -> None:
     if part.rows is not None:
         part.values.index_copy_(0, part.miss_at, part.rows.index_select(0, part.inverse).to(part.values.device))
         served.index_put_((part.utid, part.source), part.counts, accumulate=True)
-    counts = zip(part.tables, part.sizes, part.missed, served.tolist())
+    _account(part, served.tolist(), threshold, writeback)
+
+
+def _account(part: _Part, served: list, threshold: float, writeback) -> None:
+    """Each table's statistics (``served[t][code]``: its ids each source answered) and the write-back of the rows
+    found in a store."""
+    counts = zip(part.tables, part.sizes, part.missed, served)
     lock = part.plan.stats_lock if part.plan is not None else None
     if lock is not None:  # one lock for the group's tables: taken once for all their counts
         with lock:
@@ -338,11 +384,16 @@ def _insert_cold(part: _Part, cold: list) -> None:
         group.kv.insert_or_assign(cache_keys.to(group.device), rows.to(group.device))
 
 
-def lookup_request(tiers: StoreTiers, writeback, threshold: float, plan: RequestPlan, ids: torch.Tensor,
+def lookup_request(tiers: StoreTiers, writeback, threshold: float, plan: RequestPlan, fused: bool, ids: torch.Tensor,
                    sizes: tuple) -> list[torch.Tensor]:
     """Rows (as answered: 8-bit rows dequantized) of the flat int64 ``ids [N]`` of a request whose run ``i``
     (``sizes[i]`` ids) belongs to the ``i``-th table of ``plan`` (module docstring): ``[N, D]`` rows for each
-    group cache of the plan, of the ids of its tables in request order (:meth:`RequestPlan.layout` says which)."""
+    group cache of the plan, of the ids of its tables in request order (:meth:`RequestPlan.layout` says which).
+    ``fused``: take :func:`lookup_fused` where the plan allows it."""
+    if fused and plan.fused:
+        out = torch.empty(ids.numel(), plan.groups[0].group.dim, dtype=torch.float32)
+        lookup_fused(tiers, writeback, threshold, plan, ids, sizes, out, ids.numel(), False)
+        return [out]
     layout = plan.layout(sizes)
     parts = []
     for gp, (positions, tid, salt, per_table) in zip(plan.groups, layout.parts):
@@ -358,6 +409,56 @@ def lookup_request(tiers: StoreTiers, writeback, threshold: float, plan: Request
         _finish(part, threshold, writeback)
         answers.append(part.tables[0].answer(part.values))  # 8-bit rows dequantized once for the whole part
     return answers
+
+
+_NO_META = torch.zeros(0, 7, dtype=torch.int64)
+
+
+def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPlan, ids: torch.Tensor, sizes: tuple,
+                 out: torch.Tensor, batch: int, pool: bool) -> None:
+    """:func:`lookup_request` of a plan with ``fused`` set, in two numba calls and the tiers' calls between them
+    (module docstring): the row of ``ids[f * batch + b]`` written to ``out[b * F + f]`` (``out [N, D]`` float32
+    contiguous, ``F = N // batch``: ``batch = N`` writes ``out[j]``), as ``0.0 + row`` when ``pool`` (a bag of one
+    id summed). The same rows, statistics and write-backs as :func:`lookup_request`."""
+    from ...kernels.numba_find_many import finish_request, probe_request
+
+    gp = plan.groups[0]
+    ids = ids.contiguous()
+    _, tid, _, per_table = plan.layout(sizes).parts[0]
+    group = gp.group
+    kv = group.kv
+    with group.lock:
+        index, key_cols, overflow, _, shift = kv.index._kernel_args(ids)
+        touched, miss_at, utid, ukey, inverse, counts, missed = probe_request(
+            index, key_cols, overflow, shift, kv.values, ids, tid, gp.salts, out, batch, pool)
+        kv.clock += 1  # what kv.find(update_scores=True) stamps: every row the index found
+        kv._touch(touched)
+        epochs = [t.epoch for t in gp.tables]
+    part = _Part(group, gp.tables, [], per_table, out, epochs, missed.tolist(), miss_at, plan=gp)
+    if not miss_at.numel():
+        _account(part, [[0] * (1 + len(_SOURCES))] * len(gp.tables), threshold, writeback)
+        return
+    part.utid, part.ukey, part.inverse, part.counts, part.salts = utid, ukey, inverse, counts, gp.salts
+    part.rows = torch.empty(ukey.numel(), group.dim, dtype=group.dtype)
+    part.source = torch.zeros(ukey.numel(), dtype=torch.int64)
+
+    def finish(meta: torch.Tensor) -> torch.Tensor:
+        return finish_request(meta, utid, ukey, counts, part.rows, part.source, gp.kinds, gp.params,
+                              gp.default_salts, miss_at, inverse, out, batch, pool)
+
+    served = None
+    volatile = tiers.volatile
+    if gp.kernel_defaults and volatile.available and not tiers.persistent.available and \
+            getattr(volatile.store, "fused_reads", False):
+        served = volatile.call(volatile.store.with_meta, tuple(gp.names), finish)  # one call: store, defaults
+    if served is None:
+        for tier in (tiers.volatile, tiers.persistent):
+            if tier.available:
+                _read_tier(tiers, tier, [part])
+        if not gp.kernel_defaults:
+            _default_rows(part)
+        served = finish(_NO_META)
+    _account(part, served.tolist(), threshold, writeback)
 
 
 def concat_answers(plan: RequestPlan, sizes: tuple, answers: list[torch.Tensor]) -> torch.Tensor:

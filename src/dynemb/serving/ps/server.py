@@ -21,7 +21,7 @@ from . import updates
 from .cache import TableState, cache_capacity, new_table, store_name
 from .group_cache import GroupCache, TableCache
 from .lineage import Lineage, summary
-from .request_lookup import RequestPlan, concat_answers, lookup_request, split_answers
+from .request_lookup import RequestPlan, concat_answers, lookup_fused, lookup_request, split_answers
 from .table_lookup import Lookup, read_tiers
 from .tiers import StoreTier, StoreTiers
 from .writeback import WriteBack
@@ -69,6 +69,7 @@ class ParameterServer:
         self.versions: dict[str, dict] = {}
         self._writeback = WriteBack()
         self.grouped = True  # lookups take every table of a request together (.request_lookup); False: table by table
+        self.fused = True  # grouped lookups of one float32 CPU cache in two numba calls (lookup_fused); False: not
         self._plans: dict[tuple, RequestPlan] = {}  # (model, tables) -> the plan of their requests
 
     @classmethod
@@ -245,7 +246,7 @@ class ParameterServer:
             plan = self._plan(model, tuple(batches))
             sizes = tuple(flat.numel() for _, flat in batches.values())
             flats = [flat for _, flat in batches.values()]
-            answers = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, plan,
+            answers = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, plan, self.fused,
                                      flats[0] if len(flats) == 1 else torch.cat(flats), sizes)
             return {name: r.view(*keys_per_table[name].shape, batches[name][0].row_dim)
                     for name, r in zip(batches, split_answers(plan, sizes, answers))}
@@ -288,6 +289,90 @@ class ParameterServer:
             True
             >>> ps.close()
         """
+        cfg, plan, tables, sizes = self._concat_request(model, tables, ids, sizes)
+        if not ids.numel():
+            t = plan.tables[0]
+            return torch.empty(0, t.row_dim, dtype=t.answer(torch.empty(0, t.dim, dtype=t.dtype)).dtype,
+                               device=t.cache.device)
+        if self.grouped:
+            answers = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, plan, self.fused, ids, sizes)
+            return concat_answers(plan, sizes, answers)
+        # table by table: each table's runs together (a table looked up twice in one call would count its misses
+        # as one)
+        runs = ids.split(sizes)
+        mine: dict[str, list] = {}
+        for i, t in enumerate(tables):
+            mine.setdefault(t, []).append(i)
+        found = self._per_table(cfg, [(self._tables[model][t], torch.cat([runs[i] for i in at]))
+                                      for t, at in mine.items()])
+        out: list = [None] * len(runs)
+        for at, rows in zip(mine.values(), found):
+            for i, part in zip(at, rows.split([sizes[i] for i in at])):
+                out[i] = part
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def lookup_stacked(self, model: str, tables: Sequence[str], ids: torch.Tensor, rows: int,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A request of ``F`` features of one id a row, as the ``[B, F, D]`` input of a model's interaction: what
+        :meth:`lookup_concat` answers for ``F`` runs of ``B = rows`` ids, each row as a bag of that one id pools to
+        by sum (``0.0 + row``: a ``-0.0`` becomes ``+0.0``, as ``embedding_bag`` gives it; a mean or sqrtn of one id
+        is the same). With one float32 cache on the CPU for every table, the rows are looked up and written to
+        their places in two numba calls (:func:`~.request_lookup.lookup_fused`), with no ``[F * B, D]`` in between.
+
+        Args:
+            model: a loaded model.
+            tables: each feature's table, ``F`` of them, all of one row width ``D``.
+            ids: int64 ``[F * rows]``: feature ``f``'s ids are ``ids[f * rows:(f + 1) * rows]``.
+            rows: ``B``, an int in ``[0, max_batch_size]``.
+            out: a contiguous ``[B, F, D]`` tensor to write into (a model's buffer, reused from request to
+                request); default a new one of the rows' dtype.
+
+        Returns:
+            ``out``: ``out[b, f]`` is the row of ``ids[f * rows + b]``.
+
+        Raises:
+            TypeError/ValueError: as :meth:`lookup_concat`, or ``out`` is not a contiguous ``[B, F, D]`` tensor.
+
+        Example:
+            >>> import tempfile, torch, dynemb
+            >>> from dynemb.checkpoint import export_for_serving
+            >>> tables = torch.nn.ModuleDict({"user": dynemb.DynamicEmbedding(4), "item": dynemb.DynamicEmbedding(4)})
+            >>> _ = tables["user"](torch.tensor([1, 2])), tables["item"](torch.tensor([7]))
+            >>> root = tempfile.mkdtemp()
+            >>> _ = export_for_serving(root, tables)
+            >>> ps = ParameterServer.from_config({"models": [{"model": "m", "sparse_files": [root],
+            ...     "embedding_table_names": ["user", "item"], "embedding_vecsize_per_table": [4, 4]}]})
+            >>> ps.load("m", progress=False)
+            >>> stacked = ps.lookup_stacked("m", ["user", "item"], torch.tensor([2, 1, 7, 7]), 2)
+            >>> stacked.shape, torch.equal(stacked[1, 1], ps.lookup("m", "item", torch.tensor(7)))
+            (torch.Size([2, 2, 4]), True)
+            >>> ps.close()
+        """
+        cfg, tables = self._model(model), tuple(tables)
+        if not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= cfg.max_batch_size:
+            raise ValueError(f"rows must be an int in [0, models[{model!r}].max_batch_size={cfg.max_batch_size}], "
+                             f"got {rows!r}")
+        cfg, plan, tables, sizes = self._concat_request(model, tables, ids, (rows,) * len(tables))
+        t = plan.tables[0]
+        shape = (rows, len(tables), t.row_dim)
+        if out is None:
+            dtype = torch.float32 if plan.fused and self.fused else t.answer(torch.empty(0, t.dim, dtype=t.dtype)).dtype
+            out = torch.empty(shape, dtype=dtype, device=t.cache.device)
+        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or not out.is_contiguous():
+            got = f"{'a contiguous' if out.is_contiguous() else 'a strided'} tensor of shape {tuple(out.shape)}" \
+                if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"out must be a contiguous tensor of shape {list(shape)} (rows, features, dim), got {got}")
+        if not ids.numel():
+            return out
+        if self.grouped and self.fused and plan.fused and out.dtype == torch.float32 and out.device.type == "cpu":
+            lookup_fused(self.tiers, self._writeback, cfg.hit_rate_threshold, plan, ids, sizes,
+                         out.view(-1, shape[2]), rows, True)
+            return out
+        flat = self.lookup_concat(model, tables, ids, sizes)
+        return torch.add(flat.view(len(tables), rows, shape[2]).transpose(0, 1), 0.0, out=out)
+
+    def _concat_request(self, model: str, tables: Sequence[str], ids, sizes: Sequence) -> tuple:
+        """``(config, plan, tables, sizes)`` of a :meth:`lookup_concat` request, checked."""
         cfg = self._model(model)
         tables = tuple(tables)
         sizes = tuple(sizes)
@@ -307,26 +392,7 @@ class ParameterServer:
         if plan.int32_keys:  # an int32 table's ids must fit int32
             for t, run in zip(tables, ids.split(sizes)):
                 self._check_batch(cfg, self._tables[model][t], run)
-        if not ids.numel():
-            t = plan.tables[0]
-            return torch.empty(0, t.row_dim, dtype=t.answer(torch.empty(0, t.dim, dtype=t.dtype)).dtype,
-                               device=t.cache.device)
-        if self.grouped:
-            answers = lookup_request(self.tiers, self._writeback, cfg.hit_rate_threshold, plan, ids, sizes)
-            return concat_answers(plan, sizes, answers)
-        # table by table: each table's runs together (a table looked up twice in one call would count its misses
-        # as one)
-        runs = ids.split(sizes)
-        mine: dict[str, list] = {}
-        for i, t in enumerate(tables):
-            mine.setdefault(t, []).append(i)
-        found = self._per_table(cfg, [(self._tables[model][t], torch.cat([runs[i] for i in at]))
-                                      for t, at in mine.items()])
-        out: list = [None] * len(runs)
-        for at, rows in zip(mine.values(), found):
-            for i, part in zip(at, rows.split([sizes[i] for i in at])):
-                out[i] = part
-        return out[0] if len(out) == 1 else torch.cat(out)
+        return cfg, plan, tables, sizes
 
     def _plan(self, model: str, tables: tuple) -> RequestPlan:
         """The kept plan of ``model``'s requests of ``tables`` (made now if none is, or the model was loaded again

@@ -130,6 +130,19 @@ class MemoryStore(Store):
             found = find_rows(self._meta(tuple(tables)), keys, starts, out)
         return out, found
 
+    @property
+    def fused_reads(self) -> bool:
+        """Whether :meth:`with_meta` serves: an unbounded store (a bounded one counts each read in its scores) with
+        numba."""
+        return self.config.max_rows_per_table is None and numba_available()
+
+    def with_meta(self, tables: tuple, fn):
+        """``fn(meta)`` under the store's lock, ``meta`` the :func:`~dynemb.kernels.numba_find_many.find_rows` rows
+        of ``tables`` (created tables, in that order): how the parameter server's fused path reads a request's
+        misses in the same kernel that computes their default rows. Only where :attr:`fused_reads` says so."""
+        with self._lock:
+            return fn(self._meta(tables))
+
     def _meta(self, tables: tuple) -> torch.Tensor:
         """The rows of :func:`~dynemb.kernels.numba_find_many.find_rows`'s ``meta`` for ``tables`` (call under the
         lock): kept while no write came, or none moved a table's storage."""

@@ -44,9 +44,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from dynemb.checks import check_positive_int
+from dynemb.kernels.dispatch import numba_available
 from dynemb.table.hashing import mix64
 
-from .store import OverflowPolicy, Store, StoreConfig, StoreError, StoreFullError, StoreUnavailableError, TableSchema
+from .store import (OverflowPolicy, Store, StoreConfig, StoreCorruptError, StoreError, StoreFullError,
+                    StoreUnavailableError, TableSchema)
 from .row_bytes import decode_keys, decode_rows, encode_keys, encode_rows, unsort
 
 __all__ = ["RedisStore", "RedisStoreConfig", "parse_address"]
@@ -184,6 +186,7 @@ class RedisStore(Store):
         self.overflow = OverflowPolicy.parse(config.overflow)
         self._layouts: dict[str, _Layout] = {}
         self._concat_names_of: dict[tuple, tuple] = {}  # tables of get_concat -> how their keys are named
+        self._packings: dict[tuple, tuple] = {}  # tables of get_concat -> their prefixes for pack_mget
         self._client = self._connect()
 
     def __repr__(self) -> str:
@@ -286,11 +289,60 @@ class RedisStore(Store):
     def _get_concat(self, tables, schema, keys, sizes):
         if self.config.cluster:  # one MGET per shard of each table, as get_many sends them
             return super()._get_concat(tables, schema, keys, sizes)
-        names = self._names(tuple(tables), keys, sizes)
+        tables = tuple(tables)
+        if numba_available():  # the MGET commands written in one numba pass, sent as they are
+            from dynemb.kernels.numba_find_many import pack_mget
+
+            shards, base, width, prefixes = self._packing(tables)
+            table_of = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(sizes), output_size=keys.numel())
+            packed, commands = pack_mget(keys, table_of, shards, base, width, prefixes, self.config.chunk_size)
+            blobs = list(itertools.chain.from_iterable(self._send_packed(packed, commands)))
+            try:
+                return decode_rows(blobs, schema)
+            except StoreCorruptError:  # again, with the names, for a message that names the key
+                return decode_rows(blobs, schema, self._names(tables, keys, sizes))
+        names = self._names(tables, keys, sizes)
         step = self.config.chunk_size
         blobs = list(itertools.chain.from_iterable(self._mget([names[lo: lo + step]
                                                                for lo in range(0, len(names), step)])))
         return decode_rows(blobs, schema, names)
+
+    def _packing(self, tables: tuple) -> tuple:
+        """``(shards [T], base [T], width [T], prefixes)`` of ``tables`` for :func:`pack_mget` (kept per list)."""
+        kept = self._packings.get(tables)
+        if kept is None:
+            layouts = [self._layouts[t] for t in tables]
+            sizes = [layout.prefixes.size for layout in layouts]
+            if len(self._packings) > 256:
+                self._packings.clear()
+            kept = self._packings[tables] = (
+                torch.tensor([layout.shards for layout in layouts], dtype=torch.int64),
+                torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64),
+                torch.tensor([layout.prefixes.shape[1] for layout in layouts], dtype=torch.int64),
+                np.concatenate([layout.prefixes.reshape(-1) for layout in layouts]))
+        return kept
+
+    def _send_packed(self, packed: bytes, commands: int) -> list:
+        """The replies of ``commands`` commands already in RESP (``packed``), sent in one round trip on a pooled
+        connection. As redis-py's ``execute_command`` does, a connection error or timeout is retried once at once
+        on a new connection (a server restart broke the pooled one); a connection that failed is closed, so that
+        no reply is left unread on it."""
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            for attempt in (0, 1):
+                try:
+                    conn.send_packed_command([packed])
+                    return [conn.read_response() for _ in range(commands)]
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    conn.disconnect()
+                    if attempt:
+                        raise
+                except BaseException:
+                    conn.disconnect()
+                    raise
+        finally:
+            pool.release(conn)
 
     def _names(self, tables: tuple, keys: torch.Tensor, sizes: list) -> list:
         """The Redis names of ``keys`` (``sizes[i]`` of ``tables[i]``, one after the other): one ``encode_keys`` for
