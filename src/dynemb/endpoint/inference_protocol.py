@@ -37,6 +37,7 @@ import torch
 from ..data.batch import Batch
 from ..data.arrow_columns import categorical_ids, dense_values, multi_hot_ids
 from ..data.preprocess import Preprocessing
+from ..serving.exported_model import check_input_names
 from .wire import RequestError
 
 __all__ = ["LENGTHS", "OUTPUT", "model_metadata", "decode_request", "encode_response"]
@@ -170,12 +171,7 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
     inputs = _inputs_by_name(request)
     _check_outputs(request.get("outputs"))
     expected = [*prep.categorical, *prep.multi_hot, *(c + LENGTHS for c in prep.multi_hot), *prep.dense]
-    missing = [n for n in expected if n not in inputs]
-    if missing:
-        raise RequestError(f"input {missing[0]!r} is missing (the model reads {expected})")
-    unknown = sorted(set(inputs) - set(expected))
-    if unknown:
-        raise RequestError(f"input {unknown[0]!r} is not an input of this model (it reads {expected})")
+    check_input_names(inputs, expected, RequestError)
     _check_row_counts(inputs, [*prep.categorical, *(c + LENGTHS for c in prep.multi_hot), *prep.dense])
     first = inputs[(prep.categorical or [c + LENGTHS for c in prep.multi_hot] or prep.dense)[0]]
     rows = len(_data(first, (first.get("datatype"),), None))

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..serving import ExportedModel
+from ..serving.exported_model import check_input_names
 from .inference_protocol import _inputs_by_name
 from .model import newest_version
 from .wire import RequestError
@@ -74,12 +75,7 @@ class ServedExport(ExportedModel):
         """
         given = _inputs_by_name(request)
         names = [t["name"] for t in self.inputs]
-        missing = [n for n in names if n not in given]
-        if missing:
-            raise RequestError(f"input {missing[0]!r} is missing (the model reads {names})")
-        unknown = sorted(set(given) - set(names))
-        if unknown:
-            raise RequestError(f"input {unknown[0]!r} is not an input of this model (it reads {names})")
+        check_input_names(given, names, RequestError)
         outputs = [t["name"] for t in self.outputs]
         for o in request.get("outputs") or []:
             if not isinstance(o, dict) or o.get("name") not in outputs:

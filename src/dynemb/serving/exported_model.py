@@ -77,16 +77,21 @@ def _integer(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
 
+def check_input_names(given, names: list, error: type = ValueError) -> None:
+    """Raise ``error`` naming the first of ``names`` missing from ``given``, or the first name in ``given`` that
+    is not in ``names`` (in-process calls and both endpoints' requests say it the same way)."""
+    missing = [n for n in names if n not in given]
+    if missing:
+        raise error(f"input {missing[0]!r} is missing (the model reads {names})")
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise error(f"input {unknown[0]!r} is not an input of this model (it reads {names})")
+
+
 def _checked_inputs(inputs: dict, specs: list) -> list:
     """``inputs`` in the program's order, each checked against its spec (``{"name", "dtype", "shape"}``) as the
     endpoint checks a request's; a narrower integer dtype widened (as a collection takes narrower ids)."""
-    names = [spec["name"] for spec in specs]
-    missing = [n for n in names if n not in inputs]
-    if missing:
-        raise ValueError(f"input {missing[0]!r} is missing (the model reads {names})")
-    unknown = sorted(set(inputs) - set(names))
-    if unknown:
-        raise ValueError(f"input {unknown[0]!r} is not an input of this model (it reads {names})")
+    check_input_names(inputs, [spec["name"] for spec in specs])
     out = []
     for spec in specs:
         name, want, expected, t = spec["name"], parse_dtype(spec["dtype"]), spec["shape"], inputs[spec["name"]]
