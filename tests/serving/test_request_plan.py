@@ -258,6 +258,10 @@ def test_the_fused_path_answers_as_the_per_table_path_bit_for_bit(tmp_path, requ
                                                            torch.arange(ids.numel()), mode="sum")
                 want_stacked = summed.view(len(names), b, 8).transpose(0, 1)
                 assert torch.equal(stacked, want_stacked) and not torch.signbit(stacked[stacked == 0]).any()
+                # into a slice of a [B, F + 1, D] buffer (the served DLRM's input): the same rows, slot 0 untouched
+                whole = torch.full((b, len(names) + 1, 8), 7.0)
+                assert ps.lookup_stacked("m", names, ids, b, out=whole[:, 1:]).data_ptr() == whole[:, 1:].data_ptr()
+                assert torch.equal(whole[:, 1:], want_stacked) and bool((whole[:, 0] == 7.0).all())
             for ps in servers:
                 many = ps.lookup_many("m", {"z": ids[:b], "k": ids[b:2 * b]} if names[0] != "u" else {"u": ids[:b]})
                 for t, rows in many.items():
@@ -275,7 +279,7 @@ def test_the_fused_path_answers_as_the_per_table_path_bit_for_bit(tmp_path, requ
         with pytest.raises(ValueError, match=r"rows must be an int in \[0, models\['m'\].max_batch_size=65536\], "
                                              r"got -1"):
             servers[0].lookup_stacked("m", ["u"], KEYS[:0], -1)
-        with pytest.raises(ValueError, match=r"out must be a contiguous tensor of shape \[2, 2, 8\] .* got a "
+        with pytest.raises(ValueError, match=r"out must be a tensor of shape \[2, 2, 8\] .* got a "
                                              r"strided tensor of shape \(2, 2, 8\)"):
             servers[0].lookup_stacked("m", ["u", "v"], KEYS[:4], 2, out=torch.empty(2, 8, 2).transpose(1, 2))
     finally:

@@ -121,7 +121,7 @@ class ServedModel:
         self._lock = threading.Lock()  # held by each forward pass and by each update
         self._updating = False
         self._plan: Optional[_FeaturePlan] = None  # what every request's features reuse (see pooled)
-        self._buffers: dict[int, torch.Tensor] = {}  # [B, F, D] inputs of the dense part, per batch size
+        self._buffers: dict[int, tuple] = {}  # [B, F + 1, D] inputs of the dense part, per batch size (_buffer)
 
     @property
     def preprocessing(self):
@@ -148,36 +148,52 @@ class ServedModel:
             return self._scores(batch), self.version
 
     def _scores(self, batch: Batch) -> torch.Tensor:
-        # the [B, F, D] buffer of this batch size, reused: a forward pass holds the lock, the logits do not alias it
-        stacked = self.pooled_stacked(batch, out=self._buffer(len(batch))) if isinstance(self.model, DLRM) else None
-        return probabilities(self.model(batch, pooled=self.pooled(batch) if stacked is None else stacked))
+        if isinstance(self.model, DLRM):
+            # the [B, F + 1, D] input of this batch size, reused (a forward pass holds the lock, the logits do not
+            # alias it): the rows go to [:, 1:], the bottom MLP's output to [:, 0] (DLRM.forward_stacked: no stack
+            # or concatenation of the F + 1 vectors)
+            kept = self._buffer(len(batch))
+            if kept is not None:
+                whole, rows, rows_array = kept
+                if self.pooled_stacked(batch, out=rows, out_array=rows_array) is not None:
+                    return probabilities(self.model.forward_stacked(batch.dense, whole))
+            else:
+                stacked = self.pooled_stacked(batch)
+                if stacked is not None:
+                    return probabilities(self.model(batch, pooled=stacked))
+        return probabilities(self.model(batch, pooled=self.pooled(batch)))
 
-    def _buffer(self, n: int) -> Optional[torch.Tensor]:
-        """A float32 ``[n, F, D]`` kept per batch size (a few of them, up to :data:`_BUFFER_ROWS` rows: a server's
-        usual batches) for :meth:`pooled_stacked`; None for a larger batch (a new tensor then)."""
-        out = self._buffers.get(n)
-        if out is None:
+    def _buffer(self, n: int) -> Optional[tuple]:
+        """``(a float32 [n, F + 1, D], its [:, 1:], that as a numpy array)`` kept per batch size (a few of them, up
+        to :data:`_BUFFER_ROWS` rows: a server's usual batches) for :meth:`pooled_stacked` and
+        :meth:`DLRM.forward_stacked`; None for a larger batch (new tensors then)."""
+        kept = self._buffers.get(n)
+        if kept is None:
             if n > _BUFFER_ROWS:
                 return None
             if len(self._buffers) >= 4:
                 self._buffers.clear()
             dim = self.table_configs[self._tables[self.features[0]]].dim
-            out = self._buffers[n] = torch.empty(n, len(self.features), dim, device=self.device)
-        return out
+            whole = torch.empty(n, len(self.features) + 1, dim, device=self.device)
+            rows = whole[:, 1:]
+            kept = self._buffers[n] = (whole, rows, rows.numpy() if self.device.type == "cpu" else None)
+        return kept
 
-    def pooled_stacked(self, batch: Batch, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def pooled_stacked(self, batch: Batch, out: Optional[torch.Tensor] = None,
+                       out_array=None) -> Optional[torch.Tensor]:
         """``[B, F, D]``: :meth:`pooled`'s outputs as one tensor, features in :attr:`features` order, when every
         feature is one id a row pooled plainly (the DLRM's interaction takes it as it is); else None.
 
         A bag of one id pools to ``0.0 + row`` by sum, mean or sqrtn alike, so the parameter server writes each
         row to its place (:meth:`~dynemb.serving.ParameterServer.lookup_stacked`: with one float32 cache, the
         cache probe, the misses' store reads and default rows and the writes are two numba calls); ``out``: a
-        contiguous ``[B, F, D]`` to write into (default a new tensor)."""
+        ``[B, F, D]`` to write into (default a new tensor), contiguous or a slice ``[:, k:k + F]`` of a contiguous
+        buffer; ``out_array``: ``out.numpy()`` kept with it."""
         plan = self._request_plan()
         ids = plan.one_id_ids(batch)
         if ids is None:
             return None
-        return self.ps.lookup_stacked(self.name, plan.tables, ids, len(batch), out=out)
+        return self.ps.lookup_stacked(self.name, plan.tables, ids, len(batch), out=out, out_array=out_array)
 
     def pooled(self, batch: Batch) -> dict:
         """``{feature: [B, D]}``: the features' outputs of a normalized ``batch`` (on :attr:`device`), as the

@@ -25,7 +25,8 @@ from .numba_group import _pointer
 from .numba_index import _mix64, _probe_kernel
 from .numba_math import cell_bits, prefetch_row
 
-__all__ = ["META", "find_rows", "find_carried", "miss_pairs", "probe_request", "finish_request", "pack_mget",
+__all__ = ["META", "find_rows", "find_carried", "miss_pairs", "probe_request", "finish_request", "probe_request_arrays",
+           "finish_request_arrays", "pack_mget",
            "UNIFORM", "CONSTANT", "IN_PYTHON"]
 
 META = ("buckets", "overflow", "shift", "num_buckets", "values", "capacity", "key_cols")
@@ -207,16 +208,32 @@ def probe_request(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, sh
         the index found (what a lookup stamps), then :func:`miss_pairs`' arrays.
     """
     touched = np.empty(ids.shape[0], np.int64)
-    t, *pairs = _probe_request_kernel(table.numpy(), key_cols, overflow.numpy(), shift,
-                                      values.view(torch.int32).numpy(), values.numpy(), ids.numpy(), tid.numpy(),
-                                      salts.numpy(), out.numpy(), batch, pool, touched, salts.shape[0])
+    t, *pairs = probe_request_arrays(table.numpy(), key_cols, overflow.numpy(), shift, values.view(torch.int32).numpy(),
+                                     values.numpy(), ids.numpy(), tid.numpy(), salts.numpy(),
+                                     _as_runs(out.numpy(), batch), pool, touched)
     return (torch.from_numpy(touched[:t]), *(torch.from_numpy(a) for a in pairs))
 
 
+def _as_runs(out: np.ndarray, batch: int) -> np.ndarray:
+    """``out [N, D]`` seen as the ``[batch, N // batch, D]`` the kernels write (``batch = 0``: ``[0, 0, D]``)."""
+    return out.reshape(batch, out.shape[0] // batch if batch else 0, out.shape[1])
+
+
+def probe_request_arrays(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, pool, touched):
+    """:func:`probe_request` on numpy arrays the caller keeps from request to request (the parameter server's fused
+    path: no tensor made or converted a call): ``out [B, F, D]`` float32, any strides (a view of a model's
+    ``[B, F + 1, D]`` input), the row of ``ids[f * B + b]`` written to ``out[b, f]``; ``touched [N]`` int64 filled
+    with the cache rows the index found. Returns ``(how many touched, miss_at, table, key, inverse, counts,
+    missed)``, numpy arrays."""
+    return _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, pool, touched,
+                                 salts.shape[0])
+
+
 @numba.njit(nogil=True, cache=True)
-def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, batch, pool, touched,
+def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, pool, touched,
                           tables):
-    n, dim = ids.shape[0], out.shape[1]
+    n, dim = ids.shape[0], out.shape[2]
+    batch, runs = out.shape[0], out.shape[1]
     cache_keys = np.empty(n, np.int64)
     for j in range(n):
         cache_keys[j] = ids[j] ^ salts[tid[j]]
@@ -225,7 +242,6 @@ def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, 
     found = np.zeros(n, np.bool_)
     kwords = words.shape[1] - dim
     t = 0
-    runs = n // batch if batch else 0
     zero = np.float32(0.0)
     for f in range(runs):
         for b in range(batch):
@@ -243,13 +259,12 @@ def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, 
             if np.int64(carried) != ids[j]:
                 continue
             found[j] = True
-            o = b * runs + f
             if pool:
                 for d in range(dim):
-                    out[o, d] = zero + values[r, d]
+                    out[b, f, d] = zero + values[r, d]
             else:
                 for d in range(dim):
-                    out[o, d] = values[r, d]
+                    out[b, f, d] = values[r, d]
     miss_at, utid, ukey, inverse, counts, missed = _miss_pairs_kernel(found, ids, tid, salts, tables)
     return t, miss_at, utid, ukey, inverse, counts, missed
 
@@ -278,13 +293,21 @@ def finish_request(meta: torch.Tensor, utid: torch.Tensor, ukey: torch.Tensor, c
     served = np.zeros((kinds.shape[0], 4), np.int64)
     _finish_request_kernel(meta.numpy(), utid.numpy(), ukey.numpy(), counts.numpy(), rows.numpy(), source.numpy(),
                            kinds.numpy(), params.numpy(), seeds.numpy(), miss_at.numpy(), inverse.numpy(),
-                           out.numpy(), batch, pool, served)
+                           _as_runs(out.numpy(), batch), pool, served)
     return torch.from_numpy(served)
+
+
+def finish_request_arrays(meta, utid, ukey, counts, rows, source, kinds, params, seeds, miss_at, inverse, out, pool,
+                          served):
+    """:func:`finish_request` on numpy arrays (``out [B, F, D]`` as :func:`probe_request_arrays` takes it), adding
+    each table's counts to ``served [T, 4]`` int64."""
+    _finish_request_kernel(meta, utid, ukey, counts, rows, source, kinds, params, seeds, miss_at, inverse, out, pool,
+                           served)
 
 
 @numba.njit(nogil=True, cache=True)
 def _finish_request_kernel(meta, utid, ukey, counts, rows, source, kinds, params, seeds, miss_at, inverse, out,
-                           batch, pool, served):
+                           pool, served):
     m_pairs, dim = ukey.shape[0], rows.shape[1]
     if meta.shape[0]:  # the store's rows of every pair, table by table (the pairs are sorted by table)
         at = np.empty(m_pairs, np.int64)
@@ -324,19 +347,18 @@ def _finish_request_kernel(meta, utid, ukey, counts, rows, source, kinds, params
         source[i] = 3
     for i in range(m_pairs):
         served[utid[i], source[i]] += counts[i]
-    n = out.shape[0]
-    runs = n // batch if batch else 0
+    batch = out.shape[0]
     zero = np.float32(0.0)
     for k in range(miss_at.shape[0]):
         j = miss_at[k]
-        o = (j % batch) * runs + j // batch
+        b, f = j % batch, j // batch
         p = inverse[k]
         if pool:
             for d in range(dim):
-                out[o, d] = zero + rows[p, d]
+                out[b, f, d] = zero + rows[p, d]
         else:
             for d in range(dim):
-                out[o, d] = rows[p, d]
+                out[b, f, d] = rows[p, d]
 
 
 def pack_mget(keys: torch.Tensor, table_of: torch.Tensor, shards: torch.Tensor, base: torch.Tensor,

@@ -15,7 +15,9 @@ that meet evict each other, as any two rows of a full cache may; neither is ever
 from __future__ import annotations
 
 import threading
+from typing import Optional
 
+import numpy as np
 import torch
 
 from ...kernels.dispatch import numba_available
@@ -42,6 +44,14 @@ class GroupCache:
         self.lock = threading.Lock()
         self.filling = False
         self._fused = self.kv.device.type == "cpu" and numba_available()
+        self.tables = tables
+        # [tables, 5] int64 counts (lookups, cache, volatile, persistent, default) of fused requests not yet added
+        # to the tables' stats (request_lookup._account_fused, settle_stats); guarded by the tables' stats_lock
+        self.pending_stats: Optional[np.ndarray] = None
+
+    def ensure_pending_stats(self) -> None:
+        if self.pending_stats is None:
+            self.pending_stats = np.zeros((self.tables, 5), np.int64)
 
     @property
     def device(self) -> torch.device:

@@ -31,6 +31,7 @@ import dataclasses
 import threading
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ...kernels.dispatch import numba_available
@@ -40,7 +41,7 @@ from .cache import TableState
 from .group_cache import GroupCache
 from .tiers import StoreTiers
 
-__all__ = ["RequestPlan", "lookup_request", "lookup_fused", "concat_answers", "split_answers"]
+__all__ = ["RequestPlan", "lookup_request", "lookup_fused", "concat_answers", "split_answers", "settle_stats"]
 
 _SOURCES = ("volatile", "persistent", "default")  # codes 1, 2, 3 of _Part.source; 0: not found yet
 _SEEDED = (Uniform, Normal, TruncatedNormal)  # rows a function of (key ^ mix64(seed)) alone: see _default_rows
@@ -65,6 +66,9 @@ class _GroupPlan:
     params: Optional[torch.Tensor] = None  # as numba_find_many.finish_request computes it (None: not fused)
     default_salts: Optional[torch.Tensor] = None
     kernel_defaults: bool = False  # every table's default rows come from finish_request (else from torch first)
+    arrays: Optional[tuple] = None  # the fused path's numpy views of the cache, kept (_cache_arrays)
+    kernel_arrays: Optional[tuple] = None  # kinds, params and default_salts as numpy arrays (fused path)
+    cache_rows: Optional[np.ndarray] = None  # each table's row in its group's pending_stats (fused path)
 
 
 @dataclasses.dataclass
@@ -74,6 +78,7 @@ class _RunLayout:
     """
 
     parts: list
+    arrays: Optional[tuple] = None  # (tid, ids of each table) as numpy arrays, for the fused path
 
 
 class RequestPlan:
@@ -109,6 +114,12 @@ class RequestPlan:
             not any(t.codec for t in self.tables) and numba_available()
         if self.fused:
             _kernel_defaults(self.groups[0])
+            gp = self.groups[0]
+            if gp.stats_lock is None:  # counts folded under one lock for the group's tables (_account_fused)
+                self.fused = False
+            else:
+                gp.group.ensure_pending_stats()
+                gp.cache_rows = np.asarray([t.cache.index for t in gp.tables], dtype=np.int64)
 
     def _group_plan(self, members: list) -> _GroupPlan:
         tables = [self.tables[i] for i in members]
@@ -391,8 +402,9 @@ def lookup_request(tiers: StoreTiers, writeback, threshold: float, plan: Request
     group cache of the plan, of the ids of its tables in request order (:meth:`RequestPlan.layout` says which).
     ``fused``: take :func:`lookup_fused` where the plan allows it."""
     if fused and plan.fused:
-        out = torch.empty(ids.numel(), plan.groups[0].group.dim, dtype=torch.float32)
-        lookup_fused(tiers, writeback, threshold, plan, ids, sizes, out, ids.numel(), False)
+        dim = plan.groups[0].group.dim
+        out = torch.empty(ids.numel(), dim, dtype=torch.float32)
+        lookup_fused(tiers, writeback, threshold, plan, ids, sizes, out.view(ids.numel(), 1, dim), False)
         return [out]
     layout = plan.layout(sizes)
     parts = []
@@ -411,54 +423,142 @@ def lookup_request(tiers: StoreTiers, writeback, threshold: float, plan: Request
     return answers
 
 
-_NO_META = torch.zeros(0, 7, dtype=torch.int64)
+_NO_META = np.zeros((0, 7), np.int64)
+
+
+def _cache_arrays(gp: _GroupPlan) -> tuple:
+    """The numpy views :func:`~dynemb.kernels.numba_find_many.probe_request_arrays` takes of ``gp``'s group cache
+    (index, overflow flags, rows as words and as float32) and of the tables' salts, kept on the plan while the cache's
+    storage and index stay where they are (the signature :class:`~dynemb.serving.stores.memory.MemoryStore` checks
+    for its own kept pointers): a request converts no tensor."""
+    kv = gp.group.kv
+    signature = (kv.storage_generation, id(kv.index), kv.index.generation)
+    kept = gp.arrays
+    if kept is None or kept[0] != signature:
+        table, key_cols, overflow, _, shift = kv.index._kernel_args(None)
+        values = kv.values
+        kept = gp.arrays = (signature, table.numpy(), key_cols, overflow.numpy(), shift,
+                            values.view(torch.int32).numpy(), values.numpy(), gp.salts.numpy())
+    return kept
 
 
 def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPlan, ids: torch.Tensor, sizes: tuple,
-                 out: torch.Tensor, batch: int, pool: bool) -> None:
+                 out: torch.Tensor, pool: bool, out_array: Optional[np.ndarray] = None) -> None:
     """:func:`lookup_request` of a plan with ``fused`` set, in two numba calls and the tiers' calls between them
-    (module docstring): the row of ``ids[f * batch + b]`` written to ``out[b * F + f]`` (``out [N, D]`` float32
-    contiguous, ``F = N // batch``: ``batch = N`` writes ``out[j]``), as ``0.0 + row`` when ``pool`` (a bag of one
-    id summed). The same rows, statistics and write-backs as :func:`lookup_request`."""
-    from ...kernels.numba_find_many import finish_request, probe_request
+    (module docstring): the row of ``ids[f * B + b]`` written to ``out[b, f]`` (``out [B, F, D]`` float32, last
+    dimension contiguous, any other strides: a view of a model's ``[B, F + 1, D]`` input; ``[N, 1, D]`` writes
+    ``out[j, 0]``), as ``0.0 + row`` when ``pool`` (a bag of one id summed). ``out_array``: ``out.numpy()`` when the
+    caller keeps it. The same rows, statistics and write-backs as :func:`lookup_request`."""
+    from ...kernels.numba_find_many import finish_request_arrays, probe_request_arrays
 
     gp = plan.groups[0]
-    ids = ids.contiguous()
-    _, tid, _, per_table = plan.layout(sizes).parts[0]
+    layout = plan.layout(sizes)
+    _, tid, _, per_table = layout.parts[0]
+    if layout.arrays is None:
+        layout.arrays = (tid.numpy(), np.asarray(per_table, dtype=np.int64))
+    tid_np, sizes_np = layout.arrays
+    ids_np = (ids if ids.is_contiguous() else ids.contiguous()).numpy()
+    out_np = out.numpy() if out_array is None else out_array
     group = gp.group
     kv = group.kv
+    touched = np.empty(ids_np.shape[0], np.int64)
     with group.lock:
-        index, key_cols, overflow, _, shift = kv.index._kernel_args(ids)
-        touched, miss_at, utid, ukey, inverse, counts, missed = probe_request(
-            index, key_cols, overflow, shift, kv.values, ids, tid, gp.salts, out, batch, pool)
+        _, table, key_cols, overflow, shift, words, values, salts = _cache_arrays(gp)
+        t, miss_at, utid, ukey, inverse, counts, missed = probe_request_arrays(
+            table, key_cols, overflow, shift, words, values, ids_np, tid_np, salts, out_np, pool, touched)
         kv.clock += 1  # what kv.find(update_scores=True) stamps: every row the index found
-        kv._touch(touched)
+        kv._touch(torch.from_numpy(touched[:t]))
         epochs = [t.epoch for t in gp.tables]
-    part = _Part(group, gp.tables, [], per_table, out, epochs, missed.tolist(), miss_at, plan=gp)
-    if not miss_at.numel():
-        _account(part, [[0] * (1 + len(_SOURCES))] * len(gp.tables), threshold, writeback)
+    if not miss_at.shape[0]:
+        _account_fused(gp, sizes_np, missed, None)
         return
-    part.utid, part.ukey, part.inverse, part.counts, part.salts = utid, ukey, inverse, counts, gp.salts
-    part.rows = torch.empty(ukey.numel(), group.dim, dtype=group.dtype)
-    part.source = torch.zeros(ukey.numel(), dtype=torch.int64)
+    rows_np = np.empty((ukey.shape[0], group.dim), np.float32)
+    source_np = np.zeros(ukey.shape[0], np.int64)
+    served = np.zeros((len(gp.tables), 4), np.int64)
+    if gp.kernel_arrays is None:
+        gp.kernel_arrays = (gp.kinds.numpy(), gp.params.numpy(), gp.default_salts.numpy())
+    kinds, params, seeds = gp.kernel_arrays
 
-    def finish(meta: torch.Tensor) -> torch.Tensor:
-        return finish_request(meta, utid, ukey, counts, part.rows, part.source, gp.kinds, gp.params,
-                              gp.default_salts, miss_at, inverse, out, batch, pool)
+    def finish(meta) -> bool:
+        finish_request_arrays(meta if isinstance(meta, np.ndarray) else meta.numpy(), utid, ukey, counts, rows_np,
+                              source_np, kinds, params, seeds, miss_at, inverse, out_np, pool, served)
+        return True
 
-    served = None
+    def torch_part() -> _Part:
+        """The request's misses as the tiers' code and the write-back take them (torch views of the arrays)."""
+        to_torch = torch.from_numpy
+        part = _Part(group, gp.tables, [], per_table, out, epochs, missed.tolist(), to_torch(miss_at), plan=gp)
+        part.utid, part.ukey, part.inverse, part.counts, part.salts = (to_torch(utid), to_torch(ukey),
+                                                                       to_torch(inverse), to_torch(counts), gp.salts)
+        part.rows, part.source = to_torch(rows_np), to_torch(source_np)
+        return part
+
+    part = done = None
     volatile = tiers.volatile
     if gp.kernel_defaults and volatile.available and not tiers.persistent.available and \
             getattr(volatile.store, "fused_reads", False):
-        served = volatile.call(volatile.store.with_meta, tuple(gp.names), finish)  # one call: store, defaults
-    if served is None:
+        done = volatile.call(volatile.store.with_meta, tuple(gp.names), finish)  # one call: store, defaults
+    if done is None:
+        part = torch_part()
         for tier in (tiers.volatile, tiers.persistent):
             if tier.available:
                 _read_tier(tiers, tier, [part])
         if not gp.kernel_defaults:
             _default_rows(part)
-        served = finish(_NO_META)
-    _account(part, served.tolist(), threshold, writeback)
+        finish(_NO_META)
+    _account_fused(gp, sizes_np, missed, served)
+    fetched = np.flatnonzero((source_np == 1) | (source_np == 2))
+    if fetched.shape[0]:
+        _write_back_fetched(part or torch_part(), threshold, writeback, fetched, utid)
+
+
+def _account_fused(gp: _GroupPlan, sizes: np.ndarray, missed: np.ndarray, served: Optional[np.ndarray]) -> None:
+    """A fused request's counts added to its group cache's pending statistics in one numpy step (no loop over the
+    tables): :meth:`~.server.ParameterServer.stats` folds them into each table's ``stats`` when it reads them."""
+    pending = gp.group.pending_stats
+    rows = gp.cache_rows
+    lock = gp.stats_lock
+    with lock:
+        mine = pending[rows]
+        mine[:, 0] += sizes
+        mine[:, 1] += sizes - missed
+        if served is not None:
+            mine[:, 2:] += served[:, 1:]
+        pending[rows] = mine
+
+
+def _write_back_fetched(part: _Part, threshold: float, writeback, fetched: np.ndarray, utid: np.ndarray) -> None:
+    """The write-back of the rows a fused request read from a store (positions ``fetched`` of its pairs), as
+    :func:`_account` does it, with the pairs found in numpy on the kernels' arrays."""
+    per_table = np.bincount(utid[fetched], minlength=len(part.tables))
+    fetched_t = torch.from_numpy(fetched)
+    keys = part.ukey.index_select(0, fetched_t)
+    rows = part.rows.index_select(0, fetched_t)
+    cold = []
+    bounds = np.concatenate([[0], np.cumsum(per_table)]).tolist()
+    for k in np.flatnonzero(per_table).tolist():
+        lo, hi = bounds[k], bounds[k + 1]
+        if part.sizes[k] - part.missed[k] < threshold * part.sizes[k]:  # cold: into the cache now
+            cold.append((k, fetched_t[lo:hi]))
+        else:
+            writeback.defer(part.tables[k], keys[lo:hi], rows[lo:hi], part.epochs[k])
+    if cold:
+        _insert_cold(part, cold)
+
+
+def settle_stats(tables) -> None:
+    """Fold the counts fused requests left with their group caches (:func:`_account_fused`) into each of
+    ``tables``' ``stats`` (a :class:`TableState` iterable), under each table's ``stats_lock``."""
+    for t in tables:
+        pending = t.cache.group.pending_stats
+        if pending is None:
+            continue
+        with t.stats_lock:
+            row = pending[t.cache.index]
+            if row.any():
+                for name, n in zip(("lookups", "cache", "volatile", "persistent", "default"), row.tolist()):
+                    t.stats[name] += n
+                row[:] = 0
 
 
 def concat_answers(plan: RequestPlan, sizes: tuple, answers: list[torch.Tensor]) -> torch.Tensor:

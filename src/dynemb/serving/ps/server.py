@@ -21,7 +21,7 @@ from . import updates
 from .cache import TableState, cache_capacity, new_table, store_name
 from .group_cache import GroupCache, TableCache
 from .lineage import Lineage, summary
-from .request_lookup import RequestPlan, concat_answers, lookup_fused, lookup_request, split_answers
+from .request_lookup import RequestPlan, concat_answers, lookup_fused, lookup_request, settle_stats, split_answers
 from .table_lookup import Lookup, read_tiers
 from .tiers import StoreTier, StoreTiers
 from .writeback import WriteBack
@@ -312,7 +312,7 @@ class ParameterServer:
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def lookup_stacked(self, model: str, tables: Sequence[str], ids: torch.Tensor, rows: int,
-                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       out: Optional[torch.Tensor] = None, out_array=None) -> torch.Tensor:
         """A request of ``F`` features of one id a row, as the ``[B, F, D]`` input of a model's interaction: what
         :meth:`lookup_concat` answers for ``F`` runs of ``B = rows`` ids, each row as a bag of that one id pools to
         by sum (``0.0 + row``: a ``-0.0`` becomes ``+0.0``, as ``embedding_bag`` gives it; a mean or sqrtn of one id
@@ -324,14 +324,16 @@ class ParameterServer:
             tables: each feature's table, ``F`` of them, all of one row width ``D``.
             ids: int64 ``[F * rows]``: feature ``f``'s ids are ``ids[f * rows:(f + 1) * rows]``.
             rows: ``B``, an int in ``[0, max_batch_size]``.
-            out: a contiguous ``[B, F, D]`` tensor to write into (a model's buffer, reused from request to
-                request); default a new one of the rows' dtype.
+            out: a ``[B, F, D]`` tensor to write into (a model's buffer, reused from request to request), contiguous
+                or ``buffer[:, k:k + F]`` of a contiguous ``[B, S, D]`` (the DLRM's interaction input, its first
+                slot left to the bottom MLP); default a new one of the rows' dtype.
+            out_array: ``out.numpy()``, when the caller keeps it with ``out`` (no conversion a request).
 
         Returns:
             ``out``: ``out[b, f]`` is the row of ``ids[f * rows + b]``.
 
         Raises:
-            TypeError/ValueError: as :meth:`lookup_concat`, or ``out`` is not a contiguous ``[B, F, D]`` tensor.
+            TypeError/ValueError: as :meth:`lookup_concat`, or ``out`` is not a ``[B, F, D]`` tensor as above.
 
         Example:
             >>> import tempfile, torch, dynemb
@@ -358,15 +360,17 @@ class ParameterServer:
         if out is None:
             dtype = torch.float32 if plan.fused and self.fused else t.answer(torch.empty(0, t.dim, dtype=t.dtype)).dtype
             out = torch.empty(shape, dtype=dtype, device=t.cache.device)
-        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or not out.is_contiguous():
+        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or not _rows_of_rows(out):
             got = f"{'a contiguous' if out.is_contiguous() else 'a strided'} tensor of shape {tuple(out.shape)}" \
                 if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(f"out must be a contiguous tensor of shape {list(shape)} (rows, features, dim), got {got}")
+            raise ValueError(f"out must be a tensor of shape {list(shape)} (rows, features, dim) whose rows of "
+                             f"features are contiguous (contiguous, or a slice of a [rows, more, dim] one's second "
+                             f"dimension), got {got}")
         if not ids.numel():
             return out
         if self.grouped and self.fused and plan.fused and out.dtype == torch.float32 and out.device.type == "cpu":
-            lookup_fused(self.tiers, self._writeback, cfg.hit_rate_threshold, plan, ids, sizes,
-                         out.view(-1, shape[2]), rows, True)
+            lookup_fused(self.tiers, self._writeback, cfg.hit_rate_threshold, plan, ids, sizes, out, True,
+                         out_array)
             return out
         flat = self.lookup_concat(model, tables, ids, sizes)
         return torch.add(flat.view(len(tables), rows, shape[2]).transpose(0, 1), 0.0, out=out)
@@ -479,6 +483,7 @@ class ParameterServer:
     # ------------------------------------------------------------------ stats and lifecycle
     def stats(self, model: str) -> dict:
         """Per-table counts of keys served by each tier, cache hit rate and size, and tier error counts."""
+        settle_stats(self._model_tables(model).values())
         tables = {name: {**t.stats, "hit_rate": t.hit_rate, "cache_rows": t.cache.size(),
                          "cache_capacity": t.cache.max_capacity, "cache_bytes": t.cache.nbytes()}
                   for name, t in self._model_tables(model).items()}
@@ -486,6 +491,7 @@ class ParameterServer:
                 **self.versions.get(model, {})}
 
     def reset_stats(self, model: str) -> None:
+        settle_stats(self._model_tables(model).values())
         for t in self._model_tables(model).values():
             for k in t.stats:
                 t.stats[k] = 0
@@ -514,3 +520,11 @@ class ParameterServer:
         if table not in tables:
             raise ValueError(f"table {table!r} is not served by model {model!r}; tables: {sorted(tables)}")
         return tables[table]
+
+
+def _rows_of_rows(out: torch.Tensor) -> bool:
+    """``out [B, F, D]`` is contiguous but for its first stride (``>= F * D``): a slice of a contiguous buffer's
+    second dimension."""
+    b, f, d = out.shape
+    stride = out.stride()
+    return (d <= 1 or stride[2] == 1) and (f <= 1 or stride[1] == d) and (b <= 1 or stride[0] >= f * d)
