@@ -11,6 +11,7 @@ import torch
 
 from dynemb.endpoint import ServedModel
 from dynemb.job import load_model
+from dynemb.job.score import probabilities
 
 
 # The CLI trains with the tables' default combiner (mean); each change is another rule the collection follows.
@@ -118,8 +119,11 @@ def test_one_id_features_pool_in_one_call_as_the_collection_does(one_id_run, tmp
                 finally:
                     plan.one_id = True
                 scores = served.predict(request)
-                if n:  # the served DLRM's [B, F, D] buffer held this batch's pooled outputs
-                    assert torch.equal(served._buffer(n), torch.stack([want[f] for f in served.features], 1))
+                if n:  # the served DLRM's [B, F + 1, D] input held this batch's pooled outputs after slot 0, and
+                    # DLRM.forward_stacked scored them as forward scores the collection's outputs, bit for bit
+                    whole = served._buffer(n)[0]
+                    assert torch.equal(whole[:, 1:], torch.stack([want[f] for f in served.features], 1))
+                    assert torch.equal(scores, probabilities(served.model(batch, pooled=want)))
                 # the [B, F, D] path the served DLRM scores through: the same outputs, the same logits bit for bit
                 stacked = served.pooled_stacked(batch)
                 assert stacked.shape == (n, 2, 8)

@@ -364,6 +364,8 @@ class _FeaturePlan:
 def _on(batch: Batch, device: torch.device) -> bool:
     """Every tensor of ``batch`` is on ``device`` already (``Batch.to`` would make a new batch all the same)."""
     tensors = (batch.dense, batch.labels, *batch.sparse.values(), *batch.offsets.values())
+    if device.type == "cpu":  # no device object made a tensor
+        return all(map(operator.attrgetter("is_cpu"), tensors))
     return all(t.device == device for t in tensors)
 
 

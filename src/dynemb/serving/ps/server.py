@@ -354,7 +354,7 @@ class ParameterServer:
         if not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= cfg.max_batch_size:
             raise ValueError(f"rows must be an int in [0, models[{model!r}].max_batch_size={cfg.max_batch_size}], "
                              f"got {rows!r}")
-        cfg, plan, tables, sizes = self._concat_request(model, tables, ids, (rows,) * len(tables))
+        cfg, plan, tables, sizes = self._concat_request(model, tables, ids, (rows,) * len(tables), True)
         t = plan.tables[0]
         shape = (rows, len(tables), t.row_dim)
         if out is None:
@@ -375,7 +375,8 @@ class ParameterServer:
         flat = self.lookup_concat(model, tables, ids, sizes)
         return torch.add(flat.view(len(tables), rows, shape[2]).transpose(0, 1), 0.0, out=out)
 
-    def _concat_request(self, model: str, tables: Sequence[str], ids, sizes: Sequence) -> tuple:
+    def _concat_request(self, model: str, tables: Sequence[str], ids, sizes: Sequence,
+                        sizes_checked: bool = False) -> tuple:
         """``(config, plan, tables, sizes)`` of a :meth:`lookup_concat` request, checked."""
         cfg = self._model(model)
         tables = tuple(tables)
@@ -384,7 +385,10 @@ class ParameterServer:
         if not plan.one_width:
             raise ValueError(f"tables must share one row width for lookup_concat, got "
                              f"{ {t.name: t.row_dim for t in plan.tables} }; use lookup_many")
-        if len(sizes) != len(tables) or not all(isinstance(n, int) and 0 <= n <= cfg.max_batch_size for n in sizes):
+        if sizes_checked:  # lookup_stacked's (rows,) * F, rows checked
+            pass
+        elif len(sizes) != len(tables) or not all(isinstance(n, int) and 0 <= n <= cfg.max_batch_size
+                                                  for n in sizes):
             raise ValueError(f"sizes must give the ids of each of the {len(tables)} runs, ints in [0, "
                              f"models[{model!r}].max_batch_size={cfg.max_batch_size}], got {list(sizes)}")
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
