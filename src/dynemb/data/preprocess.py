@@ -282,7 +282,10 @@ class Preprocessing:
             return batch
         mean, std, nan, inf, ninf = self._constants(batch.dense.device)
         z = signed_log1p(batch.dense)
-        z = torch.where(torch.isnan(z), nan, torch.where(z == math.inf, inf, torch.where(z == -math.inf, ninf, z)))
+        # On the CPU a check costs less than the three replacements when every value is finite (a served request's
+        # usual case: 3 small ops instead of 6); on a GPU it would wait for the device.
+        if z.device.type != "cpu" or not bool(torch.isfinite(z).all()):
+            z = torch.where(torch.isnan(z), nan, torch.where(z == math.inf, inf, torch.where(z == -math.inf, ninf, z)))
         return batch.with_dense((z - mean) / std)
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
