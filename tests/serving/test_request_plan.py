@@ -262,6 +262,14 @@ def test_the_fused_path_answers_as_the_per_table_path_bit_for_bit(tmp_path, requ
                 whole = torch.full((b, len(names) + 1, 8), 7.0)
                 assert ps.lookup_stacked("m", names, ids, b, out=whole[:, 1:]).data_ptr() == whole[:, 1:].data_ptr()
                 assert torch.equal(whole[:, 1:], want_stacked) and bool((whole[:, 0] == 7.0).all())
+            if b:  # the fused probe stamps every cache row it finds as kv.find does (LRU: the access clock, the clock)
+                kv = servers[0]._tables["m"]["u"].cache.group.kv
+                probe = kv.clock + 1  # the probe's clock (a cold insert after it moves the clock again)
+                for ps in servers:  # all of them: the statistics are compared below
+                    ps.lookup_stacked("m", names, ids, b)
+                scores, versions = kv._cols["score"], kv._cols["version"]
+                stamped = scores == probe - kv.save_ticks
+                assert bool((versions[stamped] == probe).all()) and (k < 3 or int(stamped.sum()) > 0)
             for ps in servers:
                 many = ps.lookup_many("m", {"z": ids[:b], "k": ids[b:2 * b]} if names[0] != "u" else {"u": ids[:b]})
                 for t, rows in many.items():

@@ -210,7 +210,7 @@ def probe_request(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, sh
     touched = np.empty(ids.shape[0], np.int64)
     t, *pairs = probe_request_arrays(table.numpy(), key_cols, overflow.numpy(), shift, values.view(torch.int32).numpy(),
                                      values.numpy(), ids.numpy(), tid.numpy(), salts.numpy(),
-                                     _as_runs(out.numpy(), batch), pool, touched)
+                                     _as_runs(out.numpy(), batch), pool, touched, _NO_STAMPS, _NO_STAMPS, 0, 0)
     return (torch.from_numpy(touched[:t]), *(torch.from_numpy(a) for a in pairs))
 
 
@@ -219,21 +219,28 @@ def _as_runs(out: np.ndarray, batch: int) -> np.ndarray:
     return out.reshape(batch, out.shape[0] // batch if batch else 0, out.shape[1])
 
 
-def probe_request_arrays(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, pool, touched):
+_NO_STAMPS = np.zeros(0, np.int64)
+
+
+def probe_request_arrays(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, pool, touched,
+                         scores, versions, score, version):
     """:func:`probe_request` on numpy arrays the caller keeps from request to request (the parameter server's fused
     path: no tensor made or converted a call): ``out [B, F, D]`` float32, any strides (a view of a model's
     ``[B, F + 1, D]`` input), the row of ``ids[f * B + b]`` written to ``out[b, f]``; ``touched [N]`` int64 filled
-    with the cache rows the index found. Returns ``(how many touched, miss_at, table, key, inverse, counts,
-    missed)``, numpy arrays."""
+    with the cache rows the index found. ``scores``, ``versions``: the cache's stamp columns (int64 ``[R]``, any
+    stride), where every row the index found gets ``score`` and ``version`` (what an LRU lookup stamps, ``fill_pair``),
+    or empty arrays (no stamps: the caller stamps ``touched``). Returns ``(how many touched, miss_at, table, key,
+    inverse, counts, missed)``, numpy arrays."""
     return _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, pool, touched,
-                                 salts.shape[0])
+                                 salts.shape[0], scores, versions, score, version)
 
 
 @numba.njit(nogil=True, cache=True)
 def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, pool, touched,
-                          tables):
+                          tables, scores, versions, score, version):
     n, dim = ids.shape[0], out.shape[2]
     batch, runs = out.shape[0], out.shape[1]
+    stamp = scores.shape[0] > 0
     cache_keys = np.empty(n, np.int64)
     for j in range(n):
         cache_keys[j] = ids[j] ^ salts[tid[j]]
@@ -253,6 +260,9 @@ def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, 
                 continue
             touched[t] = r
             t += 1
+            if stamp:
+                scores[r] = score
+                versions[r] = version
             carried = np.uint64(0)
             for w in range(kwords):  # the key's 32-bit words, little-endian
                 carried |= (np.uint64(np.int64(words[r, dim + w])) & np.uint64(0xFFFFFFFF)) << np.uint64(32 * w)

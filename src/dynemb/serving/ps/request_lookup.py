@@ -36,6 +36,7 @@ import torch
 
 from ...kernels.dispatch import numba_available
 from ...table.hashing import mix64
+from ...table.policy import EvictionPolicy
 from ...table.initializers import Initializer, Normal, TruncatedNormal, Uniform, initial_rows
 from .cache import TableState
 from .group_cache import GroupCache
@@ -424,6 +425,7 @@ def lookup_request(tiers: StoreTiers, writeback, threshold: float, plan: Request
 
 
 _NO_META = np.zeros((0, 7), np.int64)
+_NO_STAMPS = np.zeros(0, np.int64)
 
 
 def _cache_arrays(gp: _GroupPlan) -> tuple:
@@ -437,8 +439,10 @@ def _cache_arrays(gp: _GroupPlan) -> tuple:
     if kept is None or kept[0] != signature:
         table, key_cols, overflow, _, shift = kv.index._kernel_args(None)
         values = kv.values
+        cols = kv._cols
         kept = gp.arrays = (signature, table.numpy(), key_cols, overflow.numpy(), shift,
-                            values.view(torch.int32).numpy(), values.numpy(), gp.salts.numpy())
+                            values.view(torch.int32).numpy(), values.numpy(), gp.salts.numpy(),
+                            cols["score"].numpy(), cols["version"].numpy())
     return kept
 
 
@@ -463,11 +467,21 @@ def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPl
     kv = group.kv
     touched = np.empty(ids_np.shape[0], np.int64)
     with group.lock:
-        _, table, key_cols, overflow, shift, words, values, salts = _cache_arrays(gp)
+        _, table, key_cols, overflow, shift, words, values, salts, scores, versions = _cache_arrays(gp)
+        # What kv.find(update_scores=True) stamps on every row the index found (an LRU cache: fill_score's access
+        # clock and the clock), written by the probe itself. The stamps kv may have deferred are written first
+        # (kv._cols settles them), so every row ends as kv._touch would leave it once settled: its version the
+        # clock, which no version is above (a settle keeps the larger one; kv stamps at once when the clock is
+        # below its high).
+        direct = kv.policy is EvictionPolicy.LRU
+        if direct:
+            kv._cols  # noqa: B018  (the property writes deferred stamps)
+        kv.clock += 1
         t, miss_at, utid, ukey, inverse, counts, missed = probe_request_arrays(
-            table, key_cols, overflow, shift, words, values, ids_np, tid_np, salts, out_np, pool, touched)
-        kv.clock += 1  # what kv.find(update_scores=True) stamps: every row the index found
-        kv._touch(torch.from_numpy(touched[:t]))
+            table, key_cols, overflow, shift, words, values, ids_np, tid_np, salts, out_np, pool, touched,
+            scores if direct else _NO_STAMPS, versions if direct else _NO_STAMPS, kv.access_clock, kv.clock)
+        if not direct:
+            kv._touch(torch.from_numpy(touched[:t]))
         epochs = [t.epoch for t in gp.tables]
     if not miss_at.shape[0]:
         _account_fused(gp, sizes_np, missed, None)
