@@ -14,7 +14,10 @@ request, send to parsed reply; req/s is requests over the wall time of the timed
 ``added_p50_ms`` (1 client) the median of (request latency - in-process call) over pairs timed back to back, one pair
 per body, so that a busy machine slows both alike; ``added_cpu_ms`` the same in CPU time (the client's CPU per request
 plus the server process's, against the in-process call's: what the endpoint costs, unaffected by time spent
-descheduled). ``requests_per_forward`` comes from the server's statistics route (``execution_count``). The freshness run
+descheduled; ``client_cpu_ms`` and ``server_cpu_ms`` its two parts). ``--interleave`` times the paired rows of all
+encodings in one loop, their order rotating (one after the other, the first encoding timed ran slower on a busy
+machine).
+``requests_per_forward`` comes from the server's statistics route (``execution_count``). The freshness run
 below serves from a uvicorn thread of this process, to compare each reply with the training model's own predictions.
 
 Freshness and updates under load: a second run trains while it publishes (``--publish-every 2``: a full export,
