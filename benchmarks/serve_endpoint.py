@@ -14,7 +14,10 @@ request, send to parsed reply; req/s is requests over the wall time of the timed
 ``added_p50_ms`` (1 client) the median of (request latency - in-process call) over pairs timed back to back, one pair
 per body, so that a busy machine slows both alike; ``added_cpu_ms`` the same in CPU time (the client's CPU per request
 plus the server process's, against the in-process call's: what the endpoint costs, unaffected by time spent
-descheduled). ``requests_per_forward`` comes from the server's statistics route (``execution_count``). The freshness run
+descheduled; ``client_cpu_ms`` and ``server_cpu_ms`` its two parts). ``--interleave`` times the paired rows of all
+encodings in one loop, their order rotating (one after the other, the first encoding timed ran slower on a busy
+machine).
+``requests_per_forward`` comes from the server's statistics route (``execution_count``). The freshness run
 below serves from a uvicorn thread of this process, to compare each reply with the training model's own predictions.
 
 Freshness and updates under load: a second run trains while it publishes (``--publish-every 2``: a full export,
@@ -277,7 +280,51 @@ def paired(server, server_pid: int, model: ServedModel, bodies: list[Body], coun
     return {"inproc_p50_ms": round(statistics.median(wall[True]), 2),
             "added_p50_ms": round(statistics.median(np.subtract(wall[False], wall[True])), 2),
             "inproc_cpu_ms": round(statistics.median(cpu[True]), 2),
-            "added_cpu_ms": round(statistics.median(cpu[False]) + server_cpu_ms - statistics.median(cpu[True]), 2)}
+            "added_cpu_ms": round(statistics.median(cpu[False]) + server_cpu_ms - statistics.median(cpu[True]), 2),
+            # where the added CPU goes: this process's per request (the client), the server process's per request
+            "client_cpu_ms": round(statistics.median(cpu[False]), 2), "server_cpu_ms": round(server_cpu_ms, 2)}
+
+
+def paired_interleaved(server, server_pid: int, model: ServedModel, bodies: list[Body], count: int,
+                       encodings) -> dict:
+    """:func:`paired` for several encodings at once: per body, one pair of each encoding, the encodings' order
+    rotating, so that they see the same machine (run one after the other, the first ran ~0.5-2 ms slower on a
+    busy machine, whichever it was). The server's CPU is read around each request. ``{encoding: row}``."""
+    conns = {e: connect(server, e) for e in encodings}
+    wall = {e: {True: [], False: []} for e in encodings}
+    cpu = {e: {True: [], False: []} for e in encodings}
+    server_cpu = dict.fromkeys(encodings, 0.0)
+    try:
+        for k in range(count + 10):
+            body = bodies[k % len(bodies)]
+            for j in range(len(encodings)):
+                e = encodings[(k + j) % len(encodings)]
+                for inproc in ((False, True) if (k + j) % 2 else (True, False)):
+                    s0, t0, c0 = cpu_seconds(server_pid), time.perf_counter(), time.process_time()
+                    if inproc:
+                        model.predict(body.batch)
+                    else:
+                        status, reply = conns[e].infer(body, e == "binary")
+                        if status != 200:
+                            raise RuntimeError(f"a request failed: {reply}")
+                    if k >= 10:  # warm-up
+                        wall[e][inproc].append(1e3 * (time.perf_counter() - t0))
+                        cpu[e][inproc].append(1e3 * (time.process_time() - c0))
+                        if not inproc:
+                            server_cpu[e] += cpu_seconds(server_pid) - s0
+    finally:
+        for c in conns.values():
+            c.close()
+    out = {}
+    for e in encodings:
+        w, c, server_ms = wall[e], cpu[e], 1e3 * server_cpu[e] / count
+        out[e] = {"inproc_p50_ms": round(statistics.median(w[True]), 2),
+                  "added_p50_ms": round(statistics.median(np.subtract(w[False], w[True])), 2),
+                  "inproc_cpu_ms": round(statistics.median(c[True]), 2),
+                  "added_cpu_ms": round(statistics.median(c[False]) + server_ms - statistics.median(c[True]), 2),
+                  "client_cpu_ms": round(statistics.median(c[False]), 2), "server_cpu_ms": round(server_ms, 2),
+                  "interleaved": True}
+    return out
 
 
 def forward_passes(url: str) -> int:
@@ -322,7 +369,7 @@ def serve_process(run: Path, tier_args: list) -> Iterator[tuple[tuple[str, str],
 
 
 def latency_rows(run: Path, tier: str, volatile: dict, rows: int, total: int, encodings=ENCODINGS,
-                 clients_list=CLIENTS) -> list[dict]:
+                 clients_list=CLIENTS, interleave: bool = False) -> list[dict]:
     tier_args = [] if tier == "memory" else ["--volatile", "redis", "--redis-address", volatile["address"]]
     results = []
     with serve_process(run, tier_args) as (server, pid):
@@ -338,12 +385,20 @@ def latency_rows(run: Path, tier: str, volatile: dict, rows: int, total: int, en
                     r = load(server, bodies, clients, max(1, total // clients), 10, encoding)
                     passes = forward_passes(url) - before
                     r["requests_per_forward"] = round((r["requests"] + 10 * clients) / passes, 2)
-                    if clients == 1:
+                    if clients == 1 and interleave:
+                        pass  # below, all encodings together
+                    elif clients == 1:
                         with one_cpu(pid):
                             r.update(paired(server, pid, model, bodies, total, encoding))
                     else:
                         r["inproc_p50_ms"] = inprocess_p50(model, bodies, min(total, 200))
                     results.append({"tier": tier, "encoding": encoding, **r})
+            if interleave and 1 in clients_list:
+                with one_cpu(pid):
+                    both = paired_interleaved(server, pid, model, bodies, total, encodings)
+                for r in results:
+                    if r["tier"] == tier and r["clients"] == 1:
+                        r.update(both[r["encoding"]])
         finally:
             gc.unfreeze()
             model.close()
@@ -438,6 +493,8 @@ def main() -> None:
     p.add_argument("--encodings", default=",".join(ENCODINGS), help="request encodings to time")
     p.add_argument("--clients", default=",".join(map(str, CLIENTS)), help="closed-loop client counts")
     p.add_argument("--no-updates", action="store_true", help="skip the freshness / updates-under-load run")
+    p.add_argument("--interleave", action="store_true", help="time the 1-client paired rows of all encodings in "
+                   "one loop, their order rotating (a fair comparison of encodings on a busy machine)")
     args = p.parse_args()
     global PIN
     PIN = PIN and not args.no_pin
@@ -454,20 +511,22 @@ def main() -> None:
             synthetic_run(run, 30 if args.quick else 300)
         for tier in args.tiers.split(","):
             if tier == "memory":
-                results += latency_rows(run, tier, {"type": "memory"}, args.rows, total, encodings, clients)
+                results += latency_rows(run, tier, {"type": "memory"}, args.rows, total, encodings, clients,
+                                        args.interleave)
                 continue
             redis = RedisServer(tmp)
             redis.start()
             try:
                 results += latency_rows(run, tier, {"type": "redis", "address": redis.address}, args.rows, total,
-                                        encodings, clients)
+                                        encodings, clients, args.interleave)
             finally:
                 redis.kill()
         updates = None if args.no_updates else updates_under_load(Path(tmp), args.rows)
     print(f"dynemb serve (its own process), {args.rows} rows per request, loopback"
           + ("; added_*: server and client on one CPU" if PIN else ""))
     print_table(results, ["tier", "encoding", "clients", "requests", "p50_ms", "p99_ms", "req_per_s",
-                          "inproc_p50_ms", "added_p50_ms", "inproc_cpu_ms", "added_cpu_ms", "requests_per_forward"])
+                          "inproc_p50_ms", "added_p50_ms", "inproc_cpu_ms", "added_cpu_ms", "client_cpu_ms",
+                          "server_cpu_ms", "requests_per_forward"])
     if updates is not None:
         print(f"\nupdates under load ({UPDATE_CLIENTS} clients, a delta every 2 training steps, --watch "
               f"{WATCH_INTERVAL_S} s)")

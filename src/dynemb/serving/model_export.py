@@ -140,14 +140,18 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
 
 def _agree(ctx, failure: Optional[BaseException]) -> None:
     """Raise ``failure`` (rank 0's, the only rank that traces) on every rank, before any rank writes a file."""
-    # by its base class: the other ranks raise a TypeError or ValueError (whatever subclass rank 0 raised)
-    base = next((k.__name__ for k in (TypeError, ValueError) if isinstance(failure, k)), type(failure).__name__)
-    told = ctx.gather(None if failure is None else [base, str(failure)])[0] if ctx.distributed else None
+    # by its base class: the other ranks raise a TypeError or ValueError (whatever subclass rank 0 raised), else a
+    # RuntimeError; the kind travels as its place in _KINDS
+    kind = next((i for i, k in enumerate(_KINDS) if isinstance(failure, k)), len(_KINDS) - 1)
+    told = ctx.gather(None if failure is None else [kind, str(failure)])[0] if ctx.distributed else None
     if failure is not None:
         raise failure
     if told is not None:
-        kind = {"TypeError": TypeError, "ValueError": ValueError}.get(told[0], RuntimeError)
-        raise kind(f"export_model failed on rank 0 (which traces the model); nothing was written: {told[1]}")
+        raise _KINDS[told[0]](f"export_model failed on rank 0 (which traces the model); nothing was written: "
+                              f"{told[1]}")
+
+
+_KINDS = (TypeError, ValueError, RuntimeError)
 
 
 def _program(model: nn.Module, example_inputs, example_kwargs: Optional[dict]) -> dict:
