@@ -156,19 +156,24 @@ def clicks_request(rows: int, g: torch.Generator):
 
 
 def test_dlrm_takes_pooled_outputs_as_one_tensor_bit_for_bit():
-    # a dict of [B, D] or one [B, F, D]: the same logits, in one block and in several (B > INTERACTION_ROWS)
+    # a dict of [B, D], one [B, F, D], or (predict's and the served model's entry) the pooled rows already in
+    # stacked[:, 1:] with the bottom MLP's output written into slot 0: the same logits, in one block and in several
     from dynemb.collection import EmbeddingCollection
+    from dynemb.data.batch import Batch
     from dynemb.models.dlrm import DLRM, INTERACTION_ROWS, dlrm_tables
 
     torch.manual_seed(0)
     tables, features = dlrm_tables(["a", "b", "c"], dim=4)
     model = DLRM(2, EmbeddingCollection(tables, features), dim=4).eval()
     for n in (0, 1, 300, 2 * INTERACTION_ROWS + 5):
-        from dynemb.data.batch import Batch
-
         batch = Batch(dense=torch.randn(n, 2), sparse={f: torch.randint(0, 50, (n,)) for f in "abc"},
                       labels=torch.zeros(n))
         pooled = {f: torch.randn(n, 4) for f in "abc"}
-        stacked = torch.stack([pooled[f] for f in "abc"]).transpose(0, 1)  # a view, as the served model's
+        view = torch.stack([pooled[f] for f in "abc"]).transpose(0, 1)  # a view, as the served model's
+        stacked = torch.full((n, 4, 4), float("nan"))
+        stacked[:, 1:] = view
         with torch.no_grad():
-            assert torch.equal(model(batch, pooled=stacked), model(batch, pooled=pooled)), n
+            expected = model(batch, pooled=pooled)
+            assert torch.equal(model(batch, pooled=view), expected), n
+            assert torch.equal(model.forward_stacked(batch.dense, stacked), expected), n
+            assert torch.equal(stacked[:, 0], model.bottom(batch.dense)), n

@@ -94,27 +94,6 @@ def test_predict_stops_its_reading_thread_when_the_model_fails_to_load(trained, 
     assert list(tmp_path.iterdir()) == []
 
 
-def test_dlrm_forward_stacked_is_forward_bit_for_bit():
-    # the bulk scorer's entry: pooled rows already in stacked[:, 1:], the bottom MLP's output written into slot 0
-    from dynemb.collection import EmbeddingCollection
-    from dynemb.data.batch import Batch
-    from dynemb.models.dlrm import DLRM, INTERACTION_ROWS, dlrm_tables
-
-    torch.manual_seed(0)
-    tables, features = dlrm_tables(["a", "b", "c"], dim=4)
-    model = DLRM(2, EmbeddingCollection(tables, features), dim=4).eval()
-    for n in (0, 1, 300, 2 * INTERACTION_ROWS + 5):
-        batch = Batch(dense=torch.randn(n, 2), sparse={f: torch.randint(0, 50, (n,)) for f in "abc"},
-                      labels=torch.zeros(n))
-        pooled = {f: torch.randn(n, 4) for f in "abc"}
-        stacked = torch.full((n, 4, 4), float("nan"))
-        stacked[:, 1:] = torch.stack([pooled[f] for f in "abc"], 1)
-        with torch.no_grad():
-            got = model.forward_stacked(batch.dense, stacked)
-            assert torch.equal(got, model(batch, pooled=pooled)), n
-            assert torch.equal(stacked[:, 0], model.bottom(batch.dense))
-
-
 def test_a_model_loaded_to_score_has_no_optimizer_and_the_same_outputs(trained, caplog):
     # what predict and eval load: no sparse optimizer, its saved slots left out without a warning; the same bits
     scoring, _ = load_model(trained / "run", optimizer=False)
