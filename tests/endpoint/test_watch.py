@@ -37,3 +37,31 @@ def test_new_versions_are_applied_in_order_and_served(run, tmp_path):
         torch.testing.assert_close(served.predict(batch), expected, atol=1e-6, rtol=0)
     finally:
         served.close()
+
+
+def test_a_refused_version_is_logged_once_while_its_error_stays_the_same(tmp_path, caplog):
+    """A version the server refuses (say, tables that differ from the served ones) is retried at every poll; the
+    operator's log gets the error once, again when it changes, and the version applies once it can."""
+    import logging
+    import types
+
+    from dynemb.checkpoint.fsutil import write_pointer
+
+    (tmp_path / "version-00000002").mkdir()
+    write_pointer(tmp_path, "version-00000002")
+    errors = ["tables differ", "tables differ", "tables differ", "disk full", None]
+    applied = []
+
+    def apply_update(directory):
+        error = errors.pop(0)
+        if error is not None:
+            raise ValueError(error)
+        applied.append(directory.name)
+
+    model = types.SimpleNamespace(export=tmp_path, version=1, apply_update=apply_update)
+    watcher = ExportWatcher(model, interval_s=60)
+    with caplog.at_level(logging.DEBUG, logger="dynemb.endpoint.watch"):
+        assert [watcher.poll() for _ in range(5)] == [[], [], [], [], [2]]
+    logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage().split("(")[1].split(")")[0] for r in logged] == ["tables differ", "disk full"]
+    assert watcher.errors == 4 and applied == ["version-00000002"] and watcher.version == 2

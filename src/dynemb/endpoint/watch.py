@@ -4,7 +4,7 @@ A background thread reads the export root's ``latest`` pointer every ``interval_
 the one served, the versions in between (``version-<n>`` directories, full or delta) are applied one by one in
 increasing order through :meth:`ServedModel.apply_update`, so a delta is never applied before its parent. Requests
 keep being answered meanwhile; the parameter server swaps rows under its locks (no torn rows). A version that fails
-to apply is reported and retried at the next poll; later versions wait for it.
+to apply is reported (once while its error stays the same) and retried at every poll; later versions wait for it.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class ExportWatcher:
         self.version = model.version
         self.applied: list[int] = []
         self.errors = 0
+        self._failure: Optional[tuple] = None  # (version directory, error) last logged
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -85,8 +86,15 @@ class ExportWatcher:
                 self.model.apply_update(directory)
             except Exception as exc:  # noqa: BLE001 - the server keeps serving the version it has
                 self.errors += 1
-                log.error("dynemb serve --watch: cannot apply %s (%s); retrying at the next poll", directory, exc)
+                # once a version and error: a refused version is retried at every poll, and an operator's log
+                # should not fill with the same line each interval_s
+                failure = (directory.name, str(exc))
+                report = log.error if failure != self._failure else log.debug
+                report("dynemb serve --watch: cannot apply %s (%s); retrying at every poll (logged again when the "
+                       "error changes)", directory, exc)
+                self._failure = failure
                 break
+            self._failure = None
             log.info("dynemb serve --watch: now serving version %d (%s)", version, directory.name)
             self.version = version
             done.append(version)
