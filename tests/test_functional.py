@@ -295,7 +295,8 @@ def test_read_only_pooled_lookups_without_dedup_give_the_dedup_paths_bits(combin
         finally:
             lookup._missed.pop(table)
 
-    for flat, offs in ((ids, offsets), (with_unseen, torch.tensor([0, 3, 3, 8]))):
+    for flat, offs in ((ids[:0], torch.tensor([0])), (ids[:1], torch.tensor([0])), (ids, offsets),
+                       (with_unseen, torch.tensor([0, 3, 3, 8]))):  # no id, one id, repeats, an unseen id
         lookup._missed.pop(table, None)
         direct = pooled(flat, offs)
         assert torch.equal(direct.view(torch.int32), by_dedup(flat, offs).view(torch.int32))

@@ -49,6 +49,15 @@ def find_rows(meta: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor, out:
 
 
 @numba.njit(nogil=True, cache=True)
+def _probe_store(m, keys, rows):
+    """``rows[i]``: the row of ``keys[i]`` in the store whose addresses ``m`` (a row of ``meta``) holds, -1 if none."""
+    nb = m[_NB]
+    index = numba.carray(_pointer(m[_BUCKETS], keys), (nb, 64 // keys.itemsize))
+    overflow = numba.carray(_pointer(m[_OVERFLOW], _BOOL), (nb,))
+    _probe_kernel(index, m[_KEY_COLS], overflow, keys, m[_SHIFT], np.empty(0, np.int64), rows)
+
+
+@numba.njit(nogil=True, cache=True)
 def _find_rows_kernel(meta, keys, starts, out, found):
     rows = np.empty(keys.shape[0], np.int64)
     width = out.shape[1]
@@ -57,10 +66,7 @@ def _find_rows_kernel(meta, keys, starts, out, found):
         if hi == lo:
             continue
         m = meta[t]
-        nb = m[_NB]
-        table = numba.carray(_pointer(m[_BUCKETS], keys), (nb, 64 // keys.itemsize))
-        overflow = numba.carray(_pointer(m[_OVERFLOW], _BOOL), (nb,))
-        _probe_kernel(table, m[_KEY_COLS], overflow, keys[lo:hi], m[_SHIFT], np.empty(0, np.int64), rows[lo:hi])
+        _probe_store(m, keys[lo:hi], rows[lo:hi])
         values = numba.carray(_pointer(m[_VALUES], out), (m[_CAPACITY], width))
         for j in range(lo, hi):
             r = rows[j]
@@ -328,10 +334,7 @@ def _finish_request_kernel(meta, utid, ukey, counts, rows, source, kinds, params
             while hi < m_pairs and utid[hi] == t:
                 hi += 1
             m = meta[t]
-            nb = m[_NB]
-            index = numba.carray(_pointer(m[_BUCKETS], ukey), (nb, 64 // ukey.itemsize))
-            overflow = numba.carray(_pointer(m[_OVERFLOW], _BOOL), (nb,))
-            _probe_kernel(index, m[_KEY_COLS], overflow, ukey[lo:hi], m[_SHIFT], np.empty(0, np.int64), at[lo:hi])
+            _probe_store(m, ukey[lo:hi], at[lo:hi])
             stored = numba.carray(_pointer(m[_VALUES], rows), (m[_CAPACITY], dim))
             for i in range(lo, hi):
                 r = at[i]
