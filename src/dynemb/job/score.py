@@ -28,6 +28,7 @@ from ..data.batch import Batch
 from ..data.formats import list_files
 from ..data.readers import column_names
 from ..data.metrics import held_out_auc
+from ..table.index import HashIndex
 from .card import ModelCard, load_model, model_checkpoint, read_card
 
 __all__ = ["evaluate", "evaluate_file", "predict_file", "probabilities", "PROBABILITY_EPS", "OUT_FORMATS"]
@@ -191,6 +192,9 @@ def _looked_up(batches: Iterator[Batch], loaded: concurrent.futures.Future, devi
     small pages touched once). The consumer must
     be done with a block before the one ``buffers`` later is produced (the reading thread's queue holds
     ``buffers - 2``)."""
+    if torch.device(device).type == "cpu":
+        # numba's first use, here while the model loads (its tables' restore then finds the index kernels loaded)
+        HashIndex.load_kernels()
     model, ring = None, []
     for i, batch in enumerate(batches):
         if model is None:
