@@ -72,9 +72,16 @@ def write_batch(self, *a, **k):
     marks["last_block_written"] = round(_base + time.perf_counter() - _t0, 3)
     return out
 pq.ParquetWriter.write_batch = write_batch
+def _report():
+    mark("done")
+    print("MARKS " + __import__("json").dumps(marks), flush=True)
+_exit = os._exit
+def _ending(code):  # a command may end the process itself once its file is written
+    _report()
+    _exit(code)
+os._exit = _ending
 code = cli.main()  # as the command: argv from sys.argv
-mark("done")
-print("MARKS " + __import__("json").dumps(marks))
+_report()
 sys.exit(code)
 """
 
@@ -131,7 +138,7 @@ def main() -> None:
                       f"{samples[label][-1]['load']:.1f}", file=sys.stderr)
     rows = []
     for label, runs_ in samples.items():
-        med = lambda key: statistics.median(r[key] for r in runs_)  # noqa: E731
+        med = lambda key, runs_=runs_: statistics.median(r[key] for r in runs_)  # noqa: E731
         n = runs_[0]["rows"]
         rows.append({"tree": label, "runs": len(runs_), "wall_s": round(med("wall_s"), 2),
                      "cpu_s": round(med("cpu_s"), 2), "rows_per_s": round(n / med("wall_s")),
