@@ -8,8 +8,17 @@ package's modules, so that the ``dynemb`` command starts its work (``--help``, t
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from ._version import __version__
+
+if TYPE_CHECKING:  # what __getattr__ gives, for type checkers and editors
+    from . import checkpoint, functional, optim, table
+    from .collection import (All2AllDenseEmbedding, Bags, DistributedEmbeddingCollection, EmbeddingCollection,
+                             FeatureConfig, TableConfig)
+    from .embedding import DynamicEmbedding, StaticEmbedding
+    from .optim import OptimizerWrapper
+    from .table import EvictionPolicy, KeyValueTable
 
 # public name -> the module that defines it ("" for a subpackage of that name)
 _PUBLIC = {
