@@ -540,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         code = _main(sys.argv[1:])
     finally:
         gc.freeze()
-    if not gc.isenabled():  # a _ONE_FILE command ran (see _main)
+    if _ONE_FILE_RAN:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -548,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _AS_COMMAND = False  # main() runs as the process's command
+_ONE_FILE_RAN = False  # ... and the command is one of _ONE_FILE
 _ONE_FILE = ("predict", "eval")
 """Commands that score one file and end: as the process's command they run with no cycle collection. The imports
 of torch, numba and pyarrow (which ``import dynemb`` leaves to the command) allocate ~300k objects, and the
@@ -556,11 +557,13 @@ exit. In-process calls keep the collector as it is."""
 
 
 def _main(argv: list[str]) -> int:
+    global _ONE_FILE_RAN
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
         _unrecognized(parser, args.command, extra)
     if _AS_COMMAND and args.command in _ONE_FILE:
+        _ONE_FILE_RAN = True
         gc.disable()
     _kernels_from_environment()
     try:
