@@ -49,8 +49,9 @@ class GrpcError(Exception):
 
 
 Handler = Callable[[bytes, dict], Awaitable[bytes]]
-"""``await handler(message, metadata) -> reply``: the serialized request message and the call's metadata (lower-case
-names, str values; binary ``-bin`` entries left out) to the serialized reply; raise :class:`GrpcError` to fail."""
+"""``await handler(message, metadata) -> reply``: the serialized request message (bytes or a memoryview) and the
+call's metadata (lower-case names, str values; binary ``-bin`` entries left out; read-only) to the serialized reply;
+raise :class:`GrpcError` to fail."""
 
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # frame types
@@ -127,10 +128,13 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: "Http2GrpcServer") -> None:
         self.server = server
         self.transport: Optional[asyncio.Transport] = None
-        self.buffer = bytearray()
+        self.chunks: list = []  # the start of a frame not yet whole
+        self.chunked = 0  # their bytes
+        self.need = 0  # the bytes that make it whole
         self.preface = False
         self.decoder = hpack.Decoder()
         self.decoder.max_header_list_size = _MAX_HEADER_BLOCK
+        self.header_cache: dict[bytes, dict] = {}  # see _decode
         self.streams: dict[int, _Stream] = {}
         self.continuing = 0  # the stream whose header block is being continued, 0 if none
         self.last_stream = 0
@@ -171,35 +175,40 @@ class _Connection(asyncio.Protocol):
                 self.transport.close()
 
     def data_received(self, data: bytes) -> None:
-        buffer = self.buffer
-        buffer += data
-        if not self.preface:
-            if len(buffer) < 24:
-                if not _PREFACE.startswith(bytes(buffer)):
-                    self.close(_PROTOCOL_ERROR, b"not an HTTP/2 connection preface")
+        if self.chunks:  # a frame arriving in parts: joined once it is whole (not at every part: 8 MiB requests)
+            self.chunks.append(data)
+            self.chunked += len(data)
+            if self.chunked < self.need:
                 return
-            if buffer[:24] != _PREFACE:
+            data = b"".join(self.chunks)
+            self.chunks, self.chunked = [], 0
+        start, end = 0, len(data)
+        if not self.preface:
+            if end < 24:
+                if not _PREFACE.startswith(data):
+                    return self.close(_PROTOCOL_ERROR, b"not an HTTP/2 connection preface")
+                self.chunks, self.chunked, self.need = [data], end, 24
+                return
+            if data[:24] != _PREFACE:
                 return self.close(_PROTOCOL_ERROR, b"not an HTTP/2 connection preface")
-            self.preface = True
-            del buffer[:24]
-        start, end = 0, len(buffer)
-        try:
-            while end - start >= 9:
-                high, low, kind, flags, stream = _HEAD.unpack_from(buffer, start)
-                length = high << 8 | low
-                if length > _MAX_FRAME:
-                    return self.close(_FRAME_SIZE_ERROR, b"frame larger than SETTINGS_MAX_FRAME_SIZE")
-                if end - start - 9 < length:
-                    break
-                payload = buffer[start + 9:start + 9 + length]  # a copy: the buffer is cut below
-                start += 9 + length
-                if self.continuing and kind != _CONTINUATION:
-                    return self.close(_PROTOCOL_ERROR, b"a header block was interrupted")
-                if not self._frame(kind, flags, stream & 0x7FFFFFFF, payload) or self.transport is None:
-                    return
-        finally:
-            if self.transport is not None:
-                del buffer[:start]
+            self.preface, start = True, 24
+        need = 9
+        while end - start >= 9:
+            high, low, kind, flags, stream = _HEAD.unpack_from(data, start)
+            length = high << 8 | low
+            if length > _MAX_FRAME:
+                return self.close(_FRAME_SIZE_ERROR, b"frame larger than SETTINGS_MAX_FRAME_SIZE")
+            if end - start - 9 < length:
+                need = 9 + length
+                break
+            payload = data[start + 9:start + 9 + length]
+            start += 9 + length
+            if self.continuing and kind != _CONTINUATION:
+                return self.close(_PROTOCOL_ERROR, b"a header block was interrupted")
+            if not self._frame(kind, flags, stream & 0x7FFFFFFF, payload) or self.transport is None:
+                return
+        if start < end:
+            self.chunks, self.chunked, self.need = [data[start:]], end - start, need
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload) -> bool:
         """Act on one frame; False when the connection was closed."""
@@ -294,7 +303,7 @@ class _Connection(asyncio.Protocol):
             return True
         self.continuing = 0
         try:
-            fields = self.decoder.decode(bytes(stream.head_bytes), raw=True)
+            headers = self._decode(bytes(stream.head_bytes))
         except Exception:  # noqa: BLE001 - hpack's errors: the decoder's state is lost, so is the connection
             self.close(_COMPRESSION_ERROR, b"bad HPACK header block")
             return False
@@ -302,8 +311,7 @@ class _Connection(asyncio.Protocol):
         if stream.headers is not None:  # the client's trailers: nothing in them for a unary call
             self._end_stream(stream_id, stream)
             return True
-        stream.headers = headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in fields
-                                    if not name.endswith(b"-bin")}
+        stream.headers = headers
         early = None  # a call answered before its message: the client may stop sending (RST_STREAM)
         if self.going_away:
             early = _trailers("UNAVAILABLE", "the server is shutting down")
@@ -316,6 +324,30 @@ class _Connection(asyncio.Protocol):
         elif stream.head_flags & _END_STREAM:
             self._end_stream(stream_id, stream)
         return True
+
+    def _decode(self, block: bytes) -> dict:
+        """The header block's fields, ``{name: value}`` (read-only: it may be shared by calls).
+
+        A client sends the same block call after call once its fields are in the HPACK dynamic table (all indexed
+        fields, which leave the table as it is): such a block decodes to the same fields as long as the table does
+        not change, so it is decoded once (hpack costs about 50 us a block), and the blocks kept are forgotten
+        when a block changes the table.
+        """
+        cached = self.header_cache.get(block)
+        if cached is not None:
+            return cached
+        table = self.decoder.header_table
+        entries = table.dynamic_entries
+        before = (len(entries), entries[0] if entries else None, table.maxsize)
+        headers = {name.decode("latin-1"): value.decode("latin-1")
+                   for name, value in self.decoder.decode(block, raw=True) if not name.endswith(b"-bin")}
+        if len(entries) == before[0] and (entries[0] if entries else None) is before[1] and \
+                table.maxsize == before[2]:  # the table did not change (a new entry is a new tuple at the front)
+            if len(self.header_cache) < 64:
+                self.header_cache[block] = headers
+        elif self.header_cache:
+            self.header_cache = {}
+        return headers
 
     def _data(self, flags: int, stream_id: int, payload) -> bool:
         size = len(payload)
@@ -339,7 +371,7 @@ class _Connection(asyncio.Protocol):
             self.transport.write(_frame(_RST, 0, stream_id, struct.pack(">I", _NO_ERROR)))
             return True
         if payload:
-            stream.data.append(payload)
+            stream.data.append(payload)  # bytes (a slice of what the socket gave)
         if flags & _END_STREAM:
             self._end_stream(stream_id, stream)
         return True
@@ -350,7 +382,7 @@ class _Connection(asyncio.Protocol):
             self.streams.pop(stream_id, None)
             return
         headers = stream.headers
-        data = bytes(stream.data[0]) if len(stream.data) == 1 else b"".join(stream.data)
+        data = stream.data[0] if len(stream.data) == 1 else b"".join(stream.data)
         stream.data = None
         handler = self.server.handlers[headers[":path"]]
         error = None
@@ -360,7 +392,7 @@ class _Connection(asyncio.Protocol):
             error = ("UNIMPLEMENTED" if len(data) > 5 + int.from_bytes(data[1:5], "big") else "INTERNAL",
                      "a unary call sends exactly one length-prefixed message")
         if error is None:
-            message = data[5:] if len(data) > 5 else b""
+            message = memoryview(data)[5:]  # protobuf parses a memoryview: no copy of the message
             if data[0]:
                 encoding = headers.get("grpc-encoding", "identity")
                 if encoding not in _INFLATE_WBITS:
