@@ -299,7 +299,10 @@ def paired_interleaved(server, server_pid: int, model: ServedModel, bodies: list
             body = bodies[k % len(bodies)]
             for j in range(len(encodings)):
                 e = encodings[(k + j) % len(encodings)]
-                for inproc in ((False, True) if (k + j) % 2 else (True, False)):
+                # the pair's order alternates per encoding (k // len: with two encodings, (k + j) % 2 gave each
+                # encoding always the same order, and the call after a request runs beside the server's
+                # post-reply work)
+                for inproc in ((False, True) if (k // len(encodings) + j) % 2 else (True, False)):
                     s0, t0, c0 = cpu_seconds(server_pid), time.perf_counter(), time.process_time()
                     if inproc:
                         model.predict(body.batch)

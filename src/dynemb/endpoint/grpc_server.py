@@ -13,6 +13,7 @@ sends) or typed ``contents``; outputs always go back as ``raw_output_contents``,
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import socket
 import time
@@ -280,8 +281,8 @@ def _method(server: GrpcServer, route: str, request_type, answer):
             raise GrpcError(GRPC_CODES.get(exc.status, "UNKNOWN"), str(exc)) from None
         except RequestError as exc:
             raise GrpcError("INVALID_ARGUMENT", str(exc)) from None
-        finally:
-            service.record(route, ok, time.perf_counter() - start, rows, "grpc")
+        finally:  # once the reply is written (as HTTP counts after sending): not on the client's wait
+            asyncio.get_running_loop().call_soon(service.record, route, ok, time.perf_counter() - start, rows, "grpc")
     return handler
 
 
