@@ -1,5 +1,6 @@
 """What the transports cost alone: the demo model's 256-row request (26 INT64 + 13 FP32 inputs) answered by a handler
-that only parses it and returns 256 FP64 values, over HTTP (uvicorn on uvloop, the KServe binary tensor extension,
+that only parses it (as ``dynemb serve`` reads it: ``parse_body``, ``InferRequests``; ``request_dict`` for the
+other gRPC servers) and returns 256 FP64 values, over HTTP (uvicorn on uvloop, the KServe binary tensor extension,
 a geventhttpclient connection: what ``dynemb serve`` and ``tritonclient.http`` use) and over gRPC: ``grpc-loop`` is
 what ``dynemb serve`` runs (``dynemb.endpoint.grpc_http2``: HTTP/2 as an asyncio protocol on uvloop, no threads),
 ``grpclib`` the pure-Python asyncio server over ``h2``, ``grpc-aio`` grpcio's ``grpc.aio`` server on uvloop (what
@@ -92,9 +93,16 @@ def serve_grpc(kind: str, port: int) -> None:
 
     if kind == "grpc-loop":  # what dynemb serve runs: HTTP/2 on the event loop (dynemb.endpoint.grpc_http2)
         from dynemb.endpoint.grpc_http2 import Http2GrpcServer
+        from dynemb.endpoint.grpc_server import InferRequests
+
+        requests = InferRequests()  # as dynemb serve reads them: a header seen before, without protobuf
 
         async def infer(message, metadata):
-            return reply(pb.ModelInferRequest.FromString(message)).SerializeToString()
+            _, _, request_id, _ = requests.parse(message)
+            out = pb.ModelInferResponse(model_name="ctr", model_version="1", id=request_id)
+            out.outputs.add(name="p", datatype="FP64", shape=[ROWS])
+            out.raw_output_contents.append(OUT.tobytes())
+            return out.SerializeToString()
 
         async def loop_main():
             sock = socket.socket()
