@@ -186,3 +186,54 @@ def test_infer_requests_read_every_message_as_protobuf_does():
         same(parse.parse(message), message)
     half = infer_message(128, 15, datatypes=("INT64", "INT64", "FP32", "FP32"))  # same length, other layout
     same(parse.parse(half), half)
+
+
+def frames(sock) -> list:
+    """Read frames until the server's reply to stream 1 or 3 has ended (END_STREAM) or the connection closes."""
+    out, buffer = [], b""
+    sock.settimeout(10)
+    while True:
+        while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
+            length = int.from_bytes(buffer[:3], "big")
+            kind, flags, stream = buffer[3], buffer[4], int.from_bytes(buffer[5:9], "big")
+            out.append((kind, flags, stream, buffer[9:9 + length]))
+            buffer = buffer[9 + length:]
+            if kind == 1 and flags & 1 and stream in (1, 3) or kind == 7:  # trailers, or GOAWAY
+                return out
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            return out
+        buffer += chunk
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+
+
+def test_the_frames_grpcio_never_sends_padding_continuation_ping_and_a_bad_preface(served):
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    host, port = served.address.split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.T/Echo"),
+                                (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers"),
+                                ("x-long", "v" * 3000)])
+        message = b"\x00" + (5).to_bytes(4, "big") + b"hello"
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, b"")
+                     + frame(6, 0, 0, b"12345678")  # PING
+                     + frame(1, 0x8 | 0x20, 1, bytes([3]) + b"\x00\x00\x00\x00\x10" + block[:1000] + b"pad")
+                     + frame(9, 0, 1, block[1000:2000]) + frame(9, 0x4, 1, block[2000:])  # CONTINUATION
+                     + frame(0, 0x8 | 0x1, 1, bytes([2]) + message + b"pd"))  # padded DATA, END_STREAM
+        got = frames(sock)
+        kinds = [(k, f) for k, f, _, _ in got]
+        assert (4, 1) in kinds and (6, 1) in kinds  # SETTINGS and PING acknowledged
+        assert [p for k, f, _, p in got if k == 6 and f & 1] == [b"12345678"]
+        headers = [decoder.decode(p) for k, _, s, p in got if k == 1 and s == 1]
+        assert headers[0][0] == (":status", "200") and ("grpc-status", "0") in headers[-1]
+        assert b"".join(p for k, _, s, p in got if k == 0 and s == 1) == message
+    assert served.seen[-1]["x-long"] == "v" * 3000
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = frames(sock)
+        assert got[-1][0] == 7 and b"preface" in got[-1][3]  # GOAWAY, with the reason
