@@ -315,6 +315,7 @@ def _handlers(server: GrpcServer) -> dict:
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
 
     requests = InferRequests()
+    described = [None, None, []]  # (model, version, its outputs' metadata): built once a version, not per call
 
     async def infer(message):
         # a message over max_message_bytes was answered RESOURCE_EXHAUSTED before this runs (grpc_http2)
@@ -324,7 +325,9 @@ def _handlers(server: GrpcServer) -> dict:
             raise GrpcError("INTERNAL", f"a ModelInferRequest that does not parse: {exc}") from None
         outputs, version, model = await service.infer(name, version or None, parsed)
         reply = pb.ModelInferResponse(model_name=service.name, model_version=str(version), id=request_id)
-        for name, _ in requested_outputs(parsed, model.metadata()["outputs"]):
+        if described[0] is not model or described[1] != model.version:
+            described[:] = [model, model.version, model.metadata()["outputs"]]
+        for name, _ in requested_outputs(parsed, described[2]):
             value = np.ascontiguousarray(outputs[name])
             reply.outputs.add(name=name, datatype=numpy_datatype(value.dtype), shape=list(value.shape))
             reply.raw_output_contents.append(value.astype(value.dtype.newbyteorder("<"), copy=False).tobytes())
