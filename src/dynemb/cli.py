@@ -552,8 +552,9 @@ _ONE_FILE_RAN = False  # ... and the command is one of _ONE_FILE
 _ONE_FILE = ("predict", "eval")
 """Commands that score one file and end: as the process's command they run with no cycle collection. The imports
 of torch, numba and pyarrow (which ``import dynemb`` leaves to the command) allocate ~300k objects, and the
-collections they trigger cost 0.1-0.4 s before the first row while finding little; what the run leaves is freed at
-exit. In-process calls keep the collector as it is."""
+collections they trigger cost 0.1-0.4 s before the first row while finding little; the collector is back on,
+with those objects frozen, once the model is loaded (``job.score._collect_from_here``). In-process calls keep the
+collector as it is."""
 
 
 def _main(argv: list[str]) -> int:

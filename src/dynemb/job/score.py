@@ -7,6 +7,7 @@ runs in eval mode, so unseen ids read their initializer row and nothing is inser
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import math
 import os
 import queue
@@ -72,6 +73,15 @@ def _reader(card: ModelCard, data: str, format: Optional[str], batch_size: int, 
                       positive_label=card.data.get("positive_label") if label else None)
 
 
+def _collect_from_here() -> None:
+    """Turn the cycle collector back on once the model is loaded, where ``dynemb predict``/``eval`` as the
+    process's command paused it (``cli._ONE_FILE``) for the imports and the load: a long file must not pile up
+    cycles. What exists now is frozen out of every later collection, so collections stay cheap."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
+
+
 def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_size: int = 65536,
                   device: str = "cpu", use: str = "best") -> dict:
     """``{"auc", "logloss", "rows", "model", "step"}`` of run ``run``'s best model (``use="last"``: its last) on
@@ -83,6 +93,7 @@ def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_si
     """
     _, kind, step = model_checkpoint(Path(run), use)
     model, card = load_model(Path(run), device, use, optimizer=False)
+    _collect_from_here()
     reader = _reader(card, data, format, batch_size, label=True)
     prep = card.preprocessing
     scored = evaluate(model, (b.to(device) for b in prep.normalized(reader, str(data))))
@@ -159,6 +170,7 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
             loaded.set_exception(error)
             raise
         loaded.set_result(model)
+        _collect_from_here()
         with open(tmp, "wb") as sink:
             writer = pq.ParquetWriter(sink, schema) if out_format == "parquet" else pcsv.CSVWriter(sink, schema)
             with writer:
