@@ -513,12 +513,20 @@ def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPl
             getattr(volatile.store, "fused_reads", False):
         done = volatile.call(volatile.store.with_meta, tuple(gp.names), finish)  # one call: store, defaults
     if done is None:
-        part = torch_part()
-        for tier in (tiers.volatile, tiers.persistent):
-            if tier.available:
+        asked = [tiers.volatile, tiers.persistent]
+        if volatile.available and getattr(volatile.store, "reads_into", False):
+            # Redis: the reply parsed into rows_np by numba, no tensor made (None: it failed, and backs off)
+            found = volatile.call(volatile.store.get_concat_into, tuple(gp.names), ukey, utid, rows_np)
+            if found is not None:
+                source_np[found] = 1
+                asked = asked[1:]
+        asked = [tier for tier in asked if tier.available]
+        if asked or not gp.kernel_defaults:
+            part = torch_part()
+            for tier in asked:
                 _read_tier(tiers, tier, [part])
-        if not gp.kernel_defaults:
-            _default_rows(part)
+            if not gp.kernel_defaults:
+                _default_rows(part)
         finish(_NO_META)
     _account_fused(gp, sizes_np, missed, served)
     fetched = np.flatnonzero((source_np == 1) | (source_np == 2))
