@@ -16,7 +16,10 @@ fixed width. The shard count is stored with the table, so reopening with another
 
 Reads. ``get_many`` of several tables is one round trip: on a single server one ``MGET`` per ``chunk_size`` keys of
 all the tables together (hash tags only matter to a cluster); on a cluster one ``MGET`` per table and shard, in one
-pipeline.
+pipeline. ``get_concat`` and ``get_concat_into`` (the parameter server's reads of a request's misses) on a single
+server write the ``MGET`` commands in one numba pass and parse the reply from the socket's bytes in another
+(:func:`~dynemb.kernels.numba_find_many.read_mget_reply`, RESP2 or RESP3), rows copied straight to their place;
+redis-py keeps the connections (pool, handshake, reconnects) and every other command.
 
 Failures. Construction pings the server and raises :class:`StoreUnavailableError` (a ``ConnectionError``)
 naming the address when it cannot be reached or rejects the password. During calls a lost or timed-out
