@@ -131,6 +131,7 @@ def test_password(tmp_path):
         store = redis_store(server.address, password="s3cret")
         store.put("t", torch.tensor([3]), torch.ones(1, 4))
         assert store.get("t", torch.tensor([3]))[1].all()
+        assert store.get_concat(["t"], torch.tensor([3, 4]), [2])[1].tolist() == [True, False]  # a reader connection
         assert server.client().hexists(SCHEMA_KEY, "t")
     finally:
         server.kill()

@@ -395,6 +395,8 @@ def pack_mget(keys: torch.Tensor, table_of: torch.Tensor, shards, base, width, p
     shards, base, width = (np.asarray(a, dtype=np.int64) for a in (shards, base, width))
     out = np.empty(mget_command_bound(n, chunk, int(width.max()) if width.shape[0] else 0), np.uint8)
     used = pack_mget_into(keys.numpy(), table_of.numpy(), shards, base, width, prefixes, chunk, out)
+    if used < 0:
+        raise ValueError(f"table_of must index the {shards.shape[0]} tables, got {int(table_of[-1 - used])}")
     return out[:used].tobytes(), -(-n // chunk)
 
 
@@ -407,7 +409,8 @@ def mget_command_bound(n: int, chunk: int, width: int) -> int:
 def pack_mget_into(keys: np.ndarray, table_of: np.ndarray, shards: np.ndarray, base: np.ndarray, width: np.ndarray,
                    prefixes: np.ndarray, chunk: int, out: np.ndarray) -> int:
     """:func:`pack_mget` on numpy arrays (int64 ``keys``, ``table_of``, ``shards``, ``base``, ``width``), written to
-    ``out`` (uint8, :func:`mget_command_bound` bytes at least: a buffer the caller keeps); returns the bytes used."""
+    ``out`` (uint8, :func:`mget_command_bound` bytes at least: a buffer the caller keeps); returns the bytes used, or
+    ``-1 - j`` when ``table_of[j]`` is outside ``[0, T)`` (nothing written)."""
     return _pack_mget_kernel(keys, table_of, shards, base, width, prefixes, chunk, out)
 
 
@@ -542,6 +545,9 @@ def _put_int(out, at, value):
 @numba.njit(nogil=True, cache=True)
 def _pack_mget_kernel(keys, table_of, shards, base, width, prefixes, chunk, out):
     n = keys.shape[0]
+    for j in range(n):  # nothing written for a table out of range
+        if table_of[j] < 0 or table_of[j] >= shards.shape[0]:
+            return -1 - j
     at = 0
     for j in range(n):
         if j % chunk == 0:  # *<names + 1>\r\n$4\r\nMGET\r\n

@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import os
 import socket
 import time
 
@@ -193,6 +194,8 @@ class RedisStore(Store):
         self._layouts: dict[str, _Layout] = {}
         self._concat_names_of: dict[tuple, tuple] = {}  # tables of get_concat -> how their keys are named
         self._packings: dict[tuple, tuple] = {}  # tables of get_concat -> their prefixes for pack_mget
+        self._readers: list = []  # free connections of _read_rows (the pool's lending costs more than a read)
+        self._reader_pid = os.getpid()
         self._client = self._connect()
 
     def __repr__(self) -> str:
@@ -344,9 +347,6 @@ class RedisStore(Store):
             raise ValueError(f"keys must be a 1-D int64 numpy array, got {keys!r:.80}")
         if not isinstance(table_of, np.ndarray) or table_of.dtype != np.int64 or table_of.shape != (n,):
             raise ValueError(f"table_of must be a [{n}] int64 numpy array, got {table_of!r:.80}")
-        if n and not 0 <= int(table_of.min()) <= int(table_of.max()) < len(tables):
-            raise ValueError(f"table_of must index the {len(tables)} tables, got values in "
-                             f"[{int(table_of.min())}, {int(table_of.max())}]")
         if not isinstance(out, np.ndarray) or out.shape != (n, schema.dim) or \
                 out.dtype.itemsize != schema.dtype.itemsize or \
                 not out.flags.c_contiguous:
@@ -360,28 +360,29 @@ class RedisStore(Store):
 
     def _read_rows(self, tables: tuple, schema, keys: np.ndarray, table_of: np.ndarray, out: np.ndarray,
                    found: np.ndarray, zero: bool) -> None:
-        """The rows of ``keys`` (``table_of``: index in ``tables``) into the bytes ``out [N, row_bytes]`` and
-        ``found [N]``, in one round trip on a pooled connection: the ``MGET`` commands packed into a buffer the
-        connection keeps, their reply read with ``recv_into`` into another and parsed as it comes
-        (:func:`~dynemb.kernels.numba_find_many.read_mget_reply`); redis-py's parser is not involved. A null
-        leaves ``out``'s row as it is (zeros when ``zero``). As redis-py's ``execute_command`` does, a connection
-        error or timeout is retried once at once on a new connection (a server restart broke the pooled one); a
-        connection that failed is closed, so that no reply is left unread on it."""
+        """The rows of ``keys`` (``table_of``: index in ``tables``, checked here) into the bytes ``out [N,
+        row_bytes]`` and ``found [N]``, in one round trip on a reader connection: the ``MGET`` commands packed into
+        a buffer the connection keeps, their reply read with ``recv_into`` into another and parsed as it comes
+        (:func:`~dynemb.kernels.numba_find_many.read_mget_reply`); redis-py's parser is not involved. A null leaves
+        ``out``'s row as it is (zeros when ``zero``). As redis-py's ``execute_command`` does, a connection error or
+        timeout is retried once at once on a new connection (a server restart broke the kept one); a connection
+        that failed is closed, so that no reply is left unread on it."""
         from dynemb.kernels.numba_find_many import (mget_command_bound, mget_reply_bound, mget_reply_state,
                                                     pack_mget_into)
 
         shards, base, width, prefixes, widest = self._packing(tables)
         n, chunk = keys.shape[0], self.config.chunk_size
         commands = -(-n // chunk)
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
+        conn = self._take_reader()
         try:
             request, reply = _buffers(conn, mget_command_bound(n, chunk, widest),
                                       mget_reply_bound(n, chunk, schema.row_bytes))
             used = pack_mget_into(keys, table_of, shards, base, width, prefixes, chunk, request)
+            if used < 0:
+                raise ValueError(f"table_of must index the {len(tables)} tables, got {int(table_of[-1 - used])}")
             for attempt in (0, 1):
                 try:
-                    conn.send_packed_command([memoryview(request)[:used]])
+                    conn.send_packed_command([memoryview(request)[:used]], check_health=False)
                     return self._receive(conn._sock, reply, mget_reply_state(commands), out, found, zero, keys,
                                          schema)
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
@@ -392,7 +393,19 @@ class RedisStore(Store):
                     conn.disconnect()
                     raise
         finally:
-            pool.release(conn)
+            self._readers.append(conn)  # list.append and pop are atomic: no lock
+
+    def _take_reader(self):
+        """A connection of this store's own for the reads of :meth:`_read_rows` (redis-py's pool takes tens of
+        microseconds a call to lend one): a free one, or a new one made by the pool's factory (same address,
+        password, timeouts; it connects on first use). Dropped after a fork, as the pool drops its own."""
+        if self._reader_pid != os.getpid():
+            self._readers, self._reader_pid = [], os.getpid()
+        try:
+            return self._readers.pop()
+        except IndexError:
+            pool = self._client.connection_pool
+            return pool.connection_class(**pool.connection_kwargs)
 
     def _receive(self, sock, reply: np.ndarray, state: np.ndarray, out: np.ndarray, found: np.ndarray, zero: bool,
                  keys: np.ndarray, schema) -> None:
@@ -552,6 +565,9 @@ class RedisStore(Store):
         return pipe.execute()
 
     def _close(self) -> None:
+        readers, self._readers = self._readers, []
+        for conn in readers:
+            conn.disconnect()
         self._client.close()
 
 
