@@ -48,6 +48,7 @@ _SOURCES = ("volatile", "persistent", "default")  # codes 1, 2, 3 of _Part.sourc
 _SEEDED = (Uniform, Normal, TruncatedNormal)  # rows a function of (key ^ mix64(seed)) alone: see _default_rows
 _MIX0 = mix64(torch.zeros((), dtype=torch.int64))
 _LAYOUTS = 64  # run-length patterns a plan keeps (a server sees few: its batch sizes)
+_NUMPY_VIEW = {torch.bfloat16: torch.int16}  # rows numpy has no dtype for, seen as words of their width
 
 
 @dataclasses.dataclass
@@ -267,6 +268,16 @@ def _read_tier(tiers: StoreTiers, tier, parts: list[_Part]) -> None:
             if at.numel():
                 asked.append((part, at, per_table))
     if not asked:
+        return
+    if len(asked) == 1 and tier is tiers.volatile and asked[0][1].numel() == asked[0][0].ukey.numel() and \
+            getattr(tier.store, "reads_into", False):
+        # Redis, every pair open: its reply parsed straight into the part's rows (as stored: 8-bit rows as 16-bit words)
+        part = asked[0][0]
+        rows = part.rows.view(_NUMPY_VIEW.get(part.rows.dtype, part.rows.dtype)).numpy()
+        found = tier.call(tier.store.get_concat_into, tuple(part.plan.names), part.ukey.numpy(), part.utid.numpy(),
+                          rows)
+        if found is not None:
+            part.source.numpy()[found] = 1 + _SOURCES.index(tier.name)
         return
     if len(asked) == 1:
         part, at, per_table = asked[0]
