@@ -18,8 +18,9 @@ Reads. ``get_many`` of several tables is one round trip: on a single server one 
 all the tables together (hash tags only matter to a cluster); on a cluster one ``MGET`` per table and shard, in one
 pipeline. ``get_concat`` and ``get_concat_into`` (the parameter server's reads of a request's misses) on a single
 server write the ``MGET`` commands in one numba pass and parse the reply from the socket's bytes in another
-(:func:`~dynemb.kernels.numba_find_many.read_mget_reply`, RESP2 or RESP3), rows copied straight to their place;
-redis-py keeps the connections (pool, handshake, reconnects) and every other command.
+(:func:`~dynemb.kernels.numba_find_many.read_mget_reply`, RESP2 or RESP3), rows copied straight to their place, on
+reader connections the store keeps (redis-py's connection class: handshake, password, timeouts); every other command
+goes through redis-py's client and pool.
 
 Failures. Construction pings the server and raises :class:`StoreUnavailableError` (a ``ConnectionError``)
 naming the address when it cannot be reached or rejects the password. During calls a lost or timed-out
@@ -64,7 +65,7 @@ _UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
 _UNAVAILABLE += (redis.exceptions.RedisClusterException,)
 _NO_PREFIX = np.empty(0, dtype=np.uint8)
 _MAX_SHARDS = 16384
-_KEPT_BYTES = 16 << 20  # most buffer bytes a pooled connection keeps for get_concat
+_KEPT_BYTES = 16 << 20  # most buffer bytes a reader connection keeps between reads
 
 
 def parse_address(address) -> tuple[str, int]:
@@ -337,6 +338,8 @@ class RedisStore(Store):
             ValueError: bad arguments (nothing is read). StoreError: the server failed (``out`` may hold rows of
             keys not marked found).
         """
+        if not self.reads_into:
+            raise NotImplementedError(f"{self} reads with get_concat (get_concat_into needs a single server and numba)")
         tables = tuple(tables)
         self._check_open()
         schema = self._concat_schema(tables)
