@@ -277,3 +277,25 @@ def test_get_concat_names_a_corrupt_row_and_fails_as_redis_fails(redis_server, r
     assert time.monotonic() - start < 2
     assert store.get_concat(["t"], keys, [3])[1].tolist() == [False, False, True]
     store.close()
+
+
+def test_reader_connections_serve_threads_at_once_and_close_with_the_store(redis_address):
+    # get_concat from 4 threads at once: each read takes a reader connection of its own (a free one, else a new one),
+    # each answer is its own keys' rows; close() disconnects the free ones
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = RedisStore(RedisStoreConfig(address=redis_address, chunk_size=7))
+    store.create_table("t", dim=4)
+    store.put("t", torch.arange(500), torch.arange(2000, dtype=torch.float32).view(500, 4))
+
+    def read(k: int) -> bool:
+        keys = torch.arange(k, k + 40) * 3
+        values, found = store.get_concat(["t"], keys, [40])
+        return torch.equal(found, keys < 500) and torch.equal(values[found][:, 0], 4.0 * keys[found])
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(read, range(200)))
+    readers = list(store._readers)
+    assert 1 <= len(readers) <= 4 and all(conn._sock is not None for conn in readers)
+    store.close()
+    assert all(conn._sock is None for conn in readers)
