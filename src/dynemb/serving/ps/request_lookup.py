@@ -16,8 +16,10 @@ The common case, every table of the request in one float32 cache on the CPU, tak
 (:func:`lookup_fused`): two numba calls (:func:`~dynemb.kernels.numba_find_many.probe_request`,
 :func:`~dynemb.kernels.numba_find_many.finish_request`) probe the cache, read the misses from the in-process store,
 compute default rows and write every row straight to its place in the output (a model's ``[B, F, D]`` input, for
-:meth:`~dynemb.serving.ParameterServer.lookup_stacked`); Redis and persistent tiers are still one call each in
-between, and initializers without a kernel (normal, truncated normal) compute their rows in torch as above.
+:meth:`~dynemb.serving.ParameterServer.lookup_stacked`); Redis and persistent tiers are one call each in between
+(Redis: :meth:`~dynemb.serving.stores.RedisStore.get_concat_into`, its reply parsed by numba straight into the
+misses' rows, no tensor made), and initializers without a kernel (normal, truncated normal) compute their rows in
+torch as above.
 
 It answers exactly as the per-table path (:mod:`.table_lookup`) does, row for row (``tests/serving/test_ps.py``).
 While a background write-back inserts into a group cache (a table's batch of rows, 1/16 of its share of the cache at
