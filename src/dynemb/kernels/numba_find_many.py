@@ -30,7 +30,7 @@ from .numba_index import _mix64, _probe_kernel
 from .numba_math import cell_bits, prefetch_row
 
 __all__ = ["META", "find_rows", "find_carried", "miss_pairs", "probe_request", "finish_request", "probe_request_arrays",
-           "finish_request_arrays", "pack_mget",
+           "finish_request_arrays", "add_counts", "pack_mget",
            "pack_mget_into", "mget_command_bound", "mget_reply_bound", "mget_reply_state", "read_mget_reply",
            "UNIFORM", "CONSTANT", "IN_PYTHON"]
 
@@ -377,6 +377,26 @@ def _finish_request_kernel(meta, utid, ukey, counts, rows, source, kinds, params
         else:
             for d in range(dim):
                 out[b, f, d] = rows[p, d]
+
+
+def add_counts(pending: np.ndarray, rows: np.ndarray, sizes: np.ndarray, missed: np.ndarray,
+               served: np.ndarray) -> None:
+    """A fused request's counts added to its group cache's pending statistics ``pending [R, 5]`` int64 (lookups,
+    cache, volatile, persistent, default): table ``t``'s ``sizes[t]`` lookups, ``missed[t]`` of them not in the cache,
+    and ``served[t, 1:]`` (:func:`finish_request`'s, or ``[0, 4]`` for a request that missed nothing), to row
+    ``rows[t]``."""
+    _add_counts_kernel(pending, rows, sizes, missed, served)
+
+
+@numba.njit(nogil=True, cache=True)
+def _add_counts_kernel(pending, rows, sizes, missed, served):
+    for t in range(rows.shape[0]):
+        r = rows[t]
+        pending[r, 0] += sizes[t]
+        pending[r, 1] += sizes[t] - missed[t]
+        if served.shape[0]:
+            for c in range(1, 4):
+                pending[r, 1 + c] += served[t, c]
 
 
 def pack_mget(keys: torch.Tensor, table_of: torch.Tensor, shards, base, width, prefixes: np.ndarray,

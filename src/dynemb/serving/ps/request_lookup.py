@@ -438,6 +438,7 @@ def lookup_request(tiers: StoreTiers, writeback, threshold: float, plan: Request
 
 
 _NO_META = np.zeros((0, 7), np.int64)
+_NO_SERVED = np.zeros((0, 4), np.int64)
 _NO_STAMPS = np.zeros(0, np.int64)
 
 
@@ -548,18 +549,13 @@ def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPl
 
 
 def _account_fused(gp: _GroupPlan, sizes: np.ndarray, missed: np.ndarray, served: Optional[np.ndarray]) -> None:
-    """A fused request's counts added to its group cache's pending statistics in one numpy step (no loop over the
-    tables): :meth:`~.server.ParameterServer.stats` folds them into each table's ``stats`` when it reads them."""
-    pending = gp.group.pending_stats
-    rows = gp.cache_rows
-    lock = gp.stats_lock
-    with lock:
-        mine = pending[rows]
-        mine[:, 0] += sizes
-        mine[:, 1] += sizes - missed
-        if served is not None:
-            mine[:, 2:] += served[:, 1:]
-        pending[rows] = mine
+    """A fused request's counts added to its group cache's pending statistics in one numba call (no loop over the
+    tables in Python): :meth:`~.server.ParameterServer.stats` folds them into each table's ``stats`` when it reads
+    them."""
+    from ...kernels.numba_find_many import add_counts
+
+    with gp.stats_lock:
+        add_counts(gp.group.pending_stats, gp.cache_rows, sizes, missed, _NO_SERVED if served is None else served)
 
 
 def _write_back_fetched(part: _Part, threshold: float, writeback, fetched: np.ndarray, utid: np.ndarray) -> None:
