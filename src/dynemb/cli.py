@@ -27,7 +27,7 @@ MODEL_DEFAULTS = {"batch_size": 512, "dim": 16, "optimizer": "adagrad", "lr": 0.
 # The optional packages the commands import, by the extra (pyproject.toml) that installs them.
 _EXTRAS = {"pyarrow": "data", "xxhash": "data", "matplotlib": "plot", "triton": "gpu",
            **dict.fromkeys(["redis", "rocksdict", "lmdb", "uvicorn", "httptools", "uvloop", "orjson", "simdjson",
-                            "grpc", "tritonclient", "prometheus_client"], "serving")}
+                            "grpc", "hpack", "tritonclient", "prometheus_client"], "serving")}
 
 
 def _optimizer_kinds() -> tuple:
