@@ -526,20 +526,22 @@ def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str
 def main(argv: list[str] | None = None) -> int:
     """Run ``dynemb ARGV`` (default: ``sys.argv[1:]``, the process's own command line); the exit status.
 
-    As the process's command (``argv`` None: ``python -m dynemb``, the ``dynemb`` script) it ends by freezing the
-    cycle collector's objects (``gc.freeze``): the interpreter's exit then skips collecting the ~300k objects torch,
-    numba and pyarrow made (0.6-1.6 s after ``predict`` had written its file). ``predict`` and ``eval`` then end
-    the process at once (``os._exit`` after flushing stdout and stderr): their files are written, synced and
-    renamed, and the interpreter's teardown (modules, torch's operator registry, ~1 GB of freed blocks) took
-    0.2-0.4 s more. An in-process call changes nothing."""
+    As the process's command (``argv`` None: ``python -m dynemb``, the ``dynemb`` script), ``predict`` and
+    ``eval`` end the process at once (``os._exit`` after flushing stdout and stderr): their files are written,
+    synced and renamed, and the interpreter's exit (collecting the ~300k objects torch, numba and pyarrow made, then
+    its teardown) took 0.8-2 s after the file was written. Other commands exit normally: freezing the collector
+    before their exit made triton's nanobind bindings report every object as leaked on stderr. An in-process call
+    changes nothing."""
     global _AS_COMMAND
     if argv is not None:
         return _main([str(a) for a in argv])
     _AS_COMMAND = True
     try:
         code = _main(sys.argv[1:])
-    finally:
-        gc.freeze()
+    except BaseException:
+        gc.unfreeze()  # a failed predict/eval exits normally: let its exit see every object (see above)
+        gc.enable()
+        raise
     if _ONE_FILE_RAN:
         sys.stdout.flush()
         sys.stderr.flush()
