@@ -194,22 +194,33 @@ def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_
     in a three-level table, the host over the row files (``fast.index`` a :class:`SlowIndex`); ``moved``: the
     traffic counts to add to (default ``fast.moved``).
     """
+    log = hasattr(slow, "raw_rows")  # row files written as a log (LogStore)
+    if log and isinstance(link, HostLink):
+        return _exchange_into_log(fast, slow, victims, up_keys, up_slots, up_at, moved)
     v, u = victims.numel(), up_keys.numel()
     k = min(u, v)
     index = fast.index
     # The keys stay as many (the index keeps its size and flags): only a level's columns may have to grow, and with
     # them (sized for the larger level) the index, whose slots found before are then stale.
-    rebuilds = index.rebuilds
+    rebuilds, rewrites = index.rebuilds, getattr(slow, "rewrites", 0)
     if fast._size + u - k > fast.capacity:
         fast._reserve(fast._size + u - k)
-    if slow._size + v - k > slow.capacity:
+    if log or slow._size + v - k > slow.capacity:
         slow._reserve(slow._size + v - k)
     if index.rebuilds != rebuilds:
         up_slots = index.find_slots(up_keys)
+    if log and slow.rewrites != rewrites:  # packed into a new file: the rows coming up moved
+        up_at = slow.index.find(up_keys)
     fast_cols, slow_cols = fast._cols, slow._cols
     down_slots = index.find_slots(gather_rows(fast_cols["key"], victims))
     fast_dest = torch.cat([victims[:k], torch.arange(fast._size, fast._size + u - k, device=fast.device)])
-    slow_dest = torch.cat([up_at[:k], torch.arange(slow._size, slow._size + v - k, device=slow.device)])
+    if log:  # a staged link writes through the mapping: the rows it appends are claimed at the ring's head
+        tail, stale = slow.claim(v - k)
+        if stale:
+            up_at = slow.index.find(up_keys)
+    else:
+        tail = torch.arange(slow._size, slow._size + v - k, device=slow.device)
+    slow_dest = torch.cat([up_at[:k], tail])
     for name, col in fast_cols.items():
         link.move(col, fast_dest, victims, slow_cols[name], slow_dest, up_at)
     link.finish()
@@ -226,6 +237,55 @@ def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_
     fast.row_moves += 1
     if u > k:
         slow._compact(up_at[k:])
+    if v > k:
+        fast._compact(victims[k:])
+        return None
+    return fast_dest
+
+
+def _exchange_into_log(fast, slow, victims, up_keys, up_slots, up_at, moved):
+    """:func:`exchange` where ``slow`` is a :class:`~dynemb.table.slow.LogStore` (row files written as a log): the
+    rows going down are appended to it in one sequential write, the rows coming up leave holes there (no slow row
+    is written in place), and the fast side is as in :func:`exchange` (the rows coming up take the victims' rows,
+    the rest append; fast holes fill from the end)."""
+    v, u = victims.numel(), up_keys.numel()
+    k = min(u, v)
+    index = fast.index
+    rebuilds, rewrites = index.rebuilds, slow.rewrites
+    if fast._size + u - k > fast.capacity:
+        fast._reserve(fast._size + u - k)
+    slow._reserve(slow._size + v)  # the ring's room for the rows coming down (those going up still counted)
+    if index.rebuilds != rebuilds:
+        up_slots = index.find_slots(up_keys)
+    if slow.rewrites != rewrites:  # packed into a new file: the rows coming up moved
+        up_at = slow.index.find(up_keys)
+    fast_cols = fast._cols
+    down_keys = gather_rows(fast_cols["key"], victims)
+    down_slots = index.find_slots(down_keys)
+    down = slow.raw_rows(fast_cols, victims.cpu())  # read before the rows coming up overwrite the victims
+    fast_dest = torch.cat([victims[:k], torch.arange(fast._size, fast._size + u - k, device=fast.device)])
+    if u:
+        up = slow._buf.index_select(0, up_at)  # each row read once, every column in it
+        layout = slow._file_layout[0]
+        for name, col in fast_cols.items():
+            start, nbytes, shape = layout[name]
+            view = up[:, start:start + nbytes].view(col.dtype)
+            view = view[:, 0] if not shape else view.view(u, *shape)
+            col.index_copy_(0, fast_dest, view.to(col.device))
+        slow._compact(up_at)  # holes in the ring
+    slow_dest = slow._append(down) if v else up_at[:0]
+    row = sum(_row_bytes(col) for col in fast_cols.values())
+    moved = fast.moved if moved is None else moved
+    moved["rows_up"] += u
+    moved["rows_down"] += v
+    moved["bytes_up"] += u * row
+    moved["bytes_down"] += v * row
+    index.set_rows(up_slots, fast_dest)
+    slow.index.set_rows(down_slots, slow_dest)
+    fast._size += u - k
+    slow._size += v
+    fast.row_moves += 1
+    slow.row_moves += 1
     if v > k:
         fast._compact(victims[k:])
         return None
@@ -292,10 +352,10 @@ class TieredIndex(HashIndex):
                 all_keys.append(keys.to(device))
                 all_rows.append(rows.to(device) + base)
             elif level._size:
-                m = level._size
-                all_keys.append(level.row_keys[:m].to(device))
-                all_rows.append(torch.arange(base, base + m, device=device))
-                capacity += m
+                level_keys, level_rows = level.stored()
+                all_keys.append(level_keys.to(device))
+                all_rows.append(level_rows.to(device) + base)
+                capacity += level._size
         keys, rows = (all_keys[0], all_rows[0]) if len(all_keys) == 1 else (torch.cat(all_keys), torch.cat(all_rows))
         HashIndex.rehash(self, keys, rows, capacity)
 
