@@ -13,9 +13,9 @@ import numba
 import torch
 
 from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
-from .numba_math import prefetch_row_for_write
+from .numba_math import prefetch_row, prefetch_row_for_write
 
-__all__ = ["swap_rows"]
+__all__ = ["rows_from_raw", "rows_to_raw", "swap_rows", "words"]
 
 _AHEAD = 16  # pairs between a prefetch and the swap (two random rows each)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integer views
@@ -54,4 +54,77 @@ def _swap_kernel(a, a_rows, b, b_rows):
             t = a[ra, d]
             a[ra, d] = b[rb, d]
             b[rb, d] = t
+    return True
+
+
+def words(t: torch.Tensor):
+    """``t`` (CPU, ``[R, ...]`` whose rows are dense, any row stride) as ``[R, W]`` int32 words sharing its memory,
+    or None where its rows are not whole, aligned words (a view, never a copy: writes must land in ``t``)."""
+    if t.device.type != "cpu" or t.shape[0] == 0 or t.is_conj() or t.is_neg():
+        return None
+    size = t.element_size()
+    dense = 1
+    for n, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if n != 1 and stride != dense:
+            return None
+        dense *= n
+    row_bytes, step = dense * size, t.stride(0) * size
+    if row_bytes % 4 or step % 4 or (t.storage_offset() * size) % 4 or t.untyped_storage().data_ptr() % 4:
+        return None
+    view = torch.empty(0, dtype=torch.int32).set_(t.untyped_storage(), t.storage_offset() * size // 4,
+                                                  (t.shape[0], row_bytes // 4), (step // 4, 1))
+    return view.numpy()
+
+
+def rows_to_raw(raw: torch.Tensor, offset: int, col: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Row ``i`` of ``raw`` (``[N, width]`` uint8, dense), bytes ``offset ..``, from ``col[rows[i]]``; True, or
+    False with nothing written where the layout is not whole words or a row is out of range."""
+    w, c = words(raw), words(col)
+    if w is None or c is None or offset % 4 or rows.numel() > raw.shape[0]:
+        return False
+    return bool(_to_raw_kernel(w, offset // 4, c, rows.contiguous().numpy()))
+
+
+def rows_from_raw(col: torch.Tensor, rows: torch.Tensor, raw: torch.Tensor, raw_rows: torch.Tensor,
+                  offset: int) -> bool:
+    """``col[rows[i]]`` from row ``raw_rows[i]`` of ``raw`` (``[N, width]`` uint8), bytes ``offset ..``; True, or
+    False with nothing written where the layout is not whole words or a row is out of range."""
+    w, c = words(raw), words(col)
+    if w is None or c is None or offset % 4 or rows.shape != raw_rows.shape:
+        return False
+    return bool(_from_raw_kernel(c, rows.contiguous().numpy(), w, raw_rows.contiguous().numpy(), offset // 4))
+
+
+@numba.njit(nogil=True, cache=True)
+def _to_raw_kernel(raw, off, col, rows):
+    n, w = rows.shape[0], col.shape[1]
+    if off + w > raw.shape[1]:
+        return False
+    for i in range(n):
+        if rows[i] < 0 or rows[i] >= col.shape[0]:
+            return False
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch_row_for_write(col, rows[i + _AHEAD])
+        r = rows[i]
+        for d in range(w):
+            raw[i, off + d] = col[r, d]
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _from_raw_kernel(col, rows, raw, raw_rows, off):
+    n, w = rows.shape[0], col.shape[1]
+    if off + w > raw.shape[1]:
+        return False
+    for i in range(n):
+        if rows[i] < 0 or rows[i] >= col.shape[0] or raw_rows[i] < 0 or raw_rows[i] >= raw.shape[0]:
+            return False
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch_row_for_write(col, rows[i + _AHEAD])
+            prefetch_row(raw, raw_rows[i + _AHEAD])
+        r, s = rows[i], raw_rows[i]
+        for d in range(w):
+            col[r, d] = raw[s, off + d]
     return True

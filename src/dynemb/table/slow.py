@@ -219,7 +219,7 @@ class LogStore(SlowStore):
     Args: as :class:`SlowStore`; ``where`` must be a directory.
     """
 
-    _CHUNK = 16384  # rows a rewrite copies at a time
+    _CHUNK = 4096  # rows a rewrite copies at a time (a streamed save's memory bound counts them)
     _CLEAN_MIN = 4096  # rows of the tail a cleaning pass looks at, at least
 
     def __init__(self, table, where: str | os.PathLike, *, init_capacity: int = 1024) -> None:
@@ -271,6 +271,8 @@ class LogStore(SlowStore):
         cap, moved = self.capacity, False
         while self._head - self._tail + n > cap:
             c = min(max(n, self._CLEAN_MIN), self._head - self._tail)
+            if c == 0:  # _reserve sizes the ring for what a call appends: never reached
+                raise RuntimeError(f"LogStore: {n} rows do not fit a ring of {cap}")
             rows = (torch.arange(self._tail, self._tail + c)) % cap
             alive = rows[self._holds.index_select(0, rows)]
             self._tail += c

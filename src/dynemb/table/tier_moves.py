@@ -196,7 +196,7 @@ def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_
     """
     log = hasattr(slow, "raw_rows")  # row files written as a log (LogStore)
     if log and isinstance(link, HostLink):
-        return _exchange_into_log(fast, slow, victims, up_keys, up_slots, up_at, moved)
+        return _exchange_into_log(fast, slow, link, victims, up_keys, up_slots, up_at, moved)
     v, u = victims.numel(), up_keys.numel()
     k = min(u, v)
     index = fast.index
@@ -243,7 +243,7 @@ def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_
     return fast_dest
 
 
-def _exchange_into_log(fast, slow, victims, up_keys, up_slots, up_at, moved):
+def _exchange_into_log(fast, slow, link, victims, up_keys, up_slots, up_at, moved):
     """:func:`exchange` where ``slow`` is a :class:`~dynemb.table.slow.LogStore` (row files written as a log): the
     rows going down are appended to it in one sequential write, the rows coming up leave holes there (no slow row
     is written in place), and the fast side is as in :func:`exchange` (the rows coming up take the victims' rows,
@@ -262,16 +262,23 @@ def _exchange_into_log(fast, slow, victims, up_keys, up_slots, up_at, moved):
     fast_cols = fast._cols
     down_keys = gather_rows(fast_cols["key"], victims)
     down_slots = index.find_slots(down_keys)
-    down = slow.raw_rows(fast_cols, victims.cpu())  # read before the rows coming up overwrite the victims
+    kernels = _raw_kernels(link.backend)
+    layout, width = slow._file_layout
+    # the rows going down, in the file's layout: read before the rows coming up overwrite the victims
+    down = torch.zeros((v, width), dtype=torch.uint8)
+    for name, col in fast_cols.items():
+        start, nbytes, shape = layout[name]
+        if kernels is None or not kernels.rows_to_raw(down, start, col, victims):
+            _raw_view(down, start, nbytes, shape, col.dtype).copy_(col.index_select(0, victims))
     fast_dest = torch.cat([victims[:k], torch.arange(fast._size, fast._size + u - k, device=fast.device)])
     if u:
-        up = slow._buf.index_select(0, up_at)  # each row read once, every column in it
-        layout = slow._file_layout[0]
+        up = None
         for name, col in fast_cols.items():
             start, nbytes, shape = layout[name]
-            view = up[:, start:start + nbytes].view(col.dtype)
-            view = view[:, 0] if not shape else view.view(u, *shape)
-            col.index_copy_(0, fast_dest, view.to(col.device))
+            if kernels is None or not kernels.rows_from_raw(col, fast_dest, slow._buf, up_at, start):
+                if up is None:
+                    up = slow._buf.index_select(0, up_at)  # each row read once, every column in it
+                col.index_copy_(0, fast_dest, _raw_view(up, start, nbytes, shape, col.dtype))
         slow._compact(up_at)  # holes in the ring
     slow_dest = slow._append(down) if v else up_at[:0]
     row = sum(_row_bytes(col) for col in fast_cols.values())
@@ -290,6 +297,21 @@ def _exchange_into_log(fast, slow, victims, up_keys, up_slots, up_at, moved):
         fast._compact(victims[k:])
         return None
     return fast_dest
+
+
+def _raw_view(raw: torch.Tensor, start: int, nbytes: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A column's view ``[N, *shape]`` of raw rows ``[N, width]`` (uint8) at byte ``start``."""
+    view = raw[:, start:start + nbytes].view(dtype)
+    return view[:, 0] if not shape else view.view(raw.shape[0], *shape)
+
+
+def _raw_kernels(backend):
+    """:mod:`dynemb.kernels.numba_tiers` where ``backend`` runs numba on CPU (rows to and from a file's raw rows in
+    one pass a column), else None (torch: a gather, then a strided copy)."""
+    if resolve_backend(backend, torch.device("cpu")) is not Backend.NUMBA:
+        return None
+    from ..kernels import numba_tiers
+    return numba_tiers
 
 
 #: row ids from which a :class:`TieredIndex` points into the levels below the fast tier (row ``SLOW_BASE + r`` is
