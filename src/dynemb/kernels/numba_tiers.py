@@ -15,7 +15,7 @@ import torch
 from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
 from .numba_math import prefetch_row, prefetch_row_for_write
 
-__all__ = ["rows_from_raw", "rows_to_raw", "swap_rows", "words"]
+__all__ = ["rows_from_raw", "rows_to_raw", "swap_rows", "swap_with_raw", "words"]
 
 _AHEAD = 16  # pairs between a prefetch and the swap (two random rows each)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integer views
@@ -78,7 +78,9 @@ def words(t: torch.Tensor):
 
 def rows_to_raw(raw: torch.Tensor, offset: int, col: torch.Tensor, rows: torch.Tensor) -> bool:
     """Row ``i`` of ``raw`` (``[N, width]`` uint8, dense), bytes ``offset ..``, from ``col[rows[i]]``; True, or
-    False with nothing written where the layout is not whole words or a row is out of range."""
+    False with nothing written where the layout is not whole words or a row is out of range (no rows: True)."""
+    if rows.numel() == 0:
+        return True
     w, c = words(raw), words(col)
     if w is None or c is None or offset % 4 or rows.numel() > raw.shape[0]:
         return False
@@ -88,7 +90,9 @@ def rows_to_raw(raw: torch.Tensor, offset: int, col: torch.Tensor, rows: torch.T
 def rows_from_raw(col: torch.Tensor, rows: torch.Tensor, raw: torch.Tensor, raw_rows: torch.Tensor,
                   offset: int) -> bool:
     """``col[rows[i]]`` from row ``raw_rows[i]`` of ``raw`` (``[N, width]`` uint8), bytes ``offset ..``; True, or
-    False with nothing written where the layout is not whole words or a row is out of range."""
+    False with nothing written where the layout is not whole words or a row is out of range (no rows: True)."""
+    if rows.numel() == 0:
+        return True
     w, c = words(raw), words(col)
     if w is None or c is None or offset % 4 or rows.shape != raw_rows.shape:
         return False
@@ -127,4 +131,35 @@ def _from_raw_kernel(col, rows, raw, raw_rows, off):
         r, s = rows[i], raw_rows[i]
         for d in range(w):
             col[r, d] = raw[s, off + d]
+    return True
+
+
+def swap_with_raw(col: torch.Tensor, rows: torch.Tensor, down: torch.Tensor, up: torch.Tensor, offset: int) -> bool:
+    """For each ``i``: row ``i`` of ``down`` (bytes ``offset ..``) gets ``col[rows[i]]``, then ``col[rows[i]]`` gets
+    row ``i`` of ``up`` (``down``, ``up``: ``[>= len(rows), width]`` uint8, dense). One pass over the random rows of
+    ``col`` where :func:`rows_to_raw` then :func:`rows_from_raw` make two. True, or False with nothing written where
+    the layout is not whole words or a row is out of range (no rows: True)."""
+    if rows.numel() == 0:
+        return True
+    c, d, u = words(col), words(down), words(up)
+    if c is None or d is None or u is None or offset % 4 or rows.numel() > min(down.shape[0], up.shape[0]):
+        return False
+    return bool(_swap_raw_kernel(c, rows.contiguous().numpy(), d, u, offset // 4))
+
+
+@numba.njit(nogil=True, cache=True)
+def _swap_raw_kernel(col, rows, down, up, off):
+    n, w = rows.shape[0], col.shape[1]
+    if off + w > down.shape[1] or off + w > up.shape[1]:
+        return False
+    for i in range(n):
+        if rows[i] < 0 or rows[i] >= col.shape[0]:
+            return False
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch_row_for_write(col, rows[i + _AHEAD])
+        r = rows[i]
+        for j in range(w):
+            down[i, off + j] = col[r, j]
+            col[r, j] = up[i, off + j]
     return True

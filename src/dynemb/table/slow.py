@@ -334,7 +334,7 @@ class LogStore(SlowStore):
         if not self._packed():
             self._rewrite(self.capacity)
 
-    def _ring_rows(self, n: int) -> int:
+    def ring_rows(self, n: int) -> int:
         """Rows the ring needs for ``n`` live rows: twice as many (cleaning then copies about one row per row
         appended), within the level's row ids."""
         return min(2 * n + self._CLEAN_MIN, self.index.end - self.index.base)
@@ -343,7 +343,7 @@ class LogStore(SlowStore):
         """Room for ``n`` live rows with the ring's slack (a rewrite into a larger file), and the index sized."""
         if n > self.index.end - self.index.base:
             self.index.needs_rehash(n)  # raises: too many rows for the level
-        need = self._ring_rows(n)
+        need = self.ring_rows(n)
         if need > self.capacity:
             self._rewrite(min(max(need, int(self.capacity * 1.5)), self.index.end - self.index.base))
         if self.index.needs_rehash(n):

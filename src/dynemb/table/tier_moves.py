@@ -254,7 +254,8 @@ def _exchange_into_log(fast, slow, link, victims, up_keys, up_slots, up_at, move
     rebuilds, rewrites = index.rebuilds, slow.rewrites
     if fast._size + u - k > fast.capacity:
         fast._reserve(fast._size + u - k)
-    slow._reserve(slow._size + v)  # the ring's room for the rows coming down (those going up still counted)
+    if slow.ring_rows(slow._size + v) > slow.capacity:  # the ring's room for the rows coming down
+        slow._reserve(slow._size + v)  # (the index keeps its keys: an exchange moves them between levels)
     if index.rebuilds != rebuilds:
         up_slots = index.find_slots(up_keys)
     if slow.rewrites != rewrites:  # packed into a new file: the rows coming up moved
@@ -264,21 +265,24 @@ def _exchange_into_log(fast, slow, link, victims, up_keys, up_slots, up_at, move
     down_slots = index.find_slots(down_keys)
     kernels = _raw_kernels(link.backend)
     layout, width = slow._file_layout
-    # the rows going down, in the file's layout: read before the rows coming up overwrite the victims
-    down = torch.zeros((v, width), dtype=torch.uint8)
+    padded = sum(nbytes for _, nbytes, _ in layout.values()) < width
+    # the rows going down, in the file's layout (padding zeroed: the files hold nothing but rows)
+    down = (torch.zeros if padded else torch.empty)((v, width), dtype=torch.uint8)
+    fast_dest = torch.cat([victims[:k], torch.arange(fast._size, fast._size + u - k, device=fast.device)])
+    # each file row coming up read once, every column in it (a pass a column over the file's random rows missed
+    # on each)
+    up = slow._buf.index_select(0, up_at) if u else None
     for name, col in fast_cols.items():
         start, nbytes, shape = layout[name]
-        if kernels is None or not kernels.rows_to_raw(down, start, col, victims):
-            _raw_view(down, start, nbytes, shape, col.dtype).copy_(col.index_select(0, victims))
-    fast_dest = torch.cat([victims[:k], torch.arange(fast._size, fast._size + u - k, device=fast.device)])
+        # the k paired rows swap in one pass over the victims' rows; the rest go one way
+        if kernels is not None and kernels.swap_with_raw(col, victims[:k], down, up if k else down, start) \
+                and kernels.rows_to_raw(down[k:], start, col, victims[k:]) \
+                and (u == k or kernels.rows_from_raw(col, fast_dest[k:], up, torch.arange(k, u), start)):
+            continue
+        _raw_view(down, start, nbytes, shape, col.dtype).copy_(col.index_select(0, victims))
+        if u:
+            col.index_copy_(0, fast_dest, _raw_view(up, start, nbytes, shape, col.dtype))
     if u:
-        up = None
-        for name, col in fast_cols.items():
-            start, nbytes, shape = layout[name]
-            if kernels is None or not kernels.rows_from_raw(col, fast_dest, slow._buf, up_at, start):
-                if up is None:
-                    up = slow._buf.index_select(0, up_at)  # each row read once, every column in it
-                col.index_copy_(0, fast_dest, _raw_view(up, start, nbytes, shape, col.dtype))
         slow._compact(up_at)  # holes in the ring
     slow_dest = slow._append(down) if v else up_at[:0]
     row = sum(_row_bytes(col) for col in fast_cols.values())
