@@ -10,12 +10,13 @@ lines are fetched once (the torch path is the reference; the tests run both).
 from __future__ import annotations
 
 import numba
+import numpy as np
 import torch
 
 from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
 from .numba_math import prefetch_row, prefetch_row_for_write
 
-__all__ = ["rows_from_raw", "rows_to_raw", "swap_rows", "swap_with_raw", "words"]
+__all__ = ["gather_raw", "rows_from_raw", "rows_to_raw", "swap_rows", "swap_with_raw", "words"]
 
 _AHEAD = 16  # pairs between a prefetch and the swap (two random rows each)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integer views
@@ -60,20 +61,45 @@ def _swap_kernel(a, a_rows, b, b_rows):
 def words(t: torch.Tensor):
     """``t`` (CPU, ``[R, ...]`` whose rows are dense, any row stride) as ``[R, W]`` int32 words sharing its memory,
     or None where its rows are not whole, aligned words (a view, never a copy: writes must land in ``t``)."""
-    if t.device.type != "cpu" or t.shape[0] == 0 or t.is_conj() or t.is_neg():
+    if t.device.type != "cpu" or t.shape[0] == 0 or t.is_conj() or t.is_neg() or t.element_size() not in (1, 2, 4, 8):
         return None
     size = t.element_size()
-    dense = 1
-    for n, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
-        if n != 1 and stride != dense:
-            return None
-        dense *= n
-    row_bytes, step = dense * size, t.stride(0) * size
-    if row_bytes % 4 or step % 4 or (t.storage_offset() * size) % 4 or t.untyped_storage().data_ptr() % 4:
+    try:
+        rows = t.view(t.shape[0], -1)  # a view or an error, never a copy
+    except RuntimeError:
         return None
-    view = torch.empty(0, dtype=torch.int32).set_(t.untyped_storage(), t.storage_offset() * size // 4,
-                                                  (t.shape[0], row_bytes // 4), (step // 4, 1))
-    return view.numpy()
+    if rows.shape[1] > 1 and rows.stride(1) != 1:
+        return None
+    if (rows.shape[1] * size) % 4 or (rows.stride(0) * size) % 4 or rows.data_ptr() % 4:
+        return None
+    return rows.numpy().view(np.int32)
+
+
+def gather_raw(raw: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+    """``raw[rows]`` for raw rows ``[N, width]`` (uint8, dense, width a multiple of 8), rows prefetched ahead (a
+    file's random rows); None where ``raw`` is not such rows or a row is out of range."""
+    if raw.dim() != 2 or raw.shape[1] % 8 or not raw.is_contiguous() or raw.data_ptr() % 8 or raw.shape[0] == 0:
+        return None
+    out = torch.empty((rows.numel(), raw.shape[1]), dtype=torch.uint8)
+    if rows.numel() and not _gather_raw_kernel(raw.view(torch.int64).numpy(), rows.contiguous().numpy(),
+                                               out.view(torch.int64).numpy()):
+        return None
+    return out
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather_raw_kernel(raw, rows, out):
+    n, w = rows.shape[0], raw.shape[1]
+    for i in range(n):
+        if rows[i] < 0 or rows[i] >= raw.shape[0]:
+            return False
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch_row(raw, rows[i + _AHEAD])
+        r = rows[i]
+        for d in range(w):
+            out[i, d] = raw[r, d]
+    return True
 
 
 def rows_to_raw(raw: torch.Tensor, offset: int, col: torch.Tensor, rows: torch.Tensor) -> bool:

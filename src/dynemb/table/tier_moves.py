@@ -271,7 +271,11 @@ def _exchange_into_log(fast, slow, link, victims, up_keys, up_slots, up_at, move
     fast_dest = torch.cat([victims[:k], torch.arange(fast._size, fast._size + u - k, device=fast.device)])
     # each file row coming up read once, every column in it (a pass a column over the file's random rows missed
     # on each)
-    up = slow._buf.index_select(0, up_at) if u else None
+    up = None
+    if u:
+        up = kernels.gather_raw(slow._buf, up_at) if kernels is not None else None
+        if up is None:
+            up = slow._buf.index_select(0, up_at)
     for name, col in fast_cols.items():
         start, nbytes, shape = layout[name]
         # the k paired rows swap in one pass over the victims' rows; the rest go one way
