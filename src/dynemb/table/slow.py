@@ -334,18 +334,24 @@ class LogStore(SlowStore):
         if not self._packed():
             self._rewrite(self.capacity)
 
+    def _row_limit(self) -> int:
+        """Row ids this level may use: its range in a tiered table's index (int32 row ids on their own)."""
+        return getattr(self.index, "end", 1 << 31) - getattr(self.index, "base", 0)
+
     def ring_rows(self, n: int) -> int:
         """Rows the ring needs for ``n`` live rows: twice as many (cleaning then copies about one row per row
         appended), within the level's row ids."""
-        return min(2 * n + self._CLEAN_MIN, self.index.end - self.index.base)
+        return min(2 * n + self._CLEAN_MIN, self._row_limit())
 
     def _reserve(self, n: int) -> None:
         """Room for ``n`` live rows with the ring's slack (a rewrite into a larger file), and the index sized."""
-        if n > self.index.end - self.index.base:
-            self.index.needs_rehash(n)  # raises: too many rows for the level
+        limit = self._row_limit()
+        if n > limit:
+            self.index.needs_rehash(n)  # a tiered table's view raises: too many rows for the level
+            raise ValueError(f"a LogStore holds at most {limit} rows, asked for {n}")
         need = self.ring_rows(n)
         if need > self.capacity:
-            self._rewrite(min(max(need, int(self.capacity * 1.5)), self.index.end - self.index.base))
+            self._rewrite(min(max(need, int(self.capacity * 1.5)), limit))
         if self.index.needs_rehash(n):
             keys, rows = self.stored()
             self.index.rehash(keys, rows, n)
