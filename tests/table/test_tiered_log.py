@@ -94,7 +94,7 @@ def test_rows_going_down_never_write_through_the_mapping(tmp_path):
     log = tiered.slow
     log._reserve(4000)  # room for the rest, so no rewrite maps a new file below
     view = log._buf
-    for step in range(50):
+    for _ in range(50):
         keys = torch.randint(0, 1000, (48,)).unique()
         before = view.clone()
         tiered.find_or_insert(keys)

@@ -54,7 +54,8 @@ class Tiers(Serializable):
             on the fast tier's device; the slow keys' entries, 26-52 bytes a key, come on top (``stats()``:
             ``tiers.index``).
         slow: ``"host"``: host memory (pinned when the fast tier is on CUDA); or a directory where the slow tier
-            keeps memory-mapped row files (a private subdirectory, removed with the table). A path is saved as its
+            keeps memory-mapped row files (a private subdirectory, removed with the table; written as a log, they
+            take up to twice the rows' bytes: :class:`~dynemb.table.slow.LogStore`). A path is saved as its
             ``str`` (``to_dict``).
         host_capacity: three levels: rows kept in host memory (pinned on CUDA) between the fast tier and the row
             files under ``slow`` (then a directory), for a table larger than host memory; exclusive with
