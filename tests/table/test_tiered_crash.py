@@ -25,8 +25,7 @@ import os, sys, time
 import torch, dynemb
 from dynemb.checkpoint import save
 from dynemb.table import Tiers
-from dynemb.table.slow import LogStore
-from dynemb.table.tier_moves import StagedLink
+from dynemb.table.tier_moves import HostLink, StagedLink
 sys.path.insert(0, {here!r})
 from test_tiered_crash import build, step, tiers
 
@@ -37,14 +36,15 @@ if emb.table.disk is not None:  # the fast tier moves rows as on CUDA: the host 
 for i in range({steps}):
     step(emb, opt, i)
 save(os.path.join(root, "ckpt"), emb, step={steps})
-write = LogStore._write
-def slow_write(self, raw):  # a write-back to the row files (a log): half the rows written, then hang
-    if raw.shape[0] > 1:
-        write(self, raw[: raw.shape[0] // 2])
+move = HostLink.move
+def slow_move(self, fast, fast_dest, victims, slow, slow_dest, up_from):  # a write-back: half a column, then hang
+    if victims.numel() > 1:
+        half = victims.numel() // 2
+        move(self, fast, fast_dest[:0], victims[:half], slow, slow_dest[:half], up_from[:0])
         open(marker, "w").close()
         time.sleep(120)
-    return write(self, raw)
-LogStore._write = slow_write
+    return move(self, fast, fast_dest, victims, slow, slow_dest, up_from)
+HostLink.move = slow_move
 for i in range({steps}, 10 * {steps}):
     step(emb, opt, i)
 """

@@ -8,8 +8,15 @@ import os
 
 import torch
 
-from dynemb.table import KeyValueTable, Rows, TieredTable, Tiers
+import pytest
+
+from dynemb.table import KeyValueTable, Rows, TieredTable, Tiers, tiered
 from dynemb.table.slow import LogStore
+
+
+@pytest.fixture(autouse=True)
+def _as_log(monkeypatch):
+    monkeypatch.setattr(tiered, "ROW_FILES_AS_LOG", True)  # off by default (see its comment)
 
 
 def _rows(keys: torch.Tensor, dim: int) -> Rows:

@@ -38,6 +38,11 @@ __all__ = ["Tiers", "TieredTable", "tier_traffic"]
 #: the most rows a three-level table's host level may be given: half its row ids (a call may pass the budget)
 HOST_ROWS = (DISK_BASE - SLOW_BASE) // 2
 
+#: row files written as a log (:class:`~dynemb.table.slow.LogStore`: rows going down appended with ``pwrite``, the
+#: mapping only read), not in place. Off: it removes the page faults after each of the kernel's write-backs, but the
+#: train step measured no faster at a 20% fast tier and slower at 10% (pwrite and cleaning; BENCHMARKS.md)
+ROW_FILES_AS_LOG = False
+
 #: fraction of the fast tier one scan of its scores picks to move down over the next calls (:class:`VictimQueue`)
 QUEUE = 1 / 4
 
@@ -54,8 +59,7 @@ class Tiers(Serializable):
             on the fast tier's device; the slow keys' entries, 26-52 bytes a key, come on top (``stats()``:
             ``tiers.index``).
         slow: ``"host"``: host memory (pinned when the fast tier is on CUDA); or a directory where the slow tier
-            keeps memory-mapped row files (a private subdirectory, removed with the table; written as a log, they
-            take up to twice the rows' bytes: :class:`~dynemb.table.slow.LogStore`). A path is saved as its
+            keeps memory-mapped row files (a private subdirectory, removed with the table). A path is saved as its
             ``str`` (``to_dict``).
         host_capacity: three levels: rows kept in host memory (pinned on CUDA) between the fast tier and the row
             files under ``slow`` (then a directory), for a table larger than host memory; exclusive with
@@ -179,8 +183,8 @@ class TieredTable(KeyValueTable):
         three = tiers.three_levels
         if three or tiers.slow == "host":
             self.slow = SlowStore(self, "host", pin=self.device.type == "cuda")
-        else:  # row files: written as a log (see LogStore)
-            self.slow = LogStore(self, tiers.slow)
+        else:
+            self.slow = (LogStore if ROW_FILES_AS_LOG else SlowStore)(self, tiers.slow)
         self.slow.index = SlowIndex(self.index, self.slow, SLOW_BASE, DISK_BASE if three else ROW_END,
                                     "host level" if three else "slow tier")
         self.levels = (self.slow,)
@@ -189,7 +193,7 @@ class TieredTable(KeyValueTable):
         self.moved = {"rows_up": 0, "rows_down": 0, "bytes_up": 0, "bytes_down": 0}
         self.disk = self.host_capacity = None
         if three:  # the host over row files: the same store, index view and exchange as the fast tier over the host
-            self.disk = LogStore(self, tiers.slow)
+            self.disk = (LogStore if ROW_FILES_AS_LOG else SlowStore)(self, tiers.slow)
             self.disk.index = SlowIndex(self.index, self.disk, DISK_BASE, ROW_END, "row files")
             self.levels = (self.slow, self.disk)
             self.disk_link = HostLink(self.slow.backend)  # host rows both sides: the host's kernels
