@@ -245,6 +245,8 @@ def test_help_shows_every_option_with_its_meaning_and_default():
     pytest.param(["--device", "cuda"], "device='cuda' asks for CUDA, but torch.cuda.is_available() is False",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")),
     (["--device", "gpu"], "device must be a torch.device or a device string"),
+    (["--max-capacty", "10"], "unrecognized arguments: --max-capacty 10 (did you mean: --max-capacty -> "
+                              "--max-capacity?)"),
 ])
 def test_inconsistent_options_are_one_line_and_exit_2(tmp_path, capsys, args, message):
     pq.write_table(clicks("string"), tmp_path / "clicks.parquet")

@@ -68,3 +68,14 @@ def test_test_modules_outside_packages_have_distinct_names():
         if not (path.parent / "__init__.py").exists():
             names[path.name].append(path.relative_to(tests).as_posix())
     assert not {name: paths for name, paths in names.items() if len(paths) > 1}
+
+
+def test_no_test_imports_a_conftest_by_name():
+    """Every folder's ``conftest.py`` is a module named ``conftest``: in a whole-suite run ``from conftest import``
+    gets whichever folder's was imported first (a fixture shares it instead)."""
+    tests = Path(__file__).resolve().parent
+    found = [path.relative_to(tests).as_posix() for path in sorted(tests.rglob("*.py"))
+             if any(isinstance(node, (ast.Import, ast.ImportFrom)) and "conftest" in (
+                 [getattr(node, "module", None)] + [a.name for a in node.names])
+                    for node in ast.walk(ast.parse(path.read_text(), str(path))))]
+    assert not found

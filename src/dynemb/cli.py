@@ -492,9 +492,24 @@ def _kernels_from_environment() -> None:
         set_default_backend("torch")
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> None:
+    """Unknown options are the command's error (``dynemb train: error: ...``, not the top parser's), with the
+    command's closest option for each: ``--categoricals`` -> ``--categorical``."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    hints = [f"{o} -> {m[0]}" for o in extra if o.startswith("--")
+             and (m := difflib.get_close_matches(o.split("=")[0], options, n=1, cutoff=0.75))]
+    sub.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean: {', '.join(hints)}?)" if hints else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unrecognized(parser, args.command, extra)
     _kernels_from_environment()
     try:
         with _data_warnings(args.command):

@@ -97,9 +97,10 @@ class TrainConfig(Serializable):
             raise ValueError("resume=True needs checkpoint_dir")
 
 
-def build_dlrm(num_dense: int, features: Iterable[str], cfg: TrainConfig) -> DLRM:
-    """A DLRM with one dynamic table per feature, sharded when torch.distributed is initialized."""
-    spec = SPARSE_OPTIMIZERS[cfg.optimizer](lr=cfg.lr, fused=True)
+def build_dlrm(num_dense: int, features: Iterable[str], cfg: TrainConfig, optimizer: bool = True) -> DLRM:
+    """A DLRM with one dynamic table per feature, sharded when torch.distributed is initialized; ``optimizer``
+    False: tables without ``cfg``'s sparse optimizer (a model that only scores: no slots, no torch optimizer)."""
+    spec = SPARSE_OPTIMIZERS[cfg.optimizer](lr=cfg.lr, fused=True) if optimizer else None
     tables, feats = dlrm_tables(list(features), cfg.dim, optimizer=spec, max_capacity=cfg.max_capacity,
                                 eviction=cfg.eviction, admission=cfg.admission)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

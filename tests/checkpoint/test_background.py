@@ -16,9 +16,9 @@ import torch
 from ckpt_util import TwoTables, assert_same_models, train_step, trained_model
 
 import dynemb
-import dynemb.checkpoint.commit as commit_module
 from dynemb import EmbeddingCollection, FeatureConfig, TableConfig
 from dynemb.checkpoint import SaveHandle, load, save
+from dynemb.checkpoint.file_image import FileImage
 from dynemb.checkpoint.manifest import read_manifest
 from dynemb.table.tiered import Tiers
 
@@ -28,19 +28,19 @@ def held(monkeypatch):
     """An Event: a background save's thread waits for it before writing its first file (blocking saves and exports
     write on the caller's thread, unheld)."""
     gate = threading.Event()
-    original = commit_module.write_tensors
+    original = FileImage.write
 
-    def write_tensors(*args, **kwargs):
-        if threading.current_thread().name.startswith("dynemb-save-"):  # only a background save's thread
-            assert gate.wait(60), "the test never released the save"
+    def write(*args, **kwargs):
+        assert threading.current_thread().name.startswith("dynemb-save-")  # only a background save's thread
+        assert gate.wait(60), "the test never released the save"
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(commit_module, "write_tensors", write_tensors)
+    monkeypatch.setattr(FileImage, "write", write)
     return gate
 
 
 def _files(directory) -> dict:
-    """The manifest's file records (sha256 and size of every file): equal records, equal bytes."""
+    """The manifest's file records (checksum and size of every file): equal records, equal bytes."""
     return read_manifest(directory)["files"]
 
 
@@ -129,7 +129,7 @@ def test_a_failed_background_save_publishes_nothing_and_the_next_one_works(tmp_p
     def broken(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(commit_module, "write_tensors", broken)
+    monkeypatch.setattr(FileImage, "write", broken)
     handle = save(tmp_path, model, step=2, blocking=False)
     with pytest.raises(OSError, match="No space left"):
         handle.wait(60)

@@ -83,12 +83,12 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, where):
 
 BACKGROUND_CHILD = BUILD + """
 import sys, threading, time
-import dynemb.checkpoint.commit as save_module
 from dynemb.checkpoint import save
+from dynemb.checkpoint.file_image import FileImage
 
 root = sys.argv[1]
 save(root, emb, step=1)
-original = save_module.write_tensors
+original = FileImage.write
 calls = []
 
 def announce_and_sleep(*args, **kwargs):
@@ -98,7 +98,7 @@ def announce_and_sleep(*args, **kwargs):
         time.sleep(600)
     return original(*args, **kwargs)
 
-save_module.write_tensors = announce_and_sleep
+FileImage.write = announce_and_sleep  # how a background save's thread writes each file
 handle = save(root, emb, step=2, blocking=False)
 for i in range(10**9):  # training goes on while the save's thread writes
     emb(torch.arange(i % 3000, i % 3000 + 64))

@@ -124,7 +124,7 @@ def _background_while_training(rank, world, root):
     assert handle.wait(120) == root / "background" / "step-00000003"
     files = [json.loads((root / kind / "step-00000003" / "manifest.json").read_text())["files"]
              for kind in ("blocking", "background")]
-    # every file's sha256 (the tables' shards of both ranks, dense, both optimizer files) equals the blocking save's
+    # every file's checksum (the tables' shards of both ranks, dense, both optimizer files) equals the blocking save's
     return {"same": np.array([files[0] == files[1]]), "count": np.array([len(files[0])])} if rank == 0 else None
 
 

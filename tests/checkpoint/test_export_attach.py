@@ -18,7 +18,7 @@ def test_attached_files_and_fields_are_in_the_version_and_checked(tmp_path):
     assert data == b"\x00abc" and manifest["note"] == [1, 2]
     assert read_export(tmp_path)[0]["files"]["extra.bin"]["bytes"] == 4
     (out / "extra.bin").write_bytes(b"\x00abd")
-    with pytest.raises(CheckpointError, match="sha256 does not match"):
+    with pytest.raises(CheckpointError, match="xxh3-128 checksum mismatch"):
         read_attached(out, "extra.bin")
     with pytest.raises(CheckpointError, match="no file 'other.bin'"):
         read_attached(out, "other.bin")

@@ -128,7 +128,7 @@ def test_files_are_standard_safetensors_and_json(tmp_path):
     manifest = json.loads((directory / "manifest.json").read_text())
     shard = manifest["tables"]["user"]["shards"][0]
     assert shard["rank"] == 0 and "rank-00000-of-00001" in shard["file"]
-    assert manifest["world_size"] == 1 and manifest["partitioner"] == "mod" and manifest["format_version"] == 3
+    assert manifest["world_size"] == 1 and manifest["partitioner"] == "mod" and manifest["format_version"] == 4
     assert manifest["tables"]["item"]["config"]["key_dtype"] == "int32"
     tensors = safetensors.torch.load_file(directory / shard["file"])
     assert torch.equal(tensors["values"], trained.user.table.export().values)
@@ -166,7 +166,7 @@ def test_flipped_byte_is_a_checksum_error_naming_the_file(tmp_path, where):
     other = TwoTables(seed=4)
     other.user(torch.tensor([1, 2, 3]))
     before = table_state(other.user)
-    with pytest.raises(CheckpointError, match=rf"{shard.name}: sha256 checksum mismatch"):
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: xxh3-128 checksum mismatch"):
         load(tmp_path, other)
     assert_same_state(before, table_state(other.user))
 

@@ -9,18 +9,21 @@ import logging
 import pytest
 import safetensors.torch
 import torch
+import xxhash
 from ckpt_util import train_step, trained_model
 
 from dynemb.checkpoint import CheckpointError, export_for_serving, read_chain, read_export, save
 
 
 def _read(directory) -> tuple[dict, dict]:
-    """``(manifest, {table: (keys, values, deleted_keys)})`` of one export, checking each file's sha256."""
+    """``(manifest, {table: (keys, values, deleted_keys)})`` of one export, checking each file's xxh3-128 checksum."""
     manifest = json.loads((directory / "manifest.json").read_text())
     tables = {}
     for name, entry in manifest["tables"].items():
         raw = (directory / entry["file"]).read_bytes()
-        assert hashlib.sha256(raw).hexdigest() == entry["sha256"] == manifest["files"][entry["file"]]["sha256"]
+        record = manifest["files"][entry["file"]]
+        assert record == {"algorithm": "xxh3-128", "checksum": xxhash.xxh3_128(raw).hexdigest(), "bytes": len(raw)}
+        assert (entry["algorithm"], entry["checksum"]) == (record["algorithm"], record["checksum"])
         t = safetensors.torch.load(raw)
         tables[name] = (t["keys"], t["values"], t.get("deleted_keys"))
     return manifest, tables

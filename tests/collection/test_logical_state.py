@@ -236,3 +236,21 @@ def test_two_collections_with_one_table_name_cannot_be_saved(tmp_path):
     model = torch.nn.ModuleDict({"x": collection("sgd", ("a",)), "y": collection("sgd", ("a",))})
     with pytest.raises(ValueError, match="two tables are named 'a'"):
         save(tmp_path, model, step=0)
+
+
+def test_print_shows_the_users_tables_and_features_and_nothing_of_the_groups():
+    """``print(model)`` showed ``EmbeddingCollection()``: now the tables and features by the user's names, the same
+    whether the tables run as execution groups (fused optimizers) or one by one."""
+    def collection(fused: bool) -> EmbeddingCollection:
+        return EmbeddingCollection(
+            [TableConfig(name="user", dim=8, optimizer=dynemb.optim.Adagrad(lr=0.1, fused=fused)),
+             TableConfig(name="shop", dim=16, optimizer=dynemb.optim.Adagrad(lr=0.1, fused=fused)),
+             TableConfig(name="country", dim=4, vocabulary_size=200)],
+            [FeatureConfig(name="user_id", table="user"), FeatureConfig(name="shop_id", table="shop"),
+             FeatureConfig(name="country", table="country")])
+
+    grouped, alone = collection(True), collection(False)
+    assert grouped.plan.describe_groups() != alone.plan.describe_groups()  # the layouts differ ...
+    assert repr(grouped) == repr(alone) == (  # ... and do not show
+        "EmbeddingCollection(tables=[user(dim=8), shop(dim=16), country(dim=4, vocabulary_size=200)], "
+        "features=[user_id->user, shop_id->shop, country->country])")

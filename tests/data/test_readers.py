@@ -182,6 +182,19 @@ def test_label_not_0_1_in_csv(tmp_path, text, shown):
         list(reader)
 
 
+def test_text_labels_are_shown_for_positive_label(tmp_path):
+    """A text label (the census file's income) names the values, not pyarrow's parse error, so the user sees
+    which one to pass as --positive-label."""
+    pq.write_table(pa.table({"y": ["<=50K", ">50K", None, "<=50K"], "c": [1, 2, 3, 4]}), tmp_path / "t.parquet")
+    with pytest.raises(ValueError, match=r"^.*t\.parquet: column 'y': labels must be 0 or 1, got text \('<=50K', "
+                                         r"'>50K'\); other labels need --positive-label VALUE \(the value that "
+                                         r"means 1\)$"):
+        list(FileReader(tmp_path / "t.parquet", label="y", categorical=["c"]))
+    pq.write_table(pa.table({"y": list("abcdefg"), "c": [1] * 7}), tmp_path / "many.parquet")
+    with pytest.raises(ValueError, match=r"got text \('a', 'b', 'c', 'd', 'e', \.\.\.\)"):
+        list(FileReader(tmp_path / "many.parquet", label="y", categorical=["c"]))
+
+
 def test_label_not_0_1_in_parquet_names_the_row(tmp_path):
     pq.write_table(pa.table({"y": [0.0, 1.0, 0.5], "c": [1, 2, 3]}), tmp_path / "t.parquet", row_group_size=2)
     with pytest.raises(ValueError, match=r"t\.parquet: column 'y': labels must be 0 or 1, got 0\.5 at row 2; other "

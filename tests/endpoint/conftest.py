@@ -21,6 +21,13 @@ def clicks(seed: int, rows: int) -> pa.Table:
 
 
 @pytest.fixture(scope="session")
+def make_clicks():
+    """``clicks`` for test modules: ``from conftest import`` would find another folder's conftest in a whole-suite
+    run."""
+    return clicks
+
+
+@pytest.fixture(scope="session")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     pq.write_table(clicks(0, 1200), tmp / "train.parquet")

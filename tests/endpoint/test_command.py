@@ -83,3 +83,34 @@ def test_a_port_in_use_is_one_error_and_no_serving_line(run, capsys):
         assert main(["serve", "--model", str(run / "run"), "--port", str(port), "--no-grpc"]) == 2
     out, err = capsys.readouterr()
     assert "serving" not in out and f"cannot listen on 127.0.0.1:{port}" in err, (out, err)
+
+
+def test_the_line_printed_when_watch_loads_the_first_version_names_the_grpc_port_too(tmp_path, capsys):
+    """``--watch`` before the first version prints the serving line from the loading thread; it named only the
+    HTTP address there, although gRPC listens as well."""
+    import argparse
+    from types import SimpleNamespace
+
+    from dynemb.endpoint.command import _Loader
+
+    args = argparse.Namespace(model=None, export=str(tmp_path), name="m", host="127.0.0.1", port=8000, watch=0.01)
+    loader = _Loader(args, service=None)
+    loader.grpc_line = " and grpc://127.0.0.1:8001"
+    loader.load = lambda: setattr(loader, "model", SimpleNamespace(export=tmp_path, version=1))
+    (tmp_path / "latest").write_text('{"name": "version-00000001"}')
+    loader._wait_and_load(tmp_path)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.endswith("on http://127.0.0.1:8000/v2/models/m/infer and grpc://127.0.0.1:8001"), line
+
+
+@pytest.mark.parametrize("watch", [[], ["--watch"]])
+def test_a_run_directory_given_as_export_is_refused_even_with_watch(tmp_path, capsys, watch):
+    """With --watch it waited for a first version that a run directory never gets."""
+    from dynemb.cli import main
+
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "run" / "model.json").write_text("{}")
+    assert main(["serve", "--export", str(tmp_path / "run"), "--no-grpc", *watch]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"dynemb serve: error: --export {tmp_path / 'run'}: a `dynemb train` run directory, not an "
+                    "export of your own model; serve it with --model RUN_DIR"), line

@@ -143,12 +143,64 @@ def test_export_model_refuses_what_it_cannot_serve(tmp_path, trained):
     assert not (tmp_path / "b").exists() and not (tmp_path / "c" / "latest").exists()
 
 
+def test_example_inputs_the_collection_refuses_are_refused_at_export(tmp_path, trained):
+    """Float ids export fine through the collection's stand-in, yet every request would then be refused: the
+    export runs the eager model once in eval mode and refuses them with the collection's message, writing
+    nothing and changing no table."""
+    _, two_tower, g = trained
+    user, history, lengths, item = two_tower_batch(4, g)
+    sizes = [t.size() for t in two_tower.user_tower_embeddings.embeddings.values()]
+    mode = two_tower.training
+    with pytest.raises(TypeError, match=r"example_inputs: feature 'user_id' \(table 'user'\): ids must have dtype "
+                                        r"torch.int64 .* got torch.float32"):
+        export_model(tmp_path / "f", two_tower, (user.float(), history, lengths, item))
+    with pytest.raises(ValueError, match=r"example_inputs: feature 'history' \(table 'tag'\): lengths"):
+        export_model(tmp_path / "l", two_tower, (user, history, lengths + 1, item))
+    assert not (tmp_path / "f").exists() and not (tmp_path / "l").exists()
+    assert [t.size() for t in two_tower.user_tower_embeddings.embeddings.values()] == sizes
+    assert two_tower.training == mode
+
+
+def test_serving_a_version_directory_or_a_missing_one_says_what_to_pass(exported, tmp_path):
+    with pytest.raises(ValueError, match=r"version-00000001: this is one version of the export .*two_tower; serve "
+                                         r"the export's root"):
+        ExportedModel(exported / "two_tower" / "version-00000001")
+    with pytest.raises(ValueError, match=r"nowhere: no such directory; write one with dynemb.serving.export_model"):
+        ExportedModel(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"no export there \(no 'latest'\)"):
+        ExportedModel(tmp_path)
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "run" / "model.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"run: a `dynemb train` run directory, not an export of your own model; "
+                                         r"serve it with `dynemb serve --model RUN_DIR`"):
+        ExportedModel(tmp_path / "run")
+
+
+def test_an_integer_input_takes_a_narrower_integer_datatype_widened():
+    """INT32 ids (what many Triton clients send) for an input traced as int64 are widened, as a collection takes
+    ids of a narrower integer dtype; a float datatype is still refused, naming the ones taken."""
+    from dynemb.endpoint.served_export import _tensor
+    from dynemb.endpoint.wire import RequestError
+
+    spec = {"name": "user_id", "dtype": "int64", "shape": [-1]}
+    ids = np.array([-2**31, 7, 2**31 - 1], dtype=np.int32)
+    for data in (ids, ids.tolist()):  # a binary tensor, JSON
+        got = _tensor({"datatype": "INT32", "shape": [3], "data": data}, spec)
+        assert got.dtype == torch.int64 and got.tolist() == ids.tolist()
+    with pytest.raises(RequestError, match=r"^input 'user_id': datatype must be INT64 \(or the narrower INT32, "
+                                           r"INT16, INT8, UINT8\), got 'FP32'$"):
+        _tensor({"datatype": "FP32", "shape": [3], "data": [1.0, 2.0, 3.0]}, spec)
+    with pytest.raises(RequestError, match=r"^input 'x': datatype must be FP32, got 'FP64'$"):
+        _tensor({"datatype": "FP64", "shape": [1], "data": [1.0]}, {"name": "x", "dtype": "float32", "shape": [-1]})
+
+
 def test_a_bad_input_is_a_value_error_naming_it(exported):
     served = ExportedModel(exported / "dlrm", name="m")
     try:
         with pytest.raises(ValueError, match="input 'sparse_lengths' is missing"):
             served({"dense": torch.zeros(2, 4), "sparse_values": torch.zeros(0, dtype=torch.long)})
-        with pytest.raises(ValueError, match=r"sparse_lengths.size\(\)\[0\] // 3 == dense.size\(\)\[0\]"):
+        with pytest.raises(ValueError, match=r"sparse_lengths.size\(\)\[0\] // 3 == dense.size\(\)\[0\] "
+                                             r"\(got dense \[2, 4\], sparse_lengths \[5\]\)$"):
             served({"dense": torch.zeros(2, 4), "sparse_values": torch.zeros(0, dtype=torch.long),
                     "sparse_lengths": torch.zeros(5, dtype=torch.long)})
     finally:

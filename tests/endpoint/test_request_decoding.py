@@ -155,6 +155,20 @@ def test_text_ids_are_read_by_the_column_id_type_as_the_readers_read_them(values
             decode_request(parse_body(as_json(columns)), PREP, 64)
 
 
+def test_a_short_input_is_named_with_both_row_counts():
+    """One column with a row less than the others: the 400 names that column, not the first input."""
+    request = {"inputs": [{"name": n, "datatype": "INT64", "shape": [3], "data": [1, 2, 3]} for n in "abc"]
+               + [{"name": "x", "datatype": "FP32", "shape": [3], "data": [0.5, 1, 2]},
+                  {"name": "y", "datatype": "FP32", "shape": [3], "data": [0.5, 1, 2]}]}
+    request["inputs"][1] = {"name": "b", "datatype": "INT64", "shape": [2], "data": [1, 2]}
+    with pytest.raises(RequestError, match=r"^input 'b': 2 rows, but 4 other inputs \('a', 'c', 'x', 'y'\) have 3$"):
+        decode_request(request, PREP, 64)
+    request["inputs"][1] = {"name": "b", "datatype": "INT64", "shape": [3], "data": [1, 2, 3]}
+    request["inputs"][4] = {"name": "y", "datatype": "FP32", "shape": [4], "data": [0.5, 1, 2, 3]}
+    with pytest.raises(RequestError, match=r"^input 'y': 4 rows, but 4 other inputs"):
+        decode_request(request, PREP, 64)
+
+
 def test_multi_hot_ids_follow_the_column_id_type_and_name_the_row_of_a_bad_value():
     def ids(datatype, values, id_type):
         prep = Preprocessing(label=None, categorical=(), multi_hot=("m",), id_types={"m": id_type}, dense_rows=1)

@@ -66,15 +66,13 @@ def test_served_pooling_is_the_collections(both, change):
 
 
 @pytest.fixture(scope="module")
-def one_id_run(tmp_path_factory):
+def one_id_run(tmp_path_factory, make_clicks):
     """A run whose features are all one id a row (a CTR model's usual case, as the demo's): the served model
     pools them through its kept plan, without preparing each feature (``ServedModel.pooled``)."""
     from dynemb.cli import main
 
-    from conftest import clicks
-
     tmp = tmp_path_factory.mktemp("one-id")
-    pq.write_table(clicks(0, 1200).drop(["tags"]), tmp / "train.parquet")
+    pq.write_table(make_clicks(0, 1200).drop(["tags"]), tmp / "train.parquet")
     threads = torch.get_num_threads()
     try:
         assert main(["train", "--data", str(tmp / "train.parquet"), "--label", "click", "--categorical", "user,item",
@@ -119,6 +117,11 @@ def test_one_id_features_pool_in_one_call_as_the_collection_does(one_id_run, tmp
                 finally:
                     plan.one_id = True
                 scores = served.predict(request)
+                # the [B, F, D] path the served DLRM scores through: the same outputs, the same logits bit for bit
+                stacked = served.pooled_stacked(batch)
+                assert stacked.shape == (n, 2, 8)
+                assert torch.equal(stacked, torch.stack([want[f] for f in served.features], 1))
+                assert torch.equal(served.model(batch, pooled=stacked), served.model(batch, pooled=want))
                 eager = torch.sigmoid(model(batch).double()) if n else torch.zeros(0, dtype=torch.float64)
             assert sorted(got) == sorted(want) == sorted(per_feature) == ["item", "user"]
             for name in want:
@@ -143,3 +146,22 @@ def clicks_request(rows: int, g: torch.Generator):
                            for name, (datatype, data) in columns.items()]}
 
     return make
+
+
+def test_dlrm_takes_pooled_outputs_as_one_tensor_bit_for_bit():
+    # a dict of [B, D] or one [B, F, D]: the same logits, in one block and in several (B > INTERACTION_ROWS)
+    from dynemb.collection import EmbeddingCollection
+    from dynemb.models.dlrm import DLRM, INTERACTION_ROWS, dlrm_tables
+
+    torch.manual_seed(0)
+    tables, features = dlrm_tables(["a", "b", "c"], dim=4)
+    model = DLRM(2, EmbeddingCollection(tables, features), dim=4).eval()
+    for n in (0, 1, 300, 2 * INTERACTION_ROWS + 5):
+        from dynemb.data.batch import Batch
+
+        batch = Batch(dense=torch.randn(n, 2), sparse={f: torch.randint(0, 50, (n,)) for f in "abc"},
+                      labels=torch.zeros(n))
+        pooled = {f: torch.randn(n, 4) for f in "abc"}
+        stacked = torch.stack([pooled[f] for f in "abc"]).transpose(0, 1)  # a view, as the served model's
+        with torch.no_grad():
+            assert torch.equal(model(batch, pooled=stacked), model(batch, pooled=pooled)), n

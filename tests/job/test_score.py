@@ -61,6 +61,22 @@ def test_predict_equals_the_forward_pass_in_input_order(trained, dynemb):
     assert table.column("click").to_pylist() == clicks(1).column("click").to_pylist() == labels.long().tolist()
 
 
+def test_a_model_loaded_to_score_has_no_optimizer_and_the_same_outputs(trained, caplog):
+    # what predict and eval load: no sparse optimizer, its saved slots left out without a warning; the same bits
+    scoring, _ = load_model(trained / "run", optimizer=False)
+    full, card = load_model(trained / "run")
+    assert all(t.optimizer is None for t in scoring.embeddings.table_configs.values())
+    assert all(t.optimizer is not None for t in full.embeddings.table_configs.values())
+    assert "is only in the checkpoint" not in caplog.text
+    prep = card.preprocessing
+    reader = FileReader(trained / "test.parquet", label=prep.label, categorical=prep.categorical,
+                        multi_hot=prep.multi_hot, dense=prep.dense, batch_size=300)
+    with torch.no_grad():
+        for b in reader:
+            batch = prep.normalize(b)
+            assert torch.equal(scoring(batch), full(batch))
+
+
 def test_predict_a_csv_file_without_labels(trained, dynemb):
     # An empty CSV field is a null (the bag [null key]): CSV has no empty list, so compare with nulls for both.
     tags = [t or None for t in clicks(1).column("tags").to_pylist()]
@@ -185,8 +201,8 @@ def test_probabilities_of_a_confident_model_give_a_finite_log_loss(trained, tmp_
 
     real = score.load_model
 
-    def confident(run, device="cpu", use="best"):  # the run's model, its logits scaled up 100 times
-        model, card = real(run, device, use)
+    def confident(run, device="cpu", use="best", **kwargs):  # the run's model, its logits scaled up 100 times
+        model, card = real(run, device, use, **kwargs)
         last = [m for m in model.top.modules() if isinstance(m, torch.nn.Linear)][-1]
         with torch.no_grad():
             last.weight.mul_(100)

@@ -115,6 +115,24 @@ def test_the_plan_is_kept_and_made_again_when_the_model_is_loaded_again(tmp_path
         ps.close()
 
 
+def test_a_group_s_tables_share_one_stats_lock_and_count_each_table(tmp_path):
+    # the dim-8 tables share a group cache and one stats lock, taken once a request; "w" (dim 4) has its own
+    export_for_serving(tmp_path / "export", torch.nn.ModuleDict(_tables()))
+    ps = _server(tmp_path / "export", {"type": "memory"})
+    try:
+        served = ps._tables["m"]
+        lock = served["a"].stats_lock
+        assert all(served[n].stats_lock is lock for n in "abdu") and served["w"].stats_lock is not lock
+        assert ps._plan("m", ("a", "b", "d")).groups[0].stats_lock is lock
+        ps.lookup_concat("m", ["a", "b", "a", "d"], torch.cat([KEYS[:5], UNSEEN, KEYS[:2], KEYS[:0]]), [5, 3, 2, 0])
+        stats = ps.stats("m")["tables"]
+        assert [stats[n]["lookups"] for n in "abdu"] == [7, 3, 0, 0]
+        assert stats["b"]["default"] == 3 and stats["a"]["default"] == 0
+        assert not lock.locked()
+    finally:
+        ps.close()
+
+
 def test_lookup_concat_refuses_bad_requests_before_looking_anything_up(tmp_path):
     export_for_serving(tmp_path / "export", torch.nn.ModuleDict(_tables()))
     ps = _server(tmp_path / "export", {"type": "memory"})

@@ -7,7 +7,7 @@ Layout of a checkpoint root (format ``dynemb.checkpoint``, version 1)::
       step-00000123/
         manifest.json               written last: kind (full | incremental), parent, step, world_size,
                                     partitioner, per-table config + shards (rank, file, rows, counters),
-                                    dense/optimizer file names, per-file sha256 and size, extra
+                                    dense/optimizer file names, per-file checksum (xxh3-128) and size, extra
         tables/000-<name>.rank-00000-of-00001.safetensors
                                     keys [N], values [N, D], scores [N], slot.<name> [N, d]
                                     (+ deleted_keys [K] and, if rows were deleted, order [N] in a delta)

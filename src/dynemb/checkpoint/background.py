@@ -4,9 +4,12 @@ Consistency comes from a **snapshot**: before ``save`` returns, every tensor the
 this rank's tables: keys, values, scores, optimizer slots; the dense state; the optimizer state) is copied to host
 memory, on the caller's thread, at the save's step. Training then changes the tables freely (updates, inserts,
 evictions, compaction, growth, the fused kernels' in-place writes) while the thread writes the copies, so the files
-equal a blocking save at that step. The copy costs host memory the size of the files' tensors (for a full save,
-every live row of this rank's tables; for an incremental one, its changed rows) until the files are written, and
-one memory copy of those bytes on the caller's thread (a device-to-host copy for CUDA tables).
+equal a blocking save at that step. The copy is laid out as the files themselves (:class:`~.file_image.FileImage`:
+page-aligned, header and tensors at their offsets), and the thread starts before it: it hashes and writes each chunk
+as soon as the caller has copied it, with ``O_DIRECT`` straight from the snapshot where the file system allows. The
+snapshot costs host memory the size of the files (for a full save, every live row of this rank's tables; for an
+incremental one, its changed rows), given back a chunk at a time as the chunks reach the disk, and one memory copy
+of those bytes on the caller's thread (a device-to-host copy for CUDA tables).
 
 Saves run one at a time in a process: a save or load first waits for a background save still running
 (:func:`wait_for_saves`), so incremental chains and ``latest`` follow the order of the calls. A serving export does
@@ -23,12 +26,12 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 
+from .file_image import FileImage
 from .ranks import RankContext
 
-__all__ = ["SaveHandle", "snapshot", "side_context", "wait_for_saves"]
+__all__ = ["SaveHandle", "snapshot", "fill", "side_context", "wait_for_saves"]
 
 _RUNNING: list["SaveHandle"] = []
 _RUNNING_LOCK = threading.Lock()
@@ -132,18 +135,16 @@ def wait_for_saves() -> None:
         handle._finished.wait()
 
 
-def _copy(t) -> torch.Tensor:
-    if hasattr(t, "materialize"):  # a tiered table's delta, streamed: its changed rows
-        return _copy(t.materialize())
-    if t.device.type == "cpu":
-        return t.detach().clone(memory_format=torch.contiguous_format)
-    return t.detach().to("cpu")  # waits for the copy: the thread must not read half of it
-
-
 def snapshot(payloads: dict) -> dict:
-    """``{file: (tensors, metadata)}`` with every tensor replaced by a host copy of its current contents."""
-    return {rel: ({name: _copy(t) for name, t in tensors.items()}, metadata)
-            for rel, (tensors, metadata) in payloads.items()}
+    """``{file: (tensors, metadata)}`` -> ``{file: (FileImage, None)}``: each file's bytes in memory of its own,
+    laid out but not copied yet (:func:`fill` copies)."""
+    return {rel: (FileImage(tensors, metadata), None) for rel, (tensors, metadata) in payloads.items()}
+
+
+def fill(images: dict) -> None:
+    """Copy the current contents of every snapshot's tensors in, in the order the save's thread writes them."""
+    for image, _ in images.values():
+        image.fill()
 
 
 def side_context(ctx: RankContext) -> RankContext:

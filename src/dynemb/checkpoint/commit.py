@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import CheckpointError
+from .file_image import FileImage
 from .fsutil import abandon, open_staging, publish, write_json, write_pointer
 from .manifest import MANIFEST
 from .progress import logger, transfer
@@ -50,14 +51,19 @@ def open_shared(root: Path, name: str, ctx: RankContext) -> Path:
 
 
 def write_payloads(directory: Path, payloads: dict, what: str) -> dict:
-    """Write ``{relative path: (tensors, metadata)}`` under ``directory``; returns the manifest's file records."""
-    total = sum(t.numel() * t.element_size() for tensors, _ in payloads.values() for t in tensors.values())
+    """Write ``{relative path: (tensors, metadata)}`` under ``directory``; returns the manifest's file records.
+    A background save's payloads are ``(FileImage, None)``: the snapshot, written as its caller fills it."""
+    total = sum(tensors.nbytes if isinstance(tensors, FileImage) else
+                sum(t.numel() * t.element_size() for t in tensors.values()) for tensors, _ in payloads.values())
     files = {}
     with transfer(what, total) as progress:
         for rel, (tensors, metadata) in payloads.items():
             (directory / rel).parent.mkdir(parents=True, exist_ok=True)
-            record = write_tensors(directory / rel, tensors, metadata, progress)
-            files[rel] = {"sha256": record.sha256, "bytes": record.bytes}
+            if isinstance(tensors, FileImage):
+                record = tensors.write(directory / rel, progress)
+            else:
+                record = write_tensors(directory / rel, tensors, metadata, progress)
+            files[rel] = record.to_json()
     return files
 
 

@@ -31,6 +31,7 @@ from .ranks import rank_context
 from .saver import incremental_parent, writes as _writes
 from .tiered_stream import ColumnStream, stream_column, tiered_columns, tiered_delta_columns
 from .tables import find_tables, shard_file
+from .checksum import record_of, verify
 from .tensorfile import read_tensors
 
 __all__ = ["export_for_serving", "read_export", "read_chain", "read_dense", "read_attached", "export_files",
@@ -51,22 +52,24 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     per table holding ``keys [N]`` (the user's keys, in the table's key dtype) and ``values [N, D]`` (cast to
     ``dtype``), and a ``manifest.json`` the parameter server reads: per table (named as the user named it: a
     collection's TableConfig name, or a standalone embedding's module path) the file, ``dim``, ``dtype``,
-    ``key_dtype``, ``rows``, ``size``, ``sha256``, ``initializer`` and ``seed`` (for the default rows of unknown
-    keys), plus ``version``, ``kind``, ``parent`` and ``created_unix``. Then ``path/latest`` points at it.
+    ``key_dtype``, ``rows``, ``size``, the file's ``algorithm`` and ``checksum`` (see :mod:`.checksum`),
+    ``initializer`` and ``seed`` (for the default rows of unknown keys), plus ``version``, ``kind``, ``parent`` and
+    ``created_unix``. Then ``path/latest`` points at it.
 
     Lineage: the manifest also names the ``model`` (the export root's model id, see ``model_name``), the
     ``parent_version`` and ``parent_digest`` (a delta's base; for a full export, the newest export it follows, or
-    null) and its own ``digest``: the sha256 of the manifest without that field, which covers every file's sha256
+    null) and its own ``digest``: the sha256 of the manifest without that field, which covers every file's checksum
     and, through ``parent_digest``, the chain it builds on. A parameter server applies an export only on top of
     the version it names (see :meth:`~dynemb.serving.ParameterServer.apply_update`).
 
     With a sharded collection this is a collective call: every rank calls it and writes the rows it holds, a chunk
     at a time, into the shard files of each table (``tables/<i>-<name>.rank-<r>-of-<w>.safetensors``; a
     replicated table's one copy by rank 0), and rank 0 writes the one manifest, which lists each table's
-    ``shards`` (``rank``, ``file``, ``rows``, ``sha256``). No rank gathers another's rows: each holds its own rows
-    and a chunk of ``CHUNK_ROWS`` of them at a time (:mod:`~dynemb.checkpoint.tiered_stream`). A table of one file
-    also has its ``file`` and ``sha256`` in its entry, as exports of one process always had. :func:`read_export`
-    reads either; the rows it returns do not depend on the world size or the sharding plan (their order does).
+    ``shards`` (``rank``, ``file``, ``rows``, ``algorithm``, ``checksum``). No rank gathers another's rows: each
+    holds its own rows and a chunk of ``CHUNK_ROWS`` of them at a time (:mod:`~dynemb.checkpoint.tiered_stream`). A
+    table of one file also has its ``file`` and checksum in its entry, as exports of one process always had.
+    :func:`read_export` reads either; the rows it returns do not depend on the world size or the sharding plan
+    (their order does).
 
     A delta export (``incremental=True``) holds the rows written since the previous export of these tables to
     ``path`` and ``deleted_keys [K]``; a reader deletes those keys first, then upserts the rows. Without a
@@ -87,7 +90,7 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
             its digest; :func:`read_dense` reads it back. A served model takes its MLPs from the newest version
             that has one, so a server following a training run serves the tables and the MLPs of one step.
         attach: ``{"files": {relative name: bytes}, "fields": {manifest field: JSON value}}``: more files of the
-            version (their sha256 in the manifest's ``files``, read back checked by :func:`read_attached`) and
+            version (their checksums in the manifest's ``files``, read back checked by :func:`read_attached`) and
             manifest fields, both covered by its digest; :func:`dynemb.serving.export_model` attaches the model's
             ``torch.export`` program this way.
 
@@ -147,8 +150,8 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
         columnar = sorted(n for n, shard in shards.items() if _column_split(shard, ctx))
         payloads, entries = _table_payloads({n: s for n, s in writing.items() if n not in columnar}, parent, dtype,
                                             index, ctx)
-        for name in columnar:  # the same order on every rank: each is a collective
-            joined = _joined_payload(shards[name], parent, dtype, index[name], ctx)
+        for table in columnar:  # the same order on every rank: each is a collective
+            joined = _joined_payload(shards[table], parent, dtype, index[table], ctx)
             if joined is not None:
                 payloads.update(joined[0])
                 entries.update(joined[1])
@@ -188,7 +191,7 @@ def _write_attached(directory: Path, attach: dict | None) -> dict:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        records[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        records[rel] = record_of(data).to_json()
     return records
 
 
@@ -281,8 +284,9 @@ def _served_columns(shard, parent: str | None, dtype: torch.dtype | None) -> dic
 
 
 def _merge_entries(parts: list, files: dict) -> dict:
-    """One entry per table from every rank's: its shards in rank order (with their sha256), their rows, sizes and
-    deleted keys summed; a table of one file also names it in ``file`` and ``sha256``."""
+    """One entry per table from every rank's: its shards in rank order (with their file's ``algorithm`` and
+    ``checksum``), their rows, sizes and deleted keys summed; a table of one file also names it in ``file``,
+    ``algorithm`` and ``checksum``."""
     merged: dict = {}
     for part in parts:
         for name, entry in part["entries"].items():
@@ -290,11 +294,11 @@ def _merge_entries(parts: list, files: dict) -> dict:
     for entry in merged.values():
         shards = sorted(entry["shards"], key=lambda s: s["rank"])
         entry["shards"] = [{**{k: s[k] for k in ("rank", "file", "rows", "deleted")},
-                            "sha256": files[s["file"]]["sha256"]} for s in shards]
+                            **{k: v for k, v in files[s["file"]].items() if k != "bytes"}} for s in shards]
         entry.update(rows=sum(s["rows"] for s in shards), deleted=sum(s["deleted"] for s in shards),
                      size=sum(s["size"] for s in shards))
         if len(shards) == 1:  # what readers of one-process exports before per-rank files read
-            entry.update(file=shards[0]["file"], sha256=entry["shards"][0]["sha256"])
+            entry.update({k: v for k, v in entry["shards"][0].items() if k not in ("rank", "rows", "deleted")})
     return merged
 
 
@@ -325,7 +329,9 @@ def _parent_lineage(previous: dict, parent: str | None) -> dict:
 
 
 def manifest_digest(manifest: dict) -> str:
-    """The sha256 of ``manifest`` (its canonical JSON) without its ``digest`` field."""
+    """The sha256 of ``manifest`` (its canonical JSON) without its ``digest`` field: the version's identity, which
+    lineage compares (``parent_digest``); it stays sha256 so that digests of versions written before still match.
+    It covers the file records, so it changes with any file's checksum."""
     body = {k: v for k, v in manifest.items() if k != "digest"}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -396,7 +402,7 @@ def read_chain(path) -> list[tuple[dict, dict]]:
 
 def read_attached(version_dir, rel: str) -> tuple[dict, bytes]:
     """``(manifest, bytes)`` of file ``rel`` that an export version carries (``export_for_serving(attach=...)``),
-    its sha256 and the manifest's digest verified.
+    its checksum and the manifest's digest verified.
 
     Raises:
         CheckpointError: the manifest does not list ``rel``, or a checksum does not match.
@@ -408,9 +414,7 @@ def read_attached(version_dir, rel: str) -> tuple[dict, bytes]:
         raise CheckpointError(f"{directory}: the export has no file {rel!r} (its manifest lists "
                               f"{sorted(manifest.get('files', {}))})")
     data = (directory / rel).read_bytes()
-    if hashlib.sha256(data).hexdigest() != record.get("sha256"):
-        raise CheckpointError(f"{directory / rel}: its sha256 does not match the manifest's; the file was changed "
-                              "or damaged after it was written")
+    verify(directory / rel, file_record(manifest, directory, rel), data=data)
     manifest["path"] = str(directory)
     return manifest, data
 

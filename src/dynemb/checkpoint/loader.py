@@ -34,7 +34,7 @@ _STRICT_MATCH = ("eviction", "half_life")  # scores mean something else under an
 def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
     """Restore ``model`` (and ``optimizer``) from a checkpoint written by :func:`~dynemb.checkpoint.save`.
 
-    Every file is read and its sha256 checked, and every config compared, before anything in the model changes;
+    Every file is read and its checksum checked, and every config compared, before anything in the model changes;
     tables are then *replaced* (not merged) with the saved rows, in the saved row order, with their counters,
     clock and seed, so training continues bit-identically. An incremental checkpoint is applied on top of its
     full checkpoint and the deltas between.

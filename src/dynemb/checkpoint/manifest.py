@@ -6,17 +6,19 @@ from pathlib import Path
 
 from .errors import CheckpointError
 from .fsutil import LATEST, TMP_PREFIX, read_json, read_pointer
-from .tensorfile import FileRecord
+from .checksum import FileRecord, record_from_json
 
 __all__ = ["FORMAT", "SERVING_FORMAT", "FORMAT_VERSION", "MANIFEST", "checkpoint_name", "resolve", "read_manifest",
            "chain", "complete", "file_record"]
 
 FORMAT = "dynemb.checkpoint"
 SERVING_FORMAT = "dynemb.serving"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 #: Version 1 named tables by module path (and merged stacked tables); version 2 names the user's tables; version 3
 #: writes dtypes and initializers as dynemb.serialization names them ("float32", {"type": "uniform", ...}) where
-#: version 2 wrote str(dtype) and class names, which tables.canonical_config reads.
+#: version 2 wrote str(dtype) and class names, which tables.canonical_config reads; version 4 checks files with
+#: xxh3-128 and names the algorithm in each file record, where versions 2 and 3 wrote {"sha256", "bytes"}, which
+#: checksum.record_from_json reads (a dynemb that reads up to version 3 says so rather than missing the sha256).
 MIN_FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
@@ -91,9 +93,7 @@ def complete(root: Path, fmt: str = FORMAT) -> dict[str, dict]:
 
 
 def file_record(manifest: dict, directory: Path, rel: str) -> FileRecord:
-    """The checksum record the manifest keeps for file ``rel``."""
-    entry = manifest.get("files", {}).get(rel)
-    entry = entry if isinstance(entry, dict) else {}
-    if not isinstance(entry.get("sha256"), str) or not isinstance(entry.get("bytes"), int):
-        raise CheckpointError(f"{directory / MANIFEST}: no sha256/bytes record for file {rel!r}")
-    return FileRecord(entry["sha256"], entry["bytes"])
+    """The checksum record the manifest keeps for file ``rel`` (either form, see :mod:`.checksum`)."""
+    files = manifest.get("files")
+    return record_from_json(files.get(rel) if isinstance(files, dict) else None,
+                            f"{directory / MANIFEST}: file {rel!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ from .._version import __version__
 from ..checks import check_positive_int
 from ..table import TieredTable
 from . import write_marks
-from .background import SaveHandle, side_context, snapshot, wait_for_saves
+from .background import SaveHandle, fill, side_context, snapshot, wait_for_saves
 from .codec import encode
 from .commit import commit, open_shared
 from .dense import dense_state
@@ -123,7 +124,7 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
         if optimizer is not None:
             payloads[optimizer_file(ctx)] = encode(optimizer.state_dict(), "optimizer.state_dict()")
         if not blocking:
-            payloads = snapshot(payloads)  # the rows of this step: training may change the tables from here on
+            payloads = snapshot(payloads)  # laid out as the files; filled below, once the writing thread runs
             entries, extra = json.loads(json.dumps(entries)), json.loads(json.dumps(extra))  # and the caller's dicts
 
         # what training looked up so far, gathered now (a collective over the main group, and a background
@@ -150,12 +151,24 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
 
         if blocking:
             write(ctx)
+        else:
+            handle = SaveHandle(root / name, lambda: write(side))
+            _fill(payloads, handle)  # the rows of this step: training may change the tables from here on
         # A background save that fails leaves these marks naming a directory that never appears: the next
         # incremental save finds no readable parent there and writes a full checkpoint.
         write_marks.record(tables, STREAM, root_key, name)
-    if not blocking:
-        return SaveHandle(root / name, lambda: write(side))
-    return root / name
+    return handle if not blocking else root / name
+
+
+def _fill(images: dict, handle: SaveHandle) -> None:
+    """Copy this step's rows into the snapshot while ``handle``'s thread writes what is copied; if the copy fails,
+    the thread fails too (nothing is published) and the error is raised here once it has cleaned up."""
+    try:
+        fill(images)
+    except BaseException:
+        with contextlib.suppress(Exception):  # its error is this one's consequence
+            handle.wait()
+        raise
 
 
 def _refuse_tiered_in_background(embeddings: dict, ctx: RankContext) -> None:

@@ -1,33 +1,34 @@
-"""Streaming safetensors files, hashed with sha256 while the bytes move.
+"""Streaming safetensors files, checksummed while the bytes move (:mod:`.checksum`).
 
 The layout is standard safetensors (8-byte little-endian header length, a JSON header, then the tensors' bytes
 back to back), so ``safetensors.safe_open`` reads these files too. We stream them ourselves because the library
 cannot hash while it writes or reads, and a checksum would cost a second pass over every file: here bytes go
-between the tensor's memory and the file in chunks, device tensors are copied a chunk at a time, and a helper
-thread hashes the chunks while the I/O goes on (both release the GIL).
+between the tensor's memory and the file in chunks, and a helper thread hashes the chunks while the I/O goes on
+(both release the GIL). Writes pass through a few page-aligned buffers and skip the page cache where they can
+(:mod:`.block_file`); a background save's snapshot is laid out as its file from the start
+(:mod:`.file_image`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
 import os
 import struct
-from collections import deque
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
 
+from .block_file import ALIGN, BlockFile, page_buffer, round_up
+from .checksum import Digest, FileRecord, verify
 from .errors import CheckpointError
 
-__all__ = ["FileRecord", "write_tensors", "read_tensors", "verify_file", "file_sha256", "byte_view", "CHUNK_BYTES"]
+__all__ = ["FileRecord", "FileLayout", "Digest", "write_tensors", "read_tensors", "verify_file", "byte_view",
+           "file_layout", "flat_pieces", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 32 << 20
-_HASH_BYTES = 4 << 20  # file_sha256's read buffer
 _CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -38,47 +39,8 @@ _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 OnBytes = Callable[[int], object]
 
 
-class FileRecord(NamedTuple):
-    """What a manifest keeps about a file: its sha256 (hex) and size in bytes."""
-
-    sha256: str
-    bytes: int
-
-
 class _Malformed(Exception):
     """The file is not a well-formed safetensors file (reported with its checksum status)."""
-
-
-class _Digest:
-    """sha256 computed in order by one helper thread that trails the I/O: a file is written (or read) at full speed
-    while hashing catches up, and the fsync ending a write overlaps the rest of the hashing. Only chunks copied off
-    a device are waited for, to bound the memory they hold; other chunks are views of tensors that outlive us."""
-
-    MAX_COPIES_IN_FLIGHT = 4
-
-    def __init__(self) -> None:
-        self._sha = hashlib.sha256()
-        self._pool = ThreadPoolExecutor(1)
-        self._last: Future | None = None
-        self._copies: deque[Future] = deque()
-
-    def feed(self, chunk: memoryview, copied: bool = False) -> None:
-        self._last = self._pool.submit(self._sha.update, chunk)
-        if copied:
-            self._copies.append(self._last)
-            while len(self._copies) > self.MAX_COPIES_IN_FLIGHT:
-                self._copies.popleft().result()
-
-    def hexdigest(self) -> str:
-        if self._last is not None:
-            self._last.result()
-        return self._sha.hexdigest()
-
-    def __enter__(self) -> _Digest:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._pool.shutdown(wait=True)
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -102,22 +64,26 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _byte_chunks(t) -> Iterator[tuple[memoryview, bool]]:
-    """``(bytes, copied)`` chunks of a tensor: views of contiguous CPU memory, or copies (device memory, strided
-    columns such as a table's interleaved scores). A streamed column (``pieces()``, see
-    :mod:`dynemb.checkpoint.tiered_stream`) is the chunks of its pieces, each counted as a copy so that the digest
-    bounds how many it holds."""
+def flat_pieces(t) -> Iterator[torch.Tensor]:
+    """A column's elements in row-major order as 1-d pieces of about :data:`CHUNK_BYTES` each, on its device:
+    views where its rows are dense (a strided column, such as a table's interleaved scores, stays a strided view;
+    a copy is made only of a non-dense piece of a 2-d column). A streamed column (``pieces()``, see
+    :mod:`dynemb.checkpoint.tiered_stream`) gives its own pieces, flattened."""
     if hasattr(t, "pieces"):
         for piece in t.pieces():
-            for chunk, _ in _byte_chunks(piece):
-                yield chunk, True
+            yield from flat_pieces(piece)
         return
-    flat = t.detach().reshape(-1)
-    step = max(1, CHUNK_BYTES // max(1, t.element_size()))
-    for start in range(0, flat.numel(), step):
-        piece = flat[start : start + step]
-        copied = piece.device.type != "cpu" or not piece.is_contiguous()
-        yield memoryview(byte_view(piece.cpu()).numpy()), copied
+    t = t.detach()
+    if t.dim() <= 1:
+        flat = t.reshape(-1)
+        step = max(1, CHUNK_BYTES // t.element_size())
+        for start in range(0, flat.numel(), step):
+            yield flat[start : start + step]
+        return
+    row = max(1, t[0].numel() * t.element_size()) if t.shape[0] else 1
+    step = max(1, CHUNK_BYTES // row)
+    for start in range(0, t.shape[0], step):
+        yield t[start : start + step].reshape(-1)
 
 
 def _check(name: str, t) -> None:
@@ -128,17 +94,89 @@ def _check(name: str, t) -> None:
         raise TypeError(f"tensor {name!r} must be a dense tensor of dtype {', '.join(map(str, _CODES))}, got {got}")
 
 
-def _header(tensors: Mapping[str, torch.Tensor], names: list[str], metadata: dict | None) -> bytes:
-    header, offset = {}, 0
+class FileLayout(NamedTuple):
+    """Where a file's parts go: ``head`` (the 8-byte header length, the JSON header and its padding), then the
+    tensors ``names`` at ``offsets`` from the file's start; ``size`` bytes in all. Every tensor starts at a
+    multiple of its element size (wide dtypes first, the header padded to 8 bytes), as safetensors does."""
+
+    head: bytes
+    names: list
+    offsets: list
+    size: int
+
+
+def file_layout(tensors: Mapping[str, torch.Tensor], metadata: dict | None = None) -> FileLayout:
+    """The layout of the safetensors file of ``tensors`` (name -> tensor) and ``metadata`` (str -> str).
+
+    Raises:
+        TypeError: a tensor of a dtype or layout safetensors cannot hold.
+    """
+    for name, t in tensors.items():
+        _check(name, t)
+    names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))  # wide dtypes first: aligned data
+    header, offsets, offset = {}, [], 0
     for name in names:
         t = tensors[name]
         size = t.numel() * t.element_size()
         header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offsets.append(offset)
         offset += size
     if metadata:
         header["__metadata__"] = metadata
     head = json.dumps(header, separators=(",", ":")).encode()
-    return head + b" " * (-len(head) % 8)  # keeps the data 8-byte aligned, as safetensors does
+    head += b" " * (-len(head) % 8)  # keeps the data 8-byte aligned, as safetensors does
+    start = 8 + len(head)
+    return FileLayout(struct.pack("<Q", len(head)) + head, names, [start + o for o in offsets], start + offset)
+
+
+class _Staging:
+    """The bytes of a file on their way out: packed into a few page-aligned buffers (a torch copy from the
+    column, GIL released, any device or stride), each hashed by the digest's thread while it is written whole
+    (:class:`~.block_file.BlockFile`); a buffer is reused once its hash is done, so memory stays bounded."""
+
+    COUNT = 2
+    #: bytes a buffer: direct writes of 2 MiB run as fast as of 32 MiB here, and a save needs 4 MiB beyond its rows
+    BYTES = 2 << 20
+
+    def __init__(self, sink: BlockFile, digest: Digest, total: int, on_bytes: OnBytes | None) -> None:
+        self.size = min(round_up(max(min(CHUNK_BYTES, self.BYTES), ALIGN)), round_up(max(total, 1)))
+        self.buffers = [page_buffer(self.size) for _ in range(min(self.COUNT, -(-total // self.size) or 1))]
+        self.hashed: list[Future | None] = [None] * len(self.buffers)
+        self.sink, self.digest, self.on_bytes = sink, digest, on_bytes
+        self.i = self.pos = self.written = 0
+
+    def put_bytes(self, data: bytes) -> None:
+        while data:
+            k = min(len(data), self.size - self.pos)
+            self.buffers[self.i][self.pos : self.pos + k] = data[:k]
+            data, self.pos = data[k:], self.pos + k
+            if self.pos == self.size:
+                self.flush()
+
+    def put(self, flat: torch.Tensor) -> None:
+        """Append a 1-d piece's elements (its position in the file is a multiple of its element size, and so is
+        every buffer's size: a buffer always has room for a whole element)."""
+        elt, done, n = flat.element_size(), 0, flat.numel()
+        while done < n:
+            k = min(n - done, (self.size - self.pos) // elt)
+            torch.frombuffer(self.buffers[self.i], dtype=flat.dtype, count=k, offset=self.pos).copy_(
+                flat[done : done + k])
+            done, self.pos = done + k, self.pos + k * elt
+            if self.pos == self.size:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.pos:
+            return
+        buffer, n = memoryview(self.buffers[self.i]), self.pos
+        self.hashed[self.i] = self.digest.feed(buffer[:n])
+        self.sink.write(buffer[: round_up(n)])  # the last block's padding is cut by finish
+        self.written += n
+        if self.on_bytes is not None:
+            self.on_bytes(n)
+        self.i, self.pos = (self.i + 1) % len(self.buffers), 0
+        if self.hashed[self.i] is not None:
+            self.hashed[self.i].result()  # the next buffer is read by the hash until it is done
 
 
 def write_tensors(
@@ -146,56 +184,45 @@ def write_tensors(
 ) -> FileRecord:
     """Write ``tensors`` (name -> tensor, any device) as a safetensors file, fsync it, and return its record.
 
-    ``metadata`` is a str -> str map kept in the header. ``on_bytes(n)`` is called as bytes are written.
+    ``metadata`` is a str -> str map kept in the header. ``on_bytes(n)`` is called as bytes are written. The bytes
+    pass through two page-aligned buffers of 2 MiB and go to the device with ``O_DIRECT`` where the file system
+    takes it (:mod:`.block_file`).
     """
-    for name, t in tensors.items():
-        _check(name, t)
-    names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))  # wide dtypes first: aligned data
-    head = _header(tensors, names, metadata)
-    chunks = itertools.chain([(memoryview(struct.pack("<Q", len(head)) + head), False)],
-                             (c for name in names for c in _byte_chunks(tensors[name])))
-    size, expected = 0, 8 + len(head) + sum(tensors[n].numel() * tensors[n].element_size() for n in names)
-    with open(path, "wb") as f, _Digest() as digest:
-        for chunk, copied in chunks:
-            digest.feed(chunk, copied)
-            f.write(chunk)
-            size += len(chunk)
-            if on_bytes is not None:
-                on_bytes(len(chunk))
-        if size != expected:  # a streamed column yielded other than its shape: never leave a malformed file
-            raise RuntimeError(f"{path}: wrote {size} bytes, the header describes {expected}")
-        f.flush()
-        os.fsync(f.fileno())
-        return FileRecord(digest.hexdigest(), size)
+    layout = file_layout(tensors, metadata)
+    with BlockFile(path) as sink, Digest() as digest:
+        staging = _Staging(sink, digest, layout.size, on_bytes)
+        staging.put_bytes(layout.head)
+        for name in layout.names:
+            for piece in flat_pieces(tensors[name]):
+                staging.put(piece)
+        staging.flush()
+        if staging.written != layout.size:  # a streamed column yielded other than its shape: no malformed file
+            raise RuntimeError(f"{path}: wrote {staging.written} bytes, the header describes {layout.size}")
+        sink.finish(layout.size)
+        return digest.record(layout.size)
 
 
 def read_tensors(
     path: Path, expected: FileRecord | None = None, on_bytes: OnBytes | None = None
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read a safetensors file into CPU tensors, checking its sha256 and size against ``expected``.
+    """Read a safetensors file into CPU tensors, checking its checksum and size against ``expected``.
 
     Returns:
         ``(tensors, metadata)``.
 
     Raises:
-        CheckpointError: the file is missing, its size or sha256 differ from ``expected``, or it is malformed.
+        CheckpointError: the file is missing, its size or checksum differ from ``expected``, or it is malformed.
     """
     size = _checked_size(path, expected)
     try:
-        tensors, metadata, digest = _read(path, size, on_bytes)
+        tensors, metadata, digest = _read(path, size, expected, on_bytes)
     except _Malformed as e:
-        actual = file_sha256(path) if expected is not None else None
-        if actual is not None and actual != expected.sha256:
-            raise _mismatch(path, expected.sha256, actual) from None
+        if expected is not None:
+            verify(path, expected)  # a damaged file is reported as one, not as a malformed header
         raise CheckpointError(f"{path}: not a valid safetensors file: {e}") from None
-    if expected is not None and digest != expected.sha256:
-        raise _mismatch(path, expected.sha256, digest)
+    if expected is not None:
+        verify(path, expected, digest)
     return tensors, metadata
-
-
-def _mismatch(path: Path, want: str, got: str) -> CheckpointError:
-    return CheckpointError(f"{path}: sha256 checksum mismatch (manifest {want[:16]}..., file {got[:16]}...): "
-                           "the file is corrupt")
 
 
 def _checked_size(path: Path, expected: FileRecord | None) -> int:
@@ -209,17 +236,15 @@ def _checked_size(path: Path, expected: FileRecord | None) -> int:
 
 
 def verify_file(path: Path, expected: FileRecord | None = None) -> dict:
-    """Check ``path``'s size and sha256 against ``expected`` in one streaming pass (O(buffer) memory) and return
+    """Check ``path``'s size and checksum against ``expected`` in one streaming pass (O(buffer) memory) and return
     its layout, ``{name: (dtype, shape, offset of its data in the file)}``, without reading any tensor.
 
     Raises:
-        CheckpointError: the file is missing, its size or sha256 differ from ``expected``, or it is malformed.
+        CheckpointError: the file is missing, its size or checksum differ from ``expected``, or it is malformed.
     """
     size = _checked_size(path, expected)
     if expected is not None:
-        actual = file_sha256(path)
-        if actual != expected.sha256:
-            raise _mismatch(path, expected.sha256, actual)
+        verify(path, expected)
     try:
         with open(path, "rb") as f:
             prefix, head = _head(f, size)
@@ -244,8 +269,9 @@ def _head(f, size: int) -> tuple[bytes, bytes]:
     return prefix, f.read(n)
 
 
-def _read(path: Path, size: int, on_bytes: OnBytes | None):
-    with open(path, "rb") as f, _Digest() as digest:
+def _read(path: Path, size: int, expected: FileRecord | None, on_bytes: OnBytes | None):
+    """``(tensors, metadata, checksum)``, the checksum by ``expected``'s algorithm (the default's without one)."""
+    with open(path, "rb") as f, (Digest(expected.algorithm) if expected is not None else Digest()) as digest:
         prefix, head = _head(f, size)
         digest.feed(memoryview(prefix + head))
         metadata, layout = _parse_header(head, size - 8 - len(head))
@@ -280,7 +306,7 @@ def _parse_header(head: bytes, data_bytes: int) -> tuple[dict, list]:
     return metadata, layout
 
 
-def _fill(f, t: torch.Tensor, digest: _Digest, on_bytes: OnBytes | None) -> None:
+def _fill(f, t: torch.Tensor, digest: Digest, on_bytes: OnBytes | None) -> None:
     view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
     for start in range(0, len(view), CHUNK_BYTES):
         chunk = view[start : start + CHUNK_BYTES]
@@ -289,13 +315,3 @@ def _fill(f, t: torch.Tensor, digest: _Digest, on_bytes: OnBytes | None) -> None
         digest.feed(chunk)
         if on_bytes is not None:
             on_bytes(len(chunk))
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 (hex) of a whole file."""
-    sha = hashlib.sha256()
-    buffer = memoryview(bytearray(_HASH_BYTES))  # one buffer reused: memory stays O(buffer) for any file
-    with open(path, "rb") as f:
-        while n := f.readinto(buffer):
-            sha.update(buffer[:n])
-    return sha.hexdigest()

@@ -3,7 +3,7 @@
 A :class:`~dynemb.table.TieredTable` may hold many times the memory it is allowed, so nothing here materializes
 all its rows: a save writes each column as a :class:`ColumnStream` (the fast tier's rows, then the slow tier's,
 read a chunk at a time; a delta gathers its changed rows a chunk at a time), and a load checks each file's size,
-header and sha256 in one streaming pass before anything changes, then reads it again a chunk of rows at a time
+header and checksum in one streaming pass before anything changes, then reads it again a chunk of rows at a time
 into :meth:`~dynemb.table.TieredTable.replace_chunks`. The files are the ones an untiered table writes: the tiers
 never show in them. Extra memory is O(``CHUNK_ROWS`` rows) plus, for a delta, the int64 positions of its changed
 rows.
@@ -154,7 +154,7 @@ def _streamed(shard, rows: torch.Tensor | None, state: bool) -> dict[str, Column
 
 # ---------------------------------------------------------------------------------------------------- reading
 def verify_shard(path: Path, record: FileRecord | None) -> tuple[dict, dict]:
-    """Check ``path``'s size and sha256 against ``record`` in one streaming pass and parse its header.
+    """Check ``path``'s size and checksum against ``record`` in one streaming pass and parse its header.
 
     Returns ``(layout, meta)``: ``{name: (dtype, shape, offset)}`` (offsets from the file start) and a ``meta``
     tensor of every column (dtype and shape, no data) for :func:`~dynemb.checkpoint.shard_tensors.check_shard`.
@@ -197,7 +197,7 @@ class StreamedShard(NamedTuple):
 
 
 def verify_sources(sources: dict, reshard: bool, config: dict, progress) -> StreamedShard:
-    """Verify every file of ``sources`` (``{rank: steps}``, see the loader): size, sha256, header and the row
+    """Verify every file of ``sources`` (``{rank: steps}``, see the loader): size, checksum, header and the row
     count the manifest gives, without reading their rows into memory."""
     chains, rows, admission = [], 0, {}
     for steps in sources.values():

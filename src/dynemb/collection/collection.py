@@ -96,11 +96,27 @@ class EmbeddingCollection(nn.Module):
             seeds = draw_seeds(tables, agree=self._agree_on_seeds)
             self.plan = ExecutionPlan(tables, seeds, shardings=shardings, rank=rank, world=world, device=device)
             self.executor = ShardedExecutor(self.plan, self.group)
-        self.optimizer = CombinedOptimizer(self.plan.optimizers())
+        self._combined: Optional[CombinedOptimizer] = None  # made on first use (see optimizer)
         self._staged: dict = {}  # batches whose stateless stages run ahead (expect)
         self.staged_hits = 0  # forwards that took staged stages (a pipeline's check)
 
+    @property
+    def optimizer(self) -> CombinedOptimizer:
+        """The tables' sparse optimizers as one (``step``, ``zero_grad``, ``state_dict``). Made on first use: a
+        torch optimizer's first one imports ``torch._dynamo`` (about 2 s), which a model that only scores (``dynemb
+        predict``) never needs."""
+        if self._combined is None:
+            self._combined = CombinedOptimizer(self.plan.optimizers())
+        return self._combined
+
     # ------------------------------------------------------------------ what the user configured
+    def extra_repr(self) -> str:
+        # what ``print(model)`` shows: the user's tables and features (never the layout: groups, shards, ranks)
+        tables = ", ".join(f"{t.name}(dim={t.dim}" + (f", vocabulary_size={t.vocabulary_size}" if t.vocabulary_size
+                                                       else "") + ")" for t in self.table_configs.values())
+        features = ", ".join(f"{f.name}->{f.table_name}" for f in self.feature_configs.values())
+        return f"tables=[{tables}], features=[{features}]"
+
     @property
     def embeddings(self) -> Mapping[str, nn.Module]:
         """Each table's module on this rank by table name (read-only; absent: held by another rank)."""

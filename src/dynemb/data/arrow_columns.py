@@ -249,7 +249,16 @@ def label_values(column: pa.Array, where: str, first_row: int, positive: str | N
     if positive is not None:
         return _positive_labels(column, where, first_row, positive)
     hint = "; other labels need --positive-label VALUE (the value that means 1)"
-    values = _as_float64(column, where, "labels must be 0 or 1" + hint)
+    try:
+        values = _as_float64(column, where, "labels must be 0 or 1" + hint)
+    except ValueError:
+        text = column.dictionary_decode() if pa.types.is_dictionary(column.type) else column
+        if not _is_text(text.type):
+            raise
+        # the labels the user has, not pyarrow's parse error: they show which value --positive-label wants
+        seen = pc.unique(text.drop_null())
+        shown = ", ".join(repr(v) for v in seen[:5].to_pylist()) + (", ..." if len(seen) > 5 else "")
+        raise ValueError(f"{where}: labels must be 0 or 1, got text ({shown}){hint}") from None
     valid = values.is_valid().to_numpy(zero_copy_only=False)
     y = values.to_numpy(zero_copy_only=False)
     bad = ~valid | ((y != 0.0) & (y != 1.0))

@@ -79,6 +79,11 @@ class NonFiniteCounts:
         """Count the non-finite values of one batch's raw dense features."""
         if dense.shape[1] != len(self.columns):
             raise ValueError(f"dense must have {len(self.columns)} columns, got shape {tuple(dense.shape)}")
+        # Count only over the rows that hold a non-finite value: one pass over the batch, the rest on few rows.
+        rows = (~torch.isfinite(dense)).any(1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return
+        dense = dense.index_select(0, rows)
         inf = torch.isinf(dense)
         counts = torch.stack([torch.isnan(dense).sum(0), (inf & (dense > 0)).sum(0), (inf & (dense < 0)).sum(0)], 1)
         self._counts = counts if self._counts is None else self._counts + counts

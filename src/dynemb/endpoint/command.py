@@ -16,7 +16,8 @@ __all__ = ["add_serve_args", "cmd_serve", "WATCH_INTERVAL_S"]
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="RUN_DIR", help="a `dynemb train` run directory")
+    p.add_argument("--model", metavar="RUN_DIR", help="a `dynemb train` run directory (default: none: then "
+                   "--export names an export of your own model)")
     p.add_argument("--export", metavar="EXPORT_DIR", help="with --model: serving export of the run (default: the "
                    "--use model's: RUN_DIR/export-best, or RUN_DIR/export for last and --watch, written from the "
                    "checkpoint when missing); without --model: an export of your own model written by "
@@ -80,6 +81,11 @@ def cmd_serve(args) -> int:
     if args.model is None and args.use is not None:
         raise ValueError("--use picks a model of a run (--model); an export of your own model serves its newest "
                          "version")
+    own = None if args.model is not None else Path(args.export)
+    if own is not None and (own / "model.json").is_file() and (own / "checkpoint").is_dir():
+        # checked here too: with --watch, nothing would load it, and the server would wait for a version forever
+        raise ValueError(f"--export {args.export}: a `dynemb train` run directory, not an export of your own model; "
+                         "serve it with --model RUN_DIR")
     torch.set_num_threads(args.threads)
     waiting = None  # the export root whose first version is awaited while the server already listens
     if args.watch is not None:  # following a run that may still be training: its published versions
@@ -108,6 +114,7 @@ def cmd_serve(args) -> int:
         loader.load()  # a bad run or export is an error before anything listens
     grpc_port = None if args.no_grpc else args.grpc_port
     grpc_line = "" if grpc_port is None else f" and grpc://{args.host}:{grpc_port}"
+    loader.grpc_line = grpc_line  # the line printed once --watch has loaded the first version names it too
     try:
         # The ~300k objects torch and the model keep alive would make every full collection a 200 ms stall of
         # one request: keep them out of the collector, as latency-sensitive Python servers do.
@@ -120,7 +127,7 @@ def cmd_serve(args) -> int:
                       "the first version is served", flush=True)
                 loader.start_waiting(waiting)
             else:
-                print(loader.serving_line(grpc_line), flush=True)
+                print(loader.serving_line(), flush=True)
 
         serve(app, args.host, args.port, on_bound=bound, grpc_port=grpc_port)
     finally:
@@ -137,6 +144,7 @@ class _Loader:
         self.args, self.service = args, service
         self.model = self.watcher = None
         self.failed = False
+        self.grpc_line = ""
         self._stop = threading.Event()
         self._thread = None
 
@@ -167,11 +175,11 @@ class _Loader:
         if args.watch is not None:
             self.watcher = ExportWatcher(self.model, args.watch).start()
 
-    def serving_line(self, grpc_line: str = "") -> str:
+    def serving_line(self) -> str:
         args, model = self.args, self.model
         return (f"serving {args.model or 'your model'} (export {model.export}, version {model.version}) as "
                 f"{args.name!r} on "
-                f"http://{args.host}:{args.port}/v2/models/{args.name}/infer{grpc_line}")
+                f"http://{args.host}:{args.port}/v2/models/{args.name}/infer{self.grpc_line}")
 
     def start_waiting(self, root: Path) -> None:
         self._thread = threading.Thread(target=self._wait_and_load, args=(root,), name="dynemb-serve-load",

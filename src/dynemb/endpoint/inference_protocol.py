@@ -176,6 +176,7 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
     unknown = sorted(set(inputs) - set(expected))
     if unknown:
         raise RequestError(f"input {unknown[0]!r} is not an input of this model (it reads {expected})")
+    _check_row_counts(inputs, [*prep.categorical, *(c + LENGTHS for c in prep.multi_hot), *prep.dense])
     first = inputs[(prep.categorical or [c + LENGTHS for c in prep.multi_hot] or prep.dense)[0]]
     rows = len(_data(first, (first.get("datatype"),), None))
     if rows > max_rows:
@@ -195,6 +196,21 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
         values = _joined([inputs[c] for c in prep.dense], [_data(inputs[c], DENSE_TYPES, rows) for c in prep.dense])
         dense[:] = dense_values(values, f"input {prep.dense[0]!r}").reshape(len(prep.dense), rows)
     return Batch(torch.from_numpy(dense.T.copy()), sparse, torch.zeros(rows), offsets)
+
+
+def _check_row_counts(inputs: dict, names: list) -> None:
+    """Inputs of one value a row must agree on the rows: the error names the input that differs from most of the
+    others (a client that sends one short column is told which), with both counts."""
+    counts = {n: s[0] for n in names if isinstance(s := inputs[n].get("shape"), list) and len(s) == 1
+              and isinstance(s[0], int)}
+    sizes = list(counts.values())
+    if len(set(sizes)) > 1:
+        common = max(sizes, key=sizes.count)  # ties: the first input's count
+        odd = next(n for n, c in counts.items() if c != common)
+        others = sizes.count(common)
+        raise RequestError(f"input {odd!r}: {counts[odd]} rows, but {others} other input{'s' * (others > 1)} "
+                           f"({', '.join(repr(n) for n, c in counts.items() if c == common)[:200]}) "
+                           f"{'have' if others > 1 else 'has'} {common}")
 
 
 def _numeric_batch(inputs: dict, prep: Preprocessing, rows: int) -> Optional[Batch]:

@@ -32,8 +32,9 @@ from ..collection.features import finish, prepare_features
 from ..checkpoint.fsutil import read_pointer
 from ..checkpoint.export_format import read_dense, read_export, version_name
 from ..data.batch import Batch, concat_batches
-from ..functional.pooling import BagSet, one_id_bags, pool_many
+from ..functional.pooling import BagSet, BagSum, concat_bags, one_id_bags, pool_many
 from ..job.score import probabilities
+from ..models.dlrm import DLRM
 from ..serving.ps import ParameterServer
 from .inference_protocol import OUTPUT, decode_request, model_metadata
 
@@ -146,7 +147,25 @@ class ServedModel:
             return self._scores(batch), self.version
 
     def _scores(self, batch: Batch) -> torch.Tensor:
-        return probabilities(self.model(batch, pooled=self.pooled(batch)))
+        stacked = self.pooled_stacked(batch) if isinstance(self.model, DLRM) else None
+        return probabilities(self.model(batch, pooled=self.pooled(batch) if stacked is None else stacked))
+
+    def pooled_stacked(self, batch: Batch) -> Optional[torch.Tensor]:
+        """``[B, F, D]``: :meth:`pooled`'s outputs as one tensor, features in :attr:`features` order, when every
+        feature is one id a row pooled plainly (the DLRM's interaction takes it as it is); else None.
+
+        The ``F`` features' rows come as one ``[F * B, D]`` run (feature by feature) and are pooled in one call;
+        pooling one id a bag by sum reads ``[F * B, D]`` in that order, so the result is a view, not a copy."""
+        plan = self._request_plan()
+        ids = plan.one_id_ids(batch)
+        if ids is None:
+            return None
+        n = len(batch)
+        rows = self.ps.lookup_concat(self.name, plan.tables, ids, plan.sizes(n))
+        bag_sets = plan.bag_sets(n, ids.device)
+        offsets, weights = concat_bags(bag_sets, rows.dtype, rows.device)
+        summed = BagSum.apply(rows, one_id_bags(ids.numel(), ids.device), offsets, weights)  # pool_many's one op
+        return summed.view(len(plan.features), n, rows.shape[1]).transpose(0, 1)
 
     def pooled(self, batch: Batch) -> dict:
         """``{feature: [B, D]}``: the features' outputs of a normalized ``batch`` (on :attr:`device`), as the

@@ -31,6 +31,12 @@ _NUMPY = {"INT64": np.int64, "INT32": np.int32, "INT16": np.int16, "INT8": np.in
           "FP64": np.float64, "FP32": np.float32, "FP16": np.float16, "BOOL": np.bool_}
 
 
+# Integer datatypes an integer input also takes, widened without loss (as a collection takes ids of a narrower
+# integer dtype): Triton clients often send INT32 ids to a model traced with int64 ones.
+_NARROWER = {"INT64": ("INT32", "INT16", "INT8", "UINT8"), "INT32": ("INT16", "INT8", "UINT8"),
+             "INT16": ("INT8", "UINT8")}
+
+
 def _datatype(dtype: str) -> str:
     try:
         return _DATATYPES[dtype]
@@ -105,8 +111,9 @@ def _tensor(t: dict, spec: dict) -> torch.Tensor:
     """Input ``t`` of a request as a tensor of ``spec``'s dtype and shape."""
     name, want = spec["name"], _datatype(spec["dtype"])
     datatype, shape, data = t.get("datatype"), t.get("shape"), t.get("data")
-    if datatype != want:
-        raise RequestError(f"input {name!r}: datatype must be {want}, got {datatype!r}")
+    if datatype != want and datatype not in _NARROWER.get(want, ()):
+        also = f" (or the narrower {', '.join(_NARROWER[want])})" if want in _NARROWER else ""
+        raise RequestError(f"input {name!r}: datatype must be {want}{also}, got {datatype!r}")
     expected = spec["shape"]
     if not (isinstance(shape, list) and len(shape) == len(expected)
             and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import os
+import queue
+import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -78,7 +80,7 @@ def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_si
         >>> # {"auc": 0.78, "logloss": 0.51, "rows": 6000, "model": "best", "step": 400}
     """
     _, kind, step = model_checkpoint(Path(run), use)
-    model, card = load_model(Path(run), device, use)
+    model, card = load_model(Path(run), device, use, optimizer=False)
     reader = _reader(card, data, format, batch_size, label=True)
     prep = card.preprocessing
     scored = evaluate(model, (b.to(device) for b in prep.normalized(reader, str(data))))
@@ -136,7 +138,7 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
     target = Path(out)
     out_format = _check_out(target, Path(run), Path(data), format)
     _, kind, step = model_checkpoint(Path(run), use)
-    model, card = load_model(Path(run), device, use)
+    model, card = load_model(Path(run), device, use, optimizer=False)
     prep = card.preprocessing
     has_label = prep.label is not None and prep.label in column_names(data, format)
     reader = _reader(card, data, format, batch_size, label=has_label)
@@ -148,7 +150,9 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
         with open(tmp, "wb") as sink:
             writer = pq.ParquetWriter(sink, schema) if out_format == "parquet" else pcsv.CSVWriter(sink, schema)
             with writer:
-                for batch in prep.normalized(reader, str(data)):  # the dense rule, its replacements counted
+                # The dense rule, its replacements counted; the next block is read and normalized in a thread while
+                # this one is scored (Arrow's reading and torch's kernels release the GIL).
+                for batch in _ahead(prep.normalized(reader, str(data))):
                     p = probabilities(model(batch.to(device))).numpy()
                     columns = [pa.array(p)] + ([pa.array(batch.labels.numpy().astype("int8"))] if has_label else [])
                     writer.write_batch(pa.record_batch(columns, schema=schema))
@@ -162,6 +166,44 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
     seconds = time.perf_counter() - started
     return {"rows": rows, "seconds": round(seconds, 3), "rows_per_s": round(rows / max(seconds, 1e-9)),
             "out": str(target), "model": kind, "step": step}
+
+
+def _ahead(items: Iterator, depth: int = 1) -> Iterator:
+    """``items``, each one produced in a thread while the consumer works on the one before (up to ``depth``
+    waiting); an exception raised while producing is raised here, in order. Closing the generator stops the thread
+    at its next item."""
+    ready: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if stop.is_set():
+                    return
+                ready.put((item, None))
+            ready.put((done, None))
+        except BaseException as error:  # handed to the consumer, which raises it
+            ready.put((done, error))
+
+    worker = threading.Thread(target=produce, name="dynemb-read-ahead", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
+        while worker.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                ready.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        worker.join()
 
 
 def _check_out(out: Path, run: Path, data: Path, format: Optional[str]) -> str:

@@ -74,17 +74,30 @@ class DLRM(nn.Module):
         """The batch's categorical features in the collection's input format."""
         return {f: (ids, batch.offsets[f][:-1]) if f in batch.offsets else ids for f, ids in batch.sparse.items()}
 
-    def forward(self, batch: Batch, pooled: Optional[dict] = None) -> torch.Tensor:
+    def forward(self, batch: Batch, pooled: Optional[dict | torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``[B]``. ``pooled``: the features' outputs when they were looked up elsewhere (a served model),
+        either ``{feature: [B, D]}`` or one ``[B, F, D]`` tensor, features in :attr:`features` order (then the
+        interaction takes it as it is, with no stack of ``F`` tensors); the same logits, bit for bit."""
         dense = self.bottom(batch.dense)
         pooled = self.embeddings(self.sparse_inputs(batch)) if pooled is None else pooled
+        if isinstance(pooled, torch.Tensor):
+            if dense.shape[0] <= INTERACTION_ROWS:
+                return self._interact_and_top([dense], pooled)
+            return torch.cat([self._interact_and_top([d], p)
+                              for d, p in zip(dense.split(INTERACTION_ROWS), pooled.split(INTERACTION_ROWS))])
         vectors = [dense] + [pooled[f] for f in self.features]  # n x [B, D]
         if dense.shape[0] <= INTERACTION_ROWS:  # one block (a served request): no split of each vector
             return self._interact_and_top(vectors)
+        # Blocks of rows: a block's stack and dots stay in cache (one stack of the whole batch is a large copy).
         blocks = zip(*(v.split(INTERACTION_ROWS) for v in vectors))
         return torch.cat([self._interact_and_top(list(block)) for block in blocks])
 
-    def _interact_and_top(self, vectors: list[torch.Tensor]) -> torch.Tensor:
-        """Logits ``[b]`` of ``b`` samples' ``n`` vectors ``[b, D]`` (dense first): pairwise dots, then the top MLP."""
-        stacked = torch.stack(vectors, 1)  # [b, n, D]
+    def _interact_and_top(self, vectors: list[torch.Tensor], rest: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``[b]`` of ``b`` samples' ``n`` vectors ``[b, D]`` (dense first; ``rest``: the vectors after
+        ``vectors`` as one ``[b, F, D]``): pairwise dots, then the top MLP."""
+        if rest is None:
+            stacked = torch.stack(vectors, 1)  # [b, n, D]
+        else:
+            stacked = torch.cat([torch.stack(vectors, 1), rest], 1)
         dots = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1).index_select(1, self._pairs)
         return self.top(torch.cat([vectors[0], dots], 1)).squeeze(1)

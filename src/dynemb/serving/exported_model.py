@@ -8,6 +8,7 @@ forward pass holds), so a forward pass sees exactly one version, the one it repo
 from __future__ import annotations
 
 import io
+import re
 import threading
 from pathlib import Path
 from typing import Optional
@@ -36,7 +37,8 @@ class _Program:
         directory = resolve(version_dir)
         if not isinstance(read_manifest(directory, SERVING_FORMAT).get("program"), dict):
             raise ValueError(f"{directory}: no 'program' in its manifest; this is a table export "
-                             "(export_for_serving), not a model export (dynemb.serving.export_model)")
+                             "(export_for_serving), not a model export (dynemb.serving.export_model); a `dynemb "
+                             "train` run is served with `dynemb serve --model RUN_DIR`")
         manifest, data = read_attached(directory, PROGRAM_FILE)
         meta = manifest["program"]
         program = torch.export.load(io.BytesIO(data))
@@ -78,7 +80,14 @@ class ExportedModel:
         self.name, self.device = name, torch.device(device)
         self.export = Path(export)
         if read_pointer(self.export) is None:
-            raise ValueError(f"{self.export}: no export there (no 'latest'); write one with "
+            if (self.export / "manifest.json").is_file() and read_pointer(self.export.parent) is not None:
+                raise ValueError(f"{self.export}: this is one version of the export {self.export.parent}; serve the "
+                                 "export's root (its 'latest' names the version served, and --watch follows it)")
+            if (self.export / "model.json").is_file() and (self.export / "checkpoint").is_dir():
+                raise ValueError(f"{self.export}: a `dynemb train` run directory, not an export of your own model; "
+                                 "serve it with `dynemb serve --model RUN_DIR`")
+            where = "no such directory" if not self.export.exists() else "no export there (no 'latest')"
+            raise ValueError(f"{self.export}: {where}; write one with "
                              "dynemb.serving.export_model(path, model, example_inputs)")
         manifest = read_manifest(resolve(self.export), SERVING_FORMAT)
         names = list(manifest["tables"])
@@ -130,7 +139,10 @@ class ExportedModel:
             try:
                 out = program.module(*[inputs[i["name"]].to(self.device) for i in program.inputs])
             except AssertionError as exc:  # the program's shape guards, in terms of the inputs' names
-                raise ValueError(f"the inputs' shapes do not fit the exported model: {exc}") from None
+                text = str(exc).splitlines()[0] if str(exc) else "a shape guard failed"
+                named = [i["name"] for i in program.inputs if re.search(rf"\b{re.escape(i['name'])}\b", text)]
+                given = ", ".join(f"{n} {list(inputs[n].shape)}" for n in named or [i["name"] for i in program.inputs])
+                raise ValueError(f"the inputs' shapes do not fit the exported model: {text} (got {given})") from None
             return {o["name"]: v for o, v in zip(program.outputs, out)}, self.version
 
     def lookup(self, collection: str, features: dict, weights: dict) -> dict:

@@ -66,9 +66,11 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
         The version directory written.
 
     Raises:
-        TypeError: ``model`` is no module, an input is no tensor.
+        TypeError: ``model`` is no module, an input is no tensor; ``model`` in eval mode refuses
+            ``example_inputs`` (ids of a float dtype, ...): its message, after ``example_inputs:``.
         ValueError: ``model`` holds no collection, a sharded one, or a table outside a collection; a feature input
-            the export does not support (a sparse COO tensor; a jagged sequence of ``combiner="none"``).
+            the export does not support (a sparse COO tensor; a jagged sequence of ``combiner="none"``); ``model``
+            in eval mode refuses ``example_inputs`` (as for TypeError).
 
     Example:
         >>> import tempfile, torch, dynemb
@@ -101,6 +103,7 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"input {name!r} must be a tensor (or a container of tensors registered with "
                             f"torch.utils._pytree), got {type(value).__name__}")
+    _check_runs(model, tuple(example_inputs), kwargs)
     flat = [v for _, v in leaves]
     wrapper = _Flat(model, in_spec, names)
     program = _trace(wrapper, flat)
@@ -114,6 +117,24 @@ def export_model(path, model: nn.Module, example_inputs: tuple, *, example_kwarg
         path: _collection_record(ec) for path, ec in model.named_modules() if isinstance(ec, EmbeddingCollection)})
     return export_for_serving(path, model, dtype=dtype, incremental=incremental, model_name=model_name,
                               attach={"files": {PROGRAM_FILE: buffer.getvalue()}, "fields": {"program": meta}})
+
+
+def _check_runs(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """One eager forward of ``model`` in eval mode on the example inputs (tables read-only: nothing inserted or
+    counted). The trace replaces each collection by a stand-in that checks no ids, so without this an input the
+    collection refuses (float ids, lengths that do not sum to the ids) would be exported and then refused by every
+    request; here it is refused at once, with the collection's message."""
+    training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        if type(e) not in (TypeError, ValueError):
+            raise
+        raise type(e)(f"example_inputs: {e}") from None
+    finally:
+        model.train(training)
 
 
 def _check_tables(model: nn.Module) -> None:

@@ -21,6 +21,7 @@ does, took 10-20x a request's time with the demo model.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Optional, Sequence
 
 import torch
@@ -51,6 +52,8 @@ class _GroupPlan:
     salts: torch.Tensor  # [T] each table's cache salt, on the CPU
     seeds: torch.Tensor  # [T] int64 mix64(seed) ^ mix64(0) of each table (see _default_rows)
     shared_default: bool  # every table's default is the same constant or seeded initializer (one call for all)
+    stats_lock: Optional[threading.Lock] = None  # the one stats_lock of all the tables (the loader gives a group's
+    # tables one), taken once a request for all their counts; None: each table's own
 
 
 @dataclasses.dataclass
@@ -95,9 +98,11 @@ class RequestPlan:
         group = tables[0].cache.group
         first = tables[0].default
         shared = all(t.default == first for t in tables) and isinstance(first, (float, int, *_SEEDED))
+        lock = tables[0].stats_lock
         return _GroupPlan(group, tables, members, [t.store_name for t in tables],
                           group.salts[torch.tensor([t.cache.index for t in tables])].cpu(),
-                          mix64(torch.tensor([t.seed for t in tables], dtype=torch.int64)) ^ _MIX0, shared)
+                          mix64(torch.tensor([t.seed for t in tables], dtype=torch.int64)) ^ _MIX0, shared,
+                          lock if all(t.stats_lock is lock for t in tables) else None)
 
     def layout(self, sizes: tuple) -> _RunLayout:
         """The layout of a request whose run ``i`` has ``sizes[i]`` ids."""
@@ -273,16 +278,18 @@ def _finish(part: _Part, threshold: float, writeback) -> None:
     if part.rows is not None:
         part.values.index_copy_(0, part.miss_at, part.rows.index_select(0, part.inverse).to(part.values.device))
         served.index_put_((part.utid, part.source), part.counts, accumulate=True)
-    for t, n, missed, (_, volatile, persistent, default) in zip(part.tables, part.sizes, part.missed,
-                                                                 served.tolist()):
-        if n:
-            with t.stats_lock:
-                stats = t.stats
-                stats["lookups"] += n
-                stats["cache"] += n - missed
-                stats["volatile"] += volatile
-                stats["persistent"] += persistent
-                stats["default"] += default
+    counts = zip(part.tables, part.sizes, part.missed, served.tolist())
+    lock = part.plan.stats_lock if part.plan is not None else None
+    if lock is not None:  # one lock for the group's tables: taken once for all their counts
+        with lock:
+            for t, n, missed, row in counts:
+                if n:
+                    _count(t.stats, n, missed, row)
+    else:
+        for t, n, missed, row in counts:
+            if n:
+                with t.stats_lock:
+                    _count(t.stats, n, missed, row)
     if part.rows is None:
         return
     fetched = ((part.source == 1) | (part.source == 2)).nonzero().squeeze(1)
@@ -302,6 +309,15 @@ def _finish(part: _Part, threshold: float, writeback) -> None:
             writeback.defer(part.tables[k], keys[k], rows[k], part.epochs[k])
     if cold:
         _insert_cold(part, cold)
+
+
+def _count(stats: dict, n: int, missed: int, served: list) -> None:
+    """Add a request's ``n`` lookups of one table to its ``stats`` (under its ``stats_lock``)."""
+    stats["lookups"] += n
+    stats["cache"] += n - missed
+    stats["volatile"] += served[1]
+    stats["persistent"] += served[2]
+    stats["default"] += served[3]
 
 
 def _insert_cold(part: _Part, cold: list) -> None:

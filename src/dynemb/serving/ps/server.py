@@ -170,10 +170,14 @@ class ParameterServer:
             for (width, dtype, kind, dim), members in groups.items():
                 capacities = [cache_capacity(cfg, item[4]) for item in members]
                 group = GroupCache(width, dtype, cfg.device, sum(capacities), len(members))
+                # One stats_lock for the group's tables: a request counts all of them under it at once (no code
+                # holds two tables' stats locks, so sharing one cannot deadlock).
+                stats_lock = threading.Lock()
                 for k, ((i, name, _, entry, _, manifest), capacity) in enumerate(zip(members, capacities)):
                     table = new_table(cfg, i, name, width, dtype, entry, TableCache(group, k, capacity),
                                       self._jitter)
                     table.codec, table.row_dim = kind, dim
+                    table.stats_lock = stats_lock
                     table.lineage = Lineage.of(manifest)
                     tables[name] = table
             tables = {name: tables[name] for name in names}
