@@ -103,8 +103,10 @@ def test_rows_going_down_never_write_through_the_mapping(tmp_path):
     view = log._buf
     for _ in range(50):
         keys = torch.randint(0, 1000, (48,)).unique()
+        log._sync()  # the appends in flight landed (the writer thread's)
         before = view.clone()
         tiered.find_or_insert(keys)
+        log._sync()
         changed = (view != before).any(1).nonzero().squeeze(1)
         # every byte that changed came from a pwrite: rows appended at the head (positions the ring handed out)
         assert bool(log._holds[changed].all())

@@ -16,7 +16,7 @@ import torch
 from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
 from .numba_math import prefetch_row, prefetch_row_for_write
 
-__all__ = ["gather_raw", "rows_from_raw", "rows_to_raw", "swap_rows", "swap_with_raw", "words"]
+__all__ = ["exchange_with_file", "gather_raw", "rows_from_raw", "rows_to_raw", "swap_rows", "swap_with_raw", "words"]
 
 _AHEAD = 16  # pairs between a prefetch and the swap (two random rows each)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integer views
@@ -188,4 +188,71 @@ def _swap_raw_kernel(col, rows, down, up, off):
         for j in range(w):
             down[i, off + j] = col[r, j]
             col[r, j] = up[i, off + j]
+    return True
+
+
+def exchange_with_file(cols: list, offsets: list, victims: torch.Tensor, down: torch.Tensor, file: torch.Tensor,
+                       up_at: torch.Tensor, up_dest: torch.Tensor, pads: list) -> bool:
+    """A tiered exchange into row files written as a log, every column in one pass over the rows:
+    ``down[i]`` (``[>= V, width]`` uint8, dense) gets row ``victims[i]`` of every column (column ``c`` at byte
+    ``offsets[c]``; the byte ranges ``pads`` zeroed), and row ``up_dest[i]`` of every column gets its bytes of
+    ``file[up_at[i]]`` (the file's raw rows ``[R, width]``), each victim's row read before it is overwritten
+    (``up_dest[i] == victims[i]`` for the paired rows). Each row's columns are touched once, the file's rows read
+    straight into the columns (no staging copy). True, or False with nothing written where a column is not dense
+    whole words (``[R, ...]`` rows contiguous), an offset not a word, or a row out of range (no rows: True)."""
+    if victims.numel() == 0 and up_at.numel() == 0:
+        return True
+    words_of = [words(c) for c in cols]
+    d, f = words(down), words(file)
+    if d is None or f is None or any(w is None or not w.flags.c_contiguous for w in words_of) \
+            or not d.flags.c_contiguous or not f.flags.c_contiguous or up_at.shape != up_dest.shape \
+            or any(o % 4 for o in offsets) or any(a % 4 or b % 4 for a, b in pads) or victims.numel() > d.shape[0]:
+        return False
+    offs = np.asarray([o // 4 for o in offsets], dtype=np.int64)
+    for w, o in zip(words_of, offs):
+        if o + w.shape[1] > d.shape[1]:
+            return False
+    pad = np.asarray([(a // 4, b // 4) for a, b in pads], dtype=np.int64).reshape(-1, 2)
+    return bool(_exchange_file_kernel(tuple(words_of), offs, victims.contiguous().numpy(), d, f,
+                                      up_at.contiguous().numpy(), up_dest.contiguous().numpy(), pad))
+
+
+@numba.njit(nogil=True, cache=True)
+def _exchange_file_kernel(cols, offs, victims, down, file, up_at, up_dest, pad):
+    v, u, nc = victims.shape[0], up_at.shape[0], len(cols)
+    rows = cols[0].shape[0]
+    for c in range(nc):
+        if cols[c].shape[0] != rows:
+            return False
+    for i in range(v):
+        if victims[i] < 0 or victims[i] >= rows:
+            return False
+    for i in range(u):
+        if up_dest[i] < 0 or up_dest[i] >= rows or up_at[i] < 0 or up_at[i] >= file.shape[0]:
+            return False
+    for i in range(max(u, v)):
+        a = i + _AHEAD
+        if a < v:
+            for c in range(nc):
+                prefetch_row_for_write(cols[c], victims[a])
+        if a < u:
+            prefetch_row(file, up_at[a])
+            if a >= v:
+                for c in range(nc):
+                    prefetch_row_for_write(cols[c], up_dest[a])
+        if i < v:
+            r = victims[i]
+            for c in range(nc):
+                col, o = cols[c], offs[c]
+                for j in range(col.shape[1]):
+                    down[i, o + j] = col[r, j]
+            for p in range(pad.shape[0]):
+                for j in range(pad[p, 0], pad[p, 1]):
+                    down[i, j] = 0
+        if i < u:
+            r, s = up_dest[i], up_at[i]
+            for c in range(nc):
+                col, o = cols[c], offs[c]
+                for j in range(col.shape[1]):
+                    col[r, j] = file[s, o + j]
     return True

@@ -23,7 +23,9 @@ import re
 import socket
 import shutil
 import tempfile
+import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -228,8 +230,47 @@ class LogStore(SlowStore):
         self._holds = None
         self._head = self._tail = 0
         self._fd = self._fd_closer = None
+        self._writes = []  # appends handed to the writer thread, not yet seen complete
         self.rewrites = 0  # counts rewrites (pack, growth): rows found before one have moved
         super().__init__(table, where, init_capacity=init_capacity)
+
+    # ---------------------------------------------------------------- appends in the background
+    #: appends written by a background thread (:func:`_writer`), off the step's critical path; False: at once
+    WRITE_BEHIND = True
+
+    def _sync(self) -> None:
+        """Wait for the appends in flight: every read of the mapping (the columns, the raw rows) comes after
+        them, so it sees each row appended (an error writing one is raised here)."""
+        while self._writes:
+            self._writes.pop(0).result()
+
+    @property
+    def _cols(self) -> dict:
+        self._sync()
+        return RowStore._cols.fget(self)
+
+    @_cols.setter
+    def _cols(self, columns: dict) -> None:
+        RowStore._cols.fset(self, columns)
+
+    def _column(self, name: str) -> torch.Tensor:
+        self._sync()
+        return self._columns[name]
+
+    @property
+    def row_keys(self) -> torch.Tensor:
+        self._sync()
+        return self._columns["key"]
+
+    @property
+    def _buf(self) -> torch.Tensor:
+        """The raw rows ``[capacity, width]`` (uint8) of the mapping, appends in flight written first."""
+        self._sync()
+        return self._raw
+
+    @_buf.setter
+    def _buf(self, raw: torch.Tensor) -> None:
+        self._raw = raw
 
     # ---------------------------------------------------------------- file and ring
     def _resize_columns(self, capacity: int, live: int) -> None:
@@ -241,6 +282,7 @@ class LogStore(SlowStore):
 
     def _opened(self, live: int) -> None:
         """After a new file: its descriptor, the ring holding rows ``0 .. live-1``."""
+        self._sync()
         if self._fd_closer is not None:
             self._fd_closer()
         self._fd = os.open(self._path, os.O_RDWR)
@@ -254,17 +296,25 @@ class LogStore(SlowStore):
         return self._tail == 0 and self._head == self._size
 
     def _write(self, raw: torch.Tensor) -> torch.Tensor:
-        """Append the raw rows ``raw [n, width]`` (uint8) at the head (room there checked); returns their rows."""
+        """Append the raw rows ``raw [n, width]`` (uint8; the caller no longer touches them) at the head (room
+        there checked); returns their rows. The ``pwrite`` runs on the writer thread (:attr:`WRITE_BEHIND`): it
+        releases the GIL, so the step goes on while the kernel copies the rows into the page cache."""
         n, cap, width = raw.shape[0], self.capacity, self._file_layout[1]
         start = self._head % cap
         first = min(n, cap - start)
-        _pwrite_all(self._fd, raw[:first], start * width)
-        if n > first:  # wrapped round
-            _pwrite_all(self._fd, raw[first:], 0)
+        parts = [(raw[:first], start * width)] + ([(raw[first:], 0)] if n > first else [])  # wrapped round
+        if self.WRITE_BEHIND:
+            self._writes.append(_writer().submit(self._write_parts, parts))
+        else:
+            self._write_parts(parts)
         rows = torch.arange(self._head, self._head + n) % cap
         self._head += n
         self._holds[rows] = True
         return rows
+
+    def _write_parts(self, parts: list) -> None:
+        for raw, offset in parts:
+            _pwrite_all(self._fd, raw, offset)
 
     def _make_room(self, n: int) -> bool:
         """Clean the tail until ``n`` rows fit before it; returns whether live rows moved (to the head)."""
@@ -434,9 +484,27 @@ class LogStore(SlowStore):
         self._head = self._tail = 0
 
     def close(self) -> None:
-        if self._fd_closer is not None:
-            self._fd_closer()
-        super().close()
+        try:
+            self._sync()
+        finally:
+            if self._fd_closer is not None:
+                self._fd_closer()
+            super().close()
+
+
+_WRITER: list = [None, None]  # (pid, executor): one writer thread a process, made on first use
+
+
+def _writer() -> ThreadPoolExecutor:
+    """The process's writer thread of :class:`LogStore` appends (one: a store's appends land in order, and the
+    step loses at most one core's share to it). A forked child makes its own."""
+    with _WRITER_LOCK:
+        if _WRITER[0] != os.getpid():
+            _WRITER[:] = [os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="dynemb-row-log")]
+        return _WRITER[1]
+
+
+_WRITER_LOCK = threading.Lock()
 
 
 def _pwrite_all(fd: int, raw: torch.Tensor, offset: int) -> None:

@@ -265,27 +265,15 @@ def _exchange_into_log(fast, slow, link, victims, up_keys, up_slots, up_at, move
     down_slots = index.find_slots(down_keys)
     kernels = _raw_kernels(link.backend)
     layout, width = slow._file_layout
-    padded = sum(nbytes for _, nbytes, _ in layout.values()) < width
+    pads = _pads(layout, width)
     # the rows going down, in the file's layout (padding zeroed: the files hold nothing but rows)
-    down = (torch.zeros if padded else torch.empty)((v, width), dtype=torch.uint8)
+    down = torch.empty((v, width), dtype=torch.uint8)
     fast_dest = torch.cat([victims[:k], torch.arange(fast._size, fast._size + u - k, device=fast.device)])
-    # each file row coming up read once, every column in it (a pass a column over the file's random rows missed
-    # on each)
-    up = None
-    if u:
-        up = kernels.gather_raw(slow._buf, up_at) if kernels is not None else None
-        if up is None:
-            up = slow._buf.index_select(0, up_at)
-    for name, col in fast_cols.items():
-        start, nbytes, shape = layout[name]
-        # the k paired rows swap in one pass over the victims' rows; the rest go one way
-        if kernels is not None and kernels.swap_with_raw(col, victims[:k], down, up if k else down, start) \
-                and kernels.rows_to_raw(down[k:], start, col, victims[k:]) \
-                and (u == k or kernels.rows_from_raw(col, fast_dest[k:], up, torch.arange(k, u), start)):
-            continue
-        _raw_view(down, start, nbytes, shape, col.dtype).copy_(col.index_select(0, victims))
-        if u:
-            col.index_copy_(0, fast_dest, _raw_view(up, start, nbytes, shape, col.dtype))
+    moves = _file_columns(fast_cols, layout)
+    # every column of a row in one pass, the file's rows read straight into the columns
+    if kernels is None or not kernels.exchange_with_file([col for col, _ in moves], [at for _, at in moves],
+                                                         victims, down, slow._buf, up_at, fast_dest, pads):
+        _exchange_by_column(kernels, fast_cols, layout, slow, victims, fast_dest, up_at, down, k, u, pads)
     if u:
         slow._compact(up_at)  # holes in the ring
     slow_dest = slow._append(down) if v else up_at[:0]
@@ -305,6 +293,58 @@ def _exchange_into_log(fast, slow, link, victims, up_keys, up_slots, up_at, move
         fast._compact(victims[k:])
         return None
     return fast_dest
+
+
+def _exchange_by_column(kernels, fast_cols, layout, slow, victims, fast_dest, up_at, down, k, u, pads) -> None:
+    """The column moves of :func:`_exchange_into_log` a column at a time (where the one-pass kernel does not take
+    the columns, or without numba): the file's rows coming up gathered first, read once each."""
+    for a, b in pads:
+        down[:, a:b] = 0
+    up = None
+    if u:
+        up = kernels.gather_raw(slow._buf, up_at) if kernels is not None else None
+        if up is None:
+            up = slow._buf.index_select(0, up_at)
+    for name, col in fast_cols.items():
+        start, nbytes, shape = layout[name]
+        # the k paired rows swap in one pass over the victims' rows; the rest go one way
+        if kernels is not None and kernels.swap_with_raw(col, victims[:k], down, up if k else down, start) \
+                and kernels.rows_to_raw(down[k:], start, col, victims[k:]) \
+                and (u == k or kernels.rows_from_raw(col, fast_dest[k:], up, torch.arange(k, u), start)):
+            continue
+        _raw_view(down, start, nbytes, shape, col.dtype).copy_(col.index_select(0, victims))
+        if u:
+            col.index_copy_(0, fast_dest, _raw_view(up, start, nbytes, shape, col.dtype))
+
+
+def _file_columns(cols: dict, layout: dict) -> list:
+    """``[(column, byte offset in a file row)]`` for the one-pass kernel: a table's paired stamps (score and
+    version side by side in one ``[N, 2]`` tensor, as in the file's rows) as one column, moved in one pass."""
+    score, version = cols.get("score"), cols.get("version")
+    paired = score is not None and version is not None and score.dim() == version.dim() == 1 \
+        and score.dtype == version.dtype and score.stride(0) == version.stride(0) == 2 \
+        and version.data_ptr() == score.data_ptr() + score.element_size() \
+        and layout["version"][0] == layout["score"][0] + score.element_size()
+    out = []
+    for name, col in cols.items():
+        if paired and name == "version":
+            continue
+        if paired and name == "score":
+            col = torch.as_strided(col, (col.shape[0], 2), (2, 1))
+        out.append((col, layout[name][0]))
+    return out
+
+
+def _pads(layout: dict, width: int) -> list:
+    """Byte ranges ``[(start, end)]`` of a file row that no column covers (written as zeros)."""
+    pads, at = [], 0
+    for start, nbytes, _ in sorted(layout.values()):
+        if start > at:
+            pads.append((at, start))
+        at = max(at, start + nbytes)
+    if width > at:
+        pads.append((at, width))
+    return pads
 
 
 def _raw_view(raw: torch.Tensor, start: int, nbytes: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
