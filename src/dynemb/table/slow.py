@@ -302,19 +302,21 @@ class LogStore(SlowStore):
         n, cap, width = raw.shape[0], self.capacity, self._file_layout[1]
         start = self._head % cap
         first = min(n, cap - start)
-        parts = [(raw[:first], start * width)] + ([(raw[first:], 0)] if n > first else [])  # wrapped round
+        parts = [(_bytes(raw[:first]), start * width)] + ([(_bytes(raw[first:]), 0)] if n > first else [])
         if self.WRITE_BEHIND:
             self._writes.append(_writer().submit(self._write_parts, parts))
         else:
             self._write_parts(parts)
-        rows = torch.arange(self._head, self._head + n) % cap
         self._head += n
-        self._holds[rows] = True
-        return rows
+        self._holds[start:start + first] = True  # one range, or two where it wrapped round
+        self._holds[:n - first] = True
+        if n == first:
+            return torch.arange(start, start + n)
+        return torch.cat([torch.arange(start, cap), torch.arange(n - first)])
 
     def _write_parts(self, parts: list) -> None:
-        for raw, offset in parts:
-            _pwrite_all(self._fd, raw, offset)
+        for data, offset in parts:
+            _pwrite_bytes(self._fd, data, offset)
 
     def _make_room(self, n: int) -> bool:
         """Clean the tail until ``n`` rows fit before it; returns whether live rows moved (to the head)."""
@@ -507,10 +509,19 @@ def _writer() -> ThreadPoolExecutor:
 _WRITER_LOCK = threading.Lock()
 
 
+def _bytes(raw: torch.Tensor) -> memoryview:
+    """The bytes of the rows ``raw`` (a view where they are contiguous)."""
+    return memoryview(raw.contiguous().numpy()).cast("B")
+
+
 def _pwrite_all(fd: int, raw: torch.Tensor, offset: int) -> None:
-    """Write the contiguous rows ``raw`` at byte ``offset`` of ``fd`` (a regular file writes all at once; loop
-    for the rare short write)."""
-    data = memoryview(raw.contiguous().numpy()).cast("B")
+    """Write the rows ``raw`` at byte ``offset`` of ``fd``."""
+    _pwrite_bytes(fd, _bytes(raw), offset)
+
+
+def _pwrite_bytes(fd: int, data: memoryview, offset: int) -> None:
+    """Write ``data`` at byte ``offset`` of ``fd`` (a regular file writes all at once; loop for the rare short
+    write)."""
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:], offset + done)
