@@ -11,7 +11,8 @@ import torch
 import pytest
 
 from dynemb.table import KeyValueTable, Rows, TieredTable, Tiers, tiered
-from dynemb.table.slow import LogStore
+from dynemb.kernels import numba_tiers
+from dynemb.table.slow import LogStore, SlowStore
 
 
 @pytest.fixture(autouse=True)
@@ -57,8 +58,14 @@ def test_a_log_store_keeps_rows_through_growth_slots_casts_and_exchanges(tmp_pat
     assert not os.path.exists(store.directory)
 
 
-def test_a_tiered_table_over_a_log_equals_an_untiered_one_through_turns_of_the_ring(tmp_path, monkeypatch):
+@pytest.mark.parametrize("write_behind", [True, False])
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_a_tiered_table_over_a_log_equals_an_untiered_one_through_turns_of_the_ring(tmp_path, monkeypatch,
+                                                                                     write_behind, one_pass):
     monkeypatch.setattr(LogStore, "_CLEAN_MIN", 8)  # a small ring: many turns, cleaning a few rows at a time
+    monkeypatch.setattr(LogStore, "WRITE_BEHIND", write_behind)  # appends on the writer thread, or at once
+    if not one_pass:  # the column-at-a-time moves (columns the one-pass kernel does not take, torch backends)
+        monkeypatch.setattr(numba_tiers, "exchange_with_file", lambda *args: False)
     torch.manual_seed(3)
     tiered = TieredTable(4, tiers=Tiers(fast_capacity=40, slow=str(tmp_path)), initializer="normal", seed=5)
     flat = KeyValueTable(4, initializer="normal", seed=5)
@@ -111,3 +118,71 @@ def test_rows_going_down_never_write_through_the_mapping(tmp_path):
         # every byte that changed came from a pwrite: rows appended at the head (positions the ring handed out)
         assert bool(log._holds[changed].all())
     assert log._buf is view
+
+
+def test_the_in_place_row_files_stay_the_fallback(tmp_path, monkeypatch):
+    """``tiered.ROW_FILES_AS_LOG = False``: rows written in place through the mapping (a SlowStore), with the same
+    results."""
+    monkeypatch.setattr(tiered, "ROW_FILES_AS_LOG", False)
+    torch.manual_seed(4)
+    table = TieredTable(4, tiers=Tiers(fast_capacity=40, slow=str(tmp_path)), initializer="normal", seed=5)
+    flat = KeyValueTable(4, initializer="normal", seed=5)
+    assert type(table.slow) is SlowStore
+    for _ in range(60):
+        keys = torch.randint(0, 300, (30,)).unique()
+        rows = [t.find_or_insert(keys)[0] for t in (table, flat)]
+        grad = torch.randn(keys.numel(), 4)
+        for t, r in zip((table, flat), rows):
+            t.values[r] += grad
+    _same(table, flat)
+
+
+def test_the_one_pass_kernel_moves_what_the_column_moves_do():
+    """``numba_tiers.exchange_with_file`` against the column-at-a-time kernels: the same rows down (pads zeroed),
+    the same columns after; paired rows, rows only going down, only coming up; columns it does not take refused."""
+    from dynemb.table.tier_moves import _exchange_by_column, _file_columns, _pads
+    from dynemb.table.slow import _layout
+
+    torch.manual_seed(0)
+    table = KeyValueTable(6, initializer="normal")
+    table.add_slot("m", 3)
+    table.find_or_insert(torch.arange(50))
+    layout, width = _layout({n: (tuple(c.shape[1:]), c.dtype) for n, c in table._cols.items()})
+    pads = _pads(layout, width)
+    assert pads and width % 8 == 0
+    file = torch.randint(0, 255, (80, width), dtype=torch.uint8)
+    for v, u in ((10, 10), (10, 4), (3, 9), (0, 5), (7, 0)):
+        victims, up_at = torch.randperm(50)[:v], torch.randperm(80)[:u]
+        k = min(u, v)
+        dest = torch.cat([victims[:k], torch.arange(50, 50 + u - k)])
+        results = []
+        for one_pass in (True, False):
+            cols = {n: torch.cat([c[:50], torch.zeros((20,) + tuple(c.shape[1:]), dtype=c.dtype)])
+                    for n, c in table._cols.items() if n not in ("score", "version")}
+            stamps = torch.cat([torch.stack([table._cols["score"][:50], table._cols["version"][:50]], 1),
+                                torch.zeros(20, 2, dtype=torch.int64)])
+            cols = {"key": cols["key"], "value": cols["value"], "score": stamps[:, 0], "version": stamps[:, 1],
+                    "slot:m": cols["slot:m"]}
+            cols = {n: cols[n] for n in table._cols}  # the table's column order
+            down = torch.full((v, width), 7, dtype=torch.uint8)
+            if one_pass:
+                moves = _file_columns(cols, layout)
+                assert len(moves) == len(cols) - 1  # the stamps paired
+                assert numba_tiers.exchange_with_file([c for c, _ in moves], [a for _, a in moves], victims, down,
+                                                      file, up_at, dest, pads)
+            else:
+                _exchange_by_column(numba_tiers, cols, layout, _Raw(file), victims, dest, up_at, down, k, u, pads)
+            results.append((down, cols))
+        (d1, c1), (d2, c2) = results
+        assert torch.equal(d1, d2)
+        assert all(torch.equal(c1[n], c2[n]) for n in c1)
+    half = table.values.to(torch.bfloat16)  # 2-byte rows of 6 values: whole words, but the offsets checked
+    assert not numba_tiers.exchange_with_file([half], [2], torch.arange(2), torch.zeros(2, 16, dtype=torch.uint8),
+                                              file[:, :16].contiguous(), torch.arange(2), torch.arange(2), [])
+
+
+class _Raw:
+    """A stand-in for a LogStore's raw rows (what the column moves read)."""
+
+    def __init__(self, raw):
+        self._buf = raw

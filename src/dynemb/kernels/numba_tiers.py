@@ -72,7 +72,7 @@ def words(t: torch.Tensor):
         return None
     if (rows.shape[1] * size) % 4 or (rows.stride(0) * size) % 4 or rows.data_ptr() % 4:
         return None
-    return rows.numpy().view(np.int32)
+    return rows.view(_BITS[size]).numpy().view(np.int32)  # as bits: numpy has no bfloat16
 
 
 def gather_raw(raw: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
@@ -204,6 +204,8 @@ def exchange_with_file(cols: list, offsets: list, victims: torch.Tensor, down: t
         return True
     words_of = [words(c) for c in cols]
     d, f = words(down), words(file)
+    if d is None and victims.numel() == 0 and down.dim() == 2 and down.shape[1] % 4 == 0:
+        d = np.empty((1, down.shape[1] // 4), dtype=np.int32)  # no row goes down: a row never written
     if d is None or f is None or any(w is None or not w.flags.c_contiguous for w in words_of) \
             or not d.flags.c_contiguous or not f.flags.c_contiguous or up_at.shape != up_dest.shape \
             or any(o % 4 for o in offsets) or any(a % 4 or b % 4 for a, b in pads) or victims.numel() > d.shape[0]:
