@@ -17,7 +17,7 @@ from dynemb.table.slow import LogStore, SlowStore
 
 @pytest.fixture(autouse=True)
 def _as_log(monkeypatch):
-    monkeypatch.setattr(tiered, "ROW_FILES_AS_LOG", True)  # off by default (see its comment)
+    monkeypatch.setattr(tiered, "ROW_FILES_AS_LOG", True)  # the default, whatever a test before set
 
 
 def _rows(keys: torch.Tensor, dim: int) -> Rows:

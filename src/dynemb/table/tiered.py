@@ -38,10 +38,11 @@ __all__ = ["Tiers", "TieredTable", "tier_traffic"]
 #: the most rows a three-level table's host level may be given: half its row ids (a call may pass the budget)
 HOST_ROWS = (DISK_BASE - SLOW_BASE) // 2
 
-#: row files written as a log (:class:`~dynemb.table.slow.LogStore`: rows going down appended with ``pwrite``, the
-#: mapping only read), not in place. Off: it removes the page faults after each of the kernel's write-backs, but the
-#: train step measured no faster at a 20% fast tier and slower at 10% (pwrite and cleaning; BENCHMARKS.md)
-ROW_FILES_AS_LOG = False
+#: row files written as a log (:class:`~dynemb.table.slow.LogStore`: rows going down appended with ``pwrite`` on a
+#: writer thread, the mapping only read), which removes the page faults after each of the kernel's write-backs (the
+#: train step 2-4x slower for ~50 steps); False (set before a table is made): rows written in place through the
+#: mapping, the earlier way, kept as a fallback (BENCHMARKS.md, "Tiered tables")
+ROW_FILES_AS_LOG = True
 
 #: fraction of the fast tier one scan of its scores picks to move down over the next calls (:class:`VictimQueue`)
 QUEUE = 1 / 4
