@@ -304,6 +304,9 @@ class LogStore(SlowStore):
         first = min(n, cap - start)
         parts = [(_bytes(raw[:first]), start * width)] + ([(_bytes(raw[first:]), 0)] if n > first else [])
         if self.WRITE_BEHIND:
+            # at most one append in flight a store (the step's last is long done by its next): a stream of puts
+            # (a checkpoint loading) holds one chunk's bytes, not all of them
+            self._sync()
             self._writes.append(_writer().submit(self._write_parts, parts))
         else:
             self._write_parts(parts)
