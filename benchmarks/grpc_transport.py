@@ -1,8 +1,11 @@
 """What the transports cost alone: the demo model's 256-row request (26 INT64 + 13 FP32 inputs) answered by a handler
-that only parses it and returns 256 FP64 values, over HTTP (uvicorn on uvloop, the KServe binary tensor extension,
-a geventhttpclient connection: what ``dynemb serve`` and ``tritonclient.http`` use) and over gRPC (``grpc.aio`` on
-uvloop as ``dynemb serve`` runs it, or a sync ``grpc.server`` on a 2-thread pool; a grpcio channel sending the
-serialized ``ModelInferRequest``, or ``tritonclient.grpc`` building it from numpy arrays as a user does).
+that only parses it (as ``dynemb serve`` reads it: ``parse_body``, ``InferRequests``; ``request_dict`` for the
+other gRPC servers) and returns 256 FP64 values, over HTTP (uvicorn on uvloop, the KServe binary tensor extension,
+a geventhttpclient connection: what ``dynemb serve`` and ``tritonclient.http`` use) and over gRPC: ``grpc-loop`` is
+what ``dynemb serve`` runs (``dynemb.endpoint.grpc_http2``: HTTP/2 as an asyncio protocol on uvloop, no threads),
+``grpclib`` the pure-Python asyncio server over ``h2``, ``grpc-aio`` grpcio's ``grpc.aio`` server on uvloop (what
+``dynemb serve`` ran before); a grpcio channel sending the serialized ``ModelInferRequest``, or ``tritonclient.grpc``
+building it from numpy arrays as a user does.
 
 The floor under ``benchmarks/serve_endpoint.py``'s "added" figures: each server is its own process and every process
 is pinned to one CPU (as the paired rows there); requests to the servers alternate (one of each per round, the order
@@ -15,13 +18,14 @@ Run: ``python benchmarks/grpc_transport.py [--quick] [--json PATH] [--requests N
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import os
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from concurrent import futures
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +36,8 @@ from _common import machine_info, parser, print_table, write_json  # noqa: E402
 
 ROWS, INT_INPUTS, FLOAT_INPUTS = 256, 26, 13
 OUT = np.random.default_rng(1).random(ROWS).astype("<f8")
+# grpclib (not a dependency: measured when installed) was the other option for gRPC on the event loop
+GRPC_KINDS = ("grpc-loop", *(("grpclib",) if importlib.util.find_spec("grpclib") else ()), "grpc-aio")
 
 
 def arrays() -> list[tuple[str, str, np.ndarray]]:
@@ -71,6 +77,7 @@ def serve_http(port: int) -> None:
 
 def serve_grpc(kind: str, port: int) -> None:
     import grpc
+    import uvloop
     from tritonclient.grpc import service_pb2 as pb
     from tritonclient.grpc import service_pb2_grpc as pb_grpc
     from dynemb.endpoint.grpc_server import request_dict
@@ -86,22 +93,49 @@ def serve_grpc(kind: str, port: int) -> None:
         async def ModelInfer(self, request, context):
             return reply(request)
 
-    class Sync(pb_grpc.GRPCInferenceServiceServicer):
-        def ModelInfer(self, request, context):
-            return reply(request)
+    if kind == "grpc-loop":  # what dynemb serve runs: HTTP/2 on the event loop (dynemb.endpoint.grpc_http2)
+        from dynemb.endpoint.grpc_http2 import Http2GrpcServer
+        from dynemb.endpoint.grpc_server import InferRequests
 
-    options = [("grpc.so_reuseport", 0)]
-    if kind == "grpc-sync":
-        server = grpc.server(futures.ThreadPoolExecutor(2), options=options)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Sync(), server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        server.start()
-        server.wait_for_termination()
-        return
-    import uvloop
+        requests = InferRequests()  # as dynemb serve reads them: a header seen before, without protobuf
+
+        async def infer(message, metadata):
+            _, _, request_id, _ = requests.parse(message)
+            out = pb.ModelInferResponse(model_name="ctr", model_version="1", id=request_id)
+            out.outputs.add(name="p", datatype="FP64", shape=[ROWS])
+            out.raw_output_contents.append(OUT.tobytes())
+            return out.SerializeToString()
+
+        async def loop_main():
+            sock = socket.socket()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.bind(("127.0.0.1", port))
+            server = Http2GrpcServer({"/inference.GRPCInferenceService/ModelInfer": infer})
+            await server.start(sock)
+            await asyncio.Event().wait()
+
+        return uvloop.run(loop_main())
+    if kind == "grpclib":  # grpclib's asyncio server over h2, with tritonclient's message classes
+        from grpclib.const import Cardinality, Handler
+        from grpclib.server import Server
+
+        class Service:
+            async def infer(self, stream):
+                await stream.send_message(reply(await stream.recv_message()))
+
+            def __mapping__(self):
+                return {"/inference.GRPCInferenceService/ModelInfer": Handler(
+                    self.infer, Cardinality.UNARY_UNARY, pb.ModelInferRequest, pb.ModelInferResponse)}
+
+        async def grpclib_main():
+            server = Server([Service()])
+            await server.start("127.0.0.1", port)
+            await server.wait_closed()
+
+        return uvloop.run(grpclib_main())
 
     async def main():
-        server = grpc.aio.server(options=options)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(Aio(), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
@@ -161,7 +195,7 @@ def clients(ports: dict) -> dict:
         request.raw_input_contents.append(a.tobytes())
     message = request.SerializeToString()
     calls = {"http binary": ("http", http_call)}
-    for kind in ("grpc-aio", "grpc-sync"):
+    for kind in GRPC_KINDS:
         channel = grpc.insecure_channel(f"127.0.0.1:{ports[kind]}")
         stub = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
                                    response_deserializer=pb.ModelInferResponse.FromString)
@@ -170,7 +204,7 @@ def clients(ports: dict) -> dict:
         def grpc_call(stub=stub):
             return np.frombuffer(stub(message, timeout=60).raw_output_contents[0], "<f8")
         calls[f"{kind} grpcio"] = (kind, grpc_call)
-    triton = tgrpc.InferenceServerClient(f"127.0.0.1:{ports['grpc-aio']}")
+    triton = tgrpc.InferenceServerClient(f"127.0.0.1:{ports['grpc-loop']}")
 
     def triton_call():
         inputs = []
@@ -179,7 +213,7 @@ def clients(ports: dict) -> dict:
             x.set_data_from_numpy(a)
             inputs.append(x)
         return triton.infer("ctr", inputs).as_numpy("p")
-    calls["grpc-aio tritonclient.grpc"] = ("grpc-aio", triton_call)
+    calls["grpc-loop tritonclient.grpc"] = ("grpc-loop", triton_call)
     return calls
 
 
@@ -194,7 +228,7 @@ def main() -> None:
     if hasattr(os, "sched_setaffinity"):  # this process and the servers (inherited) on one CPU
         os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ports = {kind: free_port() for kind in ("http", "grpc-aio", "grpc-sync")}
+    ports = {kind: free_port() for kind in ("http", *GRPC_KINDS)}
     procs = {kind: subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port)], env=env)
              for kind, port in ports.items()}
     try:

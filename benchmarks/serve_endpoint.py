@@ -16,7 +16,7 @@ per body, so that a busy machine slows both alike; ``added_cpu_ms`` the same in 
 plus the server process's, against the in-process call's: what the endpoint costs, unaffected by time spent
 descheduled; ``client_cpu_ms`` and ``server_cpu_ms`` its two parts). ``--interleave`` times the paired rows of all
 encodings in one loop, their order rotating (one after the other, the first encoding timed ran slower on a busy
-machine).
+machine), and for each encoding the in-process call first in half of its pairs.
 ``requests_per_forward`` comes from the server's statistics route (``execution_count``). The freshness run
 below serves from a uvicorn thread of this process, to compare each reply with the training model's own predictions.
 
@@ -299,7 +299,10 @@ def paired_interleaved(server, server_pid: int, model: ServedModel, bodies: list
             body = bodies[k % len(bodies)]
             for j in range(len(encodings)):
                 e = encodings[(k + j) % len(encodings)]
-                for inproc in ((False, True) if (k + j) % 2 else (True, False)):
+                # the pair's order alternates per encoding (k // len: with two encodings, (k + j) % 2 gave each
+                # encoding always the same order, and the call after a request runs beside the server's
+                # post-reply work)
+                for inproc in ((False, True) if (k // len(encodings) + j) % 2 else (True, False)):
                     s0, t0, c0 = cpu_seconds(server_pid), time.perf_counter(), time.process_time()
                     if inproc:
                         model.predict(body.batch)

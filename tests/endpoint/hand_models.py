@@ -121,3 +121,25 @@ def train(model: nn.Module, batches, steps: int) -> None:
         for opt in sparse:
             opt.step()
             opt.zero_grad()
+
+
+class SparseOnly(nn.Module):
+    """``forward(sparse: KJT of F features) -> scores [B]``: fed by a ``KeyedJaggedTensor`` alone, so no input has
+    a row per sample (its batch size is the KJT's stride, ``lengths.numel() // F``)."""
+
+    def __init__(self, features: int = 3, dim: int = 8) -> None:
+        super().__init__()
+        self.keys = [f"cat_{i}" for i in range(features)]
+        self.sparse_arch = EmbeddingCollection(
+            [TableConfig(name=f"s_cat_{i}", dim=dim) for i in range(features)],
+            [FeatureConfig(name=k, table=f"s_cat_{i}", combiner="sum") for i, k in enumerate(self.keys)])
+        self.over_arch = nn.Linear(features * dim, 1)
+
+    def forward(self, sparse: KJT) -> torch.Tensor:
+        pooled = self.sparse_arch(sparse)
+        return self.over_arch(torch.cat([pooled[k] for k in self.keys], 1)).squeeze(1)
+
+
+def sparse_only_batch(model: SparseOnly, rows: int, g: torch.Generator, ids: int = 50) -> tuple:
+    lengths = torch.randint(0, 3, (len(model.keys) * rows,), generator=g)
+    return (KJT(model.keys, torch.randint(0, ids, (int(lengths.sum()),), generator=g), lengths),)

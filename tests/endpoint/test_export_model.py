@@ -105,7 +105,7 @@ def test_the_export_names_the_users_inputs_and_binds_lookups_by_name(exported):
                                  {"name": "sparse_values", "dtype": "int64", "shape": [-1]},
                                  {"name": "sparse_lengths", "dtype": "int64", "shape": [-1]}]
     assert program["outputs"] == [{"name": "output", "dtype": "float32", "shape": [-1]}]
-    assert program["batch_input"] == "dense"
+    assert (program["batch_input"], program["batch_divisor"]) == ("dense", 1)
     assert sorted(manifest["tables"]) == ["t_cat_0", "t_cat_1", "t_cat_2"]
     assert list(program["collections"]) == ["sparse_arch"]
     two = json.loads((exported / "two_tower" / "version-00000001" / "manifest.json").read_text())["program"]

@@ -48,16 +48,16 @@ def _requests():
     return out
 
 
-@pytest.mark.parametrize("tiers", ["memory", "redis", "memory+lmdb"])
+@pytest.mark.parametrize("tiers", ["memory", "redis", "memory+lmdb", "redis+lmdb"])
 def test_lookup_concat_answers_as_the_per_table_path_and_the_tables(tmp_path, request, tiers):
     tables = _tables()
     export_for_serving(tmp_path / "export", torch.nn.ModuleDict(tables))
-    volatile = ({"type": "redis", "address": request.getfixturevalue("redis_address")} if tiers == "redis"
+    volatile = ({"type": "redis", "address": request.getfixturevalue("redis_address")} if "redis" in tiers
                 else {"type": "memory"})
     servers = []
     for grouped in (True, False):
         persistent = {"type": "lmdb", "path": str(tmp_path / f"lmdb{grouped}")} if "lmdb" in tiers else None
-        if tiers == "redis" and not grouped:  # two servers in one Redis would share their tables' rows
+        if "redis" in tiers and not grouped:  # two servers in one Redis would share their tables' rows
             volatile = {"type": "memory"}
         servers.append(_server(tmp_path / "export", volatile, persistent, grouped))
     if "lmdb" in tiers:  # rows only the persistent tier has
@@ -197,7 +197,7 @@ FUSED_SPECS = {"u": (8, "uniform", 2), "v": (8, Uniform(-0.3, 0.7), 9), "z": (8,
                "k": (8, "uniform", 4)}
 
 
-@pytest.mark.parametrize("tiers", ["memory", "redis", "memory+lmdb"])
+@pytest.mark.parametrize("tiers", ["memory", "redis", "memory+lmdb", "redis+lmdb"])
 def test_the_fused_path_answers_as_the_per_table_path_bit_for_bit(tmp_path, request, tiers):
     # one float32 cache on the CPU: lookup_concat, lookup_many and lookup_stacked take the fused path (two numba
     # calls); the same rows (default rows kernel-computed, "k" a constant 0.25 from the config) and counts as the
@@ -208,12 +208,12 @@ def test_the_fused_path_answers_as_the_per_table_path_bit_for_bit(tmp_path, requ
         emb(KEYS)
     tables["u"].insert_or_assign(KEYS[4:6], torch.tensor([[-0.0] * 8, [0.0, -0.0] * 4]))
     export_for_serving(tmp_path / "export", torch.nn.ModuleDict(tables))
-    volatile = ({"type": "redis", "address": request.getfixturevalue("redis_address")} if tiers == "redis"
+    volatile = ({"type": "redis", "address": request.getfixturevalue("redis_address")} if "redis" in tiers
                 else {"type": "memory"})
     servers = []
     for k, (grouped, fused) in enumerate([(True, True), (False, True), (True, False)]):  # fused, per table, not fused
         persistent = {"type": "lmdb", "path": str(tmp_path / f"lmdb{k}")} if "lmdb" in tiers else None
-        if tiers == "redis" and k:  # two servers in one Redis would share their tables' rows
+        if "redis" in tiers and k:  # two servers in one Redis would share their tables' rows
             volatile = {"type": "memory"}
         ps = ParameterServer.from_config({"models": [{
             "model": "m", "sparse_files": [str(tmp_path / "export")], "embedding_table_names": list(FUSED_SPECS),

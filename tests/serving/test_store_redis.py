@@ -131,6 +131,7 @@ def test_password(tmp_path):
         store = redis_store(server.address, password="s3cret")
         store.put("t", torch.tensor([3]), torch.ones(1, 4))
         assert store.get("t", torch.tensor([3]))[1].all()
+        assert store.get_concat(["t"], torch.tensor([3, 4]), [2])[1].tolist() == [True, False]  # a reader connection
         assert server.client().hexists(SCHEMA_KEY, "t")
     finally:
         server.kill()
@@ -155,7 +156,7 @@ def test_get_concat_sends_redis_py_s_bytes_and_answers_as_get_many(redis_server,
         keys = torch.cat([torch.cat([keys_of[name], torch.tensor([5, -5, 2**40])])[
             torch.randint(0, 57, (n,), generator=g)] for name, n in zip(names, sizes)])
         table_of = torch.repeat_interleave(torch.arange(3), torch.tensor(sizes))
-        packed, commands = pack_mget(keys, table_of, *store._packing(tuple(names)), 3)
+        packed, commands = pack_mget(keys, table_of, *store._packing(tuple(names))[:4], 3)
         wire = store._names(tuple(names), keys, sizes)
         conn = store._client.connection_pool.get_connection()
         try:
@@ -170,3 +171,131 @@ def test_get_concat_sends_redis_py_s_bytes_and_answers_as_get_many(redis_server,
     redis_server.restart()
     assert not store.get_concat(names, keys, sizes)[1].any()  # a restart without persistence loses the rows
     store.close()
+
+
+def test_get_concat_into_writes_the_rows_found_and_leaves_the_others(redis_server, redis_address):
+    # the fused path's read: MGET replies (nulls among them, several commands of 3 names) parsed into the caller's
+    # rows by numba; the same rows and found flags as get_many, bit for bit, for 0, 1 and many keys of tables in
+    # any order, float32 and float16 rows (the 16-bit words 8-bit rows are stored as); rows of keys Redis lacks
+    # stay as they were
+    import numpy as np
+
+    store = RedisStore(RedisStoreConfig(address=redis_address, shards=4, chunk_size=3))
+    g = torch.Generator().manual_seed(5)
+    for names, dtype in ((("a", "bb"), torch.float32), (("h",), torch.float16)):
+        for name in names:
+            store.create_table(name, dim=5, dtype=dtype)
+            store.put(name, torch.arange(40) - 20, torch.randn(40, 5, generator=g).to(dtype))
+        for n in (0, 1, 1, 2, 17, 60):
+            keys = torch.randint(-30, 30, (n,), generator=g)
+            keys[::7] = torch.tensor([2**63 - 1, -(2**63)])[torch.randint(0, 2, keys[::7].shape, generator=g)]
+            table_of = torch.randint(0, len(names), (n,), generator=g)
+            out = np.full((n, 5), 7.0, dtype=np.float32 if dtype == torch.float32 else np.float16)
+            found = store.get_concat_into(names, keys.numpy(), table_of.numpy(), out)
+            want_values, want_found = torch.zeros(n, 5, dtype=dtype), torch.zeros(n, dtype=torch.bool)
+            for t, name in enumerate(names):
+                at = (table_of == t).nonzero().squeeze(1)
+                want_values[at], want_found[at] = store.get(name, keys[at])
+            assert torch.equal(torch.from_numpy(found), want_found) and found.dtype == np.bool_
+            assert torch.equal(torch.from_numpy(out)[want_found], want_values[want_found])
+            assert bool((out[~found] == 7.0).all()) and (n < 17 or 0 < found.sum() < n)
+            order = torch.argsort(table_of, stable=True)  # get_concat: the keys of each table one after the other
+            sizes = torch.bincount(table_of, minlength=len(names)).tolist()
+            values, found_concat = store.get_concat(names, keys[order], sizes)
+            assert torch.equal(found_concat, want_found[order]) and torch.equal(values, want_values[order])
+    keys, table_of = np.arange(3, dtype=np.int64), np.zeros(3, np.int64)
+    for bad, match in (((("a", "h"), keys, table_of, np.zeros((3, 5), np.float32)), "share one schema"),
+                       ((("a",), keys.astype(np.int32), table_of, np.zeros((3, 5), np.float32)), "1-D int64"),
+                       ((("a",), keys, table_of + 1, np.zeros((3, 5), np.float32)), r"index the 1 tables"),
+                       ((("a",), keys, table_of, np.zeros((3, 4), np.float32)), r"\[3, 5\] numpy array"),
+                       ((("a",), keys, table_of[:2], np.zeros((3, 5), np.float32)), r"\[3\] int64")):
+        with pytest.raises(ValueError, match=match):
+            store.get_concat_into(*bad)
+    store.close()
+
+
+def test_the_reply_parser_takes_replies_split_anywhere_and_names_what_is_wrong():
+    # read_mget_reply resumes where the bytes stopped (a row split over two reads), reads RESP2 and RESP3 nulls,
+    # and reports an error reply, a row of another length (its key's position) and bytes that are no MGET reply
+    import numpy as np
+
+    from dynemb.kernels.numba_find_many import (MGET_BAD_LENGTH, MGET_BAD_REPLY, MGET_DONE, MGET_ERROR_REPLY,
+                                                MGET_RUNNING, mget_reply_state, read_mget_reply)
+
+    reply = b"*3\r\n$4\r\nabcd\r\n$-1\r\n_\r\n*1\r\n$4\r\n\r\n\r\n\r\n"  # the last row: 4 bytes of CRLFs
+    for step in (1, 2, 5, len(reply)):
+        buf = np.frombuffer(reply, np.uint8)
+        out, found, state = np.full((4, 4), 9, np.uint8), np.zeros(4, np.bool_), mget_reply_state(2)
+        for end in list(range(step, len(reply), step)) + [len(reply)]:
+            status = read_mget_reply(buf, end, state, out, found, False)
+            assert status == (MGET_DONE if end == len(reply) else MGET_RUNNING)
+        assert found.tolist() == [True, False, False, True]
+        assert bytes(out[0]) == b"abcd" and bytes(out[3]) == b"\r\n\r\n" and bool((out[1:3] == 9).all())
+    zeroed = np.full((3, 4), 9, np.uint8)
+    assert read_mget_reply(np.frombuffer(reply, np.uint8), len(reply), mget_reply_state(1), zeroed,
+                           np.zeros(4, np.bool_), True) == MGET_DONE and bool((zeroed[1:] == 0).all())
+    for wrong, status, at in ((b"-NOPERM no\r\n", MGET_ERROR_REPLY, 0), (b"*1\r\n$5\r\nabcde\r\n", MGET_BAD_LENGTH, 0),
+                              (b"*2\r\n$-1\r\n$3\r\nabc\r\n", MGET_BAD_LENGTH, 1), (b"+OK\r\n", MGET_BAD_REPLY, 0),
+                              (b"*1\r\n$4\r\nabcdXY", MGET_BAD_REPLY, 0), (b"*9\r\n", MGET_BAD_REPLY, 0),
+                              (b"*1\r\n:4\r\n", MGET_BAD_REPLY, 0)):
+        state = mget_reply_state(1)
+        assert read_mget_reply(np.frombuffer(wrong, np.uint8), len(wrong), state, np.zeros((4, 4), np.uint8),
+                               np.zeros(4, np.bool_), False) == status
+        if status == MGET_BAD_LENGTH:
+            assert state[1] == at and state[5] in (5, 3)
+
+
+def test_get_concat_names_a_corrupt_row_and_fails_as_redis_fails(redis_server, redis_address):
+    # the numba reply parser's failures: a row of another length names its key; an error reply (an ACL that
+    # refuses MGET) is a StoreError and the connection serves again once MGET is allowed; a frozen server times out
+    import numpy as np
+
+    store = redis_store(redis_address, shards=1, timeout_s=0.3)
+    client = redis_server.client()
+    client.set(b"{t:0}" + (2**63 + 5).to_bytes(8, "big"), b"short")
+    keys = torch.tensor([4, 5, 6])
+    into = (("t",), keys.numpy(), np.zeros(3, np.int64), np.zeros((3, 4), np.float32))
+    for call in (lambda: store.get_concat(["t"], keys, [3]), lambda: store.get_concat_into(*into)):
+        with pytest.raises(StoreCorruptError, match="stored row for key 5 has 5 bytes"):
+            call()
+    client.delete(b"{t:0}" + (2**63 + 5).to_bytes(8, "big"))
+    store.put("t", torch.tensor([6]), torch.ones(1, 4))
+    client.execute_command("ACL", "SETUSER", "default", "-mget")
+    try:
+        with pytest.raises(StoreError, match="NOPERM"):
+            store.get_concat(["t"], keys, [3])
+    finally:
+        client.execute_command("ACL", "SETUSER", "default", "+mget")
+    assert store.get_concat(["t"], keys, [3])[1].tolist() == [False, False, True]
+    redis_server.pause()
+    start = time.monotonic()
+    try:
+        with pytest.raises(StoreUnavailableError):
+            store.get_concat(["t"], keys, [3])
+    finally:
+        redis_server.resume()
+    assert time.monotonic() - start < 2
+    assert store.get_concat(["t"], keys, [3])[1].tolist() == [False, False, True]
+    store.close()
+
+
+def test_reader_connections_serve_threads_at_once_and_close_with_the_store(redis_address):
+    # get_concat from 4 threads at once: each read takes a reader connection of its own (a free one, else a new one),
+    # each answer is its own keys' rows; close() disconnects the free ones
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = RedisStore(RedisStoreConfig(address=redis_address, chunk_size=7))
+    store.create_table("t", dim=4)
+    store.put("t", torch.arange(500), torch.arange(2000, dtype=torch.float32).view(500, 4))
+
+    def read(k: int) -> bool:
+        keys = torch.arange(k, k + 40) * 3
+        values, found = store.get_concat(["t"], keys, [40])
+        return torch.equal(found, keys < 500) and torch.equal(values[found][:, 0], 4.0 * keys[found])
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(read, range(200)))
+    readers = list(store._readers)
+    assert 1 <= len(readers) <= 4 and all(conn._sock is not None for conn in readers)
+    store.close()
+    assert all(conn._sock is None for conn in readers)

@@ -125,14 +125,21 @@ class Digest:
     at full speed while hashing catches up, and the fsync ending a write overlaps the rest of the hashing.
     :meth:`feed` returns the chunk's future: a caller reuses or frees a chunk's memory only once it is done."""
 
-    def __init__(self, algorithm: str = ALGORITHM) -> None:
+    def __init__(self, algorithm: str = ALGORITHM, threaded: bool = True) -> None:
         self.algorithm = algorithm
         self._hash = hasher(algorithm)
-        self._pool = ThreadPoolExecutor(1)
+        # threaded False: each chunk hashed as it is fed (a file of one chunk has no I/O to overlap, and a thread
+        # started per file was most of the time of reading a model's small table files)
+        self._pool = ThreadPoolExecutor(1) if threaded else None
         self._last: Future | None = None
 
     def feed(self, chunk: memoryview) -> Future:
-        self._last = self._pool.submit(self._hash.update, chunk)
+        if self._pool is None:
+            self._hash.update(chunk)
+            self._last = Future()
+            self._last.set_result(None)
+        else:
+            self._last = self._pool.submit(self._hash.update, chunk)
         return self._last
 
     def hexdigest(self) -> str:
@@ -148,4 +155,5 @@ class Digest:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

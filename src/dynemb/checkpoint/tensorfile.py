@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .block_file import ALIGN, BlockFile, page_buffer, round_up
-from .checksum import Digest, FileRecord, verify
+from .checksum import ALGORITHM, Digest, FileRecord, verify
 from .errors import CheckpointError
 
 __all__ = ["FileRecord", "FileLayout", "Digest", "write_tensors", "read_tensors", "verify_file", "byte_view",
@@ -271,7 +271,9 @@ def _head(f, size: int) -> tuple[bytes, bytes]:
 
 def _read(path: Path, size: int, expected: FileRecord | None, on_bytes: OnBytes | None):
     """``(tensors, metadata, checksum)``, the checksum by ``expected``'s algorithm (the default's without one)."""
-    with open(path, "rb") as f, (Digest(expected.algorithm) if expected is not None else Digest()) as digest:
+    threaded = size > CHUNK_BYTES  # hashing overlaps reading only when there is more than one chunk to read
+    with open(path, "rb") as f, Digest(expected.algorithm if expected is not None else ALGORITHM,
+                                       threaded) as digest:
         prefix, head = _head(f, size)
         digest.feed(memoryview(prefix + head))
         metadata, layout = _parse_header(head, size - 8 - len(head))

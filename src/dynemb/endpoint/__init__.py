@@ -13,14 +13,15 @@ module                  job
 ``inference_protocol``  the v2 tensors: metadata, request decoding and checks, responses
 ``service``             the protocol's operations, once for both transports; batching of requests
 ``app``                 the HTTP transport (an ASGI app): routes, bearer token, body limit, compression
-``grpc_server``         the gRPC transport, with tritonclient's generated message and service classes
+``grpc_server``         the gRPC transport: the service's methods, with tritonclient's generated messages
+``grpc_http2``          unary gRPC calls over HTTP/2 as an asyncio protocol on the HTTP server's event loop
 ``prometheus_metrics``  ``GET /metrics``: Prometheus text
 ``http_server``         uvicorn (and the gRPC server on its event loop), in the foreground or on a thread
 ``watch``               ``--watch``: new export versions applied in order while serving
 ``command``             the ``dynemb serve`` options
 ======================  ============================================================================
 
-uvicorn, grpcio and prometheus_client are imported on first use, so ``dynemb --help`` works without them.
+uvicorn, hpack, tritonclient and prometheus_client are imported on first use, so ``dynemb --help`` works without them.
 """
 
 import importlib

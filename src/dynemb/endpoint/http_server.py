@@ -1,4 +1,5 @@
-"""Running the endpoint on uvicorn: in the foreground (``dynemb serve``) or on a thread (tests, benchmarks)."""
+"""Running the endpoint on uvicorn (and gRPC on its event loop): in the foreground (``dynemb serve``) or on a thread
+(tests, benchmarks)."""
 
 from __future__ import annotations
 
@@ -42,20 +43,17 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def attach_grpc(app, host: str, port: int):
     """Start a :class:`~dynemb.endpoint.grpc_server.GrpcServer` of ``app``'s service with the app (its lifespan),
-    on the same event loop, with the app's token and body limit. Returns the server (``bound_port`` once up)."""
+    on the same event loop, with the app's token and body limit. Its port is bound now (OSError naming it when it
+    cannot be: in the event loop a failure would be one log line among uvicorn's). Returns the server
+    (``bound_port``)."""
     from .grpc_server import GrpcServer
 
     token = None if app.token is None else app.token.decode()
     server = GrpcServer(app.service, host, port, token=token, max_message_bytes=app.max_body_bytes)
+    server.bind()
     app.on_startup.append(server.start)
     app.on_shutdown.insert(0, server.stop)
     return server
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raise OSError naming ``host:port`` when it cannot be bound now (the gRPC server binds it later, in the
-    event loop, where a failure would be one log line among uvicorn's)."""
-    _bind(host, port).close()
 
 
 def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", on_bound=None,
@@ -65,7 +63,6 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info
     sock = _bind(host, port)
     try:
         if grpc_port is not None:
-            check_port_free(host, grpc_port)
             attach_grpc(app, host, grpc_port)
         if on_bound is not None:
             on_bound()

@@ -82,11 +82,21 @@ class ServedExport(ExportedModel):
                 raise RequestError(f"output {o.get('name') if isinstance(o, dict) else o!r} is not an output of "
                                    f"this model (it has {outputs})")
         tensors = {spec["name"]: _tensor(given[spec["name"]], spec) for spec in self.inputs}
-        batch = self.program.batch_input
-        rows = int(tensors[batch].shape[0]) if batch is not None else 1
+        return _Request(tensors, self._rows(tensors, max_rows))
+
+    def _rows(self, tensors: dict, max_rows: int) -> int:
+        """A request's rows, from the input that gives them (the batch rule of the export: its dim 0, divided by
+        the keys of a ``KeyedJaggedTensor``'s lengths); a RequestError when they are more than ``max_rows``."""
+        batch, divisor = self.program.batch_input, self.program.batch_divisor
+        if batch is None:
+            return 1
+        size = int(tensors[batch].shape[0])
+        rows = size // divisor
         if rows > max_rows:
-            raise RequestError(f"input {batch!r}: {rows} rows, more than max_batch_size ({max_rows})")
-        return _Request(tensors, rows)
+            given = f"{rows} rows" if divisor == 1 else \
+                f"{size} lengths, {rows} rows of {divisor} keys (a KeyedJaggedTensor's lengths are keys x rows)"
+            raise RequestError(f"input {batch!r}: {given}, more than max_batch_size ({max_rows})")
+        return rows
 
     @staticmethod
     def join(batches: list):

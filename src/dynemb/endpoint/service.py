@@ -267,7 +267,9 @@ class InferenceService:
 
     def model_config(self, name: str, version: Optional[str] = None) -> dict:
         """Triton's model configuration of the model (what ``get_model_config`` reads): its inputs and outputs
-        with ``TYPE_*`` data types, ``max_batch_size`` 0 (the sizes are in the dims, ``-1`` free)."""
+        with ``TYPE_*`` data types, ``max_batch_size`` 0 (Triton's meaning: no implicit batch dimension, the sizes
+        are in the dims, ``-1`` free; a KeyedJaggedTensor's lengths have none) and the server's row limit of a
+        request, ``--max-batch-size``, as the parameter ``max_batch_size``."""
         meta = self.model_metadata(name, version)
 
         def tensors(specs):
@@ -277,7 +279,8 @@ class InferenceService:
 
         return {"name": self.name, "platform": meta["platform"], "backend": "dynemb", "max_batch_size": 0,
                 "input": tensors(meta["inputs"]), "output": tensors(meta["outputs"]),
-                "version_policy": {"latest": {"num_versions": 1}}}
+                "version_policy": {"latest": {"num_versions": 1}},
+                "parameters": {"max_batch_size": {"string_value": str(self.max_batch_size)}}}
 
     def statistics(self, name: Optional[str] = None, version: Optional[str] = None) -> dict:
         """Triton's statistics extension: ``{"model_stats": [...]}`` (durations in ns, as it counts them)."""

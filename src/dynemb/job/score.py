@@ -7,6 +7,7 @@ runs in eval mode, so unseen ids read their initializer row and nothing is inser
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import math
 import os
 import queue
@@ -28,6 +29,7 @@ from ..data.batch import Batch
 from ..data.formats import list_files
 from ..data.readers import column_names
 from ..data.metrics import held_out_auc
+from ..table.index import HashIndex
 from .card import ModelCard, load_model, model_checkpoint, read_card
 
 __all__ = ["evaluate", "evaluate_file", "predict_file", "probabilities", "PROBABILITY_EPS", "OUT_FORMATS"]
@@ -71,6 +73,15 @@ def _reader(card: ModelCard, data: str, format: Optional[str], batch_size: int, 
                       positive_label=card.data.get("positive_label") if label else None)
 
 
+def _collect_from_here() -> None:
+    """Turn the cycle collector back on once the model is loaded, where ``dynemb predict``/``eval`` as the
+    process's command paused it (``cli._ONE_FILE``) for the imports and the load: a long file must not pile up
+    cycles. What exists now is frozen out of every later collection, so collections stay cheap."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
+
+
 def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_size: int = 65536,
                   device: str = "cpu", use: str = "best") -> dict:
     """``{"auc", "logloss", "rows", "model", "step"}`` of run ``run``'s best model (``use="last"``: its last) on
@@ -82,6 +93,7 @@ def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_si
     """
     _, kind, step = model_checkpoint(Path(run), use)
     model, card = load_model(Path(run), device, use, optimizer=False)
+    _collect_from_here()
     reader = _reader(card, data, format, batch_size, label=True)
     prep = card.preprocessing
     scored = evaluate(model, (b.to(device) for b in prep.normalized(reader, str(data))))
@@ -158,6 +170,7 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
             loaded.set_exception(error)
             raise
         loaded.set_result(model)
+        _collect_from_here()
         with open(tmp, "wb") as sink:
             writer = pq.ParquetWriter(sink, schema) if out_format == "parquet" else pcsv.CSVWriter(sink, schema)
             with writer:
@@ -191,6 +204,9 @@ def _looked_up(batches: Iterator[Batch], loaded: concurrent.futures.Future, devi
     small pages touched once). The consumer must
     be done with a block before the one ``buffers`` later is produced (the reading thread's queue holds
     ``buffers - 2``)."""
+    if torch.device(device).type == "cpu":
+        # numba's first use, here while the model loads (its tables' restore then finds the index kernels loaded)
+        HashIndex.load_kernels()
     model, ring = None, []
     for i, batch in enumerate(batches):
         if model is None:

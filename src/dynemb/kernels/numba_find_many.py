@@ -12,6 +12,10 @@ writes the rows it finds straight to their place in the output and returns the m
 pairs; the second reads those pairs from the in-process store (when it is the only tier), computes default rows for
 the pairs no tier answered (uniform and constant initializers: :mod:`.numba_init`'s bits) and writes every miss's
 row to its place, counting what each tier served per table.
+
+For Redis (:mod:`dynemb.serving.stores.redis`), :func:`pack_mget_into` writes a request's ``MGET`` commands and
+:func:`read_mget_reply` parses their replies straight from the socket's bytes into the rows of the misses (no Python
+object a key either way).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from .numba_index import _mix64, _probe_kernel
 from .numba_math import cell_bits, prefetch_row
 
 __all__ = ["META", "find_rows", "find_carried", "miss_pairs", "probe_request", "finish_request", "probe_request_arrays",
-           "finish_request_arrays", "pack_mget",
+           "finish_request_arrays", "add_counts", "pack_mget",
+           "pack_mget_into", "mget_command_bound", "mget_reply_bound", "mget_reply_state", "read_mget_reply",
            "UNIFORM", "CONSTANT", "IN_PYTHON"]
 
 META = ("buckets", "overflow", "shift", "num_buckets", "values", "capacity", "key_cols")
@@ -374,24 +379,175 @@ def _finish_request_kernel(meta, utid, ukey, counts, rows, source, kinds, params
                 out[b, f, d] = rows[p, d]
 
 
-def pack_mget(keys: torch.Tensor, table_of: torch.Tensor, shards: torch.Tensor, base: torch.Tensor,
-              width: torch.Tensor, prefixes: np.ndarray, chunk: int) -> tuple[bytes, int]:
+def add_counts(pending: np.ndarray, rows: np.ndarray, sizes: np.ndarray, missed: np.ndarray,
+               served: np.ndarray) -> None:
+    """A fused request's counts added to its group cache's pending statistics ``pending [R, 5]`` int64 (lookups,
+    cache, volatile, persistent, default): table ``t``'s ``sizes[t]`` lookups, ``missed[t]`` of them not in the cache,
+    and ``served[t, 1:]`` (:func:`finish_request`'s, or ``[0, 4]`` for a request that missed nothing), to row
+    ``rows[t]``."""
+    _add_counts_kernel(pending, rows, sizes, missed, served)
+
+
+@numba.njit(nogil=True, cache=True)
+def _add_counts_kernel(pending, rows, sizes, missed, served):
+    for t in range(rows.shape[0]):
+        r = rows[t]
+        pending[r, 0] += sizes[t]
+        pending[r, 1] += sizes[t] - missed[t]
+        if served.shape[0]:
+            for c in range(1, 4):
+                pending[r, 1 + c] += served[t, c]
+
+
+def pack_mget(keys: torch.Tensor, table_of: torch.Tensor, shards, base, width, prefixes: np.ndarray,
+              chunk: int) -> tuple[bytes, int]:
     """The Redis ``MGET`` commands of ``keys`` in RESP, ``chunk`` names a command: key ``j`` of table
     ``t = table_of[j]`` is named ``prefix(t, s) + 8 bytes``, the key big-endian with its sign bit flipped, ``s =
     mix64(key) mod shards[t]`` its shard and ``prefix(t, s)`` the ``width[t]`` bytes of ``prefixes`` from ``base[t]
     + s * width[t]`` (:mod:`dynemb.serving.stores.redis`'s layout). What redis-py's ``execute_command("MGET",
-    *names)`` sends for each chunk, written in one pass instead of a Python object a name.
+    *names)`` sends for each chunk, written in one pass instead of a Python object a name. ``shards``, ``base``,
+    ``width``: ``[T]`` int64 (tensors or numpy arrays).
 
     Returns:
         ``(the commands' bytes, how many commands)``.
     """
     n = keys.shape[0]
-    commands = -(-n // chunk)
-    most = 32 * commands + n * (16 + int(width.max()) if width.shape[0] else 0)
-    out = np.empty(most, np.uint8)
-    used = _pack_mget_kernel(keys.numpy(), table_of.numpy(), shards.numpy(), base.numpy(), width.numpy(), prefixes,
-                             chunk, out)
-    return out[:used].tobytes(), commands
+    shards, base, width = (np.asarray(a, dtype=np.int64) for a in (shards, base, width))
+    out = np.empty(mget_command_bound(n, chunk, int(width.max()) if width.shape[0] else 0), np.uint8)
+    used = pack_mget_into(keys.numpy(), table_of.numpy(), shards, base, width, prefixes, chunk, out)
+    if used < 0:
+        raise ValueError(f"table_of must index the {shards.shape[0]} tables, got {int(table_of[-1 - used])}")
+    return out[:used].tobytes(), -(-n // chunk)
+
+
+def mget_command_bound(n: int, chunk: int, width: int) -> int:
+    """Bytes :func:`pack_mget_into` writes at most for ``n`` keys, ``chunk`` a command, prefixes of ``width`` bytes
+    at most."""
+    return 32 * -(-n // chunk) + n * (16 + width)
+
+
+def pack_mget_into(keys: np.ndarray, table_of: np.ndarray, shards: np.ndarray, base: np.ndarray, width: np.ndarray,
+                   prefixes: np.ndarray, chunk: int, out: np.ndarray) -> int:
+    """:func:`pack_mget` on numpy arrays (int64 ``keys``, ``table_of``, ``shards``, ``base``, ``width``), written to
+    ``out`` (uint8, :func:`mget_command_bound` bytes at least: a buffer the caller keeps); returns the bytes used, or
+    ``-1 - j`` when ``table_of[j]`` is outside ``[0, T)`` (nothing written)."""
+    return _pack_mget_kernel(keys, table_of, shards, base, width, prefixes, chunk, out)
+
+
+def mget_reply_bound(n: int, chunk: int, row_bytes: int) -> int:
+    """Bytes the replies of :func:`pack_mget`'s commands take at most when every row has ``row_bytes`` bytes (a
+    longer row is refused by :func:`read_mget_reply` from its length line, before its bytes are needed)."""
+    return 24 * -(-n // chunk) + n * (26 + row_bytes)
+
+
+MGET_RUNNING, MGET_DONE, MGET_ERROR_REPLY, MGET_BAD_REPLY, MGET_BAD_LENGTH = range(5)
+"""``state[4]`` of :func:`read_mget_reply`: more bytes needed, every reply read, a Redis error reply at ``state[0]``,
+bytes that are no MGET reply at ``state[0]``, a row of key ``state[1]`` with ``state[5]`` bytes."""
+
+
+def mget_reply_state(commands: int) -> np.ndarray:
+    """The parse state :func:`read_mget_reply` starts from for the replies of ``commands`` MGET commands."""
+    return np.array([0, 0, -1, commands, MGET_RUNNING, 0], np.int64)
+
+
+def read_mget_reply(buf: np.ndarray, end: int, state: np.ndarray, out: np.ndarray, found: np.ndarray,
+                    zero: bool) -> int:
+    """Parse the RESP replies of MGET commands in ``buf[:end]`` (uint8) as far as they are complete, from and into
+    ``state`` (:func:`mget_reply_state`): called again after each read from the socket, with the bytes appended.
+
+    The row of the ``j``-th key asked (a bulk string of exactly ``out.shape[1]`` bytes) is copied to ``out[j]``
+    (``[N, row_bytes]`` uint8: a byte view of the caller's rows, any dtype, so the bits are the stored ones) and
+    ``found[j]`` (bool ``[N]``) set; a null leaves ``out[j]`` as it is (zeros when ``zero``) and clears ``found[j]``.
+
+    Returns:
+        ``state[4]``: :data:`MGET_RUNNING` (more bytes needed), :data:`MGET_DONE` or an error code (see there).
+    """
+    return _read_mget_reply_kernel(buf, end, state, out, found, zero)
+
+
+@numba.njit(nogil=True, cache=True)
+def _line_end(buf, at, end):
+    """Position of the ``\r`` of the first ``\r\n`` at or after ``at`` in ``buf[:end]``, -1 if none yet."""
+    for k in range(at, end - 1):
+        if buf[k] == 13 and buf[k + 1] == 10:
+            return k
+    return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _get_int(buf, lo, hi):
+    """The decimal in ``buf[lo:hi]`` (an optional ``-``); -2**62 when it is no decimal."""
+    sign, value = 1, 0
+    if lo < hi and buf[lo] == 45:
+        sign, lo = -1, lo + 1
+    if lo >= hi or hi - lo > 18:
+        return -(1 << 62)
+    for k in range(lo, hi):
+        c = buf[k]
+        if c < 48 or c > 57:
+            return -(1 << 62)
+        value = value * 10 + (c - 48)
+    return sign * value
+
+
+@numba.njit(nogil=True, cache=True)
+def _read_mget_reply_kernel(buf, end, state, out, found, zero):
+    pos, j, left, commands = state[0], state[1], state[2], state[3]
+    width = out.shape[1]
+    status = MGET_RUNNING
+    while commands > 0 and status == MGET_RUNNING:
+        if left < 0:  # *<names>\r\n
+            stop = _line_end(buf, pos, end)
+            if stop < 0:
+                break
+            if buf[pos] != 42:
+                status = MGET_ERROR_REPLY if buf[pos] == 45 else MGET_BAD_REPLY
+                break
+            left = _get_int(buf, pos + 1, stop)
+            if left < 0 or j + left > found.shape[0]:
+                status = MGET_BAD_REPLY
+                break
+            pos = stop + 2
+        while left > 0:  # a null ($-1\r\n, or _\r\n in RESP3) or $<length>\r\n<row>\r\n
+            stop = _line_end(buf, pos, end)
+            if stop < 0:
+                break
+            length = -1 if buf[pos] == 95 and stop == pos + 1 else -2
+            if buf[pos] == 36:
+                length = _get_int(buf, pos + 1, stop)
+            if length < -1:
+                status = MGET_BAD_REPLY
+                break
+            if length == -1:
+                found[j] = False
+                if zero:
+                    for d in range(width):
+                        out[j, d] = 0
+                pos = stop + 2
+            else:
+                if length != width:
+                    status = MGET_BAD_LENGTH
+                    state[5] = length
+                    break
+                if stop + 4 + width > end:
+                    break
+                if buf[stop + 2 + width] != 13 or buf[stop + 3 + width] != 10:
+                    status = MGET_BAD_REPLY
+                    break
+                for d in range(width):
+                    out[j, d] = buf[stop + 2 + d]
+                found[j] = True
+                pos = stop + 4 + width
+            j += 1
+            left -= 1
+        if status != MGET_RUNNING or left > 0:
+            break
+        left = -1
+        commands -= 1
+    if status == MGET_RUNNING and commands == 0:
+        status = MGET_DONE
+    state[0], state[1], state[2], state[3], state[4] = pos, j, left, commands, status
+    return status
 
 
 @numba.njit(nogil=True, cache=True)
@@ -409,6 +565,9 @@ def _put_int(out, at, value):
 @numba.njit(nogil=True, cache=True)
 def _pack_mget_kernel(keys, table_of, shards, base, width, prefixes, chunk, out):
     n = keys.shape[0]
+    for j in range(n):  # nothing written for a table out of range
+        if table_of[j] < 0 or table_of[j] >= shards.shape[0]:
+            return -1 - j
     at = 0
     for j in range(n):
         if j % chunk == 0:  # *<names + 1>\r\n$4\r\nMGET\r\n

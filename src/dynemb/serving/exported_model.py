@@ -20,7 +20,7 @@ from ..checkpoint.fsutil import read_pointer
 from ..checkpoint.manifest import SERVING_FORMAT, read_manifest, resolve
 from ..collection.config import FeatureConfig, TableConfig
 from ..serialization import parse_dtype
-from .model_export import PROGRAM_FILE
+from .model_export import PROGRAM_FILE, batch_rule
 from .ps import ParameterServer
 from .served_features import bind, prepared_lookup
 
@@ -60,7 +60,11 @@ class _Program:
             raise ValueError(f"{directory / PROGRAM_FILE}: torch {torch.__version__} cannot load this program, which "
                              f"torch {wrote} wrote ({type(exc).__name__}: {exc}); serve it with torch {wrote}, or "
                              "export the model again with this torch") from exc
-        self.inputs, self.outputs, self.batch_input = meta["inputs"], meta["outputs"], meta.get("batch_input")
+        self.inputs, self.outputs = meta["inputs"], meta["outputs"]
+        # rows = dim 0 of batch_input // batch_divisor (model_export.batch_rule); read off the program where an
+        # export written before the divisor was recorded lacks it (its KeyedJaggedTensor-only models had no rule)
+        self.batch_input, self.batch_divisor = (meta.get("batch_input"), meta["batch_divisor"]) \
+            if "batch_divisor" in meta else batch_rule(program, [t["name"] for t in self.inputs])
         # The export keeps no example inputs (see export_model); the program's shape checks are generated from
         # inputs of its structure, so stand-ins of it come back here (only their placement in the call is read).
         program.example_inputs = (tuple(torch.zeros([2 if d == -1 else d for d in t["shape"]],

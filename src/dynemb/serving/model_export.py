@@ -577,20 +577,52 @@ def _shape(value) -> list:
 
 
 def _describe(program, names: list, output_names: list) -> dict:
-    """The program's inputs and outputs (names, dtypes, shapes) and which input's dim 0 is the outputs' rows."""
-    nodes = {n.name: n for n in program.graph.nodes}
-    ins = [nodes[n].meta["val"] for n in program.graph_signature.user_inputs]
-    out_node = next(n for n in program.graph.nodes if n.op == "output")
-    outs = [a.meta["val"] for a in out_node.args[0]]
-    rows = outs[0].shape[0] if outs and outs[0].dim() else None
-    batch_input = None
-    if isinstance(rows, torch.SymInt):
-        batch_input = next((n for n, v in zip(names, ins) if v.dim() and isinstance(v.shape[0], torch.SymInt)
-                            and str(v.shape[0].node.expr) == str(rows.node.expr)), None)
+    """The program's inputs and outputs (names, dtypes, shapes) and how a request's rows (the outputs' dim 0) follow
+    from its inputs (:func:`batch_rule`)."""
+    ins, outs = _values(program)
+    batch_input, divisor = batch_rule(program, names)
     return {"inputs": [{"name": n, "dtype": dtype_name(v.dtype), "shape": _shape(v)} for n, v in zip(names, ins)],
             "outputs": [{"name": n, "dtype": dtype_name(v.dtype), "shape": _shape(v)}
                         for n, v in zip(output_names, outs)],
-            "batch_input": batch_input}
+            "batch_input": batch_input, "batch_divisor": divisor}
+
+
+def _values(program) -> tuple[list, list]:
+    """The traced values (fake tensors, symbolic sizes) of ``program``'s user inputs and of its outputs."""
+    nodes = {n.name: n for n in program.graph.nodes}
+    out_node = next(n for n in program.graph.nodes if n.op == "output")
+    return ([nodes[n].meta["val"] for n in program.graph_signature.user_inputs],
+            [a.meta["val"] for a in out_node.args[0]])
+
+
+def batch_rule(program, names: list) -> tuple[Optional[str], int]:
+    """``(input, k)``: a request's rows (the first output's dim 0) are input ``input``'s dim 0 divided by ``k``,
+    read off the symbolic sizes of ``program`` (an ``ExportedProgram``, as traced or as loaded; ``names``: its user
+    inputs' names); ``(None, 1)`` where no input's dim 0 gives them (a fixed or scalar output).
+    ``k`` is 1 for an input with a row per sample (``dense [B, 13]``) and the number of keys for a
+    ``KeyedJaggedTensor``'s lengths (``[F * B]``, key-major: its stride), the batch size of a model fed only by one.
+
+    Example:
+        >>> # a model of forward(kjt) with 3 keys: batch_rule(program, ["sparse_values", "sparse_lengths"])
+        >>> # ("sparse_lengths", 3)
+    """
+    inputs, outputs = _values(program)
+    rows = outputs[0].shape[0] if outputs and outputs[0].dim() else None
+    if not isinstance(rows, torch.SymInt):
+        return None, 1
+    expr = rows.node.expr
+    for n, v in zip(names, inputs):
+        size = v.shape[0] if v.dim() else None
+        if not isinstance(size, torch.SymInt):
+            continue
+        symbol = size.node.expr
+        if expr == symbol:
+            return n, 1
+        # a KeyedJaggedTensor's stride: lengths.shape[0] // keys, which the trace keeps as FloorDiv(s, keys)
+        if type(expr).__name__ == "FloorDiv" and expr.args[0] == symbol and expr.args[1].is_Integer \
+                and int(expr.args[1]) >= 1:
+            return n, int(expr.args[1])
+    return None, 1
 
 
 def _record(features: dict, tables: dict) -> dict:

@@ -79,6 +79,22 @@ class HashIndex:
         self._key_cols = self.width * torch.iinfo(key_dtype).bits // 32
         self._alloc(self.buckets_for(capacity, key_dtype))
 
+    @classmethod
+    def load_kernels(cls, key_dtype: torch.dtype = torch.int64) -> None:
+        """Load the CPU kernels that placing and finding ``key_dtype`` keys run (from numba's cache, or compiled),
+        by placing and finding one key in a one-key index. numba's first use in a process costs ~0.4-0.6 s (its
+        typing and lowering registries) before the first kernel loads: a scorer pays it in a thread beside its
+        model's load (``dynemb predict``'s reading thread), not in the model's first index. A no-op cost (a few
+        torch ops) where the process default backend is torch.
+
+        Example:
+            >>> HashIndex.load_kernels()
+        """
+        index = cls(key_dtype, "cpu", capacity=1)
+        keys = torch.zeros(1, dtype=key_dtype)
+        index.insert(keys, torch.zeros(1, dtype=torch.int64))
+        index.find_all(keys)
+
     # ---------------------------------------------------------------- sizing
     @classmethod
     def width_for(cls, key_dtype: torch.dtype) -> int:

@@ -16,8 +16,10 @@ The common case, every table of the request in one float32 cache on the CPU, tak
 (:func:`lookup_fused`): two numba calls (:func:`~dynemb.kernels.numba_find_many.probe_request`,
 :func:`~dynemb.kernels.numba_find_many.finish_request`) probe the cache, read the misses from the in-process store,
 compute default rows and write every row straight to its place in the output (a model's ``[B, F, D]`` input, for
-:meth:`~dynemb.serving.ParameterServer.lookup_stacked`); Redis and persistent tiers are still one call each in
-between, and initializers without a kernel (normal, truncated normal) compute their rows in torch as above.
+:meth:`~dynemb.serving.ParameterServer.lookup_stacked`); Redis and persistent tiers are one call each in between
+(Redis: :meth:`~dynemb.serving.stores.RedisStore.get_concat_into`, its reply parsed by numba straight into the
+misses' rows, no tensor made), and initializers without a kernel (normal, truncated normal) compute their rows in
+torch as above.
 
 It answers exactly as the per-table path (:mod:`.table_lookup`) does, row for row (``tests/serving/test_ps.py``).
 While a background write-back inserts into a group cache (a table's batch of rows, 1/16 of its share of the cache at
@@ -48,6 +50,7 @@ _SOURCES = ("volatile", "persistent", "default")  # codes 1, 2, 3 of _Part.sourc
 _SEEDED = (Uniform, Normal, TruncatedNormal)  # rows a function of (key ^ mix64(seed)) alone: see _default_rows
 _MIX0 = mix64(torch.zeros((), dtype=torch.int64))
 _LAYOUTS = 64  # run-length patterns a plan keeps (a server sees few: its batch sizes)
+_NUMPY_VIEW = {torch.bfloat16: torch.int16}  # rows numpy has no dtype for, seen as words of their width
 
 
 @dataclasses.dataclass
@@ -268,6 +271,16 @@ def _read_tier(tiers: StoreTiers, tier, parts: list[_Part]) -> None:
                 asked.append((part, at, per_table))
     if not asked:
         return
+    if len(asked) == 1 and tier is tiers.volatile and asked[0][1].numel() == asked[0][0].ukey.numel() and \
+            getattr(tier.store, "reads_into", False):
+        # Redis, every pair open: its reply parsed straight into the part's rows (as stored: 8-bit rows as 16-bit words)
+        part = asked[0][0]
+        rows = part.rows.view(_NUMPY_VIEW.get(part.rows.dtype, part.rows.dtype)).numpy()
+        found = tier.call(tier.store.get_concat_into, tuple(part.plan.names), part.ukey.numpy(), part.utid.numpy(),
+                          rows)
+        if found is not None:
+            part.source.numpy()[found] = 1 + _SOURCES.index(tier.name)
+        return
     if len(asked) == 1:
         part, at, per_table = asked[0]
         names = [name for name, n in zip(part.plan.names, per_table) if n]
@@ -425,6 +438,7 @@ def lookup_request(tiers: StoreTiers, writeback, threshold: float, plan: Request
 
 
 _NO_META = np.zeros((0, 7), np.int64)
+_NO_SERVED = np.zeros((0, 4), np.int64)
 _NO_STAMPS = np.zeros(0, np.int64)
 
 
@@ -513,12 +527,20 @@ def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPl
             getattr(volatile.store, "fused_reads", False):
         done = volatile.call(volatile.store.with_meta, tuple(gp.names), finish)  # one call: store, defaults
     if done is None:
-        part = torch_part()
-        for tier in (tiers.volatile, tiers.persistent):
-            if tier.available:
+        asked = [tiers.volatile, tiers.persistent]
+        if volatile.available and getattr(volatile.store, "reads_into", False):
+            # Redis: the reply parsed into rows_np by numba, no tensor made (None: it failed, and backs off)
+            found = volatile.call(volatile.store.get_concat_into, tuple(gp.names), ukey, utid, rows_np)
+            if found is not None:
+                source_np[found] = 1
+                asked = asked[1:]
+        asked = [tier for tier in asked if tier.available]
+        if asked or not gp.kernel_defaults:
+            part = torch_part()
+            for tier in asked:
                 _read_tier(tiers, tier, [part])
-        if not gp.kernel_defaults:
-            _default_rows(part)
+            if not gp.kernel_defaults:
+                _default_rows(part)
         finish(_NO_META)
     _account_fused(gp, sizes_np, missed, served)
     fetched = np.flatnonzero((source_np == 1) | (source_np == 2))
@@ -527,18 +549,13 @@ def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPl
 
 
 def _account_fused(gp: _GroupPlan, sizes: np.ndarray, missed: np.ndarray, served: Optional[np.ndarray]) -> None:
-    """A fused request's counts added to its group cache's pending statistics in one numpy step (no loop over the
-    tables): :meth:`~.server.ParameterServer.stats` folds them into each table's ``stats`` when it reads them."""
-    pending = gp.group.pending_stats
-    rows = gp.cache_rows
-    lock = gp.stats_lock
-    with lock:
-        mine = pending[rows]
-        mine[:, 0] += sizes
-        mine[:, 1] += sizes - missed
-        if served is not None:
-            mine[:, 2:] += served[:, 1:]
-        pending[rows] = mine
+    """A fused request's counts added to its group cache's pending statistics in one numba call (no loop over the
+    tables in Python): :meth:`~.server.ParameterServer.stats` folds them into each table's ``stats`` when it reads
+    them."""
+    from ...kernels.numba_find_many import add_counts
+
+    with gp.stats_lock:
+        add_counts(gp.group.pending_stats, gp.cache_rows, sizes, missed, _NO_SERVED if served is None else served)
 
 
 def _write_back_fetched(part: _Part, threshold: float, writeback, fetched: np.ndarray, utid: np.ndarray) -> None:

@@ -16,7 +16,11 @@ fixed width. The shard count is stored with the table, so reopening with another
 
 Reads. ``get_many`` of several tables is one round trip: on a single server one ``MGET`` per ``chunk_size`` keys of
 all the tables together (hash tags only matter to a cluster); on a cluster one ``MGET`` per table and shard, in one
-pipeline.
+pipeline. ``get_concat`` and ``get_concat_into`` (the parameter server's reads of a request's misses) on a single
+server write the ``MGET`` commands in one numba pass and parse the reply from the socket's bytes in another
+(:func:`~dynemb.kernels.numba_find_many.read_mget_reply`, RESP2 or RESP3), rows copied straight to their place, on
+reader connections the store keeps (redis-py's connection class: handshake, password, timeouts); every other command
+goes through redis-py's client and pool.
 
 Failures. Construction pings the server and raises :class:`StoreUnavailableError` (a ``ConnectionError``)
 naming the address when it cannot be reached or rejects the password. During calls a lost or timed-out
@@ -34,6 +38,8 @@ import dataclasses
 import functools
 import itertools
 import json
+import os
+import socket
 import time
 
 import numpy as np
@@ -43,6 +49,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from dynemb.checkpoint.tensorfile import byte_view
 from dynemb.checks import check_positive_int
 from dynemb.kernels.dispatch import numba_available
 from dynemb.table.hashing import mix64
@@ -58,6 +65,7 @@ _UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
 _UNAVAILABLE += (redis.exceptions.RedisClusterException,)
 _NO_PREFIX = np.empty(0, dtype=np.uint8)
 _MAX_SHARDS = 16384
+_KEPT_BYTES = 16 << 20  # most buffer bytes a reader connection keeps between reads
 
 
 def parse_address(address) -> tuple[str, int]:
@@ -187,6 +195,8 @@ class RedisStore(Store):
         self._layouts: dict[str, _Layout] = {}
         self._concat_names_of: dict[tuple, tuple] = {}  # tables of get_concat -> how their keys are named
         self._packings: dict[tuple, tuple] = {}  # tables of get_concat -> their prefixes for pack_mget
+        self._readers: list = []  # free connections of _read_rows (the pool's lending costs more than a read)
+        self._reader_pid = os.getpid()
         self._client = self._connect()
 
     def __repr__(self) -> str:
@@ -290,50 +300,94 @@ class RedisStore(Store):
         if self.config.cluster:  # one MGET per shard of each table, as get_many sends them
             return super()._get_concat(tables, schema, keys, sizes)
         tables = tuple(tables)
-        if numba_available():  # the MGET commands written in one numba pass, sent as they are
-            from dynemb.kernels.numba_find_many import pack_mget
-
-            shards, base, width, prefixes = self._packing(tables)
-            table_of = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(sizes), output_size=keys.numel())
-            packed, commands = pack_mget(keys, table_of, shards, base, width, prefixes, self.config.chunk_size)
-            blobs = list(itertools.chain.from_iterable(self._send_packed(packed, commands)))
-            try:
-                return decode_rows(blobs, schema)
-            except StoreCorruptError:  # again, with the names, for a message that names the key
-                return decode_rows(blobs, schema, self._names(tables, keys, sizes))
+        if numba_available():  # the MGET commands written and their replies parsed by numba (read_rows)
+            values = torch.empty(keys.numel(), schema.dim, dtype=schema.dtype)
+            found = np.empty(keys.numel(), np.bool_)
+            table_of = np.repeat(np.arange(len(tables), dtype=np.int64), sizes)
+            self._read_rows(tables, schema, keys.numpy(), table_of, byte_view(values).numpy(), found, True)
+            return values, torch.from_numpy(found)
         names = self._names(tables, keys, sizes)
         step = self.config.chunk_size
         blobs = list(itertools.chain.from_iterable(self._mget([names[lo: lo + step]
                                                                for lo in range(0, len(names), step)])))
         return decode_rows(blobs, schema, names)
 
-    def _packing(self, tables: tuple) -> tuple:
-        """``(shards [T], base [T], width [T], prefixes)`` of ``tables`` for :func:`pack_mget` (kept per list)."""
-        kept = self._packings.get(tables)
-        if kept is None:
-            layouts = [self._layouts[t] for t in tables]
-            sizes = [layout.prefixes.size for layout in layouts]
-            if len(self._packings) > 256:
-                self._packings.clear()
-            kept = self._packings[tables] = (
-                torch.tensor([layout.shards for layout in layouts], dtype=torch.int64),
-                torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64),
-                torch.tensor([layout.prefixes.shape[1] for layout in layouts], dtype=torch.int64),
-                np.concatenate([layout.prefixes.reshape(-1) for layout in layouts]))
-        return kept
+    @property
+    def reads_into(self) -> bool:
+        """Whether :meth:`get_concat_into` serves: a single server (a cluster takes one ``MGET`` a shard) with
+        numba."""
+        return not self.config.cluster and numba_available()
 
-    def _send_packed(self, packed: bytes, commands: int) -> list:
-        """The replies of ``commands`` commands already in RESP (``packed``), sent in one round trip on a pooled
-        connection. As redis-py's ``execute_command`` does, a connection error or timeout is retried once at once
-        on a new connection (a server restart broke the pooled one); a connection that failed is closed, so that
-        no reply is left unread on it."""
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
+    @_translated
+    def get_concat_into(self, tables: tuple, keys: np.ndarray, table_of: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """:meth:`get_concat` into the caller's arrays, in one round trip and two numba passes (the ``MGET``
+        commands written, their reply parsed from the socket's bytes straight into ``out``): how the parameter
+        server's fused path reads a request's misses. Only where :attr:`reads_into` says so.
+
+        Args:
+            tables: distinct created tables of one schema.
+            keys: ``[N]`` int64 numpy array; ``table_of``: ``[N]`` int64, the index in ``tables`` of each key's
+                table (any order).
+            out: ``[N, D]`` C-contiguous numpy array of the tables' dtype: the row of each key found is written to
+                ``out[j]`` with its stored bits; the other rows are left as they are.
+
+        Returns:
+            ``found [N]`` bool numpy array.
+
+        Raises:
+            ValueError: bad arguments (nothing is read). StoreError: the server failed (``out`` may hold rows of
+            keys not marked found).
+        """
+        if not self.reads_into:
+            raise NotImplementedError(f"{self} reads with get_concat (get_concat_into needs a single server and numba)")
+        tables = tuple(tables)
+        self._check_open()
+        schema = self._concat_schema(tables)
+        if schema is None:
+            raise ValueError("tables must name at least one table, got none")
+        n = keys.shape[0] if isinstance(keys, np.ndarray) else -1
+        if not isinstance(keys, np.ndarray) or keys.dtype != np.int64 or keys.ndim != 1:
+            raise ValueError(f"keys must be a 1-D int64 numpy array, got {keys!r:.80}")
+        if not isinstance(table_of, np.ndarray) or table_of.dtype != np.int64 or table_of.shape != (n,):
+            raise ValueError(f"table_of must be a [{n}] int64 numpy array, got {table_of!r:.80}")
+        if not isinstance(out, np.ndarray) or out.shape != (n, schema.dim) or \
+                out.dtype.itemsize != schema.dtype.itemsize or \
+                not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous [{n}, {schema.dim}] numpy array of {schema.dtype}, got "
+                             f"{getattr(out, 'shape', out)!r:.80} of {getattr(out, 'dtype', None)}")
+        found = np.zeros(n, np.bool_)
+        if n:
+            self._read_rows(tables, schema, keys, table_of, out.view(np.uint8).reshape(n, schema.row_bytes), found,
+                            False)
+        return found
+
+    def _read_rows(self, tables: tuple, schema, keys: np.ndarray, table_of: np.ndarray, out: np.ndarray,
+                   found: np.ndarray, zero: bool) -> None:
+        """The rows of ``keys`` (``table_of``: index in ``tables``, checked here) into the bytes ``out [N,
+        row_bytes]`` and ``found [N]``, in one round trip on a reader connection: the ``MGET`` commands packed into
+        a buffer the connection keeps, their reply read with ``recv_into`` into another and parsed as it comes
+        (:func:`~dynemb.kernels.numba_find_many.read_mget_reply`); redis-py's parser is not involved. A null leaves
+        ``out``'s row as it is (zeros when ``zero``). As redis-py's ``execute_command`` does, a connection error or
+        timeout is retried once at once on a new connection (a server restart broke the kept one); a connection
+        that failed is closed, so that no reply is left unread on it."""
+        from dynemb.kernels.numba_find_many import (mget_command_bound, mget_reply_bound, mget_reply_state,
+                                                    pack_mget_into)
+
+        shards, base, width, prefixes, widest = self._packing(tables)
+        n, chunk = keys.shape[0], self.config.chunk_size
+        commands = -(-n // chunk)
+        conn = self._take_reader()
         try:
+            request, reply = _buffers(conn, mget_command_bound(n, chunk, widest),
+                                      mget_reply_bound(n, chunk, schema.row_bytes))
+            used = pack_mget_into(keys, table_of, shards, base, width, prefixes, chunk, request)
+            if used < 0:
+                raise ValueError(f"table_of must index the {len(tables)} tables, got {int(table_of[-1 - used])}")
             for attempt in (0, 1):
                 try:
-                    conn.send_packed_command([packed])
-                    return [conn.read_response() for _ in range(commands)]
+                    conn.send_packed_command([memoryview(request)[:used]], check_health=False)
+                    return self._receive(conn._sock, reply, mget_reply_state(commands), out, found, zero, keys,
+                                         schema)
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                     conn.disconnect()
                     if attempt:
@@ -342,7 +396,67 @@ class RedisStore(Store):
                     conn.disconnect()
                     raise
         finally:
-            pool.release(conn)
+            self._readers.append(conn)  # list.append and pop are atomic: no lock
+
+    def _take_reader(self):
+        """A connection of this store's own for the reads of :meth:`_read_rows` (redis-py's pool takes tens of
+        microseconds a call to lend one): a free one, or a new one made by the pool's factory (same address,
+        password, timeouts; it connects on first use). Dropped after a fork, as the pool drops its own."""
+        if self._reader_pid != os.getpid():
+            self._readers, self._reader_pid = [], os.getpid()
+        try:
+            return self._readers.pop()
+        except IndexError:
+            pool = self._client.connection_pool
+            return pool.connection_class(**pool.connection_kwargs)
+
+    def _receive(self, sock, reply: np.ndarray, state: np.ndarray, out: np.ndarray, found: np.ndarray, zero: bool,
+                 keys: np.ndarray, schema) -> None:
+        """Read MGET replies from ``sock`` into ``reply`` and parse them into ``out`` and ``found`` as they come."""
+        from dynemb.kernels.numba_find_many import (MGET_BAD_LENGTH, MGET_DONE, MGET_ERROR_REPLY, MGET_RUNNING,
+                                                    read_mget_reply)
+
+        view = memoryview(reply)
+        end = 0
+        while True:
+            try:
+                got = sock.recv_into(view[end:])
+            except socket.timeout:
+                raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
+            except OSError as error:
+                raise redis.exceptions.ConnectionError(f"Error while reading from socket: {error}") from error
+            if not got:
+                raise redis.exceptions.ConnectionError("Connection closed by server.")
+            end += got
+            status = read_mget_reply(reply, end, state, out, found, zero)
+            if status == MGET_DONE:
+                return
+            if status == MGET_RUNNING and end < reply.shape[0]:
+                continue
+            if status == MGET_BAD_LENGTH:
+                raise StoreCorruptError(f"stored row for key {int(keys[state[1]])} has {int(state[5])} bytes; the "
+                                        f"table's {schema} needs {schema.row_bytes}")
+            line = bytes(reply[state[0]:end]).split(b"\r\n", 1)[0]
+            if status == MGET_ERROR_REPLY:
+                raise redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
+            raise redis.exceptions.InvalidResponse(f"Protocol error, got {line[:40]!r} in an MGET reply")
+
+    def _packing(self, tables: tuple) -> tuple:
+        """``(shards [T], base [T], width [T], prefixes, widest)`` of ``tables`` for
+        :func:`~dynemb.kernels.numba_find_many.pack_mget_into` (numpy arrays, kept per list; ``widest`` the longest
+        prefix)."""
+        kept = self._packings.get(tables)
+        if kept is None:
+            layouts = [self._layouts[t] for t in tables]
+            sizes = [layout.prefixes.size for layout in layouts]
+            widths = [layout.prefixes.shape[1] for layout in layouts]
+            if len(self._packings) > 256:
+                self._packings.clear()
+            kept = self._packings[tables] = (
+                np.array([layout.shards for layout in layouts], dtype=np.int64),
+                np.cumsum([0] + sizes[:-1], dtype=np.int64), np.array(widths, dtype=np.int64),
+                np.concatenate([layout.prefixes.reshape(-1) for layout in layouts]), max(widths, default=0))
+        return kept
 
     def _names(self, tables: tuple, keys: torch.Tensor, sizes: list) -> list:
         """The Redis names of ``keys`` (``sizes[i]`` of ``tables[i]``, one after the other): one ``encode_keys`` for
@@ -454,7 +568,24 @@ class RedisStore(Store):
         return pipe.execute()
 
     def _close(self) -> None:
+        readers, self._readers = self._readers, []
+        for conn in readers:
+            conn.disconnect()
         self._client.close()
+
+
+def _buffers(conn, request: int, reply: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two uint8 buffers of at least ``request`` and ``reply`` bytes that ``conn`` keeps from call to call (a pooled
+    connection serves one call at a time), grown by half again when too short."""
+    kept = getattr(conn, "_dynemb_buffers", None)
+    if kept is None or kept[0].shape[0] < request or kept[1].shape[0] < reply:
+        have = (0, 0) if kept is None else (kept[0].shape[0], kept[1].shape[0])
+        kept = tuple(np.empty(max(need, old + old // 2, 1 << 16), np.uint8)
+                     for need, old in zip((request, reply), have))
+        if kept[0].shape[0] + kept[1].shape[0] > _KEPT_BYTES:  # a bulk read: its buffers are not kept
+            return kept
+        conn._dynemb_buffers = kept
+    return kept
 
 
 def _interleave(a: list, b: list) -> list:

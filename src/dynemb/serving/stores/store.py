@@ -290,8 +290,21 @@ class Store(abc.ABC):
             ([0.0, 1.0, 0.0], [False, True, False])
         """
         tables = tuple(tables)
-        schema = self._concat_schemas.get(tables)  # a table's schema never changes: checked once per list
+        schema = self._concat_schema(tables)
+        keys = self._check_keys(keys)
+        if len(sizes) != len(tables) or sum(sizes) != keys.numel() or min(sizes, default=0) < 0:
+            raise ValueError(f"sizes must give the keys of each of the {len(tables)} tables (ints >= 0 summing to "
+                             f"{keys.numel()}), got {list(sizes)}")
+        if not keys.numel():
+            return _no_rows(schema) if schema is not None else (torch.zeros(0, 0), torch.zeros(0, dtype=torch.bool))
+        return self._get_concat(list(tables), schema, keys, list(sizes))
+
+    def _concat_schema(self, tables: tuple) -> TableSchema | None:
+        """The one schema of ``tables`` (distinct created tables; None for no table), checked once per list: a
+        table's schema never changes."""
+        schema = self._concat_schemas.get(tables)
         if schema is None:
+            self._check_open()
             schemas = [self.schema(t) for t in tables]
             if len(set(tables)) != len(tables):
                 raise ValueError(f"tables must be distinct, got {list(tables)}")
@@ -302,13 +315,7 @@ class Store(abc.ABC):
                 if len(self._concat_schemas) > 256:
                     self._concat_schemas.clear()
                 self._concat_schemas[tables] = schema
-        keys = self._check_keys(keys)
-        if len(sizes) != len(tables) or sum(sizes) != keys.numel() or min(sizes, default=0) < 0:
-            raise ValueError(f"sizes must give the keys of each of the {len(tables)} tables (ints >= 0 summing to "
-                             f"{keys.numel()}), got {list(sizes)}")
-        if not keys.numel():
-            return _no_rows(schema) if schema is not None else (torch.zeros(0, 0), torch.zeros(0, dtype=torch.bool))
-        return self._get_concat(list(tables), schema, keys, list(sizes))
+        return schema
 
     def put(self, table: str, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write rows. Hit: replaced. Miss: inserted. Duplicate keys: the last occurrence wins. Each row is

@@ -1,0 +1,516 @@
+"""Unary gRPC calls over HTTP/2 as an asyncio protocol, on the event loop that runs it (no threads of its own).
+
+grpcio's server answers on its own core threads and hands each call to the event loop through a poller thread: a
+dozen context switches and 0.2-0.3 ms of CPU a call more than the HTTP endpoint (docs/benchmark-history.md, "gRPC
+latency: where the time goes"). This is the part of HTTP/2 (RFC 9113) a unary gRPC call uses, written for that:
+
+- the connection: the client's preface, SETTINGS (acknowledged; its window size and largest frame honoured), PING
+  (acknowledged), GOAWAY both ways, RST_STREAM, PRIORITY ignored, unknown frames ignored (as the RFC asks);
+- flow control: a large window announced up front (so a request of up to the largest message never waits for a
+  WINDOW_UPDATE) and topped up as it is used; replies wait for the client's window when they do not fit it;
+- a request: HEADERS (+ CONTINUATION; HPACK decoded by the ``hpack`` package) and DATA up to END_STREAM, then the
+  length-prefixed message (inflated when its ``grpc-encoding`` is gzip or deflate), handed to the handler of its
+  ``:path``;
+- a reply: HEADERS, one message in DATA, then trailers with ``grpc-status``/``grpc-message``, written in one
+  ``transport.write`` when the window allows; an error is a trailers-only reply. Reply headers use no HPACK
+  dynamic table, so they are constant bytes.
+
+Not here: streaming calls (a second message on a stream is an error), server push, TLS (``dynemb serve`` listens on
+loopback in plain text, as it did with grpcio), deadlines (``grpc-timeout`` is not enforced).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import zlib
+from typing import Awaitable, Callable, Optional
+
+try:
+    import hpack
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(f"dynemb serve's gRPC endpoint needs hpack: pip install 'dynemb[serving]' ({exc})") from exc
+
+__all__ = ["GrpcError", "Http2GrpcServer", "Handler", "STATUS"]
+
+STATUS = {"OK": 0, "CANCELLED": 1, "UNKNOWN": 2, "INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 4, "NOT_FOUND": 5,
+          "ALREADY_EXISTS": 6, "PERMISSION_DENIED": 7, "RESOURCE_EXHAUSTED": 8, "FAILED_PRECONDITION": 9,
+          "ABORTED": 10, "OUT_OF_RANGE": 11, "UNIMPLEMENTED": 12, "INTERNAL": 13, "UNAVAILABLE": 14,
+          "DATA_LOSS": 15, "UNAUTHENTICATED": 16}
+"""gRPC status codes by name (as ``grpc.StatusCode`` names them)."""
+
+
+class GrpcError(Exception):
+    """A call answered with a gRPC status other than OK: ``code`` (a :data:`STATUS` name) and ``message``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+Handler = Callable[[bytes, dict], Awaitable[bytes]]
+"""``await handler(message, metadata) -> reply``: the serialized request message (bytes or a memoryview) and the
+call's metadata (lower-case names, str values; binary ``-bin`` entries left out; read-only) to the serialized reply;
+raise :class:`GrpcError` to fail."""
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# frame types
+_DATA, _HEADERS, _PRIORITY, _RST, _SETTINGS, _PUSH, _PING, _GOAWAY, _WINDOW, _CONTINUATION = range(10)
+# flags
+_END_STREAM, _ACK, _END_HEADERS, _PADDED, _PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
+# error codes (RFC 9113 section 7)
+_NO_ERROR, _PROTOCOL_ERROR, _FLOW_CONTROL_ERROR, _FRAME_SIZE_ERROR, _COMPRESSION_ERROR = 0x0, 0x1, 0x3, 0x6, 0x9
+_CANCEL, _ENHANCE_YOUR_CALM = 0x8, 0xB
+_HEAD = struct.Struct(">HBBBI")  # a frame header: length (24 bits: 16 + 8), type, flags, stream id
+_MAX_FRAME = 1 << 20  # the largest frame we accept (SETTINGS_MAX_FRAME_SIZE): a 256-row request in one DATA frame
+_MAX_HEADER_BLOCK = 64 << 10  # a request's header block (HPACK-compressed), larger closes the connection
+_WINDOW_MAX = (1 << 31) - 1
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream) + payload
+
+
+def _hpack_int(value: int, prefix_bits: int, first: int) -> bytes:
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((first | value,))
+    out, value = bytearray((first | limit,)), value - limit
+    while value >= 128:
+        out.append(0x80 | (value & 0x7F))
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """An HPACK literal header field without indexing, new name, no Huffman coding: no decoder state touched."""
+    return b"\x00" + _hpack_int(len(name), 7, 0) + name + _hpack_int(len(value), 7, 0) + value
+
+
+# :status 200 is static table entry 8 (an indexed field); content-type is static entry 31 (name reference).
+_REPLY_HEADERS = b"\x88" + b"\x0f\x10" + _hpack_int(16, 7, 0) + b"application/grpc"
+_OK_TRAILERS = _literal(b"grpc-status", b"0")
+_ACCEPT_ENCODING = _literal(b"grpc-accept-encoding", b"identity,deflate,gzip")
+_INFLATE_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def _percent(message: str) -> bytes:
+    """``grpc-message``'s encoding: UTF-8, bytes outside printable ASCII and ``%`` percent-encoded."""
+    return b"".join(bytes((b,)) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in message.encode())
+
+
+def _trailers(code: str, message: str) -> bytes:
+    block = _literal(b"grpc-status", str(STATUS[code]).encode())
+    return block + _literal(b"grpc-message", _percent(message)) if message else block
+
+
+class _Stream:
+    __slots__ = ("headers", "head_bytes", "head_flags", "data", "size", "window", "pending", "trailers", "task",
+                 "closed")
+
+    def __init__(self, window: int) -> None:
+        self.headers = None  # dict once the header block is decoded
+        self.head_bytes = bytearray()  # the header block while CONTINUATION frames follow
+        self.head_flags = 0  # the flags of the HEADERS frame that began the block
+        self.data: list = []
+        self.size = 0
+        self.window = window  # what we may still send on it (the client's stream window)
+        self.pending = b""  # reply DATA payload waiting for window
+        self.trailers = b""  # sent once ``pending`` is out
+        self.task: Optional[asyncio.Task] = None
+        self.closed = False  # reset by the client, or answered
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection (see the module docstring)."""
+
+    def __init__(self, server: "Http2GrpcServer") -> None:
+        self.server = server
+        self.transport: Optional[asyncio.Transport] = None
+        self.chunks: list = []  # the start of a frame not yet whole
+        self.chunked = 0  # their bytes
+        self.need = 0  # the bytes that make it whole
+        self.preface = False
+        self.decoder = hpack.Decoder()
+        self.decoder.max_header_list_size = _MAX_HEADER_BLOCK
+        self.header_cache: dict[bytes, dict] = {}  # see _decode
+        self.streams: dict[int, _Stream] = {}
+        self.continuing = 0  # the stream whose header block is being continued, 0 if none
+        self.last_stream = 0
+        self.send_window = 65535  # the client's connection window
+        self.initial_window = 65535  # the client's window for each new stream
+        self.max_frame = 16384  # the largest frame the client takes
+        self.received = 0  # DATA bytes received since our last connection WINDOW_UPDATE
+        self.going_away = False
+
+    # -- the connection ---------------------------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.server.connections.add(self)
+        settings = struct.pack(">HIHIHI", 0x4, self.server.stream_window,  # INITIAL_WINDOW_SIZE: a whole request
+                               0x5, _MAX_FRAME,  # MAX_FRAME_SIZE: in few frames
+                               0x6, _MAX_HEADER_BLOCK)  # MAX_HEADER_LIST_SIZE
+        transport.write(_frame(_SETTINGS, 0, 0, settings)
+                        + _frame(_WINDOW, 0, 0, struct.pack(">I", self.server.connection_window - 65535)))
+
+    def connection_lost(self, exc) -> None:
+        self.server.connections.discard(self)
+        for stream in self.streams.values():
+            stream.closed = True
+        self.streams.clear()
+        self.transport = None
+
+    def close(self, error: int = _NO_ERROR, debug: bytes = b"") -> None:
+        if self.transport is not None:
+            self.transport.write(_frame(_GOAWAY, 0, 0, struct.pack(">II", self.last_stream, error) + debug))
+            self.transport.close()
+
+    def goaway(self) -> None:
+        """No new calls on this connection (the server stops): the client opens none after the GOAWAY."""
+        self.going_away = True
+        if self.transport is not None:
+            self.transport.write(_frame(_GOAWAY, 0, 0, struct.pack(">II", self.last_stream, _NO_ERROR)))
+            if not self.streams:
+                self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.chunks:  # a frame arriving in parts: joined once it is whole (not at every part: 8 MiB requests)
+            self.chunks.append(data)
+            self.chunked += len(data)
+            if self.chunked < self.need:
+                return
+            data = b"".join(self.chunks)
+            self.chunks, self.chunked = [], 0
+        start, end = 0, len(data)
+        if not self.preface:
+            if end < 24:
+                if not _PREFACE.startswith(data):
+                    return self.close(_PROTOCOL_ERROR, b"not an HTTP/2 connection preface")
+                self.chunks, self.chunked, self.need = [data], end, 24
+                return
+            if data[:24] != _PREFACE:
+                return self.close(_PROTOCOL_ERROR, b"not an HTTP/2 connection preface")
+            self.preface, start = True, 24
+        need = 9
+        while end - start >= 9:
+            high, low, kind, flags, stream = _HEAD.unpack_from(data, start)
+            length = high << 8 | low
+            if length > _MAX_FRAME:
+                return self.close(_FRAME_SIZE_ERROR, b"frame larger than SETTINGS_MAX_FRAME_SIZE")
+            if end - start - 9 < length:
+                need = 9 + length
+                break
+            payload = data[start + 9:start + 9 + length]
+            start += 9 + length
+            if self.continuing and kind != _CONTINUATION:
+                return self.close(_PROTOCOL_ERROR, b"a header block was interrupted")
+            if not self._frame(kind, flags, stream & 0x7FFFFFFF, payload) or self.transport is None:
+                return
+        if start < end:
+            self.chunks, self.chunked, self.need = [data[start:]], end - start, need
+
+    def _frame(self, kind: int, flags: int, stream_id: int, payload) -> bool:
+        """Act on one frame; False when the connection was closed."""
+        if kind == _DATA:
+            return self._data(flags, stream_id, payload)
+        if kind == _HEADERS or kind == _CONTINUATION:
+            return self._headers(kind, flags, stream_id, payload)
+        if kind == _SETTINGS:
+            if flags & _ACK:
+                return True
+            if len(payload) % 6 or stream_id:
+                self.close(_FRAME_SIZE_ERROR if stream_id == 0 else _PROTOCOL_ERROR, b"bad SETTINGS frame")
+                return False
+            for i in range(0, len(payload), 6):
+                key, value = struct.unpack_from(">HI", payload, i)
+                if key == 0x4:
+                    if value > _WINDOW_MAX:
+                        self.close(_FLOW_CONTROL_ERROR, b"SETTINGS_INITIAL_WINDOW_SIZE over 2^31-1")
+                        return False
+                    for stream in self.streams.values():
+                        stream.window += value - self.initial_window
+                    self.initial_window = value
+                elif key == 0x5:
+                    self.max_frame = value
+            self.transport.write(_frame(_SETTINGS, _ACK, 0))
+            self._flush_all()
+            return True
+        if kind == _PING:
+            if not flags & _ACK:
+                self.transport.write(_frame(_PING, _ACK, 0, bytes(payload)))
+            return True
+        if kind == _WINDOW:
+            if len(payload) != 4:
+                self.close(_FRAME_SIZE_ERROR, b"bad WINDOW_UPDATE frame")
+                return False
+            increment = struct.unpack_from(">I", payload)[0] & 0x7FFFFFFF
+            if stream_id == 0:
+                self.send_window += increment
+                self._flush_all()
+            elif stream_id in self.streams:
+                stream = self.streams[stream_id]
+                stream.window += increment
+                if stream.pending or stream.trailers:
+                    self._flush(stream_id, stream)
+            return True
+        if kind == _RST:
+            stream = self.streams.pop(stream_id, None)
+            if stream is not None:
+                stream.closed = True
+                if stream.task is not None:
+                    stream.task.cancel()
+            return True
+        if kind == _GOAWAY:
+            self.going_away = True
+            return True
+        if kind == _PUSH:
+            self.close(_PROTOCOL_ERROR, b"a client cannot push")
+            return False
+        return True  # PRIORITY, and frame types this side does not know: ignored, as RFC 9113 asks
+
+    def _headers(self, kind: int, flags: int, stream_id: int, payload) -> bool:
+        if kind == _CONTINUATION:
+            if stream_id != self.continuing or stream_id == 0:
+                self.close(_PROTOCOL_ERROR, b"CONTINUATION without its HEADERS")
+                return False
+            stream = self.streams[stream_id]
+        else:
+            if flags & _PADDED:
+                payload = payload[1:len(payload) - payload[0]]
+            if flags & _PRIORITY_FLAG:
+                payload = payload[5:]
+            stream = self.streams.get(stream_id)
+            if stream is None and 0 < stream_id <= self.last_stream:  # trailers of a call answered early
+                stream = self.streams[stream_id] = _Stream(0)
+                stream.headers, stream.closed = {}, True
+            elif stream is None:
+                if stream_id % 2 == 0:
+                    self.close(_PROTOCOL_ERROR, b"a client's stream has an odd id")
+                    return False
+                self.last_stream = stream_id
+                stream = self.streams[stream_id] = _Stream(self.initial_window)
+            if stream.headers is not None and not flags & _END_STREAM:
+                self.close(_PROTOCOL_ERROR, b"HEADERS on an open stream")
+                return False
+            stream.head_flags = flags  # trailers (HEADERS on a stream already open) end it
+        stream.head_bytes += payload
+        if len(stream.head_bytes) > _MAX_HEADER_BLOCK:
+            self.close(_ENHANCE_YOUR_CALM, b"header block too large")
+            return False
+        if not flags & _END_HEADERS:
+            self.continuing = stream_id
+            return True
+        self.continuing = 0
+        try:
+            headers = self._decode(bytes(stream.head_bytes))
+        except Exception:  # noqa: BLE001 - hpack's errors: the decoder's state is lost, so is the connection
+            self.close(_COMPRESSION_ERROR, b"bad HPACK header block")
+            return False
+        stream.head_bytes = bytearray()
+        if stream.headers is not None:  # the client's trailers: nothing in them for a unary call
+            self._end_stream(stream_id, stream)
+            return True
+        stream.headers = headers
+        early = None  # a call answered before its message: the client may stop sending (RST_STREAM)
+        if self.going_away:
+            early = _trailers("UNAVAILABLE", "the server is shutting down")
+        elif headers.get(":path") not in self.server.handlers:  # a streaming call among them: not served
+            early = _trailers("UNIMPLEMENTED", f"method {headers.get(':path')!r} is not served by dynemb serve")
+        if early is not None:
+            self._reply(stream_id, stream, None, early)
+            if not stream.head_flags & _END_STREAM:
+                self.transport.write(_frame(_RST, 0, stream_id, struct.pack(">I", _NO_ERROR)))
+        elif stream.head_flags & _END_STREAM:
+            self._end_stream(stream_id, stream)
+        return True
+
+    def _decode(self, block: bytes) -> dict:
+        """The header block's fields, ``{name: value}`` (read-only: it may be shared by calls).
+
+        A client sends the same block call after call once its fields are in the HPACK dynamic table (all indexed
+        fields, which leave the table as it is): such a block decodes to the same fields as long as the table does
+        not change, so it is decoded once (hpack costs about 50 us a block), and the blocks kept are forgotten
+        when a block changes the table.
+        """
+        cached = self.header_cache.get(block)
+        if cached is not None:
+            return cached
+        table = self.decoder.header_table
+        entries = table.dynamic_entries
+        before = (len(entries), entries[0] if entries else None, table.maxsize)
+        headers = {name.decode("latin-1"): value.decode("latin-1")
+                   for name, value in self.decoder.decode(block, raw=True) if not name.endswith(b"-bin")}
+        if len(entries) == before[0] and (entries[0] if entries else None) is before[1] and \
+                table.maxsize == before[2]:  # the table did not change (a new entry is a new tuple at the front)
+            if len(self.header_cache) < 64:
+                self.header_cache[block] = headers
+        elif self.header_cache:
+            self.header_cache = {}
+        return headers
+
+    def _data(self, flags: int, stream_id: int, payload) -> bool:
+        size = len(payload)
+        self.received += size
+        if self.received >= self.server.connection_window >> 1:
+            self.transport.write(_frame(_WINDOW, 0, 0, struct.pack(">I", self.received)))
+            self.received = 0
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.headers is None or stream.closed:
+            if stream_id > self.last_stream or stream_id == 0:
+                self.close(_PROTOCOL_ERROR, b"DATA on a stream never opened")
+                return False
+            return True  # a stream we answered or that was reset: its window no longer matters
+        if flags & _PADDED:
+            pad = payload[0]
+            payload = payload[1:size - pad]
+        stream.size += len(payload)
+        if stream.size > self.server.max_message_bytes + 5:
+            self._reply(stream_id, stream, None, _trailers(
+                "RESOURCE_EXHAUSTED", f"a request message over {self.server.max_message_bytes} bytes"))
+            self.transport.write(_frame(_RST, 0, stream_id, struct.pack(">I", _NO_ERROR)))
+            return True
+        if payload:
+            stream.data.append(payload)  # bytes (a slice of what the socket gave)
+        if flags & _END_STREAM:
+            self._end_stream(stream_id, stream)
+        return True
+
+    # -- a call -----------------------------------------------------------------------------------------------------
+    def _end_stream(self, stream_id: int, stream: _Stream) -> None:
+        if stream.closed:
+            self.streams.pop(stream_id, None)
+            return
+        headers = stream.headers
+        data = stream.data[0] if len(stream.data) == 1 else b"".join(stream.data)
+        stream.data = None
+        handler = self.server.handlers[headers[":path"]]
+        error = None
+        if headers.get(":method") != "POST" or not headers.get("content-type", "").startswith("application/grpc"):
+            error = ("INTERNAL", "a gRPC call is a POST of content-type application/grpc")
+        elif len(data) < 5 or len(data) != 5 + int.from_bytes(data[1:5], "big"):
+            error = ("UNIMPLEMENTED" if len(data) > 5 + int.from_bytes(data[1:5], "big") else "INTERNAL",
+                     "a unary call sends exactly one length-prefixed message")
+        if error is None:
+            message = memoryview(data)[5:]  # protobuf parses a memoryview: no copy of the message
+            if data[0]:
+                encoding = headers.get("grpc-encoding", "identity")
+                if encoding not in _INFLATE_WBITS:
+                    error = ("UNIMPLEMENTED", f"grpc-encoding {encoding!r} is not supported (gzip, deflate)")
+                else:
+                    message, error = self._inflate(message, encoding)
+        if error is not None:
+            trailers = _trailers(*error)
+            if error[0] == "UNIMPLEMENTED":
+                trailers += _ACCEPT_ENCODING
+            return self._reply(stream_id, stream, None, trailers)
+        stream.task = asyncio.ensure_future(self._call(stream_id, stream, handler, message, headers))
+
+    def _inflate(self, message: bytes, encoding: str):
+        limit = self.server.max_message_bytes
+        try:
+            inflater = zlib.decompressobj(_INFLATE_WBITS[encoding])
+            out = inflater.decompress(message, limit + 1)
+        except zlib.error as exc:
+            return None, ("INTERNAL", f"a {encoding} request message that does not inflate: {exc}")
+        if len(out) > limit or inflater.unconsumed_tail:
+            return None, ("RESOURCE_EXHAUSTED", f"a request message over {limit} bytes once inflated")
+        return out, None
+
+    async def _call(self, stream_id: int, stream: _Stream, handler: Handler, message: bytes, headers: dict) -> None:
+        try:
+            reply = await handler(message, headers)
+        except GrpcError as exc:
+            return self._reply(stream_id, stream, None, _trailers(exc.code, exc.message))
+        except asyncio.CancelledError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - a bug here must answer the call, and not end the connection
+            return self._reply(stream_id, stream, None, _trailers("INTERNAL", f"{type(exc).__name__}: {exc}"))
+        self._reply(stream_id, stream, reply, _OK_TRAILERS)
+
+    def _reply(self, stream_id: int, stream: _Stream, reply: Optional[bytes], trailers: bytes) -> None:
+        """Answer the call: HEADERS, the message and trailers, or (``reply`` None) a trailers-only reply."""
+        if stream.closed or self.transport is None:
+            return
+        stream.closed = True
+        if reply is None:
+            self.streams.pop(stream_id, None)
+            self.transport.write(_frame(_HEADERS, _END_HEADERS | _END_STREAM, stream_id, _REPLY_HEADERS + trailers))
+            return self._maybe_done()
+        head = _frame(_HEADERS, _END_HEADERS, stream_id, _REPLY_HEADERS)
+        body = b"\x00" + len(reply).to_bytes(4, "big") + reply
+        window = min(stream.window, self.send_window)
+        if len(body) <= window and len(body) <= self.max_frame:  # the usual case: one write for all of it
+            self.streams.pop(stream_id, None)
+            self.send_window -= len(body)
+            self.transport.write(head + _frame(_DATA, 0, stream_id, body)
+                                 + _frame(_HEADERS, _END_HEADERS | _END_STREAM, stream_id, trailers))
+            return self._maybe_done()
+        self.transport.write(head)
+        stream.pending, stream.trailers = body, trailers
+        self._flush(stream_id, stream)
+
+    def _flush(self, stream_id: int, stream: _Stream) -> None:
+        """Send what the windows allow of the stream's pending reply, then its trailers."""
+        out = []
+        while stream.pending:
+            n = min(len(stream.pending), stream.window, self.send_window, self.max_frame)
+            if n <= 0:
+                break
+            out.append(_frame(_DATA, 0, stream_id, stream.pending[:n]))
+            stream.pending = stream.pending[n:]
+            stream.window -= n
+            self.send_window -= n
+        if not stream.pending and stream.trailers:
+            out.append(_frame(_HEADERS, _END_HEADERS | _END_STREAM, stream_id, stream.trailers))
+            stream.trailers = b""
+            self.streams.pop(stream_id, None)
+        if out and self.transport is not None:
+            self.transport.write(b"".join(out))
+        self._maybe_done()
+
+    def _flush_all(self) -> None:
+        for stream_id, stream in list(self.streams.items()):
+            if stream.pending or stream.trailers:
+                self._flush(stream_id, stream)
+
+    def _maybe_done(self) -> None:
+        if self.going_away and not self.streams and self.transport is not None:
+            self.transport.close()
+
+
+class Http2GrpcServer:
+    """Unary gRPC handlers served on the running event loop (module docstring).
+
+    Args:
+        handlers: ``{":path": handler}``, e.g. ``{"/inference.GRPCInferenceService/ModelInfer": infer}``
+            (:data:`Handler`); any other path is answered UNIMPLEMENTED.
+        max_message_bytes: the largest request message (inflated); larger ones are answered RESOURCE_EXHAUSTED.
+    """
+
+    def __init__(self, handlers: dict[str, Handler], max_message_bytes: int = 8 << 20) -> None:
+        self.handlers, self.max_message_bytes = handlers, max_message_bytes
+        # a whole request (and its 5-byte prefix) fits the stream window: no WINDOW_UPDATE round trip in a call
+        self.stream_window = min(_WINDOW_MAX, max(65535, max_message_bytes + 1024))
+        self.connection_window = min(_WINDOW_MAX, max(4 * self.stream_window, 16 << 20))
+        self.connections: set[_Connection] = set()
+        self.server: Optional[asyncio.AbstractServer] = None
+
+    async def start(self, sock) -> None:
+        """Serve on the bound socket ``sock`` (listening starts here)."""
+        self.server = await asyncio.get_running_loop().create_server(lambda: _Connection(self), sock=sock)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stop listening, send GOAWAY on every connection, wait up to ``grace_s`` for calls under way."""
+        if self.server is None:
+            return
+        self.server.close()
+        for connection in list(self.connections):
+            connection.goaway()
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while self.connections and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        for connection in list(self.connections):
+            if connection.transport is not None:
+                connection.transport.close()
+        self.server = None

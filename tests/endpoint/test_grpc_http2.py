@@ -1,0 +1,239 @@
+"""The gRPC transport on the event loop (``dynemb.endpoint.grpc_http2``) against grpcio's client (the transport under
+``tritonclient.grpc``): large messages both ways (flow control), the message size limit, compressed requests and
+a compression bomb, errors with non-ASCII messages, unknown and streaming methods, concurrent calls on one
+channel, metadata, and a server that stops while a call runs; and ``InferRequests``' shortcut against protobuf's
+own parse (the same fields and arrays, whatever the message)."""
+
+import asyncio
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("hpack")
+from tritonclient.grpc import service_pb2 as pb  # noqa: E402
+
+from dynemb.endpoint.grpc_http2 import GrpcError, Http2GrpcServer  # noqa: E402
+from dynemb.endpoint.grpc_server import InferRequests, request_dict  # noqa: E402
+
+LIMIT = 8 << 20
+
+
+class Served:
+    """An Http2GrpcServer on a loop of its own thread, with an echo, a large reply, an error and a slow call."""
+
+    def __init__(self) -> None:
+        self.seen = []
+
+        async def echo(message, metadata):
+            self.seen.append(dict(metadata))
+            return bytes(message)
+
+        async def large(message, metadata):  # a reply of the size the request asks for, over the client's window
+            return bytes(int.from_bytes(bytes(message), "big") * b"\x07")
+
+        async def fail(message, metadata):
+            raise GrpcError("INVALID_ARGUMENT", "input 'é' is 100% wrong\nline two")
+
+        async def slow(message, metadata):
+            await asyncio.sleep(0.5)
+            return b"done"
+
+        self.loop = asyncio.new_event_loop()
+        self.server = Http2GrpcServer({"/t.T/Echo": echo, "/t.T/Large": large, "/t.T/Fail": fail, "/t.T/Slow": slow},
+                                      max_message_bytes=LIMIT)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{sock.getsockname()[1]}"
+        started = threading.Event()
+
+        def run():
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.server.start(sock))
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert started.wait(10)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace_s=2.0), self.loop).result(10)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture()
+def served():
+    s = Served()
+    yield s
+    s.close()
+
+
+def call(channel, method, message: bytes, **kwargs) -> bytes:
+    return channel.unary_unary(method)(message, timeout=30, **kwargs)
+
+
+def test_large_messages_both_ways_and_concurrent_calls_on_one_channel(served):
+    with grpc.insecure_channel(served.address, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        assert call(channel, "/t.T/Echo", b"") == b""
+        big = np.random.default_rng(0).bytes(LIMIT - 64)  # over every default window: flow control both ways
+        assert call(channel, "/t.T/Echo", big) == big
+        assert call(channel, "/t.T/Large", (20 << 20).to_bytes(4, "big")) == (20 << 20) * b"\x07"
+        messages = [bytes([k]) * (k * 4099) for k in range(64)]
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(lambda m: call(channel, "/t.T/Echo", m), messages)) == messages
+        call(channel, "/t.T/Echo", b"x", metadata=[("authorization", "Bearer t0k"), ("x-bin", b"\x00")])
+        assert served.seen[-1]["authorization"] == "Bearer t0k" and "x-bin" not in served.seen[-1]
+
+
+def test_limits_compression_and_errors(served):
+    with grpc.insecure_channel(served.address) as channel:
+        with pytest.raises(grpc.RpcError) as error:
+            call(channel, "/t.T/Echo", b"\x01" * (LIMIT + 1))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and str(LIMIT) in error.value.details()
+        assert call(channel, "/t.T/Echo", b"after") == b"after"  # the connection is still good
+        text = b"compressible " * 5000
+        for compression in (grpc.Compression.Gzip, grpc.Compression.Deflate):
+            assert call(channel, "/t.T/Echo", text, compression=compression) == text
+        with pytest.raises(grpc.RpcError) as error:  # a few KB sent, over the limit once inflated
+            call(channel, "/t.T/Echo", b"\x00" * (LIMIT + 1), compression=grpc.Compression.Gzip)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "inflated" in error.value.details()
+        with pytest.raises(grpc.RpcError) as error:
+            call(channel, "/t.T/Fail", b"")
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details() == "input 'é' is 100% wrong\nline two"
+        for method in ("/t.T/Nothing", "/inference.GRPCInferenceService/ModelStreamInfer"):
+            with pytest.raises(grpc.RpcError) as error:
+                call(channel, method, b"")
+            assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED and method in error.value.details()
+        stream = channel.stream_stream("/t.T/Echo")(iter([b"a", b"b"]), timeout=30)
+        with pytest.raises(grpc.RpcError) as error:
+            list(stream)
+        assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert call(channel, "/t.T/Echo", b"still") == b"still"
+
+
+def test_a_stopping_server_finishes_the_call_under_way_and_takes_no_new_one(served):
+    with grpc.insecure_channel(served.address) as channel:
+        assert call(channel, "/t.T/Echo", b"warm") == b"warm"
+        future = channel.unary_unary("/t.T/Slow").future(b"", timeout=30)
+        time.sleep(0.1)
+        served.stop()
+        assert future.result() == b"done"
+        with pytest.raises(grpc.RpcError) as error:
+            call(channel, "/t.T/Echo", b"late")
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def infer_message(rows: int, seed: int, request_id: str = "", datatypes=("INT64", "FP32"), outputs=()) -> bytes:
+    g = np.random.default_rng(seed)
+    request = pb.ModelInferRequest(model_name="ctr", model_version="1", id=request_id)
+    for k, datatype in enumerate(datatypes):
+        request.inputs.add(name=f"x{k}", datatype=datatype, shape=[rows])
+        if datatype == "BYTES":
+            request.raw_input_contents.append(b"".join(len(v).to_bytes(4, "little") + v
+                                                       for v in (b"ab", b"") * (rows // 2)))
+        else:
+            dtype = {"INT64": "<i8", "FP32": "<f4", "INT32": "<i4", "FP64": "<f8"}[datatype]
+            request.raw_input_contents.append(g.integers(-(1 << 30), 1 << 30, rows).astype(dtype).tobytes())
+    for name in outputs:
+        request.outputs.add(name=name)
+    return request.SerializeToString()
+
+
+def same(got, message) -> None:
+    request = pb.ModelInferRequest.FromString(message)
+    name, version, request_id, parsed = got
+    assert (name, version, request_id) == (request.model_name, request.model_version, request.id)
+    want = request_dict(request)
+    assert parsed.keys() == want.keys() and parsed.get("outputs") == want.get("outputs")
+    assert parsed.get("id") == want.get("id")
+    for a, b in zip(parsed["inputs"], want["inputs"], strict=True):
+        assert (a["name"], a["datatype"], a["shape"]) == (b["name"], b["datatype"], b["shape"])
+        if isinstance(b["data"], np.ndarray):
+            assert a["data"].dtype == b["data"].dtype and np.array_equal(a["data"], b["data"])
+        else:
+            assert a["data"] == b["data"]
+
+
+def test_infer_requests_read_every_message_as_protobuf_does():
+    parse = InferRequests()
+    seen = 0
+    cases = [infer_message(0, 0), infer_message(1, 1), infer_message(1, 2), infer_message(256, 3),
+             infer_message(256, 4), infer_message(256, 5, "id7"), infer_message(256, 6, "id7"),
+             infer_message(256, 7, outputs=("p",)), infer_message(256, 8, outputs=("p",)),
+             infer_message(255, 9), infer_message(256, 10, datatypes=("FP32", "INT64")),
+             infer_message(256, 11, datatypes=("INT64", "BYTES")), infer_message(256, 12, datatypes=("INT32",)),
+             infer_message(256, 13, datatypes=("INT32",))]
+    for k, message in enumerate(cases):
+        view = memoryview(b"\x00" * (k % 3) + message)[k % 3:]  # as the transport hands it: a view, any alignment
+        same(parse.parse(view), message)
+        seen += parse.prefix is not None and bytes(view[:len(parse.prefix)]) == parse.prefix
+    assert seen >= 10
+    # the header of the last message, then what is not its tensors: protobuf merges a message's parts
+    base = infer_message(256, 14)
+    same(parse.parse(base), base)
+    for message in (base + pb.ModelInferRequest(id="late").SerializeToString(),  # a field after the tensors
+                    base[:-8] + b"\x00" * 8,  # same length and places, other bytes
+                    infer_message(256, 14, datatypes=("FP64", "INT32"))):  # same sizes, other types
+        same(parse.parse(message), message)
+    half = infer_message(128, 15, datatypes=("INT64", "INT64", "FP32", "FP32"))  # same length, other layout
+    same(parse.parse(half), half)
+
+
+def frames(sock) -> list:
+    """Read frames until the server's reply to stream 1 or 3 has ended (END_STREAM) or the connection closes."""
+    out, buffer = [], b""
+    sock.settimeout(10)
+    while True:
+        while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
+            length = int.from_bytes(buffer[:3], "big")
+            kind, flags, stream = buffer[3], buffer[4], int.from_bytes(buffer[5:9], "big")
+            out.append((kind, flags, stream, buffer[9:9 + length]))
+            buffer = buffer[9 + length:]
+            if kind == 1 and flags & 1 and stream in (1, 3) or kind == 7:  # trailers, or GOAWAY
+                return out
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            return out
+        buffer += chunk
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+
+
+def test_the_frames_grpcio_never_sends_padding_continuation_ping_and_a_bad_preface(served):
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    host, port = served.address.split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.T/Echo"),
+                                (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers"),
+                                ("x-long", "v" * 3000)])
+        message = b"\x00" + (5).to_bytes(4, "big") + b"hello"
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, b"")
+                     + frame(6, 0, 0, b"12345678")  # PING
+                     + frame(1, 0x8 | 0x20, 1, bytes([3]) + b"\x00\x00\x00\x00\x10" + block[:1000] + b"pad")
+                     + frame(9, 0, 1, block[1000:2000]) + frame(9, 0x4, 1, block[2000:])  # CONTINUATION
+                     + frame(0, 0x8 | 0x1, 1, bytes([2]) + message + b"pd"))  # padded DATA, END_STREAM
+        got = frames(sock)
+        kinds = [(k, f) for k, f, _, _ in got]
+        assert (4, 1) in kinds and (6, 1) in kinds  # SETTINGS and PING acknowledged
+        assert [p for k, f, _, p in got if k == 6 and f & 1] == [b"12345678"]
+        headers = [decoder.decode(p) for k, _, s, p in got if k == 1 and s == 1]
+        assert headers[0][0] == (":status", "200") and ("grpc-status", "0") in headers[-1]
+        assert b"".join(p for k, _, s, p in got if k == 0 and s == 1) == message
+    assert served.seen[-1]["x-long"] == "v" * 3000
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = frames(sock)
+        assert got[-1][0] == 7 and b"preface" in got[-1][3]  # GOAWAY, with the reason
