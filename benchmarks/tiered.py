@@ -34,6 +34,7 @@ from train_step_impls import Dynemb, Trainer, Workload, dynemb_optimizer, make_b
 
 from dynemb import EmbeddingCollection, FeatureConfig, TableConfig  # noqa: E402
 from dynemb.table import Tiers  # noqa: E402
+from dynemb.table import tiered as tiered_module  # noqa: E402
 
 FAST_SHARE = 0.2  # default of --fast-share
 
@@ -138,7 +139,13 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--fast-share", type=float, default=FAST_SHARE, help="share of each table's rows in RAM")
     p.add_argument("--slow-dir", default=None, help="where the slow tiers' row files go (default: a temp dir)")
+    p.add_argument("--row-files", choices=("log", "in-place"), default=None,
+                   help="how rows going down are written to the row files (default: the library's, "
+                        "tiered.ROW_FILES_AS_LOG)")
     args = p.parse_args(argv)
+    if args.row_files is not None:
+        tiered_module.ROW_FILES_AS_LOG = args.row_files == "log"
+    row_files = "log" if tiered_module.ROW_FILES_AS_LOG else "in-place"
     torch.set_num_threads(args.threads)
     if args.quick:
         w, repeat, warmup = Workload(2, 100_000, 64, 512, 20), args.repeat or 25, 10
@@ -146,7 +153,8 @@ def main(argv=None) -> None:
         w, repeat, warmup = Workload(4, 1_000_000, 64, 2048, 20), args.repeat or 30, 20
     batches = make_batches(w, "zipf", count=warmup + repeat + 1)
     print(f"workload: {w}, zipf alpha {w.alpha}; fast tier {args.fast_share:.0%} of each table; optimizer {OPTIMIZER} "
-          f"(fused); threads {args.threads}; {warmup} warm-up + {repeat} timed steps each", flush=True)
+          f"(fused); threads {args.threads}; {warmup} warm-up + {repeat} timed steps each; row files: {row_files}",
+          flush=True)
     with tempfile.TemporaryDirectory(dir=args.slow_dir) as slow:
         impls = build(w, args.fast_share, slow, batches)
         sec = time_steps(impls, batches, repeat, warmup)
@@ -171,7 +179,8 @@ def main(argv=None) -> None:
     if args.json:
         write_json(args.json, {
             "benchmark": "tiered", "workload": w.__dict__, "fast_share": args.fast_share, "optimizer": OPTIMIZER,
-            "threads": args.threads, "repeat": repeat, "warmup": warmup, "machine": machine_info(),
+            "threads": args.threads, "row_files": row_files, "repeat": repeat, "warmup": warmup,
+            "machine": machine_info(),
             "steps_per_s": rate, "cpu_steps_per_s": cpu_rate,
             "ratio_vs_all_in_fast_tier": ratio, "target": target,
             "ratio_vs_all_in_fast_tier_cpu": cpu_rate["tiered-disk"] / cpu_rate["all-in-ram"],

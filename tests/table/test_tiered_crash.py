@@ -2,7 +2,8 @@
 tier; reloading its last checkpoint loses no row: the table equals an untiered run of the same steps, bit for bit.
 The dead process's row files are removed by the next table opened under the same path. With three levels (a fast
 tier over host memory over row files, the fast tier's link the device stand-in), the write-back killed is the host's
-to the row files."""
+to the row files. Both ways of writing the row files: in place through the mapping, and as a log (the append on
+the writer thread is killed half written)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ import os, sys, time
 import torch, dynemb
 from dynemb.checkpoint import save
 from dynemb.table import Tiers
+from dynemb.table import tiered
+from dynemb.table.slow import LogStore
 from dynemb.table.tier_moves import HostLink, StagedLink
+tiered.ROW_FILES_AS_LOG = {log}
 sys.path.insert(0, {here!r})
 from test_tiered_crash import build, step, tiers
 
@@ -44,7 +48,16 @@ def slow_move(self, fast, fast_dest, victims, slow, slow_dest, up_from):  # a wr
         open(marker, "w").close()
         time.sleep(120)
     return move(self, fast, fast_dest, victims, slow, slow_dest, up_from)
+write = LogStore._write_parts
+def slow_write(self, parts):  # a write-back to row files written as a log (the writer thread): half, then hang
+    data, offset = parts[0]
+    if len(data) > 1:
+        write(self, [(data[: len(data) // 2], offset)])
+        open(marker, "w").close()
+        time.sleep(120)
+    return write(self, parts)
 HostLink.move = slow_move
+LogStore._write_parts = slow_write
 for i in range({steps}, 10 * {steps}):
     step(emb, opt, i)
 """
@@ -67,10 +80,12 @@ def step(emb, opt, i: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("row_files", ["log", "in-place"])
 @pytest.mark.parametrize("levels", [2, 3])
-def test_a_process_killed_during_a_write_back_loses_no_row(levels, tmp_path):
+def test_a_process_killed_during_a_write_back_loses_no_row(levels, row_files, tmp_path):
     marker = tmp_path / "writing"
-    code = CHILD.format(here=os.path.dirname(__file__), steps=CHECKPOINT_STEP, levels=levels)
+    code = CHILD.format(here=os.path.dirname(__file__), steps=CHECKPOINT_STEP, levels=levels,
+                        log=row_files == "log")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(marker)], env=env,
                              stderr=subprocess.PIPE)

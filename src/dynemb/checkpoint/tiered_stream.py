@@ -84,6 +84,8 @@ class ColumnStream:
 def _tier_columns(table) -> dict[str, list[torch.Tensor]]:
     """Each column's live rows as ``[fast rows, rows of each level below]`` views (names as in :class:`Rows`)."""
     n_fast = table.live_rows()
+    for level in table.levels:
+        level.pack()  # row files written as a log: their live rows made 0 .. size-1 first
     names = {"keys": "key", "values": "value", "scores": "score",
              **{f"slot:{s}": f"slot:{s}" for s in table.slot_names}}
     return {name: [table._cols[col][:n_fast]] + [level._cols[col][: level.size()] for level in table.levels]

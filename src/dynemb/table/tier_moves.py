@@ -194,22 +194,33 @@ def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_
     in a three-level table, the host over the row files (``fast.index`` a :class:`SlowIndex`); ``moved``: the
     traffic counts to add to (default ``fast.moved``).
     """
+    log = hasattr(slow, "raw_rows")  # row files written as a log (LogStore)
+    if log and isinstance(link, HostLink):
+        return _exchange_into_log(fast, slow, link, victims, up_keys, up_slots, up_at, moved)
     v, u = victims.numel(), up_keys.numel()
     k = min(u, v)
     index = fast.index
     # The keys stay as many (the index keeps its size and flags): only a level's columns may have to grow, and with
     # them (sized for the larger level) the index, whose slots found before are then stale.
-    rebuilds = index.rebuilds
+    rebuilds, rewrites = index.rebuilds, getattr(slow, "rewrites", 0)
     if fast._size + u - k > fast.capacity:
         fast._reserve(fast._size + u - k)
-    if slow._size + v - k > slow.capacity:
+    if log or slow._size + v - k > slow.capacity:
         slow._reserve(slow._size + v - k)
     if index.rebuilds != rebuilds:
         up_slots = index.find_slots(up_keys)
+    if log and slow.rewrites != rewrites:  # packed into a new file: the rows coming up moved
+        up_at = slow.index.find(up_keys)
     fast_cols, slow_cols = fast._cols, slow._cols
     down_slots = index.find_slots(gather_rows(fast_cols["key"], victims))
     fast_dest = torch.cat([victims[:k], torch.arange(fast._size, fast._size + u - k, device=fast.device)])
-    slow_dest = torch.cat([up_at[:k], torch.arange(slow._size, slow._size + v - k, device=slow.device)])
+    if log:  # a staged link writes through the mapping: the rows it appends are claimed at the ring's head
+        tail, stale = slow.claim(v - k)
+        if stale:
+            up_at = slow.index.find(up_keys)
+    else:
+        tail = torch.arange(slow._size, slow._size + v - k, device=slow.device)
+    slow_dest = torch.cat([up_at[:k], tail])
     for name, col in fast_cols.items():
         link.move(col, fast_dest, victims, slow_cols[name], slow_dest, up_at)
     link.finish()
@@ -230,6 +241,125 @@ def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_
         fast._compact(victims[k:])
         return None
     return fast_dest
+
+
+def _exchange_into_log(fast, slow, link, victims, up_keys, up_slots, up_at, moved):
+    """:func:`exchange` where ``slow`` is a :class:`~dynemb.table.slow.LogStore` (row files written as a log): the
+    rows going down are appended to it in one sequential write, the rows coming up leave holes there (no slow row
+    is written in place), and the fast side is as in :func:`exchange` (the rows coming up take the victims' rows,
+    the rest append; fast holes fill from the end)."""
+    v, u = victims.numel(), up_keys.numel()
+    k = min(u, v)
+    index = fast.index
+    rebuilds, rewrites = index.rebuilds, slow.rewrites
+    if fast._size + u - k > fast.capacity:
+        fast._reserve(fast._size + u - k)
+    if slow.ring_rows(slow._size + v) > slow.capacity:  # the ring's room for the rows coming down
+        slow._reserve(slow._size + v)  # (the index keeps its keys: an exchange moves them between levels)
+    if index.rebuilds != rebuilds:
+        up_slots = index.find_slots(up_keys)
+    if slow.rewrites != rewrites:  # packed into a new file: the rows coming up moved
+        up_at = slow.index.find(up_keys)
+    fast_cols = fast._cols
+    down_keys = gather_rows(fast_cols["key"], victims)
+    down_slots = index.find_slots(down_keys)
+    kernels = _raw_kernels(link.backend)
+    layout, width = slow._file_layout
+    pads = _pads(layout, width)
+    # the rows going down, in the file's layout (padding zeroed: the files hold nothing but rows)
+    down = torch.empty((v, width), dtype=torch.uint8)
+    fast_dest = torch.cat([victims[:k], torch.arange(fast._size, fast._size + u - k, device=fast.device)])
+    moves = _file_columns(fast_cols, layout)
+    # every column of a row in one pass, the file's rows read straight into the columns
+    if kernels is None or not kernels.exchange_with_file([col for col, _ in moves], [at for _, at in moves],
+                                                         victims, down, slow._buf, up_at, fast_dest, pads):
+        _exchange_by_column(kernels, fast_cols, layout, slow, victims, fast_dest, up_at, down, k, u, pads)
+    if u:
+        slow._compact(up_at)  # holes in the ring
+    slow_dest = slow._append(down) if v else up_at[:0]
+    row = sum(_row_bytes(col) for col in fast_cols.values())
+    moved = fast.moved if moved is None else moved
+    moved["rows_up"] += u
+    moved["rows_down"] += v
+    moved["bytes_up"] += u * row
+    moved["bytes_down"] += v * row
+    index.set_rows(up_slots, fast_dest)
+    slow.index.set_rows(down_slots, slow_dest)
+    fast._size += u - k
+    slow._size += v
+    fast.row_moves += 1
+    slow.row_moves += 1
+    if v > k:
+        fast._compact(victims[k:])
+        return None
+    return fast_dest
+
+
+def _exchange_by_column(kernels, fast_cols, layout, slow, victims, fast_dest, up_at, down, k, u, pads) -> None:
+    """The column moves of :func:`_exchange_into_log` a column at a time (where the one-pass kernel does not take
+    the columns, or without numba): the file's rows coming up gathered first, read once each."""
+    for a, b in pads:
+        down[:, a:b] = 0
+    up = None
+    if u:
+        up = kernels.gather_raw(slow._buf, up_at) if kernels is not None else None
+        if up is None:
+            up = slow._buf.index_select(0, up_at)
+    for name, col in fast_cols.items():
+        start, nbytes, shape = layout[name]
+        # the k paired rows swap in one pass over the victims' rows; the rest go one way
+        if kernels is not None and kernels.swap_with_raw(col, victims[:k], down, up if k else down, start) \
+                and kernels.rows_to_raw(down[k:], start, col, victims[k:]) \
+                and (u == k or kernels.rows_from_raw(col, fast_dest[k:], up, torch.arange(k, u), start)):
+            continue
+        _raw_view(down, start, nbytes, shape, col.dtype).copy_(col.index_select(0, victims))
+        if u:
+            col.index_copy_(0, fast_dest, _raw_view(up, start, nbytes, shape, col.dtype))
+
+
+def _file_columns(cols: dict, layout: dict) -> list:
+    """``[(column, byte offset in a file row)]`` for the one-pass kernel: a table's paired stamps (score and
+    version side by side in one ``[N, 2]`` tensor, as in the file's rows) as one column, moved in one pass."""
+    score, version = cols.get("score"), cols.get("version")
+    paired = score is not None and version is not None and score.dim() == version.dim() == 1 \
+        and score.dtype == version.dtype and score.stride(0) == version.stride(0) == 2 \
+        and version.data_ptr() == score.data_ptr() + score.element_size() \
+        and layout["version"][0] == layout["score"][0] + score.element_size()
+    out = []
+    for name, col in cols.items():
+        if paired and name == "version":
+            continue
+        if paired and name == "score":
+            col = torch.as_strided(col, (col.shape[0], 2), (2, 1))
+        out.append((col, layout[name][0]))
+    return out
+
+
+def _pads(layout: dict, width: int) -> list:
+    """Byte ranges ``[(start, end)]`` of a file row that no column covers (written as zeros)."""
+    pads, at = [], 0
+    for start, nbytes, _ in sorted(layout.values()):
+        if start > at:
+            pads.append((at, start))
+        at = max(at, start + nbytes)
+    if width > at:
+        pads.append((at, width))
+    return pads
+
+
+def _raw_view(raw: torch.Tensor, start: int, nbytes: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A column's view ``[N, *shape]`` of raw rows ``[N, width]`` (uint8) at byte ``start``."""
+    view = raw[:, start:start + nbytes].view(dtype)
+    return view[:, 0] if not shape else view.view(raw.shape[0], *shape)
+
+
+def _raw_kernels(backend):
+    """:mod:`dynemb.kernels.numba_tiers` where ``backend`` runs numba on CPU (rows to and from a file's raw rows in
+    one pass a column), else None (torch: a gather, then a strided copy)."""
+    if resolve_backend(backend, torch.device("cpu")) is not Backend.NUMBA:
+        return None
+    from ..kernels import numba_tiers
+    return numba_tiers
 
 
 #: row ids from which a :class:`TieredIndex` points into the levels below the fast tier (row ``SLOW_BASE + r`` is
@@ -292,10 +422,10 @@ class TieredIndex(HashIndex):
                 all_keys.append(keys.to(device))
                 all_rows.append(rows.to(device) + base)
             elif level._size:
-                m = level._size
-                all_keys.append(level.row_keys[:m].to(device))
-                all_rows.append(torch.arange(base, base + m, device=device))
-                capacity += m
+                level_keys, level_rows = level.stored()
+                all_keys.append(level_keys.to(device))
+                all_rows.append(level_rows.to(device) + base)
+                capacity += level._size
         keys, rows = (all_keys[0], all_rows[0]) if len(all_keys) == 1 else (torch.cat(all_keys), torch.cat(all_rows))
         HashIndex.rehash(self, keys, rows, capacity)
 

@@ -29,7 +29,7 @@ from ..checks import check_int, check_keys, check_rows_like, check_scores
 from .kv import KeyValueTable
 from .ops import all_nonnegative, lowest_rows
 from .rows import Rows
-from .slow import SlowStore, swap_rows
+from .slow import LogStore, SlowStore, swap_rows
 from .tier_moves import DISK_BASE, ROW_END, SLOW_BASE, HostLink, SlowIndex, TieredIndex, VictimQueue, exchange, \
     link_for
 
@@ -37,6 +37,12 @@ __all__ = ["Tiers", "TieredTable", "tier_traffic"]
 
 #: the most rows a three-level table's host level may be given: half its row ids (a call may pass the budget)
 HOST_ROWS = (DISK_BASE - SLOW_BASE) // 2
+
+#: row files written as a log (:class:`~dynemb.table.slow.LogStore`: rows going down appended with ``pwrite`` on a
+#: writer thread, the mapping only read), which removes the page faults after each of the kernel's write-backs (the
+#: train step 2-4x slower for ~50 steps); False (set before a table is made): rows written in place through the
+#: mapping, the earlier way, kept as a fallback (BENCHMARKS.md, "Tiered tables")
+ROW_FILES_AS_LOG = True
 
 #: fraction of the fast tier one scan of its scores picks to move down over the next calls (:class:`VictimQueue`)
 QUEUE = 1 / 4
@@ -176,7 +182,10 @@ class TieredTable(KeyValueTable):
         self.index = self._tiered_index(self.device)
         self._fit_fast()
         three = tiers.three_levels
-        self.slow = SlowStore(self, "host" if three else tiers.slow, pin=self.device.type == "cuda")
+        if three or tiers.slow == "host":
+            self.slow = SlowStore(self, "host", pin=self.device.type == "cuda")
+        else:
+            self.slow = (LogStore if ROW_FILES_AS_LOG else SlowStore)(self, tiers.slow)
         self.slow.index = SlowIndex(self.index, self.slow, SLOW_BASE, DISK_BASE if three else ROW_END,
                                     "host level" if three else "slow tier")
         self.levels = (self.slow,)
@@ -185,7 +194,7 @@ class TieredTable(KeyValueTable):
         self.moved = {"rows_up": 0, "rows_down": 0, "bytes_up": 0, "bytes_down": 0}
         self.disk = self.host_capacity = None
         if three:  # the host over row files: the same store, index view and exchange as the fast tier over the host
-            self.disk = SlowStore(self, tiers.slow)
+            self.disk = (LogStore if ROW_FILES_AS_LOG else SlowStore)(self, tiers.slow)
             self.disk.index = SlowIndex(self.index, self.disk, DISK_BASE, ROW_END, "row files")
             self.levels = (self.slow, self.disk)
             self.disk_link = HostLink(self.slow.backend)  # host rows both sides: the host's kernels
@@ -266,10 +275,11 @@ class TieredTable(KeyValueTable):
         check_int(n, "n", minimum=0)
         n = min(n, self.size())
         if n and self.size() > self._size:  # the n lowest of all levels come up (pinned there); then the fast n go
-            scores = torch.cat([self.scores[: self._size]] + [level.scores[: level._size].to(self.device)
-                                                              for level in self.levels])
-            keys = torch.cat([self.row_keys[: self._size]] + [level.row_keys[: level._size].to(self.device)
-                                                              for level in self.levels])
+            at = [level.stored_rows() for level in self.levels]
+            scores = torch.cat([self.scores[: self._size]] + [level.scores.index_select(0, r).to(self.device)
+                                                              for level, r in zip(self.levels, at)])
+            keys = torch.cat([self.row_keys[: self._size]] + [level.row_keys.index_select(0, r).to(self.device)
+                                                              for level, r in zip(self.levels, at)])
             self._resident(keys.index_select(0, lowest_rows(scores, n, backend=self.backend)), new_ok=False)
         return super().evict(n)
 
@@ -277,7 +287,7 @@ class TieredTable(KeyValueTable):
         super().clear()
         for level in self.levels:
             n = level.size()
-            self._log_deleted(level.row_keys[:n].to(self.device, copy=True))
+            self._log_deleted(level.stored()[0].to(self.device, copy=True))
             self.removed += n
             level.clear()
 
@@ -294,7 +304,8 @@ class TieredTable(KeyValueTable):
         parts, start = [rows], self._size
         for level in self.levels:
             n = level.size()
-            parts.append((level._cols["version"][:n] > version).nonzero().squeeze(1).to(rows.device) + start)
+            versions = level._cols["version"].index_select(0, level.stored_rows())  # in export's order
+            parts.append((versions > version).nonzero().squeeze(1).to(rows.device) + start)
             start += n
         return torch.cat(parts), deleted
 
