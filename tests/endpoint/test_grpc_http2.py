@@ -237,3 +237,30 @@ def test_the_frames_grpcio_never_sends_padding_continuation_ping_and_a_bad_prefa
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         got = frames(sock)
         assert got[-1][0] == 7 and b"preface" in got[-1][3]  # GOAWAY, with the reason
+
+
+def open_raw(served, settings: bytes = b""):
+    """A raw HTTP/2 connection to ``served``: the preface and a SETTINGS frame sent."""
+    host, port = served.address.split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, settings))
+    return sock
+
+
+def request_block(encoder, path: str) -> bytes:
+    return encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x"),
+                           ("content-type", "application/grpc"), ("te", "trailers")])
+
+
+def goaway_code(sock) -> int | None:
+    """The error code of the server's GOAWAY, None when the connection ends without one."""
+    got = frames(sock)
+    return int.from_bytes(got[-1][3][4:8], "big") if got and got[-1][0] == 7 else None
+
+
+def test_invalid_settings_max_frame_size_is_a_protocol_error(served):
+    # RFC 9113 6.5.2: SETTINGS_MAX_FRAME_SIZE outside [2^14, 2^24-1] is a PROTOCOL_ERROR; 0 used to leave every
+    # reply that did not fit one frame waiting forever
+    for value in (0, 100, 1 << 24):
+        with open_raw(served, (5).to_bytes(2, "big") + value.to_bytes(4, "big")) as sock:
+            assert goaway_code(sock) == 1

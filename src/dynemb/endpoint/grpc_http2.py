@@ -232,6 +232,9 @@ class _Connection(asyncio.Protocol):
                         stream.window += value - self.initial_window
                     self.initial_window = value
                 elif key == 0x5:
+                    if not 1 << 14 <= value < 1 << 24:  # RFC 9113 6.5.2 (0 would hold every large reply forever)
+                        self.close(_PROTOCOL_ERROR, b"SETTINGS_MAX_FRAME_SIZE outside [2^14, 2^24-1]")
+                        return False
                     self.max_frame = value
             self.transport.write(_frame(_SETTINGS, _ACK, 0))
             self._flush_all()
