@@ -264,3 +264,19 @@ def test_invalid_settings_max_frame_size_is_a_protocol_error(served):
     for value in (0, 100, 1 << 24):
         with open_raw(served, (5).to_bytes(2, "big") + value.to_bytes(4, "big")) as sock:
             assert goaway_code(sock) == 1
+
+
+def test_bad_padding_is_a_protocol_error(served):
+    import hpack
+
+    encoder = hpack.Encoder()
+    block = request_block(encoder, "/t.T/Echo")
+    with open_raw(served) as sock:  # padding longer than the frame (RFC 9113 6.1, 6.2)
+        sock.sendall(frame(1, 0x4 | 0x8, 1, bytes([200]) + block))
+        assert goaway_code(sock) == 1
+    with open_raw(served) as sock:  # a PADDED DATA frame with no Pad Length byte
+        sock.sendall(frame(1, 0x4, 1, hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"),
+                                                               (":path", "/t.T/Echo"), (":authority", "x"),
+                                                               ("content-type", "application/grpc")]))
+                     + frame(0, 0x8 | 0x1, 1, b""))
+        assert goaway_code(sock) == 1

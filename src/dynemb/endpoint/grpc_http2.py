@@ -280,6 +280,8 @@ class _Connection(asyncio.Protocol):
             stream = self.streams[stream_id]
         else:
             if flags & _PADDED:
+                if not self._padding_fits(payload):
+                    return False
                 payload = payload[1:len(payload) - payload[0]]
             if flags & _PRIORITY_FLAG:
                 payload = payload[5:]
@@ -328,6 +330,14 @@ class _Connection(asyncio.Protocol):
             self._end_stream(stream_id, stream)
         return True
 
+    def _padding_fits(self, payload) -> bool:
+        """Whether a PADDED frame's Pad Length byte is there and its padding shorter than the frame (RFC 9113 6.1,
+        6.2: else a PROTOCOL_ERROR, and the connection is closed)."""
+        if payload and payload[0] < len(payload):
+            return True
+        self.close(_PROTOCOL_ERROR, b"padding longer than its frame")
+        return False
+
     def _decode(self, block: bytes) -> dict:
         """The header block's fields, ``{name: value}`` (read-only: it may be shared by calls).
 
@@ -365,8 +375,9 @@ class _Connection(asyncio.Protocol):
                 return False
             return True  # a stream we answered or that was reset: its window no longer matters
         if flags & _PADDED:
-            pad = payload[0]
-            payload = payload[1:size - pad]
+            if not self._padding_fits(payload):
+                return False
+            payload = payload[1:size - payload[0]]
         stream.size += len(payload)
         if stream.size > self.server.max_message_bytes + 5:
             self._reply(stream_id, stream, None, _trailers(
