@@ -280,3 +280,38 @@ def test_bad_padding_is_a_protocol_error(served):
                                                                ("content-type", "application/grpc")]))
                      + frame(0, 0x8 | 0x1, 1, b""))
         assert goaway_code(sock) == 1
+
+
+def test_streams_over_the_concurrency_limit_are_refused(served):
+    # each open stream may buffer a whole request: without SETTINGS_MAX_CONCURRENT_STREAMS a client could open
+    # streams without end
+    import hpack
+
+    encoder = hpack.Encoder()
+    with open_raw(served) as sock:
+        settings = frames_until(sock, lambda k, f, s, p: k == 4 and not f & 1)[-1][3]
+        limits = {int.from_bytes(settings[i:i + 2], "big"): int.from_bytes(settings[i + 2:i + 6], "big")
+                  for i in range(0, len(settings), 6)}
+        assert 0 < limits.get(3, 0) <= 1024
+        count = limits[3] + 10
+        sock.sendall(b"".join(frame(1, 0x4, 2 * i + 1, request_block(encoder, "/t.T/Slow")) for i in range(count)))
+        refused = frames_until(sock, lambda k, f, s, p: k == 3 and s == 2 * count - 1)
+        codes = {s: int.from_bytes(p, "big") for k, _, s, p in refused if k == 3}
+        assert len(codes) == 10 and set(codes.values()) == {7}  # REFUSED_STREAM
+        assert min(codes) == 2 * limits[3] + 1
+
+
+def frames_until(sock, last) -> list:
+    """Frames read until one for which ``last(kind, flags, stream, payload)`` holds."""
+    out, buffer = [], b""
+    sock.settimeout(10)
+    while True:
+        while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[:3], "big"):
+            length = int.from_bytes(buffer[:3], "big")
+            out.append((buffer[3], buffer[4], int.from_bytes(buffer[5:9], "big"), buffer[9:9 + length]))
+            buffer = buffer[9 + length:]
+            if last(*out[-1]):
+                return out
+        chunk = sock.recv(1 << 16)
+        assert chunk, "the connection closed"
+        buffer += chunk

@@ -60,11 +60,12 @@ _DATA, _HEADERS, _PRIORITY, _RST, _SETTINGS, _PUSH, _PING, _GOAWAY, _WINDOW, _CO
 _END_STREAM, _ACK, _END_HEADERS, _PADDED, _PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 # error codes (RFC 9113 section 7)
 _NO_ERROR, _PROTOCOL_ERROR, _FLOW_CONTROL_ERROR, _FRAME_SIZE_ERROR, _COMPRESSION_ERROR = 0x0, 0x1, 0x3, 0x6, 0x9
-_CANCEL, _ENHANCE_YOUR_CALM = 0x8, 0xB
+_REFUSED_STREAM, _CANCEL, _ENHANCE_YOUR_CALM = 0x7, 0x8, 0xB
 _HEAD = struct.Struct(">HBBBI")  # a frame header: length (24 bits: 16 + 8), type, flags, stream id
 _MAX_FRAME = 1 << 20  # the largest frame we accept (SETTINGS_MAX_FRAME_SIZE): a 256-row request in one DATA frame
 _MAX_HEADER_BLOCK = 64 << 10  # a request's header block (HPACK-compressed), larger closes the connection
 _WINDOW_MAX = (1 << 31) - 1
+_MAX_STREAMS = 256  # SETTINGS_MAX_CONCURRENT_STREAMS: each open stream may buffer a whole request
 
 
 def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -148,7 +149,8 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.server.connections.add(self)
-        settings = struct.pack(">HIHIHI", 0x4, self.server.stream_window,  # INITIAL_WINDOW_SIZE: a whole request
+        settings = struct.pack(">HIHIHIHI", 0x3, _MAX_STREAMS,  # MAX_CONCURRENT_STREAMS: more are refused
+                               0x4, self.server.stream_window,  # INITIAL_WINDOW_SIZE: a whole request
                                0x5, _MAX_FRAME,  # MAX_FRAME_SIZE: in few frames
                                0x6, _MAX_HEADER_BLOCK)  # MAX_HEADER_LIST_SIZE
         transport.write(_frame(_SETTINGS, 0, 0, settings)
@@ -317,6 +319,10 @@ class _Connection(asyncio.Protocol):
             self._end_stream(stream_id, stream)
             return True
         stream.headers = headers
+        if len(self.streams) > _MAX_STREAMS:  # decoded all the same: the HPACK state is the connection's
+            self.streams.pop(stream_id)
+            self.transport.write(_frame(_RST, 0, stream_id, struct.pack(">I", _REFUSED_STREAM)))
+            return True
         early = None  # a call answered before its message: the client may stop sending (RST_STREAM)
         if self.going_away:
             early = _trailers("UNAVAILABLE", "the server is shutting down")
