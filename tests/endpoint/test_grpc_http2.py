@@ -315,3 +315,30 @@ def frames_until(sock, last) -> list:
         chunk = sock.recv(1 << 16)
         assert chunk, "the connection closed"
         buffer += chunk
+
+
+def test_a_client_that_stops_reading_does_not_grow_the_server_buffers(served):
+    # a client that sends calls but never reads their replies: the server stops reading once its writes back up
+    import hpack
+
+    encoder = hpack.Encoder()
+    reply = 2 << 20
+    message = reply.to_bytes(4, "big")
+    with open_raw(served, (4).to_bytes(2, "big") + ((1 << 31) - 1).to_bytes(4, "big")) as sock:
+        sock.sendall(frame(8, 0, 0, ((1 << 31) - 1 - 65535).to_bytes(4, "big")))
+        sock.setblocking(False)
+        for i in range(24):
+            try:
+                sock.send(frame(1, 0x4, 2 * i + 1, request_block(encoder, "/t.T/Large"))
+                          + frame(0, 0x1, 2 * i + 1, b"\x00" + len(message).to_bytes(4, "big") + message))
+            except BlockingIOError:
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)
+
+        async def buffered():
+            return max((c.transport.get_write_buffer_size() for c in served.server.connections
+                        if c.transport is not None), default=0)
+
+        held = asyncio.run_coroutine_threadsafe(buffered(), served.loop).result(10)
+        assert held < 4 * reply, held

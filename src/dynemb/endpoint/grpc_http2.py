@@ -144,6 +144,7 @@ class _Connection(asyncio.Protocol):
         self.max_frame = 16384  # the largest frame the client takes
         self.received = 0  # DATA bytes received since our last connection WINDOW_UPDATE
         self.going_away = False
+        self.paused = False  # the transport's buffer is over its high-water mark: replies wait, reading stops
 
     # -- the connection ---------------------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -162,6 +163,19 @@ class _Connection(asyncio.Protocol):
             stream.closed = True
         self.streams.clear()
         self.transport = None
+
+    def pause_writing(self) -> None:
+        """The client does not read what we write: read nothing more from it (no new calls, no PINGs to answer)
+        and keep replies in their streams until it does, so that what it sends cannot grow our buffers."""
+        self.paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.transport is not None:
+            self.transport.resume_reading()
+            self._flush_all()
 
     def close(self, error: int = _NO_ERROR, debug: bytes = b"") -> None:
         if self.transport is not None:
@@ -460,7 +474,7 @@ class _Connection(asyncio.Protocol):
         head = _frame(_HEADERS, _END_HEADERS, stream_id, _REPLY_HEADERS)
         body = b"\x00" + len(reply).to_bytes(4, "big") + reply
         window = min(stream.window, self.send_window)
-        if len(body) <= window and len(body) <= self.max_frame:  # the usual case: one write for all of it
+        if len(body) <= window and len(body) <= self.max_frame and not self.paused:  # usually: one write for all
             self.streams.pop(stream_id, None)
             self.send_window -= len(body)
             self.transport.write(head + _frame(_DATA, 0, stream_id, body)
@@ -473,7 +487,7 @@ class _Connection(asyncio.Protocol):
     def _flush(self, stream_id: int, stream: _Stream) -> None:
         """Send what the windows allow of the stream's pending reply, then its trailers."""
         out = []
-        while stream.pending:
+        while stream.pending and not self.paused:
             n = min(len(stream.pending), stream.window, self.send_window, self.max_frame)
             if n <= 0:
                 break
