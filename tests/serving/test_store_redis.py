@@ -233,7 +233,7 @@ def test_the_reply_parser_takes_replies_split_anywhere_and_names_what_is_wrong()
         assert bytes(out[0]) == b"abcd" and bytes(out[3]) == b"\r\n\r\n" and bool((out[1:3] == 9).all())
     zeroed = np.full((3, 4), 9, np.uint8)
     assert read_mget_reply(np.frombuffer(reply, np.uint8), len(reply), mget_reply_state(1), zeroed,
-                           np.zeros(4, np.bool_), True) == MGET_DONE and bool((zeroed[1:] == 0).all())
+                           np.zeros(3, np.bool_), True) == MGET_DONE and bool((zeroed[1:] == 0).all())
     for wrong, status, at in ((b"-NOPERM no\r\n", MGET_ERROR_REPLY, 0), (b"*1\r\n$5\r\nabcde\r\n", MGET_BAD_LENGTH, 0),
                               (b"*2\r\n$-1\r\n$3\r\nabc\r\n", MGET_BAD_LENGTH, 1), (b"+OK\r\n", MGET_BAD_REPLY, 0),
                               (b"*1\r\n$4\r\nabcdXY", MGET_BAD_REPLY, 0), (b"*9\r\n", MGET_BAD_REPLY, 0),
@@ -299,3 +299,16 @@ def test_reader_connections_serve_threads_at_once_and_close_with_the_store(redis
     assert 1 <= len(readers) <= 4 and all(conn._sock is not None for conn in readers)
     store.close()
     assert all(conn._sock is None for conn in readers)
+
+
+def test_the_reply_parser_refuses_replies_with_fewer_rows_than_keys_asked():
+    # every key asked gets its row or its null: a reply that answers fewer (an empty array, a short one) is no MGET
+    # reply (get_concat's found and rows start uninitialized: they would have been returned as they were)
+    import numpy as np
+
+    from dynemb.kernels.numba_find_many import MGET_BAD_REPLY, mget_reply_state, read_mget_reply
+
+    for short, commands in ((b"*0\r\n", 1), (b"*1\r\n$-1\r\n", 1), (b"*1\r\n$-1\r\n*0\r\n", 2)):
+        found = np.zeros(2, np.bool_)
+        assert read_mget_reply(np.frombuffer(short, np.uint8), len(short), mget_reply_state(commands),
+                               np.zeros((2, 4), np.uint8), found, True) == MGET_BAD_REPLY

@@ -458,6 +458,7 @@ def read_mget_reply(buf: np.ndarray, end: int, state: np.ndarray, out: np.ndarra
     The row of the ``j``-th key asked (a bulk string of exactly ``out.shape[1]`` bytes) is copied to ``out[j]``
     (``[N, row_bytes]`` uint8: a byte view of the caller's rows, any dtype, so the bits are the stored ones) and
     ``found[j]`` (bool ``[N]``) set; a null leaves ``out[j]`` as it is (zeros when ``zero``) and clears ``found[j]``.
+    Replies that answer fewer than ``N`` keys in all are :data:`MGET_BAD_REPLY`.
 
     Returns:
         ``state[4]``: :data:`MGET_RUNNING` (more bytes needed), :data:`MGET_DONE` or an error code (see there).
@@ -504,7 +505,7 @@ def _read_mget_reply_kernel(buf, end, state, out, found, zero):
                 status = MGET_ERROR_REPLY if buf[pos] == 45 else MGET_BAD_REPLY
                 break
             left = _get_int(buf, pos + 1, stop)
-            if left < 0 or j + left > found.shape[0]:
+            if left < 0 or j + left > min(found.shape[0], out.shape[0]):
                 status = MGET_BAD_REPLY
                 break
             pos = stop + 2
@@ -544,8 +545,8 @@ def _read_mget_reply_kernel(buf, end, state, out, found, zero):
             break
         left = -1
         commands -= 1
-    if status == MGET_RUNNING and commands == 0:
-        status = MGET_DONE
+    if status == MGET_RUNNING and commands == 0:  # every key answered, or the reply is short of rows
+        status = MGET_DONE if j == found.shape[0] else MGET_BAD_REPLY
     state[0], state[1], state[2], state[3], state[4] = pos, j, left, commands, status
     return status
 
