@@ -186,3 +186,27 @@ class _Raw:
 
     def __init__(self, raw):
         self._buf = raw
+
+
+def test_a_failed_append_fails_every_later_use_of_the_store(tmp_path, monkeypatch):
+    # an append that failed on the writer thread (a full disk) left keys in the index at rows never written: the
+    # error was raised once, by whatever call came next, and the store then read those rows as if they were fine
+    from dynemb.table import slow
+
+    table = KeyValueTable(3)
+    table.add_slot("m", 3)
+    store = LogStore(table, str(tmp_path), init_capacity=8192)  # room: the puts append, no rewrite
+    store.put(_rows(torch.arange(10), 3), torch.arange(10))
+    real = slow._pwrite_bytes
+
+    def full(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(slow, "_pwrite_bytes", full)
+    store.put(_rows(torch.arange(10, 20), 3), torch.arange(10, 20))
+    monkeypatch.setattr(slow, "_pwrite_bytes", real)
+    for _ in range(2):
+        with pytest.raises((OSError, RuntimeError), match="No space left"):
+            store.export()
+    store.close()
+    assert not os.path.exists(store.directory)

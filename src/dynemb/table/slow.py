@@ -231,6 +231,7 @@ class LogStore(SlowStore):
         self._head = self._tail = 0
         self._fd = self._fd_closer = None
         self._writes = []  # appends handed to the writer thread, not yet seen complete
+        self._failed = None  # the error of an append that failed: every later use raises (its rows were never written)
         self.rewrites = 0  # counts rewrites (pack, growth): rows found before one have moved
         super().__init__(table, where, init_capacity=init_capacity)
 
@@ -240,9 +241,20 @@ class LogStore(SlowStore):
 
     def _sync(self) -> None:
         """Wait for the appends in flight: every read of the mapping (the columns, the raw rows) comes after
-        them, so it sees each row appended (an error writing one is raised here)."""
+        them, so it sees each row appended (an error writing one is raised here, and at every later call: keys in
+        the index point at rows that were never written)."""
         while self._writes:
-            self._writes.pop(0).result()
+            try:
+                self._writes[0].result()
+            except Exception as error:  # noqa: BLE001 - the writer's error, kept (an interrupted wait is not one)
+                if self._failed is None:
+                    self._failed = error
+                    self._writes.pop(0)
+                    raise
+            self._writes.pop(0)
+        if self._failed is not None:
+            raise RuntimeError(f"LogStore at {self.directory}: an append of rows failed ({self._failed}); the keys it "
+                               "held have rows that were never written") from self._failed
 
     @property
     def _cols(self) -> dict:
@@ -490,7 +502,8 @@ class LogStore(SlowStore):
 
     def close(self) -> None:
         try:
-            self._sync()
+            if self._failed is None:  # an append's error raised before is not raised again
+                self._sync()
         finally:
             if self._fd_closer is not None:
                 self._fd_closer()
