@@ -210,3 +210,30 @@ def test_a_failed_append_fails_every_later_use_of_the_store(tmp_path, monkeypatc
             store.export()
     store.close()
     assert not os.path.exists(store.directory)
+
+
+def test_a_failed_rewrite_leaves_the_store_on_its_file(tmp_path, monkeypatch):
+    # a rewrite (growth, pack) that failed writing the new file left the store naming the new file as its own: the
+    # next rewrite deleted that one and the store's real file stayed on disk until the table closed
+    from dynemb.table import slow
+
+    table = KeyValueTable(3)
+    table.add_slot("m", 3)
+    store = LogStore(table, str(tmp_path), init_capacity=16)
+    store.put(_rows(torch.arange(10), 3), torch.arange(10))
+    real = slow._pwrite_all
+
+    def full(fd, raw, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(slow, "_pwrite_all", full)
+    with pytest.raises(OSError, match="No space left"):
+        store.put(_rows(torch.arange(10, 5000), 3), torch.arange(10, 5000))  # grows: a rewrite
+    monkeypatch.setattr(slow, "_pwrite_all", real)
+    assert store.size() == 10 and len(os.listdir(store.directory)) == 1
+    store.put(_rows(torch.arange(10, 5000), 3), torch.arange(10, 5000))
+    assert len(os.listdir(store.directory)) == 1
+    everything, stamps = store.export()
+    order = torch.argsort(everything.keys)
+    assert torch.equal(everything.keys[order], torch.arange(5000)) and torch.equal(stamps[order], torch.arange(5000))
+    store.close()

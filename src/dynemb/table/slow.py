@@ -372,16 +372,19 @@ class LogStore(SlowStore):
         rows = self.stored_rows()
         n = rows.numel()
         layout, width = self._file_layout
-        self._files += 1
         old_path, old_buf = self._path, self._buf
-        self._path = os.path.join(self.directory, f"{self._files:06d}.rows")
-        buf = torch.from_file(self._path, shared=True, size=capacity * width, dtype=torch.uint8).view(capacity, width)
-        fd = os.open(self._path, os.O_RDWR)
+        path = os.path.join(self.directory, f"{self._files + 1:06d}.rows")
+        buf = torch.from_file(path, shared=True, size=capacity * width, dtype=torch.uint8).view(capacity, width)
+        fd = os.open(path, os.O_RDWR)
         try:
             for i in range(0, n, self._CHUNK):
                 _pwrite_all(fd, old_buf.index_select(0, rows[i:i + self._CHUNK]), i * width)
+        except BaseException:  # a full disk: the store stays on its file as it was, the new one goes
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
+        self._files, self._path = self._files + 1, path
         self._buf = buf
         fresh = {}
         for name, col in self._cols.items():
