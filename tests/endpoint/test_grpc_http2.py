@@ -342,3 +342,22 @@ def test_a_client_that_stops_reading_does_not_grow_the_server_buffers(served):
 
         held = asyncio.run_coroutine_threadsafe(buffered(), served.loop).result(10)
         assert held < 4 * reply, held
+
+
+def test_a_stopping_server_drops_a_client_that_stops_reading(served):
+    # stop() closed what was left after its grace with transport.close(), which waits for the write buffer to
+    # drain: a connection whose client reads nothing stayed open (and in server.connections) for good
+    import hpack
+
+    encoder = hpack.Encoder()
+    message = (8 << 20).to_bytes(4, "big")
+    with open_raw(served, (4).to_bytes(2, "big") + ((1 << 31) - 1).to_bytes(4, "big")) as sock:
+        sock.sendall(frame(8, 0, 0, ((1 << 31) - 1 - 65535).to_bytes(4, "big"))
+                     + frame(1, 0x4, 1, request_block(encoder, "/t.T/Large"))
+                     + frame(0, 0x1, 1, b"\x00" + len(message).to_bytes(4, "big") + message))
+        time.sleep(1.0)
+        asyncio.run_coroutine_threadsafe(served.server.stop(grace_s=0.2), served.loop).result(10)
+        deadline = time.monotonic() + 5
+        while served.server.connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not served.server.connections

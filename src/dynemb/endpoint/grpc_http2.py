@@ -535,7 +535,8 @@ class Http2GrpcServer:
         self.server = await asyncio.get_running_loop().create_server(lambda: _Connection(self), sock=sock)
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        """Stop listening, send GOAWAY on every connection, wait up to ``grace_s`` for calls under way."""
+        """Stop listening, send GOAWAY on every connection, wait up to ``grace_s`` for calls under way, then drop
+        the connections left."""
         if self.server is None:
             return
         self.server.close()
@@ -545,6 +546,6 @@ class Http2GrpcServer:
         while self.connections and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         for connection in list(self.connections):
-            if connection.transport is not None:
-                connection.transport.close()
+            if connection.transport is not None:  # abort: close() would wait for a client that reads nothing
+                connection.transport.abort()
         self.server = None
