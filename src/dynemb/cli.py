@@ -543,8 +543,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.enable()
         raise
     if _ONE_FILE_RAN:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        with contextlib.suppress(OSError):  # a reader that closed the pipe: the file is written, exit as we would
+            sys.stdout.flush()
+            sys.stderr.flush()
         os._exit(code)
     return code
 

@@ -361,3 +361,10 @@ def test_a_stopping_server_drops_a_client_that_stops_reading(served):
         while served.server.connections and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not served.server.connections
+
+
+def test_an_error_with_an_unknown_status_name_is_still_answered():
+    """A handler's GrpcError with a name outside STATUS answers UNKNOWN (a KeyError left the stream unanswered)."""
+    from dynemb.endpoint.grpc_http2 import _trailers
+    assert b"grpc-status" in _trailers("NOT_A_STATUS", "boom") and b"2" in _trailers("NOT_A_STATUS", "")
+    assert _trailers("NOT_A_STATUS", "x") == _trailers("UNKNOWN", "x")

@@ -102,7 +102,8 @@ def _percent(message: str) -> bytes:
 
 
 def _trailers(code: str, message: str) -> bytes:
-    block = _literal(b"grpc-status", str(STATUS[code]).encode())
+    # an unknown name is still an answer (UNKNOWN): a KeyError here would leave the stream unanswered
+    block = _literal(b"grpc-status", str(STATUS.get(code, STATUS["UNKNOWN"])).encode())
     return block + _literal(b"grpc-message", _percent(message)) if message else block
 
 
