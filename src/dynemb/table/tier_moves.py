@@ -224,12 +224,7 @@ def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_
     for name, col in fast_cols.items():
         link.move(col, fast_dest, victims, slow_cols[name], slow_dest, up_at)
     link.finish()
-    row = sum(_row_bytes(col) for col in fast_cols.values())
-    moved = fast.moved if moved is None else moved
-    moved["rows_up"] += u
-    moved["rows_down"] += v
-    moved["bytes_up"] += u * row
-    moved["bytes_down"] += v * row
+    _count_moves(fast.moved if moved is None else moved, fast_cols, u, v)
     index.set_rows(up_slots, fast_dest)
     slow.index.set_rows(down_slots, slow_dest)
     fast._size += u - k
@@ -241,6 +236,15 @@ def exchange(fast, slow, link, victims: torch.Tensor, up_keys: torch.Tensor, up_
         fast._compact(victims[k:])
         return None
     return fast_dest
+
+
+def _count_moves(moved: dict, cols: dict, up: int, down: int) -> None:
+    """Add a call's rows moved up and down, and their bytes (every column of a row), to the ``moved`` counts."""
+    row = sum(_row_bytes(col) for col in cols.values())
+    moved["rows_up"] += up
+    moved["rows_down"] += down
+    moved["bytes_up"] += up * row
+    moved["bytes_down"] += down * row
 
 
 def _exchange_into_log(fast, slow, link, victims, up_keys, up_slots, up_at, moved):
@@ -277,12 +281,7 @@ def _exchange_into_log(fast, slow, link, victims, up_keys, up_slots, up_at, move
     if u:
         slow._compact(up_at)  # holes in the ring
     slow_dest = slow._append(down) if v else up_at[:0]
-    row = sum(_row_bytes(col) for col in fast_cols.values())
-    moved = fast.moved if moved is None else moved
-    moved["rows_up"] += u
-    moved["rows_down"] += v
-    moved["bytes_up"] += u * row
-    moved["bytes_down"] += v * row
+    _count_moves(fast.moved if moved is None else moved, fast_cols, u, v)
     index.set_rows(up_slots, fast_dest)
     slow.index.set_rows(down_slots, slow_dest)
     fast._size += u - k
