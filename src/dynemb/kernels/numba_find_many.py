@@ -246,6 +246,18 @@ def probe_request_arrays(table, key_cols, overflow, shift, words, values, ids, t
                                  salts.shape[0], scores, versions, score, version)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _put_row(out, b, f, src, r, pool):
+    """``out[b, f] = src[r]``; pooled (``pool``), as a sum from 0.0, so a -0.0 comes out as pooling's +0.0."""
+    zero = np.float32(0.0)
+    if pool:
+        for d in range(out.shape[2]):
+            out[b, f, d] = zero + src[r, d]
+    else:
+        for d in range(out.shape[2]):
+            out[b, f, d] = src[r, d]
+
+
 @numba.njit(nogil=True, cache=True)
 def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, pool, touched,
                           tables, scores, versions, score, version):
@@ -260,7 +272,6 @@ def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, 
     found = np.zeros(n, np.bool_)
     kwords = words.shape[1] - dim
     t = 0
-    zero = np.float32(0.0)
     for f in range(runs):
         for b in range(batch):
             j = f * batch + b
@@ -280,12 +291,7 @@ def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, 
             if np.int64(carried) != ids[j]:
                 continue
             found[j] = True
-            if pool:
-                for d in range(dim):
-                    out[b, f, d] = zero + values[r, d]
-            else:
-                for d in range(dim):
-                    out[b, f, d] = values[r, d]
+            _put_row(out, b, f, values, r, pool)
     miss_at, utid, ukey, inverse, counts, missed = _miss_pairs_kernel(found, ids, tid, salts, tables)
     return t, miss_at, utid, ukey, inverse, counts, missed
 
@@ -366,17 +372,10 @@ def _finish_request_kernel(meta, utid, ukey, counts, rows, source, kinds, params
     for i in range(m_pairs):
         served[utid[i], source[i]] += counts[i]
     batch = out.shape[0]
-    zero = np.float32(0.0)
     for k in range(miss_at.shape[0]):
         j = miss_at[k]
         b, f = j % batch, j // batch
-        p = inverse[k]
-        if pool:
-            for d in range(dim):
-                out[b, f, d] = zero + rows[p, d]
-        else:
-            for d in range(dim):
-                out[b, f, d] = rows[p, d]
+        _put_row(out, b, f, rows, inverse[k], pool)
 
 
 def add_counts(pending: np.ndarray, rows: np.ndarray, sizes: np.ndarray, missed: np.ndarray,
