@@ -94,6 +94,14 @@ def test_export_uses_the_best_model_unless_told(memorized, tmp_path):
     assert set(best["id"]["keys"].tolist()) == set(model.embeddings.export("id")[0].tolist())
     order_b, order_l = best["id"]["keys"].argsort(), last["id"]["keys"].argsort()
     assert not torch.equal(best["id"]["values"][order_b], last["id"]["values"][order_l])
+    # each export carries the MLPs of its own checkpoint: a server of the last export scores with the last MLPs
+    from dynemb.checkpoint.dense import dense_state
+    from dynemb.checkpoint.export_format import read_dense, version_name
+
+    for use in ("best", "last"):
+        dense = read_dense(tmp_path / use / version_name(1))
+        want = dense_state(load_model(tmp / "run", use=use)[0])
+        assert dense.keys() == want.keys() and all(torch.equal(dense[k], want[k]) for k in want), use
 
 
 def test_patience_0_trains_every_epoch_and_still_keeps_the_best(tmp_path, dynemb):
