@@ -147,3 +147,43 @@ def test_a_run_interrupted_between_saves_resumes_from_its_best_checkpoint(memori
     shutil.rmtree(run / "checkpoint")
     resumed = dynemb(*args, "--resume")
     assert (resumed["best_step"], resumed["step"]) == (50, 65)
+
+
+def test_servers_started_together_write_one_export(memorized, tmp_path, monkeypatch):
+    """``serving_export`` from several threads at once on a run with no export yet (``dynemb serve`` processes
+    started together; each write made slow, so that all would see no export): one version is written, and every
+    caller gets the same root."""
+    import shutil
+    import threading
+    import time
+
+    from dynemb.checkpoint.fsutil import read_pointer
+    from dynemb.job import publish
+    from dynemb.job.publish import serving_export
+
+    write = publish.export_for_serving
+
+    def slow_write(*args, **kwargs):
+        time.sleep(0.5)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(publish, "export_for_serving", slow_write)
+
+    tmp, _ = memorized
+    run = tmp_path / "run"
+    shutil.copytree(tmp / "run", run, ignore=shutil.ignore_patterns("export*"))
+    start, roots = threading.Barrier(4), []
+
+    def serve():
+        start.wait()
+        roots.append(serving_export(run))
+
+    threads = [threading.Thread(target=serve) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(roots) == 4 and len(set(roots)) == 1  # none raised
+    (root,) = set(roots)
+    assert sorted(p.name for p in root.glob("version-*")) == ["version-00000001"]
+    assert read_pointer(root) == "version-00000001"

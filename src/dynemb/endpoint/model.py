@@ -57,15 +57,17 @@ def ensure_export(run: Path, export: Optional[Path]) -> Path:
     """
     from ..checkpoint import export_for_serving
     from ..job import load_model
+    from ..job.publish import run_lock
 
     if export is not None:
         if not (Path(export) / "latest").is_file():
             raise ValueError(f"--export {export}: no serving export there (no 'latest'); write one with dynemb export")
         return Path(export)
     root = Path(run) / "export"
-    if not (root / "latest").is_file():
-        model, _ = load_model(Path(run))
-        export_for_serving(root, model)
+    with run_lock(Path(run)):
+        if not (root / "latest").is_file():
+            model, _ = load_model(Path(run))
+            export_for_serving(root, model)
     return root
 
 
