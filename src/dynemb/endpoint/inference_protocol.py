@@ -79,14 +79,48 @@ def _inputs_by_name(request: Any) -> dict:
     return by_name
 
 
-def _data(t: dict, datatypes: tuple, rows: Optional[int]) -> list:
-    """The flat data of input ``t``, checked against ``datatypes``, its shape and (when given) ``rows``."""
+def _size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _one_a_row(inputs: dict, names: list) -> dict:
+    """``inputs`` with each of ``names`` (inputs of one value a row) given as ``[n, 1]`` read as ``[n]``: a Triton
+    client sends each feature as a column ``[B, 1]`` of a batch. Nested JSON ``data`` (``[[v], [v], ...]``) is
+    flattened. The request's own dicts are left as they are (copies replace them)."""
+    out = inputs
+    for name in names:
+        t = inputs.get(name)
+        shape = t.get("shape") if isinstance(t, dict) else None
+        if not (isinstance(shape, list) and len(shape) == 2 and shape[1] == 1 and _size(shape[0])
+                and not isinstance(shape[1], bool)):
+            continue
+        data = t.get("data")
+        if isinstance(data, list) and data and all(isinstance(v, list) and len(v) == 1 for v in data):
+            data = [v[0] for v in data]  # JSON nested by rows (simdjson reads numeric ones flat already)
+        elif isinstance(data, np.ndarray) and data.ndim > 1:
+            data = data.reshape(-1)
+        if out is inputs:
+            out = dict(inputs)
+        out[name] = {**t, "shape": [shape[0]], "data": data}
+    return out
+
+
+def _data(t: dict, datatypes: tuple, rows: Optional[int], one_a_row: bool = True) -> list:
+    """The flat data of input ``t``, checked against ``datatypes``, its shape and (when given) ``rows``;
+    ``one_a_row``: an input of one value a row (an ``[n, 1]`` one was read as ``[n]`` by :func:`_one_a_row`)."""
     name, datatype, shape, data = t["name"], t.get("datatype"), t.get("shape"), t.get("data")
     if datatype not in datatypes:
         allowed = " or ".join([", ".join(datatypes[:-1]), datatypes[-1]] if len(datatypes) > 1 else datatypes)
         raise RequestError(f"input {name!r}: datatype must be {allowed}, got {datatype!r}")
-    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] >= 0):
-        raise RequestError(f"input {name!r}: shape must be [n], one size, got {shape!r}")
+    if not (isinstance(shape, list) and len(shape) == 1 and _size(shape[0])):
+        if not one_a_row:
+            raise RequestError(f"input {name!r}: shape must be [n], one size (all the rows' ids, concatenated), "
+                               f"got {shape!r}")
+        hint = ""
+        if isinstance(shape, list) and len(shape) == 2 and shape[0] == 1 and _size(shape[1]):
+            hint = " (a [1, n] row is not read as n rows: send [n] or [n, 1])"
+        raise RequestError(f"input {name!r}: shape must be [n] or [n, 1], n rows of one value each, got "
+                           f"{shape!r}{hint}")
     if not isinstance(data, (list, np.ndarray)):  # an ndarray: a binary tensor (parse_body)
         raise RequestError(f"input {name!r}: 'data' must be a JSON list")
     if len(data) != shape[0]:
@@ -141,7 +175,7 @@ def _bag_ids(t: dict, lengths: np.ndarray, column: str, id_type: str) -> tuple[n
     """``(ids [N], offsets [B + 1])`` of a multi-hot input: the readers' code, on a list array of its values."""
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    bags = pa.LargeListArray.from_arrays(pa.array(offsets), _array(t, _data(t, ID_TYPES, None)))
+    bags = pa.LargeListArray.from_arrays(pa.array(offsets), _array(t, _data(t, ID_TYPES, None, False)))
     try:
         return multi_hot_ids(bags, column, f"input {t['name']!r}", id_type)
     except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:  # the message names the input
@@ -172,7 +206,9 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
     _check_outputs(request.get("outputs"))
     expected = [*prep.categorical, *prep.multi_hot, *(c + LENGTHS for c in prep.multi_hot), *prep.dense]
     check_input_names(inputs, expected, RequestError)
-    _check_row_counts(inputs, [*prep.categorical, *(c + LENGTHS for c in prep.multi_hot), *prep.dense])
+    per_row = [*prep.categorical, *(c + LENGTHS for c in prep.multi_hot), *prep.dense]
+    inputs = _one_a_row(inputs, per_row)
+    _check_row_counts(inputs, per_row)
     first = inputs[(prep.categorical or [c + LENGTHS for c in prep.multi_hot] or prep.dense)[0]]
     rows = len(_data(first, (first.get("datatype"),), None))
     if rows > max_rows:
@@ -184,7 +220,7 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
     sparse = {c: torch.from_numpy(ids) for c, ids in one_hot.items()}
     offsets = {}
     for c in prep.multi_hot:
-        lengths = _lengths(inputs[c + LENGTHS], rows, len(_data(inputs[c], ID_TYPES, None)), c)
+        lengths = _lengths(inputs[c + LENGTHS], rows, len(_data(inputs[c], ID_TYPES, None, False)), c)
         ids, bounds = _bag_ids(inputs[c], lengths, c, prep.id_types[c])
         sparse[c], offsets[c] = torch.from_numpy(ids), torch.from_numpy(bounds)
     dense = np.zeros((len(prep.dense), rows), dtype=np.float32)
