@@ -26,8 +26,8 @@ LIMIT = 8 << 20
 class Served:
     """An Http2GrpcServer on a loop of its own thread, with an echo, a large reply, an error and a slow call."""
 
-    def __init__(self) -> None:
-        self.seen = []
+    def __init__(self, **limits) -> None:
+        self.seen, self.cancelled = [], []
 
         async def echo(message, metadata):
             self.seen.append(dict(metadata))
@@ -40,12 +40,16 @@ class Served:
             raise GrpcError("INVALID_ARGUMENT", "input 'é' is 100% wrong\nline two")
 
         async def slow(message, metadata):
-            await asyncio.sleep(0.5)
+            try:
+                await asyncio.sleep(0.5)
+            except asyncio.CancelledError:
+                self.cancelled.append(time.monotonic())
+                raise
             return b"done"
 
         self.loop = asyncio.new_event_loop()
         self.server = Http2GrpcServer({"/t.T/Echo": echo, "/t.T/Large": large, "/t.T/Fail": fail, "/t.T/Slow": slow},
-                                      max_message_bytes=LIMIT)
+                                      max_message_bytes=limits.pop("max_message_bytes", LIMIT), **limits)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{sock.getsockname()[1]}"
@@ -368,3 +372,180 @@ def test_an_error_with_an_unknown_status_name_is_still_answered():
     from dynemb.endpoint.grpc_http2 import _trailers
     assert b"grpc-status" in _trailers("NOT_A_STATUS", "boom") and b"2" in _trailers("NOT_A_STATUS", "")
     assert _trailers("NOT_A_STATUS", "x") == _trailers("UNKNOWN", "x")
+
+
+@pytest.fixture()
+def limited():
+    s = Served(max_message_bytes=1000, max_connections=2, idle_timeout_s=0.4)
+    yield s
+    s.close()
+
+
+def call_frames(encoder, stream: int, path: str, message: bytes, extra=()) -> bytes:
+    """HEADERS (with ``extra`` fields) and one DATA frame ending the stream: a whole unary call."""
+    block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x"),
+                            ("content-type", "application/grpc"), ("te", "trailers"), *extra])
+    return frame(1, 0x4, stream, block) + frame(0, 0x1, stream, b"\x00" + len(message).to_bytes(4, "big") + message)
+
+
+def status_of(decoder, got, stream: int = 1) -> dict:
+    """The trailers of ``stream`` among frames ``got``, as a dict."""
+    blocks = [dict(decoder.decode(p)) for k, f, s, p in got if k == 1 and s == stream]
+    return blocks[-1]
+
+
+def test_a_deadline_that_passes_while_a_call_runs_answers_deadline_exceeded_and_cancels_it(served):
+    with grpc.insecure_channel(served.address) as channel:
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as error:
+            channel.unary_unary("/t.T/Slow")(b"", timeout=0.15)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 5
+        while not served.cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert served.cancelled and served.cancelled[0] - start < 0.45  # cancelled at the deadline, not finished
+        assert call(channel, "/t.T/Echo", b"after") == b"after"
+
+
+def test_grpc_timeout_is_read_from_the_request_headers(served):
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    with open_raw(served) as sock:  # a deadline already passed when the message is whole: the handler never runs
+        seen = len(served.seen)
+        sock.sendall(call_frames(encoder, 1, "/t.T/Echo", b"x", [("grpc-timeout", "1n")]))
+        trailers = status_of(decoder, frames(sock))
+        assert trailers["grpc-status"] == "4" and "deadline" in trailers["grpc-message"]
+        assert len(served.seen) == seen
+        start = time.monotonic()  # passing while the call runs: answered at the deadline, the call cancelled
+        sock.sendall(call_frames(encoder, 3, "/t.T/Slow", b"", [("grpc-timeout", "100m")]))
+        assert status_of(decoder, frames(sock), 3)["grpc-status"] == "4"
+        assert time.monotonic() - start < 0.45
+    with open_raw(served) as sock:  # a value that is no gRPC timeout
+        encoder, decoder = hpack.Encoder(), hpack.Decoder()
+        sock.sendall(call_frames(encoder, 1, "/t.T/Echo", b"x", [("grpc-timeout", "1.5S")]))
+        trailers = status_of(decoder, frames(sock))
+        assert trailers["grpc-status"] == "13" and "1.5S" in trailers["grpc-message"]
+        sock.sendall(call_frames(encoder, 3, "/t.T/Echo", b"ok", [("grpc-timeout", "99999999S")]))
+        assert status_of(decoder, frames(sock), 3)["grpc-status"] == "0"
+
+
+def test_data_beyond_the_stream_window_is_a_flow_control_error_of_that_stream(limited):
+    # padding counts against the window but not the message limit: 300 frames of padding only go past the
+    # 65535 bytes announced for a stream (RFC 9113 6.9.1)
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    with open_raw(limited) as sock:
+        settings = frames_until(sock, lambda k, f, s, p: k == 4 and not f & 1)[-1][3]
+        window = {int.from_bytes(settings[i:i + 2], "big"): int.from_bytes(settings[i + 2:i + 6], "big")
+                  for i in range(0, len(settings), 6)}[4]
+        assert window == 65535
+        sock.sendall(frame(1, 0x4, 1, request_block(encoder, "/t.T/Echo"))
+                     + b"".join(frame(0, 0x8, 1, bytes([255]) + bytes(255)) for _ in range(window // 256 + 1)))
+        got = frames_until(sock, lambda k, f, s, p: k == 3 and s == 1)
+        assert int.from_bytes(got[-1][3], "big") == 3  # RST_STREAM FLOW_CONTROL_ERROR
+        sock.sendall(call_frames(encoder, 3, "/t.T/Echo", b"still"))  # the connection goes on
+        got = frames(sock)
+        assert status_of(decoder, got, 3)["grpc-status"] == "0"
+
+
+def test_window_updates_past_the_largest_window_and_of_zero_are_errors(limited):
+    import hpack
+
+    with open_raw(limited) as sock:  # the connection's send window past 2^31-1: GOAWAY FLOW_CONTROL_ERROR
+        sock.sendall(frame(8, 0, 0, ((1 << 31) - 1).to_bytes(4, "big")))
+        assert goaway_code(sock) == 3
+    with open_raw(limited) as sock:  # an increment of 0 on the connection: PROTOCOL_ERROR
+        sock.sendall(frame(8, 0, 0, (0).to_bytes(4, "big")))
+        assert goaway_code(sock) == 1
+    with open_raw(limited) as sock:  # on an open stream: that stream is reset, the connection goes on
+        encoder = hpack.Encoder()
+        sock.sendall(frame(1, 0x4, 1, request_block(encoder, "/t.T/Echo"))
+                     + frame(8, 0, 1, ((1 << 31) - 1).to_bytes(4, "big")))
+        got = frames_until(sock, lambda k, f, s, p: k == 3 and s == 1)
+        assert int.from_bytes(got[-1][3], "big") == 3
+        sock.sendall(call_frames(encoder, 3, "/t.T/Echo", b"x"))
+        assert status_of(hpack.Decoder(), frames(sock), 3)["grpc-status"] == "0"
+
+
+def test_data_after_the_end_of_a_stream_resets_it_and_the_connection_goes_on(served):
+    # DATA on a stream the client had ended (half-closed remote, its call running) appended to a buffer already
+    # handed over: an AttributeError in data_received, which dropped the connection
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    with open_raw(served) as sock:
+        sock.sendall(call_frames(encoder, 1, "/t.T/Slow", b"") + frame(0, 0, 1, b"late"))
+        got = frames_until(sock, lambda k, f, s, p: k == 3 and s == 1)
+        assert int.from_bytes(got[-1][3], "big") == 5  # STREAM_CLOSED (RFC 9113 5.1)
+        sock.sendall(call_frames(encoder, 3, "/t.T/Echo", b"on"))
+        assert status_of(decoder, frames(sock), 3)["grpc-status"] == "0"
+
+
+def test_connections_over_the_limit_are_refused_with_a_goaway(limited):
+    import hpack
+
+    first, second = open_raw(limited), open_raw(limited)
+    try:
+        for sock in (first, second):
+            frames_until(sock, lambda k, f, s, p: k == 4 and not f & 1)  # both served
+        with open_raw(limited) as third:
+            got = frames(third)
+            assert got[0][0] == 4 and got[-1][0] == 7  # the server preface (SETTINGS), then GOAWAY
+            assert int.from_bytes(got[-1][3][:4], "big") == 0 and int.from_bytes(got[-1][3][4:8], "big") == 7
+            assert b"too many connections" in got[-1][3]
+            third.settimeout(5)
+            assert third.recv(1) == b""  # and closed
+        first.sendall(call_frames(hpack.Encoder(), 1, "/t.T/Echo", b"x"))
+        assert status_of(hpack.Decoder(), frames(first))["grpc-status"] == "0"
+    finally:
+        first.close()
+        second.close()
+    deadline = time.monotonic() + 5
+    while limited.server.connections and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with grpc.insecure_channel(limited.address) as channel:  # a place freed: served again
+        assert call(channel, "/t.T/Echo", b"back") == b"back"
+
+
+def test_an_idle_connection_gets_a_goaway_and_is_closed_and_grpcio_reconnects(limited):
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    with open_raw(limited) as sock:
+        sock.sendall(call_frames(encoder, 1, "/t.T/Slow", b""))  # open longer than the idle time: kept
+        got = frames(sock)
+        assert status_of(decoder, got)["grpc-status"] == "0" and not [g for g in got if g[0] == 7]
+        start = time.monotonic()
+        got = frames(sock)  # idle now: GOAWAY (NO_ERROR, the last stream 1), then the connection closes
+        assert got and got[-1][0] == 7 and got[-1][3][:8] == (1).to_bytes(4, "big") + bytes(4)
+        assert 0.3 < time.monotonic() - start < 3
+        sock.settimeout(5)
+        assert sock.recv(1) == b""
+    with grpc.insecure_channel(limited.address) as channel:
+        assert call(channel, "/t.T/Echo", b"a") == b"a"
+        time.sleep(1.0)  # the server closes the idle connection meanwhile
+        assert call(channel, "/t.T/Echo", b"b") == b"b"
+
+
+def test_a_header_list_over_the_announced_size_fails_its_call_and_keeps_the_connection(served):
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    with open_raw(served) as sock:
+        settings = frames_until(sock, lambda k, f, s, p: k == 4 and not f & 1)[-1][3]
+        limit = {int.from_bytes(settings[i:i + 2], "big"): int.from_bytes(settings[i + 2:i + 6], "big")
+                 for i in range(0, len(settings), 6)}[6]
+        assert 4096 <= limit <= 64 << 10
+        sock.sendall(call_frames(encoder, 1, "/t.T/Echo", b"x", [("x-big", "v" * limit)]))
+        trailers = status_of(decoder, frames(sock))
+        assert trailers["grpc-status"] == "8" and "MAX_HEADER_LIST_SIZE" in trailers["grpc-message"]
+        sock.sendall(call_frames(encoder, 3, "/t.T/Echo", b"x", [("x-small", "v" * 100)]))
+        assert status_of(decoder, frames(sock), 3)["grpc-status"] == "0"
+        # a small block that decodes to a huge list (a field indexed over and over): the connection is closed
+        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.T/Echo"), (":authority", "x"),
+                                ("content-type", "application/grpc"), ("x-huge", "w" * 4000)])
+        index = bytes([0x80 | 62])  # the newest dynamic table entry, x-huge
+        sock.sendall(frame(1, 0x4 | 0x1, 5, block + index * 40))
+        assert goaway_code(sock) == 0xB  # ENHANCE_YOUR_CALM

@@ -200,11 +200,16 @@ class GrpcServer:
         host, port: where to listen (``127.0.0.1`` by default: anything else exposes the model).
         token: when given, every call wants the metadata ``authorization: Bearer <token>``.
         max_message_bytes: the largest request message.
+        max_connections, idle_timeout_s: the HTTP/2 server's limits
+            (:class:`~dynemb.endpoint.grpc_http2.Http2GrpcServer`): connections at once, and the time a
+            connection may stay without a call open (None: no limit).
     """
 
     def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 8001, *,
-                 token: Optional[str] = None, max_message_bytes: int = 8 << 20) -> None:
+                 token: Optional[str] = None, max_message_bytes: int = 8 << 20, max_connections: int = 1024,
+                 idle_timeout_s: Optional[float] = 300.0) -> None:
         self.service, self.host, self.port = service, host, port
+        self.limits = {"max_connections": max_connections, "idle_timeout_s": idle_timeout_s}
         self.token, self.max_message_bytes = (None if token is None else token.encode()), max_message_bytes
         self.server: Optional[Http2GrpcServer] = None
         self.bound_port: Optional[int] = None
@@ -236,7 +241,7 @@ class GrpcServer:
             OSError: ``host:port`` cannot be bound.
         """
         self.bind()
-        self.server = Http2GrpcServer(_handlers(self), self.max_message_bytes)
+        self.server = Http2GrpcServer(_handlers(self), self.max_message_bytes, **self.limits)
         await self.server.start(self.sock)
 
     async def stop(self) -> None:
