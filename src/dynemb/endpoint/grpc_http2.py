@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import re
 import struct
+import time
 import zlib
 from typing import Awaitable, Callable, Optional
 
@@ -144,7 +145,7 @@ class _Stream:
         self.task: Optional[asyncio.Task] = None
         self.closed = False  # reset by the client, or answered
         self.received = received  # what the client may still send on it (the window we announced)
-        self.deadline: Optional[float] = None  # the loop time of its grpc-timeout
+        self.deadline: Optional[float] = None  # the time.monotonic() of its grpc-timeout
         self.timer: Optional[asyncio.TimerHandle] = None  # answers DEADLINE_EXCEEDED at the deadline
 
 
@@ -169,7 +170,7 @@ class _Connection(asyncio.Protocol):
         self.max_frame = 16384  # the largest frame the client takes
         self.received = 0  # DATA bytes received since our last connection WINDOW_UPDATE
         self.receive_window = server.connection_window  # what the client may still send on the connection
-        self.going_away = False
+        self.going_away = self.refused = False
         self.used = True  # a stream was opened since the last idle sweep (Http2GrpcServer._sweep)
         self.idle_sweeps = 0  # sweeps in a row that found no stream open and none opened
         self.paused = False  # the transport's buffer is over its high-water mark: replies wait, reading stops
@@ -178,11 +179,14 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         if len(self.server.connections) >= self.server.max_connections:  # refused: the server preface, then GOAWAY
-            self.going_away = True
+            self.going_away = self.refused = True
             debug = b"too many connections (max_connections %d)" % self.server.max_connections
             transport.write(_frame(_SETTINGS, 0, 0)
                             + _frame(_GOAWAY, 0, 0, struct.pack(">II", 0, _REFUSED_STREAM) + debug))
-            transport.close()
+            # FIN after the GOAWAY, and what the client sends meanwhile read and dropped: closing with its preface
+            # unread would reset the connection (RST), and a client may then lose the GOAWAY
+            transport.write_eof()
+            asyncio.get_running_loop().call_later(1.0, transport.close)
             return
         self.server.connections.add(self)
         settings = struct.pack(">HIHIHIHI", 0x3, _MAX_STREAMS,  # MAX_CONCURRENT_STREAMS: more are refused
@@ -229,6 +233,8 @@ class _Connection(asyncio.Protocol):
                 self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
         if self.chunks:  # a frame arriving in parts: joined once it is whole (not at every part: 8 MiB requests)
             self.chunks.append(data)
             self.chunked += len(data)
@@ -402,7 +408,7 @@ class _Connection(asyncio.Protocol):
                 if not stream.head_flags & _END_STREAM:
                     self.transport.write(_frame(_RST, 0, stream_id, struct.pack(">I", _NO_ERROR)))
                 return True
-            stream.deadline = asyncio.get_running_loop().time() + seconds
+            stream.deadline = time.monotonic() + seconds
         if len(self.streams) > _MAX_STREAMS:  # decoded all the same: the HPACK state is the connection's
             self.streams.pop(stream_id)
             self.transport.write(_frame(_RST, 0, stream_id, struct.pack(">I", _REFUSED_STREAM)))
@@ -521,11 +527,14 @@ class _Connection(asyncio.Protocol):
                 else:
                     message, error = self._inflate(message, encoding)
         if error is None and stream.deadline is not None:
-            loop = asyncio.get_running_loop()
-            if loop.time() >= stream.deadline:  # passed before it could start: no work for nobody
+            # time.monotonic, not loop.time: uvloop's is the time its iteration began, to the millisecond
+            left = stream.deadline - time.monotonic()
+            if left <= 0:  # passed before it could start: no work for nobody
                 error = ("DEADLINE_EXCEEDED", "the deadline (grpc-timeout) passed before the call started")
+                if self.server.on_expired is not None:
+                    self.server.on_expired(headers[":path"])
             else:
-                stream.timer = loop.call_at(stream.deadline, self._expire, stream_id, stream)
+                stream.timer = asyncio.get_running_loop().call_later(left, self._expire, stream_id, stream)
         if error is not None:
             trailers = _trailers(*error)
             if error[0] == "UNIMPLEMENTED":
@@ -581,7 +590,7 @@ class _Connection(asyncio.Protocol):
             if stream.timer is not None:
                 stream.timer.cancel()
                 stream.timer = None
-        if stream.deadline is not None and asyncio.get_running_loop().time() >= stream.deadline:
+        if stream.deadline is not None and time.monotonic() >= stream.deadline:
             # scored on the event loop's thread past the deadline (the timer could not fire meanwhile)
             return self._expire(stream_id, stream, cancel=False)
         self._reply(stream_id, stream, reply, _OK_TRAILERS)
@@ -646,19 +655,22 @@ class Http2GrpcServer:
         max_message_bytes: the largest request message (inflated); larger ones are answered RESOURCE_EXHAUSTED.
         max_connections: connections served at once; more are sent GOAWAY and closed as they come.
         idle_timeout_s: a connection with no call open this long is sent GOAWAY and closed (None: never).
+        on_expired: called with the ``:path`` of a call answered DEADLINE_EXCEEDED without running its handler
+            (its deadline had passed when its message was whole), to count it.
 
     Raises:
         ValueError: ``max_connections`` < 1 or ``idle_timeout_s`` <= 0.
     """
 
     def __init__(self, handlers: dict[str, Handler], max_message_bytes: int = 8 << 20, *,
-                 max_connections: int = 1024, idle_timeout_s: Optional[float] = 300.0) -> None:
+                 max_connections: int = 1024, idle_timeout_s: Optional[float] = 300.0,
+                 on_expired: Optional[Callable[[str], None]] = None) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         if idle_timeout_s is not None and not idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0 (or None: never), got {idle_timeout_s}")
         self.handlers, self.max_message_bytes = handlers, max_message_bytes
-        self.max_connections, self.idle_timeout_s = max_connections, idle_timeout_s
+        self.max_connections, self.idle_timeout_s, self.on_expired = max_connections, idle_timeout_s, on_expired
         self.sweeper: Optional[asyncio.TimerHandle] = None
         # a whole request (and its 5-byte prefix) fits the stream window: no WINDOW_UPDATE round trip in a call
         self.stream_window = min(_WINDOW_MAX, max(65535, max_message_bytes + 1024))

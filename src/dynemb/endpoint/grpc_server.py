@@ -241,7 +241,14 @@ class GrpcServer:
             OSError: ``host:port`` cannot be bound.
         """
         self.bind()
-        self.server = Http2GrpcServer(_handlers(self), self.max_message_bytes, **self.limits)
+        handlers = _handlers(self)
+        routes = {path: getattr(h, "route", None) for path, h in handlers.items()}
+
+        def expired(path: str) -> None:  # a call refused at its deadline counts as a failure of its route
+            if routes.get(path) is not None:
+                self.service.record(routes[path], False, 0.0, 0, "grpc")
+
+        self.server = Http2GrpcServer(handlers, self.max_message_bytes, on_expired=expired, **self.limits)
         await self.server.start(self.sock)
 
     async def stop(self) -> None:
@@ -288,6 +295,7 @@ def _method(server: GrpcServer, route: str, request_type, answer):
             raise GrpcError("INVALID_ARGUMENT", str(exc)) from None
         finally:  # once the reply is written (as HTTP counts after sending): not on the client's wait
             asyncio.get_running_loop().call_soon(service.record, route, ok, time.perf_counter() - start, rows, "grpc")
+    handler.route = route
     return handler
 
 
