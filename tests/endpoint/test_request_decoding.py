@@ -99,7 +99,7 @@ def test_binary_tensors_decode_like_json(request):
     ("x", [1.5, False], "'x': FP32 values must be numbers, got bool"),
     ("x", ["1.5", 2.0], "'x': FP32 values must be numbers"),
     ("c", ["s", 3], "'c': BYTES values must be strings"),
-    ("a", [1.0, 2.0], "'a': datatype must be BYTES, INT64 or INT32, got 'FP32'"),
+    ("a", [1.0, 2.0], "'a': datatype must be BYTES or an integer datatype .*, got 'FP32'"),
 ])
 def test_a_value_of_another_type_names_its_input_even_inside_a_joined_conversion(column, values, message):
     columns = {"a": ("INT64", [1, 2]), "b": ("INT64", [3, 4]), "c": ("BYTES", ["p", "q"]), "x": ("FP32", [0.5, 1.0]),

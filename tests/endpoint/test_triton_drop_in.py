@@ -234,3 +234,64 @@ def test_http_has_no_deadline_header_and_a_slow_client_still_gets_its_answer(ser
     finally:
         client.close()
 
+
+
+def test_tritonclient_example_habits_over_http_and_grpc(server, columns):
+    """What tritonclient's example scripts do: request ids and parameters, BYTES as numpy object arrays of str or of
+    bytes (or a bytes_ array), ids of any integer dtype, ``class_count`` (not served: a clear error)."""
+    small = columns
+    users = small["user"][0]
+    items = small["item"][0]
+    variants = {"user as bytes": {**small, "user": (np.array([u.encode() for u in users], dtype=object), "BYTES")},
+                "user as bytes_": {**small, "user": (users.astype(np.bytes_), "BYTES")}}
+    for dtype in (np.int32, np.int16, np.uint8, np.uint16, np.uint32, np.uint64, np.int8):
+        variants[f"item as {np.dtype(dtype).name}"] = {**small, "item": (items.astype(dtype), {
+            np.int32: "INT32", np.int16: "INT16", np.uint8: "UINT8", np.uint16: "UINT16", np.uint32: "UINT32",
+            np.uint64: "UINT64", np.int8: "INT8"}[dtype])}
+    for module, client in ((http, http.InferenceServerClient(server[0], network_timeout=30)),
+                           (grpcclient, grpcclient.InferenceServerClient(server[1]))):
+        try:
+            want = client.infer("ctr", triton_inputs(module, small)).as_numpy("probability")
+            for label, arrays in variants.items():
+                for binary in ((None,) if module is grpcclient else (False, True)):
+                    got = client.infer("ctr", triton_inputs(module, arrays, binary)).as_numpy("probability")
+                    assert got.tobytes() == want.tobytes(), (module.__name__, label, binary)
+            result = client.infer("ctr", triton_inputs(module, small), request_id="req-9",
+                                  parameters={"tenant": "a", "n": 3}, timeout=1000, priority=1)
+            assert result.as_numpy("probability").tobytes() == want.tobytes()
+            response = result.get_response()
+            assert (response["id"] if module is http else response.id) == "req-9"
+            for _ in range(2):  # twice: gRPC reuses the parse of a request header seen before
+                with pytest.raises(InferenceServerException, match=r"output 'probability': classification "
+                                                                   r"\(class_count=2\) is not supported"):
+                    client.infer("ctr", triton_inputs(module, small),
+                                 outputs=[module.InferRequestedOutput("probability", class_count=2)])
+        finally:
+            client.close()
+
+
+def test_uint64_ids_past_int64_read_as_a_uint64_column_does():
+    # the readers reinterpret a uint64 column's ids >= 2**63 as int64 (a bijection); JSON and binary alike
+    import json
+
+    from dynemb.data.preprocess import Preprocessing
+    from dynemb.endpoint.inference_protocol import decode_request
+    from dynemb.endpoint.wire import RequestError, parse_body
+
+    prep = Preprocessing(label=None, categorical=("a",), dense=(), dense_mean=(), dense_std=(), dense_min=(),
+                         dense_max=(), dense_rows=1, id_types={"a": "INT64"})
+    ids = np.array([0, 2**63, 2**64 - 1, 7], dtype=np.uint64)
+    want = ids.view(np.int64)
+    text = json.dumps({"inputs": [{"name": "a", "datatype": "UINT64", "shape": [4], "data": ids.tolist()}]})
+    assert decode_request(parse_body(text.encode()), prep, 8).sparse["a"].numpy().tolist() == want.tolist()
+    head = json.dumps({"inputs": [{"name": "a", "datatype": "UINT64", "shape": [4],
+                                   "parameters": {"binary_data_size": 32}}]}).encode()
+    got = decode_request(parse_body(head + ids.tobytes(), len(head)), prep, 8).sparse["a"].numpy()
+    assert got.tolist() == want.tolist()
+    for datatype, values, message in (("UINT64", [-1], r"UINT64 values must be in \[0, 18446744073709551615\], "
+                                                        r"got -1"),
+                                      ("INT8", [128], r"INT8 values must be in \[-128, 127\], got 128"),
+                                      ("UINT8", [1, True], "UINT8 values must be integers")):
+        body = {"inputs": [{"name": "a", "datatype": datatype, "shape": [len(values)], "data": values}]}
+        with pytest.raises(RequestError, match=message):
+            decode_request(body, prep, 8)

@@ -83,7 +83,11 @@ def request_dict(request) -> dict:
             if datatype == "BYTES":
                 item["data"] = _utf8(values, name)
             elif datatype in NUMPY_DTYPES:
-                item["data"] = np.asarray(values, dtype=NUMPY_DTYPES[datatype])
+                try:
+                    item["data"] = np.asarray(values, dtype=NUMPY_DTYPES[datatype])
+                except OverflowError:  # int_contents holds int32: an INT8/INT16 value may not fit
+                    raise RequestError(f"input {name!r}: {datatype} contents out of the range of "
+                                       f"{datatype}") from None
             else:
                 item["data"] = list(values)
         else:
@@ -93,8 +97,17 @@ def request_dict(request) -> dict:
     if request.id:
         out["id"] = request.id
     if request.outputs:
-        out["outputs"] = [{"name": o.name} for o in request.outputs]
+        out["outputs"] = [{"name": o.name, "parameters": _parameters(o.parameters)} if o.parameters else
+                          {"name": o.name} for o in request.outputs]
+    if request.parameters:
+        out["parameters"] = _parameters(request.parameters)
     return out
+
+
+def _parameters(parameters) -> dict:
+    """A protobuf map of ``InferParameter`` s as the dict a JSON request's ``parameters`` reads as."""
+    return {key: getattr(value, value.WhichOneof("parameter_choice") or "bool_param")
+            for key, value in parameters.items()}
 
 
 _RAW_TAG = 0x3A  # raw_input_contents: field 7 of ModelInferRequest, length-delimited (wire type 2)
@@ -146,7 +159,7 @@ class InferRequests:
     def __init__(self) -> None:
         self.prefix: Optional[bytes] = None  # the header's bytes
         self.size = 0  # the message's
-        self.template: tuple = ()  # (model_name, model_version, id, outputs)
+        self.template: tuple = ()  # (model_name, model_version, id, outputs, parameters)
         self.tensors: list = []  # [(name, datatype, shape, dtype, count, offset)]
         self.heads: tuple = ()  # (the places of the tensors' tags and lengths, their bytes)
 
@@ -161,14 +174,16 @@ class InferRequests:
         return request.model_name, request.model_version, request.id, parsed
 
     def _fill(self, message) -> tuple:
-        name, version, request_id, outputs = self.template
+        name, version, request_id, outputs, parameters = self.template
         out = {"inputs": [{"name": input_name, "datatype": datatype, "shape": list(shape),
                            "data": np.frombuffer(message, dtype, count, offset)}
                           for input_name, datatype, shape, dtype, count, offset in self.tensors]}
         if request_id:
             out["id"] = request_id
         if outputs:
-            out["outputs"] = [{"name": o} for o in outputs]
+            out["outputs"] = [dict(o) for o in outputs]
+        if parameters is not None:
+            out["parameters"] = dict(parameters)
         return name, version, request_id, out
 
     def _learn(self, message, request, parsed) -> None:
@@ -186,8 +201,8 @@ class InferRequests:
         # where each tensor's tag and length are, and their bytes: checked at once in the next message
         places = np.concatenate([np.arange(offset - 1 - _varint_size(n), offset) for offset, n in entries])
         self.heads = (places, np.frombuffer(message, np.uint8)[places])
-        self.template = (request.model_name, request.model_version, request.id,
-                         [o["name"] for o in parsed.get("outputs", ())])
+        self.template = (request.model_name, request.model_version, request.id, parsed.get("outputs", ()),
+                         parsed.get("parameters"))
         self.prefix, self.size = bytes(message[:start]), len(message)
 
 

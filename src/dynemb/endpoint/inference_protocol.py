@@ -15,6 +15,9 @@ tensor                   datatype                shape     holds
                                                            ``null``, NaN and ``±inf`` allowed
 =======================  ======================  ========  ==============================================
 
+An input of one value a row (an id column, lengths, a dense column) may also come as ``[B, 1]``, the column a Triton
+client sends for each feature: it reads as ``[B]``, bit-equal. The metadata reports ``[-1]``.
+
 Output: ``probability``, FP64 ``[B]`` (the bits ``dynemb predict`` writes). Ids and dense values go through
 :mod:`dynemb.data.arrow_columns`, the code the file readers use, and the model's
 :class:`~dynemb.data.preprocess.Preprocessing`, so a request scores exactly as the same rows read from a Parquet or
@@ -44,7 +47,8 @@ __all__ = ["LENGTHS", "OUTPUT", "model_metadata", "decode_request", "encode_resp
 
 LENGTHS = "__lengths"
 OUTPUT = "probability"
-ID_TYPES = ("BYTES", "INT64", "INT32")
+INTEGER_TYPES = ("INT64", "INT32", "INT16", "INT8", "UINT64", "UINT32", "UINT16", "UINT8")
+ID_TYPES = ("BYTES", *INTEGER_TYPES)
 DENSE_TYPES = ("FP32", "FP64")
 
 
@@ -111,6 +115,8 @@ def _data(t: dict, datatypes: tuple, rows: Optional[int], one_a_row: bool = True
     name, datatype, shape, data = t["name"], t.get("datatype"), t.get("shape"), t.get("data")
     if datatype not in datatypes:
         allowed = " or ".join([", ".join(datatypes[:-1]), datatypes[-1]] if len(datatypes) > 1 else datatypes)
+        if datatypes == ID_TYPES:
+            allowed = f"BYTES or an integer datatype ({', '.join(INTEGER_TYPES)})"
         raise RequestError(f"input {name!r}: datatype must be {allowed}, got {datatype!r}")
     if not (isinstance(shape, list) and len(shape) == 1 and _size(shape[0])):
         if not one_a_row:
@@ -132,10 +138,15 @@ def _data(t: dict, datatypes: tuple, rows: Optional[int], one_a_row: bool = True
 
 # What each datatype's values may be, as the Arrow types pyarrow infers for them (JSON null: the null type):
 # one C pass checks every value's JSON type, where a typed conversion would turn 1.5 into 1 and true into 1.0.
-_VALUES = {"INT64": ("integers", (pa.int64(),), pa.int64()), "BYTES": ("strings", (pa.string(),), pa.string()),
+_INTEGERS = tuple(pa.type_for_alias(t) for t in ("int64", "int32", "int16", "int8", "uint64", "uint32", "uint16",
+                                                   "uint8"))
+_VALUES = {"BYTES": ("strings", (pa.string(),), pa.string()),
            "FP32": ("numbers", (pa.int64(), pa.float64(), pa.float32()), pa.float64()),
            "FP64": ("numbers", (pa.int64(), pa.float64(), pa.float32()), pa.float64()),
-           "INT32": ("integers", (pa.int32(), pa.int64()), pa.int64())}
+           # any integer datatype: what a Parquet integer column is to the readers (UINT64 kept unsigned: ids
+           # >= 2**63 are reinterpreted as int64 by the id rules, as a uint64 column's are)
+           **{t: ("integers", _INTEGERS, pa.uint64() if t == "UINT64" else pa.int64()) for t in INTEGER_TYPES}}
+_RANGES = {t: (int(np.iinfo(t.lower()).min), int(np.iinfo(t.lower()).max)) for t in INTEGER_TYPES}
 
 
 def _array(t: dict, data) -> pa.Array:
@@ -146,7 +157,12 @@ def _array(t: dict, data) -> pa.Array:
     """
     what, accepted, target = _VALUES[t["datatype"]]
     try:
-        array = pa.array(data)
+        try:
+            array = pa.array(data)
+        except OverflowError:  # JSON integers past int64: UINT64 ids may be
+            if t["datatype"] != "UINT64" or not isinstance(data, list) or bool in set(map(type, data)):
+                raise
+            array = pa.array(data, type=pa.uint64())
     except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:
         raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what} "
                            f"({str(exc).splitlines()[0]})") from None
@@ -156,11 +172,12 @@ def _array(t: dict, data) -> pa.Array:
     if array.type != pa.null() and bad:
         got = "bool" if array.type in accepted else str(array.type)
         raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what}, got {got} values")
-    if t["datatype"] == "INT32" and array.type == pa.int64() and len(array) > array.null_count:
-        low, high = pc.min_max(array).values()
-        if low.as_py() < -(2**31) or high.as_py() >= 2**31:
-            bad = low.as_py() if low.as_py() < -(2**31) else high.as_py()
-            raise RequestError(f"input {t['name']!r}: INT32 values must be in [-2147483648, 2147483647], got {bad}")
+    limits = _RANGES.get(t["datatype"])
+    if limits is not None and isinstance(data, list) and len(array) > array.null_count:  # JSON: check the range
+        low, high = (v.as_py() for v in pc.min_max(array).values())
+        if low < limits[0] or high > limits[1]:
+            raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be in [{limits[0]}, {limits[1]}], "
+                               f"got {low if low < limits[0] else high}")
     return array if array.type == target else array.cast(target)
 
 

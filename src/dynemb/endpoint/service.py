@@ -323,6 +323,7 @@ class InferenceService:
                 names the input).
         """
         model = self.served(name, version)
+        _check_output_parameters(request)
         try:
             batch = model.decode_request(request, self.max_batch_size)
         except RequestError as exc:
@@ -349,6 +350,19 @@ class InferenceService:
     def close(self) -> None:
         if self.batcher is not None:
             self.batcher.close()
+
+
+def _check_output_parameters(request: Any) -> None:
+    """Triton's classification extension (``InferRequestedOutput(..., class_count=k)``: top-k ``"score:index"``
+    strings in place of the tensor) is not served: a 400 saying so, where an answer that ignored it would hand the
+    client a tensor of another datatype than it asked for."""
+    asked = request.get("outputs") if isinstance(request, dict) else None
+    for o in asked if isinstance(asked, list) else ():
+        params = o.get("parameters") if isinstance(o, dict) else None
+        if isinstance(params, dict) and params.get("classification"):
+            raise ProtocolError(400, f"output {o.get('name')!r}: classification (class_count="
+                                     f"{params['classification']!r}) is not supported by dynemb serve; ask for the "
+                                     "output itself (class_count=0)")
 
 
 def requested_outputs(request: Any, model_outputs: list) -> list[tuple[str, bool]]:
