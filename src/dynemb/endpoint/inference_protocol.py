@@ -5,10 +5,10 @@ Inputs, ``B`` rows per request:
 =======================  ======================  ========  ==============================================
 tensor                   datatype                shape     holds
 =======================  ======================  ========  ==============================================
-``{column}``             BYTES, INT64 or INT32   ``[B]``   a categorical column: ids read by the column's
+``{column}``             BYTES or an integer     ``[B]``   a categorical column: ids read by the column's
                                                            id type in the model (below); JSON ``null`` is
                                                            a null id
-``{column}``             BYTES, INT64 or INT32   ``[N]``   a multi-hot column: the ids of every row,
+``{column}``             BYTES or an integer     ``[N]``   a multi-hot column: the ids of every row,
                                                            concatenated
 ``{column}__lengths``    INT32                   ``[B]``   ... and how many of them each row has
 ``{column}``             FP32 (or FP64)          ``[B]``   a dense column, raw (normalized by the server);
@@ -147,6 +147,7 @@ _VALUES = {"BYTES": ("strings", (pa.string(),), pa.string()),
            # >= 2**63 are reinterpreted as int64 by the id rules, as a uint64 column's are)
            **{t: ("integers", _INTEGERS, pa.uint64() if t == "UINT64" else pa.int64()) for t in INTEGER_TYPES}}
 _RANGES = {t: (int(np.iinfo(t.lower()).min), int(np.iinfo(t.lower()).max)) for t in INTEGER_TYPES}
+_ARROW = {t: pa.type_for_alias(t.lower()) for t in INTEGER_TYPES}
 
 
 def _array(t: dict, data) -> pa.Array:
@@ -173,7 +174,8 @@ def _array(t: dict, data) -> pa.Array:
         got = "bool" if array.type in accepted else str(array.type)
         raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what}, got {got} values")
     limits = _RANGES.get(t["datatype"])
-    if limits is not None and isinstance(data, list) and len(array) > array.null_count:  # JSON: check the range
+    if limits is not None and array.type != _ARROW[t["datatype"]] and len(array) > array.null_count:
+        # values read wider than their datatype (JSON: as int64): within its range?
         low, high = (v.as_py() for v in pc.min_max(array).values())
         if low < limits[0] or high > limits[1]:
             raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be in [{limits[0]}, {limits[1]}], "
