@@ -549,3 +549,20 @@ def test_a_header_list_over_the_announced_size_fails_its_call_and_keeps_the_conn
         index = bytes([0x80 | 62])  # the newest dynamic table entry, x-huge
         sock.sendall(frame(1, 0x4 | 0x1, 5, block + index * 40))
         assert goaway_code(sock) == 0xB  # ENHANCE_YOUR_CALM
+
+
+def test_a_client_that_resets_its_calls_before_their_answer_is_sent_away(served):
+    # HTTP/2 "rapid reset": calls opened only to be reset start work the client never waits for
+    import hpack
+
+    encoder = hpack.Encoder()
+    with open_raw(served) as sock:
+        sock.sendall(b"".join(call_frames(encoder, 2 * i + 1, "/t.T/Slow", b"")
+                              + frame(3, 0, 2 * i + 1, (8).to_bytes(4, "big")) for i in range(150)))
+        assert goaway_code(sock) == 0xB  # ENHANCE_YOUR_CALM
+    with grpc.insecure_channel(served.address) as channel:  # a client that cancels some of its calls is served
+        futures = [channel.unary_unary("/t.T/Slow").future(b"", timeout=30) for _ in range(20)]
+        for f in futures[::2]:
+            f.cancel()
+        assert [f.result() for f in futures[1::2]] == [b"done"] * 10
+        assert call(channel, "/t.T/Echo", b"on") == b"on"

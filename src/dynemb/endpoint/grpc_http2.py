@@ -13,7 +13,9 @@ latency: where the time goes"). This is the part of HTTP/2 (RFC 9113) a unary gR
 - limits: at most ``max_connections`` connections (more get SETTINGS and a GOAWAY, then are closed), a connection
   with no open stream for ``idle_timeout_s`` is sent GOAWAY and closed (gRPC's "max connection idle": a client
   reconnects at its next call), and a header list over SETTINGS_MAX_HEADER_LIST_SIZE (announced) fails its call
-  with RESOURCE_EXHAUSTED (a header block the HPACK decoder must refuse outright closes the connection);
+  with RESOURCE_EXHAUSTED (a header block the HPACK decoder must refuse outright closes the connection); a client
+  that resets more than 100 calls before their answer, and more than it let be answered, is sent GOAWAY
+  ENHANCE_YOUR_CALM (HTTP/2 "rapid reset");
 - deadlines: ``grpc-timeout`` is honoured: a call whose deadline has passed when its message is whole is answered
   DEADLINE_EXCEEDED without running its handler, and one whose deadline passes while it runs is answered
   DEADLINE_EXCEEDED at the deadline, its handler cancelled (waiting work it queued is then dropped, see
@@ -79,6 +81,7 @@ _MAX_HEADER_BLOCK = 64 << 10  # a request's header block (HPACK-compressed, or d
 _MAX_HEADER_LIST = 16 << 10  # SETTINGS_MAX_HEADER_LIST_SIZE: a call with a larger list is failed, the connection kept
 _WINDOW_MAX = (1 << 31) - 1
 _MAX_STREAMS = 256  # SETTINGS_MAX_CONCURRENT_STREAMS: each open stream may buffer a whole request
+_RESETS = 100  # calls a client may reset unanswered beyond as many as were answered ("rapid reset", CVE-2023-44487)
 _SWEEPS = 4  # idle sweeps a connection must stay idle for (Http2GrpcServer._sweep)
 _TIMEOUT = re.compile(r"([0-9]{1,8})([HMSmun])")  # grpc-timeout: 1-8 digits and a unit (gRPC over HTTP/2)
 _UNIT_S = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
@@ -171,6 +174,7 @@ class _Connection(asyncio.Protocol):
         self.received = 0  # DATA bytes received since our last connection WINDOW_UPDATE
         self.receive_window = server.connection_window  # what the client may still send on the connection
         self.going_away = self.refused = False
+        self.resets = self.answered = 0  # calls the client reset before their answer; calls answered
         self.used = True  # a stream was opened since the last idle sweep (Http2GrpcServer._sweep)
         self.idle_sweeps = 0  # sweeps in a row that found no stream open and none opened
         self.paused = False  # the transport's buffer is over its high-water mark: replies wait, reading stops
@@ -330,7 +334,12 @@ class _Connection(asyncio.Protocol):
         if kind == _RST:
             stream = self.streams.pop(stream_id, None)
             if stream is not None:
+                if not stream.closed:
+                    self.resets += 1
                 self._drop(stream)
+                if self.resets > _RESETS and self.resets > self.answered:  # opening calls only to reset them
+                    self.close(_ENHANCE_YOUR_CALM, b"too many calls reset before their answer")
+                    return False
             return True
         if kind == _GOAWAY:
             self.going_away = True
@@ -600,6 +609,7 @@ class _Connection(asyncio.Protocol):
         if stream.closed or self.transport is None:
             return
         stream.closed = True
+        self.answered += 1
         if reply is None:
             self.streams.pop(stream_id, None)
             self.transport.write(_frame(_HEADERS, _END_HEADERS | _END_STREAM, stream_id, _REPLY_HEADERS + trailers))
