@@ -566,3 +566,22 @@ def test_a_client_that_resets_its_calls_before_their_answer_is_sent_away(served)
             f.cancel()
         assert [f.result() for f in futures[1::2]] == [b"done"] * 10
         assert call(channel, "/t.T/Echo", b"on") == b"on"
+
+
+def test_a_deadline_counts_from_the_call_start_so_a_request_still_arriving_is_answered_at_it(served):
+    # a client that sends its headers and then nothing (or its message too slowly) is answered at its deadline,
+    # and told to stop sending; the stream does not stay open until the connection goes
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    with open_raw(served) as sock:
+        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.T/Echo"), (":authority", "x"),
+                                ("content-type", "application/grpc"), ("te", "trailers"), ("grpc-timeout", "200m")])
+        start = time.monotonic()
+        sock.sendall(frame(1, 0x4, 1, block) + frame(0, 0, 1, b"\x00\x00\x00"))  # part of the message, no end
+        got = frames_until(sock, lambda k, f, s, p: k == 3 and s == 1)
+        assert 0.15 < time.monotonic() - start < 2
+        assert status_of(decoder, got)["grpc-status"] == "4" and int.from_bytes(got[-1][3], "big") == 0
+        sock.sendall(frame(0, 0x1, 1, b"\x00\x01x")  # the rest, late: dropped
+                     + call_frames(encoder, 3, "/t.T/Echo", b"next", [("grpc-timeout", "10S")]))
+        assert status_of(decoder, frames(sock), 3)["grpc-status"] == "0"

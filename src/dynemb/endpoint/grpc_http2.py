@@ -16,10 +16,10 @@ latency: where the time goes"). This is the part of HTTP/2 (RFC 9113) a unary gR
   with RESOURCE_EXHAUSTED (a header block the HPACK decoder must refuse outright closes the connection); a client
   that resets more than 100 calls before their answer, and more than it let be answered, is sent GOAWAY
   ENHANCE_YOUR_CALM (HTTP/2 "rapid reset");
-- deadlines: ``grpc-timeout`` is honoured: a call whose deadline has passed when its message is whole is answered
-  DEADLINE_EXCEEDED without running its handler, and one whose deadline passes while it runs is answered
-  DEADLINE_EXCEEDED at the deadline, its handler cancelled (waiting work it queued is then dropped, see
-  :class:`~dynemb.endpoint.service.Batcher`);
+- deadlines: ``grpc-timeout`` is honoured, from the call's HEADERS: a call whose deadline passes before its message
+  is whole, or has passed when it is, is answered DEADLINE_EXCEEDED without running its handler; one whose
+  deadline passes while it runs is answered DEADLINE_EXCEEDED at the deadline, its handler cancelled (waiting work
+  it queued is then dropped, see :class:`~dynemb.endpoint.service.Batcher`);
 - a request: HEADERS (+ CONTINUATION; HPACK decoded by the ``hpack`` package) and DATA up to END_STREAM, then the
   length-prefixed message (inflated when its ``grpc-encoding`` is gzip or deflate), handed to the handler of its
   ``:path``;
@@ -433,6 +433,10 @@ class _Connection(asyncio.Protocol):
                 self.transport.write(_frame(_RST, 0, stream_id, struct.pack(">I", _NO_ERROR)))
         elif stream.head_flags & _END_STREAM:
             self._end_stream(stream_id, stream)
+        if stream.deadline is not None and not stream.closed and stream.timer is None:
+            # from the call's start: a request still arriving at its deadline is answered then too
+            stream.timer = asyncio.get_running_loop().call_later(
+                max(0.0, stream.deadline - time.monotonic()), self._expire, stream_id, stream)
         return True
 
     def _padding_fits(self, payload) -> bool:
@@ -538,12 +542,10 @@ class _Connection(asyncio.Protocol):
         if error is None and stream.deadline is not None:
             # time.monotonic, not loop.time: uvloop's is the time its iteration began, to the millisecond
             left = stream.deadline - time.monotonic()
-            if left <= 0:  # passed before it could start: no work for nobody
+            if left <= 0:  # passed before it could start (its timer has not fired yet): no work for nobody
                 error = ("DEADLINE_EXCEEDED", "the deadline (grpc-timeout) passed before the call started")
                 if self.server.on_expired is not None:
                     self.server.on_expired(headers[":path"])
-            else:
-                stream.timer = asyncio.get_running_loop().call_later(left, self._expire, stream_id, stream)
         if error is not None:
             trailers = _trailers(*error)
             if error[0] == "UNIMPLEMENTED":
@@ -552,11 +554,19 @@ class _Connection(asyncio.Protocol):
         stream.task = asyncio.ensure_future(self._call(stream_id, stream, handler, message, headers))
 
     def _expire(self, stream_id: int, stream: _Stream, cancel: bool = True) -> None:
-        """The call's deadline passed while it ran: DEADLINE_EXCEEDED now, and its handler cancelled."""
+        """The call's deadline passed before its answer: DEADLINE_EXCEEDED now, its handler cancelled, or (its
+        request still arriving) the client told to stop sending."""
         stream.timer = None
+        if stream.closed or self.transport is None:
+            return
         self._reply(stream_id, stream, None, _trailers("DEADLINE_EXCEEDED", "the deadline (grpc-timeout) passed "
                                                                             "before the call was answered"))
-        if cancel and stream.task is not None:
+        if stream.task is None:  # never started: counted here, as a failure of its route
+            if stream.data is not None and self.transport is not None:
+                self.transport.write(_frame(_RST, 0, stream_id, struct.pack(">I", _NO_ERROR)))
+            if self.server.on_expired is not None:
+                self.server.on_expired(stream.headers.get(":path", ""))
+        elif cancel:
             stream.task.cancel()
 
     def _drop(self, stream: _Stream) -> None:
@@ -610,6 +620,9 @@ class _Connection(asyncio.Protocol):
             return
         stream.closed = True
         self.answered += 1
+        if stream.timer is not None:
+            stream.timer.cancel()
+            stream.timer = None
         if reply is None:
             self.streams.pop(stream_id, None)
             self.transport.write(_frame(_HEADERS, _END_HEADERS | _END_STREAM, stream_id, _REPLY_HEADERS + trailers))
