@@ -585,3 +585,29 @@ def test_a_deadline_counts_from_the_call_start_so_a_request_still_arriving_is_an
         sock.sendall(frame(0, 0x1, 1, b"\x00\x01x")  # the rest, late: dropped
                      + call_frames(encoder, 3, "/t.T/Echo", b"next", [("grpc-timeout", "10S")]))
         assert status_of(decoder, frames(sock), 3)["grpc-status"] == "0"
+
+
+def test_the_unfinished_requests_a_connection_holds_are_bounded(limited):
+    # each stream may hold a whole message: without a bound a client could park 256 unfinished ones a connection
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    head = b"\x00" + (995).to_bytes(4, "big")
+    with open_raw(limited) as sock:
+        for i in range(5):  # 4 x 900 bytes fit the bound (4 whole messages of 1000), the fifth stream's do not
+            sock.sendall(frame(1, 0x4, 2 * i + 1, request_block(encoder, "/t.T/Echo")) + frame(0, 0, 2 * i + 1,
+                                                                                               head + bytes(895)))
+        got = frames_until(sock, lambda k, f, s, p: k == 3)
+        assert (got[-1][2], int.from_bytes(got[-1][3], "big")) == (9, 7)  # RST_STREAM REFUSED_STREAM
+        sock.sendall(frame(0, 0x1, 1, bytes(100)))  # the first one finished: answered
+        got = frames_until(sock, lambda k, f, s, p: k == 1 and s == 1 and f & 1)
+        assert status_of(decoder, got)["grpc-status"] == "0"
+        sock.sendall(b"".join(frame(3, 0, s, (8).to_bytes(4, "big")) for s in (3, 5, 7)))  # the others reset
+        sock.sendall(call_frames(encoder, 11, "/t.T/Echo", b"x" * 990))
+        got = frames_until(sock, lambda k, f, s, p: k == 1 and s == 11 and f & 1)
+        assert status_of(decoder, got, 11)["grpc-status"] == "0"
+
+        async def held():
+            return [c.buffered for c in limited.server.connections]
+
+        assert asyncio.run_coroutine_threadsafe(held(), limited.loop).result(10) == [0]  # all given back

@@ -15,7 +15,9 @@ latency: where the time goes"). This is the part of HTTP/2 (RFC 9113) a unary gR
   reconnects at its next call), and a header list over SETTINGS_MAX_HEADER_LIST_SIZE (announced) fails its call
   with RESOURCE_EXHAUSTED (a header block the HPACK decoder must refuse outright closes the connection); a client
   that resets more than 100 calls before their answer, and more than it let be answered, is sent GOAWAY
-  ENHANCE_YOUR_CALM (HTTP/2 "rapid reset");
+  ENHANCE_YOUR_CALM (HTTP/2 "rapid reset"); the requests a connection holds unfinished are bounded
+  (``max_buffered_bytes``: a client cannot park 256 streams of a whole message each), DATA past the bound resets
+  its stream with REFUSED_STREAM;
 - deadlines: ``grpc-timeout`` is honoured, from the call's HEADERS: a call whose deadline passes before its message
   is whole, or has passed when it is, is answered DEADLINE_EXCEEDED without running its handler; one whose
   deadline passes while it runs is answered DEADLINE_EXCEEDED at the deadline, its handler cancelled (waiting work
@@ -175,6 +177,7 @@ class _Connection(asyncio.Protocol):
         self.receive_window = server.connection_window  # what the client may still send on the connection
         self.going_away = self.refused = False
         self.resets = self.answered = 0  # calls the client reset before their answer; calls answered
+        self.buffered = 0  # request bytes held by streams whose message is not whole yet
         self.used = True  # a stream was opened since the last idle sweep (Http2GrpcServer._sweep)
         self.idle_sweeps = 0  # sweeps in a row that found no stream open and none opened
         self.paused = False  # the transport's buffer is over its high-water mark: replies wait, reading stops
@@ -504,7 +507,11 @@ class _Connection(asyncio.Protocol):
             if not self._padding_fits(payload):
                 return False
             payload = payload[1:size - payload[0]]
+        if self.buffered + len(payload) > self.server.max_buffered_bytes:  # the connection's requests, unfinished
+            self._reset(stream_id, stream, _REFUSED_STREAM)  # unprocessed: a gRPC client may retry it
+            return True
         stream.size += len(payload)
+        self.buffered += len(payload)
         if stream.size > self.server.max_message_bytes + 5:
             self._reply(stream_id, stream, None, _trailers(
                 "RESOURCE_EXHAUSTED", f"a request message over {self.server.max_message_bytes} bytes"))
@@ -524,6 +531,7 @@ class _Connection(asyncio.Protocol):
         headers = stream.headers
         data = stream.data[0] if len(stream.data) == 1 else b"".join(stream.data)
         stream.data = None
+        self._release(stream)
         handler = self.server.handlers[headers[":path"]]
         error = None
         if headers.get(":method") != "POST" or not headers.get("content-type", "").startswith("application/grpc"):
@@ -569,8 +577,14 @@ class _Connection(asyncio.Protocol):
         elif cancel:
             stream.task.cancel()
 
+    def _release(self, stream: _Stream) -> None:
+        """The stream's request bytes leave the connection's buffers (handed to its call, or dropped)."""
+        self.buffered -= stream.size
+        stream.size = 0
+
     def _drop(self, stream: _Stream) -> None:
         """The stream is done with (reset): no answer, no timer, its handler cancelled."""
+        self._release(stream)
         stream.closed = True
         if stream.timer is not None:
             stream.timer.cancel()
@@ -620,6 +634,8 @@ class _Connection(asyncio.Protocol):
             return
         stream.closed = True
         self.answered += 1
+        if stream.size:  # answered before its request was whole
+            self._release(stream)
         if stream.timer is not None:
             stream.timer.cancel()
             stream.timer = None
@@ -678,6 +694,8 @@ class Http2GrpcServer:
         max_message_bytes: the largest request message (inflated); larger ones are answered RESOURCE_EXHAUSTED.
         max_connections: connections served at once; more are sent GOAWAY and closed as they come.
         idle_timeout_s: a connection with no call open this long is sent GOAWAY and closed (None: never).
+        max_buffered_bytes: request bytes a connection may hold in calls whose message is not whole yet (default:
+            4 whole messages); DATA past it resets its stream with REFUSED_STREAM, which a gRPC client may retry.
         on_expired: called with the ``:path`` of a call answered DEADLINE_EXCEEDED without running its handler
             (its deadline had passed when its message was whole), to count it.
 
@@ -687,6 +705,7 @@ class Http2GrpcServer:
 
     def __init__(self, handlers: dict[str, Handler], max_message_bytes: int = 8 << 20, *,
                  max_connections: int = 1024, idle_timeout_s: Optional[float] = 300.0,
+                 max_buffered_bytes: Optional[int] = None,
                  on_expired: Optional[Callable[[str], None]] = None) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
@@ -694,6 +713,7 @@ class Http2GrpcServer:
             raise ValueError(f"idle_timeout_s must be > 0 (or None: never), got {idle_timeout_s}")
         self.handlers, self.max_message_bytes = handlers, max_message_bytes
         self.max_connections, self.idle_timeout_s, self.on_expired = max_connections, idle_timeout_s, on_expired
+        self.max_buffered_bytes = 4 * (max_message_bytes + 5) if max_buffered_bytes is None else max_buffered_bytes
         self.sweeper: Optional[asyncio.TimerHandle] = None
         # a whole request (and its 5-byte prefix) fits the stream window: no WINDOW_UPDATE round trip in a call
         self.stream_window = min(_WINDOW_MAX, max(65535, max_message_bytes + 1024))
