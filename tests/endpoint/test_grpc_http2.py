@@ -376,7 +376,7 @@ def test_an_error_with_an_unknown_status_name_is_still_answered():
 
 @pytest.fixture()
 def limited():
-    s = Served(max_message_bytes=1000, max_connections=2, idle_timeout_s=0.4)
+    s = Served(max_message_bytes=1000, max_connections=2, idle_timeout_s=0.4, max_total_buffered_bytes=6000)
     yield s
     s.close()
 
@@ -611,3 +611,41 @@ def test_the_unfinished_requests_a_connection_holds_are_bounded(limited):
             return [c.buffered for c in limited.server.connections]
 
         assert asyncio.run_coroutine_threadsafe(held(), limited.loop).result(10) == [0]  # all given back
+
+
+def test_the_unfinished_requests_of_all_connections_are_bounded_and_given_back_when_one_closes(limited):
+    import hpack
+
+    head = b"\x00" + (995).to_bytes(4, "big")
+    part = head + bytes(895)  # 900 bytes of a 1000-byte message
+
+    def park(sock, encoder, streams):
+        sock.sendall(b"".join(frame(1, 0x4, s, request_block(encoder, "/t.T/Echo")) + frame(0, 0, s, part)
+                              for s in streams))
+
+    async def held():
+        return limited.server.buffered
+
+    first, second = open_raw(limited), open_raw(limited)
+    try:
+        park(first, hpack.Encoder(), (1, 3, 5, 7))  # 3600 bytes: under the connection's bound (4020)
+        encoder = hpack.Encoder()
+        park(second, encoder, (1, 3, 5))  # 5400, then 6300: over all connections' (6000)
+        got = frames_until(second, lambda k, f, s, p: k == 3)
+        assert (got[-1][2], int.from_bytes(got[-1][3], "big")) == (5, 7)  # REFUSED_STREAM
+        first.close()  # its unfinished requests are given back
+        deadline = time.monotonic() + 5
+        while asyncio.run_coroutine_threadsafe(held(), limited.loop).result(10) != 1800:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        park(second, encoder, (7,))
+        second.sendall(frame(0, 0x1, 7, bytes(100)))
+        got = frames_until(second, lambda k, f, s, p: k == 1 and s == 7 and f & 1)
+        assert status_of(hpack.Decoder(), got, 7)["grpc-status"] == "0"
+    finally:
+        first.close()
+        second.close()
+    deadline = time.monotonic() + 5
+    while asyncio.run_coroutine_threadsafe(held(), limited.loop).result(10) != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)

@@ -16,8 +16,8 @@ latency: where the time goes"). This is the part of HTTP/2 (RFC 9113) a unary gR
   with RESOURCE_EXHAUSTED (a header block the HPACK decoder must refuse outright closes the connection); a client
   that resets more than 100 calls before their answer, and more than it let be answered, is sent GOAWAY
   ENHANCE_YOUR_CALM (HTTP/2 "rapid reset"); the requests a connection holds unfinished are bounded
-  (``max_buffered_bytes``: a client cannot park 256 streams of a whole message each), DATA past the bound resets
-  its stream with REFUSED_STREAM;
+  (``max_buffered_bytes`` a connection, ``max_total_buffered_bytes`` for all: a client cannot park 256 streams of
+  a whole message each), DATA past a bound resets its stream with REFUSED_STREAM;
 - deadlines: ``grpc-timeout`` is honoured, from the call's HEADERS: a call whose deadline passes before its message
   is whole, or has passed when it is, is answered DEADLINE_EXCEEDED without running its handler; one whose
   deadline passes while it runs is answered DEADLINE_EXCEEDED at the deadline, its handler cancelled (waiting work
@@ -205,6 +205,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
+        self.server.buffered -= self.buffered  # the unfinished requests go with the connection
+        self.buffered = 0
         for stream in self.streams.values():
             stream.closed = True
             if stream.timer is not None:
@@ -507,11 +509,14 @@ class _Connection(asyncio.Protocol):
             if not self._padding_fits(payload):
                 return False
             payload = payload[1:size - payload[0]]
-        if self.buffered + len(payload) > self.server.max_buffered_bytes:  # the connection's requests, unfinished
+        server = self.server
+        if self.buffered + len(payload) > server.max_buffered_bytes or \
+                server.buffered + len(payload) > server.max_total_buffered_bytes:  # requests held, unfinished
             self._reset(stream_id, stream, _REFUSED_STREAM)  # unprocessed: a gRPC client may retry it
             return True
         stream.size += len(payload)
         self.buffered += len(payload)
+        server.buffered += len(payload)
         if stream.size > self.server.max_message_bytes + 5:
             self._reply(stream_id, stream, None, _trailers(
                 "RESOURCE_EXHAUSTED", f"a request message over {self.server.max_message_bytes} bytes"))
@@ -580,6 +585,7 @@ class _Connection(asyncio.Protocol):
     def _release(self, stream: _Stream) -> None:
         """The stream's request bytes leave the connection's buffers (handed to its call, or dropped)."""
         self.buffered -= stream.size
+        self.server.buffered -= stream.size
         stream.size = 0
 
     def _drop(self, stream: _Stream) -> None:
@@ -696,6 +702,8 @@ class Http2GrpcServer:
         idle_timeout_s: a connection with no call open this long is sent GOAWAY and closed (None: never).
         max_buffered_bytes: request bytes a connection may hold in calls whose message is not whole yet (default:
             4 whole messages); DATA past it resets its stream with REFUSED_STREAM, which a gRPC client may retry.
+        max_total_buffered_bytes: the same for all connections together (default: 32 whole messages, at least
+            256 MiB).
         on_expired: called with the ``:path`` of a call answered DEADLINE_EXCEEDED without running its handler
             (its deadline had passed when its message was whole), to count it.
 
@@ -705,7 +713,7 @@ class Http2GrpcServer:
 
     def __init__(self, handlers: dict[str, Handler], max_message_bytes: int = 8 << 20, *,
                  max_connections: int = 1024, idle_timeout_s: Optional[float] = 300.0,
-                 max_buffered_bytes: Optional[int] = None,
+                 max_buffered_bytes: Optional[int] = None, max_total_buffered_bytes: Optional[int] = None,
                  on_expired: Optional[Callable[[str], None]] = None) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
@@ -714,6 +722,9 @@ class Http2GrpcServer:
         self.handlers, self.max_message_bytes = handlers, max_message_bytes
         self.max_connections, self.idle_timeout_s, self.on_expired = max_connections, idle_timeout_s, on_expired
         self.max_buffered_bytes = 4 * (max_message_bytes + 5) if max_buffered_bytes is None else max_buffered_bytes
+        self.max_total_buffered_bytes = max(32 * (max_message_bytes + 5), 256 << 20) \
+            if max_total_buffered_bytes is None else max_total_buffered_bytes
+        self.buffered = 0  # request bytes all connections hold in unfinished calls
         self.sweeper: Optional[asyncio.TimerHandle] = None
         # a whole request (and its 5-byte prefix) fits the stream window: no WINDOW_UPDATE round trip in a call
         self.stream_window = min(_WINDOW_MAX, max(65535, max_message_bytes + 1024))
