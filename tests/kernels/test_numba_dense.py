@@ -13,6 +13,7 @@ from dynemb.data.batch import Batch
 from dynemb.data.preprocess import Preprocessing, signed_log1p
 from dynemb.kernels.numba_dense import select_pairs
 from dynemb.models import DLRM, dlrm_tables
+from dynemb.models.dlrm import SCORING_ROWS
 
 SPECIAL = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-30, -1e30, 3.0e38]
 
@@ -73,15 +74,20 @@ def test_normalize_kernel_equals_the_torch_rule(rows, k, seed, specials):
 
 
 def test_dlrm_logits_equal_with_and_without_autograd():
-    """No autograd: the kernel writes the top MLP's input; with autograd: torch's index_select and cat."""
+    """No autograd: the kernel writes the top MLP's input; with autograd: torch's index_select and cat. Bit-equal
+    at row counts the scoring pass does not pad (multiples of ``SCORING_ROWS``); other counts are padded without
+    autograd only, so their rows' sums may round apart (within 1e-5)."""
     torch.manual_seed(0)
     features = [f"f{i}" for i in range(5)]
     tables, feats = dlrm_tables(features, dim=8)
     model = DLRM(3, EmbeddingCollection(tables, feats), dim=8)
-    for rows in (0, 1, 7, 300):
+    for rows in (0, 1, 7, SCORING_ROWS, 300, 20 * SCORING_ROWS):
         batch = Batch(torch.randn(rows, 3), {f: torch.randint(0, 50, (rows,)) for f in features}, torch.zeros(rows))
         with torch.no_grad():
             fast = model(batch)
         slow = model(batch)
         assert slow.requires_grad or rows == 0
-        assert torch.equal(_bits(fast), _bits(slow.detach()))
+        if rows % SCORING_ROWS == 0:
+            assert torch.equal(_bits(fast), _bits(slow.detach())), rows
+        else:
+            torch.testing.assert_close(fast, slow.detach(), rtol=1e-5, atol=1e-6)

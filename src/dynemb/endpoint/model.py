@@ -187,8 +187,8 @@ class ServedModel:
         feature is one id a row pooled plainly (the DLRM's interaction takes it as it is); else None.
 
         A bag of one id pools to ``0.0 + row`` by sum, mean or sqrtn alike, so the parameter server writes each
-        row to its place (:meth:`~dynemb.serving.ParameterServer.lookup_stacked`: with one float32 cache, the
-        cache probe, the misses' store reads and default rows and the writes are two numba calls); ``out``: a
+        row to its place (:meth:`~dynemb.serving.ParameterServer.lookup_stacked`: with one cache, of any export
+        dtype, the cache probe, the misses' store reads and default rows and the writes are two numba calls); ``out``: a
         ``[B, F, D]`` to write into (default a new tensor), contiguous or a slice ``[:, k:k + F]`` of a contiguous
         buffer; ``out_array``: ``out.numpy()`` kept with it."""
         plan = self._request_plan()
