@@ -14,15 +14,16 @@ operations on numbers: the counts added to its statistics, a deferred write-back
 
 The common case, every table of the request in one cache on the CPU, takes the fused path (:func:`lookup_fused`),
 whatever the rows' dtype (float32, float16, bfloat16 or an 8-bit export's packed rows, decoded to float32 as they
-are written, bit for bit as :meth:`~.cache.TableState.answer` decodes them): two numba calls (:func:`~dynemb.kernels.numba_find_many.probe_request`,
-:func:`~dynemb.kernels.numba_find_many.finish_request`) probe the cache, read the misses from the in-process store,
-compute default rows and write every row straight to its place in the output (a model's ``[B, F, D]`` input, for
-:meth:`~dynemb.serving.ParameterServer.lookup_stacked`); Redis and persistent tiers are one call each in between
-(Redis: :meth:`~dynemb.serving.stores.RedisStore.get_concat_into`, its reply parsed by numba straight into the
-misses' rows, no tensor made), and initializers without a kernel (normal, truncated normal) compute their rows in
-torch as above (as do the default rows of 16-bit and 8-bit tables but constant ones: the kernel computes only
-float32 rows). A request whose tables are in several caches (tables of several dtypes, 8-bit kinds or widths) takes
-the grouped path's calls instead; so does :meth:`~dynemb.serving.ParameterServer.lookup_concat` of float16 or
+are written, bit for bit as :meth:`~.cache.TableState.answer` decodes them): two numba calls
+(:func:`~dynemb.kernels.numba_find_many.probe_request`, :func:`~dynemb.kernels.numba_find_many.finish_request`)
+probe the cache, read the misses from the in-process store, compute default rows and write every row straight to
+its place in the output (a model's ``[B, F, D]`` input, for :meth:`~dynemb.serving.ParameterServer.lookup_stacked`);
+Redis and persistent tiers are one call each in between (Redis:
+:meth:`~dynemb.serving.stores.RedisStore.get_concat_into`, its reply parsed by numba straight into the misses' rows,
+no tensor made), and initializers without a kernel (normal, truncated normal) compute their rows in torch as above
+(as do the default rows of 16-bit and 8-bit tables but constant ones: the kernel computes only float32 rows). A
+request whose tables are in several caches (tables of several dtypes, 8-bit kinds or widths) takes the grouped
+path's calls instead; so does :meth:`~dynemb.serving.ParameterServer.lookup_concat` of float16 or
 bfloat16 tables (it answers rows of their dtype, the fused path float32 ones).
 
 It answers exactly as the per-table path (:mod:`.table_lookup`) does, row for row (``tests/serving/test_ps.py``).
