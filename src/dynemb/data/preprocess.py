@@ -281,7 +281,17 @@ class Preprocessing:
         if not self.dense:
             return batch
         mean, std, nan, inf, ninf = self._constants(batch.dense.device)
-        z = signed_log1p(batch.dense)
+        x = batch.dense
+        if type(x) is torch.Tensor and x.is_cpu and x.dtype == torch.float32 and not x.requires_grad:
+            # one pass after torch's log1p instead of 7 small ops (~0.1 ms of a served request); the same bits
+            from ..kernels.numba_dense import normalize_dense
+
+            x = x.contiguous()
+            logs = torch.log1p(x.abs())
+            out = torch.empty_like(x)
+            normalize_dense(x.numpy(), logs.numpy(), *self._constant_arrays(), out.numpy())
+            return batch.with_dense(out)
+        z = signed_log1p(x)
         # On the CPU a check costs less than the three replacements when every value is finite (a served request's
         # usual case: 3 small ops instead of 6); on a GPU it would wait for the device.
         if z.device.type != "cpu" or not bool(torch.isfinite(z).all()):
@@ -294,6 +304,13 @@ class Preprocessing:
         kept = self._kept_constants.get(device)
         if kept is None:
             kept = self._kept_constants[device] = self._make_constants(device)
+        return kept
+
+    def _constant_arrays(self) -> tuple:
+        """:meth:`_constants` on the CPU as numpy arrays (the kernel's arguments), made once."""
+        kept = self._kept_constants.get("numpy")
+        if kept is None:
+            kept = self._kept_constants["numpy"] = tuple(c.numpy() for c in self._constants(torch.device("cpu")))
         return kept
 
     @functools.cached_property

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..collection import EmbeddingCollection, FeatureConfig, TableConfig
 from ..data.batch import Batch
+from ..kernels.numba_dense import select_pairs
 
 __all__ = ["DLRM", "mlp", "dlrm_tables", "INTERACTION_ROWS"]
 
@@ -117,9 +118,21 @@ class DLRM(nn.Module):
     def _top(self, dense: torch.Tensor, stacked: torch.Tensor, run=None) -> torch.Tensor:
         """Logits ``[b]``: the pairwise dots of ``stacked [b, n, D]`` (``dense [b, D]`` its first vector), then
         the top MLP (through ``run(mlp, x)`` when given: :func:`_run_mlp`)."""
-        dots = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1).index_select(1, self._pairs)
-        x = torch.cat([dense, dots], 1)
+        dots = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1)
+        if _numba_ok(stacked, dense):
+            # one pass writes the top MLP's input (index_select and cat: two passes and a temporary; same bits)
+            x = torch.empty(dense.shape[0], dense.shape[1] + self._pairs.shape[0])
+            select_pairs(dots.numpy(), dense.numpy(), self._pairs.numpy(), x.numpy())
+        else:
+            x = torch.cat([dense, dots.index_select(1, self._pairs)], 1)
         return (self.top(x) if run is None else run(self.top, x)).squeeze(1)
+
+
+def _numba_ok(*tensors: torch.Tensor) -> bool:
+    """Whether a CPU kernel may take ``tensors`` as numpy arrays: plain float32 CPU tensors outside autograd and
+    tracing (``torch.export``'s fake tensors are subclasses)."""
+    return all(type(t) is torch.Tensor and t.is_cpu and t.dtype == torch.float32 and not t.requires_grad
+               for t in tensors) and not torch.compiler.is_compiling()
 
 
 def _run_mlp(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
