@@ -36,6 +36,8 @@ from .numba_group import _pointer
 from .numba_index import _mix64, _probe_kernel
 from numba.core import types
 
+from numba.extending import overload
+
 from .numba_math import _bitcaster, cell_bits, prefetch_row
 
 __all__ = ["META", "find_rows", "find_carried", "miss_pairs", "probe_request", "finish_request", "probe_request_arrays",
@@ -277,7 +279,7 @@ def probe_request_arrays(table, key_cols, overflow, shift, words, values, ids, t
     stamps ``touched``). Returns ``(how many touched, miss_at, table, key, inverse, counts, missed)``, numpy
     arrays."""
     return _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, pool, touched,
-                                 salts.shape[0], scores, versions, score, version, raw, kind, lut)
+                                 salts.shape[0], scores, versions, score, version, raw, _TAGS[kind], lut)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -314,28 +316,50 @@ def _param(raw, r, at):
     return _as_float32(np.uint32(bits))
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _put_stored(out, b, f, words, values, raw, r, pool, kind, lut):
-    """``out[b, f]`` = stored row ``r`` (``words``/``values``/``raw``: its :func:`row_views`) decoded by ``kind``;
-    pooled as :func:`_put_row`. The 8-bit decode is :mod:`.numba_rows`' (``lut[q] * scale + bias``, float32)."""
-    dim = out.shape[2]
-    zero = np.float32(0.0 if pool else -0.0)  # -0.0 + x is x, bit for bit (a -0.0 stays)
-    if kind == ROW_FLOAT32:
-        _put_row(out, b, f, values, r, pool)
-    elif kind == ROW_FLOAT16:
-        for d in range(dim):
-            out[b, f, d] = zero + _half(words[r, d])
-    elif kind == ROW_BFLOAT16:
-        for d in range(dim):
-            out[b, f, d] = zero + _as_float32(np.uint32((np.int64(words[r, d]) & 0xFFFF) << 16))
-    elif kind == ROW_INT8:
-        scale, bias = _param(raw, r, dim), _param(raw, r, dim + 4)
-        for d in range(dim):
-            out[b, f, d] = zero + (lut[raw[r, d]] * scale + bias)
+_TAGS = (np.float32(0), np.int16(0), np.uint16(0), np.int8(0), np.uint8(0))
+"""What the kernels take for each row kind (:data:`ROW_FLOAT32` ...): a scalar whose type names the kind, so that each
+kind compiles a kernel of its own (a float32 kernel with the other kinds' decode in its loop ran 2-3x slower)."""
+
+
+def _put_stored(out, b, f, words, values, raw, r, pool, tag, lut):
+    """``out[b, f]`` = stored row ``r`` (``words``/``values``/``raw``: its :func:`row_views`) decoded as ``tag``
+    (:data:`_TAGS`) says; pooled as :func:`_put_row`. The 8-bit decode is :mod:`.numba_rows`' (``lut[q] * scale +
+    bias``, float32). Compiled code only (:func:`_put_stored_kind`)."""
+    raise NotImplementedError("_put_stored runs in compiled kernels only")
+
+
+@overload(_put_stored, inline="always")
+def _put_stored_kind(out, b, f, words, values, raw, r, pool, tag, lut):
+    if tag == types.float32:
+        def put(out, b, f, words, values, raw, r, pool, tag, lut):
+            _put_row(out, b, f, values, r, pool)
+    elif tag == types.int16:
+        def put(out, b, f, words, values, raw, r, pool, tag, lut):
+            zero = np.float32(0.0 if pool else -0.0)  # -0.0 + x is x, bit for bit (a -0.0 stays)
+            for d in range(out.shape[2]):
+                out[b, f, d] = zero + _half(words[r, d])
+    elif tag == types.uint16:
+        def put(out, b, f, words, values, raw, r, pool, tag, lut):
+            zero = np.float32(0.0 if pool else -0.0)
+            for d in range(out.shape[2]):
+                out[b, f, d] = zero + _as_float32(np.uint32((np.int64(words[r, d]) & 0xFFFF) << 16))
+    elif tag == types.int8:
+        def put(out, b, f, words, values, raw, r, pool, tag, lut):
+            zero = np.float32(0.0 if pool else -0.0)
+            dim = out.shape[2]
+            scale, bias = _param(raw, r, dim), _param(raw, r, dim + 4)
+            for d in range(dim):
+                out[b, f, d] = zero + (lut[raw[r, d]] * scale + bias)
+    elif tag == types.uint8:
+        def put(out, b, f, words, values, raw, r, pool, tag, lut):
+            zero = np.float32(0.0 if pool else -0.0)
+            dim = out.shape[2]
+            scale = _param(raw, r, dim)
+            for d in range(dim):
+                out[b, f, d] = zero + lut[raw[r, d]] * scale
     else:
-        scale = _param(raw, r, dim)
-        for d in range(dim):
-            out[b, f, d] = zero + lut[raw[r, d]] * scale
+        return None
+    return put
 
 
 @numba.njit(nogil=True, cache=True)
@@ -408,7 +432,7 @@ def finish_request(meta: torch.Tensor, utid: torch.Tensor, ukey: torch.Tensor, c
     words, floats, raw = row_views(rows)
     _finish_request_kernel(meta.numpy(), utid.numpy(), ukey.numpy(), counts.numpy(), words, floats, raw,
                            source.numpy(), kinds.numpy(), params.numpy(), row_views(fixed)[0], seeds.numpy(),
-                           miss_at.numpy(), inverse.numpy(), _as_runs(out.numpy(), batch), pool, served, kind,
+                           miss_at.numpy(), inverse.numpy(), _as_runs(out.numpy(), batch), pool, served, _TAGS[kind],
                            _NO_LUT if lut is None else lut.numpy())
     return torch.from_numpy(served)
 
@@ -419,7 +443,7 @@ def finish_request_arrays(meta, utid, ukey, counts, words, values, raw, source, 
     each table's fixed row; ``out [B, F, D]`` as :func:`probe_request_arrays` takes it), adding each table's counts
     to ``served [T, 4]`` int64."""
     _finish_request_kernel(meta, utid, ukey, counts, words, values, raw, source, kinds, params, fixed, seeds, miss_at,
-                           inverse, out, pool, served, kind, lut)
+                           inverse, out, pool, served, _TAGS[kind], lut)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -448,7 +472,7 @@ def _finish_request_kernel(meta, utid, ukey, counts, rows, values, raw, source, 
         if source[i] != 0:
             continue
         t = utid[i]
-        if kinds[t] == UNIFORM and kind == ROW_FLOAT32:  # numba_init.uniform_salted's bits (float32 rows only)
+        if kinds[t] == UNIFORM and values.shape[0] == m_pairs:  # numba_init.uniform_salted's bits (float32 rows)
             low, span = np.float32(params[t, 0]), np.float32(params[t, 1])
             row = np.uint64(_mix64(np.int64(np.uint64(np.int64(ukey[i])) ^ np.uint64(seeds[t]))))
             for c in range(width):
