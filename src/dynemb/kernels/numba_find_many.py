@@ -433,22 +433,23 @@ def finish_request(meta: torch.Tensor, utid: torch.Tensor, ukey: torch.Tensor, c
     _finish_request_kernel(meta.numpy(), utid.numpy(), ukey.numpy(), counts.numpy(), words, floats, raw,
                            source.numpy(), kinds.numpy(), params.numpy(), row_views(fixed)[0], seeds.numpy(),
                            miss_at.numpy(), inverse.numpy(), _as_runs(out.numpy(), batch), pool, served, _TAGS[kind],
-                           _NO_LUT if lut is None else lut.numpy())
+                           _NO_LUT if lut is None else lut.numpy(), False)
     return torch.from_numpy(served)
 
 
 def finish_request_arrays(meta, utid, ukey, counts, words, values, raw, source, kinds, params, fixed, seeds, miss_at,
-                          inverse, out, pool, served, kind, lut):
+                          inverse, out, pool, served, kind, lut, read_only=False):
     """:func:`finish_request` on numpy arrays (the pairs' rows as their :func:`row_views`; ``fixed``: the words of
     each table's fixed row; ``out [B, F, D]`` as :func:`probe_request_arrays` takes it), adding each table's counts
-    to ``served [T, 4]`` int64."""
+    to ``served [T, 4]`` int64. ``read_only``: only read the open pairs' rows from ``meta``'s store (no default rows,
+    counts or writes: a later call finishes, after the tiers and default rows the kernel does not compute)."""
     _finish_request_kernel(meta, utid, ukey, counts, words, values, raw, source, kinds, params, fixed, seeds, miss_at,
-                           inverse, out, pool, served, _TAGS[kind], lut)
+                           inverse, out, pool, served, _TAGS[kind], lut, read_only)
 
 
 @numba.njit(nogil=True, cache=True)
 def _finish_request_kernel(meta, utid, ukey, counts, rows, values, raw, source, kinds, params, fixed, seeds,
-                           miss_at, inverse, out, pool, served, kind, lut):
+                           miss_at, inverse, out, pool, served, kind, lut, read_only):
     m_pairs, width = ukey.shape[0], rows.shape[1]
     if meta.shape[0]:  # the store's rows of every pair, table by table (the pairs are sorted by table)
         at = np.empty(m_pairs, np.int64)
@@ -468,6 +469,8 @@ def _finish_request_kernel(meta, utid, ukey, counts, rows, values, raw, source, 
                         rows[i, d] = stored[r, d]
                     source[i] = 1
             lo = hi
+    if read_only:
+        return
     for i in range(m_pairs):  # default rows of the pairs no tier answered
         if source[i] != 0:
             continue

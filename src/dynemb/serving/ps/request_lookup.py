@@ -538,10 +538,10 @@ def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPl
         gp.kernel_arrays = (gp.kinds.numpy(), gp.params.numpy(), gp.default_salts.numpy())
     kinds, params, seeds = gp.kernel_arrays
 
-    def finish(meta) -> bool:
+    def finish(meta, read_only: bool = False) -> bool:
         finish_request_arrays(meta if isinstance(meta, np.ndarray) else meta.numpy(), utid, ukey, counts, rows_np,
                               rows_f32, rows_raw, source_np, kinds, params, gp.fixed, seeds, miss_at, inverse, out_np,
-                              pool, served, gp.row_kind, gp.lut)
+                              pool, served, gp.row_kind, gp.lut, read_only)
         return True
 
     def torch_part() -> _Part:
@@ -555,19 +555,22 @@ def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPl
 
     part = done = None
     volatile = tiers.volatile
-    if gp.kernel_defaults and volatile.available and not tiers.persistent.available and \
-            getattr(volatile.store, "fused_reads", False):
+    in_kernel = volatile.available and getattr(volatile.store, "fused_reads", False)  # the memory store
+    if in_kernel and gp.kernel_defaults and not tiers.persistent.available:
         done = volatile.call(volatile.store.with_meta, tuple(gp.names), finish)  # one call: store, defaults
     if done is None:
         asked = [tiers.volatile, tiers.persistent]
-        if volatile.available and getattr(volatile.store, "reads_into", False):
+        if in_kernel:  # the memory store's rows read by the kernel; the persistent tier and torch's defaults next
+            if volatile.call(volatile.store.with_meta, tuple(gp.names), lambda meta: finish(meta, True)) is not None:
+                asked = asked[1:]
+        elif volatile.available and getattr(volatile.store, "reads_into", False):
             # Redis: the reply parsed into rows_t by numba, no tensor made (None: it failed, and backs off)
             found = volatile.call(volatile.store.get_concat_into, tuple(gp.names), ukey, utid, rows_np)
             if found is not None:
                 source_np[found] = 1
                 asked = asked[1:]
         asked = [tier for tier in asked if tier.available]
-        if asked or not gp.kernel_defaults:
+        if (asked or not gp.kernel_defaults) and not source_np.all():
             part = torch_part()
             for tier in asked:
                 _read_tier(tiers, tier, [part])
