@@ -3,6 +3,7 @@ bfloat16 and the 8-bit kinds (int8 with row-wise scale and bias, float8 E4M3 / E
 float32 as they are written. Bit-equal to the grouped path's calls and to the per-table path, in every store, for
 cache hits, store reads and default rows; the kernels against torch's decode for any rows, from size 0 and 1."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -139,7 +140,7 @@ def _decoded(stored: torch.Tensor, kind: str, dim: int) -> torch.Tensor:
 
 
 ROW_KIND = {"float32": k.ROW_FLOAT32, "float16": k.ROW_FLOAT16, "bfloat16": k.ROW_BFLOAT16, "int8": k.ROW_INT8,
-            "float8_e4m3fn": k.ROW_FLOAT8, "float8_e5m2": k.ROW_FLOAT8}
+            "float8_e4m3fn": k.ROW_FLOAT8_E4M3, "float8_e5m2": k.ROW_FLOAT8_E5M2}
 
 
 @settings(max_examples=80, deadline=None)
@@ -197,3 +198,57 @@ def test_the_kernels_decode_every_row_as_torch_does(data, kind, dim, batch, feat
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
     hits = sum(where[int(t), int(key)] == "cache" for t, key in zip(tid, ids))
     assert int(missed.sum()) == n - hits and int(served.sum()) == n - hits
+
+
+@pytest.mark.parametrize("kind", ["float8_e4m3fn", "float8_e5m2"])
+def test_the_kernels_float8_rounding_is_torchs_cast(kind):
+    # every float32 near a code's value and halfway between two codes (ties to even), random ones, subnormals
+    import numba
+
+    mbits, bias, top = (3, 7, 448.0) if kind == "float8_e4m3fn" else (2, 15, 57344.0)
+    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(QUANTIZED[kind]).to(torch.float32)
+    grid = codes[torch.isfinite(codes) & (codes.abs() <= top)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    near = torch.cat([grid, mids, torch.nextafter(mids, grid[1:]), torch.nextafter(mids, grid[:-1]),
+                      torch.nextafter(grid, torch.full_like(grid, top))])
+    rand = (torch.rand(200_000, generator=torch.Generator().manual_seed(0)) * 2 - 1) * top
+    tiny = torch.randn(20_000, generator=torch.Generator().manual_seed(1)) * 2.0 ** (1 - bias)
+    x = torch.cat([near, rand, tiny, torch.tensor([0.0, -0.0])]).clamp(-top, top)
+
+    @numba.njit
+    def encode(x, out):
+        for j in range(x.shape[0]):
+            out[j] = k._fp8_code(x[j], mbits, bias)
+
+    got = np.empty(x.numel(), np.uint8)
+    encode(x.numpy(), got)
+    want = x.to(QUANTIZED[kind]).view(torch.uint8).numpy()
+    assert np.array_equal(got, want), x[torch.from_numpy(got != want)][:5]
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(["float32", *QUANTIZED]), dim=st.integers(1, 9), n=st.integers(0, 6),
+       low=st.sampled_from([-0.05, -1.0, 0.0, 3.0]), span=st.sampled_from([0.0, 1e-3, 0.1, 2.0, 1e4]),
+       seed=st.integers(0, 2**16))
+def test_the_kernels_uniform_defaults_are_the_quantized_initializer_rows(kind, dim, n, low, span, seed):
+    # finish_request's default rows of a uniform initializer: the initializer's float32 rows, quantized for 8-bit
+    # rows as the codec's encode_rows does, then decoded: what TableState.default_rows and answer give
+    from dynemb.table.hashing import mix64
+    from dynemb.table.initializers import Uniform, initial_rows
+
+    width = packed_width(kind, dim) // 2 if kind in QUANTIZED else dim
+    dtype = torch.float16 if kind in QUANTIZED else torch.float32
+    keys = mix64(torch.arange(seed, seed + n, dtype=torch.int64))
+    init = Uniform(low, low + span)
+    out = torch.full((n, dim), 9.0)
+    lut = _lut(kind) if kind in QUANTIZED else None
+    f_low, f_high = init.kernel_spec()[1]
+    k.finish_request(torch.zeros(0, len(k.META), dtype=torch.int64), torch.zeros(n, dtype=torch.int64), keys,
+                     torch.ones(n, dtype=torch.int64), torch.empty(n, width, dtype=dtype),
+                     torch.zeros(n, dtype=torch.int64), torch.tensor([k.UNIFORM]),
+                     torch.tensor([[float(f_low), float(f_high) - float(f_low)]], dtype=torch.float64),
+                     mix64(torch.tensor([seed], dtype=torch.int64)), torch.arange(n), torch.arange(n), out, n, False,
+                     torch.zeros(1, width, dtype=dtype), ROW_KIND[kind], lut)
+    rows = initial_rows(init, keys, dim, torch.float32, seed)
+    want = _decoded(_stored(rows, kind), kind, dim) if kind in QUANTIZED else rows
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))

@@ -43,7 +43,8 @@ from .numba_math import _bitcaster, cell_bits, prefetch_row
 __all__ = ["META", "find_rows", "find_carried", "miss_pairs", "probe_request", "finish_request", "probe_request_arrays",
            "finish_request_arrays", "row_views", "add_counts", "pack_mget",
            "pack_mget_into", "mget_command_bound", "mget_reply_bound", "mget_reply_state", "read_mget_reply",
-           "UNIFORM", "CONSTANT", "IN_PYTHON", "ROW_FLOAT32", "ROW_FLOAT16", "ROW_BFLOAT16", "ROW_INT8", "ROW_FLOAT8"]
+           "UNIFORM", "CONSTANT", "IN_PYTHON", "ROW_FLOAT32", "ROW_FLOAT16", "ROW_BFLOAT16", "ROW_INT8",
+           "ROW_FLOAT8_E4M3", "ROW_FLOAT8_E5M2"]
 
 META = ("buckets", "overflow", "shift", "num_buckets", "values", "capacity", "key_cols")
 """The columns of a table's row of ``meta`` (int64): its index's buckets and overflow flags (addresses), hash
@@ -206,11 +207,11 @@ def _miss_pairs_kernel(found, keys, tid, salts, tables):
 
 
 UNIFORM, CONSTANT, IN_PYTHON = 0, 1, 2
-"""Default-row kinds of :func:`finish_request`: ``low + width * u`` (the uniform initializer's bits, float32 rows
-only), a fixed stored row (a constant, as the table stores it), or rows the caller computed beforehand (no pair is
-left open then)."""
+"""Default-row kinds of :func:`finish_request`: ``low + width * u`` (the uniform initializer's bits; float32 rows, or
+8-bit rows quantized as :func:`dynemb.checkpoint.row_codec.encode_rows` does), a fixed stored row (a constant, as the
+table stores it), or rows the caller computed beforehand (no pair is left open then)."""
 
-ROW_FLOAT32, ROW_FLOAT16, ROW_BFLOAT16, ROW_INT8, ROW_FLOAT8 = range(5)
+ROW_FLOAT32, ROW_FLOAT16, ROW_BFLOAT16, ROW_INT8, ROW_FLOAT8_E4M3, ROW_FLOAT8_E5M2 = range(6)
 """How a stored row becomes the float32 row written: as it is, float16 or bfloat16 widened (exact), or an 8-bit
 export's packed row (:mod:`dynemb.checkpoint.row_codec`: ``D`` code bytes, then float32 scale and, for int8, bias)
 decoded as ``lut[code] * scale (+ bias)``."""
@@ -316,7 +317,7 @@ def _param(raw, r, at):
     return _as_float32(np.uint32(bits))
 
 
-_TAGS = (np.float32(0), np.int16(0), np.uint16(0), np.int8(0), np.uint8(0))
+_TAGS = (np.float32(0), np.int16(0), np.uint16(0), np.int8(0), np.uint8(0), np.uint32(0))
 """What the kernels take for each row kind (:data:`ROW_FLOAT32` ...): a scalar whose type names the kind, so that each
 kind compiles a kernel of its own (a float32 kernel with the other kinds' decode in its loop ran 2-3x slower)."""
 
@@ -350,7 +351,7 @@ def _put_stored_kind(out, b, f, words, values, raw, r, pool, tag, lut):
             scale, bias = _param(raw, r, dim), _param(raw, r, dim + 4)
             for d in range(dim):
                 out[b, f, d] = zero + (lut[raw[r, d]] * scale + bias)
-    elif tag == types.uint8:
+    elif tag in (types.uint8, types.uint32):
         def put(out, b, f, words, values, raw, r, pool, tag, lut):
             zero = np.float32(0.0 if pool else -0.0)
             dim = out.shape[2]
@@ -359,6 +360,91 @@ def _put_stored_kind(out, b, f, words, values, raw, r, pool, tag, lut):
                 out[b, f, d] = zero + lut[raw[r, d]] * scale
     else:
         return None
+    return put
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _put_param(raw, i, at, x):
+    """``x`` (float32) little-endian at bytes ``raw[i, at:at + 4]``."""
+    bits = np.int64(_as_bits32(x))
+    for k in range(4):
+        raw[i, at + k] = np.uint8((bits >> (8 * k)) & 0xFF)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _fp8_code(v, mbits, bias):
+    """The byte of float32 ``v`` (finite, within the format's range) as a float8 of ``mbits`` mantissa bits and
+    exponent ``bias``, rounded to nearest even (torch's cast)."""
+    bits = np.int64(_as_bits32(v))
+    sign = (bits >> 31) & 1
+    a = np.float32(abs(v))
+    if a < np.float32(2.0 ** (1 - bias)):  # subnormal (or the smallest normal it rounds up to): units of 2^(1-b-m)
+        code = np.int64(np.rint(a * np.float32(2.0 ** (bias - 1 + mbits))))
+    else:
+        ab = bits & 0x7FFFFFFF
+        shift = 23 - mbits
+        ab = (ab + (1 << (shift - 1)) - 1 + ((ab >> shift) & 1)) >> shift
+        code = ab - ((127 - bias) << mbits)
+    return np.uint8(code | (sign << 7))
+
+
+def _put_uniform(rows, values, raw, i, row, low, span, tag, scratch):
+    """Pair ``i``'s default row of a uniform initializer (``row``: its hashed key) as stored: float32 (``values[i]``)
+    or quantized into the packed bytes ``raw[i]`` as :func:`dynemb.checkpoint.row_codec.encode_rows` quantizes the
+    float32 row (``scratch``: ``[D]`` float32). Compiled code only (:func:`_put_uniform_kind`)."""
+    raise NotImplementedError("_put_uniform runs in compiled kernels only")
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _uniform_row(out, row, low, span):
+    """numba_init.uniform_salted's bits: ``low + span * u`` of each column."""
+    for c in range(out.shape[0]):
+        u = (np.float32(cell_bits(row, c)) + np.float32(0.5)) * np.float32(2.0**-24)
+        out[c] = low + span * u
+
+
+@overload(_put_uniform, inline="always")
+def _put_uniform_kind(rows, values, raw, i, row, low, span, tag, scratch):
+    if tag == types.float32:
+        def put(rows, values, raw, i, row, low, span, tag, scratch):
+            _uniform_row(values[i, :scratch.shape[0]], row, low, span)
+    elif tag == types.int8:
+        def put(rows, values, raw, i, row, low, span, tag, scratch):
+            dim = scratch.shape[0]
+            _uniform_row(scratch, row, low, span)
+            lo, hi = scratch[0], scratch[0]
+            for c in range(1, dim):
+                lo, hi = min(lo, scratch[c]), max(hi, scratch[c])
+            scale = (hi - lo) / np.float32(255.0)
+            safe = scale if scale > np.float32(0.0) else np.float32(1.0)
+            for c in range(dim):
+                q = np.rint((scratch[c] - lo) / safe) - np.float32(128.0)
+                q = min(max(q, np.float32(-128.0)), np.float32(127.0))
+                raw[i, c] = np.uint8(np.int64(q) & 0xFF)
+            _put_param(raw, i, dim, scale)
+            _put_param(raw, i, dim + 4, lo)
+            for c in range(dim + 8, raw.shape[1]):
+                raw[i, c] = 0
+    elif tag in (types.uint8, types.uint32):
+        mbits, bias, top = (3, 7, 448.0) if tag == types.uint8 else (2, 15, 57344.0)
+
+        def put(rows, values, raw, i, row, low, span, tag, scratch):
+            dim = scratch.shape[0]
+            _uniform_row(scratch, row, low, span)
+            amax = np.float32(0.0)
+            for c in range(dim):
+                amax = max(amax, np.float32(abs(scratch[c])))
+            scale = amax / np.float32(top)
+            safe = scale if scale > np.float32(0.0) else np.float32(1.0)
+            for c in range(dim):
+                v = min(max(scratch[c] / safe, np.float32(-top)), np.float32(top))
+                raw[i, c] = _fp8_code(v, mbits, bias)
+            _put_param(raw, i, dim, scale)
+            for c in range(dim + 4, raw.shape[1]):
+                raw[i, c] = 0
+    else:  # 16-bit rows: their uniform defaults come from torch (request_lookup._kernel_defaults)
+        def put(rows, values, raw, i, row, low, span, tag, scratch):
+            pass
     return put
 
 
@@ -471,16 +557,15 @@ def _finish_request_kernel(meta, utid, ukey, counts, rows, values, raw, source, 
             lo = hi
     if read_only:
         return
+    scratch = np.empty(out.shape[2], np.float32)
     for i in range(m_pairs):  # default rows of the pairs no tier answered
         if source[i] != 0:
             continue
         t = utid[i]
-        if kinds[t] == UNIFORM and values.shape[0] == m_pairs:  # numba_init.uniform_salted's bits (float32 rows)
+        if kinds[t] == UNIFORM:  # numba_init.uniform_salted's bits, quantized for 8-bit rows
             low, span = np.float32(params[t, 0]), np.float32(params[t, 1])
             row = np.uint64(_mix64(np.int64(np.uint64(np.int64(ukey[i])) ^ np.uint64(seeds[t]))))
-            for c in range(width):
-                u = (np.float32(cell_bits(row, c)) + np.float32(0.5)) * np.float32(2.0**-24)
-                values[i, c] = low + span * u
+            _put_uniform(rows, values, raw, i, row, low, span, kind, scratch)
         else:
             for c in range(width):
                 rows[i, c] = fixed[t, c]

@@ -21,7 +21,7 @@ its place in the output (a model's ``[B, F, D]`` input, for :meth:`~dynemb.servi
 Redis and persistent tiers are one call each in between (Redis:
 :meth:`~dynemb.serving.stores.RedisStore.get_concat_into`, its reply parsed by numba straight into the misses' rows,
 no tensor made), and initializers without a kernel (normal, truncated normal) compute their rows in torch as above
-(as do the default rows of 16-bit and 8-bit tables but constant ones: the kernel computes only float32 rows). A
+(as do the uniform default rows of 16-bit tables: the kernel computes float32 rows and quantizes 8-bit ones). A
 request whose tables are in several caches (tables of several dtypes, 8-bit kinds or widths) takes the grouped
 path's calls instead; so does :meth:`~dynemb.serving.ParameterServer.lookup_concat` of float16 or
 bfloat16 tables (it answers rows of their dtype, the fused path float32 ones).
@@ -203,7 +203,8 @@ def _kernel_defaults(gp: _GroupPlan) -> None:
 
     one = gp.tables[0]  # the tables of a group share dim, dtype and 8-bit kind
     if one.codec:
-        gp.row_kind = k.ROW_INT8 if one.codec == "int8" else k.ROW_FLOAT8
+        gp.row_kind = {"int8": k.ROW_INT8, "float8_e4m3fn": k.ROW_FLOAT8_E4M3,
+                       "float8_e5m2": k.ROW_FLOAT8_E5M2}[one.codec]
         gp.lut = _lut(one.codec).numpy()
     else:
         gp.row_kind = {torch.float32: k.ROW_FLOAT32, torch.float16: k.ROW_FLOAT16,
@@ -213,7 +214,7 @@ def _kernel_defaults(gp: _GroupPlan) -> None:
     for t in gp.tables:
         spec = t.default.kernel_spec() if isinstance(t.default, Initializer) else ("constant", (float(t.default),))
         row = torch.zeros(1, gp.group.dim, dtype=gp.group.dtype)
-        if spec is not None and spec[0] == "uniform" and gp.row_kind == k.ROW_FLOAT32:
+        if spec is not None and spec[0] == "uniform" and gp.row_kind not in (k.ROW_FLOAT16, k.ROW_BFLOAT16):
             low, high = spec[1]
             kinds.append(k.UNIFORM)
             params.append((float(low), float(high) - float(low)))  # rounded to float32 there, as numba_init does
@@ -223,7 +224,7 @@ def _kernel_defaults(gp: _GroupPlan) -> None:
             # the row as TableState.default_rows stores it (8-bit rows: quantized)
             value = torch.full((1, t.row_dim), float(spec[1][0]), dtype=torch.float32 if t.codec else t.dtype)
             row = t.encode(value).to(gp.group.dtype)
-        else:  # normal and truncated normal, and uniform rows of 16 or 8 bits: computed in torch
+        else:  # normal and truncated normal, and uniform rows of 16 bits: computed in torch
             kinds.append(k.IN_PYTHON)
             params.append((0.0, 0.0))
         fixed.append(row)
