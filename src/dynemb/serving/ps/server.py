@@ -316,7 +316,7 @@ class ParameterServer:
         """A request of ``F`` features of one id a row, as the ``[B, F, D]`` input of a model's interaction: what
         :meth:`lookup_concat` answers for ``F`` runs of ``B = rows`` ids, each row as a bag of that one id pools to
         by sum (``0.0 + row``: a ``-0.0`` becomes ``+0.0``, as ``embedding_bag`` gives it; a mean or sqrtn of one id
-        is the same). With one float32 cache on the CPU for every table, the rows are looked up and written to
+        is the same). With one cache on the CPU for every table, the rows are looked up and written to
         their places in two numba calls (:func:`~.request_lookup.lookup_fused`), with no ``[F * B, D]`` in between;
         float16, bfloat16 and 8-bit rows too, decoded as they are written, into a float32 ``out``.
 
