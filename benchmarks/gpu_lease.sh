@@ -11,7 +11,8 @@
 #
 # Slots, in this order, each under its own limit (defaults: 90 + 150 + 60 + 150 s, about 8 minutes with the
 # machine's start, leaving 4 of a 15-minute lease for a rerun):
-# - tests (test_seconds, 90): the cuda- and triton-marked tests on the device.
+# - tests (test_seconds, 90): the cuda- and triton-marked tests on the device (serving, issue 46: a CLI run and a
+#   model exported from CUDA, served on the GPU).
 # - grouped execution (issue 43; grouped_seconds, 150): the collection's reads, ops and launches a steady step at 2
 #   and 26 tables (step_counts.py), the main job's step at batch 512 and 32,768 with 0% and 5% new ids (job_step.py;
 #   targets <= 3 ms and <= 15 ms), three runs of the gpu_ops.py train step (targets >= 1.0x nn.EmbeddingBag +
@@ -48,7 +49,7 @@ start=$(date +%s)
 cat "$OUT/summary.txt"
 
 tests=(tests/kernels tests/table tests/test_embedding.py tests/collection tests/job/test_score.py
-       tests/test_row_grouping.py tests/test_functional.py)
+       tests/test_row_grouping.py tests/test_functional.py tests/endpoint/test_served_cuda.py)
 opts=()  # workers and a per-test limit (well inside the run's, so that a hung test still leaves a report)
 $PY -c "import xdist" 2>/dev/null && opts+=(-n 8)
 $PY -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout "$(( TEST_S / 2 > 30 ? TEST_S / 2 : 30 ))")
