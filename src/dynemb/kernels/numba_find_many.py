@@ -504,8 +504,9 @@ def finish_request(meta: torch.Tensor, utid: torch.Tensor, ukey: torch.Tensor, c
             answered each (1 volatile, 2 persistent, 3 default; 0 none yet). Both are filled in here for the pairs
             still open: from ``meta``'s store, else with default rows.
         kinds, params, seeds: ``[T]`` each table's default: kind (:data:`UNIFORM`: ``params[t] = (low, width)``,
-            float32 rows only; :data:`CONSTANT`: the stored row ``fixed[t]``, ``fixed [T, W]`` of ``rows``' dtype,
-            default: ``params[t, 0]`` as float32; :data:`IN_PYTHON`: none is open) and ``mix64(seed)``.
+            float32 or 8-bit rows; :data:`CONSTANT`: the stored row ``fixed[t]``, ``fixed [T, W]`` of ``rows``' dtype,
+            default ``params[t, 0]`` cast to it (8-bit rows: pass ``fixed``, encoded); :data:`IN_PYTHON`: none is
+            open) and ``mix64(seed)``.
         miss_at, inverse: ``[K]`` the positions missed and the pair of each; ``out``, ``batch``, ``pool``,
             ``kind``, ``lut``: as :func:`probe_request` took them.
 
