@@ -10,9 +10,12 @@ DLRM's ``[B, F, D]`` input, ``ParameterServer.fused``), ``grouped`` (the same re
 ``fused = False``) and ``per_table`` (``grouped = False``). Reported: the median and minimum per call of this
 thread's CPU time (what the call costs, unaffected by time spent descheduled on a busy machine) and of wall time,
 and the paired ratios to the fused path (median of per-round ratios), after warm-up calls. ``dense_ms`` is the dense
-part alone (``model(batch, pooled=...)`` on rows looked up beforehand).
+part alone (``model(batch, pooled=...)`` on rows looked up beforehand). ``--dtype`` serves an export of that dtype
+(``export_for_serving(dtype=...)``: float16, bfloat16, or the 8-bit int8, float8_e4m3fn, float8_e5m2) instead of
+the run's float32 one.
 
-Run: ``python benchmarks/serve_predict.py [--quick] [--json PATH] [--model RUN_DIR] [--rows N] [--calls N]``.
+Run: ``python benchmarks/serve_predict.py [--quick] [--json PATH] [--model RUN_DIR] [--rows N] [--calls N]
+[--dtype DTYPE]``.
 """
 
 from __future__ import annotations
@@ -55,8 +58,20 @@ def dense_ms(model: ServedModel, bodies: list, calls: int) -> float:
     return round(1e3 * statistics.median(times), 3)
 
 
-def measure(run: Path, tier: str, volatile: dict, rows: int, calls: int) -> dict:
-    model = ServedModel(run, name="ctr", volatile_db=volatile)
+def export_dtype(run: Path, dtype: str) -> Path:
+    """An export of ``run``'s tables with rows of ``dtype``, beside the run."""
+    from dynemb.checkpoint import export_for_serving
+    from dynemb.job import load_model
+
+    root = run.parent / f"export-{dtype}"
+    if not root.exists():
+        export_for_serving(root, load_model(run)[0], dtype=getattr(torch, dtype))
+    return root
+
+
+def measure(run: Path, tier: str, volatile: dict, rows: int, calls: int, dtype: str = "float32") -> dict:
+    export = None if dtype == "float32" else export_dtype(run, dtype)
+    model = ServedModel(run, export=export, name="ctr", volatile_db=volatile)
     try:
         bodies = make_bodies(model, rows, 32)
         paths = {"fused": (True, True), "grouped": (True, False), "per_table": (False, True)}
@@ -73,7 +88,7 @@ def measure(run: Path, tier: str, volatile: dict, rows: int, calls: int) -> dict
                     cpu[name].append(1e3 * (time.thread_time() - t0))
                     wall[name].append(1e3 * (time.perf_counter() - w0))
         model.ps.grouped = model.ps.fused = True
-        out = {"tier": tier, "rows": rows, "calls": calls}
+        out = {"tier": tier, "dtype": dtype, "rows": rows, "calls": calls}
         for name in names:
             out[f"{name}_cpu_ms"] = round(statistics.median(cpu[name]), 3)
             out[f"{name}_cpu_min_ms"] = round(min(cpu[name]), 3)
@@ -94,6 +109,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=256, help="rows per request")
     p.add_argument("--calls", type=int, default=None, help="timed calls per path (default 300; --quick: 60)")
     p.add_argument("--tiers", default="memory,redis", help="volatile stores to serve from")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "int8", "float8_e4m3fn",
+                                                          "float8_e5m2"], help="rows of the served export")
     args = p.parse_args()
     torch.set_num_threads(1)
     calls = args.calls or (60 if args.quick else 300)
@@ -106,12 +123,13 @@ def main() -> None:
             synthetic_run(run, 30 if args.quick else 300)
         for tier in args.tiers.split(","):
             if tier == "memory":
-                results.append(measure(run, tier, {"type": "memory"}, args.rows, calls))
+                results.append(measure(run, tier, {"type": "memory"}, args.rows, calls, args.dtype))
                 continue
             redis = RedisServer(tmp)
             redis.start()
             try:
-                results.append(measure(run, tier, {"type": "redis", "address": redis.address}, args.rows, calls))
+                results.append(measure(run, tier, {"type": "redis", "address": redis.address}, args.rows, calls,
+                                       args.dtype))
             finally:
                 redis.kill()
     info = machine_info()

@@ -21,7 +21,13 @@ do): otherwise a full collection of torch's ~250k objects stalls one request in 
 in-process store's ``nbytes()`` (allocated columns and hash index) against the raw ``8 + 4 * 64`` bytes per key,
 and Redis ``used_memory`` per key of each layout.
 
-Run: ``python benchmarks/serving.py [--quick] [--json PATH] [--repeat BLOCKS] [--keys N] [--block REQUESTS]``.
+8-bit rows (``--dtype int8``, ``float8_e4m3fn`` or ``float8_e5m2``: the issue's 0.9x target): the in-process servers
+of the float32 export and of an export of that dtype (``export_for_serving(dtype=...)``, the same rows) take turns
+block by block on the same requests; reported are both rows and the median of the blocks' throughput ratios (Redis
+and the baseline are not run).
+
+Run: ``python benchmarks/serving.py [--quick] [--json PATH] [--repeat BLOCKS] [--keys N] [--block REQUESTS]
+[--dtype DTYPE]``.
 """
 
 from __future__ import annotations
@@ -67,13 +73,14 @@ def table_rows(i: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return keys, torch.randn(n, DIM, generator=torch.Generator().manual_seed(i))
 
 
-def build_export(root: Path, rows_per_table: int) -> Path:
+def build_export(root: Path, rows_per_table: int, dtypes=("float32",)) -> list:
+    """Exports of the tables (one a dtype, in ``root/<dtype>``)."""
     tables = nn.ModuleDict()
     for i in range(FEATURES):
         emb = dynemb.DynamicEmbedding(DIM, initializer="zeros", init_capacity=rows_per_table, seed=i)
         emb.insert_or_assign(*table_rows(i, rows_per_table))
         tables[f"f{i}"] = emb
-    return export_for_serving(root, tables)
+    return [export_for_serving(root / d, tables, dtype=getattr(torch, d)) for d in dtypes]
 
 
 def make_server(export: Path, volatile_db: dict) -> ParameterServer:
@@ -182,6 +189,30 @@ def run_in_process(export: Path, keys: list, blocks: int, block: int) -> tuple[d
     return row, memory, [first, reference]
 
 
+def run_8bit(exports: list, dtype: str, keys: list, blocks: int, block: int) -> tuple[list, dict]:
+    """The float32 and ``dtype`` in-process servers, block by block on the same requests (module docstring)."""
+    servers = [make_server(e, {"type": "memory"}) for e in exports]
+    try:
+        warmup = [warm_up(ps, MODEL, {f"f{i}": traffic(k, BATCH, ALPHA, seed=i) for i, k in enumerate(keys)}, BATCH)
+                  for ps in servers]
+        streams = [traffic(k, BATCH, ALPHA, seed=100 + i) for i, k in enumerate(keys)]
+        runs = [([], []), ([], [])]
+        with frozen_heap():
+            for b in range(blocks):
+                requests = draw(streams, block)
+                for k in (0, 1) if b % 2 == 0 else (1, 0):
+                    runs[k][1].append(time_block(lambda r, ps=servers[k]: ps_request(ps, r), requests, runs[k][0]))
+        rows = [summarize(f"dynemb, in-process ({name})", *run, hit_rate=round(hit_rate(ps.stats(MODEL)), 4),
+                          warmup_requests=w)
+                for name, run, ps, w in zip(("float32", dtype), runs, servers, warmup)]
+        ratio = statistics.median(q8 / q32 for q32, q8 in zip(runs[0][1], runs[1][1]))
+        memory = {f"store_bytes_{name}": ps.volatile.store.nbytes() for name, ps in zip(("float32", dtype), servers)}
+    finally:
+        for ps in servers:
+            ps.close()
+    return rows, {"qps_ratio_paired": round(ratio, 3), "target": 0.9, "met": ratio >= 0.9, **memory}
+
+
 def run_redis(export: Path, keys: list, rows_per_table: int, blocks: int, block: int, check: list):
     with tempfile.TemporaryDirectory(prefix="dynemb-serving-redis-") as workdir:
         server = RedisServer(workdir)
@@ -271,6 +302,8 @@ def main() -> None:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--keys", type=int, default=None, help="keys over all 26 tables (default 10M, 1M with --quick)")
     p.add_argument("--block", type=int, default=None, help="requests per timed block (default 30, 20 with --quick)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "int8", "float8_e4m3fn", "float8_e5m2"],
+                   help="8-bit rows: their in-process server against the float32 one (module docstring)")
     args = p.parse_args()
     if args.clock != "wall":
         p.error("this benchmark times wall clock only: Redis works in another process")
@@ -280,9 +313,23 @@ def main() -> None:
     keys_total = rows_per_table * FEATURES
     check_memory(keys_total)
     blocks, block = args.repeat or (6 if args.quick else 20), args.block or (20 if args.quick else 30)
+    if args.dtype != "float32":
+        with tempfile.TemporaryDirectory(prefix="dynemb-serving-bench-") as tmp:
+            exports = build_export(Path(tmp) / "export", rows_per_table, ("float32", args.dtype))
+            keys = [table_rows(i, rows_per_table)[0] for i in range(FEATURES)]
+            rows, verdict = run_8bit(exports, args.dtype, keys, blocks, block)
+        print(f"{FEATURES} tables x {rows_per_table} keys x dim {DIM}; requests of {FEATURES} x {BATCH} ids; "
+              f"in-process float32 and {args.dtype} servers alternating, {blocks} blocks of {block} requests")
+        print_table(rows, ["config", "p50_ms", "p99_ms", "qps", "ids_per_s", "hit_rate", "warmup_requests"])
+        print(f"{args.dtype} / float32 requests/s (median of paired blocks): {verdict['qps_ratio_paired']} >= 0.9: "
+              f"{'met' if verdict['met'] else 'MISSED'}")
+        if args.json:
+            write_json(args.json, {"benchmark": "serving", "dtype": args.dtype, "keys": rows_per_table * FEATURES,
+                                   "machine": machine_info(), "results": rows, "verdict": verdict})
+        return
     with tempfile.TemporaryDirectory(prefix="dynemb-serving-bench-") as tmp:
         started = time.perf_counter()
-        export = build_export(Path(tmp) / "export", rows_per_table)
+        export = build_export(Path(tmp) / "export", rows_per_table)[0]
         build_s = time.perf_counter() - started
         keys = [table_rows(i, rows_per_table)[0] for i in range(FEATURES)]
         local, memory, check = run_in_process(export, keys, blocks, block)

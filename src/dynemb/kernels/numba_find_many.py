@@ -11,7 +11,12 @@ fused path, :mod:`dynemb.serving.ps.request_lookup`): the first probes the group
 writes the rows it finds straight to their place in the output and returns the misses as distinct ``(table, key)``
 pairs; the second reads those pairs from the in-process store (when it is the only tier), computes default rows for
 the pairs no tier answered (uniform and constant initializers: :mod:`.numba_init`'s bits) and writes every miss's
-row to its place, counting what each tier served per table.
+row to its place, counting what each tier served per table. Rows are kept as stored (float32, float16, bfloat16,
+or an 8-bit export's packed bytes as 16-bit words: :mod:`dynemb.checkpoint.row_codec`) and decoded to float32 as
+they are written (:data:`ROW_FLOAT32` ...), with the bits of the torch code's decode (float16 and bfloat16 widened
+exactly, 8-bit codes through the 256-entry table of their values and ``* scale (+ bias)`` as
+:mod:`.numba_rows` computes them). Every finite or infinite value keeps its bits; a NaN stays a NaN (torch itself
+writes a bfloat16 NaN summed to float32 as ``0xffff0000`` in its vector loop and ``0x7fc00000`` in its scalar one).
 
 For Redis (:mod:`dynemb.serving.stores.redis`), :func:`pack_mget_into` writes a request's ``MGET`` commands and
 :func:`read_mget_reply` parses their replies straight from the socket's bytes into the rows of the misses (no Python
@@ -20,6 +25,8 @@ object a key either way).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numba
 import numpy as np
 import torch
@@ -27,12 +34,17 @@ import torch
 from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
 from .numba_group import _pointer
 from .numba_index import _mix64, _probe_kernel
-from .numba_math import cell_bits, prefetch_row
+from numba.core import types
+
+from numba.extending import overload
+
+from .numba_math import _bitcaster, cell_bits, prefetch_row
 
 __all__ = ["META", "find_rows", "find_carried", "miss_pairs", "probe_request", "finish_request", "probe_request_arrays",
-           "finish_request_arrays", "add_counts", "pack_mget",
+           "finish_request_arrays", "row_views", "add_counts", "pack_mget",
            "pack_mget_into", "mget_command_bound", "mget_reply_bound", "mget_reply_state", "read_mget_reply",
-           "UNIFORM", "CONSTANT", "IN_PYTHON"]
+           "UNIFORM", "CONSTANT", "IN_PYTHON", "ROW_FLOAT32", "ROW_FLOAT16", "ROW_BFLOAT16", "ROW_INT8",
+           "ROW_FLOAT8_E4M3", "ROW_FLOAT8_E5M2"]
 
 META = ("buckets", "overflow", "shift", "num_buckets", "values", "capacity", "key_cols")
 """The columns of a table's row of ``meta`` (int64): its index's buckets and overflow flags (addresses), hash
@@ -195,33 +207,57 @@ def _miss_pairs_kernel(found, keys, tid, salts, tables):
 
 
 UNIFORM, CONSTANT, IN_PYTHON = 0, 1, 2
-"""Default-row kinds of :func:`finish_request`: ``low + width * u`` (the uniform initializer's bits), a constant, or
-rows the caller computed beforehand (no pair is left open then)."""
+"""Default-row kinds of :func:`finish_request`: ``low + width * u`` (the uniform initializer's bits; float32 rows, or
+8-bit rows quantized as :func:`dynemb.checkpoint.row_codec.encode_rows` does), a fixed stored row (a constant, as the
+table stores it), or rows the caller computed beforehand (no pair is left open then)."""
+
+ROW_FLOAT32, ROW_FLOAT16, ROW_BFLOAT16, ROW_INT8, ROW_FLOAT8_E4M3, ROW_FLOAT8_E5M2 = range(6)
+"""How a stored row becomes the float32 row written: as it is, float16 or bfloat16 widened (exact), or an 8-bit
+export's packed row (:mod:`dynemb.checkpoint.row_codec`: ``D`` code bytes, then float32 scale and, for int8, bias)
+decoded as ``lut[code] * scale (+ bias)``."""
+
+_as_float32 = _bitcaster(types.uint32, types.float32)
+_as_bits32 = _bitcaster(types.float32, types.uint32)
+_NO_LUT = np.zeros(256, np.float32)
+
+
+def row_views(rows: torch.Tensor) -> tuple:
+    """``(words, values, raw)``: the numpy views of stored rows ``[R, C]`` (float32, float16 or bfloat16, CPU,
+    contiguous rows) the kernels take: the rows as integer words of their width, as float32 (float32 rows; else an
+    empty ``[0, 0]``) and as bytes ``[R, C * itemsize]``."""
+    size = rows.element_size()
+    words = rows.view(_WORDS[size]).numpy()
+    values = rows.numpy() if rows.dtype == torch.float32 else np.zeros((0, 0), np.float32)
+    raw = rows.view(torch.uint8).numpy()
+    return words, values, raw
 
 
 def probe_request(table: torch.Tensor, key_cols: int, overflow: torch.Tensor, shift: int, values: torch.Tensor,
                   ids: torch.Tensor, tid: torch.Tensor, salts: torch.Tensor, out: torch.Tensor, batch: int,
-                  pool: bool) -> tuple:
+                  pool: bool, kind: int = ROW_FLOAT32, lut: Optional[torch.Tensor] = None) -> tuple:
     """Probe a group cache (:func:`find_carried`'s index and rows) for every id of a request, write each row found
     to its place in ``out``, and return the misses as :func:`miss_pairs` does.
 
     Args:
         table, key_cols, overflow, shift: the cache's index (``HashIndex._kernel_args``).
-        values: ``[R, D + K]`` float32 rows, each carrying its key's 8 bytes in the last ``K`` columns.
+        values: ``[R, W + K]`` rows as stored (float32; float16 or bfloat16 rows, or packed 8-bit rows as 16-bit
+            words), each carrying its key's 8 bytes in the last ``K`` columns.
         ids: ``[N]`` int64 keys, ``N = F * batch``: ``F`` runs of ``batch`` ids (one run of ``N``: ``batch = N``).
         tid: ``[N]`` int64 table of each id; ``salts``: ``[T]`` int64 each table's cache salt.
         out: ``[N, D]`` float32; the row of ``ids[f * batch + b]`` goes to ``out[b * F + f]`` (``[batch, F, D]``
-            seen flat; with ``batch = N`` that is ``out[j]``).
+            seen flat; with ``batch = N`` that is ``out[j]``), decoded to float32.
         pool: write ``0.0 + row`` (what summing a bag of one id gives: a ``-0.0`` becomes ``+0.0``), else the row.
+        kind: how the rows decode (:data:`ROW_FLOAT32` ...); ``lut``: ``float32 [256]`` each code's value (8-bit).
 
     Returns:
         ``(touched [H], miss_at [K], table [M], key [M], inverse [K], counts [M], missed [T])`` int64: the cache rows
         the index found (what a lookup stamps), then :func:`miss_pairs`' arrays.
     """
     touched = np.empty(ids.shape[0], np.int64)
-    t, *pairs = probe_request_arrays(table.numpy(), key_cols, overflow.numpy(), shift, values.view(torch.int32).numpy(),
-                                     values.numpy(), ids.numpy(), tid.numpy(), salts.numpy(),
-                                     _as_runs(out.numpy(), batch), pool, touched, _NO_STAMPS, _NO_STAMPS, 0, 0)
+    words, floats, raw = row_views(values)
+    t, *pairs = probe_request_arrays(table.numpy(), key_cols, overflow.numpy(), shift, words, floats, ids.numpy(),
+                                     tid.numpy(), salts.numpy(), _as_runs(out.numpy(), batch), pool, touched,
+                                     _NO_STAMPS, _NO_STAMPS, 0, 0, raw, kind, _NO_LUT if lut is None else lut.numpy())
     return (torch.from_numpy(touched[:t]), *(torch.from_numpy(a) for a in pairs))
 
 
@@ -234,16 +270,17 @@ _NO_STAMPS = np.zeros(0, np.int64)
 
 
 def probe_request_arrays(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, pool, touched,
-                         scores, versions, score, version):
+                         scores, versions, score, version, raw, kind, lut):
     """:func:`probe_request` on numpy arrays the caller keeps from request to request (the parameter server's fused
-    path: no tensor made or converted a call): ``out [B, F, D]`` float32, any strides (a view of a model's
-    ``[B, F + 1, D]`` input), the row of ``ids[f * B + b]`` written to ``out[b, f]``; ``touched [N]`` int64 filled
-    with the cache rows the index found. ``scores``, ``versions``: the cache's stamp columns (int64 ``[R]``, any
-    stride), where every row the index found gets ``score`` and ``version`` (what an LRU lookup stamps, ``fill_pair``),
-    or empty arrays (no stamps: the caller stamps ``touched``). Returns ``(how many touched, miss_at, table, key,
-    inverse, counts, missed)``, numpy arrays."""
+    path: no tensor made or converted a call): ``words``, ``values``, ``raw``: the cache rows' :func:`row_views`;
+    ``out [B, F, D]`` float32, any strides (a view of a model's ``[B, F + 1, D]`` input), the row of ``ids[f * B +
+    b]`` written to ``out[b, f]``; ``touched [N]`` int64 filled with the cache rows the index found. ``scores``,
+    ``versions``: the cache's stamp columns (int64 ``[R]``, any stride), where every row the index found gets
+    ``score`` and ``version`` (what an LRU lookup stamps, ``fill_pair``), or empty arrays (no stamps: the caller
+    stamps ``touched``). Returns ``(how many touched, miss_at, table, key, inverse, counts, missed)``, numpy
+    arrays."""
     return _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, pool, touched,
-                                 salts.shape[0], scores, versions, score, version)
+                                 salts.shape[0], scores, versions, score, version, raw, _TAGS[kind], lut)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -258,10 +295,163 @@ def _put_row(out, b, f, src, r, pool):
             out[b, f, d] = src[r, d]
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _half(h):
+    """The float32 of float16 bits ``h`` (the low 16 bits of an integer), exact."""
+    h = np.int64(h) & 0xFFFF
+    sign = (h & 0x8000) << 16
+    exp = (h >> 10) & 0x1F
+    mant = h & 0x3FF
+    if exp == 0:  # zero or subnormal: mant * 2^-24, exact in float32
+        return _as_float32(np.uint32(np.int64(_as_bits32(np.float32(mant) * np.float32(2.0**-24))) | sign))
+    if exp == 31:  # inf, nan
+        return _as_float32(np.uint32(sign | 0x7F800000 | (mant << 13)))
+    return _as_float32(np.uint32(sign | ((exp + 112) << 23) | (mant << 13)))
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _param(raw, r, at):
+    """The little-endian float32 at bytes ``raw[r, at:at + 4]``."""
+    bits = np.int64(raw[r, at]) | (np.int64(raw[r, at + 1]) << 8) | (np.int64(raw[r, at + 2]) << 16) | \
+        (np.int64(raw[r, at + 3]) << 24)
+    return _as_float32(np.uint32(bits))
+
+
+_TAGS = (np.float32(0), np.int16(0), np.uint16(0), np.int8(0), np.uint8(0), np.uint32(0))
+"""What the kernels take for each row kind (:data:`ROW_FLOAT32` ...): a scalar whose type names the kind, so that each
+kind compiles a kernel of its own (a float32 kernel with the other kinds' decode in its loop ran 2-3x slower)."""
+
+
+def _put_stored(out, b, f, words, values, raw, r, pool, tag, lut):
+    """``out[b, f]`` = stored row ``r`` (``words``/``values``/``raw``: its :func:`row_views`) decoded as ``tag``
+    (:data:`_TAGS`) says; pooled as :func:`_put_row`. The 8-bit decode is :mod:`.numba_rows`' (``lut[q] * scale +
+    bias``, float32). Compiled code only (:func:`_put_stored_kind`)."""
+    raise NotImplementedError("_put_stored runs in compiled kernels only")
+
+
+@overload(_put_stored, inline="always")
+def _put_stored_kind(out, b, f, words, values, raw, r, pool, tag, lut):
+    if tag == types.float32:
+        def put(out, b, f, words, values, raw, r, pool, tag, lut):
+            _put_row(out, b, f, values, r, pool)
+    elif tag == types.int16:
+        def put(out, b, f, words, values, raw, r, pool, tag, lut):
+            zero = np.float32(0.0 if pool else -0.0)  # -0.0 + x is x, bit for bit (a -0.0 stays)
+            for d in range(out.shape[2]):
+                out[b, f, d] = zero + _half(words[r, d])
+    elif tag == types.uint16:
+        def put(out, b, f, words, values, raw, r, pool, tag, lut):
+            zero = np.float32(0.0 if pool else -0.0)
+            for d in range(out.shape[2]):
+                out[b, f, d] = zero + _as_float32(np.uint32((np.int64(words[r, d]) & 0xFFFF) << 16))
+    elif tag == types.int8:
+        def put(out, b, f, words, values, raw, r, pool, tag, lut):
+            zero = np.float32(0.0 if pool else -0.0)
+            dim = out.shape[2]
+            scale, bias = _param(raw, r, dim), _param(raw, r, dim + 4)
+            for d in range(dim):
+                out[b, f, d] = zero + (lut[raw[r, d]] * scale + bias)
+    elif tag in (types.uint8, types.uint32):
+        def put(out, b, f, words, values, raw, r, pool, tag, lut):
+            zero = np.float32(0.0 if pool else -0.0)
+            dim = out.shape[2]
+            scale = _param(raw, r, dim)
+            for d in range(dim):
+                out[b, f, d] = zero + lut[raw[r, d]] * scale
+    else:
+        return None
+    return put
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _put_param(raw, i, at, x):
+    """``x`` (float32) little-endian at bytes ``raw[i, at:at + 4]``."""
+    bits = np.int64(_as_bits32(x))
+    for k in range(4):
+        raw[i, at + k] = np.uint8((bits >> (8 * k)) & 0xFF)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _fp8_code(v, mbits, bias):
+    """The byte of float32 ``v`` (finite, within the format's range) as a float8 of ``mbits`` mantissa bits and
+    exponent ``bias``, rounded to nearest even (torch's cast)."""
+    bits = np.int64(_as_bits32(v))
+    sign = (bits >> 31) & 1
+    a = np.float32(abs(v))
+    if a < np.float32(2.0 ** (1 - bias)):  # subnormal (or the smallest normal it rounds up to): units of 2^(1-b-m)
+        code = np.int64(np.rint(a * np.float32(2.0 ** (bias - 1 + mbits))))
+    else:
+        ab = bits & 0x7FFFFFFF
+        shift = 23 - mbits
+        ab = (ab + (1 << (shift - 1)) - 1 + ((ab >> shift) & 1)) >> shift
+        code = ab - ((127 - bias) << mbits)
+    return np.uint8(code | (sign << 7))
+
+
+def _put_uniform(rows, values, raw, i, row, low, span, tag, scratch):
+    """Pair ``i``'s default row of a uniform initializer (``row``: its hashed key) as stored: float32 (``values[i]``)
+    or quantized into the packed bytes ``raw[i]`` as :func:`dynemb.checkpoint.row_codec.encode_rows` quantizes the
+    float32 row (``scratch``: ``[D]`` float32). Compiled code only (:func:`_put_uniform_kind`)."""
+    raise NotImplementedError("_put_uniform runs in compiled kernels only")
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _uniform_row(out, row, low, span):
+    """numba_init.uniform_salted's bits: ``low + span * u`` of each column."""
+    for c in range(out.shape[0]):
+        u = (np.float32(cell_bits(row, c)) + np.float32(0.5)) * np.float32(2.0**-24)
+        out[c] = low + span * u
+
+
+@overload(_put_uniform, inline="always")
+def _put_uniform_kind(rows, values, raw, i, row, low, span, tag, scratch):
+    if tag == types.float32:
+        def put(rows, values, raw, i, row, low, span, tag, scratch):
+            _uniform_row(values[i, :scratch.shape[0]], row, low, span)
+    elif tag == types.int8:
+        def put(rows, values, raw, i, row, low, span, tag, scratch):
+            dim = scratch.shape[0]
+            _uniform_row(scratch, row, low, span)
+            lo, hi = scratch[0], scratch[0]
+            for c in range(1, dim):
+                lo, hi = min(lo, scratch[c]), max(hi, scratch[c])
+            scale = (hi - lo) / np.float32(255.0)
+            safe = scale if scale > np.float32(0.0) else np.float32(1.0)
+            for c in range(dim):
+                q = np.rint((scratch[c] - lo) / safe) - np.float32(128.0)
+                q = min(max(q, np.float32(-128.0)), np.float32(127.0))
+                raw[i, c] = np.uint8(np.int64(q) & 0xFF)
+            _put_param(raw, i, dim, scale)
+            _put_param(raw, i, dim + 4, lo)
+            for c in range(dim + 8, raw.shape[1]):
+                raw[i, c] = 0
+    elif tag in (types.uint8, types.uint32):
+        mbits, bias, top = (3, 7, 448.0) if tag == types.uint8 else (2, 15, 57344.0)
+
+        def put(rows, values, raw, i, row, low, span, tag, scratch):
+            dim = scratch.shape[0]
+            _uniform_row(scratch, row, low, span)
+            amax = np.float32(0.0)
+            for c in range(dim):
+                amax = max(amax, np.float32(abs(scratch[c])))
+            scale = amax / np.float32(top)
+            safe = scale if scale > np.float32(0.0) else np.float32(1.0)
+            for c in range(dim):
+                v = min(max(scratch[c] / safe, np.float32(-top)), np.float32(top))
+                raw[i, c] = _fp8_code(v, mbits, bias)
+            _put_param(raw, i, dim, scale)
+            for c in range(dim + 4, raw.shape[1]):
+                raw[i, c] = 0
+    else:  # 16-bit rows: their uniform defaults come from torch (request_lookup._kernel_defaults)
+        def put(rows, values, raw, i, row, low, span, tag, scratch):
+            pass
+    return put
+
+
 @numba.njit(nogil=True, cache=True)
 def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, tid, salts, out, pool, touched,
-                          tables, scores, versions, score, version):
-    n, dim = ids.shape[0], out.shape[2]
+                          tables, scores, versions, score, version, raw, kind, lut):
+    n = ids.shape[0]
     batch, runs = out.shape[0], out.shape[1]
     stamp = scores.shape[0] > 0
     cache_keys = np.empty(n, np.int64)
@@ -270,7 +460,10 @@ def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, 
     rows = np.empty(n, np.int64)
     _probe_kernel(table, key_cols, overflow, cache_keys, shift, np.empty(0, np.int64), rows)
     found = np.zeros(n, np.bool_)
-    kwords = words.shape[1] - dim
+    bits = words.itemsize * 8
+    mask = np.uint64((1 << bits) - 1)
+    kwords = 8 // words.itemsize
+    width = words.shape[1] - kwords  # the stored row's words, then its key's
     t = 0
     for f in range(runs):
         for b in range(batch):
@@ -286,12 +479,12 @@ def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, 
                 scores[r] = score
                 versions[r] = version
             carried = np.uint64(0)
-            for w in range(kwords):  # the key's 32-bit words, little-endian
-                carried |= (np.uint64(np.int64(words[r, dim + w])) & np.uint64(0xFFFFFFFF)) << np.uint64(32 * w)
+            for w in range(kwords):  # the key's words, little-endian
+                carried |= (np.uint64(np.int64(words[r, width + w])) & mask) << np.uint64(bits * w)
             if np.int64(carried) != ids[j]:
                 continue
             found[j] = True
-            _put_row(out, b, f, values, r, pool)
+            _put_stored(out, b, f, words, values, raw, r, pool, kind, lut)
     miss_at, utid, ukey, inverse, counts, missed = _miss_pairs_kernel(found, ids, tid, salts, tables)
     return t, miss_at, utid, ukey, inverse, counts, missed
 
@@ -299,43 +492,52 @@ def _probe_request_kernel(table, key_cols, overflow, shift, words, values, ids, 
 def finish_request(meta: torch.Tensor, utid: torch.Tensor, ukey: torch.Tensor, counts: torch.Tensor,
                    rows: torch.Tensor, source: torch.Tensor, kinds: torch.Tensor, params: torch.Tensor,
                    seeds: torch.Tensor, miss_at: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor, batch: int,
-                   pool: bool) -> torch.Tensor:
+                   pool: bool, fixed: Optional[torch.Tensor] = None, kind: int = ROW_FLOAT32,
+                   lut: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The misses of :func:`probe_request` answered and written to their places in ``out``.
 
     Args:
         meta: ``[T, len(META)]`` the in-process store's tables (one a table of the group, in its order) to read
             every pair from first, or ``[0, len(META)]`` when the caller asked the tiers itself.
         utid, ukey, counts: ``[M]`` the distinct missed pairs (sorted by table) and how often each was asked for.
-        rows: ``[M, D]`` float32 the pairs' rows; ``source``: ``[M]`` int64 the tier that answered each (1
-            volatile, 2 persistent, 3 default; 0 none yet). Both are filled in here for the pairs still open: from
-            ``meta``'s store, else with default rows.
-        kinds, params, seeds: ``[T]`` each table's default: kind (:data:`UNIFORM`: ``params[t] = (low, width)``;
-            :data:`CONSTANT`: ``params[t, 0]``; :data:`IN_PYTHON`: none is open) and ``mix64(seed)``.
-        miss_at, inverse: ``[K]`` the positions missed and the pair of each; ``out``, ``batch``, ``pool``: as
-            :func:`probe_request` took them.
+        rows: ``[M, W]`` the pairs' rows as stored (the cache's dtype); ``source``: ``[M]`` int64 the tier that
+            answered each (1 volatile, 2 persistent, 3 default; 0 none yet). Both are filled in here for the pairs
+            still open: from ``meta``'s store, else with default rows.
+        kinds, params, seeds: ``[T]`` each table's default: kind (:data:`UNIFORM`: ``params[t] = (low, width)``,
+            float32 or 8-bit rows; :data:`CONSTANT`: the stored row ``fixed[t]``, ``fixed [T, W]`` of ``rows``' dtype,
+            default ``params[t, 0]`` cast to it (8-bit rows: pass ``fixed``, encoded); :data:`IN_PYTHON`: none is
+            open) and ``mix64(seed)``.
+        miss_at, inverse: ``[K]`` the positions missed and the pair of each; ``out``, ``batch``, ``pool``,
+            ``kind``, ``lut``: as :func:`probe_request` took them.
 
     Returns:
         ``served [T, 4]`` int64: the ids of each table answered by each source code.
     """
     served = np.zeros((kinds.shape[0], 4), np.int64)
-    _finish_request_kernel(meta.numpy(), utid.numpy(), ukey.numpy(), counts.numpy(), rows.numpy(), source.numpy(),
-                           kinds.numpy(), params.numpy(), seeds.numpy(), miss_at.numpy(), inverse.numpy(),
-                           _as_runs(out.numpy(), batch), pool, served)
+    if fixed is None:
+        fixed = params[:, :1].to(torch.float32).expand(-1, rows.shape[1]).contiguous().to(rows.dtype)
+    words, floats, raw = row_views(rows)
+    _finish_request_kernel(meta.numpy(), utid.numpy(), ukey.numpy(), counts.numpy(), words, floats, raw,
+                           source.numpy(), kinds.numpy(), params.numpy(), row_views(fixed)[0], seeds.numpy(),
+                           miss_at.numpy(), inverse.numpy(), _as_runs(out.numpy(), batch), pool, served, _TAGS[kind],
+                           _NO_LUT if lut is None else lut.numpy(), False)
     return torch.from_numpy(served)
 
 
-def finish_request_arrays(meta, utid, ukey, counts, rows, source, kinds, params, seeds, miss_at, inverse, out, pool,
-                          served):
-    """:func:`finish_request` on numpy arrays (``out [B, F, D]`` as :func:`probe_request_arrays` takes it), adding
-    each table's counts to ``served [T, 4]`` int64."""
-    _finish_request_kernel(meta, utid, ukey, counts, rows, source, kinds, params, seeds, miss_at, inverse, out, pool,
-                           served)
+def finish_request_arrays(meta, utid, ukey, counts, words, values, raw, source, kinds, params, fixed, seeds, miss_at,
+                          inverse, out, pool, served, kind, lut, read_only=False):
+    """:func:`finish_request` on numpy arrays (the pairs' rows as their :func:`row_views`; ``fixed``: the words of
+    each table's fixed row; ``out [B, F, D]`` as :func:`probe_request_arrays` takes it), adding each table's counts
+    to ``served [T, 4]`` int64. ``read_only``: only read the open pairs' rows from ``meta``'s store (no default rows,
+    counts or writes: a later call finishes, after the tiers and default rows the kernel does not compute)."""
+    _finish_request_kernel(meta, utid, ukey, counts, words, values, raw, source, kinds, params, fixed, seeds, miss_at,
+                           inverse, out, pool, served, _TAGS[kind], lut, read_only)
 
 
 @numba.njit(nogil=True, cache=True)
-def _finish_request_kernel(meta, utid, ukey, counts, rows, source, kinds, params, seeds, miss_at, inverse, out,
-                           pool, served):
-    m_pairs, dim = ukey.shape[0], rows.shape[1]
+def _finish_request_kernel(meta, utid, ukey, counts, rows, values, raw, source, kinds, params, fixed, seeds,
+                           miss_at, inverse, out, pool, served, kind, lut, read_only):
+    m_pairs, width = ukey.shape[0], rows.shape[1]
     if meta.shape[0]:  # the store's rows of every pair, table by table (the pairs are sorted by table)
         at = np.empty(m_pairs, np.int64)
         lo = 0
@@ -346,28 +548,28 @@ def _finish_request_kernel(meta, utid, ukey, counts, rows, source, kinds, params
                 hi += 1
             m = meta[t]
             _probe_store(m, ukey[lo:hi], at[lo:hi])
-            stored = numba.carray(_pointer(m[_VALUES], rows), (m[_CAPACITY], dim))
+            stored = numba.carray(_pointer(m[_VALUES], rows), (m[_CAPACITY], width))
             for i in range(lo, hi):
                 r = at[i]
                 if r >= 0 and source[i] == 0:
-                    for d in range(dim):
+                    for d in range(width):
                         rows[i, d] = stored[r, d]
                     source[i] = 1
             lo = hi
+    if read_only:
+        return
+    scratch = np.empty(out.shape[2], np.float32)
     for i in range(m_pairs):  # default rows of the pairs no tier answered
         if source[i] != 0:
             continue
         t = utid[i]
-        if kinds[t] == UNIFORM:  # numba_init.uniform_salted's bits
-            low, width = np.float32(params[t, 0]), np.float32(params[t, 1])
+        if kinds[t] == UNIFORM:  # numba_init.uniform_salted's bits, quantized for 8-bit rows
+            low, span = np.float32(params[t, 0]), np.float32(params[t, 1])
             row = np.uint64(_mix64(np.int64(np.uint64(np.int64(ukey[i])) ^ np.uint64(seeds[t]))))
-            for c in range(dim):
-                u = (np.float32(cell_bits(row, c)) + np.float32(0.5)) * np.float32(2.0**-24)
-                rows[i, c] = low + width * u
+            _put_uniform(rows, values, raw, i, row, low, span, kind, scratch)
         else:
-            value = np.float32(params[t, 0])
-            for c in range(dim):
-                rows[i, c] = value
+            for c in range(width):
+                rows[i, c] = fixed[t, c]
         source[i] = 3
     for i in range(m_pairs):
         served[utid[i], source[i]] += counts[i]
@@ -375,7 +577,7 @@ def _finish_request_kernel(meta, utid, ukey, counts, rows, source, kinds, params
     for k in range(miss_at.shape[0]):
         j = miss_at[k]
         b, f = j % batch, j // batch
-        _put_row(out, b, f, rows, inverse[k], pool)
+        _put_stored(out, b, f, rows, values, raw, inverse[k], pool, kind, lut)
 
 
 def add_counts(pending: np.ndarray, rows: np.ndarray, sizes: np.ndarray, missed: np.ndarray,

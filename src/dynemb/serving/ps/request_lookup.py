@@ -12,14 +12,19 @@ only, in one call per initializer (tables that differ only in their seed share i
 tables (hit rate under the threshold) into the group cache in one insert. What stays per table is a few Python
 operations on numbers: the counts added to its statistics, a deferred write-back.
 
-The common case, every table of the request in one float32 cache on the CPU, takes the fused path
-(:func:`lookup_fused`): two numba calls (:func:`~dynemb.kernels.numba_find_many.probe_request`,
-:func:`~dynemb.kernels.numba_find_many.finish_request`) probe the cache, read the misses from the in-process store,
-compute default rows and write every row straight to its place in the output (a model's ``[B, F, D]`` input, for
-:meth:`~dynemb.serving.ParameterServer.lookup_stacked`); Redis and persistent tiers are one call each in between
-(Redis: :meth:`~dynemb.serving.stores.RedisStore.get_concat_into`, its reply parsed by numba straight into the
-misses' rows, no tensor made), and initializers without a kernel (normal, truncated normal) compute their rows in
-torch as above.
+The common case, every table of the request in one cache on the CPU, takes the fused path (:func:`lookup_fused`),
+whatever the rows' dtype (float32, float16, bfloat16 or an 8-bit export's packed rows, decoded to float32 as they
+are written, bit for bit as :meth:`~.cache.TableState.answer` decodes them): two numba calls
+(:func:`~dynemb.kernels.numba_find_many.probe_request`, :func:`~dynemb.kernels.numba_find_many.finish_request`)
+probe the cache, read the misses from the in-process store, compute default rows and write every row straight to
+its place in the output (a model's ``[B, F, D]`` input, for :meth:`~dynemb.serving.ParameterServer.lookup_stacked`);
+Redis and persistent tiers are one call each in between (Redis:
+:meth:`~dynemb.serving.stores.RedisStore.get_concat_into`, its reply parsed by numba straight into the misses' rows,
+no tensor made), and initializers without a kernel (normal, truncated normal) compute their rows in torch as above
+(as do the uniform default rows of 16-bit tables: the kernel computes float32 rows and quantizes 8-bit ones). A
+request whose tables are in several caches (tables of several dtypes, 8-bit kinds or widths) takes the grouped
+path's calls instead; so does :meth:`~dynemb.serving.ParameterServer.lookup_concat` of float16 or
+bfloat16 tables (it answers rows of their dtype, the fused path float32 ones).
 
 It answers exactly as the per-table path (:mod:`.table_lookup`) does, row for row (``tests/serving/test_ps.py``).
 While a background write-back inserts into a group cache (a table's batch of rows, 1/16 of its share of the cache at
@@ -73,6 +78,9 @@ class _GroupPlan:
     arrays: Optional[tuple] = None  # the fused path's numpy views of the cache, kept (_cache_arrays)
     kernel_arrays: Optional[tuple] = None  # kinds, params and default_salts as numpy arrays (fused path)
     cache_rows: Optional[np.ndarray] = None  # each table's row in its group's pending_stats (fused path)
+    row_kind: int = 0  # how the cache's rows decode to float32 (numba_find_many.ROW_FLOAT32, ...; fused path)
+    lut: Optional[np.ndarray] = None  # float32 [256] each 8-bit code's value (row_codec._lut), or zeros
+    fixed: Optional[np.ndarray] = None  # [T, W] the words of each CONSTANT table's default row as stored
 
 
 @dataclasses.dataclass
@@ -112,10 +120,13 @@ class RequestPlan:
         self.one_width = len({t.row_dim for t in self.tables}) == 1
         self.int32_keys = any(t.key_dtype == torch.int32 for t in self.tables)
         self._layouts: dict[tuple, _RunLayout] = {}
-        # The fused path (lookup_fused): one float32 cache on the CPU holds every table of the request.
+        # The fused path (lookup_fused): one cache on the CPU holds every table of the request (rows of any dtype,
+        # decoded to float32 by the kernels); `answers_float32`: the rows the tables answer are float32 (float32 or
+        # 8-bit rows), so lookup_request's answer may come from it too.
         group = self.groups[0].group if len(self.groups) == 1 else None
-        self.fused = group is not None and group.device.type == "cpu" and group.dtype == torch.float32 and \
-            not any(t.codec for t in self.tables) and numba_available()
+        self.fused = group is not None and group.device.type == "cpu" and \
+            group.dtype in (torch.float32, torch.float16, torch.bfloat16) and numba_available()
+        self.answers_float32 = all(t.codec or t.dtype == torch.float32 for t in self.tables)
         if self.fused:
             _kernel_defaults(self.groups[0])
             gp = self.groups[0]
@@ -185,26 +196,43 @@ class _Part:
 
 
 def _kernel_defaults(gp: _GroupPlan) -> None:
-    """Each table's default as :func:`~dynemb.kernels.numba_find_many.finish_request` takes it."""
-    from ...kernels.numba_find_many import CONSTANT, IN_PYTHON, UNIFORM
+    """Each table's default as :func:`~dynemb.kernels.numba_find_many.finish_request` takes it, and how the
+    group's rows decode (:attr:`_GroupPlan.row_kind`)."""
+    from ...checkpoint.row_codec import _lut
+    from ...kernels import numba_find_many as k
 
-    kinds, params = [], []
+    one = gp.tables[0]  # the tables of a group share dim, dtype and 8-bit kind
+    if one.codec:
+        gp.row_kind = {"int8": k.ROW_INT8, "float8_e4m3fn": k.ROW_FLOAT8_E4M3,
+                       "float8_e5m2": k.ROW_FLOAT8_E5M2}[one.codec]
+        gp.lut = _lut(one.codec).numpy()
+    else:
+        gp.row_kind = {torch.float32: k.ROW_FLOAT32, torch.float16: k.ROW_FLOAT16,
+                       torch.bfloat16: k.ROW_BFLOAT16}[gp.group.dtype]
+        gp.lut = np.zeros(256, np.float32)
+    kinds, params, fixed = [], [], []
     for t in gp.tables:
         spec = t.default.kernel_spec() if isinstance(t.default, Initializer) else ("constant", (float(t.default),))
-        if spec is not None and spec[0] == "uniform":
+        row = torch.zeros(1, gp.group.dim, dtype=gp.group.dtype)
+        if spec is not None and spec[0] == "uniform" and gp.row_kind not in (k.ROW_FLOAT16, k.ROW_BFLOAT16):
             low, high = spec[1]
-            kinds.append(UNIFORM)
+            kinds.append(k.UNIFORM)
             params.append((float(low), float(high) - float(low)))  # rounded to float32 there, as numba_init does
         elif spec is not None and spec[0] == "constant":
-            kinds.append(CONSTANT)
+            kinds.append(k.CONSTANT)
             params.append((float(spec[1][0]), 0.0))
-        else:
-            kinds.append(IN_PYTHON)
+            # the row as TableState.default_rows stores it (8-bit rows: quantized)
+            value = torch.full((1, t.row_dim), float(spec[1][0]), dtype=torch.float32 if t.codec else t.dtype)
+            row = t.encode(value).to(gp.group.dtype)
+        else:  # normal and truncated normal, and uniform rows of 16 bits: computed in torch
+            kinds.append(k.IN_PYTHON)
             params.append((0.0, 0.0))
+        fixed.append(row)
     gp.kinds = torch.tensor(kinds, dtype=torch.int64)
     gp.params = torch.tensor(params, dtype=torch.float64)
+    gp.fixed = k.row_views(torch.cat(fixed))[0]
     gp.default_salts = mix64(torch.tensor([t.seed for t in gp.tables], dtype=torch.int64))
-    gp.kernel_defaults = IN_PYTHON not in kinds
+    gp.kernel_defaults = k.IN_PYTHON not in kinds
 
 
 def _from_cache(gp: _GroupPlan, ids: torch.Tensor, tid: torch.Tensor, salt: torch.Tensor, sizes: list) -> _Part:
@@ -415,8 +443,8 @@ def lookup_request(tiers: StoreTiers, writeback, threshold: float, plan: Request
     (``sizes[i]`` ids) belongs to the ``i``-th table of ``plan`` (module docstring): ``[N, D]`` rows for each
     group cache of the plan, of the ids of its tables in request order (:meth:`RequestPlan.layout` says which).
     ``fused``: take :func:`lookup_fused` where the plan allows it."""
-    if fused and plan.fused:
-        dim = plan.groups[0].group.dim
+    if fused and plan.fused and plan.answers_float32:
+        dim = plan.tables[0].row_dim
         out = torch.empty(ids.numel(), dim, dtype=torch.float32)
         lookup_fused(tiers, writeback, threshold, plan, ids, sizes, out.view(ids.numel(), 1, dim), False)
         return [out]
@@ -444,30 +472,32 @@ _NO_STAMPS = np.zeros(0, np.int64)
 
 def _cache_arrays(gp: _GroupPlan) -> tuple:
     """The numpy views :func:`~dynemb.kernels.numba_find_many.probe_request_arrays` takes of ``gp``'s group cache
-    (index, overflow flags, rows as words and as float32) and of the tables' salts, kept on the plan while the cache's
-    storage and index stay where they are (the signature :class:`~dynemb.serving.stores.memory.MemoryStore` checks
-    for its own kept pointers): a request converts no tensor."""
+    (index, overflow flags, rows as words, float32 and bytes: ``row_views``) and of the tables' salts, kept on the
+    plan while the cache's storage and index stay where they are (the signature
+    :class:`~dynemb.serving.stores.memory.MemoryStore` checks for its own kept pointers): a request converts no
+    tensor."""
+    from ...kernels.numba_find_many import row_views
+
     kv = gp.group.kv
     signature = (kv.storage_generation, id(kv.index), kv.index.generation)
     kept = gp.arrays
     if kept is None or kept[0] != signature:
         table, key_cols, overflow, _, shift = kv.index._kernel_args(None)
-        values = kv.values
         cols = kv._cols
-        kept = gp.arrays = (signature, table.numpy(), key_cols, overflow.numpy(), shift,
-                            values.view(torch.int32).numpy(), values.numpy(), gp.salts.numpy(),
-                            cols["score"].numpy(), cols["version"].numpy())
+        kept = gp.arrays = (signature, table.numpy(), key_cols, overflow.numpy(), shift, *row_views(kv.values),
+                            gp.salts.numpy(), cols["score"].numpy(), cols["version"].numpy())
     return kept
 
 
 def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPlan, ids: torch.Tensor, sizes: tuple,
                  out: torch.Tensor, pool: bool, out_array: Optional[np.ndarray] = None) -> None:
     """:func:`lookup_request` of a plan with ``fused`` set, in two numba calls and the tiers' calls between them
-    (module docstring): the row of ``ids[f * B + b]`` written to ``out[b, f]`` (``out [B, F, D]`` float32, last
+    (module docstring): the row of ``ids[f * B + b]`` written to ``out[b, f]``, decoded to float32 (``out [B, F, D]``
+    float32, last
     dimension contiguous, any other strides: a view of a model's ``[B, F + 1, D]`` input; ``[N, 1, D]`` writes
     ``out[j, 0]``), as ``0.0 + row`` when ``pool`` (a bag of one id summed). ``out_array``: ``out.numpy()`` when the
     caller keeps it. The same rows, statistics and write-backs as :func:`lookup_request`."""
-    from ...kernels.numba_find_many import finish_request_arrays, probe_request_arrays
+    from ...kernels.numba_find_many import finish_request_arrays, probe_request_arrays, row_views
 
     gp = plan.groups[0]
     layout = plan.layout(sizes)
@@ -481,7 +511,7 @@ def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPl
     kv = group.kv
     touched = np.empty(ids_np.shape[0], np.int64)
     with group.lock:
-        _, table, key_cols, overflow, shift, words, values, salts, scores, versions = _cache_arrays(gp)
+        _, table, key_cols, overflow, shift, words, values, raw, salts, scores, versions = _cache_arrays(gp)
         # What kv.find(update_scores=True) stamps on every row the index found (an LRU cache: fill_score's access
         # clock and the clock), written by the probe itself. The stamps kv may have deferred are written first
         # (kv._cols settles them), so every row ends as kv._touch would leave it once settled: its version the
@@ -493,23 +523,26 @@ def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPl
         kv.clock += 1
         t, miss_at, utid, ukey, inverse, counts, missed = probe_request_arrays(
             table, key_cols, overflow, shift, words, values, ids_np, tid_np, salts, out_np, pool, touched,
-            scores if direct else _NO_STAMPS, versions if direct else _NO_STAMPS, kv.access_clock, kv.clock)
+            scores if direct else _NO_STAMPS, versions if direct else _NO_STAMPS, kv.access_clock, kv.clock, raw,
+            gp.row_kind, gp.lut)
         if not direct:
             kv._touch(torch.from_numpy(touched[:t]))
         epochs = [t.epoch for t in gp.tables]
     if not miss_at.shape[0]:
         _account_fused(gp, sizes_np, missed, None)
         return
-    rows_np = np.empty((ukey.shape[0], group.dim), np.float32)
+    rows_t = torch.empty(ukey.shape[0], group.dim, dtype=group.dtype)  # the misses' rows as stored
+    rows_np, rows_f32, rows_raw = row_views(rows_t)
     source_np = np.zeros(ukey.shape[0], np.int64)
     served = np.zeros((len(gp.tables), 4), np.int64)
     if gp.kernel_arrays is None:
         gp.kernel_arrays = (gp.kinds.numpy(), gp.params.numpy(), gp.default_salts.numpy())
     kinds, params, seeds = gp.kernel_arrays
 
-    def finish(meta) -> bool:
+    def finish(meta, read_only: bool = False) -> bool:
         finish_request_arrays(meta if isinstance(meta, np.ndarray) else meta.numpy(), utid, ukey, counts, rows_np,
-                              source_np, kinds, params, seeds, miss_at, inverse, out_np, pool, served)
+                              rows_f32, rows_raw, source_np, kinds, params, gp.fixed, seeds, miss_at, inverse, out_np,
+                              pool, served, gp.row_kind, gp.lut, read_only)
         return True
 
     def torch_part() -> _Part:
@@ -518,24 +551,27 @@ def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPl
         part = _Part(group, gp.tables, [], per_table, out, epochs, missed.tolist(), to_torch(miss_at), plan=gp)
         part.utid, part.ukey, part.inverse, part.counts, part.salts = (to_torch(utid), to_torch(ukey),
                                                                        to_torch(inverse), to_torch(counts), gp.salts)
-        part.rows, part.source = to_torch(rows_np), to_torch(source_np)
+        part.rows, part.source = rows_t, to_torch(source_np)
         return part
 
     part = done = None
     volatile = tiers.volatile
-    if gp.kernel_defaults and volatile.available and not tiers.persistent.available and \
-            getattr(volatile.store, "fused_reads", False):
+    in_kernel = volatile.available and getattr(volatile.store, "fused_reads", False)  # the memory store
+    if in_kernel and gp.kernel_defaults and not tiers.persistent.available:
         done = volatile.call(volatile.store.with_meta, tuple(gp.names), finish)  # one call: store, defaults
     if done is None:
         asked = [tiers.volatile, tiers.persistent]
-        if volatile.available and getattr(volatile.store, "reads_into", False):
-            # Redis: the reply parsed into rows_np by numba, no tensor made (None: it failed, and backs off)
+        if in_kernel:  # the memory store's rows read by the kernel; the persistent tier and torch's defaults next
+            if volatile.call(volatile.store.with_meta, tuple(gp.names), lambda meta: finish(meta, True)) is not None:
+                asked = asked[1:]
+        elif volatile.available and getattr(volatile.store, "reads_into", False):
+            # Redis: the reply parsed into rows_t by numba, no tensor made (None: it failed, and backs off)
             found = volatile.call(volatile.store.get_concat_into, tuple(gp.names), ukey, utid, rows_np)
             if found is not None:
                 source_np[found] = 1
                 asked = asked[1:]
         asked = [tier for tier in asked if tier.available]
-        if asked or not gp.kernel_defaults:
+        if (asked or not gp.kernel_defaults) and not source_np.all():
             part = torch_part()
             for tier in asked:
                 _read_tier(tiers, tier, [part])

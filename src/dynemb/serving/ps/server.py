@@ -69,7 +69,7 @@ class ParameterServer:
         self.versions: dict[str, dict] = {}
         self._writeback = WriteBack()
         self.grouped = True  # lookups take every table of a request together (.request_lookup); False: table by table
-        self.fused = True  # grouped lookups of one float32 CPU cache in two numba calls (lookup_fused); False: not
+        self.fused = True  # grouped lookups of one CPU cache in two numba calls (lookup_fused); False: not
         self._plans: dict[tuple, RequestPlan] = {}  # (model, tables) -> the plan of their requests
 
     @classmethod
@@ -316,8 +316,9 @@ class ParameterServer:
         """A request of ``F`` features of one id a row, as the ``[B, F, D]`` input of a model's interaction: what
         :meth:`lookup_concat` answers for ``F`` runs of ``B = rows`` ids, each row as a bag of that one id pools to
         by sum (``0.0 + row``: a ``-0.0`` becomes ``+0.0``, as ``embedding_bag`` gives it; a mean or sqrtn of one id
-        is the same). With one float32 cache on the CPU for every table, the rows are looked up and written to
-        their places in two numba calls (:func:`~.request_lookup.lookup_fused`), with no ``[F * B, D]`` in between.
+        is the same). With one cache on the CPU for every table, the rows are looked up and written to
+        their places in two numba calls (:func:`~.request_lookup.lookup_fused`), with no ``[F * B, D]`` in between;
+        float16, bfloat16 and 8-bit rows too, decoded as they are written, into a float32 ``out``.
 
         Args:
             model: a loaded model.
@@ -326,7 +327,7 @@ class ParameterServer:
             rows: ``B``, an int in ``[0, max_batch_size]``.
             out: a ``[B, F, D]`` tensor to write into (a model's buffer, reused from request to request), contiguous
                 or ``buffer[:, k:k + F]`` of a contiguous ``[B, S, D]`` (the DLRM's interaction input, its first
-                slot left to the bottom MLP); default a new one of the rows' dtype.
+                slot left to the bottom MLP); default a new one of the rows' dtype (float32 for 8-bit rows).
             out_array: ``out.numpy()``, when the caller keeps it with ``out`` (no conversion a request).
 
         Returns:
@@ -358,7 +359,7 @@ class ParameterServer:
         t = plan.tables[0]
         shape = (rows, len(tables), t.row_dim)
         if out is None:
-            dtype = torch.float32 if plan.fused and self.fused else t.answer(torch.empty(0, t.dim, dtype=t.dtype)).dtype
+            dtype = t.answer(torch.empty(0, t.dim, dtype=t.dtype)).dtype  # the rows' dtype (float32: 8-bit rows)
             out = torch.empty(shape, dtype=dtype, device=t.cache.device)
         elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or not _rows_of_rows(out):
             got = f"{'a contiguous' if out.is_contiguous() else 'a strided'} tensor of shape {tuple(out.shape)}" \
