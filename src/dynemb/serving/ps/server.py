@@ -133,7 +133,7 @@ class ParameterServer:
         if tier is self.tiers.volatile and self.tiers.complete is not tier:
             self.tiers.rewrite_markers()
             return
-        for model, tables in list(self._tables.items()):
+        for model in list(self._tables):
             with self._locks[model]:
                 roots = self._roots.get(model, {})
                 by_space: dict[str, list] = {}
@@ -225,7 +225,7 @@ class ParameterServer:
                     table.lineage = Lineage.of(manifest)
                     tables[name] = table
             tables = {name: tables[name] for name in names}
-            for space, (root, manifest, stores) in spaces.items():  # the rows are written: the markers say so
+            for space, (_, manifest, stores) in spaces.items():  # the rows are written: the markers say so
                 self.tiers.mark(space, stores, manifest["version"], manifest.get("digest"))
             self._roots[cfg.model] = {space: root for space, (root, _, _) in spaces.items()}
             self._tables[cfg.model] = tables
