@@ -22,8 +22,8 @@ Modules: :mod:`.server` (:class:`ParameterServer`: config, loading, lookups, sta
 their health and markers), :mod:`.cache` (the state of each served table), :mod:`.group_cache` (one cache for the
 tables of a row shape), :mod:`.request_lookup` (a request's tables together: the path lookups take),
 :mod:`.table_lookup` (one table's part of a lookup, down the tiers: the path while a write-back fills a cache),
-:mod:`.writeback` (pending rows and the background thread), :mod:`.updates` (online updates and the replay of an export chain) and :mod:`.lineage` (which export
-each table holds; updates go only forward on their own model)."""
+:mod:`.writeback` (pending rows and the background thread), :mod:`.updates` (online updates and the replay of an
+export chain) and :mod:`.lineage` (which export each table holds; updates go only forward on their own model)."""
 
 from .lineage import LineageError
 from .server import ParameterServer
