@@ -185,7 +185,9 @@ class StoreTiers:
     def _watch(self) -> None:
         checked = 0.0
         while not self._stop.is_set():
-            self._wake.wait(0.05)
+            # asleep while every tier is up but for the eviction check; woken by a failure (StoreTier.fail)
+            failed = any(t.failure is not None for t in (self.volatile, self.persistent))
+            self._wake.wait(0.05 if failed else _EVICTION_CHECK_S)
             self._wake.clear()
             now = time.monotonic()
             for tier in (self.volatile, self.persistent):
