@@ -202,8 +202,10 @@ class StoreTiers:
             if tier.lost and self._restore is not None:
                 self._restore(tier)
             check = getattr(tier.store, "check_markers", None)
-            if check is not None:
+            if check is not None:  # Redis: reachable, and the rows of the versions served are there
                 check()
+            else:  # a read of the store's own
+                tier.store.tables()
             self._unfreeze_held()
             tier.recovered()
         except StoreError as error:
