@@ -233,12 +233,25 @@ def _keep_freed_memory() -> None:
         mallopt(option, value)
 
 
+EXPORT_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2")
+
+
+def _export_dtype(value: str):
+    """``--dtype``'s value as a torch dtype (argparse names the option and the choices when it raises)."""
+    import torch
+
+    if value not in EXPORT_DTYPES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(EXPORT_DTYPES)}, got {value!r}")
+    return getattr(torch, value)
+
+
 def cmd_export(args) -> int:
     from .checkpoint import export_for_serving
     from .job import load_model
 
-    model, _ = load_model(Path(args.model), use=args.use)
-    out = export_for_serving(args.out, model)
+    model, _ = load_model(Path(args.model), use=args.use, optimizer=False)
+    # the MLPs go with the tables: a server of this export scores with one checkpoint's weights (--use last too)
+    out = export_for_serving(args.out, model, dtype=args.dtype, dense=True)
     print(f"exported to {out}")
     return 0
 
@@ -456,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = command("export", "turn a run's best (or last) model into a serving export", cmd_export)
     export.add_argument("--model", required=True, metavar="RUN_DIR", help="a `dynemb train` run directory")
     export.add_argument("--out", required=True, metavar="EXPORT_DIR", help="export root (version-N/ is added)")
+    export.add_argument("--dtype", default="float32", type=_export_dtype, metavar="DTYPE",
+                        help=f"the rows' type in the export: {', '.join(EXPORT_DTYPES)} (8-bit rows are row-wise "
+                        "scaled, int8 also biased, and served dequantized; docs/serving.md '8-bit rows')")
     _add_use_arg(export)
 
     bench = command("serve-bench", "load a serving export into a parameter server and time lookups",

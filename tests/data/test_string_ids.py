@@ -1,10 +1,13 @@
+import hypothesis.strategies as st
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
 import xxhash
+from hypothesis import given, settings
 
 from dynemb.data import hash_strings, null_key
+from dynemb.kernels.numba_hash import split_length_prefixed, xxh64_many
 
 
 def _reference(values):
@@ -71,3 +74,50 @@ def test_null_key_per_column():
     assert null_key("C1") != hash_strings(["C1"]).item()
     with pytest.raises(TypeError, match="column must be a str"):
         null_key(3)
+
+
+# ------------------------------------------------------------------ the numba XXH64 against the xxhash binding
+
+
+def _reference(values) -> list:
+    return [(h - 2**64 if h >= 2**63 else h)
+            for h in (xxhash.xxh64_intdigest(v.encode("utf-8") if isinstance(v, str) else v) for v in values)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(values=st.lists(st.binary(min_size=0, max_size=100), min_size=0, max_size=40), cut=st.integers(0, 40))
+def test_kernel_equals_the_binding_on_any_bytes(values, cut):
+    """Every length from 0 across the 4-, 8- and 32-byte boundaries; plain, large, sliced and chunked arrays."""
+    want = _reference(values)
+    for array in (pa.array(values, pa.binary()), pa.array(values, pa.large_binary())):
+        assert hash_strings(array).tolist() == want
+        assert hash_strings(array.slice(min(cut, len(values)))).tolist() == want[cut:]
+    if values:
+        chunked = pa.chunked_array([values[:cut], values[cut:]], pa.binary())
+        assert hash_strings(chunked).tolist() == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.text(max_size=40), min_size=1, max_size=30), seed=st.sampled_from([0, 1, 2**64 - 1]))
+def test_kernel_equals_the_binding_on_text_and_seeds(values, seed):
+    assert hash_strings(values).tolist() == _reference(values)
+    assert hash_strings(pa.array(values).dictionary_encode()).tolist() == _reference(values)
+    data = np.frombuffer(b"".join(v.encode() for v in values), np.uint8)
+    offsets = np.concatenate([[0], np.cumsum([len(v.encode()) for v in values])]).astype(np.int64)
+    got = xxh64_many(data, offsets, 0, len(values), seed=seed)
+    assert got.tolist() == [xxhash.xxh64_intdigest(v.encode(), seed=seed) for v in values]
+
+
+@settings(max_examples=80, deadline=None)
+@given(values=st.lists(st.binary(max_size=60), max_size=20), cut=st.integers(0, 2000))
+def test_length_prefixed_elements_split_into_arrow_layout(values, cut):
+    raw = b"".join(len(v).to_bytes(4, "little") + v for v in values)
+    offsets, data = split_length_prefixed(np.frombuffer(raw, np.uint8))
+    assert [data[a:b].tobytes() for a, b in zip(offsets[:-1], offsets[1:])] == values
+    if cut < len(raw):  # cut inside an element: the offset where the truncated element starts
+        starts = np.concatenate([[0], np.cumsum([4 + len(v) for v in values])])
+        truncated = split_length_prefixed(np.frombuffer(raw[:cut], np.uint8))
+        if cut in starts:
+            assert isinstance(truncated, tuple)
+        else:
+            assert truncated == starts[np.searchsorted(starts, cut, side="right") - 1]

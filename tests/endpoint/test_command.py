@@ -114,3 +114,14 @@ def test_a_run_directory_given_as_export_is_refused_even_with_watch(tmp_path, ca
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line == (f"dynemb serve: error: --export {tmp_path / 'run'}: a `dynemb train` run directory, not an "
                     "export of your own model; serve it with --model RUN_DIR"), line
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--grpc-max-connections", "0", "--grpc-max-connections must be >= 1, got 0"),
+    ("--grpc-idle-timeout", "-1", "--grpc-idle-timeout must be >= 0 seconds (0: never), got -1.0")])
+def test_grpc_limits_out_of_range_are_refused_before_anything_loads(tmp_path, capsys, option, value, message):
+    from dynemb.cli import main
+
+    assert main(["serve", "--export", str(tmp_path / "nothing"), option, value]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == f"dynemb serve: error: {message}", line

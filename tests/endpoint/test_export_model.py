@@ -183,6 +183,26 @@ def test_an_integer_input_takes_a_narrower_integer_datatype_widened():
         _tensor({"datatype": "FP64", "shape": [1], "data": [1.0]}, {"name": "x", "dtype": "float32", "shape": [-1]})
 
 
+def test_a_column_b_by_1_reads_as_b_for_a_one_dimensional_input_and_other_ranks_stay_strict():
+    """Triton clients send a feature as ``[B, 1]``: an input of rank 1 takes it (JSON flat or nested, binary), bit-
+    equal to ``[B]``; an input of rank 2 (dense ``[B, K]``) stays as it is, and ``[B, 2]`` is still a 400."""
+    from dynemb.endpoint.served_export import _tensor
+    from dynemb.endpoint.wire import RequestError
+
+    spec = {"name": "user_id", "dtype": "int64", "shape": [-1]}
+    ids = np.array([-2**63, 7, 2**63 - 1], dtype=np.int64)
+    want = _tensor({"datatype": "INT64", "shape": [3], "data": ids}, spec)
+    for data in (ids, ids.tolist(), [[v] for v in ids.tolist()]):
+        got = _tensor({"datatype": "INT64", "shape": [3, 1], "data": data}, spec)
+        assert got.shape == (3,) and torch.equal(got, want)
+    with pytest.raises(RequestError, match=r"^input 'user_id': shape must be 1 sizes >= 0 like \[-1\]"):
+        _tensor({"datatype": "INT64", "shape": [3, 2], "data": list(range(6))}, spec)
+    dense = {"name": "dense", "dtype": "float32", "shape": [-1, 1]}
+    assert _tensor({"datatype": "FP32", "shape": [2, 1], "data": [1.0, 2.0]}, dense).shape == (2, 1)
+    with pytest.raises(RequestError, match=r"^input 'dense': shape must be 2 sizes"):
+        _tensor({"datatype": "FP32", "shape": [2], "data": [1.0, 2.0]}, dense)
+
+
 def test_a_bad_input_is_a_value_error_naming_it(exported):
     served = ExportedModel(exported / "dlrm", name="m")
     try:

@@ -26,8 +26,8 @@ LIMIT = 8 << 20
 class Served:
     """An Http2GrpcServer on a loop of its own thread, with an echo, a large reply, an error and a slow call."""
 
-    def __init__(self) -> None:
-        self.seen = []
+    def __init__(self, **limits) -> None:
+        self.seen, self.cancelled = [], []
 
         async def echo(message, metadata):
             self.seen.append(dict(metadata))
@@ -40,12 +40,16 @@ class Served:
             raise GrpcError("INVALID_ARGUMENT", "input 'é' is 100% wrong\nline two")
 
         async def slow(message, metadata):
-            await asyncio.sleep(0.5)
+            try:
+                await asyncio.sleep(0.5)
+            except asyncio.CancelledError:
+                self.cancelled.append(time.monotonic())
+                raise
             return b"done"
 
         self.loop = asyncio.new_event_loop()
         self.server = Http2GrpcServer({"/t.T/Echo": echo, "/t.T/Large": large, "/t.T/Fail": fail, "/t.T/Slow": slow},
-                                      max_message_bytes=LIMIT)
+                                      max_message_bytes=limits.pop("max_message_bytes", LIMIT), **limits)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{sock.getsockname()[1]}"
@@ -368,3 +372,280 @@ def test_an_error_with_an_unknown_status_name_is_still_answered():
     from dynemb.endpoint.grpc_http2 import _trailers
     assert b"grpc-status" in _trailers("NOT_A_STATUS", "boom") and b"2" in _trailers("NOT_A_STATUS", "")
     assert _trailers("NOT_A_STATUS", "x") == _trailers("UNKNOWN", "x")
+
+
+@pytest.fixture()
+def limited():
+    s = Served(max_message_bytes=1000, max_connections=2, idle_timeout_s=0.4, max_total_buffered_bytes=6000)
+    yield s
+    s.close()
+
+
+def call_frames(encoder, stream: int, path: str, message: bytes, extra=()) -> bytes:
+    """HEADERS (with ``extra`` fields) and one DATA frame ending the stream: a whole unary call."""
+    block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x"),
+                            ("content-type", "application/grpc"), ("te", "trailers"), *extra])
+    return frame(1, 0x4, stream, block) + frame(0, 0x1, stream, b"\x00" + len(message).to_bytes(4, "big") + message)
+
+
+def status_of(decoder, got, stream: int = 1) -> dict:
+    """The trailers of ``stream`` among frames ``got``, as a dict."""
+    blocks = [dict(decoder.decode(p)) for k, f, s, p in got if k == 1 and s == stream]
+    return blocks[-1]
+
+
+def test_a_deadline_that_passes_while_a_call_runs_answers_deadline_exceeded_and_cancels_it(served):
+    with grpc.insecure_channel(served.address) as channel:
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as error:
+            channel.unary_unary("/t.T/Slow")(b"", timeout=0.15)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 5
+        while not served.cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert served.cancelled and served.cancelled[0] - start < 0.45  # cancelled at the deadline, not finished
+        assert call(channel, "/t.T/Echo", b"after") == b"after"
+
+
+def test_grpc_timeout_is_read_from_the_request_headers(served):
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    with open_raw(served) as sock:  # a deadline already passed when the message is whole: the handler never runs
+        seen = len(served.seen)
+        sock.sendall(call_frames(encoder, 1, "/t.T/Echo", b"x", [("grpc-timeout", "1n")]))
+        trailers = status_of(decoder, frames(sock))
+        assert trailers["grpc-status"] == "4" and "deadline" in trailers["grpc-message"]
+        assert len(served.seen) == seen
+        start = time.monotonic()  # passing while the call runs: answered at the deadline, the call cancelled
+        sock.sendall(call_frames(encoder, 3, "/t.T/Slow", b"", [("grpc-timeout", "100m")]))
+        assert status_of(decoder, frames(sock), 3)["grpc-status"] == "4"
+        assert time.monotonic() - start < 0.45
+    with open_raw(served) as sock:  # a value that is no gRPC timeout
+        encoder, decoder = hpack.Encoder(), hpack.Decoder()
+        sock.sendall(call_frames(encoder, 1, "/t.T/Echo", b"x", [("grpc-timeout", "1.5S")]))
+        trailers = status_of(decoder, frames(sock))
+        assert trailers["grpc-status"] == "13" and "1.5S" in trailers["grpc-message"]
+        sock.sendall(call_frames(encoder, 3, "/t.T/Echo", b"ok", [("grpc-timeout", "99999999S")]))
+        assert status_of(decoder, frames(sock), 3)["grpc-status"] == "0"
+
+
+def test_data_beyond_the_stream_window_is_a_flow_control_error_of_that_stream(limited):
+    # padding counts against the window but not the message limit: 300 frames of padding only go past the
+    # 65535 bytes announced for a stream (RFC 9113 6.9.1)
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    with open_raw(limited) as sock:
+        settings = frames_until(sock, lambda k, f, s, p: k == 4 and not f & 1)[-1][3]
+        window = {int.from_bytes(settings[i:i + 2], "big"): int.from_bytes(settings[i + 2:i + 6], "big")
+                  for i in range(0, len(settings), 6)}[4]
+        assert window == 65535
+        sock.sendall(frame(1, 0x4, 1, request_block(encoder, "/t.T/Echo"))
+                     + b"".join(frame(0, 0x8, 1, bytes([255]) + bytes(255)) for _ in range(window // 256 + 1)))
+        got = frames_until(sock, lambda k, f, s, p: k == 3 and s == 1)
+        assert int.from_bytes(got[-1][3], "big") == 3  # RST_STREAM FLOW_CONTROL_ERROR
+        sock.sendall(call_frames(encoder, 3, "/t.T/Echo", b"still"))  # the connection goes on
+        got = frames(sock)
+        assert status_of(decoder, got, 3)["grpc-status"] == "0"
+
+
+def test_window_updates_past_the_largest_window_and_of_zero_are_errors(limited):
+    import hpack
+
+    with open_raw(limited) as sock:  # the connection's send window past 2^31-1: GOAWAY FLOW_CONTROL_ERROR
+        sock.sendall(frame(8, 0, 0, ((1 << 31) - 1).to_bytes(4, "big")))
+        assert goaway_code(sock) == 3
+    with open_raw(limited) as sock:  # an increment of 0 on the connection: PROTOCOL_ERROR
+        sock.sendall(frame(8, 0, 0, (0).to_bytes(4, "big")))
+        assert goaway_code(sock) == 1
+    with open_raw(limited) as sock:  # on an open stream: that stream is reset, the connection goes on
+        encoder = hpack.Encoder()
+        sock.sendall(frame(1, 0x4, 1, request_block(encoder, "/t.T/Echo"))
+                     + frame(8, 0, 1, ((1 << 31) - 1).to_bytes(4, "big")))
+        got = frames_until(sock, lambda k, f, s, p: k == 3 and s == 1)
+        assert int.from_bytes(got[-1][3], "big") == 3
+        sock.sendall(call_frames(encoder, 3, "/t.T/Echo", b"x"))
+        assert status_of(hpack.Decoder(), frames(sock), 3)["grpc-status"] == "0"
+
+
+def test_data_after_the_end_of_a_stream_resets_it_and_the_connection_goes_on(served):
+    # DATA on a stream the client had ended (half-closed remote, its call running) appended to a buffer already
+    # handed over: an AttributeError in data_received, which dropped the connection
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    with open_raw(served) as sock:
+        sock.sendall(call_frames(encoder, 1, "/t.T/Slow", b"") + frame(0, 0, 1, b"late"))
+        got = frames_until(sock, lambda k, f, s, p: k == 3 and s == 1)
+        assert int.from_bytes(got[-1][3], "big") == 5  # STREAM_CLOSED (RFC 9113 5.1)
+        sock.sendall(call_frames(encoder, 3, "/t.T/Echo", b"on"))
+        assert status_of(decoder, frames(sock), 3)["grpc-status"] == "0"
+
+
+def test_connections_over_the_limit_are_refused_with_a_goaway(limited):
+    import hpack
+
+    first, second = open_raw(limited), open_raw(limited)
+    try:
+        for sock in (first, second):
+            frames_until(sock, lambda k, f, s, p: k == 4 and not f & 1)  # both served
+        with open_raw(limited) as third:
+            got = frames(third)
+            assert got[0][0] == 4 and got[-1][0] == 7  # the server preface (SETTINGS), then GOAWAY
+            assert int.from_bytes(got[-1][3][:4], "big") == 0 and int.from_bytes(got[-1][3][4:8], "big") == 7
+            assert b"too many connections" in got[-1][3]
+            third.settimeout(5)
+            assert third.recv(1) == b""  # and closed
+        first.sendall(call_frames(hpack.Encoder(), 1, "/t.T/Echo", b"x"))
+        assert status_of(hpack.Decoder(), frames(first))["grpc-status"] == "0"
+    finally:
+        first.close()
+        second.close()
+    deadline = time.monotonic() + 5
+    while limited.server.connections and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with grpc.insecure_channel(limited.address) as channel:  # a place freed: served again
+        assert call(channel, "/t.T/Echo", b"back") == b"back"
+
+
+def test_an_idle_connection_gets_a_goaway_and_is_closed_and_grpcio_reconnects(limited):
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    with open_raw(limited) as sock:
+        sock.sendall(call_frames(encoder, 1, "/t.T/Slow", b""))  # open longer than the idle time: kept
+        got = frames(sock)
+        assert status_of(decoder, got)["grpc-status"] == "0" and not [g for g in got if g[0] == 7]
+        start = time.monotonic()
+        got = frames(sock)  # idle now: GOAWAY (NO_ERROR, the last stream 1), then the connection closes
+        assert got and got[-1][0] == 7 and got[-1][3][:8] == (1).to_bytes(4, "big") + bytes(4)
+        assert 0.3 < time.monotonic() - start < 3
+        sock.settimeout(5)
+        assert sock.recv(1) == b""
+    with grpc.insecure_channel(limited.address) as channel:
+        assert call(channel, "/t.T/Echo", b"a") == b"a"
+        time.sleep(1.0)  # the server closes the idle connection meanwhile
+        assert call(channel, "/t.T/Echo", b"b") == b"b"
+
+
+def test_a_header_list_over_the_announced_size_fails_its_call_and_keeps_the_connection(served):
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    with open_raw(served) as sock:
+        settings = frames_until(sock, lambda k, f, s, p: k == 4 and not f & 1)[-1][3]
+        limit = {int.from_bytes(settings[i:i + 2], "big"): int.from_bytes(settings[i + 2:i + 6], "big")
+                 for i in range(0, len(settings), 6)}[6]
+        assert 4096 <= limit <= 64 << 10
+        sock.sendall(call_frames(encoder, 1, "/t.T/Echo", b"x", [("x-big", "v" * limit)]))
+        trailers = status_of(decoder, frames(sock))
+        assert trailers["grpc-status"] == "8" and "MAX_HEADER_LIST_SIZE" in trailers["grpc-message"]
+        sock.sendall(call_frames(encoder, 3, "/t.T/Echo", b"x", [("x-small", "v" * 100)]))
+        assert status_of(decoder, frames(sock), 3)["grpc-status"] == "0"
+        # a small block that decodes to a huge list (a field indexed over and over): the connection is closed
+        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.T/Echo"), (":authority", "x"),
+                                ("content-type", "application/grpc"), ("x-huge", "w" * 4000)])
+        index = bytes([0x80 | 62])  # the newest dynamic table entry, x-huge
+        sock.sendall(frame(1, 0x4 | 0x1, 5, block + index * 40))
+        assert goaway_code(sock) == 0xB  # ENHANCE_YOUR_CALM
+
+
+def test_a_client_that_resets_its_calls_before_their_answer_is_sent_away(served):
+    # HTTP/2 "rapid reset": calls opened only to be reset start work the client never waits for
+    import hpack
+
+    encoder = hpack.Encoder()
+    with open_raw(served) as sock:
+        sock.sendall(b"".join(call_frames(encoder, 2 * i + 1, "/t.T/Slow", b"")
+                              + frame(3, 0, 2 * i + 1, (8).to_bytes(4, "big")) for i in range(150)))
+        assert goaway_code(sock) == 0xB  # ENHANCE_YOUR_CALM
+    with grpc.insecure_channel(served.address) as channel:  # a client that cancels some of its calls is served
+        futures = [channel.unary_unary("/t.T/Slow").future(b"", timeout=30) for _ in range(20)]
+        for f in futures[::2]:
+            f.cancel()
+        assert [f.result() for f in futures[1::2]] == [b"done"] * 10
+        assert call(channel, "/t.T/Echo", b"on") == b"on"
+
+
+def test_a_deadline_counts_from_the_call_start_so_a_request_still_arriving_is_answered_at_it(served):
+    # a client that sends its headers and then nothing (or its message too slowly) is answered at its deadline,
+    # and told to stop sending; the stream does not stay open until the connection goes
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    with open_raw(served) as sock:
+        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.T/Echo"), (":authority", "x"),
+                                ("content-type", "application/grpc"), ("te", "trailers"), ("grpc-timeout", "200m")])
+        start = time.monotonic()
+        sock.sendall(frame(1, 0x4, 1, block) + frame(0, 0, 1, b"\x00\x00\x00"))  # part of the message, no end
+        got = frames_until(sock, lambda k, f, s, p: k == 3 and s == 1)
+        assert 0.15 < time.monotonic() - start < 2
+        assert status_of(decoder, got)["grpc-status"] == "4" and int.from_bytes(got[-1][3], "big") == 0
+        sock.sendall(frame(0, 0x1, 1, b"\x00\x01x")  # the rest, late: dropped
+                     + call_frames(encoder, 3, "/t.T/Echo", b"next", [("grpc-timeout", "10S")]))
+        assert status_of(decoder, frames(sock), 3)["grpc-status"] == "0"
+
+
+def test_the_unfinished_requests_a_connection_holds_are_bounded(limited):
+    # each stream may hold a whole message: without a bound a client could park 256 unfinished ones a connection
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    head = b"\x00" + (995).to_bytes(4, "big")
+    with open_raw(limited) as sock:
+        for i in range(5):  # 4 x 900 bytes fit the bound (4 whole messages of 1000), the fifth stream's do not
+            sock.sendall(frame(1, 0x4, 2 * i + 1, request_block(encoder, "/t.T/Echo")) + frame(0, 0, 2 * i + 1,
+                                                                                               head + bytes(895)))
+        got = frames_until(sock, lambda k, f, s, p: k == 3)
+        assert (got[-1][2], int.from_bytes(got[-1][3], "big")) == (9, 7)  # RST_STREAM REFUSED_STREAM
+        sock.sendall(frame(0, 0x1, 1, bytes(100)))  # the first one finished: answered
+        got = frames_until(sock, lambda k, f, s, p: k == 1 and s == 1 and f & 1)
+        assert status_of(decoder, got)["grpc-status"] == "0"
+        sock.sendall(b"".join(frame(3, 0, s, (8).to_bytes(4, "big")) for s in (3, 5, 7)))  # the others reset
+        sock.sendall(call_frames(encoder, 11, "/t.T/Echo", b"x" * 990))
+        got = frames_until(sock, lambda k, f, s, p: k == 1 and s == 11 and f & 1)
+        assert status_of(decoder, got, 11)["grpc-status"] == "0"
+
+        async def held():
+            return [c.buffered for c in limited.server.connections]
+
+        assert asyncio.run_coroutine_threadsafe(held(), limited.loop).result(10) == [0]  # all given back
+
+
+def test_the_unfinished_requests_of_all_connections_are_bounded_and_given_back_when_one_closes(limited):
+    import hpack
+
+    head = b"\x00" + (995).to_bytes(4, "big")
+    part = head + bytes(895)  # 900 bytes of a 1000-byte message
+
+    def park(sock, encoder, streams):
+        sock.sendall(b"".join(frame(1, 0x4, s, request_block(encoder, "/t.T/Echo")) + frame(0, 0, s, part)
+                              for s in streams))
+
+    async def held():
+        return limited.server.buffered
+
+    first, second = open_raw(limited), open_raw(limited)
+    try:
+        park(first, hpack.Encoder(), (1, 3, 5, 7))  # 3600 bytes: under the connection's bound (4020)
+        encoder = hpack.Encoder()
+        park(second, encoder, (1, 3, 5))  # 5400, then 6300: over all connections' (6000)
+        got = frames_until(second, lambda k, f, s, p: k == 3)
+        assert (got[-1][2], int.from_bytes(got[-1][3], "big")) == (5, 7)  # REFUSED_STREAM
+        first.close()  # its unfinished requests are given back
+        deadline = time.monotonic() + 5
+        while asyncio.run_coroutine_threadsafe(held(), limited.loop).result(10) != 1800:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        park(second, encoder, (7,))
+        second.sendall(frame(0, 0x1, 7, bytes(100)))
+        got = frames_until(second, lambda k, f, s, p: k == 1 and s == 7 and f & 1)
+        assert status_of(hpack.Decoder(), got, 7)["grpc-status"] == "0"
+    finally:
+        first.close()
+        second.close()
+    deadline = time.monotonic() + 5
+    while asyncio.run_coroutine_threadsafe(held(), limited.loop).result(10) != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)

@@ -136,8 +136,10 @@ def test_an_id_input_of_a_float_datatype_or_unreadable_text_is_a_400_naming_the_
 
     assert post().status_code == 200
     for replace, error in [
-        ({"shop": ("FP32", [7919.0])}, "input 'shop': datatype must be BYTES, INT64 or INT32, got 'FP32'"),
-        ({"zip": ("FP64", [10001.0])}, "input 'zip': datatype must be BYTES, INT64 or INT32, got 'FP64'"),
+        ({"shop": ("FP32", [7919.0])}, "input 'shop': datatype must be BYTES or an integer datatype "
+                                       "(INT64, INT32, INT16, INT8, UINT64, UINT32, UINT16, UINT8), got 'FP32'"),
+        ({"zip": ("FP64", [10001.0])}, "input 'zip': datatype must be BYTES or an integer datatype "
+                                       "(INT64, INT32, INT16, INT8, UINT64, UINT32, UINT16, UINT8), got 'FP64'"),
         ({"shop": ("BYTES", ["7919.0"])}, "input 'shop': '7919.0' at row 0 is not an integer id, and the model "
                                           "reads 'shop' as INT64 ids (id_types in model.json)"),
         ({"cats": ("BYTES", ["1", "x"]), "cats__lengths": ("INT32", [2])},

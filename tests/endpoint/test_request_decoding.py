@@ -99,7 +99,7 @@ def test_binary_tensors_decode_like_json(request):
     ("x", [1.5, False], "'x': FP32 values must be numbers, got bool"),
     ("x", ["1.5", 2.0], "'x': FP32 values must be numbers"),
     ("c", ["s", 3], "'c': BYTES values must be strings"),
-    ("a", [1.0, 2.0], "'a': datatype must be BYTES, INT64 or INT32, got 'FP32'"),
+    ("a", [1.0, 2.0], "'a': datatype must be BYTES or an integer datatype .*, got 'FP32'"),
 ])
 def test_a_value_of_another_type_names_its_input_even_inside_a_joined_conversion(column, values, message):
     columns = {"a": ("INT64", [1, 2]), "b": ("INT64", [3, 4]), "c": ("BYTES", ["p", "q"]), "x": ("FP32", [0.5, 1.0]),
@@ -250,3 +250,87 @@ def test_all_numeric_arrays_decode_as_the_general_path_decodes_lists(case):
         assert fast.sparse[name].numpy().flags.writeable
     np.testing.assert_array_equal(fast.dense.numpy(), general.dense.numpy())
     assert len(fast) == len(general) and fast.dense.dtype == general.dense.dtype
+
+
+MIXED = prep_of({"a": "INT64", "b": "BYTES", "c": "INT64"})
+
+
+def column_request(rows: int, shape_of, nest: bool = False) -> dict:
+    """A request of ``rows`` rows of MIXED's columns (INT64, BYTES, INT32 ids; FP32, FP64 dense), each input's shape
+    ``shape_of(rows)``; ``nest``: JSON ``data`` nested by rows."""
+    g = np.random.default_rng(rows)
+    columns = {"a": ("INT64", g.integers(-2**63, 2**63 - 1, rows).tolist()),
+               "b": ("BYTES", [f"t{v}" for v in g.integers(0, 9, rows)]),
+               "c": ("INT32", g.integers(-2**31, 2**31 - 1, rows).tolist()),
+               "x": ("FP32", g.normal(size=rows).astype(np.float32).tolist()),
+               "y": ("FP64", [float("nan")] * (rows > 0) + g.normal(size=max(rows - 1, 0)).tolist())}
+    return {"inputs": [{"name": n, "datatype": d, "shape": shape_of(rows),
+                        "data": [[v] for v in data] if nest else data} for n, (d, data) in columns.items()]}
+
+
+def same_batch(a, b) -> None:
+    assert len(a) == len(b) and a.sparse.keys() == b.sparse.keys()
+    for name in a.sparse:
+        np.testing.assert_array_equal(a.sparse[name].numpy(), b.sparse[name].numpy())
+    assert a.dense.numpy().tobytes() == b.dense.numpy().tobytes()  # bit-equal, NaN included
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5])
+def test_inputs_shaped_b_by_1_decode_as_the_b_form(rows):
+    """Triton clients send each feature as ``[B, 1]``: JSON (flat and nested), binary tensors and arrays (gRPC)
+    decode bit-equal to ``[B]``."""
+    flat = decode_request(column_request(rows, lambda n: [n]), MIXED, 64)
+    for nest in (False, True):
+        request = column_request(rows, lambda n: [n, 1], nest)
+        same_batch(decode_request(parse_body(json.dumps(request).encode()), MIXED, 64), flat)
+        same_batch(decode_request(json.loads(json.dumps(request)), MIXED, 64), flat)  # the plain parser's lists
+    # binary tensors, as tritonclient sends them: shape [B, 1], the bytes flat
+    request = column_request(rows, lambda n: [n, 1])
+    head, blobs = {"inputs": []}, []
+    for t in request["inputs"]:
+        if t["datatype"] == "BYTES":
+            blob = b"".join(len(v).to_bytes(4, "little") + v.encode() for v in t["data"])
+        else:
+            blob = np.asarray(t["data"], {"INT64": "<i8", "INT32": "<i4", "FP32": "<f4", "FP64": "<f8"}[
+                t["datatype"]]).tobytes()
+        head["inputs"].append({**{k: v for k, v in t.items() if k != "data"},
+                               "parameters": {"binary_data_size": len(blob)}})
+        blobs.append(blob)
+    text = json.dumps(head).encode()
+    same_batch(decode_request(parse_body(text + b"".join(blobs), len(text)), MIXED, 64), flat)
+
+
+def test_an_int64_batch_shaped_b_by_1_takes_the_numpy_path_as_b_does():
+    g = np.random.default_rng(0)
+    ids = {c: g.integers(-2**63, 2**63 - 1, 7) for c in PREP.categorical}
+    dense = {c: g.normal(size=7).astype(np.float32) for c in PREP.dense}
+    def request(shape):
+        return {"inputs": [{"name": c, "datatype": "INT64", "shape": shape, "data": v} for c, v in ids.items()]
+                + [{"name": c, "datatype": "FP32", "shape": shape, "data": v} for c, v in dense.items()]}
+    same_batch(decode_request(request([7, 1]), PREP, 64), decode_request(request([7]), PREP, 64))
+
+
+@pytest.mark.parametrize("shape, message", [
+    ([4, 2], "shape must be [n] or [n, 1], n rows of one value each, got [4, 2]"),
+    ([1, 4], "a [1, n] row is not read as n rows"),
+    ([4, 1, 1], "got [4, 1, 1]"), ([], "got []"), ([-4, 1], "got [-4, 1]"), ([4, True], "got [4, True]")])
+def test_other_two_dimensional_shapes_are_400s_naming_the_input(shape, message):
+    request = column_request(4, lambda n: [n])
+    request["inputs"][2]["shape"] = shape
+    with pytest.raises(RequestError, match=re.escape(message)) as error:
+        decode_request(request, MIXED, 64)
+    assert "input 'c'" in str(error.value)
+
+
+def test_one_by_one_is_one_row_and_multi_hot_ids_stay_flat():
+    one = decode_request(column_request(1, lambda n: [1, 1]), MIXED, 64)
+    same_batch(one, decode_request(column_request(1, lambda n: [1]), MIXED, 64))
+    prep = Preprocessing(label=None, categorical=(), multi_hot=("m",), dense=(), dense_mean=(), dense_std=(),
+                         dense_min=(), dense_max=(), dense_rows=1, id_types={"m": "INT64"})
+    request = {"inputs": [{"name": "m", "datatype": "INT64", "shape": [3], "data": [1, 2, 3]},
+                          {"name": "m__lengths", "datatype": "INT32", "shape": [2, 1], "data": [2, 1]}]}
+    batch = decode_request(request, prep, 64)
+    assert batch.offsets["m"].tolist() == [0, 2, 3] and batch.sparse["m"].tolist() == [1, 2, 3]
+    request["inputs"][0]["shape"] = [3, 1]
+    with pytest.raises(RequestError, match=re.escape("input 'm': shape must be [n], one size (all the rows' ids")):
+        decode_request(request, prep, 64)

@@ -94,6 +94,14 @@ def test_export_uses_the_best_model_unless_told(memorized, tmp_path):
     assert set(best["id"]["keys"].tolist()) == set(model.embeddings.export("id")[0].tolist())
     order_b, order_l = best["id"]["keys"].argsort(), last["id"]["keys"].argsort()
     assert not torch.equal(best["id"]["values"][order_b], last["id"]["values"][order_l])
+    # each export carries the MLPs of its own checkpoint: a server of the last export scores with the last MLPs
+    from dynemb.checkpoint.dense import dense_state
+    from dynemb.checkpoint.export_format import read_dense, version_name
+
+    for use in ("best", "last"):
+        dense = read_dense(tmp_path / use / version_name(1))
+        want = dense_state(load_model(tmp / "run", use=use)[0])
+        assert dense.keys() == want.keys() and all(torch.equal(dense[k], want[k]) for k in want), use
 
 
 def test_patience_0_trains_every_epoch_and_still_keeps_the_best(tmp_path, dynemb):
@@ -139,3 +147,43 @@ def test_a_run_interrupted_between_saves_resumes_from_its_best_checkpoint(memori
     shutil.rmtree(run / "checkpoint")
     resumed = dynemb(*args, "--resume")
     assert (resumed["best_step"], resumed["step"]) == (50, 65)
+
+
+def test_servers_started_together_write_one_export(memorized, tmp_path, monkeypatch):
+    """``serving_export`` from several threads at once on a run with no export yet (``dynemb serve`` processes
+    started together; each write made slow, so that all would see no export): one version is written, and every
+    caller gets the same root."""
+    import shutil
+    import threading
+    import time
+
+    from dynemb.checkpoint.fsutil import read_pointer
+    from dynemb.job import publish
+    from dynemb.job.publish import serving_export
+
+    write = publish.export_for_serving
+
+    def slow_write(*args, **kwargs):
+        time.sleep(0.5)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(publish, "export_for_serving", slow_write)
+
+    tmp, _ = memorized
+    run = tmp_path / "run"
+    shutil.copytree(tmp / "run", run, ignore=shutil.ignore_patterns("export*"))
+    start, roots = threading.Barrier(4), []
+
+    def serve():
+        start.wait()
+        roots.append(serving_export(run))
+
+    threads = [threading.Thread(target=serve) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(roots) == 4 and len(set(roots)) == 1  # none raised
+    (root,) = set(roots)
+    assert sorted(p.name for p in root.glob("version-*")) == ["version-00000001"]
+    assert read_pointer(root) == "version-00000001"

@@ -1,7 +1,8 @@
 """A fresh ``dynemb predict`` process and the served model (``ServedModel.predict``, what ``dynemb serve``
 answers) give the same probabilities, bit for bit, on the same rows: predict's reading thread (lookups into a ring
 of buffers, the dense part through ``DLRM.forward_stacked`` in blocks of ``INTERACTION_ROWS``) and the endpoint's
-request path (parameter-server lookups) score requests cut at the same block boundaries alike."""
+request path (parameter-server lookups) score them alike, requests cut at predict's block boundaries, at 37 rows
+or one row at a time: a row's score does not depend on the rows beside it in its pass."""
 
 import os
 import subprocess
@@ -45,8 +46,16 @@ def test_a_fresh_predict_process_writes_the_served_probabilities(tmp_path):
         reader = FileReader(tmp_path / "score.parquet", label=None, categorical=["user", "item"], dense=["price"],
                             batch_size=INTERACTION_ROWS)
         want = torch.cat([served.predict(batch) for batch in reader])
+        # requests of any size give the same bits (the dense part pads its passes: models.dlrm.SCORING_ROWS)
+        odd = FileReader(tmp_path / "score.parquet", label=None, categorical=["user", "item"], dense=["price"],
+                         batch_size=37)
+        cut = torch.cat([served.predict(batch) for batch in odd])
+        one = torch.cat([served.predict(batch) for _, batch in zip(range(20), FileReader(
+            tmp_path / "score.parquet", label=None, categorical=["user", "item"], dense=["price"], batch_size=1))])
     finally:
         torch.set_num_threads(threads)
         served.close()
     assert want.dtype == got.dtype == torch.float64
     assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+    assert torch.equal(got.view(torch.int64), cut.view(torch.int64))
+    assert torch.equal(got[:20].view(torch.int64), one.view(torch.int64))

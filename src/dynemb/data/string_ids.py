@@ -6,9 +6,10 @@ they are. The mapping is the same on every platform and in every xxHash implemen
 in any language at serving time; in plain Python: ``h = xxhash.xxh64_intdigest(s.encode("utf-8"))`` then
 ``key = h - 2**64 if h >= 2**63 else h``.
 
-The xxhash binding hashes one string per call, so :func:`hash_strings` first deduplicates the values with Arrow's
-vectorized dictionary encoding, hashes each distinct value once, then expands the hashes back with one
-vectorized gather. Click logs repeat their ids heavily, so the per-call cost falls on the distinct ids only.
+:func:`hash_strings` hashes every value of an Arrow array in one numba call over its offsets and data buffers
+(:mod:`dynemb.kernels.numba_hash`, tested equal to the ``xxhash`` binding); a dictionary-encoded column hashes its
+distinct values once and gathers. (The binding hashes one value per Python call: a column of distinct user ids
+would cost a Python call a row.)
 """
 
 from __future__ import annotations
@@ -83,13 +84,24 @@ def hash_strings(values) -> torch.Tensor:
     values = _as_binary_array(values)
     if len(values) == 0:
         return torch.zeros(0, dtype=torch.int64)
-    encoded = values if pa.types.is_dictionary(values.type) else values.dictionary_encode()
-    distinct = encoded.dictionary
-    if pa.types.is_string(distinct.type) or pa.types.is_large_string(distinct.type):
-        distinct = distinct.cast(pa.large_binary())  # zero-copy view of the UTF-8 bytes
-    hashes = np.fromiter(map(xxhash.xxh64_intdigest, distinct.to_pylist()), dtype=np.uint64, count=len(distinct))
-    indices = encoded.indices.to_numpy(zero_copy_only=False)
-    return torch.from_numpy(_to_signed(hashes)[indices])
+    if pa.types.is_dictionary(values.type):  # each distinct value once, then its hash gathered per row
+        indices = values.indices.to_numpy(zero_copy_only=False)
+        return torch.from_numpy(_to_signed(_xxh64_values(values.dictionary))[indices])
+    return torch.from_numpy(_to_signed(_xxh64_values(values)))
+
+
+def _xxh64_values(values: pa.Array) -> np.ndarray:
+    """XXH64 (seed 0) of each value of a string or binary Arrow array (no nulls), in one kernel call over its
+    buffers: uint64 ``[N]``."""
+    from ..kernels.numba_hash import xxh64_many
+
+    if len(values) == 0 or pa.types.is_null(values.type):
+        return np.zeros(len(values), np.uint64)
+    large = pa.types.is_large_string(values.type) or pa.types.is_large_binary(values.type)
+    _, offsets, data = values.buffers()
+    offsets = np.frombuffer(offsets, np.int64 if large else np.int32)
+    data = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
+    return xxh64_many(data, offsets, values.offset, len(values))
 
 
 def null_key(column: str) -> int:

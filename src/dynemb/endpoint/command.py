@@ -33,6 +33,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=8001, help="TCP port of gRPC (KServe v2's "
                    "GRPCInferenceService, as Triton's port 8001), on --host too")
     p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
+    p.add_argument("--grpc-max-connections", type=int, default=1024, metavar="N", help="gRPC connections served "
+                   "at once; more are sent GOAWAY and closed as they come (default: %(default)s)")
+    p.add_argument("--grpc-idle-timeout", type=float, default=300.0, metavar="SECONDS", help="a gRPC connection "
+                   "with no call open this long is sent GOAWAY and closed (clients reconnect at their next call); "
+                   "0: never (default: %(default)s)")
     p.add_argument("--name", default="dynemb", help="model name in the URL: /v2/models/NAME/infer (letters, digits "
                    "and . _ - ~)")
     p.add_argument("--token", help="require `Authorization: Bearer TOKEN` on every route (default: none, no token "
@@ -86,6 +91,10 @@ def cmd_serve(args) -> int:
     check_name(args.name)
     if not args.no_grpc and args.grpc_port == args.port:
         raise ValueError(f"--grpc-port and --port must differ, both are {args.port}")
+    if args.grpc_max_connections < 1:
+        raise ValueError(f"--grpc-max-connections must be >= 1, got {args.grpc_max_connections}")
+    if not args.grpc_idle_timeout >= 0:
+        raise ValueError(f"--grpc-idle-timeout must be >= 0 seconds (0: never), got {args.grpc_idle_timeout}")
     if args.watch is not None and not args.watch > 0:
         raise ValueError(f"--watch must be > 0 seconds, got {args.watch}")
     if args.watch is not None and args.use == "best":
@@ -150,7 +159,9 @@ def cmd_serve(args) -> int:
             else:
                 print(loader.serving_line(), flush=True)
 
-        serve(app, args.host, args.port, on_bound=bound, grpc_port=grpc_port)
+        serve(app, args.host, args.port, on_bound=bound, grpc_port=grpc_port,
+              grpc_limits={"max_connections": args.grpc_max_connections,
+                           "idle_timeout_s": args.grpc_idle_timeout or None})
     except _Terminated:
         terminated = True
     finally:

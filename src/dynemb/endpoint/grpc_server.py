@@ -83,7 +83,11 @@ def request_dict(request) -> dict:
             if datatype == "BYTES":
                 item["data"] = _utf8(values, name)
             elif datatype in NUMPY_DTYPES:
-                item["data"] = np.asarray(values, dtype=NUMPY_DTYPES[datatype])
+                try:
+                    item["data"] = np.asarray(values, dtype=NUMPY_DTYPES[datatype])
+                except OverflowError:  # int_contents holds int32: an INT8/INT16 value may not fit
+                    raise RequestError(f"input {name!r}: {datatype} contents out of the range of "
+                                       f"{datatype}") from None
             else:
                 item["data"] = list(values)
         else:
@@ -93,8 +97,17 @@ def request_dict(request) -> dict:
     if request.id:
         out["id"] = request.id
     if request.outputs:
-        out["outputs"] = [{"name": o.name} for o in request.outputs]
+        out["outputs"] = [{"name": o.name, "parameters": _parameters(o.parameters)} if o.parameters else
+                          {"name": o.name} for o in request.outputs]
+    if request.parameters:
+        out["parameters"] = _parameters(request.parameters)
     return out
+
+
+def _parameters(parameters) -> dict:
+    """A protobuf map of ``InferParameter`` s as the dict a JSON request's ``parameters`` reads as."""
+    return {key: getattr(value, value.WhichOneof("parameter_choice") or "bool_param")
+            for key, value in parameters.items()}
 
 
 _RAW_TAG = 0x3A  # raw_input_contents: field 7 of ModelInferRequest, length-delimited (wire type 2)
@@ -146,7 +159,7 @@ class InferRequests:
     def __init__(self) -> None:
         self.prefix: Optional[bytes] = None  # the header's bytes
         self.size = 0  # the message's
-        self.template: tuple = ()  # (model_name, model_version, id, outputs)
+        self.template: tuple = ()  # (model_name, model_version, id, outputs, parameters)
         self.tensors: list = []  # [(name, datatype, shape, dtype, count, offset)]
         self.heads: tuple = ()  # (the places of the tensors' tags and lengths, their bytes)
 
@@ -161,14 +174,16 @@ class InferRequests:
         return request.model_name, request.model_version, request.id, parsed
 
     def _fill(self, message) -> tuple:
-        name, version, request_id, outputs = self.template
+        name, version, request_id, outputs, parameters = self.template
         out = {"inputs": [{"name": input_name, "datatype": datatype, "shape": list(shape),
                            "data": np.frombuffer(message, dtype, count, offset)}
                           for input_name, datatype, shape, dtype, count, offset in self.tensors]}
         if request_id:
             out["id"] = request_id
         if outputs:
-            out["outputs"] = [{"name": o} for o in outputs]
+            out["outputs"] = [dict(o) for o in outputs]
+        if parameters is not None:
+            out["parameters"] = dict(parameters)
         return name, version, request_id, out
 
     def _learn(self, message, request, parsed) -> None:
@@ -186,8 +201,8 @@ class InferRequests:
         # where each tensor's tag and length are, and their bytes: checked at once in the next message
         places = np.concatenate([np.arange(offset - 1 - _varint_size(n), offset) for offset, n in entries])
         self.heads = (places, np.frombuffer(message, np.uint8)[places])
-        self.template = (request.model_name, request.model_version, request.id,
-                         [o["name"] for o in parsed.get("outputs", ())])
+        self.template = (request.model_name, request.model_version, request.id, parsed.get("outputs", ()),
+                         parsed.get("parameters"))
         self.prefix, self.size = bytes(message[:start]), len(message)
 
 
@@ -200,11 +215,16 @@ class GrpcServer:
         host, port: where to listen (``127.0.0.1`` by default: anything else exposes the model).
         token: when given, every call wants the metadata ``authorization: Bearer <token>``.
         max_message_bytes: the largest request message.
+        max_connections, idle_timeout_s: the HTTP/2 server's limits
+            (:class:`~dynemb.endpoint.grpc_http2.Http2GrpcServer`): connections at once, and the time a
+            connection may stay without a call open (None: no limit).
     """
 
     def __init__(self, service: InferenceService, host: str = "127.0.0.1", port: int = 8001, *,
-                 token: Optional[str] = None, max_message_bytes: int = 8 << 20) -> None:
+                 token: Optional[str] = None, max_message_bytes: int = 8 << 20, max_connections: int = 1024,
+                 idle_timeout_s: Optional[float] = 300.0) -> None:
         self.service, self.host, self.port = service, host, port
+        self.limits = {"max_connections": max_connections, "idle_timeout_s": idle_timeout_s}
         self.token, self.max_message_bytes = (None if token is None else token.encode()), max_message_bytes
         self.server: Optional[Http2GrpcServer] = None
         self.bound_port: Optional[int] = None
@@ -236,7 +256,14 @@ class GrpcServer:
             OSError: ``host:port`` cannot be bound.
         """
         self.bind()
-        self.server = Http2GrpcServer(_handlers(self), self.max_message_bytes)
+        handlers = _handlers(self)
+        routes = {path: getattr(h, "route", None) for path, h in handlers.items()}
+
+        def expired(path: str) -> None:  # a call refused at its deadline counts as a failure of its route
+            if routes.get(path) is not None:
+                self.service.record(routes[path], False, 0.0, 0, "grpc")
+
+        self.server = Http2GrpcServer(handlers, self.max_message_bytes, on_expired=expired, **self.limits)
         await self.server.start(self.sock)
 
     async def stop(self) -> None:
@@ -283,6 +310,7 @@ def _method(server: GrpcServer, route: str, request_type, answer):
             raise GrpcError("INVALID_ARGUMENT", str(exc)) from None
         finally:  # once the reply is written (as HTTP counts after sending): not on the client's wait
             asyncio.get_running_loop().call_soon(service.record, route, ok, time.perf_counter() - start, rows, "grpc")
+    handler.route = route
     return handler
 
 

@@ -41,15 +41,15 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def attach_grpc(app, host: str, port: int):
+def attach_grpc(app, host: str, port: int, **limits):
     """Start a :class:`~dynemb.endpoint.grpc_server.GrpcServer` of ``app``'s service with the app (its lifespan),
-    on the same event loop, with the app's token and body limit. Its port is bound now (OSError naming it when it
-    cannot be: in the event loop a failure would be one log line among uvicorn's). Returns the server
-    (``bound_port``)."""
+    on the same event loop, with the app's token and body limit (and ``limits``: its ``max_connections``,
+    ``idle_timeout_s``). Its port is bound now (OSError naming it when it cannot be: in the event loop a failure
+    would be one log line among uvicorn's). Returns the server (``bound_port``)."""
     from .grpc_server import GrpcServer
 
     token = None if app.token is None else app.token.decode()
-    server = GrpcServer(app.service, host, port, token=token, max_message_bytes=app.max_body_bytes)
+    server = GrpcServer(app.service, host, port, token=token, max_message_bytes=app.max_body_bytes, **limits)
     server.bind()
     app.on_startup.append(server.start)
     app.on_shutdown.insert(0, server.stop)
@@ -57,13 +57,14 @@ def attach_grpc(app, host: str, port: int):
 
 
 def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", on_bound=None,
-          grpc_port: Optional[int] = None) -> None:
-    """Serve ``app`` on ``host:port`` (and gRPC on ``host:grpc_port`` when given) until interrupted (Ctrl-C,
-    SIGTERM); ``on_bound()`` is called once the ports are bound (a port in use raises OSError before it)."""
+          grpc_port: Optional[int] = None, grpc_limits: Optional[dict] = None) -> None:
+    """Serve ``app`` on ``host:port`` (and gRPC on ``host:grpc_port`` when given, with ``grpc_limits``, see
+    :func:`attach_grpc`) until interrupted (Ctrl-C, SIGTERM); ``on_bound()`` is called once the ports are bound
+    (a port in use raises OSError before it)."""
     sock = _bind(host, port)
     try:
         if grpc_port is not None:
-            attach_grpc(app, host, grpc_port)
+            attach_grpc(app, host, grpc_port, **(grpc_limits or {}))
         if on_bound is not None:
             on_bound()
         _server(app, sock, log_level).run(sockets=[sock])
@@ -72,15 +73,17 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info
 
 
 @contextlib.contextmanager
-def running(app, host: str = "127.0.0.1", startup_timeout_s: float = 30.0, grpc: bool = False) -> Iterator[str]:
+def running(app, host: str = "127.0.0.1", startup_timeout_s: float = 30.0, grpc: bool = False,
+            grpc_limits: Optional[dict] = None) -> Iterator[str]:
     """Serve ``app`` on a free port of ``host`` from a background thread; yields its base URL, then stops it.
-    With ``grpc``, its gRPC server too, on another free port: ``app.grpc_address`` is ``host:port`` then.
+    With ``grpc``, its gRPC server too, on another free port (with ``grpc_limits``, see :func:`attach_grpc`):
+    ``app.grpc_address`` is ``host:port`` then.
 
     Raises:
         TimeoutError: the server did not start within ``startup_timeout_s``.
     """
     sock = _bind(host, 0)
-    grpc_server = attach_grpc(app, host, 0) if grpc else None
+    grpc_server = attach_grpc(app, host, 0, **(grpc_limits or {})) if grpc else None
     server = _server(app, sock, "warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dynemb-endpoint", daemon=True)
     thread.start()

@@ -5,15 +5,18 @@ Inputs, ``B`` rows per request:
 =======================  ======================  ========  ==============================================
 tensor                   datatype                shape     holds
 =======================  ======================  ========  ==============================================
-``{column}``             BYTES, INT64 or INT32   ``[B]``   a categorical column: ids read by the column's
+``{column}``             BYTES or an integer     ``[B]``   a categorical column: ids read by the column's
                                                            id type in the model (below); JSON ``null`` is
                                                            a null id
-``{column}``             BYTES, INT64 or INT32   ``[N]``   a multi-hot column: the ids of every row,
+``{column}``             BYTES or an integer     ``[N]``   a multi-hot column: the ids of every row,
                                                            concatenated
 ``{column}__lengths``    INT32                   ``[B]``   ... and how many of them each row has
 ``{column}``             FP32 (or FP64)          ``[B]``   a dense column, raw (normalized by the server);
                                                            ``null``, NaN and ``±inf`` allowed
 =======================  ======================  ========  ==============================================
+
+An input of one value a row (an id column, lengths, a dense column) may also come as ``[B, 1]``, the column a Triton
+client sends for each feature: it reads as ``[B]``, bit-equal. The metadata reports ``[-1]``.
 
 Output: ``probability``, FP64 ``[B]`` (the bits ``dynemb predict`` writes). Ids and dense values go through
 :mod:`dynemb.data.arrow_columns`, the code the file readers use, and the model's
@@ -44,7 +47,8 @@ __all__ = ["LENGTHS", "OUTPUT", "model_metadata", "decode_request", "encode_resp
 
 LENGTHS = "__lengths"
 OUTPUT = "probability"
-ID_TYPES = ("BYTES", "INT64", "INT32")
+INTEGER_TYPES = ("INT64", "INT32", "INT16", "INT8", "UINT64", "UINT32", "UINT16", "UINT8")
+ID_TYPES = ("BYTES", *INTEGER_TYPES)
 DENSE_TYPES = ("FP32", "FP64")
 
 
@@ -79,14 +83,50 @@ def _inputs_by_name(request: Any) -> dict:
     return by_name
 
 
-def _data(t: dict, datatypes: tuple, rows: Optional[int]) -> list:
-    """The flat data of input ``t``, checked against ``datatypes``, its shape and (when given) ``rows``."""
+def _size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _one_a_row(inputs: dict, names: list) -> dict:
+    """``inputs`` with each of ``names`` (inputs of one value a row) given as ``[n, 1]`` read as ``[n]``: a Triton
+    client sends each feature as a column ``[B, 1]`` of a batch. Nested JSON ``data`` (``[[v], [v], ...]``) is
+    flattened. The request's own dicts are left as they are (copies replace them)."""
+    out = inputs
+    for name in names:
+        t = inputs.get(name)
+        shape = t.get("shape") if isinstance(t, dict) else None
+        if not (isinstance(shape, list) and len(shape) == 2 and shape[1] == 1 and _size(shape[0])
+                and not isinstance(shape[1], bool)):
+            continue
+        data = t.get("data")
+        if isinstance(data, list) and data and all(isinstance(v, list) and len(v) == 1 for v in data):
+            data = [v[0] for v in data]  # JSON nested by rows (simdjson reads numeric ones flat already)
+        elif isinstance(data, np.ndarray) and data.ndim > 1:
+            data = data.reshape(-1)
+        if out is inputs:
+            out = dict(inputs)
+        out[name] = {**t, "shape": [shape[0]], "data": data}
+    return out
+
+
+def _data(t: dict, datatypes: tuple, rows: Optional[int], one_a_row: bool = True) -> list:
+    """The flat data of input ``t``, checked against ``datatypes``, its shape and (when given) ``rows``;
+    ``one_a_row``: an input of one value a row (an ``[n, 1]`` one was read as ``[n]`` by :func:`_one_a_row`)."""
     name, datatype, shape, data = t["name"], t.get("datatype"), t.get("shape"), t.get("data")
     if datatype not in datatypes:
         allowed = " or ".join([", ".join(datatypes[:-1]), datatypes[-1]] if len(datatypes) > 1 else datatypes)
+        if datatypes == ID_TYPES:
+            allowed = f"BYTES or an integer datatype ({', '.join(INTEGER_TYPES)})"
         raise RequestError(f"input {name!r}: datatype must be {allowed}, got {datatype!r}")
-    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] >= 0):
-        raise RequestError(f"input {name!r}: shape must be [n], one size, got {shape!r}")
+    if not (isinstance(shape, list) and len(shape) == 1 and _size(shape[0])):
+        if not one_a_row:
+            raise RequestError(f"input {name!r}: shape must be [n], one size (all the rows' ids, concatenated), "
+                               f"got {shape!r}")
+        hint = ""
+        if isinstance(shape, list) and len(shape) == 2 and shape[0] == 1 and _size(shape[1]):
+            hint = " (a [1, n] row is not read as n rows: send [n] or [n, 1])"
+        raise RequestError(f"input {name!r}: shape must be [n] or [n, 1], n rows of one value each, got "
+                           f"{shape!r}{hint}")
     if not isinstance(data, (list, np.ndarray)):  # an ndarray: a binary tensor (parse_body)
         raise RequestError(f"input {name!r}: 'data' must be a JSON list")
     if len(data) != shape[0]:
@@ -98,10 +138,16 @@ def _data(t: dict, datatypes: tuple, rows: Optional[int]) -> list:
 
 # What each datatype's values may be, as the Arrow types pyarrow infers for them (JSON null: the null type):
 # one C pass checks every value's JSON type, where a typed conversion would turn 1.5 into 1 and true into 1.0.
-_VALUES = {"INT64": ("integers", (pa.int64(),), pa.int64()), "BYTES": ("strings", (pa.string(),), pa.string()),
+_INTEGERS = tuple(pa.type_for_alias(t) for t in ("int64", "int32", "int16", "int8", "uint64", "uint32", "uint16",
+                                                   "uint8"))
+_VALUES = {"BYTES": ("strings", (pa.string(),), pa.string()),
            "FP32": ("numbers", (pa.int64(), pa.float64(), pa.float32()), pa.float64()),
            "FP64": ("numbers", (pa.int64(), pa.float64(), pa.float32()), pa.float64()),
-           "INT32": ("integers", (pa.int32(), pa.int64()), pa.int64())}
+           # any integer datatype: what a Parquet integer column is to the readers (UINT64 kept unsigned: ids
+           # >= 2**63 are reinterpreted as int64 by the id rules, as a uint64 column's are)
+           **{t: ("integers", _INTEGERS, pa.uint64() if t == "UINT64" else pa.int64()) for t in INTEGER_TYPES}}
+_RANGES = {t: (int(np.iinfo(t.lower()).min), int(np.iinfo(t.lower()).max)) for t in INTEGER_TYPES}
+_ARROW = {t: pa.type_for_alias(t.lower()) for t in INTEGER_TYPES}
 
 
 def _array(t: dict, data) -> pa.Array:
@@ -112,7 +158,12 @@ def _array(t: dict, data) -> pa.Array:
     """
     what, accepted, target = _VALUES[t["datatype"]]
     try:
-        array = pa.array(data)
+        try:
+            array = pa.array(data)
+        except OverflowError:  # JSON integers past int64: UINT64 ids may be
+            if t["datatype"] != "UINT64" or not isinstance(data, list) or bool in set(map(type, data)):
+                raise
+            array = pa.array(data, type=pa.uint64())
     except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:
         raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what} "
                            f"({str(exc).splitlines()[0]})") from None
@@ -122,11 +173,13 @@ def _array(t: dict, data) -> pa.Array:
     if array.type != pa.null() and bad:
         got = "bool" if array.type in accepted else str(array.type)
         raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what}, got {got} values")
-    if t["datatype"] == "INT32" and array.type == pa.int64() and len(array) > array.null_count:
-        low, high = pc.min_max(array).values()
-        if low.as_py() < -(2**31) or high.as_py() >= 2**31:
-            bad = low.as_py() if low.as_py() < -(2**31) else high.as_py()
-            raise RequestError(f"input {t['name']!r}: INT32 values must be in [-2147483648, 2147483647], got {bad}")
+    limits = _RANGES.get(t["datatype"])
+    if limits is not None and array.type != _ARROW[t["datatype"]] and len(array) > array.null_count:
+        # values read wider than their datatype (JSON: as int64): within its range?
+        low, high = (v.as_py() for v in pc.min_max(array).values())
+        if low < limits[0] or high > limits[1]:
+            raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be in [{limits[0]}, {limits[1]}], "
+                               f"got {low if low < limits[0] else high}")
     return array if array.type == target else array.cast(target)
 
 
@@ -141,7 +194,7 @@ def _bag_ids(t: dict, lengths: np.ndarray, column: str, id_type: str) -> tuple[n
     """``(ids [N], offsets [B + 1])`` of a multi-hot input: the readers' code, on a list array of its values."""
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    bags = pa.LargeListArray.from_arrays(pa.array(offsets), _array(t, _data(t, ID_TYPES, None)))
+    bags = pa.LargeListArray.from_arrays(pa.array(offsets), _array(t, _data(t, ID_TYPES, None, False)))
     try:
         return multi_hot_ids(bags, column, f"input {t['name']!r}", id_type)
     except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:  # the message names the input
@@ -172,7 +225,9 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
     _check_outputs(request.get("outputs"))
     expected = [*prep.categorical, *prep.multi_hot, *(c + LENGTHS for c in prep.multi_hot), *prep.dense]
     check_input_names(inputs, expected, RequestError)
-    _check_row_counts(inputs, [*prep.categorical, *(c + LENGTHS for c in prep.multi_hot), *prep.dense])
+    per_row = [*prep.categorical, *(c + LENGTHS for c in prep.multi_hot), *prep.dense]
+    inputs = _one_a_row(inputs, per_row)
+    _check_row_counts(inputs, per_row)
     first = inputs[(prep.categorical or [c + LENGTHS for c in prep.multi_hot] or prep.dense)[0]]
     rows = len(_data(first, (first.get("datatype"),), None))
     if rows > max_rows:
@@ -184,7 +239,7 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
     sparse = {c: torch.from_numpy(ids) for c, ids in one_hot.items()}
     offsets = {}
     for c in prep.multi_hot:
-        lengths = _lengths(inputs[c + LENGTHS], rows, len(_data(inputs[c], ID_TYPES, None)), c)
+        lengths = _lengths(inputs[c + LENGTHS], rows, len(_data(inputs[c], ID_TYPES, None, False)), c)
         ids, bounds = _bag_ids(inputs[c], lengths, c, prep.id_types[c])
         sparse[c], offsets[c] = torch.from_numpy(ids), torch.from_numpy(bounds)
     dense = np.zeros((len(prep.dense), rows), dtype=np.float32)

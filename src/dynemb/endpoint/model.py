@@ -4,7 +4,7 @@ The preprocessing comes from the run directory's model card; the tables come fro
 run, loaded into the parameter server with ``"initializer"`` default rows, so an id training never saw reads the row
 the eval-mode model would (``dynemb predict`` runs the model in eval mode). Probabilities therefore equal ``dynemb
 predict`` on the same rows. The dense part (bottom MLP, interactions, top MLP) comes from the version the parameter
-server loaded when it carries one (``dynemb train --publish-every``), else from the run's final checkpoint: tables
+server loaded when it carries one (``dynemb train --publish-every``), else from the run's best checkpoint: tables
 and MLPs are always of one version, even when training publishes while the server starts.
 
 A new version (:meth:`ServedModel.apply_update`) is read and checked first, then swapped in (tables and dense part)
@@ -49,23 +49,25 @@ _BUFFER_ROWS = 4096  # the largest batch whose [B, F, D] input ServedModel keeps
 
 
 def ensure_export(run: Path, export: Optional[Path]) -> Path:
-    """The export root to serve: ``export`` if given, else ``run/export``, written from the run's final model
-    when it holds no export yet.
+    """The export root to serve: ``export`` if given, else ``run/export``, written from the run's best model when it
+    holds no export yet.
 
     Raises:
         ValueError: ``export`` was given but holds no serving export.
     """
     from ..checkpoint import export_for_serving
     from ..job import load_model
+    from ..job.publish import run_lock
 
     if export is not None:
         if not (Path(export) / "latest").is_file():
             raise ValueError(f"--export {export}: no serving export there (no 'latest'); write one with dynemb export")
         return Path(export)
     root = Path(run) / "export"
-    if not (root / "latest").is_file():
-        model, _ = load_model(Path(run))
-        export_for_serving(root, model)
+    with run_lock(Path(run)):
+        if not (root / "latest").is_file():
+            model, _ = load_model(Path(run))
+            export_for_serving(root, model)
     return root
 
 
@@ -399,7 +401,7 @@ def _skeleton(run: Path):
 
 
 def _dense_of(run: Path, version_dir: Path, model: nn.Module) -> dict:
-    """The checked dense state of export ``version_dir`` when it carries one, else of the run's final checkpoint."""
+    """The checked dense state of export ``version_dir`` when it carries one, else of the run's best checkpoint."""
     from ..job import load_model
 
     dense, source = read_dense(version_dir), version_dir

@@ -121,6 +121,9 @@ def _tensor(t: dict, spec: dict) -> torch.Tensor:
         also = f" (or the narrower {', '.join(_NARROWER[want])})" if want in _NARROWER else ""
         raise RequestError(f"input {name!r}: datatype must be {want}{also}, got {datatype!r}")
     expected = spec["shape"]
+    if len(expected) == 1 and isinstance(shape, list) and len(shape) == 2 and shape[1] == 1 \
+            and not isinstance(shape[1], bool):
+        shape = shape[:1]  # a column [n, 1], as Triton clients send each feature: read as [n]
     if not (isinstance(shape, list) and len(shape) == len(expected)
             and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
         raise RequestError(f"input {name!r}: shape must be {len(expected)} sizes >= 0 like {expected} (-1: any "

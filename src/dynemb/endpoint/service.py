@@ -86,7 +86,9 @@ class Batcher:
     A request alone (after one turn of the event loop, no other request has come to be scored, no forward pass
     runs or waits, no update is being swapped in) is scored on the event loop's thread instead: two thread
     hand-offs less. Requests that arrive meanwhile wait in their sockets and are batched next. HTTP and gRPC
-    requests share it (both transports run on one event loop), so they are batched together too.
+    requests share it (both transports run on one event loop), so they are batched together too. A waiting
+    request whose caller was cancelled (a gRPC deadline that passed, a reset call) is dropped when its turn comes,
+    never scored (``dropped`` counts them).
     """
 
     def __init__(self, model: Servable, max_rows: int, inline: bool = True) -> None:
@@ -98,6 +100,7 @@ class Batcher:
         self._arrived = 0  # requests in score() that have not yet chosen where to run
         self._running = False  # a forward pass on the worker thread
         self.forward_passes = self.inline_passes = self.forward_ns = 0
+        self.dropped = 0  # requests whose caller gave up while they waited: never scored
         self.on_forward = None  # called with (rows, seconds) after each forward pass (the metrics)
 
     async def score(self, batch) -> tuple[dict, int]:
@@ -121,12 +124,23 @@ class Batcher:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        queue = self._queue
         while True:
-            waiting = [await self._queue.get()]
+            waiting = [await queue.get()]
+            if waiting[0][1].done():  # its caller is gone (a gRPC deadline passed, the call was reset): not scored
+                self.dropped += 1
+                continue
             rows = len(waiting[0][0])
-            while self.joins and not self._queue.empty() and rows + len(self._queue._queue[0][0]) <= self.max_rows:
-                waiting.append(self._queue.get_nowait())
-                rows += len(waiting[-1][0])
+            while self.joins and not queue.empty():
+                head = queue._queue[0]
+                if head[1].done():
+                    queue.get_nowait()
+                    self.dropped += 1
+                elif rows + len(head[0]) <= self.max_rows:
+                    waiting.append(queue.get_nowait())
+                    rows += len(head[0])
+                else:
+                    break
             self._running = True
             try:
                 outputs, version = await loop.run_in_executor(self._pool, self._forward, [b for b, _ in waiting])
@@ -323,6 +337,7 @@ class InferenceService:
                 names the input).
         """
         model = self.served(name, version)
+        _check_output_parameters(request)
         try:
             batch = model.decode_request(request, self.max_batch_size)
         except RequestError as exc:
@@ -351,6 +366,19 @@ class InferenceService:
     def close(self) -> None:
         if self.batcher is not None:
             self.batcher.close()
+
+
+def _check_output_parameters(request: Any) -> None:
+    """Triton's classification extension (``InferRequestedOutput(..., class_count=k)``: top-k ``"score:index"``
+    strings in place of the tensor) is not served: a 400 saying so, where an answer that ignored it would hand the
+    client a tensor of another datatype than it asked for."""
+    asked = request.get("outputs") if isinstance(request, dict) else None
+    for o in asked if isinstance(asked, list) else ():
+        params = o.get("parameters") if isinstance(o, dict) else None
+        if isinstance(params, dict) and params.get("classification"):
+            raise ProtocolError(400, f"output {o.get('name')!r}: classification (class_count="
+                                     f"{params['classification']!r}) is not supported by dynemb serve; ask for the "
+                                     "output itself (class_count=0)")
 
 
 def requested_outputs(request: Any, model_outputs: list) -> list[tuple[str, bool]]:

@@ -33,7 +33,11 @@ class RequestError(ValueError):
 
 
 NUMPY_DTYPES = {"INT64": "<i8", "INT32": "<i4", "FP32": "<f4", "FP64": "<f8",
-                "BOOL": "|u1"}  # read as bytes: a byte other than 0 is True once cast, never an invalid bool
+                "BOOL": "|u1",  # read as bytes: a byte other than 0 is True once cast, never an invalid bool
+                "INT16": "<i2", "INT8": "|i1", "UINT64": "<u8", "UINT32": "<u4", "UINT16": "<u2", "UINT8": "|u1",
+                "FP16": "<f2"}
+"""The datatypes read into numpy arrays (binary tensors, gRPC raw contents), as their little-endian dtypes: what a
+datatype is good for is the model's to say."""
 
 
 def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:

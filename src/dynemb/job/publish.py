@@ -12,6 +12,7 @@ the run's best model instead, or of its last.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -20,7 +21,7 @@ from torch import nn
 from ..checkpoint.export_format import export_for_serving
 from ..checks import check_int
 
-__all__ = ["Publisher", "EXPORT", "EXPORT_BEST", "serving_export"]
+__all__ = ["Publisher", "EXPORT", "EXPORT_BEST", "serving_export", "run_lock"]
 
 EXPORT = "export"
 """The run directory's export root: where ``dynemb serve --model RUN --watch`` looks, and where a run publishes by
@@ -46,15 +47,40 @@ def serving_export(run, use: str = "best") -> Path:
     run = Path(run)
     _, kind, step = model_checkpoint(run, use)
     root = run / (EXPORT_BEST if kind == "best" else EXPORT)
-    if kind == "last":
-        if not (root / "latest").is_file():
-            export_for_serving(root, load_model(run, use="last")[0], dense=True)
-        return root
-    source = root / _SOURCE
-    if not (root / "latest").is_file() or not source.is_file() or read_json(source).get("step") != step:
-        export_for_serving(root, load_model(run, use="best")[0], dense=True)
-        write_json(source, {"step": step}, atomic=True)
+    with run_lock(run):  # servers started together write one version, not one each
+        if kind == "last":
+            if not (root / "latest").is_file():
+                export_for_serving(root, load_model(run, use="last")[0], dense=True)
+            return root
+        source = root / _SOURCE
+        if not (root / "latest").is_file() or not source.is_file() or read_json(source).get("step") != step:
+            export_for_serving(root, load_model(run, use="best")[0], dense=True)
+            write_json(source, {"step": step}, atomic=True)
     return root
+
+
+@contextlib.contextmanager
+def run_lock(run: Path):
+    """An exclusive lock on run directory ``run`` (``RUN/.export.lock``, ``flock``) for as long as the block runs:
+    processes that would each write a missing export (``dynemb serve`` processes started together) take turns, and
+    the later ones find the export written. Where ``fcntl`` is missing (Windows) or the directory is read-only,
+    no lock."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    try:
+        handle = open(Path(run) / ".export.lock", "a+b")  # noqa: SIM115 (closed below)
+    except OSError:  # a read-only run directory: nothing can be written there anyway
+        yield
+        return
+    with handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 class Publisher:

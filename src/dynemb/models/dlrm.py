@@ -13,7 +13,16 @@ from ..collection import EmbeddingCollection, FeatureConfig, TableConfig
 from ..data.batch import Batch
 from ..kernels.numba_dense import select_pairs
 
-__all__ = ["DLRM", "mlp", "dlrm_tables", "INTERACTION_ROWS"]
+__all__ = ["DLRM", "mlp", "dlrm_tables", "INTERACTION_ROWS", "SCORING_ROWS"]
+
+SCORING_ROWS = 16
+"""A CPU scoring pass (no autograd) runs on a multiple of this many rows, padded with zero rows that are dropped
+from the logits. torch's CPU matmuls (MKL) sum a row's products in another order when the row falls in a partial
+block of rows, so without padding a sample's logit would depend on how many samples share its pass: a served
+request's scores would move (by ~1e-6) with the traffic batched beside it, and differ from ``dynemb predict``'s.
+With 16, every row's bits are independent of the batch (tested: any batch size from 0, any offset, bit-equal to
+one 1,024-row pass; measured with torch 2.13's MKL on AVX-512, where 8 still left tails apart). GPU passes are
+not padded: cuBLAS picks its kernels by shape, so their scores carry a stated tolerance instead."""
 
 INTERACTION_ROWS = 1024
 """Samples per block of the interaction and the top MLP: a block's ``[rows, n, n]`` dots stay in cache, which on
@@ -79,8 +88,18 @@ class DLRM(nn.Module):
         """Logits ``[B]``. ``pooled``: the features' outputs when they were looked up elsewhere (a served model),
         either ``{feature: [B, D]}`` or one ``[B, F, D]`` tensor, features in :attr:`features` order (then the
         interaction takes it as it is, with no stack of ``F`` tensors); the same logits, bit for bit."""
-        dense = self.bottom(batch.dense)
         pooled = self.embeddings(self.sparse_inputs(batch)) if pooled is None else pooled
+        extra = _scoring_padding(batch.dense)
+        if extra:
+            rows = batch.dense.shape[0]
+            padded = _pad_rows(batch.dense, extra)
+            if isinstance(pooled, torch.Tensor):
+                return self._logits(self.bottom(padded), _pad_rows(pooled, extra))[:rows]
+            return self._logits(self.bottom(padded), {f: _pad_rows(pooled[f], extra) for f in self.features})[:rows]
+        return self._logits(self.bottom(batch.dense), pooled)
+
+    def _logits(self, dense: torch.Tensor, pooled: dict | torch.Tensor) -> torch.Tensor:
+        """Logits ``[B]`` of the bottom MLP's output ``dense [B, D]`` and the features' ``pooled`` outputs."""
         if isinstance(pooled, torch.Tensor):
             if dense.shape[0] <= INTERACTION_ROWS:
                 return self._interact_and_top([dense], pooled)
@@ -98,7 +117,12 @@ class DLRM(nn.Module):
         ``stacked[:, 1:]`` (``[B, n, D]``, contiguous, features in :attr:`features` order): the bottom MLP's output
         is written into ``stacked[:, 0]`` and the interaction reads each block where it lies, with no stack or
         concatenation of the ``n`` vectors (a bulk scorer fills ``stacked`` while the previous block is scored).
-        The same logits as :meth:`forward`, bit for bit."""
+        The same logits as :meth:`forward`, bit for bit (a pass of a row count that is not a multiple of
+        :data:`SCORING_ROWS` works on a padded copy, where ``stacked[:, 0]`` is written instead)."""
+        extra = _scoring_padding(dense)
+        if extra:
+            rows = dense.shape[0]
+            return self.forward_stacked(_pad_rows(dense, extra), _pad_rows(stacked, extra))[:rows]
         bottom = _run_mlp(self.bottom, dense)
         stacked[:, 0] = bottom
         if bottom.shape[0] <= INTERACTION_ROWS:
@@ -126,6 +150,21 @@ class DLRM(nn.Module):
         else:
             x = torch.cat([dense, dots.index_select(1, self._pairs)], 1)
         return (self.top(x) if run is None else run(self.top, x)).squeeze(1)
+
+
+def _scoring_padding(dense: torch.Tensor) -> int:
+    """Zero rows to add to a pass of ``dense [B, K]``'s rows: up to a multiple of :data:`SCORING_ROWS` for a CPU pass
+    without autograd (scoring), else 0 (training keeps its batch as it is)."""
+    if torch.is_grad_enabled() or not dense.is_cpu:
+        return 0
+    return -dense.shape[0] % SCORING_ROWS
+
+
+def _pad_rows(t: torch.Tensor, extra: int) -> torch.Tensor:
+    """``t`` with ``extra`` zero rows after its own (a new contiguous tensor)."""
+    out = t.new_zeros((t.shape[0] + extra, *t.shape[1:]))
+    out[:t.shape[0]] = t
+    return out
 
 
 def _numba_ok(*tensors: torch.Tensor) -> bool:
