@@ -73,14 +73,28 @@ def test_dynemb_serve_scores_like_predict_with_lmdb_and_a_token(run, tmp_path):
         assert stop(proc) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM after a clean shutdown
 
 
-def test_a_port_in_use_is_one_error_and_no_serving_line(run, capsys):
+@pytest.mark.parametrize("busy_option", ["--port", "--grpc-port"])
+def test_a_port_in_use_is_one_error_and_no_serving_line(run, capsys, monkeypatch, busy_option):
+    """Found before anything loads (an export written, a model read): the error comes in a moment, not after."""
     from dynemb.cli import main
+    from dynemb.endpoint import model as served
+    from dynemb.job import publish
 
-    with socket.socket() as busy:
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the ports were checked")
+
+    monkeypatch.setattr(publish, "serving_export", never)
+    monkeypatch.setattr(served.ServedModel, "__init__", never)
+    with socket.socket() as busy, socket.socket() as free:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        port = busy.getsockname()[1]
-        assert main(["serve", "--model", str(run / "run"), "--port", str(port), "--no-grpc"]) == 2
+        free.bind(("127.0.0.1", 0))  # a port no one listens on, once closed
+        port, other = busy.getsockname()[1], free.getsockname()[1]
+        free.close()
+        ports = {"--port": port, "--grpc-port": other} if busy_option == "--port" else \
+            {"--port": other, "--grpc-port": port}
+        args = ["serve", "--model", str(run / "run")] + [str(x) for kv in ports.items() for x in kv]
+        assert main(args) == 2
     out, err = capsys.readouterr()
     assert "serving" not in out and f"cannot listen on 127.0.0.1:{port}" in err, (out, err)
 

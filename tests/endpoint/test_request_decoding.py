@@ -334,3 +334,46 @@ def test_one_by_one_is_one_row_and_multi_hot_ids_stay_flat():
     request["inputs"][0]["shape"] = [3, 1]
     with pytest.raises(RequestError, match=re.escape("input 'm': shape must be [n], one size (all the rows' ids")):
         decode_request(request, prep, 64)
+
+
+def _binary_request(columns: dict, prep_columns=("a", "b", "c")) -> tuple[bytes, int]:
+    """A binary-extension body: BYTES columns as raw bytes values, dense columns as float32."""
+    head, raw = [], b""
+    for name, (kind, values) in columns.items():
+        if kind == "BYTES":
+            data = b"".join(len(v).to_bytes(4, "little") + v for v in values)
+        else:
+            data = np.asarray(values, "<f4").tobytes()
+        head.append({"name": name, "datatype": kind, "shape": [len(values)],
+                     "parameters": {"binary_data_size": len(data)}})
+        raw += data
+    header = json.dumps({"inputs": head}).encode()
+    return header + raw, len(header)
+
+
+def test_binary_bytes_ids_are_hashed_as_sent_even_when_not_utf8():
+    """What ``dynemb predict`` scores from a binary Parquet column, the endpoint scores too: bytes hashed as they
+    are; a text id and its UTF-8 bytes are one key. An INT64 column names the value that is no integer."""
+    odd = [b"\xff\xfe", "é".encode(), b"", b"plain"]
+    prep = prep_of({"a": "BYTES", "b": "BYTES", "c": "INT64"})
+    columns = {"a": ("BYTES", odd), "b": ("BYTES", [b"x"] * 4), "c": ("BYTES", [b"1", b"2", b"3", b"4"]),
+               "x": ("FP32", [0.0] * 4), "y": ("FP32", [1.0] * 4)}
+    body, size = _binary_request(columns)
+    batch = decode_request(parse_body(body, size), prep, 64)
+    np.testing.assert_array_equal(batch.sparse["a"].numpy(), categorical_ids(pa.array(odd, pa.binary()), "a", "a",
+                                                                             "BYTES"))
+    assert batch.sparse["a"][1] == hash_strings(["é"])[0]
+    assert batch.sparse["c"].tolist() == [1, 2, 3, 4]
+    columns["c"] = ("BYTES", [b"1", b"\xff", b"3", b"4"])
+    body, size = _binary_request(columns)
+    with pytest.raises(RequestError, match="input 'c'.*non-UTF-8 value at row 1 is not an integer id"):
+        decode_request(parse_body(body, size), prep, 64)
+
+
+@pytest.mark.parametrize("cut", [1, 3, 5, 8])
+def test_a_truncated_binary_bytes_element_names_the_input_and_the_offset(cut):
+    raw = (3).to_bytes(4, "little") + b"abc" + (5).to_bytes(4, "little") + b"hello"
+    header = json.dumps({"inputs": [{"name": "a", "datatype": "BYTES", "shape": [2],
+                                     "parameters": {"binary_data_size": len(raw) - cut}}]}).encode()
+    with pytest.raises(RequestError, match=r"input 'a': truncated binary BYTES element at byte (0|7) of"):
+        parse_body(header + raw[:len(raw) - cut], len(header))

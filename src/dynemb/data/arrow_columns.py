@@ -95,16 +95,27 @@ def _integer_text(column: pa.Array) -> pa.Array:
 def _text_ints(text: pa.Array, name: str, where: str, row_of: Callable[[int], int]) -> np.ndarray:
     """The integers of text that must be canonical decimal int64s (an ``INT64`` column)."""
     if not _is_text(text.type):
+        raw = text.dictionary_decode() if pa.types.is_dictionary(text.type) else text
         try:
-            text = pc.cast(text.dictionary_decode() if pa.types.is_dictionary(text.type) else text, pa.string())
+            text = pc.cast(raw, pa.string())
         except pa.ArrowException:  # binary that is not UTF-8: no value of it is a decimal integer
             text = None
+            # the first value that is not UTF-8 (an error path: one Python pass is fine here)
+            first = next(i for i, v in enumerate(raw.to_pylist()) if not _utf8(v))
     is_int = decimal_int64(text) if text is not None else None
     if is_int is None or not is_int.all():
-        i = 0 if is_int is None else int(np.argmin(is_int))
+        i = first if is_int is None else int(np.argmin(is_int))
         raise ValueError(f"{where}: {_shown(text, i)} at row {row_of(i)} is not an integer id, and the model reads "
                          f"{name!r} as INT64 ids (id_types in model.json)")
     return pc.cast(text, pa.int64()).to_numpy(zero_copy_only=False, writable=True)
+
+
+def _utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _shown(text, i: int) -> str:

@@ -111,6 +111,10 @@ def cmd_serve(args) -> int:
         # checked here too: with --watch, nothing would load it, and the server would wait for a version forever
         raise ValueError(f"--export {args.export}: a `dynemb train` run directory, not an export of your own model; "
                          "serve it with --model RUN_DIR")
+    # A port in use is an error now, not after the model has loaded (seconds to minutes); bound again below
+    from .http_server import check_free
+
+    check_free(args.host, [args.port] + ([] if args.no_grpc else [args.grpc_port]))
     torch.set_num_threads(args.threads)
     waiting = None  # the export root whose first version is awaited while the server already listens
     if args.watch is not None:  # following a run that may still be training: its published versions

@@ -20,6 +20,7 @@ import time
 from typing import Optional
 
 import numpy as np
+import pyarrow as pa
 
 try:
     from google.protobuf import json_format
@@ -40,13 +41,6 @@ _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_cont
              "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
              "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 _DTYPES = {datatype: np.dtype(spec) for datatype, spec in NUMPY_DTYPES.items()}
-
-
-def _utf8(values, name) -> list:
-    try:
-        return [v.decode("utf-8") for v in values]
-    except UnicodeDecodeError:
-        raise RequestError(f"input {name!r}: BYTES elements must be UTF-8 text") from None
 
 
 def request_dict(request) -> dict:
@@ -80,8 +74,8 @@ def request_dict(request) -> dict:
                                    f"({', '.join(['BYTES', *NUMPY_DTYPES])})")
         elif datatype in _CONTENTS:
             values = getattr(t.contents, _CONTENTS[datatype])
-            if datatype == "BYTES":
-                item["data"] = _utf8(values, name)
+            if datatype == "BYTES":  # kept as sent, UTF-8 or not (ids hash the bytes, as for binary tensors)
+                item["data"] = pa.array(list(values), pa.binary())
             elif datatype in NUMPY_DTYPES:
                 try:
                     item["data"] = np.asarray(values, dtype=NUMPY_DTYPES[datatype])

@@ -14,7 +14,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(f"dynemb serve needs uvicorn: pip install 'dynemb[serving]' ({exc})") from exc
 
-__all__ = ["serve", "running", "attach_grpc"]
+__all__ = ["serve", "running", "attach_grpc", "check_free"]
 
 
 def _server(app, sock: socket.socket, log_level: str) -> uvicorn.Server:
@@ -39,6 +39,13 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
+
+
+def check_free(host: str, ports: list) -> None:
+    """Raise OSError naming ``host:port`` when one of ``ports`` cannot be listened on now (in use, or not an address
+    of this machine): bound and closed at once, so that a server finds out before it loads a model."""
+    for port in ports:
+        _bind(host, port).close()
 
 
 def attach_grpc(app, host: str, port: int, **limits):

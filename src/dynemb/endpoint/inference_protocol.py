@@ -127,7 +127,7 @@ def _data(t: dict, datatypes: tuple, rows: Optional[int], one_a_row: bool = True
             hint = " (a [1, n] row is not read as n rows: send [n] or [n, 1])"
         raise RequestError(f"input {name!r}: shape must be [n] or [n, 1], n rows of one value each, got "
                            f"{shape!r}{hint}")
-    if not isinstance(data, (list, np.ndarray)):  # an ndarray: a binary tensor (parse_body)
+    if not isinstance(data, (list, np.ndarray, pa.Array)):  # an ndarray, Arrow array: a binary tensor (parse_body)
         raise RequestError(f"input {name!r}: 'data' must be a JSON list")
     if len(data) != shape[0]:
         raise RequestError(f"input {name!r}: shape {shape} but {len(data)} values")
@@ -140,7 +140,8 @@ def _data(t: dict, datatypes: tuple, rows: Optional[int], one_a_row: bool = True
 # one C pass checks every value's JSON type, where a typed conversion would turn 1.5 into 1 and true into 1.0.
 _INTEGERS = tuple(pa.type_for_alias(t) for t in ("int64", "int32", "int16", "int8", "uint64", "uint32", "uint16",
                                                    "uint8"))
-_VALUES = {"BYTES": ("strings", (pa.string(),), pa.string()),
+# BYTES: JSON strings, or the bytes of a binary tensor as sent (binary_strings: hashed as they are, UTF-8 or not)
+_VALUES = {"BYTES": ("strings", (pa.string(), pa.large_binary(), pa.binary()), None),
            "FP32": ("numbers", (pa.int64(), pa.float64(), pa.float32()), pa.float64()),
            "FP64": ("numbers", (pa.int64(), pa.float64(), pa.float32()), pa.float64()),
            # any integer datatype: what a Parquet integer column is to the readers (UINT64 kept unsigned: ids
@@ -159,7 +160,7 @@ def _array(t: dict, data) -> pa.Array:
     what, accepted, target = _VALUES[t["datatype"]]
     try:
         try:
-            array = pa.array(data)
+            array = data if isinstance(data, pa.Array) else pa.array(data)
         except OverflowError:  # JSON integers past int64: UINT64 ids may be
             if t["datatype"] != "UINT64" or not isinstance(data, list) or bool in set(map(type, data)):
                 raise
@@ -180,6 +181,8 @@ def _array(t: dict, data) -> pa.Array:
         if low < limits[0] or high > limits[1]:
             raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be in [{limits[0]}, {limits[1]}], "
                                f"got {low if low < limits[0] else high}")
+    if target is None:  # BYTES: text or bytes as they came; all-null data as text, as the readers read it
+        return array.cast(pa.string()) if array.type == pa.null() else array
     return array if array.type == target else array.cast(target)
 
 

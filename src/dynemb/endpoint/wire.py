@@ -142,18 +142,21 @@ def _parse_json(text: bytes) -> Any:
     return request
 
 
-def binary_strings(raw: bytes, name) -> list:
-    """BYTES elements of the binary extension: each a 4-byte little-endian length, then the bytes (UTF-8)."""
-    out, at = [], 0
-    while at < len(raw):
-        if at + 4 > len(raw):
-            raise RequestError(f"input {name!r}: truncated binary BYTES element")
-        n = int.from_bytes(raw[at:at + 4], "little")
-        if at + 4 + n > len(raw):
-            raise RequestError(f"input {name!r}: truncated binary BYTES element")
-        try:
-            out.append(raw[at + 4:at + 4 + n].decode("utf-8"))
-        except UnicodeDecodeError:
-            raise RequestError(f"input {name!r}: BYTES elements must be UTF-8 text") from None
-        at += 4 + n
-    return out
+def binary_strings(raw: bytes, name):
+    """BYTES elements of the binary extension (each a 4-byte little-endian length, then the bytes) as an Arrow
+    binary array, split by one numba pass (no Python object an element). The bytes are kept as sent, UTF-8 text or
+    not: an id column hashes them as they are, as ``dynemb predict`` hashes a binary Parquet column.
+
+    Raises:
+        RequestError: an element runs past the end of the tensor (the message names the input and the offset).
+    """
+    import pyarrow as pa
+
+    from ..kernels.numba_hash import split_length_prefixed
+
+    split = split_length_prefixed(np.frombuffer(raw, np.uint8))
+    if not isinstance(split, tuple):
+        raise RequestError(f"input {name!r}: truncated binary BYTES element at byte {split} of {len(raw)}")
+    offsets, data = split
+    return pa.Array.from_buffers(pa.large_binary(), len(offsets) - 1,
+                                 [None, pa.py_buffer(offsets), pa.py_buffer(data)])

@@ -118,11 +118,14 @@ class DLRM(nn.Module):
         is written into ``stacked[:, 0]`` and the interaction reads each block where it lies, with no stack or
         concatenation of the ``n`` vectors (a bulk scorer fills ``stacked`` while the previous block is scored).
         The same logits as :meth:`forward`, bit for bit (a pass of a row count that is not a multiple of
-        :data:`SCORING_ROWS` works on a padded copy, where ``stacked[:, 0]`` is written instead)."""
+        :data:`SCORING_ROWS` runs on a padded copy)."""
         extra = _scoring_padding(dense)
         if extra:
             rows = dense.shape[0]
-            return self.forward_stacked(_pad_rows(dense, extra), _pad_rows(stacked, extra))[:rows]
+            padded = _pad_rows(stacked, extra)
+            logits = self.forward_stacked(_pad_rows(dense, extra), padded)[:rows]
+            stacked[:, 0] = padded[:rows, 0]
+            return logits
         bottom = _run_mlp(self.bottom, dense)
         stacked[:, 0] = bottom
         if bottom.shape[0] <= INTERACTION_ROWS:
