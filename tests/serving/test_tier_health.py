@@ -177,3 +177,47 @@ def test_an_evicting_redis_is_refused_as_the_only_tier(exported, redis_server, r
     finally:
         client.config_set("maxmemory-policy", "noeviction")
         client.config_set("maxmemory", 0)
+
+
+def test_an_update_older_than_the_marker_leaves_the_shared_rows_alone(tmp_path, redis_address):
+    emb = trained()
+    root = tmp_path / "export"
+    export_for_serving(root, emb)
+    old = server(root, redis_address)  # version 1
+    emb.insert_or_assign(KEYS, emb.find(KEYS) + 1.0)
+    v2 = export_for_serving(root, emb, incremental=True)
+    emb.insert_or_assign(KEYS, emb.find(KEYS) + 1.0)
+    export_for_serving(root, emb, incremental=True)
+    new = server(root, redis_address)  # version 3
+    try:
+        old.apply_update(v2)  # behind the marker's version 3: Redis keeps version 3's rows
+        assert torch.equal(new.lookup("ctr", "embedding", KEYS), emb.find(KEYS))
+        with pytest.raises(TierUnavailableError, match="another server's version"):
+            old.lookup("ctr", "embedding", KEYS)
+    finally:
+        old.close()
+        new.close()
+
+
+def test_keys_redis_evicts_after_the_load_fail_the_tier_until_restored(exported, redis_server, redis_address,
+                                                                       tmp_path):
+    emb, root = exported
+    client = redis_server.client()
+    ps = server(root, redis_address, persistent={"type": "lmdb", "path": str(tmp_path / "lmdb")})
+    try:
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory-policy", "allkeys-random")
+        client.config_set("maxmemory", used + (2 << 20))
+        for k in range(200):  # another user's keys push Redis over maxmemory: it evicts, ours among them
+            client.set(f"other:{k}", b"x" * 65536)
+        assert int(client.info("stats")["evicted_keys"]) > 0
+        errors = ps.stats("ctr")["errors"]["volatile"]
+        wait_until(lambda: ps.stats("ctr")["errors"]["volatile"] > errors)  # the monitor saw the evictions
+        client.config_set("maxmemory", 0)
+        wait_until(lambda: ps.stats("ctr")["tiers"]["volatile"]["up"])  # marker written again: back
+        assert torch.equal(ps.lookup("ctr", "embedding", KEYS), emb.find(KEYS))  # evicted rows from LMDB
+        assert ps.stats("ctr")["tables"]["embedding"]["default"] == 0
+    finally:
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 0)
+        ps.close()

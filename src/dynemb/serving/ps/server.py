@@ -192,7 +192,7 @@ class ParameterServer:
                 entry = self._entry(cfg, i, manifest)
                 space = namespace(cfg.model, manifest.get("model"))
                 if space not in spaces:  # a shared store holding a newer version of it refuses the load
-                    self.tiers.claim(space, [], manifest["version"], manifest.get("digest"), force=rolling_back)
+                    self.tiers.claim(space, manifest["version"], force=rolling_back)
                     spaces[space] = (cfg.export_root(i), manifest, [])
                 keys, values = updates.replay(chain, name)
                 # 8-bit rows stay packed in every tier and cache, as 16-bit words (their bytes unchanged)

@@ -245,9 +245,9 @@ class StoreTiers:
                              "it drops would be lost; set maxmemory-policy noeviction (writes beyond maxmemory then "
                              "fail instead), or add a persistent tier that holds every row")
 
-    def claim(self, namespace: str, tables: list, version: int, digest: Optional[str], force: bool = False) -> None:
-        """Before ``tables`` (store names) of ``namespace`` are written with ``version``: raise ValueError when the
-        shared volatile store holds a newer version there (another server's; unless ``force``: a rollback)."""
+    def claim(self, namespace: str, version: int, force: bool = False) -> None:
+        """Before the tables of ``namespace`` are written with ``version``: raise ValueError when the shared
+        volatile store holds a newer version there (another server's; unless ``force``: a rollback)."""
         store = self.volatile.store
         if getattr(store, "guard", None) is None:
             return
@@ -263,6 +263,8 @@ class StoreTiers:
         if getattr(store, "guard", None) is None:
             return
         token = marker_token(version, digest)
+        if self._evicted is None:  # evictions from now on lose rows
+            self._evicted = store.evictions()[2]
         self._tokens[namespace], self._tables_of[namespace] = token, list(tables)
         self._frozen.difference_update(tables)
         store.write_marker(namespace, token)
