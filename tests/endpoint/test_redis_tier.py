@@ -130,3 +130,43 @@ def test_a_name_a_url_path_cannot_carry_is_refused(run, capsys, name):
     assert main(["serve", "--model", str(run / "run"), "--name", name, "--no-grpc"]) == 2
     err = capsys.readouterr().err
     assert "--name must be usable as it is in /v2/models/NAME/infer" in err and repr(name) in err, err
+
+
+@pytest.mark.slow
+def test_two_runs_served_under_one_name_on_one_redis_keep_their_own_rows(run, tmp_path):
+    """Blue/green: server B starts with another run's export under A's --name on A's Redis; A's answers stay its
+    own predict's (B's load wrote its rows into B's namespace, not over A's)."""
+    from dynemb.checkpoint import export_for_serving
+    from dynemb.job import load_model
+
+    other = load_model(run / "run")[0]
+    for table in other.embeddings.dynemb_tables():  # another run's rows: every row moved
+        keys, values = table.export()[:2]
+        table.insert_or_assign(keys, values + 0.25)
+    export_for_serving(tmp_path / "other", other)
+    redis = RedisServer(str(tmp_path))
+    redis.start()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    procs, urls = [], []
+    table = pq.read_table(run / "test.parquet").to_pydict()
+    expected = np.asarray(pq.read_table(run / "preds.parquet").column("probability").to_pylist())
+    try:
+        for extra in ([], ["--export", str(tmp_path / "other")]):
+            port = free_port()
+            procs.append(subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run / "run"),
+                                           "--name", "ctr", "--port", str(port), "--no-grpc", "--volatile", "redis",
+                                           "--redis-address", redis.address, "--cache-fraction", "0.05", *extra],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            urls.append(f"http://127.0.0.1:{port}")
+            wait_ready(urls[-1], procs[-1], token=None)  # A is up (and has answered nothing) before B loads
+        a = httpx.post(f"{urls[0]}/v2/models/ctr/infer", json=request(table, 0, len(expected)), timeout=30)
+        assert a.status_code == 200, a.text
+        np.testing.assert_allclose(a.json()["outputs"][0]["data"], expected, atol=1e-6, rtol=0)
+        b = httpx.post(f"{urls[1]}/v2/models/ctr/infer", json=request(table, 0, len(expected)), timeout=30)
+        assert b.status_code == 200 and not np.allclose(b.json()["outputs"][0]["data"], expected, atol=1e-3)
+        spaces = {key.split(b":", 2)[2] for key in redis.client().keys("dynemb:served:*")}
+        assert len(spaces) == 2 and all(s.startswith(b"ctr@") for s in spaces), spaces
+    finally:
+        for proc in procs:
+            stop(proc)
+        redis.kill()
