@@ -358,7 +358,7 @@ def test_the_grouped_request_path_answers_as_the_per_table_path(tmp_path, persis
         requests[-1]["b"] = torch.cat([requests[-1]["b"], met.view(1), KEYS[5:6]])
     if persistent:  # rows only the persistent tier has: the volatile one lost them
         for ps in servers:
-            ps.volatile.store.delete("m.a", KEYS[100:300])
+            ps.volatile.store.delete(ps._table("m", "a").store_name, KEYS[100:300])
     for ids in requests:
         got = [ps.lookup_many("m", ids) for ps in servers]
         for n, emb in tables.items():

@@ -77,10 +77,11 @@ def test_every_tier_serves_the_packed_rows_dequantized(trained, tmp_path, reques
     ps = server(root, volatile, persistent)
     try:
         store = ps.volatile.store
-        schema = store.schema("ctr.embedding")  # packed in the tier: 16-bit words of the row's bytes
+        name = ps._table("ctr", "embedding").store_name  # "ctr@<model id>.embedding"
+        schema = store.schema(name)  # packed in the tier: 16-bit words of the row's bytes
         assert schema.row_bytes == packed_width(kind, D)
         if persistent:  # rows only the persistent tier has
-            store.delete("ctr.embedding", KEYS[200:400])
+            store.delete(name, KEYS[200:400])
         unseen = torch.tensor([2**40, -5], dtype=torch.int64)
         g = torch.Generator().manual_seed(1)
         for grouped in (True, False, True):  # cold, then warm caches

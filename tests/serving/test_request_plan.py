@@ -62,7 +62,7 @@ def test_lookup_concat_answers_as_the_per_table_path_and_the_tables(tmp_path, re
         servers.append(_server(tmp_path / "export", volatile, persistent, grouped))
     if "lmdb" in tiers:  # rows only the persistent tier has
         for ps in servers:
-            ps.volatile.store.delete("m.a", KEYS[100:300])
+            ps.volatile.store.delete(ps._table("m", "a").store_name, KEYS[100:300])
     try:
         for tables_, sizes, ids in _requests() * 2:  # cold caches, then warmer ones
             got = [ps.lookup_concat("m", tables_, ids, sizes) for ps in servers]
@@ -227,7 +227,7 @@ def test_the_fused_path_answers_as_the_per_table_path_bit_for_bit(tmp_path, requ
     assert servers[0]._plan("m", tuple(FUSED_SPECS)).groups[0].kernel_defaults
     if "lmdb" in tiers:  # rows only the persistent tier has
         for ps in servers:
-            ps.volatile.store.delete("m.u", KEYS[100:300])
+            ps.volatile.store.delete(ps._table("m", "u").store_name, KEYS[100:300])
     g = torch.Generator().manual_seed(11)
     pool = torch.cat([KEYS, UNSEEN])
     unseen = torch.isin(pool, KEYS, invert=True)

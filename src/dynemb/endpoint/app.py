@@ -253,13 +253,17 @@ class HttpApp:
         if route == "live":
             return {"live": True}
         if route == "server_ready":
-            if not service.ready:
-                raise ProtocolError(503, f"not ready: waiting for {service.waiting_for}")
+            why = service.unready()
+            if why is not None:
+                raise ProtocolError(503, f"not ready: {why}")
             return {"ready": True}
         if route == "metadata":
             return service.model_metadata(*params)
         if route == "ready":
             service.served(*params)
+            why = service.unready()
+            if why is not None:
+                raise ProtocolError(503, f"model {service.name!r} is not ready: {why}")
             return {"name": service.name, "ready": True}
         if route == "config":
             return service.model_config(*params)

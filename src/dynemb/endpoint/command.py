@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -36,7 +38,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-idle-timeout", type=float, default=300.0, metavar="SECONDS", help="a gRPC connection "
                    "with no call open this long is sent GOAWAY and closed (clients reconnect at their next call); "
                    "0: never (default: %(default)s)")
-    p.add_argument("--name", default="dynemb", help="model name in the URL: /v2/models/NAME/infer")
+    p.add_argument("--name", default="dynemb", help="model name in the URL: /v2/models/NAME/infer (letters, digits "
+                   "and . _ - ~)")
     p.add_argument("--token", help="require `Authorization: Bearer TOKEN` on every route (default: none, no token "
                    "asked)")
     p.add_argument("--watch", type=float, nargs="?", const=WATCH_INTERVAL_S, metavar="SECONDS", help="poll the "
@@ -49,10 +52,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--volatile", default="memory", choices=["memory", "redis"], help="volatile store")
     p.add_argument("--redis-address", default="127.0.0.1:6379", help="host:port of the redis store")
     p.add_argument("--persistent", default="none", choices=["lmdb", "rocksdb", "none"], help="persistent store")
-    p.add_argument("--persistent-path", help="where the persistent store lives (default: a temp dir)")
+    p.add_argument("--persistent-path", help="where the persistent store lives (default: a temp dir, removed when "
+                   "the server stops)")
     p.add_argument("--cache-fraction", type=float, default=0.2, help="share of each table's rows cached")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+
+
+_NAME = re.compile(r"[A-Za-z0-9._~-]+")  # what a URL path segment carries as it is (RFC 3986's unreserved)
+
+
+def check_name(name: str) -> None:
+    """Refuse a ``--name`` that a URL path segment cannot carry as it is: ``/v2/models/NAME/infer`` would not reach
+    it."""
+    if not _NAME.fullmatch(name) or name in (".", ".."):
+        raise ValueError(f"--name must be usable as it is in /v2/models/NAME/infer: letters, digits and . _ - ~ "
+                         f"(not . or .. alone), got {name!r}")
 
 
 def stores(args) -> tuple[dict, dict | None]:
@@ -73,6 +88,7 @@ def cmd_serve(args) -> int:
     for option, port in (("--port", args.port), ("--grpc-port", None if args.no_grpc else args.grpc_port)):
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"{option} must be in 1..65535, got {port}")
+    check_name(args.name)
     if not args.no_grpc and args.grpc_port == args.port:
         raise ValueError(f"--grpc-port and --port must differ, both are {args.port}")
     if args.grpc_max_connections < 1:
@@ -128,6 +144,11 @@ def cmd_serve(args) -> int:
     grpc_port = None if args.no_grpc else args.grpc_port
     grpc_line = "" if grpc_port is None else f" and grpc://{args.host}:{grpc_port}"
     loader.grpc_line = grpc_line  # the line printed once --watch has loaded the first version names it too
+    # uvicorn re-raises the SIGTERM it stopped on once it has: with the default handler the process would end there,
+    # before the finally below closes the stores and removes a temporary one. Raised as an exception instead, then
+    # again with the default handler once everything is closed (the exit status stays SIGTERM's).
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    terminated = False
     try:
         # The ~300k objects torch and the model keep alive would make every full collection a 200 ms stall of
         # one request: keep them out of the collector, as latency-sensitive Python servers do.
@@ -145,10 +166,23 @@ def cmd_serve(args) -> int:
         serve(app, args.host, args.port, on_bound=bound, grpc_port=grpc_port,
               grpc_limits={"max_connections": args.grpc_max_connections,
                            "idle_timeout_s": args.grpc_idle_timeout or None})
+    except _Terminated:
+        terminated = True
     finally:
         gc.unfreeze()  # so that native extensions' objects are freed at exit, not reported as leaked
         loader.close()
+        signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        signal.raise_signal(signal.SIGTERM)
     return 1 if loader.failed else 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM, once uvicorn has stopped serving (see cmd_serve)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated()
 
 
 class _Loader:
@@ -162,22 +196,29 @@ class _Loader:
         self.grpc_line = ""
         self._stop = threading.Event()
         self._thread = None
+        self.temporary = None  # the persistent store's temp dir this server made (no --persistent-path): removed
 
     def load(self) -> None:
         from .watch import ExportWatcher
 
         args = self.args
         volatile, persistent = stores(args)
+        if persistent is not None and args.persistent_path is None:
+            self.temporary = persistent["path"]
         options = dict(name=args.name, volatile_db=volatile, persistent_db=persistent,
                        cache_fraction=args.cache_fraction, device=args.device)
-        if args.model is None:  # a model of the user's own (dynemb.serving.export_model)
-            from .served_export import ServedExport
+        try:
+            if args.model is None:  # a model of the user's own (dynemb.serving.export_model)
+                from .served_export import ServedExport
 
-            self.model = ServedExport(args.export, **options)
-        else:
-            from .model import ServedModel
+                self.model = ServedExport(args.export, **options)
+            else:
+                from .model import ServedModel
 
-            self.model = ServedModel(args.model, export=args.export, **options)
+                self.model = ServedModel(args.model, export=args.export, **options)
+        except BaseException:
+            self._remove_temporary()
+            raise
         if args.watch is not None:  # "now serving version N" lines on stderr, next to uvicorn's
             import logging
 
@@ -223,3 +264,11 @@ class _Loader:
             self.watcher.stop()
         if self.model is not None:
             self.model.close()
+        self._remove_temporary()
+
+    def _remove_temporary(self) -> None:
+        """Remove the persistent store this server made in a temp dir (a copy of every row); never a
+        --persistent-path the user named."""
+        if self.temporary is not None:
+            shutil.rmtree(self.temporary, ignore_errors=True)
+            self.temporary = None

@@ -12,7 +12,10 @@ metric                                     type       labels, meaning
 ``dynemb_rows_looked_up_total``            counter    model, table, tier: ids answered by each tier of the
                                                       parameter server (cache, volatile, persistent, default)
 ``dynemb_tier_hit_rate``                   gauge      model, tier: share of all looked-up ids answered there
-``dynemb_model_ready``                     gauge      model: 1 once a version is served
+``dynemb_model_ready``                     gauge      model: 1 while ready (a version served, its store tiers up)
+``dynemb_tier_up``                         gauge      model, tier: 1 while the store tier answers (volatile,
+                                                      persistent), 0 while it failed (down, or lost its rows)
+``dynemb_tier_errors_total``               counter    model, tier: store errors of the tier
 ``dynemb_model_version``                   gauge      model: the version served
 ``dynemb_newest_version``                  gauge      model: the newest version in the export (``latest``)
 ``dynemb_newest_version_age_seconds``      gauge      model: seconds since the newest version appeared
@@ -36,7 +39,8 @@ __all__ = ["Metrics", "METRIC_NAMES"]
 
 METRIC_NAMES = ("dynemb_requests_total", "dynemb_request_failures_total", "dynemb_request_duration_seconds",
                 "dynemb_request_rows", "dynemb_forward_rows", "dynemb_forward_duration_seconds",
-                "dynemb_rows_looked_up_total", "dynemb_tier_hit_rate", "dynemb_model_ready", "dynemb_model_version",
+                "dynemb_rows_looked_up_total", "dynemb_tier_hit_rate", "dynemb_model_ready", "dynemb_tier_up",
+                "dynemb_tier_errors_total", "dynemb_model_version",
                 "dynemb_newest_version", "dynemb_newest_version_age_seconds")
 
 # 0.5 ms .. 10 s: a request of one row to a cold Redis tier
@@ -104,8 +108,9 @@ class _ServedState:
 
     def collect(self):
         name, model = self.service.name, self.service.model
-        ready = GaugeMetricFamily("dynemb_model_ready", "1 once a version is served", labels=["model"])
-        ready.add_metric([name], 0 if model is None else 1)
+        ready = GaugeMetricFamily("dynemb_model_ready", "1 while a version is served and its store tiers are up",
+                                  labels=["model"])
+        ready.add_metric([name], 1 if self.service.ready else 0)
         yield ready
         if model is None:
             return
@@ -124,7 +129,18 @@ class _ServedState:
             age.add_metric([name], max(0.0, time.time() - since))
             yield age
         stats = getattr(model, "table_stats", None)
-        tables = stats()["tables"] if stats is not None else {}
+        stats = stats() if stats is not None else {}
+        tables = stats.get("tables", {})
+        tiers = stats.get("tiers", {})
+        if tiers:
+            up = GaugeMetricFamily("dynemb_tier_up", "1 while the store tier answers, 0 while it failed",
+                                   labels=["model", "tier"])
+            errors = CounterMetricFamily("dynemb_tier_errors", "Store errors of the tier", labels=["model", "tier"])
+            for tier, state in tiers.items():
+                up.add_metric([name, tier], 1 if state["up"] else 0)
+                errors.add_metric([name, tier], state["errors"])
+            yield up
+            yield errors
         looked = CounterMetricFamily("dynemb_rows_looked_up", "Ids answered by each parameter-server tier",
                                      labels=["model", "table", "tier"])
         totals = dict.fromkeys(_TIERS, 0)

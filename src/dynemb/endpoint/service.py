@@ -21,6 +21,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 import torch
 
+from ..serving.stores.store import StoreUnavailableError
 from .wire import RequestError
 
 __all__ = ["InferenceService", "ProtocolError", "Servable", "GRPC_CODES", "NOT_SUPPORTED", "SERVER_NAME",
@@ -239,7 +240,20 @@ class InferenceService:
 
     @property
     def ready(self) -> bool:
-        return self.model is not None
+        """A model is served, and its parameter server can answer every lookup now (:meth:`unready`)."""
+        return self.unready() is None
+
+    def unready(self) -> Optional[str]:
+        """Why the server is not ready, or None when it is: no model yet, or a store tier it needs failed (the
+        parameter server's :meth:`~dynemb.serving.ParameterServer.ready`)."""
+        model = self.model
+        if model is None:
+            return f"waiting for {self.waiting_for}"
+        check = getattr(getattr(model, "ps", None), "ready", None)
+        if check is None:
+            return None
+        ok, why = check(self.name)
+        return None if ok else why
 
     # ------------------------------------------------------------------ server
     def server_metadata(self) -> dict:
@@ -271,7 +285,7 @@ class InferenceService:
             if exc.status == 503 or (exc.status == 404 and name == self.name):
                 return False
             raise
-        return True
+        return self.unready() is None
 
     def model_metadata(self, name: str, version: Optional[str] = None) -> dict:
         model = self.served(name, version)
@@ -333,6 +347,8 @@ class InferenceService:
         else:
             try:
                 outputs, scored = await self.batcher.score(batch)
+            except StoreUnavailableError as exc:  # a store tier the lookup needed failed (TierUnavailableError)
+                raise ProtocolError(503, f"model {name!r} cannot answer now: {exc}") from None
             except (RequestError, ValueError, TypeError) as exc:
                 raise ProtocolError(400, str(exc).splitlines()[0]) from None
         if version not in (None, "") and str(scored) != version:

@@ -32,7 +32,7 @@ class TableState:
     name: str
     dim: int
     dtype: torch.dtype
-    store_name: str  # the table's name in the stores: "<model>.<table>"
+    store_name: str  # the table's name in the stores: "<model>@<model id>.<table>" (store_name)
     cache: TableCache  # the table's view of its group's cache (see .group_cache)
     default: Union[float, Initializer]
     seed: int
@@ -45,6 +45,7 @@ class TableState:
     key_dtype: torch.dtype = torch.int64  # the trained table's key dtype: an int32 one serves only int32-range ids
     codec: Optional[str] = None  # 8-bit rows (checkpoint.row_codec): stored packed, `dim` 16-bit words a row
     row_dim: int = 0  # values a row as the lookup answers it (`dim` unless packed)
+    namespace: str = ""  # "<model>@<model id>" of the export root it is served from: its marker's (see .tiers)
 
     def __post_init__(self) -> None:
         self.row_dim = self.row_dim or self.dim
@@ -104,14 +105,16 @@ def cache_capacity(cfg: ModelConfig, rows: int) -> int:
 
 
 def new_table(cfg: ModelConfig, i: int, name: str, dim: int, dtype: torch.dtype, entry: dict, cache: TableCache,
-              jitter: random.Random) -> TableState:
-    """The state of table ``i`` of ``cfg``, ``name``, from its export manifest ``entry``, cached in ``cache``."""
+              jitter: random.Random, model_id: Optional[str] = None) -> TableState:
+    """The state of table ``i`` of ``cfg``, ``name``, from its export manifest ``entry`` of the export root whose
+    model id is ``model_id``, cached in ``cache``."""
     default = cfg.default_for(i)
     if default == "initializer":
         default = _initializer(name, entry, explicit=bool(cfg.default_value_for_each_table))
-    return TableState(name, dim, dtype, store_name(cfg.model, name), cache, default, int(entry.get("seed") or 0),
-                      PendingRows(batch_rows(cache.capacity), jitter),
-                      key_dtype=parse_dtype(entry.get("key_dtype", "int64"), f"table {name!r}: key_dtype"))
+    return TableState(name, dim, dtype, store_name(cfg.model, name, model_id), cache, default,
+                      int(entry.get("seed") or 0), PendingRows(batch_rows(cache.capacity), jitter),
+                      key_dtype=parse_dtype(entry.get("key_dtype", "int64"), f"table {name!r}: key_dtype"),
+                      namespace=namespace(cfg.model, model_id))
 
 
 def _initializer(name: str, entry: dict, explicit: bool) -> Union[float, Initializer]:
@@ -129,11 +132,23 @@ def _initializer(name: str, entry: dict, explicit: bool) -> Union[float, Initial
     return 0.0
 
 
-def store_name(model: str, table: str) -> str:
-    """The table's name in the stores: ``<model>.<table>``, with the characters stores cannot hold in a name
-    (Redis hash-tag braces) percent-encoded, so every table name the user can give is served. A name too long for
-    the stores' 255 bytes becomes a digest of itself."""
-    name = f"{model}.{table.replace('%', '%25').replace('{', '%7B').replace('}', '%7D').replace('~', '%7E')}"
+def namespace(model: str, model_id: Optional[str] = None) -> str:
+    """The stores' namespace of a model served from the export root of ``model_id`` (``model.json``, shared by
+    every export of one training run): ``<model>@<model id>`` (just ``<model>`` for an export without an id), so
+    two runs served under one name never share rows, and replicas of one run do."""
+    return model if model_id is None else f"{model}@{_escaped(model_id)}"
+
+
+def _escaped(name: str) -> str:
+    return name.replace('%', '%25').replace('{', '%7B').replace('}', '%7D').replace('~', '%7E')
+
+
+def store_name(model: str, table: str, model_id: Optional[str] = None) -> str:
+    """The table's name in the stores: ``<model>@<model id>.<table>`` (see :func:`namespace`), with the characters
+    stores cannot hold in a name (Redis hash-tag braces) percent-encoded, so every table name the user can give is
+    served. A name too long for the stores' 255 bytes becomes a digest of itself."""
+    space = namespace(model, model_id)
+    name = f"{space}.{_escaped(table)}"
     if len(name.encode()) > 255:
-        name = f"{model[:180]}.~{hashlib.sha256(f'{model}.{table}'.encode()).hexdigest()[:40]}"
+        name = f"{model[:180]}.~{hashlib.sha256(f'{space}.{table}'.encode()).hexdigest()[:40]}"
     return name

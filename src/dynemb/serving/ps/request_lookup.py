@@ -288,9 +288,10 @@ def _open(part: _Part) -> tuple[torch.Tensor, list]:
     return at, torch.bincount(part.utid.index_select(0, at), minlength=len(part.tables)).tolist()
 
 
-def _read_tier(tiers: StoreTiers, tier, parts: list[_Part]) -> None:
+def _read_tier(tiers: StoreTiers, tier, parts: list[_Part]) -> bool:
     """Ask ``tier`` once for the open pairs of every part (one group's: :meth:`Store.get_concat`); rows found there
-    go up into the volatile tier when ``tier`` is the persistent one."""
+    go up into the volatile tier when ``tier`` is the persistent one. Returns whether the tier answered (False: it
+    failed)."""
     asked = []
     for part in parts:
         if part.rows is not None:
@@ -298,7 +299,7 @@ def _read_tier(tiers: StoreTiers, tier, parts: list[_Part]) -> None:
             if at.numel():
                 asked.append((part, at, per_table))
     if not asked:
-        return
+        return True
     if len(asked) == 1 and tier is tiers.volatile and asked[0][1].numel() == asked[0][0].ukey.numel() and \
             getattr(tier.store, "reads_into", False):
         # Redis, every pair open: its reply parsed straight into the part's rows (as stored: 8-bit rows as 16-bit words)
@@ -308,7 +309,7 @@ def _read_tier(tiers: StoreTiers, tier, parts: list[_Part]) -> None:
                           rows)
         if found is not None:
             part.source.numpy()[found] = 1 + _SOURCES.index(tier.name)
-        return
+        return found is not None
     if len(asked) == 1:
         part, at, per_table = asked[0]
         names = [name for name, n in zip(part.plan.names, per_table) if n]
@@ -325,7 +326,7 @@ def _read_tier(tiers: StoreTiers, tier, parts: list[_Part]) -> None:
             tuple(torch.cat(cols) for cols in zip(*(got[name] for name, n in zip(part.plan.names, per_table) if n)))
             for part, _, per_table in asked]
     if answers is None:  # the tier is unavailable: the next one answers
-        return
+        return False
     code = 1 + _SOURCES.index(tier.name)
     for (part, at, _), (values, found) in zip(asked, answers):
         hit = at[found]
@@ -339,6 +340,7 @@ def _read_tier(tiers: StoreTiers, tier, parts: list[_Part]) -> None:
                 mine = hit[tid == k]
                 tiers.volatile.call(tiers.volatile.store.put, part.tables[k].store_name,
                                     part.ukey.index_select(0, mine), part.rows.index_select(0, mine))
+    return True
 
 
 def _default_rows(part: _Part) -> None:
@@ -453,9 +455,12 @@ def lookup_request(tiers: StoreTiers, writeback, threshold: float, plan: Request
     for gp, (positions, tid, salt, per_table) in zip(plan.groups, layout.parts):
         parts.append(_from_cache(gp, ids if positions is None else ids.index_select(0, positions), tid, salt,
                                  per_table))
+    answered = False  # the tier holding every row answered the misses (else a miss left is no unknown id)
     for tier in (tiers.volatile, tiers.persistent):
-        if tier.available:
-            _read_tier(tiers, tier, parts)
+        if tier.available and _read_tier(tiers, tier, parts):
+            answered = answered or tier is tiers.complete
+    if not answered and any(bool((part.source == 0).any()) for part in parts if part.rows is not None):
+        tiers.unanswered(False)
     answers = []
     for part in parts:
         if part.rows is not None:
@@ -556,6 +561,7 @@ def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPl
 
     part = done = None
     volatile = tiers.volatile
+    answered = False  # the tier holding every row answered the misses (lookup_request)
     in_kernel = volatile.available and getattr(volatile.store, "fused_reads", False)  # the memory store
     if in_kernel and gp.kernel_defaults and not tiers.persistent.available:
         done = volatile.call(volatile.store.with_meta, tuple(gp.names), finish)  # one call: store, defaults
@@ -564,17 +570,23 @@ def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPl
         if in_kernel:  # the memory store's rows read by the kernel; the persistent tier and torch's defaults next
             if volatile.call(volatile.store.with_meta, tuple(gp.names), lambda meta: finish(meta, True)) is not None:
                 asked = asked[1:]
+                answered = volatile is tiers.complete
         elif volatile.available and getattr(volatile.store, "reads_into", False):
             # Redis: the reply parsed into rows_t by numba, no tensor made (None: it failed, and backs off)
             found = volatile.call(volatile.store.get_concat_into, tuple(gp.names), ukey, utid, rows_np)
             if found is not None:
                 source_np[found] = 1
                 asked = asked[1:]
+                answered = volatile is tiers.complete
         asked = [tier for tier in asked if tier.available]
         if (asked or not gp.kernel_defaults) and not source_np.all():
             part = torch_part()
             for tier in asked:
-                _read_tier(tiers, tier, [part])
+                if _read_tier(tiers, tier, [part]):
+                    answered = answered or tier is tiers.complete
+        if not answered and not source_np.all():
+            tiers.unanswered(False)
+        if asked or not gp.kernel_defaults:
             if not gp.kernel_defaults:
                 _default_rows(part)
         finish(_NO_META)

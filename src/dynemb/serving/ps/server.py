@@ -18,15 +18,15 @@ from ...checkpoint.export_format import read_chain, read_export, version_name
 from ...checkpoint.manifest import MANIFEST, SERVING_FORMAT, complete
 from ...checkpoint.row_codec import packed_width, quantized_kind
 from . import updates
-from .cache import TableState, cache_capacity, new_table, store_name
+from .cache import TableState, cache_capacity, namespace, new_table, store_name
 from .group_cache import GroupCache, TableCache
 from .lineage import Lineage, summary
 from .request_lookup import RequestPlan, concat_answers, lookup_fused, lookup_request, settle_stats, split_answers
 from .table_lookup import Lookup, read_tiers
-from .tiers import StoreTier, StoreTiers
+from .tiers import StoreTier, StoreTiers, TierUnavailableError
 from .writeback import WriteBack
 
-__all__ = ["ParameterServer"]
+__all__ = ["ParameterServer", "TierUnavailableError"]
 
 
 class ParameterServer:
@@ -71,6 +71,9 @@ class ParameterServer:
         self.grouped = True  # lookups take every table of a request together (.request_lookup); False: table by table
         self.fused = True  # grouped lookups of one CPU cache in two numba calls (lookup_fused); False: not
         self._plans: dict[tuple, RequestPlan] = {}  # (model, tables) -> the plan of their requests
+        self._roots: dict[str, dict] = {}  # model -> {namespace: its export root}: what a lost tier is restored from
+        self.tiers.check_evicting()
+        self.tiers.start_monitor(self._restore)
 
     @classmethod
     def from_config(cls, source: Union[str, Path, Mapping], *, seed: int = 0) -> "ParameterServer":
@@ -115,6 +118,39 @@ class ParameterServer:
         chains = {root: read_chain(root) for root in cfg.export_roots()}
         self._install(cfg, chains, progress)
 
+    def ready(self, model: Optional[str] = None) -> tuple[bool, str]:
+        """``(whether lookups of ``model`` — or of every model — answer correctly now, why not)``: the tier
+        holding every row is up, its rows are there and of the version served (:mod:`.tiers`). While it is not,
+        lookups whose misses need it raise :class:`TierUnavailableError`."""
+        if model is not None:
+            self._model(model)
+        return self.tiers.ready()
+
+    def _restore(self, tier: StoreTier) -> None:
+        """Write the rows of every loaded model's version served into ``tier`` again (its store lost them), then
+        the markers: on the tiers' monitor thread, under each model's lock (no update meanwhile). With a
+        persistent tier holding every row, only the markers: the misses read the rows from there."""
+        if tier is self.tiers.volatile and self.tiers.complete is not tier:
+            self.tiers.rewrite_markers()
+            return
+        for model in list(self._tables):
+            with self._locks[model]:
+                roots = self._roots.get(model, {})
+                by_space: dict[str, list] = {}
+                for t in self._tables[model].values():
+                    by_space.setdefault(t.namespace, []).append(t)
+                for space, members in by_space.items():
+                    lineage = members[0].lineage
+                    chain = read_chain(roots[space] / version_name(lineage.version))
+                    for t in members:
+                        keys, values = updates.replay(chain, t.name)
+                        kind = quantized_kind(chain[-1][0]["tables"][t.name]["dtype"])
+                        tier.store.create_table(t.store_name, t.dim, t.dtype)
+                        for start in range(0, keys.numel(), 1 << 18):
+                            tier.store.put(t.store_name, keys[start:start + (1 << 18)],
+                                           t.stored(values[start:start + (1 << 18)], kind))
+        self.tiers.rewrite_markers()
+
     def rollback(self, model: str, version: int, progress: bool = False) -> None:
         """Serve the full export ``version`` of ``model``'s export roots again, in place of what is served.
 
@@ -137,13 +173,15 @@ class ParameterServer:
                 raise ValueError(f"cannot roll model {model!r} back to version {version}: in {root} it is a delta "
                                  f"export; roll back to a full one (kept: {full})")
             chains[root] = [read_export(root / version_name(version))]
-        self._install(cfg, chains, progress)
+        self._install(cfg, chains, progress, rolling_back=True)
 
-    def _install(self, cfg: ModelConfig, chains: Mapping[Path, list], progress: bool) -> None:
+    def _install(self, cfg: ModelConfig, chains: Mapping[Path, list], progress: bool,
+                 rolling_back: bool = False) -> None:
         """Serve the tables of ``cfg`` as of the last export of each root's chain, with new caches."""
         from tqdm.auto import tqdm
 
         tables: dict[str, TableState] = {}
+        spaces: dict[str, tuple] = {}  # namespace -> (export root, manifest, store names)
         names = cfg.embedding_table_names
         with self._locks[cfg.model], tqdm(total=len(names), desc=f"loading {cfg.model}", unit="table",
                                           disable=not progress) as bar:
@@ -152,12 +190,17 @@ class ParameterServer:
                 chain = chains[cfg.export_root(i)]
                 manifest = chain[-1][0]
                 entry = self._entry(cfg, i, manifest)
+                space = namespace(cfg.model, manifest.get("model"))
+                if space not in spaces:  # a shared store holding a newer version of it refuses the load
+                    self.tiers.claim(space, manifest["version"], force=rolling_back)
+                    spaces[space] = (cfg.export_root(i), manifest, [])
                 keys, values = updates.replay(chain, name)
                 # 8-bit rows stay packed in every tier and cache, as 16-bit words (their bytes unchanged)
                 kind = quantized_kind(entry["dtype"])
                 dtype = torch.float16 if kind else parse_dtype(entry["dtype"], f"table {name!r}: dtype")
                 width = packed_width(kind, dim) // 2 if kind else dim
-                store = store_name(cfg.model, name)
+                store = store_name(cfg.model, name, manifest.get("model"))
+                spaces[space][2].append(store)
                 self.tiers.create_table(store, width, dtype)
                 self.tiers.replace(store, keys, values.view(dtype) if kind else values.to(dtype))
                 loaded.append((i, name, (width, dtype, kind, dim), entry, keys.numel(), manifest))
@@ -176,12 +219,15 @@ class ParameterServer:
                 stats_lock = threading.Lock()
                 for k, ((i, name, _, entry, _, manifest), capacity) in enumerate(zip(members, capacities)):
                     table = new_table(cfg, i, name, width, dtype, entry, TableCache(group, k, capacity),
-                                      self._jitter)
+                                      self._jitter, manifest.get("model"))
                     table.codec, table.row_dim = kind, dim
                     table.stats_lock = stats_lock
                     table.lineage = Lineage.of(manifest)
                     tables[name] = table
             tables = {name: tables[name] for name in names}
+            for space, (_, manifest, stores) in spaces.items():  # the rows are written: the markers say so
+                self.tiers.mark(space, stores, manifest["version"], manifest.get("digest"))
+            self._roots[cfg.model] = {space: root for space, (root, _, _) in spaces.items()}
             self._tables[cfg.model] = tables
             self._plans = {key: plan for key, plan in self._plans.items() if key[0] != cfg.model}
             self.versions[cfg.model] = {**summary(tables), "loaded_unix": time.time()}
@@ -492,7 +538,7 @@ class ParameterServer:
         tables = {name: {**t.stats, "hit_rate": t.hit_rate, "cache_rows": t.cache.size(),
                          "cache_capacity": t.cache.max_capacity, "cache_bytes": t.cache.nbytes()}
                   for name, t in self._model_tables(model).items()}
-        return {"tables": tables, "errors": self.tiers.errors,
+        return {"tables": tables, "errors": self.tiers.errors, "tiers": self.tiers.state(),
                 **self.versions.get(model, {})}
 
     def reset_stats(self, model: str) -> None:

@@ -117,14 +117,21 @@ def read_tiers(tiers: StoreTiers, lookups: list[Lookup]) -> None:
     """Ask the volatile tier, then the persistent one, for the keys of ``lookups`` that are still missing: one call
     per tier for every table. Rows found in the persistent tier are copied into the volatile one."""
     volatile = tiers.volatile
+    answered = False  # the tier holding every row answered (else a key left is not known to be unknown)
     for tier in (volatile, tiers.persistent):
         waiting = [m for m in lookups if m.todo.numel()]
-        if not waiting or not tier.available:
+        if not waiting:
+            answered = True
+            break
+        if not tier.available:
             continue
         got = tier.call(tier.store.get_many, {m.t.store_name: m.keys.index_select(0, m.todo) for m in waiting})
         if got is None:
             continue
+        answered = answered or tier is tiers.complete
         for m in waiting:
             where = m.take(tier.name, *got[m.t.store_name])
             if tier is tiers.persistent and where.numel() and volatile.available:
                 volatile.call(volatile.store.put, m.t.store_name, *m.picked(where))
+    if not answered and any(m.todo.numel() and not m.cache_skipped for m in lookups):
+        tiers.unanswered(False)

@@ -42,10 +42,18 @@ def apply_update(manifest: dict, payload: Mapping[str, dict], served: Mapping[st
                 raise ValueError(f"{manifest['path']}: table {name!r} has dim {dim}, served as {t.row_dim} "
                                  "(nothing was changed)")
     full = manifest["kind"] == "full"
+    spaces: dict[str, list] = {}  # a shared volatile store's marker says the new version before its rows change
+    for tables in targets.values():
+        for t in tables.values():
+            spaces.setdefault(t.namespace, []).append(t.store_name)
+    for space, stores in spaces.items():
+        tiers.begin_update(space, stores, manifest["version"], manifest.get("digest"))
     for tables in targets.values():
         for name, t in tables.items():
             _update_table(t, payload[name], full, tiers, quantized_kind(manifest["tables"][name]["dtype"]))
             t.lineage = Lineage.of(manifest)
+    for space, stores in spaces.items():
+        tiers.end_update(space, stores)
     return targets
 
 

@@ -15,6 +15,7 @@ from .store import (
     StoreError,
     StoreFullError,
     StoreReadOnlyError,
+    StoreRowsLostError,
     StoreUnavailableError,
     TableSchema,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "StoreFullError",
     "StoreReadOnlyError",
     "StoreCorruptError",
+    "StoreRowsLostError",
     "make_store",
     "store_classes",
     "STORE_TYPES",

@@ -9,6 +9,8 @@ key                                    holds
 ``{<table>:<shard>}#z``                sorted set of the shard's 8-byte keys, scored by write time (µs);
                                        gives ``size`` (``ZCARD``) and the eviction order (oldest write first)
 ``dynemb:tables``                      hash: table name -> JSON ``{"dim", "dtype", "shards"}``
+``dynemb:served:<namespace>``          a reader's marker (:meth:`RedisStore.guard`): the version whose rows the
+                                       namespace's tables hold
 =====================================  =====================================================================
 
 The 8-byte key is big-endian with the sign bit flipped; ``shard = splitmix64(key) mod shards``, zero-padded to a
@@ -21,6 +23,14 @@ server write the ``MGET`` commands in one numba pass and parse the reply from th
 (:func:`~dynemb.kernels.numba_find_many.read_mget_reply`, RESP2 or RESP3), rows copied straight to their place, on
 reader connections the store keeps (redis-py's connection class: handshake, password, timeouts); every other command
 goes through redis-py's client and pool.
+
+Markers. Redis can lose rows behind a reader's back (a restart without persistence, ``FLUSHALL``, eviction under
+``maxmemory``) or another server can overwrite them (another version of the same model). A reader that registers
+a marker key for its tables (:meth:`RedisStore.guard`) gets it read in the same round trip as every read of those
+tables (one more ``MGET`` in the same send, its reply parsed after the rows'), and a
+:class:`~dynemb.serving.stores.store.StoreRowsLostError` when the marker is gone or holds a value it does not
+accept, so a lookup never answers from rows the store lost. The parameter server writes the marker after its rows
+(:mod:`dynemb.serving.ps.tiers`).
 
 Failures. Construction pings the server and raises :class:`StoreUnavailableError` (a ``ConnectionError``)
 naming the address when it cannot be reached or rejects the password. During calls a lost or timed-out
@@ -55,12 +65,14 @@ from dynemb.kernels.dispatch import numba_available
 from dynemb.table.hashing import mix64
 
 from .store import (OverflowPolicy, Store, StoreConfig, StoreCorruptError, StoreError, StoreFullError,
-                    StoreUnavailableError, TableSchema)
+                    StoreRowsLostError, StoreUnavailableError, TableSchema)
 from .row_bytes import decode_keys, decode_rows, encode_keys, encode_rows, unsort
 
 __all__ = ["RedisStore", "RedisStoreConfig", "parse_address"]
 
 SCHEMA_KEY = b"dynemb:tables"
+MARKER_PREFIX = "dynemb:served:"
+_MARKER_REPLY_BYTES = 512  # reply bytes kept for each marker value (a version and a digest: ~80 bytes)
 _UNAVAILABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterError)
 _UNAVAILABLE += (redis.exceptions.RedisClusterException,)
 _NO_PREFIX = np.empty(0, dtype=np.uint8)
@@ -197,10 +209,81 @@ class RedisStore(Store):
         self._packings: dict[tuple, tuple] = {}  # tables of get_concat -> their prefixes for pack_mget
         self._readers: list = []  # free connections of _read_rows (the pool's lending costs more than a read)
         self._reader_pid = os.getpid()
+        self._marker_of: dict[str, bytes] = {}  # table -> its marker key (guard)
+        self._accepted: dict[bytes, frozenset] = {}  # marker key -> the values its readers accept
+        self._markers_of: dict[tuple, tuple] = {}  # tables of a read -> (marker keys, their MGET command bytes)
         self._client = self._connect()
 
     def __repr__(self) -> str:
         return f"RedisStore(address={self.config.address!r}, cluster={self.config.cluster})"
+
+    # ------------------------------------------------------------------ markers
+    def guard(self, tables, marker: str, accepted) -> None:
+        """Check the marker key ``dynemb:served:<marker>`` on every read of ``tables`` from now on: a read raises
+        :class:`StoreRowsLostError` when it is gone (``lost``) or holds none of the values ``accepted`` (strs).
+        Called again, it replaces what the marker accepts."""
+        key = (MARKER_PREFIX + marker).encode()
+        self._accepted[key] = frozenset(v.encode() for v in accepted)
+        for table in tables:
+            self._marker_of[table] = key
+        self._markers_of = {}
+
+    @_translated
+    def read_marker(self, marker: str) -> bytes | None:
+        """The value of the marker key of ``marker`` (see :meth:`guard`), or None when it is not set."""
+        return self._client.get(MARKER_PREFIX + marker)
+
+    @_translated
+    def write_marker(self, marker: str, value: str) -> None:
+        """Set the marker key of ``marker`` to ``value``."""
+        self._client.set(MARKER_PREFIX + marker, value)
+
+    @_translated
+    def check_markers(self) -> None:
+        """Read every guarded marker (one round trip): raises :class:`StoreRowsLostError` as a read would,
+        StoreUnavailableError when the server cannot be reached."""
+        keys = sorted(self._accepted)
+        if keys:
+            self._check_markers(keys, self._client.execute_command("MGET", *keys))
+        else:
+            self._client.ping()
+
+    @_translated
+    def evictions(self) -> tuple[str, int, int]:
+        """``(maxmemory_policy, maxmemory, evicted_keys)`` from the server's ``INFO``: whether and how many keys
+        Redis dropped on its own."""
+        info = self._client.info("memory") if not self.config.cluster else {}
+        stats = self._client.info("stats") if not self.config.cluster else {}
+        return str(info.get("maxmemory_policy", "noeviction")), int(info.get("maxmemory", 0)), \
+            int(stats.get("evicted_keys", 0))
+
+    def _read_markers(self, tables) -> tuple:
+        """``(marker keys, the MGET command reading them in RESP)`` of a read of ``tables`` (empty: none
+        guarded)."""
+        kept = self._markers_of.get(tables)
+        if kept is None:
+            keys = tuple(sorted({self._marker_of[t] for t in tables if t in self._marker_of}))
+            command = b""
+            if keys:
+                parts = [b"*%d\r\n$4\r\nMGET\r\n" % (1 + len(keys))]
+                parts += [b"$%d\r\n%s\r\n" % (len(k), k) for k in keys]
+                command = b"".join(parts)
+            if len(self._markers_of) > 256:
+                self._markers_of.clear()
+            kept = self._markers_of[tables] = (keys, command)
+        return kept
+
+    def _check_markers(self, keys, values) -> None:
+        for key, value in zip(keys, values):
+            if value is None:
+                raise StoreRowsLostError(f"Redis at {self.config.address} lost the rows of {key.decode()!r}: its "
+                                         "marker key is gone (the server restarted empty, was flushed, or evicted "
+                                         "keys)", lost=True)
+            if value not in self._accepted[key]:
+                raise StoreRowsLostError(f"Redis at {self.config.address}: {key.decode()!r} holds the rows of "
+                                         f"{value.decode(errors='replace')!r}, another server's version; this one "
+                                         f"serves {' or '.join(sorted(v.decode() for v in self._accepted[key]))}",
+                                         lost=False)
 
     def _connect(self):
         host, port = parse_address(self.config.address)
@@ -269,7 +352,8 @@ class RedisStore(Store):
         batches = [self._batch(self._layouts[table], keys) for table, _, keys in requests]
         names = [encode_keys(b.keys, self._layouts[table].prefixes, b.shard_of) for (table, _, _), b in
                  zip(requests, batches)]
-        replies = iter(self._mget([n[lo:hi] for n, b in zip(names, batches) for _, lo, hi in b.bounds]))
+        replies = iter(self._mget([n[lo:hi] for n, b in zip(names, batches) for _, lo, hi in b.bounds],
+                                  tuple(table for table, _, _ in requests)))
         out = {}
         for (table, schema, _), n, b in zip(requests, names, batches):
             values, found = decode_rows(list(itertools.chain.from_iterable(next(replies) for _ in b.bounds)), schema, n)
@@ -285,7 +369,8 @@ class RedisStore(Store):
             names += encode_keys(keys, layout.prefixes, hashed.remainder(layout.shards).numpy().astype(np.int16))
         step = self.config.chunk_size
         blobs = list(itertools.chain.from_iterable(self._mget([names[lo: lo + step]
-                                                               for lo in range(0, len(names), step)])))
+                                                               for lo in range(0, len(names), step)],
+                                                              tuple(table for table, _, _ in requests))))
         out, start = {}, 0
         for schema, group in itertools.groupby(zip(requests, sizes), key=lambda item: item[0][1]):
             tables, counts = zip(*((table, n) for (table, _, _), n in group))  # one decode per run of one schema
@@ -309,7 +394,7 @@ class RedisStore(Store):
         names = self._names(tables, keys, sizes)
         step = self.config.chunk_size
         blobs = list(itertools.chain.from_iterable(self._mget([names[lo: lo + step]
-                                                               for lo in range(0, len(names), step)])))
+                                                               for lo in range(0, len(names), step)], tables)))
         return decode_rows(blobs, schema, names)
 
     @property
@@ -374,20 +459,28 @@ class RedisStore(Store):
                                                     pack_mget_into)
 
         shards, base, width, prefixes, widest = self._packing(tables)
+        markers, marker_command = self._read_markers(tables)
         n, chunk = keys.shape[0], self.config.chunk_size
         commands = -(-n // chunk)
         conn = self._take_reader()
         try:
-            request, reply = _buffers(conn, mget_command_bound(n, chunk, widest),
-                                      mget_reply_bound(n, chunk, schema.row_bytes))
+            extra = len(marker_command)
+            request, reply = _buffers(conn, mget_command_bound(n, chunk, widest) + extra,
+                                      mget_reply_bound(n, chunk, schema.row_bytes) + _MARKER_REPLY_BYTES * len(markers))
             used = pack_mget_into(keys, table_of, shards, base, width, prefixes, chunk, request)
             if used < 0:
                 raise ValueError(f"table_of must index the {len(tables)} tables, got {int(table_of[-1 - used])}")
+            if extra:  # the markers' MGET in the same send: no round trip more
+                request[used:used + extra] = np.frombuffer(marker_command, np.uint8)
+                used += extra
             for attempt in (0, 1):
                 try:
                     conn.send_packed_command([memoryview(request)[:used]], check_health=False)
-                    return self._receive(conn._sock, reply, mget_reply_state(commands), out, found, zero, keys,
-                                         schema)
+                    values = self._receive(conn._sock, reply, mget_reply_state(commands), out, found, zero, keys,
+                                           schema, len(markers))
+                    if markers:
+                        self._check_markers(markers, values)
+                    return
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                     conn.disconnect()
                     if attempt:
@@ -411,8 +504,9 @@ class RedisStore(Store):
             return pool.connection_class(**pool.connection_kwargs)
 
     def _receive(self, sock, reply: np.ndarray, state: np.ndarray, out: np.ndarray, found: np.ndarray, zero: bool,
-                 keys: np.ndarray, schema) -> None:
-        """Read MGET replies from ``sock`` into ``reply`` and parse them into ``out`` and ``found`` as they come."""
+                 keys: np.ndarray, schema, markers: int = 0) -> list | None:
+        """Read MGET replies from ``sock`` into ``reply`` and parse them into ``out`` and ``found`` as they come;
+        then, with ``markers``, the reply of the markers' MGET that follows: its values (bytes or None)."""
         from dynemb.kernels.numba_find_many import (MGET_BAD_LENGTH, MGET_DONE, MGET_ERROR_REPLY, MGET_RUNNING,
                                                     read_mget_reply)
 
@@ -428,9 +522,15 @@ class RedisStore(Store):
             if not got:
                 raise redis.exceptions.ConnectionError("Connection closed by server.")
             end += got
-            status = read_mget_reply(reply, end, state, out, found, zero)
+            status = state[4] if state[4] == MGET_DONE else read_mget_reply(reply, end, state, out, found, zero)
             if status == MGET_DONE:
-                return
+                if not markers:
+                    return None
+                values = _marker_values(reply, int(state[0]), end, markers)
+                if values is not None:
+                    return values
+                if end < reply.shape[0]:
+                    continue
             if status == MGET_RUNNING and end < reply.shape[0]:
                 continue
             if status == MGET_BAD_LENGTH:
@@ -488,14 +588,21 @@ class RedisStore(Store):
                 names[at] = encode_keys(keys[torch.from_numpy(at)], stack, row[at])
         return names.tolist()
 
-    def _mget(self, commands: list) -> list:
-        """The reply of one MGET per list of names in ``commands``, all sent in one round trip."""
-        if len(commands) == 1:
+    def _mget(self, commands: list, tables: tuple = ()) -> list:
+        """The reply of one MGET per list of names in ``commands``, all sent in one round trip, with the markers
+        of ``tables`` (:meth:`guard`) read and checked in it too."""
+        markers = self._read_markers(tables)[0]
+        if len(commands) == 1 and not markers:
             return [self._client.execute_command("MGET", *commands[0])]
         pipe = self._pipeline(write=False)
         for names in commands:
             pipe.execute_command("MGET", *names)
-        return pipe.execute()
+        if markers:
+            pipe.execute_command("MGET", *markers)
+        replies = pipe.execute()
+        if markers:
+            self._check_markers(markers, replies.pop())
+        return replies
 
     @_translated
     def _put(self, table, schema, keys, values) -> None:
@@ -586,6 +693,35 @@ def _buffers(conn, request: int, reply: int) -> tuple[np.ndarray, np.ndarray]:
             return kept
         conn._dynemb_buffers = kept
     return kept
+
+
+def _marker_values(reply: np.ndarray, pos: int, end: int, count: int) -> list | None:
+    """The ``count`` values (bytes, or None for a null) of the MGET reply at ``reply[pos:end]``; None while it is
+    incomplete. Raises redis-py's ResponseError / InvalidResponse for an error or another reply."""
+    data = bytes(reply[pos:end])
+    line, sep, rest = data.partition(b"\r\n")
+    if not sep:
+        return None
+    if line[:1] == b"-":
+        raise redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
+    if line != b"*%d" % count:
+        raise redis.exceptions.InvalidResponse(f"Protocol error, got {line[:40]!r} in a marker reply")
+    values = []
+    for _ in range(count):
+        line, sep, rest = rest.partition(b"\r\n")
+        if not sep:
+            return None
+        if line in (b"$-1", b"_"):
+            values.append(None)
+            continue
+        if line[:1] != b"$" or not line[1:].isdigit():
+            raise redis.exceptions.InvalidResponse(f"Protocol error, got {line[:40]!r} in a marker reply")
+        length = int(line[1:])
+        if len(rest) < length + 2:
+            return None
+        values.append(rest[:length])
+        rest = rest[length + 2:]
+    return values
 
 
 def _interleave(a: list, b: list) -> list:

@@ -43,6 +43,7 @@ __all__ = [
     "StoreFullError",
     "StoreReadOnlyError",
     "StoreCorruptError",
+    "StoreRowsLostError",
 ]
 
 _CPU = torch.device("cpu")
@@ -66,6 +67,16 @@ class StoreReadOnlyError(StoreError, PermissionError):
 
 class StoreCorruptError(StoreError):
     """A stored row does not have the byte length of its table's schema."""
+
+
+class StoreRowsLostError(StoreError):
+    """A shared store no longer holds the rows a reader needs: their marker key is gone (the server restarted
+    empty, was flushed, or evicted it: ``lost`` True), or holds another version of the model (another server
+    wrote its rows: ``lost`` False). What was read is not to be used."""
+
+    def __init__(self, message: str, lost: bool) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 class OverflowPolicy(str, enum.Enum):
