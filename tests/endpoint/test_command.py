@@ -1,5 +1,6 @@
 """``dynemb serve`` as a process: it listens on loopback, answers like ``dynemb predict``, and stops on SIGTERM."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -31,6 +32,22 @@ def wait_ready(url: str, proc: subprocess.Popen, seconds: float = 120.0, token: 
             pass
         time.sleep(0.2)
     raise TimeoutError(f"dynemb serve did not come up within {seconds} s")
+
+
+@contextlib.contextmanager
+def serving(run, *options: str, token: str | None = None):
+    """A real ``dynemb serve`` of run ``run`` as 'ctr' (HTTP and gRPC on free ports, ``options`` added), ready;
+    yields ``("127.0.0.1:HTTP", "127.0.0.1:GRPC")`` and stops it after."""
+    port, grpc_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "dynemb", "serve", "--model", str(run / "run"), "--name", "ctr",
+            *(["--token", token] if token else []), "--port", str(port), "--grpc-port", str(grpc_port), *options]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc, token=token)
+        yield f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
+    finally:
+        stop(proc)
 
 
 def stop(proc: subprocess.Popen, seconds: float = 30.0) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from test_command import SRC, free_port, stop, wait_ready
+from test_command import SRC, free_port, serving, stop, wait_ready
 
 http = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -27,16 +27,8 @@ ROWS = 60
 
 @pytest.fixture(scope="module")
 def server(run):
-    port, grpc_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run / "run"), "--name", "ctr",
-                             "--token", TOKEN, "--port", str(port), "--grpc-port", str(grpc_port)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, token=TOKEN)
-        yield f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
-    finally:
-        stop(proc)
+    with serving(run, token=TOKEN) as addresses:
+        yield addresses
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,7 @@
 gRPC deadlines (``client_timeout``, ``grpc-timeout``), and the habits of tritonclient's example scripts."""
 
 import asyncio
-import os
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -14,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_command import SRC, free_port, stop, wait_ready
+from test_command import serving
 
 http = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -28,16 +25,8 @@ ROWS = 24
 
 @pytest.fixture(scope="module")
 def server(run):
-    port, grpc_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run / "run"), "--name", "ctr",
-                             "--port", str(port), "--grpc-port", str(grpc_port)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, token=None)
-        yield f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
-    finally:
-        stop(proc)
+    with serving(run) as addresses:
+        yield addresses
 
 
 @pytest.fixture(scope="module")

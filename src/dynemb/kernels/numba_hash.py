@@ -29,17 +29,10 @@ def _rotl(x, r):
 
 
 @numba.njit(inline="always")
-def _read64(data, at):
+def _read(data, at, size):
+    """The ``size`` bytes at ``data[at]`` as a little-endian unsigned integer (uint64)."""
     v = np.uint64(0)
-    for k in range(8):
-        v |= np.uint64(data[at + k]) << np.uint64(8 * k)
-    return v
-
-
-@numba.njit(inline="always")
-def _read32(data, at):
-    v = np.uint64(0)
-    for k in range(4):
+    for k in range(size):
         v |= np.uint64(data[at + k]) << np.uint64(8 * k)
     return v
 
@@ -67,10 +60,10 @@ def _xxh64(data, start, end, seed):
         v4 = seed - _P1
         limit = end - 32
         while p <= limit:
-            v1 = _round(v1, _read64(data, p))
-            v2 = _round(v2, _read64(data, p + 8))
-            v3 = _round(v3, _read64(data, p + 16))
-            v4 = _round(v4, _read64(data, p + 24))
+            v1 = _round(v1, _read(data, p, 8))
+            v2 = _round(v2, _read(data, p + 8, 8))
+            v3 = _round(v3, _read(data, p + 16, 8))
+            v4 = _round(v4, _read(data, p + 24, 8))
             p += 32
         h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
         h = _merge(h, v1)
@@ -81,11 +74,11 @@ def _xxh64(data, start, end, seed):
         h = seed + _P5
     h = h + np.uint64(n)
     while p + 8 <= end:
-        h = h ^ _round(np.uint64(0), _read64(data, p))
+        h = h ^ _round(np.uint64(0), _read(data, p, 8))
         h = _rotl(h, 27) * _P1 + _P4
         p += 8
     if p + 4 <= end:
-        h = h ^ (_read32(data, p) * _P1)
+        h = h ^ (_read(data, p, 4) * _P1)
         h = _rotl(h, 23) * _P2 + _P3
         p += 4
     while p < end:
