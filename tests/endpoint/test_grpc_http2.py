@@ -430,6 +430,13 @@ def test_grpc_timeout_is_read_from_the_request_headers(served):
         assert status_of(decoder, frames(sock), 3)["grpc-status"] == "0"
 
 
+def server_settings(sock) -> dict:
+    """``{identifier: value}`` of the server's first SETTINGS frame (not an ACK) on a raw connection."""
+    payload = frames_until(sock, lambda k, f, s, p: k == 4 and not f & 1)[-1][3]
+    return {int.from_bytes(payload[i:i + 2], "big"): int.from_bytes(payload[i + 2:i + 6], "big")
+            for i in range(0, len(payload), 6)}
+
+
 def test_data_beyond_the_stream_window_is_a_flow_control_error_of_that_stream(limited):
     # padding counts against the window but not the message limit: 300 frames of padding only go past the
     # 65535 bytes announced for a stream (RFC 9113 6.9.1)
@@ -437,9 +444,7 @@ def test_data_beyond_the_stream_window_is_a_flow_control_error_of_that_stream(li
 
     encoder, decoder = hpack.Encoder(), hpack.Decoder()
     with open_raw(limited) as sock:
-        settings = frames_until(sock, lambda k, f, s, p: k == 4 and not f & 1)[-1][3]
-        window = {int.from_bytes(settings[i:i + 2], "big"): int.from_bytes(settings[i + 2:i + 6], "big")
-                  for i in range(0, len(settings), 6)}[4]
+        window = server_settings(sock)[4]
         assert window == 65535
         sock.sendall(frame(1, 0x4, 1, request_block(encoder, "/t.T/Echo"))
                      + b"".join(frame(0, 0x8, 1, bytes([255]) + bytes(255)) for _ in range(window // 256 + 1)))
@@ -534,9 +539,7 @@ def test_a_header_list_over_the_announced_size_fails_its_call_and_keeps_the_conn
 
     encoder, decoder = hpack.Encoder(), hpack.Decoder()
     with open_raw(served) as sock:
-        settings = frames_until(sock, lambda k, f, s, p: k == 4 and not f & 1)[-1][3]
-        limit = {int.from_bytes(settings[i:i + 2], "big"): int.from_bytes(settings[i + 2:i + 6], "big")
-                 for i in range(0, len(settings), 6)}[6]
+        limit = server_settings(sock)[6]
         assert 4096 <= limit <= 64 << 10
         sock.sendall(call_frames(encoder, 1, "/t.T/Echo", b"x", [("x-big", "v" * limit)]))
         trailers = status_of(decoder, frames(sock))
