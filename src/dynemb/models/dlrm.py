@@ -158,8 +158,9 @@ class DLRM(nn.Module):
 def _scoring_padding(dense: torch.Tensor) -> int:
     """Zero rows to add to a pass of ``dense [B, K]``'s rows: up to a multiple of :data:`SCORING_ROWS` for a CPU pass
     without autograd (scoring), else 0 (training keeps its batch as it is)."""
-    if torch.is_grad_enabled() or not dense.is_cpu:
-        return 0
+    if torch.is_grad_enabled() or not dense.is_cpu or type(dense) is not torch.Tensor or \
+            torch.compiler.is_compiling():
+        return 0  # training, a GPU, or tracing (torch.export: a symbolic batch size is not branched on)
     return -dense.shape[0] % SCORING_ROWS
 
 
