@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from test_command import serving
+from test_inference_protocol import inputs
 
 http = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -46,17 +47,6 @@ def as_columns(arrays: dict) -> dict:
     return {n: (v if n == "tags" else v.reshape(-1, 1), d) for n, (v, d) in arrays.items()}
 
 
-def triton_inputs(module, arrays: dict, binary=None) -> list:
-    out = []
-    for name, (values, datatype) in arrays.items():
-        out.append(module.InferInput(name, list(values.shape), datatype))
-        if binary is None:
-            out[-1].set_data_from_numpy(values)
-        else:
-            out[-1].set_data_from_numpy(values, binary_data=binary)
-    return out
-
-
 def typed_request(arrays: dict) -> bytes:
     """A ModelInferRequest with typed ``contents`` (what tritonclient never sends, other clients do)."""
     request = pb.ModelInferRequest(model_name="ctr")
@@ -79,15 +69,15 @@ def test_features_shaped_b_by_1_score_bit_equal_to_b_over_http_and_grpc(server, 
     shaped = as_columns(columns)
     client = http.InferenceServerClient(server[0], network_timeout=30)
     try:
-        want = client.infer("ctr", triton_inputs(http, columns)).as_numpy("probability")
+        want = client.infer("ctr", inputs(http, columns)).as_numpy("probability")
         assert want.shape == (ROWS,)
         for binary in (False, True):
-            got = client.infer("ctr", triton_inputs(http, shaped, binary)).as_numpy("probability")
+            got = client.infer("ctr", inputs(http, shaped, binary)).as_numpy("probability")
             assert got.tobytes() == want.tobytes(), binary
     finally:
         client.close()
     with grpcclient.InferenceServerClient(server[1]) as g:
-        got = g.infer("ctr", triton_inputs(grpcclient, shaped)).as_numpy("probability")
+        got = g.infer("ctr", inputs(grpcclient, shaped)).as_numpy("probability")
         assert got.tobytes() == want.tobytes()
     assert grpc_probability(server[1], typed_request(shaped)).tobytes() == want.tobytes()
     assert grpc_probability(server[1], typed_request(columns)).tobytes() == want.tobytes()
@@ -102,18 +92,18 @@ def test_other_shapes_are_errors_naming_the_input_on_both_transports(server, col
     client = http.InferenceServerClient(server[0], network_timeout=30)
     try:
         with pytest.raises(InferenceServerException, match=r"input 'item': shape must be \[n\] or \[n, 1\]"):
-            client.infer("ctr", triton_inputs(http, bad, True))
+            client.infer("ctr", inputs(http, bad, True))
         with pytest.raises(InferenceServerException, match=r"input 'price'.*a \[1, n\] row is not read as n rows"):
-            client.infer("ctr", triton_inputs(http, row))
+            client.infer("ctr", inputs(http, row))
     finally:
         client.close()
     with grpcclient.InferenceServerClient(server[1]) as g:
         with pytest.raises(InferenceServerException, match=r"input 'item': shape must be \[n\] or \[n, 1\]") as e:
-            g.infer("ctr", triton_inputs(grpcclient, bad))
+            g.infer("ctr", inputs(grpcclient, bad))
         assert "INVALID_ARGUMENT" in str(e.value.status())
         tags = {**as_columns(columns), "tags": (columns["tags"][0].reshape(-1, 1), "BYTES")}
         with pytest.raises(InferenceServerException, match=r"input 'tags': shape must be \[n\], one size"):
-            g.infer("ctr", triton_inputs(grpcclient, tags))
+            g.infer("ctr", inputs(grpcclient, tags))
 
 
 def raw_infer(address: str, message: bytes, timeout: str) -> dict:
@@ -150,7 +140,7 @@ def raw_infer(address: str, message: bytes, timeout: str) -> dict:
 
 def test_grpc_deadlines_are_honoured_and_expired_work_is_not_started(server, columns):
     with grpcclient.InferenceServerClient(server[1]) as g:
-        g.infer("ctr", triton_inputs(grpcclient, columns))
+        g.infer("ctr", inputs(grpcclient, columns))
         time.sleep(0.2)  # the counts of earlier calls are in
         before = g.get_inference_statistics("ctr", as_json=True)["model_stats"][0]
         message = typed_request(columns)
@@ -160,7 +150,7 @@ def test_grpc_deadlines_are_honoured_and_expired_work_is_not_started(server, col
         after = g.get_inference_statistics("ctr", as_json=True)["model_stats"][0]
         # tritonclient's client_timeout is the call's grpc-timeout
         with pytest.raises(InferenceServerException) as error:
-            g.infer("ctr", triton_inputs(grpcclient, columns), client_timeout=1e-4)
+            g.infer("ctr", inputs(grpcclient, columns), client_timeout=1e-4)
         assert "DEADLINE_EXCEEDED" in str(error.value.status())
         assert g.is_server_live(client_timeout=30)
     assert int(after["execution_count"]) == int(before["execution_count"]) + 1  # the expired one never ran
@@ -217,8 +207,8 @@ def test_http_has_no_deadline_header_and_a_slow_client_still_gets_its_answer(ser
     # parameter "timeout" (microseconds, tritonclient's infer(timeout=)) is Triton's dynamic batcher queue policy
     client = http.InferenceServerClient(server[0], network_timeout=30)
     try:
-        want = client.infer("ctr", triton_inputs(http, columns)).as_numpy("probability")
-        got = client.infer("ctr", triton_inputs(http, columns), headers={"grpc-timeout": "1n"})
+        want = client.infer("ctr", inputs(http, columns)).as_numpy("probability")
+        got = client.infer("ctr", inputs(http, columns), headers={"grpc-timeout": "1n"})
         assert got.as_numpy("probability").tobytes() == want.tobytes()
     finally:
         client.close()
@@ -240,12 +230,12 @@ def test_tritonclient_example_habits_over_http_and_grpc(server, columns):
     for module, client in ((http, http.InferenceServerClient(server[0], network_timeout=30)),
                            (grpcclient, grpcclient.InferenceServerClient(server[1]))):
         try:
-            want = client.infer("ctr", triton_inputs(module, small)).as_numpy("probability")
+            want = client.infer("ctr", inputs(module, small)).as_numpy("probability")
             for label, arrays in variants.items():
                 for binary in ((None,) if module is grpcclient else (False, True)):
-                    got = client.infer("ctr", triton_inputs(module, arrays, binary)).as_numpy("probability")
+                    got = client.infer("ctr", inputs(module, arrays, binary)).as_numpy("probability")
                     assert got.tobytes() == want.tobytes(), (module.__name__, label, binary)
-            result = client.infer("ctr", triton_inputs(module, small), request_id="req-9",
+            result = client.infer("ctr", inputs(module, small), request_id="req-9",
                                   parameters={"tenant": "a", "n": 3}, timeout=1000, priority=1)
             assert result.as_numpy("probability").tobytes() == want.tobytes()
             response = result.get_response()
@@ -253,7 +243,7 @@ def test_tritonclient_example_habits_over_http_and_grpc(server, columns):
             for _ in range(2):  # twice: gRPC reuses the parse of a request header seen before
                 with pytest.raises(InferenceServerException, match=r"output 'probability': classification "
                                                                    r"\(class_count=2\) is not supported"):
-                    client.infer("ctr", triton_inputs(module, small),
+                    client.infer("ctr", inputs(module, small),
                                  outputs=[module.InferRequestedOutput("probability", class_count=2)])
         finally:
             client.close()
