@@ -164,10 +164,11 @@ def test_every_config_round_trips_through_its_dict_and_json(kind):
 
 
 def test_each_registered_data_class_is_generated():
-    """The strategies above cover every registered class that holds data (all but the callable record)."""
+    """The strategies above cover every registered class that holds data (all but the callable record). The draws are
+    derandomized: with random ones a class drawn rarely (an optimizer inside a table config) was missed in some runs."""
     covered = set()
 
-    @settings(max_examples=300, deadline=None)
+    @settings(max_examples=300, deadline=None, derandomize=True)
     @given(st.one_of(*CONFIGS.values()))
     def collect(config):
         covered.add(type(config))

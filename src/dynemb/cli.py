@@ -238,11 +238,11 @@ EXPORT_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "flo
 
 def _export_dtype(value: str):
     """``--dtype``'s value as a torch dtype (argparse names the option and the choices when it raises)."""
-    import torch
+    from .serialization import parse_dtype
 
     if value not in EXPORT_DTYPES:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(EXPORT_DTYPES)}, got {value!r}")
-    return getattr(torch, value)
+    return parse_dtype(value, "--dtype")
 
 
 def cmd_export(args) -> int:

@@ -44,7 +44,7 @@ def _servers(tmp_path, request, tiers: str, dtype: torch.dtype, tables: dict) ->
         servers.append(ps)
     if "+" in tiers:  # rows only the persistent tier has
         for ps in servers:
-            ps.volatile.store.delete("m.u", KEYS[100:300])
+            ps.volatile.store.delete(ps._table("m", "u").store_name, KEYS[100:300])
     return servers
 
 

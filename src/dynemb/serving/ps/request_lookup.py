@@ -585,10 +585,9 @@ def lookup_fused(tiers: StoreTiers, writeback, threshold: float, plan: RequestPl
                 if _read_tier(tiers, tier, [part]):
                     answered = answered or tier is tiers.complete
         if not answered and not source_np.all():
-            tiers.unanswered(False)
-        if asked or not gp.kernel_defaults:
-            if not gp.kernel_defaults:
-                _default_rows(part)
+            tiers.unanswered(False)  # raises: no default rows for ids the failed tier may hold
+        if part is not None and not gp.kernel_defaults:
+            _default_rows(part)
         finish(_NO_META)
     _account_fused(gp, sizes_np, missed, served)
     fetched = np.flatnonzero((source_np == 1) | (source_np == 2))
