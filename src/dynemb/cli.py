@@ -238,11 +238,12 @@ EXPORT_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "flo
 
 def _export_dtype(value: str):
     """``--dtype``'s value as a torch dtype (argparse names the option and the choices when it raises)."""
+    from .checkpoint.row_codec import QUANTIZED
     from .serialization import parse_dtype
 
     if value not in EXPORT_DTYPES:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(EXPORT_DTYPES)}, got {value!r}")
-    return parse_dtype(value, "--dtype")
+    return QUANTIZED[value] if value in QUANTIZED else parse_dtype(value, "--dtype")  # 8-bit rows: the codec's
 
 
 def cmd_export(args) -> int:
