@@ -167,6 +167,10 @@ def test_a_short_input_is_named_with_both_row_counts():
     request["inputs"][4] = {"name": "y", "datatype": "FP32", "shape": [4], "data": [0.5, 1, 2, 3]}
     with pytest.raises(RequestError, match=r"^input 'y': 4 rows, but 4 other inputs"):
         decode_request(request, PREP, 64)
+    # a shape that disagrees with its own data (a typo in one shape) is named as that, not as a row count
+    request["inputs"][4] = {"name": "y", "datatype": "FP32", "shape": [4], "data": [0.5, 1, 2]}
+    with pytest.raises(RequestError, match=r"^input 'y': shape \[4\] but 3 values$"):
+        decode_request(request, PREP, 64)
 
 
 def test_multi_hot_ids_follow_the_column_id_type_and_name_the_row_of_a_bad_value():

@@ -261,6 +261,10 @@ def _check_row_counts(inputs: dict, names: list) -> None:
     if len(set(sizes)) > 1:
         common = max(sizes, key=sizes.count)  # ties: the first input's count
         odd = next(n for n, c in counts.items() if c != common)
+        data = inputs[odd].get("data")
+        if isinstance(data, (list, np.ndarray, pa.Array)) and len(data) != counts[odd]:
+            # its shape is what disagrees with its own data (a client's typo in one shape): say that first
+            raise RequestError(f"input {odd!r}: shape {inputs[odd]['shape']} but {len(data)} values")
         others = sizes.count(common)
         raise RequestError(f"input {odd!r}: {counts[odd]} rows, but {others} other input{'s' * (others > 1)} "
                            f"({', '.join(repr(n) for n, c in counts.items() if c == common)[:200]}) "
