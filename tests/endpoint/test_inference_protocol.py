@@ -123,6 +123,7 @@ def test_every_grpc_call_of_tritonclient(server, rows):
         assert client.is_model_ready("ctr", headers=dict(headers))
         assert client.is_model_ready("ctr", "1", headers=dict(headers))
         assert not client.is_model_ready("ctr", "2", headers=dict(headers))
+        assert not client.is_model_ready("other", headers=dict(headers))  # ready=false, as Triton answers
         meta = client.get_server_metadata(headers=dict(headers), as_json=True)
         assert meta["name"] == "dynemb"
         for version in ("", "1"):

@@ -319,7 +319,14 @@ def _handlers(server: GrpcServer) -> dict:
         return pb.ServerReadyResponse(ready=service.ready)
 
     async def ready(request):
-        return pb.ModelReadyResponse(ready=service.model_ready(request.name, request.version or None))
+        # Triton's ModelReady answers ready=false for a model it does not know (HTTP's is a 404, which
+        # tritonclient.http reads as False too): a probe script written for Triton must not get an error here
+        try:
+            return pb.ModelReadyResponse(ready=service.model_ready(request.name, request.version or None))
+        except ProtocolError as exc:
+            if exc.status != 404:
+                raise
+            return pb.ModelReadyResponse(ready=False)
 
     async def server_metadata(request):
         return json_format.ParseDict(service.server_metadata(), pb.ServerMetadataResponse())
