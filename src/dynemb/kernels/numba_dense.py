@@ -14,10 +14,18 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
 
 from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
 
-__all__ = ["select_pairs", "normalize_dense"]
+__all__ = ["select_pairs", "normalize_dense", "takes"]
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether these kernels may take ``tensors`` as numpy arrays: plain float32 CPU tensors outside autograd and
+    tracing (``torch.export``'s fake tensors are subclasses)."""
+    return all(type(t) is torch.Tensor and t.is_cpu and t.dtype == torch.float32 and not t.requires_grad
+               for t in tensors) and not torch.compiler.is_compiling()
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)

@@ -6,13 +6,24 @@ kernels' caches (``find src -name '*.nb[ic]' -delete``) or they keep the old cod
 
 from __future__ import annotations
 
+import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["bits_float", "cell_bits", "float_bits", "fma", "prefetch_row", "prefetch_row_for_write", "acc_new",
-           "acc_add", "acc_fma", "acc_store"]
+__all__ = ["rows_within", "bits_float", "cell_bits", "float_bits", "fma", "prefetch_row", "prefetch_row_for_write",
+           "acc_new", "acc_add", "acc_fma", "acc_store"]
+
+
+@numba.njit(inline="always")
+def rows_within(rows, count, limit):
+    """Whether ``rows[:count]`` all lie in ``[0, limit)``: the range check a kernel makes before it writes anything
+    (all or nothing; numba does not check bounds)."""
+    for i in range(count):
+        if rows[i] < 0 or rows[i] >= limit:
+            return False
+    return True
 
 
 @intrinsic

@@ -24,7 +24,7 @@ from numba.extending import overload
 from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
 from .numba_index import _mix64, radix_sort
 from .numba_math import (acc_add, acc_fma, acc_new, acc_store, bits_float, float_bits, fma, prefetch_row,
-                         prefetch_row_for_write)
+                         prefetch_row_for_write, rows_within)
 
 __all__ = ["bag_of", "block_width", "dedup", "fill_pair", "fill_rows", "gather", "grouped_bags", "mark_rows",
            "move_rows", "offsets_valid", "pool", "row_grad", "rows_current", "lowest_rows", "scatter", "settle_marks",
@@ -300,9 +300,8 @@ def _gather_kernel(values, rows, out):
 @numba.njit(nogil=True, cache=True)
 def _move_kernel(dst, dst_rows, src, src_rows):
     n = dst_rows.shape[0]
-    for i in range(n):  # all or nothing, as _fill_pair_kernel
-        if dst_rows[i] < 0 or dst_rows[i] >= dst.shape[0] or src_rows[i] < 0 or src_rows[i] >= src.shape[0]:
-            return False
+    if not (rows_within(dst_rows, n, dst.shape[0]) and rows_within(src_rows, n, src.shape[0])):  # all or nothing
+        return False
     for i in range(n):
         if i + _AHEAD < n:
             prefetch_row(src, src_rows[i + _AHEAD])
@@ -314,9 +313,8 @@ def _move_kernel(dst, dst_rows, src, src_rows):
 @numba.njit(nogil=True, cache=True)
 def _scatter_kernel(values, rows, src):
     n = rows.shape[0]
-    for i in range(n):  # all or nothing, as _fill_pair_kernel
-        if rows[i] < 0 or rows[i] >= values.shape[0]:
-            return False
+    if not rows_within(rows, n, values.shape[0]):  # all or nothing, as _fill_pair_kernel
+        return False
     for i in range(n):
         if i + _AHEAD < n:
             prefetch_row_for_write(values, rows[i + _AHEAD])

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import numba_cache  # noqa: F401  (first: it sets the cache directory of the kernels below)
-from .numba_math import prefetch_row, prefetch_row_for_write
+from .numba_math import prefetch_row, prefetch_row_for_write, rows_within
 
 __all__ = ["exchange_with_file", "gather_raw", "rows_from_raw", "rows_to_raw", "swap_rows", "swap_with_raw", "words"]
 
@@ -43,9 +43,8 @@ def swap_rows(a: torch.Tensor, a_rows: torch.Tensor, b: torch.Tensor, b_rows: to
 @numba.njit(nogil=True, cache=True)
 def _swap_kernel(a, a_rows, b, b_rows):
     n = a_rows.shape[0]
-    for i in range(n):  # all or nothing
-        if a_rows[i] < 0 or a_rows[i] >= a.shape[0] or b_rows[i] < 0 or b_rows[i] >= b.shape[0]:
-            return False
+    if not (rows_within(a_rows, n, a.shape[0]) and rows_within(b_rows, n, b.shape[0])):  # all or nothing
+        return False
     for i in range(n):
         if i + _AHEAD < n:
             prefetch_row_for_write(a, a_rows[i + _AHEAD])
@@ -90,9 +89,8 @@ def gather_raw(raw: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
 @numba.njit(nogil=True, cache=True)
 def _gather_raw_kernel(raw, rows, out):
     n, w = rows.shape[0], raw.shape[1]
-    for i in range(n):
-        if rows[i] < 0 or rows[i] >= raw.shape[0]:
-            return False
+    if not rows_within(rows, n, raw.shape[0]):
+        return False
     for i in range(n):
         if i + _AHEAD < n:
             prefetch_row(raw, rows[i + _AHEAD])
@@ -130,9 +128,8 @@ def _to_raw_kernel(raw, off, col, rows):
     n, w = rows.shape[0], col.shape[1]
     if off + w > raw.shape[1]:
         return False
-    for i in range(n):
-        if rows[i] < 0 or rows[i] >= col.shape[0]:
-            return False
+    if not rows_within(rows, n, col.shape[0]):
+        return False
     for i in range(n):
         if i + _AHEAD < n:
             prefetch_row_for_write(col, rows[i + _AHEAD])
@@ -147,9 +144,8 @@ def _from_raw_kernel(col, rows, raw, raw_rows, off):
     n, w = rows.shape[0], col.shape[1]
     if off + w > raw.shape[1]:
         return False
-    for i in range(n):
-        if rows[i] < 0 or rows[i] >= col.shape[0] or raw_rows[i] < 0 or raw_rows[i] >= raw.shape[0]:
-            return False
+    if not (rows_within(rows, n, col.shape[0]) and rows_within(raw_rows, n, raw.shape[0])):
+        return False
     for i in range(n):
         if i + _AHEAD < n:
             prefetch_row_for_write(col, rows[i + _AHEAD])
@@ -178,9 +174,8 @@ def _swap_raw_kernel(col, rows, down, up, off):
     n, w = rows.shape[0], col.shape[1]
     if off + w > down.shape[1] or off + w > up.shape[1]:
         return False
-    for i in range(n):
-        if rows[i] < 0 or rows[i] >= col.shape[0]:
-            return False
+    if not rows_within(rows, n, col.shape[0]):
+        return False
     for i in range(n):
         if i + _AHEAD < n:
             prefetch_row_for_write(col, rows[i + _AHEAD])
@@ -226,12 +221,8 @@ def _exchange_file_kernel(cols, offs, victims, down, file, up_at, up_dest, pad):
     for c in range(nc):
         if cols[c].shape[0] != rows:
             return False
-    for i in range(v):
-        if victims[i] < 0 or victims[i] >= rows:
-            return False
-    for i in range(u):
-        if up_dest[i] < 0 or up_dest[i] >= rows or up_at[i] < 0 or up_at[i] >= file.shape[0]:
-            return False
+    if not (rows_within(victims, v, rows) and rows_within(up_dest, u, rows) and rows_within(up_at, u, file.shape[0])):
+        return False
     for i in range(max(u, v)):
         a = i + _AHEAD
         if a < v:

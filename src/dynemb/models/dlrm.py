@@ -11,7 +11,7 @@ from torch import nn
 
 from ..collection import EmbeddingCollection, FeatureConfig, TableConfig
 from ..data.batch import Batch
-from ..kernels.numba_dense import select_pairs
+from ..kernels.numba_dense import select_pairs, takes
 
 __all__ = ["DLRM", "mlp", "dlrm_tables", "INTERACTION_ROWS", "SCORING_ROWS"]
 
@@ -146,7 +146,7 @@ class DLRM(nn.Module):
         """Logits ``[b]``: the pairwise dots of ``stacked [b, n, D]`` (``dense [b, D]`` its first vector), then
         the top MLP (through ``run(mlp, x)`` when given: :func:`_run_mlp`)."""
         dots = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1)
-        if _numba_ok(stacked, dense):
+        if takes(stacked, dense):
             # one pass writes the top MLP's input (index_select and cat: two passes and a temporary; same bits)
             x = torch.empty(dense.shape[0], dense.shape[1] + self._pairs.shape[0])
             select_pairs(dots.numpy(), dense.numpy(), self._pairs.numpy(), x.numpy())
@@ -169,13 +169,6 @@ def _pad_rows(t: torch.Tensor, extra: int) -> torch.Tensor:
     out = t.new_zeros((t.shape[0] + extra, *t.shape[1:]))
     out[:t.shape[0]] = t
     return out
-
-
-def _numba_ok(*tensors: torch.Tensor) -> bool:
-    """Whether a CPU kernel may take ``tensors`` as numpy arrays: plain float32 CPU tensors outside autograd and
-    tracing (``torch.export``'s fake tensors are subclasses)."""
-    return all(type(t) is torch.Tensor and t.is_cpu and t.dtype == torch.float32 and not t.requires_grad
-               for t in tensors) and not torch.compiler.is_compiling()
 
 
 def _run_mlp(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
