@@ -32,7 +32,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from .grpc_http2 import GrpcError, Http2GrpcServer
 from .service import GRPC_CODES, NOT_SUPPORTED, InferenceService, ProtocolError, numpy_datatype, requested_outputs
-from .wire import NUMPY_DTYPES, RequestError, binary_strings
+from .wire import NUMPY_DTYPES, RequestError, binary_bytes
 
 __all__ = ["GrpcServer", "InferRequests", "request_dict"]
 
@@ -68,7 +68,7 @@ def request_dict(request) -> dict:
                                        f"{datatype} values")
                 item["data"] = np.frombuffer(blob, dtype=dtype)
             elif datatype == "BYTES":
-                item["data"] = binary_strings(blob, name)
+                item["data"] = binary_bytes(blob, name)
             else:
                 raise RequestError(f"input {name!r}: datatype {datatype!r} is none this server reads "
                                    f"({', '.join(['BYTES', *NUMPY_DTYPES])})")

@@ -140,7 +140,7 @@ def _data(t: dict, datatypes: tuple, rows: Optional[int], one_a_row: bool = True
 # one C pass checks every value's JSON type, where a typed conversion would turn 1.5 into 1 and true into 1.0.
 _INTEGERS = tuple(pa.type_for_alias(t) for t in ("int64", "int32", "int16", "int8", "uint64", "uint32", "uint16",
                                                    "uint8"))
-# BYTES: JSON strings, or the bytes of a binary tensor as sent (binary_strings: hashed as they are, UTF-8 or not)
+# BYTES: JSON strings, or the bytes of a binary tensor as sent (binary_bytes: hashed as they are, UTF-8 or not)
 _VALUES = {"BYTES": ("strings", (pa.string(), pa.large_binary(), pa.binary()), None),
            "FP32": ("numbers", (pa.int64(), pa.float64(), pa.float32()), pa.float64()),
            "FP64": ("numbers", (pa.int64(), pa.float64(), pa.float32()), pa.float64()),

@@ -25,7 +25,7 @@ try:  # numeric `data` arrays straight into numpy, no Python object per value: 0
 except ImportError:  # pragma: no cover - depends on the environment
     simdjson = None
 
-__all__ = ["RequestError", "parse_body", "dumps_json", "binary_strings", "NUMPY_DTYPES"]
+__all__ = ["RequestError", "parse_body", "dumps_json", "binary_bytes", "NUMPY_DTYPES"]
 
 
 class RequestError(ValueError):
@@ -68,7 +68,7 @@ def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
             raise RequestError(f"input {name!r}: binary_data_size {size!r} does not fit the body")
         raw, at = body[at:at + size], at + size
         if t.get("datatype") == "BYTES":
-            t["data"] = binary_strings(raw, name)
+            t["data"] = binary_bytes(raw, name)
         elif t.get("datatype") not in NUMPY_DTYPES:
             raise RequestError(f"input {name!r}: datatype {t.get('datatype')!r} is none this server reads "
                                f"({', '.join(['BYTES', *NUMPY_DTYPES])})")
@@ -142,7 +142,7 @@ def _parse_json(text: bytes) -> Any:
     return request
 
 
-def binary_strings(raw: bytes, name):
+def binary_bytes(raw: bytes, name):
     """BYTES elements of the binary extension (each a 4-byte little-endian length, then the bytes) as an Arrow
     binary array, split by one numba pass (no Python object an element). The bytes are kept as sent, UTF-8 text or
     not: an id column hashes them as they are, as ``dynemb predict`` hashes a binary Parquet column.
