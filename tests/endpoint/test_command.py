@@ -156,3 +156,27 @@ def test_grpc_limits_out_of_range_are_refused_before_anything_loads(tmp_path, ca
     assert main(["serve", "--export", str(tmp_path / "nothing"), option, value]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line == f"dynemb serve: error: {message}", line
+
+
+def test_loading_a_run_to_serve_or_export_builds_no_optimizer(run, tmp_path):
+    """Serving and exporting read rows and the dense part only: building the tables' sparse optimizer imports
+    torch's compiler stack (``torch.optim`` wraps its constructor with dynamo: ~2.6 s of a fresh ``dynemb serve``'s
+    start on a 2-core machine). A fresh process loads the served model, writes the run's missing export and the
+    best model's export, and must not have imported ``torch._dynamo``."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run / "run", copy)
+    shutil.rmtree(copy / "export", ignore_errors=True)
+    code = ("import sys\n"
+            "from dynemb.endpoint.model import ServedModel\n"
+            "from dynemb.job.publish import serving_export\n"
+            f"ServedModel({str(copy)!r})\n"
+            f"serving_export({str(copy)!r}, use='best')\n"
+            f"serving_export({str(copy)!r}, use='last')\n"
+            "print('dynamo' if 'torch._dynamo' in sys.modules else 'clean')\n")
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "clean"
+    assert (copy / "export" / "latest").is_file()

@@ -66,7 +66,7 @@ def ensure_export(run: Path, export: Optional[Path]) -> Path:
     root = Path(run) / "export"
     with run_lock(Path(run)):
         if not (root / "latest").is_file():
-            model, _ = load_model(Path(run))
+            model, _ = load_model(Path(run), optimizer=False)
             export_for_serving(root, model)
     return root
 
@@ -397,7 +397,7 @@ def _skeleton(run: Path):
 
     card = read_card(run)
     prep = card.preprocessing
-    return build_dlrm(len(prep.dense), prep.features, card.config).eval(), card
+    return build_dlrm(len(prep.dense), prep.features, card.config, optimizer=False).eval(), card
 
 
 def _dense_of(run: Path, version_dir: Path, model: nn.Module) -> dict:
@@ -406,7 +406,7 @@ def _dense_of(run: Path, version_dir: Path, model: nn.Module) -> dict:
 
     dense, source = read_dense(version_dir), version_dir
     if dense is None:
-        dense, source = dense_state(load_model(run)[0]), run
+        dense, source = dense_state(load_model(run, optimizer=False)[0]), run
     return check_dense(model, dense, strict=True, source=source)
 
 

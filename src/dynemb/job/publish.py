@@ -50,11 +50,11 @@ def serving_export(run, use: str = "best") -> Path:
     with run_lock(run):  # servers started together write one version, not one each
         if kind == "last":
             if not (root / "latest").is_file():
-                export_for_serving(root, load_model(run, use="last")[0], dense=True)
+                export_for_serving(root, load_model(run, use="last", optimizer=False)[0], dense=True)
             return root
         source = root / _SOURCE
         if not (root / "latest").is_file() or not source.is_file() or read_json(source).get("step") != step:
-            export_for_serving(root, load_model(run, use="best")[0], dense=True)
+            export_for_serving(root, load_model(run, use="best", optimizer=False)[0], dense=True)
             write_json(source, {"step": step}, atomic=True)
     return root
 
