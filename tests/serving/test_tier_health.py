@@ -221,3 +221,42 @@ def test_keys_redis_evicts_after_the_load_fail_the_tier_until_restored(exported,
         client.config_set("maxmemory-policy", "noeviction")
         client.config_set("maxmemory", 0)
         ps.close()
+
+
+def test_a_redis_set_to_evict_at_runtime_stays_failed_until_it_stops_not_refilled_in_a_loop(
+        exported, redis_server, redis_address):
+    """Redis alone holds every row and an operator turns eviction on at runtime: rewriting the rows would push them
+    out again, so the tier stays failed (not ready, misses 503, the reason names the policy) and nothing is written
+    until Redis stops evicting; then the rows come back, all of them."""
+    emb, root = exported
+    client = redis_server.client()
+    ps = server(root, redis_address)
+    restores = []
+    restore = ps.tiers._restore
+    ps.tiers._restore = lambda tier: (restores.append(tier), restore(tier))
+    try:
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory-policy", "allkeys-random")
+        client.config_set("maxmemory", used + (2 << 20))
+        for k in range(200):  # another user's keys push Redis over maxmemory: it evicts, ours among them
+            client.set(f"other:{k}", b"x" * 65536)
+        assert int(client.info("stats")["evicted_keys"]) > 0
+        wait_until(lambda: not ps.ready()[0])
+        time.sleep(3.0)  # several probes (back-off 0.25 s doubling to 2 s): none may rewrite the rows
+        ready, why = ps.ready()
+        assert not ready and "maxmemory-policy allkeys-random" in why
+        assert restores == []
+        with pytest.raises(TierUnavailableError, match="allkeys-random"):
+            ps.lookup("ctr", "embedding", KEYS)
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 0)
+        wait_until(lambda: ps.ready()[0])
+        assert len(restores) == 1
+        assert torch.equal(ps.lookup("ctr", "embedding", KEYS), emb.find(KEYS))
+        assert ps.stats("ctr")["tables"]["embedding"]["default"] == 0
+    finally:
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 0)
+        for k in range(200):
+            client.delete(f"other:{k}")
+        ps.close()

@@ -200,6 +200,11 @@ class StoreTiers:
     def _probe(self, tier: StoreTier) -> None:
         try:
             if tier.lost and self._restore is not None:
+                # A Redis set to evict at runtime would drop rows again as they are written: the tier stays failed
+                # (ready false, misses 503) until it no longer evicts, instead of rewriting every row in a loop.
+                why = self._evicting() if tier is self.volatile else None
+                if why:
+                    raise StoreRowsLostError(f"{why}; its rows are written again once it stops evicting", lost=True)
                 self._restore(tier)
             check = getattr(tier.store, "check_markers", None)
             if check is not None:  # Redis: reachable, and the rows of the versions served are there
@@ -235,15 +240,23 @@ class StoreTiers:
     def check_evicting(self) -> None:
         """Refuse a Redis that evicts keys under ``maxmemory`` when it is the complete tier: its lost rows would be
         answered as defaults between two checks."""
+        why = self._evicting()
+        if why:
+            raise ValueError(why)
+
+    def _evicting(self) -> Optional[str]:
+        """Why the volatile tier cannot hold every row (a Redis that evicts keys under ``maxmemory`` while it is the
+        complete tier), or None."""
         evictions = getattr(self.volatile.store, "evictions", None)
         if evictions is None or self.complete is not self.volatile:
-            return
+            return None
         policy, maxmemory, evicted = evictions()
         self._evicted = evicted
         if maxmemory and policy in _EVICTING:
-            raise ValueError(f"{self.volatile.store!r} evicts keys under maxmemory (maxmemory-policy {policy}): rows "
-                             "it drops would be lost; set maxmemory-policy noeviction (writes beyond maxmemory then "
-                             "fail instead), or add a persistent tier that holds every row")
+            return (f"{self.volatile.store!r} evicts keys under maxmemory (maxmemory-policy {policy}): rows it drops "
+                    "would be lost; set maxmemory-policy noeviction (writes beyond maxmemory then fail instead), or "
+                    "add a persistent tier that holds every row")
+        return None
 
     def claim(self, namespace: str, version: int, force: bool = False) -> None:
         """Before the tables of ``namespace`` are written with ``version``: raise ValueError when the shared
