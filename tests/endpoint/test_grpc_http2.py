@@ -652,3 +652,29 @@ def test_the_unfinished_requests_of_all_connections_are_bounded_and_given_back_w
     while asyncio.run_coroutine_threadsafe(held(), limited.loop).result(10) != 0:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_a_call_with_no_deadline_whose_message_stops_arriving_is_answered_at_the_idle_time(limited):
+    # without a grpc-timeout the message must be whole within idle_timeout_s (0.4 s here) of its headers: a client
+    # that sends headers and part of a message, then nothing, does not hold its stream (and connection) for good
+    import hpack
+
+    encoder, decoder = hpack.Encoder(), hpack.Decoder()
+    block = lambda: encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t.T/Echo"),  # noqa: E731
+                                    (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
+    with open_raw(limited) as sock:
+        start = time.monotonic()
+        sock.sendall(frame(1, 0x4, 1, block()) + frame(0, 0, 1, b"\x00\x00\x00"))  # part of the message, no end
+        got = frames_until(sock, lambda k, f, s, p: k == 3 and s == 1)
+        assert 0.3 < time.monotonic() - start < 3
+        trailers = status_of(decoder, got)
+        assert trailers["grpc-status"] == "4" and "not whole within 0.4 s" in trailers["grpc-message"]
+        assert int.from_bytes(got[-1][3], "big") == 0  # RST_STREAM NO_ERROR: stop sending
+        # a message that arrives in parts, each well within the idle time, is served; the connection goes on
+        sock.sendall(frame(1, 0x4, 3, block()) + frame(0, 0, 3, b"\x00\x00\x00"))
+        time.sleep(0.2)
+        sock.sendall(frame(0, 0x1, 3, b"\x00\x02ok"))
+        got = frames(sock)
+        assert status_of(decoder, got, 3)["grpc-status"] == "0"
+        assert [p for k, f, s, p in got if k == 0 and s == 3][0][5:] == b"ok"
+        assert not [g for g in got if g[0] == 3]  # no reset of the served call

@@ -10,14 +10,15 @@ latency: where the time goes"). This is the part of HTTP/2 (RFC 9113) a unary gR
   WINDOW_UPDATE) and topped up as it is used; replies wait for the client's window when they do not fit it; a
   client that sends DATA beyond the window announced gets FLOW_CONTROL_ERROR (RFC 9113 6.9.1: RST_STREAM for a
   stream's window, GOAWAY for the connection's), as does a WINDOW_UPDATE past 2^31-1;
-- limits: at most ``max_connections`` connections (more get SETTINGS and a GOAWAY, then are closed), a connection
-  with no open stream for ``idle_timeout_s`` is sent GOAWAY and closed (gRPC's "max connection idle": a client
-  reconnects at its next call), and a header list over SETTINGS_MAX_HEADER_LIST_SIZE (announced) fails its call
-  with RESOURCE_EXHAUSTED (a header block the HPACK decoder must refuse outright closes the connection); a client
-  that resets more than 100 calls before their answer, and more than it let be answered, is sent GOAWAY
-  ENHANCE_YOUR_CALM (HTTP/2 "rapid reset"); the requests a connection holds unfinished are bounded
-  (``max_buffered_bytes`` a connection, ``max_total_buffered_bytes`` for all: a client cannot park 256 streams of
-  a whole message each), DATA past a bound resets its stream with REFUSED_STREAM;
+- limits: at most ``max_connections`` connections (more get SETTINGS and a GOAWAY, then are closed), a connection with
+  no open stream for ``idle_timeout_s`` is sent GOAWAY and closed (gRPC's "max connection idle": a client reconnects
+  at its next call), a call with no deadline must send its whole message within ``idle_timeout_s`` of its headers
+  (else DEADLINE_EXCEEDED, so a stalled upload holds no stream for good), and a header list over
+  SETTINGS_MAX_HEADER_LIST_SIZE (announced) fails its call with RESOURCE_EXHAUSTED (a header block the HPACK decoder
+  must refuse outright closes the connection); a client that resets more than 100 calls before their answer, and more
+  than it let be answered, is sent GOAWAY ENHANCE_YOUR_CALM (HTTP/2 "rapid reset"); the requests a connection holds
+  unfinished are bounded (``max_buffered_bytes`` a connection, ``max_total_buffered_bytes`` for all: a client cannot
+  park 256 streams of a whole message each), DATA past a bound resets its stream with REFUSED_STREAM;
 - deadlines: ``grpc-timeout`` is honoured, from the call's HEADERS: a call whose deadline passes before its message
   is whole, or has passed when it is, is answered DEADLINE_EXCEEDED without running its handler; one whose
   deadline passes while it runs is answered DEADLINE_EXCEEDED at the deadline, its handler cancelled (waiting work
@@ -442,7 +443,24 @@ class _Connection(asyncio.Protocol):
             # from the call's start: a request still arriving at its deadline is answered then too
             stream.timer = asyncio.get_running_loop().call_later(
                 max(0.0, stream.deadline - time.monotonic()), self._expire, stream_id, stream)
+        elif not stream.closed and stream.task is None and stream.data is not None and \
+                self.server.idle_timeout_s is not None:
+            # no deadline and the message still arriving: it must be whole within the idle time, else a client that
+            # sends headers and stops would hold its stream (and its connection) for as long as it likes
+            stream.timer = asyncio.get_running_loop().call_later(self.server.idle_timeout_s, self._stalled,
+                                                                 stream_id, stream)
         return True
+
+    def _stalled(self, stream_id: int, stream: _Stream) -> None:
+        """A call with no deadline whose message was not whole within ``idle_timeout_s`` of its headers: answered
+        DEADLINE_EXCEEDED, the client told to stop sending, its bytes given back."""
+        stream.timer = None
+        if stream.closed or stream.task is not None or stream.data is None or self.transport is None:
+            return
+        self._reply(stream_id, stream, None, _trailers(
+            "DEADLINE_EXCEEDED", f"the request message was not whole within {self.server.idle_timeout_s:g} s of "
+                                 "its headers (a call with no grpc-timeout gets the server's idle timeout)"))
+        self.transport.write(_frame(_RST, 0, stream_id, struct.pack(">I", _NO_ERROR)))
 
     def _padding_fits(self, payload) -> bool:
         """Whether a PADDED frame's Pad Length byte is there and its padding shorter than the frame (RFC 9113 6.1,
@@ -536,6 +554,9 @@ class _Connection(asyncio.Protocol):
         headers = stream.headers
         data = stream.data[0] if len(stream.data) == 1 else b"".join(stream.data)
         stream.data = None
+        if stream.deadline is None and stream.timer is not None:  # whole in time: the arrival timer is done
+            stream.timer.cancel()
+            stream.timer = None
         self._release(stream)
         handler = self.server.handlers[headers[":path"]]
         error = None
@@ -699,7 +720,8 @@ class Http2GrpcServer:
             (:data:`Handler`); any other path is answered UNIMPLEMENTED.
         max_message_bytes: the largest request message (inflated); larger ones are answered RESOURCE_EXHAUSTED.
         max_connections: connections served at once; more are sent GOAWAY and closed as they come.
-        idle_timeout_s: a connection with no call open this long is sent GOAWAY and closed (None: never).
+        idle_timeout_s: a connection with no call open this long is sent GOAWAY and closed, and a call with no
+            deadline has this long to send its whole message (None: never).
         max_buffered_bytes: request bytes a connection may hold in calls whose message is not whole yet (default:
             4 whole messages); DATA past it resets its stream with REFUSED_STREAM, which a gRPC client may retry.
         max_total_buffered_bytes: the same for all connections together (default: 32 whole messages, at least
