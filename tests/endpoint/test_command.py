@@ -180,3 +180,42 @@ def test_loading_a_run_to_serve_or_export_builds_no_optimizer(run, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == "clean"
     assert (copy / "export" / "latest").is_file()
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--threads", "0"], "--threads must be >= 1, got 0"),  # was torch's RuntimeError, with a traceback
+    (["--max-batch-size", "0"], "--max-batch-size must be >= 1, got 0"),  # named max_batch_size
+    (["--max-body-mb", "0"], "--max-body-mb must be > 0 (at least one byte), got 0.0"),  # named max_body_bytes
+    (["--cache-fraction", "2"], "--cache-fraction must be in (0, 1], got 2.0"),  # named models['ctr'].cache_fraction
+    # both were ignored without a word: the store was not where the user said, the export not the --use one
+    (["--persistent-path", "store"], "--persistent-path is where the persistent store lives: give --persistent "
+                                     "lmdb or --persistent rocksdb with it"),
+    (["--export", "exports", "--use", "last"], "--use picks which export of the run is served, and --export names "
+                                               "one already: drop one of them")])
+def test_serve_options_out_of_range_or_without_effect_are_one_line_naming_the_option(tmp_path, capsys, monkeypatch,
+                                                                                   options, message):
+    from dynemb.cli import main
+    from dynemb.endpoint import model as served
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(served.ServedModel, "__init__", never)
+    assert main(["serve", "--model", str(tmp_path / "run"), "--name", "ctr", "--no-grpc", *options]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [f"dynemb serve: error: {message}"] and not out, (out, err)
+
+
+def test_an_own_model_awaited_by_watch_names_export_model_as_what_writes_it(tmp_path):
+    """The waiting line said `dynemb train --publish-every` writes the version, for a model of the user's own too."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--export", str(tmp_path / "own"), "--watch",
+                             "--no-grpc", "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+    finally:
+        stop(proc)
+    assert line.startswith(f"waiting for the first version in {tmp_path / 'own'} (dynemb.serving.export_model "
+                           "writes it)"), line
