@@ -219,3 +219,30 @@ def test_an_own_model_awaited_by_watch_names_export_model_as_what_writes_it(tmp_
         stop(proc)
     assert line.startswith(f"waiting for the first version in {tmp_path / 'own'} (dynemb.serving.export_model "
                            "writes it)"), line
+
+
+@pytest.mark.slow
+def test_a_refused_token_says_what_was_wrong_over_http_and_grpc_and_never_echoes_it(run):
+    """Every refusal read "missing or wrong bearer token": a client sending `Basic ...`, or the token without its
+    scheme, could not tell its mistake from a wrong token."""
+    import re
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    cases = [({}, "send the header `Authorization: Bearer <token>` (gRPC: `authorization` metadata), got none"),
+             ({"authorization": "Basic dXNlcjpwYXNz"}, "wants `Authorization: Bearer <token>`, got the scheme 'Basic'"),
+             ({"authorization": "t0k"}, "got a value without a scheme (put `Bearer ` before the token)"),
+             ({"authorization": "Bearer nope"}, "wrong bearer token")]
+    with serving(run, token="t0k") as (http, grpc):
+        for client in (httpclient.InferenceServerClient(http), grpcclient.InferenceServerClient(grpc)):
+            for headers, message in cases:
+                with pytest.raises(InferenceServerException, match=re.escape(message)) as error:
+                    client.get_model_metadata("ctr", headers=headers)
+                assert str(error.value.status()) in ("401", "StatusCode.UNAUTHENTICATED")
+                assert "t0k" not in error.value.message() and "nope" not in error.value.message()
+            assert client.get_model_metadata("ctr", headers={"authorization": "bearer t0k"})
+        assert httpx.get(f"http://{http}/v2/health/live", timeout=5).status_code == 401  # the server kept serving
+        assert httpx.get(f"http://{http}/v2/health/live", headers={"Authorization": "Bearer t0k"},
+                         timeout=5).json() == {"live": True}

@@ -14,7 +14,6 @@ sends) or typed ``contents``; outputs always go back as ``raw_output_contents``,
 from __future__ import annotations
 
 import asyncio
-import hmac
 import socket
 import time
 from typing import Optional
@@ -31,7 +30,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       f"({exc})") from exc
 
 from .grpc_http2 import GrpcError, Http2GrpcServer
-from .service import GRPC_CODES, NOT_SUPPORTED, InferenceService, ProtocolError, numpy_datatype, requested_outputs
+from .service import (GRPC_CODES, NOT_SUPPORTED, InferenceService, ProtocolError, check_bearer, numpy_datatype,
+                      requested_outputs)
 from .wire import NUMPY_DTYPES, RequestError, binary_bytes
 
 __all__ = ["GrpcServer", "InferRequests", "request_dict"]
@@ -268,12 +268,6 @@ class GrpcServer:
             self.sock.close()
             self.bound_port = None
 
-    def authorized(self, metadata: dict) -> bool:
-        if self.token is None:
-            return True
-        scheme, _, value = metadata.get("authorization", "").strip().partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token)
-
 
 def _method(server: GrpcServer, route: str, request_type, answer):
     """A handler of :mod:`~dynemb.endpoint.grpc_http2`: checks the token, parses the request, runs ``answer``, counts
@@ -283,8 +277,7 @@ def _method(server: GrpcServer, route: str, request_type, answer):
     async def handler(message: bytes, metadata: dict) -> bytes:
         start, ok, rows = time.perf_counter(), False, 0
         try:
-            if not server.authorized(metadata):
-                raise ProtocolError(401, "missing or wrong bearer token")
+            check_bearer(server.token, metadata.get("authorization", "").encode())
             if request_type is None:
                 request = message
             else:
