@@ -5,6 +5,7 @@ server that listens before its first version. Probabilities are compared with ``
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -227,6 +228,22 @@ def test_bare_nan_and_infinity_follow_the_dense_rule_and_a_nan_id_is_a_400_namin
         assert r.status_code == 400 and "input 'item'" in r.json()["error"], r.text
     r = post(server, "/v2/models/ctr/infer", b'{"inputs": NaNx}')
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+
+
+def test_a_mistyped_input_name_is_named_beside_the_missing_one_over_http_and_grpc(server, rows):
+    """A renamed input was only "input 'user' is missing": the name the request used instead went unsaid."""
+    arrays, _ = rows
+    renamed = {("User" if name == "user" else name): value for name, value in arrays.items()}
+    message = "input 'user' is missing: the request has 'User', which the model does not read (the model reads"
+    client = http.InferenceServerClient(server[0])
+    for binary in (True, False):
+        with pytest.raises(InferenceServerException, match=re.escape(message)):
+            client.infer("ctr", inputs(http, renamed, binary), headers=dict(HEADERS))
+    with pytest.raises(InferenceServerException, match=re.escape(message)) as error:
+        grpcclient.InferenceServerClient(server[1]).infer("ctr", inputs(grpcclient, renamed),
+                                                          headers={"authorization": f"Bearer {TOKEN}"})
+    assert error.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert client.is_model_ready("ctr", headers=dict(HEADERS))
 
 
 def test_compressed_bodies_both_ways_and_their_limits(server):
