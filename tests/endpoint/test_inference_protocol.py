@@ -246,6 +246,19 @@ def test_a_mistyped_input_name_is_named_beside_the_missing_one_over_http_and_grp
     assert client.is_model_ready("ctr", headers=dict(HEADERS))
 
 
+def test_a_bad_inference_header_content_length_is_a_400_naming_the_header(server):
+    """It was read as no header at all: the binary part then failed as "not valid JSON (unexpected content after
+    document)", which named neither the header nor the value."""
+    body = one_row()
+    for value in ("abc", "-5", str(len(body) + 1)):
+        r = post(server, "/v2/models/ctr/infer", body, {"Inference-Header-Content-Length": value})
+        assert r.status_code == 400 and r.json()["error"] == (
+            "header Inference-Header-Content-Length must be the bytes of the body's JSON part, an integer in "
+            f"0..{len(body)} (the body's length), got {value!r}"), r.text
+    assert post(server, "/v2/models/ctr/infer", body,
+                {"Inference-Header-Content-Length": str(len(body))}).status_code == 200
+
+
 def test_compressed_bodies_both_ways_and_their_limits(server):
     plain = post(server, "/v2/models/ctr/infer", one_row())
     assert plain.status_code == 200

@@ -53,6 +53,22 @@ def _read_limit(declared: Optional[bytes], limit: int) -> Optional[int]:
     return int(declared) if declared is not None and declared.isdigit() else None
 
 
+def _json_length(header: Optional[bytes], body_bytes: int) -> Optional[int]:
+    """The JSON part's length from an ``Inference-Header-Content-Length`` value, None without one.
+
+    Raises:
+        RequestError: not a whole number of bytes within the body (it was read as no header: the binary part was
+            then taken for bad JSON, "unexpected content after document").
+    """
+    if header is None:
+        return None
+    text = header.decode("latin-1").strip()
+    if not text.isdigit() or int(text) > body_bytes:
+        raise RequestError(f"header Inference-Header-Content-Length must be the bytes of the body's JSON part, "
+                           f"an integer in 0..{body_bytes} (the body's length), got {text[:40]!r}")
+    return int(text)
+
+
 async def _read_body(receive, declared: Optional[bytes], limit: int) -> bytes:
     """The request body from ASGI ``receive`` messages; over ``limit`` bytes (declared or sent) is a RequestError.
 
@@ -228,8 +244,7 @@ class HttpApp:
             encoding = headers.get(b"content-encoding")
             if encoding:
                 body = inflate(body, encoding.decode("latin-1"), self.max_body_bytes)
-            header = headers.get(BINARY_HEADER)
-            request = parse_body(body, int(header) if header and header.isdigit() else None)
+            request = parse_body(body, _json_length(headers.get(BINARY_HEADER), len(body)))
         except RequestError as exc:
             raise ProtocolError(400, str(exc)) from None
         outputs, version, model = await service.infer(*params, request)
