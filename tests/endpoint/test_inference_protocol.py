@@ -259,6 +259,18 @@ def test_a_bad_inference_header_content_length_is_a_400_naming_the_header(server
                 {"Inference-Header-Content-Length": str(len(body))}).status_code == 200
 
 
+def test_json_data_of_mixed_types_names_the_first_value_of_the_wrong_type(server):
+    """A number among strings got pyarrow's words about the string after it ("Could not convert 'u2' with type
+    str: tried to convert to int64")."""
+    for data, wrong in (('[7, "u2"]', "number 7 at position 0"), ('["u1", true]', "bool True at position 1"),
+                        ('[["u1"], "u2"]', "list ['u1'] at position 0")):
+        body = one_row().replace(b'"shape": [0], "data": []', b'"shape": [2], "data": ' + data.encode())
+        r = post(server, "/v2/models/ctr/infer", body.replace(b'"data": [0]', b'"data": [2]'))  # tags, 2 ids
+        want = f"input 'tags': BYTES values must be strings, got {wrong}"
+        assert r.status_code == 400 and r.json()["error"] == want, r.text
+    assert post(server, "/v2/models/ctr/infer", one_row()).status_code == 200  # and it keeps serving
+
+
 def test_compressed_bodies_both_ways_and_their_limits(server):
     plain = post(server, "/v2/models/ctr/infer", one_row())
     assert plain.status_code == 200
