@@ -126,8 +126,13 @@ def _tensor(t: dict, spec: dict) -> torch.Tensor:
         shape = shape[:1]  # a column [n, 1], as Triton clients send each feature: read as [n]
     if not (isinstance(shape, list) and len(shape) == len(expected)
             and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-        raise RequestError(f"input {name!r}: shape must be {len(expected)} sizes >= 0 like {expected} (-1: any "
-                           f"size), got {shape!r}")
+        if len(expected) == 1:  # what the CLI models' inputs say: both forms taken, and why [1, n] is not
+            row = isinstance(shape, list) and len(shape) == 2 and shape[0] == 1
+            raise RequestError(f"input {name!r}: shape must be [n] or a column [n, 1], n >= 0 (the model's shape is "
+                               f"{expected}, -1: any size), got {shape!r}"
+                               + (" (a [1, n] row is not read as n values: send [n])" if row else ""))
+        raise RequestError(f"input {name!r}: shape must be {len(expected)} sizes >= 0 (the model's shape is "
+                           f"{expected}, -1: any size), got {shape!r}")
     fixed = [(i, e) for i, (d, e) in enumerate(zip(shape, expected)) if e != -1 and d != e]
     if fixed:
         raise RequestError(f"input {name!r}: shape {shape}, but size {fixed[0][0]} must be {fixed[0][1]} "
