@@ -271,6 +271,18 @@ def test_json_data_of_mixed_types_names_the_first_value_of_the_wrong_type(server
     assert post(server, "/v2/models/ctr/infer", one_row()).status_code == 200  # and it keeps serving
 
 
+def test_a_json_number_past_float64_reads_as_infinity_and_follows_the_dense_rule(server):
+    """1e400 is a JSON number; it was a 400 naming no input ("not valid JSON (number is infinity when parsed as
+    double)"), where the docs read a dense value past float32 as inf, and inf as the training max."""
+    for big, same_as in (("1e400", "Infinity"), ("-1e400", "-Infinity")):
+        r, s = post(server, "/v2/models/ctr/infer", one_row(big)), post(server, "/v2/models/ctr/infer",
+                                                                         one_row(same_as))
+        assert r.status_code == s.status_code == 200, (r.text, s.text)
+        assert r.json()["outputs"] == s.json()["outputs"]
+    r = post(server, "/v2/models/ctr/infer", one_row(item="1e400"))
+    assert r.status_code == 400 and r.json()["error"].startswith("input 'item'"), r.text
+
+
 def test_compressed_bodies_both_ways_and_their_limits(server):
     plain = post(server, "/v2/models/ctr/infer", one_row())
     assert plain.status_code == 200

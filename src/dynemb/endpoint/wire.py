@@ -82,10 +82,12 @@ def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
 
 def _loads_non_finite(text: bytes, error: Exception) -> Any:
     """JSON with the bare ``NaN``, ``Infinity`` and ``-Infinity`` tokens that JSON lacks but many writers emit
-    (tritonclient's JSON mode among them), read by the standard library, which takes them as floats: the values
-    then meet the model's rules for non-finite values like any other. Text that is not JSON even so raises
-    a RequestError with ``error``, the fast parser's reason."""
-    if not any(token in text for token in (b"NaN", b"Infinity")):
+    (tritonclient's JSON mode among them), or with a number past float64, read by the standard library, which
+    takes them as floats (1e400: inf): the values then meet the model's rules for non-finite values like any
+    other. Text that is not JSON even so raises a RequestError with ``error``, the fast parser's reason."""
+    # a number past float64 (1e400) is JSON too, which the fast parsers refuse: read as +-inf, as Python reads it
+    past_float64 = "infinity when parsed" in str(error)
+    if not past_float64 and not any(token in text for token in (b"NaN", b"Infinity")):
         raise RequestError(f"the request body is not valid JSON ({error})")
     try:
         return json.loads(text)
