@@ -246,3 +246,31 @@ def test_a_refused_token_says_what_was_wrong_over_http_and_grpc_and_never_echoes
         assert httpx.get(f"http://{http}/v2/health/live", timeout=5).status_code == 401  # the server kept serving
         assert httpx.get(f"http://{http}/v2/health/live", headers={"Authorization": "Bearer t0k"},
                          timeout=5).json() == {"live": True}
+
+
+@pytest.mark.slow
+def test_watch_warns_when_a_version_comes_in_another_row_dtype_than_the_one_loaded(run, tmp_path):
+    """A server that loaded int8 rows keeps them for every update (a float32 version is quantized into them), while
+    a server started on that version serves float32: the two answered the same version differently, silently."""
+    from dynemb.cli import main
+
+    root = tmp_path / "exports"
+    assert main(["export", "--model", str(run / "run"), "--out", str(root), "--dtype", "int8"]) == 0
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run / "run"), "--export",
+                             str(root), "--watch", "0.2", "--no-grpc", "--name", "ctr", "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc, token=None)
+        assert main(["export", "--model", str(run / "run"), "--out", str(root)]) == 0  # version 2, float32 rows
+        deadline = time.monotonic() + 60
+        while httpx.get(f"http://127.0.0.1:{port}/v2/models/ctr", timeout=5).json()["versions"] != ["2"]:
+            assert time.monotonic() < deadline, "version 2 was not served within 60 s"
+            time.sleep(0.2)
+    finally:
+        stop(proc)
+    err = proc.stderr.read()
+    assert ("dynemb serve --watch: version 2 has float32 rows; this server converts them to the int8 it loaded and "
+            "serves that (a server started on version 2 serves float32: restart to change the served dtype)") in err, \
+        err
