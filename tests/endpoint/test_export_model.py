@@ -328,6 +328,14 @@ def test_bad_inputs_get_a_400_naming_the_input(servers, trained):
     cases = [(body(dense={"datatype": "INT64"}), "input 'dense': datatype must be FP32"),
              (body(dense={"shape": [4, 3]}), "input 'dense': shape [4, 3], but size 1 must be 4"),
              (body(sparse_values={"data": [1.5] * len(good["sparse_values"])}), "input 'sparse_values': INT64"),
+             # a JSON bool among ids was read as the id 1 (200), a null and text named by numpy's dtype letters
+             (body(sparse_values={"data": [True] + good["sparse_values"].tolist()[1:]}),
+              "input 'sparse_values': INT64 values must be integers, got bool True at position 0"),
+             (body(sparse_values={"data": good["sparse_values"].tolist()[:-1] + [None]}),
+              f"input 'sparse_values': INT64 values must be integers, got null at position "
+              f"{len(good['sparse_values']) - 1}"),
+             (body(dense={"data": ["x"] + good["dense"].reshape(-1).tolist()[1:]}),
+              "input 'dense': FP32 values must be numbers, got string 'x' at position 0"),
              (body(sparse_lengths=None), "input 'sparse_lengths' is missing"),
              # was "shape must be 1 sizes >= 0 like [-1]", which neither said that [n, 1] is taken nor why [1, n] not
              (body(sparse_lengths={"shape": [1, len(good["sparse_lengths"])]}),

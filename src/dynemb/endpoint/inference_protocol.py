@@ -41,7 +41,7 @@ from ..data.batch import Batch
 from ..data.arrow_columns import categorical_ids, dense_values, multi_hot_ids
 from ..data.preprocess import Preprocessing
 from ..serving.exported_model import check_input_names
-from .wire import RequestError
+from .wire import RequestError, first_wrong_json
 
 __all__ = ["LENGTHS", "OUTPUT", "model_metadata", "decode_request", "encode_response"]
 
@@ -166,14 +166,9 @@ def _array(t: dict, data) -> pa.Array:
                 raise
             array = pa.array(data, type=pa.uint64())
     except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:
-        wrong = _first_wrong(data, what)
+        wrong = first_wrong_json(data, what)
         if wrong is not None:  # values of mixed JSON types: pyarrow's message names whichever it met second
-            at, value = wrong
-            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-            kind = {bool: "bool", list: "list", dict: "object", int: "number", float: "number"}.get(type(value),
-                                                                                                   "string")
-            raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what}, got {kind} {shown} "
-                               f"at position {at}") from None
+            raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what}, got {wrong}") from None
         raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what} "
                            f"({str(exc).splitlines()[0]})") from None
     # pyarrow reads a bool after a float as 1.0 / 0.0 (after an int, it refuses it): one C-speed look at the types
@@ -192,21 +187,6 @@ def _array(t: dict, data) -> pa.Array:
     if target is None:  # BYTES: text or bytes as they came; all-null data as text, as the readers read it
         return array.cast(pa.string()) if array.type == pa.null() else array
     return array if array.type == target else array.cast(target)
-
-
-_JSON_TYPES = {"strings": (str, bytes), "numbers": (int, float), "integers": (int,)}
-
-
-def _first_wrong(data, what: str) -> Optional[tuple]:
-    """``(position, value)`` of the first value of ``data`` (a list as JSON gave it) that is not one of ``what``
-    (``"strings"``, ``"numbers"``, ``"integers"``) nor null; None when there is none (or ``data`` is no list)."""
-    if not isinstance(data, list):
-        return None
-    ok = _JSON_TYPES[what]
-    for at, value in enumerate(data):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, ok)):
-            return at, value
-    return None
 
 
 def _column_ids(t: dict, array: pa.Array, column: str, id_type: str) -> np.ndarray:

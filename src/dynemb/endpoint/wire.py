@@ -7,6 +7,7 @@ the datatype's JSON type), so that no Python object is made per value; anything 
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any, Optional
 
@@ -38,6 +39,32 @@ NUMPY_DTYPES = {"INT64": "<i8", "INT32": "<i4", "FP32": "<f4", "FP64": "<f8",
                 "FP16": "<f2"}
 """The datatypes read into numpy arrays (binary tensors, gRPC raw contents), as their little-endian dtypes: what a
 datatype is good for is the model's to say."""
+
+
+_JSON_TYPES = {"strings": (str, bytes), "numbers": (int, float), "integers": (int,), "booleans": (bool,)}
+
+
+def first_wrong_json(data, what: str, null: bool = True) -> Optional[str]:
+    """The first value of JSON ``data`` (a list, nested lists read row-major) that is not one of ``what``
+    (``"strings"``, ``"numbers"``, ``"integers"``, ``"booleans"``; a bool is none but the last), or a null where
+    ``null`` is False, said as ``"number 7 at position 0"``; None when every value is one (or ``data`` is no
+    list). Error paths only: it walks the values in Python."""
+    if not isinstance(data, list):
+        return None
+    while data and all(isinstance(row, list) for row in data):
+        data = list(itertools.chain.from_iterable(data))
+    ok = _JSON_TYPES[what]
+    for at, value in enumerate(data):
+        if value is None:
+            if null:
+                continue
+        elif isinstance(value, ok) and (what == "booleans" or not isinstance(value, bool)):
+            continue
+        kind = "null" if value is None else {bool: "bool", list: "list", dict: "object", int: "number",
+                                             float: "number"}.get(type(value), "string")
+        shown = "" if value is None else " " + (repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "...")
+        return f"{kind}{shown} at position {at}"
+    return None
 
 
 def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
