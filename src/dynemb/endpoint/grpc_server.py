@@ -60,6 +60,17 @@ def request_dict(request) -> dict:
     for t, blob in zip(given, raw) if raw else ((t, None) for t in given):
         datatype, name = t.datatype, t.name
         item = {"name": name, "datatype": datatype, "shape": list(t.shape)}
+        # a typed field other than the datatype's was ignored: "holds 2 values, got 0", or another field's values
+        # dropped; one look at the fields set (only on the typed path, or when a raw tensor comes with contents)
+        others = [f.name for f, _ in t.contents.ListFields()] if blob is None or t.HasField("contents") else []
+        if blob is not None and others:
+            raise RequestError(f"input {name!r}: both raw_input_contents and contents.{others[0]} are given; send "
+                               "one of them")
+        if blob is None and others and others != [_CONTENTS.get(datatype)]:
+            field = _CONTENTS.get(datatype)
+            where = f"contents.{field}" if field else "raw_input_contents (it has no typed contents field)"
+            wrong = ", ".join(f"contents.{f}" for f in others if f != field)
+            raise RequestError(f"input {name!r}: {datatype} values go in {where}, got {wrong}")
         if blob is not None:
             dtype = _DTYPES.get(datatype)
             if dtype is not None:
