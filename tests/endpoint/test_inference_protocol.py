@@ -259,6 +259,22 @@ def test_a_bad_inference_header_content_length_is_a_400_naming_the_header(server
                 {"Inference-Header-Content-Length": str(len(body))}).status_code == 200
 
 
+def test_binary_bytes_no_input_claims_are_a_400_not_dropped(server):
+    """A binary_data_size short of its tensor left bytes after the last input, which were dropped: the request was
+    scored on the other values (Triton refuses such a body too)."""
+    head = one_row().replace(b'"shape": [1], "data": [1.5]}', b'"shape": [1], "parameters": {"binary_data_size": 4}}')
+    price = np.array([1.5], dtype="<f4").tobytes()
+    ok = post(server, "/v2/models/ctr/infer", head + price, {"Inference-Header-Content-Length": str(len(head))})
+    assert ok.status_code == 200 and ok.json()["outputs"] == post(server, "/v2/models/ctr/infer",
+                                                                   one_row()).json()["outputs"], ok.text
+    r = post(server, "/v2/models/ctr/infer", head + price + b"\0" * 4,
+             {"Inference-Header-Content-Length": str(len(head))})
+    assert r.status_code == 400 and r.json()["error"] == (
+        f"the body has 4 bytes after the JSON part and the inputs' binary data ({len(head)} + the binary_data_size "
+        f"of each input = {len(head) + 4} of {len(head) + 8} bytes): each binary input's binary_data_size must be its "
+        "tensor's bytes"), r.text
+
+
 def test_json_data_of_mixed_types_names_the_first_value_of_the_wrong_type(server):
     """A number among strings got pyarrow's words about the string after it ("Could not convert 'u2' with type
     str: tried to convert to int64")."""

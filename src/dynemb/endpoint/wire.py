@@ -72,7 +72,7 @@ def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
     ``Inference-Header-Content-Length`` header) JSON followed by the raw tensors, whose ``data`` is filled in here.
 
     Raises:
-        RequestError: the body is not JSON, or a binary tensor does not fit the body.
+        RequestError: the body is not JSON, a binary tensor does not fit the body, or bytes follow the last one.
     """
     head = body if json_length is None else body[:json_length]
     if json_length is None and simdjson is not None:
@@ -104,6 +104,10 @@ def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
                                f"{t['datatype']} values")
         else:
             t["data"] = np.frombuffer(raw, dtype=NUMPY_DTYPES[t["datatype"]])  # no Python objects per value
+    if at != len(body):  # bytes no input claims: a binary_data_size short of its tensor, most likely
+        raise RequestError(f"the body has {len(body) - at} bytes after the JSON part and the inputs' binary data "
+                           f"({json_length} + the binary_data_size of each input = {at} of {len(body)} bytes): each "
+                           "binary input's binary_data_size must be its tensor's bytes")
     return request
 
 
