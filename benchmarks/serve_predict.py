@@ -7,7 +7,9 @@ free loopback port. Requests of ``--rows`` rows (default 256: ids drawn from the
 bodies of ``benchmarks/serve_endpoint.py``), already decoded; each call scores one. The three paths take turns call
 by call, in a rotating order, so load hits them alike: ``fused`` (the parameter server's two numba calls writing the
 DLRM's ``[B, F, D]`` input, ``ParameterServer.fused``), ``grouped`` (the same request in the grouped path's calls,
-``fused = False``) and ``per_table`` (``grouped = False``). Reported: the median and minimum per call of this
+``fused = False``) and ``per_table`` (``grouped = False``); ``--paths fused`` times the fused path alone, as a
+server runs it (the other paths' calls in between evict some of its cache lines: the interleaved figure is the
+higher one). Reported: the median and minimum per call of this
 thread's CPU time (what the call costs, unaffected by time spent descheduled on a busy machine) and of wall time,
 and the paired ratios to the fused path (median of per-round ratios), after warm-up calls. ``dense_ms`` is the dense
 part alone (``model(batch, pooled=...)`` on rows looked up beforehand). ``--dtype`` serves an export of that dtype
@@ -15,7 +17,7 @@ part alone (``model(batch, pooled=...)`` on rows looked up beforehand). ``--dtyp
 the run's float32 one.
 
 Run: ``python benchmarks/serve_predict.py [--quick] [--json PATH] [--model RUN_DIR] [--rows N] [--calls N]
-[--dtype DTYPE]``.
+[--dtype DTYPE] [--paths fused,grouped,per_table]``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -39,6 +42,8 @@ from serve_endpoint import make_bodies, synthetic_run  # noqa: E402
 
 from dynemb.endpoint import ServedModel  # noqa: E402
 from dynemb.job.score import probabilities  # noqa: E402
+
+PATHS = {"fused": (True, True), "grouped": (True, False), "per_table": (False, True)}  # (grouped, fused)
 
 
 def dense_ms(model: ServedModel, bodies: list, calls: int) -> float:
@@ -69,18 +74,19 @@ def export_dtype(run: Path, dtype: str) -> Path:
     return root
 
 
-def measure(run: Path, tier: str, volatile: dict, rows: int, calls: int, dtype: str = "float32") -> dict:
+def measure(run: Path, tier: str, volatile: dict, rows: int, calls: int, dtype: str = "float32",
+            only: Sequence[str] = PATHS) -> dict:
     export = None if dtype == "float32" else export_dtype(run, dtype)
     model = ServedModel(run, export=export, name="ctr", volatile_db=volatile)
     try:
         bodies = make_bodies(model, rows, 32)
-        paths = {"fused": (True, True), "grouped": (True, False), "per_table": (False, True)}
+        paths = {name: PATHS[name] for name in only}
         cpu = {name: [] for name in paths}
         wall = {name: [] for name in paths}
         names = list(paths)
         for k in range(calls + 20):
             body = bodies[k % len(bodies)]
-            for name in names[k % 3:] + names[:k % 3]:
+            for name in names[k % len(names):] + names[:k % len(names)]:
                 model.ps.grouped, model.ps.fused = paths[name]
                 t0, w0 = time.thread_time(), time.perf_counter()
                 model.predict(body.batch)
@@ -93,7 +99,9 @@ def measure(run: Path, tier: str, volatile: dict, rows: int, calls: int, dtype: 
             out[f"{name}_cpu_ms"] = round(statistics.median(cpu[name]), 3)
             out[f"{name}_cpu_min_ms"] = round(min(cpu[name]), 3)
             out[f"{name}_wall_ms"] = round(statistics.median(wall[name]), 3)
-        for name in names[1:]:
+        for name in names if "fused" in names else ():
+            if name == "fused":
+                continue
             out[f"{name}_over_fused"] = round(statistics.median(np.divide(cpu[name], cpu["fused"])), 2)
         out["dense_ms"] = dense_ms(model, bodies, min(calls, 200))
         out["hit_rate"] = round(sum(t["cache"] for t in model.ps.stats("ctr")["tables"].values())
@@ -111,7 +119,12 @@ def main() -> None:
     p.add_argument("--tiers", default="memory,redis", help="volatile stores to serve from")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "int8", "float8_e4m3fn",
                                                           "float8_e5m2"], help="rows of the served export")
+    p.add_argument("--paths", default=",".join(PATHS), help="request paths to time, in turn (default all three; "
+                   "`fused` alone is what a server runs: no other path's work between its calls)")
     args = p.parse_args()
+    only = args.paths.split(",")
+    if not only or any(name not in PATHS for name in only):
+        p.error(f"--paths: a comma-separated list of {', '.join(PATHS)}, got {args.paths!r}")
     torch.set_num_threads(1)
     calls = args.calls or (60 if args.quick else 300)
     results = []
@@ -123,13 +136,13 @@ def main() -> None:
             synthetic_run(run, 30 if args.quick else 300)
         for tier in args.tiers.split(","):
             if tier == "memory":
-                results.append(measure(run, tier, {"type": "memory"}, args.rows, calls, args.dtype))
+                results.append(measure(run, tier, {"type": "memory"}, args.rows, calls, args.dtype, only))
                 continue
             redis = RedisServer(tmp)
             redis.start()
             try:
                 results.append(measure(run, tier, {"type": "redis", "address": redis.address}, args.rows, calls,
-                                       args.dtype))
+                                       args.dtype, only))
             finally:
                 redis.kill()
     info = machine_info()

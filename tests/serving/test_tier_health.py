@@ -42,6 +42,17 @@ def wait_until(predicate, seconds=20.0):
         time.sleep(0.05)
 
 
+def make_redis_evict(client) -> None:
+    """Turn eviction on in a running Redis (``allkeys-random``, ``maxmemory`` 2 MiB over what it holds) and push it
+    over: another user's keys make it evict, ours among them."""
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory-policy", "allkeys-random")
+    client.config_set("maxmemory", used + (2 << 20))
+    for k in range(200):
+        client.set(f"other:{k}", b"x" * 65536)
+    assert int(client.info("stats")["evicted_keys"]) > 0
+
+
 @pytest.fixture
 def exported(tmp_path):
     emb = trained()
@@ -205,12 +216,7 @@ def test_keys_redis_evicts_after_the_load_fail_the_tier_until_restored(exported,
     client = redis_server.client()
     ps = server(root, redis_address, persistent={"type": "lmdb", "path": str(tmp_path / "lmdb")})
     try:
-        used = int(client.info("memory")["used_memory"])
-        client.config_set("maxmemory-policy", "allkeys-random")
-        client.config_set("maxmemory", used + (2 << 20))
-        for k in range(200):  # another user's keys push Redis over maxmemory: it evicts, ours among them
-            client.set(f"other:{k}", b"x" * 65536)
-        assert int(client.info("stats")["evicted_keys"]) > 0
+        make_redis_evict(client)
         errors = ps.stats("ctr")["errors"]["volatile"]
         wait_until(lambda: ps.stats("ctr")["errors"]["volatile"] > errors)  # the monitor saw the evictions
         client.config_set("maxmemory", 0)
@@ -235,12 +241,7 @@ def test_a_redis_set_to_evict_at_runtime_stays_failed_until_it_stops_not_refille
     restore = ps.tiers._restore
     ps.tiers._restore = lambda tier: (restores.append(tier), restore(tier))
     try:
-        used = int(client.info("memory")["used_memory"])
-        client.config_set("maxmemory-policy", "allkeys-random")
-        client.config_set("maxmemory", used + (2 << 20))
-        for k in range(200):  # another user's keys push Redis over maxmemory: it evicts, ours among them
-            client.set(f"other:{k}", b"x" * 65536)
-        assert int(client.info("stats")["evicted_keys"]) > 0
+        make_redis_evict(client)
         wait_until(lambda: not ps.ready()[0])
         time.sleep(3.0)  # several probes (back-off 0.25 s doubling to 2 s): none may rewrite the rows
         ready, why = ps.ready()
