@@ -299,6 +299,44 @@ def test_a_json_number_past_float64_reads_as_infinity_and_follows_the_dense_rule
     assert r.status_code == 400 and r.json()["error"].startswith("input 'item'"), r.text
 
 
+def test_a_dense_column_sent_as_integers_scores_as_predict_reads_an_integer_column(server, run, tmp_path):
+    """Census ages and hours are integer columns in Parquet, which `train` and `predict` read as dense values; sent
+    as INT64 (or INT32) they were a 400 ("datatype must be FP32 or FP64"). Bit-equal to `predict` of a file whose
+    column is int64, over HTTP (binary and JSON) and gRPC; an integer float64 cannot hold is a 400 naming it."""
+    import pyarrow as pa
+
+    from dynemb.cli import main
+
+    table = pq.read_table(run / "test.parquet").slice(0, ROWS)
+    whole = pa.array(np.floor(table.column("price").to_numpy()).astype(np.int64) - 20)  # negatives too
+    table = table.set_column(table.schema.get_field_index("price"), "price", whole)
+    pq.write_table(table, tmp_path / "ints.parquet")
+    assert main(["predict", "--model", str(run / "run"), "--data", str(tmp_path / "ints.parquet"), "--out",
+                 str(tmp_path / "p.parquet")]) == 0
+    want = pq.read_table(tmp_path / "p.parquet").column("probability").to_numpy()
+    d = table.to_pydict()
+    for datatype, dtype in (("INT64", np.int64), ("INT32", np.int32)):
+        arrays = {"user": (np.array(d["user"], dtype=object), "BYTES"), "item": (np.array(d["item"]), "INT64"),
+                  "tags": (np.array([t for bag in d["tags"] for t in bag], dtype=object), "BYTES"),
+                  "tags__lengths": (np.array([len(b) for b in d["tags"]], dtype=np.int32), "INT32"),
+                  "price": (np.array(d["price"], dtype=dtype), datatype)}
+        for binary in (True, False):
+            got = http.InferenceServerClient(server[0]).infer("ctr", inputs(http, arrays, binary),
+                                                              headers=dict(HEADERS)).as_numpy("probability")
+            assert np.array_equal(got, want), (datatype, binary)
+        got = grpcclient.InferenceServerClient(server[1]).infer(
+            "ctr", inputs(grpcclient, arrays), headers={"authorization": f"Bearer {TOKEN}"}).as_numpy("probability")
+        assert np.array_equal(got, want), datatype
+    body = one_row().replace(b'"datatype": "FP32", "shape": [1], "data": [1.5]',
+                             b'"datatype": "INT64", "shape": [1], "data": [9007199254740993]')
+    r = post(server, "/v2/models/ctr/infer", body)
+    assert r.status_code == 400 and r.json()["error"].startswith("input 'price'"), r.text
+    r = post(server, "/v2/models/ctr/infer", one_row().replace(b'"datatype": "FP32"', b'"datatype": "BYTES"'))
+    assert r.status_code == 400 and r.json()["error"] == (
+        "input 'price': datatype must be FP32, FP64 or an integer datatype (INT64, INT32, INT16, INT8, UINT64, "
+        "UINT32, UINT16, UINT8), got 'BYTES'"), r.text
+
+
 def test_compressed_bodies_both_ways_and_their_limits(server):
     plain = post(server, "/v2/models/ctr/infer", one_row())
     assert plain.status_code == 200
