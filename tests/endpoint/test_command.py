@@ -180,3 +180,97 @@ def test_loading_a_run_to_serve_or_export_builds_no_optimizer(run, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == "clean"
     assert (copy / "export" / "latest").is_file()
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--threads", "0"], "--threads must be >= 1, got 0"),  # was torch's RuntimeError, with a traceback
+    (["--max-batch-size", "0"], "--max-batch-size must be >= 1, got 0"),  # named max_batch_size
+    (["--max-body-mb", "0"], "--max-body-mb must be > 0 (at least one byte), got 0.0"),  # named max_body_bytes
+    (["--cache-fraction", "2"], "--cache-fraction must be in (0, 1], got 2.0"),  # named models['ctr'].cache_fraction
+    # both were ignored without a word: the store was not where the user said, the export not the --use one
+    (["--persistent-path", "store"], "--persistent-path is where the persistent store lives: give --persistent "
+                                     "lmdb or --persistent rocksdb with it"),
+    (["--export", "exports", "--use", "last"], "--use picks which export of the run is served, and --export names "
+                                               "one already: drop one of them")])
+def test_serve_options_out_of_range_or_without_effect_are_one_line_naming_the_option(tmp_path, capsys, monkeypatch,
+                                                                                   options, message):
+    from dynemb.cli import main
+    from dynemb.endpoint import model as served
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(served.ServedModel, "__init__", never)
+    assert main(["serve", "--model", str(tmp_path / "run"), "--name", "ctr", "--no-grpc", *options]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [f"dynemb serve: error: {message}"] and not out, (out, err)
+
+
+def test_an_own_model_awaited_by_watch_names_export_model_as_what_writes_it(tmp_path):
+    """The waiting line said `dynemb train --publish-every` writes the version, for a model of the user's own too."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--export", str(tmp_path / "own"), "--watch",
+                             "--no-grpc", "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+    finally:
+        stop(proc)
+    assert line.startswith(f"waiting for the first version in {tmp_path / 'own'} (dynemb.serving.export_model "
+                           "writes it)"), line
+
+
+@pytest.mark.slow
+def test_a_refused_token_says_what_was_wrong_over_http_and_grpc_and_never_echoes_it(run):
+    """Every refusal read "missing or wrong bearer token": a client sending `Basic ...`, or the token without its
+    scheme, could not tell its mistake from a wrong token."""
+    import re
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    cases = [({}, "send the header `Authorization: Bearer <token>` (gRPC: `authorization` metadata), got none"),
+             ({"authorization": "Basic dXNlcjpwYXNz"}, "wants `Authorization: Bearer <token>`, got the scheme 'Basic'"),
+             ({"authorization": "t0k"}, "got a value without a scheme (put `Bearer ` before the token)"),
+             ({"authorization": "Bearer nope"}, "wrong bearer token")]
+    with serving(run, token="t0k") as (http, grpc):
+        for client in (httpclient.InferenceServerClient(http), grpcclient.InferenceServerClient(grpc)):
+            for headers, message in cases:
+                with pytest.raises(InferenceServerException, match=re.escape(message)) as error:
+                    client.get_model_metadata("ctr", headers=headers)
+                assert str(error.value.status()) in ("401", "StatusCode.UNAUTHENTICATED")
+                assert "t0k" not in error.value.message() and "nope" not in error.value.message()
+            assert client.get_model_metadata("ctr", headers={"authorization": "bearer t0k"})
+        assert httpx.get(f"http://{http}/v2/health/live", timeout=5).status_code == 401  # the server kept serving
+        assert httpx.get(f"http://{http}/v2/health/live", headers={"Authorization": "Bearer t0k"},
+                         timeout=5).json() == {"live": True}
+
+
+@pytest.mark.slow
+def test_watch_warns_when_a_version_comes_in_another_row_dtype_than_the_one_loaded(run, tmp_path):
+    """A server that loaded int8 rows keeps them for every update (a float32 version is quantized into them), while
+    a server started on that version serves float32: the two answered the same version differently, silently."""
+    from dynemb.cli import main
+
+    root = tmp_path / "exports"
+    assert main(["export", "--model", str(run / "run"), "--out", str(root), "--dtype", "int8"]) == 0
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run / "run"), "--export",
+                             str(root), "--watch", "0.2", "--no-grpc", "--name", "ctr", "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc, token=None)
+        assert main(["export", "--model", str(run / "run"), "--out", str(root)]) == 0  # version 2, float32 rows
+        deadline = time.monotonic() + 60
+        while httpx.get(f"http://127.0.0.1:{port}/v2/models/ctr", timeout=5).json()["versions"] != ["2"]:
+            assert time.monotonic() < deadline, "version 2 was not served within 60 s"
+            time.sleep(0.2)
+    finally:
+        stop(proc)
+    err = proc.stderr.read()
+    assert ("dynemb serve --watch: version 2 has float32 rows; this server converts them to the int8 it loaded and "
+            "serves that (a server started on version 2 serves float32: restart to change the served dtype)") in err, \
+        err

@@ -195,7 +195,8 @@ def test_a_column_b_by_1_reads_as_b_for_a_one_dimensional_input_and_other_ranks_
     for data in (ids, ids.tolist(), [[v] for v in ids.tolist()]):
         got = _tensor({"datatype": "INT64", "shape": [3, 1], "data": data}, spec)
         assert got.shape == (3,) and torch.equal(got, want)
-    with pytest.raises(RequestError, match=r"^input 'user_id': shape must be 1 sizes >= 0 like \[-1\]"):
+    with pytest.raises(RequestError, match=r"^input 'user_id': shape must be \[n\] or a column \[n, 1\], n >= 0 "
+                                           r"\(the model's shape is \[-1\], -1: any size\), got \[3, 2\]$"):
         _tensor({"datatype": "INT64", "shape": [3, 2], "data": list(range(6))}, spec)
     dense = {"name": "dense", "dtype": "float32", "shape": [-1, 1]}
     assert _tensor({"datatype": "FP32", "shape": [2, 1], "data": [1.0, 2.0]}, dense).shape == (2, 1)
@@ -327,7 +328,19 @@ def test_bad_inputs_get_a_400_naming_the_input(servers, trained):
     cases = [(body(dense={"datatype": "INT64"}), "input 'dense': datatype must be FP32"),
              (body(dense={"shape": [4, 3]}), "input 'dense': shape [4, 3], but size 1 must be 4"),
              (body(sparse_values={"data": [1.5] * len(good["sparse_values"])}), "input 'sparse_values': INT64"),
+             # a JSON bool among ids was read as the id 1 (200), a null and text named by numpy's dtype letters
+             (body(sparse_values={"data": [True] + good["sparse_values"].tolist()[1:]}),
+              "input 'sparse_values': INT64 values must be integers, got bool True at position 0"),
+             (body(sparse_values={"data": good["sparse_values"].tolist()[:-1] + [None]}),
+              f"input 'sparse_values': INT64 values must be integers, got null at position "
+              f"{len(good['sparse_values']) - 1}"),
+             (body(dense={"data": ["x"] + good["dense"].reshape(-1).tolist()[1:]}),
+              "input 'dense': FP32 values must be numbers, got string 'x' at position 0"),
              (body(sparse_lengths=None), "input 'sparse_lengths' is missing"),
+             # was "shape must be 1 sizes >= 0 like [-1]", which neither said that [n, 1] is taken nor why [1, n] not
+             (body(sparse_lengths={"shape": [1, len(good["sparse_lengths"])]}),
+              f"input 'sparse_lengths': shape must be [n] or a column [n, 1], n >= 0 (the model's shape is [-1], -1: "
+              f"any size), got [1, {len(good['sparse_lengths'])}] (a [1, n] row is not read as n values: send [n])"),
              (body(sparse_lengths={"shape": [2], "data": [0, 0]}), "sparse_lengths.size()[0] // 3 == dense.size()[0]"),
              (body(sparse_values={"shape": [len(good["sparse_values"]) + 1],
                                   "data": good["sparse_values"].tolist() + [1]}),

@@ -5,6 +5,7 @@ server that listens before its first version. Probabilities are compared with ``
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -227,6 +228,113 @@ def test_bare_nan_and_infinity_follow_the_dense_rule_and_a_nan_id_is_a_400_namin
         assert r.status_code == 400 and "input 'item'" in r.json()["error"], r.text
     r = post(server, "/v2/models/ctr/infer", b'{"inputs": NaNx}')
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+
+
+def test_a_mistyped_input_name_is_named_beside_the_missing_one_over_http_and_grpc(server, rows):
+    """A renamed input was only "input 'user' is missing": the name the request used instead went unsaid."""
+    arrays, _ = rows
+    renamed = {("User" if name == "user" else name): value for name, value in arrays.items()}
+    message = "input 'user' is missing: the request has 'User', which the model does not read (the model reads"
+    client = http.InferenceServerClient(server[0])
+    for binary in (True, False):
+        with pytest.raises(InferenceServerException, match=re.escape(message)):
+            client.infer("ctr", inputs(http, renamed, binary), headers=dict(HEADERS))
+    with pytest.raises(InferenceServerException, match=re.escape(message)) as error:
+        grpcclient.InferenceServerClient(server[1]).infer("ctr", inputs(grpcclient, renamed),
+                                                          headers={"authorization": f"Bearer {TOKEN}"})
+    assert error.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert client.is_model_ready("ctr", headers=dict(HEADERS))
+
+
+def test_a_bad_inference_header_content_length_is_a_400_naming_the_header(server):
+    """It was read as no header at all: the binary part then failed as "not valid JSON (unexpected content after
+    document)", which named neither the header nor the value."""
+    body = one_row()
+    for value in ("abc", "-5", str(len(body) + 1)):
+        r = post(server, "/v2/models/ctr/infer", body, {"Inference-Header-Content-Length": value})
+        assert r.status_code == 400 and r.json()["error"] == (
+            "header Inference-Header-Content-Length must be the bytes of the body's JSON part, an integer in "
+            f"0..{len(body)} (the body's length), got {value!r}"), r.text
+    assert post(server, "/v2/models/ctr/infer", body,
+                {"Inference-Header-Content-Length": str(len(body))}).status_code == 200
+
+
+def test_binary_bytes_no_input_claims_are_a_400_not_dropped(server):
+    """A binary_data_size short of its tensor left bytes after the last input, which were dropped: the request was
+    scored on the other values (Triton refuses such a body too)."""
+    head = one_row().replace(b'"shape": [1], "data": [1.5]}', b'"shape": [1], "parameters": {"binary_data_size": 4}}')
+    price = np.array([1.5], dtype="<f4").tobytes()
+    ok = post(server, "/v2/models/ctr/infer", head + price, {"Inference-Header-Content-Length": str(len(head))})
+    assert ok.status_code == 200 and ok.json()["outputs"] == post(server, "/v2/models/ctr/infer",
+                                                                   one_row()).json()["outputs"], ok.text
+    r = post(server, "/v2/models/ctr/infer", head + price + b"\0" * 4,
+             {"Inference-Header-Content-Length": str(len(head))})
+    assert r.status_code == 400 and r.json()["error"] == (
+        f"the body has 4 bytes after the JSON part and the inputs' binary data ({len(head)} + the binary_data_size "
+        f"of each input = {len(head) + 4} of {len(head) + 8} bytes): each binary input's binary_data_size must be its "
+        "tensor's bytes"), r.text
+
+
+def test_json_data_of_mixed_types_names_the_first_value_of_the_wrong_type(server):
+    """A number among strings got pyarrow's words about the string after it ("Could not convert 'u2' with type
+    str: tried to convert to int64")."""
+    for data, wrong in (('[7, "u2"]', "number 7 at position 0"), ('["u1", true]', "bool True at position 1"),
+                        ('[["u1"], "u2"]', "list ['u1'] at position 0")):
+        body = one_row().replace(b'"shape": [0], "data": []', b'"shape": [2], "data": ' + data.encode())
+        r = post(server, "/v2/models/ctr/infer", body.replace(b'"data": [0]', b'"data": [2]'))  # tags, 2 ids
+        want = f"input 'tags': BYTES values must be strings, got {wrong}"
+        assert r.status_code == 400 and r.json()["error"] == want, r.text
+    assert post(server, "/v2/models/ctr/infer", one_row()).status_code == 200  # and it keeps serving
+
+
+def test_a_json_number_past_float64_reads_as_infinity_and_follows_the_dense_rule(server):
+    """1e400 is a JSON number; it was a 400 naming no input ("not valid JSON (number is infinity when parsed as
+    double)"), where the docs read a dense value past float32 as inf, and inf as the training max."""
+    for big, same_as in (("1e400", "Infinity"), ("-1e400", "-Infinity")):
+        r, s = post(server, "/v2/models/ctr/infer", one_row(big)), post(server, "/v2/models/ctr/infer",
+                                                                         one_row(same_as))
+        assert r.status_code == s.status_code == 200, (r.text, s.text)
+        assert r.json()["outputs"] == s.json()["outputs"]
+    r = post(server, "/v2/models/ctr/infer", one_row(item="1e400"))
+    assert r.status_code == 400 and r.json()["error"].startswith("input 'item'"), r.text
+
+
+def test_a_dense_column_sent_as_integers_scores_as_predict_reads_an_integer_column(server, run, tmp_path):
+    """Census ages and hours are integer columns in Parquet, which `train` and `predict` read as dense values; sent
+    as INT64 (or INT32) they were a 400 ("datatype must be FP32 or FP64"). Bit-equal to `predict` of a file whose
+    column is int64, over HTTP (binary and JSON) and gRPC; an integer float64 cannot hold is a 400 naming it."""
+    import pyarrow as pa
+
+    from dynemb.cli import main
+
+    table = pq.read_table(run / "test.parquet").slice(0, ROWS)
+    whole = pa.array(np.floor(table.column("price").to_numpy()).astype(np.int64) - 20)  # negatives too
+    table = table.set_column(table.schema.get_field_index("price"), "price", whole)
+    pq.write_table(table, tmp_path / "ints.parquet")
+    assert main(["predict", "--model", str(run / "run"), "--data", str(tmp_path / "ints.parquet"), "--out",
+                 str(tmp_path / "p.parquet")]) == 0
+    want = pq.read_table(tmp_path / "p.parquet").column("probability").to_numpy()
+    d = table.to_pydict()
+    for datatype, dtype in (("INT64", np.int64), ("INT32", np.int32)):
+        arrays = {"user": (np.array(d["user"], dtype=object), "BYTES"), "item": (np.array(d["item"]), "INT64"),
+                  "tags": (np.array([t for bag in d["tags"] for t in bag], dtype=object), "BYTES"),
+                  "tags__lengths": (np.array([len(b) for b in d["tags"]], dtype=np.int32), "INT32"),
+                  "price": (np.array(d["price"], dtype=dtype), datatype)}
+        for binary in (True, False):
+            got = http.InferenceServerClient(server[0]).infer("ctr", inputs(http, arrays, binary),
+                                                              headers=dict(HEADERS)).as_numpy("probability")
+            assert np.array_equal(got, want), (datatype, binary)
+        got = grpcclient.InferenceServerClient(server[1]).infer(
+            "ctr", inputs(grpcclient, arrays), headers={"authorization": f"Bearer {TOKEN}"}).as_numpy("probability")
+        assert np.array_equal(got, want), datatype
+    body = one_row().replace(b'"datatype": "FP32", "shape": [1], "data": [1.5]',
+                             b'"datatype": "INT64", "shape": [1], "data": [9007199254740993]')
+    r = post(server, "/v2/models/ctr/infer", body)
+    assert r.status_code == 400 and r.json()["error"].startswith("input 'price'"), r.text
+    r = post(server, "/v2/models/ctr/infer", one_row().replace(b'"datatype": "FP32"', b'"datatype": "BYTES"'))
+    assert r.status_code == 400 and r.json()["error"] == (
+        "input 'price': datatype must be FP32, FP64 or an integer datatype (INT64, INT32, INT16, INT8, UINT64, "
+        "UINT32, UINT16, UINT8), got 'BYTES'"), r.text
 
 
 def test_compressed_bodies_both_ways_and_their_limits(server):

@@ -274,3 +274,36 @@ def test_uint64_ids_past_int64_read_as_a_uint64_column_does():
         body = {"inputs": [{"name": "a", "datatype": datatype, "shape": [len(values)], "data": values}]}
         with pytest.raises(RequestError, match=message):
             decode_request(body, prep, 8)
+
+
+def test_typed_contents_in_another_field_than_the_datatypes_are_an_error_naming_both(server, columns):
+    """``int64_contents`` is where INT64 values go: ones sent in ``int_contents`` or ``fp32_contents`` were ignored
+    ("shape [24] holds 24 values, got 0", or dropped beside the right field's), and ``contents`` beside a raw tensor
+    too."""
+    good = pb.ModelInferRequest.FromString(typed_request(columns))
+    assert np.array_equal(grpc_probability(server[1], good.SerializeToString()),
+                          grpc_probability(server[1], typed_request(columns)))
+    item = columns["item"][0].tolist()
+    cases = []
+    for extra in ("int_contents", "fp32_contents"):
+        request = pb.ModelInferRequest.FromString(typed_request(columns))
+        t = next(t for t in request.inputs if t.name == "item")
+        if extra == "fp32_contents":  # instead of the INT64 field
+            t.contents.ClearField("int64_contents")
+        getattr(t.contents, extra).extend(item)
+        wrong = "contents.int_contents" if extra == "int_contents" else "contents.fp32_contents"
+        cases.append((request, f"input 'item': INT64 values go in contents.int64_contents, got {wrong}"))
+    raw = pb.ModelInferRequest.FromString(typed_request(columns))
+    for t in raw.inputs:
+        values, datatype = columns[t.name]
+        raw.raw_input_contents.append(b"".join(len(v.encode()).to_bytes(4, "little") + v.encode() for v in values)
+                                      if datatype == "BYTES" else values.astype(values.dtype.newbyteorder("<"))
+                                      .tobytes())
+    cases.append((raw, "input 'user': both raw_input_contents and contents.bytes_contents are given; send one of "
+                       "them"))
+    for request, message in cases:
+        with pytest.raises(grpc.RpcError) as error:
+            grpc_probability(server[1], request.SerializeToString())
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details() == message, \
+            error.value.details()
+    assert len(grpc_probability(server[1], good.SerializeToString())) == ROWS  # and it keeps serving

@@ -48,7 +48,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "the first version when the run has published none yet (default: off)")
     p.add_argument("--max-batch-size", type=int, default=4096, help="most rows per request, and per forward pass "
                    "over concurrent requests")
-    p.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get HTTP 400")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies, as sent or inflated, get "
+                   "HTTP 400 (gRPC: RESOURCE_EXHAUSTED)")
     p.add_argument("--volatile", default="memory", choices=["memory", "redis"], help="volatile store")
     p.add_argument("--redis-address", default="127.0.0.1:6379", help="host:port of the redis store")
     p.add_argument("--persistent", default="none", choices=["lmdb", "rocksdb", "none"], help="persistent store")
@@ -106,6 +107,20 @@ def cmd_serve(args) -> int:
     if args.model is None and args.use is not None:
         raise ValueError("--use picks a model of a run (--model); an export of your own model serves its newest "
                          "version")
+    if args.model is not None and args.export is not None and args.use is not None:
+        raise ValueError("--use picks which export of the run is served, and --export names one already: drop "
+                         "one of them")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.max_batch_size < 1:
+        raise ValueError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    if not args.max_body_mb * (1 << 20) >= 1:
+        raise ValueError(f"--max-body-mb must be > 0 (at least one byte), got {args.max_body_mb}")
+    if not 0 < args.cache_fraction <= 1:
+        raise ValueError(f"--cache-fraction must be in (0, 1], got {args.cache_fraction}")
+    if args.persistent_path is not None and args.persistent == "none":
+        raise ValueError("--persistent-path is where the persistent store lives: give --persistent lmdb or "
+                         "--persistent rocksdb with it")
     own = None if args.model is not None else Path(args.export)
     if own is not None and (own / "model.json").is_file() and (own / "checkpoint").is_dir():
         # checked here too: with --watch, nothing would load it, and the server would wait for a version forever
@@ -128,8 +143,10 @@ def cmd_serve(args) -> int:
             args.export = published  # no checkpoint is needed (nor written yet) to serve them
             if read_pointer(published) is None:
                 waiting = published
-                print(f"waiting for the first version in {published} (dynemb train --publish-every writes it); "
-                      "live meanwhile, ready once it is served", flush=True)
+                writer = "dynemb train --publish-every" if args.model is not None else \
+                    "dynemb.serving.export_model"
+                print(f"waiting for the first version in {published} ({writer} writes it); live meanwhile, ready "
+                      "once it is served", flush=True)
     if args.export is None:
         from ..job.publish import serving_export
 

@@ -14,7 +14,6 @@ sends) or typed ``contents``; outputs always go back as ``raw_output_contents``,
 from __future__ import annotations
 
 import asyncio
-import hmac
 import socket
 import time
 from typing import Optional
@@ -31,7 +30,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
                       f"({exc})") from exc
 
 from .grpc_http2 import GrpcError, Http2GrpcServer
-from .service import GRPC_CODES, NOT_SUPPORTED, InferenceService, ProtocolError, numpy_datatype, requested_outputs
+from .service import (GRPC_CODES, NOT_SUPPORTED, InferenceService, ProtocolError, check_bearer, numpy_datatype,
+                      requested_outputs)
 from .wire import NUMPY_DTYPES, RequestError, binary_bytes
 
 __all__ = ["GrpcServer", "InferRequests", "request_dict"]
@@ -60,6 +60,17 @@ def request_dict(request) -> dict:
     for t, blob in zip(given, raw) if raw else ((t, None) for t in given):
         datatype, name = t.datatype, t.name
         item = {"name": name, "datatype": datatype, "shape": list(t.shape)}
+        # a typed field other than the datatype's was ignored: "holds 2 values, got 0", or another field's values
+        # dropped; one look at the fields set (only on the typed path, or when a raw tensor comes with contents)
+        others = [f.name for f, _ in t.contents.ListFields()] if blob is None or t.HasField("contents") else []
+        if blob is not None and others:
+            raise RequestError(f"input {name!r}: both raw_input_contents and contents.{others[0]} are given; send "
+                               "one of them")
+        if blob is None and others and others != [_CONTENTS.get(datatype)]:
+            field = _CONTENTS.get(datatype)
+            where = f"contents.{field}" if field else "raw_input_contents (it has no typed contents field)"
+            wrong = ", ".join(f"contents.{f}" for f in others if f != field)
+            raise RequestError(f"input {name!r}: {datatype} values go in {where}, got {wrong}")
         if blob is not None:
             dtype = _DTYPES.get(datatype)
             if dtype is not None:
@@ -268,12 +279,6 @@ class GrpcServer:
             self.sock.close()
             self.bound_port = None
 
-    def authorized(self, metadata: dict) -> bool:
-        if self.token is None:
-            return True
-        scheme, _, value = metadata.get("authorization", "").strip().partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token)
-
 
 def _method(server: GrpcServer, route: str, request_type, answer):
     """A handler of :mod:`~dynemb.endpoint.grpc_http2`: checks the token, parses the request, runs ``answer``, counts
@@ -283,8 +288,7 @@ def _method(server: GrpcServer, route: str, request_type, answer):
     async def handler(message: bytes, metadata: dict) -> bytes:
         start, ok, rows = time.perf_counter(), False, 0
         try:
-            if not server.authorized(metadata):
-                raise ProtocolError(401, "missing or wrong bearer token")
+            check_bearer(server.token, metadata.get("authorization", "").encode())
             if request_type is None:
                 request = message
             else:

@@ -11,8 +11,9 @@ tensor                   datatype                shape     holds
 ``{column}``             BYTES or an integer     ``[N]``   a multi-hot column: the ids of every row,
                                                            concatenated
 ``{column}__lengths``    INT32                   ``[B]``   ... and how many of them each row has
-``{column}``             FP32 (or FP64)          ``[B]``   a dense column, raw (normalized by the server);
-                                                           ``null``, NaN and ``±inf`` allowed
+``{column}``             FP32 (or FP64, or an    ``[B]``   a dense column, raw (normalized by the server);
+                         integer: as ``predict``           ``null``, NaN and ``±inf`` allowed
+                         reads an integer column)
 =======================  ======================  ========  ==============================================
 
 An input of one value a row (an id column, lengths, a dense column) may also come as ``[B, 1]``, the column a Triton
@@ -41,7 +42,7 @@ from ..data.batch import Batch
 from ..data.arrow_columns import categorical_ids, dense_values, multi_hot_ids
 from ..data.preprocess import Preprocessing
 from ..serving.exported_model import check_input_names
-from .wire import RequestError
+from .wire import RequestError, first_wrong_json
 
 __all__ = ["LENGTHS", "OUTPUT", "model_metadata", "decode_request", "encode_response"]
 
@@ -50,6 +51,7 @@ OUTPUT = "probability"
 INTEGER_TYPES = ("INT64", "INT32", "INT16", "INT8", "UINT64", "UINT32", "UINT16", "UINT8")
 ID_TYPES = ("BYTES", *INTEGER_TYPES)
 DENSE_TYPES = ("FP32", "FP64")
+DENSE_INPUT_TYPES = DENSE_TYPES + INTEGER_TYPES  # what a dense input takes: the metadata says FP32
 
 
 def _tensor(name: str, datatype: str, shape: list) -> dict:
@@ -117,6 +119,8 @@ def _data(t: dict, datatypes: tuple, rows: Optional[int], one_a_row: bool = True
         allowed = " or ".join([", ".join(datatypes[:-1]), datatypes[-1]] if len(datatypes) > 1 else datatypes)
         if datatypes == ID_TYPES:
             allowed = f"BYTES or an integer datatype ({', '.join(INTEGER_TYPES)})"
+        elif datatypes == DENSE_INPUT_TYPES:
+            allowed = f"FP32, FP64 or an integer datatype ({', '.join(INTEGER_TYPES)})"
         raise RequestError(f"input {name!r}: datatype must be {allowed}, got {datatype!r}")
     if not (isinstance(shape, list) and len(shape) == 1 and _size(shape[0])):
         if not one_a_row:
@@ -166,6 +170,9 @@ def _array(t: dict, data) -> pa.Array:
                 raise
             array = pa.array(data, type=pa.uint64())
     except (TypeError, ValueError, OverflowError, pa.ArrowException) as exc:
+        wrong = first_wrong_json(data, what)
+        if wrong is not None:  # values of mixed JSON types: pyarrow's message names whichever it met second
+            raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what}, got {wrong}") from None
         raise RequestError(f"input {t['name']!r}: {t['datatype']} values must be {what} "
                            f"({str(exc).splitlines()[0]})") from None
     # pyarrow reads a bool after a float as 1.0 / 0.0 (after an int, it refuses it): one C-speed look at the types
@@ -246,9 +253,19 @@ def decode_request(request: Any, prep: Preprocessing, max_rows: int) -> Batch:
         ids, bounds = _bag_ids(inputs[c], lengths, c, prep.id_types[c])
         sparse[c], offsets[c] = torch.from_numpy(ids), torch.from_numpy(bounds)
     dense = np.zeros((len(prep.dense), rows), dtype=np.float32)
-    if prep.dense:
-        values = _joined([inputs[c] for c in prep.dense], [_data(inputs[c], DENSE_TYPES, rows) for c in prep.dense])
+    tensors = [inputs[c] for c in prep.dense]
+    datas = [_data(t, DENSE_INPUT_TYPES, rows) for t in tensors]
+    if tensors and all(t["datatype"] in DENSE_TYPES for t in tensors):
+        values = _joined(tensors, datas)
         dense[:] = dense_values(values, f"input {prep.dense[0]!r}").reshape(len(prep.dense), rows)
+    elif tensors:  # integer columns too: each read as `predict` reads a Parquet integer column (its float64s)
+        for k, (t, d) in enumerate(zip(tensors, datas)):
+            try:
+                dense[k] = dense_values(_array(t, d), f"input {t['name']!r}")
+            except RequestError:
+                raise
+            except ValueError as exc:  # an integer float64 cannot hold exactly (past 2**53), as predict refuses it
+                raise RequestError(str(exc)) from None
     return Batch(torch.from_numpy(dense.T.copy()), sparse, torch.zeros(rows), offsets)
 
 

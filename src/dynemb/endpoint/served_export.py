@@ -12,6 +12,7 @@ Requests are not joined into one forward pass (a jagged input cannot be concaten
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Optional
 
 import numpy as np
@@ -21,7 +22,10 @@ from ..serving import ExportedModel
 from ..serving.exported_model import check_input_names
 from .inference_protocol import _inputs_by_name
 from .model import newest_version
-from .wire import RequestError
+from .wire import RequestError, first_wrong_json
+
+_JSON_OK = {"b": {bool}, "i": {int}, "u": {int}, "f": {int, float}}
+"""The Python types of JSON values an input of each numpy kind takes (no bool as a number, no null)."""
 
 __all__ = ["ServedExport", "PLATFORM"]
 
@@ -126,8 +130,13 @@ def _tensor(t: dict, spec: dict) -> torch.Tensor:
         shape = shape[:1]  # a column [n, 1], as Triton clients send each feature: read as [n]
     if not (isinstance(shape, list) and len(shape) == len(expected)
             and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-        raise RequestError(f"input {name!r}: shape must be {len(expected)} sizes >= 0 like {expected} (-1: any "
-                           f"size), got {shape!r}")
+        if len(expected) == 1:  # what the CLI models' inputs say: both forms taken, and why [1, n] is not
+            row = isinstance(shape, list) and len(shape) == 2 and shape[0] == 1
+            raise RequestError(f"input {name!r}: shape must be [n] or a column [n, 1], n >= 0 (the model's shape is "
+                               f"{expected}, -1: any size), got {shape!r}"
+                               + (" (a [1, n] row is not read as n values: send [n])" if row else ""))
+        raise RequestError(f"input {name!r}: shape must be {len(expected)} sizes >= 0 (the model's shape is "
+                           f"{expected}, -1: any size), got {shape!r}")
     fixed = [(i, e) for i, (d, e) in enumerate(zip(shape, expected)) if e != -1 and d != e]
     if fixed:
         raise RequestError(f"input {name!r}: shape {shape}, but size {fixed[0][0]} must be {fixed[0][1]} "
@@ -136,6 +145,16 @@ def _tensor(t: dict, spec: dict) -> torch.Tensor:
         raise RequestError(f"input {name!r}: 'data' must be a JSON list or a binary tensor")
     kind = np.dtype(_NUMPY[want]).kind
     if isinstance(data, list):
+        # numpy reads a bool among integers as 0/1 and a null as an object: JSON types are checked first (one
+        # C-speed look; the Python walk of first_wrong_json only on an error)
+        what = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers"}[kind]
+        flat = data
+        while flat and all(isinstance(row, list) for row in flat):
+            flat = list(itertools.chain.from_iterable(flat))
+        if not set(map(type, flat)) <= _JSON_OK[kind]:
+            wrong = first_wrong_json(data, what, null=False)
+            if wrong is not None:
+                raise RequestError(f"input {name!r}: {want} values must be {what}, got {wrong}")
         try:
             array = np.asarray(data)
         except ValueError:

@@ -13,6 +13,7 @@ The model in the slot is anything with the :class:`Servable` methods, as the CLI
 from __future__ import annotations
 
 import asyncio
+import hmac
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,30 @@ class ProtocolError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+def check_bearer(token: Optional[bytes], header: Optional[bytes]) -> None:
+    """Refuse a request whose ``Authorization`` value (HTTP header or gRPC metadata) does not carry ``token``
+    (nothing is asked without one). The scheme is case-insensitive (RFC 9110); the message says what was wrong
+    (no header, another scheme, the wrong token) but never the token.
+
+    Raises:
+        ProtocolError: 401.
+    """
+    if token is None:
+        return
+    scheme, _, given = (header or b"").strip().partition(b" ")
+    if not scheme:
+        raise ProtocolError(401, "this server wants a bearer token: send the header `Authorization: Bearer "
+                                 "<token>` (gRPC: `authorization` metadata), got none")
+    if not given.strip():  # one word: a token without its scheme, most likely (not echoed)
+        raise ProtocolError(401, "this server wants `Authorization: Bearer <token>`, got a value without a scheme "
+                                 "(put `Bearer ` before the token)")
+    if scheme.lower() != b"bearer":
+        shown = repr(scheme.decode("latin-1")) if len(scheme) <= 20 and scheme.isalpha() else "another one"
+        raise ProtocolError(401, f"this server wants `Authorization: Bearer <token>`, got the scheme {shown}")
+    if not hmac.compare_digest(given.strip(), token):
+        raise ProtocolError(401, "wrong bearer token")
 
 
 class Servable(Protocol):

@@ -7,6 +7,7 @@ the datatype's JSON type), so that no Python object is made per value; anything 
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any, Optional
 
@@ -40,12 +41,38 @@ NUMPY_DTYPES = {"INT64": "<i8", "INT32": "<i4", "FP32": "<f4", "FP64": "<f8",
 datatype is good for is the model's to say."""
 
 
+_JSON_TYPES = {"strings": (str, bytes), "numbers": (int, float), "integers": (int,), "booleans": (bool,)}
+
+
+def first_wrong_json(data, what: str, null: bool = True) -> Optional[str]:
+    """The first value of JSON ``data`` (a list, nested lists read row-major) that is not one of ``what``
+    (``"strings"``, ``"numbers"``, ``"integers"``, ``"booleans"``; a bool is none but the last), or a null where
+    ``null`` is False, said as ``"number 7 at position 0"``; None when every value is one (or ``data`` is no
+    list). Error paths only: it walks the values in Python."""
+    if not isinstance(data, list):
+        return None
+    while data and all(isinstance(row, list) for row in data):
+        data = list(itertools.chain.from_iterable(data))
+    ok = _JSON_TYPES[what]
+    for at, value in enumerate(data):
+        if value is None:
+            if null:
+                continue
+        elif isinstance(value, ok) and (what == "booleans" or not isinstance(value, bool)):
+            continue
+        kind = "null" if value is None else {bool: "bool", list: "list", dict: "object", int: "number",
+                                             float: "number"}.get(type(value), "string")
+        shown = "" if value is None else " " + (repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "...")
+        return f"{kind}{shown} at position {at}"
+    return None
+
+
 def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
     """The request object of an infer body: JSON, or with the binary tensor extension (``json_length`` from the
     ``Inference-Header-Content-Length`` header) JSON followed by the raw tensors, whose ``data`` is filled in here.
 
     Raises:
-        RequestError: the body is not JSON, or a binary tensor does not fit the body.
+        RequestError: the body is not JSON, a binary tensor does not fit the body, or bytes follow the last one.
     """
     head = body if json_length is None else body[:json_length]
     if json_length is None and simdjson is not None:
@@ -77,15 +104,21 @@ def parse_body(body: bytes, json_length: Optional[int] = None) -> Any:
                                f"{t['datatype']} values")
         else:
             t["data"] = np.frombuffer(raw, dtype=NUMPY_DTYPES[t["datatype"]])  # no Python objects per value
+    if at != len(body):  # bytes no input claims: a binary_data_size short of its tensor, most likely
+        raise RequestError(f"the body has {len(body) - at} bytes after the JSON part and the inputs' binary data "
+                           f"({json_length} + the binary_data_size of each input = {at} of {len(body)} bytes): each "
+                           "binary input's binary_data_size must be its tensor's bytes")
     return request
 
 
 def _loads_non_finite(text: bytes, error: Exception) -> Any:
     """JSON with the bare ``NaN``, ``Infinity`` and ``-Infinity`` tokens that JSON lacks but many writers emit
-    (tritonclient's JSON mode among them), read by the standard library, which takes them as floats: the values
-    then meet the model's rules for non-finite values like any other. Text that is not JSON even so raises
-    a RequestError with ``error``, the fast parser's reason."""
-    if not any(token in text for token in (b"NaN", b"Infinity")):
+    (tritonclient's JSON mode among them), or with a number past float64, read by the standard library, which
+    takes them as floats (1e400: inf): the values then meet the model's rules for non-finite values like any
+    other. Text that is not JSON even so raises a RequestError with ``error``, the fast parser's reason."""
+    # a number past float64 (1e400) is JSON too, which the fast parsers refuse: read as +-inf, as Python reads it
+    past_float64 = "infinity when parsed" in str(error)
+    if not past_float64 and not any(token in text for token in (b"NaN", b"Infinity")):
         raise RequestError(f"the request body is not valid JSON ({error})")
     try:
         return json.loads(text)

@@ -7,6 +7,7 @@ forward pass holds), so a forward pass sees exactly one version, the one it repo
 
 from __future__ import annotations
 
+import difflib
 import io
 import re
 import threading
@@ -83,11 +84,16 @@ def _integer(dtype: torch.dtype) -> bool:
 
 def check_input_names(given, names: list, error: type = ValueError) -> None:
     """Raise ``error`` naming the first of ``names`` missing from ``given``, or the first name in ``given`` that
-    is not in ``names`` (in-process calls and both endpoints' requests say it the same way)."""
+    is not in ``names`` (in-process calls and both endpoints' requests say it the same way). A missing input that
+    came under another name (``Workclass`` for ``workclass``, a typo) is named with it."""
     missing = [n for n in names if n not in given]
-    if missing:
-        raise error(f"input {missing[0]!r} is missing (the model reads {names})")
     unknown = sorted(set(given) - set(names))
+    if missing:
+        # the given name most like it (case aside): a mistyped name is then one error, not "missing" alone
+        folded = {str(n).lower(): n for n in unknown}
+        like = difflib.get_close_matches(missing[0].lower(), list(folded), n=1, cutoff=0.6)
+        instead = f": the request has {folded[like[0]]!r}, which the model does not read" if like else ""
+        raise error(f"input {missing[0]!r} is missing{instead} (the model reads {names})")
     if unknown:
         raise error(f"input {unknown[0]!r} is not an input of this model (it reads {names})")
 
