@@ -66,7 +66,9 @@ def test_every_http_call_of_tritonclient(server, rows):
         assert client.is_server_live(headers=dict(HEADERS)) and client.is_server_ready(headers=dict(HEADERS))
         assert client.is_model_ready("ctr", headers=dict(HEADERS))
         assert client.is_model_ready("ctr", "1", headers=dict(HEADERS))
+        assert client.is_model_ready("ctr", "01", headers=dict(HEADERS))  # a number, as Triton reads it
         assert not client.is_model_ready("ctr", "2", headers=dict(HEADERS))
+        assert not client.is_model_ready("ctr", "1x", headers=dict(HEADERS))
         assert not client.is_model_ready("other", headers=dict(HEADERS))
         meta = client.get_server_metadata(headers=dict(HEADERS))
         assert meta["name"] == "dynemb" and "binary_tensor_data" in meta["extensions"]

@@ -298,7 +298,9 @@ class InferenceService:
         model = self.model
         if model is None:
             raise ProtocolError(503, f"model {name!r} is not ready: waiting for {self.waiting_for}")
-        if version not in (None, "") and version != str(model.version):
+        # a version is a number, as Triton reads it ("01" is version 1); anything but ASCII digits is no version
+        if version not in (None, "") and not (version.isascii() and version.isdigit()
+                                               and int(version) == model.version):
             raise ProtocolError(404, f"model {name!r} serves version {model.version}, not {version!r}")
         return model
 
