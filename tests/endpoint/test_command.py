@@ -191,7 +191,8 @@ def test_loading_a_run_to_serve_or_export_builds_no_optimizer(run, tmp_path):
     (["--persistent-path", "store"], "--persistent-path is where the persistent store lives: give --persistent "
                                      "lmdb or --persistent rocksdb with it"),
     (["--export", "exports", "--use", "last"], "--use picks which export of the run is served, and --export names "
-                                               "one already: drop one of them")])
+                                               "one already: drop one of them"),
+    (["--grpc-port", "5"], "--grpc-port 5 with --no-grpc: no gRPC server is started; drop one of them")])
 def test_serve_options_out_of_range_or_without_effect_are_one_line_naming_the_option(tmp_path, capsys, monkeypatch,
                                                                                    options, message):
     from dynemb.cli import main

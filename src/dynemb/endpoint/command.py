@@ -16,6 +16,8 @@ from . import WATCH_INTERVAL_S
 
 __all__ = ["add_serve_args", "cmd_serve", "WATCH_INTERVAL_S"]
 
+DEFAULT_GRPC_PORT = 8001  # Triton's
+
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="RUN_DIR", help="a `dynemb train` run directory (default: none: then "
@@ -30,8 +32,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; anything but loopback exposes the "
                    "model to the network")
     p.add_argument("--port", type=int, default=8000, help="TCP port of HTTP/REST")
-    p.add_argument("--grpc-port", type=int, default=8001, help="TCP port of gRPC (KServe v2's "
-                   "GRPCInferenceService, as Triton's port 8001), on --host too")
+    p.add_argument("--grpc-port", type=int, default=None, help="TCP port of gRPC (KServe v2's "
+                   "GRPCInferenceService), on --host too (default: 8001, as Triton's)")
     p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     p.add_argument("--grpc-max-connections", type=int, default=1024, metavar="N", help="gRPC connections served "
                    "at once; more are sent GOAWAY and closed as they come (default: %(default)s)")
@@ -86,6 +88,10 @@ def cmd_serve(args) -> int:
     from .app import build_app
     from .http_server import serve
 
+    if args.no_grpc and args.grpc_port is not None:  # a port for a server that is not started: a mistake
+        raise ValueError(f"--grpc-port {args.grpc_port} with --no-grpc: no gRPC server is started; drop one of them")
+    if args.grpc_port is None:
+        args.grpc_port = DEFAULT_GRPC_PORT
     for option, port in (("--port", args.port), ("--grpc-port", None if args.no_grpc else args.grpc_port)):
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"{option} must be in 1..65535, got {port}")
