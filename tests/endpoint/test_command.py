@@ -61,6 +61,28 @@ def stop(proc: subprocess.Popen, seconds: float = 30.0) -> int:
 
 
 @pytest.mark.slow
+def scored(run, url: str, token: str | None = None, rows: int = 50) -> list:
+    """The probabilities ``dynemb serve`` at ``url`` answers for the first ``rows`` rows of the run's test file (one
+    JSON request, ``token`` as its bearer token)."""
+    d = pq.read_table(run / "test.parquet").slice(0, rows).to_pydict()
+    inputs = [{"name": "user", "datatype": "BYTES", "shape": [rows], "data": d["user"]},
+              {"name": "item", "datatype": "INT64", "shape": [rows], "data": d["item"]},
+              {"name": "tags", "datatype": "BYTES", "shape": [sum(map(len, d["tags"]))],
+               "data": [t for bag in d["tags"] for t in bag]},
+              {"name": "tags__lengths", "datatype": "INT32", "shape": [rows], "data": list(map(len, d["tags"]))},
+              {"name": "price", "datatype": "FP32", "shape": [rows], "data": d["price"]}]
+    r = httpx.post(f"{url}/v2/models/ctr/infer", json={"id": "r1", "inputs": inputs},
+                   headers={"Authorization": f"Bearer {token}"} if token else {}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == "r1" and r.json()["outputs"][0]["name"] == "probability"
+    return r.json()["outputs"][0]["data"]
+
+
+def predicted(run, rows: int = 50) -> list:
+    """``dynemb predict``'s probabilities of the first ``rows`` rows of the run's test file."""
+    return pq.read_table(run / "preds.parquet").column("probability").to_pylist()[:rows]
+
+
 def test_dynemb_serve_scores_like_predict_with_lmdb_and_a_token(run, tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
@@ -72,19 +94,7 @@ def test_dynemb_serve_scores_like_predict_with_lmdb_and_a_token(run, tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)
-        d = pq.read_table(run / "test.parquet").slice(0, 50).to_pydict()
-        inputs = [{"name": "user", "datatype": "BYTES", "shape": [50], "data": d["user"]},
-                  {"name": "item", "datatype": "INT64", "shape": [50], "data": d["item"]},
-                  {"name": "tags", "datatype": "BYTES", "shape": [sum(map(len, d["tags"]))],
-                   "data": [t for bag in d["tags"] for t in bag]},
-                  {"name": "tags__lengths", "datatype": "INT32", "shape": [50], "data": list(map(len, d["tags"]))},
-                  {"name": "price", "datatype": "FP32", "shape": [50], "data": d["price"]}]
-        r = httpx.post(f"{url}/v2/models/ctr/infer", json={"id": "r1", "inputs": inputs},
-                       headers={"Authorization": "Bearer t0k"}, timeout=30)
-        assert r.status_code == 200, r.text
-        assert r.json()["id"] == "r1" and r.json()["outputs"][0]["name"] == "probability"
-        expected = pq.read_table(run / "preds.parquet").column("probability").to_pylist()[:50]
-        np.testing.assert_allclose(r.json()["outputs"][0]["data"], expected, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(scored(run, url, "t0k"), predicted(run), atol=1e-6, rtol=0)
         assert httpx.get(f"{url}/v2/health/live", timeout=5).status_code == 401
     finally:
         assert stop(proc) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM after a clean shutdown
@@ -250,9 +260,11 @@ def test_a_refused_token_says_what_was_wrong_over_http_and_grpc_and_never_echoes
 
 
 @pytest.mark.slow
-def test_watch_warns_when_a_version_comes_in_another_row_dtype_than_the_one_loaded(run, tmp_path):
-    """A server that loaded int8 rows keeps them for every update (a float32 version is quantized into them), while
-    a server started on that version serves float32: the two answered the same version differently, silently."""
+def test_watch_serves_a_version_of_another_row_dtype_in_its_own_dtype(run, tmp_path):
+    """A server that loaded int8 rows and then follows a float32 version serves float32 rows, as a server started on
+    that version does (it kept int8 rows: the same version answered differently by a server's history): scores
+    equal to `dynemb predict`'s, which the int8 version's are not. With LMDB under it: the store's int8 table is
+    dropped and created again in float32."""
     from dynemb.cli import main
 
     root = tmp_path / "exports"
@@ -260,18 +272,29 @@ def test_watch_warns_when_a_version_comes_in_another_row_dtype_than_the_one_load
     port = free_port()
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run / "run"), "--export",
-                             str(root), "--watch", "0.2", "--no-grpc", "--name", "ctr", "--port", str(port)],
+                             str(root), "--watch", "0.2", "--no-grpc", "--name", "ctr", "--port", str(port),
+                             "--persistent", "lmdb", "--persistent-path", str(tmp_path / "lmdb")],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, token=None)
+        wait_ready(url, proc, token=None)
+        int8 = scored(run, url)
+        assert np.abs(np.subtract(int8, predicted(run))).max() > 1e-6  # the test can tell the two apart
         assert main(["export", "--model", str(run / "run"), "--out", str(root)]) == 0  # version 2, float32 rows
         deadline = time.monotonic() + 60
-        while httpx.get(f"http://127.0.0.1:{port}/v2/models/ctr", timeout=5).json()["versions"] != ["2"]:
+        while httpx.get(f"{url}/v2/models/ctr", timeout=5).json()["versions"] != ["2"]:
             assert time.monotonic() < deadline, "version 2 was not served within 60 s"
             time.sleep(0.2)
+        np.testing.assert_array_equal(scored(run, url), predicted(run))
     finally:
         stop(proc)
-    err = proc.stderr.read()
-    assert ("dynemb serve --watch: version 2 has float32 rows; this server converts them to the int8 it loaded and "
-            "serves that (a server started on version 2 serves float32: restart to change the served dtype)") in err, \
-        err
+    # and a server started again on that LMDB store and version 2 (its tables now float32) serves the same
+    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "serve", "--model", str(run / "run"), "--export",
+                             str(root), "--no-grpc", "--name", "ctr", "--port", str(port), "--persistent", "lmdb",
+                             "--persistent-path", str(tmp_path / "lmdb")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(url, proc, token=None)
+        np.testing.assert_array_equal(scored(run, url), predicted(run))
+    finally:
+        stop(proc)

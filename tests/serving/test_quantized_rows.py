@@ -121,3 +121,47 @@ def test_tables_of_two_dims_serve_8_bit_rows_through_lookup_many(tmp_path):
         want = decode_rows(encode_rows(emb.eval().find(asked[name]), "float8_e4m3fn"), "float8_e4m3fn", emb.dim)
         assert torch.equal(got[name], want), name
     ps.close()
+
+
+@pytest.mark.parametrize("tiers", ["memory", "redis", "redis+lmdb", "memory+rocksdb"])
+def test_a_full_version_of_another_dtype_is_served_in_its_own_as_a_fresh_server_would(trained, tmp_path, request,
+                                                                                      tiers):
+    """int8 -> float32 -> float8 -> a float8 delta, applied to a running server: each full version answers what a
+    server started on it answers, bit for bit (it was converted into the dtype first loaded), and the delta applies
+    on top (an incremental export of another dtype is written full); a server started again on the same Redis /
+    persistent store (tables left in another dtype by the earlier version) loads it (it failed: 'already exists with
+    another schema')."""
+    root = tmp_path / "export"
+    volatile = {"type": "memory"} if tiers.startswith("memory") else {
+        "type": "redis", "address": request.getfixturevalue("redis_address")}
+    persistent = None if "+" not in tiers else {"type": tiers.split("+")[1], "path": str(tmp_path / "p")}
+    export_for_serving(root, trained, dtype=torch.int8)
+    ps = server(root, volatile, persistent)
+    ids = torch.cat([KEYS, torch.tensor([2**40, -5])])  # unseen ids too: their initializer rows
+    try:
+        ps.lookup("ctr", "embedding", ids)  # the cache holds int8 rows now
+        for dtype in (torch.float32, torch.float8_e4m3fn):
+            v = export_for_serving(root, trained, dtype=dtype)
+            ps.apply_update(v)
+            assert ps.stats("ctr")["version"] == read_export(v)[0]["version"]
+            fresh = server(root, {"type": "memory"}, None)  # a server started on this version
+            try:
+                assert torch.equal(ps.lookup("ctr", "embedding", ids), fresh.lookup("ctr", "embedding", ids))
+            finally:
+                fresh.close()
+        trained.insert_or_assign(KEYS[:20], torch.randn(20, D))
+        delta = export_for_serving(root, trained, dtype=torch.float8_e4m3fn, incremental=True)
+        assert read_export(delta)[0]["kind"] == "delta"
+        ps.apply_update(delta)
+        kind = "float8_e4m3fn"
+        assert torch.equal(ps.lookup("ctr", "embedding", KEYS[:30]),
+                           decode_rows(encode_rows(trained.find(KEYS[:30]), kind), kind, D))
+    finally:
+        ps.close()
+    if volatile["type"] == "redis" or persistent:
+        export_for_serving(root, trained)  # float32 again, over the float8 tables the stores hold
+        again = server(root, volatile, persistent)
+        try:
+            assert torch.equal(again.lookup("ctr", "embedding", KEYS[:30]), trained.find(KEYS[:30]))
+        finally:
+            again.close()

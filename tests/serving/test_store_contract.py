@@ -140,6 +140,41 @@ def test_reopen_sees_tables_and_rows(store_config, kind):
         assert torch.equal(second.get("t", EXTREME)[0], rows(len(EXTREME), 3, torch.float16))
 
 
+def test_drop_table_removes_rows_and_schema_so_another_schema_can_take_the_name(store):
+    store.create_table("t", dim=3, dtype=torch.float16)
+    store.create_table("u", dim=3, dtype=torch.float16)
+    store.put("t", EXTREME, rows(len(EXTREME), 3, torch.float16))
+    store.put("u", EXTREME[:2], rows(2, 3, torch.float16))
+    with pytest.raises(ValueError, match="already exists"):
+        store.create_table("t", dim=5, dtype=torch.float32)
+    assert store.drop_table("t") and not store.drop_table("t") and not store.drop_table("never")
+    assert store.tables() == ["u"] and store.size("u") == 2  # the other table untouched
+    with pytest.raises(ValueError, match="does not exist"):
+        store.schema("t")
+    store.create_table("t", dim=5, dtype=torch.float32)
+    assert store.size("t") == 0 and store.keys("t").numel() == 0
+    got, found = store.get("t", EXTREME)
+    assert not found.any() and got.shape == (len(EXTREME), 5) and got.dtype == torch.float32
+    store.put("t", EXTREME[:3], rows(3, 5))
+    assert torch.equal(store.get("t", EXTREME[:3])[0], rows(3, 5)) and store.size("t") == 3
+
+
+@pytest.mark.parametrize("kind", ["redis", "rocksdb", "lmdb"])
+def test_a_dropped_table_stays_dropped_when_the_store_is_opened_again(store_config, kind):
+    config = store_config(kind)
+    with make_store(config) as first:
+        first.create_table("t", dim=3, dtype=torch.float16)
+        first.put("t", EXTREME, rows(len(EXTREME), 3, torch.float16))
+        first.drop_table("t")
+        first.create_table("t", dim=2)
+    with make_store(config) as second:
+        assert second.schema("t") == TableSchema(dim=2, dtype=torch.float32) and second.size("t") == 0
+        assert not second.get("t", EXTREME)[1].any()
+    if kind != "redis":
+        with make_store({**config, "read_only": True}) as read_only, pytest.raises(StoreError, match="read-only"):
+            read_only.drop_table("t")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_get_concat_is_get_many_concatenated(store, dtype):
     # several tables of one schema, keys present, absent, repeated and extreme, tables with no keys; again after

@@ -5,13 +5,12 @@ the one served, the versions in between (``version-<n>`` directories, full or de
 increasing order through :meth:`ServedModel.apply_update`, so a delta is never applied before its parent. Requests
 keep being answered meanwhile; the parameter server swaps rows under its locks (no torn rows). A version that fails
 to apply is reported (once while its error stays the same) and retried at every poll; later versions wait for it.
-A version whose rows are of another dtype than the ones loaded (``dynemb export --dtype``) is applied in the loaded
-dtype, with a warning: a server started on it would serve its own dtype.
+A full version whose rows are of another dtype than the ones served (``dynemb export --dtype``) is served in its own
+dtype, as a server started on it would serve it (the parameter server installs it as a load does).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
@@ -19,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..checkpoint.export_format import version_name
 from ..checkpoint.fsutil import read_pointer
 from . import WATCH_INTERVAL_S
 from .model import ServedModel
@@ -59,16 +57,6 @@ def wait_for_export(root: Path, interval_s: float, timeout_s: Optional[float] = 
         time.sleep(interval_s)
 
 
-def row_dtypes(directory: Path) -> dict:
-    """``{table: dtype}`` of the rows of export version ``directory`` (its manifest); {} when it cannot be read
-    (applying the version then says why)."""
-    try:
-        tables = json.loads((Path(directory) / "manifest.json").read_text())["tables"]
-        return {name: t["dtype"] for name, t in tables.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}
-
-
 class ExportWatcher:
     """Polls ``model.export`` and applies new versions in order (see the module docstring).
 
@@ -85,8 +73,6 @@ class ExportWatcher:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
         self.model, self.interval_s = model, interval_s
         self.version = model.version
-        # the rows' dtype of each table as loaded: the parameter server keeps it for every later update
-        self.loaded_dtypes = row_dtypes(Path(model.export) / version_name(model.version))
         self.applied: list[int] = []
         self.errors = 0
         self._failure: Optional[tuple] = None  # (version directory, error) last logged
@@ -112,13 +98,6 @@ class ExportWatcher:
                 break
             self._failure = None
             log.info("dynemb serve --watch: now serving version %d (%s)", version, directory.name)
-            pairs = {(self.loaded_dtypes[t], d) for t, d in row_dtypes(directory).items()
-                     if self.loaded_dtypes.get(t, d) != d}
-            if pairs:
-                now, then = ("/".join(sorted({p[i] for p in pairs})) for i in (1, 0))
-                log.warning("dynemb serve --watch: version %d has %s rows; this server converts them to the %s "
-                            "it loaded and serves that (a server started on version %d serves %s: restart to "
-                            "change the served dtype)", version, now, then, version, now)
             self.version = version
             done.append(version)
         self.applied += done

@@ -29,6 +29,13 @@ from .writeback import WriteBack
 __all__ = ["ParameterServer", "TierUnavailableError"]
 
 
+def row_format(dtype: str, table: str) -> tuple[Optional[str], torch.dtype]:
+    """``(8-bit kind or None, the dtype rows are held in)`` of an export's table of ``dtype``: 8-bit rows stay packed
+    in every tier and cache, as 16-bit words (their bytes unchanged)."""
+    kind = quantized_kind(dtype)
+    return kind, torch.float16 if kind else parse_dtype(dtype, f"table {table!r}: dtype")
+
+
 class ParameterServer:
     """Serves the tables of one or more models from a hierarchy of stores.
 
@@ -195,13 +202,12 @@ class ParameterServer:
                     self.tiers.claim(space, manifest["version"], force=rolling_back)
                     spaces[space] = (cfg.export_root(i), manifest, [])
                 keys, values = updates.replay(chain, name)
-                # 8-bit rows stay packed in every tier and cache, as 16-bit words (their bytes unchanged)
-                kind = quantized_kind(entry["dtype"])
-                dtype = torch.float16 if kind else parse_dtype(entry["dtype"], f"table {name!r}: dtype")
+                kind, dtype = row_format(entry["dtype"], name)
                 width = packed_width(kind, dim) // 2 if kind else dim
                 store = store_name(cfg.model, name, manifest.get("model"))
                 spaces[space][2].append(store)
-                self.tiers.create_table(store, width, dtype)
+                # every row is replaced: a table an earlier version left with rows of another dtype is dropped
+                self.tiers.create_table(store, width, dtype, replace=True)
                 self.tiers.replace(store, keys, values.view(dtype) if kind else values.to(dtype))
                 loaded.append((i, name, (width, dtype, kind, dim), entry, keys.numel(), manifest))
                 del keys, values
@@ -525,11 +531,39 @@ class ParameterServer:
         with contextlib.ExitStack() as stack:
             for name in sorted(self._locks):
                 stack.enter_context(self._locks[name])
+            reformatted = self._reformatted(manifest)
+            if reformatted:  # rows of another dtype: installed as a load installs them (new stores and caches)
+                for model in reformatted:
+                    self._install_full(self.models[model], manifest, payload)
+                    self.versions[model]["updated_unix"] = time.time()
+                return {model: dict(self.versions[model]) for model in reformatted}
             touched = updates.apply_update(manifest, payload, self._tables, self.tiers)
             for model in touched:
                 self.versions[model] = {**self.versions[model], **summary(self._tables[model]),
                                         "updated_unix": time.time()}
             return {model: dict(self.versions[model]) for model in touched}
+
+    def _reformatted(self, manifest: dict) -> list[str]:
+        """The models that full export ``manifest`` updates with rows of another format (dtype, 8-bit kind) than
+        the ones served in some table: a server loading that version would hold them in its format, so it is
+        installed as a load installs it, not converted to the format served. Checks the update as
+        :func:`.updates.apply_update` does (raising the same errors)."""
+        targets = updates.checked_targets(manifest, self._tables)
+        if manifest["kind"] != "full":
+            return []
+        return [model for model, tables in targets.items()
+                if any(row_format(manifest["tables"][name]["dtype"], name) != (t.codec, t.dtype)
+                       for name, t in tables.items())]
+
+    def _install_full(self, cfg: ModelConfig, manifest: dict, payload: dict) -> None:
+        """Serve full export ``manifest`` in place of what ``cfg``'s export root of it serves, with new stores and
+        caches (:meth:`_install`); the model's other export roots keep their versions served."""
+        root = Path(manifest["path"]).parent.resolve()
+        served = {cfg.export_root(i).resolve(): t.lineage.version
+                  for i, t in enumerate(self._tables[cfg.model].values())}
+        chains = {r: [(manifest, payload)] if r.resolve() == root else read_chain(r / version_name(served[r.resolve()]))
+                  for r in cfg.export_roots()}
+        self._install(cfg, chains, progress=False)
 
     # ------------------------------------------------------------------ stats and lifecycle
     def stats(self, model: str) -> dict:

@@ -322,9 +322,17 @@ class StoreTiers:
             self.volatile.store.write_marker(namespace, token)
 
     # ------------------------------------------------------------------ writes
-    def create_table(self, table: str, dim: int, dtype: torch.dtype) -> None:
-        """Create ``table`` in every writable store. A store error raises."""
+    def create_table(self, table: str, dim: int, dtype: torch.dtype, replace: bool = False) -> None:
+        """Create ``table`` in every writable store. ``replace``: a table held there with another schema (rows of
+        another dtype, from an earlier version) is dropped first; its rows are about to be replaced. A store error
+        raises."""
         for tier in self._writable(table, self.volatile, self.persistent):
+            if replace and table in tier.store.tables():
+                held = tier.store.schema(table)
+                if (held.dim, held.dtype) != (dim, dtype):
+                    log.info("%s: table %s held rows of %s x %s, now %s x %s: dropped and created again", tier, table,
+                             held.dim, held.dtype, dim, dtype)
+                    tier.store.drop_table(table)
             tier.store.create_table(table, dim, dtype)
 
     def put(self, table: str, keys: torch.Tensor, values: torch.Tensor) -> None:

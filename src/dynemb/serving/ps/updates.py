@@ -19,7 +19,7 @@ from .cache import TableState
 from .lineage import Lineage, update_targets
 from .tiers import StoreTiers
 
-__all__ = ["apply_update", "replay"]
+__all__ = ["apply_update", "checked_targets", "replay"]
 
 
 def apply_update(manifest: dict, payload: Mapping[str, dict], served: Mapping[str, Mapping[str, TableState]],
@@ -34,13 +34,7 @@ def apply_update(manifest: dict, payload: Mapping[str, dict], served: Mapping[st
         LineageError: the export does not follow the version served. ValueError: a table of the export has
         another dim than the table served under its name. Nothing was changed then.
     """
-    targets = update_targets(manifest, served)
-    for tables in targets.values():
-        for name, t in tables.items():
-            dim = manifest["tables"][name]["dim"]
-            if dim != t.row_dim:
-                raise ValueError(f"{manifest['path']}: table {name!r} has dim {dim}, served as {t.row_dim} "
-                                 "(nothing was changed)")
+    targets = checked_targets(manifest, served)
     full = manifest["kind"] == "full"
     spaces: dict[str, list] = {}  # a shared volatile store's marker says the new version before its rows change
     for tables in targets.values():
@@ -54,6 +48,23 @@ def apply_update(manifest: dict, payload: Mapping[str, dict], served: Mapping[st
             t.lineage = Lineage.of(manifest)
     for space, stores in spaces.items():
         tiers.end_update(space, stores)
+    return targets
+
+
+def checked_targets(manifest: dict, served: Mapping[str, Mapping[str, TableState]]) -> dict[str, dict]:
+    """:func:`.lineage.update_targets`, each of the tables also checked for its dim.
+
+    Raises:
+        LineageError: as :func:`.lineage.update_targets`. ValueError: a table of the export has another dim than the
+            table served under its name.
+    """
+    targets = update_targets(manifest, served)
+    for tables in targets.values():
+        for name, t in tables.items():
+            dim = manifest["tables"][name]["dim"]
+            if dim != t.row_dim:
+                raise ValueError(f"{manifest['path']}: table {name!r} has dim {dim}, served as {t.row_dim} "
+                                 "(nothing was changed)")
     return targets
 
 

@@ -102,6 +102,11 @@ class MemoryStore(Store):
             )
         return schema
 
+    def _drop(self, table: str) -> None:
+        with self._lock:
+            self._writes += 1
+            self._tables_by_name.pop(table, None)
+
     def _load_schema(self, table: str) -> TableSchema | None:
         return None  # every schema this store knows was created through it, so it is already cached
 

@@ -96,6 +96,12 @@ class PersistentStore(Store):
                 self._commit([_TABLES_KEY, _count_key(table)], [record, _count_bytes(0)])
             return TableSchema.from_dict(tables[table])
 
+    def _drop(self, table: str) -> None:
+        with self._write_lock:
+            tables = self._load_tables()
+            tables.pop(table, None)
+            self._commit([_TABLES_KEY], [json.dumps(tables, sort_keys=True).encode()], deletes=[_count_key(table)])
+
     def _load_schema(self, table: str) -> TableSchema | None:
         record = self._load_tables().get(table)
         return None if record is None else TableSchema.from_dict(record)

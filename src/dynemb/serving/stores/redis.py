@@ -312,6 +312,15 @@ class RedisStore(Store):
         return self._remember(table, self._client.hget(SCHEMA_KEY, table))
 
     @_translated
+    def _drop(self, table: str) -> None:
+        layout = self._layouts.pop(table, None)
+        pipe = self._pipeline(write=True)
+        for key in layout.index_keys if layout is not None else ():  # empty already: DEL of each, slot by slot
+            pipe.execute_command("DEL", key)
+        pipe.hdel(SCHEMA_KEY, table)
+        pipe.execute()
+
+    @_translated
     def _load_schema(self, table: str) -> TableSchema | None:
         raw = self._client.hget(SCHEMA_KEY, table)
         return None if raw is None else self._remember(table, raw)

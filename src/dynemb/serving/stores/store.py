@@ -218,6 +218,31 @@ class Store(abc.ABC):
             raise ValueError(f"table {table!r} already exists with {existing}, asked for {wanted}")
         return existing
 
+    def drop_table(self, table: str) -> bool:
+        """Remove ``table``: its rows, then its schema, so that a table of another schema may be created under its
+        name (an export whose rows changed dtype). Whether it existed.
+
+        Raises:
+            StoreReadOnlyError: a read-only store.
+
+        Example:
+            >>> # store.drop_table("ctr.user"); store.create_table("ctr.user", 64, torch.int8)
+        """
+        check_table_name(table)
+        self._check_open()
+        self._check_writable()
+        schema = self._find_schema(table)
+        if schema is None:
+            return False
+        keys = self._keys(table, schema)
+        if keys.numel():
+            self._delete(table, schema, keys)
+        with self._schema_lock:
+            self._drop(table)
+            self._schemas.pop(table, None)
+            self._concat_schemas.clear()
+        return True
+
     def schema(self, table: str) -> TableSchema:
         """The schema of ``table``. Raises ValueError if it was never created."""
         check_table_name(table)
@@ -385,6 +410,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def _create(self, table: str, schema: TableSchema) -> TableSchema:
         """Record ``schema`` for a new table; return the schema stored (another writer may have won a race)."""
+
+    @abc.abstractmethod
+    def _drop(self, table: str) -> None:
+        """Forget ``table``'s schema (and any per-table record); its rows are deleted already."""
 
     @abc.abstractmethod
     def _load_schema(self, table: str) -> TableSchema | None:
