@@ -2,6 +2,8 @@
 parameter server serving them packed in every tier (memory, Redis, LMDB, RocksDB, the cache) and dequantized in the
 lookup, equal to the codec's own round trip of the trained rows, with updates and default rows."""
 
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -165,3 +167,38 @@ def test_a_full_version_of_another_dtype_is_served_in_its_own_as_a_fresh_server_
             assert torch.equal(again.lookup("ctr", "embedding", KEYS[:30]), trained.find(KEYS[:30]))
         finally:
             again.close()
+
+
+def test_two_servers_on_one_redis_follow_a_dtype_change_in_turn(trained, tmp_path, redis_address):
+    """Two servers of one export on one Redis: the first to apply a float32 version over the int8 one drops and
+    recreates the shared tables; the other answers 503 (not another dtype's rows) until it applies that version too,
+    then both answer what a fresh server does."""
+    from dynemb.serving.ps import TierUnavailableError
+
+    root = tmp_path / "export"
+    export_for_serving(root, trained, dtype=torch.int8)
+    volatile = {"type": "redis", "address": redis_address}
+    first, second = server(root, volatile, None), server(root, volatile, None)
+    ids = torch.cat([KEYS, torch.tensor([2**40, -5])])
+    try:
+        assert torch.equal(first.lookup("ctr", "embedding", ids), second.lookup("ctr", "embedding", ids))
+        v2 = export_for_serving(root, trained, dtype=torch.float32)
+        first.apply_update(v2)
+        assert torch.equal(first.lookup("ctr", "embedding", KEYS), trained.find(KEYS))
+        with pytest.raises(TierUnavailableError, match="another server's version"):
+            second.lookup("ctr", "embedding", torch.tensor([2**41]))  # a miss of its cache: Redis holds version 2
+        second.apply_update(v2)
+        deadline = time.monotonic() + 20
+        while not second.ready()[0]:  # the tiers' monitor finds the marker of its version again
+            assert time.monotonic() < deadline, second.ready()
+            time.sleep(0.05)
+        fresh = server(root, {"type": "memory"}, None)
+        try:
+            want = fresh.lookup("ctr", "embedding", ids)
+        finally:
+            fresh.close()
+        assert torch.equal(first.lookup("ctr", "embedding", ids), want)
+        assert torch.equal(second.lookup("ctr", "embedding", ids), want)
+    finally:
+        first.close()
+        second.close()
