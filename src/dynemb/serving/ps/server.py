@@ -544,16 +544,15 @@ class ParameterServer:
             return {model: dict(self.versions[model]) for model in touched}
 
     def _reformatted(self, manifest: dict) -> list[str]:
-        """The models that full export ``manifest`` updates with rows of another format (dtype, 8-bit kind) than
-        the ones served in some table: a server loading that version would hold them in its format, so it is
-        installed as a load installs it, not converted to the format served. Checks the update as
+        """Every model full export ``manifest`` updates when it brings rows of another format (dtype, 8-bit kind)
+        than the ones served in some table, else none: a server loading that version would hold them in its
+        format, so it is installed as a load installs it, not converted to the format served. Checks the update as
         :func:`.updates.apply_update` does (raising the same errors)."""
         targets = updates.checked_targets(manifest, self._tables)
-        if manifest["kind"] != "full":
-            return []
-        return [model for model, tables in targets.items()
-                if any(row_format(manifest["tables"][name]["dtype"], name) != (t.codec, t.dtype)
-                       for name, t in tables.items())]
+        other = manifest["kind"] == "full" and any(
+            row_format(manifest["tables"][name]["dtype"], name) != (t.codec, t.dtype)
+            for tables in targets.values() for name, t in tables.items())
+        return list(targets) if other else []
 
     def _install_full(self, cfg: ModelConfig, manifest: dict, payload: dict) -> None:
         """Serve full export ``manifest`` in place of what ``cfg``'s export root of it serves, with new stores and
