@@ -5,6 +5,7 @@ On a cluster use ``torchrun``; this is for running a world of N processes on one
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import socket
@@ -15,6 +16,8 @@ import torch.multiprocessing as mp
 
 __all__ = ["spawn", "free_port"]
 
+_HANDED_OUT: collections.deque = collections.deque(maxlen=256)  # free_port's recent answers
+
 
 def free_port() -> int:
     """A free TCP port on the loopback interface, below the kernel's ephemeral range when it can be.
@@ -22,16 +25,20 @@ def free_port() -> int:
     A port the kernel picks for ``bind(("", 0))`` is an ephemeral one: once released, any outgoing connection on
     the machine (gloo opens one per pair of ranks) may take it as its source port before the caller listens on it,
     and a rendezvous store that then cannot bind aborts its rank. Ports below the range are never handed out that
-    way.
+    way. A port handed out is not handed out again by this process for its next 256 calls: two calls in a row (a
+    server's HTTP and gRPC ports, bound later) could otherwise get the same free port.
     """
     low = _ephemeral_low()
     for _ in range(64):
         port = random.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.append(port)
             return port
     with socket.socket() as s:  # every try was taken: let the kernel pick one
         s.bind(("127.0.0.1", 0))
