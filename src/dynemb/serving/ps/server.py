@@ -36,6 +36,14 @@ def row_format(dtype: str, table: str) -> tuple[Optional[str], torch.dtype]:
     return kind, torch.float16 if kind else parse_dtype(dtype, f"table {table!r}: dtype")
 
 
+def _reformats(manifest: dict, targets: dict[str, dict]) -> bool:
+    """Whether full export ``manifest`` brings rows of another format (dtype, 8-bit kind) than the ones served in a
+    table it updates (``targets``): a server loading that version would hold them in its format, so it is installed
+    as a load installs it (every model it updates), not converted to the format served."""
+    return manifest["kind"] == "full" and any(row_format(manifest["tables"][name]["dtype"], name) != (t.codec, t.dtype)
+                                              for tables in targets.values() for name, t in tables.items())
+
+
 class ParameterServer:
     """Serves the tables of one or more models from a hierarchy of stores.
 
@@ -531,28 +539,17 @@ class ParameterServer:
         with contextlib.ExitStack() as stack:
             for name in sorted(self._locks):
                 stack.enter_context(self._locks[name])
-            reformatted = self._reformatted(manifest)
-            if reformatted:  # rows of another dtype: installed as a load installs them (new stores and caches)
-                for model in reformatted:
+            targets = updates.checked_targets(manifest, self._tables)  # nothing changes when it raises
+            if _reformats(manifest, targets):  # rows of another dtype: installed as a load installs them
+                for model in targets:
                     self._install_full(self.models[model], manifest, payload)
                     self.versions[model]["updated_unix"] = time.time()
-                return {model: dict(self.versions[model]) for model in reformatted}
-            touched = updates.apply_update(manifest, payload, self._tables, self.tiers)
+                return {model: dict(self.versions[model]) for model in targets}
+            touched = updates.apply_update(manifest, payload, targets, self.tiers)
             for model in touched:
                 self.versions[model] = {**self.versions[model], **summary(self._tables[model]),
                                         "updated_unix": time.time()}
             return {model: dict(self.versions[model]) for model in touched}
-
-    def _reformatted(self, manifest: dict) -> list[str]:
-        """Every model full export ``manifest`` updates when it brings rows of another format (dtype, 8-bit kind)
-        than the ones served in some table, else none: a server loading that version would hold them in its
-        format, so it is installed as a load installs it, not converted to the format served. Checks the update as
-        :func:`.updates.apply_update` does (raising the same errors)."""
-        targets = updates.checked_targets(manifest, self._tables)
-        other = manifest["kind"] == "full" and any(
-            row_format(manifest["tables"][name]["dtype"], name) != (t.codec, t.dtype)
-            for tables in targets.values() for name, t in tables.items())
-        return list(targets) if other else []
 
     def _install_full(self, cfg: ModelConfig, manifest: dict, payload: dict) -> None:
         """Serve full export ``manifest`` in place of what ``cfg``'s export root of it serves, with new stores and

@@ -22,19 +22,14 @@ from .tiers import StoreTiers
 __all__ = ["apply_update", "checked_targets", "replay"]
 
 
-def apply_update(manifest: dict, payload: Mapping[str, dict], served: Mapping[str, Mapping[str, TableState]],
+def apply_update(manifest: dict, payload: Mapping[str, dict], targets: dict[str, dict],
                  tiers: StoreTiers) -> dict[str, dict]:
     """Apply an export (``manifest`` and ``payload`` as :func:`~dynemb.checkpoint.read_export` returns them) to
-    the tables of ``served`` (``{model: {table: state}}``) it updates (see :func:`.lineage.update_targets`).
+    the served tables it updates, ``targets`` (``{model: {table: state}}``, from :func:`checked_targets`).
 
     Returns:
-        ``{model: {table: state}}``, the tables updated.
-
-    Raises:
-        LineageError: the export does not follow the version served. ValueError: a table of the export has
-        another dim than the table served under its name. Nothing was changed then.
+        ``targets``, the tables updated.
     """
-    targets = checked_targets(manifest, served)
     full = manifest["kind"] == "full"
     spaces: dict[str, list] = {}  # a shared volatile store's marker says the new version before its rows change
     for tables in targets.values():
