@@ -147,6 +147,7 @@ class StoreTiers:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._monitor: Optional[threading.Thread] = None
+        self._probing = threading.Lock()  # one probe at a time: the monitor's, or one an update asks for
         for tier in (self.volatile, self.persistent):
             tier.wake = self._wake
 
@@ -198,6 +199,10 @@ class StoreTiers:
                 self._check_evictions()
 
     def _probe(self, tier: StoreTier) -> None:
+        with self._probing:
+            self._probe_once(tier)
+
+    def _probe_once(self, tier: StoreTier) -> None:
         try:
             if tier.lost and self._restore is not None:
                 # A Redis set to evict at runtime would drop rows again as they are written: the tier stays failed
@@ -282,6 +287,7 @@ class StoreTiers:
         self._frozen.difference_update(tables)
         store.write_marker(namespace, token)
         store.guard(tables, namespace, [token])
+        self._probe_now()
 
     def begin_update(self, namespace: str, tables: list, version: int, digest: Optional[str]) -> None:
         """An update of ``namespace`` to ``version`` is about to write: the marker says so first (other servers
@@ -306,6 +312,16 @@ class StoreTiers:
         if getattr(store, "guard", None) is None or namespace not in self._tokens:
             return
         store.guard(tables, namespace, [self._tokens[namespace]])
+        self._probe_now()
+
+    def _probe_now(self) -> None:
+        """Probe a failed volatile tier at once, after this server's version or marker changed: a server that has
+        just caught up with the marker's version (another server's update) is ready again now, not at the
+        monitor's next probe (up to 2 s later under its back-off). A tier that lost rows waits for the monitor,
+        which writes them again."""
+        tier = self.volatile
+        if tier.failure is not None and not tier.lost and tier.store is not None:
+            self._probe(tier)
 
     def _unfreeze_held(self) -> None:
         """Tables whose namespace's marker now holds this server's version are written again."""
