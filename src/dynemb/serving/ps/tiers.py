@@ -119,6 +119,11 @@ class StoreTier:
         if was is not None:
             log.warning("%s is back", self)
 
+    def probe_soon(self) -> None:
+        """The next probe at the monitor's next turn, its back-off reset."""
+        with self._lock:
+            self._next_probe, self._backoff = 0.0, _FIRST_PROBE_S
+
     def probe_due(self, now: float) -> bool:
         return self.failure is not None and now >= self._next_probe
 
@@ -200,9 +205,11 @@ class StoreTiers:
 
     def _probe(self, tier: StoreTier) -> None:
         with self._probing:
-            self._probe_once(tier)
+            self._probe_once(tier, restore=True)
 
-    def _probe_once(self, tier: StoreTier) -> None:
+    def _probe_once(self, tier: StoreTier, restore: bool) -> None:
+        if tier.lost and not restore:  # lost meanwhile: the monitor writes the rows again
+            return
         try:
             if tier.lost and self._restore is not None:
                 # A Redis set to evict at runtime would drop rows again as they are written: the tier stays failed
@@ -318,10 +325,19 @@ class StoreTiers:
         """Probe a failed volatile tier at once, after this server's version or marker changed: a server that has
         just caught up with the marker's version (another server's update) is ready again now, not at the
         monitor's next probe (up to 2 s later under its back-off). A tier that lost rows waits for the monitor,
-        which writes them again."""
+        which writes them again. The caller may hold a model's lock, which the monitor's restore takes: this
+        never waits for the monitor (it is asked to probe again instead) and never restores."""
         tier = self.volatile
-        if tier.failure is not None and not tier.lost and tier.store is not None:
-            self._probe(tier)
+        if tier.failure is None or tier.lost or tier.store is None:
+            return
+        if self._probing.acquire(blocking=False):
+            try:
+                self._probe_once(tier, restore=False)
+            finally:
+                self._probing.release()
+        else:  # the monitor is probing: it probes once more right after
+            tier.probe_soon()
+            self._wake.set()
 
     def _unfreeze_held(self) -> None:
         """Tables whose namespace's marker now holds this server's version are written again."""
