@@ -29,3 +29,21 @@ def test_a_directory_inside_a_run_names_the_run(tmp_path):
         read_card(run / "checkpoint-best")
     with pytest.raises(ValueError, match=r"elsewhere: no model.json; is this a `dynemb train --out` directory\?$"):
         read_card(tmp_path / "elsewhere")
+
+
+def test_a_refused_model_setting_leaves_out_as_it_was(tmp_path, capsys):
+    """``--max-capacity 3000000000`` (past a table's 2**31 - 1 rows) is refused when the model is built; `out` must
+    not keep a model.json from it, which made the corrected command fail ("not empty; pass --resume") and
+    ``--resume`` repeat the refused value."""
+    from dynemb.cli import main
+
+    from .test_fit import SMALL, random_labels
+
+    data = random_labels(tmp_path / "random.parquet", rows=600)
+    run = tmp_path / "run"
+    args = ["train", "--data", data, "--label", "y", "--categorical", "id", "--dense", "x", "--out", run,
+            "--steps", "2", *SMALL]
+    assert main([str(a) for a in [*args, "--max-capacity", "3000000000"]]) == 2
+    assert "max_capacity must be None or an int in [1, 2147483647], got 3000000000" in capsys.readouterr().err
+    assert not run.exists() or not any(run.iterdir())
+    assert main([str(a) for a in [*args, "--max-capacity", "300"]]) == 0, capsys.readouterr().err
