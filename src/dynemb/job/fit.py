@@ -280,6 +280,9 @@ def _main_thread() -> bool:
 
 
 def _check_run_dir(run: Path, resume: bool) -> None:
+    if run.exists() and not run.is_dir():  # not "[Errno 20] Not a directory" once the data is read
+        raise ValueError(f"--out {run}: a file, not a directory; the run directory is a new or empty directory "
+                         "(or, with --resume, a run's)")
     if resume and not (run / CARD).is_file():
         raise ValueError(f"{run}: nothing to resume (no {CARD}); drop --resume to start a new run there")
     if not resume and run.exists() and any(run.iterdir()):
