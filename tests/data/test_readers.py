@@ -158,6 +158,17 @@ def test_unreadable_files(tmp_path):
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(ValueError, match=r"empty_dir: the directory holds no \.parquet, \.csv or \.criteo files"):
         FileReader(tmp_path / "empty_dir", label="y", categorical=["c"])
+    # a directory of parts with one CSV among the Parquet files: which formats, with a file of each ("pass
+    # format=" alone named neither, nor the command's option)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    pq.write_table(pa.table({"y": [1], "c": [2]}), mixed / "part-0.parquet")
+    _write(mixed, "part-1.parquet", "x")  # the name is what counts
+    _write(mixed, "extra.csv", "y,c\n1,2\n")
+    with pytest.raises(ValueError, match=r"mixed: the directory holds files of several formats \(csv: extra\.csv, "
+                                         r"parquet: part-0\.parquet\); keep one format there, or pass format= "
+                                         r"\(--format\) to read only the files of that one$"):
+        FileReader(mixed, label="y", categorical=["c"])
 
 
 @pytest.mark.parametrize("suffix", ["parquet", "csv"])
