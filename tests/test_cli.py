@@ -245,6 +245,17 @@ def test_help_shows_every_option_with_its_meaning_and_default():
     pytest.param(["--device", "cuda"], "device='cuda' asks for CUDA, but torch.cuda.is_available() is False",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")),
     (["--device", "gpu"], "device must be a torch.device or a device string"),
+    # out of range: an error naming the option, never a default in its place (--steps 0 trained 1,400 steps,
+    # --eval-fraction 0 held out 5%, --seconds -1 trained a step) nor a traceback (--threads 0)
+    (["--steps", "0"], "argument --steps: must be an int >= 1, got 0"),
+    (["--epochs", "0"], "argument --epochs: must be an int >= 1, got 0"),
+    (["--seconds", "-1"], "argument --seconds: must be a finite number > 0, got -1"),
+    (["--seconds", "0"], "argument --seconds: must be a finite number > 0, got 0"),
+    (["--eval-fraction", "0"], "argument --eval-fraction: must be a number in (0, 1), got 0"),
+    (["--threads", "0"], "argument --threads: must be an int >= 1, got 0"),
+    (["--batch-size", "0"], "argument --batch-size: must be an int >= 1, got 0"),
+    (["--lr", "nan"], "argument --lr: must be a finite number >= 0, got nan"),
+    (["--patience", "-1"], "argument --patience: must be an int >= 0, got -1"),
     (["--max-capacty", "10"], "unrecognized arguments: --max-capacty 10 (did you mean: --max-capacty -> "
                               "--max-capacity?)"),
 ])
@@ -256,6 +267,25 @@ def test_inconsistent_options_are_one_line_and_exit_2(tmp_path, capsys, args, me
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and line.startswith("dynemb train: error: ") and message in line, line
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "predict", "demo"])
+@pytest.mark.parametrize("option, value, message", [
+    ("--threads", "0", "argument --threads: must be an int >= 1, got 0"),  # was torch's RuntimeError, traceback
+    ("--batch-size", "-1", "argument --batch-size: must be an int >= 1, got -1"),
+    ("--seconds", "0", "argument --seconds: must be a finite number > 0, got 0"),
+])
+def test_scoring_and_demo_options_out_of_range_are_one_line(tmp_path, capsys, command, option, value, message):
+    given = {"eval": ["--model", "run", "--data", "d.parquet"], "predict": ["--model", "run", "--data", "d.parquet",
+                                                                           "--out", "p.parquet"], "demo": []}
+    takes = {"eval": ("--threads", "--batch-size"), "predict": ("--threads", "--batch-size"),
+             "demo": ("--threads", "--seconds")}
+    if option not in takes[command]:
+        pytest.skip(f"{command} has no {option}")
+    with pytest.raises(SystemExit) as raised:
+        main([command, *given[command], option, value])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert raised.value.code == 2 and line == f"dynemb {command}: error: {message} (see dynemb {command} --help)"
 
 
 def test_serve_bench_prints_a_short_table_or_json(tmp_path, capsys):

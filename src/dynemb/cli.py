@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
 import sys
 import time
@@ -62,6 +63,41 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+def _int_from(minimum: int):
+    """An argparse type: an int ``>= minimum``. Out of range is ``argument --steps: must be an int >= 1, got 0``,
+    not a default put in its place (``--steps 0`` read as "no limit" trained 1,400 steps) nor a traceback
+    (``--threads 0``)."""
+
+    def parse(text: str) -> int:
+        value = int(text)  # a ValueError: argparse says "invalid int value: 'many'"
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an int >= {minimum}, got {text}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _float_in(low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = True):
+    """An argparse type: a finite float within ``[low, high]`` (``low_open``/``high_open``: that end excluded)."""
+    shown = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    form = f"a finite number {'>' if low_open else '>='} {low:g}" if high == math.inf else f"a number in {shown}"
+
+    def parse(text: str) -> float:
+        value = float(text)  # a ValueError: argparse says "invalid float value: 'x'"
+        inside = (low < value if low_open else low <= value) and (value < high if high_open else value <= high)
+        if not (math.isfinite(value) and inside):
+            raise argparse.ArgumentTypeError(f"must be {form}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+_COUNT, _COUNT0 = _int_from(1), _int_from(0)
+_SECONDS, _FRACTION = _float_in(0.0, low_open=True), _float_in(0.0, 1.0, low_open=True)
+
+
 def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v for v in (value or "").split(",") if v)
 
@@ -105,14 +141,15 @@ def cmd_train(args) -> int:
     _model_options(args)
     torch.set_num_threads(args.threads)
     _init_distributed()
-    stop_given = args.epochs or args.steps or args.seconds
+    stop_given = any(v is not None for v in (args.epochs, args.steps, args.seconds))
     epochs = args.epochs if stop_given else ("auto" if args.data else None)
     steps = args.steps if stop_given else (None if args.data else SYNTHETIC_STEPS)
     args.out = args.out or str(_timestamped(Path("runs")))  # main's resume hint names it
     spec = RunSpec(out=args.out, data=args.data, eval_data=args.eval_data, format=args.format, label=args.label,
                    categorical=_csv(args.categorical), multi_hot=_csv(args.multi_hot), dense=_csv(args.dense),
                    positive_label=args.positive_label, list_separator=args.list_separator,
-                   eval_fraction=args.eval_fraction or 0.05, seed=args.seed, epochs=epochs,
+                   eval_fraction=0.05 if args.eval_fraction is None else args.eval_fraction,
+                   seed=args.seed, epochs=epochs,
                    batch_size=args.batch_size, shuffle_buffer=args.shuffle_buffer,
                    eval_batches=args.eval_batches, device=args.device, resume=args.resume,
                    publish_every=args.publish_every, publish_dir=args.publish_dir)
@@ -346,7 +383,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                       "means; for torchrun smoke runs)")
     data.add_argument("--eval-data", metavar="PATH", help="held-out data (default: hold out --eval-fraction of "
                       "--data)")
-    data.add_argument("--eval-fraction", type=float, metavar="F", help="share of --data's rows held out from "
+    data.add_argument("--eval-fraction", type=_FRACTION, metavar="F", help="share of --data's rows held out from "
                       "training, chosen by a seeded hash of the row number (default: 0.05)")
     data.add_argument("--format", choices=("parquet", "csv", "criteo"), help="format of the files (default: from "
                       "the suffix: .parquet, .csv/.tsv, .criteo/.txt, each optionally compressed)")
@@ -364,34 +401,34 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                       "CSV field")
     data.add_argument("--seed", type=int, default=0, help="seed of the held-out split, the shuffles, the "
                       "synthetic data and the initial weights: identical commands give identical runs")
-    data.add_argument("--shuffle-buffer", type=int, default=500_000, metavar="ROWS", help="each epoch is "
+    data.add_argument("--shuffle-buffer", type=_COUNT, default=500_000, metavar="ROWS", help="each epoch is "
                       "shuffled within a window of twice this many rows (the whole data when it fits)")
     run = p.add_argument_group("run")
     run.add_argument("--out", metavar="RUN_DIR", help="run directory: model.json, the last and the best checkpoint, "
                      "metrics.jsonl, loss_auc.png (default: runs/<UTC timestamp>)")
     stop = run.add_mutually_exclusive_group()
-    stop.add_argument("--epochs", type=int, metavar="N", help="passes over the training rows, fewer when early "
+    stop.add_argument("--epochs", type=_COUNT, metavar="N", help="passes over the training rows, fewer when early "
                       "stopping ends the run (default: up to 20, within 20000 steps; one pass of a data set over 1M "
                       "rows; 500 steps of synthetic data)")
-    stop.add_argument("--steps", type=int, metavar="N", help="stop after N steps, over as many epochs as needed "
+    stop.add_argument("--steps", type=_COUNT, metavar="N", help="stop after N steps, over as many epochs as needed "
                       "(default: see --epochs)")
-    stop.add_argument("--seconds", type=float, metavar="S", help="stop after S seconds of training (default: no time "
-                      "limit)")
+    stop.add_argument("--seconds", type=_SECONDS, metavar="S", help="stop after S seconds of training (default: no "
+                      "time limit)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint "
                      "(from step 0 when it has none: a run stopped before its first save)")
-    run.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="also checkpoint every N steps "
+    run.add_argument("--checkpoint-every", type=_COUNT0, default=0, metavar="N", help="also checkpoint every N steps "
                      "(0: only the final checkpoint; the 3 newest are kept), written in the background while training "
                      "goes on (a host copy of the rows at that step)")
-    run.add_argument("--eval-every", type=int, default=100, metavar="N", help="evaluate --eval-batches held-out "
+    run.add_argument("--eval-every", type=_COUNT, default=100, metavar="N", help="evaluate --eval-batches held-out "
                      "batches every N steps and at the end, keeping the model with the lowest log loss as the best "
                      "(and every held-out row at the end, with the best model)")
-    run.add_argument("--patience", type=int, default=DEFAULT_PATIENCE, metavar="N", help="stop after N evaluations "
+    run.add_argument("--patience", type=_COUNT0, default=DEFAULT_PATIENCE, metavar="N", help="stop after N evaluations "
                      "in a row without a lower held-out log loss than the best (0: never stop early; the best model "
                      "is kept either way)")
-    run.add_argument("--eval-batches", type=int, default=16, metavar="N", help="held-out batches of each periodic "
+    run.add_argument("--eval-batches", type=_COUNT, default=16, metavar="N", help="held-out batches of each periodic "
                      "evaluation: more rows choose the best model and the stop more surely, at the cost of a "
                      "forward pass each")
-    run.add_argument("--publish-every", type=int, default=0, metavar="N", help="publish a serving version every N "
+    run.add_argument("--publish-every", type=_COUNT0, default=0, metavar="N", help="publish a serving version every N "
                      "steps and after the last: a full export, then deltas, each with the MLPs, for `dynemb serve "
                      "--model RUN_DIR --watch`; each is the model being trained at that step, not the best so far "
                      "(0: none)")
@@ -399,8 +436,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                      "RUN_DIR/export, what `dynemb serve --model RUN_DIR --watch` follows; elsewhere, serve it with "
                      "--export)")
     run.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
-    run.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    run.add_argument("--log-every", type=float, default=10.0, metavar="S", help="without a terminal: seconds "
+    run.add_argument("--threads", type=_COUNT, default=1, help="torch CPU threads")
+    run.add_argument("--log-every", type=_float_in(0.0), default=10.0, metavar="S", help="without a terminal: seconds "
                      "between progress lines on stderr (a terminal gets a progress bar)")
     run.add_argument("--no-progress", action="store_true", help="neither a progress bar nor progress lines")
     run.add_argument("--no-pipeline", action="store_true", help="run each batch's loading, copy and key exchange "
@@ -408,17 +445,17 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                      "debugging: results are the same)")
     model = p.add_argument_group("model")
     model.description = "with --resume, an option not given keeps the run's value (one given must equal it)"
-    model.add_argument("--batch-size", type=int, help="samples per step (default: 512)")
-    model.add_argument("--dim", type=int, help="embedding width (default: 16)")
+    model.add_argument("--batch-size", type=_COUNT, help="samples per step (default: 512)")
+    model.add_argument("--dim", type=_COUNT, help="embedding width (default: 16)")
     model.add_argument("--optimizer", choices=_optimizer_kinds(),
                        help="sparse optimizer of the tables (default: adagrad)")
-    model.add_argument("--lr", type=float, help="learning rate of the tables (the MLPs use Adam, 1e-3) (default: "
-                       "0.05)")
-    model.add_argument("--max-capacity", type=int, metavar="ROWS", help="rows per table; evicts beyond it "
+    model.add_argument("--lr", type=_float_in(0.0), help="learning rate of the tables (the MLPs use Adam, "
+                       "1e-3) (default: 0.05)")
+    model.add_argument("--max-capacity", type=_COUNT, metavar="ROWS", help="rows per table; evicts beyond it "
                        "(default: unbounded)")
     model.add_argument("--eviction", choices=EVICTIONS, help="eviction policy; needs --max-capacity (default: "
                        "decayed_lfu)")
-    model.add_argument("--admission", type=int, metavar="N", help="store an id from its N-th sighting (default: "
+    model.add_argument("--admission", type=_COUNT, metavar="N", help="store an id from its N-th sighting (default: "
                        "at once)")
 
 
@@ -436,9 +473,9 @@ def _add_scoring_args(p: argparse.ArgumentParser, out_help: str | None) -> None:
         p.add_argument("--out", required=True, metavar="PREDS.parquet|PREDS.csv", help=out_help)
     p.add_argument("--format", choices=("parquet", "csv", "criteo"), help="format of the files (default: from "
                    "the suffix)")
-    p.add_argument("--batch-size", type=int, default=65536, help="rows per forward pass")
+    p.add_argument("--batch-size", type=_COUNT, default=65536, help="rows per forward pass")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=_COUNT, default=1, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one is drawn on stderr when it is a "
                    "terminal)")
 
@@ -514,9 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = command("demo", "synthetic data -> train -> eval -> predict -> export -> serve-bench, with a report",
                    cmd_demo)
-    demo.add_argument("--seconds", type=float, default=75.0, help="training time budget")
+    demo.add_argument("--seconds", type=_SECONDS, default=75.0, help="training time budget")
     demo.add_argument("--out", default="demo-report", help="report directory")
-    demo.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    demo.add_argument("--threads", type=_COUNT, default=1, help="torch CPU threads")
     return parser
 
 

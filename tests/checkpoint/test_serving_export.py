@@ -155,7 +155,7 @@ def test_a_first_export_never_writes_into_a_users_directory(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "model.json"]
     assert (run / "model.json").read_text() == card
     (tmp_path / "a-file").write_text("keep me")
-    with pytest.raises(ValueError, match="path .*a-file is a file; export to a new or empty directory"):
+    with pytest.raises(ValueError, match="path .*a-file is a file; a serving export root is a directory"):
         export_for_serving(tmp_path / "a-file", model)  # was FileExistsError '[Errno 17] File exists'
     assert (tmp_path / "a-file").read_text() == "keep me"
     empty = tmp_path / "empty"

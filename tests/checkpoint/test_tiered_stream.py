@@ -133,7 +133,7 @@ def chunk_bound(rows: int, monkeypatch, tmp_path, three: bool = False) -> int:
     """The largest chunk a save and a load of a ``rows``-row tiered table materialize, with no whole-table
     export, no whole-file read and no load of more than a chunk at once through the fast tier. ``three``: three
     levels, a tenth of the rows in host memory, the rest past the fast tier in row files."""
-    levels = {"slow": str(tmp_path / "rows"), "host": rows // 10} if three else {}
+    levels = {"slow": str(tmp_path.with_name(tmp_path.name + "-rows")), "host": rows // 10} if three else {}
     emb = model(True, rows, **levels)
     fill(emb, rows)
 

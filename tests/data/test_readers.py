@@ -158,6 +158,17 @@ def test_unreadable_files(tmp_path):
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(ValueError, match=r"empty_dir: the directory holds no \.parquet, \.csv or \.criteo files"):
         FileReader(tmp_path / "empty_dir", label="y", categorical=["c"])
+    # a directory of parts with one CSV among the Parquet files: which formats, with a file of each ("pass
+    # format=" alone named neither, nor the command's option)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    pq.write_table(pa.table({"y": [1], "c": [2]}), mixed / "part-0.parquet")
+    _write(mixed, "part-1.parquet", "x")  # the name is what counts
+    _write(mixed, "extra.csv", "y,c\n1,2\n")
+    with pytest.raises(ValueError, match=r"mixed: the directory holds files of several formats \(csv: extra\.csv, "
+                                         r"parquet: part-0\.parquet\); keep one format there, or pass format= "
+                                         r"\(--format\) to read only the files of that one$"):
+        FileReader(mixed, label="y", categorical=["c"])
 
 
 @pytest.mark.parametrize("suffix", ["parquet", "csv"])
@@ -217,9 +228,30 @@ def test_bad_values(tmp_path):
     pq.write_table(pa.table({"y": [1], "f": [1.5], "s": ["x"]}), tmp_path / "t.parquet")
     with pytest.raises(ValueError, match=r"column 'f' has type double; categorical ids must be integers or strings"):
         list(FileReader(tmp_path / "t.parquet", label="y", categorical=["f"]))
-    path = _write(tmp_path, "t.csv", "y,c,x\n1,2,abc\n")
-    with pytest.raises(ValueError, match=r"t\.csv: column 'x': dense values must be numbers \(.*'abc'.*\)$"):
+    path = _write(tmp_path, "t.csv", "y,c,x\n1,2,3\n1,2,NA\n1,2,abc\n")
+    with pytest.raises(ValueError, match=r"t\.csv: column 'x': dense values must be numbers, got 'abc' at row 2 "
+                                         r"\(text ids belong in a categorical column; a missing number is an empty "
+                                         r"field or one of NA, N/A, .*\)$"):
         list(FileReader(path, label="y", categorical=["c"], dense=["x"]))
+    pq.write_table(pa.table({"y": [1, 0], "c": [1, 2], "s": ["1.5", "11th"]}), tmp_path / "s.parquet")
+    with pytest.raises(ValueError, match=r"s\.parquet: column 's': dense values must be numbers, got '11th' at row 1"):
+        list(FileReader(tmp_path / "s.parquet", label="y", categorical=["c"], dense=["s"]))
+
+
+def test_dense_text_of_a_missing_number_reads_as_null(tmp_path):
+    """R's ``NA``, SQL exports' ``NULL``/``null``, pandas' ``None``/``<NA>``: a missing number in a CSV export, read as
+    an empty field is (NaN here, the training mean after the rule); it was an error ("Failed to parse string:
+    'null' as a scalar of type double"). The same text in a categorical column stays an id (text is text)."""
+    import math
+
+    rows = ["1,a,1.5", "0,b,NA", "1,NA,null", "0,c,NULL", "1,d,N/A", "0,e,None", "1,f,<NA>", "0,g,", "1,h,nan",
+            "0,i,-inf"]
+    path = _write(tmp_path, "t.csv", "y,c,x\n" + "\n".join(rows) + "\n")
+    (batch,) = FileReader(path, label="y", categorical=["c"], dense=["x"], batch_size=100)
+    x = batch.dense[:, 0].tolist()
+    assert x[0] == 1.5 and all(math.isnan(v) for v in x[1:9]) and x[9] == -math.inf
+    ids = batch.sparse["c"].tolist()
+    assert ids[2] != ids[7] and len(set(ids)) == len(ids)  # "NA" is an id of its own, not the null key
 
 
 @pytest.mark.parametrize(

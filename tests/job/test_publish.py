@@ -47,8 +47,10 @@ def test_train_publishes_a_full_export_then_deltas_and_the_last_is_the_final_mod
 def test_publish_options_are_checked(tmp_path, capsys):
     assert main(["train", "--steps", "2", "--publish-dir", str(tmp_path / "e"), "--out", str(tmp_path / "r")]) == 2
     assert "--publish-dir needs --publish-every" in capsys.readouterr().err
-    assert main(["train", "--steps", "2", "--publish-every", "-1", "--out", str(tmp_path / "r")]) == 2
-    assert "publish_every" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as raised:
+        main(["train", "--steps", "2", "--publish-every", "-1", "--out", str(tmp_path / "r")])
+    assert raised.value.code == 2
+    assert "argument --publish-every: must be an int >= 0, got -1" in capsys.readouterr().err
 
 
 @pytest.mark.slow

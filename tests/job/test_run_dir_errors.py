@@ -29,3 +29,47 @@ def test_a_directory_inside_a_run_names_the_run(tmp_path):
         read_card(run / "checkpoint-best")
     with pytest.raises(ValueError, match=r"elsewhere: no model.json; is this a `dynemb train --out` directory\?$"):
         read_card(tmp_path / "elsewhere")
+
+
+def test_a_refused_model_setting_leaves_out_as_it_was(tmp_path, capsys):
+    """``--max-capacity 3000000000`` (past a table's 2**31 - 1 rows) is refused when the model is built; `out` must
+    not keep a model.json from it, which made the corrected command fail ("not empty; pass --resume") and
+    ``--resume`` repeat the refused value."""
+    from dynemb.cli import main
+
+    from .test_fit import SMALL, random_labels
+
+    data = random_labels(tmp_path / "random.parquet", rows=600)
+    run = tmp_path / "run"
+    args = ["train", "--data", data, "--label", "y", "--categorical", "id", "--dense", "x", "--out", run,
+            "--steps", "2", *SMALL]
+    assert main([str(a) for a in [*args, "--max-capacity", "3000000000"]]) == 2
+    assert "max_capacity must be None or an int in [1, 2147483647], got 3000000000" in capsys.readouterr().err
+    assert not run.exists() or not any(run.iterdir())
+    assert main([str(a) for a in [*args, "--max-capacity", "300"]]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_out_naming_a_file_is_refused_before_anything_is_written(tmp_path, capsys, resume):
+    """``--out data.parquet`` (the data file given for the run directory) said "[Errno 20] Not a directory"."""
+    from dynemb.cli import main
+
+    from .test_fit import SMALL, random_labels
+
+    data = random_labels(tmp_path / "random.parquet", rows=300)
+    before = open(data, "rb").read()
+    args = ["train", "--data", data, "--label", "y", "--categorical", "id", "--out", data, "--steps", "2", *SMALL]
+    assert main([str(a) for a in args + (["--resume"] if resume else [])]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    expected = (f"{data}: a file, not a run directory (a `dynemb train --out` directory, with a model.json)" if resume
+                else f"--out {data}: a file, not a directory; the run directory is a new or empty directory (or, "
+                     "with --resume, a run's)")
+    assert line == f"dynemb train: error: {expected}", line
+    assert open(data, "rb").read() == before
+
+
+def test_model_naming_a_file_says_so(tmp_path):
+    (tmp_path / "scores.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ValueError, match=r"scores.parquet: a file, not a run directory \(a `dynemb train --out` "
+                                         r"directory, with a model.json\)$"):
+        read_card(tmp_path / "scores.parquet")

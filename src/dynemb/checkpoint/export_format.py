@@ -128,8 +128,9 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     if model_name is not None and (not isinstance(model_name, str) or not model_name):
         raise TypeError(f"model_name must be a non-empty str or None, got {model_name!r}")
     root = Path(path)
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"path {root} is a file; export to a new or empty directory (or an export root)")
+    if root.exists() and not root.is_dir():  # not "[Errno 17] File exists" from the mkdir below
+        raise ValueError(f"path {root} is a file; a serving export root is a directory (new, empty or holding "
+                         "exports)")
     root_key = os.path.realpath(root)
     ctx = rank_context(model)
     shards = find_tables(model)

@@ -22,8 +22,8 @@ from .codec import encode
 from .commit import commit, open_shared
 from .dense import dense_state
 from .errors import CheckpointError
-from .fsutil import TMP_PREFIX, remove_dir
-from .manifest import FORMAT, FORMAT_VERSION, checkpoint_name, complete, read_manifest
+from .fsutil import LATEST, TMP_PREFIX, read_pointer, remove_dir
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, checkpoint_name, complete, read_manifest
 from .progress import logger
 from .ranks import RankContext, rank_context
 from .shard_tensors import canonical_config
@@ -103,6 +103,7 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
     root = Path(path)
     root_key = os.path.realpath(root)
     ctx = rank_context(model)
+    _check_root(root, ctx)
     every = find_tables(model)
     local = {name: shard for name, shard in every.items() if shard.module is not None}
     embeddings = {name: shard for name, shard in local.items() if writes(shard, ctx)}
@@ -303,6 +304,32 @@ def _prune(root: Path, keep_last: int, current: str) -> None:
             shutil.rmtree(stale)
         else:
             stale.unlink()
+
+
+def _check_root(root: Path, ctx: RankContext) -> None:
+    """Refuse a ``path`` that is a file, or a directory of the user's that holds no checkpoint: a save writes
+    ``latest`` there (it replaced a user's file of that name), and mixes step directories into the user's files.
+    Every rank raises when any rank's path is refused (ranks may see different file systems)."""
+    problem = None
+    if root.exists() and not root.is_dir():
+        problem = f"path {root} is a file; a checkpoint root is a directory (new, empty or holding checkpoints)"
+    elif root.is_dir():
+        names = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+        if LATEST in names and not (root / LATEST).is_file():
+            problem = f"{root / LATEST} is not a checkpoint pointer (a directory); save into another directory"
+        elif LATEST in names:
+            try:
+                read_pointer(root)
+            except CheckpointError as e:
+                problem = (f"{root / LATEST} is not a checkpoint pointer ({e}); {root} holds no checkpoint: save "
+                           "into a new or empty directory")
+        elif names and not any((root / name / MANIFEST).is_file() for name in names):
+            problem = (f"path {root} is not empty and holds no checkpoint ({', '.join(names[:5])}"
+                       f"{', ...' if len(names) > 5 else ''}); save into a new or empty directory")
+    if ctx.distributed:
+        problem = next((p for p in ctx.gather(problem) if p), None)
+    if problem:
+        raise ValueError(problem)
 
 
 def _check_args(model, optimizer, step, extra, incremental, keep_last, blocking) -> None:

@@ -237,19 +237,59 @@ def _as_float64(column: pa.Array, where: str, what: str) -> pa.Array:
         raise ValueError(f"{where}: {what} ({first_line(exc)})") from None
 
 
-def dense_values(column: pa.Array, where: str) -> np.ndarray:
+NULL_TEXT = ("NA", "N/A", "n/a", "NULL", "null", "Null", "None", "<NA>", "#N/A")
+"""Text a dense column reads as null (then as the training mean, as an empty CSV field): the spellings R, SQL
+exports and pandas write for a missing number (pandas' ``read_csv`` reads them as NaN too)."""
+
+
+def dense_values(column: pa.Array, where: str, first_row: int | None = None) -> np.ndarray:
     """float32 values of a dense column, raw: a null is NaN, NaN and ``±inf`` stay (the model's rule replaces
-    them, see :meth:`dynemb.data.preprocess.Preprocessing.normalize`).
+    them, see :meth:`dynemb.data.preprocess.Preprocessing.normalize`). Text is read as a number; an empty field
+    and the text of :data:`NULL_TEXT` (``NA``, ``null``, ...) are null. ``first_row``: the file row of
+    ``column[0]``, for messages.
+
+    Raises:
+        ValueError: text that is no number, naming ``where``, the value and (with ``first_row``) its row.
 
     Example:
         >>> dense_values(pa.array([1.5, None, float("inf")]), "x").tolist()
         [1.5, nan, inf]
+        >>> dense_values(pa.array(["2", "NA", "null", "-inf"]), "x").tolist()
+        [2.0, nan, nan, -inf]
     """
-    values = _as_float64(column, where, "dense values must be numbers")
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    text = _is_text(column.type)
+    if text:
+        missing = pc.is_in(column, value_set=pa.array(NULL_TEXT, column.type))
+        if pc.any(missing).as_py():
+            column = pc.if_else(missing, pa.scalar(None, column.type), column)
+    try:
+        values = _as_float64(column, where, "dense values must be numbers")
+    except ValueError:
+        if not text:
+            raise
+        i, value = _first_not_a_number(column)
+        at = "" if first_row is None else f" at row {first_row + i}"
+        raise ValueError(f"{where}: dense values must be numbers, got {value!r}{at} (text ids belong in a "
+                         f"categorical column; a missing number is an empty field or one of {', '.join(NULL_TEXT)})"
+                         ) from None
     if values.null_count:  # a null is NaN
         values = pc.fill_null(values, float("nan"))
     with np.errstate(over="ignore"):  # a finite float64 beyond float32 becomes inf, as a cast does
         return values.to_numpy(zero_copy_only=False).astype(np.float32)
+
+
+def _first_not_a_number(column: pa.Array) -> tuple[int, str]:
+    """The index and text of the first value of a text column that does not cast to float64 (for the message of
+    a cast that failed: a loop over the column only then)."""
+    for i, value in enumerate(column.to_pylist()):
+        if value is not None:
+            try:
+                pc.cast(pa.array([value]), pa.float64())
+            except pa.ArrowException:
+                return i, value
+    return 0, column[0].as_py()
 
 
 def label_values(column: pa.Array, where: str, first_row: int, positive: str | None = None) -> np.ndarray:

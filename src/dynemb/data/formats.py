@@ -86,8 +86,14 @@ def list_files(path: Path, format: str | None) -> tuple[list[Path], str]:
         found = [p for p in found if file_format(p) in (format, None)]
     kinds = {format or file_format(p) for p in found}
     if len(kinds) != 1:
-        what = "no .parquet, .csv or .criteo files" if not kinds else "files of several formats; pass format="
-        raise ValueError(f"{path}: the directory holds {what}")
+        if not kinds:
+            raise ValueError(f"{path}: the directory holds no .parquet, .csv or .criteo files")
+        first = {}
+        for p in found:
+            first.setdefault(file_format(p), p.name)
+        shown = ", ".join(f"{kind}: {name}" for kind, name in sorted(first.items()))
+        raise ValueError(f"{path}: the directory holds files of several formats ({shown}); keep one format there, or "
+                         "pass format= (--format) to read only the files of that one")
     return found, kinds.pop()
 
 

@@ -261,7 +261,7 @@ class FileReader:
             separator = None if self.format == "parquet" else self.list_separator
             ids, bounds = multi_hot_ids(record.column(c), c, where(c), self.id_types[c], separator, first_row)
             sparse[c], offsets[c] = torch.from_numpy(ids), torch.from_numpy(bounds)
-        dense = [dense_values(record.column(c), where(c)) for c in self.dense]
+        dense = [dense_values(record.column(c), where(c), first_row) for c in self.dense]
         matrix = np.stack(dense, axis=1) if dense else np.zeros((record.num_rows, 0), dtype=np.float32)
         return Batch(torch.from_numpy(matrix), sparse, torch.from_numpy(labels), offsets)
 

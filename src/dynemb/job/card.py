@@ -83,6 +83,8 @@ def read_card(run: Path) -> ModelCard:
         ValueError: ``run`` has no readable ``model.json`` of this format (the message names the path).
     """
     path = Path(run) / CARD
+    if Path(run).is_file():
+        raise ValueError(f"{run}: a file, not a run directory (a `dynemb train --out` directory, with a {CARD})")
     if not path.is_file():
         raise ValueError(f"{run}: no {CARD}; is this a `dynemb train --out` directory?{_parent_run(Path(run))}")
     try:

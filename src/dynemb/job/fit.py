@@ -181,10 +181,12 @@ def _train_run(spec: RunSpec, cfg: TrainConfig, progress, log_every, echo, on_pu
                          "raise --eval-fraction or pass --eval-data")
     card = ModelCard(preprocessing=prep, config=dataclasses.replace(cfg, resume=False, checkpoint_dir=None,
                                                                     best_dir=None), data=data)
-    if rank == 0 and not cfg.resume:
-        write_card(run, card)
     model = build_dlrm(len(prep.dense), prep.features, cfg).to(device)
     trainer = Trainer(model, cfg, pipeline=pipeline)
+    # The card only once the model is built: a setting the model refuses (max_capacity past 2**31 - 1) must leave
+    # `out` as it was, not holding a card that makes the corrected command "not empty" and --resume refuse it.
+    if rank == 0 and not cfg.resume:
+        write_card(run, card)
     if cfg.resume:
         if trainer.resume() is None:
             echo(f"no checkpoint in {run} yet: training it from step 0")
@@ -278,6 +280,9 @@ def _main_thread() -> bool:
 
 
 def _check_run_dir(run: Path, resume: bool) -> None:
+    if run.exists() and not run.is_dir():  # not "[Errno 20] Not a directory" once the data is read
+        raise ValueError(f"--out {run}: a file, not a directory; the run directory is a new or empty directory "
+                         "(or, with --resume, a run's)")
     if resume and not (run / CARD).is_file():
         raise ValueError(f"{run}: nothing to resume (no {CARD}); drop --resume to start a new run there")
     if not resume and run.exists() and any(run.iterdir()):
