@@ -303,6 +303,23 @@ def test_serve_bench_prints_a_short_table_or_json(tmp_path, capsys):
     assert main([*common, "--json"]) == 0
     (line,) = capsys.readouterr().out.strip().splitlines()
     assert json.loads(line)["requests"] == 5
+    assert main([*common, "--cache-fraction", "1", "--alpha", "0"]) == 0  # the whole table cached; uniform traffic
+    capsys.readouterr()
+    for option, value, message in [("--batches", "0", "argument --batches: must be an int >= 1, got 0"),  # traceback
+                                   ("--batch-size", "0", "argument --batch-size: must be an int >= 1, got 0"),
+                                   ("--cache-fraction", "1.5", "argument --cache-fraction: must be a number in (0, 1], "
+                                                               "got 1.5"),  # named models['bench'].cache_fraction
+                                   ("--alpha", "-1", "argument --alpha: must be a finite number >= 0, got -1")]:
+        with pytest.raises(SystemExit) as raised:
+            main([*common, option, value])
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert raised.value.code == 2 and message in line, line
+    run = tmp_path / "run"  # a run directory where an export is wanted: said so, with the command that makes one
+    run.mkdir()
+    (run / "model.json").write_text(json.dumps({"format": "dynemb.run", "version": 2, "model": "dlrm"}))
+    assert main(["serve-bench", "--export", str(run)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"{run} is a `dynemb train` run directory, not a serving export; write one with `dynemb export" in line
 
 
 def test_synthetic_training_for_smoke_runs(tmp_path, capsys):

@@ -521,10 +521,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--redis-address", default="127.0.0.1:6379", help="host:port of the redis store")
     bench.add_argument("--persistent", default="lmdb", choices=["lmdb", "rocksdb", "none"], help="persistent store")
     bench.add_argument("--persistent-path", help="where the persistent store lives (default: a temp dir)")
-    bench.add_argument("--cache-fraction", type=float, default=0.2, help="share of each table's rows cached")
-    bench.add_argument("--batch-size", type=int, default=1024, help="ids per table per request")
-    bench.add_argument("--batches", type=int, default=200, help="timed requests")
-    bench.add_argument("--alpha", type=float, default=1.2, help="power-law exponent of the lookup traffic")
+    bench.add_argument("--cache-fraction", type=_float_in(0.0, 1.0, low_open=True, high_open=False), default=0.2,
+                       help="share of each table's rows cached, in (0, 1]")
+    bench.add_argument("--batch-size", type=_COUNT, default=1024, help="ids per table per request")
+    bench.add_argument("--batches", type=_COUNT, default=200, help="timed requests")
+    bench.add_argument("--alpha", type=_float_in(0.0), default=1.2, help="power-law exponent of the lookup traffic "
+                       "(0: uniform)")
     bench.add_argument("--json", action="store_true", help="print the full result as one JSON line instead of a "
                        "table")
 

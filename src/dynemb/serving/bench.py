@@ -14,6 +14,7 @@ from typing import Iterator, Mapping, Optional
 import torch
 
 from ..checkpoint.export_format import read_chain
+from ..checks import check_int
 from ..data.traces import zipf_ranks
 from .ps import ParameterServer
 from .ps.updates import replay
@@ -82,6 +83,17 @@ def serve_bench(export, *, volatile: str = "memory", redis_address: str = "127.0
     (default: :func:`warm_up`, until the caches are warm), plus the hit rate after each request in
     ``hit_rate_curve`` and the number of warm-up requests in ``warmup_requests``.
     """
+    check_int(batch_size, "batch_size (ids per table per request)", minimum=1)
+    check_int(batches, "batches (timed requests)", minimum=1)
+    if isinstance(cache_fraction, bool) or not isinstance(cache_fraction, (int, float)) or \
+            not 0 < cache_fraction <= 1:
+        raise ValueError(f"cache_fraction must be a number in (0, 1], got {cache_fraction!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha >= 0):
+        raise ValueError(f"alpha (the traffic's power-law exponent) must be a finite number >= 0, got {alpha!r}")
+    card = Path(export) / "model.json"
+    if card.is_file() and '"dynemb.run"' in card.read_text(errors="replace"):
+        raise ValueError(f"{export} is a `dynemb train` run directory, not a serving export; write one with "
+                         f"`dynemb export --model {export} --out EXPORT_DIR` and time that")
     chain = read_chain(export)  # the latest export and, when it is a delta, the ones it builds on
     manifest = chain[-1][0]
     names = tables or sorted(manifest["tables"])
