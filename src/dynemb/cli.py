@@ -331,8 +331,11 @@ def cmd_plan(args) -> int:
             raise CliError(f"--pin {pin}: RANK of table:RANK must be a rank of --world {args.world} "
                            f"(0 to {args.world - 1}), got {owner!r}")
         pins[table] = ("table", int(owner)) if colon else kind
+    checkpoint = Path(args.checkpoint)
+    if (checkpoint / "model.json").is_file() and (checkpoint / "checkpoint").is_dir():
+        checkpoint = checkpoint / "checkpoint"  # a run directory: its last checkpoint, what --resume continues from
     try:
-        plan = plan_from_checkpoint(args.checkpoint, args.world, memory_per_rank=memory,
+        plan = plan_from_checkpoint(checkpoint, args.world, memory_per_rank=memory,
                                     ranks_per_node=args.ranks_per_node, pins=pins)
     except CheckpointError as e:
         raise CliError(f"--checkpoint: {e}") from e
@@ -539,7 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "wire a step) for --world ranks from the rows and accesses training recorded in a checkpoint. "
                    "Loading that checkpoint into a collection built with the plan reshards it.")
     plan.add_argument("--checkpoint", required=True, metavar="CKPT",
-                      help="a checkpoint root or directory (of a run: RUN_DIR/checkpoint or RUN_DIR/checkpoint-best)")
+                      help="a run directory (its last checkpoint, which --resume continues from), or a checkpoint "
+                      "root or directory (RUN_DIR/checkpoint-best for the best model's)")
     plan.add_argument("--world", required=True, type=int, help="ranks of the next run")
     plan.add_argument("--memory-per-rank", metavar="BYTES",
                       help="bytes each rank may hold: 8e10, 80GB (10**9 bytes a GB) or 64GiB (default: no limit)")

@@ -179,6 +179,11 @@ def test_dynemb_plan_reads_byte_units_and_names_a_run_directory_s_checkpoints(tm
                            (tmp_path / "nope", "no such directory"), (tmp_path, "no checkpoint here")]:
         assert main(["plan", "--checkpoint", str(path), "--world", "2"]) == 2
         assert re.search(f"--checkpoint: {path}: {expected}", capsys.readouterr().err)
+    (tmp_path / "run" / "model.json").write_text("{}")  # a `dynemb train` run directory: its last checkpoint
+    assert main(["plan", "--checkpoint", str(tmp_path / "run"), "--world", "2", "--json"]) == 0
+    from_run = capsys.readouterr().out
+    assert main(["plan", "--checkpoint", str(ckpt), "--world", "2", "--json"]) == 0
+    assert from_run == capsys.readouterr().out
 
 
 def test_an_older_checkpoint_gives_rows_only(tmp_path):
