@@ -245,3 +245,22 @@ def test_frozen_sharded_table_is_read_only_and_half_outputs_half(tmp_path):
     np.testing.assert_array_equal(*_sorted(got["after.keys"], got["after.values"])[1:],
                                   *_sorted(got["before.keys"], got["before.values"])[1:])
     assert got["half"].all()
+
+
+def _whole_tables(rank, world):
+    tables = [TableConfig(name=n, dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=i) for i, n in enumerate("abc")]
+    ec = DistributedEmbeddingCollection(tables, [FeatureConfig(name=n, table=n) for n in "abc"],
+                                        plan={n: "table" for n in "abc"}, timeout=60)
+    out = ec({n: torch.arange(5) + rank for n in "abc"})
+    sum(o.sum() for o in out.values()).backward()
+    ec.optimizer.step()
+    return {"held": np.array(sorted(ec.embeddings)), "rows": np.array([len(ec.gather_export(n)[0]) for n in "abc"])}
+
+
+@pytest.mark.slow
+def test_tables_planned_as_table_alone_spread_over_the_ranks(tmp_path):
+    # each of 3 gloo ranks holds one whole table (before, rank 0 held all three and the others none)
+    run(_whole_tables, 3, tmp_path)
+    got = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(3)]
+    assert [g["held"].tolist() for g in got] == [["a"], ["b"], ["c"]]
+    assert got[0]["rows"].tolist() == [7, 7, 7]  # keys 0..6 from the three ranks, each table whole

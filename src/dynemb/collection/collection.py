@@ -41,8 +41,9 @@ class EmbeddingCollection(nn.Module):
         features: the :class:`FeatureConfig` s; several may share a table.
         plan: ``None`` keeps every table whole on this process. Otherwise the tables are sharded over
             ``process_group``: ``"auto"`` (dynamic tables row-wise, small static tables replicated, large ones
-            whole on one rank), or ``{table: "row" | "data" | "column" | ("table", rank) | ("table_row", ranks) |
-            Sharding | a Sharding's to_dict}`` with the rest automatic, or a planned one
+            whole on one rank), or ``{table: "row" | "data" | "column" | "table" | ("table", rank) | ("table_row",
+            ranks) | Sharding | a Sharding's to_dict}`` with the rest automatic (``"table"`` alone: whole on the
+            rank holding the fewest bytes of whole tables), or a planned one
             (:func:`dynemb.distributed.plan_tables`' result, or ``json.load`` of ``dynemb plan --json``).
             Every rank must then call ``forward`` and ``backward`` each step (batches may differ).
         process_group: the group to shard over (default: the world); only with ``plan``.
