@@ -17,6 +17,7 @@ checkpoints, which see the table as one (see ``TieredTable.export``).
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -110,8 +111,7 @@ class SlowStore(RowStore):
             # A new file per allocation: the old mapping stays valid while rows are copied over, then is unlinked.
             self._files += 1
             self._path = os.path.join(self.directory, f"{self._files:06d}.rows")
-            buf = torch.from_file(self._path, shared=True, size=capacity * width, dtype=torch.uint8)
-            buf = buf.view(capacity, width)
+            buf = _row_file(self._path, capacity, width)
         self._buf, self._file_layout = buf, (layout, width)  # the raw rows ``[capacity, width]`` uint8
         fresh = {}
         for name, col in self._cols.items():
@@ -374,7 +374,7 @@ class LogStore(SlowStore):
         layout, width = self._file_layout
         old_path, old_buf = self._path, self._buf
         path = os.path.join(self.directory, f"{self._files + 1:06d}.rows")
-        buf = torch.from_file(path, shared=True, size=capacity * width, dtype=torch.uint8).view(capacity, width)
+        buf = _row_file(path, capacity, width)  # its blocks reserved: raises here, on a full disk, not mid-append
         fd = os.open(path, os.O_RDWR)
         try:
             for i in range(0, n, self._CHUNK):
@@ -526,6 +526,37 @@ def _writer() -> ThreadPoolExecutor:
 
 
 _WRITER_LOCK = threading.Lock()
+
+
+def _row_file(path: str, capacity: int, width: int) -> torch.Tensor:
+    """A new row file of ``capacity`` rows of ``width`` bytes at ``path``, mapped as ``[capacity, width]`` uint8, its
+    disk blocks reserved up front (``posix_fallocate``).
+
+    Why reserve: the file is sparse otherwise, and a full disk would then fail a later write into it: an append on
+    the writer thread (its rows lost, the table unusable even once there is room again), or a store through the
+    mapping (SIGBUS). Reserved here, the one failure is this call's, before any row moves: an ``OSError`` naming
+    the ``Tiers.slow`` directory, the store left on its old file."""
+    nbytes = capacity * width
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            if nbytes and hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, nbytes)
+            else:
+                os.ftruncate(fd, nbytes)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            os.ftruncate(fd, nbytes)  # a file system that cannot reserve: sparse, as before
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        where = os.path.dirname(os.path.dirname(path))
+        raise type(e)(e.errno, f"Tiers.slow={where!r}: no room for a row file of {nbytes:,} bytes ({capacity:,} rows): "
+                               f"{e.strerror}; no row moved (free space there, or give Tiers.slow another "
+                               "directory)", path) from e
+    os.close(fd)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(capacity, width)
 
 
 def _bytes(raw: torch.Tensor) -> memoryview:
