@@ -52,6 +52,21 @@ def test_row_files_have_their_blocks_reserved(tmp_path, monkeypatch, as_log):
         assert st.st_blocks * 512 >= st.st_size, (f, st.st_size, st.st_blocks)
 
 
+def test_a_tier_directory_that_cannot_be_made_is_named(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    where = tmp_path / "a-file" / "rows"
+    with pytest.raises(OSError, match=r"Tiers\.slow=.*a-file/rows.* must be a directory this process can write"):
+        dynemb.DynamicEmbedding(8, tiers=Tiers(fast_capacity=4, slow=where))
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes into a read-only mode")
+def test_a_tier_directory_without_write_permission_is_named(tmp_path):
+    where = tmp_path / "read-only"
+    where.mkdir(mode=0o555)
+    with pytest.raises(PermissionError, match=r"Tiers\.slow=.*read-only.* must be a directory this process can"):
+        dynemb.DynamicEmbedding(8, tiers=Tiers(fast_capacity=4, slow=where))
+
+
 CHILD = r"""
 import json, os, resource, sys
 sys.path.insert(0, {here!r})

@@ -78,9 +78,13 @@ class SlowStore(RowStore):
             path = os.path.abspath(os.fspath(where))
             if os.path.exists(path) and not os.path.isdir(path):
                 raise ValueError(f"Tiers.slow must be 'host' or a directory, got {os.fspath(where)!r}: a file is there")
-            os.makedirs(path, exist_ok=True)
-            _remove_orphans(os.fspath(where))
-            self.directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{_HOST}-{os.getpid()}-", dir=os.fspath(where))
+            try:
+                os.makedirs(path, exist_ok=True)
+                _remove_orphans(os.fspath(where))
+                self.directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{_HOST}-{os.getpid()}-", dir=os.fspath(where))
+            except OSError as e:  # read-only, not ours, a file on the path: name the argument, not our temp name
+                raise type(e)(e.errno, f"Tiers.slow={os.fspath(where)!r} must be a directory this process can "
+                                       f"write row files into: {e.strerror}", e.filename) from e
             self._finalizer = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self._files = 0
         self._path = None  # the row file of the columns now (disk tier)
