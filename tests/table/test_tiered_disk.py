@@ -108,3 +108,45 @@ def test_a_full_disk_fails_the_call_and_loses_no_row(tmp_path):
     assert "Tiers.slow=" in out["error"] and str(tmp_path / "slow") in out["error"], out["error"]
     assert "File too large" in out["error"]
     assert out["unchanged"] and out["equal_after"]
+
+
+def _saved_rows(root):
+    from dynemb.checkpoint import load
+
+    restored, _ = build(None)
+    load(root, restored)
+    return restored
+
+
+def test_a_save_reads_row_files_where_they_stand(tmp_path):
+    # a save (full and incremental) and a serving export of a table whose row file has holes write nothing under
+    # Tiers.slow: before, they rewrote ("packed") the whole file there first, so a full tier disk blocked them
+    from dynemb.checkpoint import export_for_serving, save
+    from dynemb.serving import read_export
+
+    emb, opt = build(Tiers(fast_capacity=16, slow=tmp_path / "slow"))
+    reference, ref_opt = build(None)
+    for i in range(10):
+        step(emb, opt, i)
+        step(reference, ref_opt, i)
+    log = emb.table.slow
+    files = sorted(os.listdir(log.directory))
+    assert not log._packed() and log.size() > 16
+    rewrites = log.rewrites
+    save(tmp_path / "ckpt", emb, step=10)
+    assert (log.rewrites, sorted(os.listdir(log.directory))) == (rewrites, files)
+    for i in range(10, 14):
+        step(emb, opt, i)
+        step(reference, ref_opt, i)
+    assert not log._packed()
+    rewrites, files = log.rewrites, sorted(os.listdir(log.directory))
+    save(tmp_path / "ckpt", emb, step=14, incremental=True)
+    export_for_serving(tmp_path / "export", emb)
+    assert (log.rewrites, sorted(os.listdir(log.directory))) == (rewrites, files)
+    assert not log._packed()
+    assert same_rows(_saved_rows(tmp_path / "ckpt"), reference)
+    _, tables = read_export(tmp_path / "export")
+    keys, values = tables["embedding"]["keys"], tables["embedding"]["values"]
+    ref = reference.table.export()
+    o, r = torch.argsort(keys), torch.argsort(ref.keys)
+    assert torch.equal(keys[o], ref.keys[r]) and torch.equal(values[o], ref.values[r])

@@ -218,9 +218,10 @@ class LogStore(SlowStore):
     taken leaves a hole (``_holds`` says which rows hold keys), and the index stores each key's row in the ring. When
     an append would reach the tail, the oldest rows are cleaned: those still live are appended again and the tail
     moves past them. The ring is kept at least twice the live rows (plus what a call appends), so cleaning a step
-    copies about as many rows as the step appends (cold rows come round once a turn of the ring). Whatever needs
-    the rows at ``0 .. size-1`` (streamed checkpoints, a change of layout) calls :meth:`pack` first: one sequential
-    rewrite into a new file.
+    copies about as many rows as the step appends (cold rows come round once a turn of the ring). A change of layout
+    (a slot added, a cast) calls :meth:`pack` first: one sequential rewrite into a new file. Streamed checkpoints
+    and exports read the rows ``_holds`` marks where they stand (``checkpoint.tiered_stream``): no rewrite, so no
+    free space needed here.
 
     Args: as :class:`SlowStore`; ``where`` must be a directory.
     """
