@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from datetime import timedelta
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Union
@@ -47,7 +48,7 @@ class EmbeddingCollection(nn.Module):
             (:func:`dynemb.distributed.plan_tables`' result, or ``json.load`` of ``dynemb plan --json``).
             Every rank must then call ``forward`` and ``backward`` each step (batches may differ).
         process_group: the group to shard over (default: the world); only with ``plan``.
-        timeout: seconds before a collective gives up with :class:`~dynemb.distributed.DistributedError`.
+        timeout: seconds (> 0) before a collective gives up with :class:`~dynemb.distributed.DistributedError`.
         device: where the tables live (``cuda`` for NCCL); one this process cannot use (``cuda`` where
             ``torch.cuda.is_available()`` is False, ``cuda:3`` on a machine with two GPUs) is a ``ValueError``.
         validate: check on every forward that a static table's ids are in ``[0, V)``, and that the int64 ids of
@@ -79,6 +80,7 @@ class EmbeddingCollection(nn.Module):
         super().__init__()
         if validate is not None and not isinstance(validate, bool):
             raise TypeError(f"validate must be None, True or False, got {validate!r}")
+        _check_timeout(timeout)
         self.validate = validate
         self._device = resolve_device(device)
         self.table_configs, self.feature_configs = _index_configs(tables, features)
@@ -373,6 +375,15 @@ def _check_plan_spec(plan) -> dict:
         raise TypeError(f"plan must be None, 'auto', a dict {{table: sharding}} or a plan_tables() plan, got "
                         f"{plan!r}")
     return dict(plan)
+
+
+def _check_timeout(timeout) -> None:
+    """``timeout`` is seconds > 0: 0 made every collective fail at once (a bare ``DistStoreError: wait timeout after
+    0ms`` on every rank), a negative or infinite one failed inside ``timedelta`` or the process group."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise ValueError(f"timeout must be a finite number of seconds > 0 (a collective's limit before it gives up "
+                         f"with DistributedError; default 300), got {timeout!r}")
 
 
 def _sharding_group(process_group, timeout: float):
