@@ -103,6 +103,8 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
     root = Path(path)
     root_key = os.path.realpath(root)
     ctx = rank_context(model)
+    ctx.agree("save", {"path": root_key, "step": step, "incremental": incremental, "keep_last": keep_last,
+                       "blocking": blocking})
     every = find_tables(model)
     local = {name: shard for name, shard in every.items() if shard.module is not None}
     embeddings = {name: shard for name, shard in local.items() if writes(shard, ctx)}
