@@ -264,3 +264,43 @@ def test_tables_planned_as_table_alone_spread_over_the_ranks(tmp_path):
     got = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(3)]
     assert [g["held"].tolist() for g in got] == [["a"], ["b"], ["c"]]
     assert got[0]["rows"].tolist() == [7, 7, 7]  # keys 0..6 from the three ranks, each table whole
+
+
+def _totals(rank, world):
+    tables = [TableConfig(name=n, dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=i) for i, n in enumerate("abcd")]
+    features = [FeatureConfig(name=n, table=n) for n in "abcd"]
+    ec = DistributedEmbeddingCollection(tables, features, plan={"a": "row", "b": "data", "c": "column",
+                                                                "d": ("table", 1)}, timeout=60)
+    local = EmbeddingCollection(tables, features)
+    for step in range(3):
+        batches = [{n: torch.arange(10 * step + 7 * r, 10 * step + 7 * r + 9) * (i + 1) for i, n in enumerate("abcd")}
+                   for r in range(world)]
+        ec(batches[rank])
+        for b in batches:
+            local(b)
+    got, want = ec.table_totals(), local.table_totals()
+    # what dynemb train reports as table_rows: Trainer.table_stats of a sharded DLRM
+    from dynemb.data import SyntheticClickLog
+    from dynemb.train import TrainConfig, Trainer, build_dlrm
+
+    data = SyntheticClickLog(num_categorical=2, num_dense=2, batch_size=32, seed=3)
+    cfg = TrainConfig(steps=3, dim=4, eval_every=3)
+    model = build_dlrm(2, data.categorical_names, cfg)
+    trainer = Trainer(model, cfg)
+    trainer.fit(data.batches("train", start=rank, step=world), [data.batch(0, "eval")], progress=False)
+    held = sum(len(model.embeddings.gather_export(n)[0]) for n in sorted(model.embeddings.logical_tables()))
+    return {"rows": np.array([got["rows"], want["rows"]]), "evicted": np.array([got["evicted"], want["evicted"]]),
+            "bytes": np.array([got["table_bytes"], sum(t.nbytes() for t in ec.dynemb_tables())]),
+            "trainer": np.array([trainer.table_stats()["rows"], trainer.history.steps[-1]["rows"], held])}
+
+
+@pytest.mark.slow
+def test_table_totals_count_the_users_tables_whatever_the_layout(tmp_path):
+    # rows as one process counts them (a replica's and a column shard's keys once); before, Trainer.table_stats
+    # (dynemb train's "table_rows") gave this rank's rows: rank 0 of 2 reported about half of them
+    run(_totals, 2, tmp_path)
+    got = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    for g in got:
+        assert g["rows"][0] == g["rows"][1] > 0 and g["evicted"].tolist() == [0, 0]
+        assert g["trainer"][0] == g["trainer"][1] == g["trainer"][2] > 0
+    assert got[0]["bytes"][0] == got[1]["bytes"][0] == got[0]["bytes"][1] + got[1]["bytes"][1]

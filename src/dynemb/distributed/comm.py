@@ -12,7 +12,7 @@ import json
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedError", "all_to_all_known", "all_gather_varsize", "check_agreement"]
+__all__ = ["DistributedError", "all_to_all_known", "all_gather", "all_gather_varsize", "check_agreement"]
 
 
 class DistributedError(RuntimeError):
@@ -34,6 +34,11 @@ def all_to_all_known(send: torch.Tensor, send_counts: list, recv_counts: list, g
     recv = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
     _run(what, lambda: dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=group))
     return recv
+
+
+def all_gather(parts: list, tensor: torch.Tensor, group=None, what: str = "all-gather") -> None:
+    """``dist.all_gather`` into ``parts`` (same shapes on every rank), a failure named as :func:`_run` does."""
+    _run(what, lambda: dist.all_gather(parts, tensor, group=group))
 
 
 def all_gather_varsize(tensor: torch.Tensor, group=None, what: str = "all-gather") -> list[torch.Tensor]:
