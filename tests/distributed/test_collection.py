@@ -304,3 +304,36 @@ def test_table_totals_count_the_users_tables_whatever_the_layout(tmp_path):
         assert g["rows"][0] == g["rows"][1] > 0 and g["evicted"].tolist() == [0, 0]
         assert g["trainer"][0] == g["trainer"][1] == g["trainer"][2] > 0
     assert got[0]["bytes"][0] == got[1]["bytes"][0] == got[0]["bytes"][1] + got[1]["bytes"][1]
+
+
+def _one_rank_in_eval(rank, world, out_dir):
+    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1))],
+                                        [FeatureConfig(name="f", table="t")], timeout=5)
+    ec({"f": torch.arange(4)})["f"].sum().backward()
+    if rank == 1:
+        ec.eval()  # a mistake: rank 1 evaluates while rank 0 trains; its forward needs no backward
+        ec({"f": torch.arange(4)})
+        time.sleep(15)  # alive, but not in rank 0's backward
+        return None
+    start = time.monotonic()
+    try:
+        ec({"f": torch.arange(4)})["f"].sum().backward()
+    except DistributedError as e:
+        with open(os.path.join(out_dir, "trainer.txt"), "w") as f:
+            f.write(f"{time.monotonic() - start:.1f}\n{e}")
+    return None
+
+
+@pytest.mark.slow
+def test_a_rank_in_eval_mode_while_others_train_is_a_clear_error_within_the_timeout(tmp_path):
+    ctx = run(_one_rank_in_eval, 2, tmp_path, str(tmp_path), join=False)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (tmp_path / "trainer.txt").exists():
+        time.sleep(0.5)
+    for p in ctx.processes:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    elapsed, message = (tmp_path / "trainer.txt").read_text().split("\n", 1)
+    assert float(elapsed) <= 5 + 5
+    assert "all-to-all of gradients" in message and "in eval mode or under no_grad" in message

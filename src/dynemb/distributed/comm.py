@@ -26,7 +26,9 @@ def _run(what: str, fn):
         raise
     except RuntimeError as e:  # gloo/NCCL report peer death and timeouts as RuntimeError
         raise DistributedError(f"{what} failed on rank {dist.get_rank()}: a peer rank died or the collective "
-                               f"timed out ({type(e).__name__}: {e})") from e
+                               f"timed out; a rank that skipped a step's forward or backward, or ran it in eval "
+                               f"mode or under no_grad while its peers trained, ends here too "
+                               f"({type(e).__name__}: {e})") from e
 
 
 def all_to_all_known(send: torch.Tensor, send_counts: list, recv_counts: list, group=None, what="all-to-all"):
