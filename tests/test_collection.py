@@ -143,3 +143,16 @@ def test_gradients_with_no_optimizer_warn_once_per_table_by_name(recwarn):
                         "until an optimizer bound to the table steps and zero_grads. Bind one, e.g. "
                         "dynemb.optim.SGD([emb], lr=0.1) or TableConfig(optimizer=dynemb.optim.SGD(lr=0.1)), or "
                         "freeze the table with requires_grad_(False). (Warned once per table.)"]
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), "60", True, None])
+def test_a_timeout_that_is_not_seconds_above_zero_is_named(timeout):
+    # checked before any process group is touched: timeout=0 failed every rank with a bare
+    # "DistStoreError: wait timeout after 0ms"; "60" or inf failed inside timedelta
+    tables, features = [TableConfig(name="t", dim=4)], [FeatureConfig(name="f", table="t")]
+    with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds > 0 .*got " +
+                       repr(timeout).replace("(", r"\(")):
+        EmbeddingCollection(tables, features, plan="auto", timeout=timeout)
+    with pytest.raises(ValueError, match="timeout must be"):
+        dynemb.DistributedEmbeddingCollection(tables, features, timeout=timeout)
+    EmbeddingCollection(tables, features, timeout=0.5)  # a number > 0: fine (unused without a plan)

@@ -374,12 +374,12 @@ class Trainer:
         return row
 
     def table_stats(self) -> dict:
-        """Rows, evictions and bytes of every table; with tiered tables also the tiers' traffic since the previous
-        call (one training step): ``tier_bytes_moved``, ``tier_rows_up``/``tier_rows_down`` and the step's
-        ``tier_fast_hit_rate``/``tier_slow_hit_rate`` (see :func:`dynemb.table.tier_traffic`)."""
+        """Rows, evictions and bytes of every table, all ranks together (a collective when the tables are sharded:
+        every rank calls it, as every rank runs :meth:`fit`); with tiered tables also this rank's tiers' traffic
+        since the previous call (one training step): ``tier_bytes_moved``, ``tier_rows_up``/``tier_rows_down`` and
+        the step's ``tier_fast_hit_rate``/``tier_slow_hit_rate`` (see :func:`dynemb.table.tier_traffic`)."""
         tables = self.model.embeddings.dynemb_tables()
-        row = {"rows": sum(t.size() for t in tables), "evicted": sum(getattr(t, "evicted", 0) for t in tables),
-               "table_bytes": sum(t.nbytes() for t in tables)}
+        row = self.model.embeddings.table_totals()  # all ranks together (a collective when sharded)
         if self.model.embeddings.tiered:
             traffic = tier_traffic(tables, getattr(self, "_tier_counts", None))
             self._tier_counts = traffic.pop("counts")

@@ -245,3 +245,95 @@ def test_frozen_sharded_table_is_read_only_and_half_outputs_half(tmp_path):
     np.testing.assert_array_equal(*_sorted(got["after.keys"], got["after.values"])[1:],
                                   *_sorted(got["before.keys"], got["before.values"])[1:])
     assert got["half"].all()
+
+
+def _whole_tables(rank, world):
+    tables = [TableConfig(name=n, dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=i) for i, n in enumerate("abc")]
+    ec = DistributedEmbeddingCollection(tables, [FeatureConfig(name=n, table=n) for n in "abc"],
+                                        plan={n: "table" for n in "abc"}, timeout=60)
+    out = ec({n: torch.arange(5) + rank for n in "abc"})
+    sum(o.sum() for o in out.values()).backward()
+    ec.optimizer.step()
+    return {"held": np.array(sorted(ec.embeddings)), "rows": np.array([len(ec.gather_export(n)[0]) for n in "abc"])}
+
+
+@pytest.mark.slow
+def test_tables_planned_as_table_alone_spread_over_the_ranks(tmp_path):
+    # each of 3 gloo ranks holds one whole table (before, rank 0 held all three and the others none)
+    run(_whole_tables, 3, tmp_path)
+    got = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(3)]
+    assert [g["held"].tolist() for g in got] == [["a"], ["b"], ["c"]]
+    assert got[0]["rows"].tolist() == [7, 7, 7]  # keys 0..6 from the three ranks, each table whole
+
+
+def _totals(rank, world):
+    tables = [TableConfig(name=n, dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=i) for i, n in enumerate("abcd")]
+    features = [FeatureConfig(name=n, table=n) for n in "abcd"]
+    ec = DistributedEmbeddingCollection(tables, features, plan={"a": "row", "b": "data", "c": "column",
+                                                                "d": ("table", 1)}, timeout=60)
+    local = EmbeddingCollection(tables, features)
+    for step in range(3):
+        batches = [{n: torch.arange(10 * step + 7 * r, 10 * step + 7 * r + 9) * (i + 1) for i, n in enumerate("abcd")}
+                   for r in range(world)]
+        ec(batches[rank])
+        for b in batches:
+            local(b)
+    got, want = ec.table_totals(), local.table_totals()
+    # what dynemb train reports as table_rows: Trainer.table_stats of a sharded DLRM
+    from dynemb.data import SyntheticClickLog
+    from dynemb.train import TrainConfig, Trainer, build_dlrm
+
+    data = SyntheticClickLog(num_categorical=2, num_dense=2, batch_size=32, seed=3)
+    cfg = TrainConfig(steps=3, dim=4, eval_every=3)
+    model = build_dlrm(2, data.categorical_names, cfg)
+    trainer = Trainer(model, cfg)
+    trainer.fit(data.batches("train", start=rank, step=world), [data.batch(0, "eval")], progress=False)
+    held = sum(len(model.embeddings.gather_export(n)[0]) for n in sorted(model.embeddings.logical_tables()))
+    return {"rows": np.array([got["rows"], want["rows"]]), "evicted": np.array([got["evicted"], want["evicted"]]),
+            "bytes": np.array([got["table_bytes"], sum(t.nbytes() for t in ec.dynemb_tables())]),
+            "trainer": np.array([trainer.table_stats()["rows"], trainer.history.steps[-1]["rows"], held])}
+
+
+@pytest.mark.slow
+def test_table_totals_count_the_users_tables_whatever_the_layout(tmp_path):
+    # rows as one process counts them (a replica's and a column shard's keys once); before, Trainer.table_stats
+    # (dynemb train's "table_rows") gave this rank's rows: rank 0 of 2 reported about half of them
+    run(_totals, 2, tmp_path)
+    got = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    for g in got:
+        assert g["rows"][0] == g["rows"][1] > 0 and g["evicted"].tolist() == [0, 0]
+        assert g["trainer"][0] == g["trainer"][1] == g["trainer"][2] > 0
+    assert got[0]["bytes"][0] == got[1]["bytes"][0] == got[0]["bytes"][1] + got[1]["bytes"][1]
+
+
+def _one_rank_in_eval(rank, world, out_dir):
+    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1))],
+                                        [FeatureConfig(name="f", table="t")], timeout=5)
+    ec({"f": torch.arange(4)})["f"].sum().backward()
+    if rank == 1:
+        ec.eval()  # a mistake: rank 1 evaluates while rank 0 trains; its forward needs no backward
+        ec({"f": torch.arange(4)})
+        time.sleep(15)  # alive, but not in rank 0's backward
+        return None
+    start = time.monotonic()
+    try:
+        ec({"f": torch.arange(4)})["f"].sum().backward()
+    except DistributedError as e:
+        with open(os.path.join(out_dir, "trainer.txt"), "w") as f:
+            f.write(f"{time.monotonic() - start:.1f}\n{e}")
+    return None
+
+
+@pytest.mark.slow
+def test_a_rank_in_eval_mode_while_others_train_is_a_clear_error_within_the_timeout(tmp_path):
+    ctx = run(_one_rank_in_eval, 2, tmp_path, str(tmp_path), join=False)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (tmp_path / "trainer.txt").exists():
+        time.sleep(0.5)
+    for p in ctx.processes:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    elapsed, message = (tmp_path / "trainer.txt").read_text().split("\n", 1)
+    assert float(elapsed) <= 5 + 5
+    assert "all-to-all of gradients" in message and "in eval mode or under no_grad" in message

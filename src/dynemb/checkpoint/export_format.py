@@ -133,6 +133,8 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
                          "exports)")
     root_key = os.path.realpath(root)
     ctx = rank_context(model)
+    ctx.agree("export_for_serving", {"path": root_key, "dtype": str(dtype), "incremental": incremental,
+                                     "model_name": model_name})
     shards = find_tables(model)
     local = {name: shard for name, shard in shards.items() if shard.module is not None}
     writing = {name: shard for name, shard in local.items() if _writes(shard, ctx)}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from torch import nn
 
+from ..collection import EmbeddingCollection
 from ..distributed.strategy import strategy_from_record
 from ..optim.combined import CombinedOptimizer
 from ..table import TieredTable
@@ -80,6 +81,11 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
     for _, saved in links:  # tables an older version named through a wrapper (``_orig_mod.emb``): the model's names
         saved["tables"] = {_model_name(k, tables, saved["tables"]): v for k, v in saved.get("tables", {}).items()}
     manifest = links[-1][1]
+    if any(isinstance(m, EmbeddingCollection) and m.sharded for m in model.modules()):
+        # every rank loads one checkpoint (each reads its part of it): a rank that named another, or another
+        # step through ``latest``, would hold rows its peers' dense state and tables never saw
+        ctx.agree("load", {"checkpoint": os.path.realpath(directory), "step": manifest.get("step"),
+                           "strict": strict})
     names = _matching_tables(manifest, directory, tables, strict)
     plan = {name: _sources(links, name, tables[name], ctx) for name in names}
     table_optimizers = {name: _optimizer_state(manifest, directory, name, tables[name], plan[name][0], strict, ctx)

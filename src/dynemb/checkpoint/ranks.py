@@ -55,6 +55,20 @@ class RankContext:
         if self.distributed:
             dist.barrier(group=self.group)
 
+    def agree(self, call: str, args: dict) -> None:
+        """Check that every rank passed the same ``args`` (JSON-able) to ``call`` (a collective): each rank raises
+        the same ``ValueError`` naming the first argument that differs and two ranks' values. Without it rank 0's
+        arguments won silently (another rank's step or path was ignored, or its rows loaded from another
+        checkpoint than its peers')."""
+        if not self.distributed:
+            return
+        every = self.gather(args)
+        for key in args:
+            for rank, other in enumerate(every):
+                if other[key] != every[0][key]:
+                    raise ValueError(f"{call}: every rank must pass the same {key} (it is one collective call): "
+                                     f"rank 0 has {every[0][key]!r}, rank {rank} has {other[key]!r}")
+
 
 def rank_context(model: nn.Module) -> RankContext:
     """The rank layout of ``model``: from its sharded collection, else the process group, else one process."""

@@ -103,6 +103,8 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
     root = Path(path)
     root_key = os.path.realpath(root)
     ctx = rank_context(model)
+    ctx.agree("save", {"path": root_key, "step": step, "incremental": incremental, "keep_last": keep_last,
+                       "blocking": blocking})
     _check_root(root, ctx)
     every = find_tables(model)
     local = {name: shard for name, shard in every.items() if shard.module is not None}

@@ -81,22 +81,60 @@ class ColumnStream:
         return torch.cat(pieces) if pieces else torch.empty(self.shape, dtype=self.dtype)
 
 
-def _tier_columns(table) -> dict[str, list[torch.Tensor]]:
-    """Each column's live rows as ``[fast rows, rows of each level below]`` views (names as in :class:`Rows`)."""
+class _Holed:
+    """A column of a row-file level written as a log (:class:`~dynemb.table.slow.LogStore`) read where it stands:
+    its ``n`` live rows are the ring rows ``holds`` marks, in ascending order (the level's ``stored_rows``, so
+    :meth:`~dynemb.table.TieredTable.export`'s order). Read so, a save needs no free space in the ``Tiers.slow``
+    directory (packing the file first rewrote every live row into a new file there: on a full disk, no checkpoint
+    could be taken) and writes nothing but the checkpoint."""
+
+    def __init__(self, col: torch.Tensor, holds: torch.Tensor, n: int) -> None:
+        self.col, self.holds, self.n = col, holds, n
+        self.dtype, self.shape = col.dtype, torch.Size((n,) + tuple(col.shape[1:]))
+        self._rows = None
+
+    def chunks(self) -> Iterator[torch.Tensor]:
+        """The live rows, gathered from at most ``CHUNK_ROWS`` ring rows at a time."""
+        for i in range(0, self.holds.numel(), CHUNK_ROWS):
+            at = self.holds[i : i + CHUNK_ROWS].nonzero().squeeze(1)
+            if at.numel():
+                yield _noted(self.col.index_select(0, at + i))
+
+    def gather(self, positions: torch.Tensor) -> torch.Tensor:
+        """The live rows at ``positions`` (``0 .. n-1``, in export order): a delta's changed rows."""
+        if self._rows is None:  # int64 a live row: as the level's changes_since already took
+            self._rows = self.holds.nonzero().squeeze(1)
+        return self.col.index_select(0, self._rows.index_select(0, positions))
+
+
+def _tier_columns(table) -> dict[str, list]:
+    """Each column's live rows as ``[fast rows, rows of each level below]``: views, or a :class:`_Holed` for a
+    level whose row file has holes (names as in :class:`Rows`)."""
     n_fast = table.live_rows()
-    for level in table.levels:
-        level.pack()  # row files written as a log: their live rows made 0 .. size-1 first
     names = {"keys": "key", "values": "value", "scores": "score",
              **{f"slot:{s}": f"slot:{s}" for s in table.slot_names}}
-    return {name: [table._cols[col][:n_fast]] + [level._cols[col][: level.size()] for level in table.levels]
+
+    def part(level, col):
+        holds = getattr(level, "_holds", None)
+        if holds is None or level._packed():
+            return level._cols[col][: level.size()]
+        return _Holed(level._cols[col], holds, level.size())
+
+    return {name: [table._cols[col][:n_fast]] + [part(level, col) for level in table.levels]
             for name, col in names.items()}
 
 
-def _chunked(parts: list[torch.Tensor]) -> Callable[[], Iterator[torch.Tensor]]:
-    return lambda: (p[i : i + CHUNK_ROWS] for p in parts for i in range(0, p.shape[0], CHUNK_ROWS))
+def _chunked(parts: list) -> Callable[[], Iterator[torch.Tensor]]:
+    def pieces():
+        for p in parts:
+            if isinstance(p, _Holed):
+                yield from p.chunks()
+            else:
+                yield from (p[i : i + CHUNK_ROWS] for i in range(0, p.shape[0], CHUNK_ROWS))
+    return pieces
 
 
-def _gathered(parts: list[torch.Tensor], rows: torch.Tensor) -> Callable[[], Iterator[torch.Tensor]]:
+def _gathered(parts: list, rows: torch.Tensor) -> Callable[[], Iterator[torch.Tensor]]:
     """Pieces of ``cat(parts)[rows]``, gathered ``CHUNK_ROWS`` rows at a time, for ``rows`` that list the first
     part's positions before the second's (as a tiered table's ``changes_since`` does; any order with one part)."""
     from ..table.ops import gather_rows
@@ -111,7 +149,8 @@ def _gathered(parts: list[torch.Tensor], rows: torch.Tensor) -> Callable[[], Ite
             for part, start, stop in zip(parts, starts, starts[1:]):
                 mine = chunk[(chunk >= start) & (chunk < stop)] - start
                 if mine.numel():
-                    yield _noted(gather_rows(part, mine.to(part.device)))
+                    got = part.gather(mine) if isinstance(part, _Holed) else gather_rows(part, mine.to(part.device))
+                    yield _noted(got)
     return pieces
 
 

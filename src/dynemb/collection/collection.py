@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from datetime import timedelta
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Union
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed.comm import check_agreement
+from ..distributed.comm import all_gather, check_agreement
 from ..distributed.sharding import Sharding, resolve_plan
 from ..embedding import DynamicEmbedding, check_cuda, check_move
 from ..optim.combined import CombinedOptimizer
@@ -41,12 +42,13 @@ class EmbeddingCollection(nn.Module):
         features: the :class:`FeatureConfig` s; several may share a table.
         plan: ``None`` keeps every table whole on this process. Otherwise the tables are sharded over
             ``process_group``: ``"auto"`` (dynamic tables row-wise, small static tables replicated, large ones
-            whole on one rank), or ``{table: "row" | "data" | "column" | ("table", rank) | ("table_row", ranks) |
-            Sharding | a Sharding's to_dict}`` with the rest automatic, or a planned one
+            whole on one rank), or ``{table: "row" | "data" | "column" | "table" | ("table", rank) | ("table_row",
+            ranks) | Sharding | a Sharding's to_dict}`` with the rest automatic (``"table"`` alone: whole on the
+            rank holding the fewest bytes of whole tables), or a planned one
             (:func:`dynemb.distributed.plan_tables`' result, or ``json.load`` of ``dynemb plan --json``).
             Every rank must then call ``forward`` and ``backward`` each step (batches may differ).
         process_group: the group to shard over (default: the world); only with ``plan``.
-        timeout: seconds before a collective gives up with :class:`~dynemb.distributed.DistributedError`.
+        timeout: seconds (> 0) before a collective gives up with :class:`~dynemb.distributed.DistributedError`.
         device: where the tables live (``cuda`` for NCCL); one this process cannot use (``cuda`` where
             ``torch.cuda.is_available()`` is False, ``cuda:3`` on a machine with two GPUs) is a ``ValueError``.
         validate: check on every forward that a static table's ids are in ``[0, V)``, and that the int64 ids of
@@ -78,6 +80,7 @@ class EmbeddingCollection(nn.Module):
         super().__init__()
         if validate is not None and not isinstance(validate, bool):
             raise TypeError(f"validate must be None, True or False, got {validate!r}")
+        _check_timeout(timeout)
         self.validate = validate
         self._device = resolve_device(device)
         self.table_configs, self.feature_configs = _index_configs(tables, features)
@@ -146,6 +149,43 @@ class EmbeddingCollection(nn.Module):
     def dynemb_tables(self) -> list:
         """The physical tables on this rank (for optimizers)."""
         return [m.table for m in self.plan.modules().values()]
+
+    def table_totals(self) -> dict:
+        """``{"rows", "evicted", "table_bytes"}`` of the user's tables, all ranks together: rows and evictions as
+        one process holding the tables would count them (a replica or a column shard's keys once), bytes as every
+        rank holds them. A collective when sharded (every rank calls it: one all-gather of a few integers); this
+        rank's tables alone gave a result that depended on the world size (rank 0 of 2 reported about half the
+        rows).
+
+        Example:
+            >>> ec = EmbeddingCollection([TableConfig(name="t", dim=4)], [FeatureConfig(name="f", table="t")])
+            >>> _ = ec({"f": torch.tensor([3, 5, 3])})
+            >>> ec.table_totals()["rows"], ec.table_totals()["evicted"]
+            (2, 0)
+        """
+        shards = list(self.plan)
+        here = torch.zeros(2 * len(shards) + 1, dtype=torch.int64)
+        for i, shard in enumerate(shards):
+            table = shard.table if shard.module is not None else None
+            if table is None:
+                continue
+            here[-1] += table.nbytes()
+            if shard.strategy is None or shard.strategy.writes(self.rank):  # a replica's copy counted once
+                here[2 * i], here[2 * i + 1] = table.size(), getattr(table, "evicted", 0)
+        if not self.sharded:
+            every = here.view(1, -1)
+        else:
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
+                else torch.device("cpu")
+            parts = [torch.empty_like(here, device=device) for _ in range(self.world)]
+            all_gather(parts, here.to(device), self.group, "all-gather of table sizes")
+            every = torch.stack(parts).cpu()
+        rows = evicted = 0
+        for i, shard in enumerate(shards):
+            count = shard.strategy.logical_rows if shard.strategy is not None else (lambda parts: int(sum(parts)))
+            rows += count(every[:, 2 * i].tolist())
+            evicted += count(every[:, 2 * i + 1].tolist())
+        return {"rows": rows, "evicted": evicted, "table_bytes": int(every[:, -1].sum())}
 
     @property
     def tiered(self) -> bool:
@@ -372,6 +412,15 @@ def _check_plan_spec(plan) -> dict:
         raise TypeError(f"plan must be None, 'auto', a dict {{table: sharding}} or a plan_tables() plan, got "
                         f"{plan!r}")
     return dict(plan)
+
+
+def _check_timeout(timeout) -> None:
+    """``timeout`` is seconds > 0: 0 made every collective fail at once (a bare ``DistStoreError: wait timeout after
+    0ms`` on every rank), a negative or infinite one failed inside ``timedelta`` or the process group."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise ValueError(f"timeout must be a finite number of seconds > 0 (a collective's limit before it gives up "
+                         f"with DistributedError; default 300), got {timeout!r}")
 
 
 def _sharding_group(process_group, timeout: float):

@@ -12,7 +12,7 @@ import json
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedError", "all_to_all_known", "all_gather_varsize", "check_agreement"]
+__all__ = ["DistributedError", "all_to_all_known", "all_gather", "all_gather_varsize", "check_agreement"]
 
 
 class DistributedError(RuntimeError):
@@ -26,7 +26,9 @@ def _run(what: str, fn):
         raise
     except RuntimeError as e:  # gloo/NCCL report peer death and timeouts as RuntimeError
         raise DistributedError(f"{what} failed on rank {dist.get_rank()}: a peer rank died or the collective "
-                               f"timed out ({type(e).__name__}: {e})") from e
+                               f"timed out; a rank that skipped a step's forward or backward, or ran it in eval "
+                               f"mode or under no_grad while its peers trained, ends here too "
+                               f"({type(e).__name__}: {e})") from e
 
 
 def all_to_all_known(send: torch.Tensor, send_counts: list, recv_counts: list, group=None, what="all-to-all"):
@@ -34,6 +36,11 @@ def all_to_all_known(send: torch.Tensor, send_counts: list, recv_counts: list, g
     recv = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
     _run(what, lambda: dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=group))
     return recv
+
+
+def all_gather(parts: list, tensor: torch.Tensor, group=None, what: str = "all-gather") -> None:
+    """``dist.all_gather`` into ``parts`` (same shapes on every rank), a failure named as :func:`_run` does."""
+    _run(what, lambda: dist.all_gather(parts, tensor, group=group))
 
 
 def all_gather_varsize(tensor: torch.Tensor, group=None, what: str = "all-gather") -> list[torch.Tensor]:

@@ -183,11 +183,14 @@ def resolve_plan(tables, world_size: int, plan: Optional[dict] = None, *, what: 
     errors name an entry as ``what[table]``."""
     result = auto_plan(tables, world_size)
     names = {t.name for t in tables}
+    unowned = []  # entries written as the kind alone, "table": placed once every owner given is known
     for name, entry in (plan or {}).items():
         if name not in names:
             raise ValueError(f"{what} names table {name!r}, which is not in tables {sorted(names)}")
         try:
             if isinstance(entry, str):
+                if entry == "table":
+                    unowned.append(name)
                 entry = Sharding(entry, owner=0 if entry == "table" else None)
             elif isinstance(entry, tuple) and len(entry) == 2 and entry[0] in ("column", "table_row"):
                 entry = Sharding(entry[0], ranks=entry[1])  # ("table_row", (0, 1, 2, 3))
@@ -198,8 +201,8 @@ def resolve_plan(tables, world_size: int, plan: Optional[dict] = None, *, what: 
         except ValueError as e:
             raise ValueError(f"{what}[{name!r}]: {e}") from None
         if not isinstance(entry, Sharding):
-            raise TypeError(f"{what}[{name!r}] must be 'row', 'data', 'column', 'table_row', ('table', rank), a "
-                            f"Sharding or its to_dict, got {entry!r}")
+            raise TypeError(f"{what}[{name!r}] must be 'row', 'data', 'column', 'table_row', 'table', ('table', "
+                            f"rank), a Sharding or its to_dict, got {entry!r}")
         if entry.kind == "table" and entry.owner >= world_size:
             raise ValueError(f"{what}[{name!r}] owner {entry.owner} is not a rank of a world of size {world_size}")
         outside = [r for r in entry.ranks or () if r >= world_size]
@@ -209,4 +212,31 @@ def resolve_plan(tables, world_size: int, plan: Optional[dict] = None, *, what: 
             raise ValueError(f"{what}[{name!r}] columns {entry.columns!r} need one width per rank: give ranks= of "
                              f"the same length, or {world_size} widths (one per rank of the world)")
         result[name] = entry
+    if unowned:
+        _place_whole(tables, world_size, result, unowned)
     return result
+
+
+def _place_whole(tables, world_size: int, result: dict, names: list) -> None:
+    """Owners for the tables ``names`` written as ``"table"`` alone: each on the rank holding the fewest bytes of
+    whole tables so far (then the fewest such tables, then the lowest rank), the largest first, as
+    :func:`auto_plan` places large static tables and the planner a pinned ``"table"``; every rank computes the same
+    owners from the same configs. Rank 0 for all of them would leave the other ranks idle."""
+    configs = {t.name: t for t in tables}
+
+    def size(name: str) -> int:
+        cfg = configs[name]
+        rows = getattr(cfg, "vocabulary_size", None) or getattr(cfg, "max_capacity", None) or 0
+        return rows * getattr(cfg, "dim", 0) * 4 or (getattr(cfg, "max_bytes", None) or 0)
+
+    load, count = [0] * world_size, [0] * world_size
+    for name, sharding in result.items():
+        if name not in names and sharding.kind == ShardingKind.TABLE:
+            load[sharding.owner] += size(name)
+            count[sharding.owner] += 1
+    order = {n: i for i, n in enumerate(names)}
+    for name in sorted(names, key=lambda n: (-size(n), order[n])):
+        owner = min(range(world_size), key=lambda r: (load[r], count[r], r))
+        load[owner] += size(name)
+        count[owner] += 1
+        result[name] = Sharding("table", owner=owner)

@@ -17,6 +17,7 @@ checkpoints, which see the table as one (see ``TieredTable.export``).
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -77,9 +78,13 @@ class SlowStore(RowStore):
             path = os.path.abspath(os.fspath(where))
             if os.path.exists(path) and not os.path.isdir(path):
                 raise ValueError(f"Tiers.slow must be 'host' or a directory, got {os.fspath(where)!r}: a file is there")
-            os.makedirs(path, exist_ok=True)
-            _remove_orphans(os.fspath(where))
-            self.directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{_HOST}-{os.getpid()}-", dir=os.fspath(where))
+            try:
+                os.makedirs(path, exist_ok=True)
+                _remove_orphans(os.fspath(where))
+                self.directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{_HOST}-{os.getpid()}-", dir=os.fspath(where))
+            except OSError as e:  # read-only, not ours, a file on the path: name the argument, not our temp name
+                raise type(e)(e.errno, f"Tiers.slow={os.fspath(where)!r} must be a directory this process can "
+                                       f"write row files into: {e.strerror}", e.filename) from e
             self._finalizer = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self._files = 0
         self._path = None  # the row file of the columns now (disk tier)
@@ -110,8 +115,7 @@ class SlowStore(RowStore):
             # A new file per allocation: the old mapping stays valid while rows are copied over, then is unlinked.
             self._files += 1
             self._path = os.path.join(self.directory, f"{self._files:06d}.rows")
-            buf = torch.from_file(self._path, shared=True, size=capacity * width, dtype=torch.uint8)
-            buf = buf.view(capacity, width)
+            buf = _row_file(self._path, capacity, width)
         self._buf, self._file_layout = buf, (layout, width)  # the raw rows ``[capacity, width]`` uint8
         fresh = {}
         for name, col in self._cols.items():
@@ -214,9 +218,10 @@ class LogStore(SlowStore):
     taken leaves a hole (``_holds`` says which rows hold keys), and the index stores each key's row in the ring. When
     an append would reach the tail, the oldest rows are cleaned: those still live are appended again and the tail
     moves past them. The ring is kept at least twice the live rows (plus what a call appends), so cleaning a step
-    copies about as many rows as the step appends (cold rows come round once a turn of the ring). Whatever needs
-    the rows at ``0 .. size-1`` (streamed checkpoints, a change of layout) calls :meth:`pack` first: one sequential
-    rewrite into a new file.
+    copies about as many rows as the step appends (cold rows come round once a turn of the ring). A change of layout
+    (a slot added, a cast) calls :meth:`pack` first: one sequential rewrite into a new file. Streamed checkpoints
+    and exports read the rows ``_holds`` marks where they stand (``checkpoint.tiered_stream``): no rewrite, so no
+    free space needed here.
 
     Args: as :class:`SlowStore`; ``where`` must be a directory.
     """
@@ -374,7 +379,7 @@ class LogStore(SlowStore):
         layout, width = self._file_layout
         old_path, old_buf = self._path, self._buf
         path = os.path.join(self.directory, f"{self._files + 1:06d}.rows")
-        buf = torch.from_file(path, shared=True, size=capacity * width, dtype=torch.uint8).view(capacity, width)
+        buf = _row_file(path, capacity, width)  # its blocks reserved: raises here, on a full disk, not mid-append
         fd = os.open(path, os.O_RDWR)
         try:
             for i in range(0, n, self._CHUNK):
@@ -526,6 +531,37 @@ def _writer() -> ThreadPoolExecutor:
 
 
 _WRITER_LOCK = threading.Lock()
+
+
+def _row_file(path: str, capacity: int, width: int) -> torch.Tensor:
+    """A new row file of ``capacity`` rows of ``width`` bytes at ``path``, mapped as ``[capacity, width]`` uint8, its
+    disk blocks reserved up front (``posix_fallocate``).
+
+    Why reserve: the file is sparse otherwise, and a full disk would then fail a later write into it: an append on
+    the writer thread (its rows lost, the table unusable even once there is room again), or a store through the
+    mapping (SIGBUS). Reserved here, the one failure is this call's, before any row moves: an ``OSError`` naming
+    the ``Tiers.slow`` directory, the store left on its old file."""
+    nbytes = capacity * width
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            if nbytes and hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, nbytes)
+            else:
+                os.ftruncate(fd, nbytes)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            os.ftruncate(fd, nbytes)  # a file system that cannot reserve: sparse, as before
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        where = os.path.dirname(os.path.dirname(path))
+        raise type(e)(e.errno, f"Tiers.slow={where!r}: no room for a row file of {nbytes:,} bytes ({capacity:,} rows): "
+                               f"{e.strerror}; no row moved (free space there, or give Tiers.slow another "
+                               "directory)", path) from e
+    os.close(fd)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).view(capacity, width)
 
 
 def _bytes(raw: torch.Tensor) -> memoryview:
