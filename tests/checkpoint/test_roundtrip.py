@@ -113,6 +113,19 @@ def test_empty_table_round_trips(tmp_path):
     assert len(fresh.user) == 0 and len(fresh.item) == 0
 
 
+def test_rows_over_the_loading_tables_capacity_are_refused_naming_the_bound(tmp_path):
+    emb = dynemb.DynamicEmbedding(3, seed=1)
+    emb(torch.arange(10))
+    save(tmp_path, emb, step=0)
+    small = dynemb.DynamicEmbedding(3, seed=2, max_capacity=5)
+    small(torch.tensor([-1]))
+    with pytest.raises(CheckpointError, match=r"table 'embedding': 10 rows do not fit max_capacity=5 of the model's "
+                                              r"table, which bounds the rows one rank holds: raise max_capacity, or "
+                                              r"load on more ranks$"):
+        load(tmp_path, small)
+    assert small.contains(torch.tensor([-1])).all() and len(small) == 1  # the failed load changed nothing
+
+
 def test_load_replaces_table_contents(tmp_path):
     trained = trained_model()
     save(tmp_path, trained, step=1)

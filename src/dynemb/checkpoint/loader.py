@@ -103,8 +103,11 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
                 continue  # a tiered table: unbounded
             rows, capacity = cols[KEYS].numel(), tables[name].config.max_capacity
             if capacity is not None and rows > capacity:
-                raise CheckpointError(f"{directory}: table {name!r}: {rows} rows do not fit max_capacity={capacity} "
-                                      "of the model's table")
+                share = (f" (this rank's share on {ctx.world} ranks, saved by {manifest.get('world_size') or 1})"
+                         if ctx.world > 1 or (manifest.get("world_size") or 1) > 1 else "")
+                raise CheckpointError(f"{directory}: table {name!r}: {rows} rows{share} do not fit max_capacity="
+                                      f"{capacity} of the model's table, which bounds the rows one rank holds: "
+                                      "raise max_capacity, or load on more ranks")
         dense = check_dense(model, read_state(*dense_file, progress), strict, dense_file[0])
         opt_state = merge_states([read_state(*f, progress) for f in opt_files]) if opt_files else None
         # Everything is read and checked: from here on the model changes.
