@@ -241,7 +241,7 @@ def cmd_eval(args) -> int:
 
     torch.set_num_threads(args.threads)
     print(_json(evaluate_file(args.model, args.data, format=args.format, batch_size=args.batch_size,
-                              device=args.device, use=args.use)))
+                              device=args.device, use=args.use, progress=False if args.no_progress else None)))
     return 0
 
 
@@ -253,7 +253,7 @@ def cmd_predict(args) -> int:
     _keep_freed_memory()
     torch.set_num_threads(args.threads)
     print(_json(predict_file(args.model, args.data, args.out, format=args.format, batch_size=args.batch_size,
-                             device=args.device, use=args.use)))
+                             device=args.device, use=args.use, progress=False if args.no_progress else None)))
     return 0
 
 
@@ -479,6 +479,8 @@ def _add_scoring_args(p: argparse.ArgumentParser, out_help: str | None) -> None:
     p.add_argument("--batch-size", type=_COUNT, default=65536, help="rows per forward pass")
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     p.add_argument("--threads", type=_COUNT, default=1, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (one is drawn on stderr when it is a "
+                   "terminal)")
 
 
 def build_parser() -> argparse.ArgumentParser:

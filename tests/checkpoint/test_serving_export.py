@@ -146,6 +146,18 @@ def test_a_first_export_never_writes_into_a_users_directory(tmp_path):
     with pytest.raises(ValueError, match="is not a serving export's model file"):
         export_for_serving(tmp_path / "theirs", model)
     assert (tmp_path / "theirs" / "model.json").read_text() == '{"layers": 3}'
+    run = tmp_path / "run"  # a `dynemb train` run directory: its card is a model.json with "model": "dlrm"
+    (run / "checkpoint").mkdir(parents=True)
+    card = '{"format": "dynemb.run", "version": 2, "model": "dlrm"}'
+    (run / "model.json").write_text(card)
+    with pytest.raises(ValueError, match="run directory's model card: .*run is not an export root"):
+        export_for_serving(run, model)  # it was taken for an export root of model 'dlrm': the run then broke
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "model.json"]
+    assert (run / "model.json").read_text() == card
+    (tmp_path / "a-file").write_text("keep me")
+    with pytest.raises(ValueError, match="path .*a-file is a file; export to a new or empty directory"):
+        export_for_serving(tmp_path / "a-file", model)  # was FileExistsError '[Errno 17] File exists'
+    assert (tmp_path / "a-file").read_text() == "keep me"
     empty = tmp_path / "empty"
     empty.mkdir()
     first = export_for_serving(empty, model)

@@ -41,3 +41,18 @@ def test_a_card_config_with_an_unknown_field_is_named(tmp_path):
     (tmp_path / CARD).write_text(json.dumps(saved))
     with pytest.raises(ValueError, match=r"model\.json: config: unknown field\(s\) \['warmup'\]"):
         read_card(tmp_path)
+
+
+def test_an_export_root_given_as_a_run_says_what_it_is(tmp_path):
+    """``dynemb export --model EXPORT`` (or eval/predict): the export root's model.json is not a card; the error says
+    it is an export, not "format must be 'dynemb.run' ..., got None"."""
+    root = tmp_path / "export"
+    (root / "version-00000001").mkdir(parents=True)
+    (root / CARD).write_text(json.dumps({"model": "run-1234"}))
+    (root / "latest").write_text(json.dumps({"name": "version-00000001", "version": 1}))
+    with pytest.raises(ValueError, match=r"export: a serving export \(`dynemb export --out`\), not a `dynemb train "
+                                         r"--out` run directory; pass the run directory$"):
+        read_card(root)
+    (root / CARD).write_text("[1, 2]")  # JSON, but no object: the format error, not a TypeError
+    with pytest.raises(ValueError, match="format must be 'dynemb.run'"):
+        read_card(root)

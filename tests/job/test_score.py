@@ -252,3 +252,69 @@ def test_probabilities_of_a_confident_model_give_a_finite_log_loss(trained, tmp_
         assert ((p > 0) & (p < 1)).all()
         logloss = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
         assert np.isfinite(logloss) and logloss > 0
+
+
+def test_predict_and_eval_draw_a_bar_of_rows_on_a_terminal_only(trained, tmp_path, capsys):
+    """A bar of rows on stderr when asked (its total the Parquet files' row count; open-ended for CSV), none when
+    stderr is not a terminal (a log, a pipe) or with ``--no-progress``."""
+    from dynemb.job import evaluate_file, predict_file
+
+    predict_file(str(trained / "run"), str(trained / "test.parquet"), str(tmp_path / "p.parquet"), progress=True,
+                 batch_size=500)
+    err = capsys.readouterr().err
+    assert "predict" in err and f"/{ROWS / 1000:.2f}k" in err  # 1.50k rows known ahead, from the metadata
+    evaluate_file(str(trained / "run"), str(trained / "test.parquet"), progress=True)
+    assert "scoring" in capsys.readouterr().err
+    tags = pa.array(["|".join(t) if t else None for t in clicks(1).column("tags").to_pylist()], pa.string())
+    pcsv.write_csv(clicks(1).drop_columns(["tags"]).append_column("tags", tags), tmp_path / "plain.csv")
+    predict_file(str(trained / "run"), str(tmp_path / "plain.csv"), str(tmp_path / "q.parquet"), progress=True)
+    assert "row" in capsys.readouterr().err  # no total: a count and a rate
+    for args in ([], ["--no-progress"]):  # capsys's stderr is no terminal
+        assert main(["predict", "--model", str(trained / "run"), "--data", str(trained / "test.parquet"), "--out",
+                     str(tmp_path / "r.parquet"), *args]) == 0
+        assert "predict" not in capsys.readouterr().err
+    assert main(["eval", "--model", str(trained / "run"), "--data", str(trained / "test.parquet"),
+                 "--no-progress"]) == 0
+    assert "scoring" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_predict_process_on_a_terminal_draws_its_bar(trained, tmp_path):
+    """``dynemb predict`` whose stderr is a terminal (a pseudo-terminal here) draws the bar; its JSON stays on
+    stdout."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+    import threading
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 columns wide
+    out = tmp_path / "p.parquet"
+    proc = subprocess.Popen([sys.executable, "-m", "dynemb", "predict", "--model", str(trained / "run"), "--data",
+                             str(trained / "test.parquet"), "--out", str(out), "--batch-size", "500"],
+                            stdout=subprocess.PIPE, stderr=follower, stdin=subprocess.DEVNULL)
+    os.close(follower)
+    drawn = []
+
+    def read_terminal():  # while the process runs: what is left when its side closes may be dropped
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal's other side is closed
+                return
+            if not chunk:
+                return
+            drawn.append(chunk)
+
+    reader = threading.Thread(target=read_terminal, daemon=True)
+    reader.start()
+    stdout, _ = proc.communicate(timeout=120)
+    reader.join(timeout=10)
+    os.close(leader)
+    drawn = b"".join(drawn)
+    assert proc.returncode == 0 and b'"rows": 1500' in stdout
+    assert b"predict" in drawn and b"/1.50k" in drawn, drawn[-500:]  # the total, known from the metadata

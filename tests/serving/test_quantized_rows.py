@@ -2,8 +2,6 @@
 parameter server serving them packed in every tier (memory, Redis, LMDB, RocksDB, the cache) and dequantized in the
 lookup, equal to the codec's own round trip of the trained rows, with updates and default rows."""
 
-import time
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,6 +14,7 @@ from dynemb.serving import ParameterServer
 
 KINDS = list(QUANTIZED)
 D = 64
+PATHS = [(True, True), (True, False), (False, False)]  # (grouped, fused): the fused, grouped and per-table paths
 KEYS = torch.tensor([0, -1, 2**63 - 1, -(2**63)] + list(range(10, 610)), dtype=torch.int64)
 
 
@@ -188,10 +187,7 @@ def test_two_servers_on_one_redis_follow_a_dtype_change_in_turn(trained, tmp_pat
         with pytest.raises(TierUnavailableError, match="another server's version"):
             second.lookup("ctr", "embedding", torch.tensor([2**41]))  # a miss of its cache: Redis holds version 2
         second.apply_update(v2)
-        deadline = time.monotonic() + 20
-        while not second.ready()[0]:  # the tiers' monitor finds the marker of its version again
-            assert time.monotonic() < deadline, second.ready()
-            time.sleep(0.05)
+        assert second.ready() == (True, "")  # the marker holds its version again: ready as the update ends
         fresh = server(root, {"type": "memory"}, None)
         try:
             want = fresh.lookup("ctr", "embedding", ids)
@@ -202,3 +198,46 @@ def test_two_servers_on_one_redis_follow_a_dtype_change_in_turn(trained, tmp_pat
     finally:
         first.close()
         second.close()
+
+
+@pytest.mark.parametrize("tiers", ["memory", "redis"])
+def test_a_dtype_change_in_one_root_of_a_two_root_model_leaves_the_other_as_it_was(trained, tmp_path, request, tiers):
+    """A model served from two export roots (one table each), both int8: a float32 full version of one root, applied
+    to a running server, is served in float32 while the other root's table keeps its int8 rows; every path (fused,
+    grouped, per table) answers what a server started on both roots as they are now answers, bit for bit."""
+    other = dynemb.DynamicEmbedding(D, seed=1, initializer="uniform")
+    other(KEYS[::2])
+    other.eval()
+    roots = {"a": tmp_path / "a", "b": tmp_path / "b"}
+    export_for_serving(roots["a"], torch.nn.ModuleDict({"a": trained}), dtype=torch.int8)
+    export_for_serving(roots["b"], torch.nn.ModuleDict({"b": other}), dtype=torch.int8)
+    volatile = {"type": "memory"} if tiers == "memory" else {"type": "redis", "address": request.getfixturevalue(
+        "redis_address")}
+
+    def two_roots(volatile):
+        ps = ParameterServer.from_config({"models": [{"model": "ctr", "sparse_files": [str(roots["a"]),
+                                                                                         str(roots["b"])],
+                                                      "embedding_table_names": ["a", "b"],
+                                                      "embedding_vecsize_per_table": [D, D]}],
+                                          "volatile_db": volatile})
+        ps.load("ctr", progress=False)
+        return ps
+
+    ids = torch.cat([KEYS, torch.tensor([2**40, -5])])
+    ps = two_roots(volatile)
+    try:
+        before_b = ps.lookup("ctr", "b", ids)
+        ps.apply_update(export_for_serving(roots["a"], torch.nn.ModuleDict({"a": trained}), dtype=torch.float32))
+        fresh = two_roots({"type": "memory"})
+        try:
+            want = {t: fresh.lookup("ctr", t, ids) for t in ("a", "b")}
+        finally:
+            fresh.close()
+        assert torch.equal(want["a"][:50], trained.find(KEYS[:50]))  # float32 rows: exact
+        assert torch.equal(want["b"], before_b)  # the other root's int8 rows, as they were
+        for path in PATHS:
+            ps.grouped, ps.fused = path
+            for t in ("a", "b"):
+                assert torch.equal(ps.lookup("ctr", t, ids), want[t]), (path, t)
+    finally:
+        ps.close()

@@ -128,9 +128,8 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     if model_name is not None and (not isinstance(model_name, str) or not model_name):
         raise TypeError(f"model_name must be a non-empty str or None, got {model_name!r}")
     root = Path(path)
-    if root.exists() and not root.is_dir():  # not "[Errno 17] File exists" from the mkdir below
-        raise ValueError(f"path {root} is a file; a serving export root is a directory (new, empty or holding "
-                         "exports)")
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"path {root} is a file; export to a new or empty directory (or an export root)")
     root_key = os.path.realpath(root)
     ctx = rank_context(model)
     shards = find_tables(model)
@@ -314,10 +313,13 @@ def _model_id(root: Path, model_name: str | None, has_versions: bool) -> str:
     """The model id ``root`` holds (``root/model.json``), stored there by its first export. A first export goes
     only into a new or empty directory: it writes ``model.json`` and ``latest``, names a user's files may have."""
     file = root / MODEL_FILE
-    stored = read_json(file).get("model") if file.is_file() else None
-    if file.is_file() and not isinstance(stored, str):
-        raise ValueError(f"{file} is not a serving export's model file (no 'model' field): {root} is not an export "
-                         "root; export to a new or empty directory")
+    held = read_json(file) if file.is_file() else {}
+    stored = held.get("model") if isinstance(held, dict) else None
+    if file.is_file() and (not isinstance(stored, str) or "format" in held):
+        # a run directory's model card is model.json too (with "model": "dlrm"): never an export root
+        what = "a `dynemb train` run directory's model card" if isinstance(held, dict) and \
+            held.get("format") == "dynemb.run" else "not a serving export's model file"
+        raise ValueError(f"{file} is {what}: {root} is not an export root; export to a new or empty directory")
     if stored is None and not has_versions and root.is_dir():
         foreign = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
         if foreign:

@@ -91,7 +91,11 @@ def read_card(run: Path) -> ModelCard:
         obj = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: unreadable JSON ({exc})") from None
-    if obj.get("format") != FORMAT or obj.get("version") not in _READS:
+    if isinstance(obj, dict) and "format" not in obj and (Path(run) / "latest").is_file():
+        raise ValueError(f"{run}: a serving export (`dynemb export --out`), not a `dynemb train --out` run directory; "
+                         f"pass the run directory{_parent_run(Path(run))}")
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT or obj.get("version") not in _READS:
+        obj = obj if isinstance(obj, dict) else {}
         raise ValueError(f"{path}: format must be {FORMAT!r} version {' or '.join(map(str, _READS))}, got "
                          f"{obj.get('format')!r} version {obj.get('version')!r}")
     config = TrainConfig.from_dict({**obj["config"], "resume": False, "checkpoint_dir": None, "best_dir": None},

@@ -11,6 +11,7 @@ import gc
 import math
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -83,9 +84,10 @@ def _collect_from_here() -> None:
 
 
 def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_size: int = 65536,
-                  device: str = "cpu", use: str = "best") -> dict:
+                  device: str = "cpu", use: str = "best", progress: Optional[bool] = None) -> dict:
     """``{"auc", "logloss", "rows", "model", "step"}`` of run ``run``'s best model (``use="last"``: its last) on
-    every row of ``data``, which needs the label; ``model`` and ``step`` say which checkpoint scored.
+    every row of ``data``, which needs the label; ``model`` and ``step`` say which checkpoint scored. ``progress``:
+    a bar of rows scored on stderr (None: when stderr is a terminal).
 
     Example:
         >>> # evaluate_file("runs/clicks", "next_week.parquet")
@@ -96,7 +98,8 @@ def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_si
     _collect_from_here()
     reader = _reader(card, data, format, batch_size, label=True)
     prep = card.preprocessing
-    scored = evaluate(model, (b.to(device) for b in prep.normalized(reader, str(data))))
+    with _RowsBar(data, format, progress, "scoring") as bar:
+        scored = evaluate(model, (bar.counted(b).to(device) for b in prep.normalized(reader, str(data))))
     return {**scored, "model": kind, "step": step}
 
 
@@ -137,7 +140,7 @@ _MARK = {b"dynemb": b"predict"}  # Parquet metadata of a predictions file: what 
 
 @torch.no_grad()
 def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None, batch_size: int = 65536,
-                 device: str = "cpu", use: str = "best") -> dict:
+                 device: str = "cpu", use: str = "best", progress: Optional[bool] = None) -> dict:
     """Write ``out``: a float64 ``probability`` for each row of ``data``, in input order, and the label column
     (int8, 0/1) when ``data`` has one; scored by the run's best model (``use="last"``: its last).
 
@@ -145,6 +148,7 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
     ``sigmoid(logit)`` in float64 kept within :data:`PROBABILITY_EPS` of 0 and 1. The file appears whole or not
     at all (written beside it, fsynced, renamed). An existing ``out`` is replaced only when an earlier predict
     wrote it; an input file, a file in an input directory and anything in the run directory are refused.
+    ``progress``: a bar of rows written on stderr (None: when stderr is a terminal).
 
     Returns:
         ``{"rows", "seconds", "rows_per_s", "out", "model", "step"}``; ``seconds`` counts reading, scoring and
@@ -181,7 +185,7 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
             raise
         loaded.set_result(model)
         _collect_from_here()
-        with open(tmp, "wb") as sink:
+        with open(tmp, "wb") as sink, _RowsBar(data, format, progress, "predict") as bar:
             writer = pq.ParquetWriter(sink, schema) if out_format == "parquet" else pcsv.CSVWriter(sink, schema)
             with writer:
                 for batch, stacked in blocks:
@@ -190,6 +194,7 @@ def predict_file(run: str, data: str, out: str, *, format: Optional[str] = None,
                     columns = [pa.array(p)] + ([pa.array(batch.labels.numpy().astype("int8"))] if has_label else [])
                     writer.write_batch(pa.record_batch(columns, schema=schema))
                     rows += len(batch)
+                    bar.counted(batch)
             sink.flush()
             os.fsync(sink.fileno())
         os.replace(tmp, target)
@@ -237,6 +242,42 @@ def _looked_up(batches: Iterator[Batch], loaded: concurrent.futures.Future, devi
             stacked = out[:shape[0]]
             torch.stack(rows, 1, out=stacked[:, 1:])
         yield batch, stacked
+
+
+class _RowsBar:
+    """A tqdm bar of rows over ``data`` on stderr when ``progress`` (None: when stderr is a terminal), else
+    nothing; its total is the files' row count where their metadata holds it (Parquet), else open-ended.
+    :meth:`counted` adds a batch's rows and returns the batch."""
+
+    def __init__(self, data: str, format: Optional[str], progress: Optional[bool], what: str) -> None:
+        self._bar = None
+        if progress or (progress is None and sys.stderr.isatty()):
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=_rows_in(data, format), desc=what, unit="row", unit_scale=True,
+                             dynamic_ncols=True, mininterval=0.5, leave=False)
+
+    def counted(self, batch: Batch) -> Batch:
+        if self._bar is not None:
+            self._bar.update(len(batch))
+        return batch
+
+    def __enter__(self) -> "_RowsBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _rows_in(data: str, format: Optional[str]) -> Optional[int]:
+    """The rows of ``data``'s files from their Parquet metadata; None for other formats (counting would read
+    them) or a file that cannot be read here (the reader reports it)."""
+    try:
+        files, fmt = list_files(Path(data), format)
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in files) if fmt == "parquet" else None
+    except (OSError, ValueError, pa.ArrowException):
+        return None
 
 
 class _Ahead:

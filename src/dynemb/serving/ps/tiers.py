@@ -119,6 +119,11 @@ class StoreTier:
         if was is not None:
             log.warning("%s is back", self)
 
+    def probe_soon(self) -> None:
+        """The next probe at the monitor's next turn, its back-off reset."""
+        with self._lock:
+            self._next_probe, self._backoff = 0.0, _FIRST_PROBE_S
+
     def probe_due(self, now: float) -> bool:
         return self.failure is not None and now >= self._next_probe
 
@@ -147,6 +152,7 @@ class StoreTiers:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._monitor: Optional[threading.Thread] = None
+        self._probing = threading.Lock()  # one probe at a time: the monitor's, or one an update asks for
         for tier in (self.volatile, self.persistent):
             tier.wake = self._wake
 
@@ -198,6 +204,12 @@ class StoreTiers:
                 self._check_evictions()
 
     def _probe(self, tier: StoreTier) -> None:
+        with self._probing:
+            self._probe_once(tier, restore=True)
+
+    def _probe_once(self, tier: StoreTier, restore: bool) -> None:
+        if tier.lost and not restore:  # lost meanwhile: the monitor writes the rows again
+            return
         try:
             if tier.lost and self._restore is not None:
                 # A Redis set to evict at runtime would drop rows again as they are written: the tier stays failed
@@ -282,6 +294,7 @@ class StoreTiers:
         self._frozen.difference_update(tables)
         store.write_marker(namespace, token)
         store.guard(tables, namespace, [token])
+        self._probe_now()
 
     def begin_update(self, namespace: str, tables: list, version: int, digest: Optional[str]) -> None:
         """An update of ``namespace`` to ``version`` is about to write: the marker says so first (other servers
@@ -306,6 +319,25 @@ class StoreTiers:
         if getattr(store, "guard", None) is None or namespace not in self._tokens:
             return
         store.guard(tables, namespace, [self._tokens[namespace]])
+        self._probe_now()
+
+    def _probe_now(self) -> None:
+        """Probe a failed volatile tier at once, after this server's version or marker changed: a server that has
+        just caught up with the marker's version (another server's update) is ready again now, not at the
+        monitor's next probe (up to 2 s later under its back-off). A tier that lost rows waits for the monitor,
+        which writes them again. The caller may hold a model's lock, which the monitor's restore takes: this
+        never waits for the monitor (it is asked to probe again instead) and never restores."""
+        tier = self.volatile
+        if tier.failure is None or tier.lost or tier.store is None:
+            return
+        if self._probing.acquire(blocking=False):
+            try:
+                self._probe_once(tier, restore=False)
+            finally:
+                self._probing.release()
+        else:  # the monitor is probing: it probes once more right after
+            tier.probe_soon()
+            self._wake.set()
 
     def _unfreeze_held(self) -> None:
         """Tables whose namespace's marker now holds this server's version are written again."""
