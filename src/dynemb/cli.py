@@ -651,7 +651,8 @@ def _main(argv: list[str]) -> int:
             parser = build_parser()  # imports torch and dynemb's kernels
             args, extra = parser.parse_known_args(argv)
             for module in _PRELOAD.get(args.command, ()):  # the command's own imports (numba, pyarrow), here too
-                importlib.import_module(module, __package__)
+                with contextlib.suppress(ImportError):  # a missing extra: the command says which, in one line
+                    importlib.import_module(module, __package__)
     except KeyboardInterrupt:
         command = next((a for a in argv if not a.startswith("-")), None)
         print(f"dynemb{' ' + command if command else ''}: interrupted before it started; nothing was written",
