@@ -66,15 +66,16 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-def _int_from(minimum: int):
-    """An argparse type: an int ``>= minimum``. Out of range is ``argument --steps: must be an int >= 1, got 0``,
-    not a default put in its place (``--steps 0`` read as "no limit" trained 1,400 steps) nor a traceback
-    (``--threads 0``)."""
+def _int_from(minimum: int, maximum: int | None = None):
+    """An argparse type: an int ``>= minimum`` (and ``<= maximum``). Out of range is ``argument --steps: must be an
+    int >= 1, got 0``, not a default put in its place (``--steps 0`` read as "no limit" trained 1,400 steps), a
+    traceback (``--threads 0``) nor the library's own name for it (``max_capacity must be ...``)."""
 
     def parse(text: str) -> int:
         value = int(text)  # a ValueError: argparse says "invalid int value: 'many'"
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an int >= {minimum}, got {text}")
+        if value < minimum or (maximum is not None and value > maximum):
+            form = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise argparse.ArgumentTypeError(f"must be an int {form}, got {text}")
         return value
 
     parse.__name__ = "int"
@@ -457,8 +458,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                        help="sparse optimizer of the tables (default: adagrad)")
     model.add_argument("--lr", type=_float_in(0.0), help="learning rate of the tables (the MLPs use Adam, "
                        "1e-3) (default: 0.05)")
-    model.add_argument("--max-capacity", type=_COUNT, metavar="ROWS", help="rows per table; evicts beyond it "
-                       "(default: unbounded)")
+    model.add_argument("--max-capacity", type=_int_from(1, 2**31 - 1), metavar="ROWS", help="rows per table; "
+                       "evicts beyond it (default: unbounded)")
     model.add_argument("--eviction", choices=EVICTIONS, help="eviction policy; needs --max-capacity (default: "
                        "decayed_lfu)")
     model.add_argument("--admission", type=_COUNT, metavar="N", help="store an id from its N-th sighting (default: "

@@ -31,10 +31,11 @@ def test_a_directory_inside_a_run_names_the_run(tmp_path):
         read_card(tmp_path / "elsewhere")
 
 
-def test_a_refused_model_setting_leaves_out_as_it_was(tmp_path, capsys):
-    """``--max-capacity 3000000000`` (past a table's 2**31 - 1 rows) is refused when the model is built; `out` must
-    not keep a model.json from it, which made the corrected command fail ("not empty; pass --resume") and
-    ``--resume`` repeat the refused value."""
+def test_a_refused_model_setting_leaves_out_as_it_was(tmp_path, capsys, monkeypatch):
+    """A setting the model refuses when it is built (``--max-capacity 3000000000``, past a table's 2**31 - 1 rows,
+    was one before the option's own check): `out` must not keep a model.json from it, which made the corrected
+    command fail ("not empty; pass --resume") and ``--resume`` repeat the refused value."""
+    import dynemb.job.fit as fit
     from dynemb.cli import main
 
     from .test_fit import SMALL, random_labels
@@ -43,9 +44,19 @@ def test_a_refused_model_setting_leaves_out_as_it_was(tmp_path, capsys):
     run = tmp_path / "run"
     args = ["train", "--data", data, "--label", "y", "--categorical", "id", "--dense", "x", "--out", run,
             "--steps", "2", *SMALL]
-    assert main([str(a) for a in [*args, "--max-capacity", "3000000000"]]) == 2
-    assert "max_capacity must be None or an int in [1, 2147483647], got 3000000000" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the option's check names the option, not the library's max_capacity
+        main([str(a) for a in [*args, "--max-capacity", "3000000000"]])
+    assert "argument --max-capacity: must be an int in [1, 2147483647], got 3000000000" in capsys.readouterr().err
+    build = fit.build_dlrm
+
+    def refused(*a, **k):
+        raise ValueError("max_capacity must be None or an int in [1, 2147483647], got 3000000000")
+
+    monkeypatch.setattr(fit, "build_dlrm", refused)
+    assert main([str(a) for a in [*args, "--max-capacity", "300"]]) == 2
+    assert "max_capacity must be None" in capsys.readouterr().err
     assert not run.exists() or not any(run.iterdir())
+    monkeypatch.setattr(fit, "build_dlrm", build)
     assert main([str(a) for a in [*args, "--max-capacity", "300"]]) == 0, capsys.readouterr().err
 
 
