@@ -117,3 +117,21 @@ def test_resume_on_csv_reads_the_ids_as_the_run_was_trained(tmp_path, dynemb):
     keys = set(tables["zip"]["keys"].tolist())
     zips = table.column("zip").to_pylist()
     assert keys <= set(hash_strings(zips).tolist()) and not keys & {int(z) for z in zips}
+
+
+def test_resume_on_other_data_warns_once_and_on_the_same_data_says_nothing(tmp_path, capsys):
+    """A resume skips as many batches as the run trained and compares its best model on the held-out rows of the
+    data it is given: other data (another file, even the same rows as CSV) is said, in one warning line."""
+    table = zips_and_shops(400)
+    pq.write_table(table, tmp_path / "train.parquet")
+    write_csv(table, tmp_path / "train.csv")
+    run = tmp_path / "run"
+    base = ["train", *COLUMNS, "--out", str(run), *SMALL]
+    assert main([*base, "--data", str(tmp_path / "train.parquet"), "--steps", "2"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--data", str(tmp_path / "train.parquet"), "--steps", "3", "--resume"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main([*base, "--data", str(tmp_path / "train.csv"), "--steps", "4", "--resume"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 1 and "resumed on other data than the run was trained on (train " in warned[0] \
+        and "train.csv" in warned[0] and "start a new run" in warned[0], warned

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from ..checkpoint import load
 from ..data import FileReader, SyntheticClickLog
 from ..data.formats import CRITEO_CATEGORICAL, CRITEO_DENSE, CRITEO_LABEL, list_files
-from ..data.preprocess import Preprocessing, dense_statistics
+from ..data.preprocess import DataWarning, Preprocessing, dense_statistics
 from ..checks import check_int, resolve_device
 from ..train import Trainer, TrainConfig, build_dlrm
 from .card import CARD, CHECKPOINT, CHECKPOINT_BEST, METRICS, ModelCard, read_card, write_card
@@ -323,6 +324,7 @@ def _source(spec: RunSpec, run: Path, resume: bool):
         if saved != {k: (v if k == "label" else tuple(v)) for k, v in columns.items()}:
             raise ValueError(f"{run}: the run was trained on columns {saved}; --resume needs the same columns")
         saved = read_card(run).data
+        _warn_other_data(run, saved, data)
         return source, prep, {**saved, "epochs": saved["epochs"] if spec.epochs == "auto" else spec.epochs}
     positives = []
     stats = dense_statistics(_labels_counted(source.training_rows(), positives), columns["dense"],
@@ -337,6 +339,24 @@ def _source(spec: RunSpec, run: Path, resume: bool):
     data["train_rows"] = rows if counted else None
     data["epochs"] = auto_epochs(data["train_rows"], spec.batch_size) if spec.epochs == "auto" else spec.epochs
     return source, prep, data
+
+
+def _warn_other_data(run: Path, saved: dict, given: dict) -> None:
+    """Warn when a resumed run is given other data (files, held-out file or split) than it was trained on: the
+    resume skips as many batches of the new data as it trained steps, and its best model is then compared across
+    two held-out sets."""
+    keys = ("train", "eval", "split_seed", "eval_fraction")
+    was = {k: saved.get(k) for k in keys if "synthetic" not in saved}
+    now = {k: given.get(k) for k in keys if "synthetic" not in given}
+    same_path = lambda a, b: a == b or (a is not None and b is not None and  # noqa: E731
+                                        Path(a).resolve() == Path(b).resolve())
+    changed = [k for k in keys if not (same_path(was.get(k), now.get(k)) if k in ("train", "eval")
+                                       else was.get(k) == now.get(k))]
+    if changed:
+        shown = ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in changed)
+        warnings.warn(f"{run}: resumed on other data than the run was trained on ({shown}): the resume skips as "
+                      "many batches of it as the run trained, and the best model is compared across two held-out "
+                      "sets; to train on new data, start a new run (another --out)", DataWarning, stacklevel=3)
 
 
 def _positive_label(spec: RunSpec, run: Path, resume: bool) -> Optional[str]:
