@@ -150,3 +150,41 @@ def test_a_save_reads_row_files_where_they_stand(tmp_path):
     ref = reference.table.export()
     o, r = torch.argsort(keys), torch.argsort(ref.keys)
     assert torch.equal(keys[o], ref.keys[r]) and torch.equal(values[o], ref.values[r])
+
+
+@pytest.mark.parametrize("as_log", [True, False])
+def test_a_row_file_that_could_not_be_made_leaves_the_store_on_its_file(tmp_path, monkeypatch, as_log):
+    # a full disk fails the call that needs a new row file (in place and as a log); once there is room the table
+    # grows again as if that call never ran (the store still on its old file, which a later growth replaces)
+    import errno
+
+    monkeypatch.setattr(tiered, "ROW_FILES_AS_LOG", as_log)
+    real, full = os.posix_fallocate, [False]
+
+    def fallocate(fd, offset, length):
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    emb, opt = build(Tiers(fast_capacity=16, slow=tmp_path / "slow"))
+    reference, ref_opt = build(None)
+    failed = None
+    for i in range(40):
+        full[0] = failed is None and i >= 2
+        try:
+            step(emb, opt, i)
+        except OSError as e:
+            assert "Tiers.slow=" in str(e) and "No space left" in str(e), e
+            failed = i
+        if failed != i:
+            step(reference, ref_opt, i)
+        else:
+            full[0] = False
+            assert same_rows(emb, reference)  # the failed step changed nothing
+            step(emb, opt, i)  # room again: the step runs
+            step(reference, ref_opt, i)
+    assert failed is not None, "no row file was made after step 2"
+    assert same_rows(emb, reference)
+    (private,) = os.listdir(tmp_path / "slow")
+    assert len(os.listdir(tmp_path / "slow" / private)) == 1  # the store's one file: none left behind
