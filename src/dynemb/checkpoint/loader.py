@@ -76,12 +76,25 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
     wait_for_saves()  # a background save still writing may be the checkpoint asked for
     ctx = rank_context(model)
     tables = find_tables(model)
-    directory = resolve(path)
-    links = chain(directory)
+    sharded = any(isinstance(m, EmbeddingCollection) and m.sharded for m in model.modules())
+    try:
+        directory = resolve(path)
+        links = chain(directory)
+        failed = None
+    except CheckpointError as e:
+        if not sharded:
+            raise
+        failed = e
+    if sharded:  # a rank that cannot read its checkpoint fails every rank now, not its peers' check below at timeout
+        problems = ctx.gather(None if failed is None else str(failed))
+        rank, problem = next(((r, p) for r, p in enumerate(problems) if p is not None), (None, None))
+        if problem is not None:
+            raise CheckpointError(f"load: rank {rank} could not read the checkpoint it was given ({problem}); "
+                                  "every rank loads one checkpoint") from failed
     for _, saved in links:  # tables an older version named through a wrapper (``_orig_mod.emb``): the model's names
         saved["tables"] = {_model_name(k, tables, saved["tables"]): v for k, v in saved.get("tables", {}).items()}
     manifest = links[-1][1]
-    if any(isinstance(m, EmbeddingCollection) and m.sharded for m in model.modules()):
+    if sharded:
         # every rank loads one checkpoint (each reads its part of it): a rank that named another, or another
         # step through ``latest``, would hold rows its peers' dense state and tables never saw
         ctx.agree("load", {"checkpoint": os.path.realpath(directory), "step": manifest.get("step"),
