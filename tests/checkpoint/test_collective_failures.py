@@ -12,7 +12,7 @@ import torch
 
 import dynemb
 from dynemb import DistributedEmbeddingCollection, FeatureConfig, TableConfig
-from dynemb.checkpoint import CheckpointError, load, save
+from dynemb.checkpoint import CheckpointError, export_for_serving, load, save
 
 from distributed.harness import run
 
@@ -47,3 +47,39 @@ def test_a_rank_that_cannot_read_its_checkpoint_fails_every_rank_at_once(tmp_pat
         assert "nowhere" in error and "rank 1" in error, (rank, error)
         assert float(got["seconds"]) < TIMEOUT / 2, (rank, float(got["seconds"]), error)
         assert got["unchanged"]
+
+
+def _one_rank_refuses_its_arguments(rank, world, root):
+    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=0)],
+                                        [FeatureConfig(name="f", table="t")], timeout=TIMEOUT)
+    ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
+    ec.optimizer.step()
+    out = {}
+    calls = {  # rank 1's own metric is NaN (extra must be finite JSON); rank 1's model name is empty
+        "save": lambda: save(os.path.join(root, "ckpt"), ec, step=1, extra={"loss": float("nan") if rank else 0.5}),
+        "export": lambda: export_for_serving(os.path.join(root, "export"), ec, model_name="" if rank else "m"),
+    }
+    for what, call in calls.items():
+        start, error = time.monotonic(), ""
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - which error, on which rank
+            error = f"{type(e).__name__}: {e}"
+        out[what] = np.array(error)
+        out[what + "_seconds"] = np.array(time.monotonic() - start)
+    out["written"] = np.array(sorted(os.listdir(root)))
+    return out
+
+
+@pytest.mark.slow
+def test_a_rank_that_refuses_its_arguments_fails_every_rank_at_once(tmp_path):
+    root = tmp_path / "out"
+    root.mkdir()
+    run(_one_rank_refuses_its_arguments, 2, tmp_path, str(root))
+    for rank in range(2):
+        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
+        for what, argument in (("save", "extra"), ("export", "model_name")):
+            error = str(got[what])
+            assert argument in error and (rank == 1 or "rank 1" in error), (rank, error)
+            assert float(got[what + "_seconds"]) < TIMEOUT / 2, (rank, what, float(got[what + "_seconds"]), error)
+        assert got["written"].tolist() == []

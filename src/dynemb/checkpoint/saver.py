@@ -98,13 +98,20 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
         (7, 3)
         >>> tmp.cleanup()
     """
-    _check_args(model, optimizer, step, extra, incremental, keep_last, blocking)
-    wait_for_saves()
+    try:
+        _check_args(model, optimizer, step, extra, incremental, keep_last, blocking)
+        refused = None
+    except (TypeError, ValueError) as e:
+        if not isinstance(model, nn.Module):
+            raise
+        refused = e  # raised by agree below, once the other ranks know (they would wait in it until the timeout)
+    if refused is None:
+        wait_for_saves()
     root = Path(path)
     root_key = os.path.realpath(root)
     ctx = rank_context(model)
     ctx.agree("save", {"path": root_key, "step": step, "incremental": incremental, "keep_last": keep_last,
-                       "blocking": blocking})
+                       "blocking": blocking}, refused)
     _check_root(root, ctx)
     every = find_tables(model)
     local = {name: shard for name, shard in every.items() if shard.module is not None}
