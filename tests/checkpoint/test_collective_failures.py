@@ -83,3 +83,36 @@ def test_a_rank_that_refuses_its_arguments_fails_every_rank_at_once(tmp_path):
             assert argument in error and (rank == 1 or "rank 1" in error), (rank, error)
             assert float(got[what + "_seconds"]) < TIMEOUT / 2, (rank, what, float(got[what + "_seconds"]), error)
         assert got["written"].tolist() == []
+
+
+def _one_rank_cannot_list_the_root(rank, world, root):
+    from pathlib import Path
+
+    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=0)],
+                                        [FeatureConfig(name="f", table="t")], timeout=TIMEOUT)
+    ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
+    ec.optimizer.step()
+    os.makedirs(os.path.join(root, "ckpt"), exist_ok=True)
+    if rank == 1:  # its view of the shared root is not readable (another user's mount, say)
+        def iterdir(self):
+            raise PermissionError(13, "Permission denied", str(self))
+        Path.iterdir = iterdir
+    start, error = time.monotonic(), ""
+    try:
+        save(os.path.join(root, "ckpt"), ec, step=1)
+    except Exception as e:  # noqa: BLE001 - which error, on which rank
+        error = f"{type(e).__name__}: {e}"
+    return {"error": np.array(error), "seconds": np.array(time.monotonic() - start)}
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_list_the_root_fails_every_rank_at_once(tmp_path):
+    root = tmp_path / "out"
+    root.mkdir()
+    run(_one_rank_cannot_list_the_root, 2, tmp_path, str(root))
+    for rank in range(2):
+        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
+        error = str(got["error"])
+        assert "Permission denied" in error and "ckpt" in error, (rank, error)
+        assert float(got["seconds"]) < TIMEOUT / 2, (rank, float(got["seconds"]), error)
+    assert os.listdir(root / "ckpt") == []
