@@ -382,3 +382,23 @@ def test_every_command_that_loads_a_run_chooses_its_model_with_use():
     for name in ("eval", "predict", "export", "serve"):
         (use,) = [a for a in commands[name]._actions if a.dest == "use"]
         assert use.choices == ("best", "last") and use.default in ("best", None), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["build_parser", "preload"])
+def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130(tmp_path, where):
+    """A Ctrl-C in the first seconds (torch, numba and pyarrow importing) printed 30-50 lines of traceback, or left
+    numba half-imported ("module 'numba' has no attribute 'core'", exit 1). A real process, with SIGINT at its
+    default (Python's handler), gets a real SIGINT in the middle of those imports."""
+    hook = {"build_parser": "orig = c.build_parser\n"
+                            "c.build_parser = lambda: (os.kill(os.getpid(), signal.SIGINT), orig())[1]\n",
+            "preload": "orig = importlib.import_module\n"
+                       "importlib.import_module = lambda *a: (os.kill(os.getpid(), signal.SIGINT), orig(*a))[1]\n"}
+    script = ("import importlib, os, signal, sys\nimport dynemb.cli as c\n" + hook[where]
+              + "sys.argv = ['dynemb', 'train', '--data', 'd.parquet', '--label', 'y', '--categorical', 'c', '--out',"
+                " 'run']\nsys.exit(c.main())\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: __import__("signal").signal(2, __import__("signal").SIG_DFL))
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == "dynemb train: interrupted before it started; nothing was written\n"
+    assert not (tmp_path / "run").exists()

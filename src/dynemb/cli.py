@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -622,10 +625,45 @@ with those objects frozen, once the model is loaded (``job.score._collect_from_h
 collector as it is."""
 
 
+_PRELOAD = {"train": (".job", ".train"), "eval": (".job",), "predict": (".job",), "export": (".job", ".checkpoint"),
+            "demo": (".demo",)}
+"""Modules each command imports, imported under :func:`_sigint_deferred` before it runs."""
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Take a Ctrl-C that comes while the block runs (the imports of torch, numba and pyarrow: 1-2 s) after it, as a
+    KeyboardInterrupt. Raised inside an import it printed 30-50 lines of traceback, or left numba half-imported
+    ("module 'numba' has no attribute 'core'", exit 1). Only where SIGINT has Python's own handler (not when the
+    process ignores it, nor off the main thread)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt
+
+
 def _main(argv: list[str]) -> int:
     global _ONE_FILE_RAN
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    try:
+        with _sigint_deferred():
+            parser = build_parser()  # imports torch and dynemb's kernels
+            args, extra = parser.parse_known_args(argv)
+            for module in _PRELOAD.get(args.command, ()):  # the command's own imports (numba, pyarrow), here too
+                with contextlib.suppress(ImportError):  # a missing extra: the command says which, in one line
+                    importlib.import_module(module, __package__)
+    except KeyboardInterrupt:
+        command = next((a for a in argv if not a.startswith("-")), None)
+        print(f"dynemb{' ' + command if command else ''}: interrupted before it started; nothing was written",
+              file=sys.stderr)
+        return 130
     if extra:
         _unrecognized(parser, args.command, extra)
     if _AS_COMMAND and args.command in _ONE_FILE:

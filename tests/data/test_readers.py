@@ -338,3 +338,16 @@ def test_a_csv_column_is_decided_by_its_first_id_rows_rows_and_an_all_null_one_i
                        ({"a": "INT64", "b": "BYTES", "n": "BYTES", "z": "BYTES"}, "id_types names 'z'")]:
         with pytest.raises(ValueError, match=error):
             FileReader(path, label="y", categorical=["a", "b", "n"], id_types=bad)
+
+
+@pytest.mark.parametrize("name, separator", [("semi.csv", ";"), ("tabs.csv", "\t"), ("commas.tsv", ",")])
+def test_a_file_of_another_separator_says_so(tmp_path, name, separator):
+    """A European export (``;``) read as comma-separated is one column named ``y;c``: the missing-column error
+    alone left the user guessing."""
+    path = _write(tmp_path, name, separator.join(["y", "c"]) + "\n" + separator.join(["1", "2"]) + "\n")
+    used = "\t" if name.endswith(".tsv") else ","
+    sep, used = re.escape(repr(separator)), re.escape(repr(used))
+    with pytest.raises(ValueError, match=rf"missing column 'y' \(the file has: .*\) \(one column, whose name holds "
+                                         rf"{sep}: fields separated by {sep}\? it is read with the "
+                                         rf"separator {used}: comma for \.csv, tab for \.tsv\)$"):
+        FileReader(path, label="y", categorical=["c"])

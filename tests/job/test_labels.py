@@ -90,3 +90,41 @@ def test_resume_keeps_the_positive_label(tmp_path, dynemb, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "--positive-label 'no' contradicts the run being resumed" in line and "'yes'" in line, line
     assert json.loads((run / "model.json").read_text())["data"]["positive_label"] == "yes"
+
+
+@pytest.mark.slow
+def test_eval_and_resume_read_labels_by_the_run_s_rule_or_say_why_not(tmp_path, dynemb, capsys):
+    """Files whose labels do not fit the run's rule: a run of 0/1 labels given text labels (the hint named
+    --positive-label, which eval lacks); a run of '>50K' given 0/1 labels (eval read every label as 0, and a
+    resume trained on them and kept that model as its best); text labels of which none is '>50K' ('>50K.' as UCI's
+    adult.test writes them: a warning, as such a file may hold negatives only)."""
+    table = clicks(0, rows=600).drop_columns(["tags"])
+    pq.write_table(table, tmp_path / "ints.parquet")
+    pq.write_table(_relabel(table, _texts(table, ">50K", "<=50K")), tmp_path / "text.parquet")
+    pq.write_table(_relabel(table, _texts(table, ">50K.", "<=50K.")), tmp_path / "dots.parquet")
+    common = ["--label", "click", *COLUMNS, "--steps", "3", "--batch-size", "128", "--dim", "4", "--no-progress"]
+    dynemb("train", "--data", tmp_path / "ints.parquet", "--out", tmp_path / "ints", *common)
+    dynemb("train", "--data", tmp_path / "text.parquet", "--out", tmp_path / "text", *common,
+           "--positive-label", ">50K")
+
+    assert main(["eval", "--model", str(tmp_path / "ints"), "--data", str(tmp_path / "text.parquet")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith("labels must be 0 or 1, got text ('>50K', '<=50K'); the run was trained on 0/1 labels (no "
+                         "--positive-label in its model.json), so its eval files need 0/1 labels or booleans too"), line
+
+    refused = (f"{tmp_path / 'ints.parquet'}: column 'click' has type int64, whose values never read as the positive "
+               "label '>50K' (labels are compared as text): give labels as the run was trained on them (text such as "
+               "'>50K'), or 0/1 labels to a run trained without --positive-label")
+    assert main(["eval", "--model", str(tmp_path / "text"), "--data", str(tmp_path / "ints.parquet")]) == 2
+    assert capsys.readouterr().err == f"dynemb eval: error: {refused}\n"
+    best = (tmp_path / "text" / "checkpoint-best" / "latest").read_bytes()
+    assert main(["train", "--data", str(tmp_path / "ints.parquet"), "--out", str(tmp_path / "text"), *common[:6],
+                 "--steps", "6", "--resume", "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"dynemb train: error: {refused}"
+    assert (tmp_path / "text" / "checkpoint-best" / "latest").read_bytes() == best
+
+    result = dynemb("eval", "--model", tmp_path / "text", "--data", tmp_path / "dots.parquet")
+    assert result["auc"] is None
+    assert main(["eval", "--model", str(tmp_path / "text"), "--data", str(tmp_path / "dots.parquet")]) == 0
+    assert (f"dynemb eval: warning: {tmp_path / 'dots.parquet'}: column 'click': no label equals the run's positive "
+            "label '>50K' (its model.json; compared as text), so every row is read as 0") in capsys.readouterr().err

@@ -292,6 +292,10 @@ def _first_not_a_number(column: pa.Array) -> tuple[int, str]:
     return 0, column[0].as_py()
 
 
+POSITIVE_LABEL_HINT = "; other labels need --positive-label VALUE (the value that means 1)"
+"""The end of a label error: what ``dynemb train`` takes for labels that are not 0/1 (``eval`` says otherwise)."""
+
+
 def label_values(column: pa.Array, where: str, first_row: int, positive: str | None = None) -> np.ndarray:
     """float32 0/1 labels; ``first_row`` is the file row of ``column[0]``, for messages.
 
@@ -299,7 +303,7 @@ def label_values(column: pa.Array, where: str, first_row: int, positive: str | N
     ``"true"`` for a bool column) is 1 and any other non-null value 0."""
     if positive is not None:
         return _positive_labels(column, where, first_row, positive)
-    hint = "; other labels need --positive-label VALUE (the value that means 1)"
+    hint = POSITIVE_LABEL_HINT
     try:
         values = _as_float64(column, where, "labels must be 0 or 1" + hint)
     except ValueError:
@@ -320,12 +324,29 @@ def label_values(column: pa.Array, where: str, first_row: int, positive: str | N
     return y.astype(np.float32)
 
 
+def _may_be_written_by(t: pa.DataType, positive: str) -> bool:
+    """Whether a value of the numeric or bool type ``t`` can have ``positive`` as its text."""
+    try:
+        pc.cast(pa.array([positive]), t)
+    except pa.ArrowException:
+        return False
+    return True
+
+
 def _positive_labels(column: pa.Array, where: str, first_row: int, positive: str) -> np.ndarray:
     if pa.types.is_dictionary(column.type):
         column = column.dictionary_decode()
     if column.null_count:
         i = int(np.argmax(column.is_null().to_numpy(zero_copy_only=False)))
         raise ValueError(f"{where}: labels must not be null, got None at row {first_row + i}")
+    numeric = pa.types.is_integer(column.type) or pa.types.is_floating(column.type) or pa.types.is_decimal(
+        column.type) or pa.types.is_boolean(column.type)
+    if numeric and not _may_be_written_by(column.type, positive):
+        # a run trained on '>50K' resumed or evaluated on a file of 0/1 labels read every label as 0 (a resume
+        # trained on them and kept the degenerate model as its best)
+        raise ValueError(f"{where} has type {column.type}, whose values never read as the positive label "
+                         f"{positive!r} (labels are compared as text): give labels as the run was trained on them "
+                         f"(text such as {positive!r}), or 0/1 labels to a run trained without --positive-label")
     try:
         text = pc.cast(column, pa.string())
     except pa.ArrowException as exc:

@@ -187,6 +187,11 @@ class FileReader:
             if missing:
                 shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
                 hint = " (read as Criteo TSV: pass --format csv for a CSV file)" if self.format == "criteo" else ""
+                other = [c for c in ";|\t," if len(names) == 1 and c in names[0]]
+                if other and self.format == "csv":  # a file of another separator reads as one column
+                    used = self.delimiter or delimiter_of(file, self.format)
+                    hint = (f" (one column, whose name holds {other[0]!r}: fields separated by {other[0]!r}? it is "
+                            f"read with the separator {used!r}: comma for .csv, tab for .tsv)")
                 raise ValueError(f"{file}: missing column {missing[0]!r} (the file has: {shown or 'no columns'})"
                                  f"{hint}")
             has_rows = has_rows or rows

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Optional
@@ -26,6 +27,8 @@ import torch
 
 from ..checkpoint.fsutil import fsync_dir
 from ..data import FileReader
+from ..data.arrow_columns import POSITIVE_LABEL_HINT
+from ..data.preprocess import DataWarning
 from ..data.batch import Batch
 from ..data.formats import list_files
 from ..data.readers import column_names
@@ -96,11 +99,33 @@ def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_si
     _, kind, step = model_checkpoint(Path(run), use)
     model, card = load_model(Path(run), device, use, optimizer=False)
     _collect_from_here()
-    reader = _reader(card, data, format, batch_size, label=True)
-    prep = card.preprocessing
-    with _RowsBar(data, format, progress, "scoring") as bar:
-        scored = evaluate(model, (bar.counted(b).to(device) for b in prep.normalized(reader, str(data))))
+    positive = card.data.get("positive_label")
+    try:
+        reader = _reader(card, data, format, batch_size, label=True)
+        prep = card.preprocessing
+        positives = []
+        with _RowsBar(data, format, progress, "scoring") as bar:
+            scored = evaluate(model, (bar.counted(b).to(device) for b in _positives_counted(
+                prep.normalized(reader, str(data)), positives)))
+    except ValueError as exc:
+        if POSITIVE_LABEL_HINT not in str(exc):
+            raise
+        # eval has no --positive-label: the run's rule decides (train's hint sent users to an option eval lacks)
+        raise ValueError(str(exc).replace(POSITIVE_LABEL_HINT, "; the run was trained on 0/1 labels (no "
+                                          "--positive-label in its model.json), so its eval files need 0/1 labels "
+                                          "or booleans too")) from None
+    if positive is not None and not sum(positives):
+        warnings.warn(f"{data}: column {prep.label!r}: no label equals the run's positive label {positive!r} (its "
+                      "model.json; compared as text), so every row is read as 0: labels written otherwise (1 for "
+                      f"{positive!r}) are not that label", DataWarning, stacklevel=2)
     return {**scored, "model": kind, "step": step}
+
+
+def _positives_counted(batches, positives: list):
+    """``batches``, appending each one's count of positive labels to ``positives`` as it passes."""
+    for batch in batches:
+        positives.append(int(batch.labels.sum()))
+        yield batch
 
 
 PROBABILITY_EPS = 1e-15
