@@ -116,3 +116,46 @@ def test_a_rank_that_cannot_list_the_root_fails_every_rank_at_once(tmp_path):
         assert "Permission denied" in error and "ckpt" in error, (rank, error)
         assert float(got["seconds"]) < TIMEOUT / 2, (rank, float(got["seconds"]), error)
     assert os.listdir(root / "ckpt") == []
+
+
+def _one_rank_reads_a_corrupt_shard(rank, world, root):
+    import glob
+
+    from dynemb.checkpoint.tables import shard_file
+
+    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=0)],
+                                        [FeatureConfig(name="f", table="t")], timeout=TIMEOUT)
+    ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
+    ec.optimizer.step()
+    directory = save(os.path.join(root, "ckpt"), ec, step=1)
+    torch.distributed.barrier()
+    if rank == 1:  # its own shard (each rank reads only its own when the world size is unchanged)
+        (path,) = glob.glob(os.path.join(directory, shard_file(0, "t", 1, 2)))
+        data = bytearray(open(path, "rb").read())
+        data[-5] ^= 1
+        open(path, "wb").write(bytes(data))
+    torch.distributed.barrier()
+    ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
+    ec.optimizer.step()
+    before = ec.export("t")
+    start, error = time.monotonic(), ""
+    try:
+        load(os.path.join(root, "ckpt"), ec)
+    except Exception as e:  # noqa: BLE001 - which error, on which rank
+        error = f"{type(e).__name__}: {e}"
+    after = ec.export("t")
+    return {"error": np.array(error), "seconds": np.array(time.monotonic() - start),
+            "unchanged": np.array(torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]))}
+
+
+@pytest.mark.slow
+def test_a_rank_whose_shard_is_corrupt_fails_every_rank_before_any_changes(tmp_path):
+    root = tmp_path / "out"
+    root.mkdir()
+    run(_one_rank_reads_a_corrupt_shard, 2, tmp_path, str(root))
+    for rank in range(2):
+        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
+        error = str(got["error"])
+        assert "CheckpointError" in error and "checksum" in error and "rank-00001" in error, (rank, error)
+        assert got["unchanged"], (rank, error)  # rank 0 loaded its part while rank 1 failed: ranks out of step
+        assert float(got["seconds"]) < TIMEOUT / 2, (rank, float(got["seconds"]), error)
