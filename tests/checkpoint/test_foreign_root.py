@@ -43,7 +43,7 @@ def test_save_refuses_a_file(tmp_path):
     (tmp_path / "ckpt").write_text("x")
     with pytest.raises(ValueError, match=r"path .*ckpt is a file; a checkpoint root is a directory"):
         save(tmp_path / "ckpt", _emb(), step=1)
-    with pytest.raises(ValueError, match=r"path .*ckpt is a file; export to a new or empty directory"):
+    with pytest.raises(ValueError, match=r"path .*ckpt is a file; a serving export root is a directory"):
         export_for_serving(tmp_path / "ckpt", _emb())
     assert (tmp_path / "ckpt").read_text() == "x"
 
