@@ -351,3 +351,23 @@ def test_a_file_of_another_separator_says_so(tmp_path, name, separator):
                                          rf"{sep}: fields separated by {sep}\? it is read with the "
                                          rf"separator {used}: comma for \.csv, tab for \.tsv\)$"):
         FileReader(path, label="y", categorical=["c"])
+
+
+@pytest.mark.parametrize("column, positive", [([0.0, 1.0], "1.0"), ([True, False], "True"), ([True, False], "1"),
+                                              ([0, 1], "01")])
+def test_a_positive_label_that_typed_labels_never_write_as_is_refused(column, positive):
+    # labels are compared as text: a float 1.0 reads '1', a bool 'true', an int 1 '1', so '1.0', 'True', '1' or
+    # '01' named no row, and every label was read as 0 (a degenerate model trained or evaluated without a word)
+    from dynemb.data.arrow_columns import label_values
+
+    with pytest.raises(ValueError, match="never read as the positive label"):
+        label_values(pa.array(column), "y", 0, positive)
+
+
+@pytest.mark.parametrize("column, positive, expected", [([0.0, 1.0], "1", [0.0, 1.0]), ([0, 1], "1", [0.0, 1.0]),
+                                                        ([True, False], "true", [1.0, 0.0]),
+                                                        ([0.5, 1.0], "0.5", [1.0, 0.0])])
+def test_a_positive_label_that_typed_labels_write_reads(column, positive, expected):
+    from dynemb.data.arrow_columns import label_values
+
+    assert label_values(pa.array(column), "y", 0, positive).tolist() == expected

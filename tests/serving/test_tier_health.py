@@ -261,3 +261,20 @@ def test_a_redis_set_to_evict_at_runtime_stays_failed_until_it_stops_not_refille
         for k in range(200):
             client.delete(f"other:{k}")
         ps.close()
+
+
+def test_a_probe_asked_for_during_the_monitors_probe_is_not_lost_to_its_back_off():
+    # StoreTiers._probe_now while the monitor probes (it holds the probe lock): the update asks for a probe at the
+    # monitor's next turn (probe_soon); the monitor's probe, started before the update changed the markers, then
+    # fails. Its back-off must not replace the request: the server that caught up was not ready for up to 2 s.
+    from dynemb.serving.ps.tiers import StoreTier
+    from dynemb.serving.stores import StoreError
+
+    tier = StoreTier("volatile", None)
+    tier.fail(StoreError("marker of another version"))
+    tier.probed_in_vain(StoreError("marker of another version"))  # backed off
+    tier.probe_soon()  # _probe_now: the monitor is probing
+    tier.probed_in_vain(StoreError("marker of another version"))  # the monitor's probe ends, in vain
+    assert tier.probe_due(time.monotonic())
+    tier.probed_in_vain(StoreError("still failed"))  # the probe asked for ran, in vain: back-off again
+    assert not tier.probe_due(time.monotonic())

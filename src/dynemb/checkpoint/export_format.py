@@ -116,25 +116,29 @@ def export_for_serving(path, model: nn.Module, dtype: torch.dtype = torch.float3
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    check_dtype(dtype, (*VALUE_DTYPES, *QUANTIZED.values()), "dtype")
-    if not isinstance(incremental, bool):
-        raise TypeError(f"incremental must be a bool, got {incremental!r}")
-    if not isinstance(dense, bool):
-        raise TypeError(f"dense must be a bool, got {dense!r}")
-    if attach is not None and (not isinstance(attach, dict) or set(attach) - {"files", "fields"}
-                               or set(attach.get("fields") or {}) & _FIELDS):
-        raise TypeError(f"attach must be a dict of 'files' and 'fields' (fields other than {sorted(_FIELDS)}), "
-                        f"got {attach!r}"[:400])
-    if model_name is not None and (not isinstance(model_name, str) or not model_name):
-        raise TypeError(f"model_name must be a non-empty str or None, got {model_name!r}")
     root = Path(path)
-    if root.exists() and not root.is_dir():  # not "[Errno 17] File exists" from the mkdir below
-        raise ValueError(f"path {root} is a file; a serving export root is a directory (new, empty or holding "
-                         "exports)")
+    try:
+        check_dtype(dtype, (*VALUE_DTYPES, *QUANTIZED.values()), "dtype")
+        if not isinstance(incremental, bool):
+            raise TypeError(f"incremental must be a bool, got {incremental!r}")
+        if not isinstance(dense, bool):
+            raise TypeError(f"dense must be a bool, got {dense!r}")
+        if attach is not None and (not isinstance(attach, dict) or set(attach) - {"files", "fields"}
+                                   or set(attach.get("fields") or {}) & _FIELDS):
+            raise TypeError(f"attach must be a dict of 'files' and 'fields' (fields other than {sorted(_FIELDS)}), "
+                            f"got {attach!r}"[:400])
+        if model_name is not None and (not isinstance(model_name, str) or not model_name):
+            raise TypeError(f"model_name must be a non-empty str or None, got {model_name!r}")
+        if root.exists() and not root.is_dir():  # not "[Errno 17] File exists" from the mkdir below
+            raise ValueError(f"path {root} is a file; a serving export root is a directory (new, empty or holding "
+                             "exports)")
+        refused = None
+    except (TypeError, ValueError) as e:
+        refused = e  # raised by agree below, once the other ranks know (they would wait in it until the timeout)
     root_key = os.path.realpath(root)
     ctx = rank_context(model)
     ctx.agree("export_for_serving", {"path": root_key, "dtype": str(dtype), "incremental": incremental,
-                                     "model_name": model_name})
+                                     "model_name": model_name}, refused)
     shards = find_tables(model)
     local = {name: shard for name, shard in shards.items() if shard.module is not None}
     writing = {name: shard for name, shard in local.items() if _writes(shard, ctx)}

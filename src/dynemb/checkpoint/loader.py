@@ -76,40 +76,55 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
     wait_for_saves()  # a background save still writing may be the checkpoint asked for
     ctx = rank_context(model)
     tables = find_tables(model)
-    directory = resolve(path)
-    links = chain(directory)
+    sharded = any(isinstance(m, EmbeddingCollection) and m.sharded for m in model.modules())
+    try:
+        directory = resolve(path)
+        links = chain(directory)
+        failed = None
+    except CheckpointError as e:
+        if not sharded:
+            raise
+        failed = e
+    if sharded:  # a rank that cannot read its checkpoint fails every rank now, not its peers' check below at timeout
+        _raise_any(ctx, failed)
     for _, saved in links:  # tables an older version named through a wrapper (``_orig_mod.emb``): the model's names
         saved["tables"] = {_model_name(k, tables, saved["tables"]): v for k, v in saved.get("tables", {}).items()}
     manifest = links[-1][1]
-    if any(isinstance(m, EmbeddingCollection) and m.sharded for m in model.modules()):
+    if sharded:
         # every rank loads one checkpoint (each reads its part of it): a rank that named another, or another
         # step through ``latest``, would hold rows its peers' dense state and tables never saw
         ctx.agree("load", {"checkpoint": os.path.realpath(directory), "step": manifest.get("step"),
                            "strict": strict})
-    names = _matching_tables(manifest, directory, tables, strict)
-    plan = {name: _sources(links, name, tables[name], ctx) for name in names}
-    table_optimizers = {name: _optimizer_state(manifest, directory, name, tables[name], plan[name][0], strict, ctx)
-                        for name in names}
-    dense_file = _state_file(manifest, directory, "dense")
-    opt_files = _optimizer_files(manifest, directory, optimizer, strict, ctx)
-    total = sum(record.bytes for sources, _ in plan.values() for steps in sources.values() for _, _, record, _ in steps)
-    total += sum(record.bytes for _, record in [dense_file, *opt_files])
+    failed = None  # a sharded model: an error of this rank, raised on every rank before any changes
+    try:
+        names = _matching_tables(manifest, directory, tables, strict)
+        plan = {name: _sources(links, name, tables[name], ctx) for name in names}
+        table_optimizers = {name: _optimizer_state(manifest, directory, name, tables[name], plan[name][0], strict, ctx)
+                            for name in names}
+        dense_file = _state_file(manifest, directory, "dense")
+        opt_files = _optimizer_files(manifest, directory, optimizer, strict, ctx)
+        total = sum(record.bytes for sources, _ in plan.values() for steps in sources.values()
+                    for _, _, record, _ in steps)
+        total += sum(record.bytes for _, record in [dense_file, *opt_files])
+    except (CheckpointError, OSError) as e:
+        if not sharded:
+            raise
+        failed, total = e, 0
     with transfer(f"loaded {directory}", total) as progress:
-        configs = {name: manifest["tables"][name]["config"] for name in plan}
-        shards = {name: _read_sources(sources, reshard, configs[name], tables[name], progress)
-                  for name, (sources, reshard) in plan.items()}
-        for name, (cols, _) in shards.items():
-            if isinstance(cols, StreamedShard):
-                continue  # a tiered table: unbounded
-            rows, capacity = cols[KEYS].numel(), tables[name].config.max_capacity
-            if capacity is not None and rows > capacity:
-                share = (f" (this rank's share on {ctx.world} ranks, saved by {manifest.get('world_size') or 1})"
-                         if ctx.world > 1 or (manifest.get("world_size") or 1) > 1 else "")
-                raise CheckpointError(f"{directory}: table {name!r}: {rows} rows{share} do not fit max_capacity="
-                                      f"{capacity} of the model's table, which bounds the rows one rank holds: "
-                                      "raise max_capacity, or load on more ranks")
-        dense = check_dense(model, read_state(*dense_file, progress), strict, dense_file[0])
-        opt_state = merge_states([read_state(*f, progress) for f in opt_files]) if opt_files else None
+        if failed is None:
+            try:
+                configs = {name: manifest["tables"][name]["config"] for name in plan}
+                shards = {name: _read_sources(sources, reshard, configs[name], tables[name], progress)
+                          for name, (sources, reshard) in plan.items()}
+                _check_capacity(shards, tables, manifest, directory, ctx)
+                dense = check_dense(model, read_state(*dense_file, progress), strict, dense_file[0])
+                opt_state = merge_states([read_state(*f, progress) for f in opt_files]) if opt_files else None
+            except (CheckpointError, OSError) as e:
+                if not sharded:
+                    raise
+                failed = e
+        if sharded:  # a rank that raised alone left its peers' models loaded and theirs not: ranks out of step
+            _raise_any(ctx, failed)
         # Everything is read and checked: from here on the model changes.
         if opt_state is not None:  # a collection's optimizer skips tables added since, as the tables do, unless strict
             load_kwargs = {"strict": strict} if isinstance(optimizer, CombinedOptimizer) else {}
@@ -131,6 +146,30 @@ def load(path, model: nn.Module, optimizer=None, strict: bool = True) -> dict:
     write_marks.record([tables[n].table for n in shards], STREAM, os.path.realpath(directory.parent),
                    directory.name, reset=True)
     return {**manifest, "path": str(directory)}
+
+
+def _check_capacity(shards: dict, tables: dict, manifest: dict, directory: Path, ctx) -> None:
+    """Each table's rows read on this rank fit its ``max_capacity`` (a tiered table is unbounded)."""
+    for name, (cols, _) in shards.items():
+        if isinstance(cols, StreamedShard):
+            continue  # a tiered table: unbounded
+        rows, capacity = cols[KEYS].numel(), tables[name].config.max_capacity
+        if capacity is not None and rows > capacity:
+            share = (f" (this rank's share on {ctx.world} ranks, saved by {manifest.get('world_size') or 1})"
+                     if ctx.world > 1 or (manifest.get("world_size") or 1) > 1 else "")
+            raise CheckpointError(f"{directory}: table {name!r}: {rows} rows{share} do not fit max_capacity="
+                                  f"{capacity} of the model's table, which bounds the rows one rank holds: "
+                                  "raise max_capacity, or load on more ranks")
+
+
+def _raise_any(ctx, failed: Exception | None) -> None:
+    """Raise on every rank when any rank failed (``failed``: this rank's error): a CheckpointError naming the first
+    rank that failed and its error."""
+    problems = ctx.gather(None if failed is None else f"{type(failed).__name__}: {failed}")
+    rank, problem = next(((r, p) for r, p in enumerate(problems) if p is not None), (None, None))
+    if problem is not None:
+        raise CheckpointError(f"load: rank {rank} could not read the checkpoint it was given ({problem}); "
+                              "every rank loads one checkpoint, and no rank changed") from failed
 
 
 def _model_name(name: str, tables: dict, saved: dict) -> str:

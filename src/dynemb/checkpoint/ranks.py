@@ -55,14 +55,27 @@ class RankContext:
         if self.distributed:
             dist.barrier(group=self.group)
 
-    def agree(self, call: str, args: dict) -> None:
+    def agree(self, call: str, args: dict, refused: Exception | None = None) -> None:
         """Check that every rank passed the same ``args`` (JSON-able) to ``call`` (a collective): each rank raises
         the same ``ValueError`` naming the first argument that differs and two ranks' values. Without it rank 0's
         arguments won silently (another rank's step or path was ignored, or its rows loaded from another
-        checkpoint than its peers')."""
+        checkpoint than its peers').
+
+        ``refused``: this rank's error from checking its own arguments (a NaN in its ``extra``, say). It is raised
+        here, once the peers know: they raise a ``ValueError`` naming this rank and the error, where they waited
+        in this collective for the whole timeout while this rank raised alone."""
         if not self.distributed:
+            if refused is not None:
+                raise refused
             return
-        every = self.gather(args)
+        why = None if refused is None else f"{type(refused).__name__}: {refused}"
+        every = self.gather({"args": None if refused is not None else args, "refused": why})
+        if refused is not None:
+            raise refused
+        bad = next(((rank, other["refused"]) for rank, other in enumerate(every) if other["refused"]), None)
+        if bad is not None:
+            raise ValueError(f"{call}: rank {bad[0]} refused its arguments ({bad[1]}); every rank stops")
+        every = [other["args"] for other in every]
         for key in args:
             for rank, other in enumerate(every):
                 if other[key] != every[0][key]:

@@ -98,13 +98,20 @@ def save(path, model: nn.Module, optimizer=None, *, step: int, extra=None, incre
         (7, 3)
         >>> tmp.cleanup()
     """
-    _check_args(model, optimizer, step, extra, incremental, keep_last, blocking)
-    wait_for_saves()
+    try:
+        _check_args(model, optimizer, step, extra, incremental, keep_last, blocking)
+        refused = None
+    except (TypeError, ValueError) as e:
+        if not isinstance(model, nn.Module):
+            raise
+        refused = e  # raised by agree below, once the other ranks know (they would wait in it until the timeout)
+    if refused is None:
+        wait_for_saves()
     root = Path(path)
     root_key = os.path.realpath(root)
     ctx = rank_context(model)
     ctx.agree("save", {"path": root_key, "step": step, "incremental": incremental, "keep_last": keep_last,
-                       "blocking": blocking})
+                       "blocking": blocking}, refused)
     _check_root(root, ctx)
     every = find_tables(model)
     local = {name: shard for name, shard in every.items() if shard.module is not None}
@@ -312,6 +319,18 @@ def _check_root(root: Path, ctx: RankContext) -> None:
     """Refuse a ``path`` that is a file, or a directory of the user's that holds no checkpoint: a save writes
     ``latest`` there (it replaced a user's file of that name), and mixes step directories into the user's files.
     Every rank raises when any rank's path is refused (ranks may see different file systems)."""
+    try:
+        problem = _root_problem(root)
+    except OSError as e:  # this rank cannot read the root: every rank hears of it (not its peers' gather at timeout)
+        problem = f"path {root} cannot be read here ({e})"
+    if ctx.distributed:
+        problem = next((p for p in ctx.gather(problem) if p), None)
+    if problem:
+        raise ValueError(problem)
+
+
+def _root_problem(root: Path) -> str | None:
+    """Why ``root`` cannot take a checkpoint, or None (see :func:`_check_root`)."""
     problem = None
     if root.exists() and not root.is_dir():
         problem = f"path {root} is a file; a checkpoint root is a directory (new, empty or holding checkpoints)"
@@ -328,10 +347,7 @@ def _check_root(root: Path, ctx: RankContext) -> None:
         elif names and not any((root / name / MANIFEST).is_file() for name in names):
             problem = (f"path {root} is not empty and holds no checkpoint ({', '.join(names[:5])}"
                        f"{', ...' if len(names) > 5 else ''}); save into a new or empty directory")
-    if ctx.distributed:
-        problem = next((p for p in ctx.gather(problem) if p), None)
-    if problem:
-        raise ValueError(problem)
+    return problem
 
 
 def _check_args(model, optimizer, step, extra, incremental, keep_last, blocking) -> None:

@@ -325,12 +325,12 @@ def label_values(column: pa.Array, where: str, first_row: int, positive: str | N
 
 
 def _may_be_written_by(t: pa.DataType, positive: str) -> bool:
-    """Whether a value of the numeric or bool type ``t`` can have ``positive`` as its text."""
+    """Whether a value of the numeric or bool type ``t`` can have ``positive`` as its text: it parses as one, and
+    that value's text is ``positive`` again (a float 1.0 reads '1', a bool 'true': '1.0' or 'True' never match)."""
     try:
-        pc.cast(pa.array([positive]), t)
+        return pc.cast(pc.cast(pa.array([positive]), t), pa.string())[0].as_py() == positive
     except pa.ArrowException:
         return False
-    return True
 
 
 def _positive_labels(column: pa.Array, where: str, first_row: int, positive: str) -> np.ndarray:

@@ -113,9 +113,10 @@ class SlowStore(RowStore):
             self._path = None
         else:
             # A new file per allocation: the old mapping stays valid while rows are copied over, then is unlinked.
-            self._files += 1
-            self._path = os.path.join(self.directory, f"{self._files:06d}.rows")
-            buf = _row_file(self._path, capacity, width)
+            # The store moves to it only once it is made (a full disk leaves it on its old file, named as before).
+            path = os.path.join(self.directory, f"{self._files + 1:06d}.rows")
+            buf = _row_file(path, capacity, width)
+            self._files, self._path = self._files + 1, path
         self._buf, self._file_layout = buf, (layout, width)  # the raw rows ``[capacity, width]`` uint8
         fresh = {}
         for name, col in self._cols.items():

@@ -70,6 +70,7 @@ class StoreTier:
         self.lost = False  # the store lost rows of a namespace (a marker is gone): write them again before use
         self._lock = threading.Lock()
         self._next_probe, self._backoff = 0.0, _FIRST_PROBE_S
+        self._soon = False  # a probe asked for (probe_soon) that a probe already under way must not back off
         self.wake: Optional[threading.Event] = None  # set by StoreTiers: wakes the monitor on a failure
 
     def __repr__(self) -> str:
@@ -115,14 +116,14 @@ class StoreTier:
     def recovered(self) -> None:
         """Mark the tier up (logged once, when it was failed)."""
         with self._lock:
-            was, self.failure, self.lost = self.failure, None, False
+            was, self.failure, self.lost, self._soon = self.failure, None, False, False
         if was is not None:
             log.warning("%s is back", self)
 
     def probe_soon(self) -> None:
         """The next probe at the monitor's next turn, its back-off reset."""
         with self._lock:
-            self._next_probe, self._backoff = 0.0, _FIRST_PROBE_S
+            self._next_probe, self._backoff, self._soon = 0.0, _FIRST_PROBE_S, True
 
     def probe_due(self, now: float) -> bool:
         return self.failure is not None and now >= self._next_probe
@@ -133,6 +134,9 @@ class StoreTier:
             if isinstance(error, StoreRowsLostError) and error.lost:
                 self.lost = True
             self.failure = str(error)
+            if self._soon:  # asked for while this probe ran (which may predate what changed): probed again at once
+                self._soon, self._next_probe = False, 0.0
+                return
             self._backoff = min(self._backoff * 2, _MOST_PROBE_S)
             self._next_probe = time.monotonic() + self._backoff
 

@@ -1,0 +1,161 @@
+"""A sharded model's load where one rank cannot read the checkpoint it was given (a path that its file system lacks,
+a relative path from another working directory): every rank raises the same CheckpointError naming that rank and
+the path, at once. Before, that rank raised alone and its peers waited in the arguments' check (a collective) for
+the whole timeout, then got a DistributedError naming no checkpoint (2 gloo ranks)."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import dynemb
+from dynemb import DistributedEmbeddingCollection, FeatureConfig, TableConfig
+from dynemb.checkpoint import CheckpointError, export_for_serving, load, save
+
+from distributed.harness import run
+
+TIMEOUT = 30
+
+
+def _one_rank_cannot_read(rank, world, root):
+    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=0)],
+                                        [FeatureConfig(name="f", table="t")], timeout=TIMEOUT)
+    ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
+    ec.optimizer.step()
+    save(os.path.join(root, "ckpt"), ec, step=1)
+    before = ec.export("t")
+    start, error = time.monotonic(), ""
+    try:
+        load(os.path.join(root, "ckpt" if rank == 0 else "nowhere"), ec)
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - what the peer got instead
+        error = f"{type(e).__name__}: {e}"
+    after = ec.export("t")
+    return {"error": np.array(error), "seconds": np.array(time.monotonic() - start),
+            "unchanged": np.array(torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]))}
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_read_its_checkpoint_fails_every_rank_at_once(tmp_path):
+    run(_one_rank_cannot_read, 2, tmp_path, str(tmp_path))
+    for rank in range(2):
+        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
+        error = str(got["error"])
+        assert "nowhere" in error and "rank 1" in error, (rank, error)
+        assert float(got["seconds"]) < TIMEOUT / 2, (rank, float(got["seconds"]), error)
+        assert got["unchanged"]
+
+
+def _one_rank_refuses_its_arguments(rank, world, root):
+    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=0)],
+                                        [FeatureConfig(name="f", table="t")], timeout=TIMEOUT)
+    ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
+    ec.optimizer.step()
+    out = {}
+    calls = {  # rank 1's own metric is NaN (extra must be finite JSON); rank 1's model name is empty
+        "save": lambda: save(os.path.join(root, "ckpt"), ec, step=1, extra={"loss": float("nan") if rank else 0.5}),
+        "export": lambda: export_for_serving(os.path.join(root, "export"), ec, model_name="" if rank else "m"),
+    }
+    for what, call in calls.items():
+        start, error = time.monotonic(), ""
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - which error, on which rank
+            error = f"{type(e).__name__}: {e}"
+        out[what] = np.array(error)
+        out[what + "_seconds"] = np.array(time.monotonic() - start)
+    out["written"] = np.array(sorted(os.listdir(root)))
+    return out
+
+
+@pytest.mark.slow
+def test_a_rank_that_refuses_its_arguments_fails_every_rank_at_once(tmp_path):
+    root = tmp_path / "out"
+    root.mkdir()
+    run(_one_rank_refuses_its_arguments, 2, tmp_path, str(root))
+    for rank in range(2):
+        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
+        for what, argument in (("save", "extra"), ("export", "model_name")):
+            error = str(got[what])
+            assert argument in error and (rank == 1 or "rank 1" in error), (rank, error)
+            assert float(got[what + "_seconds"]) < TIMEOUT / 2, (rank, what, float(got[what + "_seconds"]), error)
+        assert got["written"].tolist() == []
+
+
+def _one_rank_cannot_list_the_root(rank, world, root):
+    from pathlib import Path
+
+    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=0)],
+                                        [FeatureConfig(name="f", table="t")], timeout=TIMEOUT)
+    ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
+    ec.optimizer.step()
+    os.makedirs(os.path.join(root, "ckpt"), exist_ok=True)
+    if rank == 1:  # its view of the shared root is not readable (another user's mount, say)
+        def iterdir(self):
+            raise PermissionError(13, "Permission denied", str(self))
+        Path.iterdir = iterdir
+    start, error = time.monotonic(), ""
+    try:
+        save(os.path.join(root, "ckpt"), ec, step=1)
+    except Exception as e:  # noqa: BLE001 - which error, on which rank
+        error = f"{type(e).__name__}: {e}"
+    return {"error": np.array(error), "seconds": np.array(time.monotonic() - start)}
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_list_the_root_fails_every_rank_at_once(tmp_path):
+    root = tmp_path / "out"
+    root.mkdir()
+    run(_one_rank_cannot_list_the_root, 2, tmp_path, str(root))
+    for rank in range(2):
+        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
+        error = str(got["error"])
+        assert "Permission denied" in error and "ckpt" in error, (rank, error)
+        assert float(got["seconds"]) < TIMEOUT / 2, (rank, float(got["seconds"]), error)
+    assert os.listdir(root / "ckpt") == []
+
+
+def _one_rank_reads_a_corrupt_shard(rank, world, root):
+    import glob
+
+    from dynemb.checkpoint.tables import shard_file
+
+    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=0)],
+                                        [FeatureConfig(name="f", table="t")], timeout=TIMEOUT)
+    ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
+    ec.optimizer.step()
+    directory = save(os.path.join(root, "ckpt"), ec, step=1)
+    torch.distributed.barrier()
+    if rank == 1:  # its own shard (each rank reads only its own when the world size is unchanged)
+        (path,) = glob.glob(os.path.join(directory, shard_file(0, "t", 1, 2)))
+        data = bytearray(open(path, "rb").read())
+        data[-5] ^= 1
+        open(path, "wb").write(bytes(data))
+    torch.distributed.barrier()
+    ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
+    ec.optimizer.step()
+    before = ec.export("t")
+    start, error = time.monotonic(), ""
+    try:
+        load(os.path.join(root, "ckpt"), ec)
+    except Exception as e:  # noqa: BLE001 - which error, on which rank
+        error = f"{type(e).__name__}: {e}"
+    after = ec.export("t")
+    return {"error": np.array(error), "seconds": np.array(time.monotonic() - start),
+            "unchanged": np.array(torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]))}
+
+
+@pytest.mark.slow
+def test_a_rank_whose_shard_is_corrupt_fails_every_rank_before_any_changes(tmp_path):
+    root = tmp_path / "out"
+    root.mkdir()
+    run(_one_rank_reads_a_corrupt_shard, 2, tmp_path, str(root))
+    for rank in range(2):
+        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
+        error = str(got["error"])
+        assert "CheckpointError" in error and "checksum" in error and "rank-00001" in error, (rank, error)
+        assert got["unchanged"], (rank, error)  # rank 0 loaded its part while rank 1 failed: ranks out of step
+        assert float(got["seconds"]) < TIMEOUT / 2, (rank, float(got["seconds"]), error)
