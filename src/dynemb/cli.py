@@ -337,7 +337,12 @@ def cmd_plan(args) -> int:
         pins[table] = ("table", int(owner)) if colon else kind
     checkpoint = Path(args.checkpoint)
     if (checkpoint / "model.json").is_file() and (checkpoint / "checkpoint").is_dir():
-        checkpoint = checkpoint / "checkpoint"  # a run directory: its last checkpoint, what --resume continues from
+        # a run directory: the checkpoint --resume continues from (the newer of its last and best; the last on a tie)
+        from .train import _latest_step
+
+        found = [(step, -i, root) for i, root in enumerate([checkpoint / "checkpoint", checkpoint / "checkpoint-best"])
+                 if (step := _latest_step(root)) is not None]
+        checkpoint = max(found, key=lambda f: f[:2])[2] if found else checkpoint / "checkpoint"
     try:
         plan = plan_from_checkpoint(checkpoint, args.world, memory_per_rank=memory,
                                     ranks_per_node=args.ranks_per_node, pins=pins)
@@ -546,8 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "wire a step) for --world ranks from the rows and accesses training recorded in a checkpoint. "
                    "Loading that checkpoint into a collection built with the plan reshards it.")
     plan.add_argument("--checkpoint", required=True, metavar="CKPT",
-                      help="a run directory (its last checkpoint, which --resume continues from), or a checkpoint "
-                      "root or directory (RUN_DIR/checkpoint-best for the best model's)")
+                      help="a run directory (the checkpoint --resume continues from: the newer of its last and best), "
+                      "or a checkpoint root or directory (RUN_DIR/checkpoint-best for the best model's)")
     plan.add_argument("--world", required=True, type=int, help="ranks of the next run")
     plan.add_argument("--memory-per-rank", metavar="BYTES",
                       help="bytes each rank may hold: 8e10, 80GB (10**9 bytes a GB) or 64GiB (default: no limit)")

@@ -184,6 +184,13 @@ def test_dynemb_plan_reads_byte_units_and_names_a_run_directory_s_checkpoints(tm
     from_run = capsys.readouterr().out
     assert main(["plan", "--checkpoint", str(ckpt), "--world", "2", "--json"]) == 0
     assert from_run == capsys.readouterr().out
+    # the best checkpoint newer than the last (a run killed between two saves): the one --resume takes
+    import shutil
+
+    shutil.copytree(ckpt, tmp_path / "run" / "checkpoint-best")
+    (ckpt / "latest").write_text(json.dumps({"name": "step-gone", "step": 0}))
+    assert main(["plan", "--checkpoint", str(tmp_path / "run"), "--world", "2", "--json"]) == 0
+    assert capsys.readouterr().out == from_run
 
 
 def test_an_older_checkpoint_gives_rows_only(tmp_path):
