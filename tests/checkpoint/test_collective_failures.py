@@ -19,23 +19,39 @@ from distributed.harness import run
 TIMEOUT = 30
 
 
-def _one_rank_cannot_read(rank, world, root):
-    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=0)],
-                                        [FeatureConfig(name="f", table="t")], timeout=TIMEOUT)
+def _step(ec, rank: int) -> None:
     ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
     ec.optimizer.step()
-    save(os.path.join(root, "ckpt"), ec, step=1)
+
+
+def _trained(rank: int) -> DistributedEmbeddingCollection:
+    """A one-table sharded collection after one training step of this rank's ids."""
+    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=0)],
+                                        [FeatureConfig(name="f", table="t")], timeout=TIMEOUT)
+    _step(ec, rank)
+    return ec
+
+
+def _load_and_report(ec, path: str, named: bool = True) -> dict:
+    """Load ``path`` into ``ec``: the error this rank got (a CheckpointError's message; with ``named`` False, after
+    its type, as any other error is), how long it took, and whether the table is unchanged."""
     before = ec.export("t")
     start, error = time.monotonic(), ""
     try:
-        load(os.path.join(root, "ckpt" if rank == 0 else "nowhere"), ec)
+        load(path, ec)
     except CheckpointError as e:
-        error = str(e)
+        error = str(e) if named else f"CheckpointError: {e}"
     except Exception as e:  # noqa: BLE001 - what the peer got instead
         error = f"{type(e).__name__}: {e}"
     after = ec.export("t")
     return {"error": np.array(error), "seconds": np.array(time.monotonic() - start),
             "unchanged": np.array(torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]))}
+
+
+def _one_rank_cannot_read(rank, world, root):
+    ec = _trained(rank)
+    save(os.path.join(root, "ckpt"), ec, step=1)
+    return _load_and_report(ec, os.path.join(root, "ckpt" if rank == 0 else "nowhere"))
 
 
 @pytest.mark.slow
@@ -50,10 +66,7 @@ def test_a_rank_that_cannot_read_its_checkpoint_fails_every_rank_at_once(tmp_pat
 
 
 def _one_rank_refuses_its_arguments(rank, world, root):
-    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=0)],
-                                        [FeatureConfig(name="f", table="t")], timeout=TIMEOUT)
-    ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
-    ec.optimizer.step()
+    ec = _trained(rank)
     out = {}
     calls = {  # rank 1's own metric is NaN (extra must be finite JSON); rank 1's model name is empty
         "save": lambda: save(os.path.join(root, "ckpt"), ec, step=1, extra={"loss": float("nan") if rank else 0.5}),
@@ -88,10 +101,7 @@ def test_a_rank_that_refuses_its_arguments_fails_every_rank_at_once(tmp_path):
 def _one_rank_cannot_list_the_root(rank, world, root):
     from pathlib import Path
 
-    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=0)],
-                                        [FeatureConfig(name="f", table="t")], timeout=TIMEOUT)
-    ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
-    ec.optimizer.step()
+    ec = _trained(rank)
     os.makedirs(os.path.join(root, "ckpt"), exist_ok=True)
     if rank == 1:  # its view of the shared root is not readable (another user's mount, say)
         def iterdir(self):
@@ -123,10 +133,7 @@ def _one_rank_reads_a_corrupt_shard(rank, world, root):
 
     from dynemb.checkpoint.tables import shard_file
 
-    ec = DistributedEmbeddingCollection([TableConfig(name="t", dim=4, optimizer=dynemb.optim.SGD(lr=0.1), seed=0)],
-                                        [FeatureConfig(name="f", table="t")], timeout=TIMEOUT)
-    ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
-    ec.optimizer.step()
+    ec = _trained(rank)
     directory = save(os.path.join(root, "ckpt"), ec, step=1)
     torch.distributed.barrier()
     if rank == 1:  # its own shard (each rank reads only its own when the world size is unchanged)
@@ -135,17 +142,8 @@ def _one_rank_reads_a_corrupt_shard(rank, world, root):
         data[-5] ^= 1
         open(path, "wb").write(bytes(data))
     torch.distributed.barrier()
-    ec({"f": torch.arange(8) + 4 * rank})["f"].sum().backward()
-    ec.optimizer.step()
-    before = ec.export("t")
-    start, error = time.monotonic(), ""
-    try:
-        load(os.path.join(root, "ckpt"), ec)
-    except Exception as e:  # noqa: BLE001 - which error, on which rank
-        error = f"{type(e).__name__}: {e}"
-    after = ec.export("t")
-    return {"error": np.array(error), "seconds": np.array(time.monotonic() - start),
-            "unchanged": np.array(torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]))}
+    _step(ec, rank)
+    return _load_and_report(ec, os.path.join(root, "ckpt"), named=False)
 
 
 @pytest.mark.slow
