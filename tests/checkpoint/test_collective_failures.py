@@ -32,6 +32,31 @@ def _trained(rank: int) -> DistributedEmbeddingCollection:
     return ec
 
 
+def _timed(call) -> tuple[str, float]:
+    """``(the error call() raised, as "Type: message", or "", seconds it took)``."""
+    start, error = time.monotonic(), ""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - which error, on which rank
+        error = f"{type(e).__name__}: {e}"
+    return error, time.monotonic() - start
+
+
+def _run(fn, tmp_path):
+    """``fn`` on 2 gloo ranks with a fresh directory ``tmp_path/out`` (returned) to write in."""
+    root = tmp_path / "out"
+    root.mkdir()
+    run(fn, 2, tmp_path, str(root))
+    return root
+
+
+def _ranks(tmp_path, world: int = 2):
+    """Each rank's saved results, with its ``error`` as text."""
+    for rank in range(world):
+        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
+        yield rank, got, str(got.get("error", ""))
+
+
 def _load_and_report(ec, path: str, named: bool = True) -> dict:
     """Load ``path`` into ``ec``: the error this rank got (a CheckpointError's message; with ``named`` False, after
     its type, as any other error is), how long it took, and whether the table is unchanged."""
@@ -57,9 +82,7 @@ def _one_rank_cannot_read(rank, world, root):
 @pytest.mark.slow
 def test_a_rank_that_cannot_read_its_checkpoint_fails_every_rank_at_once(tmp_path):
     run(_one_rank_cannot_read, 2, tmp_path, str(tmp_path))
-    for rank in range(2):
-        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
-        error = str(got["error"])
+    for rank, got, error in _ranks(tmp_path):
         assert "nowhere" in error and "rank 1" in error, (rank, error)
         assert float(got["seconds"]) < TIMEOUT / 2, (rank, float(got["seconds"]), error)
         assert got["unchanged"]
@@ -73,24 +96,16 @@ def _one_rank_refuses_its_arguments(rank, world, root):
         "export": lambda: export_for_serving(os.path.join(root, "export"), ec, model_name="" if rank else "m"),
     }
     for what, call in calls.items():
-        start, error = time.monotonic(), ""
-        try:
-            call()
-        except Exception as e:  # noqa: BLE001 - which error, on which rank
-            error = f"{type(e).__name__}: {e}"
-        out[what] = np.array(error)
-        out[what + "_seconds"] = np.array(time.monotonic() - start)
+        error, seconds = _timed(call)
+        out[what], out[what + "_seconds"] = np.array(error), np.array(seconds)
     out["written"] = np.array(sorted(os.listdir(root)))
     return out
 
 
 @pytest.mark.slow
 def test_a_rank_that_refuses_its_arguments_fails_every_rank_at_once(tmp_path):
-    root = tmp_path / "out"
-    root.mkdir()
-    run(_one_rank_refuses_its_arguments, 2, tmp_path, str(root))
-    for rank in range(2):
-        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
+    _run(_one_rank_refuses_its_arguments, tmp_path)
+    for rank, got, _ in _ranks(tmp_path):
         for what, argument in (("save", "extra"), ("export", "model_name")):
             error = str(got[what])
             assert argument in error and (rank == 1 or "rank 1" in error), (rank, error)
@@ -107,22 +122,14 @@ def _one_rank_cannot_list_the_root(rank, world, root):
         def iterdir(self):
             raise PermissionError(13, "Permission denied", str(self))
         Path.iterdir = iterdir
-    start, error = time.monotonic(), ""
-    try:
-        save(os.path.join(root, "ckpt"), ec, step=1)
-    except Exception as e:  # noqa: BLE001 - which error, on which rank
-        error = f"{type(e).__name__}: {e}"
-    return {"error": np.array(error), "seconds": np.array(time.monotonic() - start)}
+    error, seconds = _timed(lambda: save(os.path.join(root, "ckpt"), ec, step=1))
+    return {"error": np.array(error), "seconds": np.array(seconds)}
 
 
 @pytest.mark.slow
 def test_a_rank_that_cannot_list_the_root_fails_every_rank_at_once(tmp_path):
-    root = tmp_path / "out"
-    root.mkdir()
-    run(_one_rank_cannot_list_the_root, 2, tmp_path, str(root))
-    for rank in range(2):
-        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
-        error = str(got["error"])
+    root = _run(_one_rank_cannot_list_the_root, tmp_path)
+    for rank, got, error in _ranks(tmp_path):
         assert "Permission denied" in error and "ckpt" in error, (rank, error)
         assert float(got["seconds"]) < TIMEOUT / 2, (rank, float(got["seconds"]), error)
     assert os.listdir(root / "ckpt") == []
@@ -148,12 +155,8 @@ def _one_rank_reads_a_corrupt_shard(rank, world, root):
 
 @pytest.mark.slow
 def test_a_rank_whose_shard_is_corrupt_fails_every_rank_before_any_changes(tmp_path):
-    root = tmp_path / "out"
-    root.mkdir()
-    run(_one_rank_reads_a_corrupt_shard, 2, tmp_path, str(root))
-    for rank in range(2):
-        got = dict(np.load(tmp_path / f"rank{rank}.npz"))
-        error = str(got["error"])
+    _run(_one_rank_reads_a_corrupt_shard, tmp_path)
+    for rank, got, error in _ranks(tmp_path):
         assert "CheckpointError" in error and "checksum" in error and "rank-00001" in error, (rank, error)
         assert got["unchanged"], (rank, error)  # rank 0 loaded its part while rank 1 failed: ranks out of step
         assert float(got["seconds"]) < TIMEOUT / 2, (rank, float(got["seconds"]), error)
