@@ -90,6 +90,12 @@ def test_resume_keeps_the_positive_label(tmp_path, dynemb, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "--positive-label 'no' contradicts the run being resumed" in line and "'yes'" in line, line
     assert json.loads((run / "model.json").read_text())["data"]["positive_label"] == "yes"
+    assert "warning" not in capsys.readouterr().err  # its labels are 'yes'/'no': nothing to say
+    pq.write_table(_relabel(table, _texts(table, "yes.", "no.")), tmp_path / "dots.parquet")  # another writing
+    dots = [str(a) if a != tmp_path / "yes.parquet" else str(tmp_path / "dots.parquet") for a in common]
+    assert main([*dots, "--steps", "6", "--resume"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "no label of the first" in line]
+    assert len(warned) == 1 and "positive label 'yes'" in warned[0] and "trains on zeros" in warned[0], warned
 
 
 @pytest.mark.slow

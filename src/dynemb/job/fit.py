@@ -180,6 +180,14 @@ def _train_run(spec: RunSpec, cfg: TrainConfig, progress, log_every, echo, on_pu
     if not periodic:
         raise ValueError(f"{spec.data}: no held-out rows (eval_fraction {spec.eval_fraction} of the rows is none); "
                          "raise --eval-fraction or pass --eval-data")
+    positive = data.get("positive_label")
+    if cfg.resume and positive is not None and not any(bool((b.labels > 0).any()) for b in periodic):
+        # a new run checks its training rows (no label equal to it is an error); a resume reads no statistics pass,
+        # so its held-out rows say it: a file that writes the label otherwise ('>50K.') would train on all zeros
+        rows = sum(len(b) for b in periodic)
+        warnings.warn(f"{spec.data}: no label of the first {rows:,} held-out rows equals the run's positive label "
+                      f"{positive!r} (its model.json; compared as text): if this file writes it otherwise, every "
+                      "label reads as 0 and the resume trains on zeros", DataWarning, stacklevel=2)
     card = ModelCard(preprocessing=prep, config=dataclasses.replace(cfg, resume=False, checkpoint_dir=None,
                                                                     best_dir=None), data=data)
     model = build_dlrm(len(prep.dense), prep.features, cfg).to(device)
