@@ -39,3 +39,15 @@ def test_table_alone_spreads_whole_tables_over_the_ranks():
     plan = resolve_plan(sized, 2, {n: "table" for n in ("s1", "s2", "big")})
     assert (plan["big"].owner, plan["s1"].owner, plan["s2"].owner) == (0, 1, 1)
     assert resolve_plan(tables, 1, {"a": "table"})["a"] == Sharding("table", owner=0)
+
+
+def test_a_disagreement_names_its_cause_first():
+    """Ranks' configurations are compared in the caller's order: a table renamed on one rank is named as the
+    table's name, not as a feature that refers to it (which differs too)."""
+    from dynemb.distributed.comm import _first_difference
+
+    mine = {"world": 2, "tables": [{"name": "a"}, {"name": "b"}], "features": ["F(a)", "F(b)"]}
+    other = {"world": 2, "tables": [{"name": "a"}, {"name": "c"}], "features": ["F(a)", "F(c)"]}
+    assert _first_difference(mine, other, order=list(mine)) == "tables[1].name"
+    assert _first_difference(mine, other) == "features[1]"  # sorted keys alone: the effect first
+    assert _first_difference({"x": 1, "y": {"z": 2}}, {"x": 1, "y": {"z": 3}}, order=["y"]) == "y.z"

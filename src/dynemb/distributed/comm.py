@@ -70,14 +70,18 @@ def check_agreement(config: dict, group=None, what: str = "configuration") -> No
     mine = configs[dist.get_rank(group)]
     for rank, other in enumerate(configs):
         if other != mine:
-            field = _first_difference(mine, other)
+            field = _first_difference(mine, other, order=list(config))
             raise DistributedError(f"{what} differs across ranks at {field}: rank {dist.get_rank(group)} has "
                                    f"{_at(mine, field)!r}, rank {rank} has {_at(other, field)!r}")
 
 
-def _first_difference(a, b, path: str = "") -> str:
+def _first_difference(a, b, path: str = "", order: tuple | list = ()) -> str:
+    """The path of the first field where ``a`` and ``b`` differ; a dict's keys in ``order`` first (the caller's own
+    order, cause before effect: a table renamed on one rank is ``tables[1].name``, not the ``features`` naming it),
+    then sorted."""
     if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b)):
+        keys = set(a) | set(b)
+        for key in [k for k in order if k in keys] + sorted(keys - set(order)):
             if a.get(key) != b.get(key):
                 return _first_difference(a.get(key), b.get(key), f"{path}.{key}" if path else key)
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
