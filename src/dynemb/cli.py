@@ -337,12 +337,10 @@ def cmd_plan(args) -> int:
         pins[table] = ("table", int(owner)) if colon else kind
     checkpoint = Path(args.checkpoint)
     if (checkpoint / "model.json").is_file() and (checkpoint / "checkpoint").is_dir():
-        # a run directory: the checkpoint --resume continues from (the newer of its last and best; the last on a tie)
-        from .train import _latest_step
+        from .train import newest_checkpoint  # a run directory: the checkpoint --resume continues from
 
-        found = [(step, -i, root) for i, root in enumerate([checkpoint / "checkpoint", checkpoint / "checkpoint-best"])
-                 if (step := _latest_step(root)) is not None]
-        checkpoint = max(found, key=lambda f: f[:2])[2] if found else checkpoint / "checkpoint"
+        checkpoint = newest_checkpoint(checkpoint / "checkpoint", checkpoint / "checkpoint-best") or \
+            checkpoint / "checkpoint"
     try:
         plan = plan_from_checkpoint(checkpoint, args.world, memory_per_rank=memory,
                                     ranks_per_node=args.ranks_per_node, pins=pins)

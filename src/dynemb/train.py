@@ -184,11 +184,9 @@ class Trainer:
         neither holds a checkpoint."""
         from .checkpoint import load
 
-        found = [(step, i, root) for i, root in enumerate([self.cfg.checkpoint_dir, self.cfg.best_dir])
-                 if (step := _latest_step(root)) is not None]
-        if not found:
+        root = newest_checkpoint(self.cfg.checkpoint_dir, self.cfg.best_dir)
+        if root is None:
             return None
-        _, _, root = max(found, key=lambda f: (f[0], -f[1]))  # on a tie, the last checkpoint
         manifest = load(root, self.model, self.optimizer)
         self.step = int(manifest["step"])
         self._saved_step = self.step if root == self.cfg.checkpoint_dir else None
@@ -392,6 +390,13 @@ def _collective_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def newest_checkpoint(last, best) -> Optional[str]:
+    """Of the checkpoint roots ``last`` and ``best`` (either may be None or hold none), the one whose newest
+    checkpoint has the higher step (``last`` on a tie), or None: what a resume continues from."""
+    found = [(step, -i, root) for i, root in enumerate([last, best]) if (step := _latest_step(root)) is not None]
+    return max(found, key=lambda f: f[:2])[2] if found else None
 
 
 def _latest_step(root: Optional[str]) -> Optional[int]:

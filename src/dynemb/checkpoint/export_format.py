@@ -324,8 +324,8 @@ def _model_id(root: Path, model_name: str | None, has_versions: bool) -> str:
     stored = held.get("model") if isinstance(held, dict) else None
     if file.is_file() and (not isinstance(stored, str) or "format" in held):
         # a run directory's model card is model.json too (with "model": "dlrm"): never an export root
-        what = "a `dynemb train` run directory's model card" if isinstance(held, dict) and \
-            held.get("format") == "dynemb.run" else "not a serving export's model file"
+        what = "a `dynemb train` run directory's model card" if _is_run_card(held) else \
+            "not a serving export's model file"
         raise ValueError(f"{file} is {what}: {root} is not an export root; export to a new or empty directory")
     if stored is None and not has_versions and root.is_dir():
         foreign = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
@@ -341,6 +341,20 @@ def _model_id(root: Path, model_name: str | None, has_versions: bool) -> str:
     root.mkdir(parents=True, exist_ok=True)
     write_json(file, {"model": stored}, atomic=True)
     return stored
+
+
+def is_run_directory(path) -> bool:
+    """Whether ``path`` holds a ``dynemb train`` run's model card (its ``model.json``), where an export root keeps
+    its model file of the same name."""
+    file = Path(path) / MODEL_FILE
+    try:
+        return file.is_file() and _is_run_card(read_json(file))
+    except (OSError, ValueError):
+        return False
+
+
+def _is_run_card(held) -> bool:
+    return isinstance(held, dict) and held.get("format") == "dynemb.run"  # job.card.FORMAT (a layer above)
 
 
 def _parent_lineage(previous: dict, parent: str | None) -> dict:

@@ -39,7 +39,7 @@ from ..train import Trainer, TrainConfig, build_dlrm
 from .card import CARD, CHECKPOINT, CHECKPOINT_BEST, METRICS, ModelCard, read_card, write_card
 from .publish import EXPORT, Publisher
 from .report import MetricsLog, plot_run
-from .score import evaluate
+from .score import evaluate, positives_counted
 from .sources import FileSource, SyntheticSource, epochs, every_nth
 
 __all__ = ["RunSpec", "train_run", "Interrupted", "auto_epochs", "AUTO_MAX_STEPS", "AUTO_MAX_EPOCHS", "SYNTHETIC_STEPS"]
@@ -335,7 +335,7 @@ def _source(spec: RunSpec, run: Path, resume: bool):
         _warn_other_data(run, saved, data)
         return source, prep, {**saved, "epochs": saved["epochs"] if spec.epochs == "auto" else spec.epochs}
     positives = []
-    stats = dense_statistics(_labels_counted(source.training_rows(), positives), columns["dense"],
+    stats = dense_statistics(positives_counted(source.training_rows(), positives), columns["dense"],
                              spec.stats_rows, where=f"{spec.data or 'synthetic data'} (training rows)")
     rows = stats.rows  # the pass also counts the rows
     if data.get("positive_label") is not None and not sum(positives):
@@ -376,13 +376,6 @@ def _positive_label(spec: RunSpec, run: Path, resume: bool) -> Optional[str]:
         raise ValueError(f"--positive-label {spec.positive_label!r} contradicts the run being resumed: {run} was "
                          f"trained with {'no --positive-label' if saved is None else repr(saved)} (its model.json)")
     return saved
-
-
-def _labels_counted(chunks, positives: list):
-    """``chunks``, appending each one's count of positive labels to ``positives`` as it passes."""
-    for chunk in chunks:
-        positives.append(int(chunk.labels.sum()))
-        yield chunk
 
 
 def auto_epochs(train_rows: Optional[int], batch_size: int) -> int:

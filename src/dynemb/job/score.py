@@ -105,7 +105,7 @@ def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_si
         prep = card.preprocessing
         positives = []
         with _RowsBar(data, format, progress, "scoring") as bar:
-            scored = evaluate(model, (bar.counted(b).to(device) for b in _positives_counted(
+            scored = evaluate(model, (bar.counted(b).to(device) for b in positives_counted(
                 prep.normalized(reader, str(data)), positives)))
     except ValueError as exc:
         if POSITIVE_LABEL_HINT not in str(exc):
@@ -121,8 +121,9 @@ def evaluate_file(run: str, data: str, *, format: Optional[str] = None, batch_si
     return {**scored, "model": kind, "step": step}
 
 
-def _positives_counted(batches, positives: list):
-    """``batches``, appending each one's count of positive labels to ``positives`` as it passes."""
+def positives_counted(batches, positives: list):
+    """``batches``, appending each one's count of positive labels to ``positives`` as it passes (training's
+    statistics pass and eval check the run's positive label with it)."""
     for batch in batches:
         positives.append(int(batch.labels.sum()))
         yield batch

@@ -13,7 +13,7 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
-from ..checkpoint.export_format import read_chain
+from ..checkpoint.export_format import is_run_directory, read_chain
 from ..checks import check_int
 from ..data.traces import zipf_ranks
 from .ps import ParameterServer
@@ -90,8 +90,7 @@ def serve_bench(export, *, volatile: str = "memory", redis_address: str = "127.0
         raise ValueError(f"cache_fraction must be a number in (0, 1], got {cache_fraction!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha >= 0):
         raise ValueError(f"alpha (the traffic's power-law exponent) must be a finite number >= 0, got {alpha!r}")
-    card = Path(export) / "model.json"
-    if card.is_file() and '"dynemb.run"' in card.read_text(errors="replace"):
+    if is_run_directory(export):
         raise ValueError(f"{export} is a `dynemb train` run directory, not a serving export; write one with "
                          f"`dynemb export --model {export} --out EXPORT_DIR` and time that")
     chain = read_chain(export)  # the latest export and, when it is a delta, the ones it builds on
