@@ -165,9 +165,9 @@ def _check_capacity(shards: dict, tables: dict, manifest: dict, directory: Path,
 def _raise_any(ctx, failed: Exception | None) -> None:
     """Raise on every rank when any rank failed (``failed``: this rank's error): a CheckpointError naming the first
     rank that failed and its error."""
-    problems = ctx.gather(None if failed is None else f"{type(failed).__name__}: {failed}")
-    rank, problem = next(((r, p) for r, p in enumerate(problems) if p is not None), (None, None))
-    if problem is not None:
+    found = ctx.first_problem(None if failed is None else f"{type(failed).__name__}: {failed}")
+    if found:
+        rank, problem = found
         raise CheckpointError(f"load: rank {rank} could not read the checkpoint it was given ({problem}); "
                               "every rank loads one checkpoint, and no rank changed") from failed
 

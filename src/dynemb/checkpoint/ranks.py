@@ -55,6 +55,13 @@ class RankContext:
         if self.distributed:
             dist.barrier(group=self.group)
 
+    def first_problem(self, problem: Optional[str]) -> Optional[tuple[int, str]]:
+        """``(rank, problem)`` of the first rank that has one (``problem``: this rank's, or None), the same on every
+        rank (a collective when distributed); None when no rank has one. What lets a rank's own failure stop every
+        rank at once instead of leaving its peers waiting in their next collective."""
+        every = self.gather(problem) if self.distributed else [problem]
+        return next(((rank, p) for rank, p in enumerate(every) if p), None)
+
     def agree(self, call: str, args: dict, refused: Exception | None = None) -> None:
         """Check that every rank passed the same ``args`` (JSON-able) to ``call`` (a collective): each rank raises
         the same ``ValueError`` naming the first argument that differs and two ranks' values. Without it rank 0's

@@ -323,10 +323,9 @@ def _check_root(root: Path, ctx: RankContext) -> None:
         problem = _root_problem(root)
     except OSError as e:  # this rank cannot read the root: every rank hears of it (not its peers' gather at timeout)
         problem = f"path {root} cannot be read here ({e})"
-    if ctx.distributed:
-        problem = next((p for p in ctx.gather(problem) if p), None)
-    if problem:
-        raise ValueError(problem)
+    found = ctx.first_problem(problem)
+    if found:
+        raise ValueError(found[1])
 
 
 def _root_problem(root: Path) -> str | None:
